@@ -1,0 +1,87 @@
+"""Nexus: a streaming gateway for large language models.
+
+The public API for integrators; everything else is internal.
+"""
+
+from .config import Config, load_config
+from .encoders import Encoder, EncoderRegistry, register
+from .engine import Engine
+from .errors import (
+    ConfigError,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NexusError,
+    RegistryFrozen,
+    StreamError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from .events import (
+    Audio,
+    Citation,
+    Delta,
+    Done,
+    Error,
+    Heartbeat,
+    Image,
+    Reasoning,
+    StreamEvent,
+    ToolCall,
+    Usage,
+)
+from .providers import MockProvider, Provider
+from .request import ChatRequest
+from .stream import Channel, EndOfStream, Stream, accumulate
+from .types import CompletedToolCall, Completion, StreamMeta
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Audio",
+    "Channel",
+    "ChatRequest",
+    "Citation",
+    "CompletedToolCall",
+    "Completion",
+    "Config",
+    "ConfigError",
+    "Delta",
+    "Done",
+    "Encoder",
+    "EncoderRegistry",
+    "EndOfStream",
+    "Engine",
+    "Error",
+    "GatewayError",
+    "Heartbeat",
+    "Image",
+    "InvalidRequest",
+    "MockProvider",
+    "ModelNotFound",
+    "NexusError",
+    "Provider",
+    "Reasoning",
+    "RegistryFrozen",
+    "Stream",
+    "StreamError",
+    "StreamEvent",
+    "StreamMeta",
+    "ToolCall",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "Usage",
+    "accumulate",
+    "create_app",
+    "load_config",
+    "register",
+]
+
+
+def __getattr__(name: str) -> object:
+    # The server (aiohttp.web) loads only when asked for.
+    if name == "create_app":
+        from .server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module 'nexus' has no attribute {name!r}")

@@ -1,0 +1,131 @@
+"""``config.toml``: pydantic models of every table, and :func:`load_config`.
+
+Every key has a default (the README's reference lists them); a key the loader
+does not know is an error, so a typo is never silently ignored. Errors name
+the file, the key and what is wrong::
+
+    config.toml: [server] heartbeat_interval_s: Input should be greater than 0
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+__all__ = [
+    "Config",
+    "LimitsConfig",
+    "ModelAliasConfig",
+    "ProviderConfig",
+    "ServerConfig",
+    "load_config",
+]
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Table):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    heartbeat_interval_s: float = Field(default=15.0, gt=0)
+    retry_ms: int = Field(default=3000, ge=0)
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    write_timeout_s: float = Field(default=30.0, gt=0)
+    uvloop: bool = False
+
+
+class LimitsConfig(_Table):
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_concurrent_streams: int = Field(default=10_000, ge=1)
+
+
+class ProviderConfig(_Table):
+    kind: Literal["mock"]
+    models: list[str] = Field(default_factory=list)
+
+
+class ModelAliasConfig(_Table):
+    targets: list[str] = Field(min_length=1)
+
+
+class Config(_Table):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    encoders: dict[str, str] = Field(default_factory=dict)
+    providers: dict[str, ProviderConfig] = Field(
+        default_factory=lambda: {"mock": ProviderConfig(kind="mock")}
+    )
+    models: dict[str, ModelAliasConfig] = Field(default_factory=dict)
+
+    @field_validator("providers")
+    @classmethod
+    def _provider_names(cls, value: dict[str, ProviderConfig]) -> dict[str, ProviderConfig]:
+        if not value:
+            raise ValueError("at least one provider is required")
+        for name in value:
+            if not name or "/" in name:
+                raise ValueError(f"provider name {name!r} must be non-empty and without '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _targets_exist(self) -> Config:
+        for alias, cfg in self.models.items():
+            for target in cfg.targets:
+                name, slash, model = target.partition("/")
+                if not slash or not model or name not in self.providers:
+                    raise ValueError(
+                        f'[models."{alias}"] targets: {target!r} must be '
+                        f"'<provider>/<model>' with a provider among {sorted(self.providers)}"
+                    )
+        return self
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a config file. Raises :class:`ConfigError`."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_config(data, str(path))
+
+
+def parse_config(data: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        raise ConfigError(f"{source}: {_describe(error)}") from None
+
+
+def _describe(error: Any) -> str:
+    loc = [str(p) for p in error["loc"]]
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        message = "unknown key (check the spelling against the README's config reference)"
+    elif error["type"] == "missing":
+        message = "required key is missing"
+    elif message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if not loc:
+        return message
+    if len(loc) == 1:
+        return f"{loc[0]}: {message}" if error["type"] != "extra_forbidden" else (
+            f"[{loc[0]}]: unknown table or key"
+        )
+    table, rest = loc[0], loc[1:]
+    if table in ("providers", "models") and len(rest) >= 2:
+        name = rest[0] if table == "providers" and "." not in rest[0] else f'"{rest[0]}"'
+        return f"[{table}.{name}] {'.'.join(rest[1:])}: {message}"
+    return f"[{table}] {'.'.join(rest)}: {message}"

@@ -1,0 +1,55 @@
+"""The encoder interface: one stream's events in, bytes out. Pure: no I/O.
+
+The pump (:mod:`nexus.server.streaming`) makes one encoder per stream with the
+stream's :class:`~nexus.types.StreamMeta` and writes, in order: ``start()``,
+``encode(event)`` for each event (``error(event)`` for an error event, which
+ends the stream), ``heartbeat()`` whenever the stream is idle for the
+configured interval, and ``end()`` last. An empty ``bytes`` means "write
+nothing". Encoders may keep per-stream state; they are never shared.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from ..events import Done, Error, StreamEvent
+from ..types import StreamMeta
+
+__all__ = ["Encoder"]
+
+
+class Encoder(ABC):
+    """Base class for stream encoders; subclass and :func:`nexus.register` it.
+
+    Class attributes: ``media_type`` (what negotiation matches), ``content_type``
+    (the ``Content-Type`` header; defaults to ``media_type``) and ``aliases``
+    (short names for ``?stream_format=``).
+    """
+
+    media_type: ClassVar[str]
+    content_type: ClassVar[str | None] = None
+    aliases: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, meta: StreamMeta) -> None:
+        self.meta = meta
+
+    def start(self) -> bytes:
+        """Bytes written right after the headers."""
+        return b""
+
+    @abstractmethod
+    def encode(self, event: StreamEvent) -> bytes:
+        """The frame for one event (never called with :class:`Error`)."""
+
+    def error(self, event: Error) -> bytes:
+        """The frame for a mid-stream failure; ``end()`` follows it."""
+        return self.encode(event)
+
+    @abstractmethod
+    def heartbeat(self) -> bytes:
+        """The keepalive frame written when the stream has been idle."""
+
+    def end(self) -> bytes:
+        """The terminal frame, after the last event (and after an error)."""
+        return self.encode(Done())

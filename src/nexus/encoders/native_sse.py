@@ -1,0 +1,53 @@
+"""Native SSE with named events: ``event: <type>`` plus the NDJSON object as data.
+
+For ``EventSource`` listeners and other clients that route on the event name
+without parsing the payload. Ends with ``event: done``.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from ..events import (
+    Audio,
+    Citation,
+    Delta,
+    Done,
+    Error,
+    Heartbeat,
+    Image,
+    Reasoning,
+    StreamEvent,
+    ToolCall,
+    Usage,
+)
+from .base import Encoder
+
+__all__ = ["NativeSSEEncoder"]
+
+_dumps = orjson.dumps
+_HEADS = {
+    cls: b"event: %s\ndata: " % cls.type.encode()
+    for cls in (Delta, Reasoning, ToolCall, Audio, Image, Citation, Usage, Error, Heartbeat, Done)
+}
+_END = b'event: done\ndata: {"type":"done"}\n\n'
+
+
+class NativeSSEEncoder(Encoder):
+    media_type = "application/vnd.nexus.events+sse"
+    content_type = "text/event-stream; charset=utf-8"
+    aliases = ("nexus", "nexus-sse")
+
+    def start(self) -> bytes:
+        if self.meta.retry_ms is not None:
+            return b"retry: %d\n\n" % self.meta.retry_ms
+        return b""
+
+    def encode(self, event: StreamEvent) -> bytes:
+        return _HEADS[type(event)] + _dumps(event.to_dict()) + b"\n\n"
+
+    def heartbeat(self) -> bytes:
+        return b": ping\n\n"
+
+    def end(self) -> bytes:
+        return _END

@@ -1,0 +1,27 @@
+"""NDJSON: one event object per line; the stream ends with ``{"type":"done"}``."""
+
+from __future__ import annotations
+
+import orjson
+
+from ..events import StreamEvent
+from .base import Encoder
+
+__all__ = ["NDJSONEncoder"]
+
+_dumps = orjson.dumps
+_NEWLINE = orjson.OPT_APPEND_NEWLINE
+
+
+class NDJSONEncoder(Encoder):
+    media_type = "application/x-ndjson"
+    aliases = ("ndjson", "jsonl")
+
+    def encode(self, event: StreamEvent) -> bytes:
+        return _dumps(event.to_dict(), option=_NEWLINE)
+
+    def heartbeat(self) -> bytes:
+        return b'{"type":"heartbeat"}\n'
+
+    def end(self) -> bytes:
+        return b'{"type":"done"}\n'

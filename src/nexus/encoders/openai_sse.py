@@ -1,0 +1,112 @@
+"""OpenAI ``chat.completion.chunk`` SSE (PROTOCOLS.md §2): the default format.
+
+Each chunk is ``data: {json}\\n\\n`` with no ``event:`` line. The role goes out
+once, in the first chunk (the SDK's stream helper concatenates repeated roles);
+reasoning is ``delta.reasoning_content``; usage is a trailing chunk with
+``choices: []``, only when the request set ``stream_options.include_usage``. A
+mid-stream failure is ``event: error`` whose data is ``{"error": {...}}`` (the
+SDK raises ``APIError`` on it), then ``data: [DONE]``.
+
+The chunk's fixed head (id, object, created, model) is serialised once per
+stream; each event serialises only its choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..events import (
+    Audio,
+    Citation,
+    Delta,
+    Error,
+    Image,
+    Reasoning,
+    StreamEvent,
+    ToolCall,
+    Usage,
+)
+from ..protocol.openai_chat import chunk_prefix
+from ..types import StreamMeta
+from .base import Encoder
+
+__all__ = ["OpenAISSEEncoder"]
+
+_dumps = orjson.dumps
+
+
+class OpenAISSEEncoder(Encoder):
+    media_type = "text/event-stream"
+    content_type = "text/event-stream; charset=utf-8"
+    aliases = ("sse", "openai")
+
+    def __init__(self, meta: StreamMeta) -> None:
+        super().__init__(meta)
+        self._head = b"data: " + chunk_prefix(meta)
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        return self._head + b"[" + _dumps(choice) + b"]}\n\n"
+
+    def start(self) -> bytes:
+        # The retry field rides on the first data frame: a frame holding only
+        # ``retry:`` makes the openai SDK parse an empty payload (§1, deviations).
+        first = self._chunk({"role": "assistant", "content": ""})
+        if self.meta.retry_ms is not None:
+            return b"retry: %d\n" % self.meta.retry_ms + first
+        return first
+
+    def encode(self, event: StreamEvent) -> bytes:
+        match event:
+            case Delta(content=content, role=None, refusal=None, tool_calls=None):
+                delta = {} if content is None else {"content": content}
+                return self._chunk(delta, event.finish_reason)
+            case Delta():
+                delta = event.delta_dict()
+                delta.pop("role", None)
+                return self._chunk(delta, event.finish_reason)
+            case Reasoning(text=text):
+                return self._chunk({"reasoning_content": text})
+            case ToolCall():
+                return self._chunk({"tool_calls": [event.wire()]})
+            case Usage():
+                if not self.meta.include_usage:
+                    return b""
+                return self._head + b'[],"usage":' + _dumps(event.wire()) + b"}\n\n"
+            case Audio():
+                audio = {"data": event.data, "transcript": event.transcript}
+                if event.format is not None:
+                    audio["format"] = event.format
+                return self._chunk({"audio": audio})
+            case Image():
+                url = event.url or f"data:{event.mime_type or 'image/png'};base64,{event.data}"
+                return self._chunk({"images": [{"type": "image_url", "image_url": {"url": url}}]})
+            case Citation():
+                citation = {"url": event.url, "title": event.title}
+                if event.quoted is not None:
+                    citation["quoted"] = event.quoted
+                return self._chunk(
+                    {"annotations": [{"type": "url_citation", "url_citation": citation}]}
+                )
+            case _:
+                return b""
+
+    def error(self, event: Error) -> bytes:
+        body = {
+            "error": {
+                "message": event.message,
+                "type": event.error_type,
+                "param": event.param,
+                "code": event.code,
+            }
+        }
+        return b"event: error\ndata: " + _dumps(body) + b"\n\n"
+
+    def heartbeat(self) -> bytes:
+        # A comment: ignored by EventSource and by the SDK's decoder (§1).
+        return b": ping\n\n"
+
+    def end(self) -> bytes:
+        return b"data: [DONE]\n\n"

@@ -1,0 +1,182 @@
+"""The engine: routes a request to a provider and hands back a :class:`~nexus.stream.Stream`.
+
+Routing: a model id is either an alias from ``[models."<alias>"]`` (its
+targets tried in order) or ``<provider>/<upstream model>``. Anything else is
+:class:`~nexus.errors.ModelNotFound`.
+
+Failure contract of the stream it returns: a :class:`~nexus.errors.GatewayError`
+raised by a provider *before its first event* is raised to the reader (after
+moving on to the next target when it is retryable); once an event went out,
+a failure becomes an :class:`~nexus.events.Error` event and the stream ends.
+The non-streaming path is :func:`~nexus.stream.accumulate` over the same stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import GatewayError, ModelNotFound
+from .events import Error, StreamEvent
+from .protocol.openai_chat import validation_error
+from .providers.base import Provider
+from .request import ChatRequest
+from .stream import Stream, accumulate
+from .types import Completion, StreamMeta
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("nexus.engine")
+
+Target = tuple[Provider, str]
+
+
+class Engine:
+    """Providers plus routing. Use as ``async with Engine(...)`` or call start()/close()."""
+
+    def __init__(
+        self,
+        providers: Sequence[Provider] | Mapping[str, Provider],
+        models: Mapping[str, Sequence[str]] | None = None,
+        *,
+        retry_ms: int | None = None,
+    ) -> None:
+        if isinstance(providers, Mapping):
+            providers = list(providers.values())
+        self.providers: dict[str, Provider] = {p.name: p for p in providers}
+        self.aliases: dict[str, list[str]] = {k: list(v) for k, v in (models or {}).items()}
+        self.retry_ms = retry_ms
+        for alias, targets in self.aliases.items():
+            for target in targets:
+                self._split(target, f"models.{alias}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> Engine:
+        """Build the engine a :class:`~nexus.config.Config` describes."""
+        from .providers import build_provider
+
+        providers = [build_provider(name, cfg) for name, cfg in config.providers.items()]
+        models = {alias: cfg.targets for alias, cfg in config.models.items()}
+        return cls(providers, models, retry_ms=config.server.retry_ms)
+
+    async def start(self) -> None:
+        started: list[Provider] = []
+        try:
+            for provider in self.providers.values():
+                await provider.start()
+                started.append(provider)
+        except BaseException:
+            for provider in started:
+                await provider.close()
+            raise
+
+    async def close(self) -> None:
+        for provider in self.providers.values():
+            try:
+                await provider.close()
+            except Exception:
+                log.exception("closing provider %s failed", provider.name)
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _split(self, model: str, where: str) -> Target:
+        name, slash, upstream = model.partition("/")
+        provider = self.providers.get(name) if slash and upstream else None
+        if provider is None:
+            raise ValueError(f"{where}: target {model!r} names no configured provider")
+        return provider, upstream
+
+    def route(self, model: str) -> list[Target]:
+        """The targets for ``model`` in fallback order. Raises :class:`ModelNotFound`."""
+        targets = self.aliases.get(model)
+        if targets is not None:
+            return [self._split(t, f"models.{model}") for t in targets]
+        name, slash, upstream = model.partition("/")
+        provider = self.providers.get(name)
+        if not slash or not upstream or provider is None:
+            raise ModelNotFound(
+                f"The model {model!r} does not exist. Use '<provider>/<model>' with one of "
+                f"the providers {sorted(self.providers)} or one of the aliases "
+                f"{sorted(self.aliases)}.",
+                param="model",
+            )
+        return [(provider, upstream)]
+
+    def models(self) -> list[str]:
+        """Model ids to advertise: aliases, then each provider's models."""
+        ids = list(self.aliases)
+        for provider in self.providers.values():
+            ids.extend(f"{provider.name}/{m}" for m in provider.advertised_models())
+        return ids
+
+    def complete_stream(self, request: ChatRequest | Mapping[str, Any]) -> Stream:
+        """Start routing ``request``; nothing is sent upstream until the stream is read.
+
+        Raises :class:`~nexus.errors.InvalidRequest` for an invalid mapping and
+        :class:`~nexus.errors.ModelNotFound` for an unknown model, right away.
+        """
+        if not isinstance(request, ChatRequest):
+            try:
+                request = ChatRequest.model_validate(request)
+            except ValidationError as exc:
+                raise validation_error(exc, request) from None
+        targets = self.route(request.model)
+        provider, upstream = targets[0]
+        meta = StreamMeta.new(
+            request.model,
+            include_usage=request.include_usage,
+            provider=provider.name,
+            upstream_model=upstream,
+            retry_ms=self.retry_ms,
+        )
+        return Stream(self._run(targets, request), meta)
+
+    async def complete(self, request: ChatRequest | Mapping[str, Any]) -> Completion:
+        """The non-streaming call: :func:`accumulate` over :meth:`complete_stream`."""
+        return await accumulate(self.complete_stream(request))
+
+    async def _run(
+        self, targets: list[Target], request: ChatRequest
+    ) -> AsyncGenerator[StreamEvent, None]:
+        last = len(targets) - 1
+        for attempt, (provider, model) in enumerate(targets):
+            events = provider.stream(request, model)
+            started = False
+            try:
+                async for event in events:
+                    started = True
+                    yield event
+                return
+            except GatewayError as exc:
+                if started:
+                    yield exc.to_event()
+                    return
+                if exc.retryable and attempt < last:
+                    log.warning(
+                        "provider %s failed before output (%s); trying the next target",
+                        provider.name,
+                        exc.code,
+                    )
+                    continue
+                raise
+            except Exception:
+                log.exception("provider %s raised", provider.name)
+                if not started:
+                    raise
+                yield Error(
+                    error_type="server_error",
+                    message=f"provider {provider.name!r} failed unexpectedly",
+                    code="internal_error",
+                    retryable=True,
+                )
+                return
+            finally:
+                await events.aclose()

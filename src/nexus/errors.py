@@ -1,0 +1,182 @@
+"""The exception tree. Each error carries an HTTP status hint, a stable ``code``
+and an OpenAI-style ``type``; the server turns them into each endpoint's error
+shape, and the engine turns them into :class:`~nexus.events.Error` events once
+a stream has started::
+
+    NexusError
+    ├── ConfigError                  the config file is wrong (names file, key, problem)
+    ├── RegistryFrozen               an encoder registered after start-up
+    └── GatewayError                 anything a request can fail with (status, code, type)
+        ├── InvalidRequest           400 invalid_request / invalid_json / ...
+        │   └── UnsupportedStreamFormat   400 unsupported_stream_format
+        ├── ModelNotFound            404 model_not_found
+        ├── RequestTooLarge          413 request_too_large
+        ├── TooManyStreams           429 too_many_streams (retryable)
+        ├── ServerShuttingDown       503 server_shutting_down (retryable)
+        └── UpstreamError            502 upstream_error (retryable)
+            └── UpstreamTimeout      504 upstream_timeout (retryable)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .events import Error
+
+__all__ = [
+    "ConfigError",
+    "GatewayError",
+    "InvalidRequest",
+    "ModelNotFound",
+    "NexusError",
+    "RegistryFrozen",
+    "RequestTooLarge",
+    "ServerShuttingDown",
+    "StreamError",
+    "TooManyStreams",
+    "UnsupportedStreamFormat",
+    "UpstreamError",
+    "UpstreamTimeout",
+]
+
+
+class NexusError(Exception):
+    """Base of every error Nexus raises on purpose."""
+
+
+class ConfigError(NexusError):
+    """The configuration cannot be used. The message names the file, key and problem."""
+
+
+class RegistryFrozen(NexusError):
+    """An encoder was registered after the registry froze at start-up."""
+
+
+class GatewayError(NexusError):
+    """A request failed. ``status`` is the HTTP status it maps to before a stream starts."""
+
+    status: int = 500
+    code: str = "internal_error"
+    error_type: str = "server_error"
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        param: str | None = None,
+        retryable: bool | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        if retryable is not None:
+            self.retryable = retryable
+        self.param = param
+        self.headers = headers or {}
+
+    def to_event(self) -> Error:
+        return Error(
+            error_type=self.error_type,
+            message=self.message,
+            code=self.code,
+            retryable=self.retryable,
+            param=self.param,
+        )
+
+    def openai_body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}`` (PROTOCOLS.md §5)."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    code = "invalid_request"
+    error_type = "invalid_request_error"
+
+
+class UnsupportedStreamFormat(InvalidRequest):
+    code = "unsupported_stream_format"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    code = "model_not_found"
+    error_type = "invalid_request_error"
+
+
+class RequestTooLarge(GatewayError):
+    status = 413
+    code = "request_too_large"
+    error_type = "invalid_request_error"
+
+
+class TooManyStreams(GatewayError):
+    status = 429
+    code = "too_many_streams"
+    error_type = "rate_limit_error"
+    retryable = True
+
+
+class ServerShuttingDown(GatewayError):
+    status = 503
+    code = "server_shutting_down"
+    error_type = "server_error"
+    retryable = True
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    code = "upstream_error"
+    error_type = "upstream_error"
+    retryable = True
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class StreamError(GatewayError):
+    """An :class:`~nexus.events.Error` event met while accumulating a stream.
+
+    Raised by :func:`nexus.accumulate`; ``event`` is the error event itself.
+    """
+
+    def __init__(self, event: Error) -> None:
+        super().__init__(
+            event.message,
+            code=event.code,
+            status=_STATUS_BY_CODE.get(event.code or "", _STATUS_BY_TYPE.get(event.error_type, 502)),
+            param=event.param,
+            retryable=event.retryable,
+        )
+        self.error_type = event.error_type
+        self.event = event
+
+
+_STATUS_BY_CODE = {
+    "upstream_timeout": 504,
+    "server_shutting_down": 503,
+    "too_many_streams": 429,
+}
+
+_STATUS_BY_TYPE = {
+    "invalid_request_error": 400,
+    "rate_limit_error": 429,
+    "server_error": 500,
+    "upstream_error": 502,
+}

@@ -1,0 +1,245 @@
+"""Typed stream events: what providers produce and encoders turn into bytes.
+
+One frozen, slotted record per event type. They are built once per token, so
+they carry no validation; the ``type`` tag is a class variable (no per-instance
+cost) and encoders dispatch on the class with ``match``.
+
+``to_dict()`` gives the event's JSON form, which *is* the NDJSON line, the
+native SSE ``data:`` payload and the WebSocket text frame::
+
+    {"type":"delta","delta":{"content":"Hello"}}
+    {"type":"delta","delta":{},"finish_reason":"stop"}
+    {"type":"reasoning","delta":{"reasoning":"Let me think..."}}
+    {"type":"tool_call","delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function",
+        "function":{"name":"f","arguments":""}}]}}
+    {"type":"audio","audio":{"data":"<b64>","format":"pcm16","transcript":null}}
+    {"type":"image","image":{"data":"<b64>","url":null,"mime_type":"image/png"}}
+    {"type":"citation","citation":{"url":"...","title":"...","quoted":"..."}}
+    {"type":"usage","usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}
+    {"type":"error","error":{"type":"upstream_error","message":"...","code":"...","retryable":true}}
+    {"type":"heartbeat"}
+    {"type":"done"}
+
+End of stream is not an event that consumers receive: iteration simply ends
+(see :mod:`nexus.stream`). :class:`Done` exists for the formats that write an
+explicit terminator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = [
+    "Audio",
+    "Citation",
+    "Delta",
+    "Done",
+    "Error",
+    "Heartbeat",
+    "Image",
+    "Reasoning",
+    "StreamEvent",
+    "ToolCall",
+    "Usage",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One fragment of a tool call.
+
+    The first fragment for an ``index`` carries ``id`` and ``name``; later
+    fragments carry only more ``arguments`` text, to be concatenated.
+    """
+
+    type: ClassVar[str] = "tool_call"
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def wire(self) -> dict[str, Any]:
+        """The OpenAI ``delta.tool_calls[]`` entry for this fragment."""
+        out: dict[str, Any] = {"index": self.index}
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+        if self.name is not None:
+            function["name"] = self.name
+        out["function"] = function
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "tool_call", "delta": {"tool_calls": [self.wire()]}}
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """An increment of the assistant message; ``finish_reason`` closes the turn."""
+
+    type: ClassVar[str] = "delta"
+    content: str | None = None
+    role: str | None = None
+    refusal: str | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
+    finish_reason: str | None = None
+
+    def delta_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.role is not None:
+            out["role"] = self.role
+        if self.content is not None:
+            out["content"] = self.content
+        if self.refusal is not None:
+            out["refusal"] = self.refusal
+        if self.tool_calls:
+            out["tool_calls"] = [tc.wire() for tc in self.tool_calls]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.finish_reason is None:
+            return {"type": "delta", "delta": self.delta_dict()}
+        return {"type": "delta", "delta": self.delta_dict(), "finish_reason": self.finish_reason}
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """Reasoning ("thinking") text, kept apart from the answer."""
+
+    type: ClassVar[str] = "reasoning"
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "reasoning", "delta": {"reasoning": self.text}}
+
+
+@dataclass(frozen=True, slots=True)
+class Audio:
+    """A chunk of audio output: base64 ``data`` and/or its ``transcript``."""
+
+    type: ClassVar[str] = "audio"
+    data: str | None = None
+    format: str | None = None
+    transcript: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "audio",
+            "audio": {"data": self.data, "format": self.format, "transcript": self.transcript},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Image:
+    """An image output, inline (base64 ``data``) or by ``url``."""
+
+    type: ClassVar[str] = "image"
+    data: str | None = None
+    url: str | None = None
+    mime_type: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "image",
+            "image": {"data": self.data, "url": self.url, "mime_type": self.mime_type},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Citation:
+    """A source the answer cites."""
+
+    type: ClassVar[str] = "citation"
+    url: str | None = None
+    title: str | None = None
+    quoted: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "citation",
+            "citation": {"url": self.url, "title": self.title, "quoted": self.quoted},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts; the last usage event of a stream holds the totals."""
+
+    type: ClassVar[str] = "usage"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The OpenAI ``usage`` object."""
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+        if self.cached_tokens is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.reasoning_tokens is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "usage", "usage": self.wire()}
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A failure after the stream started; the stream ends after it.
+
+    ``type`` names the error class (the ``error.type`` of the OpenAI shape),
+    ``code`` the specific cause, ``retryable`` whether the same request may
+    succeed if sent again.
+    """
+
+    type: ClassVar[str] = "error"
+    error_type: str
+    message: str
+    code: str | None = None
+    retryable: bool = False
+    param: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "error",
+            "error": {
+                "type": self.error_type,
+                "message": self.message,
+                "code": self.code,
+                "retryable": self.retryable,
+            },
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Idle keepalive, written by the pump, never by providers."""
+
+    type: ClassVar[str] = "heartbeat"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "heartbeat"}
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The terminator of formats that have one; ``aborted`` after a client abort."""
+
+    type: ClassVar[str] = "done"
+    aborted: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.aborted:
+            return {"type": "done", "aborted": True}
+        return {"type": "done"}
+
+
+StreamEvent = Delta | Reasoning | ToolCall | Audio | Image | Citation | Usage | Error | Heartbeat | Done

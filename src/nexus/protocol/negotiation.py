@@ -1,0 +1,128 @@
+"""Choosing a stream format for a request. A pure function over strings.
+
+Precedence: ``?stream_format=``, then ``X-Nexus-Stream-Format``, then
+``Accept``, then the endpoint's default. A name in the query or header must be
+a registered media type or alias (case-insensitive), or the request fails with
+``unsupported_stream_format``. ``Accept`` is a preference, never a failure: a
+header that names no stream format (the official SDKs send
+``Accept: application/json`` on streaming calls) yields the default.
+
+``Accept`` follows RFC 9110 §12.5.1: each registered media type takes the
+quality of the *most specific* range that matches it (``type/subtype`` over
+``type/*`` over ``*/*``); parameters other than ``q`` are ignored; ``q=0``
+excludes. The best quality wins; ties go to the more specific range, then the
+range written first, then the endpoint default, then registration order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import UnsupportedStreamFormat
+
+__all__ = ["AcceptRange", "parse_accept", "select_format"]
+
+
+class FormatTable(Protocol):
+    """What negotiation needs of a registry."""
+
+    def resolve(self, name: str) -> str | None:
+        """The media type a name or alias stands for, or None."""
+
+    def media_types(self) -> Sequence[str]:
+        """Registered media types in registration order."""
+
+    def describe(self) -> str:
+        """A human list of formats and aliases, for error messages."""
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptRange:
+    type: str
+    subtype: str
+    q: float
+    position: int
+
+    @property
+    def specificity(self) -> int:
+        if self.type == "*":
+            return 0
+        return 1 if self.subtype == "*" else 2
+
+    def matches(self, media_type: str) -> bool:
+        if self.type == "*":
+            return True
+        main, _, sub = media_type.partition("/")
+        return self.type == main and (self.subtype == "*" or self.subtype == sub)
+
+
+def parse_accept(header: str) -> list[AcceptRange]:
+    """Parse an ``Accept`` header leniently: malformed ranges are skipped."""
+    ranges = []
+    for position, item in enumerate(header.split(",")):
+        parts = [p.strip() for p in item.split(";")]
+        media = parts[0].lower()
+        main, slash, sub = media.partition("/")
+        if not slash or not main or not sub or (main == "*" and sub != "*"):
+            continue
+        q = 1.0
+        for param in parts[1:]:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 0.0
+                q = min(max(q, 0.0), 1.0)
+        ranges.append(AcceptRange(main, sub, q, position))
+    return ranges
+
+
+def select_format(
+    query: str | None,
+    header: str | None,
+    accept: str | None,
+    default: str,
+    formats: FormatTable,
+) -> str:
+    """Return the media type to stream in.
+
+    Raises :class:`UnsupportedStreamFormat` when ``query`` or ``header`` names
+    no registered format. ``None`` means the source was absent.
+    """
+    for source, name in (("stream_format", query), ("X-Nexus-Stream-Format", header)):
+        if name is None:
+            continue
+        media_type = formats.resolve(name)
+        if media_type is None:
+            raise UnsupportedStreamFormat(
+                f"Unsupported stream format {name.strip()!r} in {source}. "
+                f"Registered formats: {formats.describe()}.",
+                param=source,
+            )
+        return media_type
+    if accept:
+        chosen = _best_accepted(parse_accept(accept), default, formats.media_types())
+        if chosen is not None:
+            return chosen
+    return default
+
+
+def _best_accepted(
+    ranges: list[AcceptRange], default: str, media_types: Sequence[str]
+) -> str | None:
+    best: tuple[float, int, int, int, int] | None = None
+    chosen = None
+    for order, media_type in enumerate(media_types):
+        matching = [r for r in ranges if r.matches(media_type)]
+        if not matching:
+            continue
+        top = max(matching, key=lambda r: (r.specificity, -r.position))
+        if top.q <= 0:
+            continue
+        key = (top.q, top.specificity, -top.position, media_type == default, -order)
+        if best is None or key > best:
+            best, chosen = key, media_type
+    return chosen

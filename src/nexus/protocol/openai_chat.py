@@ -1,0 +1,148 @@
+"""OpenAI Chat Completions wire shapes (PROTOCOLS.md §2 and §5). Sans-I/O.
+
+Request bytes in, :class:`~nexus.request.ChatRequest` out; merged completion in,
+``chat.completion`` dict out; plus the per-chunk pieces the SSE encoder uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from ..errors import InvalidRequest
+from ..request import ChatRequest
+from ..types import Completion, StreamMeta
+
+__all__ = [
+    "chunk_prefix",
+    "completion_body",
+    "parse_chat_request",
+    "validation_error",
+]
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    """Validate a request body.
+
+    Raises :class:`InvalidRequest` with code ``invalid_json`` for bytes that are
+    not a JSON object, and code ``invalid_request`` naming the field otherwise.
+    """
+    data = parse_json_object(body)
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, data) from None
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"The request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(
+            "The request body must be a JSON object.", code="invalid_json"
+        )
+    return data
+
+
+def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:
+    """The first validation failure as an :class:`InvalidRequest` naming its field."""
+    first = exc.errors(include_url=False)[0]
+    param = field_path(first["loc"], data)
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        tag = str(first.get("ctx", {}).get("discriminator", "")).strip("'")
+        if tag:
+            param = f"{param}.{tag}" if param else tag
+    message = first["msg"]
+    if first["type"] == "missing":
+        message = "Field required"
+    elif first["type"] == "extra_forbidden":
+        message = "Unknown field"
+    return InvalidRequest(f"{param}: {message}" if param else message, param=param or None)
+
+
+def field_path(loc: tuple[int | str, ...], data: Any) -> str:
+    """``('messages', 0, 'user', 'content')`` -> ``messages[0].content``.
+
+    Pydantic puts union and discriminator tags into ``loc``; they are told apart
+    from real fields by walking the input along the path.
+    """
+    out = ""
+    node = data
+    last = len(loc) - 1
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            out += f"[{part}]"
+            node = node[part]
+        elif isinstance(part, str) and isinstance(node, dict) and (part in node or i == last):
+            out += f".{part}" if out else part
+            node = node.get(part)
+        elif isinstance(part, str) and i == last and not isinstance(node, dict | list):
+            continue
+    return out
+
+
+def chunk_prefix(meta: StreamMeta) -> bytes:
+    """The bytes every chunk of a stream starts with, up to ``"choices":``.
+
+    Serialised once per stream so that each chunk only serialises its choice.
+    """
+    head = orjson.dumps(
+        {
+            "id": meta.id,
+            "object": "chat.completion.chunk",
+            "created": meta.created,
+            "model": meta.model,
+        }
+    )
+    return head[:-1] + b',"choices":'
+
+
+def completion_body(completion: Completion) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object (PROTOCOLS.md §5)."""
+    message: dict[str, Any] = {
+        "role": completion.role,
+        "content": completion.content if completion.content or not completion.tool_calls else None,
+        "refusal": completion.refusal,
+        "annotations": [
+            {
+                "type": "url_citation",
+                "url_citation": {"url": c.url, "title": c.title},
+            }
+            for c in completion.citations
+        ],
+    }
+    if completion.reasoning:
+        message["reasoning_content"] = completion.reasoning
+    if completion.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in completion.tool_calls
+        ]
+    usage = completion.usage
+    return {
+        "id": completion.id,
+        "object": "chat.completion",
+        "created": completion.created,
+        "model": completion.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": completion.finish_reason or "stop",
+            }
+        ],
+        "usage": usage.wire()
+        if usage is not None
+        else {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }

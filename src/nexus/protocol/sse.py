@@ -1,0 +1,156 @@
+"""Server-Sent Events, both ways, without I/O (PROTOCOLS.md §1).
+
+:func:`frame` writes one event; :class:`SSEDecoder` parses a byte stream with the
+WHATWG rules: ``decode(chunk) -> list[ServerSentEvent]`` for each chunk as it
+arrives (split anywhere: inside a UTF-8 sequence, between CR and LF), then
+``flush()`` at end of input.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from dataclasses import dataclass
+
+__all__ = ["SSEDecoder", "ServerSentEvent", "comment", "frame"]
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def frame(
+    data: str | bytes,
+    *,
+    event: str | None = None,
+    id: str | None = None,
+    retry: int | None = None,
+) -> bytes:
+    """One SSE event as bytes: optional ``event:``/``id:``/``retry:``, then ``data:`` lines.
+
+    A payload holding line breaks (CR, LF or CRLF) is split over several
+    ``data:`` lines, which a decoder joins back with LF.
+    """
+    if isinstance(data, bytes):
+        data = data.decode("utf-8")
+    out = []
+    if event is not None:
+        _check_field("event", event)
+        out.append(f"event: {event}\n")
+    if id is not None:
+        if "\0" in id:
+            raise ValueError("an SSE id must not contain NUL")
+        _check_field("id", id)
+        out.append(f"id: {id}\n")
+    if retry is not None:
+        if retry < 0:
+            raise ValueError("an SSE retry must be a non-negative integer")
+        out.append(f"retry: {int(retry)}\n")
+    for line in _LINE_END.split(data):
+        out.append(f"data: {line}\n")
+    out.append("\n")
+    return "".join(out).encode("utf-8")
+
+
+def comment(text: str = "") -> bytes:
+    """A comment line, ignored by every decoder: the keepalive of SSE."""
+    _check_field("comment", text)
+    return f": {text}\n\n".encode() if text else b":\n\n"
+
+
+def _check_field(name: str, value: str) -> None:
+    if "\r" in value or "\n" in value:
+        raise ValueError(f"an SSE {name} must not contain CR or LF")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSentEvent:
+    """A dispatched event. ``id`` is the last event id in force when it was dispatched."""
+
+    data: str
+    event: str = "message"
+    id: str = ""
+    retry: int | None = None
+
+
+class SSEDecoder:
+    """Incremental WHATWG ``text/event-stream`` parser."""
+
+    def __init__(self) -> None:
+        self._text = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
+        self._buffer = ""
+        self._skip_lf = False
+        self._data: list[str] = []
+        self._event = ""
+        self._last_id = ""
+        self._retry: int | None = None
+
+    @property
+    def last_event_id(self) -> str:
+        return self._last_id
+
+    def decode(self, chunk: bytes) -> list[ServerSentEvent]:
+        """Feed bytes; return the events completed by them."""
+        text = self._text.decode(chunk)
+        if not text:
+            return []
+        if self._skip_lf:
+            self._skip_lf = False
+            if text[0] == "\n":
+                text = text[1:]
+        buffer = self._buffer + text
+        events: list[ServerSentEvent] = []
+        start = 0
+        for match in _LINE_END.finditer(buffer):
+            end = match.start()
+            if match.group() == "\r" and match.end() == len(buffer):
+                # A CR at the end of the input may be the first half of CRLF.
+                self._skip_lf = True
+            event = self._line(buffer[start:end])
+            if event is not None:
+                events.append(event)
+            start = match.end()
+        self._buffer = buffer[start:]
+        return events
+
+    def flush(self) -> list[ServerSentEvent]:
+        """End of input. An event without its closing blank line is dropped (§1, rule 6)."""
+        self._text.decode(b"", final=True)
+        self._buffer = ""
+        self._data = []
+        self._event = ""
+        self._skip_lf = False
+        return []
+
+    def _line(self, line: str) -> ServerSentEvent | None:
+        if not line:
+            return self._dispatch()
+        if line[0] == ":":
+            return None
+        name, colon, value = line.partition(":")
+        if colon and value[:1] == " ":
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            if "\0" not in value:
+                self._last_id = value
+        elif name == "retry":
+            if value and value.isascii() and value.isdigit():
+                self._retry = int(value)
+        return None
+
+    def _dispatch(self) -> ServerSentEvent | None:
+        if not self._data:
+            self._event = ""
+            return None
+        event = ServerSentEvent(
+            data="\n".join(self._data),
+            event=self._event or "message",
+            id=self._last_id,
+            retry=self._retry,
+        )
+        self._data = []
+        self._event = ""
+        self._retry = None
+        return event

@@ -1,0 +1,45 @@
+"""The provider interface: the outbound edge. A provider turns a request into events.
+
+``stream(request, model)`` is an async generator of
+:class:`~nexus.events.StreamEvent`. Before its first event it *raises*
+:class:`~nexus.errors.GatewayError` (so the engine can fall back to another
+target or answer with an HTTP status); after that it may also raise, and the
+engine turns the exception into an error event. Closing the generator
+(``aclose()`` or cancellation) must release the upstream at once: put the
+cleanup in ``finally``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator
+from typing import ClassVar
+
+from ..events import StreamEvent
+from ..request import ChatRequest
+
+__all__ = ["Provider"]
+
+
+class Provider(ABC):
+    kind: ClassVar[str]
+    accepts: ClassVar[frozenset[str]] = frozenset({"text"})
+    """Input kinds the provider can take: ``text``, ``image``, ``audio``."""
+
+    def __init__(self, name: str, models: list[str] | None = None) -> None:
+        self.name = name
+        self._models = list(models or [])
+
+    async def start(self) -> None:
+        """Acquire resources (client sessions). Called once before the first request."""
+
+    async def close(self) -> None:
+        """Release what :meth:`start` acquired."""
+
+    def advertised_models(self) -> list[str]:
+        """Upstream model names listed by ``GET /v1/models`` (without the provider prefix)."""
+        return list(self._models)
+
+    @abstractmethod
+    def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        """Stream a completion of ``request`` from upstream ``model``."""

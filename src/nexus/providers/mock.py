@@ -1,0 +1,202 @@
+"""The built-in deterministic provider: the default of ``config.toml``.
+
+Without a script it echoes the last user message, one word-sized delta at a
+time (a word keeps the whitespace before it). Non-text parts of that message
+are echoed as ``[image <mime_type> <N> bytes]`` / ``[audio <format> <N> bytes]``
+(``N`` = decoded bytes; ``[image <url>]`` for a linked image).
+
+A ``mock`` object in the request body scripts it (README, "Mock provider"):
+``content``, ``reasoning``, ``tool_calls``, ``delay_ms``, ``fail_after``, ``usage``.
+
+Order of output: reasoning words, content words, then each tool call (an opening
+fragment with id and name, then the arguments in 8-character fragments), then
+a finish delta and a usage event. Every one of those data events is one
+"chunk" and one completion token:
+
+- ``max_tokens`` / ``max_completion_tokens`` stops after that many chunks, with
+  ``finish_reason: "length"``;
+- ``stop`` cuts the content before the earliest stop sequence (``"stop"``);
+- ``fail_after: N`` raises an upstream error after N chunks (or before the
+  finish, if the script has fewer);
+- usage: ``prompt_tokens`` = whitespace-separated words in the text of all
+  messages, ``completion_tokens`` = chunks emitted, ``reasoning_tokens`` = the
+  reasoning chunks (when there is reasoning); ``mock.usage`` overrides any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import re
+from collections.abc import AsyncGenerator, Iterator
+
+import orjson
+
+from ..errors import InvalidRequest, UpstreamError
+from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..request import (
+    AudioPart,
+    ChatRequest,
+    ImagePart,
+    MockScript,
+    TextPart,
+    UserMessage,
+    message_text,
+)
+from .base import Provider
+
+__all__ = ["MockProvider", "words"]
+
+_WORD = re.compile(r"\s*\S+(?:\s+$)?|^\s+$")
+_COUNT = re.compile(r"\S+")
+ARGUMENT_FRAGMENT = 8
+
+
+def words(text: str) -> list[str]:
+    """Split ``text`` into word-sized pieces whose concatenation is ``text``."""
+    return _WORD.findall(text)
+
+
+class MockProvider(Provider):
+    kind = "mock"
+    accepts = frozenset({"text", "image", "audio"})
+
+    def advertised_models(self) -> list[str]:
+        return list(self._models) or ["echo"]
+
+    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        script = request.mock or _NO_SCRIPT
+        delay = script.delay_ms / 1000
+        limit = request.token_limit
+        fail_after = script.fail_after
+        emitted = 0
+        reasoning_chunks = 0
+        finish = "stop"
+
+        content = script.content if script.content is not None else echo(request)
+        for stop in request.stop_sequences:
+            cut = content.find(stop)
+            if cut != -1:
+                content = content[:cut]
+
+        for kind, event in _script_events(request, script, content):
+            if fail_after is not None and emitted >= fail_after:
+                raise _scripted_failure(emitted)
+            if limit is not None and emitted >= limit:
+                finish = "length"
+                break
+            if delay and emitted:
+                await asyncio.sleep(delay)
+            if kind == "reasoning":
+                reasoning_chunks += 1
+            elif kind == "tool":
+                finish = "tool_calls"
+            emitted += 1
+            yield event
+        if fail_after is not None and finish != "length":
+            raise _scripted_failure(emitted)
+        if delay and emitted:
+            await asyncio.sleep(delay)
+        yield Delta(finish_reason=finish)
+        yield _usage(request, script, emitted, reasoning_chunks)
+
+
+_NO_SCRIPT = MockScript()
+
+
+def _scripted_failure(emitted: int) -> UpstreamError:
+    return UpstreamError(
+        f"mock provider failed after {emitted} chunks, as scripted by mock.fail_after",
+        code="upstream_error",
+    )
+
+
+def _script_events(
+    request: ChatRequest, script: MockScript, content: str
+) -> Iterator[tuple[str, StreamEvent]]:
+    if script.reasoning:
+        for piece in words(script.reasoning):
+            yield "reasoning", Reasoning(piece)
+    for piece in words(content):
+        yield "content", Delta(content=piece)
+    for index, call in enumerate(script.tool_calls or ()):
+        arguments = (
+            call.arguments
+            if isinstance(call.arguments, str)
+            else orjson.dumps(call.arguments).decode()
+        )
+        digest = hashlib.sha256(
+            f"{len(request.messages)}:{index}:{call.name}:{arguments}".encode()
+        ).hexdigest()[:24]
+        yield "tool", ToolCall(index=index, id=f"call_{digest}", name=call.name, arguments="")
+        for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
+            yield "tool", ToolCall(
+                index=index, arguments=arguments[start : start + ARGUMENT_FRAGMENT]
+            )
+
+
+def echo(request: ChatRequest) -> str:
+    """The text the mock answers with when not scripted."""
+    for message in reversed(request.messages):
+        if isinstance(message, UserMessage):
+            if isinstance(message.content, str):
+                return message.content
+            pieces = []
+            for part in message.content:
+                if isinstance(part, TextPart):
+                    pieces.append(part.text)
+                elif isinstance(part, ImagePart):
+                    pieces.append(_describe_image(part.image_url.url))
+                elif isinstance(part, AudioPart):
+                    size = _decoded_size(part.input_audio.data, "input_audio.data")
+                    pieces.append(f"[audio {part.input_audio.format} {size} bytes]")
+            return " ".join(p for p in pieces if p)
+    return ""
+
+
+def _describe_image(url: str) -> str:
+    if url.startswith("data:"):
+        header, comma, data = url.partition(",")
+        mime = header[5:].split(";", 1)[0] or "application/octet-stream"
+        if comma and header.endswith(";base64"):
+            return f"[image {mime} {_decoded_size(data, 'image_url.url')} bytes]"
+        return f"[image {mime} {len(data.encode())} bytes]"
+    return f"[image {url}]"
+
+
+def _decoded_size(data: str, field: str) -> int:
+    try:
+        return len(base64.b64decode(data, validate=True))
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(f"{field}: not valid base64", param=field) from None
+
+
+def _usage(request: ChatRequest, script: MockScript, emitted: int, reasoning: int) -> Usage:
+    prompt = sum(len(_COUNT.findall(message_text(m))) for m in request.messages)
+    override = script.usage
+    if override is None:
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=emitted,
+            total_tokens=prompt + emitted,
+            reasoning_tokens=reasoning if script.reasoning else None,
+        )
+    prompt = override.prompt_tokens if override.prompt_tokens is not None else prompt
+    completion = (
+        override.completion_tokens if override.completion_tokens is not None else emitted
+    )
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=(
+            override.total_tokens if override.total_tokens is not None else prompt + completion
+        ),
+        cached_tokens=override.cached_tokens,
+        reasoning_tokens=(
+            override.reasoning_tokens
+            if override.reasoning_tokens is not None
+            else (reasoning if script.reasoning else None)
+        ),
+    )

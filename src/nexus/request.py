@@ -1,0 +1,285 @@
+"""The engine's one request model: an OpenAI chat-completions request.
+
+Every endpoint's body is validated into (or translated to) :class:`ChatRequest`;
+providers read only this. Parameters Nexus does not interpret (``logit_bias``,
+``metadata``, ...) are kept as extras so that upstream providers can pass them on.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "AssistantMessage",
+    "AudioPart",
+    "ChatRequest",
+    "ContentPart",
+    "ImagePart",
+    "Message",
+    "MockScript",
+    "StreamOptions",
+    "SystemMessage",
+    "TextPart",
+    "ToolMessage",
+    "UserMessage",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Open(BaseModel):
+    """Known fields are validated; unknown ones are kept (newer API fields)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+# --- content parts ---------------------------------------------------------
+
+
+class TextPart(_Open):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Open):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Open):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(_Open):
+    data: str
+    format: str
+
+
+class AudioPart(_Open):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class RefusalPart(_Open):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class FilePart(_Open):
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
+AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
+# --- messages --------------------------------------------------------------
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str
+
+
+class ToolCallSpec(_Open):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Open):
+    role: Literal["system", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class UserMessage(_Open):
+    role: Literal["user"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class AssistantMessage(_Open):
+    role: Literal["assistant"]
+    content: str | list[AssistantPart] | None = None
+    tool_calls: list[ToolCallSpec] | None = None
+    refusal: str | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Open):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+Message = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+def message_text(message: SystemMessage | UserMessage | AssistantMessage | ToolMessage) -> str:
+    """The text of a message's content: the string, or its text parts joined."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content if isinstance(part, TextPart))
+
+
+# --- tools and formats -----------------------------------------------------
+
+
+class FunctionDef(_Open):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Open):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+# --- the mock provider's script --------------------------------------------
+
+
+class MockToolCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MockUsage(_Strict):
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    completion_tokens: int | None = Field(default=None, ge=0)
+    total_tokens: int | None = Field(default=None, ge=0)
+    cached_tokens: int | None = Field(default=None, ge=0)
+    reasoning_tokens: int | None = Field(default=None, ge=0)
+
+
+class MockScript(_Strict):
+    """What the mock provider should produce instead of echoing (README: "Mock provider")."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[MockToolCall] | None = None
+    delay_ms: int = Field(default=0, ge=0, le=600_000)
+    fail_after: int | None = Field(default=None, ge=0)
+    usage: MockUsage | None = None
+
+
+# --- the request -----------------------------------------------------------
+
+
+class ChatRequest(_Open):
+    """``POST /v1/chat/completions`` body, and the engine's request."""
+
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    stop: str | list[str] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    mock: MockScript | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list):
+            if len(value) > 4:
+                raise ValueError("at most 4 stop sequences are allowed")
+            if any(not s for s in value):
+                raise ValueError("stop sequences must not be empty")
+        elif value == "":
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported: Nexus streams one choice per request")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatRequest:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or ()}
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names function {choice.function.name!r}, "
+                    "which is not among the request's tools"
+                )
+        elif choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs at least one tool")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else no limit."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage

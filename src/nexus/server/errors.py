@@ -1,0 +1,77 @@
+"""Errors at the HTTP edge: one middleware renders every failure as JSON.
+
+The body's shape is the endpoint's: a handler may carry an ``error_body``
+attribute (a function of :class:`~nexus.errors.GatewayError` to a dict); the
+default is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+Unknown routes and methods get the same JSON shape, and an unexpected
+exception a 500 whose message reveals nothing internal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..errors import GatewayError
+
+__all__ = ["error_middleware", "error_response"]
+
+log = logging.getLogger("nexus.server")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ErrorBody = Callable[[GatewayError], dict[str, Any]]
+
+
+def _openai_body(error: GatewayError) -> dict[str, Any]:
+    return error.openai_body()
+
+
+def error_response(request: web.Request, error: GatewayError) -> web.Response:
+    handler = getattr(request.match_info, "handler", None)
+    body: ErrorBody = getattr(handler, "error_body", _openai_body)
+    headers = dict(error.headers)
+    return web.Response(
+        status=error.status,
+        body=orjson.dumps(body(error)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = "req_" + os.urandom(12).hex()
+    try:
+        response = await handler(request)
+    except GatewayError as exc:
+        response = error_response(request, exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 405:
+            message = f"Method {request.method} is not allowed on {request.path}."
+        elif exc.status == 404:
+            message = f"No route for {request.method} {request.path}."
+        else:
+            message = exc.reason
+        error = GatewayError(
+            message, status=exc.status, code=_HTTP_CODES.get(exc.status, "http_error")
+        )
+        error.error_type = "invalid_request_error"
+        error.headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        response = error_response(request, error)
+    except Exception:
+        log.exception("unhandled error in %s %s (%s)", request.method, request.path, request_id)
+        error = GatewayError(f"Internal server error (request {request_id}).")
+        response = error_response(request, error)
+    if not response.prepared:
+        response.headers.setdefault("x-request-id", request_id)
+    return response

@@ -1,0 +1,1 @@
+"""HTTP route handlers: parse, negotiate, call the engine, hand the stream to the pump."""

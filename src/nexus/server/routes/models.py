@@ -1,0 +1,49 @@
+"""``GET /v1/models``, ``GET /v1/models/{id}`` (OpenAI list shapes) and ``GET /healthz``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ...errors import GatewayError
+from .. import state
+
+
+def _model(model_id: str, owner: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": owner}
+
+
+def _owner(engine: Any, model_id: str) -> str:
+    if model_id in engine.aliases:
+        return "nexus"
+    return model_id.partition("/")[0]
+
+
+async def list_models(request: web.Request) -> web.Response:
+    engine = request.app[state.ENGINE]
+    data = [_model(m, _owner(engine, m)) for m in engine.models()]
+    return web.Response(
+        body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+    )
+
+
+async def get_model(request: web.Request) -> web.Response:
+    engine = request.app[state.ENGINE]
+    model_id = request.match_info["model"]
+    engine.route(model_id)  # raises ModelNotFound
+    return web.Response(
+        body=orjson.dumps(_model(model_id, _owner(engine, model_id))),
+        content_type="application/json",
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    runtime = request.app[state.RUNTIME]
+    if runtime.shutting_down:
+        raise GatewayError("shutting down", status=503, code="server_shutting_down")
+    return web.Response(
+        body=orjson.dumps({"status": "ok", "streams": len(runtime.active)}),
+        content_type="application/json",
+    )

@@ -1,0 +1,31 @@
+"""Typed app state (``web.AppKey``), in its own module so routes can import it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from ..config import Config
+from ..encoders.registry import EncoderRegistry
+from ..engine import Engine
+
+if TYPE_CHECKING:
+    from .streaming import StreamPump
+
+__all__ = ["CONFIG", "ENGINE", "REGISTRY", "RUNTIME", "Runtime"]
+
+
+@dataclass
+class Runtime:
+    """Mutable per-app state: the streams in flight and whether we are stopping."""
+
+    active: set[StreamPump] = field(default_factory=set)
+    shutting_down: bool = False
+
+
+CONFIG = web.AppKey("config", Config)
+ENGINE = web.AppKey("engine", Engine)
+REGISTRY = web.AppKey("registry", EncoderRegistry)
+RUNTIME = web.AppKey("runtime", Runtime)

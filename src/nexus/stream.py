@@ -1,0 +1,241 @@
+"""The consumer side of a completion: :class:`Stream`, :class:`Channel`, :func:`accumulate`.
+
+A :class:`Stream` is pull-based: nothing is produced until it is read, and
+reading slowly slows the provider down (memory stays bounded). Three ways to
+read one::
+
+    async with engine.complete_stream(request) as stream:
+        async for event in stream:              # 1. iterate
+            ...
+
+    event = await stream.next()                 # 2. step; raises EndOfStream at the end
+
+    async with stream.channel(buffer=32) as ch: # 3. a bounded queue filled by a task
+        async for event in ch:
+            ...
+
+End of stream is not an event: iteration stops, and ``next()`` raises
+:class:`EndOfStream`. A failure after the stream started arrives as an
+:class:`~nexus.events.Error` event, always the last one. ``close()`` stops the
+provider at once (its cleanup runs before ``close()`` returns) and is safe to
+call twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from types import TracebackType
+
+from .errors import StreamError
+from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
+from .types import CompletedToolCall, Completion, StreamMeta
+
+__all__ = ["Channel", "EndOfStream", "Stream", "accumulate"]
+
+
+class EndOfStream(Exception):  # noqa: N818 - named for what it signals, like io.EOF
+    """Raised by :meth:`Stream.next` and :meth:`Channel.next` when no event is left."""
+
+
+class Stream:
+    """One completion's events, in order. Single consumer; not restartable."""
+
+    __slots__ = ("_events", "_finished", "meta")
+
+    def __init__(self, events: AsyncGenerator[StreamEvent, None], meta: StreamMeta) -> None:
+        self._events = events
+        self._finished = False
+        self.meta = meta
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        # The generator itself: no extra frame per event on the hot path.
+        return self._events
+
+    async def next(self) -> StreamEvent:
+        """The next event. Raises :class:`EndOfStream` when the stream is over."""
+        try:
+            return await self._events.__anext__()
+        except StopAsyncIteration:
+            self._finished = True
+            raise EndOfStream from None
+
+    async def close(self) -> None:
+        """Stop the stream and the provider behind it. Idempotent."""
+        self._finished = True
+        await self._events.aclose()
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def channel(self, buffer: int = 32) -> Channel:
+        """Read this stream through a bounded queue filled by a background task.
+
+        The task reads ahead by at most ``buffer`` events. Must be called from
+        a running event loop.
+        """
+        return Channel(self, buffer)
+
+
+_END = object()
+
+
+class Channel:
+    """A bounded queue over a :class:`Stream` (see :meth:`Stream.channel`).
+
+    Iterate it or call :meth:`next`; an exception raised by the producer side
+    is re-raised to the reader after the events before it. ``close()`` stops
+    the filling task and closes the stream.
+    """
+
+    def __init__(self, stream: Stream, buffer: int = 32) -> None:
+        if buffer < 1:
+            raise ValueError("buffer must be at least 1")
+        self._stream = stream
+        self._queue: asyncio.Queue[object] = asyncio.Queue(buffer)
+        self._failure: BaseException | None = None
+        self._done = False
+        self._task = asyncio.get_running_loop().create_task(self._fill())
+
+    @property
+    def meta(self) -> StreamMeta:
+        return self._stream.meta
+
+    async def _fill(self) -> None:
+        try:
+            async for event in self._stream:
+                await self._queue.put(event)
+        except Exception as exc:
+            self._failure = exc
+        await self._queue.put(_END)
+
+    def __aiter__(self) -> Channel:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        try:
+            return await self.next()
+        except EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def next(self) -> StreamEvent:
+        """The next event. Raises :class:`EndOfStream` at the end."""
+        if self._done:
+            raise EndOfStream
+        item = await self._queue.get()
+        if item is _END:
+            self._done = True
+            if self._failure is not None:
+                raise self._failure
+            raise EndOfStream
+        return item  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        self._done = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._stream.close()
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class _ToolCallBuilder:
+    __slots__ = ("arguments", "id", "index", "name")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.id: str | None = None
+        self.name: str | None = None
+        self.arguments: list[str] = []
+
+
+async def accumulate(stream: Stream | Channel) -> Completion:
+    """Read ``stream`` to its end and merge it into one :class:`~nexus.types.Completion`.
+
+    Content and reasoning are concatenated, tool calls merged by index (and by
+    id when a fragment repeats one), usage is taken from the last usage event.
+    The stream is closed afterwards. Raises :class:`~nexus.errors.StreamError`
+    when the stream carries an :class:`~nexus.events.Error` event.
+    """
+    meta = stream.meta
+    content: list[str] = []
+    reasoning: list[str] = []
+    refusal: list[str] = []
+    calls: dict[int, _ToolCallBuilder] = {}
+    by_id: dict[str, _ToolCallBuilder] = {}
+    result = Completion(id=meta.id, model=meta.model, created=meta.created)
+
+    def merge(call: ToolCall) -> None:
+        builder = by_id.get(call.id) if call.id is not None else None
+        if builder is None:
+            builder = calls.get(call.index)
+            if builder is None:
+                builder = calls[call.index] = _ToolCallBuilder(call.index)
+        if call.id is not None and builder.id is None:
+            builder.id = call.id
+            by_id[call.id] = builder
+        if call.name is not None and builder.name is None:
+            builder.name = call.name
+        if call.arguments:
+            builder.arguments.append(call.arguments)
+
+    async with stream:
+        async for event in stream:
+            match event:
+                case Delta():
+                    if event.content:
+                        content.append(event.content)
+                    if event.refusal:
+                        refusal.append(event.refusal)
+                    if event.role is not None:
+                        result.role = event.role
+                    for call in event.tool_calls or ():
+                        merge(call)
+                    if event.finish_reason is not None:
+                        result.finish_reason = event.finish_reason
+                case Reasoning():
+                    reasoning.append(event.text)
+                case ToolCall():
+                    merge(event)
+                case Usage():
+                    result.usage = event
+                case Citation():
+                    result.citations.append(event)
+                case Audio():
+                    result.audio.append(event)
+                case Image():
+                    result.images.append(event)
+                case Error():
+                    raise StreamError(event)
+    result.content = "".join(content)
+    result.reasoning = "".join(reasoning)
+    result.refusal = "".join(refusal) if refusal else None
+    result.tool_calls = [
+        CompletedToolCall(
+            index=b.index,
+            id=b.id or f"call_{meta.id[-12:]}_{b.index}",
+            name=b.name or "",
+            arguments="".join(b.arguments),
+        )
+        for b in sorted(calls.values(), key=lambda b: b.index)
+    ]
+    return result

@@ -1,0 +1,64 @@
+"""Shared value types: a stream's identity and the merged completion."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from .events import Audio, Citation, Image, Usage
+
+__all__ = ["Completion", "CompletedToolCall", "StreamMeta", "new_stream_id"]
+
+
+def new_stream_id(prefix: str = "chatcmpl-") -> str:
+    """An unguessable stream id: 128 random bits, hex."""
+    return prefix + os.urandom(16).hex()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMeta:
+    """What every frame of one stream shares.
+
+    ``model`` is the model name the client asked for (an alias stays an alias);
+    ``provider`` and ``upstream_model`` say where it was routed.
+    """
+
+    id: str
+    model: str
+    created: int
+    include_usage: bool = False
+    provider: str = ""
+    upstream_model: str = ""
+    retry_ms: int | None = None
+
+    @classmethod
+    def new(cls, model: str, **kwargs: object) -> StreamMeta:
+        return cls(id=new_stream_id(), model=model, created=int(time.time()), **kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class CompletedToolCall:
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Completion:
+    """The merged result of a stream (what :func:`nexus.accumulate` returns)."""
+
+    id: str
+    model: str
+    created: int
+    role: str = "assistant"
+    content: str = ""
+    reasoning: str = ""
+    refusal: str | None = None
+    tool_calls: list[CompletedToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    citations: list[Citation] = field(default_factory=list)
+    audio: list[Audio] = field(default_factory=list)
+    images: list[Image] = field(default_factory=list)

@@ -79,6 +79,7 @@ class StreamPump:
         self._active = active
         self._task: asyncio.Task[object] | None = None
         self._shutting_down = False
+        self._watchdog: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
         self._last_write = self._loop.time()
         self._write_started = self._last_write
@@ -93,7 +94,6 @@ class StreamPump:
         self._task = asyncio.current_task()
         if self._active is not None:
             self._active.add(self)
-        watchdog: asyncio.Task[None] | None = None
         try:
             events = aiter(self.stream)
             try:
@@ -113,7 +113,6 @@ class StreamPump:
                 return self.response
             await self._write(self._prepare_frames(self.encoder.encode(first)))  # type: ignore[arg-type]
             response = self._require_response()
-            watchdog = self._loop.create_task(self._watch())
             encode = self.encoder.encode
             write = response.write
             now = self._loop.time
@@ -141,8 +140,8 @@ class StreamPump:
             log.debug("client disconnected from stream %s", self.stream.meta.id)
             return self._require_response()
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             if self._active is not None:
                 self._active.discard(self)
             await self.stream.close()
@@ -152,17 +151,14 @@ class StreamPump:
         return self.response
 
     async def _first_event(self, events: AsyncIterator[StreamEvent]) -> object:
-        """The first event, writing headers and heartbeats while it is slow."""
+        """The first event; if it is slow, the headers go out with a heartbeat meanwhile."""
         task = self._loop.create_task(_next(events))
         try:
-            while True:
-                done, _ = await asyncio.wait((task,), timeout=self.heartbeat_s)
-                if done:
-                    return task.result()
-                if self.response is None:
-                    await self._write(self._prepare_frames(self.encoder.heartbeat()))
-                else:
-                    await self._write(self.encoder.heartbeat())
+            done, _ = await asyncio.wait((task,), timeout=self.heartbeat_s)
+            if not done:
+                await self._write(self._prepare_frames(self.encoder.heartbeat()))
+                await asyncio.wait((task,))
+            return task.result()
         finally:
             if not task.done():
                 task.cancel()
@@ -180,6 +176,8 @@ class StreamPump:
         response = self._require_response()
         if not response.prepared:
             await response.prepare(self.request)
+            # From the headers on, the watchdog owns heartbeats and write stalls.
+            self._watchdog = self._loop.create_task(self._watch())
         self._write_started = self._loop.time()
         await response.write(data)
         self._last_write = self._loop.time()
@@ -191,7 +189,8 @@ class StreamPump:
         """Heartbeats when idle; abort the connection when a write stalls."""
         response = self._require_response()
         heartbeat = self.encoder.heartbeat()
-        period = min(self.heartbeat_s, self.write_timeout_s)
+        # Stalls are noticed within a quarter of the write timeout.
+        tick = self.write_timeout_s / 4
         while True:
             now = self._loop.time()
             if self._write_started > self._last_write:
@@ -212,7 +211,7 @@ class StreamPump:
                     self._last_write = self._loop.time()
                     continue
                 wake = self._last_write + self.heartbeat_s
-            await asyncio.sleep(max(wake - now, period / 100))
+            await asyncio.sleep(max(min(wake - now, tick), 0.001))
 
     def _abort(self, why: str) -> None:
         log.warning("dropping client of stream %s: %s", self.stream.meta.id, why)

@@ -1,0 +1,85 @@
+"""Helpers shared by the tests: request bodies, hand-steered providers, SSE parsing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from aiohttp.test_utils import TestClient
+
+from nexus import Provider
+from nexus.events import Delta, StreamEvent, Usage
+from nexus.protocol.sse import ServerSentEvent, SSEDecoder
+from nexus.request import ChatRequest
+
+MakeClient = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+def chat(content: str = "Hello there world", **extra: Any) -> dict[str, Any]:
+    """A chat-completions body for the mock provider."""
+    body: dict[str, Any] = {
+        "model": "mock/echo",
+        "messages": [{"role": "user", "content": content}],
+    }
+    body.update(extra)
+    return body
+
+
+class GatedProvider(Provider):
+    """Yields ``before`` deltas, then waits for ``gate`` before the rest; records its cleanup."""
+
+    kind = "gated"
+
+    def __init__(self, name: str = "gated", before: int = 1, after: int = 1) -> None:
+        super().__init__(name)
+        self.before = before
+        self.after = after
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.closed_at: float | None = None
+
+    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        self.started.set()
+        try:
+            for i in range(self.before):
+                yield Delta(content=f"before{i} ")
+            await self.gate.wait()
+            for i in range(self.after):
+                yield Delta(content=f"after{i} ")
+            yield Delta(finish_reason="stop")
+            yield Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)
+        finally:
+            self.closed_at = asyncio.get_running_loop().time()
+            self.closed.set()
+
+
+
+class EndlessProvider(Provider):
+    """Yields big deltas until closed; records when it was closed."""
+
+    kind = "endless"
+
+    def __init__(self, name: str = "endless", size: int = 65536) -> None:
+        super().__init__(name)
+        self.size = size
+        self.produced = 0
+        self.closed = asyncio.Event()
+
+    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        try:
+            while True:
+                self.produced += 1
+                yield Delta(content="x" * self.size)
+                await asyncio.sleep(0)
+        finally:
+            self.closed.set()
+
+
+def parse_sse(body: bytes) -> list[ServerSentEvent]:
+    """Every event of a complete SSE body (WHATWG rules)."""
+    decoder = SSEDecoder()
+    events = decoder.decode(body)
+    decoder.flush()
+    return events

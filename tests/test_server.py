@@ -1,0 +1,448 @@
+"""The HTTP surface through aiohttp's test server: headers, negotiation, errors, flushing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from support import EndlessProvider, GatedProvider, MakeClient, chat, parse_sse
+
+from nexus.protocol.sse import SSEDecoder
+
+
+async def test_default_stream_is_openai_sse_with_streaming_headers(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat(stream=True, stream_options={"include_usage": True}),
+        headers={"Accept": "application/json"},  # what the official SDKs send
+    )
+    assert resp.status == 200
+    assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    assert resp.headers["Cache-Control"] == "no-cache"
+    assert resp.headers["X-Accel-Buffering"] == "no"
+    assert resp.headers["Vary"] == "Accept, X-Nexus-Stream-Format"
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    events = parse_sse(await resp.read())
+    assert events[-1].data == "[DONE]"
+    chunks = [orjson.loads(e.data) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {stream_id}
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello there world"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+async def test_usage_chunk_only_with_include_usage(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True))
+    chunks = [orjson.loads(e.data) for e in parse_sse(await resp.read())[:-1]]
+    assert all(c["choices"] for c in chunks)
+    assert all("usage" not in c for c in chunks)
+
+
+async def test_sse_starts_with_retry_field(make_client: MakeClient) -> None:
+    client = await make_client({"server": {"retry_ms": 2500}})
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True))
+    body = await resp.read()
+    assert body.startswith(b"retry: 2500\ndata: {")
+    native = await client.post("/v1/chat/completions?stream_format=nexus", json=chat(stream=True))
+    assert (await native.read()).startswith(b"retry: 2500\n\nevent: delta\n")
+
+
+@pytest.mark.parametrize(
+    ("query", "headers", "content_type", "media_type"),
+    [
+        ("", {}, "text/event-stream; charset=utf-8", "text/event-stream"),
+        ("?stream_format=ndjson", {}, "application/x-ndjson", "application/x-ndjson"),
+        ("?stream_format=JSONL", {}, "application/x-ndjson", "application/x-ndjson"),
+        (
+            "?stream_format=nexus",
+            {"Accept": "application/x-ndjson"},
+            "text/event-stream; charset=utf-8",
+            "application/vnd.nexus.events+sse",
+        ),
+        ("", {"X-Nexus-Stream-Format": "nexus-sse"}, None, "application/vnd.nexus.events+sse"),
+        (
+            "?stream_format=sse",
+            {"X-Nexus-Stream-Format": "ndjson"},
+            None,
+            "text/event-stream",
+        ),
+        ("", {"Accept": "application/x-ndjson"}, None, "application/x-ndjson"),
+        (
+            "",
+            {"Accept": "text/event-stream;q=0.5, application/vnd.nexus.events+sse"},
+            None,
+            "application/vnd.nexus.events+sse",
+        ),
+        ("", {"Accept": "*/*"}, None, "text/event-stream"),
+    ],
+)
+async def test_negotiation_end_to_end(
+    make_client: MakeClient,
+    query: str,
+    headers: dict[str, str],
+    content_type: str | None,
+    media_type: str,
+) -> None:
+    client = await make_client()
+    resp = await client.post("/v1/chat/completions" + query, json=chat(stream=True), headers=headers)
+    assert resp.status == 200
+    assert resp.headers["X-Nexus-Stream-Format"] == media_type
+    if content_type is not None:
+        assert resp.headers["Content-Type"] == content_type
+    await resp.read()
+
+
+async def test_ndjson_stream_lines(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=ndjson",
+        json=chat("a b", stream=True, mock={"reasoning": "hm", "tool_calls": [{"name": "f"}]}),
+    )
+    lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    assert [line["type"] for line in lines] == [
+        "reasoning",
+        "delta",
+        "delta",
+        "tool_call",
+        "tool_call",
+        "delta",
+        "usage",
+        "done",
+    ]
+    assert lines[0] == {"type": "reasoning", "delta": {"reasoning": "hm"}}
+    assert lines[3]["delta"]["tool_calls"][0]["function"] == {"arguments": "", "name": "f"}
+    assert lines[4]["delta"]["tool_calls"][0] == {"index": 0, "function": {"arguments": "{}"}}
+    assert lines[5] == {"type": "delta", "delta": {}, "finish_reason": "tool_calls"}
+    assert lines[-1] == {"type": "done"}
+
+
+async def test_unknown_stream_format_is_400_listing_formats(make_client: MakeClient) -> None:
+    client = await make_client()
+    for kwargs in (
+        {"params": {"stream_format": "xml"}},
+        {"headers": {"X-Nexus-Stream-Format": "xml"}},
+    ):
+        resp = await client.post("/v1/chat/completions", json=chat(stream=True), **kwargs)
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert error["code"] == "unsupported_stream_format"
+        assert error["type"] == "invalid_request_error"
+        for name in ("text/event-stream", "application/x-ndjson", "nexus-sse", "jsonl"):
+            assert name in error["message"]
+
+
+async def test_mid_stream_failure_each_format(make_client: MakeClient) -> None:
+    client = await make_client()
+    body = chat("one two three", stream=True, mock={"fail_after": 2})
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    events = parse_sse(await resp.read())
+    assert [e.event for e in events[-2:]] == ["error", "message"]
+    assert events[-1].data == "[DONE]"
+    error = orjson.loads(events[-2].data)
+    assert set(error) == {"error"}
+    assert error["error"]["code"] == "upstream_error"
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+
+    resp = await client.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    assert [line["type"] for line in lines] == ["delta", "delta", "error", "done"]
+    assert lines[2]["error"]["retryable"] is True
+
+    resp = await client.post("/v1/chat/completions?stream_format=nexus", json=body)
+    events = parse_sse(await resp.read())
+    assert [e.event for e in events] == ["delta", "delta", "error", "done"]
+
+
+async def test_failure_before_first_event_is_an_http_error(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(stream=True, mock={"fail_after": 0})
+    )
+    assert resp.status == 502
+    assert resp.headers["Content-Type"].startswith("application/json")
+    error = (await resp.json())["error"]
+    assert error["code"] == "upstream_error"
+    assert "fail_after" in error["message"]
+
+
+async def test_non_streaming_completion(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.post("/v1/chat/completions", json=chat("Hi there"))
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("application/json")
+    body = await resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    assert body["model"] == "mock/echo"
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "Hi there",
+                "refusal": None,
+                "annotations": [],
+            },
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+
+
+async def test_non_streaming_tool_calls_and_reasoning(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat(
+            mock={
+                "content": "",
+                "reasoning": "Let me look.",
+                "tool_calls": [{"name": "get_weather", "arguments": {"city": "Reykjavik"}}],
+            }
+        ),
+    )
+    message = (await resp.json())["choices"][0]
+    assert message["finish_reason"] == "tool_calls"
+    assert message["message"]["content"] is None
+    assert message["message"]["reasoning_content"] == "Let me look."
+    [call] = message["message"]["tool_calls"]
+    assert call["type"] == "function"
+    assert call["function"]["name"] == "get_weather"
+    assert orjson.loads(call["function"]["arguments"]) == {"city": "Reykjavik"}
+
+
+async def test_max_tokens_zero_is_legal(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.post("/v1/chat/completions", json=chat(max_tokens=0))
+    choice = (await resp.json())["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == ""
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (chat(temperature=3), "temperature", "less than or equal to 2"),
+        (chat(top_p=-0.1), "top_p", "greater than or equal to 0"),
+        (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+        (chat(max_tokens=-1), "max_tokens", "greater than or equal to 0"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model", "Field required"),
+        ({"model": "mock/x", "messages": []}, "messages", "at least 1"),
+        (
+            {"model": "mock/x", "messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+            "robot",
+        ),
+        (
+            {"model": "mock/x", "messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+            "Field required",
+        ),
+        (chat(n=2), "n", "n=1"),
+        (chat(stream="yes"), "stream", "boolean"),
+        (chat(tool_choice={"type": "function", "function": {"name": "f"}}), None, "tool_choice"),
+        (chat(mock={"delay": 5}), "mock.delay", "Unknown field"),
+    ],
+)
+async def test_validation_errors_name_the_field(
+    make_client: MakeClient, body: dict[str, Any], param: str | None, fragment: str
+) -> None:
+    client = await make_client()
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "invalid_request"
+    assert error["param"] == param
+    assert fragment in error["message"]
+
+
+@pytest.mark.parametrize("payload", [b"{not json", b"[1, 2]", b"", b"\xff\xfe"])
+async def test_malformed_json_is_400(make_client: MakeClient, payload: bytes) -> None:
+    client = await make_client()
+    resp = await client.post(
+        "/v1/chat/completions", data=payload, headers={"Content-Type": "application/json"}
+    )
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "invalid_json"
+
+
+async def test_unknown_model_is_404(make_client: MakeClient) -> None:
+    client = await make_client()
+    for model in ("gpt-4o", "nope/x", "mock/"):
+        resp = await client.post("/v1/chat/completions", json=chat(model=model))
+        assert resp.status == 404
+        error = (await resp.json())["error"]
+        assert error["code"] == "model_not_found"
+        assert error["param"] == "model"
+
+
+async def test_body_over_limit_is_413(make_client: MakeClient) -> None:
+    client = await make_client({"limits": {"max_body_bytes": 2048}})
+    resp = await client.post("/v1/chat/completions", json=chat("x" * 4096))
+    assert resp.status == 413
+    assert (await resp.json())["error"]["code"] == "request_too_large"
+
+    async def chunks() -> Any:  # no Content-Length: the limit still holds
+        for _ in range(8):
+            yield b" " * 1024
+
+    resp = await client.post("/v1/chat/completions", data=chunks())
+    assert resp.status == 413
+    ok = await client.post("/v1/chat/completions", json=chat("small"))
+    assert ok.status == 200
+
+
+async def test_unknown_route_and_method_are_json(make_client: MakeClient) -> None:
+    client = await make_client()
+    resp = await client.get("/v1/nothing")
+    assert resp.status == 404
+    assert (await resp.json())["error"]["code"] == "not_found"
+    resp = await client.get("/v1/chat/completions")
+    assert resp.status == 405
+    assert resp.headers["Allow"] == "POST"
+    assert (await resp.json())["error"]["code"] == "method_not_allowed"
+
+
+async def test_models_and_health(make_client: MakeClient) -> None:
+    client = await make_client(
+        {
+            "providers": {"mock": {"kind": "mock", "models": ["echo", "big"]}},
+            "models": {"fast": {"targets": ["mock/big"]}},
+        }
+    )
+    body = await (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["fast", "mock/echo", "mock/big"]
+    assert body["data"][1] == {"id": "mock/echo", "object": "model", "created": 0, "owned_by": "mock"}
+    one = await client.get("/v1/models/mock/anything")
+    assert (await one.json())["id"] == "mock/anything"
+    missing = await client.get("/v1/models/gpt-4o")
+    assert missing.status == 404
+    health = await client.get("/healthz")
+    assert await health.json() == {"status": "ok", "streams": 0}
+
+
+async def test_alias_routes_to_its_target(make_client: MakeClient) -> None:
+    client = await make_client({"models": {"demo": {"targets": ["mock/echo"]}}})
+    resp = await client.post("/v1/chat/completions", json=chat("via alias", model="demo"))
+    body = await resp.json()
+    assert body["model"] == "demo"
+    assert body["choices"][0]["message"]["content"] == "via alias"
+
+
+async def test_each_frame_is_flushed_as_produced(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(providers=[gated])
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
+    )
+    # The provider is blocked after its first delta: that delta must already be here.
+    first = await asyncio.wait_for(resp.content.readline(), 5)
+    assert orjson.loads(first) == {"type": "delta", "delta": {"content": "before0 "}}
+    gated.gate.set()
+    rest = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    assert rest[0] == {"type": "delta", "delta": {"content": "after0 "}}
+    assert rest[-1] == {"type": "done"}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "heartbeat"),
+    [("sse", b": ping\n\n"), ("nexus", b": ping\n\n"), ("ndjson", b'{"type":"heartbeat"}\n')],
+)
+async def test_heartbeats_when_idle(make_client: MakeClient, fmt: str, heartbeat: bytes) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client({"server": {"heartbeat_interval_s": 0.05}}, providers=[gated])
+    resp = await client.post(
+        f"/v1/chat/completions?stream_format={fmt}", json=chat(model="gated/m", stream=True)
+    )
+    received = b""
+    while received.count(heartbeat) < 2:
+        received += await asyncio.wait_for(resp.content.readany(), 5)
+    gated.gate.set()
+    received += await resp.read()
+    assert received.index(b"before0") < received.index(heartbeat) < received.index(b"after0")
+
+
+async def test_slow_first_event_sends_headers_and_heartbeats(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=0, after=1)
+    client = await make_client({"server": {"heartbeat_interval_s": 0.05}}, providers=[gated])
+    resp = await asyncio.wait_for(
+        client.post("/v1/chat/completions", json=chat(model="gated/m", stream=True)), 5
+    )
+    assert resp.status == 200
+    head = await asyncio.wait_for(resp.content.readuntil(b": ping\n\n"), 5)
+    decoded = SSEDecoder().decode(head)
+    assert orjson.loads(decoded[0].data)["choices"][0]["delta"]["role"] == "assistant"
+    gated.gate.set()
+    assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+
+
+async def test_client_disconnect_closes_provider_at_once(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(providers=[gated])
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
+    )
+    await asyncio.wait_for(resp.content.readline(), 5)
+    loop = asyncio.get_running_loop()
+    gone = loop.time()
+    resp.close()  # drops the connection while the provider waits for its next chunk
+    await asyncio.wait_for(gated.closed.wait(), 2)
+    assert gated.closed_at is not None
+    assert gated.closed_at - gone < 0.5
+    assert not gated.gate.is_set()
+    health = await (await client.get("/healthz")).json()
+    assert health["streams"] == 0
+
+
+async def test_client_that_stops_reading_is_dropped(make_client: MakeClient) -> None:
+    endless = EndlessProvider()
+    client = await make_client({"server": {"write_timeout_s": 0.3}}, providers=[endless])
+    server = client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    body = orjson.dumps(chat(model="endless/m", stream=True))
+    writer.write(
+        b"POST /v1/chat/completions?stream_format=ndjson HTTP/1.1\r\n"
+        b"Host: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
+    await writer.drain()
+    # Read nothing: once the socket buffers fill, the write stalls and the
+    # gateway must drop us and close the provider, instead of buffering forever.
+    await asyncio.wait_for(endless.closed.wait(), 10)
+    produced = endless.produced
+    assert produced * endless.size < 64 * 1024 * 1024  # bounded by socket buffers, not 100s of MB
+    health = await (await client.get("/healthz")).json()
+    assert health["streams"] == 0
+    writer.close()
+
+
+async def test_concurrent_stream_limit(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client({"limits": {"max_concurrent_streams": 1}}, providers=[gated])
+    first = await client.post(
+        "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
+    )
+    await asyncio.wait_for(first.content.readline(), 5)
+    second = await client.post("/v1/chat/completions", json=chat(stream=True))
+    assert second.status == 429
+    assert second.headers["Retry-After"] == "1"
+    assert (await second.json())["error"]["code"] == "too_many_streams"
+    gated.gate.set()
+    await first.read()
+    third = await client.post("/v1/chat/completions", json=chat(stream=True))
+    assert third.status == 200
+    await third.read()

@@ -1,0 +1,407 @@
+"""Stream, Channel and accumulate: reading a completion, closing it, merging it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+
+import pytest
+
+from nexus import Engine, MockProvider, Provider
+from nexus.errors import StreamError
+from nexus.events import (
+    Audio,
+    Citation,
+    Delta,
+    Error,
+    Image,
+    Reasoning,
+    StreamEvent,
+    ToolCall,
+    Usage,
+)
+from nexus.request import ChatRequest
+from nexus.stream import Channel, EndOfStream, Stream, accumulate
+from nexus.types import CompletedToolCall, StreamMeta
+
+EVENTS: list[StreamEvent] = [
+    Delta(role="assistant"),
+    Delta(content="Hello"),
+    Delta(content=" world"),
+    Delta(finish_reason="stop"),
+    Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5),
+]
+
+
+class Recorder:
+    """A hand-written provider generator that records what happened to it."""
+
+    def __init__(self, events: Sequence[StreamEvent] = EVENTS, *, sleep_after: int | None = None):
+        self.events = list(events)
+        self.sleep_after = sleep_after
+        self.log: list[str] = []
+        self.produced = 0
+
+    async def gen(self) -> AsyncGenerator[StreamEvent, None]:
+        try:
+            for i, event in enumerate(self.events):
+                if self.sleep_after is not None and i == self.sleep_after:
+                    self.log.append("sleeping")
+                    await asyncio.sleep(10)
+                self.produced += 1
+                yield event
+        finally:
+            self.log.append("finally")
+
+    def stream(self) -> Stream:
+        return Stream(self.gen(), StreamMeta.new("test/model"))
+
+
+async def settle() -> None:
+    """Let every ready task run until it blocks."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def chat(content: str = "Hello there world", **extra: object) -> dict[str, object]:
+    return {"model": "mock/echo", "messages": [{"role": "user", "content": content}], **extra}
+
+
+# --- Stream ------------------------------------------------------------------
+
+
+async def test_async_for_yields_events_in_order() -> None:
+    rec = Recorder()
+    stream = rec.stream()
+    assert [e async for e in stream] == EVENTS
+    assert rec.log == ["finally"]
+
+
+async def test_next_returns_events_then_raises_end_of_stream_twice() -> None:
+    stream = Recorder().stream()
+    got = [await stream.next() for _ in EVENTS]
+    assert got == EVENTS
+    with pytest.raises(EndOfStream):
+        await stream.next()
+    with pytest.raises(EndOfStream):
+        await stream.next()
+
+
+async def test_close_runs_provider_finally_before_returning_and_is_idempotent() -> None:
+    rec = Recorder()
+    stream = rec.stream()
+    assert await stream.next() == EVENTS[0]
+    assert rec.log == []
+    await stream.close()
+    assert rec.log == ["finally"]
+    await stream.close()
+    assert rec.log == ["finally"]
+    with pytest.raises(EndOfStream):
+        await stream.next()
+
+
+async def test_async_with_closes_the_stream() -> None:
+    rec = Recorder()
+    async with rec.stream() as stream:
+        assert await stream.next() == EVENTS[0]
+        assert await stream.next() == EVENTS[1]
+    assert rec.log == ["finally"]
+    assert rec.produced == 2
+
+
+async def test_stream_over_engine_and_mock_provider() -> None:
+    engine = Engine([MockProvider("mock")])
+    async with engine.complete_stream(chat("one two three")) as stream:
+        events = [e async for e in stream]
+    assert events[:3] == [Delta(content="one"), Delta(content=" two"), Delta(content=" three")]
+    assert events[3] == Delta(finish_reason="stop")
+    assert type(events[4]) is Usage
+    assert len(events) == 5
+
+
+async def test_close_over_engine_runs_provider_finally() -> None:
+    rec = Recorder()
+
+    class Hand(Provider):
+        kind = "hand"
+
+        def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+            return rec.gen()
+
+    engine = Engine([Hand("hand")])
+    stream = engine.complete_stream(chat(model="hand/x"))
+    assert await stream.next() == EVENTS[0]
+    await stream.close()
+    assert rec.log == ["finally"]
+
+
+async def test_close_while_provider_sleeps_returns_quickly_and_runs_finally() -> None:
+    rec = Recorder(sleep_after=1)
+    stream = rec.stream()
+    assert await stream.next() == EVENTS[0]
+    reader = asyncio.create_task(stream.next())
+    await settle()
+    assert rec.log == ["sleeping"]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        await stream.close()
+        assert loop.time() - start < 1.0
+        assert rec.log == ["sleeping", "finally"]
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
+# --- Channel -----------------------------------------------------------------
+
+
+async def test_channel_yields_all_events_in_order() -> None:
+    rec = Recorder()
+    async with rec.stream().channel(buffer=2) as channel:
+        assert [e async for e in channel] == EVENTS
+    assert rec.log == ["finally"]
+
+
+async def test_channel_next_raises_end_of_stream_at_the_end() -> None:
+    channel = Recorder().stream().channel(buffer=2)
+    got = [await channel.next() for _ in EVENTS]
+    assert got == EVENTS
+    with pytest.raises(EndOfStream):
+        await channel.next()
+    with pytest.raises(EndOfStream):
+        await channel.next()
+    await channel.close()
+
+
+async def test_channel_reads_ahead_by_at_most_buffer_plus_one() -> None:
+    events = [Delta(content=str(i)) for i in range(10)]
+    rec = Recorder(events)
+    channel = rec.stream().channel(buffer=2)
+    await settle()
+    assert 2 <= rec.produced <= 3
+    assert await channel.next() == events[0]
+    await settle()
+    assert 3 <= rec.produced <= 4
+    rest = [e async for e in channel]
+    assert rest == events[1:]
+    assert rec.produced == 10
+    await channel.close()
+
+
+async def test_channel_over_engine_matches_direct_reading() -> None:
+    engine = Engine([MockProvider("mock")])
+    async with engine.complete_stream(chat("a b c d e")) as stream:
+        direct = [e async for e in stream]
+    async with engine.complete_stream(chat("a b c d e")).channel(buffer=2) as channel:
+        assert channel.meta.provider == "mock"
+        via_channel = [e async for e in channel]
+    assert via_channel == direct
+    assert len(direct) == 7
+
+
+async def test_channel_propagates_provider_exception_before_any_event() -> None:
+    async def failing() -> AsyncGenerator[StreamEvent, None]:
+        raise ValueError("boom")
+        yield Delta(content="never")  # pragma: no cover
+
+    channel = Stream(failing(), StreamMeta.new("m")).channel(buffer=2)
+    with pytest.raises(ValueError, match="boom"):
+        await channel.next()
+    await channel.close()
+
+    channel = Stream(failing(), StreamMeta.new("m")).channel(buffer=2)
+    with pytest.raises(ValueError, match="boom"):
+        async for _ in channel:
+            pass
+    await channel.close()
+
+
+async def test_channel_delivers_events_before_the_exception() -> None:
+    async def failing() -> AsyncGenerator[StreamEvent, None]:
+        yield Delta(content="a")
+        raise RuntimeError("late")
+
+    channel = Stream(failing(), StreamMeta.new("m")).channel(buffer=4)
+    assert await channel.next() == Delta(content="a")
+    with pytest.raises(RuntimeError, match="late"):
+        await channel.next()
+    await channel.close()
+
+
+async def test_channel_close_stops_producer_and_runs_finally() -> None:
+    rec = Recorder([Delta(content=str(i)) for i in range(100)])
+    channel = rec.stream().channel(buffer=1)
+    await settle()
+    assert await channel.next() == Delta(content="0")
+    await channel.close()
+    produced = rec.produced
+    assert rec.log == ["finally"]
+    await settle()
+    assert rec.produced == produced < 100
+    with pytest.raises(EndOfStream):
+        await channel.next()
+
+
+async def test_channel_close_while_provider_sleeps_is_quick() -> None:
+    rec = Recorder(sleep_after=1)
+    channel = rec.stream().channel(buffer=2)
+    assert await channel.next() == EVENTS[0]
+    await settle()
+    assert rec.log == ["sleeping"]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await channel.close()
+    assert loop.time() - start < 1.0
+    assert rec.log == ["sleeping", "finally"]
+
+
+async def test_channel_buffer_zero_is_rejected() -> None:
+    stream = Recorder().stream()
+    with pytest.raises(ValueError, match="buffer"):
+        stream.channel(buffer=0)
+    await stream.close()
+
+
+# --- accumulate --------------------------------------------------------------
+
+
+async def test_accumulate_concatenates_content_and_reasoning() -> None:
+    rec = Recorder(
+        [
+            Reasoning("Let me "),
+            Reasoning("think."),
+            Delta(role="assistant"),
+            Delta(content="Hel"),
+            Delta(content="lo"),
+            Delta(finish_reason="stop"),
+        ]
+    )
+    stream = rec.stream()
+    result = await accumulate(stream)
+    assert result.content == "Hello"
+    assert result.reasoning == "Let me think."
+    assert result.role == "assistant"
+    assert result.finish_reason == "stop"
+    assert result.refusal is None
+    assert result.tool_calls == []
+    assert result.usage is None
+    assert result.id == stream.meta.id
+    assert result.model == "test/model"
+    assert rec.log == ["finally"]
+
+
+async def test_accumulate_merges_two_tool_calls_by_index() -> None:
+    rec = Recorder(
+        [
+            ToolCall(index=0, id="call_a", name="get_weather", arguments=""),
+            ToolCall(index=1, id="call_b", name="get_time", arguments='{"tz":'),
+            ToolCall(index=0, arguments='{"city":'),
+            ToolCall(index=0, name="ignored", arguments='"Paris"}'),
+            ToolCall(index=1, arguments='"UTC"}'),
+            Delta(finish_reason="tool_calls"),
+        ]
+    )
+    result = await accumulate(rec.stream())
+    assert result.tool_calls == [
+        CompletedToolCall(index=0, id="call_a", name="get_weather", arguments='{"city":"Paris"}'),
+        CompletedToolCall(index=1, id="call_b", name="get_time", arguments='{"tz":"UTC"}'),
+    ]
+    assert result.finish_reason == "tool_calls"
+
+
+async def test_accumulate_merges_a_repeated_id_by_id() -> None:
+    rec = Recorder(
+        [
+            ToolCall(index=0, id="call_x", name="f", arguments='{"a":'),
+            ToolCall(index=3, id="call_x", arguments="1}"),
+        ]
+    )
+    result = await accumulate(rec.stream())
+    assert result.tool_calls == [
+        CompletedToolCall(index=0, id="call_x", name="f", arguments='{"a":1}')
+    ]
+
+
+async def test_accumulate_reads_tool_calls_inside_deltas() -> None:
+    rec = Recorder(
+        [
+            Delta(tool_calls=(ToolCall(index=0, id="call_1", name="g", arguments=""),)),
+            Delta(tool_calls=(ToolCall(index=0, arguments="{}"),)),
+        ]
+    )
+    stream = rec.stream()
+    result = await accumulate(stream)
+    assert result.tool_calls == [CompletedToolCall(index=0, id="call_1", name="g", arguments="{}")]
+
+
+async def test_accumulate_names_a_tool_call_without_id() -> None:
+    stream = Recorder([ToolCall(index=2, name="h", arguments="[]")]).stream()
+    result = await accumulate(stream)
+    assert result.tool_calls == [
+        CompletedToolCall(index=2, id=f"call_{stream.meta.id[-12:]}_2", name="h", arguments="[]")
+    ]
+
+
+async def test_accumulate_takes_usage_from_the_last_usage_event() -> None:
+    last = Usage(prompt_tokens=4, completion_tokens=6, total_tokens=10, reasoning_tokens=2)
+    rec = Recorder(
+        [
+            Usage(prompt_tokens=4, completion_tokens=0, total_tokens=4),
+            Delta(content="x"),
+            last,
+        ]
+    )
+    result = await accumulate(rec.stream())
+    assert result.usage == last
+
+
+async def test_accumulate_collects_refusal_citations_audio_and_images() -> None:
+    citation = Citation(url="https://example.com", title="Ex", quoted="q")
+    audio = [Audio(data="AAA=", format="pcm16"), Audio(transcript="hi")]
+    image = Image(url="https://example.com/a.png", mime_type="image/png")
+    rec = Recorder(
+        [
+            Delta(refusal="I can't "),
+            citation,
+            audio[0],
+            Delta(refusal="help."),
+            audio[1],
+            image,
+            Delta(finish_reason="stop"),
+        ]
+    )
+    result = await accumulate(rec.stream())
+    assert result.refusal == "I can't help."
+    assert result.citations == [citation]
+    assert result.audio == audio
+    assert result.images == [image]
+    assert result.content == ""
+
+
+async def test_accumulate_raises_stream_error_and_closes_the_stream() -> None:
+    error = Error(
+        error_type="upstream_error", message="upstream went away", code="upstream_timeout",
+        retryable=True,
+    )
+    rec = Recorder([Delta(content="partial"), error, Delta(content="never read")])
+    with pytest.raises(StreamError) as info:
+        await accumulate(rec.stream())
+    exc = info.value
+    assert exc.code == "upstream_timeout"
+    assert exc.message == "upstream went away"
+    assert exc.retryable is True
+    assert exc.status == 504
+    assert exc.event == error
+    assert rec.log == ["finally"]
+    assert rec.produced == 2
+
+
+async def test_accumulate_over_a_channel() -> None:
+    rec = Recorder()
+    channel = rec.stream().channel(buffer=2)
+    assert isinstance(channel, Channel)
+    result = await accumulate(channel)
+    assert result.content == "Hello world"
+    assert result.usage == EVENTS[-1]
+    assert rec.log == ["finally"]

@@ -381,7 +381,9 @@ async def test_accumulate_collects_refusal_citations_audio_and_images() -> None:
 
 async def test_accumulate_raises_stream_error_and_closes_the_stream() -> None:
     error = Error(
-        error_type="upstream_error", message="upstream went away", code="upstream_timeout",
+        error_type="upstream_error",
+        message="upstream went away",
+        code="upstream_timeout",
         retryable=True,
     )
     rec = Recorder([Delta(content="partial"), error, Delta(content="never read")])

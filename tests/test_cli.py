@@ -1,0 +1,171 @@
+"""``nexus serve`` as a real process: start-up, curl -N pacing, config errors, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+NEXUS = str(Path(sys.executable).parent / "nexus")
+CURL = "curl"
+
+
+def _start(config: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [NEXUS, "serve", "--config", str(config), "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 20
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.search(r"Nexus serving on (http://\S+)", line)
+        if match:
+            return proc, match.group(1)
+    proc.kill()
+    proc.stderr.close()
+    raise AssertionError("nexus serve did not report its URL:\n" + "".join(seen))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        "[server]\nshutdown_grace_s = 0.5\nheartbeat_interval_s = 15\n\n"
+        '[providers.mock]\nkind = "mock"\n'
+    )
+    proc, url = _start(config)
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    assert proc.stderr is not None
+    proc.stderr.close()
+
+
+def _curl(url: str, body: dict[str, object], query: str = "") -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [CURL, "-sN", url + "/v1/chat/completions" + query, "-H", "Content-Type: application/json",
+         "-d", orjson.dumps(body).decode()],
+        stdout=subprocess.PIPE,
+        bufsize=0,
+    )
+
+
+def _timed_lines(proc: subprocess.Popen[bytes]) -> list[tuple[float, bytes]]:
+    assert proc.stdout is not None
+    out = []
+    for line in iter(proc.stdout.readline, b""):
+        out.append((time.monotonic(), line))
+    proc.stdout.close()
+    proc.wait(10)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["sse", "nexus", "ndjson"])
+def test_curl_sees_frames_one_by_one(
+    server: tuple[subprocess.Popen[str], str], fmt: str
+) -> None:
+    _, url = server
+    body = {
+        "model": "mock/echo",
+        "messages": [{"role": "user", "content": "one two three four"}],
+        "stream": True,
+        "mock": {"delay_ms": 250},
+    }
+    lines = _timed_lines(_curl(url, body, f"?stream_format={fmt}"))
+    content = [(t, line) for t, line in lines if b'"one"' in line or b'" four"' in line]
+    assert len(content) == 2
+    (first_at, _), (last_at, _) = content
+    # Three 250 ms gaps separate "one" from "four": they must not arrive together.
+    assert last_at - first_at > 0.5
+
+
+def test_serve_logs_url_and_stops_on_sigterm(server: tuple[subprocess.Popen[str], str]) -> None:
+    proc, url = server
+    assert url.startswith("http://127.0.0.1:")
+    out = subprocess.run(
+        [CURL, "-s", url + "/healthz"], capture_output=True, check=True, timeout=10
+    ).stdout
+    assert orjson.loads(out) == {"status": "ok", "streams": 0}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    assert proc.stderr is not None
+    assert "stopped" in proc.stderr.read()
+
+
+def test_sigterm_ends_running_streams_with_a_retryable_error(
+    server: tuple[subprocess.Popen[str], str],
+) -> None:
+    proc, url = server
+    body = {
+        "model": "mock/echo",
+        "messages": [{"role": "user", "content": "word " * 200}],
+        "stream": True,
+        "mock": {"delay_ms": 100},
+    }
+    client = _curl(url, body)
+    assert client.stdout is not None
+    first = client.stdout.readline()  # the stream is running
+    assert first.startswith(b"retry: ")
+    proc.send_signal(signal.SIGTERM)
+    rest = client.stdout.read()
+    client.stdout.close()
+    client.wait(10)
+    assert proc.wait(15) == 0
+    frames = rest.split(b"\n\n")
+    assert b"event: error" in rest
+    error_frame = next(f for f in frames if f.startswith(b"event: error"))
+    error = orjson.loads(error_frame.split(b"data: ", 1)[1])["error"]
+    assert error["code"] == "server_shutting_down"
+    assert rest.endswith(b"data: [DONE]\n\n")
+    # The grace period let it run a little longer, but not to the end (200 words).
+    assert 2 < rest.count(b'"content"') < 150
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("[server]\nheartbeat_intervl_s = 3\n", "[server] heartbeat_intervl_s: unknown key"),
+        ("[server]\nport = 99999\n", "[server] port: Input should be less than or equal to 65535"),
+        ('[providers.x]\nkind = "mock"\n[models.fast]\ntargets = ["y/z"]\n', "'y/z'"),
+        ("[cache]\nenabled = true\n", "[cache]: unknown table or key"),
+        ("[server\n", "not valid TOML"),
+    ],
+)
+def test_config_errors_name_file_and_key(tmp_path: Path, text: str, fragment: str) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    done = subprocess.run(
+        [NEXUS, "serve", "--config", str(config)], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 2
+    assert str(config) in done.stderr
+    assert fragment in done.stderr
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [NEXUS, "serve", "--config", str(tmp_path / "nope.toml")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "nope.toml" in done.stderr
+    assert "cannot read" in done.stderr

@@ -1,0 +1,157 @@
+"""The official openai SDK against the running gateway: what users will actually run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from openai import AsyncOpenAI
+from support import MakeClient
+
+
+USER = [{"role": "user", "content": "Hello from the SDK"}]
+
+
+async def sdk(make_client: MakeClient, config: dict[str, Any] | None = None) -> AsyncOpenAI:
+    client = await make_client(config)
+    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+async def test_streamed_text(make_client: MakeClient) -> None:
+    async with await sdk(make_client) as api:
+        stream = await api.chat.completions.create(model="mock/echo", messages=USER, stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello from the SDK"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_include_usage(make_client: MakeClient) -> None:
+    async with await sdk(make_client) as api:
+        stream = await api.chat.completions.create(
+            model="mock/echo",
+            messages=USER,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"mock": {"usage": {"cached_tokens": 2}}},
+        )
+        chunks = [chunk async for chunk in stream]
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
+        4,
+        4,
+        8,
+    )
+    assert last.usage.prompt_tokens_details is not None
+    assert last.usage.prompt_tokens_details.cached_tokens == 2
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_streamed_tool_calls(make_client: MakeClient) -> None:
+    tool_calls = [
+        {"name": "get_weather", "arguments": {"city": "Reykjavik", "unit": "celsius"}},
+        {"name": "get_time", "arguments": '{"zone": "UTC"}'},
+    ]
+    async with await sdk(make_client) as api:
+        stream = await api.chat.completions.create(
+            model="mock/echo",
+            messages=USER,
+            stream=True,
+            extra_body={"mock": {"content": "", "tool_calls": tool_calls}},
+        )
+        calls: dict[int, dict[str, str]] = {}
+        fragments = 0
+        finish = None
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or ():
+                fragments += 1
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                assert delta.function is not None
+                call["id"] += delta.id or ""
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    assert finish == "tool_calls"
+    assert fragments > 4  # the arguments really arrived in pieces
+    assert [c["name"] for c in calls.values()] == ["get_weather", "get_time"]
+    assert orjson.loads(calls[0]["arguments"]) == {"city": "Reykjavik", "unit": "celsius"}
+    assert orjson.loads(calls[1]["arguments"]) == {"zone": "UTC"}
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+async def test_stream_helper_accumulates(make_client: MakeClient) -> None:
+    """The SDK's strict helper (role once, tool-call indexes in order) accepts our stream."""
+    async with await sdk(make_client) as api:
+        async with api.chat.completions.stream(
+            model="mock/echo",
+            messages=USER,
+            extra_body={
+                "mock": {
+                    "reasoning": "thinking first",
+                    "tool_calls": [{"name": "lookup", "arguments": {"q": "nexus"}}],
+                }
+            },
+        ) as stream:
+            final = await stream.get_final_completion()
+    message = final.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == "Hello from the SDK"
+    assert message.tool_calls is not None
+    assert message.tool_calls[0].function.name == "lookup"
+    assert orjson.loads(message.tool_calls[0].function.arguments) == {"q": "nexus"}
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+async def test_mid_stream_failure_raises_api_error(make_client: MakeClient) -> None:
+    async with await sdk(make_client) as api:
+        stream = await api.chat.completions.create(
+            model="mock/echo",
+            messages=USER,
+            stream=True,
+            extra_body={"mock": {"fail_after": 2}},
+        )
+        received = []
+        with pytest.raises(openai.APIError) as info:
+            async for chunk in stream:
+                received.append(chunk)
+    assert not isinstance(info.value, openai.APIStatusError)
+    assert info.value.code == "upstream_error"
+    assert "fail_after" in info.value.message
+    text = "".join(c.choices[0].delta.content or "" for c in received if c.choices)
+    assert text == "Hello from"
+
+
+async def test_non_streaming_and_http_errors(make_client: MakeClient) -> None:
+    async with await sdk(make_client) as api:
+        completion = await api.chat.completions.create(
+            model="mock/echo", messages=USER, max_tokens=2
+        )
+        assert completion.choices[0].message.content == "Hello from"
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage is not None and completion.usage.completion_tokens == 2
+
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.chat.completions.create(model="gpt-4o", messages=USER)
+        assert missing.value.code == "model_not_found"
+
+        with pytest.raises(openai.BadRequestError) as bad:
+            await api.chat.completions.create(model="mock/echo", messages=USER, temperature=5)
+        assert bad.value.param == "temperature"
+
+        with pytest.raises(openai.InternalServerError) as upstream:
+            await api.chat.completions.create(
+                model="mock/echo", messages=USER, stream=True, extra_body={"mock": {"fail_after": 0}}
+            )
+        assert upstream.value.status_code == 502
+
+        models = await api.models.list()
+        assert [m.id for m in models.data] == ["mock/echo"]

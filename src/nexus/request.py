@@ -125,13 +125,13 @@ Message = Annotated[
 
 
 def message_text(message: SystemMessage | UserMessage | AssistantMessage | ToolMessage) -> str:
-    """The text of a message's content: the string, or its text parts joined."""
+    """The text of a message's content: the string, or its text parts joined by spaces."""
     content = message.content
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content if isinstance(part, TextPart))
+    return " ".join(part.text for part in content if isinstance(part, TextPart))
 
 
 # --- tools and formats -----------------------------------------------------

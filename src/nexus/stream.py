@@ -40,31 +40,57 @@ class EndOfStream(Exception):  # noqa: N818 - named for what it signals, like io
 
 
 class Stream:
-    """One completion's events, in order. Single consumer; not restartable."""
+    """One completion's events, in order. Single reader; not restartable."""
 
-    __slots__ = ("_events", "_finished", "meta")
+    __slots__ = ("_closing", "_events", "_reader", "meta")
 
     def __init__(self, events: AsyncGenerator[StreamEvent, None], meta: StreamMeta) -> None:
         self._events = events
-        self._finished = False
+        self._closing = False
+        self._reader: asyncio.Task[object] | None = None
         self.meta = meta
 
-    def __aiter__(self) -> AsyncIterator[StreamEvent]:
-        # The generator itself: no extra frame per event on the hot path.
-        return self._events
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        self._reader = asyncio.current_task()
+        try:
+            return await self._events.__anext__()
+        except asyncio.CancelledError:
+            if self._closed_under_reader():
+                raise StopAsyncIteration from None
+            raise
 
     async def next(self) -> StreamEvent:
         """The next event. Raises :class:`EndOfStream` when the stream is over."""
         try:
-            return await self._events.__anext__()
+            return await self.__anext__()
         except StopAsyncIteration:
-            self._finished = True
             raise EndOfStream from None
 
+    def _closed_under_reader(self) -> bool:
+        # close() from another task cancelled this read: end the stream instead.
+        task = self._reader
+        if self._closing and task is not None and task.cancelling():
+            task.uncancel()
+            return True
+        return False
+
     async def close(self) -> None:
-        """Stop the stream and the provider behind it. Idempotent."""
-        self._finished = True
-        await self._events.aclose()
+        """Stop the stream and the provider behind it; idempotent.
+
+        Safe from another task while a read is in progress: that read ends
+        the stream (``StopAsyncIteration`` / :class:`EndOfStream`).
+        """
+        self._closing = True
+        events = self._events
+        reader = self._reader
+        if events.ag_running and reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            while events.ag_running:
+                await asyncio.sleep(0)
+        await events.aclose()
 
     async def __aenter__(self) -> Stream:
         return self

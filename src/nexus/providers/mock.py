@@ -76,10 +76,9 @@ class MockProvider(Provider):
         finish = "stop"
 
         content = script.content if script.content is not None else echo(request)
-        for stop in request.stop_sequences:
-            cut = content.find(stop)
-            if cut != -1:
-                content = content[:cut]
+        cuts = [i for i in (content.find(s) for s in request.stop_sequences) if i != -1]
+        if cuts:
+            content = content[: min(cuts)]
 
         for kind, event in _script_events(request, script, content):
             if fail_after is not None and emitted >= fail_after:

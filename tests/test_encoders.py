@@ -1,0 +1,489 @@
+"""The three built-in encoders, frame by frame, and their output read back by real decoders."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+from openai._streaming import SSEDecoder as OpenAISSEDecoder
+
+from nexus.encoders import Encoder, NativeSSEEncoder, NDJSONEncoder, OpenAISSEEncoder
+from nexus.events import (
+    Audio,
+    Citation,
+    Delta,
+    Done,
+    Error,
+    Heartbeat,
+    Image,
+    Reasoning,
+    StreamEvent,
+    ToolCall,
+    Usage,
+)
+from nexus.protocol.sse import SSEDecoder
+from nexus.types import StreamMeta
+
+
+def make_meta(include_usage: bool = False, retry_ms: int | None = None) -> StreamMeta:
+    return StreamMeta(
+        id="chatcmpl-1",
+        model="mock/echo",
+        created=1700000000,
+        include_usage=include_usage,
+        retry_ms=retry_ms,
+    )
+
+
+METAS = [
+    pytest.param(make_meta(False, None), id="plain"),
+    pytest.param(make_meta(True, None), id="usage"),
+    pytest.param(make_meta(False, 3000), id="retry"),
+    pytest.param(make_meta(True, 3000), id="usage-retry"),
+]
+
+HEAD = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"mock/echo","choices":'
+)
+
+
+def chunk(delta: bytes, finish: bytes = b"null") -> bytes:
+    return HEAD + b'[{"index":0,"delta":' + delta + b',"finish_reason":' + finish + b"}]}\n\n"
+
+
+USAGE = Usage(prompt_tokens=5, completion_tokens=3, total_tokens=8)
+USAGE_DETAILED = Usage(5, 3, 8, cached_tokens=2, reasoning_tokens=1)
+ERROR = Error(error_type="upstream_error", message="boom", code="upstream_timeout", retryable=True)
+FIRST = ToolCall(index=0, id="call_1", name="get_weather")
+LATER = ToolCall(index=0, arguments='{"city":')
+
+# Events whose OpenAI frame does not depend on the stream's meta.
+OPENAI_FRAMES = [
+    pytest.param(Delta(content="Hello"), chunk(b'{"content":"Hello"}'), id="content"),
+    pytest.param(Delta(content=""), chunk(b'{"content":""}'), id="empty-content"),
+    pytest.param(
+        Delta(content='a\nb"\u00e9\u20ac'),
+        chunk('{"content":"a\\nb\\"\u00e9\u20ac"}'.encode()),
+        id="content-escaped-utf8",
+    ),
+    pytest.param(Delta(finish_reason="stop"), chunk(b"{}", b'"stop"'), id="finish"),
+    pytest.param(
+        Delta(content="x", finish_reason="length"),
+        chunk(b'{"content":"x"}', b'"length"'),
+        id="content-and-finish",
+    ),
+    pytest.param(Delta(role="assistant"), chunk(b"{}"), id="role-only-dropped"),
+    pytest.param(
+        Delta(role="assistant", content="Hi"), chunk(b'{"content":"Hi"}'), id="role-dropped"
+    ),
+    pytest.param(Delta(refusal="I can't"), chunk(b'{"refusal":"I can\'t"}'), id="refusal"),
+    pytest.param(
+        Delta(tool_calls=(FIRST,), finish_reason="tool_calls"),
+        chunk(
+            b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+            b'"function":{"arguments":"","name":"get_weather"}}]}',
+            b'"tool_calls"',
+        ),
+        id="delta-with-tool-calls",
+    ),
+    pytest.param(Reasoning("hmm"), chunk(b'{"reasoning_content":"hmm"}'), id="reasoning"),
+    pytest.param(
+        FIRST,
+        chunk(
+            b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+            b'"function":{"arguments":"","name":"get_weather"}}]}'
+        ),
+        id="tool-call-first",
+    ),
+    pytest.param(
+        LATER,
+        chunk(b'{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\":"}}]}'),
+        id="tool-call-later",
+    ),
+    pytest.param(
+        ToolCall(index=1, id="call_2", name="f", arguments="{}"),
+        chunk(
+            b'{"tool_calls":[{"index":1,"id":"call_2","type":"function",'
+            b'"function":{"arguments":"{}","name":"f"}}]}'
+        ),
+        id="tool-call-second-index",
+    ),
+    pytest.param(
+        Audio(data="UklG", format="pcm16", transcript="hi"),
+        chunk(b'{"audio":{"data":"UklG","transcript":"hi","format":"pcm16"}}'),
+        id="audio",
+    ),
+    pytest.param(
+        Audio(transcript="hi"), chunk(b'{"audio":{"data":null,"transcript":"hi"}}'), id="audio-text"
+    ),
+    pytest.param(
+        Image(data="iVBO", mime_type="image/jpeg"),
+        chunk(
+            b'{"images":[{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,iVBO"}}]}'
+        ),
+        id="image-inline",
+    ),
+    pytest.param(
+        Image(data="iVBO"),
+        chunk(
+            b'{"images":[{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBO"}}]}'
+        ),
+        id="image-inline-default-mime",
+    ),
+    pytest.param(
+        Image(url="https://x.test/a.png", data="iVBO"),
+        chunk(b'{"images":[{"type":"image_url","image_url":{"url":"https://x.test/a.png"}}]}'),
+        id="image-url",
+    ),
+    pytest.param(
+        Citation(url="https://x.test", title="X", quoted="q"),
+        chunk(
+            b'{"annotations":[{"type":"url_citation",'
+            b'"url_citation":{"url":"https://x.test","title":"X","quoted":"q"}}]}'
+        ),
+        id="citation",
+    ),
+    pytest.param(
+        Citation(url="https://x.test"),
+        chunk(
+            b'{"annotations":[{"type":"url_citation",'
+            b'"url_citation":{"url":"https://x.test","title":null}}]}'
+        ),
+        id="citation-no-quote",
+    ),
+]
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize(("event", "expected"), OPENAI_FRAMES)
+def test_openai_encode(meta: StreamMeta, event: StreamEvent, expected: bytes) -> None:
+    assert OpenAISSEEncoder(meta).encode(event) == expected
+
+
+ROLE_CHUNK = chunk(b'{"role":"assistant","content":""}')
+
+
+@pytest.mark.parametrize(
+    ("meta", "expected"),
+    [
+        (make_meta(False, None), ROLE_CHUNK),
+        (make_meta(True, None), ROLE_CHUNK),
+        (make_meta(False, 3000), b"retry: 3000\n" + ROLE_CHUNK),
+        (make_meta(True, 0), b"retry: 0\n" + ROLE_CHUNK),
+    ],
+)
+def test_openai_start(meta: StreamMeta, expected: bytes) -> None:
+    assert OpenAISSEEncoder(meta).start() == expected
+
+
+@pytest.mark.parametrize(
+    ("include_usage", "usage", "expected"),
+    [
+        (
+            True,
+            USAGE,
+            HEAD + b'[],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}\n\n',
+        ),
+        (
+            True,
+            USAGE_DETAILED,
+            HEAD + b'[],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8,'
+            b'"prompt_tokens_details":{"cached_tokens":2},'
+            b'"completion_tokens_details":{"reasoning_tokens":1}}}\n\n',
+        ),
+        (False, USAGE, b""),
+        (False, USAGE_DETAILED, b""),
+    ],
+)
+@pytest.mark.parametrize("retry_ms", [None, 3000])
+def test_openai_usage(
+    include_usage: bool, usage: Usage, expected: bytes, retry_ms: int | None
+) -> None:
+    assert OpenAISSEEncoder(make_meta(include_usage, retry_ms)).encode(usage) == expected
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (
+            ERROR,
+            b'event: error\ndata: {"error":{"message":"boom","type":"upstream_error",'
+            b'"param":null,"code":"upstream_timeout"}}\n\n',
+        ),
+        (
+            Error(error_type="invalid_request_error", message="bad", param="model"),
+            b'event: error\ndata: {"error":{"message":"bad","type":"invalid_request_error",'
+            b'"param":"model","code":null}}\n\n',
+        ),
+    ],
+)
+def test_openai_error_heartbeat_end(meta: StreamMeta, error: Error, expected: bytes) -> None:
+    encoder = OpenAISSEEncoder(meta)
+    assert encoder.error(error) == expected
+    assert encoder.heartbeat() == b": ping\n\n"
+    assert encoder.end() == b"data: [DONE]\n\n"
+
+
+def test_openai_head_escapes_meta_strings() -> None:
+    meta = StreamMeta(id='c"1', model="m\u00e9/\n", created=1)
+    frame = OpenAISSEEncoder(meta).encode(Delta(content="x"))
+    assert (
+        frame
+        == (
+            'data: {"id":"c\\"1","object":"chat.completion.chunk","created":1,'
+            '"model":"m\u00e9/\\n","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+        ).encode()
+    )
+
+
+# (event, SSE event name, JSON form): native SSE frames it as `event: NAME\ndata: JSON\n\n`,
+# NDJSON as `JSON\n`.
+JSON_FORMS = [
+    (Delta(content="Hello"), b"delta", b'{"type":"delta","delta":{"content":"Hello"}}'),
+    (Delta(content="a\nb"), b"delta", b'{"type":"delta","delta":{"content":"a\\nb"}}'),
+    (Delta(finish_reason="stop"), b"delta", b'{"type":"delta","delta":{},"finish_reason":"stop"}'),
+    (
+        Delta(role="assistant", content="Hi"),
+        b"delta",
+        b'{"type":"delta","delta":{"role":"assistant","content":"Hi"}}',
+    ),
+    (Reasoning("hmm"), b"reasoning", b'{"type":"reasoning","delta":{"reasoning":"hmm"}}'),
+    (
+        FIRST,
+        b"tool_call",
+        b'{"type":"tool_call","delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+        b'"function":{"arguments":"","name":"get_weather"}}]}}',
+    ),
+    (
+        LATER,
+        b"tool_call",
+        b'{"type":"tool_call","delta":{"tool_calls":[{"index":0,'
+        b'"function":{"arguments":"{\\"city\\":"}}]}}',
+    ),
+    (
+        USAGE_DETAILED,
+        b"usage",
+        b'{"type":"usage","usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8,'
+        b'"prompt_tokens_details":{"cached_tokens":2},'
+        b'"completion_tokens_details":{"reasoning_tokens":1}}}',
+    ),
+    (
+        Audio(data="UklG", format="pcm16"),
+        b"audio",
+        b'{"type":"audio","audio":{"data":"UklG","format":"pcm16","transcript":null}}',
+    ),
+    (
+        Image(data="iVBO", mime_type="image/png"),
+        b"image",
+        b'{"type":"image","image":{"data":"iVBO","url":null,"mime_type":"image/png"}}',
+    ),
+    (
+        Citation(url="https://x.test", title="X"),
+        b"citation",
+        b'{"type":"citation","citation":{"url":"https://x.test","title":"X","quoted":null}}',
+    ),
+    (Done(aborted=True), b"done", b'{"type":"done","aborted":true}'),
+]
+ERROR_JSON = (
+    b'{"type":"error","error":{"type":"upstream_error","message":"boom",'
+    b'"code":"upstream_timeout","retryable":true}}'
+)
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize(("event", "name", "json"), JSON_FORMS)
+def test_native_encode(meta: StreamMeta, event: StreamEvent, name: bytes, json: bytes) -> None:
+    assert NativeSSEEncoder(meta).encode(event) == b"event: " + name + b"\ndata: " + json + b"\n\n"
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize(("event", "name", "json"), JSON_FORMS)
+def test_ndjson_encode(meta: StreamMeta, event: StreamEvent, name: bytes, json: bytes) -> None:
+    assert NDJSONEncoder(meta).encode(event) == json + b"\n"
+
+
+@pytest.mark.parametrize(
+    ("meta", "start"),
+    [
+        (make_meta(False, None), b""),
+        (make_meta(True, None), b""),
+        (make_meta(False, 3000), b"retry: 3000\n\n"),
+        (make_meta(True, 3000), b"retry: 3000\n\n"),
+    ],
+)
+def test_native_start_error_heartbeat_end(meta: StreamMeta, start: bytes) -> None:
+    encoder = NativeSSEEncoder(meta)
+    assert encoder.start() == start
+    assert encoder.error(ERROR) == b"event: error\ndata: " + ERROR_JSON + b"\n\n"
+    assert encoder.heartbeat() == b": ping\n\n"
+    assert encoder.end() == b'event: done\ndata: {"type":"done"}\n\n'
+
+
+@pytest.mark.parametrize("meta", METAS)
+def test_ndjson_start_error_heartbeat_end(meta: StreamMeta) -> None:
+    encoder = NDJSONEncoder(meta)
+    assert encoder.start() == b""
+    assert encoder.error(ERROR) == ERROR_JSON + b"\n"
+    assert encoder.heartbeat() == b'{"type":"heartbeat"}\n'
+    assert encoder.end() == b'{"type":"done"}\n'
+
+
+@pytest.mark.parametrize(
+    ("cls", "media_type", "content_type", "aliases"),
+    [
+        (
+            OpenAISSEEncoder,
+            "text/event-stream",
+            "text/event-stream; charset=utf-8",
+            ("sse", "openai"),
+        ),
+        (
+            NativeSSEEncoder,
+            "application/vnd.nexus.events+sse",
+            "text/event-stream; charset=utf-8",
+            ("nexus", "nexus-sse"),
+        ),
+        (NDJSONEncoder, "application/x-ndjson", None, ("ndjson", "jsonl")),
+    ],
+)
+def test_class_attributes(
+    cls: type[Encoder], media_type: str, content_type: str | None, aliases: tuple[str, ...]
+) -> None:
+    assert (cls.media_type, cls.content_type, cls.aliases) == (media_type, content_type, aliases)
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+STREAM: list[StreamEvent] = [
+    Reasoning("thinking \u00e9"),
+    Delta(content="Hello"),
+    Delta(content=" w\u00f6rld \U0001f600\nnext line"),
+    FIRST,
+    LATER,
+    ToolCall(index=0, arguments='"Paris"}'),
+    Audio(transcript="hi"),
+    Image(url="https://x.test/a.png"),
+    Citation(url="https://x.test", title="X"),
+    Delta(finish_reason="tool_calls"),
+    USAGE_DETAILED,
+]
+
+
+def encode_stream(encoder: Encoder, failed: bool) -> list[bytes]:
+    frames = [encoder.start()]
+    for i, event in enumerate(STREAM):
+        frames.append(encoder.encode(event))
+        if i == 2:
+            frames.append(encoder.heartbeat())
+    if failed:
+        frames.append(encoder.error(ERROR))
+    frames.append(encoder.end())
+    return frames
+
+
+def byte_chunks(data: bytes) -> Iterator[bytes]:
+    for i in range(len(data)):
+        yield data[i : i + 1]
+
+
+def openai_payloads(meta: StreamMeta, failed: bool) -> list[Any]:
+    head = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "mock/echo",
+    }
+
+    def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    out: list[Any] = [
+        choice({"role": "assistant", "content": ""}),
+        choice({"reasoning_content": "thinking \u00e9"}),
+        choice({"content": "Hello"}),
+        choice({"content": " w\u00f6rld \U0001f600\nnext line"}),
+        choice({"tool_calls": [FIRST.wire()]}),
+        choice({"tool_calls": [LATER.wire()]}),
+        choice({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+        choice({"audio": {"data": None, "transcript": "hi"}}),
+        choice({"images": [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]}),
+        choice(
+            {
+                "annotations": [
+                    {
+                        "type": "url_citation",
+                        "url_citation": {"url": "https://x.test", "title": "X"},
+                    }
+                ]
+            }
+        ),
+        choice({}, "tool_calls"),
+    ]
+    if meta.include_usage:
+        out.append({**head, "choices": [], "usage": USAGE_DETAILED.wire()})
+    if failed:
+        out.append(
+            {
+                "error": {
+                    "message": "boom",
+                    "type": "upstream_error",
+                    "param": None,
+                    "code": "upstream_timeout",
+                }
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["ended", "failed"])
+@pytest.mark.parametrize("meta", METAS)
+def test_openai_round_trip(meta: StreamMeta, failed: bool) -> None:
+    data = b"".join(encode_stream(OpenAISSEEncoder(meta), failed))
+    expected = openai_payloads(meta, failed)
+    names = ["message"] * (len(expected) - failed) + ["error"] * failed + ["message"]
+
+    for chunks in ([data], list(byte_chunks(data))):
+        decoder = SSEDecoder()
+        events = [e for c in chunks for e in decoder.decode(c)] + decoder.flush()
+        assert [e.data for e in events][-1] == "[DONE]"
+        assert [orjson.loads(e.data) for e in events[:-1]] == expected
+        assert [e.event for e in events] == names
+        assert events[0].retry == meta.retry_ms
+        assert [e.retry for e in events[1:]] == [None] * (len(events) - 1)
+
+    for chunks in ([data], list(byte_chunks(data))):
+        sdk_events = list(OpenAISSEDecoder().iter_bytes(iter(chunks)))
+        # No empty-data events: every one would be json.loads("") in the SDK (§1).
+        assert [e.data for e in sdk_events if not e.data] == []
+        assert sdk_events[-1].data == "[DONE]"
+        assert [e.json() for e in sdk_events[:-1]] == expected
+        assert [e.event for e in sdk_events] == [None if n == "message" else n for n in names]
+        assert sdk_events[0].retry == meta.retry_ms
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["ended", "failed"])
+@pytest.mark.parametrize("meta", METAS)
+def test_native_round_trip(meta: StreamMeta, failed: bool) -> None:
+    data = b"".join(encode_stream(NativeSSEEncoder(meta), failed))
+    sent: list[StreamEvent] = [*STREAM, *([ERROR] if failed else []), Done()]
+    for chunks in ([data], list(byte_chunks(data))):
+        decoder = SSEDecoder()
+        events = [e for c in chunks for e in decoder.decode(c)] + decoder.flush()
+        assert [e.event for e in events] == [type(e).type for e in sent]
+        assert [orjson.loads(e.data) for e in events] == [e.to_dict() for e in sent]
+        assert events[0].retry == meta.retry_ms
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["ended", "failed"])
+@pytest.mark.parametrize("meta", METAS)
+def test_ndjson_round_trip(meta: StreamMeta, failed: bool) -> None:
+    data = b"".join(encode_stream(NDJSONEncoder(meta), failed))
+    assert data.endswith(b'\n{"type":"done"}\n')
+    lines = data.split(b"\n")
+    assert lines[-1] == b""
+    sent = [*STREAM[:3], Heartbeat(), *STREAM[3:], *([ERROR] if failed else []), Done()]
+    assert [orjson.loads(line) for line in lines[:-1]] == [e.to_dict() for e in sent]

@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from support import MakeClient
 
 from nexus import Engine, MockProvider, Provider
 from nexus.config import Config, parse_config
 from nexus.encoders.registry import default_registry
 from nexus.server.app import create_app
+from support import MakeClient
 
 
 @pytest.fixture

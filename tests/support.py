@@ -55,7 +55,6 @@ class GatedProvider(Provider):
             self.closed.set()
 
 
-
 class EndlessProvider(Provider):
     """Yields big deltas until closed; records when it was closed."""
 

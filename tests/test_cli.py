@@ -60,8 +60,15 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 def _curl(url: str, body: dict[str, object], query: str = "") -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [CURL, "-sN", url + "/v1/chat/completions" + query, "-H", "Content-Type: application/json",
-         "-d", orjson.dumps(body).decode()],
+        [
+            CURL,
+            "-sN",
+            url + "/v1/chat/completions" + query,
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            orjson.dumps(body).decode(),
+        ],
         stdout=subprocess.PIPE,
         bufsize=0,
     )
@@ -78,9 +85,7 @@ def _timed_lines(proc: subprocess.Popen[bytes]) -> list[tuple[float, bytes]]:
 
 
 @pytest.mark.parametrize("fmt", ["sse", "nexus", "ndjson"])
-def test_curl_sees_frames_one_by_one(
-    server: tuple[subprocess.Popen[str], str], fmt: str
-) -> None:
+def test_curl_sees_frames_one_by_one(server: tuple[subprocess.Popen[str], str], fmt: str) -> None:
     _, url = server
     body = {
         "model": "mock/echo",

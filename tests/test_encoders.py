@@ -60,107 +60,60 @@ ERROR = Error(error_type="upstream_error", message="boom", code="upstream_timeou
 FIRST = ToolCall(index=0, id="call_1", name="get_weather")
 LATER = ToolCall(index=0, arguments='{"city":')
 
-# Events whose OpenAI frame does not depend on the stream's meta.
-OPENAI_FRAMES = [
-    pytest.param(Delta(content="Hello"), chunk(b'{"content":"Hello"}'), id="content"),
-    pytest.param(Delta(content=""), chunk(b'{"content":""}'), id="empty-content"),
-    pytest.param(
-        Delta(content='a\nb"\u00e9\u20ac'),
-        chunk('{"content":"a\\nb\\"\u00e9\u20ac"}'.encode()),
-        id="content-escaped-utf8",
-    ),
-    pytest.param(Delta(finish_reason="stop"), chunk(b"{}", b'"stop"'), id="finish"),
-    pytest.param(
-        Delta(content="x", finish_reason="length"),
-        chunk(b'{"content":"x"}', b'"length"'),
-        id="content-and-finish",
-    ),
-    pytest.param(Delta(role="assistant"), chunk(b"{}"), id="role-only-dropped"),
-    pytest.param(
-        Delta(role="assistant", content="Hi"), chunk(b'{"content":"Hi"}'), id="role-dropped"
-    ),
-    pytest.param(Delta(refusal="I can't"), chunk(b'{"refusal":"I can\'t"}'), id="refusal"),
-    pytest.param(
-        Delta(tool_calls=(FIRST,), finish_reason="tool_calls"),
-        chunk(
-            b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
-            b'"function":{"arguments":"","name":"get_weather"}}]}',
-            b'"tool_calls"',
-        ),
-        id="delta-with-tool-calls",
-    ),
-    pytest.param(Reasoning("hmm"), chunk(b'{"reasoning_content":"hmm"}'), id="reasoning"),
-    pytest.param(
-        FIRST,
-        chunk(
-            b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
-            b'"function":{"arguments":"","name":"get_weather"}}]}'
-        ),
-        id="tool-call-first",
-    ),
-    pytest.param(
-        LATER,
-        chunk(b'{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\":"}}]}'),
-        id="tool-call-later",
-    ),
-    pytest.param(
+TC_FIRST = (
+    b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+    b'"function":{"arguments":"","name":"get_weather"}}]}'
+)
+TC_LATER = b'{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\":"}}]}'
+CITE = b'{"annotations":[{"type":"url_citation","url_citation":{"url":"https://x.test","title":'
+IMG = b'{"images":[{"type":"image_url","image_url":{"url":"'
+
+# (event, delta JSON, finish_reason JSON): the choice of the chunk, whatever the meta.
+OPENAI_CHOICES = [
+    (Delta(content="Hello"), b'{"content":"Hello"}', b"null"),
+    (Delta(content=""), b'{"content":""}', b"null"),
+    (Delta(content='a\nb"\u00e9\u20ac'), '{"content":"a\\nb\\"\u00e9\u20ac"}'.encode(), b"null"),
+    (Delta(finish_reason="stop"), b"{}", b'"stop"'),
+    (Delta(content="x", finish_reason="length"), b'{"content":"x"}', b'"length"'),
+    (Delta(role="assistant"), b"{}", b"null"),
+    (Delta(role="assistant", content="Hi"), b'{"content":"Hi"}', b"null"),
+    (Delta(refusal="I can't"), b'{"refusal":"I can\'t"}', b"null"),
+    (Delta(tool_calls=(FIRST,), finish_reason="tool_calls"), TC_FIRST, b'"tool_calls"'),
+    (Reasoning("hmm"), b'{"reasoning_content":"hmm"}', b"null"),
+    (FIRST, TC_FIRST, b"null"),
+    (LATER, TC_LATER, b"null"),
+    (
         ToolCall(index=1, id="call_2", name="f", arguments="{}"),
-        chunk(
-            b'{"tool_calls":[{"index":1,"id":"call_2","type":"function",'
-            b'"function":{"arguments":"{}","name":"f"}}]}'
-        ),
-        id="tool-call-second-index",
+        b'{"tool_calls":[{"index":1,"id":"call_2","type":"function",'
+        b'"function":{"arguments":"{}","name":"f"}}]}',
+        b"null",
     ),
-    pytest.param(
+    (
         Audio(data="UklG", format="pcm16", transcript="hi"),
-        chunk(b'{"audio":{"data":"UklG","transcript":"hi","format":"pcm16"}}'),
-        id="audio",
+        b'{"audio":{"data":"UklG","transcript":"hi","format":"pcm16"}}',
+        b"null",
     ),
-    pytest.param(
-        Audio(transcript="hi"), chunk(b'{"audio":{"data":null,"transcript":"hi"}}'), id="audio-text"
-    ),
-    pytest.param(
+    (Audio(transcript="hi"), b'{"audio":{"data":null,"transcript":"hi"}}', b"null"),
+    (
         Image(data="iVBO", mime_type="image/jpeg"),
-        chunk(
-            b'{"images":[{"type":"image_url","image_url":{"url":"data:image/jpeg;base64,iVBO"}}]}'
-        ),
-        id="image-inline",
+        IMG + b'data:image/jpeg;base64,iVBO"}}]}',
+        b"null",
     ),
-    pytest.param(
-        Image(data="iVBO"),
-        chunk(
-            b'{"images":[{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBO"}}]}'
-        ),
-        id="image-inline-default-mime",
-    ),
-    pytest.param(
-        Image(url="https://x.test/a.png", data="iVBO"),
-        chunk(b'{"images":[{"type":"image_url","image_url":{"url":"https://x.test/a.png"}}]}'),
-        id="image-url",
-    ),
-    pytest.param(
+    (Image(data="iVBO"), IMG + b'data:image/png;base64,iVBO"}}]}', b"null"),
+    (Image(url="https://x.test/a.png", data="iVBO"), IMG + b'https://x.test/a.png"}}]}', b"null"),
+    (
         Citation(url="https://x.test", title="X", quoted="q"),
-        chunk(
-            b'{"annotations":[{"type":"url_citation",'
-            b'"url_citation":{"url":"https://x.test","title":"X","quoted":"q"}}]}'
-        ),
-        id="citation",
+        CITE + b'"X","quoted":"q"}}]}',
+        b"null",
     ),
-    pytest.param(
-        Citation(url="https://x.test"),
-        chunk(
-            b'{"annotations":[{"type":"url_citation",'
-            b'"url_citation":{"url":"https://x.test","title":null}}]}'
-        ),
-        id="citation-no-quote",
-    ),
+    (Citation(url="https://x.test"), CITE + b"null}}]}", b"null"),
 ]
 
 
 @pytest.mark.parametrize("meta", METAS)
-@pytest.mark.parametrize(("event", "expected"), OPENAI_FRAMES)
-def test_openai_encode(meta: StreamMeta, event: StreamEvent, expected: bytes) -> None:
-    assert OpenAISSEEncoder(meta).encode(event) == expected
+@pytest.mark.parametrize(("event", "delta", "finish"), OPENAI_CHOICES)
+def test_openai_encode(meta: StreamMeta, event: StreamEvent, delta: bytes, finish: bytes) -> None:
+    assert OpenAISSEEncoder(meta).encode(event) == chunk(delta, finish)
 
 
 ROLE_CHUNK = chunk(b'{"role":"assistant","content":""}')
@@ -332,28 +285,16 @@ def test_ndjson_start_error_heartbeat_end(meta: StreamMeta) -> None:
     assert encoder.end() == b'{"type":"done"}\n'
 
 
-@pytest.mark.parametrize(
-    ("cls", "media_type", "content_type", "aliases"),
-    [
+def test_class_attributes() -> None:
+    assert [(c.media_type, c.content_type, c.aliases) for c in ENCODERS] == [
+        ("text/event-stream", "text/event-stream; charset=utf-8", ("sse", "openai")),
         (
-            OpenAISSEEncoder,
-            "text/event-stream",
-            "text/event-stream; charset=utf-8",
-            ("sse", "openai"),
-        ),
-        (
-            NativeSSEEncoder,
             "application/vnd.nexus.events+sse",
             "text/event-stream; charset=utf-8",
             ("nexus", "nexus-sse"),
         ),
-        (NDJSONEncoder, "application/x-ndjson", None, ("ndjson", "jsonl")),
-    ],
-)
-def test_class_attributes(
-    cls: type[Encoder], media_type: str, content_type: str | None, aliases: tuple[str, ...]
-) -> None:
-    assert (cls.media_type, cls.content_type, cls.aliases) == (media_type, content_type, aliases)
+        ("application/x-ndjson", None, ("ndjson", "jsonl")),
+    ]
 
 
 # --- round trips ---------------------------------------------------------------------------
@@ -385,18 +326,21 @@ def encode_stream(encoder: Encoder, failed: bool) -> list[bytes]:
     return frames
 
 
+ENCODERS = (OpenAISSEEncoder, NativeSSEEncoder, NDJSONEncoder)
+
+
 def byte_chunks(data: bytes) -> Iterator[bytes]:
     for i in range(len(data)):
         yield data[i : i + 1]
 
 
+CITED = {"url": "https://x.test", "title": "X"}
+ERROR_TAIL = {"param": None, "code": "upstream_timeout"}
+
+
 def openai_payloads(meta: StreamMeta, failed: bool) -> list[Any]:
-    head = {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": "mock/echo",
-    }
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000}
+    head["model"] = "mock/echo"
 
     def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -411,31 +355,13 @@ def openai_payloads(meta: StreamMeta, failed: bool) -> list[Any]:
         choice({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
         choice({"audio": {"data": None, "transcript": "hi"}}),
         choice({"images": [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]}),
-        choice(
-            {
-                "annotations": [
-                    {
-                        "type": "url_citation",
-                        "url_citation": {"url": "https://x.test", "title": "X"},
-                    }
-                ]
-            }
-        ),
+        choice({"annotations": [{"type": "url_citation", "url_citation": CITED}]}),
         choice({}, "tool_calls"),
     ]
     if meta.include_usage:
         out.append({**head, "choices": [], "usage": USAGE_DETAILED.wire()})
     if failed:
-        out.append(
-            {
-                "error": {
-                    "message": "boom",
-                    "type": "upstream_error",
-                    "param": None,
-                    "code": "upstream_timeout",
-                }
-            }
-        )
+        out.append({"error": {"message": "boom", "type": "upstream_error", **ERROR_TAIL}})
     return out
 
 

@@ -8,8 +8,8 @@ import openai
 import orjson
 import pytest
 from openai import AsyncOpenAI
-from support import MakeClient
 
+from support import MakeClient
 
 USER = [{"role": "user", "content": "Hello from the SDK"}]
 
@@ -90,8 +90,9 @@ async def test_streamed_tool_calls(make_client: MakeClient) -> None:
 
 async def test_stream_helper_accumulates(make_client: MakeClient) -> None:
     """The SDK's strict helper (role once, tool-call indexes in order) accepts our stream."""
-    async with await sdk(make_client) as api:
-        async with api.chat.completions.stream(
+    async with (
+        await sdk(make_client) as api,
+        api.chat.completions.stream(
             model="mock/echo",
             messages=USER,
             extra_body={
@@ -100,8 +101,9 @@ async def test_stream_helper_accumulates(make_client: MakeClient) -> None:
                     "tool_calls": [{"name": "lookup", "arguments": {"q": "nexus"}}],
                 }
             },
-        ) as stream:
-            final = await stream.get_final_completion()
+        ) as stream,
+    ):
+        final = await stream.get_final_completion()
     message = final.choices[0].message
     assert message.role == "assistant"
     assert message.content == "Hello from the SDK"
@@ -149,7 +151,10 @@ async def test_non_streaming_and_http_errors(make_client: MakeClient) -> None:
 
         with pytest.raises(openai.InternalServerError) as upstream:
             await api.chat.completions.create(
-                model="mock/echo", messages=USER, stream=True, extra_body={"mock": {"fail_after": 0}}
+                model="mock/echo",
+                messages=USER,
+                stream=True,
+                extra_body={"mock": {"fail_after": 0}},
             )
         assert upstream.value.status_code == 502
 

@@ -8,9 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
-from support import EndlessProvider, GatedProvider, MakeClient, chat, parse_sse
-
 from nexus.protocol.sse import SSEDecoder
+from support import EndlessProvider, GatedProvider, MakeClient, chat, parse_sse
 
 
 async def test_default_stream_is_openai_sse_with_streaming_headers(make_client: MakeClient) -> None:
@@ -93,7 +92,9 @@ async def test_negotiation_end_to_end(
     media_type: str,
 ) -> None:
     client = await make_client()
-    resp = await client.post("/v1/chat/completions" + query, json=chat(stream=True), headers=headers)
+    resp = await client.post(
+        "/v1/chat/completions" + query, json=chat(stream=True), headers=headers
+    )
     assert resp.status == 200
     assert resp.headers["X-Nexus-Stream-Format"] == media_type
     if content_type is not None:
@@ -165,9 +166,7 @@ async def test_mid_stream_failure_each_format(make_client: MakeClient) -> None:
 
 async def test_failure_before_first_event_is_an_http_error(make_client: MakeClient) -> None:
     client = await make_client()
-    resp = await client.post(
-        "/v1/chat/completions", json=chat(stream=True, mock={"fail_after": 0})
-    )
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True, mock={"fail_after": 0}))
     assert resp.status == 502
     assert resp.headers["Content-Type"].startswith("application/json")
     error = (await resp.json())["error"]
@@ -326,7 +325,12 @@ async def test_models_and_health(make_client: MakeClient) -> None:
     body = await (await client.get("/v1/models")).json()
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["fast", "mock/echo", "mock/big"]
-    assert body["data"][1] == {"id": "mock/echo", "object": "model", "created": 0, "owned_by": "mock"}
+    assert body["data"][1] == {
+        "id": "mock/echo",
+        "object": "model",
+        "created": 0,
+        "owned_by": "mock",
+    }
     one = await client.get("/v1/models/mock/anything")
     assert (await one.json())["id"] == "mock/anything"
     missing = await client.get("/v1/models/gpt-4o")
@@ -412,7 +416,7 @@ async def test_client_that_stops_reading_is_dropped(make_client: MakeClient) -> 
     endless = EndlessProvider()
     client = await make_client({"server": {"write_timeout_s": 0.3}}, providers=[endless])
     server = client.server
-    reader, writer = await asyncio.open_connection(server.host, server.port)
+    _, writer = await asyncio.open_connection(server.host, server.port)
     body = orjson.dumps(chat(model="endless/m", stream=True))
     writer.write(
         b"POST /v1/chat/completions?stream_format=ndjson HTTP/1.1\r\n"

@@ -111,7 +111,7 @@ def parse_config(data: dict[str, Any], source: str = "config") -> Config:
 
 def _describe(error: Any) -> str:
     loc = [str(p) for p in error["loc"]]
-    message = error["msg"]
+    message = str(error["msg"])
     if error["type"] == "extra_forbidden":
         message = "unknown key (check the spelling against the README's config reference)"
     elif error["type"] == "missing":
@@ -121,8 +121,10 @@ def _describe(error: Any) -> str:
     if not loc:
         return message
     if len(loc) == 1:
-        return f"{loc[0]}: {message}" if error["type"] != "extra_forbidden" else (
-            f"[{loc[0]}]: unknown table or key"
+        return (
+            f"{loc[0]}: {message}"
+            if error["type"] != "extra_forbidden"
+            else (f"[{loc[0]}]: unknown table or key")
         )
     table, rest = loc[0], loc[1:]
     if table in ("providers", "models") and len(rest) >= 2:

@@ -160,7 +160,9 @@ class StreamError(GatewayError):
         super().__init__(
             event.message,
             code=event.code,
-            status=_STATUS_BY_CODE.get(event.code or "", _STATUS_BY_TYPE.get(event.error_type, 502)),
+            status=_STATUS_BY_CODE.get(
+                event.code or "", _STATUS_BY_TYPE.get(event.error_type, 502)
+            ),
             param=event.param,
             retryable=event.retryable,
         )

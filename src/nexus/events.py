@@ -242,4 +242,6 @@ class Done:
         return {"type": "done"}
 
 
-StreamEvent = Delta | Reasoning | ToolCall | Audio | Image | Citation | Usage | Error | Heartbeat | Done
+StreamEvent = (
+    Delta | Reasoning | ToolCall | Audio | Image | Citation | Usage | Error | Heartbeat | Done
+)

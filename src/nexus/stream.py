@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from types import TracebackType
 
 from .errors import StreamError
@@ -35,7 +35,7 @@ from .types import CompletedToolCall, Completion, StreamMeta
 __all__ = ["Channel", "EndOfStream", "Stream", "accumulate"]
 
 
-class EndOfStream(Exception):  # noqa: N818 - named for what it signals, like io.EOF
+class EndOfStream(Exception):
     """Raised by :meth:`Stream.next` and :meth:`Channel.next` when no event is left."""
 
 
@@ -86,9 +86,10 @@ class Stream:
         self._closing = True
         events = self._events
         reader = self._reader
-        if events.ag_running and reader is not None and reader is not asyncio.current_task():
+        running = getattr(events, "ag_running", False)
+        if running and reader is not None and reader is not asyncio.current_task():
             reader.cancel()
-            while events.ag_running:
+            while getattr(events, "ag_running", False):
                 await asyncio.sleep(0)
         await events.aclose()
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .events import Audio, Citation, Image, Usage
 
-__all__ = ["Completion", "CompletedToolCall", "StreamMeta", "new_stream_id"]
+__all__ = ["CompletedToolCall", "Completion", "StreamMeta", "new_stream_id"]
 
 
 def new_stream_id(prefix: str = "chatcmpl-") -> str:

@@ -143,8 +143,6 @@ default_registry = _defaults()
 """The process-wide registry that :func:`register` adds to and apps copy at start-up."""
 
 
-def register(
-    media_type: str, encoder: type[Encoder], aliases: Iterable[str] | None = None
-) -> None:
+def register(media_type: str, encoder: type[Encoder], aliases: Iterable[str] | None = None) -> None:
     """Register an encoder in the default registry (see :meth:`EncoderRegistry.register`)."""
     default_registry.register(media_type, encoder, aliases)

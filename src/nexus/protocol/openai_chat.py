@@ -44,9 +44,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
             f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
     if not isinstance(data, dict):
-        raise InvalidRequest(
-            "The request body must be a JSON object.", code="invalid_json"
-        )
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     return data
 
 

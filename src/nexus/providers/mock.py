@@ -131,8 +131,9 @@ def _script_events(
         ).hexdigest()[:24]
         yield "tool", ToolCall(index=index, id=f"call_{digest}", name=call.name, arguments="")
         for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
-            yield "tool", ToolCall(
-                index=index, arguments=arguments[start : start + ARGUMENT_FRAGMENT]
+            yield (
+                "tool",
+                ToolCall(index=index, arguments=arguments[start : start + ARGUMENT_FRAGMENT]),
             )
 
 
@@ -183,9 +184,7 @@ def _usage(request: ChatRequest, script: MockScript, emitted: int, reasoning: in
             reasoning_tokens=reasoning if script.reasoning else None,
         )
     prompt = override.prompt_tokens if override.prompt_tokens is not None else prompt
-    completion = (
-        override.completion_tokens if override.completion_tokens is not None else emitted
-    )
+    completion = override.completion_tokens if override.completion_tokens is not None else emitted
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,

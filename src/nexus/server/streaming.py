@@ -108,8 +108,8 @@ class StreamPump:
                 return self._require_response()
             if type(first) is Error:
                 if self.response is None:
-                    raise StreamError(first)  # type: ignore[arg-type]
-                await self._finish_with_error(first)  # type: ignore[arg-type]
+                    raise StreamError(first)
+                await self._finish_with_error(first)
                 return self.response
             await self._write(self._prepare_frames(self.encoder.encode(first)))  # type: ignore[arg-type]
             response = self._require_response()
@@ -131,7 +131,9 @@ class StreamPump:
             if not self._shutting_down:
                 raise
             if self.response is None:
-                raise ServerShuttingDown("The server is shutting down; retry the request.") from None
+                raise ServerShuttingDown(
+                    "The server is shutting down; retry the request."
+                ) from None
             with contextlib.suppress(Exception):
                 await self._finish_with_error(_shutdown_event())
             raise
@@ -196,7 +198,7 @@ class StreamPump:
             if self._write_started > self._last_write:
                 stalled = now - self._write_started
                 if stalled >= self.write_timeout_s:
-                    self._abort("a write stalled for %.1fs" % stalled)
+                    self._abort(f"a write stalled for {stalled:.1f}s")
                     return
                 wake = self._write_started + self.write_timeout_s
             else:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus.protocol.sse import SSEDecoder, ServerSentEvent, comment, frame
+from nexus.protocol.sse import ServerSentEvent, SSEDecoder, comment, frame
 
 Ev = ServerSentEvent
 
@@ -308,7 +310,7 @@ def test_recorded_stream_split_in_two_anywhere(at: int) -> None:
 @given(cuts=st.lists(st.integers(min_value=0, max_value=len(RECORDED)), max_size=40))
 def test_recorded_stream_chunked_anywhere(cuts: list[int]) -> None:
     bounds = [0, *sorted(cuts), len(RECORDED)]
-    chunks = [RECORDED[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    chunks = [RECORDED[a:b] for a, b in itertools.pairwise(bounds)]
     assert decode_all(*chunks) == RECORDED_EVENTS
 
 
@@ -330,13 +332,15 @@ def streams(draw: st.DrawFn) -> bytes:
 @settings(max_examples=300, database=None, deadline=None)
 @given(data=st.data(), stream=streams())
 def test_any_stream_chunked_anywhere_decodes_as_whole(data: st.DataObject, stream: bytes) -> None:
-    cuts = data.draw(st.lists(st.integers(min_value=0, max_value=len(stream)), max_size=20))
+    # Cuts anywhere, with a bias towards the awkward places: after a CR, inside a UTF-8 sequence.
+    awkward = [i for i in range(1, len(stream)) if stream[i - 1] == 13 or stream[i] >= 0x80]
+    anywhere = st.integers(min_value=0, max_value=len(stream))
+    cut = st.one_of(anywhere, st.sampled_from(awkward)) if awkward else anywhere
+    cuts = data.draw(st.lists(cut, max_size=20))
     bounds = [0, *sorted(cuts), len(stream)]
     whole = SSEDecoder()
     expected = whole.decode(stream) + whole.flush()
     chunked = SSEDecoder()
-    events = [
-        e for a, b in zip(bounds, bounds[1:], strict=False) for e in chunked.decode(stream[a:b])
-    ]
+    events = [e for a, b in itertools.pairwise(bounds) for e in chunked.decode(stream[a:b])]
     assert events + chunked.flush() == expected
     assert chunked.last_event_id == whole.last_event_id

@@ -8,8 +8,8 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from nexus import Provider
-from nexus.events import Delta, StreamEvent, Usage
+from nexus import Encoder, Provider
+from nexus.events import Delta, Error, StreamEvent, Usage
 from nexus.protocol.sse import ServerSentEvent, SSEDecoder
 from nexus.request import ChatRequest
 
@@ -82,3 +82,24 @@ def parse_sse(body: bytes) -> list[ServerSentEvent]:
     events = decoder.decode(body)
     decoder.flush()
     return events
+
+
+class PlainTextEncoder(Encoder):
+    """A custom format for the registry tests: content as plain text."""
+
+    media_type = "text/plain"
+    aliases = ("plain",)
+
+    def encode(self, event: StreamEvent) -> bytes:
+        if isinstance(event, Delta) and event.content:
+            return event.content.encode()
+        return b""
+
+    def error(self, event: Error) -> bytes:
+        return b"\n[error " + (event.code or "").encode() + b"]"
+
+    def heartbeat(self) -> bytes:
+        return b""
+
+    def end(self) -> bytes:
+        return b"\n"

@@ -450,3 +450,52 @@ async def test_concurrent_stream_limit(make_client: MakeClient) -> None:
     third = await client.post("/v1/chat/completions", json=chat(stream=True))
     assert third.status == 200
     await third.read()
+
+
+async def test_config_encoder_is_negotiable(make_client: MakeClient) -> None:
+    client = await make_client({"encoders": {"text/plain": "support:PlainTextEncoder"}})
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=PLAIN", json=chat("custom format", stream=True)
+    )
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    assert await resp.read() == b"custom format\n"
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat("a b c", stream=True, mock={"fail_after": 1}),
+        headers={"Accept": "text/plain"},
+    )
+    assert await resp.read() == b"a\n[error upstream_error]\n"
+    resp = await client.post("/v1/chat/completions?stream_format=xml", json=chat(stream=True))
+    assert "text/plain (plain)" in (await resp.json())["error"]["message"]
+
+
+async def test_registry_freezes_when_the_app_starts(aiohttp_client: Any) -> None:
+    from support import PlainTextEncoder
+
+    from nexus.config import Config
+    from nexus.encoders.registry import default_registry
+    from nexus.errors import RegistryFrozen
+    from nexus.server.app import create_app
+
+    registry = default_registry.copy()
+    app = create_app(Config(), registry=registry)
+    registry.register("text/plain", PlainTextEncoder)  # before start: fine, and used
+    client = await aiohttp_client(app)
+    with pytest.raises(RegistryFrozen, match="before the app starts"):
+        registry.register("text/x-late", PlainTextEncoder)
+    resp = await client.post("/v1/chat/completions?stream_format=xml", json=chat(stream=True))
+    message = (await resp.json())["error"]["message"]
+    assert "text/plain (plain)" in message
+    assert "text/x-late" not in message
+    resp = await client.post("/v1/chat/completions?stream_format=plain", json=chat(stream=True))
+    assert await resp.read() == b"Hello there world\n"
+
+
+def test_bad_config_encoder_fails_at_create_app() -> None:
+    from nexus.config import parse_config
+    from nexus.errors import ConfigError
+    from nexus.server.app import create_app
+
+    config = parse_config({"encoders": {"text/x-broken": "no_such_module:Encoder"}})
+    with pytest.raises(ConfigError, match=r"\[encoders\] 'text/x-broken'.*no_such_module"):
+        create_app(config, config_source="my.toml")

@@ -89,9 +89,13 @@ class EncoderRegistry:
     def copy(self) -> EncoderRegistry:
         """An unfrozen copy with the same entries."""
         other = EncoderRegistry()
-        other._encoders = dict(self._encoders)
-        other._aliases = dict(self._aliases)
+        other.include(self)
         return other
+
+    def include(self, other: EncoderRegistry) -> None:
+        """Add every entry of ``other`` (same rules as :meth:`register`)."""
+        for media_type, encoder in other._encoders.items():
+            self.register(media_type, encoder, other.aliases_of(media_type))
 
     def load_config(self, encoders: dict[str, str], source: str = "config.toml") -> None:
         """Register ``[encoders]`` entries (``"media/type" = "module:attr"``).

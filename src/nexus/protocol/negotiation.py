@@ -16,6 +16,7 @@ range written first, then the endpoint default, then registration order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -75,7 +76,7 @@ def parse_accept(header: str) -> list[AcceptRange]:
                     q = float(value.strip())
                 except ValueError:
                     q = 0.0
-                q = min(max(q, 0.0), 1.0)
+                q = min(max(q, 0.0), 1.0) if math.isfinite(q) else 0.0
         ranges.append(AcceptRange(main, sub, q, position))
     return ranges
 

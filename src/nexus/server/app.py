@@ -42,8 +42,10 @@ def create_app(
     """
     config = config or Config()
     base = registry if registry is not None else default_registry
-    formats = base.copy()
-    formats.load_config(config.encoders, config_source)
+    # Fail now on a bad [encoders] entry; the app's registry is filled at start-up,
+    # so that encoders registered between create_app() and the start are included.
+    base.copy().load_config(config.encoders, config_source)
+    formats = EncoderRegistry()
     engine = engine or Engine.from_config(config)
 
     app = web.Application(
@@ -57,6 +59,8 @@ def create_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         base.freeze()
+        formats.include(base)
+        formats.load_config(config.encoders, config_source)
         formats.freeze()
         await engine.start()
         yield

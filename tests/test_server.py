@@ -470,12 +470,11 @@ async def test_config_encoder_is_negotiable(make_client: MakeClient) -> None:
 
 
 async def test_registry_freezes_when_the_app_starts(aiohttp_client: Any) -> None:
-    from support import PlainTextEncoder
-
     from nexus.config import Config
     from nexus.encoders.registry import default_registry
     from nexus.errors import RegistryFrozen
     from nexus.server.app import create_app
+    from support import PlainTextEncoder
 
     registry = default_registry.copy()
     app = create_app(Config(), registry=registry)

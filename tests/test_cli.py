@@ -143,6 +143,26 @@ def test_sigterm_ends_running_streams_with_a_retryable_error(
     assert 2 < rest.count(b'"content"') < 150
 
 
+def test_serves_on_uvloop_when_configured(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[server]\nuvloop = true\n[providers.mock]\nkind = "mock"\n')
+    proc = subprocess.Popen(
+        [NEXUS, "serve", "--config", str(config), "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "serving on" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    proc.stderr.close()
+    assert any("event loop: uvloop" in line for line in lines), lines
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [

@@ -498,3 +498,15 @@ def test_bad_config_encoder_fails_at_create_app() -> None:
     config = parse_config({"encoders": {"text/x-broken": "no_such_module:Encoder"}})
     with pytest.raises(ConfigError, match=r"\[encoders\] 'text/x-broken'.*no_such_module"):
         create_app(config, config_source="my.toml")
+
+
+async def test_no_new_streams_while_shutting_down(make_client: MakeClient) -> None:
+    from nexus.server.state import RUNTIME
+
+    client = await make_client()
+    client.app[RUNTIME].shutting_down = True
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True))
+    assert resp.status == 503
+    assert (await resp.json())["error"]["code"] == "server_shutting_down"
+    assert (await client.get("/healthz")).status == 503
+    client.app[RUNTIME].shutting_down = False

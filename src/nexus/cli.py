@@ -101,6 +101,7 @@ async def _run(config: Config, source: str) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        log.info("event loop: %s", type(loop).__module__.split(".")[0])
         for address in runner.addresses:
             host, port = address[0], address[1]
             shown = f"[{host}]" if ":" in host else host

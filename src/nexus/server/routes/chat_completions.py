@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from ...errors import RequestTooLarge, TooManyStreams
+from ...errors import RequestTooLarge, ServerShuttingDown, TooManyStreams
 from ...protocol.negotiation import select_format
 from ...protocol.openai_chat import completion_body, parse_chat_request
 from .. import state
@@ -40,6 +40,8 @@ def negotiate(request: web.Request, default: str) -> str:
 
 async def handle(request: web.Request) -> web.StreamResponse:
     app = request.app
+    if app[state.RUNTIME].shutting_down:
+        raise ServerShuttingDown("The server is shutting down; retry the request.")
     media_type = negotiate(request, DEFAULT_FORMAT)
     chat = parse_chat_request(await read_body(request))
     engine = app[state.ENGINE]

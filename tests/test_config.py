@@ -1,0 +1,292 @@
+"""``config.toml``: defaults, the shipped file, and errors that name file, key and problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from nexus.config import (
+    Config,
+    LimitsConfig,
+    ModelAliasConfig,
+    ProviderConfig,
+    ServerConfig,
+    load_config,
+)
+from nexus.errors import ConfigError
+
+REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
+
+
+def write(tmp_path: Path, text: str | bytes) -> Path:
+    path = tmp_path / "nexus.toml"
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+def load_error(tmp_path: Path, text: str | bytes) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    return message[len(f"{path}: ") :]
+
+
+def test_empty_file_gives_every_default(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, ""))
+    assert config == Config()
+    assert config.server == ServerConfig(
+        host="127.0.0.1",
+        port=8080,
+        heartbeat_interval_s=15.0,
+        retry_ms=3000,
+        shutdown_grace_s=10.0,
+        write_timeout_s=30.0,
+        uvloop=False,
+    )
+    assert config.limits == LimitsConfig(max_body_bytes=33554432, max_concurrent_streams=10000)
+    assert config.encoders == {}
+    assert config.providers == {"mock": ProviderConfig(kind="mock", models=[])}
+    assert config.models == {}
+
+
+def test_repo_config_toml_is_the_builtin_default() -> None:
+    # config.toml says it is "the embedded default"; it must load to exactly Config().
+    loaded = load_config(REPO_CONFIG)
+    assert loaded.model_dump() == Config().model_dump()
+    assert loaded == Config()
+
+
+def test_repo_config_toml_loads_from_a_str_path() -> None:
+    config = load_config(str(REPO_CONFIG))
+    assert config.server.port == 8080
+    assert config.server.heartbeat_interval_s == 15.0
+    assert config.limits.max_body_bytes == 32 * 1024 * 1024
+    assert list(config.providers) == ["mock"]
+
+
+def test_every_table_and_key(tmp_path: Path) -> None:
+    config = load_config(
+        write(
+            tmp_path,
+            """
+[server]
+host = "0.0.0.0"
+port = 0
+heartbeat_interval_s = 0.5
+retry_ms = 0
+shutdown_grace_s = 0
+write_timeout_s = 2.5
+uvloop = true
+
+[limits]
+max_body_bytes = 1
+max_concurrent_streams = 1
+
+[encoders]
+"application/x-custom" = "my_package.encoders:CustomEncoder"
+
+[providers.mock]
+kind = "mock"
+models = ["echo", "big"]
+
+[providers."other.mock"]
+kind = "mock"
+
+[models."demo"]
+targets = ["mock/echo", "other.mock/x"]
+""",
+        )
+    )
+    assert config.server == ServerConfig(
+        host="0.0.0.0",
+        port=0,
+        heartbeat_interval_s=0.5,
+        retry_ms=0,
+        shutdown_grace_s=0.0,
+        write_timeout_s=2.5,
+        uvloop=True,
+    )
+    assert config.limits == LimitsConfig(max_body_bytes=1, max_concurrent_streams=1)
+    # [encoders] values are stored as given; they are imported when the app starts.
+    assert config.encoders == {"application/x-custom": "my_package.encoders:CustomEncoder"}
+    assert config.providers == {
+        "mock": ProviderConfig(kind="mock", models=["echo", "big"]),
+        "other.mock": ProviderConfig(kind="mock"),
+    }
+    assert config.models == {"demo": ModelAliasConfig(targets=["mock/echo", "other.mock/x"])}
+
+
+def test_a_table_can_be_partial(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "[server]\nport = 9000\n"))
+    assert config.server == ServerConfig(port=9000)
+    assert config.server.host == "127.0.0.1"
+    assert config.providers == Config().providers
+
+
+def test_config_is_frozen() -> None:
+    config = Config()
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        config.server.port = 1  # type: ignore[misc]
+    assert config.server.port == 8080
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("[foo]\na = 1\n", "[foo]: unknown table or key", id="unknown-table"),
+        pytest.param("foo = 1\n", "[foo]: unknown table or key", id="unknown-top-level-key"),
+        pytest.param(
+            "[server]\nheartbeat_interval = 5\n",
+            "[server] heartbeat_interval: unknown key "
+            "(check the spelling against the README's config reference)",
+            id="unknown-key-server",
+        ),
+        pytest.param(
+            "[limits]\nmax_streams = 5\n",
+            "[limits] max_streams: unknown key "
+            "(check the spelling against the README's config reference)",
+            id="unknown-key-limits",
+        ),
+        pytest.param(
+            '[providers.mock]\nkind = "mock"\nmodel = ["x"]\n',
+            "[providers.mock] model: unknown key "
+            "(check the spelling against the README's config reference)",
+            id="unknown-key-provider",
+        ),
+        pytest.param(
+            '[server]\nport = "eighty"\n',
+            "[server] port: Input should be a valid integer, unable to parse string as an integer",
+            id="wrong-type-port-string",
+        ),
+        pytest.param(
+            "[server]\nhost = 5\n",
+            "[server] host: Input should be a valid string",
+            id="wrong-type-host",
+        ),
+        pytest.param(
+            "[server]\nretry_ms = 1.5\n",
+            "[server] retry_ms: Input should be a valid integer, "
+            "got a number with a fractional part",
+            id="wrong-type-fractional",
+        ),
+        pytest.param(
+            '[encoders]\n"application/x-custom" = 5\n',
+            "[encoders] application/x-custom: Input should be a valid string",
+            id="wrong-type-encoder-spec",
+        ),
+        pytest.param(
+            "[server]\nport = true\n",
+            "[server] port: Input should be a valid integer",
+            id="wrong-type-port-boolean",
+        ),
+        pytest.param(
+            "[server]\nheartbeat_interval_s = 0\n",
+            "[server] heartbeat_interval_s: Input should be greater than 0",
+            id="heartbeat-zero",
+        ),
+        pytest.param(
+            "[server]\nport = 65536\n",
+            "[server] port: Input should be less than or equal to 65535",
+            id="port-too-big",
+        ),
+        pytest.param(
+            "[server]\nretry_ms = -1\n",
+            "[server] retry_ms: Input should be greater than or equal to 0",
+            id="retry-negative",
+        ),
+        pytest.param(
+            "[limits]\nmax_concurrent_streams = 0\n",
+            "[limits] max_concurrent_streams: Input should be greater than or equal to 1",
+            id="streams-zero",
+        ),
+        pytest.param(
+            '[models."x"]\ntargets = ["openai/gpt-4o"]\n',
+            "[models.\"x\"] targets: 'openai/gpt-4o' must be '<provider>/<model>' "
+            "with a provider among ['mock']",
+            id="alias-unknown-provider",
+        ),
+        pytest.param(
+            '[models."x"]\ntargets = ["mock/echo", "echo"]\n',
+            "[models.\"x\"] targets: 'echo' must be '<provider>/<model>' "
+            "with a provider among ['mock']",
+            id="alias-target-without-provider",
+        ),
+        pytest.param(
+            '[models."x"]\ntargets = ["mock/"]\n',
+            "[models.\"x\"] targets: 'mock/' must be '<provider>/<model>' "
+            "with a provider among ['mock']",
+            id="alias-target-without-model",
+        ),
+        pytest.param(
+            '[models."x"]\ntargets = []\n',
+            '[models."x"] targets: List should have at least 1 item after validation, not 0',
+            id="alias-no-targets",
+        ),
+        pytest.param(
+            '[models."x"]\n',
+            '[models."x"] targets: required key is missing',
+            id="alias-targets-missing",
+        ),
+        pytest.param(
+            '[providers.openai]\nkind = "openai"\n',
+            "[providers.openai] kind: Input should be 'mock'",
+            id="provider-kind-not-mock",
+        ),
+        pytest.param(
+            "[providers.p]\nmodels = []\n",
+            "[providers.p] kind: required key is missing",
+            id="provider-kind-missing",
+        ),
+        pytest.param(
+            '[providers."a.b"]\nkind = "openai"\n',
+            "[providers.\"a.b\"] kind: Input should be 'mock'",
+            id="dotted-provider-name-quoted",
+        ),
+        pytest.param(
+            "providers = {}\n",
+            "providers: at least one provider is required",
+            id="no-providers",
+        ),
+        pytest.param(
+            '[providers."a/b"]\nkind = "mock"\n',
+            "providers: provider name 'a/b' must be non-empty and without '/'",
+            id="provider-name-with-slash",
+        ),
+    ],
+)
+def test_invalid_config_names_file_key_and_problem(tmp_path: Path, text: str, message: str) -> None:
+    assert load_error(tmp_path, text) == message
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        ("[server\n", "Expected ']' at the end of a table declaration (at line 1, column 8)"),
+        ("[server]\nport = \n", "Invalid value (at line 2, column 8)"),
+        ("[server]\nport = 1\nport = 2\n", "Cannot overwrite a value (at line 3, column 9)"),
+    ],
+)
+def test_invalid_toml(tmp_path: Path, text: str, detail: str) -> None:
+    assert load_error(tmp_path, text) == f"not valid TOML: {detail}"
+
+
+def test_invalid_utf8(tmp_path: Path) -> None:
+    message = load_error(tmp_path, b'[server]\nhost = "\xff"\n')
+    assert message.startswith("not valid TOML: 'utf-8' codec can't decode byte 0xff")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: cannot read the config file: No such file or directory"
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path)
+    assert str(info.value) == f"{tmp_path}: cannot read the config file: Is a directory"

@@ -49,7 +49,7 @@ def test_empty_file_gives_every_default(tmp_path: Path) -> None:
     )
     assert config.limits == LimitsConfig(max_body_bytes=33554432, max_concurrent_streams=10000)
     assert config.encoders == {}
-    assert config.providers == {"mock": ProviderConfig(kind="mock", models=[])}
+    assert config.providers == {"mock": ProviderConfig(kind="mock", models=["echo"])}
     assert config.models == {}
 
 
@@ -159,7 +159,7 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             '[server]\nport = "eighty"\n',
-            "[server] port: Input should be a valid integer, unable to parse string as an integer",
+            "[server] port: Input should be a valid integer",
             id="wrong-type-port-string",
         ),
         pytest.param(
@@ -169,8 +169,7 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             "[server]\nretry_ms = 1.5\n",
-            "[server] retry_ms: Input should be a valid integer, "
-            "got a number with a fractional part",
+            "[server] retry_ms: Input should be a valid integer",
             id="wrong-type-fractional",
         ),
         pytest.param(

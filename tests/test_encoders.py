@@ -184,13 +184,11 @@ def test_openai_error_heartbeat_end(meta: StreamMeta, error: Error, expected: by
 def test_openai_head_escapes_meta_strings() -> None:
     meta = StreamMeta(id='c"1', model="m\u00e9/\n", created=1)
     frame = OpenAISSEEncoder(meta).encode(Delta(content="x"))
-    assert (
-        frame
-        == (
-            'data: {"id":"c\\"1","object":"chat.completion.chunk","created":1,'
-            '"model":"m\u00e9/\\n","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
-        ).encode()
+    expected = (
+        'data: {"id":"c\\"1","object":"chat.completion.chunk","created":1,"model":"m\u00e9/\\n",'
+        '"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
     )
+    assert frame == expected.encode()
 
 
 # (event, SSE event name, JSON form): native SSE frames it as `event: NAME\ndata: JSON\n\n`,

@@ -165,9 +165,10 @@ LATER = ToolCall(index=0, arguments='{"city":')
                     "message": "boom",
                     "code": "upstream_timeout",
                     "retryable": True,
+                    "param": "model",
                 },
             },
-            id="error-param-not-in-json-form",
+            id="error-param-names-the-field",
         ),
         pytest.param(
             Error(error_type="server_error", message="oops"),

@@ -186,6 +186,8 @@ def test_registered_custom_format_is_negotiable(registry: EncoderRegistry) -> No
         ("a/b;q=-3", [AcceptRange("a", "b", 0.0, 0)]),
         ("a/b;q=0.333", [AcceptRange("a", "b", 0.333, 0)]),
         ("a/b;q=0.5;q=0.7", [AcceptRange("a", "b", 0.7, 0)]),
+        ("a/b;q=nan", [AcceptRange("a", "b", 0.0, 0)]),
+        ("a/b;q=inf", [AcceptRange("a", "b", 0.0, 0)]),
         ("/b, a/, */b, a/b", [AcceptRange("a", "b", 1.0, 3)]),
     ],
 )

@@ -22,13 +22,14 @@ __all__ = [
     "LimitsConfig",
     "ModelAliasConfig",
     "ProviderConfig",
+    "RealtimeConfig",
     "ServerConfig",
     "load_config",
 ]
 
 
 class _Table(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ServerConfig(_Table):
@@ -46,6 +47,11 @@ class LimitsConfig(_Table):
     max_concurrent_streams: int = Field(default=10_000, ge=1)
 
 
+class RealtimeConfig(_Table):
+    max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    max_pending_input_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+
+
 class ProviderConfig(_Table):
     kind: Literal["mock"]
     models: list[str] = Field(default_factory=list)
@@ -59,8 +65,9 @@ class Config(_Table):
     server: ServerConfig = Field(default_factory=ServerConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     encoders: dict[str, str] = Field(default_factory=dict)
+    realtime: RealtimeConfig = Field(default_factory=RealtimeConfig)
     providers: dict[str, ProviderConfig] = Field(
-        default_factory=lambda: {"mock": ProviderConfig(kind="mock")}
+        default_factory=lambda: {"mock": ProviderConfig(kind="mock", models=["echo"])}
     )
     models: dict[str, ModelAliasConfig] = Field(default_factory=dict)
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import GatewayError, ModelNotFound
+from .errors import GatewayError, ModelNotFound, UnsupportedInput
 from .events import Error, StreamEvent
 from .protocol.openai_chat import validation_error
 from .providers.base import Provider
-from .request import ChatRequest
+from .request import AudioPart, ChatRequest, ImagePart, UserMessage
 from .stream import Stream, accumulate
 from .types import Completion, StreamMeta
 
@@ -32,6 +32,19 @@ __all__ = ["Engine"]
 log = logging.getLogger("nexus.engine")
 
 Target = tuple[Provider, str]
+
+
+def input_kinds(request: ChatRequest) -> set[str]:
+    """The non-text inputs a request carries: ``image``, ``audio``."""
+    kinds: set[str] = set()
+    for message in request.messages:
+        if isinstance(message, UserMessage) and not isinstance(message.content, str):
+            for part in message.content:
+                if isinstance(part, ImagePart):
+                    kinds.add("image")
+                elif isinstance(part, AudioPart):
+                    kinds.add("audio")
+    return kinds
 
 
 class Engine:
@@ -129,6 +142,15 @@ class Engine:
             except ValidationError as exc:
                 raise validation_error(exc, request) from None
         targets = self.route(request.model)
+        needs = input_kinds(request)
+        if needs:
+            targets = [t for t in targets if needs <= t[0].accepts]
+            if not targets:
+                raise UnsupportedInput(
+                    f"The model {request.model!r} cannot take "
+                    f"{' and '.join(sorted(needs))} input.",
+                    param="messages",
+                )
         provider, upstream = targets[0]
         meta = StreamMeta.new(
             request.model,

@@ -8,7 +8,8 @@ a stream has started::
     ├── RegistryFrozen               an encoder registered after start-up
     └── GatewayError                 anything a request can fail with (status, code, type)
         ├── InvalidRequest           400 invalid_request / invalid_json / ...
-        │   └── UnsupportedStreamFormat   400 unsupported_stream_format
+        │   ├── UnsupportedStreamFormat   400 unsupported_stream_format
+        │   └── UnsupportedInput     400 unsupported_input (image/audio a provider cannot take)
         ├── ModelNotFound            404 model_not_found
         ├── RequestTooLarge          413 request_too_large
         ├── TooManyStreams           429 too_many_streams (retryable)
@@ -34,6 +35,7 @@ __all__ = [
     "ServerShuttingDown",
     "StreamError",
     "TooManyStreams",
+    "UnsupportedInput",
     "UnsupportedStreamFormat",
     "UpstreamError",
     "UpstreamTimeout",
@@ -110,6 +112,10 @@ class InvalidRequest(GatewayError):
 
 class UnsupportedStreamFormat(InvalidRequest):
     code = "unsupported_stream_format"
+
+
+class UnsupportedInput(InvalidRequest):
+    code = "unsupported_input"
 
 
 class ModelNotFound(GatewayError):

@@ -208,15 +208,15 @@ class Error:
     param: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": "error",
-            "error": {
-                "type": self.error_type,
-                "message": self.message,
-                "code": self.code,
-                "retryable": self.retryable,
-            },
+        error: dict[str, Any] = {
+            "type": self.error_type,
+            "message": self.message,
+            "code": self.code,
+            "retryable": self.retryable,
         }
+        if self.param is not None:
+            error["param"] = self.param
+        return {"type": "error", "error": error}
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,11 @@ class AcceptRange:
 
 
 def parse_accept(header: str) -> list[AcceptRange]:
-    """Parse an ``Accept`` header leniently: malformed ranges are skipped."""
+    """Parse an ``Accept`` header leniently.
+
+    A malformed media range is skipped; a ``q`` that is not a finite number
+    counts as 0 (the range is excluded, not promoted).
+    """
     ranges = []
     for position, item in enumerate(header.split(",")):
         parts = [p.strip() for p in item.split(";")]

@@ -1,0 +1,297 @@
+"""The realtime WebSocket protocol as a state machine. Sans-I/O.
+
+The route feeds each received frame to :class:`RealtimeSession` and carries out
+what it returns: :class:`Send` a frame, :class:`StartTurn` with a validated
+request, :class:`AbortTurn`. It tells the session when a turn is over with
+:meth:`RealtimeSession.turn_ended`. Nothing here awaits or touches a socket.
+
+Client envelopes (discriminated on ``type``)::
+
+    {"type":"start","request":{<chat-completions request>}}
+    {"type":"abort"}
+    {"type":"audio_chunk","format":"pcm16"|"wav"|"mp3","b64":"...","sample_rate":24000}
+    {"type":"image","mime_type":"image/png","b64":"..."}   (or "url" instead of "b64")
+
+States: *idle* (no turn) and *streaming* (one turn in flight). ``start``
+while streaming is refused with ``stream_in_progress`` and ``abort`` while idle
+with ``nothing_to_abort``; both leave the turn and the connection as they are.
+``audio_chunk`` and ``image`` are held as pending input (at most
+``max_pending_input_bytes`` decoded bytes, else ``input_too_large``) and
+attached to the last user message of the next ``start``. Consecutive
+``pcm16`` chunks of one sample rate are joined into one audio part.
+Malformed frames get ``invalid_envelope``; an invalid request
+``invalid_request`` naming the field. None of these close the connection.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from ..errors import GatewayError
+from ..events import Error
+from ..request import AudioPart, ChatRequest, ContentPart, ImagePart, TextPart, UserMessage
+from .openai_chat import field_path, validation_error
+
+__all__ = ["AbortTurn", "RealtimeSession", "Send", "StartTurn", "error_frame"]
+
+
+class _Envelope(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class StartEnvelope(_Envelope):
+    type: Literal["start"]
+    request: dict[str, Any]
+
+
+class AbortEnvelope(_Envelope):
+    type: Literal["abort"]
+
+
+class AudioChunkEnvelope(_Envelope):
+    type: Literal["audio_chunk"]
+    format: Literal["pcm16", "wav", "mp3"]
+    b64: str
+    sample_rate: int = Field(default=24000, gt=0, le=384_000)
+
+
+class ImageEnvelope(_Envelope):
+    type: Literal["image"]
+    mime_type: str = Field(pattern=r"^image/[A-Za-z0-9.+\-]+$")
+    b64: str | None = None
+    url: str | None = Field(default=None, pattern=r"^(https?://|data:).+")
+
+
+Envelope = Annotated[
+    StartEnvelope | AbortEnvelope | AudioChunkEnvelope | ImageEnvelope,
+    Field(discriminator="type"),
+]
+_ENVELOPE: TypeAdapter[Any] = TypeAdapter(Envelope)
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send this text frame to the client."""
+
+    frame: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartTurn:
+    """Start streaming this request (pending input already attached)."""
+
+    request: ChatRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AbortTurn:
+    """Cancel the turn in flight; the route answers ``{"type":"done","aborted":true}``."""
+
+
+Action = Send | StartTurn | AbortTurn
+
+
+def error_frame(
+    code: str, message: str, *, param: str | None = None, error_type: str = "invalid_request_error"
+) -> Send:
+    event = Error(error_type=error_type, message=message, code=code, param=param)
+    return Send(orjson.dumps(event.to_dict()).decode())
+
+
+def gateway_error_frame(error: GatewayError) -> Send:
+    return Send(orjson.dumps(error.to_event().to_dict()).decode())
+
+
+@dataclass(slots=True)
+class _PendingAudio:
+    format: str
+    sample_rate: int
+    data: bytearray
+
+
+class RealtimeSession:
+    """One connection's protocol state (see the module docstring)."""
+
+    def __init__(self, *, max_pending_input_bytes: int) -> None:
+        self.max_pending_input_bytes = max_pending_input_bytes
+        self.streaming = False
+        self._pending: list[ImagePart | _PendingAudio] = []
+        self._pending_bytes = 0
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def receive_binary(self, data: bytes) -> list[Action]:
+        return [
+            error_frame(
+                "invalid_envelope",
+                f"binary frames are not accepted ({len(data)} bytes received); "
+                "send JSON envelopes as text frames",
+            )
+        ]
+
+    def receive_text(self, text: str) -> list[Action]:
+        try:
+            data = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            return [error_frame("invalid_envelope", f"the frame is not valid JSON: {exc}")]
+        if not isinstance(data, dict):
+            return [error_frame("invalid_envelope", "an envelope must be a JSON object")]
+        try:
+            envelope = _ENVELOPE.validate_python(data)
+        except ValidationError as exc:
+            return [_envelope_error(exc, data)]
+        match envelope:
+            case StartEnvelope():
+                return self._start(envelope)
+            case AbortEnvelope():
+                if not self.streaming:
+                    return [
+                        error_frame("nothing_to_abort", "abort received, but no stream is running")
+                    ]
+                return [AbortTurn()]
+            case AudioChunkEnvelope():
+                return self._add_audio(envelope)
+            case ImageEnvelope():
+                return self._add_image(envelope)
+        raise AssertionError(envelope)  # pragma: no cover - the union is exhaustive
+
+    def turn_ended(self) -> None:
+        self.streaming = False
+
+    def _start(self, envelope: StartEnvelope) -> list[Action]:
+        if self.streaming:
+            return [
+                error_frame(
+                    "stream_in_progress",
+                    "a stream is already running on this connection; send abort first",
+                )
+            ]
+        body = dict(envelope.request)
+        body["stream"] = True
+        try:
+            request = ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            error = validation_error(exc, body)
+            param = f"request.{error.param}" if error.param else "request"
+            return [error_frame("invalid_request", error.message, param=param)]
+        if self._pending:
+            request = _attach(request, [_to_part(p) for p in self._pending])
+            self._pending = []
+            self._pending_bytes = 0
+        self.streaming = True
+        return [StartTurn(request)]
+
+    def _reserve(self, size: int) -> Send | None:
+        if self._pending_bytes + size > self.max_pending_input_bytes:
+            return error_frame(
+                "input_too_large",
+                f"pending input would be {self._pending_bytes + size} bytes, over the limit "
+                f"of {self.max_pending_input_bytes}; this chunk was dropped, the earlier "
+                "input is kept",
+            )
+        self._pending_bytes += size
+        return None
+
+    def _add_audio(self, envelope: AudioChunkEnvelope) -> list[Action]:
+        decoded = _b64("b64", envelope.b64)
+        if isinstance(decoded, Send):
+            return [decoded]
+        refused = self._reserve(len(decoded))
+        if refused is not None:
+            return [refused]
+        last = self._pending[-1] if self._pending else None
+        if (
+            envelope.format == "pcm16"
+            and isinstance(last, _PendingAudio)
+            and last.format == "pcm16"
+            and last.sample_rate == envelope.sample_rate
+        ):
+            last.data += decoded
+        else:
+            self._pending.append(
+                _PendingAudio(envelope.format, envelope.sample_rate, bytearray(decoded))
+            )
+        return []
+
+    def _add_image(self, envelope: ImageEnvelope) -> list[Action]:
+        if (envelope.b64 is None) == (envelope.url is None):
+            return [error_frame("invalid_envelope", "image: give exactly one of b64 and url")]
+        if envelope.b64 is not None:
+            decoded = _b64("b64", envelope.b64)
+            if isinstance(decoded, Send):
+                return [decoded]
+            refused = self._reserve(len(decoded))
+            if refused is not None:
+                return [refused]
+            url = f"data:{envelope.mime_type};base64,{envelope.b64}"
+        else:
+            assert envelope.url is not None
+            url = envelope.url
+        self._pending.append(
+            ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
+        )
+        return []
+
+
+def _b64(field: str, value: str) -> bytes | Send:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return error_frame("invalid_envelope", f"{field}: not valid base64", param=field)
+
+
+def _to_part(item: ImagePart | _PendingAudio) -> ContentPart:
+    if isinstance(item, ImagePart):
+        return item
+    audio: dict[str, Any] = {"data": base64.b64encode(item.data).decode(), "format": item.format}
+    if item.format == "pcm16":
+        audio["sample_rate"] = item.sample_rate
+    return AudioPart.model_validate({"type": "input_audio", "input_audio": audio})
+
+
+def _attach(request: ChatRequest, parts: list[ContentPart]) -> ChatRequest:
+    """A copy of ``request`` whose last user message also holds ``parts``."""
+    messages = list(request.messages)
+    for i in range(len(messages) - 1, -1, -1):
+        message = messages[i]
+        if isinstance(message, UserMessage):
+            content = message.content
+            existing: list[ContentPart] = (
+                [TextPart(type="text", text=content)] if isinstance(content, str) else list(content)
+            )
+            messages[i] = message.model_copy(update={"content": existing + parts})
+            break
+    else:
+        messages.append(UserMessage(role="user", content=parts))
+    return request.model_copy(update={"messages": messages})
+
+
+def _envelope_error(exc: ValidationError, data: dict[str, Any]) -> Send:
+    first = exc.errors(include_url=False)[0]
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        kind = data.get("type")
+        if kind is None:
+            return error_frame("invalid_envelope", "an envelope needs a 'type'", param="type")
+        return error_frame(
+            "invalid_envelope",
+            f"unknown envelope type {kind!r}; expected start, abort, audio_chunk or image",
+            param="type",
+        )
+    param = field_path(first["loc"], data)
+    message = first["msg"]
+    if first["type"] == "missing":
+        message = "Field required"
+    elif first["type"] == "extra_forbidden":
+        message = "Unknown field"
+    return error_frame(
+        "invalid_envelope", f"{data.get('type')}: {param}: {message}", param=param or None
+    )
+

@@ -66,7 +66,7 @@ def _load(path: str | None) -> tuple[Config, str]:
 def _serve(config: Config, source: str) -> int:
     if config.server.uvloop:
         try:
-            import uvloop  # type: ignore[import-not-found]
+            import uvloop  # type: ignore[import-not-found, unused-ignore]
         except ImportError:
             raise ConfigError(
                 f"{source}: [server] uvloop: uvloop is not installed "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import websockets
 
 NEXUS = str(Path(sys.executable).parent / "nexus")
 CURL = "curl"
@@ -161,6 +163,32 @@ def test_serves_on_uvloop_when_configured(tmp_path: Path) -> None:
     assert proc.wait(15) == 0
     proc.stderr.close()
     assert any("event loop: uvloop" in line for line in lines), lines
+
+
+def test_sigterm_closes_realtime_sockets_with_1001(
+    server: tuple[subprocess.Popen[str], str],
+) -> None:
+    proc, url = server
+
+    async def scenario() -> int | None:
+        async with websockets.connect(url.replace("http", "ws") + "/v1/realtime") as ws:
+            request = {
+                "model": "mock/echo",
+                "messages": [{"role": "user", "content": "word " * 100}],
+                "mock": {"delay_ms": 100},
+            }
+            await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
+            await ws.recv()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 10)
+            except websockets.ConnectionClosed:
+                pass
+            return ws.close_code
+
+    assert asyncio.run(scenario()) == 1001
+    assert proc.wait(15) == 0
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from ..config import Config
 from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from .errors import error_middleware
-from .routes import chat_completions, models
+from .routes import chat_completions, models, realtime
 from .state import CONFIG, ENGINE, REGISTRY, RUNTIME, Runtime
 
 __all__ = ["create_app"]
@@ -70,6 +70,7 @@ def create_app(
     app.on_shutdown.append(_drain_streams)
 
     app.router.add_post("/v1/chat/completions", chat_completions.handle)
+    app.router.add_get("/v1/realtime", realtime.handle)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model:.+}", models.get_model)
     app.router.add_get("/healthz", models.healthz)
@@ -82,15 +83,20 @@ async def _drain_streams(app: web.Application) -> None:
     grace = app[CONFIG].server.shutdown_grace_s
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
-    if runtime.active:
-        log.info("waiting up to %.1fs for %d streams to finish", grace, len(runtime.active))
-    while runtime.active and loop.time() < deadline:
+
+    def busy() -> int:
+        return len(runtime.active) + sum(1 for s in runtime.sockets if s.busy)
+
+    if busy():
+        log.info("waiting up to %.1fs for %d streams to finish", grace, busy())
+    while busy() and loop.time() < deadline:
         await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0)))
     remaining = list(runtime.active)
-    if remaining:
-        log.warning("ending %d streams still running after the grace period", len(remaining))
+    if busy():
+        log.warning("ending %d streams still running after the grace period", busy())
     for pump in remaining:
         pump.shutdown()
+    await asyncio.gather(*(socket.shutdown() for socket in list(runtime.sockets)))
     # Let the cancelled pumps write their error frames and close their providers.
     for _ in range(100):
         if not runtime.active:

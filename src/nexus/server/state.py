@@ -12,6 +12,7 @@ from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
 
 if TYPE_CHECKING:
+    from .routes.realtime import RealtimeConnection
     from .streaming import StreamPump
 
 __all__ = ["CONFIG", "ENGINE", "REGISTRY", "RUNTIME", "Runtime"]
@@ -19,9 +20,10 @@ __all__ = ["CONFIG", "ENGINE", "REGISTRY", "RUNTIME", "Runtime"]
 
 @dataclass
 class Runtime:
-    """Mutable per-app state: the streams in flight and whether we are stopping."""
+    """Mutable per-app state: streams and sockets in flight, and whether we are stopping."""
 
     active: set[StreamPump] = field(default_factory=set)
+    sockets: set[RealtimeConnection] = field(default_factory=set)
     shutting_down: bool = False
 
 

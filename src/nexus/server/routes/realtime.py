@@ -1,0 +1,157 @@
+"""``GET /v1/realtime``: the WebSocket surface. The route only moves frames.
+
+The protocol (envelopes, states, errors) lives in
+:class:`~nexus.protocol.realtime.RealtimeSession`; this module reads frames,
+feeds them to it and carries out its actions. A turn runs in its own task
+and sends each event of the engine's stream as one text frame (the NDJSON
+object), then ``{"type":"done"}``.
+
+* ``abort`` cancels the turn's task: the cancellation reaches the provider at
+  its current await, so its cleanup runs at once, not at the next chunk; then
+  ``{"type":"done","aborted":true}`` goes out and the connection stays open.
+* A provider failure (an error event, or an upstream error before output):
+  the error frame, then close 1011. A request-level failure (unknown model,
+  unsupported input): the error frame, and the connection stays open.
+* Ping frames every ``heartbeat_interval_s``; a peer that does not answer
+  in half that time is closed and its turn cancelled. A peer that vanishes
+  ends the receive loop, which cancels the turn.
+* A message over ``[realtime] max_message_bytes`` closes with 1009; server
+  shutdown closes with 1001.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import orjson
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from ...errors import GatewayError, ServerShuttingDown
+from ...events import Error
+from ...protocol.realtime import (
+    AbortTurn,
+    RealtimeSession,
+    Send,
+    StartTurn,
+    gateway_error_frame,
+)
+from ...request import ChatRequest
+from ...stream import Stream
+from .. import state
+
+__all__ = ["RealtimeConnection", "handle"]
+
+log = logging.getLogger("nexus.realtime")
+
+_DONE = '{"type":"done"}'
+_ABORTED = '{"type":"done","aborted":true}'
+
+
+class RealtimeConnection:
+    """One WebSocket client: its session, its socket, at most one running turn."""
+
+    def __init__(self, request: web.Request) -> None:
+        app = request.app
+        config = app[state.CONFIG]
+        self.request = request
+        self.engine = app[state.ENGINE]
+        self.runtime = app[state.RUNTIME]
+        self.ws = web.WebSocketResponse(
+            heartbeat=config.server.heartbeat_interval_s,
+            max_msg_size=config.realtime.max_message_bytes,
+        )
+        self.session = RealtimeSession(
+            max_pending_input_bytes=config.realtime.max_pending_input_bytes
+        )
+        self.turn: asyncio.Task[None] | None = None
+        self._aborting = False
+
+    @property
+    def busy(self) -> bool:
+        return self.turn is not None and not self.turn.done()
+
+    async def run(self) -> web.WebSocketResponse:
+        ws = self.ws
+        await ws.prepare(self.request)
+        self.runtime.sockets.add(self)
+        try:
+            async for message in ws:
+                if message.type is WSMsgType.TEXT:
+                    actions = self.session.receive_text(message.data)
+                elif message.type is WSMsgType.BINARY:
+                    actions = self.session.receive_binary(message.data)
+                else:  # ERROR: the reader already closed the socket (e.g. 1009)
+                    break
+                for action in actions:
+                    await self._do(action)
+        finally:
+            self.runtime.sockets.discard(self)
+            await self._cancel_turn()
+        return ws
+
+    async def _do(self, action: Send | StartTurn | AbortTurn) -> None:
+        match action:
+            case Send(frame=frame):
+                await self.ws.send_str(frame)
+            case StartTurn(request=request):
+                self.turn = asyncio.get_running_loop().create_task(self._turn(request))
+            case AbortTurn():
+                if self.turn is not None and not self.turn.done():
+                    self._aborting = True
+                    self.turn.cancel()
+                    # The aborted frame is out before the next envelope is read.
+                    await asyncio.wait((self.turn,))
+
+    async def _turn(self, request: ChatRequest) -> None:
+        ws = self.ws
+        stream: Stream | None = None
+        try:
+            stream = self.engine.complete_stream(request)
+            async for event in stream:
+                if type(event) is Error:
+                    await ws.send_str(orjson.dumps(event.to_dict()).decode())
+                    await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
+                    return
+                await ws.send_str(orjson.dumps(event.to_dict()).decode())
+            await ws.send_str(_DONE)
+        except GatewayError as exc:
+            await ws.send_str(gateway_error_frame(exc).frame)
+            if exc.status >= 500:
+                await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
+        except asyncio.CancelledError:
+            if not self._aborting:
+                raise
+            if stream is not None:
+                await stream.close()
+            with contextlib.suppress(ConnectionError):
+                await ws.send_str(_ABORTED)
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        except ConnectionError:
+            log.debug("realtime client went away mid-turn")
+        finally:
+            if stream is not None:
+                await stream.close()
+            self._aborting = False
+            self.session.turn_ended()
+
+    async def _cancel_turn(self) -> None:
+        turn = self.turn
+        if turn is not None and not turn.done():
+            turn.cancel()
+            await asyncio.wait((turn,))
+
+    async def shutdown(self) -> None:
+        """Server shutdown: cancel the turn, close with 1001 (going away)."""
+        await self._cancel_turn()
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    if request.app[state.RUNTIME].shutting_down:
+        raise ServerShuttingDown("The server is shutting down; retry the request.")
+    return await RealtimeConnection(request).run()

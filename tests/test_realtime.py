@@ -1,0 +1,312 @@
+"""``/v1/realtime`` through the real ``websockets`` client, and raw sockets that misbehave."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+from typing import Any
+
+import orjson
+import pytest
+import websockets
+
+from support import GatedProvider, MakeClient
+
+
+class TextOnlyProvider(GatedProvider):
+    kind = "textonly"
+
+
+async def connect(make_client: MakeClient, config: dict[str, Any] | None = None, **kw: Any) -> Any:
+    client = await make_client(config, **kw)
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    return client, await websockets.connect(url, max_size=None)
+
+
+def start(content: str = "hello realtime world", **extra: Any) -> str:
+    request: dict[str, Any] = {
+        "model": "mock/echo",
+        "messages": [{"role": "user", "content": content}],
+    }
+    request.update(extra)
+    return orjson.dumps({"type": "start", "request": request}).decode()
+
+
+async def turn(ws: Any) -> list[dict[str, Any]]:
+    """Frames until (and including) the turn's done or error."""
+    frames = []
+    while True:
+        frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        frames.append(frame)
+        if frame["type"] in ("done", "error"):
+            return frames
+
+
+async def test_full_turn(make_client: MakeClient) -> None:
+    _, ws = await connect(make_client)
+    async with ws:
+        await ws.send(start())
+        frames = await turn(ws)
+    assert [f["type"] for f in frames] == ["delta", "delta", "delta", "delta", "usage", "done"]
+    text = "".join(f["delta"].get("content", "") for f in frames if f["type"] == "delta")
+    assert text == "hello realtime world"
+    assert frames[3] == {"type": "delta", "delta": {}, "finish_reason": "stop"}
+    assert frames[-1] == {"type": "done"}
+
+
+async def test_two_turns_on_one_connection(make_client: MakeClient) -> None:
+    _, ws = await connect(make_client)
+    async with ws:
+        await ws.send(start("first turn"))
+        first = await turn(ws)
+        await ws.send(
+            start("second turn", mock={"reasoning": "hmm", "tool_calls": [{"name": "f"}]})
+        )
+        second = await turn(ws)
+    assert first[-1] == {"type": "done"}
+    types = [f["type"] for f in second]
+    assert types[0] == "reasoning"
+    assert "tool_call" in types
+    assert second[-1] == {"type": "done"}
+
+
+async def test_abort_closes_provider_at_once(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    _, ws = await connect(make_client, providers=[gated])
+    async with ws:
+        await ws.send(start(model="gated/slow"))
+        first = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert first == {"type": "delta", "delta": {"content": "before0 "}}
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        await ws.send('{"type":"abort"}')
+        done = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert done == {"type": "done", "aborted": True}
+        assert gated.closed.is_set()  # cleaned up before "done" went out
+        assert gated.closed_at is not None and gated.closed_at - sent < 0.5
+        assert not gated.gate.is_set()
+        # The connection stays open for the next turn.
+        await ws.send(start("after abort"))
+        frames = await turn(ws)
+        assert frames[-1] == {"type": "done"}
+
+
+async def test_image_and_audio_are_routed_to_the_provider(make_client: MakeClient) -> None:
+    png = os.urandom(100)
+    pcm = os.urandom(48)
+    _, ws = await connect(make_client)
+    async with ws:
+        await ws.send(
+            orjson.dumps(
+                {"type": "image", "mime_type": "image/png", "b64": base64.b64encode(png).decode()}
+            ).decode()
+        )
+        await ws.send(
+            orjson.dumps(
+                {
+                    "type": "audio_chunk",
+                    "format": "pcm16",
+                    "b64": base64.b64encode(pcm[:20]).decode(),
+                }
+            ).decode()
+        )
+        await ws.send(
+            orjson.dumps(
+                {
+                    "type": "audio_chunk",
+                    "format": "pcm16",
+                    "b64": base64.b64encode(pcm[20:]).decode(),
+                }
+            ).decode()
+        )
+        await ws.send(
+            orjson.dumps(
+                {"type": "audio_chunk", "format": "mp3", "b64": base64.b64encode(b"mp3!").decode()}
+            ).decode()
+        )
+        await ws.send(start("look and listen"))
+        frames = await turn(ws)
+        text = "".join(f["delta"].get("content", "") for f in frames if f["type"] == "delta")
+        attachments = "[image image/png 100 bytes] [audio pcm16 48 bytes] [audio mp3 4 bytes]"
+        assert text == f"look and listen {attachments}"
+        # Pending input was consumed by that start.
+        await ws.send(start("nothing attached"))
+        frames = await turn(ws)
+        text = "".join(f["delta"].get("content", "") for f in frames if f["type"] == "delta")
+        assert text == "nothing attached"
+
+
+@pytest.mark.parametrize(
+    ("frame", "fragment"),
+    [
+        ("not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"type": "teleport"}', "unknown envelope type 'teleport'"),
+        ('{"kind": "start"}', "needs a 'type'"),
+        ('{"type": "audio_chunk", "format": "pcm16"}', "b64"),
+        ('{"type": "audio_chunk", "format": "pcm16", "b64": "%%%"}', "not valid base64"),
+        ('{"type": "image", "mime_type": "image/png", "b64": "abc"}', "not valid base64"),
+        ('{"type": "image", "mime_type": "image/png"}', "exactly one of b64 and url"),
+        (b"\x00\x01binary", "binary frames are not accepted"),
+    ],
+)
+async def test_bad_input_gets_an_error_and_the_connection_lives(
+    make_client: MakeClient, frame: str | bytes, fragment: str
+) -> None:
+    _, ws = await connect(make_client)
+    async with ws:
+        await ws.send(frame)
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["type"] == "error"
+        assert error["error"]["code"] == "invalid_envelope"
+        assert fragment in error["error"]["message"]
+        await ws.send(start("still here"))
+        assert (await turn(ws))[-1] == {"type": "done"}
+
+
+async def test_invalid_start_request_names_the_field(make_client: MakeClient) -> None:
+    _, ws = await connect(make_client)
+    async with ws:
+        await ws.send(start(temperature=7))
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "invalid_request"
+        assert error["error"]["param"] == "request.temperature"
+        await ws.send(start(model="nobody/x"))
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "model_not_found"
+        await ws.send(start("fine"))
+        assert (await turn(ws))[-1] == {"type": "done"}
+
+
+async def test_start_while_streaming_and_abort_while_idle(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=2)
+    _, ws = await connect(make_client, providers=[gated])
+    async with ws:
+        await ws.send('{"type": "abort"}')
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "nothing_to_abort"
+        await ws.send(start(model="gated/m"))
+        assert orjson.loads(await ws.recv())["type"] == "delta"
+        await ws.send(start("second"))
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "stream_in_progress"
+        gated.gate.set()  # the running stream goes on to its end
+        frames = await turn(ws)
+        assert [f["delta"].get("content") for f in frames if f["type"] == "delta"][:2] == [
+            "after0 ",
+            "after1 ",
+        ]
+        assert frames[-1] == {"type": "done"}
+
+
+async def test_unsupported_input_is_refused_before_streaming(make_client: MakeClient) -> None:
+    text_only = TextOnlyProvider("textonly")
+    _, ws = await connect(make_client, providers=[text_only])
+    async with ws:
+        await ws.send(
+            '{"type": "image", "mime_type": "image/png", "url": "https://example.com/a.png"}'
+        )
+        await ws.send(start(model="textonly/m"))
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "unsupported_input"
+        assert "image" in error["error"]["message"]
+        assert not text_only.started.is_set()
+        await ws.send(start("and then text"))
+        assert (await turn(ws))[-1] == {"type": "done"}
+
+
+async def test_provider_failure_sends_error_then_1011(make_client: MakeClient) -> None:
+    _, ws = await connect(make_client)
+    await ws.send(start("a b c", mock={"fail_after": 1}))
+    frames = await turn(ws)
+    assert [f["type"] for f in frames] == ["delta", "error"]
+    assert frames[-1]["error"]["code"] == "upstream_error"
+    with pytest.raises(websockets.ConnectionClosedError):
+        await asyncio.wait_for(ws.recv(), 5)
+    assert ws.close_code == 1011
+
+
+async def test_message_over_the_limit_closes_1009(make_client: MakeClient) -> None:
+    _, ws = await connect(make_client, {"realtime": {"max_message_bytes": 1024}})
+    await ws.send("x" * 2048)
+    with pytest.raises(websockets.ConnectionClosedError):
+        await asyncio.wait_for(ws.recv(), 5)
+    assert ws.close_code == 1009
+
+
+async def test_pending_input_over_the_limit(make_client: MakeClient) -> None:
+    _, ws = await connect(make_client, {"realtime": {"max_pending_input_bytes": 64}})
+    async with ws:
+        chunk = base64.b64encode(os.urandom(40)).decode()
+        await ws.send(orjson.dumps({"type": "audio_chunk", "format": "wav", "b64": chunk}).decode())
+        await ws.send(orjson.dumps({"type": "audio_chunk", "format": "wav", "b64": chunk}).decode())
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "input_too_large"
+        await ws.send(start("kept"))
+        frames = await turn(ws)
+        text = "".join(f["delta"].get("content", "") for f in frames if f["type"] == "delta")
+        assert text == "kept [audio wav 40 bytes]"
+
+
+async def test_pings_are_answered_and_keep_the_connection(make_client: MakeClient) -> None:
+    _, ws = await connect(make_client, {"server": {"heartbeat_interval_s": 0.1}})
+    async with ws:
+        pong = await ws.ping()  # client -> server ping is answered too
+        await asyncio.wait_for(pong, 5)
+        await asyncio.sleep(0.5)  # five server pings, answered by the client library
+        await ws.send(start("alive"))
+        assert (await turn(ws))[-1] == {"type": "done"}
+
+
+# --- raw clients: peers that misbehave in ways a client library will not ---
+
+
+async def _raw_socket(client: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        (
+            "GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101")
+    return reader, writer
+
+
+def _masked_text(payload: bytes) -> bytes:
+    mask = os.urandom(4)
+    assert len(payload) < 126
+    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([0x81, 0x80 | len(payload)]) + mask + body
+
+
+async def test_peer_that_ignores_pings_is_closed_and_its_stream_cancelled(
+    make_client: MakeClient,
+) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client({"server": {"heartbeat_interval_s": 0.2}}, providers=[gated])
+    _, writer = await _raw_socket(client)
+    writer.write(_masked_text(start("x", model="gated/m").encode()))
+    await writer.drain()
+    await asyncio.wait_for(gated.started.wait(), 5)
+    # Never read, never pong: the server's heartbeat must give up on us.
+    await asyncio.wait_for(gated.closed.wait(), 5)
+    assert not gated.gate.is_set()
+    writer.close()
+
+
+async def test_vanished_peer_cancels_the_stream(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(providers=[gated])
+    _, writer = await _raw_socket(client)
+    writer.write(_masked_text(start("x", model="gated/m").encode()))
+    await writer.drain()
+    await asyncio.wait_for(gated.started.wait(), 5)
+    loop = asyncio.get_running_loop()
+    gone = loop.time()
+    writer.transport.abort()  # TCP gone, no close frame
+    await asyncio.wait_for(gated.closed.wait(), 5)
+    assert gated.closed_at is not None and gated.closed_at - gone < 0.5

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from ..errors import GatewayError
 from ..events import Error
 from ..request import AudioPart, ChatRequest, ContentPart, ImagePart, TextPart, UserMessage
-from .openai_chat import field_path, validation_error
+from .openai_chat import validation_error
 
 __all__ = ["AbortTurn", "RealtimeSession", "Send", "StartTurn", "error_frame"]
 
@@ -189,24 +189,27 @@ class RealtimeSession:
         self.streaming = True
         return [StartTurn(request)]
 
-    def _reserve(self, size: int) -> Send | None:
-        if self._pending_bytes + size > self.max_pending_input_bytes:
+    def _take(self, b64: str) -> bytes | Send:
+        """Decode one chunk of input and count it against the pending limit."""
+        try:
+            decoded = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            return error_frame("invalid_envelope", "b64: not valid base64", param="b64")
+        size = self._pending_bytes + len(decoded)
+        if size > self.max_pending_input_bytes:
             return error_frame(
                 "input_too_large",
-                f"pending input would be {self._pending_bytes + size} bytes, over the limit "
-                f"of {self.max_pending_input_bytes}; this chunk was dropped, the earlier "
+                f"pending input would be {size} bytes, over the limit of "
+                f"{self.max_pending_input_bytes}; this chunk was dropped, the earlier "
                 "input is kept",
             )
-        self._pending_bytes += size
-        return None
+        self._pending_bytes = size
+        return decoded
 
     def _add_audio(self, envelope: AudioChunkEnvelope) -> list[Action]:
-        decoded = _b64("b64", envelope.b64)
+        decoded = self._take(envelope.b64)
         if isinstance(decoded, Send):
             return [decoded]
-        refused = self._reserve(len(decoded))
-        if refused is not None:
-            return [refused]
         last = self._pending[-1] if self._pending else None
         if (
             envelope.format == "pcm16"
@@ -225,12 +228,9 @@ class RealtimeSession:
         if (envelope.b64 is None) == (envelope.url is None):
             return [error_frame("invalid_envelope", "image: give exactly one of b64 and url")]
         if envelope.b64 is not None:
-            decoded = _b64("b64", envelope.b64)
+            decoded = self._take(envelope.b64)
             if isinstance(decoded, Send):
                 return [decoded]
-            refused = self._reserve(len(decoded))
-            if refused is not None:
-                return [refused]
             url = f"data:{envelope.mime_type};base64,{envelope.b64}"
         else:
             assert envelope.url is not None
@@ -239,13 +239,6 @@ class RealtimeSession:
             ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
         )
         return []
-
-
-def _b64(field: str, value: str) -> bytes | Send:
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        return error_frame("invalid_envelope", f"{field}: not valid base64", param=field)
 
 
 def _to_part(item: ImagePart | _PendingAudio) -> ContentPart:
@@ -285,13 +278,7 @@ def _envelope_error(exc: ValidationError, data: dict[str, Any]) -> Send:
             f"unknown envelope type {kind!r}; expected start, abort, audio_chunk or image",
             param="type",
         )
-    param = field_path(first["loc"], data)
-    message = first["msg"]
-    if first["type"] == "missing":
-        message = "Field required"
-    elif first["type"] == "extra_forbidden":
-        message = "Unknown field"
+    error = validation_error(exc, data)
     return error_frame(
-        "invalid_envelope", f"{data.get('type')}: {param}: {message}", param=param or None
+        "invalid_envelope", f"{data.get('type')}: {error.message}", param=error.param
     )
-

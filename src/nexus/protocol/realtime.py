@@ -174,14 +174,22 @@ class RealtimeSession:
                     "a stream is already running on this connection; send abort first",
                 )
             ]
-        body = dict(envelope.request)
-        body["stream"] = True
+        body = envelope.request
         try:
             request = ChatRequest.model_validate(body)
         except ValidationError as exc:
             error = validation_error(exc, body)
             param = f"request.{error.param}" if error.param else "request"
             return [error_frame("invalid_request", error.message, param=param)]
+        if "stream" in body and not request.stream:
+            return [
+                error_frame(
+                    "invalid_request",
+                    "stream: the realtime surface always streams; omit stream or set it to true",
+                    param="request.stream",
+                )
+            ]
+        request = request.model_copy(update={"stream": True})
         if self._pending:
             request = _attach(request, [_to_part(p) for p in self._pending])
             self._pending = []
@@ -195,16 +203,20 @@ class RealtimeSession:
             decoded = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
             return error_frame("invalid_envelope", "b64: not valid base64", param="b64")
-        size = self._pending_bytes + len(decoded)
-        if size > self.max_pending_input_bytes:
+        refused = self._count(len(decoded))
+        return decoded if refused is None else refused
+
+    def _count(self, size: int) -> Send | None:
+        total = self._pending_bytes + size
+        if total > self.max_pending_input_bytes:
             return error_frame(
                 "input_too_large",
-                f"pending input would be {size} bytes, over the limit of "
+                f"pending input would be {total} bytes, over the limit of "
                 f"{self.max_pending_input_bytes}; this chunk was dropped, the earlier "
                 "input is kept",
             )
-        self._pending_bytes = size
-        return decoded
+        self._pending_bytes = total
+        return None
 
     def _add_audio(self, envelope: AudioChunkEnvelope) -> list[Action]:
         decoded = self._take(envelope.b64)
@@ -235,6 +247,19 @@ class RealtimeSession:
         else:
             assert envelope.url is not None
             url = envelope.url
+            header, comma, data = url.partition(",")
+            if url.startswith("data:"):
+                # Inline data counts against the pending limit like b64 does.
+                if not comma:
+                    return [error_frame("invalid_envelope", "url: a data URL needs a ','")]
+                if header.endswith(";base64"):
+                    decoded = self._take(data)
+                    if isinstance(decoded, Send):
+                        return [decoded]
+                else:
+                    counted = self._count(len(data.encode()))
+                    if counted is not None:
+                        return [counted]
         self._pending.append(
             ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
         )

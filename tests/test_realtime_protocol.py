@@ -1,0 +1,460 @@
+"""The realtime session state machine, sans I/O: frames in, actions out (no sockets)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import orjson
+import pytest
+
+from nexus.protocol.realtime import AbortTurn, RealtimeSession, Send, StartTurn, error_frame
+from nexus.request import (
+    AssistantMessage,
+    AudioPart,
+    ChatRequest,
+    ImagePart,
+    SystemMessage,
+    TextPart,
+    UserMessage,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+PNG = base64.b64encode(b"\x89PNG").decode()  # 4 decoded bytes
+
+
+def frame(envelope: dict[str, Any]) -> str:
+    return orjson.dumps(envelope).decode()
+
+
+def start(request: dict[str, Any] | None = None) -> str:
+    return frame({"type": "start", "request": request or {"model": "m", "messages": USER}})
+
+
+def audio(data: bytes, fmt: str = "pcm16", **extra: Any) -> str:
+    return frame(
+        {"type": "audio_chunk", "format": fmt, "b64": base64.b64encode(data).decode(), **extra}
+    )
+
+
+def image(**fields: Any) -> str:
+    return frame({"type": "image", "mime_type": "image/png", **fields})
+
+
+def error_of(actions: list[Any]) -> dict[str, Any]:
+    """The ``error`` object of the one error frame in ``actions``."""
+    assert len(actions) == 1
+    assert isinstance(actions[0], Send)
+    body = orjson.loads(actions[0].frame)
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["retryable"] is False
+    return body["error"]
+
+
+def started(actions: list[Any]) -> ChatRequest:
+    assert len(actions) == 1
+    assert isinstance(actions[0], StartTurn)
+    return actions[0].request
+
+
+def attached(session: RealtimeSession, request: dict[str, Any] | None = None) -> list[Any]:
+    """Start a turn and return the content of its last user message."""
+    req = started(session.receive_text(start(request)))
+    users = [m for m in req.messages if isinstance(m, UserMessage)]
+    return list(users[-1].content)
+
+
+def audio_bytes(part: Any) -> bytes:
+    assert isinstance(part, AudioPart)
+    return base64.b64decode(part.input_audio.data)
+
+
+@pytest.fixture
+def session() -> RealtimeSession:
+    return RealtimeSession(max_pending_input_bytes=1 << 20)
+
+
+# --- turns -----------------------------------------------------------------
+
+
+def test_start_gives_a_streaming_request(session: RealtimeSession) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    req = started(session.receive_text(start({"model": "mock-1", "messages": messages})))
+    assert req.stream is True
+    assert req.model == "mock-1"
+    assert req.messages == [
+        SystemMessage(role="system", content="be brief"),
+        UserMessage(role="user", content="hi"),
+    ]
+    assert session.streaming is True
+
+
+def test_start_while_streaming_is_refused(session: RealtimeSession) -> None:
+    session.receive_text(start())
+    error = error_of(session.receive_text(start()))
+    assert error["code"] == "stream_in_progress"
+    assert "already running" in error["message"]
+    assert "param" not in error
+    assert session.streaming is True
+
+
+def test_several_turns_in_sequence(session: RealtimeSession) -> None:
+    for n in range(3):
+        req = started(session.receive_text(start({"model": f"m{n}", "messages": USER})))
+        assert req.model == f"m{n}"
+        assert session.streaming is True
+        session.turn_ended()
+        assert session.streaming is False
+        assert error_of(session.receive_text('{"type":"abort"}'))["code"] == "nothing_to_abort"
+
+
+def test_abort_while_streaming(session: RealtimeSession) -> None:
+    session.receive_text(start())
+    assert session.receive_text('{"type":"abort"}') == [AbortTurn()]
+
+
+def test_abort_while_idle(session: RealtimeSession) -> None:
+    error = error_of(session.receive_text('{"type":"abort"}'))
+    assert error["code"] == "nothing_to_abort"
+    assert "no stream is running" in error["message"]
+    assert session.streaming is False
+
+
+# --- invalid requests ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_body", "param"),
+    [
+        pytest.param({"model": "m", "messages": USER, "temperature": 5}, "temperature", id="temp"),
+        pytest.param({"model": "m"}, "messages", id="no-messages"),
+        pytest.param(
+            {"model": "m", "messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+            id="bad-role",
+        ),
+        pytest.param({"model": "m", "messages": USER, "stream": "yes"}, "stream", id="stream-yes"),
+    ],
+)
+def test_invalid_request_names_the_field(
+    session: RealtimeSession, request_body: dict[str, Any], param: str
+) -> None:
+    error = error_of(session.receive_text(start(request_body)))
+    assert error["code"] == "invalid_request"
+    assert error["param"] == f"request.{param}"
+    assert param in error["message"]
+    assert session.streaming is False
+
+
+def test_invalid_request_keeps_pending_input(session: RealtimeSession) -> None:
+    session.receive_text(audio(b"abc"))
+    session.receive_text(start({"model": "m"}))
+    assert session.pending_bytes == 3
+    assert [audio_bytes(p) for p in attached(session)[1:]] == [b"abc"]
+
+
+# --- invalid envelopes -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        pytest.param("not json", "not valid JSON", id="non-json"),
+        pytest.param("[1, 2]", "must be a JSON object", id="array"),
+        pytest.param('"start"', "must be a JSON object", id="string"),
+        pytest.param('{"request": {}}', "needs a 'type'", id="no-type"),
+        pytest.param('{"type": "stop"}', "unknown envelope type 'stop'", id="unknown-type"),
+        pytest.param('{"type":"audio_chunk","format":"pcm16"}', "b64", id="audio-no-b64"),
+        pytest.param('{"type":"audio_chunk","b64":"AAAA"}', "format", id="audio-no-format"),
+        pytest.param(audio(b"x", fmt="ogg"), "format", id="audio-ogg"),
+        pytest.param(
+            '{"type":"audio_chunk","format":"pcm16","b64":"!!"}', "not valid base64", id="audio-b64"
+        ),
+        pytest.param(image(b64="not base64!"), "not valid base64", id="image-b64"),
+        pytest.param(
+            image(b64=PNG, url="https://x/a.png"), "exactly one of b64 and url", id="both"
+        ),
+        pytest.param(image(), "exactly one of b64 and url", id="neither"),
+        pytest.param(
+            frame({"type": "image", "mime_type": "text/plain", "b64": PNG}), "mime_type", id="mime"
+        ),
+        pytest.param(image(url="ftp://x/a.png"), "url", id="ftp-url"),
+        pytest.param('{"type":"abort","now":true}', "now: Unknown field", id="extra-field"),
+    ],
+)
+def test_invalid_envelope_says_what_is_wrong(
+    session: RealtimeSession, text: str, words: str
+) -> None:
+    error = error_of(session.receive_text(text))
+    assert error["code"] == "invalid_envelope"
+    assert words in error["message"]
+    assert session.streaming is False
+    assert session.pending_bytes == 0
+    assert started(session.receive_text(start())).messages == [
+        UserMessage(role="user", content="hi")
+    ]
+
+
+def test_invalid_envelope_while_streaming_leaves_the_turn(session: RealtimeSession) -> None:
+    session.receive_text(start())
+    assert error_of(session.receive_text("{"))["code"] == "invalid_envelope"
+    assert session.streaming is True
+    assert session.receive_text('{"type":"abort"}') == [AbortTurn()]
+
+
+def test_binary_frame_is_refused(session: RealtimeSession) -> None:
+    error = error_of(session.receive_binary(b"\x00\x01\x02"))
+    assert error["code"] == "invalid_envelope"
+    assert "binary frames are not accepted (3 bytes" in error["message"]
+    assert session.streaming is False
+    assert session.pending_bytes == 0
+
+
+# --- pending input ---------------------------------------------------------
+
+
+def test_image_b64_becomes_a_data_url_after_string_content(session: RealtimeSession) -> None:
+    assert session.receive_text(image(b64=PNG)) == []
+    assert attached(session) == [
+        TextPart(type="text", text="hi"),
+        ImagePart.model_validate(
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}
+        ),
+    ]
+
+
+def test_image_by_url(session: RealtimeSession) -> None:
+    assert session.receive_text(image(url="https://example.com/cat.png")) == []
+    parts = attached(session)
+    assert isinstance(parts[1], ImagePart)
+    assert parts[1].image_url.url == "https://example.com/cat.png"
+    assert len(parts) == 2
+
+
+def test_list_content_keeps_its_parts_first(session: RealtimeSession) -> None:
+    session.receive_text(image(url="https://x/1.png"))
+    content = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    parts = attached(session, {"model": "m", "messages": [{"role": "user", "content": content}]})
+    assert parts[:2] == [TextPart(type="text", text="a"), TextPart(type="text", text="b")]
+    assert [p.image_url.url for p in parts[2:]] == ["https://x/1.png"]
+
+
+def test_parts_go_to_the_last_user_message_in_arrival_order(session: RealtimeSession) -> None:
+    session.receive_text(audio(b"A", fmt="mp3"))
+    session.receive_text(image(url="https://x/1.png"))
+    session.receive_text(audio(b"B", fmt="wav"))
+    messages = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "prefill"},
+    ]
+    req = started(session.receive_text(start({"model": "m", "messages": messages})))
+    assert req.messages[0] == UserMessage(role="user", content="first")
+    assert req.messages[1] == AssistantMessage(role="assistant", content="ok")
+    assert req.messages[3] == AssistantMessage(role="assistant", content="prefill")
+    last_user = req.messages[2]
+    assert isinstance(last_user, UserMessage)
+    text, mp3, img, wav = last_user.content
+    assert text == TextPart(type="text", text="second")
+    assert (mp3.input_audio.format, audio_bytes(mp3)) == ("mp3", b"A")
+    assert img.image_url.url == "https://x/1.png"
+    assert (wav.input_audio.format, audio_bytes(wav)) == ("wav", b"B")
+
+
+def test_pcm16_chunks_of_one_rate_are_joined(session: RealtimeSession) -> None:
+    for chunk in (b"\x01\x02", b"\x03\x04", b"\x05"):
+        assert session.receive_text(audio(chunk, sample_rate=16000)) == []
+    parts = attached(session)
+    assert len(parts) == 2
+    assert audio_bytes(parts[1]) == b"\x01\x02\x03\x04\x05"
+    assert parts[1].input_audio.format == "pcm16"
+    assert parts[1].input_audio.sample_rate == 16000
+
+
+def test_sample_rate_defaults_to_24000(session: RealtimeSession) -> None:
+    session.receive_text(audio(b"ab"))
+    session.receive_text(audio(b"cd", sample_rate=24000))
+    parts = attached(session)
+    assert len(parts) == 2
+    assert audio_bytes(parts[1]) == b"abcd"
+    assert parts[1].input_audio.sample_rate == 24000
+
+
+@pytest.mark.parametrize(
+    ("second", "fmt"),
+    [
+        pytest.param(audio(b"cd", sample_rate=16000), "pcm16", id="other-rate"),
+        pytest.param(audio(b"cd", fmt="wav"), "wav", id="wav"),
+        pytest.param(audio(b"cd", fmt="mp3"), "mp3", id="mp3"),
+    ],
+)
+def test_a_new_audio_part_starts(session: RealtimeSession, second: str, fmt: str) -> None:
+    session.receive_text(audio(b"ab"))
+    session.receive_text(second)
+    _, first, other = attached(session)
+    assert audio_bytes(first) == b"ab"
+    assert first.input_audio.sample_rate == 24000
+    assert audio_bytes(other) == b"cd"
+    assert other.input_audio.format == fmt
+
+
+def test_compressed_chunks_are_never_joined(session: RealtimeSession) -> None:
+    session.receive_text(audio(b"a", fmt="wav"))
+    session.receive_text(audio(b"b", fmt="wav"))
+    session.receive_text(audio(b"c"))
+    _, one, two, three = attached(session)
+    assert [audio_bytes(p) for p in (one, two, three)] == [b"a", b"b", b"c"]
+    assert [p.input_audio.format for p in (one, two, three)] == ["wav", "wav", "pcm16"]
+
+
+def test_pcm16_chunks_split_by_an_image_are_not_joined(session: RealtimeSession) -> None:
+    session.receive_text(audio(b"a"))
+    session.receive_text(image(b64=PNG))
+    session.receive_text(audio(b"b"))
+    _, one, img, two = attached(session)
+    assert (audio_bytes(one), audio_bytes(two)) == (b"a", b"b")
+    assert isinstance(img, ImagePart)
+
+
+def test_no_user_message_gets_a_new_one(session: RealtimeSession) -> None:
+    session.receive_text(image(url="https://x/1.png"))
+    system = {"role": "system", "content": "sys"}
+    req = started(session.receive_text(start({"model": "m", "messages": [system]})))
+    assert len(req.messages) == 2
+    assert req.messages[0] == SystemMessage(role="system", content="sys")
+    new = req.messages[1]
+    assert isinstance(new, UserMessage)
+    assert [p.image_url.url for p in new.content] == ["https://x/1.png"]
+
+
+def test_pending_input_is_cleared_by_start(session: RealtimeSession) -> None:
+    session.receive_text(audio(b"abcd"))
+    assert session.pending_bytes == 4
+    assert len(attached(session)) == 2
+    assert session.pending_bytes == 0
+    session.turn_ended()
+    req = started(session.receive_text(start()))
+    assert req.messages == [UserMessage(role="user", content="hi")]
+
+
+def test_input_sent_while_streaming_waits_for_the_next_start(session: RealtimeSession) -> None:
+    session.receive_text(start())
+    assert session.receive_text(audio(b"xyz")) == []
+    assert session.receive_text(image(url="https://x/1.png")) == []
+    error_of(session.receive_text(start()))  # refused: stream_in_progress
+    assert session.pending_bytes == 3
+    session.turn_ended()
+    _, sound, img = attached(session)
+    assert audio_bytes(sound) == b"xyz"
+    assert img.image_url.url == "https://x/1.png"
+
+
+# --- limits ----------------------------------------------------------------
+
+
+def test_pending_input_up_to_the_limit_is_accepted() -> None:
+    session = RealtimeSession(max_pending_input_bytes=10)
+    assert session.receive_text(audio(b"123456")) == []
+    assert session.pending_bytes == 6
+    assert session.receive_text(image(b64=PNG)) == []
+    assert session.pending_bytes == 10
+    _, sound, img = attached(session)
+    assert audio_bytes(sound) == b"123456"
+    assert img.image_url.url == f"data:image/png;base64,{PNG}"
+    assert session.pending_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "over",
+    [pytest.param(audio(b"12345"), id="audio"), pytest.param(image(b64=PNG), id="image")],
+)
+def test_the_chunk_over_the_limit_is_dropped(over: str) -> None:
+    session = RealtimeSession(max_pending_input_bytes=10)
+    session.receive_text(audio(b"1234567"))
+    error = error_of(session.receive_text(over))
+    assert error["code"] == "input_too_large"
+    assert "over the limit of 10" in error["message"]
+    assert session.pending_bytes == 7
+    assert session.receive_text(audio(b"890")) == []
+    assert session.pending_bytes == 10
+    parts = attached(session)
+    assert len(parts) == 2
+    assert audio_bytes(parts[1]) == b"1234567890"
+
+
+def test_the_limit_applies_again_after_start() -> None:
+    session = RealtimeSession(max_pending_input_bytes=10)
+    session.receive_text(audio(b"0123456789"))
+    session.receive_text(start())
+    session.turn_ended()
+    assert session.receive_text(audio(b"0123456789")) == []
+    assert session.pending_bytes == 10
+
+
+# --- the error frame -------------------------------------------------------
+
+
+def test_error_frame_shape() -> None:
+    error = {
+        "type": "invalid_request_error",
+        "message": "too hot",
+        "code": "invalid_request",
+        "retryable": False,
+    }
+    plain = error_frame("invalid_request", "too hot")
+    assert orjson.loads(plain.frame) == {"type": "error", "error": error}
+    named = error_frame("invalid_request", "too hot", param="request.temperature")
+    assert orjson.loads(named.frame) == {
+        "type": "error",
+        "error": {**error, "param": "request.temperature"},
+    }
+
+
+def test_session_error_frame_is_exact(session: RealtimeSession) -> None:
+    (sent,) = session.receive_text(start({"model": "m", "messages": USER, "temperature": 5}))
+    assert isinstance(sent, Send)
+    assert orjson.loads(sent.frame) == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "temperature: Input should be less than or equal to 2",
+            "code": "invalid_request",
+            "retryable": False,
+            "param": "request.temperature",
+        },
+    }
+
+
+def test_stream_false_is_refused_and_stream_true_accepted() -> None:
+    session = RealtimeSession(max_pending_input_bytes=1000)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    [refused] = session.receive_text(
+        orjson.dumps({"type": "start", "request": {**body, "stream": False}}).decode()
+    )
+    assert isinstance(refused, Send)
+    error = orjson.loads(refused.frame)["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", "request.stream")
+    assert not session.streaming
+    [started] = session.receive_text(
+        orjson.dumps({"type": "start", "request": {**body, "stream": True}}).decode()
+    )
+    assert isinstance(started, StartTurn)
+    assert started.request.stream is True
+
+
+def test_data_url_images_count_against_the_pending_limit() -> None:
+    session = RealtimeSession(max_pending_input_bytes=10)
+    small = base64.b64encode(b"12345678").decode()
+    envelope = {"type": "image", "mime_type": "image/png", "url": f"data:image/png;base64,{small}"}
+    assert session.receive_text(orjson.dumps(envelope).decode()) == []
+    assert session.pending_bytes == 8
+    [refused] = session.receive_text(orjson.dumps(envelope).decode())
+    assert isinstance(refused, Send)
+    assert orjson.loads(refused.frame)["error"]["code"] == "input_too_large"
+    assert session.pending_bytes == 8
+    bad = {**envelope, "url": "data:image/png;base64,%%%"}
+    [invalid] = session.receive_text(orjson.dumps(bad).decode())
+    assert isinstance(invalid, Send)
+    assert orjson.loads(invalid.frame)["error"]["code"] == "invalid_envelope"

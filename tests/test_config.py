@@ -10,8 +10,8 @@ import pytest
 from nexus.config import (
     Config,
     LimitsConfig,
+    MockProviderConfig,
     ModelAliasConfig,
-    ProviderConfig,
     ServerConfig,
     load_config,
 )
@@ -49,7 +49,7 @@ def test_empty_file_gives_every_default(tmp_path: Path) -> None:
     )
     assert config.limits == LimitsConfig(max_body_bytes=33554432, max_concurrent_streams=10000)
     assert config.encoders == {}
-    assert config.providers == {"mock": ProviderConfig(kind="mock", models=["echo"])}
+    assert config.providers == {"mock": MockProviderConfig(kind="mock", models=["echo"])}
     assert config.models == {}
 
 
@@ -114,8 +114,8 @@ targets = ["mock/echo", "other.mock/x"]
     # [encoders] values are stored as given; they are imported when the app starts.
     assert config.encoders == {"application/x-custom": "my_package.encoders:CustomEncoder"}
     assert config.providers == {
-        "mock": ProviderConfig(kind="mock", models=["echo", "big"]),
-        "other.mock": ProviderConfig(kind="mock"),
+        "mock": MockProviderConfig(kind="mock", models=["echo", "big"]),
+        "other.mock": MockProviderConfig(kind="mock"),
     }
     assert config.models == {"demo": ModelAliasConfig(targets=["mock/echo", "other.mock/x"])}
 
@@ -231,9 +231,10 @@ def test_config_is_frozen() -> None:
             id="alias-targets-missing",
         ),
         pytest.param(
-            '[providers.openai]\nkind = "openai"\n',
-            "[providers.openai] kind: Input should be 'mock'",
-            id="provider-kind-not-mock",
+            '[providers.openai]\nkind = "gemini"\n',
+            "[providers.openai] kind: unknown kind 'gemini' "
+            "(expected 'mock', 'openai', 'anthropic')",
+            id="provider-kind-unknown",
         ),
         pytest.param(
             "[providers.p]\nmodels = []\n",
@@ -241,8 +242,8 @@ def test_config_is_frozen() -> None:
             id="provider-kind-missing",
         ),
         pytest.param(
-            '[providers."a.b"]\nkind = "openai"\n',
-            "[providers.\"a.b\"] kind: Input should be 'mock'",
+            '[providers."a.b"]\nkind = "openai"\nbase_url = "ftp://x"\n',
+            '[providers."a.b"] base_url: String should match pattern \'^https?://\\S+$\'',
             id="dotted-provider-name-quoted",
         ),
         pytest.param(

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
 __all__ = [
+    "AnthropicProviderConfig",
     "Config",
+    "HTTPProviderConfig",
     "LimitsConfig",
+    "MockProviderConfig",
     "ModelAliasConfig",
+    "OpenAIProviderConfig",
     "ProviderConfig",
     "RealtimeConfig",
     "ServerConfig",
@@ -52,13 +56,48 @@ class RealtimeConfig(_Table):
     max_pending_input_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
 
 
-class ProviderConfig(_Table):
+class MockProviderConfig(_Table):
     kind: Literal["mock"]
     models: list[str] = Field(default_factory=list)
 
 
+class HTTPProviderConfig(_Table):
+    """What the HTTP provider kinds share."""
+
+    base_url: str = Field(pattern=r"^https?://\S+$")
+    api_key_env: str | None = None
+    models: list[str] = Field(default_factory=list)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    max_connections: int = Field(default=100, ge=1)
+    optional: bool = False
+
+
+class OpenAIProviderConfig(HTTPProviderConfig):
+    kind: Literal["openai"]
+    base_url: str = Field(default="https://api.openai.com/v1", pattern=r"^https?://\S+$")
+
+
+class AnthropicProviderConfig(HTTPProviderConfig):
+    kind: Literal["anthropic"]
+    base_url: str = Field(default="https://api.anthropic.com", pattern=r"^https?://\S+$")
+    anthropic_version: str = "2023-06-01"
+    default_max_tokens: int = Field(default=4096, ge=1)
+
+
+ProviderConfig = Annotated[
+    MockProviderConfig | OpenAIProviderConfig | AnthropicProviderConfig,
+    Field(discriminator="kind"),
+]
+
+
 class ModelAliasConfig(_Table):
     targets: list[str] = Field(min_length=1)
+
+
+def _default_providers() -> dict[str, ProviderConfig]:
+    return {"mock": MockProviderConfig(kind="mock", models=["echo"])}
 
 
 class Config(_Table):
@@ -67,7 +106,7 @@ class Config(_Table):
     encoders: dict[str, str] = Field(default_factory=dict)
     realtime: RealtimeConfig = Field(default_factory=RealtimeConfig)
     providers: dict[str, ProviderConfig] = Field(
-        default_factory=lambda: {"mock": ProviderConfig(kind="mock", models=["echo"])}
+        default_factory=lambda: _default_providers()
     )
     models: dict[str, ModelAliasConfig] = Field(default_factory=dict)
 
@@ -116,9 +155,18 @@ def parse_config(data: dict[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source}: {_describe(error)}") from None
 
 
+_KINDS = ("mock", "openai", "anthropic")
+
+
 def _describe(error: Any) -> str:
     loc = [str(p) for p in error["loc"]]
     message = str(error["msg"])
+    if error["type"] == "union_tag_not_found":
+        loc, message = [*loc, "kind"], "required key is missing"
+    elif error["type"] == "union_tag_invalid":
+        tag = error.get("ctx", {}).get("tag")
+        loc = [*loc, "kind"]
+        message = f"unknown kind {tag!r} (expected {', '.join(repr(k) for k in _KINDS)})"
     if error["type"] == "extra_forbidden":
         message = "unknown key (check the spelling against the README's config reference)"
     elif error["type"] == "missing":
@@ -134,6 +182,10 @@ def _describe(error: Any) -> str:
             else (f"[{loc[0]}]: unknown table or key")
         )
     table, rest = loc[0], loc[1:]
+    if table == "providers" and len(rest) >= 2 and rest[1] in _KINDS:
+        rest = [rest[0], *rest[2:]]  # drop the discriminator tag pydantic adds
+        if len(rest) == 1:
+            return f"[providers.{rest[0]}]: {message}"
     if table in ("providers", "models") and len(rest) >= 2:
         name = rest[0] if table == "providers" and "." not in rest[0] else f'"{rest[0]}"'
         return f"[{table}.{name}] {'.'.join(rest[1:])}: {message}"

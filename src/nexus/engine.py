@@ -71,8 +71,16 @@ class Engine:
         """Build the engine a :class:`~nexus.config.Config` describes."""
         from .providers import build_provider
 
-        providers = [build_provider(name, cfg) for name, cfg in config.providers.items()]
-        models = {alias: cfg.targets for alias, cfg in config.models.items()}
+        built = [build_provider(name, cfg) for name, cfg in config.providers.items()]
+        providers = [p for p in built if p is not None]
+        names = {p.name for p in providers}
+        models: dict[str, list[str]] = {}
+        for alias, cfg in config.models.items():
+            targets = [t for t in cfg.targets if t.partition("/")[0] in names]
+            if targets:
+                models[alias] = targets
+            else:
+                log.warning("alias %r left out: none of its targets' providers is available", alias)
         return cls(providers, models, retry_ms=config.server.retry_ms)
 
     async def start(self) -> None:

@@ -1,0 +1,317 @@
+"""``kind = "anthropic"``: the Anthropic Messages API (PROTOCOLS.md §3).
+
+The request goes upstream as ``POST {base_url}/v1/messages`` with ``x-api-key``
+and ``anthropic-version``. Translation of the request: system and developer
+messages become ``system``; tool results become ``tool_result`` blocks in a user
+turn; assistant tool calls become ``tool_use`` blocks; image parts become
+base64 or URL image blocks; consecutive messages of one role are merged (the
+API wants them alternating); tools get ``input_schema``; ``tool_choice`` maps to
+auto / any / none / tool; ``stop`` becomes ``stop_sequences``; ``max_tokens`` is
+required upstream, so a request without one gets ``default_max_tokens``.
+
+Translation of the stream: ``text_delta`` → content, ``input_json_delta`` →
+tool-call arguments, ``thinking_delta`` → reasoning, ``citations_delta`` →
+citations, ``ping`` ignored, ``error`` → a typed error. Stop reasons:
+``end_turn``/``stop_sequence``/``pause_turn`` → ``stop``, ``max_tokens`` and
+``model_context_window_exceeded`` → ``length``, ``tool_use`` → ``tool_calls``,
+``refusal`` → ``content_filter``. Usage in OpenAI terms: ``prompt_tokens`` =
+input + cache read + cache creation, ``cached_tokens`` = cache read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import orjson
+
+from ..config import AnthropicProviderConfig
+from ..errors import InvalidRequest, UpstreamError
+from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..request import (
+    AssistantMessage,
+    ChatRequest,
+    ImagePart,
+    NamedToolChoice,
+    SystemMessage,
+    TextPart,
+    ToolMessage,
+    UserMessage,
+    message_text,
+)
+from .http import HTTPProvider
+from .openai import in_stream_error
+
+__all__ = ["AnthropicProvider", "StreamTranslator", "messages_body"]
+
+STOP_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "pause_turn": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+
+
+def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> dict[str, Any]:
+    """The Anthropic Messages request for ``request`` (see the module docstring)."""
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+
+    for message in request.messages:
+        if isinstance(message, SystemMessage):
+            system.append(message_text(message))
+        elif isinstance(message, UserMessage):
+            add("user", _user_blocks(message))
+        elif isinstance(message, AssistantMessage):
+            blocks: list[dict[str, Any]] = []
+            text = message_text(message)
+            if text:
+                blocks.append({"type": "text", "text": text})
+            for call in message.tool_calls or ():
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": call.id,
+                        "name": call.function.name,
+                        "input": _arguments(call.function.arguments),
+                    }
+                )
+            if blocks:
+                add("assistant", blocks)
+        elif isinstance(message, ToolMessage):
+            add(
+                "user",
+                [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": message.tool_call_id,
+                        "content": message_text(message),
+                    }
+                ],
+            )
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": turns,
+        "max_tokens": request.token_limit or default_max_tokens,
+        "stream": True,
+    }
+    if system:
+        body["system"] = "\n\n".join(system)
+    if request.temperature is not None:
+        body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0-1
+    if request.top_p is not None:
+        body["top_p"] = request.top_p
+    if request.stop_sequences:
+        body["stop_sequences"] = request.stop_sequences
+    if request.user:
+        body["metadata"] = {"user_id": request.user}
+    if request.tools:
+        body["tools"] = [
+            {
+                "name": tool.function.name,
+                "description": tool.function.description or "",
+                "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
+            }
+            for tool in request.tools
+        ]
+    choice = _tool_choice(request)
+    if choice is not None:
+        body["tool_choice"] = choice
+    extra = request.model_extra or {}
+    for key in ("thinking", "top_k"):
+        if key in extra:
+            body[key] = extra[key]
+    return body
+
+
+def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"type": "text", "text": message.content}]
+    blocks: list[dict[str, Any]] = []
+    for part in message.content:
+        if isinstance(part, TextPart):
+            blocks.append({"type": "text", "text": part.text})
+        elif isinstance(part, ImagePart):
+            url = part.image_url.url
+            if url.startswith("data:"):
+                header, _, data = url.partition(",")
+                media_type = header[5:].split(";", 1)[0]
+                blocks.append(
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": media_type, "data": data},
+                    }
+                )
+            else:
+                blocks.append({"type": "image", "source": {"type": "url", "url": url}})
+    return blocks
+
+
+def _arguments(arguments: str) -> Any:
+    try:
+        return orjson.loads(arguments) if arguments else {}
+    except orjson.JSONDecodeError:
+        raise InvalidRequest(
+            "an assistant tool call's arguments are not valid JSON",
+            param="messages",
+        ) from None
+
+
+def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
+    choice = request.tool_choice
+    out: dict[str, Any] | None
+    if choice is None:
+        out = {"type": "auto"} if request.tools and request.parallel_tool_calls is False else None
+    elif isinstance(choice, NamedToolChoice):
+        out = {"type": "tool", "name": choice.function.name}
+    else:
+        out = {"type": {"auto": "auto", "required": "any", "none": "none"}[choice]}
+    if out is not None and request.parallel_tool_calls is False and out["type"] != "none":
+        out["disable_parallel_tool_use"] = True
+    return out
+
+
+class StreamTranslator:
+    """Anthropic named events in, stream events out. Sans-I/O; one per stream."""
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider
+        self.finished = False
+        self._tool_index: dict[int, int] = {}
+        self._input = self._cache_read = self._cache_write = self._output = 0
+        self._finish: str | None = None
+
+    def feed(self, kind: str, data: dict[str, Any]) -> list[StreamEvent]:
+        match kind:
+            case "content_block_delta":
+                delta = data.get("delta") or {}
+                match delta.get("type"):
+                    case "text_delta":
+                        text = delta.get("text")
+                        return [Delta(content=text)] if text else []
+                    case "input_json_delta":
+                        index = self._tool_index.get(data.get("index", -1))
+                        partial = delta.get("partial_json") or ""
+                        if index is None or not partial:
+                            return []
+                        return [ToolCall(index=index, arguments=partial)]
+                    case "thinking_delta":
+                        thinking = delta.get("thinking")
+                        return [Reasoning(thinking)] if thinking else []
+                    case "citations_delta":
+                        citation = delta.get("citation") or {}
+                        return [
+                            Citation(
+                                url=citation.get("url"),
+                                title=citation.get("title") or citation.get("document_title"),
+                                quoted=citation.get("cited_text"),
+                            )
+                        ]
+                return []  # signature_delta and future delta types
+            case "content_block_start":
+                block = data.get("content_block") or {}
+                if block.get("type") == "tool_use":
+                    index = len(self._tool_index)
+                    self._tool_index[data.get("index", -1)] = index
+                    return [ToolCall(index=index, id=block.get("id"), name=block.get("name"))]
+                if block.get("type") == "text" and block.get("text"):
+                    return [Delta(content=block["text"])]
+                return []
+            case "message_start":
+                usage = (data.get("message") or {}).get("usage") or {}
+                self._usage(usage)
+                return []
+            case "message_delta":
+                self._usage(data.get("usage") or {})
+                reason = (data.get("delta") or {}).get("stop_reason")
+                if reason and self._finish is None:
+                    self._finish = STOP_REASONS.get(reason, "stop")
+                    return [Delta(finish_reason=self._finish)]
+                return []
+            case "message_stop":
+                self.finished = True
+                events: list[StreamEvent] = []
+                if self._finish is None:
+                    self._finish = "stop"
+                    events.append(Delta(finish_reason="stop"))
+                prompt = self._input + self._cache_read + self._cache_write
+                events.append(
+                    Usage(
+                        prompt_tokens=prompt,
+                        completion_tokens=self._output,
+                        total_tokens=prompt + self._output,
+                        cached_tokens=self._cache_read,
+                    )
+                )
+                return events
+            case "error":
+                raise in_stream_error(self.provider, data.get("error"))
+        return []  # ping, content_block_stop, unknown events
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        # Counts are cumulative totals: later values overwrite (§3, message_delta).
+        if usage.get("input_tokens") is not None:
+            self._input = usage["input_tokens"]
+        if usage.get("cache_read_input_tokens") is not None:
+            self._cache_read = usage["cache_read_input_tokens"]
+        if usage.get("cache_creation_input_tokens") is not None:
+            self._cache_write = usage["cache_creation_input_tokens"]
+        if usage.get("output_tokens") is not None:
+            self._output = usage["output_tokens"]
+
+
+class AnthropicProvider(HTTPProvider):
+    kind = "anthropic"
+    accepts = frozenset({"text", "image"})
+    config: AnthropicProviderConfig
+
+    def headers(self) -> dict[str, str]:
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            "anthropic-version": self.config.anthropic_version,
+        }
+        if self._api_key:
+            headers["x-api-key"] = self._api_key
+        return headers
+
+    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        if request.token_limit == 0:
+            # The API requires max_tokens >= 1; zero tokens needs no upstream call.
+            yield Delta(finish_reason="length")
+            yield Usage()
+            return
+        body = messages_body(request, model, self.config.default_max_tokens)
+        response = await self.post_stream("/v1/messages", body, self.headers())
+        translator = StreamTranslator(self.name)
+        try:
+            async for sse in self.sse_events(response):
+                try:
+                    data = orjson.loads(sse.data)
+                except orjson.JSONDecodeError:
+                    raise UpstreamError(
+                        f"provider {self.name!r} sent an event that is not JSON",
+                        code="upstream_protocol_error",
+                    ) from None
+                if not isinstance(data, dict):
+                    continue
+                kind = sse.event if sse.event != "message" else str(data.get("type", ""))
+                for event in translator.feed(kind, data):
+                    yield event
+                if translator.finished:
+                    return
+            raise UpstreamError(
+                f"provider {self.name!r} ended the stream without message_stop",
+                code="upstream_disconnect",
+            )
+        finally:
+            response.close()

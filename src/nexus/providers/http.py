@@ -1,0 +1,223 @@
+"""What every HTTP upstream shares: one pooled client session, timeouts, error mapping.
+
+Foreign errors are translated once, here (``map_upstream_errors``), to the most
+specific :mod:`nexus.errors` class. Before the first byte of output an upstream
+failure is *raised* (the engine may fall back to another target, or the client
+gets an HTTP status); what is raised after becomes an error event.
+
+HTTP statuses from upstream, before output (issue "Real upstream providers"):
+
+====================  ===========================================================
+upstream              client sees
+====================  ===========================================================
+400, 404, 413, 422    the same status and the upstream's message (not retryable)
+429                   429 ``upstream_rate_limited``, ``Retry-After`` kept (retryable)
+401, 403              502 ``upstream_auth_error``: the gateway's credentials, not the
+                      client's, were refused; the upstream text is not passed on
+5xx and others        502 ``upstream_error`` (5xx retryable)
+connect failure       502 ``upstream_connect_error`` (retryable)
+timeouts              504 ``upstream_timeout`` (retryable before output)
+====================  ===========================================================
+
+Keys are read from the environment variable named in the config; they are sent
+in headers only and never appear in logs, errors or ``repr``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ..config import HTTPProviderConfig
+from ..errors import ConfigError, GatewayError, UpstreamError, UpstreamTimeout
+from ..protocol.sse import ServerSentEvent, SSEDecoder
+from .base import Provider
+
+__all__ = ["HTTPProvider", "map_upstream_errors", "resolve_api_key"]
+
+log = logging.getLogger("nexus.providers")
+
+_MAX_ERROR_BODY = 64 * 1024
+
+
+def resolve_api_key(name: str, config: HTTPProviderConfig) -> str | None:
+    """The key from ``api_key_env``; :class:`ConfigError` naming the variable if unset."""
+    if not config.api_key_env:
+        return None
+    key = os.environ.get(config.api_key_env)
+    if not key:
+        raise ConfigError(
+            f"[providers.{name}] api_key_env: the environment variable {config.api_key_env} "
+            "is not set (set it, or mark the provider optional = true)"
+        )
+    return key
+
+
+@contextlib.contextmanager
+def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
+    """Translate aiohttp and timeout errors into :mod:`nexus.errors` (``raise ... from``)."""
+    try:
+        yield
+    except GatewayError:
+        raise
+    except TimeoutError as exc:
+        raise UpstreamTimeout(
+            f"provider {provider!r} timed out {phase}", code="upstream_timeout"
+        ) from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamError(
+            f"cannot connect to provider {provider!r}: {exc.os_error.strerror or exc}",
+            code="upstream_connect_error",
+        ) from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+        raise UpstreamError(
+            f"provider {provider!r} closed the connection {phase}", code="upstream_disconnect"
+        ) from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(
+            f"provider {provider!r} failed {phase}: {type(exc).__name__}",
+            code="upstream_error",
+        ) from exc
+
+
+def status_error(provider: str, status: int, body: bytes, headers: Any) -> GatewayError:
+    """The error for a non-2xx upstream response (see the module docstring)."""
+    message = _upstream_message(body)
+    if status in (400, 404, 413, 422):
+        error = GatewayError(
+            f"provider {provider!r}: {message}",
+            status=status,
+            code="upstream_invalid_request" if status != 404 else "upstream_not_found",
+            retryable=False,
+        )
+        error.error_type = "invalid_request_error"
+        return error
+    if status == 429:
+        retry_after = headers.get("Retry-After")
+        return GatewayError(
+            f"provider {provider!r} is rate limiting the gateway: {message}",
+            status=429,
+            code="upstream_rate_limited",
+            retryable=True,
+            headers={"Retry-After": retry_after} if retry_after else {},
+        )
+    if status in (401, 403):
+        return UpstreamError(
+            f"provider {provider!r} refused the gateway's credentials ({status}); "
+            "check the key in its api_key_env",
+            code="upstream_auth_error",
+            retryable=False,
+        )
+    return UpstreamError(
+        f"provider {provider!r} answered {status}: {message}",
+        code="upstream_error",
+        retryable=status >= 500,
+    )
+
+
+def _upstream_message(body: bytes) -> str:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        text = body.decode("utf-8", "replace").strip()
+        return text[:500] or "(no message)"
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if isinstance(data.get("message"), str):
+            return str(data["message"])
+    return orjson.dumps(data).decode()[:500]
+
+
+class HTTPProvider(Provider):
+    """Base for providers that stream from an HTTP endpoint with SSE."""
+
+    def __init__(self, name: str, config: HTTPProviderConfig, api_key: str | None) -> None:
+        super().__init__(name, models=config.models)
+        self.config = config
+        self.base_url = config.base_url.rstrip("/")
+        self._api_key = api_key
+        self._session: aiohttp.ClientSession | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.base_url}>"
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_connections, enable_cleanup_closed=True
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                connect=self.config.connect_timeout_s,
+                sock_connect=self.config.connect_timeout_s,
+            ),
+            json_serialize=lambda obj: orjson.dumps(obj).decode(),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError(f"provider {self.name!r} is not started")
+        return self._session
+
+    async def post_stream(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """POST ``body``; the response once its headers are in and its status is 2xx.
+
+        Waiting for the headers counts against ``first_byte_timeout_s``.
+        """
+        url = self.base_url + path
+        with map_upstream_errors(self.name, "before responding"):
+            async with asyncio.timeout(self.config.first_byte_timeout_s):
+                response = await self.session.post(
+                    url, data=orjson.dumps(body), headers=headers
+                )
+                if response.status >= 300:
+                    try:
+                        payload = await response.content.read(_MAX_ERROR_BODY)
+                    finally:
+                        response.close()
+                    raise status_error(self.name, response.status, payload, response.headers)
+        return response
+
+    async def sse_events(self, response: aiohttp.ClientResponse) -> AsyncIterator[ServerSentEvent]:
+        """The SSE events of ``response``, read with the first-byte and idle timeouts.
+
+        The time to the first body bytes counts against ``first_byte_timeout_s``,
+        each later gap against ``idle_timeout_s``; time spent by the consumer
+        between events does not count. Ends at end of body (the caller decides
+        whether that was a clean end).
+        """
+        decoder = SSEDecoder()
+        content = response.content
+        timeout = self.config.first_byte_timeout_s
+        phase = "before the first byte"
+        while True:
+            with map_upstream_errors(self.name, phase):
+                async with asyncio.timeout(timeout):
+                    chunk = await content.readany()
+            if not chunk:
+                decoder.flush()
+                return
+            timeout = self.config.idle_timeout_s
+            phase = "between chunks"
+            for event in decoder.decode(chunk):
+                yield event

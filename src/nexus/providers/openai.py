@@ -1,0 +1,140 @@
+"""``kind = "openai"``: any OpenAI-compatible Chat Completions server (PROTOCOLS.md §2).
+
+OpenAI, vLLM, Ollama, llama.cpp's server, ... The request goes upstream as
+``POST {base_url}/chat/completions`` with ``stream: true`` and
+``stream_options.include_usage: true``; parameters Nexus does not interpret are
+passed through. Chunks become events: content, ``reasoning_content`` or
+``reasoning`` (DeepSeek, vLLM, OpenRouter), refusal, tool-call deltas, the
+finish reason, usage with cached and reasoning token details. ``data: [DONE]``
+ends the stream; an end of body without it is an ``upstream_disconnect``
+error, never a silent success. An error object inside the stream becomes a
+typed error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import orjson
+
+from ..errors import GatewayError, UpstreamError
+from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..request import ChatRequest
+from .http import HTTPProvider
+
+__all__ = ["OpenAIProvider", "chunk_events", "upstream_body"]
+
+_loads = orjson.loads
+
+
+def upstream_body(request: ChatRequest, model: str) -> dict[str, Any]:
+    """The upstream request: ours, with the upstream model name, always streaming."""
+    body = request.model_dump(mode="json", exclude_none=True, exclude={"mock"}, by_alias=True)
+    body["model"] = model
+    body["stream"] = True
+    options = dict(body.get("stream_options") or {})
+    options["include_usage"] = True
+    body["stream_options"] = options
+    return body
+
+
+def chunk_events(chunk: dict[str, Any]) -> list[StreamEvent]:
+    """The events in one ``chat.completion.chunk`` (choice 0; Nexus asks for one)."""
+    events: list[StreamEvent] = []
+    for choice in chunk.get("choices") or ():
+        if choice.get("index", 0) != 0:
+            continue
+        delta = choice.get("delta") or {}
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if reasoning:
+            events.append(Reasoning(reasoning))
+        content = delta.get("content")
+        refusal = delta.get("refusal")
+        if content or refusal:
+            events.append(Delta(content=content or None, refusal=refusal or None))
+        for call in delta.get("tool_calls") or ():
+            function = call.get("function") or {}
+            events.append(
+                ToolCall(
+                    index=call.get("index", 0),
+                    id=call.get("id"),
+                    name=function.get("name"),
+                    arguments=function.get("arguments") or "",
+                )
+            )
+        finish = choice.get("finish_reason")
+        if finish:
+            events.append(Delta(finish_reason=finish))
+    usage = chunk.get("usage")
+    if usage:
+        prompt_details = usage.get("prompt_tokens_details") or {}
+        completion_details = usage.get("completion_tokens_details") or {}
+        events.append(
+            Usage(
+                prompt_tokens=usage.get("prompt_tokens") or 0,
+                completion_tokens=usage.get("completion_tokens") or 0,
+                total_tokens=usage.get("total_tokens") or 0,
+                cached_tokens=prompt_details.get("cached_tokens"),
+                reasoning_tokens=completion_details.get("reasoning_tokens"),
+            )
+        )
+    return events
+
+
+def in_stream_error(provider: str, error: Any) -> GatewayError:
+    """An ``{"error": {...}}`` object met inside the stream."""
+    if isinstance(error, dict):
+        message = str(error.get("message") or "error inside the stream")
+        code = error.get("code")
+        kind = error.get("type")
+    else:
+        message, code, kind = str(error), None, None
+    exc = UpstreamError(f"provider {provider!r}: {message}", code="upstream_error")
+    if isinstance(code, str) and code:
+        exc.code = code
+    if isinstance(kind, str) and kind:
+        exc.error_type = kind
+    exc.retryable = kind in (None, "server_error", "api_error", "overloaded_error")
+    return exc
+
+
+class OpenAIProvider(HTTPProvider):
+    kind = "openai"
+    accepts = frozenset({"text", "image", "audio"})
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        return headers
+
+    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        response = await self.post_stream(
+            "/chat/completions", upstream_body(request, model), self.headers()
+        )
+        try:
+            async for sse in self.sse_events(response):
+                data = sse.data
+                if data.startswith("[DONE]"):
+                    return
+                try:
+                    chunk = _loads(data)
+                except orjson.JSONDecodeError:
+                    raise UpstreamError(
+                        f"provider {self.name!r} sent a chunk that is not JSON",
+                        code="upstream_protocol_error",
+                    ) from None
+                if not isinstance(chunk, dict):
+                    continue
+                if chunk.get("error"):
+                    raise in_stream_error(self.name, chunk["error"])
+                for event in chunk_events(chunk):
+                    yield event
+            raise UpstreamError(
+                f"provider {self.name!r} ended the stream without [DONE]",
+                code="upstream_disconnect",
+            )
+        finally:
+            # Closing (not releasing) drops the connection: the upstream sees it at once.
+            response.close()

@@ -13,6 +13,7 @@ The non-streaming path is :func:`~nexus.stream.accumulate` over the same stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
@@ -32,6 +33,9 @@ __all__ = ["Engine"]
 log = logging.getLogger("nexus.engine")
 
 Target = tuple[Provider, str]
+
+FALLBACK_BACKOFF_S = 0.05
+"""Pause before the next target: 50 ms, then 100, 200, ... (bounded by the number of targets)."""
 
 
 def input_kinds(request: ChatRequest) -> set[str]:
@@ -195,6 +199,7 @@ class Engine:
                         provider.name,
                         exc.code,
                     )
+                    await asyncio.sleep(FALLBACK_BACKOFF_S * 2**attempt)
                     continue
                 raise
             except Exception:

@@ -59,8 +59,9 @@ def started(actions: list[Any]) -> ChatRequest:
 
 
 def attached(session: RealtimeSession, request: dict[str, Any] | None = None) -> list[Any]:
-    """Start a turn and return the content of its last user message."""
+    """Start a turn the engine accepts; the content of its last user message."""
     req = started(session.receive_text(start(request)))
+    session.start_accepted()
     users = [m for m in req.messages if isinstance(m, UserMessage)]
     return list(users[-1].content)
 
@@ -388,6 +389,7 @@ def test_the_limit_applies_again_after_start() -> None:
     session = RealtimeSession(max_pending_input_bytes=10)
     session.receive_text(audio(b"0123456789"))
     session.receive_text(start())
+    session.start_accepted()
     session.turn_ended()
     assert session.receive_text(audio(b"0123456789")) == []
     assert session.pending_bytes == 10
@@ -458,3 +460,16 @@ def test_data_url_images_count_against_the_pending_limit() -> None:
     [invalid] = session.receive_text(orjson.dumps(bad).decode())
     assert isinstance(invalid, Send)
     assert orjson.loads(invalid.frame)["error"]["code"] == "invalid_envelope"
+
+
+def test_a_refused_start_keeps_pending_input(session: RealtimeSession) -> None:
+    session.receive_text(image(b64=base64.b64encode(b"png!").decode()))
+    first = started(session.receive_text(start()))
+    assert session.streaming
+    session.start_refused()  # e.g. the model does not exist
+    assert not session.streaming
+    assert session.pending_bytes == 4
+    retry = attached(session)
+    assert isinstance(retry[-1], ImagePart)
+    assert retry == list(first.messages[-1].content)  # type: ignore[arg-type]
+    assert session.pending_bytes == 0

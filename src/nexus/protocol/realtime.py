@@ -2,8 +2,11 @@
 
 The route feeds each received frame to :class:`RealtimeSession` and carries out
 what it returns: :class:`Send` a frame, :class:`StartTurn` with a validated
-request, :class:`AbortTurn`. It tells the session when a turn is over with
-:meth:`RealtimeSession.turn_ended`. Nothing here awaits or touches a socket.
+request, :class:`AbortTurn`. It tells the session whether the engine took the
+turn (:meth:`~RealtimeSession.start_accepted`, which uses up the pending
+input, or :meth:`~RealtimeSession.start_refused`, which keeps it) and when a turn
+is over (:meth:`~RealtimeSession.turn_ended`). Nothing here awaits or touches a
+socket.
 
 Client envelopes (discriminated on ``type``)::
 
@@ -192,10 +195,17 @@ class RealtimeSession:
         request = request.model_copy(update={"stream": True})
         if self._pending:
             request = _attach(request, [_to_part(p) for p in self._pending])
-            self._pending = []
-            self._pending_bytes = 0
         self.streaming = True
         return [StartTurn(request)]
+
+    def start_accepted(self) -> None:
+        """The engine took the turn's request: its pending input is used up."""
+        self._pending = []
+        self._pending_bytes = 0
+
+    def start_refused(self) -> None:
+        """The engine refused the request (unknown model, unsupported input): keep the input."""
+        self.streaming = False
 
     def _take(self, b64: str) -> bytes | Send:
         """Decode one chunk of input and count it against the pending limit."""

@@ -80,6 +80,7 @@ class StreamPump:
         self._task: asyncio.Task[object] | None = None
         self._shutting_down = False
         self._watchdog: asyncio.Task[None] | None = None
+        self._ended = False
         self._loop = asyncio.get_running_loop()
         self._last_write = self._loop.time()
         self._write_started = self._last_write
@@ -101,16 +102,13 @@ class StreamPump:
             except GatewayError as exc:
                 if self.response is None:
                     raise
-                await self._finish_with_error(exc.to_event())
-                return self.response
+                return await self._end_with_error(exc.to_event())
             if first is _END:
-                await self._write(self._prepare_frames(b"") + self.encoder.end())
-                return self._require_response()
+                return await self._end(self._prepare_frames(b"") + self.encoder.end())
             if type(first) is Error:
                 if self.response is None:
                     raise StreamError(first)
-                await self._finish_with_error(first)
-                return self.response
+                return await self._end_with_error(first)
             await self._write(self._prepare_frames(self.encoder.encode(first)))  # type: ignore[arg-type]
             response = self._require_response()
             encode = self.encoder.encode
@@ -118,29 +116,41 @@ class StreamPump:
             now = self._loop.time
             async for event in events:
                 if type(event) is Error:
-                    await self._finish_with_error(event)
-                    return response
+                    return await self._end_with_error(event)
                 data = encode(event)
                 if data:
                     self._write_started = now()
                     await write(data)
                     self._last_write = now()
-            await write(self.encoder.end())
-            return response
+            return await self._end(self.encoder.end())
         except asyncio.CancelledError:
-            if not self._shutting_down:
+            if not self._shutting_down or self._ended:
                 raise
             if self.response is None:
                 raise ServerShuttingDown(
                     "The server is shutting down; retry the request."
                 ) from None
+            # Shutdown: a retryable error, the terminator and a clean end of the body.
             with contextlib.suppress(Exception):
-                await self._finish_with_error(_shutdown_event())
-            raise
-        except ConnectionError:
-            # The client went away mid-write; nobody is left to answer.
-            log.debug("client disconnected from stream %s", self.stream.meta.id)
-            return self._require_response()
+                await self._end_with_error(_shutdown_event())
+                await self.response.write_eof()
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return self.response
+        except Exception as exc:
+            if self.response is None:
+                raise
+            # After the headers nothing may escape to the middleware (it would write a
+            # second response into this body): end the stream in-band instead.
+            if isinstance(exc, ConnectionError):
+                log.debug("client left stream %s: %s", self.stream.meta.id, exc)
+            else:
+                log.exception("stream %s failed", self.stream.meta.id)
+            if not self._ended:
+                with contextlib.suppress(Exception):
+                    await self._end_with_error(_internal_event())
+            return self.response
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
@@ -184,8 +194,14 @@ class StreamPump:
         await response.write(data)
         self._last_write = self._loop.time()
 
-    async def _finish_with_error(self, event: Error) -> None:
-        await self._write(self._prepare_frames(self.encoder.error(event)) + self.encoder.end())
+    async def _end(self, data: bytes) -> web.StreamResponse:
+        """Write the last bytes of the stream; nothing is written after them."""
+        self._ended = True  # the watchdog stops heartbeats but still watches this write
+        await self._write(data)
+        return self._require_response()
+
+    async def _end_with_error(self, event: Error) -> web.StreamResponse:
+        return await self._end(self._prepare_frames(self.encoder.error(event)) + self.encoder.end())
 
     async def _watch(self) -> None:
         """Heartbeats when idle; abort the connection when a write stalls."""
@@ -203,7 +219,9 @@ class StreamPump:
                 wake = self._write_started + self.write_timeout_s
             else:
                 idle = now - self._last_write
-                if idle >= self.heartbeat_s:
+                if self._ended:
+                    wake = now + tick
+                elif idle >= self.heartbeat_s:
                     self._write_started = now
                     try:
                         await asyncio.wait_for(response.write(heartbeat), self.write_timeout_s)
@@ -212,7 +230,8 @@ class StreamPump:
                         return
                     self._last_write = self._loop.time()
                     continue
-                wake = self._last_write + self.heartbeat_s
+                else:
+                    wake = self._last_write + self.heartbeat_s
             await asyncio.sleep(max(min(wake - now, tick), 0.001))
 
     def _abort(self, why: str) -> None:
@@ -226,6 +245,15 @@ class StreamPump:
 
 def _shutdown_event() -> Error:
     return ServerShuttingDown("The server is shutting down; retry the request.").to_event()
+
+
+def _internal_event() -> Error:
+    return Error(
+        error_type="server_error",
+        message="The gateway failed while streaming; the response is incomplete.",
+        code="internal_error",
+        retryable=True,
+    )
 
 
 async def pump(

@@ -37,7 +37,6 @@ from ...protocol.realtime import (
     StartTurn,
     gateway_error_frame,
 )
-from ...request import ChatRequest
 from ...stream import Stream
 from .. import state
 
@@ -47,6 +46,12 @@ log = logging.getLogger("nexus.realtime")
 
 _DONE = '{"type":"done"}'
 _ABORTED = '{"type":"done","aborted":true}'
+_INTERNAL = Error(
+    error_type="server_error",
+    message="The gateway failed during this turn.",
+    code="internal_error",
+    retryable=True,
+)
 
 
 class RealtimeConnection:
@@ -66,7 +71,7 @@ class RealtimeConnection:
             max_pending_input_bytes=config.realtime.max_pending_input_bytes
         )
         self.turn: asyncio.Task[None] | None = None
-        self._aborting = False
+        self._terminated = False
 
     @property
     def busy(self) -> bool:
@@ -96,47 +101,73 @@ class RealtimeConnection:
             case Send(frame=frame):
                 await self.ws.send_str(frame)
             case StartTurn(request=request):
-                self.turn = asyncio.get_running_loop().create_task(self._turn(request))
+                try:
+                    stream = self.engine.complete_stream(request)
+                except GatewayError as exc:
+                    # Refused before anything streamed: the pending input is kept.
+                    self.session.start_refused()
+                    await self.ws.send_str(gateway_error_frame(exc).frame)
+                    return
+                self.session.start_accepted()
+                self._terminated = False
+                turn = asyncio.get_running_loop().create_task(self._turn(stream))
+                turn.add_done_callback(self._turn_done)
+                self.turn = turn
             case AbortTurn():
-                if self.turn is not None and not self.turn.done():
-                    self._aborting = True
-                    self.turn.cancel()
-                    # The aborted frame is out before the next envelope is read.
-                    await asyncio.wait((self.turn,))
+                running = self.turn
+                if running is None or running.done():
+                    return
+                running.cancel()
+                await asyncio.wait((running,))
+                # Sent here, not by the turn: a turn cancelled before it first ran
+                # must still answer. A turn that already sent its end gets nothing more.
+                if not self._terminated:
+                    self._terminate()
+                    with contextlib.suppress(ConnectionError):
+                        await self.ws.send_str(_ABORTED)
 
-    async def _turn(self, request: ChatRequest) -> None:
+    def _turn_done(self, turn: asyncio.Task[None]) -> None:
+        if turn is self.turn:
+            self.session.turn_ended()
+        if not turn.cancelled() and turn.exception() is not None:
+            log.error("realtime turn failed", exc_info=turn.exception())
+
+    async def _turn(self, stream: Stream) -> None:
         ws = self.ws
-        stream: Stream | None = None
         try:
-            stream = self.engine.complete_stream(request)
             async for event in stream:
                 if type(event) is Error:
-                    await ws.send_str(orjson.dumps(event.to_dict()).decode())
-                    await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
+                    await self._fail(orjson.dumps(event.to_dict()))
                     return
-                await ws.send_str(orjson.dumps(event.to_dict()).decode())
+                await ws.send_frame(orjson.dumps(event.to_dict()), WSMsgType.TEXT)
+            await stream.close()
+            self._terminate()  # before the frame: the client may start again at once
             await ws.send_str(_DONE)
         except GatewayError as exc:
-            await ws.send_str(gateway_error_frame(exc).frame)
             if exc.status >= 500:
-                await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
-        except asyncio.CancelledError:
-            if not self._aborting:
-                raise
-            if stream is not None:
-                await stream.close()
-            with contextlib.suppress(ConnectionError):
-                await ws.send_str(_ABORTED)
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
+                await self._fail(orjson.dumps(exc.to_event().to_dict()))
+            else:
+                self._terminate()
+                await ws.send_str(gateway_error_frame(exc).frame)
         except ConnectionError:
             log.debug("realtime client went away mid-turn")
+        except Exception:
+            log.exception("realtime turn failed")
+            await self._fail(orjson.dumps(_INTERNAL.to_dict()))
         finally:
-            if stream is not None:
-                await stream.close()
-            self._aborting = False
-            self.session.turn_ended()
+            await stream.close()
+
+    def _terminate(self) -> None:
+        """The turn's last frame is about to go out: no aborted frame after it."""
+        self._terminated = True
+        self.session.turn_ended()
+
+    async def _fail(self, frame: bytes) -> None:
+        """A provider (or gateway) failure ends the connection: the error, then 1011."""
+        self._terminate()
+        with contextlib.suppress(ConnectionError):
+            await self.ws.send_frame(frame, WSMsgType.TEXT)
+            await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
 
     async def _cancel_turn(self) -> None:
         turn = self.turn

@@ -1,0 +1,582 @@
+"""The ``openai`` provider kind against a fake OpenAI-compatible upstream (tests/upstreams.py).
+
+Through the running gateway (``POST /v1/chat/completions`` with ``up/<model>``)
+and, where simpler, through :class:`~nexus.Engine`: streaming, the upstream
+request, tool calls, reasoning, refusal, usage, the error table of
+``nexus.providers.http``, timeouts, fallbacks, cancellation and secrets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import ClientResponse
+from aiohttp.test_utils import TestClient
+
+from nexus import Engine
+from nexus.config import parse_config
+from nexus.encoders.registry import default_registry
+from nexus.errors import ConfigError
+from nexus.events import Delta, Usage
+from nexus.server.app import create_app
+from support import MakeClient, parse_sse
+from upstreams import (
+    DONE,
+    FakeUpstream,
+    Reply,
+    closed_port,
+    openai_chunk,
+    openai_error_body,
+    openai_usage_chunk,
+    sse,
+)
+
+KEY_ENV = "NEXUS_TEST_OPENAI_KEY"
+KEY = "sk-nexus-test-5f1e9c2ab7d04e6b"
+UNSET_ENV = "NEXUS_TEST_UNSET_KEY"
+USAGE = {
+    "prompt_tokens": 11,
+    "completion_tokens": 9,
+    "total_tokens": 20,
+    "prompt_tokens_details": {"cached_tokens": 5, "audio_tokens": 0},
+    "completion_tokens_details": {"reasoning_tokens": 7, "audio_tokens": 0},
+}
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> Iterator[str]:
+    """Sets the key; afterwards, no log record of the test may contain it."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    monkeypatch.delenv(UNSET_ENV, raising=False)
+    caplog.set_level(logging.DEBUG)
+    yield KEY
+    formatter = logging.Formatter()
+    leaked = [r for r in caplog.get_records("call") if KEY in formatter.format(r)]
+    assert not leaked, leaked
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+def provider(base: FakeUpstream | str, **options: Any) -> dict[str, Any]:
+    url = base.url if isinstance(base, FakeUpstream) else base
+    return {"kind": "openai", "base_url": url + "/v1", "api_key_env": KEY_ENV, **options}
+
+
+async def gateway(
+    make_client: MakeClient, models: dict[str, list[str]] | None = None, **providers: Any
+) -> TestClient[Any, Any]:
+    config: dict[str, Any] = {"providers": providers}
+    if models:
+        config["models"] = {alias: {"targets": targets} for alias, targets in models.items()}
+    return await make_client(config)
+
+
+def chat(model: str = "up/gpt-up", stream: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "stream": stream, **extra}
+
+
+def text_frames(*parts: str, usage: dict[str, Any] | None = None) -> list[bytes]:
+    frames = [openai_chunk(role="assistant", content="")]
+    frames += [openai_chunk(content=part) for part in parts]
+    frames.append(openai_chunk(finish_reason="stop"))
+    if usage is not None:
+        frames.append(openai_usage_chunk(usage))
+    return [*frames, DONE]
+
+
+async def read_sse(resp: ClientResponse) -> list[tuple[str, Any]]:
+    """``(event name, parsed data)`` per frame; the key must not appear in the body."""
+    assert resp.status == 200, await resp.text()
+    raw = await resp.read()
+    assert KEY.encode() not in raw
+    return [
+        (e.event, e.data if e.data == "[DONE]" else orjson.loads(e.data)) for e in parse_sse(raw)
+    ]
+
+
+def contents(frames: list[tuple[str, Any]]) -> list[str]:
+    return [
+        c["delta"]["content"]
+        for name, data in frames
+        if name == "message" and data != "[DONE]"
+        for c in data["choices"]
+        if c["delta"].get("content")
+    ]
+
+
+async def error_of(resp: ClientResponse) -> dict[str, Any]:
+    text = await resp.text()
+    assert KEY not in text
+    error: dict[str, Any] = orjson.loads(text)["error"]
+    return error
+
+
+async def result(resp: ClientResponse, stream: bool) -> dict[str, Any]:
+    """The client's view, merged the same way for a stream and a JSON body."""
+    if not stream:
+        assert resp.status == 200, await resp.text()
+        data = await resp.json()
+        message = data["choices"][0]["message"]
+        return {
+            "content": message["content"] or "",
+            "reasoning": message.get("reasoning_content", ""),
+            "refusal": message["refusal"],
+            "tool_calls": [
+                (c["id"], c["function"]["name"], orjson.loads(c["function"]["arguments"]))
+                for c in message.get("tool_calls", [])
+            ],
+            "finish_reason": data["choices"][0]["finish_reason"],
+            "usage": data["usage"],
+        }
+    frames = await read_sse(resp)
+    assert frames[-1] == ("message", "[DONE]")
+    out: dict[str, Any] = {"content": "", "reasoning": "", "refusal": None, "usage": None}
+    calls: dict[int, dict[str, Any]] = {}
+    for name, chunk in frames[:-1]:
+        assert name == "message", chunk
+        out["usage"] = chunk.get("usage") or out["usage"]
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            out["content"] += delta.get("content") or ""
+            out["reasoning"] += delta.get("reasoning_content") or ""
+            if delta.get("refusal"):
+                out["refusal"] = (out["refusal"] or "") + delta["refusal"]
+            for tc in delta.get("tool_calls", []):
+                call = calls.setdefault(tc["index"], {"id": None, "name": None, "args": ""})
+                call["id"] = call["id"] or tc.get("id")
+                call["name"] = call["name"] or tc["function"].get("name")
+                call["args"] += tc["function"].get("arguments", "")
+            out["finish_reason"] = choice["finish_reason"] or out.get("finish_reason")
+    out["tool_calls"] = [
+        (c["id"], c["name"], orjson.loads(c["args"])) for _, c in sorted(calls.items())
+    ]
+    return out
+
+
+# --- text streaming -------------------------------------------------------------
+
+
+async def test_text_frames_reach_the_client_in_order(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream(text_frames("Hel", "lo", " world"), delay=0.01))
+    client = await gateway(make_client, up=provider(upstream))
+    frames = await read_sse(await client.post("/v1/chat/completions", json=chat()))
+    assert contents(frames) == ["Hel", "lo", " world"]
+    assert frames[-1] == ("message", "[DONE]")
+    assert frames[-2][1]["choices"][0]["finish_reason"] == "stop"
+    assert {data["model"] for _, data in frames[:-1]} == {"up/gpt-up"}
+    assert all("usage" not in data for _, data in frames[:-1])  # include_usage not asked
+
+
+def split(blob: bytes, how: str) -> list[bytes]:
+    if how == "one write":
+        return [blob]
+    if how == "byte by byte":
+        return [blob[i : i + 1] for i in range(len(blob))]
+    # Inside "data:", inside a frame's "\n\n", inside a 4-byte UTF-8 character.
+    cuts = sorted({3, blob.index(b"\n\n") + 1, blob.index("🌍".encode()) + 2, len(blob) - 5})
+    return [blob[a:b] for a, b in zip([0, *cuts], [*cuts, len(blob)], strict=True)]
+
+
+@pytest.mark.parametrize("how", ["one write", "byte by byte", "awkward cuts"])
+async def test_chunks_split_anywhere_give_the_same_stream(
+    make_client: MakeClient, upstream: FakeUpstream, how: str
+) -> None:
+    blob = b"".join(text_frames("Hé", "llo 🌍", " wörld", usage=USAGE))
+    upstream.add(Reply.stream(split(blob, how), delay=0.0 if how == "byte by byte" else 0.01))
+    client = await gateway(make_client, up=provider(upstream))
+    resp = await client.post("/v1/chat/completions", json=chat(stream_options={"include_usage": True}))
+    frames = await read_sse(resp)
+    assert contents(frames) == ["Hé", "llo 🌍", " wörld"]
+    assert frames[-2][1]["usage"]["total_tokens"] == 20
+    assert frames[-1] == ("message", "[DONE]")
+
+
+async def test_engine_events_from_a_byte_by_byte_upstream(upstream: FakeUpstream) -> None:
+    blob = b"".join(text_frames("a", "ü", usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}))
+    upstream.add(Reply.stream([blob[i : i + 1] for i in range(len(blob))]))
+    engine = Engine.from_config(parse_config({"providers": {"up": provider(upstream)}}))
+    async with engine, engine.complete_stream(chat()) as stream:
+        events = [event async for event in stream]
+    assert events == [
+        Delta(content="a"),
+        Delta(content="ü"),
+        Delta(finish_reason="stop"),
+        Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+    ]
+
+
+# --- the upstream request --------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_upstream_request_body_and_headers(
+    make_client: MakeClient, upstream: FakeUpstream, stream: bool
+) -> None:
+    upstream.add(Reply.stream(text_frames("ok")))
+    client = await gateway(make_client, up=provider(upstream))
+    body = chat(
+        stream=stream,
+        temperature=0.5,
+        logit_bias={"50256": -100},
+        mock={"content": "for the mock provider only"},
+        stream_options={"include_usage": False},
+    )
+    assert (await result(await client.post("/v1/chat/completions", json=body), stream))[
+        "content"
+    ] == "ok"
+    [seen] = upstream.requests
+    assert (seen.method, seen.path) == ("POST", "/v1/chat/completions")
+    sent = seen.body
+    assert sent["model"] == "gpt-up"
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert "mock" not in sent
+    assert sent["logit_bias"] == {"50256": -100}
+    assert sent["temperature"] == 0.5
+    assert sent["messages"] == [{"role": "user", "content": "Hi"}]
+    assert seen.headers["Authorization"] == f"Bearer {KEY}"
+    assert seen.headers["Content-Type"] == "application/json"
+
+
+async def test_no_authorization_header_without_api_key_env(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream(text_frames("ok")))
+    client = await gateway(make_client, up={"kind": "openai", "base_url": upstream.url + "/v1"})
+    assert contents(await read_sse(await client.post("/v1/chat/completions", json=chat()))) == ["ok"]
+    assert "Authorization" not in upstream.requests[0].headers
+
+
+# --- tool calls, reasoning, refusal, usage ---------------------------------------
+
+
+def call_frames(index: int, call_id: str, name: str, *fragments: str) -> list[bytes]:
+    head = {"index": index, "id": call_id, "type": "function"}
+    frames = [openai_chunk(tool_calls=[{**head, "function": {"name": name, "arguments": ""}}])]
+    return frames + [
+        openai_chunk(tool_calls=[{"index": index, "function": {"arguments": f}}])
+        for f in fragments
+    ]
+
+
+WEATHER = call_frames(0, "call_w", "get_weather", '{"ci', 'ty": "Par', 'is", "unit"', ': "c"}')
+TIME = call_frames(1, "call_t", "get_time", '{"tz', '": "Europe/', 'Paris"}')
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("several", [False, True])
+async def test_tool_calls_with_fragmented_arguments(
+    make_client: MakeClient, upstream: FakeUpstream, stream: bool, several: bool
+) -> None:
+    frames = [openai_chunk(role="assistant", content=None), *WEATHER]
+    frames += [*TIME] if several else []
+    frames += [openai_chunk(finish_reason="tool_calls"), DONE]
+    upstream.add(Reply.stream(frames, delay=0.005))
+    client = await gateway(make_client, up=provider(upstream))
+    got = await result(await client.post("/v1/chat/completions", json=chat(stream=stream)), stream)
+    expected = [("call_w", "get_weather", {"city": "Paris", "unit": "c"})]
+    if several:
+        expected.append(("call_t", "get_time", {"tz": "Europe/Paris"}))
+    assert got["tool_calls"] == expected
+    assert got["finish_reason"] == "tool_calls"
+    assert got["content"] == ""
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_reasoning_fields(
+    make_client: MakeClient, upstream: FakeUpstream, stream: bool, field: str
+) -> None:
+    frames = [openai_chunk(**{field: "Let me "}), openai_chunk(**{field: "think."})]
+    upstream.add(Reply.stream([*frames, *text_frames("42")]))
+    client = await gateway(make_client, up=provider(upstream))
+    got = await result(await client.post("/v1/chat/completions", json=chat(stream=stream)), stream)
+    assert (got["reasoning"], got["content"]) == ("Let me think.", "42")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_refusal(make_client: MakeClient, upstream: FakeUpstream, stream: bool) -> None:
+    frames = [openai_chunk(refusal="I can't "), openai_chunk(refusal="help with that.")]
+    upstream.add(Reply.stream([*frames, openai_chunk(finish_reason="stop"), DONE]))
+    client = await gateway(make_client, up=provider(upstream))
+    got = await result(await client.post("/v1/chat/completions", json=chat(stream=stream)), stream)
+    assert got["refusal"] == "I can't help with that."
+    assert got["content"] == ""
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_usage_details_reach_the_client(
+    make_client: MakeClient, upstream: FakeUpstream, stream: bool
+) -> None:
+    upstream.add(Reply.stream(text_frames("ok", usage=USAGE)))
+    client = await gateway(make_client, up=provider(upstream))
+    body = chat(stream=stream, stream_options={"include_usage": True})
+    usage = (await result(await client.post("/v1/chat/completions", json=body), stream))["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (11, 9, 20)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 5
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 7
+
+
+# --- errors before the first byte ------------------------------------------------
+
+UPSTREAM_TEXT = f"Incorrect API key provided: {KEY}. Upstream says no"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("status", "client_status", "code", "passes_message"),
+    [
+        (400, 400, "upstream_invalid_request", True),
+        (404, 404, "upstream_not_found", True),
+        (422, 422, "upstream_invalid_request", True),
+        (429, 429, "upstream_rate_limited", None),
+        (401, 502, "upstream_auth_error", False),
+        (403, 502, "upstream_auth_error", False),
+        (500, 502, "upstream_error", None),
+        (503, 502, "upstream_error", None),
+    ],
+)
+async def test_upstream_status_before_output(
+    make_client: MakeClient,
+    upstream: FakeUpstream,
+    stream: bool,
+    status: int,
+    client_status: int,
+    code: str,
+    passes_message: bool | None,
+) -> None:
+    message = UPSTREAM_TEXT if status in (401, 403) else f"upstream said {status} about logit_bias"
+    upstream.add(Reply.json(status, openai_error_body(message), headers={"Retry-After": "7"}))
+    client = await gateway(make_client, up=provider(upstream))
+    resp = await client.post("/v1/chat/completions", json=chat(stream=stream))
+    assert resp.status == client_status
+    error = await error_of(resp)
+    assert error["code"] == code
+    if passes_message is True:
+        assert message in error["message"]
+        assert error["type"] == "invalid_request_error"
+    if passes_message is False:
+        assert "Upstream says no" not in error["message"]
+        assert "Incorrect API key" not in error["message"]
+    if status == 429:
+        assert resp.headers["Retry-After"] == "7"
+    assert len(upstream.requests) == 1  # one target: no retry
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_connect_refused_is_502(make_client: MakeClient, stream: bool) -> None:
+    client = await gateway(make_client, up=provider(f"http://127.0.0.1:{closed_port()}"))
+    resp = await client.post("/v1/chat/completions", json=chat(stream=stream))
+    assert resp.status == 502
+    assert (await error_of(resp))["code"] == "upstream_connect_error"
+
+
+@pytest.mark.parametrize("where", ["before the headers", "after the headers"])
+async def test_first_byte_timeout_is_504(
+    make_client: MakeClient, upstream: FakeUpstream, where: str
+) -> None:
+    delay = 30.0 if where == "before the headers" else 0.0
+    upstream.add(Reply.stream([], end="stall", headers_delay=delay))
+    client = await gateway(make_client, up=provider(upstream, first_byte_timeout_s=0.2))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    resp = await client.post("/v1/chat/completions", json=chat())
+    assert resp.status == 504
+    assert (await error_of(resp))["code"] == "upstream_timeout"
+    assert loop.time() - start < 2.0
+    assert await upstream.requests[0].wait_ended(2.0) - start < 2.0  # connection dropped
+
+
+# --- errors after output -----------------------------------------------------------
+
+
+def assert_ends_with_error(frames: list[tuple[str, Any]], code: str) -> dict[str, Any]:
+    assert frames[-1] == ("message", "[DONE]")
+    name, data = frames[-2]
+    assert name == "error"
+    assert data["error"]["code"] == code
+    assert all(name == "message" for name, _ in frames[:-2])
+    error: dict[str, Any] = data["error"]
+    return error
+
+
+async def test_error_object_inside_the_stream(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    failure = {"message": "The model is overloaded", "type": "server_error", "code": "overloaded"}
+    upstream.add(Reply.stream([openai_chunk(content="partial"), sse({"error": failure})]))
+    client = await gateway(make_client, up=provider(upstream))
+    frames = await read_sse(await client.post("/v1/chat/completions", json=chat()))
+    assert contents(frames) == ["partial"]
+    error = assert_ends_with_error(frames, "overloaded")
+    assert "The model is overloaded" in error["message"]
+    assert error["type"] == "server_error"
+
+
+@pytest.mark.parametrize("end", ["eof", "abort"])
+async def test_end_of_body_without_done_is_upstream_disconnect(
+    make_client: MakeClient, upstream: FakeUpstream, end: Any
+) -> None:
+    frames = [openai_chunk(role="assistant", content=""), openai_chunk(content="Hello")]
+    upstream.add(Reply.stream(frames, end=end))
+    client = await gateway(make_client, up=provider(upstream))
+    frames_out = await read_sse(await client.post("/v1/chat/completions", json=chat()))
+    assert contents(frames_out) == ["Hello"]
+    assert_ends_with_error(frames_out, "upstream_disconnect")
+    assert not any(c["finish_reason"] for _, d in frames_out[:-2] for c in d["choices"])
+
+
+async def test_idle_timeout_between_chunks(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([openai_chunk(content="first")], end="stall"))
+    client = await gateway(make_client, up=provider(upstream, idle_timeout_s=0.2))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    frames = await read_sse(await client.post("/v1/chat/completions", json=chat()))
+    assert contents(frames) == ["first"]
+    assert_ends_with_error(frames, "upstream_timeout")
+    assert loop.time() - start < 2.0
+    assert await upstream.requests[0].wait_ended(1.0) - start < 2.0
+    assert upstream.requests[0].cancelled  # the gateway dropped the connection
+
+
+async def test_slow_upstream_within_its_timeouts_succeeds(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream(text_frames("slow", "ly"), delay=0.15))
+    options = {"first_byte_timeout_s": 0.5, "idle_timeout_s": 0.5}
+    client = await gateway(make_client, up=provider(upstream, **options))
+    frames = await read_sse(await client.post("/v1/chat/completions", json=chat()))
+    assert contents(frames) == ["slow", "ly"]
+    assert frames[-1] == ("message", "[DONE]")
+
+
+# --- fallbacks --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["503", "429", "first byte timeout", "connect refused"])
+async def test_fallback_to_the_next_target_before_output(
+    make_client: MakeClient, failure: str
+) -> None:
+    async with FakeUpstream() as bad, FakeUpstream() as good:
+        if failure == "first byte timeout":
+            bad.add(Reply.stream([], end="stall"))
+        elif failure != "connect refused":
+            bad.add(Reply.json(int(failure), openai_error_body("nope", "server_error")))
+        good.add(Reply.stream(text_frames("from ", "good")))
+        base = f"http://127.0.0.1:{closed_port()}" if failure == "connect refused" else bad
+        client = await gateway(
+            make_client,
+            models={"fast": ["bad/m1", "good/m2"]},
+            bad=provider(base, first_byte_timeout_s=0.2),
+            good=provider(good),
+        )
+        frames = await read_sse(await client.post("/v1/chat/completions", json=chat("fast")))
+        assert contents(frames) == ["from ", "good"]
+        assert {data["model"] for _, data in frames[:-1]} == {"fast"}
+        assert len(bad.requests) == (0 if failure == "connect refused" else 1)
+        assert [seen.body["model"] for seen in good.requests] == ["m2"]
+
+
+async def test_no_fallback_on_a_client_error(make_client: MakeClient) -> None:
+    async with FakeUpstream() as bad, FakeUpstream() as good:
+        bad.add(Reply.json(400, openai_error_body("bad temperature")))
+        client = await gateway(
+            make_client, models={"fast": ["bad/m1", "good/m2"]}, bad=provider(bad), good=provider(good)
+        )
+        resp = await client.post("/v1/chat/completions", json=chat("fast"))
+        assert resp.status == 400
+        assert "bad temperature" in (await error_of(resp))["message"]
+        assert good.requests == []
+
+
+async def test_no_retry_after_the_first_byte(make_client: MakeClient) -> None:
+    async with FakeUpstream() as bad, FakeUpstream() as good:
+        bad.add(Reply.stream([openai_chunk(content="partial")], end="abort"))
+        good.add(Reply.stream(text_frames("duplicate")))
+        client = await gateway(
+            make_client, models={"fast": ["bad/m1", "good/m2"]}, bad=provider(bad), good=provider(good)
+        )
+        frames = await read_sse(await client.post("/v1/chat/completions", json=chat("fast")))
+        assert contents(frames) == ["partial"]
+        assert_ends_with_error(frames, "upstream_disconnect")
+        assert len(bad.requests) == 1
+        assert good.requests == []
+
+
+# --- cancellation -------------------------------------------------------------------
+
+
+async def test_client_disconnect_closes_the_upstream_within_100ms(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([openai_chunk(content="first")], end="stall"))
+    client = await gateway(make_client, up=provider(upstream))
+    resp = await client.post("/v1/chat/completions", json=chat())
+    assert resp.status == 200
+    seen_text = b""
+    while b'"content":"first"' not in seen_text:
+        seen_text += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    loop = asyncio.get_running_loop()
+    gone = loop.time()
+    resp.close()
+    ended = await upstream.requests[0].wait_ended(2.0)
+    assert upstream.requests[0].cancelled
+    assert ended - gone < 0.1
+
+
+async def test_stream_close_closes_the_upstream_within_100ms(upstream: FakeUpstream) -> None:
+    upstream.add(Reply.stream([openai_chunk(content="first")], end="stall"))
+    engine = Engine.from_config(parse_config({"providers": {"up": provider(upstream)}}))
+    async with engine:
+        stream = engine.complete_stream(chat())
+        assert await stream.next() == Delta(content="first")
+        loop = asyncio.get_running_loop()
+        gone = loop.time()
+        await stream.close()
+        ended = await upstream.requests[0].wait_ended(2.0)
+    assert upstream.requests[0].cancelled
+    assert ended - gone < 0.1
+
+
+# --- secrets --------------------------------------------------------------------------
+
+
+def test_unset_key_variable_fails_at_start_naming_it() -> None:
+    config = parse_config({"providers": {"up": provider("http://127.0.0.1:9", api_key_env=UNSET_ENV)}})
+    with pytest.raises(ConfigError) as info:
+        create_app(config, registry=default_registry.copy())
+    assert UNSET_ENV in str(info.value)
+    assert "up" in str(info.value)
+
+
+async def test_optional_provider_without_key_is_left_out_with_a_warning(
+    make_client: MakeClient, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    upstream.add(Reply.stream(text_frames("ok")))
+    client = await gateway(
+        make_client,
+        models={"opt-only": ["opt/m"]},
+        up=provider(upstream),
+        opt=provider(upstream, api_key_env=UNSET_ENV, optional=True),
+    )
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'opt'" in w and UNSET_ENV in w for w in warnings), warnings
+    for model in ("opt/m", "opt-only"):
+        resp = await client.post("/v1/chat/completions", json=chat(model))
+        assert resp.status == 404
+        assert (await error_of(resp))["code"] == "model_not_found"
+    assert contents(await read_sse(await client.post("/v1/chat/completions", json=chat()))) == ["ok"]
+    assert len(upstream.requests) == 1

@@ -169,3 +169,98 @@ async def test_pending_input_survives_a_refused_start(make_client: MakeClient) -
                 break
             text += frame.get("delta", {}).get("content", "") if frame["type"] == "delta" else ""
         assert text == "hi [image image/png 8 bytes]"
+
+
+# --- the consumer API ---------------------------------------------------------------------
+
+
+async def _slow_events() -> AsyncGenerator[StreamEvent, None]:
+    from nexus.events import Delta
+
+    yield Delta(content="one")
+    await asyncio.sleep(30)
+    yield Delta(content="never")  # pragma: no cover
+
+
+def _stream() -> Any:
+    from nexus import Stream, StreamMeta
+
+    return Stream(_slow_events(), StreamMeta.new("m"))
+
+
+async def test_channel_close_wakes_a_blocked_reader() -> None:
+    """Channel.close() from another task used to leave the reader blocked for good."""
+    from nexus import EndOfStream
+
+    channel = _stream().channel(buffer=4)
+    first = await channel.next()
+    assert first.content == "one"
+    reader = asyncio.create_task(channel.next())
+    await asyncio.sleep(0.05)
+    await channel.close()
+    try:
+        await asyncio.wait_for(reader, 1)
+    except EndOfStream:
+        pass
+    else:  # pragma: no cover - the assertion below reports it
+        raise AssertionError("the blocked reader got an event instead of the end")
+
+
+async def test_stream_close_keeps_an_outside_cancellation() -> None:
+    """close() used to withdraw a cancellation that came from somewhere else as well."""
+    stream = _stream()
+    await stream.next()
+
+    async def read() -> str:
+        await stream.next()
+        return "read"
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.05)
+    reader.cancel()  # from outside
+    await stream.close()  # and close() cancels the same read
+    await asyncio.wait((reader,), timeout=1)
+    assert reader.cancelled()
+
+
+_SPIN_SCRIPT = """
+import asyncio, time
+from nexus import Stream, StreamMeta
+from nexus.events import Delta
+
+async def main():
+    async def events():
+        try:
+            yield Delta(content="one")
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.3)  # slow async cleanup
+
+    stream = Stream(events(), StreamMeta.new("m"))
+    await stream.next()
+    reader = asyncio.create_task(stream.next())
+    await asyncio.sleep(0.05)
+    cpu, wall = time.process_time(), time.monotonic()
+    await stream.close()
+    print(time.process_time() - cpu, time.monotonic() - wall)
+    await asyncio.wait((reader,), timeout=1)
+
+asyncio.run(main())
+"""
+
+
+def test_stream_close_does_not_spin_while_the_provider_cleans_up() -> None:
+    """close() used to busy-wait at 100% CPU during the provider's cleanup.
+
+    Run in its own interpreter: this path trips a CPython 3.11 bug in the ``ast``
+    module's recursion bookkeeping, which would break pytest's later imports.
+    """
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SPIN_SCRIPT], capture_output=True, text=True, check=True
+    ).stdout
+    cpu, wall = map(float, out.split())
+    assert wall >= 0.25  # close() waited for the cleanup...
+    assert cpu < 0.15  # ...without burning the CPU meanwhile

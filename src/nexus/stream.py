@@ -42,12 +42,14 @@ class EndOfStream(Exception):
 class Stream:
     """One completion's events, in order. Single reader; not restartable."""
 
-    __slots__ = ("_closing", "_events", "_reader", "meta")
+    __slots__ = ("_close_cancels", "_closing", "_events", "_read_done", "_reader", "meta")
 
     def __init__(self, events: AsyncGenerator[StreamEvent, None], meta: StreamMeta) -> None:
         self._events = events
         self._closing = False
+        self._close_cancels = 0
         self._reader: asyncio.Task[object] | None = None
+        self._read_done: asyncio.Future[None] | None = None
         self.meta = meta
 
     def __aiter__(self) -> Stream:
@@ -58,9 +60,14 @@ class Stream:
         try:
             return await self._events.__anext__()
         except asyncio.CancelledError:
-            if self._closed_under_reader():
-                raise StopAsyncIteration from None
-            raise
+            if not self._closed_under_reader():
+                raise
+        finally:
+            if self._read_done is not None and not self._read_done.done():
+                self._read_done.set_result(None)
+        # close() from another task ended this read. (Raised here, not inside the
+        # except clause: CPython 3.11 mis-counts recursion depth on that path.)
+        raise StopAsyncIteration
 
     async def next(self) -> StreamEvent:
         """The next event. Raises :class:`EndOfStream` when the stream is over."""
@@ -70,12 +77,18 @@ class Stream:
             raise EndOfStream from None
 
     def _closed_under_reader(self) -> bool:
-        # close() from another task cancelled this read: end the stream instead.
+        """Whether this read was cancelled by close() alone (then it ends the stream).
+
+        Only the cancellations close() issued are withdrawn: a cancellation from
+        anywhere else still propagates.
+        """
         task = self._reader
-        if self._closing and task is not None and task.cancelling():
+        if not self._close_cancels or task is None:
+            return False
+        for _ in range(self._close_cancels):
             task.uncancel()
-            return True
-        return False
+        self._close_cancels = 0
+        return task.cancelling() == 0
 
     async def close(self) -> None:
         """Stop the stream and the provider behind it; idempotent.
@@ -88,9 +101,10 @@ class Stream:
         reader = self._reader
         running = getattr(events, "ag_running", False)
         if running and reader is not None and reader is not asyncio.current_task():
+            self._read_done = asyncio.get_running_loop().create_future()
+            self._close_cancels += 1
             reader.cancel()
-            while getattr(events, "ag_running", False):
-                await asyncio.sleep(0)
+            await self._read_done
         await events.aclose()
 
     async def __aenter__(self) -> Stream:
@@ -171,6 +185,13 @@ class Channel:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        # Wake a reader blocked in next() from another task: it gets the end.
+        while True:
+            try:
+                self._queue.put_nowait(_END)
+                break
+            except asyncio.QueueFull:
+                self._queue.get_nowait()
         await self._stream.close()
 
     async def __aenter__(self) -> Channel:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from ..events import StreamEvent
+from ..events import StreamEvent, plain_content
 from .base import Encoder
 
 __all__ = ["NDJSONEncoder"]
@@ -18,6 +18,9 @@ class NDJSONEncoder(Encoder):
     aliases = ("ndjson", "jsonl")
 
     def encode(self, event: StreamEvent) -> bytes:
+        content = plain_content(event)
+        if content is not None:
+            return b'{"type":"delta","delta":{"content":' + _dumps(content) + b"}}\n"
         return _dumps(event.to_dict(), option=_NEWLINE)
 
     def heartbeat(self) -> bytes:

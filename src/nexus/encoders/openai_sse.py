@@ -27,6 +27,7 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
+    plain_content,
 )
 from ..protocol.openai_chat import chunk_prefix
 from ..types import StreamMeta
@@ -35,6 +36,7 @@ from .base import Encoder
 __all__ = ["OpenAISSEEncoder"]
 
 _dumps = orjson.dumps
+_CONTENT_TAIL = b'},"finish_reason":null}]}\n\n'
 
 
 class OpenAISSEEncoder(Encoder):
@@ -45,6 +47,8 @@ class OpenAISSEEncoder(Encoder):
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
         self._head = b"data: " + chunk_prefix(meta)
+        # The commonest frame by far, assembled around one dumps() of the text.
+        self._content_head = self._head + b'[{"index":0,"delta":{"content":'
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
@@ -59,6 +63,9 @@ class OpenAISSEEncoder(Encoder):
         return first
 
     def encode(self, event: StreamEvent) -> bytes:
+        content = plain_content(event)
+        if content is not None:
+            return self._content_head + _dumps(content) + _CONTENT_TAIL
         match event:
             case Delta(content=content, role=None, refusal=None, tool_calls=None):
                 delta = {} if content is None else {"content": content}

@@ -1,0 +1,416 @@
+"""The ``anthropic`` kind against a fake Anthropic Messages API speaking its wire format."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from nexus import Engine, accumulate
+from nexus.config import parse_config
+from nexus.providers.anthropic import messages_body
+from nexus.request import ChatRequest
+from support import MakeClient, parse_sse
+from upstreams import FakeUpstream, Reply, sse
+
+KEY_ENV = "NEXUS_TEST_ANTHROPIC_KEY"
+KEY = "sk-ant-test-0123456789-secret"
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    monkeypatch.setenv(KEY_ENV, KEY)
+    yield
+    assert all(KEY not in record.getMessage() for record in caplog.records)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+def config(fake: FakeUpstream, **options: Any) -> dict[str, Any]:
+    return {
+        "providers": {
+            "claude": {"kind": "anthropic", "base_url": fake.url, "api_key_env": KEY_ENV, **options}
+        }
+    }
+
+
+def event(name: str, **fields: Any) -> bytes:
+    return sse({"type": name, **fields}, event=name)
+
+
+def message_start(input_tokens: int = 10, cache_read: int = 0, cache_write: int = 0) -> bytes:
+    usage = {
+        "input_tokens": input_tokens,
+        "output_tokens": 1,
+        "cache_read_input_tokens": cache_read,
+        "cache_creation_input_tokens": cache_write,
+    }
+    message = {
+        "id": "msg_01",
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": "claude-opus-4.5",
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    return event("message_start", message=message)
+
+
+def text_block(index: int, *parts: str) -> list[bytes]:
+    frames = [event("content_block_start", index=index, content_block={"type": "text", "text": ""})]
+    frames += [
+        event("content_block_delta", index=index, delta={"type": "text_delta", "text": p})
+        for p in parts
+    ]
+    frames.append(event("content_block_stop", index=index))
+    return frames
+
+
+def tool_block(index: int, tool_id: str, name: str, *partial: str) -> list[bytes]:
+    block = {"type": "tool_use", "id": tool_id, "name": name, "input": {}}
+    frames = [event("content_block_start", index=index, content_block=block)]
+    frames += [
+        event(
+            "content_block_delta",
+            index=index,
+            delta={"type": "input_json_delta", "partial_json": p},
+        )
+        for p in partial
+    ]
+    frames.append(event("content_block_stop", index=index))
+    return frames
+
+
+def finish(stop_reason: str, output_tokens: int) -> list[bytes]:
+    return [
+        event(
+            "message_delta",
+            delta={"stop_reason": stop_reason, "stop_sequence": None},
+            usage={"output_tokens": output_tokens},
+        ),
+        event("message_stop"),
+    ]
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "claude/claude-opus-4.5",
+        "messages": [{"role": "user", "content": "Hi"}],
+        **extra,
+    }
+
+
+async def test_text_thinking_and_usage(make_client: MakeClient, upstream: FakeUpstream) -> None:
+    thinking = [
+        event(
+            "content_block_start",
+            index=0,
+            content_block={"type": "thinking", "thinking": "", "signature": ""},
+        ),
+        event("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": "Hmm"}),
+        event("content_block_delta", index=0, delta={"type": "signature_delta", "signature": "s"}),
+        event("content_block_stop", index=0),
+        event("ping"),
+    ]
+    frames = [
+        message_start(10, cache_read=5, cache_write=2),
+        *thinking,
+        *text_block(1, "Hel", "lo"),
+        *finish("end_turn", 42),
+    ]
+    upstream.add(Reply.stream(frames, delay=0.005))
+    client = await make_client(config(upstream))
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=ndjson",
+        json=chat(stream=True),
+    )
+    lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    assert lines == [
+        {"type": "reasoning", "delta": {"reasoning": "Hmm"}},
+        {"type": "delta", "delta": {"content": "Hel"}},
+        {"type": "delta", "delta": {"content": "lo"}},
+        {"type": "delta", "delta": {}, "finish_reason": "stop"},
+        {
+            "type": "usage",
+            "usage": {
+                "prompt_tokens": 17,
+                "completion_tokens": 42,
+                "total_tokens": 59,
+                "prompt_tokens_details": {"cached_tokens": 5},
+            },
+        },
+        {"type": "done"},
+    ]
+    seen = upstream.requests[0]
+    assert seen.path == "/v1/messages"
+    assert seen.headers["x-api-key"] == KEY
+    assert seen.headers["anthropic-version"] == "2023-06-01"
+    assert "Authorization" not in seen.headers
+
+
+async def test_tool_calls_fragmented(make_client: MakeClient, upstream: FakeUpstream) -> None:
+    frames = [
+        message_start(),
+        *text_block(0, "Let me check."),
+        *tool_block(1, "toolu_a", "get_weather", '{"city": ', '"Paris"}'),
+        *tool_block(2, "toolu_b", "get_time", '{"zone"', ': "UTC"}'),
+        *finish("tool_use", 30),
+    ]
+    upstream.add(Reply.stream(frames))
+    client = await make_client(config(upstream))
+    body = (await (await client.post("/v1/chat/completions", json=chat())).json())["choices"][0]
+    assert body["finish_reason"] == "tool_calls"
+    assert body["message"]["content"] == "Let me check."
+    calls = body["message"]["tool_calls"]
+    assert [(c["id"], c["function"]["name"]) for c in calls] == [
+        ("toolu_a", "get_weather"),
+        ("toolu_b", "get_time"),
+    ]
+    assert orjson.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert orjson.loads(calls[1]["function"]["arguments"]) == {"zone": "UTC"}
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "finish_reason"),
+    [
+        ("end_turn", "stop"),
+        ("stop_sequence", "stop"),
+        ("max_tokens", "length"),
+        ("tool_use", "tool_calls"),
+        ("refusal", "content_filter"),
+    ],
+)
+async def test_stop_reasons(upstream: FakeUpstream, stop_reason: str, finish_reason: str) -> None:
+    upstream.add(Reply.stream([message_start(), *text_block(0, "x"), *finish(stop_reason, 1)]))
+    async with Engine.from_config(parse_config(config(upstream))) as engine:
+        completion = await accumulate(engine.complete_stream(chat()))
+    assert completion.finish_reason == finish_reason
+
+
+async def test_citations(upstream: FakeUpstream) -> None:
+    citation = {
+        "type": "web_search_result_location",
+        "url": "https://example.com/a",
+        "title": "A",
+        "cited_text": "quoted words",
+    }
+    frames = [
+        message_start(),
+        *text_block(0, "Fact."),
+        event(
+            "content_block_delta",
+            index=0,
+            delta={"type": "citations_delta", "citation": citation},
+        ),
+        *finish("end_turn", 2),
+    ]
+    upstream.add(Reply.stream(frames))
+    async with Engine.from_config(parse_config(config(upstream))) as engine:
+        completion = await accumulate(engine.complete_stream(chat()))
+    [cited] = completion.citations
+    assert (cited.url, cited.title, cited.quoted) == ("https://example.com/a", "A", "quoted words")
+
+
+def test_request_translation() -> None:
+    request = ChatRequest.model_validate(
+        {
+            "model": "claude/x",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "developer", "content": [{"type": "text", "text": "Use tools."}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in this image?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}},
+                        {"type": "image_url", "image_url": {"url": "https://e.com/cat.jpg"}},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "lookup", "arguments": '{"q": "cat"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "a cat"},
+                {"role": "user", "content": "Thanks"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "lookup",
+                        "description": "Look up",
+                        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "stop": ["END"],
+            "temperature": 1.5,
+            "top_p": 0.9,
+            "user": "u-1",
+            "max_completion_tokens": 300,
+        }
+    )
+    body = messages_body(request, "claude-opus-4.5", 4096)
+    assert body["model"] == "claude-opus-4.5"
+    assert body["system"] == "Be brief.\n\nUse tools."
+    assert body["max_tokens"] == 300
+    assert body["stream"] is True
+    assert body["stop_sequences"] == ["END"]
+    assert body["temperature"] == 1.0
+    assert body["top_p"] == 0.9
+    assert body["metadata"] == {"user_id": "u-1"}
+    assert body["tools"] == [
+        {
+            "name": "lookup",
+            "description": "Look up",
+            "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}},
+        }
+    ]
+    assert body["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
+    assert body["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this image?"},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"},
+                },
+                {"type": "image", "source": {"type": "url", "url": "https://e.com/cat.jpg"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "call_1", "name": "lookup", "input": {"q": "cat"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "call_1", "content": "a cat"},
+                {"type": "text", "text": "Thanks"},
+            ],
+        },
+    ]
+
+
+def test_default_max_tokens_and_named_tool_choice() -> None:
+    request = ChatRequest.model_validate(
+        {
+            **chat(),
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        }
+    )
+    body = messages_body(request, "m", 1234)
+    assert body["max_tokens"] == 1234
+    assert body["tool_choice"] == {"type": "tool", "name": "f"}
+    assert body["tools"][0]["input_schema"] == {"type": "object", "properties": {}}
+
+
+async def test_max_tokens_zero_needs_no_upstream_call(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    client = await make_client(config(upstream))
+    body = await (await client.post("/v1/chat/completions", json=chat(max_tokens=0))).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["message"]["content"] == ""
+    assert upstream.requests == []
+
+
+async def test_audio_input_is_refused(make_client: MakeClient, upstream: FakeUpstream) -> None:
+    client = await make_client(config(upstream))
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": [audio]}])
+    )
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "unsupported_input"
+    assert upstream.requests == []
+
+
+async def test_error_event_mid_stream(make_client: MakeClient, upstream: FakeUpstream) -> None:
+    overloaded = {"type": "overloaded_error", "message": "Overloaded"}
+    frames = [message_start(), *text_block(0, "par"), event("error", error=overloaded)]
+    upstream.add(Reply.stream(frames))
+    client = await make_client(config(upstream))
+    events = parse_sse(
+        await (await client.post("/v1/chat/completions", json=chat(stream=True))).read()
+    )
+    assert events[-2].event == "error"
+    error = orjson.loads(events[-2].data)["error"]
+    assert error["type"] == "overloaded_error"
+    assert "Overloaded" in error["message"]
+    assert events[-1].data == "[DONE]"
+
+
+async def test_end_without_message_stop_is_an_error(upstream: FakeUpstream) -> None:
+    upstream.add(Reply.stream([message_start(), *text_block(0, "cut")]))
+    async with Engine.from_config(parse_config(config(upstream))) as engine:
+        events = [e async for e in engine.complete_stream(chat())]
+    assert events[-1].type == "error"
+    assert events[-1].code == "upstream_disconnect"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type", "expected_status", "code"),
+    [
+        (400, "invalid_request_error", 400, "upstream_invalid_request"),
+        (401, "authentication_error", 502, "upstream_auth_error"),
+        (429, "rate_limit_error", 429, "upstream_rate_limited"),
+        (529, "overloaded_error", 502, "upstream_error"),
+    ],
+)
+async def test_http_errors_in_anthropic_shape(
+    make_client: MakeClient,
+    upstream: FakeUpstream,
+    status: int,
+    error_type: str,
+    expected_status: int,
+    code: str,
+) -> None:
+    body = {"type": "error", "error": {"type": error_type, "message": "upstream says no"}}
+    upstream.add(Reply.json(status, body, headers={"Retry-After": "7"}))
+    client = await make_client(config(upstream))
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True))
+    assert resp.status == expected_status
+    error = (await resp.json())["error"]
+    assert error["code"] == code
+    if status == 429:
+        assert resp.headers["Retry-After"] == "7"
+    if status == 401:
+        assert "upstream says no" not in error["message"]
+    elif status == 400:
+        assert "upstream says no" in error["message"]
+
+
+async def test_client_going_away_closes_the_upstream(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([message_start(), *text_block(0, "slow")], end="stall"))
+    client = await make_client(config(upstream))
+    resp = await client.post("/v1/chat/completions?stream_format=ndjson", json=chat(stream=True))
+    assert orjson.loads(await asyncio.wait_for(resp.content.readline(), 5))["type"] == "delta"
+    gone = asyncio.get_running_loop().time()
+    resp.close()
+    ended = await upstream.requests[0].wait_ended(5)
+    assert ended - gone < 0.1

@@ -16,6 +16,9 @@ named events)::
         fake.add(Reply.stream([openai_chunk(content="Hi"), openai_chunk(finish_reason="stop")]))
         ... point a provider's base_url at fake.url + "/v1" ...
         assert fake.requests[0].body["stream"] is True
+
+    # Anthropic: named events, no [DONE]
+    Reply.stream([sse({"type": "ping"}, event="ping"), ...], path="/v1/messages")
 """
 
 from __future__ import annotations
@@ -72,9 +75,7 @@ class Reply:
     """Only requests to this path take this reply (None: any path)."""
 
     @classmethod
-    def json(
-        cls, status: int, obj: Any, headers: dict[str, str] | None = None, **kw: Any
-    ) -> Reply:
+    def json(cls, status: int, obj: Any, headers: dict[str, str] | None = None, **kw: Any) -> Reply:
         return cls(
             status=status,
             body=orjson.dumps(obj),
@@ -154,7 +155,10 @@ class FakeUpstream:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # Cancel handlers when their client leaves; don't wait long for stalled ones at close.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

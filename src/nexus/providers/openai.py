@@ -82,20 +82,34 @@ def chunk_events(chunk: dict[str, Any]) -> list[StreamEvent]:
     return events
 
 
+_IN_STREAM_STATUS = {
+    "invalid_request_error": (400, False),
+    "not_found_error": (404, False),
+    "rate_limit_error": (429, True),
+    "authentication_error": (502, False),
+    "permission_error": (502, False),
+}
+
+
 def in_stream_error(provider: str, error: Any) -> GatewayError:
-    """An ``{"error": {...}}`` object met inside the stream."""
+    """An error object met inside the stream (OpenAI ``{"error": {...}}``, Anthropic ``error``).
+
+    Its ``type`` decides the status it maps to if no output went out yet:
+    a request the upstream refused stays a 4xx, anything else is a 502.
+    """
     if isinstance(error, dict):
         message = str(error.get("message") or "error inside the stream")
         code = error.get("code")
         kind = error.get("type")
     else:
         message, code, kind = str(error), None, None
-    exc = UpstreamError(f"provider {provider!r}: {message}", code="upstream_error")
+    status, retryable = _IN_STREAM_STATUS.get(kind if isinstance(kind, str) else "", (502, True))
+    exc = UpstreamError(f"provider {provider!r}: {message}", code="upstream_error", status=status)
     if isinstance(code, str) and code:
         exc.code = code
     if isinstance(kind, str) and kind:
         exc.error_type = kind
-    exc.retryable = kind in (None, "server_error", "api_error", "overloaded_error")
+    exc.retryable = retryable
     return exc
 
 

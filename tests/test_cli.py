@@ -222,3 +222,21 @@ def test_missing_config_file(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "nope.toml" in done.stderr
     assert "cannot read" in done.stderr
+
+
+def test_missing_provider_key_names_the_variable(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[providers.openai]\nkind = "openai"\napi_key_env = "NEXUS_TEST_UNSET_KEY_VAR"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NEXUS_TEST_UNSET_KEY_VAR"}
+    done = subprocess.run(
+        [NEXUS, "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert done.returncode == 2
+    assert "[providers.openai] api_key_env" in done.stderr
+    assert "NEXUS_TEST_UNSET_KEY_VAR is not set" in done.stderr

@@ -66,6 +66,10 @@ class EncoderRegistry:
     def get(self, media_type: str) -> type[Encoder]:
         return self._encoders[media_type]
 
+    def content_type(self, media_type: str) -> str:
+        encoder = self._encoders[media_type]
+        return encoder.content_type or encoder.media_type
+
     def media_types(self) -> Sequence[str]:
         return list(self._encoders)
 

@@ -1,7 +1,9 @@
 """Choosing a stream format for a request. A pure function over strings.
 
 Precedence: ``?stream_format=``, then ``X-Nexus-Stream-Format``, then
-``Accept``, then the endpoint's default. A name in the query or header must be
+``Accept``, then the endpoint's default. An ``Accept`` that picks the media type
+the endpoint's default is *sent as* (``text/event-stream`` for the Anthropic
+and Responses formats) picks the default. A name in the query or header must be
 a registered media type or alias (case-insensitive), or the request fails with
 ``unsupported_stream_format``. ``Accept`` is a preference, never a failure: a
 header that names no stream format (the official SDKs send
@@ -37,6 +39,9 @@ class FormatTable(Protocol):
 
     def describe(self) -> str:
         """A human list of formats and aliases, for error messages."""
+
+    def content_type(self, media_type: str) -> str:
+        """The ``Content-Type`` a registered format is sent with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +116,16 @@ def select_format(
     if accept:
         chosen = _best_accepted(parse_accept(accept), default, formats.media_types())
         if chosen is not None:
+            # ``Accept: text/event-stream`` on an endpoint whose own format is sent as
+            # text/event-stream (Anthropic, Responses) means that format, not OpenAI's.
+            if chosen != default and _bare(formats.content_type(default)) == chosen:
+                return default
             return chosen
     return default
+
+
+def _bare(content_type: str) -> str:
+    return content_type.split(";", 1)[0].strip().lower()
 
 
 def _best_accepted(

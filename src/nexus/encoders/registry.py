@@ -137,12 +137,13 @@ def load_object(spec: str, where: str) -> object:
 
 
 def _defaults() -> EncoderRegistry:
+    from .anthropic_sse import AnthropicSSEEncoder
     from .native_sse import NativeSSEEncoder
     from .ndjson import NDJSONEncoder
     from .openai_sse import OpenAISSEEncoder
 
     registry = EncoderRegistry()
-    for encoder in (OpenAISSEEncoder, NativeSSEEncoder, NDJSONEncoder):
+    for encoder in (OpenAISSEEncoder, NativeSSEEncoder, NDJSONEncoder, AnthropicSSEEncoder):
         registry.register(encoder.media_type, encoder)
     return registry
 

@@ -104,12 +104,12 @@ class StreamPump:
                     raise
                 return await self._end_with_error(exc.to_event())
             if first is _END:
-                return await self._end(self._prepare_frames(b"") + self.encoder.end())
+                return await self._end(self._begin() + self.encoder.end())
             if type(first) is Error:
                 if self.response is None:
                     raise StreamError(first)
                 return await self._end_with_error(first)
-            await self._write(self._prepare_frames(self.encoder.encode(first)))  # type: ignore[arg-type]
+            await self._write(self._begin() + self.encoder.encode(first))  # type: ignore[arg-type]
             response = self._require_response()
             encode = self.encoder.encode
             write = response.write
@@ -168,7 +168,7 @@ class StreamPump:
         try:
             done, _ = await asyncio.wait((task,), timeout=self.heartbeat_s)
             if not done:
-                await self._write(self._prepare_frames(self.encoder.heartbeat()))
+                await self._write(self._begin() + self.encoder.heartbeat())
                 await asyncio.wait((task,))
             return task.result()
         finally:
@@ -176,13 +176,16 @@ class StreamPump:
                 task.cancel()
                 await asyncio.wait((task,))
 
-    def _prepare_frames(self, first: bytes) -> bytes:
-        """Create the response (sent with the first write) and prefix ``start()``."""
+    def _begin(self) -> bytes:
+        """Create the response (sent with the first write); ``start()`` the first time.
+
+        Called before any other encoder method: stateful encoders (Anthropic,
+        Responses) number their frames from ``start()`` on.
+        """
         if self.response is None:
-            response = web.StreamResponse(status=200, headers=self.headers)
-            self.response = response
-            return self.encoder.start() + first
-        return first
+            self.response = web.StreamResponse(status=200, headers=self.headers)
+            return self.encoder.start()
+        return b""
 
     async def _write(self, data: bytes) -> None:
         response = self._require_response()
@@ -201,7 +204,7 @@ class StreamPump:
         return self._require_response()
 
     async def _end_with_error(self, event: Error) -> web.StreamResponse:
-        return await self._end(self._prepare_frames(self.encoder.error(event)) + self.encoder.end())
+        return await self._end(self._begin() + self.encoder.error(event) + self.encoder.end())
 
     async def _watch(self) -> None:
         """Heartbeats when idle; abort the connection when a write stalls."""

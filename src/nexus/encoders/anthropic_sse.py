@@ -1,0 +1,183 @@
+"""Anthropic Messages SSE (PROTOCOLS.md §3): the default format of ``POST /v1/messages``.
+
+``message_start`` → per content block ``content_block_start`` /
+``content_block_delta``* / ``content_block_stop`` → ``message_delta`` (stop
+reason, usage) → ``message_stop``. Every frame has its ``event:`` line (the SDK
+drops frames without one) and an ``id:`` line (a counter); heartbeats are
+``event: ping``. Blocks open and close as the kind of output changes:
+reasoning → a ``thinking`` block, text → a ``text`` block, each tool call → a
+``tool_use`` block fed by ``input_json_delta``. A mid-stream failure is an
+``event: error`` frame in the non-streaming error shape, and the stream ends
+there (no ``message_stop``: the SDK raises on the error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..events import Citation, Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
+from ..protocol.anthropic_messages import STOP_REASONS, error_type_for, message_id, usage_body
+from ..types import StreamMeta
+from .base import Encoder
+
+__all__ = ["AnthropicSSEEncoder"]
+
+_dumps = orjson.dumps
+_STATUS_BY_CODE = {
+    "upstream_timeout": 504,
+    "upstream_rate_limited": 429,
+    "server_shutting_down": 503,
+}
+
+
+class AnthropicSSEEncoder(Encoder):
+    media_type = "application/vnd.nexus.anthropic-messages+sse"
+    content_type = "text/event-stream; charset=utf-8"
+    aliases = ("anthropic", "messages")
+
+    def __init__(self, meta: StreamMeta) -> None:
+        super().__init__(meta)
+        self._seq = 0
+        self._index = -1  # index of the open content block, -1 when none is open
+        self._open: str | None = None  # "text", "thinking" or "tool_use"
+        self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
+        self._open_tool: int | None = None
+        self._stop_reason: str | None = None
+        self._usage: Usage | None = None
+        self._failed = False
+
+    def _frame(self, name: str, data: dict[str, Any]) -> bytes:
+        self._seq += 1
+        return b"event: %s\nid: %d\ndata: %s\n\n" % (name.encode(), self._seq, _dumps(data))
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": message_id(self.meta.id),
+            "type": "message",
+            "role": "assistant",
+            "model": self.meta.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        head = b"retry: %d\n" % self.meta.retry_ms if self.meta.retry_ms is not None else b""
+        return head + self._frame("message_start", {"type": "message_start", "message": message})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        self._open_tool = None
+        return self._frame(
+            "content_block_stop", {"type": "content_block_stop", "index": self._index}
+        )
+
+    def _open_block(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self._index += 1
+        self._open = kind
+        start = {"type": "content_block_start", "index": self._index, "content_block": block}
+        return out + self._frame("content_block_start", start)
+
+    def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
+        body = {"type": "content_block_delta", "index": index, "delta": delta}
+        return self._frame("content_block_delta", body)
+
+    def _text(self, text: str) -> bytes:
+        out = (
+            b"" if self._open == "text" else self._open_block("text", {"type": "text", "text": ""})
+        )
+        return out + self._delta(self._index, {"type": "text_delta", "text": text})
+
+    def encode(self, event: StreamEvent) -> bytes:
+        match event:
+            case Delta():
+                out = b""
+                if event.content:
+                    out += self._text(event.content)
+                if event.refusal:
+                    out += self._text(event.refusal)
+                for call in event.tool_calls or ():
+                    out += self._tool(call)
+                if event.finish_reason is not None and self._stop_reason is None:
+                    self._stop_reason = STOP_REASONS.get(event.finish_reason, "end_turn")
+                return out
+            case Reasoning(text=text):
+                out = b""
+                if self._open != "thinking":
+                    block = {"type": "thinking", "thinking": "", "signature": ""}
+                    out = self._open_block("thinking", block)
+                return out + self._delta(self._index, {"type": "thinking_delta", "thinking": text})
+            case ToolCall():
+                return self._tool(event)
+            case Citation():
+                out = (
+                    b""
+                    if self._open == "text"
+                    else self._open_block("text", {"type": "text", "text": ""})
+                )
+                citation = {
+                    "type": "web_search_result_location",
+                    "url": event.url,
+                    "title": event.title,
+                    "cited_text": event.quoted or "",
+                    "encrypted_index": "",
+                }
+                return out + self._delta(
+                    self._index, {"type": "citations_delta", "citation": citation}
+                )
+            case Usage():
+                self._usage = event
+                return b""
+            case _:
+                return b""
+
+    def _tool(self, call: ToolCall) -> bytes:
+        out = b""
+        block = self._tool_blocks.get(call.index)
+        if block is None:
+            tool = {
+                "type": "tool_use",
+                "id": call.id or f"toolu_{call.index}",
+                "name": call.name or "",
+                "input": {},
+            }
+            out = self._open_block("tool_use", tool)
+            block = self._tool_blocks[call.index] = self._index
+            self._open_tool = call.index
+        if call.arguments:
+            out += self._delta(block, {"type": "input_json_delta", "partial_json": call.arguments})
+        return out
+
+    def error(self, event: Error) -> bytes:
+        self._failed = True
+        status = _STATUS_BY_CODE.get(
+            event.code or "", 400 if event.error_type == "invalid_request_error" else 500
+        )
+        kind = (
+            "overloaded_error" if event.error_type == "overloaded_error" else error_type_for(status)
+        )
+        return self._frame(
+            "error", {"type": "error", "error": {"type": kind, "message": event.message}}
+        )
+
+    def heartbeat(self) -> bytes:
+        return self._frame("ping", {"type": "ping"})
+
+    def end(self) -> bytes:
+        if self._failed:
+            return b""
+        out = self._close()
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None},
+            "usage": usage_body(self._usage),
+        }
+        return (
+            out
+            + self._frame("message_delta", delta)
+            + self._frame("message_stop", {"type": "message_stop"})
+        )

@@ -1,0 +1,314 @@
+"""Anthropic Messages wire shapes for ``POST /v1/messages`` (PROTOCOLS.md §3). Sans-I/O.
+
+Request bytes in, the engine's :class:`~nexus.request.ChatRequest` out (so any
+provider can serve it); merged completion in, a ``message`` object out; and
+the Anthropic error body. The translation keeps what the engine understands:
+system text, text and image blocks, tool use and tool results, tools and
+tool_choice, stop sequences, sampling, ``thinking`` and ``top_k`` (passed on to
+Anthropic upstreams), ``metadata.user_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import GatewayError, InvalidRequest
+from ..request import ChatRequest, MockScript
+from ..types import Completion
+from .openai_chat import parse_json_object, validation_error
+
+__all__ = [
+    "MessagesRequest",
+    "anthropic_error_body",
+    "error_type_for",
+    "message_body",
+    "parse_messages_request",
+]
+
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "content_filter": "refusal",
+}
+"""Our finish reasons in Anthropic's terms."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class _OpenModel(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+
+class TextBlock(_OpenModel):
+    type: Literal["text"]
+    text: str
+
+
+class Base64Source(_Model):
+    type: Literal["base64"]
+    media_type: str = Field(pattern=r"^image/[A-Za-z0-9.+\-]+$")
+    data: str
+
+
+class URLSource(_Model):
+    type: Literal["url"]
+    url: str = Field(pattern=r"^https?://\S+$")
+
+
+class ImageBlock(_OpenModel):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
+class ToolUseBlock(_OpenModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_OpenModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock] = ""
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_OpenModel):
+    type: Literal["thinking", "redacted_thinking"]
+
+
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class InputMessage(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolDef(_OpenModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_OpenModel):
+    user_id: str | None = None
+
+
+class MessagesRequest(_OpenModel):
+    model: str = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=4)
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    thinking: dict[str, Any] | None = None
+    metadata: Metadata | None = None
+    stream: bool = False
+    mock: MockScript | None = None
+
+
+def parse_messages_request(body: bytes) -> ChatRequest:
+    """Validate a Messages request and translate it. Raises :class:`InvalidRequest`."""
+    data = parse_json_object(body)
+    try:
+        request = MessagesRequest.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, data) from None
+    return to_chat_request(request)
+
+
+def to_chat_request(request: MessagesRequest) -> ChatRequest:
+    messages: list[dict[str, Any]] = []
+    if request.system:
+        system = request.system
+        text = system if isinstance(system, str) else "\n\n".join(b.text for b in system)
+        messages.append({"role": "system", "content": text})
+    for index, message in enumerate(request.messages):
+        messages.extend(_translate(message, index))
+    chat: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        "max_tokens": request.max_tokens,
+        "stream": request.stream,
+    }
+    if request.stream:
+        chat["stream_options"] = {"include_usage": True}
+    for key in ("temperature", "top_p", "top_k", "thinking"):
+        value = getattr(request, key)
+        if value is not None:
+            chat[key] = value
+    if request.stop_sequences:
+        chat["stop"] = request.stop_sequences
+    if request.metadata is not None and request.metadata.user_id:
+        chat["user"] = request.metadata.user_id
+    if request.tools:
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    "description": tool.description,
+                    "parameters": tool.input_schema,
+                },
+            }
+            for tool in request.tools
+        ]
+    choice = request.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise InvalidRequest(
+                    "tool_choice.name: required when type is 'tool'", param="tool_choice.name"
+                )
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            chat["parallel_tool_calls"] = False
+    if request.mock is not None:
+        chat["mock"] = request.mock.model_dump(exclude_none=True)
+    try:
+        return ChatRequest.model_validate(chat)
+    except ValidationError as exc:
+        raise validation_error(exc, chat) from None
+
+
+def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages (tool results become ``tool`` messages)."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, TextBlock):
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            if message.role != "user":
+                raise InvalidRequest(
+                    f"messages[{index}]: image blocks belong in user messages",
+                    param=f"messages[{index}].content",
+                )
+            source = block.source
+            url = (
+                f"data:{source.media_type};base64,{source.data}"
+                if isinstance(source, Base64Source)
+                else source.url
+            )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(block, ToolUseBlock):
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {
+                        "name": block.name,
+                        "arguments": orjson.dumps(block.input).decode(),
+                    },
+                }
+            )
+        elif isinstance(block, ToolResultBlock):
+            content = block.content
+            text = (
+                content
+                if isinstance(content, str)
+                else "".join(b.text for b in content if isinstance(b, TextBlock))
+            )
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+    if message.role == "assistant":
+        text = "".join(p["text"] for p in parts)
+        if text or calls:
+            entry: dict[str, Any] = {"role": "assistant", "content": text or None}
+            if calls:
+                entry["tool_calls"] = calls
+            out.append(entry)
+    elif parts:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def message_body(completion: Completion) -> dict[str, Any]:
+    """A non-streaming ``message`` object (PROTOCOLS.md §3)."""
+    content: list[dict[str, Any]] = []
+    if completion.reasoning:
+        content.append({"type": "thinking", "thinking": completion.reasoning, "signature": ""})
+    if completion.content:
+        content.append({"type": "text", "text": completion.content})
+    for call in completion.tool_calls:
+        try:
+            arguments = orjson.loads(call.arguments) if call.arguments else {}
+        except orjson.JSONDecodeError:
+            arguments = {"_raw": call.arguments}
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": arguments})
+    return {
+        "id": message_id(completion.id),
+        "type": "message",
+        "role": "assistant",
+        "model": completion.model,
+        "content": content,
+        "stop_reason": STOP_REASONS.get(completion.finish_reason or "stop", "end_turn"),
+        "stop_sequence": None,
+        "usage": usage_body(completion.usage),
+    }
+
+
+def message_id(stream_id: str) -> str:
+    return "msg_" + stream_id.rpartition("-")[2]
+
+
+def usage_body(usage: Any) -> dict[str, Any]:
+    """Anthropic usage from ours: input excludes the cached part, which is reported apart."""
+    if usage is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    cached = usage.cached_tokens or 0
+    return {
+        "input_tokens": max(usage.prompt_tokens - cached, 0),
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": cached,
+    }
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def error_type_for(status: int) -> str:
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
+    """``{"type":"error","error":{"type","message"}}``, typed as Anthropic types the status."""
+    return {
+        "type": "error",
+        "error": {"type": error_type_for(error.status), "message": error.message},
+    }

@@ -1,0 +1,220 @@
+"""``POST /v1/messages`` with the official anthropic SDK, on the mock and an OpenAI upstream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import orjson
+import pytest
+
+from support import MakeClient, parse_sse
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk
+
+USER = [{"role": "user", "content": "Hello from Claude's SDK"}]
+
+
+async def sdk(make_client: MakeClient, config: dict[str, Any] | None = None) -> Any:
+    client = await make_client(config)
+    return anthropic.AsyncAnthropic(
+        base_url=str(client.make_url("")), api_key="unused", max_retries=0
+    )
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+async def test_stream_text_on_the_mock(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    async with api.messages.stream(model="mock/echo", max_tokens=100, messages=USER) as stream:
+        texts = [text async for text in stream.text_stream]
+        message = await stream.get_final_message()
+    assert "".join(texts) == "Hello from Claude's SDK"
+    assert message.content[0].type == "text"
+    assert message.content[0].text == "Hello from Claude's SDK"
+    assert message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == 4
+    assert message.usage.input_tokens == 4
+    await api.close()
+
+
+async def test_stream_tool_call_and_thinking(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    mock = {
+        "reasoning": "Check the weather first.",
+        "content": "",
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Reykjavik"}}],
+    }
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    async with api.messages.stream(
+        model="mock/echo", max_tokens=100, messages=USER, tools=tools, extra_body={"mock": mock}
+    ) as stream:
+        message = await stream.get_final_message()
+    kinds = [block.type for block in message.content]
+    assert kinds == ["thinking", "tool_use"]
+    assert message.content[0].thinking == "Check the weather first."
+    tool = message.content[1]
+    assert (tool.name, tool.input) == ("get_weather", {"city": "Reykjavik"})
+    assert tool.id.startswith("call_")
+    assert message.stop_reason == "tool_use"
+    await api.close()
+
+
+async def test_mid_stream_error_raises(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    received = []
+    with pytest.raises(anthropic.APIStatusError) as info:
+        async with api.messages.stream(
+            model="mock/echo",
+            max_tokens=100,
+            messages=USER,
+            extra_body={"mock": {"fail_after": 2}},
+        ) as stream:
+            async for text in stream.text_stream:
+                received.append(text)
+    assert "".join(received) == "Hello from"
+    assert info.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    assert "fail_after" in info.value.body["error"]["message"]  # type: ignore[index]
+    await api.close()
+
+
+async def test_non_streaming(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    message = await api.messages.create(
+        model="mock/echo",
+        max_tokens=2,
+        system="Be terse.",
+        messages=USER,
+        stop_sequences=["never"],
+    )
+    assert message.type == "message"
+    assert message.content[0].text == "Hello from"
+    assert message.stop_reason == "max_tokens"
+    assert message.usage.output_tokens == 2
+    assert message.usage.input_tokens == 6  # "Be terse." + 4 words
+    await api.close()
+
+
+async def test_errors_in_anthropic_shape(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        await api.messages.create(model="mock/echo", max_tokens=0, messages=USER)
+    assert bad.value.body == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": bad.value.body["error"]["message"]},  # type: ignore[index]
+    }
+    assert "max_tokens" in bad.value.message
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await api.messages.create(model="gpt-4o", max_tokens=10, messages=USER)
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    with pytest.raises(anthropic.InternalServerError):
+        await api.messages.create(
+            model="mock/echo", max_tokens=10, messages=USER, extra_body={"mock": {"fail_after": 0}}
+        )
+    await api.close()
+
+
+async def test_multi_turn_with_tool_result_and_image(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": "R"}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                {"type": "text", "text": "Describe"},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": "aGVsbG8="},
+                },
+            ],
+        },
+    ]
+    message = await api.messages.create(model="mock/echo", max_tokens=50, messages=messages)
+    assert message.content[0].text == "Describe [image image/png 5 bytes]"
+    await api.close()
+
+
+@pytest.mark.parametrize(
+    ("query", "headers", "first_line"),
+    [
+        ("", {}, b"event: message_start"),
+        ("", {"Accept": "text/event-stream"}, b"event: message_start"),
+        ("?stream_format=ndjson", {}, b'{"type":"delta"'),
+        ("?stream_format=nexus", {}, b"event: delta"),
+        ("?stream_format=sse", {}, b"data: {"),
+    ],
+)
+async def test_every_format_on_messages(
+    make_client: MakeClient, query: str, headers: dict[str, str], first_line: bytes
+) -> None:
+    client = await make_client({"server": {"retry_ms": 0}})
+    body = {"model": "mock/echo", "max_tokens": 10, "messages": USER, "stream": True}
+    resp = await client.post("/v1/messages" + query, json=body, headers=headers)
+    assert resp.status == 200
+    raw = await resp.read()
+    lines = [line for line in raw.splitlines() if line and not line.startswith(b"retry:")]
+    assert lines[0].startswith(first_line)
+
+
+async def test_through_an_openai_upstream(make_client: MakeClient, upstream: FakeUpstream) -> None:
+    tool_start = {
+        "index": 0,
+        "id": "call_up",
+        "type": "function",
+        "function": {"name": "lookup", "arguments": ""},
+    }
+    frames = [
+        openai_chunk(role="assistant", content=""),
+        openai_chunk(content="Looking"),
+        openai_chunk(tool_calls=[tool_start]),
+        openai_chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"q": '}}]),
+        openai_chunk(tool_calls=[{"index": 0, "function": {"arguments": '"x"}'}}]),
+        openai_chunk(finish_reason="tool_calls"),
+        openai_usage_chunk({"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}),
+        DONE,
+    ]
+    upstream.add(Reply.stream(frames))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    api = await sdk(make_client, config)
+    async with api.messages.stream(model="up/gpt-x", max_tokens=100, messages=USER) as stream:
+        message = await stream.get_final_message()
+    assert [b.type for b in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "Looking"
+    assert message.content[1].input == {"q": "x"}
+    assert message.stop_reason == "tool_use"
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (9, 5)
+    sent = upstream.requests[0].body
+    assert sent["model"] == "gpt-x"
+    assert sent["max_tokens"] == 100
+    assert sent["messages"] == [{"role": "user", "content": "Hello from Claude's SDK"}]
+    await api.close()
+
+
+async def test_upstream_error_mid_stream_through_an_openai_upstream(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([openai_chunk(content="part")], end="abort"))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    client = await make_client(config)
+    body = {"model": "up/m", "max_tokens": 10, "messages": USER, "stream": True}
+    events = parse_sse(await (await client.post("/v1/messages", json=body)).read())
+    assert events[-1].event == "error"
+    error = orjson.loads(events[-1].data)
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "api_error"
+    assert all(e.event != "message_stop" for e in events)

@@ -25,6 +25,19 @@ from .base import Encoder
 __all__ = ["AnthropicSSEEncoder"]
 
 _dumps = orjson.dumps
+_ANTHROPIC_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "request_too_large",
+        "rate_limit_error",
+        "api_error",
+        "overloaded_error",
+        "timeout_error",
+    }
+)
 _STATUS_BY_CODE = {
     "upstream_timeout": 504,
     "upstream_rate_limited": 429,
@@ -43,7 +56,6 @@ class AnthropicSSEEncoder(Encoder):
         self._index = -1  # index of the open content block, -1 when none is open
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
-        self._open_tool: int | None = None
         self._stop_reason: str | None = None
         self._usage: Usage | None = None
         self._failed = False
@@ -70,7 +82,6 @@ class AnthropicSSEEncoder(Encoder):
         if self._open is None:
             return b""
         self._open = None
-        self._open_tool = None
         return self._frame(
             "content_block_stop", {"type": "content_block_stop", "index": self._index}
         )
@@ -147,19 +158,16 @@ class AnthropicSSEEncoder(Encoder):
             }
             out = self._open_block("tool_use", tool)
             block = self._tool_blocks[call.index] = self._index
-            self._open_tool = call.index
         if call.arguments:
             out += self._delta(block, {"type": "input_json_delta", "partial_json": call.arguments})
         return out
 
     def error(self, event: Error) -> bytes:
         self._failed = True
-        status = _STATUS_BY_CODE.get(
-            event.code or "", 400 if event.error_type == "invalid_request_error" else 500
-        )
-        kind = (
-            "overloaded_error" if event.error_type == "overloaded_error" else error_type_for(status)
-        )
+        if event.error_type in _ANTHROPIC_TYPES:
+            kind = event.error_type  # an Anthropic upstream's own type survives
+        else:
+            kind = error_type_for(_STATUS_BY_CODE.get(event.code or "", 500))
         return self._frame(
             "error", {"type": "error", "error": {"type": kind, "message": event.message}}
         )

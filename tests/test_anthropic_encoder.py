@@ -1,0 +1,343 @@
+"""The Anthropic Messages SSE encoder, byte for byte, and its output read back by the anthropic SDK.
+
+PROTOCOLS.md §3: every frame has an ``event:`` line whose name is the payload's
+``type``; ``message_start`` comes first; content blocks are indexed 0, 1, 2… in
+order; the SDK's ``accumulate_event`` must rebuild the whole message.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+import pytest
+from anthropic._models import construct_type
+from anthropic._streaming import SSEDecoder
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import Message, RawMessageStreamEvent
+
+from nexus.encoders.anthropic_sse import AnthropicSSEEncoder
+from nexus.events import Citation, Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
+from nexus.types import StreamMeta
+
+META = StreamMeta(id="chatcmpl-abc123", model="mock/echo", created=1700000000, retry_ms=None)
+
+
+def frame(name: str, id: int, data: dict[str, Any]) -> bytes:
+    return b"event: %s\nid: %d\ndata: %s\n\n" % (name.encode(), id, orjson.dumps(data))
+
+
+def block_start(id: int, index: int, block: dict[str, Any]) -> bytes:
+    body = {"type": "content_block_start", "index": index, "content_block": block}
+    return frame("content_block_start", id, body)
+
+
+def block_delta(id: int, index: int, delta: dict[str, Any]) -> bytes:
+    body = {"type": "content_block_delta", "index": index, "delta": delta}
+    return frame("content_block_delta", id, body)
+
+
+def block_stop(id: int, index: int) -> bytes:
+    return frame("content_block_stop", id, {"type": "content_block_stop", "index": index})
+
+
+def text(s: str) -> dict[str, Any]:
+    return {"type": "text_delta", "text": s}
+
+
+def thinking(s: str) -> dict[str, Any]:
+    return {"type": "thinking_delta", "thinking": s}
+
+
+def partial(s: str) -> dict[str, Any]:
+    return {"type": "input_json_delta", "partial_json": s}
+
+
+def tool_block(id: str, name: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": id, "name": name, "input": {}}
+
+
+TEXT_BLOCK = {"type": "text", "text": ""}
+THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
+ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0}
+
+
+def ending(id: int, stop_reason: str, usage: dict[str, Any]) -> bytes:
+    """``message_delta`` (at ``id``) then ``message_stop``."""
+    body = {
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+        "usage": usage,
+    }
+    stop = frame("message_stop", id + 1, {"type": "message_stop"})
+    return frame("message_delta", id, body) + stop
+
+
+MESSAGE_START = frame(
+    "message_start",
+    1,
+    {
+        "type": "message_start",
+        "message": {
+            "id": "msg_abc123",
+            "type": "message",
+            "role": "assistant",
+            "model": "mock/echo",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        },
+    },
+)
+
+
+def run(*steps: StreamEvent | str, meta: StreamMeta = META) -> bytes:
+    """The whole stream as the pump writes it; ``"ping"`` stands for an idle heartbeat."""
+    enc = AnthropicSSEEncoder(meta)
+    out = enc.start()
+    for step in steps:
+        out += enc.heartbeat() if step == "ping" else enc.encode(step)  # type: ignore[arg-type]
+    return out + enc.end()
+
+
+def test_start_is_message_start_with_zero_usage() -> None:
+    assert AnthropicSSEEncoder(META).start() == MESSAGE_START
+
+
+def test_retry_line_precedes_the_first_frame() -> None:
+    meta = StreamMeta(id="chatcmpl-abc123", model="mock/echo", created=1700000000, retry_ms=3000)
+    assert AnthropicSSEEncoder(meta).start() == b"retry: 3000\n" + MESSAGE_START
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason"),
+    [
+        ("stop", "end_turn"),
+        ("length", "max_tokens"),
+        ("tool_calls", "tool_use"),
+        ("content_filter", "refusal"),
+    ],
+)
+def test_text_stream_frame_by_frame(finish: str, stop_reason: str) -> None:
+    enc = AnthropicSSEEncoder(META)
+    assert enc.start() == MESSAGE_START
+    assert enc.encode(Delta(role="assistant")) == b""
+    assert enc.encode(Delta(content="Hel")) == block_start(2, 0, TEXT_BLOCK) + block_delta(
+        3, 0, text("Hel")
+    )
+    assert enc.encode(Delta(content='lo "wörld"\n')) == block_delta(4, 0, text('lo "wörld"\n'))
+    assert enc.encode(Delta(finish_reason=finish)) == b""
+    assert enc.encode(Usage(10, 5, 15, cached_tokens=4)) == b""
+    usage = {"input_tokens": 6, "output_tokens": 5, "cache_read_input_tokens": 4}
+    assert enc.end() == block_stop(5, 0) + ending(6, stop_reason, usage)
+
+
+def test_end_without_finish_or_usage_defaults_to_end_turn_and_zero_usage() -> None:
+    assert run(Delta(content="x")) == (
+        MESSAGE_START
+        + block_start(2, 0, TEXT_BLOCK)
+        + block_delta(3, 0, text("x"))
+        + block_stop(4, 0)
+        + ending(5, "end_turn", ZERO_USAGE)
+    )
+
+
+def test_empty_stream_is_start_then_ending() -> None:
+    assert run() == MESSAGE_START + ending(2, "end_turn", ZERO_USAGE)
+
+
+def test_reasoning_then_text_closes_the_thinking_block() -> None:
+    got = run(Reasoning("Let me"), Reasoning(" think."), Delta(content="Hi"), Usage(3, 2, 5))
+    usage = {"input_tokens": 3, "output_tokens": 2, "cache_read_input_tokens": 0}
+    assert got == (
+        MESSAGE_START
+        + block_start(2, 0, THINKING_BLOCK)
+        + block_delta(3, 0, thinking("Let me"))
+        + block_delta(4, 0, thinking(" think."))
+        + block_stop(5, 0)
+        + block_start(6, 1, TEXT_BLOCK)
+        + block_delta(7, 1, text("Hi"))
+        + block_stop(8, 1)
+        + ending(9, "end_turn", usage)
+    )
+
+
+def test_two_tool_calls_open_one_tool_use_block_each() -> None:
+    got = run(
+        Delta(tool_calls=(ToolCall(0, id="toolu_a", name="get_weather"),)),
+        ToolCall(0, arguments='{"city": '),
+        Delta(tool_calls=(ToolCall(0, arguments='"Paris"}'),)),
+        ToolCall(1, id="toolu_b", name="get_time", arguments='{"tz":'),
+        ToolCall(1, arguments=' "CET"}'),
+        Delta(finish_reason="tool_calls"),
+    )
+    assert got == (
+        MESSAGE_START
+        + block_start(2, 0, tool_block("toolu_a", "get_weather"))
+        + block_delta(3, 0, partial('{"city": '))
+        + block_delta(4, 0, partial('"Paris"}'))
+        + block_stop(5, 0)
+        + block_start(6, 1, tool_block("toolu_b", "get_time"))
+        + block_delta(7, 1, partial('{"tz":'))
+        + block_delta(8, 1, partial(' "CET"}'))
+        + block_stop(9, 1)
+        + ending(10, "tool_use", ZERO_USAGE)
+    )
+
+
+def test_text_then_tool_call_gets_the_next_block_index() -> None:
+    got = run(Delta(content="Checking."), ToolCall(0, id="toolu_a", name="f", arguments="{}"))
+    assert got == (
+        MESSAGE_START
+        + block_start(2, 0, TEXT_BLOCK)
+        + block_delta(3, 0, text("Checking."))
+        + block_stop(4, 0)
+        + block_start(5, 1, tool_block("toolu_a", "f"))
+        + block_delta(6, 1, partial("{}"))
+        + block_stop(7, 1)
+        + ending(8, "end_turn", ZERO_USAGE)
+    )
+
+
+def test_citations_are_citations_deltas_on_the_text_block() -> None:
+    got = run(
+        Delta(content="Paris is the capital."),
+        Citation(url="https://example.com/fr", title="France", quoted="Paris is the capital"),
+        Citation(url="https://example.com/x"),
+    )
+
+    def cite(url: str, title: str | None, cited: str) -> dict[str, Any]:
+        citation = {
+            "type": "web_search_result_location",
+            "url": url,
+            "title": title,
+            "cited_text": cited,
+            "encrypted_index": "",
+        }
+        return {"type": "citations_delta", "citation": citation}
+
+    assert got == (
+        MESSAGE_START
+        + block_start(2, 0, TEXT_BLOCK)
+        + block_delta(3, 0, text("Paris is the capital."))
+        + block_delta(4, 0, cite("https://example.com/fr", "France", "Paris is the capital"))
+        + block_delta(5, 0, cite("https://example.com/x", None, ""))
+        + block_stop(6, 0)
+        + ending(7, "end_turn", ZERO_USAGE)
+    )
+
+
+def test_heartbeat_is_a_ping_frame_in_the_id_sequence() -> None:
+    enc = AnthropicSSEEncoder(META)
+    assert enc.start() == MESSAGE_START
+    assert enc.heartbeat() == frame("ping", 2, {"type": "ping"})
+    assert enc.encode(Delta(content="a")) == block_start(3, 0, TEXT_BLOCK) + block_delta(
+        4, 0, text("a")
+    )
+    assert enc.heartbeat() == frame("ping", 5, {"type": "ping"})
+
+
+FULL = (
+    "ping",
+    Reasoning("Let me think."),
+    Delta(role="assistant", content="Hello "),
+    "ping",
+    Delta(content="world"),
+    Citation(url="https://example.com", title="Example", quoted="Hello"),
+    ToolCall(0, id="toolu_1", name="get_weather", arguments='{"city": '),
+    "ping",
+    ToolCall(0, arguments='"Paris", "days": [1, 2]}'),
+    Delta(tool_calls=(ToolCall(1, id="toolu_2", name="get_time", arguments="{}"),)),
+    Delta(finish_reason="tool_calls"),
+    Usage(20, 9, 29, cached_tokens=5),
+)
+
+
+def test_every_frame_is_named_after_its_type_and_ids_count_up_from_one() -> None:
+    data = run(*FULL, meta=StreamMeta("chatcmpl-abc123", "mock/echo", 1700000000, retry_ms=3000))
+    assert data.startswith(b"retry: 3000\nevent: message_start\n")
+    frames = data.removeprefix(b"retry: 3000\n").removesuffix(b"\n\n").split(b"\n\n")
+    ids, names = [], []
+    for raw in frames:
+        match = re.fullmatch(rb"event: (\w+)\nid: (\d+)\ndata: (\{.*\})", raw)
+        assert match is not None, raw
+        assert orjson.loads(match[3])["type"] == match[1].decode()
+        names.append(match[1].decode())
+        ids.append(int(match[2]))
+    assert ids == list(range(1, len(frames) + 1))
+    assert names.count("ping") == 3
+    assert names[0] == "message_start"
+    assert names[-2:] == ["message_delta", "message_stop"]
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (Error("upstream_error", "upstream broke", code="upstream_error"), "api_error"),
+        (
+            Error("invalid_request_error", "bad input", code="upstream_invalid_request"),
+            "invalid_request_error",
+        ),
+        (Error("upstream_error", "too slow", code="upstream_timeout"), "timeout_error"),
+        (Error("server_error", "slow down", code="upstream_rate_limited"), "rate_limit_error"),
+        # An Anthropic upstream's in-stream rate_limit_error (providers/openai.py in_stream_error):
+        (Error("rate_limit_error", "rate limited", code="upstream_error"), "rate_limit_error"),
+    ],
+)
+def test_error_frame_ends_the_stream(error: Error, kind: str) -> None:
+    enc = AnthropicSSEEncoder(META)
+    assert enc.start() == MESSAGE_START
+    assert enc.encode(Delta(content="partial")) == block_start(2, 0, TEXT_BLOCK) + block_delta(
+        3, 0, text("partial")
+    )
+    body = {"type": "error", "error": {"type": kind, "message": error.message}}
+    assert enc.error(error) == frame("error", 4, body)
+    assert enc.end() == b""
+
+
+def sdk_final_message(data: bytes) -> Message:
+    """As ``MessageStream`` does: the SDK's SSE decoder, event filter and ``accumulate_event``."""
+    chunks = [data[i : i + 7] for i in range(0, len(data), 7)]
+    snapshot: Any = None
+    json_bufs: dict[int, bytes] = {}
+    for sse in SSEDecoder().iter_bytes(iter(chunks)):
+        # Stream.__stream__ silently drops unnamed and empty events: here they are failures.
+        assert sse.event is not None and sse.data, sse
+        assert sse.event != "error", sse.data
+        if sse.event == "ping":
+            continue
+        event = construct_type(type_=RawMessageStreamEvent, value=sse.json())
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=json_bufs)
+    assert snapshot is not None
+    return snapshot
+
+
+def test_round_trip_through_the_sdk_accumulator() -> None:
+    message = sdk_final_message(run(*FULL))
+    assert message.id == "msg_abc123"
+    assert (message.role, message.model) == ("assistant", "mock/echo")
+    assert [block.type for block in message.content] == ["thinking", "text", "tool_use", "tool_use"]
+    think, answer, weather, clock = message.content
+    assert think.type == "thinking" and think.thinking == "Let me think."
+    assert answer.type == "text" and answer.text == "Hello world"
+    assert answer.citations is not None and len(answer.citations) == 1
+    citation = answer.citations[0]
+    assert citation.type == "web_search_result_location"
+    assert (citation.url, citation.title, citation.cited_text) == (
+        "https://example.com",
+        "Example",
+        "Hello",
+    )
+    assert weather.type == "tool_use" and clock.type == "tool_use"
+    assert (weather.id, weather.name, weather.input) == (
+        "toolu_1",
+        "get_weather",
+        {"city": "Paris", "days": [1, 2]},
+    )
+    assert (clock.id, clock.name, clock.input) == ("toolu_2", "get_time", {})
+    assert message.stop_reason == "tool_use"
+    assert message.stop_sequence is None
+    usage = message.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.cache_read_input_tokens) == (15, 9, 5)

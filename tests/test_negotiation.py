@@ -13,7 +13,9 @@ NATIVE = "application/vnd.nexus.events+sse"
 NDJSON = "application/x-ndjson"
 REGISTERED = (
     "text/event-stream (sse, openai), application/vnd.nexus.events+sse (nexus, nexus-sse), "
-    "application/x-ndjson (ndjson, jsonl)"
+    "application/x-ndjson (ndjson, jsonl), "
+    "application/vnd.nexus.anthropic-messages+sse (anthropic, messages), "
+    "application/vnd.nexus.openai-responses+sse (responses, openai-responses)"
 )
 
 

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 import nexus.encoders.registry as registry_module
-from nexus.encoders import Encoder, NativeSSEEncoder, NDJSONEncoder, OpenAISSEEncoder
+from nexus.encoders import (
+    AnthropicSSEEncoder,
+    Encoder,
+    NativeSSEEncoder,
+    NDJSONEncoder,
+    OpenAISSEEncoder,
+    ResponsesSSEEncoder,
+)
 from nexus.encoders.registry import EncoderRegistry, _defaults, default_registry, register
 from nexus.errors import ConfigError, RegistryFrozen
 from nexus.events import Delta, Done, Error
@@ -32,16 +39,22 @@ def test_defaults() -> None:
         "text/event-stream",
         "application/vnd.nexus.events+sse",
         "application/x-ndjson",
+        "application/vnd.nexus.anthropic-messages+sse",
+        "application/vnd.nexus.openai-responses+sse",
     ]
     assert [registry.get(m) for m in registry.media_types()] == [
         OpenAISSEEncoder,
         NativeSSEEncoder,
         NDJSONEncoder,
+        AnthropicSSEEncoder,
+        ResponsesSSEEncoder,
     ]
     assert registry.aliases_of("application/x-ndjson") == ["ndjson", "jsonl"]
     assert registry.describe() == (
         "text/event-stream (sse, openai), application/vnd.nexus.events+sse (nexus, nexus-sse), "
-        "application/x-ndjson (ndjson, jsonl)"
+        "application/x-ndjson (ndjson, jsonl), "
+        "application/vnd.nexus.anthropic-messages+sse (anthropic, messages), "
+        "application/vnd.nexus.openai-responses+sse (responses, openai-responses)"
     )
     assert registry.frozen is False
 
@@ -105,7 +118,7 @@ def test_register_again_replaces_the_encoder_and_keeps_its_aliases(
     registry.register("application/x-ndjson", custom_module, aliases=["ndjson"])
     assert registry.get("application/x-ndjson") is custom_module
     assert registry.resolve("jsonl") == "application/x-ndjson"
-    assert registry.media_types()[-1] == "application/x-ndjson"
+    assert registry.media_types()[2] == "application/x-ndjson"  # keeps its place
 
 
 @pytest.mark.parametrize(
@@ -170,7 +183,7 @@ def test_freeze_then_register_raises(custom_module: type[Encoder]) -> None:
         "has started on it; register encoders before the app starts"
     )
     assert registry.resolve("custom") is None
-    assert len(registry.media_types()) == 3
+    assert len(registry.media_types()) == len(_defaults().media_types())
     # Lookups still work once frozen.
     assert registry.resolve("jsonl") == "application/x-ndjson"
 
@@ -217,7 +230,7 @@ def test_load_config_registers_the_named_class(custom_module: type[Encoder], spe
     registry.load_config({"Application/X-Custom": spec})
     assert registry.get(CUSTOM) is custom_module
     assert registry.resolve("cust") == CUSTOM
-    assert registry.media_types()[:3] == _defaults().media_types()
+    assert registry.media_types()[:-1] == _defaults().media_types()
 
 
 def test_load_config_empty_changes_nothing() -> None:

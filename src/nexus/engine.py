@@ -161,7 +161,6 @@ class Engine:
                 raise UnsupportedInput(
                     f"The model {request.model!r} cannot take "
                     f"{' and '.join(sorted(needs))} input.",
-                    param="messages",
                 )
         provider, upstream = targets[0]
         meta = StreamMeta.new(

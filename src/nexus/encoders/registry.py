@@ -141,9 +141,16 @@ def _defaults() -> EncoderRegistry:
     from .native_sse import NativeSSEEncoder
     from .ndjson import NDJSONEncoder
     from .openai_sse import OpenAISSEEncoder
+    from .responses_sse import ResponsesSSEEncoder
 
     registry = EncoderRegistry()
-    for encoder in (OpenAISSEEncoder, NativeSSEEncoder, NDJSONEncoder, AnthropicSSEEncoder):
+    for encoder in (
+        OpenAISSEEncoder,
+        NativeSSEEncoder,
+        NDJSONEncoder,
+        AnthropicSSEEncoder,
+        ResponsesSSEEncoder,
+    ):
         registry.register(encoder.media_type, encoder)
     return registry
 

@@ -18,7 +18,7 @@ from ..config import Config
 from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from .errors import error_middleware
-from .routes import chat_completions, messages, models, realtime
+from .routes import chat_completions, messages, models, realtime, responses
 from .state import CONFIG, ENGINE, REGISTRY, RUNTIME, Runtime
 
 __all__ = ["create_app"]
@@ -71,6 +71,7 @@ def create_app(
 
     app.router.add_post("/v1/chat/completions", chat_completions.handle)
     app.router.add_post("/v1/messages", messages.handle)
+    app.router.add_post("/v1/responses", responses.handle)
     app.router.add_get("/v1/realtime", realtime.handle)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model:.+}", models.get_model)

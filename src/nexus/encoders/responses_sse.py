@@ -1,0 +1,361 @@
+"""OpenAI Responses API SSE (PROTOCOLS.md §4): the default format of ``/v1/responses``.
+
+Every frame is ``event: <type>\\ndata: {"type": <type>, "sequence_number": N, ...}\\n\\n``;
+``sequence_number`` counts from 0 by one over the whole stream, and there is no
+``[DONE]``. The encoder is a small state machine over *output items*:
+
+* The stream opens with ``response.created`` then ``response.in_progress``
+  (status ``in_progress``, no output), written by :meth:`start`. The pump calls
+  it first; were another method called first, the opening would lead that
+  method's bytes instead (and ``start()`` add none), so the numbering always
+  follows the byte order.
+* Reasoning text opens a ``reasoning`` item with one summary part
+  (``reasoning_summary_part.added``, ``reasoning_summary_text.delta``...);
+  content opens a ``message`` item with an ``output_text`` part
+  (``content_part.added``, ``output_text.delta``...), a refusal a ``refusal``
+  part of the same item; each tool call opens a ``function_call`` item
+  (``function_call_arguments.delta``...). ``output_index`` counts items 0, 1, ...
+* One item is open at a time. It is closed (its ``...done`` events, then
+  ``output_item.done`` with the complete item) when an item of another kind or
+  another tool call starts, and at the end. The SDK's stream helper requires a
+  ``done`` for every added item. Argument fragments of a tool call that
+  arrive after its item closed (an upstream interleaving calls) are not
+  streamed; they are in the final response.
+* :meth:`end` closes the open item and writes exactly one of
+  ``response.completed`` or ``response.incomplete`` (finish reason ``length``
+  or ``content_filter``) carrying the full response, which is what
+  ``get_final_response()`` returns: built with the same builders as the
+  non-streaming body (:mod:`nexus.protocol.openai_responses_output`).
+* :meth:`error` writes a flat ``error`` event (the SDK yields it, it does not
+  raise) then ``response.failed``; :meth:`end` then writes nothing.
+
+The hot path, a content delta into an open text part, is one ``dumps`` of the
+text between bytes prepared when the part opened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ..events import Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
+from ..protocol.openai_responses_output import (
+    function_call_item,
+    incomplete_reason,
+    message_item,
+    reasoning_item,
+    refusal_part,
+    response_ids,
+    response_object,
+    text_part,
+    usage_body,
+)
+from ..types import StreamMeta
+from .base import Encoder
+
+__all__ = ["ResponsesSSEEncoder"]
+
+_dumps = orjson.dumps
+_TEXT_DELTA = "response.output_text.delta"
+# The fast path's frame: holes for the sequence number, then (per part) the text.
+_TEXT_HEAD = b'event: %s\ndata: {"type":"%s","sequence_number":%%d' % ((_TEXT_DELTA.encode(),) * 2)
+_TEXT_TAIL = b',"logprobs":[]}\n\n'
+
+
+@dataclass(slots=True)
+class _Item:
+    """One output item as it streams: its place, and its text so far."""
+
+    kind: str  # "reasoning", "message" or "function_call"
+    id: str
+    index: int
+    call_id: str = ""
+    name: str = ""
+    chunks: list[str] = field(default_factory=list)  # reasoning text or arguments
+    parts: list[tuple[str, list[str]]] = field(default_factory=list)  # message: (type, text)
+    status: str = "in_progress"
+
+    def snapshot(self) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return reasoning_item(self.id, "".join(self.chunks))
+        if self.kind == "message":
+            parts = [_part(kind, "".join(chunks)) for kind, chunks in self.parts]
+            return message_item(self.id, parts, self.status)
+        return function_call_item(
+            self.id, self.call_id, self.name, "".join(self.chunks), self.status
+        )
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    return text_part(text) if kind == "output_text" else refusal_part(text)
+
+
+class ResponsesSSEEncoder(Encoder):
+    media_type = "application/vnd.nexus.openai-responses+sse"
+    content_type = "text/event-stream; charset=utf-8"
+    aliases = ("responses", "openai-responses")
+
+    def __init__(self, meta: StreamMeta) -> None:
+        super().__init__(meta)
+        self._id, self._stem = response_ids(meta.id)
+        self._seq = 0
+        self._started = False
+        self._finished = False
+        self._items: list[_Item] = []
+        self._current: _Item | None = None
+        self._calls: dict[int, _Item] = {}
+        self._call_ids: dict[str, _Item] = {}
+        self._usage: Usage | None = None
+        self._finish: str | None = None
+        # Set while the open item's current part is output_text: its text delta frame
+        # with %d and %s holes for the sequence number and the text; the part's text.
+        self._text_frame: bytes | None = None
+        self._part_text: list[str] = []
+
+    # --- framing -------------------------------------------------------------
+
+    def _event(self, type_: str, fields: dict[str, Any]) -> bytes:
+        seq = self._seq
+        self._seq = seq + 1
+        body = {"type": type_, "sequence_number": seq, **fields}
+        return b"event: " + type_.encode() + b"\ndata: " + _dumps(body) + b"\n\n"
+
+    def _response(self, status: str, **kwargs: Any) -> dict[str, Any]:
+        return response_object(
+            response_id=self._id,
+            created_at=self.meta.created,
+            model=self.meta.model,
+            status=status,
+            **kwargs,
+        )
+
+    def _preamble(self) -> bytes:
+        if self._started:
+            return b""
+        self._started = True
+        response = self._response("in_progress", output=[])
+        frames = self._event("response.created", {"response": response}) + self._event(
+            "response.in_progress", {"response": response}
+        )
+        if self.meta.retry_ms is not None:
+            # On the first data frame: a frame of only ``retry:`` makes the SDK parse "" (§1).
+            return b"retry: %d\n" % self.meta.retry_ms + frames
+        return frames
+
+    # --- the Encoder interface -------------------------------------------------
+
+    def start(self) -> bytes:
+        return self._preamble()
+
+    def encode(self, event: StreamEvent) -> bytes:
+        frame = self._text_frame
+        if frame is not None and type(event) is Delta:
+            content = event.content
+            if (
+                content
+                and event.finish_reason is None
+                and event.tool_calls is None
+                and event.refusal is None
+            ):
+                self._part_text.append(content)
+                seq = self._seq
+                self._seq = seq + 1
+                return frame % (seq, _dumps(content))
+        out = self._preamble()
+        match event:
+            case Delta():
+                if event.content:
+                    out += self._text("output_text", event.content)
+                if event.refusal:
+                    out += self._text("refusal", event.refusal)
+                for call in event.tool_calls or ():
+                    out += self._tool_call(call)
+                if event.finish_reason is not None:
+                    self._finish = event.finish_reason
+            case Reasoning(text=text) if text:
+                out += self._reasoning(text)
+            case ToolCall():
+                out += self._tool_call(event)
+            case Usage():
+                self._usage = event
+            case _:
+                pass  # audio, images, citations: not in this format yet
+        return out
+
+    def error(self, event: Error) -> bytes:
+        if self._finished:
+            return b""
+        self._finished = True
+        out = self._preamble() + self._event(
+            "error", {"code": event.code, "message": event.message, "param": event.param}
+        )
+        if self._current is not None:
+            self._current.status = "incomplete"  # added, never done: cut off by the failure
+        response = self._response(
+            "failed",
+            output=[item.snapshot() for item in self._items],
+            usage=None if self._usage is None else usage_body(self._usage),
+            error={"code": event.code or event.error_type, "message": event.message},
+        )
+        return out + self._event("response.failed", {"response": response})
+
+    def heartbeat(self) -> bytes:
+        # A comment: skipped by the SDK's decoder, since no frame carries an ``id:`` (§1).
+        return b": ping\n\n"
+
+    def end(self) -> bytes:
+        if self._finished:
+            return b""
+        self._finished = True
+        reason = incomplete_reason(self._finish)
+        out = self._preamble() + self._close("completed" if reason is None else "incomplete")
+        response = self._response(
+            "completed" if reason is None else "incomplete",
+            output=[item.snapshot() for item in self._items],
+            usage=usage_body(self._usage),
+            incomplete=reason,
+        )
+        kind = "response.completed" if reason is None else "response.incomplete"
+        return out + self._event(kind, {"response": response})
+
+    # --- items -----------------------------------------------------------------
+
+    def _open(
+        self, kind: str, prefix: str, call_id: str = "", name: str = ""
+    ) -> tuple[bytes, _Item]:
+        out = self._close("completed")
+        index = len(self._items)
+        item = _Item(kind, f"{prefix}_{self._stem}_{index}", index, call_id=call_id, name=name)
+        self._items.append(item)
+        self._current = item
+        added = self._event(
+            "response.output_item.added", {"output_index": index, "item": _added(item)}
+        )
+        return out + added, item
+
+    def _close(self, status: str) -> bytes:
+        """The ``...done`` events of the open item, if any, ending with ``output_item.done``."""
+        item = self._current
+        if item is None:
+            return b""
+        self._current = None
+        self._text_frame = None
+        where = {"item_id": item.id, "output_index": item.index}
+        if item.kind == "reasoning":
+            text = "".join(item.chunks)
+            out = self._event(
+                "response.reasoning_summary_text.done", {**where, "summary_index": 0, "text": text}
+            ) + self._event(
+                "response.reasoning_summary_part.done",
+                {**where, "summary_index": 0, "part": {"type": "summary_text", "text": text}},
+            )
+        elif item.kind == "message":
+            out = self._close_part(item)
+        else:
+            out = self._event(
+                "response.function_call_arguments.done",
+                {**where, "name": item.name, "arguments": "".join(item.chunks)},
+            )
+        item.status = status
+        done = {"output_index": item.index, "item": item.snapshot()}
+        return out + self._event("response.output_item.done", done)
+
+    def _reasoning(self, text: str) -> bytes:
+        item = self._current
+        out = b""
+        if item is None or item.kind != "reasoning":
+            out, item = self._open("reasoning", "rs")
+            out += self._event(
+                "response.reasoning_summary_part.added",
+                {
+                    "item_id": item.id,
+                    "output_index": item.index,
+                    "summary_index": 0,
+                    "part": {"type": "summary_text", "text": ""},
+                },
+            )
+        item.chunks.append(text)
+        return out + self._event(
+            "response.reasoning_summary_text.delta",
+            {"item_id": item.id, "output_index": item.index, "summary_index": 0, "delta": text},
+        )
+
+    def _text(self, kind: str, text: str) -> bytes:
+        """A content (``output_text``) or refusal delta into the open message item."""
+        item = self._current
+        out = b""
+        if item is None or item.kind != "message":
+            out, item = self._open("message", "msg")
+        if not item.parts or item.parts[-1][0] != kind:
+            out += self._close_part(item)
+            self._part_text = []
+            item.parts.append((kind, self._part_text))
+            out += self._event(
+                "response.content_part.added",
+                {**_where(item), "part": _part(kind, "")},
+            )
+            if kind == "output_text":
+                where = b',"item_id":%s,"output_index":%d,"content_index":%d,"delta":' % (
+                    _dumps(item.id),
+                    item.index,
+                    len(item.parts) - 1,
+                )
+                self._text_frame = _TEXT_HEAD + where.replace(b"%", b"%%") + b"%s" + _TEXT_TAIL
+        item.parts[-1][1].append(text)
+        if kind == "output_text":
+            return out + self._event(_TEXT_DELTA, {**_where(item), "delta": text, "logprobs": []})
+        return out + self._event("response.refusal.delta", {**_where(item), "delta": text})
+
+    def _close_part(self, item: _Item) -> bytes:
+        if not item.parts:
+            return b""
+        self._text_frame = None
+        kind, chunks = item.parts[-1]
+        text = "".join(chunks)
+        where = _where(item)
+        if kind == "output_text":
+            done = self._event("response.output_text.done", {**where, "text": text, "logprobs": []})
+        else:
+            done = self._event("response.refusal.done", {**where, "refusal": text})
+        return done + self._event(
+            "response.content_part.done", {**where, "part": _part(kind, text)}
+        )
+
+    def _tool_call(self, call: ToolCall) -> bytes:
+        # Merged as nexus.accumulate merges: by id when one repeats, else by index.
+        item = self._call_ids.get(call.id) if call.id is not None else None
+        if item is None:
+            item = self._calls.get(call.index)
+        out = b""
+        if item is None:
+            call_id = call.id or f"call_{self.meta.id[-12:]}_{call.index}"
+            out, item = self._open("function_call", "fc", call_id=call_id, name=call.name or "")
+            self._calls[call.index] = item
+        elif not item.name and call.name:
+            item.name = call.name
+        if call.id is not None:
+            self._call_ids.setdefault(call.id, item)
+        if call.arguments:
+            item.chunks.append(call.arguments)
+            if item is self._current:
+                out += self._event(
+                    "response.function_call_arguments.delta",
+                    {"item_id": item.id, "output_index": item.index, "delta": call.arguments},
+                )
+        return out
+
+
+def _where(item: _Item) -> dict[str, Any]:
+    """The address of the open message item's current content part."""
+    return {"item_id": item.id, "output_index": item.index, "content_index": len(item.parts) - 1}
+
+
+def _added(item: _Item) -> dict[str, Any]:
+    """The item as ``output_item.added`` announces it: empty, in progress."""
+    if item.kind == "reasoning":
+        return reasoning_item(item.id, None)
+    if item.kind == "message":
+        return message_item(item.id, [], "in_progress")
+    return function_call_item(item.id, item.call_id, item.name, "", "in_progress")

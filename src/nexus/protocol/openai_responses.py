@@ -1,0 +1,423 @@
+"""OpenAI Responses API wire shapes (PROTOCOLS.md §4). Sans-I/O.
+
+Request bytes in, :class:`~nexus.request.ChatRequest` out: the Responses body is
+validated here and translated into the engine's one request model, so every
+provider serves ``/v1/responses`` without knowing it exists. Merged completion
+in, ``response`` object out (:func:`response_body`, built in
+:mod:`.openai_responses_output` with the same builders the SSE encoder uses).
+
+Translation: ``instructions`` becomes a system message first; a string
+``input`` one user message; message items keep their role (``developer``
+included); ``function_call`` items become the tool calls of an assistant
+message (joined to the assistant message just before them, as one turn);
+``function_call_output`` items tool messages; ``reasoning`` items are dropped
+(Nexus sends no reasoning upstream); ``max_output_tokens`` is ``max_tokens``;
+``text.format`` is ``response_format``; ``reasoning.effort`` is
+``reasoning_effort``. Other fields of the Responses API that Chat Completions
+lacks are accepted and not forwarded. Nexus stores nothing, so
+``previous_response_id`` and ``conversation`` are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, NoReturn
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+
+from ..errors import InvalidRequest
+from ..request import ChatRequest, FunctionDef, MockScript
+from .openai_chat import field_path, parse_json_object, validation_error
+from .openai_responses_output import response_body
+
+__all__ = ["ResponsesRequest", "parse_responses_request", "response_body", "to_chat_request"]
+
+
+class _Open(BaseModel):
+    """Known fields are validated; unknown ones are accepted (newer API fields)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+
+def _shape(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, dict | BaseModel):
+        return "object"
+    return None
+
+
+def _by_shape(other: str) -> Discriminator:
+    """A union of a string and ``other`` chosen by the input's shape, so that an error
+    names the branch the client meant instead of "Input should be a valid string"."""
+    message = f"Input should be a string or {other}"
+    return Discriminator(_shape, custom_error_type="shape", custom_error_message=message)
+
+
+_STR_OR_LIST = _by_shape("a list")
+_STR_OR_OBJECT = _by_shape("an object")
+
+
+# --- content parts ---------------------------------------------------------
+
+
+class InputText(_Open):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Open):
+    type: Literal["output_text"]
+    text: str
+
+
+class Refusal(_Open):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputImage(_Open):
+    type: Literal["input_image"]
+    image_url: str | None = Field(default=None, min_length=1)
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None
+
+
+class InputFile(_Open):
+    type: Literal["input_file"]
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+    file_url: str | None = None
+
+
+Part = Annotated[
+    InputText | OutputText | Refusal | InputImage | InputFile, Field(discriminator="type")
+]
+Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[Part], Tag("list")], _STR_OR_LIST]
+
+
+# --- input items -----------------------------------------------------------
+
+
+class MessageItem(_Open):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content
+
+
+class FunctionCallItem(_Open):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputItem(_Open):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Content
+
+
+class ReasoningInputItem(_Open):
+    type: Literal["reasoning"]
+
+
+def _item_type(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return None
+    kind = value.get("type", "message")  # an "easy input message" has no type
+    return kind if isinstance(kind, str) else None
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
+    Discriminator(_item_type),
+]
+Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[Item], Tag("list")], _STR_OR_LIST]
+
+
+# --- tools, formats, the request -------------------------------------------
+
+
+class _FunctionType(_Open):
+    type: Literal["function"]
+
+
+class FunctionTool(FunctionDef, _FunctionType):
+    """A function tool: Chat Completions' function definition, flat; ``type`` checked first."""
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["auto", "none", "required"], Tag("text")]
+    | Annotated[ToolChoiceFunction, Tag("object")],
+    _STR_OR_OBJECT,
+]
+
+
+class TextFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Open):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Open):
+    effort: str | None = None
+
+
+class ResponsesRequest(_Open):
+    """``POST /v1/responses`` body (the fields Nexus reads)."""
+
+    model: str = Field(min_length=1)
+    input: Input | None = None
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    stream: bool = False
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    mock: MockScript | None = None
+
+
+_STATEFUL = ("previous_response_id", "conversation")
+_TAG_ERRORS = ("union_tag_invalid", "union_tag_not_found")
+
+
+def parse_responses_request(body: bytes) -> ChatRequest:
+    """Validate a ``/v1/responses`` body and translate it into a :class:`ChatRequest`.
+
+    Raises :class:`InvalidRequest`: code ``invalid_json`` for bytes that are not
+    a JSON object, else code ``invalid_request`` with ``param`` naming the field
+    of the Responses request (``input[2].call_id``, ``max_output_tokens``).
+    """
+    data = parse_json_object(body)
+    for name in _STATEFUL:
+        if data.get(name) is not None:
+            raise InvalidRequest(
+                f"{name}: not supported. Nexus stores no responses or conversations; "
+                "send the whole conversation in input.",
+                param=name,
+            )
+    try:
+        request = ResponsesRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc, data) from None
+    return to_chat_request(request)
+
+
+def _invalid(exc: ValidationError, data: Any) -> InvalidRequest:
+    first = exc.errors(include_url=False)[0]
+    loc = first["loc"]
+    if first["type"] in _TAG_ERRORS and len(loc) == 3 and loc[:2] == ("input", "list"):
+        # An input item whose type names no item Nexus takes.
+        tag = first.get("ctx", {}).get("tag")
+        what = f"type {tag!r} is not supported" if tag else "an item must be an object with a type"
+        return _error(
+            f"{field_path(loc, data)}.type",
+            f"{what}; expected 'message', 'function_call', 'function_call_output' or 'reasoning'",
+        )
+    return validation_error(exc, data)
+
+
+def _error(param: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {message}", param=param)
+
+
+def _fail(param: str, message: str) -> NoReturn:
+    raise _error(param, message)
+
+
+def to_chat_request(request: ResponsesRequest) -> ChatRequest:
+    """The engine's request for a validated Responses request (see the module docstring)."""
+    messages: list[dict[str, Any]] = []
+    sources: list[str] = []  # the Responses field each message came from, for errors
+
+    def add(message: dict[str, Any], source: str) -> None:
+        messages.append(message)
+        sources.append(source)
+
+    if request.instructions:
+        add({"role": "system", "content": request.instructions}, "instructions")
+    if isinstance(request.input, str):
+        add({"role": "user", "content": request.input}, "input")
+    for i, item in enumerate(request.input if isinstance(request.input, list) else ()):
+        where = f"input[{i}]"
+        if isinstance(item, MessageItem):
+            add(_message(item, where), where)
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                add({"role": "assistant", "tool_calls": [call]}, where)
+        elif isinstance(item, FunctionCallOutputItem):
+            content = _text_content(item.output, f"{where}.output", "function_call_output")
+            add({"role": "tool", "tool_call_id": item.call_id, "content": content}, where)
+    if not messages:
+        _fail("input", "Field required")
+
+    chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
+    if request.tools:
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": tool.model_dump(exclude_none=True, include=_FUNCTION_FIELDS),
+            }
+            for tool in request.tools
+        ]
+        if request.parallel_tool_calls is not None:
+            chat["parallel_tool_calls"] = request.parallel_tool_calls
+    _tool_choice(request, chat)
+    for ours, theirs in _RENAMED:
+        value = getattr(request, ours)
+        if value is not None:
+            chat[theirs] = value
+    fmt = request.text.format if request.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        chat["response_format"] = _response_format(fmt)
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        chat["reasoning_effort"] = request.reasoning.effort
+    try:
+        return ChatRequest.model_validate(chat)
+    except ValidationError as exc:  # a constraint that only ChatRequest checks
+        error = validation_error(exc, chat)
+        if error.param is None:
+            raise error from None
+        _, _, message = error.message.partition(": ")
+        raise _error(_responses_param(error.param, sources), message) from None
+
+
+_FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+_RENAMED = (
+    ("max_output_tokens", "max_tokens"),
+    ("temperature", "temperature"),
+    ("top_p", "top_p"),
+    ("user", "user"),
+    ("mock", "mock"),
+)
+
+
+def _responses_param(param: str, sources: list[str]) -> str:
+    """``messages[3].content`` -> the item it came from; ``max_tokens`` -> ``max_output_tokens``."""
+    head, _, _ = param.partition(".")
+    name, _, index = head.partition("[")
+    if name == "messages" and index[:-1].isdigit() and int(index[:-1]) < len(sources):
+        return sources[int(index[:-1])]
+    return {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(name, name)
+
+
+def _message(item: MessageItem, where: str) -> dict[str, Any]:
+    role = item.role
+    if isinstance(item.content, str):
+        return {"role": role, "content": item.content}
+    if role in ("system", "developer"):
+        content = _text_content(item.content, f"{where}.content", f"{role} messages")
+        return {"role": role, "content": content}
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(item.content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, InputText | OutputText):
+            parts.append({"type": "text", "text": part.text})
+        elif role == "assistant" and isinstance(part, Refusal):
+            parts.append({"type": "refusal", "refusal": part.refusal})
+        elif role == "user" and isinstance(part, InputImage):
+            parts.append(_image(part, at))
+        elif role == "user" and isinstance(part, InputFile):
+            parts.append(_file(part, at))
+        else:
+            raise _wrong_part(at, part.type, f"{role} messages")
+    return {"role": role, "content": parts}
+
+
+def _text_content(content: str | list[Any], where: str, what: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, InputText | OutputText):
+            raise _wrong_part(f"{where}[{j}]", part.type, what)
+        parts.append({"type": "text", "text": part.text})
+    return parts
+
+
+def _wrong_part(at: str, kind: str, what: str) -> InvalidRequest:
+    return _error(f"{at}.type", f"{what} cannot contain {kind!r} parts")
+
+
+def _image(part: InputImage, at: str) -> dict[str, Any]:
+    if part.image_url is None:
+        if part.file_id is not None:
+            _fail(
+                f"{at}.file_id",
+                "file ids are not supported (Nexus has no file store); "
+                "send image_url as a URL or a data: URL",
+            )
+        _fail(f"{at}.image_url", "Field required")
+    image: dict[str, Any] = {"url": part.image_url}
+    if part.detail is not None:
+        # Chat Completions has no "original"; "high" is the nearest detail level.
+        image["detail"] = "high" if part.detail == "original" else part.detail
+    return {"type": "image_url", "image_url": image}
+
+
+def _file(part: InputFile, at: str) -> dict[str, Any]:
+    if part.file_url is not None:
+        _fail(f"{at}.file_url", "file URLs are not supported; send file_data")
+    file = part.model_dump(include={"file_data", "file_id", "filename"}, exclude_none=True)
+    if "file_data" not in file and "file_id" not in file:
+        _fail(f"{at}.file_data", "Field required")
+    return {"type": "file", "file": file}
+
+
+def _tool_choice(request: ResponsesRequest, chat: dict[str, Any]) -> None:
+    choice = request.tool_choice
+    if choice is None:
+        return
+    names = {tool.name for tool in request.tools or ()}
+    if isinstance(choice, ToolChoiceFunction):
+        if choice.name not in names:
+            _fail("tool_choice.name", f"{choice.name!r} is not among the request's tools")
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        return
+    if choice == "required" and not names:
+        _fail("tool_choice", "'required' needs at least one tool")
+    chat["tool_choice"] = choice
+
+
+def _response_format(fmt: TextFormat) -> dict[str, Any]:
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.name is None:
+        _fail("text.format.name", "Field required")
+    schema = fmt.model_dump(exclude_none=True, by_alias=True, include=_SCHEMA_FIELDS)
+    return {"type": "json_schema", "json_schema": schema}
+
+
+_SCHEMA_FIELDS = {"name", "schema_", "description", "strict"}

@@ -1,0 +1,173 @@
+"""The Responses API ``response`` object and its output items (PROTOCOLS.md §4). Sans-I/O.
+
+One set of builders for both forms of a response: :func:`response_body` turns
+a merged :class:`~nexus.types.Completion` into the non-streaming object, and
+:mod:`nexus.encoders.responses_sse` builds the items of a stream (and the
+object its ``response.completed`` carries) from the same functions, so the
+openai SDK's ``get_final_response()`` and ``responses.create()`` see one shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..events import Usage
+from ..types import Completion
+
+__all__ = [
+    "function_call_item",
+    "incomplete_reason",
+    "message_item",
+    "reasoning_item",
+    "refusal_part",
+    "response_body",
+    "response_ids",
+    "response_object",
+    "text_part",
+    "usage_body",
+]
+
+
+def response_ids(stream_id: str) -> tuple[str, str]:
+    """``(response id, item id stem)`` for a stream: ``resp_<hex>`` and ``<hex>``.
+
+    Item ids are ``<prefix>_<stem>_<output_index>`` (``msg_``, ``rs_``, ``fc_``),
+    so the streamed and the non-streamed form of a response name items alike.
+    """
+    stem = stream_id.rpartition("-")[2] or stream_id
+    return "resp_" + stem, stem
+
+
+def reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
+    """A ``reasoning`` output item; ``text is None`` for the just-added form."""
+    summary = [] if text is None else [{"type": "summary_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": summary}
+
+
+def message_item(item_id: str, content: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    """An assistant ``message`` output item with its content parts."""
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def refusal_part(text: str) -> dict[str, Any]:
+    return {"type": "refusal", "refusal": text}
+
+
+def function_call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
+    """A ``function_call`` output item (PROTOCOLS.md §4: arguments is a string)."""
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "arguments": arguments,
+        "call_id": call_id,
+        "name": name,
+    }
+
+
+def usage_body(usage: Usage | None) -> dict[str, Any]:
+    """The Responses ``usage`` object; zeros when the provider reported none."""
+    if usage is None:
+        usage = Usage()
+    return {
+        "input_tokens": usage.prompt_tokens,
+        # cache_write_tokens: required by the SDK's type; no provider reports it to Nexus.
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens or 0,
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def incomplete_reason(finish_reason: str | None) -> str | None:
+    """The ``incomplete_details.reason`` for a finish reason, None when the turn completed."""
+    return _INCOMPLETE.get(finish_reason or "")
+
+
+def response_object(
+    *,
+    response_id: str,
+    created_at: int,
+    model: str,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+    incomplete: str | None = None,
+) -> dict[str, Any]:
+    """A ``response`` object (PROTOCOLS.md §4) with the fields the SDK's type requires.
+
+    Nexus keeps no copy of the request here, so the echoed request fields
+    (``tools``, ``tool_choice``, ``temperature``...) are their defaults.
+    """
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": error,
+        "incomplete_details": None if incomplete is None else {"reason": incomplete},
+        "instructions": None,
+        "metadata": {},
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "store": False,
+        "temperature": None,
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": None,
+        "usage": usage,
+    }
+
+
+def response_body(completion: Completion) -> dict[str, Any]:
+    """The non-streaming ``response`` object for a merged completion.
+
+    Output order is the order the mock and most providers stream in: a
+    reasoning item, a message item (text, then any refusal), one
+    ``function_call`` item per tool call. When the response is incomplete
+    (``finish_reason`` ``length`` or ``content_filter``), its last item is too.
+    """
+    response_id, stem = response_ids(completion.id)
+    reason = incomplete_reason(completion.finish_reason)
+    output: list[dict[str, Any]] = []
+    if completion.reasoning:
+        output.append(reasoning_item(f"rs_{stem}_{len(output)}", completion.reasoning))
+    content = [text_part(completion.content)] if completion.content else []
+    if completion.refusal:
+        content.append(refusal_part(completion.refusal))
+    if content:
+        output.append(message_item(f"msg_{stem}_{len(output)}", content, "completed"))
+    for call in completion.tool_calls:
+        item_id = f"fc_{stem}_{len(output)}"
+        output.append(function_call_item(item_id, call.id, call.name, call.arguments, "completed"))
+    if reason is not None and output and "status" in output[-1]:
+        output[-1]["status"] = "incomplete"
+    return response_object(
+        response_id=response_id,
+        created_at=completion.created,
+        model=completion.model,
+        status="completed" if reason is None else "incomplete",
+        output=output,
+        usage=usage_body(completion.usage),
+        incomplete=reason,
+    )

@@ -105,9 +105,7 @@ class Config(_Table):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     encoders: dict[str, str] = Field(default_factory=dict)
     realtime: RealtimeConfig = Field(default_factory=RealtimeConfig)
-    providers: dict[str, ProviderConfig] = Field(
-        default_factory=lambda: _default_providers()
-    )
+    providers: dict[str, ProviderConfig] = Field(default_factory=lambda: _default_providers())
     models: dict[str, ModelAliasConfig] = Field(default_factory=dict)
 
     @field_validator("providers")

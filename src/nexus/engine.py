@@ -159,8 +159,7 @@ class Engine:
             targets = [t for t in targets if needs <= t[0].accepts]
             if not targets:
                 raise UnsupportedInput(
-                    f"The model {request.model!r} cannot take "
-                    f"{' and '.join(sorted(needs))} input.",
+                    f"The model {request.model!r} cannot take {' and '.join(sorted(needs))} input.",
                 )
         provider, upstream = targets[0]
         meta = StreamMeta.new(

@@ -18,26 +18,18 @@ from typing import Any
 import orjson
 
 from ..events import Citation, Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
-from ..protocol.anthropic_messages import STOP_REASONS, error_type_for, message_id, usage_body
+from ..protocol.anthropic_messages import (
+    STOP_REASONS,
+    anthropic_error_type,
+    message_id,
+    usage_body,
+)
 from ..types import StreamMeta
 from .base import Encoder
 
 __all__ = ["AnthropicSSEEncoder"]
 
 _dumps = orjson.dumps
-_ANTHROPIC_TYPES = frozenset(
-    {
-        "invalid_request_error",
-        "authentication_error",
-        "permission_error",
-        "not_found_error",
-        "request_too_large",
-        "rate_limit_error",
-        "api_error",
-        "overloaded_error",
-        "timeout_error",
-    }
-)
 _STATUS_BY_CODE = {
     "upstream_timeout": 504,
     "upstream_rate_limited": 429,
@@ -164,10 +156,11 @@ class AnthropicSSEEncoder(Encoder):
 
     def error(self, event: Error) -> bytes:
         self._failed = True
-        if event.error_type in _ANTHROPIC_TYPES:
-            kind = event.error_type  # an Anthropic upstream's own type survives
-        else:
-            kind = error_type_for(_STATUS_BY_CODE.get(event.code or "", 500))
+        # An Anthropic upstream's own type survives; ours map by their status.
+        status = _STATUS_BY_CODE.get(
+            event.code or "", 400 if event.error_type == "invalid_request_error" else 500
+        )
+        kind = anthropic_error_type(event.error_type, status)
         return self._frame(
             "error", {"type": "error", "error": {"type": kind, "message": event.message}}
         )

@@ -306,9 +306,23 @@ def error_type_for(status: int) -> str:
     return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
+ANTHROPIC_ERROR_TYPES = frozenset({*_ERROR_TYPES.values(), "api_error"})
+
+
+def anthropic_error_type(error_type: str, status: int) -> str:
+    """An Anthropic error type: the error's own when it is one (an Anthropic upstream's),
+    else the one Anthropic uses for the status."""
+    if error_type in ANTHROPIC_ERROR_TYPES and error_type != "invalid_request_error":
+        return error_type
+    return error_type_for(status)
+
+
 def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
-    """``{"type":"error","error":{"type","message"}}``, typed as Anthropic types the status."""
+    """``{"type":"error","error":{"type","message"}}`` (PROTOCOLS.md §3)."""
     return {
         "type": "error",
-        "error": {"type": error_type_for(error.status), "message": error.message},
+        "error": {
+            "type": anthropic_error_type(error.error_type, error.status),
+            "message": error.message,
+        },
     }

@@ -291,10 +291,11 @@ class AnthropicProvider(HTTPProvider):
             yield Usage()
             return
         body = messages_body(request, model, self.config.default_max_tokens)
-        response = await self.post_stream("/v1/messages", body, self.headers())
+        upstream = await self.post_stream("/v1/messages", body, self.headers())
         translator = StreamTranslator(self.name)
+        clean = False
         try:
-            async for sse in self.sse_events(response):
+            async for sse in self.sse_events(upstream):
                 try:
                     data = orjson.loads(sse.data)
                 except orjson.JSONDecodeError:
@@ -308,10 +309,11 @@ class AnthropicProvider(HTTPProvider):
                 for event in translator.feed(kind, data):
                     yield event
                 if translator.finished:
+                    clean = True
                     return
             raise UpstreamError(
                 f"provider {self.name!r} ended the stream without message_stop",
                 code="upstream_disconnect",
             )
         finally:
-            response.close()
+            await upstream.finish(clean)

@@ -40,11 +40,12 @@ from ..errors import ConfigError, GatewayError, UpstreamError, UpstreamTimeout
 from ..protocol.sse import ServerSentEvent, SSEDecoder
 from .base import Provider
 
-__all__ = ["HTTPProvider", "map_upstream_errors", "resolve_api_key"]
+__all__ = ["HTTPProvider", "UpstreamStream", "map_upstream_errors", "resolve_api_key"]
 
 log = logging.getLogger("nexus.providers")
 
 _MAX_ERROR_BODY = 64 * 1024
+_DRAIN_TIMEOUT_S = 0.05
 
 
 def resolve_api_key(name: str, config: HTTPProviderConfig) -> str | None:
@@ -100,13 +101,22 @@ def status_error(provider: str, status: int, body: bytes, headers: Any) -> Gatew
         error.error_type = "invalid_request_error"
         return error
     if status == 429:
-        retry_after = headers.get("Retry-After")
-        return GatewayError(
+        kept = {k: headers[k] for k in ("Retry-After", "retry-after-ms") if k in headers}
+        error = GatewayError(
             f"provider {provider!r} is rate limiting the gateway: {message}",
             status=429,
             code="upstream_rate_limited",
             retryable=True,
-            headers={"Retry-After": retry_after} if retry_after else {},
+            headers=kept,
+        )
+        error.error_type = "rate_limit_error"
+        return error
+    if 300 <= status < 400:
+        return UpstreamError(
+            f"provider {provider!r} answered with a redirect ({status}); "
+            "redirects are not followed: check its base_url",
+            code="upstream_error",
+            retryable=False,
         )
     if status in (401, 403):
         return UpstreamError(
@@ -118,7 +128,7 @@ def status_error(provider: str, status: int, body: bytes, headers: Any) -> Gatew
     return UpstreamError(
         f"provider {provider!r} answered {status}: {message}",
         code="upstream_error",
-        retryable=status >= 500,
+        retryable=status >= 500 or status in (408, 409),
     )
 
 
@@ -158,11 +168,9 @@ class HTTPProvider(Provider):
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                connect=self.config.connect_timeout_s,
-                sock_connect=self.config.connect_timeout_s,
-            ),
+            # sock_connect only: ``connect`` would also count the wait for a free
+            # pooled connection, making a busy pool look like a slow upstream.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
             json_serialize=lambda obj: orjson.dumps(obj).decode(),
         )
 
@@ -179,45 +187,91 @@ class HTTPProvider(Provider):
 
     async def post_stream(
         self, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamStream:
         """POST ``body``; the response once its headers are in and its status is 2xx.
 
-        Waiting for the headers counts against ``first_byte_timeout_s``.
+        ``first_byte_timeout_s`` is one deadline from now to the first body bytes
+        (see :meth:`sse_events`). Redirects are not followed: they would carry the
+        key headers and the body to another host.
         """
         url = self.base_url + path
+        deadline = asyncio.get_running_loop().time() + self.config.first_byte_timeout_s
         with map_upstream_errors(self.name, "before responding"):
-            async with asyncio.timeout(self.config.first_byte_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 response = await self.session.post(
-                    url, data=orjson.dumps(body), headers=headers
+                    url, data=orjson.dumps(body), headers=headers, allow_redirects=False
                 )
                 if response.status >= 300:
                     try:
-                        payload = await response.content.read(_MAX_ERROR_BODY)
+                        payload = await _read_capped(response, _MAX_ERROR_BODY)
                     finally:
                         response.close()
                     raise status_error(self.name, response.status, payload, response.headers)
-        return response
+        return UpstreamStream(response, deadline)
 
-    async def sse_events(self, response: aiohttp.ClientResponse) -> AsyncIterator[ServerSentEvent]:
-        """The SSE events of ``response``, read with the first-byte and idle timeouts.
+    async def sse_events(self, upstream: UpstreamStream) -> AsyncIterator[ServerSentEvent]:
+        """The SSE events of the response, read with the first-byte and idle timeouts.
 
-        The time to the first body bytes counts against ``first_byte_timeout_s``,
-        each later gap against ``idle_timeout_s``; time spent by the consumer
-        between events does not count. Ends at end of body (the caller decides
-        whether that was a clean end).
+        The first body bytes must arrive by the deadline set when the request
+        went out, each later gap within ``idle_timeout_s``; time spent by the
+        consumer between events does not count. Ends at end of body (the caller
+        decides whether that was a clean end).
         """
         decoder = SSEDecoder()
-        content = response.content
-        timeout = self.config.first_byte_timeout_s
+        content = upstream.response.content
+        loop = asyncio.get_running_loop()
+        deadline = upstream.deadline
         phase = "before the first byte"
         while True:
             with map_upstream_errors(self.name, phase):
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout_at(deadline):
                     chunk = await content.readany()
             if not chunk:
                 decoder.flush()
                 return
-            timeout = self.config.idle_timeout_s
+            deadline = loop.time() + self.config.idle_timeout_s
             phase = "between chunks"
             for event in decoder.decode(chunk):
                 yield event
+
+
+class UpstreamStream:
+    """A streaming upstream response and its first-byte deadline."""
+
+    __slots__ = ("deadline", "response")
+
+    def __init__(self, response: aiohttp.ClientResponse, deadline: float) -> None:
+        self.response = response
+        self.deadline = deadline
+
+    async def finish(self, clean: bool) -> None:
+        """Give the connection back to the pool after a clean end, else drop it.
+
+        After the protocol's last event only the body's end is left to read;
+        reading it (briefly) keeps the keep-alive connection. Dropping it on
+        cancellation is what makes the upstream see the client leave at once.
+        """
+        response = self.response
+        if clean:
+            try:
+                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+                    while await response.content.readany():
+                        pass
+                response.release()
+                return
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+        response.close()
+
+
+async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body up to ``limit`` bytes, however many reads it takes."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await response.content.read(limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)

@@ -26,11 +26,13 @@ from .http import HTTPProvider
 __all__ = ["OpenAIProvider", "chunk_events", "upstream_body"]
 
 _loads = orjson.loads
+_NOT_OPENAI = {"mock", "thinking", "top_k"}
+"""Fields an OpenAI-compatible server would refuse: the mock's script, Anthropic-only knobs."""
 
 
 def upstream_body(request: ChatRequest, model: str) -> dict[str, Any]:
     """The upstream request: ours, with the upstream model name, always streaming."""
-    body = request.model_dump(mode="json", exclude_none=True, exclude={"mock"}, by_alias=True)
+    body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
     body["model"] = model
     body["stream"] = True
     options = dict(body.get("stream_options") or {})
@@ -104,6 +106,9 @@ def in_stream_error(provider: str, error: Any) -> GatewayError:
     else:
         message, code, kind = str(error), None, None
     status, retryable = _IN_STREAM_STATUS.get(kind if isinstance(kind, str) else "", (502, True))
+    if kind in ("authentication_error", "permission_error"):
+        # As for a 401/403: the gateway's credentials, and the text may quote the key.
+        message = "the upstream refused the gateway's credentials"
     exc = UpstreamError(f"provider {provider!r}: {message}", code="upstream_error", status=status)
     if isinstance(code, str) and code:
         exc.code = code
@@ -124,13 +129,15 @@ class OpenAIProvider(HTTPProvider):
         return headers
 
     async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
-        response = await self.post_stream(
+        upstream = await self.post_stream(
             "/chat/completions", upstream_body(request, model), self.headers()
         )
+        clean = False
         try:
-            async for sse in self.sse_events(response):
+            async for sse in self.sse_events(upstream):
                 data = sse.data
                 if data.startswith("[DONE]"):
+                    clean = True
                     return
                 try:
                     chunk = _loads(data)
@@ -150,5 +157,4 @@ class OpenAIProvider(HTTPProvider):
                 code="upstream_disconnect",
             )
         finally:
-            # Closing (not releasing) drops the connection: the upstream sees it at once.
-            response.close()
+            await upstream.finish(clean)

@@ -71,6 +71,8 @@ class Reply:
     delay: float | Sequence[float] = 0.0
     end: End = "eof"
     headers_delay: float = 0.0
+    eof_delay: float = 0.0
+    """A pause between the last chunk and the end of the body (``end="eof"``)."""
     path: str | None = None
     """Only requests to this path take this reply (None: any path)."""
 
@@ -120,6 +122,8 @@ class Seen:
     raw: bytes
     started_at: float
     chunks_sent: int = 0
+    peer: Any = None
+    """The client's (host, port): the same port on two requests means one kept-alive connection."""
     ended_at: float | None = None
     cancelled: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -193,6 +197,7 @@ class FakeUpstream:
             headers=CIMultiDict(request.headers),
             raw=await request.read(),
             started_at=loop.time(),
+            peer=request.transport.get_extra_info("peername") if request.transport else None,
         )
         self.requests.append(seen)
         reply = self._take(request.path)
@@ -214,6 +219,8 @@ class FakeUpstream:
                 assert request.transport is not None
                 request.transport.abort()
                 return response
+            if reply.eof_delay:
+                await asyncio.sleep(reply.eof_delay)
             await response.write_eof()
             return response
         except asyncio.CancelledError:

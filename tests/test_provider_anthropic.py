@@ -136,6 +136,7 @@ async def test_text_thinking_and_usage(make_client: MakeClient, upstream: FakeUp
     lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
     assert lines == [
         {"type": "reasoning", "delta": {"reasoning": "Hmm"}},
+        {"type": "reasoning", "delta": {"reasoning": "", "signature": "s"}},
         {"type": "delta", "delta": {"content": "Hel"}},
         {"type": "delta", "delta": {"content": "lo"}},
         {"type": "delta", "delta": {}, "finish_reason": "stop"},
@@ -414,3 +415,34 @@ async def test_client_going_away_closes_the_upstream(
     resp.close()
     ended = await upstream.requests[0].wait_ended(5)
     assert ended - gone < 0.1
+
+
+async def test_thinking_signature_reaches_anthropic_clients(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """/v1/messages over an Anthropic upstream keeps the thinking block's signature."""
+    block = {"type": "thinking", "thinking": "", "signature": ""}
+    frames = [
+        message_start(),
+        event("content_block_start", index=0, content_block=block),
+        event("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": "Hm"}),
+        event(
+            "content_block_delta", index=0, delta={"type": "signature_delta", "signature": "sig=="}
+        ),
+        event("content_block_stop", index=0),
+        *text_block(1, "Yes"),
+        *finish("end_turn", 3),
+    ]
+    upstream.add(Reply.stream(frames), Reply.stream(frames))
+    client = await make_client(config(upstream))
+    body = {"model": "claude/x", "max_tokens": 50, "messages": [{"role": "user", "content": "Q"}]}
+    streamed = parse_sse(
+        await (await client.post("/v1/messages", json={**body, "stream": True})).read()
+    )
+    deltas = [orjson.loads(e.data)["delta"] for e in streamed if e.event == "content_block_delta"]
+    assert deltas[:2] == [
+        {"type": "thinking_delta", "thinking": "Hm"},
+        {"type": "signature_delta", "signature": "sig=="},
+    ]
+    message = await (await client.post("/v1/messages", json=body)).json()
+    assert message["content"][0] == {"type": "thinking", "thinking": "Hm", "signature": "sig=="}

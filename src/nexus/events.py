@@ -106,13 +106,21 @@ class Delta:
 
 @dataclass(frozen=True, slots=True)
 class Reasoning:
-    """Reasoning ("thinking") text, kept apart from the answer."""
+    """Reasoning ("thinking") text, kept apart from the answer.
+
+    ``signature`` is the provider's seal over the reasoning so far (Anthropic's
+    ``signature_delta``), which a client must send back with the thinking block
+    in a later turn; it usually arrives alone, with empty ``text``.
+    """
 
     type: ClassVar[str] = "reasoning"
     text: str
+    signature: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "reasoning", "delta": {"reasoning": self.text}}
+        if self.signature is None:
+            return {"type": "reasoning", "delta": {"reasoning": self.text}}
+        return {"type": "reasoning", "delta": {"reasoning": self.text, "signature": self.signature}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,6 +262,8 @@ async def accumulate(stream: Stream | Channel) -> Completion:
                         result.finish_reason = event.finish_reason
                 case Reasoning():
                     reasoning.append(event.text)
+                    if event.signature is not None:
+                        result.reasoning_signature = event.signature
                 case ToolCall():
                     merge(event)
                 case Usage():

@@ -55,6 +55,7 @@ class Completion:
     role: str = "assistant"
     content: str = ""
     reasoning: str = ""
+    reasoning_signature: str | None = None
     refusal: str | None = None
     tool_calls: list[CompletedToolCall] = field(default_factory=list)
     finish_reason: str | None = None

@@ -108,12 +108,18 @@ class AnthropicSSEEncoder(Encoder):
                 if event.finish_reason is not None and self._stop_reason is None:
                     self._stop_reason = STOP_REASONS.get(event.finish_reason, "end_turn")
                 return out
-            case Reasoning(text=text):
+            case Reasoning(text=text, signature=signature):
                 out = b""
                 if self._open != "thinking":
                     block = {"type": "thinking", "thinking": "", "signature": ""}
                     out = self._open_block("thinking", block)
-                return out + self._delta(self._index, {"type": "thinking_delta", "thinking": text})
+                if text:
+                    delta = {"type": "thinking_delta", "thinking": text}
+                    out += self._delta(self._index, delta)
+                if signature:
+                    delta = {"type": "signature_delta", "signature": signature}
+                    out += self._delta(self._index, delta)
+                return out
             case ToolCall():
                 return self._tool(event)
             case Citation():

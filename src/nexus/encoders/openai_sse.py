@@ -75,7 +75,8 @@ class OpenAISSEEncoder(Encoder):
                 delta.pop("role", None)
                 return self._chunk(delta, event.finish_reason)
             case Reasoning(text=text):
-                return self._chunk({"reasoning_content": text})
+                # A bare signature has no place in a chat chunk.
+                return self._chunk({"reasoning_content": text}) if text else b""
             case ToolCall():
                 return self._chunk({"tool_calls": [event.wire()]})
             case Usage():

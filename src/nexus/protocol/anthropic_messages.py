@@ -252,7 +252,13 @@ def message_body(completion: Completion) -> dict[str, Any]:
     """A non-streaming ``message`` object (PROTOCOLS.md §3)."""
     content: list[dict[str, Any]] = []
     if completion.reasoning:
-        content.append({"type": "thinking", "thinking": completion.reasoning, "signature": ""})
+        content.append(
+            {
+                "type": "thinking",
+                "thinking": completion.reasoning,
+                "signature": completion.reasoning_signature or "",
+            }
+        )
     if completion.content:
         content.append({"type": "text", "text": completion.content})
     for call in completion.tool_calls:

@@ -207,6 +207,9 @@ class StreamTranslator:
                     case "thinking_delta":
                         thinking = delta.get("thinking")
                         return [Reasoning(thinking)] if thinking else []
+                    case "signature_delta":
+                        signature = delta.get("signature")
+                        return [Reasoning("", signature=signature)] if signature else []
                     case "citations_delta":
                         citation = delta.get("citation") or {}
                         return [
@@ -216,7 +219,7 @@ class StreamTranslator:
                                 quoted=citation.get("cited_text"),
                             )
                         ]
-                return []  # signature_delta and future delta types
+                return []  # future delta types
             case "content_block_start":
                 block = data.get("content_block") or {}
                 if block.get("type") == "tool_use":

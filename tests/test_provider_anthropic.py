@@ -146,7 +146,7 @@ async def test_text_thinking_and_usage(make_client: MakeClient, upstream: FakeUp
                 "prompt_tokens": 17,
                 "completion_tokens": 42,
                 "total_tokens": 59,
-                "prompt_tokens_details": {"cached_tokens": 5},
+                "prompt_tokens_details": {"cached_tokens": 5, "cache_write_tokens": 2},
             },
         },
         {"type": "done"},
@@ -446,3 +446,42 @@ async def test_thinking_signature_reaches_anthropic_clients(
     ]
     message = await (await client.post("/v1/messages", json=body)).json()
     assert message["content"][0] == {"type": "thinking", "thinking": "Hm", "signature": "sig=="}
+
+
+async def test_prompt_caching_passes_through(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """cache_control marks reach an Anthropic upstream; cache reads and writes come back apart."""
+    frames = [
+        message_start(3, cache_read=100, cache_write=50),
+        *text_block(0, "ok"),
+        *finish("end_turn", 2),
+    ]
+    upstream.add(Reply.stream(frames))
+    client = await make_client(config(upstream))
+    ephemeral = {"type": "ephemeral"}
+    body = {
+        "model": "claude/x",
+        "max_tokens": 20,
+        "system": [{"type": "text", "text": "Long manual.", "cache_control": ephemeral}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}, "cache_control": ephemeral}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Q", "cache_control": ephemeral}],
+            }
+        ],
+    }
+    message = await (await client.post("/v1/messages", json=body)).json()
+    assert message["usage"] == {
+        "input_tokens": 3,
+        "output_tokens": 2,
+        "cache_read_input_tokens": 100,
+        "cache_creation_input_tokens": 50,
+    }
+    sent = upstream.requests[0].body
+    assert sent["system"] == [{"type": "text", "text": "Long manual.", "cache_control": ephemeral}]
+    assert sent["tools"][0]["cache_control"] == ephemeral
+    assert sent["messages"][0]["content"] == [
+        {"type": "text", "text": "Q", "cache_control": ephemeral}
+    ]

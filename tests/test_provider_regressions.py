@@ -146,3 +146,28 @@ async def test_upstream_429_is_typed_as_a_rate_limit(
     assert resp.status == 429
     assert (resp.headers["Retry-After"], resp.headers["retry-after-ms"]) == ("3", "2500")
     assert (await resp.json())["error"]["type"] == "rate_limit_error"
+
+
+async def test_cache_control_is_not_sent_to_openai_upstreams(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream(FRAMES))
+    client = await make_client(openai(upstream))
+    ephemeral = {"type": "ephemeral"}
+    body = {
+        "model": "up/m",
+        "max_tokens": 20,
+        "system": [{"type": "text", "text": "Manual.", "cache_control": ephemeral}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}, "cache_control": ephemeral}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Q", "cache_control": ephemeral}]}
+        ],
+    }
+    assert (await client.post("/v1/messages", json=body)).status == 200
+    raw = upstream.requests[0].raw
+    assert b"cache_control" not in raw
+    sent = upstream.requests[0].body
+    assert sent["messages"][0] == {
+        "role": "system",
+        "content": [{"type": "text", "text": "Manual."}],
+    }

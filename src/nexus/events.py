@@ -180,6 +180,7 @@ class Usage:
     completion_tokens: int = 0
     total_tokens: int = 0
     cached_tokens: int | None = None
+    cache_write_tokens: int | None = None
     reasoning_tokens: int | None = None
 
     def wire(self) -> dict[str, Any]:
@@ -191,6 +192,9 @@ class Usage:
         }
         if self.cached_tokens is not None:
             out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.cache_write_tokens:
+            details = out.setdefault("prompt_tokens_details", {})
+            details["cache_write_tokens"] = self.cache_write_tokens
         if self.reasoning_tokens is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return out

@@ -142,8 +142,10 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
     messages: list[dict[str, Any]] = []
     if request.system:
         system = request.system
-        text = system if isinstance(system, str) else "\n\n".join(b.text for b in system)
-        messages.append({"role": "system", "content": text})
+        if isinstance(system, str):
+            messages.append({"role": "system", "content": system})
+        else:  # text blocks keep their cache_control
+            messages.append({"role": "system", "content": [_text_part(b) for b in system]})
     for index, message in enumerate(request.messages):
         messages.extend(_translate(message, index))
     chat: dict[str, Any] = {
@@ -171,6 +173,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
                     "description": tool.description,
                     "parameters": tool.input_schema,
                 },
+                **_cache_control(tool),
             }
             for tool in request.tools
         ]
@@ -194,6 +197,16 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
         raise validation_error(exc, chat) from None
 
 
+def _cache_control(block: BaseModel) -> dict[str, Any]:
+    """A block's ``cache_control``, kept so that Anthropic upstreams still cache the prefix."""
+    value = (block.model_extra or {}).get("cache_control")
+    return {"cache_control": value} if value is not None else {}
+
+
+def _text_part(block: TextBlock) -> dict[str, Any]:
+    return {"type": "text", "text": block.text, **_cache_control(block)}
+
+
 def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages (tool results become ``tool`` messages)."""
     if isinstance(message.content, str):
@@ -203,7 +216,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     for block in message.content:
         if isinstance(block, TextBlock):
-            parts.append({"type": "text", "text": block.text})
+            parts.append(_text_part(block))
         elif isinstance(block, ImageBlock):
             if message.role != "user":
                 raise InvalidRequest(
@@ -284,15 +297,20 @@ def message_id(stream_id: str) -> str:
 
 
 def usage_body(usage: Any) -> dict[str, Any]:
-    """Anthropic usage from ours: input excludes the cached part, which is reported apart."""
+    """Anthropic usage from ours: ``input_tokens`` excludes cache reads and writes,
+    which are reported apart (PROTOCOLS.md §3)."""
     if usage is None:
         return {"input_tokens": 0, "output_tokens": 0}
     cached = usage.cached_tokens or 0
-    return {
-        "input_tokens": max(usage.prompt_tokens - cached, 0),
+    written = usage.cache_write_tokens or 0
+    out = {
+        "input_tokens": max(usage.prompt_tokens - cached - written, 0),
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": cached,
     }
+    if written:
+        out["cache_creation_input_tokens"] = written
+    return out
 
 
 _ERROR_TYPES = {

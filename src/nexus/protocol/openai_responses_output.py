@@ -83,10 +83,9 @@ def usage_body(usage: Usage | None) -> dict[str, Any]:
         usage = Usage()
     return {
         "input_tokens": usage.prompt_tokens,
-        # cache_write_tokens: required by the SDK's type; no provider reports it to Nexus.
         "input_tokens_details": {
             "cached_tokens": usage.cached_tokens or 0,
-            "cache_write_tokens": 0,
+            "cache_write_tokens": usage.cache_write_tokens or 0,
         },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},

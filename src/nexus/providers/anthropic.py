@@ -57,7 +57,7 @@ STOP_REASONS = {
 
 def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> dict[str, Any]:
     """The Anthropic Messages request for ``request`` (see the module docstring)."""
-    system: list[str] = []
+    system: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
 
     def add(role: str, blocks: list[dict[str, Any]]) -> None:
@@ -68,7 +68,10 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
 
     for message in request.messages:
         if isinstance(message, SystemMessage):
-            system.append(message_text(message))
+            if isinstance(message.content, str):
+                system.append({"type": "text", "text": message.content})
+            else:
+                system.extend(_text_block(part) for part in message.content)
         elif isinstance(message, UserMessage):
             add("user", _user_blocks(message))
         elif isinstance(message, AssistantMessage):
@@ -105,7 +108,10 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
         "stream": True,
     }
     if system:
-        body["system"] = "\n\n".join(system)
+        if any("cache_control" in block for block in system):
+            body["system"] = system
+        else:
+            body["system"] = "\n\n".join(block["text"] for block in system)
     if request.temperature is not None:
         body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0-1
     if request.top_p is not None:
@@ -120,6 +126,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
                 "name": tool.function.name,
                 "description": tool.function.description or "",
                 "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
+                **_extra(tool, "cache_control"),
             }
             for tool in request.tools
         ]
@@ -133,13 +140,23 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     return body
 
 
+def _extra(model: Any, key: str) -> dict[str, Any]:
+    value = (model.model_extra or {}).get(key)
+    return {key: value} if value is not None else {}
+
+
+def _text_block(part: TextPart) -> dict[str, Any]:
+    """A text block; a ``cache_control`` from the client marks a prompt-cache breakpoint."""
+    return {"type": "text", "text": part.text, **_extra(part, "cache_control")}
+
+
 def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"type": "text", "text": message.content}]
     blocks: list[dict[str, Any]] = []
     for part in message.content:
         if isinstance(part, TextPart):
-            blocks.append({"type": "text", "text": part.text})
+            blocks.append(_text_block(part))
         elif isinstance(part, ImagePart):
             url = part.image_url.url
             if url.startswith("data:"):
@@ -253,6 +270,7 @@ class StreamTranslator:
                         completion_tokens=self._output,
                         total_tokens=prompt + self._output,
                         cached_tokens=self._cache_read,
+                        cache_write_tokens=self._cache_write,
                     )
                 )
                 return events

@@ -33,12 +33,24 @@ _NOT_OPENAI = {"mock", "thinking", "top_k"}
 def upstream_body(request: ChatRequest, model: str) -> dict[str, Any]:
     """The upstream request: ours, with the upstream model name, always streaming."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
+    _strip_cache_control(body)
     body["model"] = model
     body["stream"] = True
     options = dict(body.get("stream_options") or {})
     options["include_usage"] = True
     body["stream_options"] = options
     return body
+
+
+def _strip_cache_control(body: dict[str, Any]) -> None:
+    """Anthropic's prompt-cache marks mean nothing to (and may be refused by) OpenAI."""
+    for message in body.get("messages", ()):
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                part.pop("cache_control", None)
+    for tool in body.get("tools") or ():
+        tool.pop("cache_control", None)
 
 
 def chunk_events(chunk: dict[str, Any]) -> list[StreamEvent]:

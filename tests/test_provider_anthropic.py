@@ -485,3 +485,41 @@ async def test_prompt_caching_passes_through(
     assert sent["messages"][0]["content"] == [
         {"type": "text", "text": "Q", "cache_control": ephemeral}
     ]
+
+
+async def test_signed_thinking_goes_back_with_its_turn(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """Extended thinking with tool use: the assistant's thinking block returns to Anthropic."""
+    upstream.add(Reply.stream([message_start(), *text_block(0, "Done"), *finish("end_turn", 1)]))
+    client = await make_client(config(upstream))
+    thinking = {"type": "thinking", "thinking": "Need the weather.", "signature": "sig=="}
+    body = {
+        "model": "claude/x",
+        "max_tokens": 50,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    thinking,
+                    {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": "R"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sun"}],
+            },
+        ],
+    }
+    assert (await client.post("/v1/messages", json=body)).status == 200
+    sent = upstream.requests[0].body
+    assert sent["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert sent["messages"][1] == {
+        "role": "assistant",
+        "content": [
+            thinking,
+            {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": "R"}},
+        ],
+    }

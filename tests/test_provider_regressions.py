@@ -171,3 +171,22 @@ async def test_cache_control_is_not_sent_to_openai_upstreams(
         "role": "system",
         "content": [{"type": "text", "text": "Manual."}],
     }
+
+
+async def test_signed_thinking_is_not_sent_to_openai_upstreams(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream(FRAMES))
+    client = await make_client(openai(upstream))
+    thinking = {"type": "thinking", "thinking": "hm", "signature": "sig"}
+    body = {
+        "model": "up/m",
+        "max_tokens": 20,
+        "messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": [thinking, {"type": "text", "text": "A"}]},
+            {"role": "user", "content": "Q2"},
+        ],
+    }
+    assert (await client.post("/v1/messages", json=body)).status == 200
+    assert upstream.requests[0].body["messages"][1] == {"role": "assistant", "content": "A"}

@@ -214,6 +214,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
+    thinking: list[dict[str, Any]] = []
     for block in message.content:
         if isinstance(block, TextBlock):
             parts.append(_text_part(block))
@@ -241,6 +242,9 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
                     },
                 }
             )
+        elif isinstance(block, ThinkingBlock):
+            if message.role == "assistant":
+                thinking.append(block.model_dump())
         elif isinstance(block, ToolResultBlock):
             content = block.content
             text = (
@@ -251,10 +255,13 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
     if message.role == "assistant":
         text = "".join(p["text"] for p in parts)
-        if text or calls:
+        if text or calls or thinking:
             entry: dict[str, Any] = {"role": "assistant", "content": text or None}
             if calls:
                 entry["tool_calls"] = calls
+            if thinking:
+                # Signed thinking must go back to Anthropic with the turn it preceded.
+                entry["thinking_blocks"] = thinking
             out.append(entry)
     elif parts:
         out.append({"role": "user", "content": parts})

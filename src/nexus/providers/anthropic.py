@@ -75,7 +75,9 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
         elif isinstance(message, UserMessage):
             add("user", _user_blocks(message))
         elif isinstance(message, AssistantMessage):
-            blocks: list[dict[str, Any]] = []
+            blocks: list[dict[str, Any]] = list(
+                (message.model_extra or {}).get("thinking_blocks") or ()
+            )
             text = message_text(message)
             if text:
                 blocks.append({"type": "text", "text": text})

@@ -33,7 +33,7 @@ _NOT_OPENAI = {"mock", "thinking", "top_k"}
 def upstream_body(request: ChatRequest, model: str) -> dict[str, Any]:
     """The upstream request: ours, with the upstream model name, always streaming."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
-    _strip_cache_control(body)
+    _strip_anthropic_parts(body)
     body["model"] = model
     body["stream"] = True
     options = dict(body.get("stream_options") or {})
@@ -42,9 +42,10 @@ def upstream_body(request: ChatRequest, model: str) -> dict[str, Any]:
     return body
 
 
-def _strip_cache_control(body: dict[str, Any]) -> None:
-    """Anthropic's prompt-cache marks mean nothing to (and may be refused by) OpenAI."""
+def _strip_anthropic_parts(body: dict[str, Any]) -> None:
+    """Anthropic-only request parts (cache marks, signed thinking) that OpenAI would refuse."""
     for message in body.get("messages", ()):
+        message.pop("thinking_blocks", None)  # Anthropic's signed thinking, carried for it alone
         content = message.get("content")
         if isinstance(content, list):
             for part in content:

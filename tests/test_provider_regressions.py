@@ -190,3 +190,30 @@ async def test_signed_thinking_is_not_sent_to_openai_upstreams(
     }
     assert (await client.post("/v1/messages", json=body)).status == 200
     assert upstream.requests[0].body["messages"][1] == {"role": "assistant", "content": "A"}
+
+
+@pytest.mark.parametrize(
+    ("field", "request_key", "expected"),
+    [
+        (None, "max_tokens", {"max_tokens": 7}),
+        (None, "max_completion_tokens", {"max_completion_tokens": 7}),
+        ("max_completion_tokens", "max_tokens", {"max_completion_tokens": 7}),
+        ("max_tokens", "max_completion_tokens", {"max_tokens": 7}),
+    ],
+)
+async def test_token_limit_field(
+    make_client: MakeClient,
+    upstream: FakeUpstream,
+    field: str | None,
+    request_key: str,
+    expected: dict[str, int],
+) -> None:
+    """OpenAI's reasoning models refuse max_tokens: token_limit_field renames the limit."""
+    upstream.add(Reply.stream(FRAMES))
+    options = {} if field is None else {"token_limit_field": field}
+    client = await make_client(openai(upstream, **options))
+    assert (
+        await client.post("/v1/chat/completions", json={**chat(), request_key: 7})
+    ).status == 200
+    sent = upstream.requests[0].body
+    assert {k: sent[k] for k in ("max_tokens", "max_completion_tokens") if k in sent} == expected

@@ -77,6 +77,9 @@ class HTTPProviderConfig(_Table):
 class OpenAIProviderConfig(HTTPProviderConfig):
     kind: Literal["openai"]
     base_url: str = Field(default="https://api.openai.com/v1", pattern=r"^https?://\S+$")
+    token_limit_field: Literal["max_tokens", "max_completion_tokens"] | None = None
+    """Send the token limit under this name (OpenAI's reasoning models refuse max_tokens);
+    unset: as the request has it."""
 
 
 class AnthropicProviderConfig(HTTPProviderConfig):

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from ..config import OpenAIProviderConfig
 from ..errors import GatewayError, UpstreamError
 from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
 from ..request import ChatRequest
@@ -30,7 +31,9 @@ _NOT_OPENAI = {"mock", "thinking", "top_k"}
 """Fields an OpenAI-compatible server would refuse: the mock's script, Anthropic-only knobs."""
 
 
-def upstream_body(request: ChatRequest, model: str) -> dict[str, Any]:
+def upstream_body(
+    request: ChatRequest, model: str, token_limit_field: str | None = None
+) -> dict[str, Any]:
     """The upstream request: ours, with the upstream model name, always streaming."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
     _strip_anthropic_parts(body)
@@ -39,6 +42,10 @@ def upstream_body(request: ChatRequest, model: str) -> dict[str, Any]:
     options = dict(body.get("stream_options") or {})
     options["include_usage"] = True
     body["stream_options"] = options
+    if token_limit_field is not None and request.token_limit is not None:
+        body.pop("max_tokens", None)
+        body.pop("max_completion_tokens", None)
+        body[token_limit_field] = request.token_limit
     return body
 
 
@@ -134,6 +141,7 @@ def in_stream_error(provider: str, error: Any) -> GatewayError:
 class OpenAIProvider(HTTPProvider):
     kind = "openai"
     accepts = frozenset({"text", "image", "audio"})
+    config: OpenAIProviderConfig
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -143,7 +151,9 @@ class OpenAIProvider(HTTPProvider):
 
     async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
         upstream = await self.post_stream(
-            "/chat/completions", upstream_body(request, model), self.headers()
+            "/chat/completions",
+            upstream_body(request, model, self.config.token_limit_field),
+            self.headers(),
         )
         clean = False
         try:

@@ -319,14 +319,8 @@ class AnthropicProvider(HTTPProvider):
         clean = False
         try:
             async for sse in self.sse_events(upstream):
-                try:
-                    data = orjson.loads(sse.data)
-                except orjson.JSONDecodeError:
-                    raise UpstreamError(
-                        f"provider {self.name!r} sent an event that is not JSON",
-                        code="upstream_protocol_error",
-                    ) from None
-                if not isinstance(data, dict):
+                data = self.payload(sse.data)
+                if data is None:
                     continue
                 kind = sse.event if sse.event != "message" else str(data.get("type", ""))
                 for event in translator.feed(kind, data):

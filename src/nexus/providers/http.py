@@ -185,6 +185,17 @@ class HTTPProvider(Provider):
             raise RuntimeError(f"provider {self.name!r} is not started")
         return self._session
 
+    def payload(self, data: str) -> dict[str, Any] | None:
+        """An SSE event's JSON object (None for other JSON); not JSON is a protocol error."""
+        try:
+            value = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(
+                f"provider {self.name!r} sent an event that is not JSON",
+                code="upstream_protocol_error",
+            ) from None
+        return value if isinstance(value, dict) else None
+
     async def post_stream(
         self, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> UpstreamStream:

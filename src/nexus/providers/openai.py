@@ -162,14 +162,8 @@ class OpenAIProvider(HTTPProvider):
                 if data.startswith("[DONE]"):
                     clean = True
                     return
-                try:
-                    chunk = _loads(data)
-                except orjson.JSONDecodeError:
-                    raise UpstreamError(
-                        f"provider {self.name!r} sent a chunk that is not JSON",
-                        code="upstream_protocol_error",
-                    ) from None
-                if not isinstance(chunk, dict):
+                chunk = self.payload(data)
+                if chunk is None:
                     continue
                 if chunk.get("error"):
                     raise in_stream_error(self.name, chunk["error"])

@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import orjson
-
 from ..config import OpenAIProviderConfig
 from ..errors import GatewayError, UpstreamError
 from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
@@ -26,7 +24,6 @@ from .http import HTTPProvider
 
 __all__ = ["OpenAIProvider", "chunk_events", "upstream_body"]
 
-_loads = orjson.loads
 _NOT_OPENAI = {"mock", "thinking", "top_k"}
 """Fields an OpenAI-compatible server would refuse: the mock's script, Anthropic-only knobs."""
 

@@ -218,3 +218,19 @@ async def test_upstream_error_mid_stream_through_an_openai_upstream(
     assert error["type"] == "error"
     assert error["error"]["type"] == "api_error"
     assert all(e.event != "message_stop" for e in events)
+
+
+async def test_sdk_sees_an_upstream_failure_mid_stream(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([openai_chunk(content="part")], end="abort"))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    api = await sdk(make_client, config)
+    received = []
+    with pytest.raises(anthropic.APIStatusError) as info:
+        async with api.messages.stream(model="up/m", max_tokens=10, messages=USER) as stream:
+            async for text in stream.text_stream:
+                received.append(text)
+    assert received == ["part"]
+    assert info.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+    await api.close()

@@ -528,3 +528,21 @@ async def test_through_an_anthropic_upstream(
     assert upstream.requests[0].path == "/v1/messages"
     assert sent["messages"] == [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]
     assert sent["tools"][0]["name"] == "f"
+
+
+async def test_upstream_failure_mid_stream_through_an_openai_upstream(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([openai_chunk(content="part")], end="abort"))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    async with (
+        await sdk(make_client, config) as api,
+        api.responses.stream(model="up/m", input=TEXT) as stream,
+    ):
+        events = [event async for event in stream]
+        with pytest.raises(RuntimeError, match=r"response\.completed"):
+            await stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "part"
+    error, failed = events[-2:]
+    assert (error.type, error.code) == ("error", "upstream_disconnect")
+    assert failed.type == "response.failed"

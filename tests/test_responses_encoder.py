@@ -336,7 +336,7 @@ def test_mid_stream_error_is_error_then_failed_and_nothing_after() -> None:
         "failed",
         [message("Hi", "incomplete")],
         usage,
-        error={"code": "upstream_error", "message": "boom"},
+        error={"code": "server_error", "message": "boom"},
     )
     assert enc.error(ERROR) == (
         f("error", code="upstream_error", message="boom", param=None)

@@ -423,3 +423,12 @@ def test_response_body_empty_and_content_filter() -> None:
         [],
     )
     assert response_body(completion())["status"] == "completed"
+
+
+def test_thinking_is_forwarded_for_anthropic_upstreams() -> None:
+    from nexus.providers.anthropic import messages_body
+
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    body = {"model": "claude/x", "input": "Hi", "max_output_tokens": 2048, "thinking": thinking}
+    chat = parse_responses_request(orjson.dumps(body))
+    assert messages_body(chat, "x", 4096)["thinking"] == thinking

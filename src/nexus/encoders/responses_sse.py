@@ -197,7 +197,8 @@ class ResponsesSSEEncoder(Encoder):
             "failed",
             output=[item.snapshot() for item in self._items],
             usage=None if self._usage is None else usage_body(self._usage),
-            error={"code": event.code or event.error_type, "message": event.message},
+            # ResponseError.code is a closed set in the SDK's types; ours stays in ``error``.
+            error={"code": _failed_code(event), "message": event.message},
         )
         return out + self._event("response.failed", {"response": response})
 
@@ -359,3 +360,10 @@ def _added(item: _Item) -> dict[str, Any]:
     if item.kind == "message":
         return message_item(item.id, [], "in_progress")
     return function_call_item(item.id, item.call_id, item.name, "", "in_progress")
+
+
+def _failed_code(event: Error) -> str:
+    """The ``response.failed`` error code, from the set the Responses API defines."""
+    if event.error_type == "rate_limit_error" or event.code == "upstream_rate_limited":
+        return "rate_limit_exceeded"
+    return "server_error"

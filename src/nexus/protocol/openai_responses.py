@@ -304,6 +304,9 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
         chat["response_format"] = _response_format(fmt)
     if request.reasoning is not None and request.reasoning.effort is not None:
         chat["reasoning_effort"] = request.reasoning.effort
+    thinking = (request.model_extra or {}).get("thinking")
+    if thinking is not None:  # Anthropic's knob, for anthropic upstreams (as on chat)
+        chat["thinking"] = thinking
     try:
         return ChatRequest.model_validate(chat)
     except ValidationError as exc:  # a constraint that only ChatRequest checks

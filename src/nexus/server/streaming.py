@@ -227,7 +227,10 @@ class StreamPump:
                 elif idle >= self.heartbeat_s:
                     self._write_started = now
                     try:
-                        await asyncio.wait_for(response.write(heartbeat), self.write_timeout_s)
+                        # Awaited here, not in a task: the frame goes to the transport
+                        # before anything else runs, so it cannot follow the terminator.
+                        async with asyncio.timeout(self.write_timeout_s):
+                            await response.write(heartbeat)
                     except (TimeoutError, ConnectionError):
                         self._abort("a heartbeat could not be written")
                         return

@@ -17,7 +17,16 @@ from typing import Any
 
 import orjson
 
-from ..events import Citation, Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
+from ..events import (
+    Citation,
+    Delta,
+    Error,
+    Reasoning,
+    StreamEvent,
+    ToolCall,
+    Usage,
+    plain_content,
+)
 from ..protocol.anthropic_messages import (
     STOP_REASONS,
     anthropic_error_type,
@@ -30,6 +39,10 @@ from .base import Encoder
 __all__ = ["AnthropicSSEEncoder"]
 
 _dumps = orjson.dumps
+_TEXT_DELTA = (
+    b"event: content_block_delta\nid: %d\n"
+    b'data: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
+)
 _STATUS_BY_CODE = {
     "upstream_timeout": 504,
     "upstream_rate_limited": 429,
@@ -96,6 +109,11 @@ class AnthropicSSEEncoder(Encoder):
         return out + self._delta(self._index, {"type": "text_delta", "text": text})
 
     def encode(self, event: StreamEvent) -> bytes:
+        content = plain_content(event)
+        if content is not None and self._open == "text":
+            # The commonest frame, assembled around one dumps() of the text.
+            self._seq += 1
+            return _TEXT_DELTA % (self._seq, self._index) + _dumps(content) + b"}}\n\n"
         match event:
             case Delta():
                 out = b""

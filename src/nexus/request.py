@@ -19,7 +19,9 @@ __all__ = [
     "ImagePart",
     "Message",
     "MockScript",
+    "OpenModel",
     "StreamOptions",
+    "StrictModel",
     "SystemMessage",
     "TextPart",
     "ToolMessage",
@@ -27,11 +29,13 @@ __all__ = [
 ]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Wire models: strict types, frozen, unknown fields refused."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class _Open(BaseModel):
+class OpenModel(BaseModel):
     """Known fields are validated; unknown ones are kept (newer API fields)."""
 
     model_config = ConfigDict(extra="allow", frozen=True, strict=True)
@@ -40,37 +44,37 @@ class _Open(BaseModel):
 # --- content parts ---------------------------------------------------------
 
 
-class TextPart(_Open):
+class TextPart(OpenModel):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Open):
+class ImageURL(OpenModel):
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(_Open):
+class ImagePart(OpenModel):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudio(_Open):
+class InputAudio(OpenModel):
     data: str
     format: str
 
 
-class AudioPart(_Open):
+class AudioPart(OpenModel):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-class RefusalPart(_Open):
+class RefusalPart(OpenModel):
     type: Literal["refusal"]
     refusal: str
 
 
-class FilePart(_Open):
+class FilePart(OpenModel):
     type: Literal["file"]
     file: dict[str, Any]
 
@@ -82,30 +86,30 @@ AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
 # --- messages --------------------------------------------------------------
 
 
-class FunctionCall(_Open):
+class FunctionCall(OpenModel):
     name: str
     arguments: str
 
 
-class ToolCallSpec(_Open):
+class ToolCallSpec(OpenModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class SystemMessage(_Open):
+class SystemMessage(OpenModel):
     role: Literal["system", "developer"]
     content: str | list[TextPart]
     name: str | None = None
 
 
-class UserMessage(_Open):
+class UserMessage(OpenModel):
     role: Literal["user"]
     content: str | list[ContentPart]
     name: str | None = None
 
 
-class AssistantMessage(_Open):
+class AssistantMessage(OpenModel):
     role: Literal["assistant"]
     content: str | list[AssistantPart] | None = None
     tool_calls: list[ToolCallSpec] | None = None
@@ -113,7 +117,7 @@ class AssistantMessage(_Open):
     name: str | None = None
 
 
-class ToolMessage(_Open):
+class ToolMessage(OpenModel):
     role: Literal["tool"]
     content: str | list[TextPart]
     tool_call_id: str
@@ -137,35 +141,35 @@ def message_text(message: SystemMessage | UserMessage | AssistantMessage | ToolM
 # --- tools and formats -----------------------------------------------------
 
 
-class FunctionDef(_Open):
+class FunctionDef(OpenModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Open):
+class Tool(OpenModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JSONSchemaFormat(_Open):
+class JSONSchemaFormat(OpenModel):
     name: str
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -176,7 +180,7 @@ class ResponseFormat(_Strict):
         return self
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
@@ -184,12 +188,12 @@ class StreamOptions(_Open):
 # --- the mock provider's script --------------------------------------------
 
 
-class MockToolCall(_Strict):
+class MockToolCall(StrictModel):
     name: str = Field(min_length=1)
     arguments: str | dict[str, Any] = "{}"
 
 
-class MockUsage(_Strict):
+class MockUsage(StrictModel):
     prompt_tokens: int | None = Field(default=None, ge=0)
     completion_tokens: int | None = Field(default=None, ge=0)
     total_tokens: int | None = Field(default=None, ge=0)
@@ -197,7 +201,7 @@ class MockUsage(_Strict):
     reasoning_tokens: int | None = Field(default=None, ge=0)
 
 
-class MockScript(_Strict):
+class MockScript(StrictModel):
     """What the mock provider should produce instead of echoing (README: "Mock provider")."""
 
     content: str | None = None
@@ -211,7 +215,7 @@ class MockScript(_Strict):
 # --- the request -----------------------------------------------------------
 
 
-class ChatRequest(_Open):
+class ChatRequest(OpenModel):
     """``POST /v1/chat/completions`` body, and the engine's request."""
 
     model: str = Field(min_length=1)

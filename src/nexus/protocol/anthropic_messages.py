@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import GatewayError, InvalidRequest
-from ..request import ChatRequest, MockScript
+from ..request import ChatRequest, MockScript, OpenModel, StrictModel
 from ..types import Completion
 from .openai_chat import parse_json_object, validation_error
 
@@ -37,50 +37,42 @@ STOP_REASONS = {
 """Our finish reasons in Anthropic's terms."""
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class _OpenModel(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
-
-
-class TextBlock(_OpenModel):
+class TextBlock(OpenModel):
     type: Literal["text"]
     text: str
 
 
-class Base64Source(_Model):
+class Base64Source(StrictModel):
     type: Literal["base64"]
     media_type: str = Field(pattern=r"^image/[A-Za-z0-9.+\-]+$")
     data: str
 
 
-class URLSource(_Model):
+class URLSource(StrictModel):
     type: Literal["url"]
     url: str = Field(pattern=r"^https?://\S+$")
 
 
-class ImageBlock(_OpenModel):
+class ImageBlock(OpenModel):
     type: Literal["image"]
     source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
 
 
-class ToolUseBlock(_OpenModel):
+class ToolUseBlock(OpenModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_OpenModel):
+class ToolResultBlock(OpenModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock] = ""
     is_error: bool | None = None
 
 
-class ThinkingBlock(_OpenModel):
+class ThinkingBlock(OpenModel):
     type: Literal["thinking", "redacted_thinking"]
 
 
@@ -90,28 +82,28 @@ Block = Annotated[
 ]
 
 
-class InputMessage(_Model):
+class InputMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class ToolDef(_OpenModel):
+class ToolDef(OpenModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Model):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Metadata(_OpenModel):
+class Metadata(OpenModel):
     user_id: str | None = None
 
 
-class MessagesRequest(_OpenModel):
+class MessagesRequest(OpenModel):
     model: str = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     messages: list[InputMessage] = Field(min_length=1)

@@ -22,20 +22,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 
 from ..errors import InvalidRequest
-from ..request import ChatRequest, FunctionDef, MockScript
+from ..request import ChatRequest, FunctionDef, MockScript, OpenModel, StrictModel
 from .openai_chat import field_path, parse_json_object, validation_error
 from .openai_responses_output import response_body
 
 __all__ = ["ResponsesRequest", "parse_responses_request", "response_body", "to_chat_request"]
-
-
-class _Open(BaseModel):
-    """Known fields are validated; unknown ones are accepted (newer API fields)."""
-
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
 
 
 def _shape(value: Any) -> str | None:
@@ -62,29 +56,29 @@ _STR_OR_OBJECT = _by_shape("an object")
 # --- content parts ---------------------------------------------------------
 
 
-class InputText(_Open):
+class InputText(OpenModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Open):
+class OutputText(OpenModel):
     type: Literal["output_text"]
     text: str
 
 
-class Refusal(_Open):
+class Refusal(OpenModel):
     type: Literal["refusal"]
     refusal: str
 
 
-class InputImage(_Open):
+class InputImage(OpenModel):
     type: Literal["input_image"]
     image_url: str | None = Field(default=None, min_length=1)
     file_id: str | None = None
     detail: Literal["auto", "low", "high", "original"] | None = None
 
 
-class InputFile(_Open):
+class InputFile(OpenModel):
     type: Literal["input_file"]
     file_data: str | None = None
     file_id: str | None = None
@@ -101,26 +95,26 @@ Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[Part], Tag("lis
 # --- input items -----------------------------------------------------------
 
 
-class MessageItem(_Open):
+class MessageItem(OpenModel):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: Content
 
 
-class FunctionCallItem(_Open):
+class FunctionCallItem(OpenModel):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
 
 
-class FunctionCallOutputItem(_Open):
+class FunctionCallOutputItem(OpenModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: Content
 
 
-class ReasoningInputItem(_Open):
+class ReasoningInputItem(OpenModel):
     type: Literal["reasoning"]
 
 
@@ -144,7 +138,7 @@ Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[Item], Tag("list"
 # --- tools, formats, the request -------------------------------------------
 
 
-class _FunctionType(_Open):
+class _FunctionType(OpenModel):
     type: Literal["function"]
 
 
@@ -152,8 +146,7 @@ class FunctionTool(FunctionDef, _FunctionType):
     """A function tool: Chat Completions' function definition, flat; ``type`` checked first."""
 
 
-class ToolChoiceFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class ToolChoiceFunction(StrictModel):
     type: Literal["function"]
     name: str
 
@@ -165,7 +158,7 @@ ToolChoice = Annotated[
 ]
 
 
-class TextFormat(_Open):
+class TextFormat(OpenModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, min_length=1)
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -173,15 +166,15 @@ class TextFormat(_Open):
     strict: bool | None = None
 
 
-class TextConfig(_Open):
+class TextConfig(OpenModel):
     format: TextFormat | None = None
 
 
-class ReasoningConfig(_Open):
+class ReasoningConfig(OpenModel):
     effort: str | None = None
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(OpenModel):
     """``POST /v1/responses`` body (the fields Nexus reads)."""
 
     model: str = Field(min_length=1)

@@ -34,37 +34,41 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from ..errors import GatewayError
 from ..events import Error
-from ..request import AudioPart, ChatRequest, ContentPart, ImagePart, TextPart, UserMessage
+from ..request import (
+    AudioPart,
+    ChatRequest,
+    ContentPart,
+    ImagePart,
+    StrictModel,
+    TextPart,
+    UserMessage,
+)
 from .openai_chat import validation_error
 
 __all__ = ["AbortTurn", "RealtimeSession", "Send", "StartTurn", "error_frame"]
 
 
-class _Envelope(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class StartEnvelope(_Envelope):
+class StartEnvelope(StrictModel):
     type: Literal["start"]
     request: dict[str, Any]
 
 
-class AbortEnvelope(_Envelope):
+class AbortEnvelope(StrictModel):
     type: Literal["abort"]
 
 
-class AudioChunkEnvelope(_Envelope):
+class AudioChunkEnvelope(StrictModel):
     type: Literal["audio_chunk"]
     format: Literal["pcm16", "wav", "mp3"]
     b64: str
     sample_rate: int = Field(default=24000, gt=0, le=384_000)
 
 
-class ImageEnvelope(_Envelope):
+class ImageEnvelope(StrictModel):
     type: Literal["image"]
     mime_type: str = Field(pattern=r"^image/[A-Za-z0-9.+\-]+$")
     b64: str | None = None

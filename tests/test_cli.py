@@ -109,7 +109,7 @@ def test_serve_logs_url_and_stops_on_sigterm(server: tuple[subprocess.Popen[str]
     out = subprocess.run(
         [CURL, "-s", url + "/healthz"], capture_output=True, check=True, timeout=10
     ).stdout
-    assert orjson.loads(out) == {"status": "ok", "streams": 0}
+    assert orjson.loads(out) == {"status": "ok", "streams": 0, "clients": 0}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     assert proc.stderr is not None
@@ -137,7 +137,7 @@ def test_sigterm_ends_running_streams_with_a_retryable_error(
     assert proc.wait(15) == 0
     frames = rest.split(b"\n\n")
     assert b"event: error" in rest
-    error_frame = next(f for f in frames if f.startswith(b"event: error"))
+    error_frame = next(f for f in frames if b"event: error\n" in f)
     error = orjson.loads(error_frame.split(b"data: ", 1)[1])["error"]
     assert error["code"] == "server_shutting_down"
     assert rest.endswith(b"data: [DONE]\n\n")
@@ -197,7 +197,8 @@ def test_sigterm_closes_realtime_sockets_with_1001(
         ("[server]\nheartbeat_intervl_s = 3\n", "[server] heartbeat_intervl_s: unknown key"),
         ("[server]\nport = 99999\n", "[server] port: Input should be less than or equal to 65535"),
         ('[providers.x]\nkind = "mock"\n[models.fast]\ntargets = ["y/z"]\n', "'y/z'"),
-        ("[cache]\nenabled = true\n", "[cache]: unknown table or key"),
+        ("[caches]\nenabled = true\n", "[caches]: unknown table or key"),
+        ('[store]\nkind = "memcached"\n', "[store] kind: unknown kind 'memcached'"),
         ("[server\n", "not valid TOML"),
     ],
 )

@@ -177,7 +177,7 @@ def test_openai_usage(
 def test_openai_error_heartbeat_end(meta: StreamMeta, error: Error, expected: bytes) -> None:
     encoder = OpenAISSEEncoder(meta)
     assert encoder.error(error) == expected
-    assert encoder.heartbeat() == b": ping\n\n"
+    assert encoder.heartbeat() == b": ping\n"
     assert encoder.end() == b"data: [DONE]\n\n"
 
 
@@ -270,7 +270,7 @@ def test_native_start_error_heartbeat_end(meta: StreamMeta, start: bytes) -> Non
     encoder = NativeSSEEncoder(meta)
     assert encoder.start() == start
     assert encoder.error(ERROR) == b"event: error\ndata: " + ERROR_JSON + b"\n\n"
-    assert encoder.heartbeat() == b": ping\n\n"
+    assert encoder.heartbeat() == b": ping\n"
     assert encoder.end() == b'event: done\ndata: {"type":"done"}\n\n'
 
 

@@ -167,7 +167,7 @@ async def test_every_format_on_messages(
     resp = await client.post("/v1/messages" + query, json=body, headers=headers)
     assert resp.status == 200
     raw = await resp.read()
-    lines = [line for line in raw.splitlines() if line and not line.startswith(b"retry:")]
+    lines = [line for line in raw.splitlines() if line and not line.startswith((b"retry:", b"id:"))]
     assert lines[0].startswith(first_line)
 
 

@@ -408,7 +408,7 @@ async def test_client_going_away_closes_the_upstream(
     make_client: MakeClient, upstream: FakeUpstream
 ) -> None:
     upstream.add(Reply.stream([message_start(), *text_block(0, "slow")], end="stall"))
-    client = await make_client(config(upstream))
+    client = await make_client({**config(upstream), "streams": {"detach_timeout_s": 0}})
     resp = await client.post("/v1/chat/completions?stream_format=ndjson", json=chat(stream=True))
     assert orjson.loads(await asyncio.wait_for(resp.content.readline(), 5))["type"] == "delta"
     gone = asyncio.get_running_loop().time()

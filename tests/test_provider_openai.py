@@ -516,9 +516,13 @@ async def test_no_retry_after_the_first_byte(make_client: MakeClient) -> None:
 
 
 async def test_client_disconnect_closes_the_upstream_within_100ms(
-    connect: Connect, upstream: FakeUpstream
+    make_client: MakeClient, upstream: FakeUpstream
 ) -> None:
-    client = await connect(Reply.stream([openai_chunk(content="first")], end="stall"))
+    """With ``detach_timeout_s = 0`` a stream ends with its last client."""
+    upstream.add(Reply.stream([openai_chunk(content="first")], end="stall"))
+    client = await make_client(
+        {"providers": {"up": provider(upstream)}, "streams": {"detach_timeout_s": 0}}
+    )
     resp = await post(client)
     assert resp.status == 200
     received = b""

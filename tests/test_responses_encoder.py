@@ -409,9 +409,9 @@ def test_refusal_is_a_second_part_of_the_message() -> None:
 
 def test_heartbeat_is_a_comment_and_takes_no_number() -> None:
     enc = ResponsesSSEEncoder(META)
-    assert enc.heartbeat() == b": ping\n\n"
+    assert enc.heartbeat() == b": ping\n"
     body = run("ping", Delta(content="a"), "ping", Delta(content="b"))
-    assert body.count(b": ping\n\n") == 2
+    assert body.count(b": ping\n") == 2
     numbers = [p["sequence_number"] for p in payloads(body)]
     assert numbers == list(range(len(numbers)))
 

@@ -159,7 +159,7 @@ async def test_stream_with_heartbeats_between_events(make_client: MakeClient) ->
     body = {"model": "mock/echo", "input": "a b", "stream": True, "mock": {"delay_ms": 120}}
     client = await make_client(config)
     raw = await (await client.post("/v1/responses", json=body)).read()
-    assert b"\n\n: ping\n\n" in raw
+    assert b"\n\n: ping\n" in raw
     async with (
         await sdk(make_client, config) as api,
         api.responses.stream(
@@ -353,7 +353,7 @@ async def test_every_format_on_responses(
     assert resp.status == 200
     assert resp.headers["X-Nexus-Stream-Format"] == media_type
     raw = await resp.read()
-    lines = [line for line in raw.splitlines() if line and not line.startswith(b"retry:")]
+    lines = [line for line in raw.splitlines() if line and not line.startswith((b"retry:", b"id:"))]
     assert lines[0].startswith(first)
     assert TEXT.split()[-1].encode() in raw
 

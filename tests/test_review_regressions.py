@@ -64,7 +64,7 @@ async def test_connection_error_from_provider_before_headers_is_a_500(
 async def test_shutdown_ends_the_chunked_body_cleanly(make_client: MakeClient) -> None:
     """After the shutdown error frame the body used to stop without its last chunk."""
     gated = GatedProvider(before=1, after=1)
-    client = await make_client(providers=[gated])
+    client = await make_client({"streams": {"detach_timeout_s": 0}}, providers=[gated])
     resp = await client.post(
         "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
     )

@@ -50,9 +50,13 @@ async def test_sse_starts_with_retry_field(make_client: MakeClient) -> None:
     client = await make_client({"server": {"retry_ms": 2500}})
     resp = await client.post("/v1/chat/completions", json=chat(stream=True))
     body = await resp.read()
-    assert body.startswith(b"retry: 2500\ndata: {")
+    stream_id = resp.headers["X-Nexus-Stream-Id"].encode()
+    assert body.startswith(b"retry: 2500\nid: %s.0\ndata: {" % stream_id)
     native = await client.post("/v1/chat/completions?stream_format=nexus", json=chat(stream=True))
-    assert (await native.read()).startswith(b"retry: 2500\n\nevent: delta\n")
+    stream_id = native.headers["X-Nexus-Stream-Id"].encode()
+    assert (await native.read()).startswith(
+        b"retry: 2500\nid: %s.0\n\nid: %s.1\nevent: delta\n" % (stream_id, stream_id)
+    )
 
 
 @pytest.mark.parametrize(
@@ -336,7 +340,7 @@ async def test_models_and_health(make_client: MakeClient) -> None:
     missing = await client.get("/v1/models/gpt-4o")
     assert missing.status == 404
     health = await client.get("/healthz")
-    assert await health.json() == {"status": "ok", "streams": 0}
+    assert await health.json() == {"status": "ok", "streams": 0, "clients": 0}
 
 
 async def test_alias_routes_to_its_target(make_client: MakeClient) -> None:
@@ -364,7 +368,7 @@ async def test_each_frame_is_flushed_as_produced(make_client: MakeClient) -> Non
 
 @pytest.mark.parametrize(
     ("fmt", "heartbeat"),
-    [("sse", b": ping\n\n"), ("nexus", b": ping\n\n"), ("ndjson", b'{"type":"heartbeat"}\n')],
+    [("sse", b": ping\n"), ("nexus", b": ping\n"), ("ndjson", b'{"type":"heartbeat"}\n')],
 )
 async def test_heartbeats_when_idle(make_client: MakeClient, fmt: str, heartbeat: bytes) -> None:
     gated = GatedProvider(before=1, after=1)
@@ -387,7 +391,7 @@ async def test_slow_first_event_sends_headers_and_heartbeats(make_client: MakeCl
         client.post("/v1/chat/completions", json=chat(model="gated/m", stream=True)), 5
     )
     assert resp.status == 200
-    head = await asyncio.wait_for(resp.content.readuntil(b": ping\n\n"), 5)
+    head = await asyncio.wait_for(resp.content.readuntil(b": ping\n"), 5)
     decoded = SSEDecoder().decode(head)
     assert orjson.loads(decoded[0].data)["choices"][0]["delta"]["role"] == "assistant"
     gated.gate.set()
@@ -395,8 +399,9 @@ async def test_slow_first_event_sends_headers_and_heartbeats(make_client: MakeCl
 
 
 async def test_client_disconnect_closes_provider_at_once(make_client: MakeClient) -> None:
+    """With ``detach_timeout_s = 0`` a stream ends with its last client."""
     gated = GatedProvider(before=1, after=1)
-    client = await make_client(providers=[gated])
+    client = await make_client({"streams": {"detach_timeout_s": 0}}, providers=[gated])
     resp = await client.post(
         "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
     )
@@ -414,7 +419,10 @@ async def test_client_disconnect_closes_provider_at_once(make_client: MakeClient
 
 async def test_client_that_stops_reading_is_dropped(make_client: MakeClient) -> None:
     endless = EndlessProvider()
-    client = await make_client({"server": {"write_timeout_s": 0.3}}, providers=[endless])
+    client = await make_client(
+        {"server": {"write_timeout_s": 0.3}, "streams": {"detach_timeout_s": 0}},
+        providers=[endless],
+    )
     server = client.server
     _, writer = await asyncio.open_connection(server.host, server.port)
     body = orjson.dumps(chat(model="endless/m", stream=True))

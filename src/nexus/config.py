@@ -19,15 +19,20 @@ from .errors import ConfigError
 
 __all__ = [
     "AnthropicProviderConfig",
+    "CacheConfig",
     "Config",
     "HTTPProviderConfig",
     "LimitsConfig",
+    "MemoryStoreConfig",
     "MockProviderConfig",
     "ModelAliasConfig",
     "OpenAIProviderConfig",
     "ProviderConfig",
     "RealtimeConfig",
+    "RedisStoreConfig",
     "ServerConfig",
+    "StoreConfig",
+    "StreamsConfig",
     "load_config",
 ]
 
@@ -49,6 +54,44 @@ class ServerConfig(_Table):
 class LimitsConfig(_Table):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_concurrent_streams: int = Field(default=10_000, ge=1)
+
+
+class StreamsConfig(_Table):
+    """Stream resources: how long they outlive their connections."""
+
+    detach_timeout_s: float = Field(default=15.0, ge=0)
+    """With no client attached, the provider stream runs this long, then is cancelled."""
+    resume_ttl_s: float = Field(default=300.0, gt=0)
+    """A finished stream stays replayable (``GET /v1/streams/{id}``) this long."""
+    max_log_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    """A stream whose log grows past this ends with ``stream_too_large``."""
+
+
+class CacheConfig(_Table):
+    """Record-and-replay of whole streams, keyed by the canonical request."""
+
+    enabled: bool = False
+    ttl_s: float = Field(default=600.0, gt=0)
+    max_frames: int = Field(default=4096, ge=1)
+    max_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    mode: Literal["burst", "paced", "fast_forward"] = "burst"
+    ff_divisor: float = Field(default=4.0, gt=0)
+
+
+class MemoryStoreConfig(_Table):
+    kind: Literal["memory"] = "memory"
+    max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    """Finished stream logs and recordings past this are evicted, oldest first."""
+
+
+class RedisStoreConfig(_Table):
+    kind: Literal["redis"]
+    url: str = Field(default="redis://127.0.0.1:6379/0", pattern=r"^(redis|rediss|unix)://\S+$")
+    prefix: str = Field(default="nexus", min_length=1)
+    """Key prefix: replicas that share streams share it."""
+
+
+StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminator="kind")]
 
 
 class RealtimeConfig(_Table):
@@ -108,6 +151,9 @@ class Config(_Table):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     encoders: dict[str, str] = Field(default_factory=dict)
     realtime: RealtimeConfig = Field(default_factory=RealtimeConfig)
+    streams: StreamsConfig = Field(default_factory=StreamsConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    store: StoreConfig = Field(default_factory=MemoryStoreConfig)
     providers: dict[str, ProviderConfig] = Field(default_factory=lambda: _default_providers())
     models: dict[str, ModelAliasConfig] = Field(default_factory=dict)
 
@@ -119,6 +165,13 @@ class Config(_Table):
         for name in value:
             if not name or "/" in name:
                 raise ValueError(f"provider name {name!r} must be non-empty and without '/'")
+        return value
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _memory_by_default(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "kind" not in value:
+            return {**value, "kind": "memory"}
         return value
 
     @model_validator(mode="after")
@@ -157,6 +210,7 @@ def parse_config(data: dict[str, Any], source: str = "config") -> Config:
 
 
 _KINDS = ("mock", "openai", "anthropic")
+_STORE_KINDS = ("memory", "redis")
 
 
 def _describe(error: Any) -> str:
@@ -165,9 +219,9 @@ def _describe(error: Any) -> str:
     if error["type"] == "union_tag_not_found":
         loc, message = [*loc, "kind"], "required key is missing"
     elif error["type"] == "union_tag_invalid":
-        tag = error.get("ctx", {}).get("tag")
+        ctx = error.get("ctx", {})
         loc = [*loc, "kind"]
-        message = f"unknown kind {tag!r} (expected {', '.join(repr(k) for k in _KINDS)})"
+        message = f"unknown kind {ctx.get('tag')!r} (expected {ctx.get('expected_tags')})"
     if error["type"] == "extra_forbidden":
         message = "unknown key (check the spelling against the README's config reference)"
     elif error["type"] == "missing":
@@ -183,6 +237,10 @@ def _describe(error: Any) -> str:
             else (f"[{loc[0]}]: unknown table or key")
         )
     table, rest = loc[0], loc[1:]
+    if table == "store" and rest and rest[0] in _STORE_KINDS:
+        rest = rest[1:]  # the discriminator tag again
+        if not rest:
+            return f"[store]: {message}"
     if table == "providers" and len(rest) >= 2 and rest[1] in _KINDS:
         rest = [rest[0], *rest[2:]]  # drop the discriminator tag pydantic adds
         if len(rest) == 1:

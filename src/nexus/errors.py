@@ -9,8 +9,10 @@ a stream has started::
     └── GatewayError                 anything a request can fail with (status, code, type)
         ├── InvalidRequest           400 invalid_request / invalid_json / ...
         │   ├── UnsupportedStreamFormat   400 unsupported_stream_format
-        │   └── UnsupportedInput     400 unsupported_input (image/audio a provider cannot take)
+        │   ├── UnsupportedInput     400 unsupported_input (image/audio a provider cannot take)
+        │   └── InvalidLastEventId   400 invalid_last_event_id
         ├── ModelNotFound            404 model_not_found
+        ├── StreamNotFound           404 stream_not_found (unknown or expired stream id)
         ├── RequestTooLarge          413 request_too_large
         ├── TooManyStreams           429 too_many_streams (retryable)
         ├── ServerShuttingDown       503 server_shutting_down (retryable)
@@ -27,6 +29,7 @@ from .events import Error
 __all__ = [
     "ConfigError",
     "GatewayError",
+    "InvalidLastEventId",
     "InvalidRequest",
     "ModelNotFound",
     "NexusError",
@@ -34,6 +37,7 @@ __all__ = [
     "RequestTooLarge",
     "ServerShuttingDown",
     "StreamError",
+    "StreamNotFound",
     "TooManyStreams",
     "UnsupportedInput",
     "UnsupportedStreamFormat",
@@ -116,6 +120,16 @@ class UnsupportedStreamFormat(InvalidRequest):
 
 class UnsupportedInput(InvalidRequest):
     code = "unsupported_input"
+
+
+class InvalidLastEventId(InvalidRequest):
+    code = "invalid_last_event_id"
+
+
+class StreamNotFound(GatewayError):
+    status = 404
+    code = "stream_not_found"
+    error_type = "invalid_request_error"
 
 
 class ModelNotFound(GatewayError):

@@ -231,6 +231,8 @@ class ChatRequest(OpenModel):
     response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    background: bool = False
+    """Nexus: answer 202 at once and stream via ``GET /v1/streams/{id}``."""
     user: str | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1)

@@ -3,7 +3,7 @@
 ``message_start`` → per content block ``content_block_start`` /
 ``content_block_delta``* / ``content_block_stop`` → ``message_delta`` (stop
 reason, usage) → ``message_stop``. Every frame has its ``event:`` line (the SDK
-drops frames without one) and an ``id:`` line (a counter); heartbeats are
+drops frames without one); the pump adds the ``id:`` lines; heartbeats are
 ``event: ping``. Blocks open and close as the kind of output changes:
 reasoning → a ``thinking`` block, text → a ``text`` block, each tool call → a
 ``tool_use`` block fed by ``input_json_delta``. A mid-stream failure is an
@@ -40,7 +40,7 @@ __all__ = ["AnthropicSSEEncoder"]
 
 _dumps = orjson.dumps
 _TEXT_DELTA = (
-    b"event: content_block_delta\nid: %d\n"
+    b"event: content_block_delta\n"
     b'data: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
 )
 _STATUS_BY_CODE = {
@@ -57,7 +57,6 @@ class AnthropicSSEEncoder(Encoder):
 
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
-        self._seq = 0
         self._index = -1  # index of the open content block, -1 when none is open
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
@@ -66,8 +65,7 @@ class AnthropicSSEEncoder(Encoder):
         self._failed = False
 
     def _frame(self, name: str, data: dict[str, Any]) -> bytes:
-        self._seq += 1
-        return b"event: %s\nid: %d\ndata: %s\n\n" % (name.encode(), self._seq, _dumps(data))
+        return b"event: %s\ndata: %s\n\n" % (name.encode(), _dumps(data))
 
     def start(self) -> bytes:
         message: dict[str, Any] = {
@@ -112,8 +110,7 @@ class AnthropicSSEEncoder(Encoder):
         content = plain_content(event)
         if content is not None and self._open == "text":
             # The commonest frame, assembled around one dumps() of the text.
-            self._seq += 1
-            return _TEXT_DELTA % (self._seq, self._index) + _dumps(content) + b"}}\n\n"
+            return _TEXT_DELTA % self._index + _dumps(content) + b"}}\n\n"
         match event:
             case Delta():
                 out = b""

@@ -24,12 +24,15 @@ class Encoder(ABC):
 
     Class attributes: ``media_type`` (what negotiation matches), ``content_type``
     (the ``Content-Type`` header; defaults to ``media_type``) and ``aliases``
-    (short names for ``?stream_format=``).
+    (short names for ``?stream_format=``). ``event_ids``: whether the pump adds an
+    ``id:`` line to each frame for resume (``None``: when the content type is
+    ``text/event-stream``; frames are then separated by a blank line, LF LF).
     """
 
     media_type: ClassVar[str]
     content_type: ClassVar[str | None] = None
     aliases: ClassVar[tuple[str, ...]] = ()
+    event_ids: ClassVar[bool | None] = None
 
     def __init__(self, meta: StreamMeta) -> None:
         self.meta = meta

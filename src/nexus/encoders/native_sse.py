@@ -52,7 +52,9 @@ class NativeSSEEncoder(Encoder):
         return _HEADS[type(event)] + _dumps(event.to_dict()) + b"\n\n"
 
     def heartbeat(self) -> bytes:
-        return b": ping\n\n"
+        # A comment line; no blank line, which would dispatch an empty event in
+        # decoders that keep the last id pending (the openai SDK's, §1).
+        return b": ping\n"
 
     def end(self) -> bytes:
         return _END

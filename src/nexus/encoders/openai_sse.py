@@ -113,8 +113,9 @@ class OpenAISSEEncoder(Encoder):
         return b"event: error\ndata: " + _dumps(body) + b"\n\n"
 
     def heartbeat(self) -> bytes:
-        # A comment: ignored by EventSource and by the SDK's decoder (§1).
-        return b": ping\n\n"
+        # A comment line and no blank line: every frame carries an ``id:``, and after
+        # one the SDK's decoder dispatches an empty event at each blank line (§1).
+        return b": ping\n"
 
     def end(self) -> bytes:
         return b"data: [DONE]\n\n"

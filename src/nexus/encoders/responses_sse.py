@@ -203,8 +203,9 @@ class ResponsesSSEEncoder(Encoder):
         return out + self._event("response.failed", {"response": response})
 
     def heartbeat(self) -> bytes:
-        # A comment: skipped by the SDK's decoder, since no frame carries an ``id:`` (§1).
-        return b": ping\n\n"
+        # A comment line and no blank line: every frame carries an ``id:``, and after
+        # one the SDK's decoder dispatches an empty event at each blank line (§1).
+        return b": ping\n"
 
     def end(self) -> bytes:
         if self._finished:

@@ -117,6 +117,7 @@ class MessagesRequest(OpenModel):
     thinking: dict[str, Any] | None = None
     metadata: Metadata | None = None
     stream: bool = False
+    background: bool = False
     mock: MockScript | None = None
 
 
@@ -145,6 +146,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
         "messages": messages,
         "max_tokens": request.max_tokens,
         "stream": request.stream,
+        "background": request.background,
     }
     if request.stream:
         chat["stream_options"] = {"include_usage": True}

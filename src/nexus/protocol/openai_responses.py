@@ -186,6 +186,7 @@ class ResponsesRequest(OpenModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     stream: bool = False
+    background: bool = False
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -276,7 +277,12 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
     if not messages:
         _fail("input", "Field required")
 
-    chat: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
+    chat: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        "stream": request.stream,
+        "background": request.background,
+    }
     if request.tools:
         chat["tools"] = [
             {

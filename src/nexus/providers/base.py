@@ -30,10 +30,10 @@ class Provider(ABC):
         self.name = name
         self._models = list(models or [])
 
-    async def start(self) -> None:  # noqa: B027 - optional hook
+    async def start(self) -> None:
         """Acquire resources (client sessions). Called once before the first request."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:
         """Release what :meth:`start` acquired."""
 
     def advertised_models(self) -> list[str]:

@@ -24,8 +24,9 @@ from .http import HTTPProvider
 
 __all__ = ["OpenAIProvider", "chunk_events", "upstream_body"]
 
-_NOT_OPENAI = {"mock", "thinking", "top_k"}
-"""Fields an OpenAI-compatible server would refuse: the mock's script, Anthropic-only knobs."""
+_NOT_OPENAI = {"mock", "thinking", "top_k", "background"}
+"""Fields an OpenAI-compatible server would refuse: the mock's script, Anthropic-only knobs,
+and Nexus's own ``background``."""
 
 
 def upstream_body(

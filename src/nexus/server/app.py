@@ -14,12 +14,17 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from ..config import Config
+from ..cache.hub import StreamHub
+from ..cache.memory import MemoryStore
+from ..cache.store import Store
+from ..config import Config, MemoryStoreConfig, StoreConfig
 from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
+from ..errors import ServerShuttingDown
+from ..events import Error
 from .errors import error_middleware
-from .routes import chat_completions, messages, models, realtime, responses
-from .state import CONFIG, ENGINE, REGISTRY, RUNTIME, Runtime
+from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
+from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, Runtime
 
 __all__ = ["create_app"]
 
@@ -31,6 +36,7 @@ def create_app(
     *,
     engine: Engine | None = None,
     registry: EncoderRegistry | None = None,
+    store: Store | None = None,
     config_source: str = "config.toml",
 ) -> web.Application:
     """Build the gateway app.
@@ -38,7 +44,8 @@ def create_app(
     ``registry`` defaults to the process-wide one that :func:`nexus.register`
     fills; it is frozen when the app starts. ``[encoders]`` from the config are
     added to the app's own copy (a :class:`~nexus.errors.ConfigError` if one
-    cannot be imported). ``engine`` defaults to one built from ``config``.
+    cannot be imported). ``engine`` defaults to one built from ``config``, and
+    ``store`` to the one ``[store]`` names (connected when the app starts).
     """
     config = config or Config()
     base = registry if registry is not None else default_registry
@@ -47,6 +54,8 @@ def create_app(
     base.copy().load_config(config.encoders, config_source)
     formats = EncoderRegistry()
     engine = engine or Engine.from_config(config)
+    store = store or build_store(config.store)
+    hub = StreamHub(engine, store, streams=config.streams, cache=config.cache)
 
     app = web.Application(
         client_max_size=config.limits.max_body_bytes,
@@ -54,6 +63,7 @@ def create_app(
     )
     app[CONFIG] = config
     app[ENGINE] = engine
+    app[HUB] = hub
     app[REGISTRY] = formats
     app[RUNTIME] = Runtime()
 
@@ -62,9 +72,16 @@ def create_app(
         formats.include(base)
         formats.load_config(config.encoders, config_source)
         formats.freeze()
-        await engine.start()
-        yield
-        await engine.close()
+        await store.start()
+        try:
+            await engine.start()
+            try:
+                yield
+                await hub.shutdown(_shutdown_event())
+            finally:
+                await engine.close()
+        finally:
+            await store.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(_drain_streams)
@@ -73,10 +90,26 @@ def create_app(
     app.router.add_post("/v1/messages", messages.handle)
     app.router.add_post("/v1/responses", responses.handle)
     app.router.add_get("/v1/realtime", realtime.handle)
+    app.router.add_get("/v1/streams/{id}", streams.get)
+    app.router.add_delete("/v1/streams/{id}", streams.cancel)
     app.router.add_get("/v1/models", models.list_models)
     app.router.add_get("/v1/models/{model:.+}", models.get_model)
     app.router.add_get("/healthz", models.healthz)
+    web_console.add_routes(app)
     return app
+
+
+def build_store(config: StoreConfig) -> Store:
+    """The store ``[store]`` describes (not yet connected)."""
+    if isinstance(config, MemoryStoreConfig):
+        return MemoryStore(config.max_bytes)
+    from ..cache.redis import RedisStore
+
+    return RedisStore(config.url, prefix=config.prefix)
+
+
+def _shutdown_event() -> Error:
+    return ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 
 
 async def _drain_streams(app: web.Application) -> None:
@@ -86,19 +119,29 @@ async def _drain_streams(app: web.Application) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
 
+    hub = app[HUB]
+
     def busy() -> int:
-        return len(runtime.active) + sum(1 for s in runtime.sockets if s.busy)
+        # Streams nobody reads are not waited for: they end after the grace period.
+        attached = sum(1 for run in hub.live.values() if run.attached)
+        return attached + len(runtime.active) + sum(1 for s in runtime.sockets if s.busy)
 
     if busy():
         log.info("waiting up to %.1fs for %d streams to finish", grace, busy())
     while busy() and loop.time() < deadline:
         await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0)))
-    remaining = list(runtime.active)
     if busy():
         log.warning("ending %d streams still running after the grace period", busy())
-    for pump in remaining:
-        pump.shutdown()
+    # Sockets first: their turns end with close 1001, not with the streams' errors.
     await asyncio.gather(*(socket.shutdown() for socket in list(runtime.sockets)))
+    # The streams end with a retryable error in their logs, which their pumps write.
+    await hub.shutdown(_shutdown_event())
+    for _ in range(20):
+        if not runtime.active:
+            break
+        await asyncio.sleep(0.01)
+    for pump in list(runtime.active):  # following another replica's stream
+        pump.shutdown()
     # Let the cancelled pumps write their error frames and close their providers.
     for _ in range(100):
         if not runtime.active:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from ..cache.hub import StreamHub
 from ..config import Config
 from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from .routes.realtime import RealtimeConnection
     from .streaming import StreamPump
 
-__all__ = ["CONFIG", "ENGINE", "REGISTRY", "RUNTIME", "Runtime"]
+__all__ = ["CONFIG", "ENGINE", "HUB", "REGISTRY", "RUNTIME", "Runtime"]
 
 
 @dataclass
@@ -29,5 +30,6 @@ class Runtime:
 
 CONFIG = web.AppKey("config", Config)
 ENGINE = web.AppKey("engine", Engine)
+HUB = web.AppKey("hub", StreamHub)
 REGISTRY = web.AppKey("registry", EncoderRegistry)
 RUNTIME = web.AppKey("runtime", Runtime)

@@ -1,30 +1,33 @@
-"""The one pump: a :class:`~nexus.stream.Stream` and an encoder in, an HTTP response out.
+"""The one pump: a stream's log and an encoder in, an HTTP response out.
 
-Route handlers hold no framing code; they call :func:`pump`. It writes the
-encoder's ``start()`` with the first frame, each event as it arrives (flushed at
-once), ``heartbeat()`` when idle, and ``end()`` last.
+Route handlers hold no framing code; they call :func:`pump`. It reads the log
+(a :class:`~nexus.cache.run.LogReader`: a local run, or the store) in batches,
+renders them with a :class:`~nexus.cache.cursor.Renderer` (the encoder, the
+SSE ``id:`` lines, the resume point) and writes each batch at once: what
+upstream delivered together goes out in one write. ``heartbeat()`` when idle.
 
 The race between producer, heartbeat, disconnect and shutdown:
 
-* **Before the headers.** The first event is awaited for up to one heartbeat
-  interval. A failure there (a ``GatewayError`` raised, or an error event)
-  becomes an HTTP status with a JSON body. If the interval passes first, the
-  headers go out with a heartbeat: from then on failures travel in the stream.
-* **Producer.** The handler task reads the stream directly (no task or timer
-  per event) and writes each frame; a slow reader slows the provider down
-  (writes wait for the transport to drain), so memory stays bounded.
-* **Watchdog.** One task per stream owns the timers: after
+* **Before the headers.** The first batch is awaited for up to one heartbeat
+  interval before anything is written. A failure there (the source raised, or
+  the log starts with an error) becomes an HTTP status with a JSON body. If
+  the interval passes first, the headers go out with a heartbeat: from then
+  on failures travel in the stream.
+* **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`)
+  reads the provider; this pump only follows the log, so a client that
+  leaves does not stop the stream at once: it runs on for
+  ``[streams] detach_timeout_s`` for the client to come back.
+* **Watchdog.** One task per response owns the timers: after
   ``heartbeat_interval_s`` without a write it writes a heartbeat, and a write
   that has not finished after ``write_timeout_s`` (a client that stopped
   reading) gets the connection aborted.
 * **Disconnect.** The server runs with ``handler_cancellation``: aiohttp
   cancels the handler task when the peer goes away, wherever it awaits, and
-  ``finally`` closes the stream, which closes the provider at once. A failed
-  write ends the pump the same way.
-* **Shutdown.** After the grace period the app calls :meth:`StreamPump.shutdown`:
-  the handler task is cancelled and, if headers went out, writes a retryable
-  ``server_shutting_down`` error and the format's terminator; otherwise the
-  client gets a 503.
+  ``finally`` detaches the reader. A failed write ends the pump the same way.
+* **Shutdown.** After the grace period the app cancels the streams (their logs
+  end with a retryable ``server_shutting_down`` error, which the pumps write
+  with the format's terminator), then :meth:`StreamPump.shutdown` the pumps
+  still running (those following another replica's stream).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from ..cache.cursor import Cursor, Renderer, uses_event_ids
+from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
-from ..stream import Stream
 
 __all__ = ["StreamPump", "pump"]
 
@@ -48,21 +52,21 @@ log = logging.getLogger("nexus.server")
 _END = object()
 
 
-async def _next(events: AsyncIterator[StreamEvent]) -> object:
+async def _next(batches: AsyncIterator[list[StreamEvent]]) -> object:
     try:
-        return await events.__anext__()
+        return await batches.__anext__()
     except StopAsyncIteration:
         return _END
 
 
 class StreamPump:
-    """Writes one stream to one HTTP response. Made and run by :func:`pump`."""
+    """Writes one stream log to one HTTP response. Made and run by :func:`pump`."""
 
     def __init__(
         self,
         request: web.Request,
-        stream: Stream,
-        encoder: Encoder,
+        reader: LogReader,
+        renderer: Renderer,
         *,
         heartbeat_s: float,
         write_timeout_s: float,
@@ -70,8 +74,8 @@ class StreamPump:
         active: set[StreamPump] | None = None,
     ) -> None:
         self.request = request
-        self.stream = stream
-        self.encoder = encoder
+        self.reader = reader
+        self.renderer = renderer
         self.heartbeat_s = heartbeat_s
         self.write_timeout_s = write_timeout_s
         self.headers = headers
@@ -95,34 +99,37 @@ class StreamPump:
         self._task = asyncio.current_task()
         if self._active is not None:
             self._active.add(self)
+        renderer = self.renderer
         try:
-            events = aiter(self.stream)
+            batches = aiter(self.reader)
             try:
-                first = await self._first_event(events)
+                data = await self._first_output(batches, renderer.begin())
             except GatewayError as exc:
                 if self.response is None:
                     raise
-                return await self._end_with_error(exc.to_event())
-            if first is _END:
-                return await self._end(self._begin() + self.encoder.end())
-            if type(first) is Error:
-                if self.response is None:
-                    raise StreamError(first)
-                return await self._end_with_error(first)
-            await self._write(self._begin() + self.encoder.encode(first))  # type: ignore[arg-type]
-            response = self._require_response()
-            encode = self.encoder.encode
-            write = response.write
+                return await self._end(renderer.fail(exc.to_event()))
+            if data is _END:
+                # The log ended without its terminal entry (a store that lost it).
+                return await self._end(self._begin() + renderer.fail(_lost_event()))
+            if renderer.done:
+                if self.response is None and not renderer.wrote:
+                    # Resumed after the last event: nothing left (EventSource stops on 204).
+                    return web.Response(status=204, headers={"Cache-Control": "no-cache"})
+                return await self._end(self._begin() + data)  # type: ignore[operator]
+            await self._write(self._begin() + data)  # type: ignore[operator]
+            write = self._require_response().write
+            feed = renderer.feed
             now = self._loop.time
-            async for event in events:
-                if type(event) is Error:
-                    return await self._end_with_error(event)
-                data = encode(event)
+            async for batch in batches:
+                data = feed(batch)
+                if renderer.done:
+                    return await self._end(data)
                 if data:
                     self._write_started = now()
                     await write(data)
                     self._last_write = now()
-            return await self._end(self.encoder.end())
+            # The log ended without its terminal entry (a store that lost it).
+            return await self._end(renderer.fail(_lost_event()))
         except asyncio.CancelledError:
             if not self._shutting_down or self._ended:
                 raise
@@ -132,7 +139,7 @@ class StreamPump:
                 ) from None
             # Shutdown: a retryable error, the terminator and a clean end of the body.
             with contextlib.suppress(Exception):
-                await self._end_with_error(_shutdown_event())
+                await self._end(renderer.fail(_shutdown_event()))
                 await self.response.write_eof()
             task = asyncio.current_task()
             if task is not None:
@@ -144,47 +151,66 @@ class StreamPump:
             # After the headers nothing may escape to the middleware (it would write a
             # second response into this body): end the stream in-band instead.
             if isinstance(exc, ConnectionError):
-                log.debug("client left stream %s: %s", self.stream.meta.id, exc)
+                log.debug("client left stream %s: %s", self.reader.meta.id, exc)
+            elif isinstance(exc, GatewayError):
+                log.warning("stream %s ended: %s", self.reader.meta.id, exc.code)
             else:
-                log.exception("stream %s failed", self.stream.meta.id)
+                log.exception("stream %s failed", self.reader.meta.id)
             if not self._ended:
+                event = exc.to_event() if isinstance(exc, GatewayError) else _internal_event()
                 with contextlib.suppress(Exception):
-                    await self._end_with_error(_internal_event())
+                    await self._end(renderer.fail(event))
             return self.response
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
             if self._active is not None:
                 self._active.discard(self)
-            await self.stream.close()
+            await self.reader.close()
 
     def _require_response(self) -> web.StreamResponse:
         assert self.response is not None
         return self.response
 
-    async def _first_event(self, events: AsyncIterator[StreamEvent]) -> object:
-        """The first event; if it is slow, the headers go out with a heartbeat meanwhile."""
-        task = self._loop.create_task(_next(events))
-        try:
-            done, _ = await asyncio.wait((task,), timeout=self.heartbeat_s)
-            if not done:
-                await self._write(self._begin() + self.encoder.heartbeat())
-                await asyncio.wait((task,))
-            return task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.wait((task,))
+    async def _first_output(self, batches: AsyncIterator[list[StreamEvent]], head: bytes) -> object:
+        """The first bytes to write: ``head`` and the log rendered so far; ``_END`` if none.
+
+        The first batch is always awaited before anything is written, so that a
+        stream failing before any output raises (the client gets an HTTP
+        status). Batches that render nothing (a resume skipping what the client
+        has) are read on. If a wait passes a heartbeat interval, the headers go
+        out with what is ready and a heartbeat, and failures travel in the
+        stream from then on.
+        """
+        renderer = self.renderer
+        out = head
+        while True:
+            task = self._loop.create_task(_next(batches))
+            try:
+                done, _ = await asyncio.wait((task,), timeout=self.heartbeat_s)
+                if not done:
+                    await self._write(self._begin() + out + renderer.heartbeat())
+                    out = b""
+                    await asyncio.wait((task,))
+                batch = task.result()
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait((task,))
+            if batch is _END:
+                return _END
+            events: list[StreamEvent] = batch  # type: ignore[assignment]
+            if self.response is None and renderer.step == 0 and type(events[0]) is Error:
+                failure = self.reader.failure
+                raise failure if failure is not None else StreamError(events[0])
+            out += renderer.feed(events)
+            if out or renderer.done:
+                return out
 
     def _begin(self) -> bytes:
-        """Create the response (sent with the first write); ``start()`` the first time.
-
-        Called before any other encoder method: stateful encoders (Anthropic,
-        Responses) number their frames from ``start()`` on.
-        """
+        """Create the response (sent with the first write)."""
         if self.response is None:
             self.response = web.StreamResponse(status=200, headers=self.headers)
-            return self.encoder.start()
         return b""
 
     async def _write(self, data: bytes) -> None:
@@ -203,13 +229,10 @@ class StreamPump:
         await self._write(data)
         return self._require_response()
 
-    async def _end_with_error(self, event: Error) -> web.StreamResponse:
-        return await self._end(self._begin() + self.encoder.error(event) + self.encoder.end())
-
     async def _watch(self) -> None:
         """Heartbeats when idle; abort the connection when a write stalls."""
         response = self._require_response()
-        heartbeat = self.encoder.heartbeat()
+        heartbeat = self.renderer.heartbeat()
         # Stalls are noticed within a quarter of the write timeout.
         tick = self.write_timeout_s / 4
         while True:
@@ -241,7 +264,7 @@ class StreamPump:
             await asyncio.sleep(max(min(wake - now, tick), 0.001))
 
     def _abort(self, why: str) -> None:
-        log.warning("dropping client of stream %s: %s", self.stream.meta.id, why)
+        log.warning("dropping client of stream %s: %s", self.reader.meta.id, why)
         transport = self.request.transport
         if transport is not None:
             transport.abort()
@@ -262,33 +285,53 @@ def _internal_event() -> Error:
     )
 
 
+def _lost_event() -> Error:
+    return Error(
+        error_type="server_error",
+        message="The stream's log ended without its last event; the response is incomplete.",
+        code="stream_incomplete",
+        retryable=True,
+    )
+
+
 async def pump(
     request: web.Request,
-    stream: Stream,
+    reader: LogReader,
     encoder_cls: type[Encoder],
     *,
     heartbeat_s: float,
     write_timeout_s: float,
+    after: Cursor | None = None,
+    headers: dict[str, str] | None = None,
     active: set[StreamPump] | None = None,
 ) -> web.StreamResponse:
-    """Stream ``stream`` to the client of ``request`` in ``encoder_cls``'s format."""
-    encoder = encoder_cls(stream.meta)
-    headers = {
+    """Write ``reader``'s log to the client of ``request`` in ``encoder_cls``'s format.
+
+    The reader must start at the log's first entry: a resume (``after``) renders
+    the skipped part too, without writing it, so that stateful encoders pick up
+    exactly where the first rendering was.
+    """
+    meta = reader.meta
+    encoder = encoder_cls(meta)
+    renderer = Renderer(encoder, meta.id, ids=uses_event_ids(encoder_cls), after=after)
+    all_headers = {
         "Content-Type": encoder.content_type or encoder.media_type,
         "Cache-Control": "no-cache",
         "X-Accel-Buffering": "no",
         "Vary": "Accept, X-Nexus-Stream-Format",
         "X-Nexus-Stream-Format": encoder.media_type,
-        "X-Nexus-Stream-Id": stream.meta.id,
-        "x-request-id": stream.meta.id,
+        "X-Nexus-Stream-Id": meta.id,
+        "x-request-id": meta.id,
     }
+    if headers:
+        all_headers.update(headers)
     runner = StreamPump(
         request,
-        stream,
-        encoder,
+        reader,
+        renderer,
         heartbeat_s=heartbeat_s,
         write_timeout_s=write_timeout_s,
-        headers=headers,
+        headers=all_headers,
         active=active,
     )
     return await runner.run()

@@ -2,25 +2,38 @@
 
 An endpoint supplies its request parsing (body bytes to a :class:`ChatRequest`),
 its default stream format and its non-streaming JSON; :func:`complete` does the
-rest through the one engine and the one pump.
+rest through the one hub and the one pump. :func:`resume` serves a stream that
+already exists (``GET /v1/streams/{id}``, and a POST carrying ``Last-Event-ID``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from ...errors import RequestTooLarge, ServerShuttingDown, TooManyStreams
+from ...cache.cursor import Cursor, parse_cursor
+from ...cache.hub import describe, with_usage
+from ...cache.run import LogReader
+from ...encoders.base import Encoder
+from ...errors import (
+    InvalidLastEventId,
+    RequestTooLarge,
+    ServerShuttingDown,
+    StreamError,
+    TooManyStreams,
+)
+from ...events import Done, Error, StreamEvent
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
+from ...stream import Stream, accumulate
 from ...types import Completion
 from .. import state
 from ..streaming import pump
 
-__all__ = ["complete", "json_response", "read_body"]
+__all__ = ["complete", "json_response", "last_event_id", "read_body", "resume"]
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -35,8 +48,39 @@ async def read_body(request: web.Request) -> bytes:
         raise too_large from None
 
 
-def json_response(body: dict[str, Any]) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+def json_response(
+    body: dict[str, Any], *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+def negotiate(request: web.Request, default_format: str) -> type[Encoder]:
+    formats = request.app[state.REGISTRY]
+    media_type = select_format(
+        request.query.get("stream_format"),
+        request.headers.get("X-Nexus-Stream-Format"),
+        request.headers.get("Accept"),
+        default_format,
+        formats,
+    )
+    return formats.get(media_type)
+
+
+def last_event_id(request: web.Request) -> Cursor | None:
+    """The resume point: the ``Last-Event-ID`` header, else ``?last_event_id=``."""
+    value = request.headers.get("Last-Event-ID")
+    if value is None:
+        value = request.query.get("last_event_id")
+    if value is None or not value.strip():
+        return None
+    return parse_cursor(value)
+
+
+def _check_open(request: web.Request) -> None:
+    if request.app[state.RUNTIME].shutting_down:
+        raise ServerShuttingDown("The server is shutting down; retry the request.")
 
 
 async def complete(
@@ -49,36 +93,97 @@ async def complete(
     """Serve one completion request in the endpoint's shapes.
 
     The stream format is negotiated before the body is read, so an unknown
-    format is refused whatever the body holds.
+    format is refused whatever the body holds. With ``Last-Event-ID`` the
+    request resumes the stream it names (the body is not used).
     """
+    _check_open(request)
     app = request.app
-    runtime = app[state.RUNTIME]
-    if runtime.shutting_down:
-        raise ServerShuttingDown("The server is shutting down; retry the request.")
-    formats = app[state.REGISTRY]
-    media_type = select_format(
-        request.query.get("stream_format"),
-        request.headers.get("X-Nexus-Stream-Format"),
-        request.headers.get("Accept"),
-        default_format,
-        formats,
-    )
-    chat = parse(await read_body(request))
-    engine = app[state.ENGINE]
-    if not chat.stream:
-        return json_response(render(await engine.complete(chat)))
+    encoder = negotiate(request, default_format)
+    body = await read_body(request)
+    cursor = last_event_id(request)
+    if cursor is not None:
+        if cursor.stream_id is None:
+            raise InvalidLastEventId(
+                "A POST resumes the stream its Last-Event-ID names: send the id of an "
+                "event ('<stream id>.<step>'), not a count.",
+                param="last_event_id",
+            )
+        return await resume(request, cursor.stream_id, encoder, cursor)
+    chat = parse(body)
+    hub = app[state.HUB]
+    if not chat.stream and not chat.background:
+        if not hub.cache.enabled:
+            return json_response(render(await app[state.ENGINE].complete(chat)))
+        opened = await hub.open(chat, format=default_format)
+        reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
+        completion = await accumulate(Stream(_events(reader), reader.meta))
+        return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
     config = app[state.CONFIG]
-    if len(runtime.active) >= config.limits.max_concurrent_streams:
+    if len(hub.live) >= config.limits.max_concurrent_streams:
         raise TooManyStreams(
             f"The gateway is at its limit of {config.limits.max_concurrent_streams} "
             "concurrent streams; retry shortly.",
             headers={"Retry-After": "1"},
         )
+    opened = await hub.open(chat, format=default_format, background=chat.background)
+    headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
+    if chat.background:
+        headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
+        return json_response(describe(opened.info), status=202, headers=headers)
+    reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, chat.include_usage))
+    return await _pump(request, reader, encoder, None, headers)
+
+
+async def resume(
+    request: web.Request, stream_id: str, encoder: type[Encoder], cursor: Cursor | None
+) -> web.StreamResponse:
+    """Attach to an existing stream and write it from after ``cursor`` (from the start if None)."""
+    if cursor is not None and cursor.stream_id not in (None, stream_id):
+        raise InvalidLastEventId(
+            f"Last-Event-ID {str(cursor)!r} belongs to another stream than {stream_id!r}.",
+            param="last_event_id",
+        )
+    reader = await request.app[state.HUB].attach(stream_id)
+    return await _pump(request, reader, encoder, cursor, {})
+
+
+async def _pump(
+    request: web.Request,
+    reader: LogReader,
+    encoder: type[Encoder],
+    cursor: Cursor | None,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    config = request.app[state.CONFIG]
     return await pump(
         request,
-        engine.complete_stream(chat),
-        formats.get(media_type),
+        reader,
+        encoder,
         heartbeat_s=config.server.heartbeat_interval_s,
         write_timeout_s=config.server.write_timeout_s,
-        active=runtime.active,
+        after=cursor,
+        headers=headers,
+        active=request.app[state.RUNTIME].active,
     )
+
+
+async def _events(reader: LogReader) -> AsyncGenerator[StreamEvent, None]:
+    """A log as a plain event stream (for :func:`accumulate`): no terminal ``Done``."""
+    try:
+        async for batch in reader:
+            for event in batch:
+                if type(event) is Done:
+                    return
+                if type(event) is Error and reader.failure is not None:
+                    raise reader.failure
+                yield event
+        raise StreamError(
+            Error(
+                error_type="server_error",
+                message="The stream's log ended without its last event.",
+                code="stream_incomplete",
+                retryable=True,
+            )
+        )
+    finally:
+        await reader.close()

@@ -43,7 +43,12 @@ async def healthz(request: web.Request) -> web.Response:
     runtime = request.app[state.RUNTIME]
     if runtime.shutting_down:
         raise GatewayError("shutting down", status=503, code="server_shutting_down")
+    body = {
+        "status": "ok",
+        "streams": len(request.app[state.HUB].live),
+        "clients": len(runtime.active) + len(runtime.sockets),
+    }
     return web.Response(
-        body=orjson.dumps({"status": "ok", "streams": len(runtime.active)}),
+        body=orjson.dumps(body),
         content_type="application/json",
     )

@@ -28,8 +28,11 @@ import logging
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from ...cache.hub import with_usage
+from ...cache.run import LogReader, StreamRun
+from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
-from ...events import Error
+from ...events import Done, Error
 from ...protocol.realtime import (
     AbortTurn,
     RealtimeSession,
@@ -37,7 +40,6 @@ from ...protocol.realtime import (
     StartTurn,
     gateway_error_frame,
 )
-from ...stream import Stream
 from .. import state
 
 __all__ = ["RealtimeConnection", "handle"]
@@ -61,7 +63,7 @@ class RealtimeConnection:
         app = request.app
         config = app[state.CONFIG]
         self.request = request
-        self.engine = app[state.ENGINE]
+        self.hub = app[state.HUB]
         self.runtime = app[state.RUNTIME]
         self.ws = web.WebSocketResponse(
             heartbeat=config.server.heartbeat_interval_s,
@@ -71,6 +73,7 @@ class RealtimeConnection:
             max_pending_input_bytes=config.realtime.max_pending_input_bytes
         )
         self.turn: asyncio.Task[None] | None = None
+        self._held: tuple[LogReader, StreamRun | None] | None = None
         self._terminated = False
 
     @property
@@ -102,7 +105,10 @@ class RealtimeConnection:
                 await self.ws.send_str(frame)
             case StartTurn(request=request):
                 try:
-                    stream = self.engine.complete_stream(request)
+                    opened = await self.hub.open(request, format=NDJSONEncoder.media_type)
+                    reader = await self.hub.attach(
+                        opened.id, meta=with_usage(opened.info.meta, request.include_usage)
+                    )
                 except GatewayError as exc:
                     # Refused before anything streamed: the pending input is kept.
                     self.session.start_refused()
@@ -110,7 +116,10 @@ class RealtimeConnection:
                     return
                 self.session.start_accepted()
                 self._terminated = False
-                turn = asyncio.get_running_loop().create_task(self._turn(stream))
+                # A joined stream is shared: this socket may leave it, never end it.
+                owned = opened.run if opened.cache != "hit" else None
+                self._held = (reader, owned)
+                turn = asyncio.get_running_loop().create_task(self._turn(reader, owned))
                 turn.add_done_callback(self._turn_done)
                 self.turn = turn
             case AbortTurn():
@@ -119,6 +128,7 @@ class RealtimeConnection:
                     return
                 running.cancel()
                 await asyncio.wait((running,))
+                await self._release()
                 # Sent here, not by the turn: a turn cancelled before it first ran
                 # must still answer. A turn that already sent its end gets nothing more.
                 if not self._terminated:
@@ -132,17 +142,25 @@ class RealtimeConnection:
         if not turn.cancelled() and turn.exception() is not None:
             log.error("realtime turn failed", exc_info=turn.exception())
 
-    async def _turn(self, stream: Stream) -> None:
+    async def _turn(self, reader: LogReader, run: StreamRun | None) -> None:
         ws = self.ws
+        started = False
         try:
-            async for event in stream:
-                if type(event) is Error:
-                    await self._fail(orjson.dumps(event.to_dict()))
-                    return
-                await ws.send_frame(orjson.dumps(event.to_dict()), WSMsgType.TEXT)
-            await stream.close()
-            self._terminate()  # before the frame: the client may start again at once
-            await ws.send_str(_DONE)
+            async for batch in reader:
+                for event in batch:
+                    cls = type(event)
+                    if cls is Done:
+                        self._terminate()  # before the frame: the client may start again at once
+                        await ws.send_str(_ABORTED if event.aborted else _DONE)  # type: ignore[union-attr]
+                        return
+                    if cls is Error:
+                        failure = reader.failure
+                        if not started and failure is not None:
+                            raise failure
+                        await self._fail(orjson.dumps(event.to_dict()))
+                        return
+                    started = True
+                    await ws.send_frame(orjson.dumps(event.to_dict()), WSMsgType.TEXT)
         except GatewayError as exc:
             if exc.status >= 500:
                 await self._fail(orjson.dumps(exc.to_event().to_dict()))
@@ -155,7 +173,13 @@ class RealtimeConnection:
             log.exception("realtime turn failed")
             await self._fail(orjson.dumps(_INTERNAL.to_dict()))
         finally:
-            await stream.close()
+            await _release(reader, run)
+
+    async def _release(self) -> None:
+        """Let go of the current turn's stream (also when it was cancelled before it ran)."""
+        held, self._held = self._held, None
+        if held is not None:
+            await _release(*held)
 
     def _terminate(self) -> None:
         """The turn's last frame is about to go out: no aborted frame after it."""
@@ -174,12 +198,21 @@ class RealtimeConnection:
         if turn is not None and not turn.done():
             turn.cancel()
             await asyncio.wait((turn,))
+        await self._release()
 
     async def shutdown(self) -> None:
         """Server shutdown: cancel the turn, close with 1001 (going away)."""
         await self._cancel_turn()
         with contextlib.suppress(Exception):
             await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+
+async def _release(reader: LogReader, run: StreamRun | None) -> None:
+    """Idempotent. Nobody else knows this stream's id: when the turn ends early (abort,
+    the socket gone), the stream ends with it, unless it was joined (then it is shared)."""
+    if run is not None and not run.finished:
+        run.cancel(Done(aborted=True))
+    await reader.close()
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -1,0 +1,81 @@
+"""Events to compact JSON and back, for stores that keep logs outside the process.
+
+The NDJSON form (``to_dict()``) is for clients and drops what a client does
+not need; a stored log must give back the very events, so each is stored as
+``[type, field, field, ...]`` in dataclass field order (a delta's tool calls as
+nested lists). Sans-I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from ..events import (
+    Audio,
+    Citation,
+    Delta,
+    Done,
+    Error,
+    Heartbeat,
+    Image,
+    Reasoning,
+    StreamEvent,
+    ToolCall,
+    Usage,
+)
+
+__all__ = ["dump_event", "dumps_events", "event_size", "load_event", "loads_events"]
+
+_CLASSES: dict[str, type[Any]] = {
+    cls.type: cls
+    for cls in (Delta, Reasoning, ToolCall, Audio, Image, Citation, Usage, Error, Heartbeat, Done)
+}
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
+
+
+def dump_event(event: StreamEvent) -> list[Any]:
+    """``[type, *fields]``: JSON-ready, exact."""
+    cls = type(event)
+    out: list[Any] = [cls.type]
+    for name in _FIELDS[cls]:
+        value = getattr(event, name)
+        if name == "tool_calls" and value is not None:
+            value = [dump_event(call)[1:] for call in value]
+        out.append(value)
+    return out
+
+
+def load_event(data: Sequence[Any]) -> StreamEvent:
+    """The event :func:`dump_event` gave ``data`` for. Raises ``ValueError`` on bad input."""
+    if not data or not isinstance(data[0], str) or data[0] not in _CLASSES:
+        raise ValueError(f"not a stored event: {data!r:.80}")
+    cls = _CLASSES[data[0]]
+    fields = _FIELDS[cls]
+    values = list(data[1:])
+    if len(values) != len(fields):
+        raise ValueError(f"a stored {data[0]} event has {len(values)} fields, not {len(fields)}")
+    if cls is Delta:
+        calls = values[fields.index("tool_calls")]
+        if calls is not None:
+            values[fields.index("tool_calls")] = tuple(ToolCall(*call) for call in calls)
+    event: StreamEvent = cls(*values)
+    return event
+
+
+def dumps_events(events: Sequence[StreamEvent]) -> bytes:
+    return orjson.dumps([dump_event(event) for event in events])
+
+
+def loads_events(data: bytes | str) -> list[StreamEvent]:
+    return [load_event(item) for item in orjson.loads(data)]
+
+
+def event_size(event: StreamEvent) -> int:
+    """About the bytes an event costs in a log: exact enough for bounds, cheap per token."""
+    if type(event) is Delta and event.content is not None and event.tool_calls is None:
+        return 48 + len(event.content)
+    return 16 + len(orjson.dumps(dump_event(event)))

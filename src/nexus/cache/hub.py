@@ -1,0 +1,323 @@
+"""The stream hub: every stream the gateway serves is opened, found and ended here.
+
+:meth:`StreamHub.open` turns a request into a stream resource:
+
+1. With ``[cache] enabled``, a recording of the same canonical request
+   (:func:`cache_key`: model, messages, parameters; not the wire format, not the
+   stream options) replays as a new stream (``cache="hit"``), burst, paced or
+   fast-forwarded.
+2. An identical request still streaming (here, or on a replica sharing the
+   store) is joined: one upstream call, many listeners (``cache="hit"``).
+3. Otherwise the engine's stream starts in a :class:`StreamRun`
+   (``cache="miss"``, or None with the cache off); if it ends well, it is
+   recorded.
+
+:meth:`StreamHub.attach` finds a stream by id: a local run, else the store
+(a replica's live log, or a finished one within ``resume_ttl_s``). Each run has
+a keeper task that mirrors its log into a shared store as it grows and, when
+it ends, hands the log to the store, records it and releases its claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from ..config import CacheConfig, StreamsConfig
+from ..engine import Engine
+from ..errors import GatewayError, StreamNotFound
+from ..events import Done, Error, StreamEvent
+from ..request import ChatRequest
+from ..stream import Stream
+from ..types import StreamMeta
+from .run import RunReader, StreamRun
+from .store import Recording, Status, Store, StreamInfo
+
+__all__ = ["Opened", "StoreReader", "StreamHub", "cache_key"]
+
+log = logging.getLogger("nexus.streams")
+
+_NOT_IN_KEY = {"stream", "stream_options", "background"}
+
+
+def cache_key(request: ChatRequest) -> str:
+    """The canonical request: what decides the output, whatever the wire format."""
+    body = request.model_dump(mode="json", exclude=_NOT_IN_KEY, exclude_none=True)
+    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def status_of(terminal: StreamEvent) -> Status:
+    if type(terminal) is Error:
+        return "cancelled" if terminal.code in ("stream_detached", "stream_cancelled") else "failed"
+    if type(terminal) is Done and terminal.aborted:
+        return "cancelled"
+    return "completed"
+
+
+@dataclass(slots=True)
+class Opened:
+    """A stream resource, ready to attach to. ``run`` is None when it lives elsewhere."""
+
+    info: StreamInfo
+    run: StreamRun | None
+    cache: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+
+class StoreReader:
+    """Follows a log kept in the store (finished, or live on another replica).
+
+    While it reads, it renews a lease so the owning replica does not cancel the
+    stream as detached.
+    """
+
+    def __init__(self, hub: StreamHub, info: StreamInfo, start: int) -> None:
+        self.meta = info.meta
+        self._hub = hub
+        self._id = info.id
+        self._batches: AsyncIterator[list[StreamEvent]] = hub.store.read(info.id, start)
+        self._lease: asyncio.Task[None] | None = None
+        if info.status == "in_progress" and hub.store.shared:
+            self._lease = asyncio.get_running_loop().create_task(self._renew())
+
+    @property
+    def failure(self) -> GatewayError | None:
+        return None
+
+    def __aiter__(self) -> StoreReader:
+        return self
+
+    async def __anext__(self) -> list[StreamEvent]:
+        return await self._batches.__anext__()
+
+    async def _renew(self) -> None:
+        ttl = max(self._hub.streams.detach_timeout_s * 2, 2.0)
+        while True:
+            with contextlib.suppress(Exception):
+                await self._hub.store.lease(self._id, ttl)
+            await asyncio.sleep(ttl / 4)
+
+    async def close(self) -> None:
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+        closer = getattr(self._batches, "aclose", None)
+        if closer is not None:
+            with contextlib.suppress(Exception):
+                await closer()
+
+
+class StreamHub:
+    """Opens, finds and ends stream resources. One per app; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: Store,
+        *,
+        streams: StreamsConfig | None = None,
+        cache: CacheConfig | None = None,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.streams = streams or StreamsConfig()
+        self.cache = cache or CacheConfig()
+        self.live: dict[str, StreamRun] = {}
+        self._keepers: set[asyncio.Task[None]] = set()
+
+    async def open(
+        self,
+        request: ChatRequest,
+        *,
+        format: str,
+        owner: str | None = None,
+        background: bool = False,
+    ) -> Opened:
+        """A stream for ``request``: replayed, joined or new (see the module docstring).
+
+        Raises what :meth:`Engine.complete_stream` raises for a request that
+        cannot be routed.
+        """
+        if not self.cache.enabled:
+            stream = self.engine.complete_stream(request)
+            return Opened(*self._launch(stream, format, owner, background), None)
+        key = cache_key(request)
+        recording = await self.store.get_recording(key)
+        if recording is not None:
+            self.engine.route(request.model)  # the model must still exist
+            meta = StreamMeta.new(
+                request.model,
+                include_usage=request.include_usage,
+                provider=recording.provider,
+                upstream_model=recording.upstream_model,
+                retry_ms=self.engine.retry_ms,
+            )
+            source = Stream(self._replay(recording), meta)
+            return Opened(*self._launch(source, format, owner, background), "hit")
+        stream = self.engine.complete_stream(request)
+        holder = await self.store.claim(key, stream.meta.id, self.streams.resume_ttl_s)
+        if holder is not None:
+            joined = await self._joinable(holder)
+            if joined is not None:
+                await stream.close()
+                return Opened(joined, self.live.get(holder), "hit")
+            await self.store.release(key, holder)
+            await self.store.claim(key, stream.meta.id, self.streams.resume_ttl_s)
+        info, run = self._launch(stream, format, owner, background, record=key)
+        return Opened(info, run, "miss")
+
+    async def _joinable(self, stream_id: str) -> StreamInfo | None:
+        run = self.live.get(stream_id)
+        if run is not None:
+            return run.info if not run.finished else None
+        info = await self.store.info(stream_id)
+        if info is None or info.status != "in_progress":
+            return None
+        return info
+
+    def _launch(
+        self,
+        source: Stream,
+        format: str,
+        owner: str | None,
+        background: bool,
+        record: str | None = None,
+    ) -> tuple[StreamInfo, StreamRun]:
+        info = StreamInfo(meta=source.meta, format=format, owner=owner)
+        run = StreamRun(
+            info,
+            source,
+            detach_timeout_s=self.streams.detach_timeout_s,
+            max_log_bytes=self.streams.max_log_bytes,
+            leased=(lambda: self.store.leased(info.id)) if self.store.shared else None,
+        )
+        self.live[run.id] = run
+        run.start(detached=background)
+        keeper = asyncio.get_running_loop().create_task(self._keep(run, record))
+        self._keepers.add(keeper)
+        keeper.add_done_callback(self._keepers.discard)
+        return info, run
+
+    async def attach(
+        self, stream_id: str, start: int = 0, *, meta: StreamMeta | None = None
+    ) -> RunReader | StoreReader:
+        """A reader of the stream's log from entry ``start``. Raises :class:`StreamNotFound`."""
+        run = self.live.get(stream_id)
+        if run is not None:
+            reader = run.reader(start)
+        else:
+            info = await self.info(stream_id)
+            if info is None:
+                raise StreamNotFound(f"No stream {stream_id!r}: unknown, or expired.")
+            reader = StoreReader(self, info, start)  # type: ignore[assignment]
+        if meta is not None:
+            reader.meta = meta
+        return reader
+
+    async def info(self, stream_id: str) -> StreamInfo | None:
+        run = self.live.get(stream_id)
+        if run is not None:
+            return run.info
+        return await self.store.info(stream_id)
+
+    def cancel(self, stream_id: str, terminal: StreamEvent) -> bool:
+        """End a local stream now. False when it is not running here."""
+        run = self.live.get(stream_id)
+        if run is None or run.finished:
+            return False
+        run.cancel(terminal)
+        return True
+
+    async def shutdown(self, terminal: StreamEvent) -> None:
+        """Cancel every live stream with ``terminal``; wait until their logs are kept."""
+        for run in list(self.live.values()):
+            run.cancel(terminal)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Until every run's keeper is done (logs handed to the store)."""
+        while self._keepers:
+            await asyncio.wait(list(self._keepers))
+
+    async def _keep(self, run: StreamRun, record: str | None) -> None:
+        store = self.store
+        ttl = self.streams.resume_ttl_s
+        written = 0
+        try:
+            if store.shared:
+                try:
+                    await store.begin(run.info, ttl)
+                    while not run.finished:
+                        await run.changed()
+                        end = len(run.events) - (1 if run.finished else 0)
+                        if end > written:
+                            await store.append(run.id, written, run.events[written:end])
+                            written = end
+                except Exception:
+                    log.exception("mirroring stream %s to the store failed", run.id)
+            await run.wait()
+            run.info.status = status_of(run.events[-1])
+            try:
+                await store.end(run.info, run.events, written, ttl)
+            except Exception:
+                log.exception("keeping the log of stream %s failed", run.id)
+            if record is not None:
+                await self._record(run, record)
+        finally:
+            self.live.pop(run.id, None)
+
+    async def _record(self, run: StreamRun, key: str) -> None:
+        try:
+            terminal = run.events[-1]
+            cache = self.cache
+            if (
+                type(terminal) is Done
+                and not terminal.aborted
+                and len(run.events) - 1 <= cache.max_frames
+                and run.size <= cache.max_bytes
+            ):
+                meta = run.info.meta
+                recording = Recording(
+                    run.events[:-1], run.offsets[:-1], meta.provider, meta.upstream_model
+                )
+                await self.store.put_recording(key, recording, cache.ttl_s)
+            await self.store.release(key, run.id)
+        except Exception:
+            log.exception("recording stream %s failed", run.id)
+
+    async def _replay(self, recording: Recording) -> AsyncGenerator[StreamEvent, None]:
+        mode = self.cache.mode
+        if mode == "burst":
+            for event in recording.events:
+                yield event
+            return
+        divisor = self.cache.ff_divisor if mode == "fast_forward" else 1.0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for event, offset in zip(recording.events, recording.offsets, strict=True):
+            delay = start + offset / divisor - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            yield event
+
+
+def with_usage(meta: StreamMeta, include_usage: bool) -> StreamMeta:
+    """``meta`` for a listener whose request asked (or not) for usage."""
+    return (
+        meta if meta.include_usage == include_usage else replace(meta, include_usage=include_usage)
+    )
+
+
+def describe(info: StreamInfo) -> dict[str, Any]:
+    """The JSON a background request answers with."""
+    return {"id": info.id, "url": f"/v1/streams/{info.id}", "status": info.status}

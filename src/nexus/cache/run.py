@@ -1,0 +1,294 @@
+"""A stream resource in this process: one producer task, one log, any number of readers.
+
+:class:`StreamRun` reads its source (the engine's :class:`~nexus.stream.Stream`,
+or a replayed recording) in a task of its own and appends each event to
+``events``; the last entry is terminal (:class:`Done`, or an :class:`Error`).
+Readers (:class:`RunReader`) follow the log from any index and get whatever
+arrived since their last read as one batch, so a burst from upstream becomes
+one write downstream.
+
+Connections come and go; the run does not follow them. When the last reader
+detaches, a timer of ``detach_timeout_s`` starts; if no reader comes back (and
+no other replica holds a lease on the stream) the source is cancelled and the
+log ends with ``stream_detached``. :meth:`StreamRun.cancel` ends it at once with
+the terminal entry given (an abort, shutdown). A log that grows past
+``max_log_bytes`` ends with ``stream_too_large``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
+
+from ..errors import GatewayError
+from ..events import Delta, Done, Error, StreamEvent
+from ..stream import Stream
+from ..types import StreamMeta
+from .codec import event_size
+from .store import StreamInfo
+
+__all__ = ["LogReader", "RunReader", "StreamRun"]
+
+log = logging.getLogger("nexus.streams")
+
+
+class LogReader(Protocol):
+    """What the pump reads: a log's entries in batches, from where it was opened.
+
+    ``failure`` is the error the source raised before any event, when the
+    stream runs here (the origin request answers with its HTTP status).
+    """
+
+    meta: StreamMeta
+
+    @property
+    def failure(self) -> GatewayError | None: ...
+
+    def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
+
+    async def close(self) -> None: ...
+
+
+def _error(code: str, message: str, *, retryable: bool = False) -> Error:
+    return Error(error_type="server_error", message=message, code=code, retryable=retryable)
+
+
+class StreamRun:
+    """One live stream: its producer task, its log, its readers. See the module docstring."""
+
+    def __init__(
+        self,
+        info: StreamInfo,
+        source: Stream,
+        *,
+        detach_timeout_s: float,
+        max_log_bytes: int,
+        leased: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.info = info
+        self.id = info.meta.id
+        self.events: list[StreamEvent] = []
+        self.offsets: list[float] = []
+        """Seconds from the start to each entry (for paced replay of recordings)."""
+        self.finished = False
+        self.failure: GatewayError | None = None
+        """The error the source raised before any event (the origin answers with its status)."""
+        self.size = 0
+        self.attached = 0
+        self._source = source
+        self._detach_timeout_s = detach_timeout_s
+        self._max_log_bytes = max_log_bytes
+        self._leased = leased
+        self._loop = asyncio.get_running_loop()
+        self._waiters: list[asyncio.Future[None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._cancel_with: StreamEvent | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._running = False
+        self._finished = self._loop.create_future()
+
+    @property
+    def terminal(self) -> StreamEvent | None:
+        return self.events[-1] if self.finished else None
+
+    def start(self, *, detached: bool = False) -> None:
+        """Start producing. ``detached``: nobody reads yet (a background request)."""
+        self._task = self._loop.create_task(self._produce(), name=f"nexus-stream-{self.id}")
+        if detached:
+            self._arm()
+
+    def reader(self, start: int = 0) -> RunReader:
+        return RunReader(self, start)
+
+    def cancel(self, terminal: StreamEvent) -> None:
+        """End the stream now; ``terminal`` closes the log (unless it already ended)."""
+        if self.finished or self._task is None:
+            return
+        if self._cancel_with is None:
+            self._cancel_with = terminal
+        if self._running:
+            self._task.cancel()
+        # else: the task has not run yet; it sees _cancel_with when it does.
+
+    async def wait(self) -> None:
+        """Until the log is finished (the source closed)."""
+        await asyncio.shield(self._finished)
+
+    async def changed(self) -> None:
+        """Until the next entry (returns at once when finished)."""
+        if self.finished:
+            return
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    async def _produce(self) -> None:
+        source = self._source
+        events = self.events
+        offsets = self.offsets
+        now = self._loop.time
+        start = now()
+        limit = self._max_log_bytes
+        size = 0
+        terminal: StreamEvent = Done()
+        self._running = True
+        try:
+            if self._cancel_with is not None:
+                raise asyncio.CancelledError
+            async for event in source:
+                cls = type(event)
+                if cls is Error:
+                    terminal = event
+                    break
+                if cls is Done:
+                    continue
+                events.append(event)
+                offsets.append(now() - start)
+                if cls is Delta and event.content is not None and event.tool_calls is None:  # type: ignore[union-attr]
+                    size += 48 + len(event.content)  # type: ignore[union-attr]
+                else:
+                    size += event_size(event)
+                if self._waiters:
+                    self._wake()
+                if size > limit:
+                    terminal = _error(
+                        "stream_too_large",
+                        f"The stream passed the gateway's limit of {limit} bytes "
+                        "([streams] max_log_bytes) and was ended.",
+                    )
+                    break
+                if not len(events) & 255:
+                    await asyncio.sleep(0)  # a source that never waits must not starve writers
+        except asyncio.CancelledError:
+            terminal = self._cancel_with or _error("stream_cancelled", "The stream was cancelled.")
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        except GatewayError as exc:
+            if not events:
+                self.failure = exc
+            terminal = exc.to_event()
+        except Exception:
+            log.exception("stream %s failed", self.id)
+            terminal = _error(
+                "internal_error",
+                "The gateway failed while streaming; the response is incomplete.",
+                retryable=True,
+            )
+        self.size = size
+        try:
+            await source.close()
+        except Exception:
+            log.exception("closing the source of stream %s failed", self.id)
+        finally:
+            self._finish(terminal, now() - start)
+
+    def _finish(self, terminal: StreamEvent, offset: float) -> None:
+        self.events.append(terminal)
+        self.offsets.append(offset)
+        self.finished = True
+        self._disarm()
+        self._wake()
+        if not self._finished.done():
+            self._finished.set_result(None)
+
+    def _wake(self) -> None:
+        waiters = self._waiters
+        self._waiters = []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # Attachment.
+    def _attach(self) -> None:
+        self.attached += 1
+        self._disarm()
+
+    def _detach(self) -> None:
+        self.attached -= 1
+        if self.attached == 0 and not self.finished:
+            self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        if self._detach_timeout_s <= 0:
+            self._expire()
+        else:
+            self._timer = self._loop.call_later(self._detach_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.attached or self.finished:
+            return
+        if self._leased is None:
+            self._cancel_detached()
+        else:
+            self._loop.create_task(self._check_lease())
+
+    async def _check_lease(self) -> None:
+        try:
+            leased = await self._leased()  # type: ignore[misc]
+        except Exception:
+            log.exception("checking the lease of stream %s failed", self.id)
+            leased = False
+        if self.attached or self.finished:
+            return
+        if leased:
+            self._arm()
+        else:
+            self._cancel_detached()
+
+    def _cancel_detached(self) -> None:
+        self.cancel(
+            _error(
+                "stream_detached",
+                f"No client was attached for {self._detach_timeout_s:g}s "
+                "([streams] detach_timeout_s); the stream was cancelled.",
+            )
+        )
+
+
+class RunReader:
+    """Follows a local run's log from ``start``; attached until :meth:`close`."""
+
+    __slots__ = ("_closed", "_index", "_run", "meta")
+
+    def __init__(self, run: StreamRun, start: int = 0) -> None:
+        self._run = run
+        self._index = start
+        self._closed = False
+        self.meta = run.info.meta
+        run._attach()
+
+    @property
+    def failure(self) -> GatewayError | None:
+        return self._run.failure
+
+    def __aiter__(self) -> RunReader:
+        return self
+
+    async def __anext__(self) -> list[StreamEvent]:
+        run = self._run
+        while True:
+            events = run.events
+            index = self._index
+            if index < len(events):
+                self._index = len(events)
+                return events[index:]
+            if run.finished:
+                raise StopAsyncIteration
+            waiter = run._loop.create_future()
+            run._waiters.append(waiter)
+            await waiter
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._run._detach()

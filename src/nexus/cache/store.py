@@ -1,0 +1,134 @@
+"""Where stream logs and recordings live: the :class:`Store` interface and :class:`StreamInfo`.
+
+A stream runs in one process (its :class:`~nexus.cache.run.StreamRun`); the
+store is what outlives it and what other processes see:
+
+* **Logs.** A *shared* store (Redis) mirrors a live log as it grows
+  (:meth:`Store.begin`, :meth:`Store.append`), so another replica can follow
+  it; every store keeps the finished log for ``resume_ttl_s``
+  (:meth:`Store.end`). :meth:`Store.read` yields a log from an index, in
+  batches, following it live until its terminal entry.
+* **Leases.** A replica following another's live stream renews a lease, which
+  keeps the owner from cancelling it as detached.
+* **Recordings.** Whole streams that ended well, keyed by the canonical
+  request (:meth:`Store.get_recording`, :meth:`Store.put_recording`).
+* **In-flight claims.** :meth:`Store.claim` makes identical concurrent
+  requests join one upstream call.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Literal
+
+from ..events import StreamEvent
+from ..types import StreamMeta
+
+__all__ = ["Recording", "Status", "Store", "StreamInfo"]
+
+Status = Literal["in_progress", "completed", "failed", "cancelled"]
+
+
+@dataclass(slots=True)
+class StreamInfo:
+    """A stream resource: its identity and what its GET needs."""
+
+    meta: StreamMeta
+    format: str
+    """The media type of the endpoint that made it: ``GET /v1/streams/{id}``'s default."""
+    owner: str | None = None
+    status: Status = "in_progress"
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def id(self) -> str:
+        return self.meta.id
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StreamInfo:
+        return cls(
+            meta=StreamMeta(**data["meta"]),
+            format=data["format"],
+            owner=data.get("owner"),
+            status=data["status"],
+            created_at=data["created_at"],
+        )
+
+
+@dataclass(slots=True)
+class Recording:
+    """A stream that ended well: its events (no terminal) and each one's offset in seconds."""
+
+    events: list[StreamEvent]
+    offsets: list[float]
+    provider: str = ""
+    upstream_model: str = ""
+
+
+class Store(ABC):
+    """Keeps stream logs, leases, recordings and in-flight claims. See the module docstring."""
+
+    shared: ClassVar[bool] = False
+    """Whether other processes see this store (live logs are then mirrored into it)."""
+
+    async def start(self) -> None:
+        """Connect; called when the app starts."""
+
+    async def close(self) -> None:
+        """Release connections; called when the app stops."""
+
+    # Logs.
+    async def begin(self, info: StreamInfo, ttl_s: float) -> None:
+        """A live stream starts (shared stores only)."""
+
+    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> None:
+        """Log entries ``start``, ``start + 1``, ... of a live stream (shared stores only)."""
+
+    @abstractmethod
+    async def end(
+        self, info: StreamInfo, events: Sequence[StreamEvent], start: int, ttl_s: float
+    ) -> None:
+        """The stream finished; ``events`` is its whole log, ``events[start:]`` not yet
+        appended. It stays readable for ``ttl_s``."""
+
+    @abstractmethod
+    async def info(self, stream_id: str) -> StreamInfo | None:
+        """The stream's info, or None when unknown or expired."""
+
+    @abstractmethod
+    def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
+        """The log from entry ``start`` on, in batches, live until the terminal entry.
+
+        Raises :class:`~nexus.errors.StreamNotFound` if the log is unknown or
+        expired (also when it expires while being followed).
+        """
+
+    # Leases.
+    async def lease(self, stream_id: str, ttl_s: float) -> None:
+        """A client here follows ``stream_id`` (owned elsewhere) for the next ``ttl_s``."""
+
+    async def leased(self, stream_id: str) -> bool:
+        """Whether a client elsewhere follows ``stream_id``."""
+        return False
+
+    # Recordings.
+    @abstractmethod
+    async def get_recording(self, key: str) -> Recording | None: ...
+
+    @abstractmethod
+    async def put_recording(self, key: str, recording: Recording, ttl_s: float) -> None: ...
+
+    # In-flight claims.
+    @abstractmethod
+    async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
+        """Claim ``key`` for ``stream_id``; the id of the stream that holds it already, if any."""
+
+    @abstractmethod
+    async def release(self, key: str, stream_id: str) -> None:
+        """Drop the claim on ``key`` if ``stream_id`` holds it."""

@@ -1,0 +1,218 @@
+"""The web console (``web/``) in real headless Chromium against the running gateway.
+
+The page is served by the gateway at ``/``; the mock provider streams a
+scripted text, word by word, slowly enough to cut or abort mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
+
+import browser
+from nexus.config import parse_config
+from nexus.encoders.registry import default_registry
+from nexus.providers.mock import words
+from nexus.server.app import create_app
+from nexus.server.state import RUNTIME
+
+browser.require()
+
+from playwright.async_api import Browser, ConsoleMessage, Page, expect  # noqa: E402
+
+TRANSPORTS = ["sse", "ndjson", "ws"]
+TEXT = " ".join(f"token{i:02d}" for i in range(40))  # 40 deltas
+_MS = re.compile(r"^\d+ ms$")
+_NUMBER = re.compile(r"^\d+(\.\d+)?$")
+_AT_LEAST_3 = re.compile(r"^([3-9]|\d\d+)$")
+
+
+# One browser for the module, a new context (cookies, cache) for each test; every
+# fixture and test runs in the module's event loop, the browser's.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chromium() -> AsyncIterator[Browser]:
+    async with browser.chromium() as launched:
+        yield launched
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def gateway() -> AsyncIterator[TestServer]:
+    config = parse_config(
+        {
+            # EventSource waits retry_ms before it reconnects.
+            "server": {"retry_ms": 50, "shutdown_grace_s": 0},
+        }
+    )
+    app = create_app(config, registry=default_registry.copy())
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def page(chromium: Browser) -> AsyncIterator[Page]:
+    context = await chromium.new_context()
+    context.set_default_timeout(5000)
+    page = await context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+
+    def on_console(message: ConsoleMessage) -> None:
+        # CSP violations and failed loads land here; the cut connections are expected.
+        if message.type == "error" and "net::ERR_" not in message.text:
+            errors.append(message.text)
+
+    page.on("console", on_console)
+    yield page
+    await context.close()
+    assert errors == [], "the page had errors"
+
+
+def port_of(server: TestServer) -> int:
+    assert server.port is not None
+    return server.port
+
+
+async def open_console(page: Page, port: int) -> None:
+    await page.goto(f"http://127.0.0.1:{port}/")
+    await expect(page.locator("#model")).to_have_attribute("data-loaded", "true")
+
+
+async def send(page: Page, transport: str, text: str = TEXT, delay_ms: int = 0) -> None:
+    """Fill the form as a person would, with a mock script in the extra fields, and send."""
+    await page.select_option("#model", "mock/echo")
+    await page.select_option("#transport", transport)
+    await page.fill("#prompt", "Say something slowly.")
+    await page.click("#extra-box summary")
+    await page.fill("#extra", json.dumps({"mock": {"content": text, "delay_ms": delay_ms}}))
+    await page.click("#send")
+
+
+async def output_of(page: Page) -> str:
+    return await page.locator("#output").text_content() or ""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_stream_renders(gateway: TestServer, page: Page, transport: str) -> None:
+    text = " ".join(f"word{i}" for i in range(12))
+    await open_console(page, port_of(gateway))
+    await send(page, transport, text, delay_ms=5)
+
+    await expect(page.locator("#status")).to_have_attribute("data-state", "done")
+    assert await output_of(page) == text
+    count = len(words(text))
+    await expect(page.locator("#tokens")).to_have_text(str(count))
+    await expect(page.locator("#usage")).to_contain_text(f"{count} out")
+    await expect(page.locator("#ttft")).to_have_text(_MS)
+    await expect(page.locator("#tps")).to_have_text(_NUMBER)
+    await expect(page.locator("#reconnects")).to_have_text("0")
+    await expect(page.locator("#log .ev-delta")).to_have_count(count + 1)  # + the finish delta
+    await expect(page.locator("#log .ev-done")).to_have_count(1)
+    if transport != "ws":
+        await expect(page.locator("#stream-id")).to_have_text(re.compile(r"^chatcmpl-\w+$"))
+    await expect(page.locator("#send")).to_be_enabled()
+    await expect(page.locator("#abort")).to_be_disabled()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_error_event_ends_the_stream(
+    gateway: TestServer, page: Page, transport: str
+) -> None:
+    await open_console(page, port_of(gateway))
+    await page.click("#extra-box summary")
+    await page.fill(
+        "#extra", json.dumps({"mock": {"content": "one two three four", "fail_after": 2}})
+    )
+    await page.select_option("#transport", transport)
+    await page.click("#send")
+
+    await expect(page.locator("#status")).to_have_attribute("data-state", "error")
+    await expect(page.locator("#error")).to_contain_text("upstream_error")
+    assert await output_of(page) == "one two"
+    await expect(page.locator("#log .ev-error")).to_have_count(1)
+    await expect(page.locator("#send")).to_be_enabled()
+
+
+@pytest.mark.parametrize(
+    ("transport", "request_prefix"),
+    [("sse", b"GET /v1/streams/"), ("ndjson", b"POST /v1/chat/completions")],
+)
+async def test_a_dropped_stream_resumes_without_loss_or_repeats(
+    gateway: TestServer, page: Page, transport: str, request_prefix: bytes
+) -> None:
+    proxy = browser.CuttingProxy(port_of(gateway), request_prefix, b'"type":"delta"', after=8)
+    async with proxy:
+        await open_console(page, proxy.port)
+        await send(page, transport, TEXT, delay_ms=20)
+
+        await asyncio.wait_for(proxy.cut.wait(), 5)
+        await expect(page.locator("#status")).to_have_attribute("data-state", "done")
+        assert await output_of(page) == TEXT
+        count = len(words(TEXT))
+        await expect(page.locator("#tokens")).to_have_text(str(count))
+        await expect(page.locator("#log .ev-delta")).to_have_count(count + 1)
+        reconnects = int(await page.locator("#reconnects").text_content() or "0")
+        assert reconnects >= 1
+
+
+async def test_a_dropped_websocket_reconnects_and_the_turn_is_marked_interrupted(
+    gateway: TestServer, page: Page
+) -> None:
+    proxy = browser.CuttingProxy(port_of(gateway), b"GET /v1/realtime", b'"type":"delta"', after=5)
+    async with proxy:
+        await open_console(page, proxy.port)
+        await send(page, "ws", TEXT, delay_ms=20)
+
+        await expect(page.locator("#status")).to_have_attribute("data-state", "interrupted")
+        shown = await output_of(page)
+        assert TEXT.startswith(shown)
+        assert len(words(shown)) == 4  # the fifth delta was cut in half
+        await expect(page.locator("#socket")).to_have_text("open")
+        await expect(page.locator("#reconnects")).to_have_text("1")
+
+        # The new socket carries the next turn.
+        text = "after the reconnect"
+        await page.fill("#extra", json.dumps({"mock": {"content": text}}))
+        await page.click("#send")
+        await expect(page.locator("#status")).to_have_attribute("data-state", "done")
+        assert await output_of(page) == text
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_abort_stops_the_stream(gateway: TestServer, page: Page, transport: str) -> None:
+    await open_console(page, port_of(gateway))
+    await send(page, transport, TEXT, delay_ms=25)
+    await expect(page.locator("#tokens")).to_have_text(_AT_LEAST_3)
+
+    await page.click("#abort")
+    await expect(page.locator("#status")).to_have_attribute("data-state", "aborted")
+    await expect(page.locator("#send")).to_be_enabled()
+    shown = await output_of(page)
+    assert TEXT.startswith(shown)
+    assert len(shown) < len(TEXT)
+    await asyncio.sleep(0.2)  # eight token intervals: nothing more arrives
+    assert await output_of(page) == shown
+
+    # The server stopped producing too.
+    if transport == "ws":
+        # It cancels the turn before it confirms the abort.
+        assert not any(socket.busy for socket in gateway.app[RUNTIME].sockets)
+    else:
+        # The page cancelled the stream by id (DELETE): its log ends early.
+        stream_id = await page.locator("#stream-id").text_content()
+        url = gateway.make_url(f"/v1/streams/{stream_id}").with_query(stream_format="ndjson")
+        async with aiohttp.ClientSession() as session, session.get(url) as resp:
+            lines = [json.loads(line) for line in (await resp.text()).splitlines()]
+        assert lines[-1]["type"] == "done"
+        assert sum("content" in line.get("delta", {}) for line in lines) < len(words(TEXT))

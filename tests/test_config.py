@@ -243,7 +243,7 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             '[providers."a.b"]\nkind = "openai"\nbase_url = "ftp://x"\n',
-            '[providers."a.b"] base_url: String should match pattern \'^https?://\\S+$\'',
+            "[providers.\"a.b\"] base_url: String should match pattern '^https?://\\S+$'",
             id="dotted-provider-name-quoted",
         ),
         pytest.param(

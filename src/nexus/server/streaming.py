@@ -72,11 +72,13 @@ class StreamPump:
         write_timeout_s: float,
         headers: dict[str, str],
         active: set[StreamPump] | None = None,
+        first_wait_s: float | None = None,
     ) -> None:
         self.request = request
         self.reader = reader
         self.renderer = renderer
         self.heartbeat_s = heartbeat_s
+        self.first_wait_s = heartbeat_s if first_wait_s is None else first_wait_s
         self.write_timeout_s = write_timeout_s
         self.headers = headers
         self.response: web.StreamResponse | None = None
@@ -178,20 +180,23 @@ class StreamPump:
         The first batch is always awaited before anything is written, so that a
         stream failing before any output raises (the client gets an HTTP
         status). Batches that render nothing (a resume skipping what the client
-        has) are read on. If a wait passes a heartbeat interval, the headers go
-        out with what is ready and a heartbeat, and failures travel in the
-        stream from then on.
+        has) are read on. If the wait passes ``first_wait_s``, the headers go out
+        with what is ready (and a heartbeat, when a heartbeat interval passed),
+        and failures travel in the stream from then on.
         """
         renderer = self.renderer
         out = head
         while True:
             task = self._loop.create_task(_next(batches))
             try:
-                done, _ = await asyncio.wait((task,), timeout=self.heartbeat_s)
-                if not done:
-                    await self._write(self._begin() + out + renderer.heartbeat())
-                    out = b""
-                    await asyncio.wait((task,))
+                if self.response is None:
+                    done, _ = await asyncio.wait((task,), timeout=self.first_wait_s)
+                    if not done:
+                        beat = renderer.heartbeat() if self.first_wait_s >= self.heartbeat_s else b""
+                        await self._write(self._begin() + out + beat)
+                        out = b""
+                # From the headers on, the watchdog writes the heartbeats.
+                await asyncio.wait((task,))
                 batch = task.result()
             finally:
                 if not task.done():
@@ -304,12 +309,15 @@ async def pump(
     after: Cursor | None = None,
     headers: dict[str, str] | None = None,
     active: set[StreamPump] | None = None,
+    first_wait_s: float | None = None,
 ) -> web.StreamResponse:
     """Write ``reader``'s log to the client of ``request`` in ``encoder_cls``'s format.
 
     The reader must start at the log's first entry: a resume (``after``) renders
     the skipped part too, without writing it, so that stateful encoders pick up
-    exactly where the first rendering was.
+    exactly where the first rendering was. ``first_wait_s`` (default: the
+    heartbeat interval) is how long the headers wait for the first output; an
+    attach uses a short one, so that the client knows at once that it is on.
     """
     meta = reader.meta
     encoder = encoder_cls(meta)
@@ -333,5 +341,6 @@ async def pump(
         write_timeout_s=write_timeout_s,
         headers=all_headers,
         active=active,
+        first_wait_s=first_wait_s,
     )
     return await runner.run()

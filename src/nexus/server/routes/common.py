@@ -35,6 +35,9 @@ from ..streaming import pump
 
 __all__ = ["complete", "json_response", "last_event_id", "read_body", "resume"]
 
+ATTACH_WAIT_S = 0.05
+"""An attach sends its headers with the log so far, or after this long with nothing."""
+
 
 async def read_body(request: web.Request) -> bytes:
     """The request body, or :class:`RequestTooLarge` past ``[limits] max_body_bytes``."""
@@ -144,7 +147,7 @@ async def resume(
             param="last_event_id",
         )
     reader = await request.app[state.HUB].attach(stream_id)
-    return await _pump(request, reader, encoder, cursor, {})
+    return await _pump(request, reader, encoder, cursor, {}, first_wait_s=ATTACH_WAIT_S)
 
 
 async def _pump(
@@ -153,6 +156,7 @@ async def _pump(
     encoder: type[Encoder],
     cursor: Cursor | None,
     headers: dict[str, str],
+    first_wait_s: float | None = None,
 ) -> web.StreamResponse:
     config = request.app[state.CONFIG]
     return await pump(
@@ -164,6 +168,7 @@ async def _pump(
         after=cursor,
         headers=headers,
         active=request.app[state.RUNTIME].active,
+        first_wait_s=first_wait_s,
     )
 
 

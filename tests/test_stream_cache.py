@@ -1,4 +1,4 @@
-"""Record-and-replay: the stream cache, its replay modes, its limits, and joining in-flight streams."""
+"""Record-and-replay: the stream cache, its replay modes and limits, joining in-flight streams."""
 
 from __future__ import annotations
 

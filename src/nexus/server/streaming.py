@@ -192,7 +192,8 @@ class StreamPump:
                 if self.response is None:
                     done, _ = await asyncio.wait((task,), timeout=self.first_wait_s)
                     if not done:
-                        beat = renderer.heartbeat() if self.first_wait_s >= self.heartbeat_s else b""
+                        idle = self.first_wait_s >= self.heartbeat_s
+                        beat = renderer.heartbeat() if idle else b""
                         await self._write(self._begin() + out + beat)
                         out = b""
                 # From the headers on, the watchdog writes the heartbeats.

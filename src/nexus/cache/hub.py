@@ -258,11 +258,12 @@ class StreamHub:
                 try:
                     await store.begin(run.info, ttl)
                     while not run.finished:
-                        await run.changed()
-                        end = len(run.events) - (1 if run.finished else 0)
+                        end = len(run.events)  # no terminal yet: that goes with end()
                         if end > written:
                             await store.append(run.id, written, run.events[written:end])
                             written = end
+                        else:
+                            await run.changed()
                 except Exception:
                     log.exception("mirroring stream %s to the store failed", run.id)
             await run.wait()

@@ -1,0 +1,356 @@
+"""The Redis store: shared by replicas, so a stream started on one can be followed from another.
+
+Keys, all under ``{prefix}:``::
+
+    stream:{id}:info    string   JSON of StreamInfo.to_json()
+    stream:{id}:log     stream   entry i has the ID 0-{i+1}, one field "e": the event's codec form
+    stream:{id}:lease   string   set while a client on another replica follows the stream
+    rec:{key}           string   JSON of a Recording (events in codec form)
+    claim:{key}         string   the id of the stream that holds an in-flight claim
+
+A log is a Redis Stream whose entry IDs *are* the log indices (``0-1`` is entry
+0), so a reader resumes from any index with ``XRANGE`` and then follows with a
+blocking ``XREAD`` from the last ID it saw. Explicit IDs must grow, which also
+makes :meth:`RedisStore.append` safe to replay: an entry already written is
+refused by Redis, and the refusal is ignored.
+
+While a stream is live, every append renews the TTL of its info and log to the
+``ttl_s`` given to :meth:`RedisStore.begin`; if the owning replica dies, the
+log expires and its followers get :class:`~nexus.errors.StreamNotFound`.
+:meth:`RedisStore.end` sets both to the resume TTL.
+
+Each blocked reader holds one pooled connection for up to ``block_s``; the pool
+is sized for many of them. A reader cancelled mid-``XREAD`` has its connection
+closed by redis-py before it returns to the pool, so no stale reply is left
+for the next command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
+from urllib.parse import parse_qs, urlsplit
+
+import orjson
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from ..errors import StreamNotFound
+from ..events import Done, Error, StreamEvent
+from .codec import dump_event, load_event
+from .store import Recording, Store, StreamInfo
+
+__all__ = ["RedisStore", "RedisUnavailable", "redact_url"]
+
+_PAGE = 1000
+"""Entries per XRANGE / XREAD reply: bounds one reply's size."""
+
+# Atomic, so no window between "it is taken" and "by whom" (the holder may
+# expire in between). Re-claiming by the holder renews it, as in MemoryStore.
+_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if not held then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return false
+end
+if held == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return false
+end
+return held
+"""
+
+# Delete only if still ours: the claim may have expired and been taken since.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class RedisUnavailable(ConnectionError):
+    """Redis could not be reached at start-up. The message names the URL without credentials."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user, password and query (which may hold ``password=``): fit for logs."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+    except ValueError:
+        return "<unparseable Redis URL>"
+    return f"{parts.scheme}://{host}{parts.path}"  # urlunsplit would drop unix:// 's slashes
+
+
+def _ms(ttl_s: float) -> int:
+    """A TTL for PX / PEXPIRE, which take whole milliseconds above zero."""
+    return max(1, round(ttl_s * 1000))
+
+
+def _index(entry_id: bytes | str) -> int:
+    """The log index of entry ID ``0-{i+1}``."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(raw.partition("-")[2]) - 1
+
+
+def _is_terminal(event: StreamEvent) -> bool:
+    return isinstance(event, Done | Error)
+
+
+def _decode(entries: Sequence[Any]) -> tuple[list[StreamEvent], int, bool]:
+    """XRANGE / XREAD entries -> (events up to a terminal, index of the last one, terminal seen)."""
+    events: list[StreamEvent] = []
+    last = -1
+    for entry_id, fields in entries:
+        event = load_event(orjson.loads(fields[b"e"]))
+        events.append(event)
+        last = _index(entry_id)
+        if _is_terminal(event):
+            return events, last, True
+    return events, last, False
+
+
+class RedisStore(Store):
+    """A :class:`Store` in Redis. See the module docstring for the key layout.
+
+    ``client``, if given, is used instead of connecting to ``url``; it must
+    have ``decode_responses=False`` and stays the caller's to close.
+    """
+
+    shared = True
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        prefix: str = "nexus",
+        *,
+        client: aioredis.Redis | None = None,
+        max_connections: int = 4096,
+        block_s: float = 1.5,
+    ) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.max_connections = max_connections
+        self.block_ms = _ms(block_s)
+        """How long one XREAD blocks: also how soon a follower notices its log expired."""
+        self._client = client
+        self._owns_client = client is None
+        self._live_ttl_ms: dict[str, int] = {}
+        """Live streams begun here -> the TTL each append renews."""
+
+    @property
+    def client(self) -> aioredis.Redis:
+        if self._client is None:
+            raise RuntimeError("RedisStore used before start()")
+        return self._client
+
+    async def start(self) -> None:
+        """Connect and PING. Raises :class:`RedisUnavailable` (no credentials in it)."""
+        if self._client is None:
+            self._client = aioredis.Redis.from_url(
+                self.url,
+                decode_responses=False,
+                # Every follower blocks on its own connection: allow many.
+                max_connections=self.max_connections,
+                # Above block_ms, so a blocking XREAD is not cut short.
+                socket_timeout=max(5.0, 2 * self.block_ms / 1000),
+                socket_connect_timeout=5.0,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
+            )
+        try:
+            await self._client.ping()
+        except (RedisError, OSError) as exc:
+            if self._owns_client:
+                await self._client.aclose()
+                self._client = None
+            where = redact_url(self.url)
+            raise RedisUnavailable(
+                f"Redis not reachable at {where}: {_scrub(str(exc), self.url)}"
+            ) from None
+
+    async def close(self) -> None:
+        if self._client is not None and self._owns_client:
+            await self._client.aclose()
+            self._client = None
+
+    # Keys.
+    def _key(self, stream_id: str, part: str) -> str:
+        return f"{self.prefix}:stream:{stream_id}:{part}"
+
+    # Logs.
+    async def begin(self, info: StreamInfo, ttl_s: float) -> None:
+        ttl_ms = _ms(ttl_s)
+        self._live_ttl_ms[info.id] = ttl_ms
+        await self.client.set(self._key(info.id, "info"), orjson.dumps(info.to_json()), px=ttl_ms)
+
+    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> None:
+        """Entries ``start``... in one round trip, renewing the live TTL set by :meth:`begin`.
+
+        Raises ``RuntimeError`` if :meth:`begin` was not called here: the log
+        would otherwise be written without a TTL and never expire.
+        """
+        if not events:
+            return
+        ttl_ms = self._live_ttl_ms.get(stream_id)
+        if ttl_ms is None:
+            raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
+        await self._write(stream_id, start, events, ttl_ms, None)
+
+    async def end(
+        self, info: StreamInfo, events: Sequence[StreamEvent], start: int, ttl_s: float
+    ) -> None:
+        self._live_ttl_ms.pop(info.id, None)
+        await self._write(info.id, start, events[start:], _ms(ttl_s), info)
+
+    async def _write(
+        self,
+        stream_id: str,
+        start: int,
+        events: Sequence[StreamEvent],
+        ttl_ms: int,
+        info: StreamInfo | None,
+    ) -> None:
+        """XADD ``events`` as entries ``start``..., then (re)write ``info``, then set both TTLs.
+
+        One pipeline, in this order: a reader that sees the finished info has
+        the whole log. Entries already present (a replayed pipeline) are skipped.
+        """
+        log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
+        pipe = self.client.pipeline(transaction=False)
+        for i, event in enumerate(events, start + 1):
+            pipe.xadd(log, {b"e": orjson.dumps(dump_event(event))}, id=f"0-{i}")
+        if info is not None:
+            pipe.set(info_key, orjson.dumps(info.to_json()), px=ttl_ms)
+        pipe.pexpire(log, ttl_ms)
+        pipe.pexpire(info_key, ttl_ms)
+        for result in await pipe.execute(raise_on_error=False):
+            # "The ID specified in XADD is equal or smaller than the target stream top item"
+            if isinstance(result, ResponseError) and "equal or smaller" not in str(result):
+                raise result
+
+    async def info(self, stream_id: str) -> StreamInfo | None:
+        raw = await self.client.get(self._key(stream_id, "info"))
+        return None if raw is None else StreamInfo.from_json(orjson.loads(raw))
+
+    async def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
+        """Catch up with XRANGE, then follow with blocking XREAD until the terminal entry.
+
+        Also stops when the info says the stream ended and nothing is left to
+        read (a start past the end, or a log without a terminal). Raises
+        :class:`~nexus.errors.StreamNotFound` when neither info nor log exists,
+        at the start or after an XREAD that timed out.
+        """
+        log = self._key(stream_id, "log")
+        finished = await self._finished(stream_id)
+        after = start - 1  # index of the last entry read
+        while True:
+            # Catch up, in pages.
+            while True:
+                entries = await self.client.xrange(log, min=f"0-{after + 2}", count=_PAGE) or []
+                if entries:
+                    events, after, terminal = _decode(entries)
+                    yield events
+                    if terminal:
+                        return
+                if len(entries) < _PAGE:
+                    break
+            if finished:
+                return
+            # Follow. A quiet spell: did it end (catch up once more, then stop) or expire?
+            while not finished:
+                reply = await self.client.xread(
+                    {log: f"0-{after + 1}"}, count=_PAGE, block=self.block_ms
+                )
+                entries = _xread_entries(reply)
+                if entries:
+                    events, after, terminal = _decode(entries)
+                    yield events
+                    if terminal:
+                        return
+                else:
+                    finished = await self._finished(stream_id)
+
+    async def _finished(self, stream_id: str) -> bool:
+        """Whether the stream ended; raises StreamNotFound if neither info nor log exists."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self._key(stream_id, "info"))
+        pipe.exists(self._key(stream_id, "log"))
+        raw, exists = await pipe.execute()
+        if raw is None:
+            if not exists:
+                raise StreamNotFound(f"No stream {stream_id!r}: unknown, or expired.")
+            return False  # a log without info (a race at expiry): the terminal ends it
+        status = orjson.loads(raw)["status"]
+        return bool(status != "in_progress")
+
+    # Leases.
+    async def lease(self, stream_id: str, ttl_s: float) -> None:
+        await self.client.set(self._key(stream_id, "lease"), b"1", px=_ms(ttl_s))
+
+    async def leased(self, stream_id: str) -> bool:
+        return bool(await self.client.exists(self._key(stream_id, "lease")))
+
+    # Recordings.
+    async def get_recording(self, key: str) -> Recording | None:
+        raw = await self.client.get(f"{self.prefix}:rec:{key}")
+        if raw is None:
+            return None
+        data = orjson.loads(raw)
+        return Recording(
+            events=[load_event(item) for item in data["events"]],
+            offsets=data["offsets"],
+            provider=data["provider"],
+            upstream_model=data["upstream_model"],
+        )
+
+    async def put_recording(self, key: str, recording: Recording, ttl_s: float) -> None:
+        value = orjson.dumps(
+            {
+                "events": [dump_event(event) for event in recording.events],
+                "offsets": recording.offsets,
+                "provider": recording.provider,
+                "upstream_model": recording.upstream_model,
+            }
+        )
+        await self.client.set(f"{self.prefix}:rec:{key}", value, px=_ms(ttl_s))
+
+    # In-flight claims.
+    async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
+        script = self.client.register_script(_CLAIM)
+        held = await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id, _ms(ttl_s)])
+        return None if held is None else cast(bytes, held).decode()
+
+    async def release(self, key: str, stream_id: str) -> None:
+        script = self.client.register_script(_RELEASE)
+        await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id])
+
+
+def _xread_entries(reply: Any) -> list[Any]:
+    """The entries of a one-stream XREAD reply, RESP2 (``[[key, entries]]``) or RESP3."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        (value,) = reply.values()
+        return cast(list[Any], value[0])
+    return cast(list[Any], reply[0][1])
+
+
+def _scrub(message: str, url: str) -> str:
+    """``message`` with the URL's credentials cut out, should a driver ever echo them."""
+    try:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        secrets = [parts.password, parts.username, *query.get("password", ())]
+    except ValueError:
+        return "(details withheld)"
+    for secret in secrets:
+        if secret:
+            message = message.replace(secret, "***")
+    return message

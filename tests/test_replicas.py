@@ -1,0 +1,169 @@
+"""Two gateway replicas on one Redis: a stream started on one resumes, joins and replays on the other.
+
+Runs against the real Redis at 127.0.0.1:6379 (skipped with the reason when
+there is none, failed under ``CI=true``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+
+from nexus.server.state import HUB
+from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from support import GatedProvider, MakeClient, chat, parse_sse
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    client = await connect_or_skip()
+    name = new_prefix()
+    try:
+        yield name
+    finally:
+        await drop_keys(client, name)
+        await client.aclose()
+
+
+def redis_config(prefix: str, **tables: Any) -> dict[str, Any]:
+    return {"store": {"kind": "redis", "url": REDIS_URL, "prefix": prefix}, **tables}
+
+
+def ndjson(body: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in body.splitlines() if line]
+
+
+def text_of(lines: list[dict[str, Any]]) -> str:
+    return "".join(line["delta"].get("content") or "" for line in lines if line["type"] == "delta")
+
+
+async def test_a_stream_started_on_one_replica_resumes_on_the_other(
+    make_client: MakeClient, prefix: str
+) -> None:
+    gated = GatedProvider(before=2, after=2)
+    config = redis_config(prefix, streams={"detach_timeout_s": 0.3})
+    one = await make_client(config, providers=[gated])
+    two = await make_client(config, providers=[GatedProvider()])
+    resp = await one.post(
+        "/v1/chat/completions?stream_format=nexus", json=chat(model="gated/m", stream=True)
+    )
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    seen = b""
+    while seen.count(b"event: delta") < 1:
+        seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    resp.close()  # the connection drops; the load balancer sends the reconnect elsewhere
+    last = parse_sse(seen)[-1].id
+    resumed = await two.get(
+        f"/v1/streams/{stream_id}?stream_format=nexus", headers={"Last-Event-ID": last}
+    )
+    assert resumed.status == 200
+    assert stream_id not in two.app[HUB].live  # followed from Redis, not run here
+    # Attached on replica two, so replica one does not cancel it as detached.
+    await asyncio.sleep(0.8)
+    assert not gated.closed.is_set()
+    gated.gate.set()
+    rest = await asyncio.wait_for(resumed.read(), 10)
+    texts = [
+        orjson.loads(e.data)["delta"].get("content", "")
+        for e in parse_sse(seen + rest)
+        if e.event == "delta"
+    ]
+    assert "".join(texts) == "before0 before1 after0 after1 "
+    assert rest.endswith(b'event: done\ndata: {"type":"done"}\n\n')
+    # Once finished, either replica replays it, byte for byte the same.
+    await asyncio.sleep(0.1)
+    a = await (await one.get(f"/v1/streams/{stream_id}?stream_format=ndjson")).read()
+    b = await (await two.get(f"/v1/streams/{stream_id}?stream_format=ndjson")).read()
+    assert a == b
+    assert text_of(ndjson(a)) == "before0 before1 after0 after1 "
+
+
+async def test_resume_on_the_other_replica_is_exact_from_every_event(
+    make_client: MakeClient, prefix: str
+) -> None:
+    one = await make_client(redis_config(prefix))
+    two = await make_client(redis_config(prefix))
+    resp = await one.post(
+        "/v1/messages",
+        json={**chat("a b c d e", stream=True), "max_tokens": 20},
+    )
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    full = await resp.read()
+    await asyncio.sleep(0.1)
+    offset = 0
+    for frame in full.split(b"\n\n")[:-1]:
+        offset += len(frame) + 2
+        last_id = next(line for line in frame.split(b"\n") if line.startswith(b"id: "))[4:]
+        rest = await two.get(
+            f"/v1/streams/{stream_id}", headers={"Last-Event-ID": last_id.decode()}
+        )
+        if offset == len(full):
+            assert rest.status == 204
+        else:
+            assert await rest.read() == full[offset:]
+
+
+async def test_a_stream_nobody_follows_anywhere_is_cancelled(
+    make_client: MakeClient, prefix: str
+) -> None:
+    gated = GatedProvider(before=1, after=1)
+    one = await make_client(
+        redis_config(prefix, streams={"detach_timeout_s": 0.2}), providers=[gated]
+    )
+    resp = await one.post(
+        "/v1/chat/completions", json=chat(model="gated/m", stream=True, background=True)
+    )
+    assert resp.status == 202
+    await asyncio.wait_for(gated.closed.wait(), 5)
+
+
+async def test_recordings_and_in_flight_requests_are_shared(
+    make_client: MakeClient, prefix: str
+) -> None:
+    gated = GatedProvider(before=1, after=1)
+    other = GatedProvider()
+    config = redis_config(prefix, cache={"enabled": True})
+    one = await make_client(config, providers=[gated])
+    two = await make_client(config, providers=[other])
+    body = chat(model="gated/m", stream=True)
+    first = await one.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    assert first.headers["X-Nexus-Cache"] == "miss"
+    await asyncio.wait_for(first.content.readline(), 5)
+    joined = await two.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    assert joined.headers["X-Nexus-Cache"] == "hit"  # joined replica one's stream
+    gated.gate.set()
+    expected = "before0 after0 "
+    lines = ndjson(await asyncio.wait_for(joined.read(), 10))
+    assert lines[0]["type"] == "delta"  # the log so far came at once, not after a heartbeat
+    assert text_of(lines) == expected
+    await first.read()
+    assert not other.started.is_set()  # replica two never called its provider
+    await asyncio.sleep(0.1)
+    replay = await two.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    assert replay.headers["X-Nexus-Cache"] == "hit"
+    assert text_of(ndjson(await replay.read())) == expected
+    assert not other.started.is_set()
+
+
+async def test_cancel_answers_409_on_a_replica_that_does_not_run_the_stream(
+    make_client: MakeClient, prefix: str
+) -> None:
+    gated = GatedProvider(before=1, after=1)
+    one = await make_client(redis_config(prefix), providers=[gated])
+    two = await make_client(redis_config(prefix))
+    resp = await one.post(
+        "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
+    )
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    await asyncio.wait_for(resp.content.readline(), 5)
+    await asyncio.sleep(0.05)
+    refused = await two.delete(f"/v1/streams/{stream_id}")
+    assert refused.status == 409
+    assert (await refused.json())["error"]["code"] == "stream_not_local"
+    done = await one.delete(f"/v1/streams/{stream_id}")
+    assert (await done.json())["status"] == "cancelled"
+    resp.close()

@@ -1,4 +1,4 @@
-"""Two gateway replicas on one Redis: a stream started on one resumes, joins and replays on the other.
+"""Two gateway replicas on one Redis: a stream started on one resumes, joins, replays on the other.
 
 Runs against the real Redis at 127.0.0.1:6379 (skipped with the reason when
 there is none, failed under ``CI=true``).

@@ -324,6 +324,7 @@ async def test_a_cancelled_blocked_read_leaves_the_connection_usable(
         await store.end(finished(info), [*BODY[:3], Done()], 3, ttl_s=30)
         assert flat(await read_all(store, info.id)) == [*BODY[:3], Done()]
         assert await store.claim("k", "a", 5) is None
+        await store.close()  # before its client: it stops its keep-alive task
     finally:
         await client.aclose()
 

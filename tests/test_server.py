@@ -254,7 +254,7 @@ async def test_max_tokens_zero_is_legal(make_client: MakeClient) -> None:
         ),
         (chat(n=2), "n", "n=1"),
         (chat(stream="yes"), "stream", "boolean"),
-        (chat(tool_choice={"type": "function", "function": {"name": "f"}}), None, "tool_choice"),
+        (chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "f"),
         (chat(mock={"delay": 5}), "mock.delay", "Unknown field"),
     ],
 )

@@ -375,15 +375,19 @@ async def test_delete_of_a_finished_stream_reports_it(make_client: MakeClient) -
     assert (await done.json())["status"] == "completed"
 
 
-async def test_a_stream_that_fails_before_output_answers_get_with_its_status(
+async def test_a_stream_that_failed_before_output_is_attached_with_its_error(
     make_client: MakeClient,
 ) -> None:
+    """The resource exists: GET answers 200 and the stream carries the failure."""
     client = await make_client()
     body = chat(stream=True, background=True, mock={"fail_after": 0})
     stream_id = (await (await client.post("/v1/chat/completions", json=body)).json())["id"]
     resp = await client.get(f"/v1/streams/{stream_id}")
-    assert resp.status >= 500
-    assert (await resp.json())["error"]["code"]
+    assert resp.status == 200
+    events = parse_sse(await resp.read())
+    assert events[-2].event == "error"
+    assert orjson.loads(events[-2].data)["error"]["code"] == "upstream_error"
+    assert events[-1].data == "[DONE]"
 
 
 async def test_background_request_errors_come_back_at_once(make_client: MakeClient) -> None:
@@ -393,6 +397,19 @@ async def test_background_request_errors_come_back_at_once(make_client: MakeClie
     )
     assert resp.status == 404
     assert (await resp.json())["error"]["code"] == "model_not_found"
+
+
+async def test_a_stream_past_max_stream_duration_is_ended(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client({"limits": {"max_stream_duration_s": 0.3}}, providers=[gated])
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
+    )
+    lines = ndjson(await asyncio.wait_for(resp.read(), 5))
+    assert lines[0]["delta"]["content"] == "before0 "
+    assert lines[-2]["error"]["code"] == "max_stream_duration"
+    assert lines[-1] == {"type": "done"}
+    assert gated.closed.is_set()
 
 
 # --- curl ---------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class ServerConfig(_Table):
 class LimitsConfig(_Table):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_concurrent_streams: int = Field(default=10_000, ge=1)
+    max_stream_duration_s: float = Field(default=900.0, gt=0)
 
 
 class StreamsConfig(_Table):
@@ -237,6 +238,12 @@ def _describe(error: Any) -> str:
             else (f"[{loc[0]}]: unknown table or key")
         )
     table, rest = loc[0], loc[1:]
+    if table == "plugins" and rest and rest[0].isdigit():
+        where = f"[[plugins]] #{int(rest[0]) + 1}"
+        return f"{where} {'.'.join(rest[1:])}: {message}" if rest[1:] else f"{where}: {message}"
+    if table == "auth" and len(rest) >= 2 and rest[0] == "keys" and rest[1].isdigit():
+        where = f"[[auth.keys]] #{int(rest[1]) + 1}"
+        return f"{where} {'.'.join(rest[2:])}: {message}" if rest[2:] else f"{where}: {message}"
     if table == "store" and rest and rest[0] in _STORE_KINDS:
         rest = rest[1:]  # the discriminator tag again
         if not rest:

@@ -16,6 +16,7 @@ a stream has started::
         ├── RequestTooLarge          413 request_too_large
         ├── TooManyStreams           429 too_many_streams (retryable)
         ├── ServerShuttingDown       503 server_shutting_down (retryable)
+        ├── StreamLost               502 stream_lost (retryable): the replica running it stopped
         └── UpstreamError            502 upstream_error (retryable)
             └── UpstreamTimeout      504 upstream_timeout (retryable)
 """
@@ -37,6 +38,7 @@ __all__ = [
     "RequestTooLarge",
     "ServerShuttingDown",
     "StreamError",
+    "StreamLost",
     "StreamNotFound",
     "TooManyStreams",
     "UnsupportedInput",
@@ -130,6 +132,12 @@ class StreamNotFound(GatewayError):
     status = 404
     code = "stream_not_found"
     error_type = "invalid_request_error"
+
+
+class StreamLost(GatewayError):
+    status = 502
+    code = "stream_lost"
+    retryable = True
 
 
 class ModelNotFound(GatewayError):

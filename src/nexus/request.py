@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = [
     "AssistantMessage",
@@ -259,19 +259,20 @@ class ChatRequest(OpenModel):
             raise ValueError("only n=1 is supported: Nexus streams one choice per request")
         return value
 
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self) -> ChatRequest:
-        choice = self.tool_choice
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
         if isinstance(choice, NamedToolChoice):
-            names = {tool.function.name for tool in self.tools or ()}
+            names = {tool.function.name for tool in tools or ()}
             if choice.function.name not in names:
                 raise ValueError(
-                    f"tool_choice names function {choice.function.name!r}, "
+                    f"names function {choice.function.name!r}, "
                     "which is not among the request's tools"
                 )
-        elif choice == "required" and not self.tools:
-            raise ValueError("tool_choice 'required' needs at least one tool")
-        return self
+        elif choice == "required" and not tools:
+            raise ValueError("'required' needs at least one tool")
+        return choice
 
     @property
     def token_limit(self) -> int | None:

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from types import TracebackType
 
 from .errors import StreamError
 from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
 from .types import CompletedToolCall, Completion, StreamMeta
 
-__all__ = ["Channel", "EndOfStream", "Stream", "accumulate"]
+__all__ = ["Channel", "EndOfStream", "Merger", "Stream", "accumulate", "merge_events"]
 
 
 class EndOfStream(Exception):
@@ -224,68 +224,91 @@ async def accumulate(stream: Stream | Channel) -> Completion:
     The stream is closed afterwards. Raises :class:`~nexus.errors.StreamError`
     when the stream carries an :class:`~nexus.events.Error` event.
     """
-    meta = stream.meta
-    content: list[str] = []
-    reasoning: list[str] = []
-    refusal: list[str] = []
-    calls: dict[int, _ToolCallBuilder] = {}
-    by_id: dict[str, _ToolCallBuilder] = {}
-    result = Completion(id=meta.id, model=meta.model, created=meta.created)
+    merger = Merger(stream.meta)
+    async with stream:
+        async for event in stream:
+            if type(event) is Error:
+                raise StreamError(event)
+            merger.add(event)
+    return merger.result()
 
-    def merge(call: ToolCall) -> None:
-        builder = by_id.get(call.id) if call.id is not None else None
+
+def merge_events(events: Iterable[StreamEvent], meta: StreamMeta) -> Completion:
+    """:func:`accumulate` for events already at hand (an :class:`Error` among them is skipped)."""
+    merger = Merger(meta)
+    for event in events:
+        merger.add(event)
+    return merger.result()
+
+
+class Merger:
+    """Folds events into a :class:`~nexus.types.Completion`, one :meth:`add` at a time."""
+
+    def __init__(self, meta: StreamMeta) -> None:
+        self.meta = meta
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._refusal: list[str] = []
+        self._calls: dict[int, _ToolCallBuilder] = {}
+        self._by_id: dict[str, _ToolCallBuilder] = {}
+        self._result = Completion(id=meta.id, model=meta.model, created=meta.created)
+
+    def _merge(self, call: ToolCall) -> None:
+        builder = self._by_id.get(call.id) if call.id is not None else None
         if builder is None:
-            builder = calls.get(call.index)
+            builder = self._calls.get(call.index)
             if builder is None:
-                builder = calls[call.index] = _ToolCallBuilder(call.index)
+                builder = self._calls[call.index] = _ToolCallBuilder(call.index)
         if call.id is not None and builder.id is None:
             builder.id = call.id
-            by_id[call.id] = builder
+            self._by_id[call.id] = builder
         if call.name is not None and builder.name is None:
             builder.name = call.name
         if call.arguments:
             builder.arguments.append(call.arguments)
 
-    async with stream:
-        async for event in stream:
-            match event:
-                case Delta():
-                    if event.content:
-                        content.append(event.content)
-                    if event.refusal:
-                        refusal.append(event.refusal)
-                    if event.role is not None:
-                        result.role = event.role
-                    for call in event.tool_calls or ():
-                        merge(call)
-                    if event.finish_reason is not None:
-                        result.finish_reason = event.finish_reason
-                case Reasoning():
-                    reasoning.append(event.text)
-                    if event.signature is not None:
-                        result.reasoning_signature = event.signature
-                case ToolCall():
-                    merge(event)
-                case Usage():
-                    result.usage = event
-                case Citation():
-                    result.citations.append(event)
-                case Audio():
-                    result.audio.append(event)
-                case Image():
-                    result.images.append(event)
-                case Error():
-                    raise StreamError(event)
-    result.content = "".join(content)
-    result.reasoning = "".join(reasoning)
-    result.refusal = "".join(refusal) if refusal else None
-    result.tool_calls = [
-        CompletedToolCall(
-            index=b.index,
-            id=b.id or f"call_{meta.id[-12:]}_{b.index}",
-            name=b.name or "",
-            arguments="".join(b.arguments),
-        )
-        for b in sorted(calls.values(), key=lambda b: b.index)
-    ]
-    return result
+    def add(self, event: StreamEvent) -> None:
+        result = self._result
+        match event:
+            case Delta():
+                if event.content:
+                    self._content.append(event.content)
+                if event.refusal:
+                    self._refusal.append(event.refusal)
+                if event.role is not None:
+                    result.role = event.role
+                for call in event.tool_calls or ():
+                    self._merge(call)
+                if event.finish_reason is not None:
+                    result.finish_reason = event.finish_reason
+            case Reasoning():
+                self._reasoning.append(event.text)
+                if event.signature is not None:
+                    result.reasoning_signature = event.signature
+            case ToolCall():
+                self._merge(event)
+            case Usage():
+                result.usage = event
+            case Citation():
+                result.citations.append(event)
+            case Audio():
+                result.audio.append(event)
+            case Image():
+                result.images.append(event)
+
+    def result(self) -> Completion:
+        result = self._result
+        meta = self.meta
+        result.content = "".join(self._content)
+        result.reasoning = "".join(self._reasoning)
+        result.refusal = "".join(self._refusal) if self._refusal else None
+        result.tool_calls = [
+            CompletedToolCall(
+                index=b.index,
+                id=b.id or f"call_{meta.id[-12:]}_{b.index}",
+                name=b.name or "",
+                arguments="".join(b.arguments),
+            )
+            for b in sorted(self._calls.values(), key=lambda b: b.index)
+        ]
+        return result

@@ -51,7 +51,16 @@ def dump_event(event: StreamEvent) -> list[Any]:
 
 def load_event(data: Sequence[Any]) -> StreamEvent:
     """The event :func:`dump_event` gave ``data`` for. Raises ``ValueError`` on bad input."""
-    if not data or not isinstance(data[0], str) or data[0] not in _CLASSES:
+    try:
+        return _load(data)
+    except (TypeError, KeyError, IndexError) as exc:
+        raise ValueError(f"not a stored event: {data!r:.80}") from exc
+
+
+def _load(data: Sequence[Any]) -> StreamEvent:
+    if not isinstance(data, list | tuple) or not data:
+        raise ValueError(f"not a stored event: {data!r:.80}")
+    if not isinstance(data[0], str) or data[0] not in _CLASSES:
         raise ValueError(f"not a stored event: {data!r:.80}")
     cls = _CLASSES[data[0]]
     fields = _FIELDS[cls]
@@ -61,6 +70,8 @@ def load_event(data: Sequence[Any]) -> StreamEvent:
     if cls is Delta:
         calls = values[fields.index("tool_calls")]
         if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, list) for c in calls):
+                raise ValueError(f"stored tool calls are not lists: {calls!r:.80}")
             values[fields.index("tool_calls")] = tuple(ToolCall(*call) for call in calls)
     event: StreamEvent = cls(*values)
     return event

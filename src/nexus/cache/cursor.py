@@ -2,8 +2,8 @@
 
 A stream's log is its events in order, the last one terminal (:class:`Done`,
 or an :class:`Error`). Rendering numbers *steps*: step 0 is the encoder's
-``start()``, step *i* is log entry *i - 1* (a terminal entry renders as
-``error()`` + ``end()``, or ``end()``). Every SSE frame carries an ``id:``
+``start()``, step *i* is log entry *i - 1*; a terminal ``Done`` is ``end()``,
+a terminal ``Error`` two steps, ``error()`` then ``end()``. Every SSE frame carries an ``id:``
 that names the stream and the step::
 
     id: chatcmpl-4f0c...e1.7        the last (usually the only) frame of step 7
@@ -30,7 +30,7 @@ from ..events import Done, Error, StreamEvent
 
 __all__ = ["Cursor", "Renderer", "parse_cursor", "uses_event_ids"]
 
-_CURSOR = re.compile(r"(?:([A-Za-z0-9_-]{8,128})\.)?(\d{1,12})(?:\.(\d{1,6}))?")
+_CURSOR = re.compile(r"(?:([A-Za-z0-9_-]{8,128})\.)?([0-9]{1,12})(?:\.([0-9]{1,6}))?")
 _FRAME_END = b"\n\n"
 
 
@@ -86,6 +86,7 @@ class Renderer:
         "_skip_step",
         "_skipping",
         "done",
+        "resumed",
         "step",
         "wrote",
     )
@@ -98,6 +99,7 @@ class Renderer:
         self._ids = ids
         self._prefix = b"id: " + stream_id.encode("ascii") + b"."
         self._skipping = after is not None
+        self.resumed = after is not None
         self._skip_step = after.step if after is not None else -1
         self._skip_frame = after.frame if after is not None else None
         self.step = 0
@@ -112,21 +114,26 @@ class Renderer:
         encode = self._encode
         ids = self._ids
         prefix = self._prefix
-        parts = []
+        parts: list[bytes] = []
         step = self.step
         for event in events:
             step += 1
             cls = type(event)
-            if cls is Error or cls is Done:
-                data = self._terminal(event)
+            if cls is Error:
+                # Two steps: the error, then the terminator (an NDJSON client that
+                # counted the error line still gets the done line).
+                self._emit(step, self._encoder.error(event), parts)  # type: ignore[arg-type]
+                step += 1
+                self._emit(step, self._encoder.end(), parts)
                 self.done = True
-            else:
-                data = encode(event)
+                break
+            if cls is Done:
+                self._emit(step, self._encoder.end(), parts)
+                self.done = True
+                break
+            data = encode(event)
             if self._skipping:
-                self.step = step
-                data = self._out(step, data)
-                if data:
-                    parts.append(data)
+                self._emit(step, data, parts)
             elif data:
                 if ids:
                     if data.count(_FRAME_END) == 1:
@@ -134,13 +141,16 @@ class Renderer:
                     else:
                         data = self._with_ids(step, data)
                 parts.append(data)
-            if self.done:
-                break
         self.step = step
         if not parts:
             return b""
         self.wrote = True
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _emit(self, step: int, data: bytes, parts: list[bytes]) -> None:
+        data = self._out(step, data)
+        if data:
+            parts.append(data)
 
     def heartbeat(self) -> bytes:
         return self._encoder.heartbeat()
@@ -154,11 +164,6 @@ class Renderer:
         self.done = True
         self.wrote = True
         return self._encoder.error(event) + self._encoder.end()
-
-    def _terminal(self, event: StreamEvent) -> bytes:
-        if type(event) is Error:
-            return self._encoder.error(event) + self._encoder.end()
-        return self._encoder.end()
 
     def _out(self, step: int, data: bytes) -> bytes:
         """``data`` for ``step``, less what the resume point says the client has."""

@@ -68,6 +68,8 @@ class Opened:
     info: StreamInfo
     run: StreamRun | None
     cache: str | None = None
+    joined: bool = False
+    """It is another request's stream: leaving it must never end it."""
 
     @property
     def id(self) -> str:
@@ -127,11 +129,13 @@ class StreamHub:
         *,
         streams: StreamsConfig | None = None,
         cache: CacheConfig | None = None,
+        max_duration_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
         self.streams = streams or StreamsConfig()
         self.cache = cache or CacheConfig()
+        self.max_duration_s = max_duration_s
         self.live: dict[str, StreamRun] = {}
         self._keepers: set[asyncio.Task[None]] = set()
 
@@ -150,7 +154,8 @@ class StreamHub:
         """
         if not self.cache.enabled:
             stream = self.engine.complete_stream(request)
-            return Opened(*self._launch(stream, format, owner, background), None)
+            info, run = await self._launch(stream, format, owner, background)
+            return Opened(info, run)
         key = cache_key(request)
         recording = await self.store.get_recording(key)
         if recording is not None:
@@ -163,17 +168,27 @@ class StreamHub:
                 retry_ms=self.engine.retry_ms,
             )
             source = Stream(self._replay(recording), meta)
-            return Opened(*self._launch(source, format, owner, background), "hit")
+            info, run = await self._launch(source, format, owner, background)
+            return Opened(info, run, "hit")
         stream = self.engine.complete_stream(request)
-        holder = await self.store.claim(key, stream.meta.id, self.streams.resume_ttl_s)
-        if holder is not None:
+        info = self._info(stream, format, owner)
+        if self.store.shared:
+            # Visible to every replica before anyone can be told its id (a 202, a claim).
+            await self.store.begin(info, self.streams.resume_ttl_s)
+        # A claim ends with its stream; one left by a replica that died is taken over.
+        for _ in range(3):
+            holder = await self.store.claim(key, info.id, self.streams.resume_ttl_s)
+            if holder is None:
+                run = self._start(info, stream, background, record=key)
+                return Opened(info, run, "miss")
             joined = await self._joinable(holder)
             if joined is not None:
                 await stream.close()
-                return Opened(joined, self.live.get(holder), "hit")
-            await self.store.release(key, holder)
-            await self.store.claim(key, stream.meta.id, self.streams.resume_ttl_s)
-        info, run = self._launch(stream, format, owner, background, record=key)
+                if self.store.shared:
+                    await self.store.end(replace(info, status="cancelled"), [], 0, 1.0)
+                return Opened(joined, self.live.get(holder), "hit", joined=True)
+            await self.store.release(key, holder)  # its stream is over, or its replica died
+        run = self._start(info, stream, background)  # contended: stream, but do not record
         return Opened(info, run, "miss")
 
     async def _joinable(self, stream_id: str) -> StreamInfo | None:
@@ -183,30 +198,37 @@ class StreamHub:
         info = await self.store.info(stream_id)
         if info is None or info.status != "in_progress":
             return None
-        return info
+        return info if await self.store.alive(stream_id) else None
 
-    def _launch(
-        self,
-        source: Stream,
-        format: str,
-        owner: str | None,
-        background: bool,
-        record: str | None = None,
+    def _info(self, source: Stream, format: str, owner: str | None) -> StreamInfo:
+        return StreamInfo(meta=source.meta, format=format, owner=owner)
+
+    async def _launch(
+        self, source: Stream, format: str, owner: str | None, background: bool
     ) -> tuple[StreamInfo, StreamRun]:
-        info = StreamInfo(meta=source.meta, format=format, owner=owner)
+        info = self._info(source, format, owner)
+        if self.store.shared:
+            await self.store.begin(info, self.streams.resume_ttl_s)
+        return info, self._start(info, source, background)
+
+    def _start(
+        self, info: StreamInfo, source: Stream, background: bool, record: str | None = None
+    ) -> StreamRun:
+        """Run it (``store.begin`` done); a keeper task looks after its log."""
         run = StreamRun(
             info,
             source,
             detach_timeout_s=self.streams.detach_timeout_s,
             max_log_bytes=self.streams.max_log_bytes,
             leased=(lambda: self.store.leased(info.id)) if self.store.shared else None,
+            max_duration_s=self.max_duration_s,
         )
         self.live[run.id] = run
         run.start(detached=background)
         keeper = asyncio.get_running_loop().create_task(self._keep(run, record))
         self._keepers.add(keeper)
         keeper.add_done_callback(self._keepers.discard)
-        return info, run
+        return run
 
     async def attach(
         self, stream_id: str, start: int = 0, *, meta: StreamMeta | None = None
@@ -244,10 +266,14 @@ class StreamHub:
             run.cancel(terminal)
         await self.drain()
 
-    async def drain(self) -> None:
-        """Until every run's keeper is done (logs handed to the store)."""
-        while self._keepers:
-            await asyncio.wait(list(self._keepers))
+    async def drain(self, timeout_s: float = 10.0) -> None:
+        """Until every run's keeper is done (logs handed to the store); at most ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._keepers and loop.time() < deadline:
+            await asyncio.wait(list(self._keepers), timeout=deadline - loop.time())
+        if self._keepers:
+            log.warning("%d streams did not finish closing in %.0fs", len(self._keepers), timeout_s)
 
     async def _keep(self, run: StreamRun, record: str | None) -> None:
         store = self.store
@@ -255,8 +281,8 @@ class StreamHub:
         written = 0
         try:
             if store.shared:
+                alive = asyncio.get_running_loop().create_task(self._keep_alive(run))
                 try:
-                    await store.begin(run.info, ttl)
                     while not run.finished:
                         end = len(run.events)  # no terminal yet: that goes with end()
                         if end > written:
@@ -266,6 +292,8 @@ class StreamHub:
                             await run.changed()
                 except Exception:
                     log.exception("mirroring stream %s to the store failed", run.id)
+                await run.wait()
+                alive.cancel()
             await run.wait()
             run.info.status = status_of(run.events[-1])
             try:
@@ -276,6 +304,15 @@ class StreamHub:
                 await self._record(run, record)
         finally:
             self.live.pop(run.id, None)
+
+    async def _keep_alive(self, run: StreamRun) -> None:
+        """Keep a long, quiet stream's live log from expiring while it runs."""
+        while True:
+            await asyncio.sleep(min(self.streams.resume_ttl_s / 3, 60.0))
+            try:
+                await self.store.keep_alive(run.id)
+            except Exception:
+                log.exception("renewing stream %s in the store failed", run.id)
 
     async def _record(self, run: StreamRun, key: str) -> None:
         try:

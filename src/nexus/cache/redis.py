@@ -27,6 +27,10 @@ for the next command.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
@@ -37,10 +41,12 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from ..errors import StreamNotFound
+from ..errors import StreamLost, StreamNotFound
 from ..events import Done, Error, StreamEvent
 from .codec import dump_event, load_event
-from .store import Recording, Store, StreamInfo
+from .store import OWNER_TTL_S, Recording, Store, StreamInfo
+
+log = logging.getLogger("nexus.store")
 
 __all__ = ["RedisStore", "RedisUnavailable", "redact_url"]
 
@@ -144,6 +150,10 @@ class RedisStore(Store):
         self._owns_client = client is None
         self._live_ttl_ms: dict[str, int] = {}
         """Live streams begun here -> the TTL each append renews."""
+        self.replica_id = os.urandom(8).hex()
+        """This process: its keep-alive key says its live streams are still running."""
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def client(self) -> aioredis.Redis:
@@ -166,6 +176,7 @@ class RedisStore(Store):
             )
         try:
             await self._client.ping()
+            await self._client.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
         except (RedisError, OSError) as exc:
             if self._owns_client:
                 await self._client.aclose()
@@ -174,8 +185,20 @@ class RedisStore(Store):
             raise RedisUnavailable(
                 f"Redis not reachable at {where}: {_scrub(str(exc), self.url)}"
             ) from None
+        self._alive = self._client.register_script(_ALIVE)
+        self._stopping = False
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            # redis-py may turn the cancellation of a command into a ConnectionError, which
+            # _beat survives: the flag ends it for sure.
+            self._stopping = True
+            self._heartbeat.cancel()
+            await asyncio.wait((self._heartbeat,), timeout=2.0)
+            self._heartbeat = None
+            with contextlib.suppress(RedisError, OSError):
+                await self.client.delete(self._replica_key(self.replica_id))
         if self._client is not None and self._owns_client:
             await self._client.aclose()
             self._client = None
@@ -188,7 +211,37 @@ class RedisStore(Store):
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         ttl_ms = _ms(ttl_s)
         self._live_ttl_ms[info.id] = ttl_ms
-        await self.client.set(self._key(info.id, "info"), orjson.dumps(info.to_json()), px=ttl_ms)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self._key(info.id, "owner"), self.replica_id.encode(), px=ttl_ms)
+        pipe.set(self._key(info.id, "info"), orjson.dumps(info.to_json()), px=ttl_ms)
+        await pipe.execute()
+
+    async def keep_alive(self, stream_id: str) -> None:
+        """Renew the live log's TTL: an idle stream must not expire while it runs."""
+        ttl_ms = self._live_ttl_ms.get(stream_id)
+        if ttl_ms is None:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for part in ("info", "log", "owner"):
+            pipe.pexpire(self._key(stream_id, part), ttl_ms)
+        await pipe.execute()
+
+    async def alive(self, stream_id: str) -> bool:
+        """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
+        return bool(await self._alive(keys=[self._key(stream_id, "owner")], args=[self.prefix]))
+
+    def _replica_key(self, replica_id: str) -> str:
+        return f"{self.prefix}:replica:{replica_id}"
+
+    async def _beat(self) -> None:
+        """This replica is alive: one key for all its streams, renewed every third of its TTL."""
+        key, ttl_ms = self._replica_key(self.replica_id), _ms(OWNER_TTL_S)
+        while not self._stopping:
+            try:
+                await self.client.set(key, b"1", px=ttl_ms)
+            except (RedisError, OSError) as exc:
+                log.warning("renewing this replica's keep-alive failed: %s", type(exc).__name__)
+            await asyncio.sleep(OWNER_TTL_S / 3)
 
     async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> None:
         """Entries ``start``... in one round trip, renewing the live TTL set by :meth:`begin`.
@@ -208,6 +261,7 @@ class RedisStore(Store):
     ) -> None:
         self._live_ttl_ms.pop(info.id, None)
         await self._write(info.id, start, events[start:], _ms(ttl_s), info)
+        await self.client.delete(self._key(info.id, "owner"))
 
     async def _write(
         self,
@@ -276,6 +330,15 @@ class RedisStore(Store):
                         return
                 else:
                     finished = await self._finished(stream_id)
+                    if not finished and not await self.alive(stream_id):
+                        # Catch up once more: it may have ended just now.
+                        if await self._finished(stream_id):
+                            finished = True
+                            continue
+                        raise StreamLost(
+                            f"The replica running stream {stream_id!r} stopped before it "
+                            "ended; retry the request."
+                        )
 
     async def _finished(self, stream_id: str) -> bool:
         """Whether the stream ended; raises StreamNotFound if neither info nor log exists."""
@@ -330,6 +393,14 @@ class RedisStore(Store):
     async def release(self, key: str, stream_id: str) -> None:
         script = self.client.register_script(_RELEASE)
         await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id])
+
+
+_ALIVE = """
+local owner = redis.call('GET', KEYS[1])
+if not owner then return 0 end
+return redis.call('EXISTS', ARGV[1] .. ':replica:' .. owner)
+"""
+"""Whether the replica a stream's ``owner`` key names still has its keep-alive."""
 
 
 def _xread_entries(reply: Any) -> list[Any]:

@@ -18,6 +18,7 @@ the terminal entry given (an abort, shutdown). A log that grows past
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -66,6 +67,7 @@ class StreamRun:
         detach_timeout_s: float,
         max_log_bytes: int,
         leased: Callable[[], Awaitable[bool]] | None = None,
+        max_duration_s: float | None = None,
     ) -> None:
         self.info = info
         self.id = info.meta.id
@@ -81,9 +83,12 @@ class StreamRun:
         self._detach_timeout_s = detach_timeout_s
         self._max_log_bytes = max_log_bytes
         self._leased = leased
+        self._max_duration_s = max_duration_s
+        self._deadline: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         self._waiters: list[asyncio.Future[None]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._lease_check: asyncio.Task[None] | None = None
         self._cancel_with: StreamEvent | None = None
         self._task: asyncio.Task[None] | None = None
         self._running = False
@@ -96,8 +101,19 @@ class StreamRun:
     def start(self, *, detached: bool = False) -> None:
         """Start producing. ``detached``: nobody reads yet (a background request)."""
         self._task = self._loop.create_task(self._produce(), name=f"nexus-stream-{self.id}")
+        if self._max_duration_s is not None:
+            self._deadline = self._loop.call_later(self._max_duration_s, self._too_long)
         if detached:
             self._arm()
+
+    def _too_long(self) -> None:
+        self.cancel(
+            _error(
+                "max_stream_duration",
+                f"The stream ran past the gateway's limit of {self._max_duration_s:g}s "
+                "([limits] max_stream_duration_s) and was ended.",
+            )
+        )
 
     def reader(self, start: int = 0) -> RunReader:
         return RunReader(self, start)
@@ -118,11 +134,20 @@ class StreamRun:
 
     async def changed(self) -> None:
         """Until the next entry (returns at once when finished)."""
-        if self.finished:
-            return
+        if not self.finished:
+            await self._wait()
+
+    async def _wait(self) -> None:
         waiter = self._loop.create_future()
-        self._waiters.append(waiter)
-        await waiter
+        waiters = self._waiters
+        waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            # A reader that leaves an idle stream must not leave its waiter behind.
+            with contextlib.suppress(ValueError):
+                waiters.remove(waiter)
+            raise
 
     async def _produce(self) -> None:
         source = self._source
@@ -190,6 +215,8 @@ class StreamRun:
         self.offsets.append(offset)
         self.finished = True
         self._disarm()
+        if self._deadline is not None:
+            self._deadline.cancel()
         self._wake()
         if not self._finished.done():
             self._finished.set_result(None)
@@ -230,7 +257,7 @@ class StreamRun:
         if self._leased is None:
             self._cancel_detached()
         else:
-            self._loop.create_task(self._check_lease())
+            self._lease_check = self._loop.create_task(self._check_lease())
 
     async def _check_lease(self) -> None:
         try:
@@ -238,7 +265,8 @@ class StreamRun:
         except Exception:
             log.exception("checking the lease of stream %s failed", self.id)
             leased = False
-        if self.attached or self.finished:
+        # A reader that came (and maybe left, arming a new timer) meanwhile decides instead.
+        if self.attached or self.finished or self._timer is not None:
             return
         if leased:
             self._arm()
@@ -284,9 +312,7 @@ class RunReader:
                 return events[index:]
             if run.finished:
                 raise StopAsyncIteration
-            waiter = run._loop.create_future()
-            run._waiters.append(waiter)
-            await waiter
+            await run._wait()
 
     async def close(self) -> None:
         if not self._closed:

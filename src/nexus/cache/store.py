@@ -27,7 +27,11 @@ from typing import Any, ClassVar, Literal
 from ..events import StreamEvent
 from ..types import StreamMeta
 
-__all__ = ["Recording", "Status", "Store", "StreamInfo"]
+__all__ = ["OWNER_TTL_S", "Recording", "Status", "Store", "StreamInfo"]
+
+OWNER_TTL_S = 10.0
+"""A replica that has not renewed its keep-alive for this long is presumed dead, and so are
+its live streams (it renews it every third of that)."""
 
 Status = Literal["in_progress", "completed", "failed", "cancelled"]
 
@@ -108,6 +112,13 @@ class Store(ABC):
         Raises :class:`~nexus.errors.StreamNotFound` if the log is unknown or
         expired (also when it expires while being followed).
         """
+
+    async def keep_alive(self, stream_id: str) -> None:
+        """``stream_id`` still runs: renew its live log's TTL (shared stores)."""
+
+    async def alive(self, stream_id: str) -> bool:
+        """Whether the replica running a live ``stream_id`` is still alive."""
+        return True
 
     # Leases.
     async def lease(self, stream_id: str, ttl_s: float) -> None:

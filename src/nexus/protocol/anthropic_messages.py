@@ -110,7 +110,9 @@ class MessagesRequest(OpenModel):
     system: str | list[TextBlock] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
-    stop_sequences: list[str] | None = Field(default=None, max_length=4)
+    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, max_length=4
+    )
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)

@@ -61,6 +61,8 @@ def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:
         message = "Field required"
     elif first["type"] == "extra_forbidden":
         message = "Unknown field"
+    elif first["type"] == "value_error":
+        message = message.removeprefix("Value error, ")
     return InvalidRequest(f"{param}: {message}" if param else message, param=param or None)
 
 

@@ -76,7 +76,7 @@ class SSEDecoder:
 
     def __init__(self) -> None:
         self._text = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
-        self._buffer = ""
+        self._pending: list[str] = []  # the line so far, in pieces
         self._skip_lf = False
         self._data: list[str] = []
         self._event = ""
@@ -96,25 +96,33 @@ class SSEDecoder:
             self._skip_lf = False
             if text[0] == "\n":
                 text = text[1:]
-        buffer = self._buffer + text
         events: list[ServerSentEvent] = []
         start = 0
-        for match in _LINE_END.finditer(buffer):
+        # Only the new text is scanned for line ends, and the partial line is kept as
+        # pieces: a long line arriving in many chunks costs linear, not quadratic, time.
+        for match in _LINE_END.finditer(text):
             end = match.start()
-            if match.group() == "\r" and match.end() == len(buffer):
+            if match.group() == "\r" and match.end() == len(text):
                 # A CR at the end of the input may be the first half of CRLF.
                 self._skip_lf = True
-            event = self._line(buffer[start:end])
+            if self._pending:
+                self._pending.append(text[start:end])
+                line = "".join(self._pending)
+                self._pending = []
+            else:
+                line = text[start:end]
+            event = self._line(line)
             if event is not None:
                 events.append(event)
             start = match.end()
-        self._buffer = buffer[start:]
+        if start < len(text):
+            self._pending.append(text[start:])
         return events
 
     def flush(self) -> list[ServerSentEvent]:
         """End of input. An event without its closing blank line is dropped (§1, rule 6)."""
         self._text.decode(b"", final=True)
-        self._buffer = ""
+        self._pending = []
         self._data = []
         self._event = ""
         self._skip_lf = False

@@ -55,7 +55,13 @@ def create_app(
     formats = EncoderRegistry()
     engine = engine or Engine.from_config(config)
     store = store or build_store(config.store)
-    hub = StreamHub(engine, store, streams=config.streams, cache=config.cache)
+    hub = StreamHub(
+        engine,
+        store,
+        streams=config.streams,
+        cache=config.cache,
+        max_duration_s=config.limits.max_stream_duration_s,
+    )
 
     app = web.Application(
         client_max_size=config.limits.max_body_bytes,
@@ -99,6 +105,13 @@ def create_app(
     return app
 
 
+async def _leased(hub: StreamHub, stream_id: str) -> bool:
+    try:
+        return await hub.store.leased(stream_id)
+    except Exception:
+        return False
+
+
 def build_store(config: StoreConfig) -> Store:
     """The store ``[store]`` describes (not yet connected)."""
     if isinstance(config, MemoryStoreConfig):
@@ -121,17 +134,23 @@ async def _drain_streams(app: web.Application) -> None:
 
     hub = app[HUB]
 
-    def busy() -> int:
-        # Streams nobody reads are not waited for: they end after the grace period.
-        attached = sum(1 for run in hub.live.values() if run.attached)
-        return attached + len(runtime.active) + sum(1 for s in runtime.sockets if s.busy)
+    async def busy() -> int:
+        # Streams someone reads, here or (leased) on another replica; streams nobody
+        # reads are not waited for: they end after the grace period.
+        followed = 0
+        for run in list(hub.live.values()):
+            if run.attached or (hub.store.shared and await _leased(hub, run.id)):
+                followed += 1
+        return followed + len(runtime.active) + sum(1 for s in runtime.sockets if s.busy)
 
-    if busy():
-        log.info("waiting up to %.1fs for %d streams to finish", grace, busy())
-    while busy() and loop.time() < deadline:
+    count = await busy()
+    if count:
+        log.info("waiting up to %.1fs for %d streams to finish", grace, count)
+    while count and loop.time() < deadline:
         await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0)))
-    if busy():
-        log.warning("ending %d streams still running after the grace period", busy())
+        count = await busy()
+    if count:
+        log.warning("ending %d streams still running after the grace period", count)
     # Sockets first: their turns end with close 1001, not with the streams' errors.
     await asyncio.gather(*(socket.shutdown() for socket in list(runtime.sockets)))
     # The streams end with a retryable error in their logs, which their pumps write.

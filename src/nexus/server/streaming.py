@@ -73,8 +73,10 @@ class StreamPump:
         headers: dict[str, str],
         active: set[StreamPump] | None = None,
         first_wait_s: float | None = None,
+        origin: bool = True,
     ) -> None:
         self.request = request
+        self.origin = origin
         self.reader = reader
         self.renderer = renderer
         self.heartbeat_s = heartbeat_s
@@ -206,7 +208,10 @@ class StreamPump:
             if batch is _END:
                 return _END
             events: list[StreamEvent] = batch  # type: ignore[assignment]
-            if self.response is None and renderer.step == 0 and type(events[0]) is Error:
+            # Only the request that made the stream gets its failure as an HTTP status; an
+            # attach gets the stream as it is, error and all.
+            fresh = self.origin and renderer.step == 0 and not renderer.resumed
+            if self.response is None and fresh and type(events[0]) is Error:
                 failure = self.reader.failure
                 raise failure if failure is not None else StreamError(events[0])
             out += renderer.feed(events)
@@ -311,6 +316,7 @@ async def pump(
     headers: dict[str, str] | None = None,
     active: set[StreamPump] | None = None,
     first_wait_s: float | None = None,
+    origin: bool = True,
 ) -> web.StreamResponse:
     """Write ``reader``'s log to the client of ``request`` in ``encoder_cls``'s format.
 
@@ -319,6 +325,8 @@ async def pump(
     exactly where the first rendering was. ``first_wait_s`` (default: the
     heartbeat interval) is how long the headers wait for the first output; an
     attach uses a short one, so that the client knows at once that it is on.
+    ``origin``: the request that made the stream, which gets a failure before any
+    output as an HTTP status; an attach gets it in the stream.
     """
     meta = reader.meta
     encoder = encoder_cls(meta)
@@ -343,5 +351,6 @@ async def pump(
         headers=all_headers,
         active=active,
         first_wait_s=first_wait_s,
+        origin=origin,
     )
     return await runner.run()

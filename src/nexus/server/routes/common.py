@@ -147,7 +147,9 @@ async def resume(
             param="last_event_id",
         )
     reader = await request.app[state.HUB].attach(stream_id)
-    return await _pump(request, reader, encoder, cursor, {}, first_wait_s=ATTACH_WAIT_S)
+    return await _pump(
+        request, reader, encoder, cursor, {}, first_wait_s=ATTACH_WAIT_S, origin=False
+    )
 
 
 async def _pump(
@@ -157,6 +159,7 @@ async def _pump(
     cursor: Cursor | None,
     headers: dict[str, str],
     first_wait_s: float | None = None,
+    origin: bool = True,
 ) -> web.StreamResponse:
     config = request.app[state.CONFIG]
     return await pump(
@@ -169,6 +172,7 @@ async def _pump(
         headers=headers,
         active=request.app[state.RUNTIME].active,
         first_wait_s=first_wait_s,
+        origin=origin,
     )
 
 

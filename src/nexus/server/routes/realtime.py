@@ -116,8 +116,8 @@ class RealtimeConnection:
                     return
                 self.session.start_accepted()
                 self._terminated = False
-                # A joined stream is shared: this socket may leave it, never end it.
-                owned = opened.run if opened.cache != "hit" else None
+                # A joined stream is another request's: this socket may leave it, never end it.
+                owned = None if opened.joined else opened.run
                 self._held = (reader, owned)
                 turn = asyncio.get_running_loop().create_task(self._turn(reader, owned))
                 turn.add_done_callback(self._turn_done)
@@ -208,11 +208,12 @@ class RealtimeConnection:
 
 
 async def _release(reader: LogReader, run: StreamRun | None) -> None:
-    """Idempotent. Nobody else knows this stream's id: when the turn ends early (abort,
-    the socket gone), the stream ends with it, unless it was joined (then it is shared)."""
-    if run is not None and not run.finished:
-        run.cancel(Done(aborted=True))
+    """Idempotent. The socket never told anyone this stream's id: when the turn ends early
+    (abort, the socket gone), the stream ends with it, unless it is shared: joined, or
+    joined by others who still read it."""
     await reader.close()
+    if run is not None and not run.finished and not run.attached:
+        run.cancel(Done(aborted=True))
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

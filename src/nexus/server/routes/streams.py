@@ -13,7 +13,7 @@ from aiohttp import web
 
 from ...cache.hub import describe, status_of
 from ...errors import GatewayError, StreamNotFound
-from ...events import Done
+from ...events import Error
 from .. import state
 from .common import json_response, last_event_id, negotiate, resume
 
@@ -43,7 +43,15 @@ async def cancel(request: web.Request) -> web.StreamResponse:
     hub = request.app[state.HUB]
     run = hub.live.get(stream_id)
     if run is not None:
-        run.cancel(Done(aborted=True))
+        # An error, not a done: whoever else reads it (a joined request) must not take
+        # the cut-short stream for a finished one.
+        run.cancel(
+            Error(
+                error_type="invalid_request_error",
+                message=f"The stream was cancelled (DELETE /v1/streams/{stream_id}).",
+                code="stream_cancelled",
+            )
+        )
         await run.wait()
         return json_response(describe(run.info) | {"status": status_of(run.events[-1])})
     info = await hub.info(stream_id)

@@ -1,0 +1,49 @@
+"""A joined request is not cut short, silently, by the request it joined.
+
+With ``[cache] enabled``, an identical request joins the in-flight stream. When
+the origin leaves it (a WebSocket ``abort``, the socket closing), the stream
+lives on for the joiners; a ``DELETE`` ends it with an error, never with a
+``done`` that would make a truncated answer look complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import websockets
+
+from support import GatedProvider, MakeClient, chat, parse_sse
+
+
+async def test_a_joined_request_is_not_silently_truncated_by_the_origins_abort(
+    make_client: MakeClient,
+) -> None:
+    gated = GatedProvider(before=1, after=3)
+    client = await make_client({"cache": {"enabled": True}}, providers=[gated])
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    async with websockets.connect(url) as ws:
+        await ws.send(orjson.dumps({"type": "start", "request": chat(model="gated/m")}).decode())
+        await asyncio.wait_for(ws.recv(), 5)  # the origin's first delta
+        streaming = asyncio.create_task(
+            client.post("/v1/chat/completions", json=chat(model="gated/m", stream=True))
+        )
+        plain = asyncio.create_task(client.post("/v1/chat/completions", json=chat(model="gated/m")))
+        await asyncio.sleep(0.2)
+        await ws.send('{"type":"abort"}')
+        assert orjson.loads(await asyncio.wait_for(ws.recv(), 5))["aborted"] is True
+        gated.gate.set()  # the stream lives on for the requests that joined it
+        sse, json_resp = await asyncio.wait_for(asyncio.gather(streaming, plain), 10)
+        assert sse.headers["X-Nexus-Cache"] == json_resp.headers["X-Nexus-Cache"] == "hit"
+        events = parse_sse(await sse.read())
+        body = await json_resp.json()
+    # Either the joiners get the whole answer (the stream lives on for them), or they are
+    # told it was cut short; never a partial answer that looks complete.
+    text = "".join(
+        (orjson.loads(e.data)["choices"] or [{"delta": {}}])[0]["delta"].get("content") or ""
+        for e in events
+        if e.data.startswith("{") and e.event != "error"
+    )
+    complete = "before0 after0 after1 after2 "
+    assert text == complete or any(e.event == "error" for e in events), text
+    assert json_resp.status != 200 or (body["choices"][0]["message"]["content"] == complete), body

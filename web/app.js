@@ -236,10 +236,23 @@
 
   // --- transports ---------------------------------------------------------------
 
+  // The API key (kept in this browser only): a Bearer header on fetch, a subprotocol on
+  // the WebSocket. EventSource cannot send headers: it reads a stream by its unguessable id.
+  const keyInput = document.getElementById("api-key");
+  keyInput.value = localStorage.getItem("nexus.key") || "";
+  keyInput.addEventListener("change", () => {
+    localStorage.setItem("nexus.key", keyInput.value.trim());
+    loadModels();
+  });
+  function authHeaders(extra) {
+    const key = keyInput.value.trim();
+    return key ? { ...extra, Authorization: `Bearer ${key}` } : { ...extra };
+  }
+
   async function postJSON(url, body, r) {
     return fetch(url, {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: authHeaders({ "Content-Type": "application/json" }),
       body: JSON.stringify(body),
       signal: r.controller.signal,
     });
@@ -268,7 +281,7 @@
     // No abort signal: a stream created while Abort was pressed is cancelled below, by id.
     const resp = await fetch("/v1/chat/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: authHeaders({ "Content-Type": "application/json" }),
       body: JSON.stringify({ ...body, stream: true, background: true }),
     });
     if (r.finished) {
@@ -325,7 +338,8 @@
 
   function cancelOnServer(r, id = r.streamId) {
     if (!id) return; // not known yet (startSSE cancels it when its POST is answered)
-    fetch(`/v1/streams/${encodeURIComponent(id)}`, { method: "DELETE" }).catch(() => {});
+    fetch(`/v1/streams/${encodeURIComponent(id)}`, { method: "DELETE", headers: authHeaders({}) })
+      .catch(() => {});
   }
 
   async function startNDJSON(r, body) {
@@ -446,7 +460,8 @@
     socket.timer = null;
     const url = new URL("/v1/realtime", location.href);
     url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
-    const ws = new WebSocket(url);
+    const key = keyInput.value.trim();
+    const ws = key ? new WebSocket(url, ["nexus.v1", `nexus-key.${key}`]) : new WebSocket(url);
     socket.ws = ws;
     setSocketState("connecting");
     socket.opened = new Promise((resolve, reject) => {
@@ -575,7 +590,7 @@
 
   async function loadModels() {
     try {
-      const resp = await fetch("/v1/models");
+      const resp = await fetch("/v1/models", { headers: authHeaders({}) });
       if (!resp.ok) throw new Error(await httpErrorMessage(resp));
       const ids = (await resp.json()).data.map((m) => m.id);
       els.model.replaceChildren(

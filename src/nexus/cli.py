@@ -1,4 +1,5 @@
-"""The ``nexus`` command: ``nexus serve [--config PATH] [--host H] [--port P]``."""
+"""The ``nexus`` command: ``nexus serve [--config PATH] [--host H] [--port P]`` and
+``nexus hash-key``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .auth import hash_key, is_loopback, new_key
 from .config import Config, load_config
 from .errors import ConfigError
+from .server.access import JsonFormatter
 
 log = logging.getLogger("nexus")
 
@@ -31,11 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="interface to bind (default: [server] host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (default: [server] port, 8080)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
-    args = parser.parse_args(argv)
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    hash_key = commands.add_parser(
+        "hash-key",
+        help="make a new API key and print it with its SHA-256 for [[auth.keys]]",
+        description="Without options: a new random key, and the [[auth.keys]] entry that "
+        "admits it. With --stdin: the SHA-256 of a key read from standard input (keys on "
+        "the command line would show in the process list).",
     )
+    hash_key.add_argument("--stdin", action="store_true", help="hash a key read from stdin")
+    hash_key.add_argument("--name", default="my-app", help="the key's name in the entry")
+    args = parser.parse_args(argv)
+    if args.command == "hash-key":
+        return _hash_key(args.stdin, args.name)
+
     try:
         config, source = _load(args.config)
         server = config.server
@@ -48,10 +59,49 @@ def main(argv: list[str] | None = None) -> int:
             updates["port"] = args.port
         if updates:
             config = config.model_copy(update={"server": server.model_copy(update=updates)})
+        _setup_logging(args.log_level.upper(), config.logging.format)
+        _check_exposure(config, source)
         return _serve(config, source)
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)
         return 2
+
+
+def _hash_key(from_stdin: bool, name: str) -> int:
+    if from_stdin:
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("nexus: hash-key: no key on standard input", file=sys.stderr)
+            return 2
+        print(hash_key(key))
+        return 0
+    key = new_key()
+    print(f"key:    {key}")
+    print(f"sha256: {hash_key(key)}")
+    print("\n# config.toml (the key itself is not stored):")
+    print(f'[[auth.keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"')
+    return 0
+
+
+def _setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+def _check_exposure(config: Config, source: str) -> None:
+    """No keys on a non-loopback interface is refused, unless the config says it is meant."""
+    auth = config.auth
+    if auth.keys or auth.allow_unauthenticated or is_loopback(config.server.host):
+        return
+    raise ConfigError(
+        f"{source}: refusing to serve on {config.server.host} without API keys: anyone who "
+        "can reach it could use your providers. Add [[auth.keys]] (make one with `nexus "
+        "hash-key`), bind to 127.0.0.1, or set [auth] allow_unauthenticated = true."
+    )
 
 
 def _load(path: str | None) -> tuple[Config, str]:

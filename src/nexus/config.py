@@ -19,14 +19,20 @@ from .errors import ConfigError
 
 __all__ = [
     "AnthropicProviderConfig",
+    "AuthConfig",
+    "AuthKeyConfig",
     "CacheConfig",
     "Config",
+    "CorsConfig",
     "HTTPProviderConfig",
     "LimitsConfig",
+    "LoggingConfig",
     "MemoryStoreConfig",
+    "MetricsConfig",
     "MockProviderConfig",
     "ModelAliasConfig",
     "OpenAIProviderConfig",
+    "PluginConfig",
     "ProviderConfig",
     "RealtimeConfig",
     "RedisStoreConfig",
@@ -54,7 +60,62 @@ class ServerConfig(_Table):
 class LimitsConfig(_Table):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_concurrent_streams: int = Field(default=10_000, ge=1)
+    max_concurrent_streams_per_key: int = Field(default=100, ge=1)
+    requests_per_second_per_key: float = Field(default=50.0, ge=0)
+    """Sustained rate per API key (bursts up to one second's worth); 0 turns it off."""
     max_stream_duration_s: float = Field(default=900.0, gt=0)
+
+
+class AuthKeyConfig(_Table):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@:-]+$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """The SHA-256 of the key, hex (``nexus hash-key`` prints it); never the key itself."""
+    models: list[str] | None = None
+    """Model ids this key may call (``*`` wildcards: ``"mock/*"``); unset: every model."""
+
+
+class AuthConfig(_Table):
+    keys: list[AuthKeyConfig] = Field(default_factory=list)
+    allow_unauthenticated: bool = False
+    """Serve without keys on a non-loopback interface (refused otherwise)."""
+
+    @field_validator("keys")
+    @classmethod
+    def _unique(cls, value: list[AuthKeyConfig]) -> list[AuthKeyConfig]:
+        names = [key.name for key in value]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"key name {name!r} is used twice")
+        hashes = [key.sha256 for key in value]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("two keys have the same sha256")
+        return value
+
+
+class CorsConfig(_Table):
+    allow_origins: list[str] = Field(default_factory=list)
+    """Origins whose pages may call the API (``"*"``: any); empty: same origin only."""
+    max_age_s: int = Field(default=600, ge=0)
+
+
+class PluginConfig(_Table):
+    path: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    """``"module:attr"``: a plugin object, or a class / factory called with ``options``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    chunk_every: int = Field(default=1, ge=1)
+    """Call ``on_chunk_received`` for every Nth chunk of a stream."""
+
+
+class LoggingConfig(_Table):
+    format: Literal["text", "json"] = "text"
+    """``json``: one JSON object per line, with the request id."""
+    access_log: bool = True
+    """One line per request: endpoint, format, provider, status, TTFB, duration, events, bytes."""
+
+
+class MetricsConfig(_Table):
+    enabled: bool = True
+    """Prometheus text format at ``GET /metrics``."""
 
 
 class StreamsConfig(_Table):
@@ -152,6 +213,11 @@ class Config(_Table):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     encoders: dict[str, str] = Field(default_factory=dict)
     realtime: RealtimeConfig = Field(default_factory=RealtimeConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    cors: CorsConfig = Field(default_factory=CorsConfig)
+    plugins: list[PluginConfig] = Field(default_factory=list)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     streams: StreamsConfig = Field(default_factory=StreamsConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     store: StoreConfig = Field(default_factory=MemoryStoreConfig)

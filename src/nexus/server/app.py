@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from ..auth import KeyRing, RateLimiter
 from ..cache.hub import StreamHub
 from ..cache.memory import MemoryStore
 from ..cache.store import Store
@@ -22,7 +23,9 @@ from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from ..errors import ServerShuttingDown
 from ..events import Error
+from .access import KEYS, LIMITER, METRICS, access_middleware
 from .errors import error_middleware
+from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, Runtime
 
@@ -65,11 +68,16 @@ def create_app(
 
     app = web.Application(
         client_max_size=config.limits.max_body_bytes,
-        middlewares=[error_middleware],
+        middlewares=[access_middleware, error_middleware],
     )
     app[CONFIG] = config
     app[ENGINE] = engine
     app[HUB] = hub
+    app[KEYS] = KeyRing(config.auth.keys)
+    app[LIMITER] = RateLimiter(config.limits.requests_per_second_per_key)
+    if config.metrics.enabled:
+        app[METRICS] = Metrics(lambda: len(hub.live))
+        app.router.add_get("/metrics", metrics_endpoint)
     app[REGISTRY] = formats
     app[RUNTIME] = Runtime()
 
@@ -103,6 +111,12 @@ def create_app(
     app.router.add_get("/healthz", models.healthz)
     web_console.add_routes(app)
     return app
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    """Prometheus text format. Names and counts only: no keys, no contents."""
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _leased(hub: StreamHub, stream_id: str) -> bool:

@@ -46,9 +46,15 @@ def error_response(request: web.Request, error: GatewayError) -> web.Response:
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
+def _request_id(request: web.Request) -> str:
+    from .access import EXCHANGE  # the access middleware set it
+
+    exchange = request.get(EXCHANGE)
+    return str(getattr(exchange, "request_id", "")) or "req_" + os.urandom(12).hex()
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request_id = "req_" + os.urandom(12).hex()
     try:
         response = await handler(request)
     except GatewayError as exc:
@@ -69,9 +75,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         error.headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         response = error_response(request, error)
     except Exception:
+        request_id = _request_id(request)
         log.exception("unhandled error in %s %s (%s)", request.method, request.path, request_id)
         error = GatewayError(f"Internal server error (request {request_id}).")
         response = error_response(request, error)
-    if not response.prepared:
-        response.headers.setdefault("x-request-id", request_id)
     return response

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -44,6 +45,7 @@ from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
+from .access import METRICS, Exchange, exchange
 
 __all__ = ["StreamPump", "pump"]
 
@@ -62,12 +64,15 @@ async def _next(batches: AsyncIterator[list[StreamEvent]]) -> object:
 class StreamPump:
     """Writes one stream log to one HTTP response. Made and run by :func:`pump`."""
 
+    _now = staticmethod(time.monotonic)
+
     def __init__(
         self,
         request: web.Request,
         reader: LogReader,
         renderer: Renderer,
         *,
+        exchange: Exchange | None = None,
         heartbeat_s: float,
         write_timeout_s: float,
         headers: dict[str, str],
@@ -77,6 +82,11 @@ class StreamPump:
     ) -> None:
         self.request = request
         self.origin = origin
+        self.exchange = exchange or Exchange("", self._now())
+        metrics = request.app.get(METRICS)
+        fmt = self.exchange.format or "-"
+        self._events = metrics.events.labels(fmt) if metrics is not None else None
+        self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
         self.reader = reader
         self.renderer = renderer
         self.heartbeat_s = heartbeat_s
@@ -124,19 +134,30 @@ class StreamPump:
             write = self._require_response().write
             feed = renderer.feed
             now = self._loop.time
+            ex = self.exchange
+            events, sent = self._events, self._bytes
             async for batch in batches:
                 data = feed(batch)
+                ex.events += len(batch)
                 if renderer.done:
+                    self._count_failure(batch[-1])
                     return await self._end(data)
                 if data:
                     self._write_started = now()
                     await write(data)
                     self._last_write = now()
+                    ex.bytes += len(data)
+                    if events is not None and sent is not None:
+                        events.inc(len(batch))
+                        sent.inc(len(data))
             # The log ended without its terminal entry (a store that lost it).
             return await self._end(renderer.fail(_lost_event()))
         except asyncio.CancelledError:
             if not self._shutting_down or self._ended:
+                if not self._ended and self.exchange.cancelled is None:
+                    self.exchange.cancelled = "client_disconnect"
                 raise
+            self.exchange.cancelled = "shutdown"
             if self.response is None:
                 raise ServerShuttingDown(
                     "The server is shutting down; retry the request."
@@ -215,6 +236,9 @@ class StreamPump:
                 failure = self.reader.failure
                 raise failure if failure is not None else StreamError(events[0])
             out += renderer.feed(events)
+            self.exchange.events += len(events)
+            if renderer.done:
+                self._count_failure(events[-1])
             if out or renderer.done:
                 return out
 
@@ -228,6 +252,7 @@ class StreamPump:
         response = self._require_response()
         if not response.prepared:
             await response.prepare(self.request)
+            self.exchange.ttfb = self._now() - self.exchange.started
             # From the headers on, the watchdog owns heartbeats and write stalls.
             self._watchdog = self._loop.create_task(self._watch())
         self._write_started = self._loop.time()
@@ -238,7 +263,21 @@ class StreamPump:
         """Write the last bytes of the stream; nothing is written after them."""
         self._ended = True  # the watchdog stops heartbeats but still watches this write
         await self._write(data)
+        self.exchange.bytes += len(data)
         return self._require_response()
+
+    def _count_failure(self, terminal: StreamEvent) -> None:
+        """An in-band end, once per stream (by its origin): upstream errors, cancellations."""
+        if not self.origin or type(terminal) is not Error:
+            return
+        metrics = self.request.app.get(METRICS)
+        if metrics is None:
+            return
+        code = terminal.code or terminal.error_type
+        if code in _CANCEL_CAUSES:
+            metrics.cancellations.labels(_CANCEL_CAUSES[code]).inc()
+        else:
+            metrics.upstream_errors.labels(self.reader.meta.provider or "-", code).inc()
 
     async def _watch(self) -> None:
         """Heartbeats when idle; abort the connection when a write stalls."""
@@ -276,11 +315,21 @@ class StreamPump:
 
     def _abort(self, why: str) -> None:
         log.warning("dropping client of stream %s: %s", self.reader.meta.id, why)
+        self.exchange.cancelled = "write_timeout"
         transport = self.request.transport
         if transport is not None:
             transport.abort()
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+
+_CANCEL_CAUSES = {
+    "stream_detached": "detach_timeout",
+    "stream_cancelled": "delete",
+    "max_stream_duration": "max_duration",
+    "server_shutting_down": "shutdown",
+    "stream_too_large": "too_large",
+}
 
 
 def _shutdown_event() -> Error:
@@ -338,14 +387,19 @@ async def pump(
         "Vary": "Accept, X-Nexus-Stream-Format",
         "X-Nexus-Stream-Format": encoder.media_type,
         "X-Nexus-Stream-Id": meta.id,
-        "x-request-id": meta.id,
     }
+    ex = exchange(request)
+    all_headers.update(ex.headers)
     if headers:
         all_headers.update(headers)
+    ex.format = encoder.media_type
+    ex.stream_id = meta.id
+    ex.provider = meta.provider
     runner = StreamPump(
         request,
         reader,
         renderer,
+        exchange=ex,
         heartbeat_s=heartbeat_s,
         write_timeout_s=write_timeout_s,
         headers=all_headers,

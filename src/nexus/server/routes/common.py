@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ...auth import Forbidden, credential
 from ...cache.cursor import Cursor, parse_cursor
 from ...cache.hub import describe, with_usage
 from ...cache.run import LogReader
@@ -23,6 +24,7 @@ from ...errors import (
     RequestTooLarge,
     ServerShuttingDown,
     StreamError,
+    StreamNotFound,
     TooManyStreams,
 )
 from ...events import Done, Error, StreamEvent
@@ -31,9 +33,10 @@ from ...request import ChatRequest
 from ...stream import Stream, accumulate
 from ...types import Completion
 from .. import state
+from ..access import KEYS, METRICS, admit, authenticate, exchange
 from ..streaming import pump
 
-__all__ = ["complete", "json_response", "last_event_id", "read_body", "resume"]
+__all__ = ["check_owner", "complete", "json_response", "last_event_id", "read_body", "resume"]
 
 ATTACH_WAIT_S = 0.05
 """An attach sends its headers with the log so far, or after this long with nothing."""
@@ -101,6 +104,7 @@ async def complete(
     """
     _check_open(request)
     app = request.app
+    key = authenticate(request)
     encoder = negotiate(request, default_format)
     body = await read_body(request)
     cursor = last_event_id(request)
@@ -111,13 +115,19 @@ async def complete(
                 "event ('<stream id>.<step>'), not a count.",
                 param="last_event_id",
             )
+        admit(request, key, None)
         return await resume(request, cursor.stream_id, encoder, cursor)
     chat = parse(body)
+    admit(request, key, chat.model)
+    owner = key.name if key is not None else None
     hub = app[state.HUB]
+    ex = exchange(request)
     if not chat.stream and not chat.background:
+        ex.format = "application/json"
         if not hub.cache.enabled:
             return json_response(render(await app[state.ENGINE].complete(chat)))
-        opened = await hub.open(chat, format=default_format)
+        opened = await hub.open(chat, format=default_format, owner=owner)
+        _count_cache(request, opened.cache)
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
         completion = await accumulate(Stream(_events(reader), reader.meta))
         return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
@@ -128,7 +138,16 @@ async def complete(
             "concurrent streams; retry shortly.",
             headers={"Retry-After": "1"},
         )
-    opened = await hub.open(chat, format=default_format, background=chat.background)
+    if owner is not None:
+        per_key = config.limits.max_concurrent_streams_per_key
+        if sum(1 for run in hub.live.values() if run.info.owner == owner) >= per_key:
+            raise TooManyStreams(
+                f"The API key {owner!r} is at its limit of {per_key} concurrent streams; "
+                "retry when one ends.",
+                headers={"Retry-After": "1"},
+            )
+    opened = await hub.open(chat, format=default_format, background=chat.background, owner=owner)
+    _count_cache(request, opened.cache)
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     if chat.background:
         headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
@@ -146,10 +165,37 @@ async def resume(
             f"Last-Event-ID {str(cursor)!r} belongs to another stream than {stream_id!r}.",
             param="last_event_id",
         )
-    reader = await request.app[state.HUB].attach(stream_id)
+    hub = request.app[state.HUB]
+    info = await hub.info(stream_id)
+    if info is None:
+        raise StreamNotFound(f"No stream {stream_id!r}: unknown, or expired.", param="id")
+    check_owner(request, info.owner)
+    reader = await hub.attach(stream_id)
+    if cursor is not None:
+        metrics = request.app.get(METRICS)
+        if metrics is not None:
+            metrics.resumes.inc()
     return await _pump(
         request, reader, encoder, cursor, {}, first_wait_s=ATTACH_WAIT_S, origin=False
     )
+
+
+def check_owner(request: web.Request, owner: str | None) -> None:
+    """A stream is read with its id alone, or by the key that made it: a request that
+    presents another key is refused (403 ``stream_forbidden``)."""
+    key = exchange(request).key
+    if key is None and request.app[KEYS].enabled and credential(request.headers) is not None:
+        key = authenticate(request)
+    if key is not None and owner is not None and key.name != owner:
+        raise Forbidden(
+            "This stream was made with another API key.", code="stream_forbidden", param="id"
+        )
+
+
+def _count_cache(request: web.Request, result: str | None) -> None:
+    metrics = request.app.get(METRICS)
+    if metrics is not None and result is not None:
+        metrics.cache.labels(result).inc()
 
 
 async def _pump(

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from ...errors import GatewayError
 from .. import state
+from ..access import admit, authenticate
 
 
 def _model(model_id: str, owner: str) -> dict[str, Any]:
@@ -23,7 +24,8 @@ def _owner(engine: Any, model_id: str) -> str:
 
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[state.ENGINE]
-    data = [_model(m, _owner(engine, m)) for m in engine.models()]
+    key = authenticate(request)
+    data = [_model(m, _owner(engine, m)) for m in engine.models() if key is None or key.allows(m)]
     return web.Response(
         body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
     )
@@ -32,7 +34,9 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     engine = request.app[state.ENGINE]
     model_id = request.match_info["model"]
+    key = authenticate(request)
     engine.route(model_id)  # raises ModelNotFound
+    admit(request, key, model_id)
     return web.Response(
         body=orjson.dumps(_model(model_id, _owner(engine, model_id))),
         content_type="application/json",

@@ -28,10 +28,11 @@ import logging
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from ...auth import ApiKey, Forbidden
 from ...cache.hub import with_usage
 from ...cache.run import LogReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
-from ...errors import GatewayError, ServerShuttingDown
+from ...errors import GatewayError, ServerShuttingDown, TooManyStreams
 from ...events import Done, Error
 from ...protocol.realtime import (
     AbortTurn,
@@ -41,11 +42,14 @@ from ...protocol.realtime import (
     gateway_error_frame,
 )
 from .. import state
+from ..access import admit, authenticate, exchange
 
 __all__ = ["RealtimeConnection", "handle"]
 
 log = logging.getLogger("nexus.realtime")
 
+PROTOCOL = "nexus.v1"
+"""The subprotocol a browser offers beside ``nexus-key.<key>`` (the one answered)."""
 _DONE = '{"type":"done"}'
 _ABORTED = '{"type":"done","aborted":true}'
 _INTERNAL = Error(
@@ -59,16 +63,21 @@ _INTERNAL = Error(
 class RealtimeConnection:
     """One WebSocket client: its session, its socket, at most one running turn."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(
+        self, request: web.Request, key: ApiKey | None = None, protocols: tuple[str, ...] = ()
+    ) -> None:
         app = request.app
         config = app[state.CONFIG]
         self.request = request
+        self.key = key
         self.hub = app[state.HUB]
         self.runtime = app[state.RUNTIME]
         self.ws = web.WebSocketResponse(
             heartbeat=config.server.heartbeat_interval_s,
             max_msg_size=config.realtime.max_message_bytes,
+            protocols=protocols,
         )
+        self.max_streams = config.limits.max_concurrent_streams
         self.session = RealtimeSession(
             max_pending_input_bytes=config.realtime.max_pending_input_bytes
         )
@@ -105,7 +114,22 @@ class RealtimeConnection:
                 await self.ws.send_str(frame)
             case StartTurn(request=request):
                 try:
-                    opened = await self.hub.open(request, format=NDJSONEncoder.media_type)
+                    if self.key is not None and not self.key.allows(request.model):
+                        raise Forbidden(
+                            f"The API key {self.key.name!r} may not use the model "
+                            f"{request.model!r}.",
+                            param="request.model",
+                        )
+                    if len(self.hub.live) >= self.max_streams:
+                        raise TooManyStreams(
+                            f"The gateway is at its limit of {self.max_streams} concurrent "
+                            "streams; retry shortly."
+                        )
+                    opened = await self.hub.open(
+                        request,
+                        format=NDJSONEncoder.media_type,
+                        owner=self.key.name if self.key is not None else None,
+                    )
                     reader = await self.hub.attach(
                         opened.id, meta=with_usage(opened.info.meta, request.include_usage)
                     )
@@ -219,4 +243,20 @@ async def _release(reader: LogReader, run: StreamRun | None) -> None:
 async def handle(request: web.Request) -> web.StreamResponse:
     if request.app[state.RUNTIME].shutting_down:
         raise ServerShuttingDown("The server is shutting down; retry the request.")
-    return await RealtimeConnection(request).run()
+    offered = tuple(
+        p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()
+    )
+    key = authenticate(request, offered)
+    admit(request, key, None)
+    exchange(request).format = "websocket"
+    return await RealtimeConnection(request, key, _chosen(offered)).run()
+
+
+def _chosen(offered: tuple[str, ...]) -> tuple[str, ...]:
+    """The subprotocol to answer with: a browser fails the handshake if none of the ones it
+    offered comes back. ``nexus.v1`` when offered, else the key's own (it is the client's)."""
+    if not offered:
+        return ()
+    if PROTOCOL in offered:
+        return (PROTOCOL,)
+    return (offered[0],)

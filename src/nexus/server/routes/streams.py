@@ -15,7 +15,7 @@ from ...cache.hub import describe, status_of
 from ...errors import GatewayError, StreamNotFound
 from ...events import Error
 from .. import state
-from .common import json_response, last_event_id, negotiate, resume
+from .common import check_owner, json_response, last_event_id, negotiate, resume
 
 __all__ = ["cancel", "get"]
 
@@ -43,6 +43,7 @@ async def cancel(request: web.Request) -> web.StreamResponse:
     hub = request.app[state.HUB]
     run = hub.live.get(stream_id)
     if run is not None:
+        check_owner(request, run.info.owner)
         # An error, not a done: whoever else reads it (a joined request) must not take
         # the cut-short stream for a finished one.
         run.cancel(
@@ -57,6 +58,7 @@ async def cancel(request: web.Request) -> web.StreamResponse:
     info = await hub.info(stream_id)
     if info is None:
         raise _not_found(stream_id)
+    check_owner(request, info.owner)
     if info.status == "in_progress":
         raise GatewayError(
             f"Stream {stream_id!r} runs on another replica; cancel it there, or detach "

@@ -1,0 +1,229 @@
+"""Who may call, from where, and what each request did: request ids, CORS, API keys,
+per-key limits, the access log.
+
+:func:`access_middleware` is the outermost layer: it gives every request an id
+(``X-Request-Id`` honoured when it is sane, echoed on every response), answers
+CORS preflights for ``[cors] allow_origins``, and writes one access line per
+request (endpoint, format, provider, status, TTFB, duration, events, bytes) and
+its metrics. Routes call :func:`authenticate` and :func:`admit`; the pump fills
+in the request's :class:`Exchange` as it writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..auth import ApiKey, Forbidden, KeyRing, RateLimiter, credential
+from ..errors import GatewayError
+from .errors import Handler
+from .metrics import Metrics
+from .state import CONFIG as _CONFIG
+
+__all__ = [
+    "EXCHANGE",
+    "KEYS",
+    "LIMITER",
+    "METRICS",
+    "Exchange",
+    "JsonFormatter",
+    "access_middleware",
+    "admit",
+    "authenticate",
+    "exchange",
+]
+
+log = logging.getLogger("nexus.server")
+access_log = logging.getLogger("nexus.access")
+
+KEYS = web.AppKey("keys", KeyRing)
+LIMITER = web.AppKey("limiter", RateLimiter)
+METRICS = web.AppKey("metrics", Metrics)
+def _request_key() -> Any:
+    # aiohttp 3.14 warns on string keys in request storage; older ones have no RequestKey.
+    factory = getattr(web, "RequestKey", None)
+    return factory("exchange", Exchange) if factory is not None else "nexus.exchange"
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+_EXPOSED = (
+    "X-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, Location, Retry-After"
+)
+_ALLOWED_HEADERS = (
+    "Authorization, Content-Type, X-Api-Key, X-Nexus-Stream-Format, Last-Event-ID, "
+    "X-Request-Id, Accept"
+)
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request, as the access log and the metrics see it."""
+
+    request_id: str
+    started: float
+    endpoint: str = ""
+    format: str = ""
+    provider: str = ""
+    stream_id: str = ""
+    key: ApiKey | None = None
+    ttfb: float | None = None
+    events: int = 0
+    bytes: int = 0
+    cancelled: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    """Headers every response to this request carries (request id, CORS)."""
+
+
+EXCHANGE: Any = _request_key()
+
+
+def exchange(request: web.Request) -> Exchange:
+    found: Exchange | None = request.get(EXCHANGE)
+    if found is None:  # a handler run without the middleware (unit tests)
+        found = Exchange(_new_id(), time.monotonic())
+        request[EXCHANGE] = found
+    return found
+
+
+def _new_id() -> str:
+    return "req_" + os.urandom(12).hex()
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    incoming = request.headers.get("X-Request-Id", "")
+    request_id = incoming if _REQUEST_ID.fullmatch(incoming) else _new_id()
+    ex = Exchange(request_id, time.monotonic())
+    ex.endpoint = _endpoint(request)
+    ex.headers["X-Request-Id"] = request_id
+    request[EXCHANGE] = ex
+    app = request.app
+    config = app[_CONFIG]
+    origin = request.headers.get("Origin")
+    if origin is not None and _origin_allowed(origin, config.cors.allow_origins):
+        ex.headers["Access-Control-Allow-Origin"] = origin
+        ex.headers["Vary"] = "Origin"
+        ex.headers["Access-Control-Expose-Headers"] = _EXPOSED
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            response: web.StreamResponse = web.Response(status=204, headers=ex.headers)
+            response.headers.update(
+                {
+                    "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+                    "Access-Control-Allow-Headers": _ALLOWED_HEADERS,
+                    "Access-Control-Max-Age": str(config.cors.max_age_s),
+                }
+            )
+            return response
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        if not response.prepared:
+            for name, value in ex.headers.items():
+                response.headers.setdefault(name, value)
+        return response
+    except BaseException:
+        ex.cancelled = ex.cancelled or "client_disconnect"
+        raise
+    finally:
+        _account(app, ex, status)
+
+
+def _origin_allowed(origin: str, allowed: list[str]) -> bool:
+    return "*" in allowed or origin in allowed
+
+
+def _endpoint(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    if resource is None:
+        return "unmatched"
+    return resource.canonical
+
+
+def _account(app: web.Application, ex: Exchange, status: int) -> None:
+    elapsed = time.monotonic() - ex.started
+    metrics = app.get(METRICS)
+    if metrics is not None and ex.endpoint not in ("/metrics",):
+        metrics.requests.labels(ex.endpoint, ex.format or "-", str(status)).inc()
+        if ex.ttfb is not None:
+            metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
+            metrics.duration.labels(ex.endpoint, ex.format).observe(elapsed)
+        if ex.cancelled is not None:
+            metrics.cancellations.labels(ex.cancelled).inc()
+    if app[_CONFIG].logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
+        fields = {
+            "endpoint": ex.endpoint,
+            "status": status,
+            "format": ex.format or None,
+            "provider": ex.provider or None,
+            "stream_id": ex.stream_id or None,
+            "key": ex.key.name if ex.key is not None else None,
+            "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 2),
+            "duration_ms": round(elapsed * 1000, 2),
+            "events": ex.events,
+            "bytes": ex.bytes,
+            "cancelled": ex.cancelled,
+        }
+        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        access_log.info(
+            "%s %s", ex.request_id, text, extra={"request_id": ex.request_id, "access": fields}
+        )
+
+
+def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:
+    """The caller's key (None with auth off). Raises 401 ``invalid_api_key``."""
+    key = request.app[KEYS].authenticate(credential(request.headers, subprotocols))
+    exchange(request).key = key
+    return key
+
+
+def admit(request: web.Request, key: ApiKey | None, model: str | None) -> None:
+    """Per-key checks before a request may run: its model, its rate.
+
+    Raises 403 ``model_not_allowed`` and 429 ``rate_limited`` (with ``Retry-After``).
+    """
+    if key is None:
+        return
+    if model is not None and not key.allows(model):
+        raise Forbidden(f"The API key {key.name!r} may not use the model {model!r}.", param="model")
+    wait = request.app[LIMITER].acquire(key.name, time.monotonic())
+    if wait > 0:
+        limit = request.app[_CONFIG].limits.requests_per_second_per_key
+        raise GatewayError(
+            f"The API key {key.name!r} is over its limit of {limit:g} requests per second.",
+            code="rate_limited",
+            status=429,
+            retryable=True,
+            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+        )
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id, access fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None)
+        if request_id is not None:
+            out["request_id"] = request_id
+        access = getattr(record, "access", None)
+        if access is not None:
+            out.update(access)
+        if record.exc_info:
+            out["error"] = self.formatException(record.exc_info)
+        return orjson.dumps(out).decode()
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

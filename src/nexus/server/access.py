@@ -47,10 +47,13 @@ access_log = logging.getLogger("nexus.access")
 KEYS = web.AppKey("keys", KeyRing)
 LIMITER = web.AppKey("limiter", RateLimiter)
 METRICS = web.AppKey("metrics", Metrics)
+
+
 def _request_key() -> Any:
     # aiohttp 3.14 warns on string keys in request storage; older ones have no RequestKey.
     factory = getattr(web, "RequestKey", None)
     return factory("exchange", Exchange) if factory is not None else "nexus.exchange"
+
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (

@@ -142,6 +142,7 @@ async def _run(config: Config, source: str) -> None:
         app,
         handler_cancellation=True,
         shutdown_timeout=config.server.shutdown_grace_s + 5,
+        access_log=None,  # nexus.access writes one line per request, with more in it
     )
     await runner.setup()
     try:

@@ -139,6 +139,8 @@ class StreamPump:
             async for batch in batches:
                 data = feed(batch)
                 ex.events += len(batch)
+                if events is not None:
+                    events.inc(len(batch))
                 if renderer.done:
                     self._count_failure(batch[-1])
                     return await self._end(data)
@@ -147,8 +149,7 @@ class StreamPump:
                     await write(data)
                     self._last_write = now()
                     ex.bytes += len(data)
-                    if events is not None and sent is not None:
-                        events.inc(len(batch))
+                    if sent is not None:
                         sent.inc(len(data))
             # The log ended without its terminal entry (a store that lost it).
             return await self._end(renderer.fail(_lost_event()))
@@ -237,6 +238,8 @@ class StreamPump:
                 raise failure if failure is not None else StreamError(events[0])
             out += renderer.feed(events)
             self.exchange.events += len(events)
+            if self._events is not None:
+                self._events.inc(len(events))
             if renderer.done:
                 self._count_failure(events[-1])
             if out or renderer.done:
@@ -258,12 +261,17 @@ class StreamPump:
         self._write_started = self._loop.time()
         await response.write(data)
         self._last_write = self._loop.time()
+        self._sent(len(data))
+
+    def _sent(self, size: int) -> None:
+        self.exchange.bytes += size
+        if self._bytes is not None:
+            self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
         """Write the last bytes of the stream; nothing is written after them."""
         self._ended = True  # the watchdog stops heartbeats but still watches this write
         await self._write(data)
-        self.exchange.bytes += len(data)
         return self._require_response()
 
     def _count_failure(self, terminal: StreamEvent) -> None:
@@ -308,6 +316,7 @@ class StreamPump:
                         self._abort("a heartbeat could not be written")
                         return
                     self._last_write = self._loop.time()
+                    self._sent(len(heartbeat))
                     continue
                 else:
                     wake = self._last_write + self.heartbeat_s

@@ -1,0 +1,595 @@
+"""Who may call: API keys, per-key models and limits, stream ownership, CORS, request ids.
+
+Through the real app, and the real clients where their behaviour matters: the openai
+and anthropic SDKs (their 401/403 exception classes) and ``websockets``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import anthropic
+import openai
+import orjson
+import pytest
+import websockets
+from aiohttp.test_utils import TestClient
+
+from nexus.auth import hash_key
+from support import GatedProvider, MakeClient, chat, parse_sse
+
+KEY_A = "nx-alpha-0123456789-secret"
+KEY_B = "nx-beta-9876543210-secret"
+WRONG = "nx-not-a-configured-key"
+PROVIDERS = {"mock": {"kind": "mock", "models": ["echo", "other"]}}
+
+
+def keyed(**extra: Any) -> dict[str, Any]:
+    """Two keys: alpha may use any model, beta only ``mock/echo``."""
+    config: dict[str, Any] = {
+        "providers": PROVIDERS,
+        "auth": {
+            "keys": [
+                {"name": "alpha", "sha256": hash_key(KEY_A)},
+                {"name": "beta", "sha256": hash_key(KEY_B), "models": ["mock/echo"]},
+            ]
+        },
+    }
+    config.update(extra)
+    return config
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def anthropic_body(model: str = "mock/echo", **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 50,
+        "messages": [{"role": "user", "content": "Hello there world"}],
+    }
+    body.update(extra)
+    return body
+
+
+def responses_body(model: str = "mock/echo", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "input": "Hello there world", **extra}
+
+
+def ws_url(client: TestClient[Any, Any]) -> str:
+    return f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+
+
+def start_frame(model: str = "mock/echo", content: str = "hello socket") -> str:
+    request = {"model": model, "messages": [{"role": "user", "content": content}]}
+    return orjson.dumps({"type": "start", "request": request}).decode()
+
+
+async def turn(ws: Any) -> list[dict[str, Any]]:
+    frames = []
+    while True:
+        frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        frames.append(frame)
+        if frame["type"] in ("done", "error"):
+            return frames
+
+
+# --- auth off -------------------------------------------------------------------------
+
+
+async def test_auth_off_needs_no_key(make_client: MakeClient) -> None:
+    client = await make_client({"providers": PROVIDERS})
+    resp = await client.post("/v1/chat/completions", json=chat())
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/messages", json=anthropic_body())
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/responses", json=responses_body())
+    assert resp.status == 200, await resp.text()
+    resp = await client.get("/v1/models")
+    assert {m["id"] for m in (await resp.json())["data"]} >= {"mock/echo", "mock/other"}
+    # A key sent to a gateway without keys is ignored, not refused.
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=bearer(WRONG))
+    assert resp.status == 200
+    async with websockets.connect(ws_url(client)) as ws:
+        await ws.send(start_frame())
+        assert (await turn(ws))[-1] == {"type": "done"}
+
+
+# --- 401 in each endpoint's shape -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/chat/completions", chat()),
+        ("POST", "/v1/responses", responses_body()),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models/mock/echo", None),
+    ],
+)
+@pytest.mark.parametrize(
+    "headers", [{}, bearer(WRONG), {"x-api-key": WRONG}, {"Authorization": "Basic xyz"}]
+)
+async def test_401_openai_shape(
+    make_client: MakeClient,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+) -> None:
+    client = await make_client(keyed())
+    resp = await client.request(method, path, json=body, headers=headers)
+    assert resp.status == 401
+    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+    error = (await resp.json())["error"]
+    assert error["type"] == "authentication_error"
+    assert error["code"] == "invalid_api_key"
+    assert error["message"]
+    assert WRONG not in error["message"]
+
+
+@pytest.mark.parametrize("headers", [{}, bearer(WRONG), {"x-api-key": WRONG}])
+async def test_401_anthropic_shape(make_client: MakeClient, headers: dict[str, str]) -> None:
+    client = await make_client(keyed())
+    resp = await client.post("/v1/messages", json=anthropic_body(), headers=headers)
+    assert resp.status == 401
+    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+    body = await resp.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "authentication_error"
+    assert body["error"]["message"]
+
+
+async def test_openai_sdk_sees_authentication_and_permission_errors(
+    make_client: MakeClient,
+) -> None:
+    client = await make_client(keyed())
+    base = str(client.make_url("/v1"))
+    async with openai.AsyncOpenAI(base_url=base, api_key=WRONG, max_retries=0) as api:
+        with pytest.raises(openai.AuthenticationError) as info:
+            await api.chat.completions.create(
+                model="mock/echo", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert info.value.status_code == 401
+        assert info.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            await api.models.list()
+    async with openai.AsyncOpenAI(base_url=base, api_key=KEY_B, max_retries=0) as api:
+        completion = await api.chat.completions.create(
+            model="mock/echo", messages=[{"role": "user", "content": "hi there"}]
+        )
+        assert completion.choices[0].message.content == "hi there"
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            await api.chat.completions.create(
+                model="mock/other", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        assert denied.value.code == "model_not_allowed"
+        page = await api.models.list()
+        assert [m.id for m in page.data] == ["mock/echo"]
+
+
+async def test_anthropic_sdk_sees_authentication_and_permission_errors(
+    make_client: MakeClient,
+) -> None:
+    client = await make_client(keyed())
+    base = str(client.make_url(""))
+    messages: Any = [{"role": "user", "content": "hi there"}]
+    async with anthropic.AsyncAnthropic(base_url=base, api_key=WRONG, max_retries=0) as api:
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            await api.messages.create(model="mock/echo", max_tokens=10, messages=messages)
+        assert info.value.status_code == 401
+        assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    # The SDK sends x-api-key.
+    async with anthropic.AsyncAnthropic(base_url=base, api_key=KEY_B, max_retries=0) as api:
+        message = await api.messages.create(model="mock/echo", max_tokens=10, messages=messages)
+        assert message.content[0].text == "hi there"  # type: ignore[union-attr]
+        with pytest.raises(anthropic.PermissionDeniedError) as denied:
+            await api.messages.create(model="mock/other", max_tokens=10, messages=messages)
+        assert denied.value.status_code == 403
+        assert denied.value.body["error"]["type"] == "permission_error"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [bearer(KEY_A), {"x-api-key": KEY_A}, {"Authorization": f"bearer  {KEY_A} "}],
+    ids=["bearer", "x-api-key", "lowercase-scheme"],
+)
+async def test_bearer_and_x_api_key_accepted(
+    make_client: MakeClient, headers: dict[str, str]
+) -> None:
+    client = await make_client(keyed())
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=headers)
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/messages", json=anthropic_body(), headers=headers)
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/responses", json=responses_body(), headers=headers)
+    assert resp.status == 200, await resp.text()
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=sse", json=chat(stream=True), headers=headers
+    )
+    assert resp.status == 200
+    assert parse_sse(await resp.read())[-1].data == "[DONE]"
+
+
+async def test_open_endpoints_need_no_key(make_client: MakeClient) -> None:
+    client = await make_client(keyed())
+    assert (await client.get("/healthz")).status == 200
+    assert (await client.get("/metrics")).status == 200
+    assert (await client.get("/")).status == 200
+
+
+# --- per-key models -------------------------------------------------------------------
+
+
+async def test_per_key_models(make_client: MakeClient) -> None:
+    client = await make_client(keyed())
+    beta = bearer(KEY_B)
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=beta)
+    assert resp.status == 200
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(model="mock/other", stream=True), headers=beta
+    )
+    assert resp.status == 403
+    error = (await resp.json())["error"]
+    assert (error["code"], error["type"], error["param"]) == (
+        "model_not_allowed",
+        "permission_error",
+        "model",
+    )
+    resp = await client.post("/v1/responses", json=responses_body("mock/other"), headers=beta)
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "model_not_allowed"
+    resp = await client.post("/v1/messages", json=anthropic_body("mock/other"), headers=beta)
+    assert resp.status == 403
+    body = await resp.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "permission_error"
+    # GET /v1/models/{id} too.
+    assert (await client.get("/v1/models/mock/echo", headers=beta)).status == 200
+    resp = await client.get("/v1/models/mock/other", headers=beta)
+    assert resp.status == 403
+    # The other key may use both.
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(model="mock/other"), headers=bearer(KEY_A)
+    )
+    assert resp.status == 200
+
+
+async def test_models_list_filtered_by_key(make_client: MakeClient) -> None:
+    config = keyed()
+    config["auth"]["keys"].append(
+        {"name": "gamma", "sha256": hash_key("nx-gamma-key"), "models": ["mock/*"]}
+    )
+    client = await make_client(config)
+    beta = await (await client.get("/v1/models", headers=bearer(KEY_B))).json()
+    assert [m["id"] for m in beta["data"]] == ["mock/echo"]
+    alpha = await (await client.get("/v1/models", headers=bearer(KEY_A))).json()
+    assert {m["id"] for m in alpha["data"]} >= {"mock/echo", "mock/other"}
+    gamma = await (await client.get("/v1/models", headers=bearer("nx-gamma-key"))).json()
+    assert {m["id"] for m in gamma["data"]} == {"mock/echo", "mock/other"}
+
+
+# --- WebSocket ------------------------------------------------------------------------
+
+
+async def test_websocket_without_key_is_refused_at_upgrade(make_client: MakeClient) -> None:
+    client = await make_client(keyed())
+    with pytest.raises(websockets.InvalidStatus) as info:
+        await websockets.connect(ws_url(client))
+    assert info.value.response.status_code == 401
+    with pytest.raises(websockets.InvalidStatus) as info:
+        await websockets.connect(ws_url(client), subprotocols=["nexus.v1", f"nexus-key.{WRONG}"])  # type: ignore[list-item]
+    assert info.value.response.status_code == 401
+
+
+async def test_websocket_key_in_authorization_header(make_client: MakeClient) -> None:
+    client = await make_client(keyed())
+    async with websockets.connect(ws_url(client), additional_headers=bearer(KEY_A)) as ws:
+        await ws.send(start_frame())
+        frames = await turn(ws)
+    assert frames[-1] == {"type": "done"}
+
+
+async def test_websocket_key_in_subprotocol(make_client: MakeClient) -> None:
+    client = await make_client(keyed())
+    protocols: Any = ["nexus.v1", f"nexus-key.{KEY_B}"]
+    async with websockets.connect(ws_url(client), subprotocols=protocols) as ws:
+        assert ws.subprotocol == "nexus.v1"
+        await ws.send(start_frame(content="hello socket"))
+        frames = await turn(ws)
+        text = "".join(f["delta"].get("content", "") for f in frames if f["type"] == "delta")
+        assert text == "hello socket"
+        # A model the key may not use: an error frame, and the socket stays open.
+        await ws.send(start_frame(model="mock/other"))
+        frames = await turn(ws)
+        assert frames[-1]["type"] == "error"
+        assert orjson.dumps(frames[-1]).find(b"model_not_allowed") > 0, frames[-1]
+        await ws.send(start_frame(content="still open"))
+        frames = await turn(ws)
+        assert frames[-1] == {"type": "done"}
+
+
+# --- stream ownership -----------------------------------------------------------------
+
+
+async def _background(client: TestClient[Any, Any], key: str, model: str = "mock/echo") -> str:
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat(model=model, stream=True, background=True),
+        headers=bearer(key),
+    )
+    assert resp.status == 202, await resp.text()
+    return str((await resp.json())["id"])
+
+
+async def test_stream_read_by_id_or_owner_only(make_client: MakeClient) -> None:
+    client = await make_client(keyed())
+    stream_id = await _background(client, KEY_A)
+    url = f"/v1/streams/{stream_id}?stream_format=sse"
+    # The id alone is the capability.
+    resp = await client.get(url)
+    assert resp.status == 200
+    assert parse_sse(await resp.read())[-1].data == "[DONE]"
+    resp = await client.get(url, headers=bearer(KEY_A))
+    assert resp.status == 200
+    await resp.read()
+    resp = await client.get(url, headers=bearer(KEY_B))
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    resp = await client.get(url, headers={"x-api-key": KEY_B})
+    assert resp.status == 403
+    # A key that is no key at all is a 401, not a free pass.
+    resp = await client.get(url, headers=bearer(WRONG))
+    assert resp.status == 401
+    # Resuming by POST with Last-Event-ID: the same rule.
+    resp = await client.get(url)
+    first = parse_sse(await resp.read())[0].id
+    assert first
+    resume = {"Last-Event-ID": first}
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(stream=True), headers=resume | bearer(KEY_B)
+    )
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(stream=True), headers=resume | bearer(KEY_A)
+    )
+    assert resp.status == 200
+    await resp.read()
+    # A finished stream's DELETE: the same rule.
+    resp = await client.delete(f"/v1/streams/{stream_id}", headers=bearer(KEY_B))
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    resp = await client.delete(f"/v1/streams/{stream_id}", headers=bearer(KEY_A))
+    assert resp.status == 200
+
+
+async def test_live_stream_delete_by_owner_or_id_only(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(keyed(), providers=[gated])
+    first = await _background(client, KEY_A, "gated/m")
+    second = await _background(client, KEY_A, "gated/m")
+    resp = await client.delete(f"/v1/streams/{first}", headers=bearer(KEY_B))
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    resp = await client.delete(f"/v1/streams/{first}", headers=bearer(KEY_A))
+    assert resp.status == 200
+    assert (await resp.json())["status"] != "in_progress"
+    resp = await client.delete(f"/v1/streams/{second}")
+    assert resp.status == 200
+    assert (await resp.json())["status"] != "in_progress"
+
+
+# --- limits ---------------------------------------------------------------------------
+
+
+async def test_requests_per_second_per_key(make_client: MakeClient) -> None:
+    client = await make_client(keyed(limits={"requests_per_second_per_key": 2}))
+    statuses = []
+    for _ in range(3):
+        resp = await client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+        statuses.append(resp.status)
+        if resp.status == 429:
+            limited = resp
+            body = await resp.json()
+        else:
+            await resp.read()
+    assert statuses == [200, 200, 429]
+    assert body["error"]["code"] == "rate_limited"
+    retry_after = limited.headers["Retry-After"]
+    assert re.fullmatch(r"\d+", retry_after)
+    assert int(retry_after) >= 1
+    # The Anthropic endpoint says it in its own shape.
+    resp = await client.post("/v1/messages", json=anthropic_body(), headers=bearer(KEY_A))
+    assert resp.status == 429
+    assert (await resp.json())["error"]["type"] == "rate_limit_error"
+    assert int(resp.headers["Retry-After"]) >= 1
+    # Another key has its own bucket.
+    for _ in range(2):
+        resp = await client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_B))
+        assert resp.status == 200
+
+
+async def test_rate_limit_recovers(make_client: MakeClient) -> None:
+    client = await make_client(keyed(limits={"requests_per_second_per_key": 20}))
+    statuses = [
+        (await client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))).status
+        for _ in range(25)
+    ]
+    assert 429 in statuses
+    await asyncio.sleep(0.2)
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert resp.status == 200
+
+
+async def test_max_concurrent_streams_per_key(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(
+        keyed(limits={"max_concurrent_streams_per_key": 1}), providers=[gated]
+    )
+    url = "/v1/chat/completions?stream_format=sse"
+    first = await client.post(url, json=chat(model="gated/m", stream=True), headers=bearer(KEY_A))
+    assert first.status == 200
+    second = await client.post(url, json=chat(model="gated/m", stream=True), headers=bearer(KEY_A))
+    assert second.status == 429
+    assert (await second.json())["error"]["code"] == "too_many_streams"
+    assert "Retry-After" in second.headers
+    # A background one counts too.
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat(model="gated/m", background=True, stream=True),
+        headers=bearer(KEY_A),
+    )
+    assert resp.status == 429
+    # Another key is not limited by this one's streams.
+    other = await client.post(url, json=chat(stream=True), headers=bearer(KEY_B))
+    assert other.status == 200
+    await other.read()
+    gated.gate.set()
+    assert parse_sse(await first.read())[-1].data == "[DONE]"
+    # Its stream ended: the key may open another.
+    for _ in range(50):
+        resp = await client.post(url, json=chat(stream=True), headers=bearer(KEY_A))
+        if resp.status == 200:
+            break
+        await asyncio.sleep(0.02)
+    assert resp.status == 200
+    await resp.read()
+
+
+# --- CORS -----------------------------------------------------------------------------
+
+ORIGIN = "https://app.example"
+
+
+def _assert_cors(headers: Any, origin: str = ORIGIN) -> None:
+    assert headers["Access-Control-Allow-Origin"] == origin
+    exposed = {h.strip().lower() for h in headers["Access-Control-Expose-Headers"].split(",")}
+    assert {"x-request-id", "x-nexus-stream-id", "retry-after"} <= exposed
+    assert "Origin" in headers.getall("Vary", []) or "Origin" in headers.get("Vary", "")
+
+
+async def test_cors_allowed_origin(make_client: MakeClient) -> None:
+    client = await make_client(keyed(cors={"allow_origins": [ORIGIN], "max_age_s": 123}))
+    hdrs = {"Origin": ORIGIN} | bearer(KEY_A)
+    resp = await client.get("/v1/models", headers=hdrs)
+    assert resp.status == 200
+    _assert_cors(resp.headers)
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=hdrs)
+    assert resp.status == 200
+    _assert_cors(resp.headers)
+    await resp.read()
+    # Errors too (a browser must be able to read a 401).
+    resp = await client.get("/v1/models", headers={"Origin": ORIGIN})
+    assert resp.status == 401
+    _assert_cors(resp.headers)
+    # Preflight: no key needed.
+    resp = await client.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    assert resp.status == 204
+    assert resp.headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+    allowed = {h.strip().lower() for h in resp.headers["Access-Control-Allow-Headers"].split(",")}
+    assert {"authorization", "content-type", "x-api-key", "last-event-id"} <= allowed
+    assert resp.headers["Access-Control-Max-Age"] == "123"
+
+
+async def test_cors_disallowed_origin(make_client: MakeClient) -> None:
+    client = await make_client(keyed(cors={"allow_origins": [ORIGIN]}))
+    evil = {"Origin": "https://evil.example"}
+    resp = await client.get("/v1/models", headers=evil | bearer(KEY_A))
+    assert resp.status == 200
+    assert not any(h.lower().startswith("access-control-") for h in resp.headers)
+    resp = await client.options(
+        "/v1/chat/completions", headers=evil | {"Access-Control-Request-Method": "POST"}
+    )
+    assert resp.status != 204
+    assert not any(h.lower().startswith("access-control-") for h in resp.headers)
+    # No [cors] at all: no CORS headers for anyone.
+    plain = await make_client(keyed())
+    resp = await plain.get("/v1/models", headers={"Origin": ORIGIN} | bearer(KEY_A))
+    assert "Access-Control-Allow-Origin" not in resp.headers
+
+
+async def test_cors_wildcard(make_client: MakeClient) -> None:
+    client = await make_client({"cors": {"allow_origins": ["*"]}})
+    for origin in ("https://a.example", "http://localhost:5173"):
+        resp = await client.post(
+            "/v1/chat/completions", json=chat(stream=True), headers={"Origin": origin}
+        )
+        assert resp.status == 200
+        assert resp.headers["Access-Control-Allow-Origin"] in (origin, "*")
+        await resp.read()
+        resp = await client.options(
+            "/v1/responses",
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+        )
+        assert resp.status == 204
+        assert resp.headers["Access-Control-Allow-Origin"] in (origin, "*")
+
+
+# --- request ids ----------------------------------------------------------------------
+
+GENERATED = re.compile(r"req_[0-9a-f]{24}")
+
+
+async def test_request_id_echoed(make_client: MakeClient) -> None:
+    client = await make_client(keyed())
+    rid = {"X-Request-Id": "client-req.42:abc"}
+    resp = await client.get("/v1/models", headers=rid | bearer(KEY_A))
+    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
+    resp = await client.get("/v1/models", headers=rid)  # 401
+    assert resp.status == 401
+    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
+    resp = await client.post("/v1/chat/completions", json={"model": 3}, headers=rid | bearer(KEY_A))
+    assert resp.status == 400
+    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
+    resp = await client.get("/nowhere", headers=rid)
+    assert resp.status == 404
+    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(stream=True), headers=rid | bearer(KEY_A)
+    )
+    assert resp.status == 200
+    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
+    # The stream's id is another thing.
+    assert resp.headers["X-Nexus-Stream-Id"] != "client-req.42:abc"
+    await resp.read()
+
+
+@pytest.mark.parametrize(
+    "incoming", ["x" * 129, "has space", "semi;colon", "ünïcode", ""], ids=repr
+)
+async def test_bad_request_id_replaced(make_client: MakeClient, incoming: str) -> None:
+    client = await make_client()
+    resp = await client.get("/v1/models", headers={"X-Request-Id": incoming})
+    assert resp.status == 200
+    assert GENERATED.fullmatch(resp.headers["X-Request-Id"])
+
+
+async def test_request_id_generated(make_client: MakeClient) -> None:
+    client = await make_client()
+    seen = set()
+    for _ in range(3):
+        resp = await client.post("/v1/chat/completions", json=chat(stream=True))
+        assert resp.status == 200
+        rid = resp.headers["X-Request-Id"]
+        assert GENERATED.fullmatch(rid)
+        assert rid != resp.headers["X-Nexus-Stream-Id"]
+        seen.add(rid)
+        await resp.read()
+    assert len(seen) == 3
+    resp = await client.post("/v1/chat/completions", json=chat())
+    assert GENERATED.fullmatch(resp.headers["X-Request-Id"])
+    resp = await client.post("/v1/chat/completions", json={})
+    assert resp.status == 400
+    assert GENERATED.fullmatch(resp.headers["X-Request-Id"])

@@ -20,6 +20,7 @@ PUBLIC = {
     "ModelNotFound", "NexusError", "Provider", "Reasoning", "RegistryFrozen", "Stream",
     "StreamError", "StreamEvent", "StreamMeta", "ToolCall", "UpstreamError", "UpstreamTimeout",
     "Usage", "accumulate", "create_app", "load_config", "register",
+    "CallContext", "Hooks", "Middleware", "StreamRejected", "map_stream",
 }  # fmt: skip
 
 

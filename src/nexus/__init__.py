@@ -30,6 +30,7 @@ from .events import (
     ToolCall,
     Usage,
 )
+from .hooks import CallContext, Hooks, Middleware, StreamRejected, map_stream
 from .providers import MockProvider, Provider
 from .request import ChatRequest
 from .stream import Channel, EndOfStream, Stream, accumulate
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Audio",
+    "CallContext",
     "Channel",
     "ChatRequest",
     "Citation",
@@ -55,8 +57,10 @@ __all__ = [
     "Error",
     "GatewayError",
     "Heartbeat",
+    "Hooks",
     "Image",
     "InvalidRequest",
+    "Middleware",
     "MockProvider",
     "ModelNotFound",
     "NexusError",
@@ -67,6 +71,7 @@ __all__ = [
     "StreamError",
     "StreamEvent",
     "StreamMeta",
+    "StreamRejected",
     "ToolCall",
     "UpstreamError",
     "UpstreamTimeout",
@@ -74,6 +79,7 @@ __all__ = [
     "accumulate",
     "create_app",
     "load_config",
+    "map_stream",
     "register",
 ]
 

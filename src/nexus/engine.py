@@ -9,6 +9,14 @@ raised by a provider *before its first event* is raised to the reader (after
 moving on to the next target when it is retryable); once an event went out,
 a failure becomes an :class:`~nexus.events.Error` event and the stream ends.
 The non-streaming path is :func:`~nexus.stream.accumulate` over the same stream.
+
+Middleware and hooks (:mod:`nexus.hooks`): :meth:`Engine.open_stream` runs the
+middleware chain around :meth:`Engine.complete_stream`, then the plugins'
+``on_stream_started``, and returns the stream with the other hooks firing as it
+is read; :meth:`Engine.complete` accumulates that stream. ``complete_stream``
+itself stays the raw call: no middleware, no hooks. The server opens its streams
+through the stream hub, which runs the middleware the same way and fires the
+hooks from the stream's run.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from pydantic import ValidationError
 
 from .errors import GatewayError, ModelNotFound, UnsupportedInput
 from .events import Error, StreamEvent
+from .hooks import CallContext, Hooks, Middleware, Next
 from .protocol.openai_chat import validation_error
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
@@ -52,7 +61,12 @@ def input_kinds(request: ChatRequest) -> set[str]:
 
 
 class Engine:
-    """Providers plus routing. Use as ``async with Engine(...)`` or call start()/close()."""
+    """Providers plus routing. Use as ``async with Engine(...)`` or call start()/close().
+
+    ``hooks``: the plugins (:class:`~nexus.hooks.Hooks`; frozen when the engine
+    starts). ``middleware``: wraps every call of :meth:`open_stream` and
+    :meth:`complete`, the first one outermost.
+    """
 
     def __init__(
         self,
@@ -60,19 +74,27 @@ class Engine:
         models: Mapping[str, Sequence[str]] | None = None,
         *,
         retry_ms: int | None = None,
+        hooks: Hooks | None = None,
+        middleware: Sequence[Middleware] = (),
     ) -> None:
         if isinstance(providers, Mapping):
             providers = list(providers.values())
         self.providers: dict[str, Provider] = {p.name: p for p in providers}
         self.aliases: dict[str, list[str]] = {k: list(v) for k, v in (models or {}).items()}
         self.retry_ms = retry_ms
+        self.hooks = hooks if hooks is not None else Hooks()
+        self.middleware: tuple[Middleware, ...] = tuple(middleware)
         for alias, targets in self.aliases.items():
             for target in targets:
                 self._split(target, f"models.{alias}")
 
     @classmethod
-    def from_config(cls, config: Any) -> Engine:
-        """Build the engine a :class:`~nexus.config.Config` describes."""
+    def from_config(cls, config: Any, source: str | None = None) -> Engine:
+        """Build the engine a :class:`~nexus.config.Config` describes, its ``[[plugins]]`` loaded.
+
+        Raises :class:`~nexus.errors.ConfigError` for a plugin that cannot be
+        loaded (its message starts with ``source``, the config file, when given).
+        """
         from .providers import build_provider
 
         built = [build_provider(name, cfg) for name, cfg in config.providers.items()]
@@ -85,9 +107,12 @@ class Engine:
                 models[alias] = targets
             else:
                 log.warning("alias %r left out: none of its targets' providers is available", alias)
-        return cls(providers, models, retry_ms=config.server.retry_ms)
+        hooks = Hooks()
+        hooks.load(config.plugins, source)
+        return cls(providers, models, retry_ms=config.server.retry_ms, hooks=hooks)
 
     async def start(self) -> None:
+        self.hooks.freeze()
         started: list[Provider] = []
         try:
             for provider in self.providers.values():
@@ -171,9 +196,60 @@ class Engine:
         )
         return Stream(self._run(targets, request), meta)
 
-    async def complete(self, request: ChatRequest | Mapping[str, Any]) -> Completion:
-        """The non-streaming call: :func:`accumulate` over :meth:`complete_stream`."""
-        return await accumulate(self.complete_stream(request))
+    async def open_stream(
+        self,
+        request: ChatRequest | Mapping[str, Any],
+        ctx: CallContext | None = None,
+        *,
+        observe: bool = True,
+    ) -> Stream:
+        """:meth:`complete_stream` through the middleware, then ``on_stream_started``.
+
+        The stream it returns fires the chunk hooks as it is read and
+        ``on_stream_completed`` / ``on_stream_failed`` when it ends (closed
+        early: failed, ``stream_cancelled``). ``ctx`` defaults to a new
+        :class:`~nexus.hooks.CallContext`. ``observe=False`` skips the hooks
+        (the stream hub fires them itself). Raises what :meth:`complete_stream`
+        raises, a middleware's refusal, and a plugin's
+        :class:`~nexus.hooks.StreamRejected`.
+        """
+        if not isinstance(request, ChatRequest):
+            try:
+                request = ChatRequest.model_validate(request)
+            except ValidationError as exc:
+                raise validation_error(exc, request) from None
+        if ctx is None:
+            ctx = CallContext()
+        stream = await self._pipeline(ctx)(request)
+        if not observe or not self.hooks:
+            return stream
+        meta = stream.meta
+        try:
+            await self.hooks.started(ctx, meta.id, meta.model, meta.provider)
+        except BaseException:
+            await stream.close()
+            raise
+        return self.hooks.observed(stream, ctx)
+
+    def _pipeline(self, ctx: CallContext) -> Next:
+        """The middleware chain for one call, the engine at its end."""
+
+        async def engine(request: ChatRequest) -> Stream:
+            return self.complete_stream(request)
+
+        call: Next = engine
+        for middleware in reversed(self.middleware):
+            call = _link(middleware, ctx, call)
+        return call
+
+    async def complete(
+        self, request: ChatRequest | Mapping[str, Any], ctx: CallContext | None = None
+    ) -> Completion:
+        """The non-streaming call: :func:`accumulate` over :meth:`open_stream`.
+
+        Raises :class:`~nexus.errors.StreamError` when the stream fails.
+        """
+        return await accumulate(await self.open_stream(request, ctx))
 
     async def _run(
         self, targets: list[Target], request: ChatRequest
@@ -213,3 +289,10 @@ class Engine:
                 return
             finally:
                 await events.aclose()
+
+
+def _link(middleware: Middleware, ctx: CallContext, call_next: Next) -> Next:
+    async def call(request: ChatRequest) -> Stream:
+        return await middleware(ctx, request, call_next)
+
+    return call

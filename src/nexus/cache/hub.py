@@ -12,6 +12,12 @@
    (``cache="miss"``, or None with the cache off); if it ends well, it is
    recorded.
 
+Engine streams are opened through the engine's middleware
+(:meth:`Engine.open_stream`); every request, whichever of the three, first
+passes the plugins' ``on_stream_started`` (a :class:`~nexus.hooks.StreamRejected`
+refuses it before anything starts). A run fires the other hooks of its stream
+(:mod:`nexus.hooks`); a joining request makes no stream, so it gets no more.
+
 :meth:`StreamHub.attach` finds a stream by id: a local run, else the store
 (a replica's live log, or a finished one within ``resume_ttl_s``). Each run has
 a keeper task that mirrors its log into a shared store as it grows and, when
@@ -34,6 +40,7 @@ from ..config import CacheConfig, StreamsConfig
 from ..engine import Engine
 from ..errors import GatewayError, StreamNotFound
 from ..events import Done, Error, StreamEvent
+from ..hooks import CallContext
 from ..request import ChatRequest
 from ..stream import Stream
 from ..types import StreamMeta
@@ -146,15 +153,21 @@ class StreamHub:
         format: str,
         owner: str | None = None,
         background: bool = False,
+        ctx: CallContext | None = None,
     ) -> Opened:
         """A stream for ``request``: replayed, joined or new (see the module docstring).
 
-        Raises what :meth:`Engine.complete_stream` raises for a request that
-        cannot be routed.
+        ``ctx`` is what the middleware and the hooks see of the call (by default
+        one with ``key=owner`` and ``format``). Raises what
+        :meth:`Engine.complete_stream` raises for a request that cannot be
+        routed, a middleware's refusal and a plugin's
+        :class:`~nexus.hooks.StreamRejected`.
         """
+        if ctx is None:
+            ctx = CallContext(key=owner, format=format)
         if not self.cache.enabled:
-            stream = self.engine.complete_stream(request)
-            info, run = await self._launch(stream, format, owner, background)
+            stream = await self._open(request, ctx)
+            info, run = await self._launch(stream, format, owner, background, ctx)
             return Opened(info, run)
         key = cache_key(request)
         recording = await self.store.get_recording(key)
@@ -168,9 +181,10 @@ class StreamHub:
                 retry_ms=self.engine.retry_ms,
             )
             source = Stream(self._replay(recording), meta)
-            info, run = await self._launch(source, format, owner, background)
+            await self._started(source, ctx)
+            info, run = await self._launch(source, format, owner, background, ctx)
             return Opened(info, run, "hit")
-        stream = self.engine.complete_stream(request)
+        stream = await self._open(request, ctx)
         info = self._info(stream, format, owner)
         if self.store.shared:
             # Visible to every replica before anyone can be told its id (a 202, a claim).
@@ -179,7 +193,7 @@ class StreamHub:
         for _ in range(3):
             holder = await self.store.claim(key, info.id, self.streams.resume_ttl_s)
             if holder is None:
-                run = self._start(info, stream, background, record=key)
+                run = self._start(info, stream, background, ctx, record=key)
                 return Opened(info, run, "miss")
             joined = await self._joinable(holder)
             if joined is not None:
@@ -188,8 +202,24 @@ class StreamHub:
                     await self.store.end(replace(info, status="cancelled"), [], 0, 1.0)
                 return Opened(joined, self.live.get(holder), "hit", joined=True)
             await self.store.release(key, holder)  # its stream is over, or its replica died
-        run = self._start(info, stream, background)  # contended: stream, but do not record
+        run = self._start(info, stream, background, ctx)  # contended: stream, but do not record
         return Opened(info, run, "miss")
+
+    async def _open(self, request: ChatRequest, ctx: CallContext) -> Stream:
+        """The engine's stream through its middleware, past ``on_stream_started``."""
+        stream = await self.engine.open_stream(request, ctx, observe=False)
+        await self._started(stream, ctx)
+        return stream
+
+    async def _started(self, source: Stream, ctx: CallContext) -> None:
+        hooks = self.engine.hooks
+        if hooks:
+            meta = source.meta
+            try:
+                await hooks.started(ctx, meta.id, meta.model, meta.provider)
+            except BaseException:
+                await source.close()
+                raise
 
     async def _joinable(self, stream_id: str) -> StreamInfo | None:
         run = self.live.get(stream_id)
@@ -204,15 +234,20 @@ class StreamHub:
         return StreamInfo(meta=source.meta, format=format, owner=owner)
 
     async def _launch(
-        self, source: Stream, format: str, owner: str | None, background: bool
+        self, source: Stream, format: str, owner: str | None, background: bool, ctx: CallContext
     ) -> tuple[StreamInfo, StreamRun]:
         info = self._info(source, format, owner)
         if self.store.shared:
             await self.store.begin(info, self.streams.resume_ttl_s)
-        return info, self._start(info, source, background)
+        return info, self._start(info, source, background, ctx)
 
     def _start(
-        self, info: StreamInfo, source: Stream, background: bool, record: str | None = None
+        self,
+        info: StreamInfo,
+        source: Stream,
+        background: bool,
+        ctx: CallContext,
+        record: str | None = None,
     ) -> StreamRun:
         """Run it (``store.begin`` done); a keeper task looks after its log."""
         run = StreamRun(
@@ -222,6 +257,7 @@ class StreamHub:
             max_log_bytes=self.streams.max_log_bytes,
             leased=(lambda: self.store.leased(info.id)) if self.store.shared else None,
             max_duration_s=self.max_duration_s,
+            observer=self.engine.hooks.observe(ctx, info.meta),
         )
         self.live[run.id] = run
         run.start(detached=background)

@@ -13,6 +13,11 @@ no other replica holds a lease on the stream) the source is cancelled and the
 log ends with ``stream_detached``. :meth:`StreamRun.cancel` ends it at once with
 the terminal entry given (an abort, shutdown). A log that grows past
 ``max_log_bytes`` ends with ``stream_too_large``.
+
+With an ``observer`` (:mod:`nexus.hooks`), the producer calls the plugins' chunk
+hooks after each entry reaches the log, and their completed or failed hooks with
+the terminal entry before it is appended (so a reader that saw the end knows
+the hooks ran).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Protocol
 
 from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
-from ..stream import Stream
+from ..hooks import StreamObserver
+from ..stream import Stream, merge_events
 from ..types import StreamMeta
 from .codec import event_size
 from .store import StreamInfo
@@ -68,6 +74,7 @@ class StreamRun:
         max_log_bytes: int,
         leased: Callable[[], Awaitable[bool]] | None = None,
         max_duration_s: float | None = None,
+        observer: StreamObserver | None = None,
     ) -> None:
         self.info = info
         self.id = info.meta.id
@@ -84,6 +91,7 @@ class StreamRun:
         self._max_log_bytes = max_log_bytes
         self._leased = leased
         self._max_duration_s = max_duration_s
+        self._observer = observer
         self._deadline: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
         self._waiters: list[asyncio.Future[None]] = []
@@ -158,6 +166,8 @@ class StreamRun:
         limit = self._max_log_bytes
         size = 0
         terminal: StreamEvent = Done()
+        observer = self._observer
+        chunk = observer.chunk if observer is not None and observer.chunks else None
         self._running = True
         try:
             if self._cancel_with is not None:
@@ -177,6 +187,8 @@ class StreamRun:
                     size += event_size(event)
                 if self._waiters:
                     self._wake()
+                if chunk is not None:
+                    await chunk(event)
                 if size > limit:
                     terminal = _error(
                         "stream_too_large",
@@ -208,7 +220,14 @@ class StreamRun:
         except Exception:
             log.exception("closing the source of stream %s failed", self.id)
         finally:
-            self._finish(terminal, now() - start)
+            try:
+                if observer is not None:
+                    self._running = False  # the end is decided: cancel() must not cut the hooks
+                    await observer.end(
+                        terminal, now() - start, lambda: merge_events(events, self.info.meta)
+                    )
+            finally:
+                self._finish(terminal, now() - start)
 
     def _finish(self, terminal: StreamEvent, offset: float) -> None:
         self.events.append(terminal)

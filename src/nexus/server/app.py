@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -25,7 +25,7 @@ from ..errors import ServerShuttingDown
 from ..events import Error
 from .access import KEYS, LIMITER, METRICS, access_middleware
 from .errors import error_middleware
-from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, Runtime
 
@@ -56,7 +56,7 @@ def create_app(
     # so that encoders registered between create_app() and the start are included.
     base.copy().load_config(config.encoders, config_source)
     formats = EncoderRegistry()
-    engine = engine or Engine.from_config(config)
+    engine = engine or Engine.from_config(config, source=config_source)
     store = store or build_store(config.store)
     hub = StreamHub(
         engine,
@@ -76,7 +76,8 @@ def create_app(
     app[KEYS] = KeyRing(config.auth.keys)
     app[LIMITER] = RateLimiter(config.limits.requests_per_second_per_key)
     if config.metrics.enabled:
-        app[METRICS] = Metrics(lambda: len(hub.live))
+        app[METRICS] = metrics = Metrics(lambda: len(hub.live))
+        engine.hooks.add(MetricsPlugin(metrics, _provider_of(engine)), name="metrics")
         app.router.add_get("/metrics", metrics_endpoint)
     app[REGISTRY] = formats
     app[RUNTIME] = Runtime()
@@ -113,9 +114,21 @@ def create_app(
     return app
 
 
+def _provider_of(engine: Engine) -> Callable[[str], str]:
+    """The provider a model routes to first (the label of its upstream errors)."""
+
+    def provider_of(model: str) -> str:
+        try:
+            return engine.route(model)[0][0].name
+        except Exception:
+            return "-"
+
+    return provider_of
+
+
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """Prometheus text format. Names and counts only: no keys, no contents."""
-    body = request.app[METRICS].render()
+    body = request.app[METRICS].render(request.app[ENGINE].hooks.errors)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -142,7 +142,6 @@ class StreamPump:
                 if events is not None:
                     events.inc(len(batch))
                 if renderer.done:
-                    self._count_failure(batch[-1])
                     return await self._end(data)
                 if data:
                     self._write_started = now()
@@ -240,8 +239,6 @@ class StreamPump:
             self.exchange.events += len(events)
             if self._events is not None:
                 self._events.inc(len(events))
-            if renderer.done:
-                self._count_failure(events[-1])
             if out or renderer.done:
                 return out
 
@@ -273,19 +270,6 @@ class StreamPump:
         self._ended = True  # the watchdog stops heartbeats but still watches this write
         await self._write(data)
         return self._require_response()
-
-    def _count_failure(self, terminal: StreamEvent) -> None:
-        """An in-band end, once per stream (by its origin): upstream errors, cancellations."""
-        if not self.origin or type(terminal) is not Error:
-            return
-        metrics = self.request.app.get(METRICS)
-        if metrics is None:
-            return
-        code = terminal.code or terminal.error_type
-        if code in _CANCEL_CAUSES:
-            metrics.cancellations.labels(_CANCEL_CAUSES[code]).inc()
-        else:
-            metrics.upstream_errors.labels(self.reader.meta.provider or "-", code).inc()
 
     async def _watch(self) -> None:
         """Heartbeats when idle; abort the connection when a write stalls."""
@@ -330,15 +314,6 @@ class StreamPump:
             transport.abort()
         if self._task is not None and not self._task.done():
             self._task.cancel()
-
-
-_CANCEL_CAUSES = {
-    "stream_detached": "detach_timeout",
-    "stream_cancelled": "delete",
-    "max_stream_duration": "max_duration",
-    "server_shutting_down": "shutdown",
-    "stream_too_large": "too_large",
-}
 
 
 def _shutdown_event() -> Error:

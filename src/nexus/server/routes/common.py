@@ -28,6 +28,7 @@ from ...errors import (
     TooManyStreams,
 )
 from ...events import Done, Error, StreamEvent
+from ...hooks import CallContext
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
 from ...stream import Stream, accumulate
@@ -122,11 +123,18 @@ async def complete(
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)
-    if not chat.stream and not chat.background:
+    streaming = chat.stream or chat.background
+    ctx = CallContext(
+        request_id=ex.request_id,
+        key=owner,
+        endpoint=ex.endpoint,
+        format=encoder.media_type if streaming else "application/json",
+    )
+    if not streaming:
         ex.format = "application/json"
         if not hub.cache.enabled:
-            return json_response(render(await app[state.ENGINE].complete(chat)))
-        opened = await hub.open(chat, format=default_format, owner=owner)
+            return json_response(render(await app[state.ENGINE].complete(chat, ctx)))
+        opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
         _count_cache(request, opened.cache)
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
         completion = await accumulate(Stream(_events(reader), reader.meta))
@@ -146,7 +154,9 @@ async def complete(
                 "retry when one ends.",
                 headers={"Retry-After": "1"},
             )
-    opened = await hub.open(chat, format=default_format, background=chat.background, owner=owner)
+    opened = await hub.open(
+        chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
+    )
     _count_cache(request, opened.cache)
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     if chat.background:

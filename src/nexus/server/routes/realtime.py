@@ -34,6 +34,7 @@ from ...cache.run import LogReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown, TooManyStreams
 from ...events import Done, Error
+from ...hooks import CallContext
 from ...protocol.realtime import (
     AbortTurn,
     RealtimeSession,
@@ -125,10 +126,17 @@ class RealtimeConnection:
                             f"The gateway is at its limit of {self.max_streams} concurrent "
                             "streams; retry shortly."
                         )
+                    owner = self.key.name if self.key is not None else None
                     opened = await self.hub.open(
                         request,
                         format=NDJSONEncoder.media_type,
-                        owner=self.key.name if self.key is not None else None,
+                        owner=owner,
+                        ctx=CallContext(
+                            request_id=exchange(self.request).request_id,
+                            key=owner,
+                            endpoint="/v1/realtime",
+                            format=NDJSONEncoder.media_type,
+                        ),
                     )
                     reader = await self.hub.attach(
                         opened.id, meta=with_usage(opened.info.meta, request.include_usage)

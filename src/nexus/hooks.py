@@ -1,0 +1,433 @@
+"""Lifecycle hooks and middleware: what plugins see of each stream, and what wraps the engine.
+
+Hooks
+    A plugin is any object with some of these four async methods (each optional)::
+
+        async def on_stream_started(self, ctx, request_id, model, provider): ...
+        async def on_chunk_received(self, ctx, request_id, kind, byte_size): ...
+        async def on_stream_completed(self, ctx, request_id, model, provider, elapsed, final): ...
+        async def on_stream_failed(self, ctx, request_id, model, error): ...
+
+    ``ctx`` is the request's :class:`CallContext` (the same object for every hook
+    of one request); ``request_id`` is the stream id (``StreamMeta.id``, what
+    ``GET /v1/streams/{id}`` takes); ``model`` the model asked for (an alias
+    stays an alias) and ``provider`` the provider it was routed to. ``kind`` is
+    the event's type tag (``"delta"``, ``"reasoning"``, ``"tool_call"``,
+    ``"usage"``, ...) and ``byte_size`` the length of its JSON form. ``elapsed``
+    is in seconds; ``final`` is the merged :class:`~nexus.types.Completion`
+    (what :func:`~nexus.stream.accumulate` returns: do not mutate it, other
+    plugins get the same object). ``error`` is the :class:`~nexus.events.Error`
+    event the stream ended with (a client's abort is ``code="stream_cancelled"``).
+
+    ``on_stream_started`` runs before the stream is launched: raising
+    :class:`StreamRejected` from it refuses the request with that error (an HTTP
+    error in the endpoint's shape, even for a background request). Any other
+    exception from any hook is logged, counted in :attr:`Hooks.errors` by hook
+    name, and the stream goes on. Hooks run inline, in registration order:
+    a slow hook slows its stream (hand slow work to a task of your own).
+    ``on_chunk_received`` runs for every Nth data event of a stream (the
+    plugin's ``chunk_every``; the terminal event is not a chunk). A stream ends
+    with exactly one of ``on_stream_completed`` / ``on_stream_failed``.
+
+    Where they fire: the server path (``StreamHub.open``) calls
+    ``on_stream_started`` for every request, cache replays and requests that
+    join an identical in-flight stream included; a joining request makes no
+    stream of its own, so it gets no other hook (its ``request_id`` is the id
+    its own stream would have had). The stream's run calls the others, its end
+    hooks before the last entry reaches the readers (a client that saw the end
+    knows they ran: a budget is up to date for its next request). For
+    Python callers, :meth:`Engine.open_stream <nexus.engine.Engine.open_stream>`
+    and :meth:`Engine.complete <nexus.engine.Engine.complete>` fire all four;
+    :meth:`Engine.complete_stream <nexus.engine.Engine.complete_stream>` fires
+    none (it is the raw, synchronous call).
+
+Middleware
+    ``async def middleware(ctx, request, call_next) -> Stream`` wraps the engine;
+    the streaming and the non-streaming paths (the latter accumulates the same
+    stream) go through it alike. It may return ``await call_next(other)`` with a
+    changed request (``request.model_copy(update=...)``: never mutate the one it
+    got), raise a :class:`~nexus.errors.GatewayError` to refuse the request, or
+    wrap the stream it gets back (:func:`map_stream`). The first middleware is
+    the outermost. With ``[cache]`` on, the cache key is the request as the
+    client sent it and a recording holds what the middleware returned: a hit
+    replays it as is, without calling the middleware; a request that joins an
+    identical in-flight stream passes the middleware (which may refuse it) and
+    then reads the other request's output. A refusal that must hold for cache
+    hits too belongs in ``on_stream_started``; a middleware whose output
+    depends on ``ctx`` (the API key) does not mix with the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .errors import ConfigError, GatewayError, RegistryFrozen
+from .events import Done, Error, StreamEvent
+from .request import ChatRequest
+from .stream import Merger, Stream
+from .types import Completion, StreamMeta
+
+if TYPE_CHECKING:
+    from .config import PluginConfig
+
+__all__ = [
+    "CallContext",
+    "Hooks",
+    "Middleware",
+    "Next",
+    "StreamObserver",
+    "StreamRejected",
+    "map_stream",
+]
+
+log = logging.getLogger("nexus.hooks")
+
+HOOK_NAMES = ("on_stream_started", "on_chunk_received", "on_stream_completed", "on_stream_failed")
+
+
+def _new_request_id() -> str:
+    return "req_" + os.urandom(12).hex()
+
+
+@dataclass(slots=True)
+class CallContext:
+    """What hooks and middleware know of the call beyond the request itself.
+
+    ``request_id`` is the call's id (the HTTP ``X-Request-Id``; a new one when
+    not given), ``key`` the name of the API key used (None without auth),
+    ``endpoint`` the route (``"/v1/messages"``; empty from Python), ``format``
+    the media type of the response. ``metadata`` is for plugins and middleware
+    to share whatever they like along one call.
+    """
+
+    request_id: str = field(default_factory=_new_request_id)
+    key: str | None = None
+    endpoint: str = ""
+    format: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class StreamRejected(GatewayError):
+    """Raised by ``on_stream_started`` to refuse a request (policy, budgets).
+
+    403 ``stream_rejected`` unless given others: ``StreamRejected("Monthly
+    budget spent.", code="budget_exceeded", status=429)``. ``error_type``
+    follows the status unless given (429: ``rate_limit_error``, 400:
+    ``invalid_request_error``, else ``permission_error``).
+    """
+
+    status = 403
+    code = "stream_rejected"
+    error_type = "permission_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        error_type: str | None = None,
+        param: str | None = None,
+        retryable: bool | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            message, code=code, status=status, param=param, retryable=retryable, headers=headers
+        )
+        if error_type is not None:
+            self.error_type = error_type
+        elif status is not None:
+            self.error_type = _REJECTION_TYPES.get(status, "permission_error")
+
+
+_REJECTION_TYPES = {429: "rate_limit_error", 400: "invalid_request_error"}
+
+
+Next = Callable[[ChatRequest], Awaitable[Stream]]
+"""The rest of the pipeline: the next middleware, at the end the engine."""
+
+Middleware = Callable[[CallContext, ChatRequest, Next], Awaitable[Stream]]
+"""``async def middleware(ctx, request, call_next) -> Stream`` (see the module docstring)."""
+
+StartedHook = Callable[[CallContext, str, str, str], Awaitable[object]]
+ChunkHook = Callable[[CallContext, str, str, int], Awaitable[object]]
+CompletedHook = Callable[[CallContext, str, str, str, float, Completion], Awaitable[object]]
+FailedHook = Callable[[CallContext, str, str, Error], Awaitable[object]]
+
+_ABORTED = Error(
+    error_type="server_error",
+    message="The client aborted the stream.",
+    code="stream_cancelled",
+)
+_CLOSED = Error(
+    error_type="server_error",
+    message="The stream was closed before its end.",
+    code="stream_cancelled",
+)
+_BROKEN = Error(
+    error_type="server_error",
+    message="The stream failed unexpectedly.",
+    code="internal_error",
+    retryable=True,
+)
+
+
+class Hooks:
+    """The registered plugins and their hooks; see the module docstring.
+
+    Register with :meth:`add` (Python) or :meth:`load` (``[[plugins]]``), before
+    the engine starts: it freezes then. ``errors`` counts hooks that raised,
+    by hook name.
+    """
+
+    def __init__(self) -> None:
+        self.plugins: list[object] = []
+        self.errors: Counter[str] = Counter()
+        self._started: list[tuple[str, StartedHook]] = []
+        self._chunk: list[tuple[str, ChunkHook, int]] = []
+        self._completed: list[tuple[str, CompletedHook]] = []
+        self._failed: list[tuple[str, FailedHook]] = []
+        self._frozen = False
+
+    def __bool__(self) -> bool:
+        return bool(self.plugins)
+
+    def __len__(self) -> int:
+        return len(self.plugins)
+
+    def add(self, plugin: object, chunk_every: int = 1, *, name: str | None = None) -> None:
+        """Register ``plugin``: each of the four hook methods it has is called.
+
+        ``chunk_every``: call its ``on_chunk_received`` for every Nth chunk of a
+        stream. ``name`` (for logs) defaults to its class name. Raises
+        :class:`TypeError` for an object with none of the hooks (or one that is
+        not callable), :class:`ValueError` for ``chunk_every < 1`` and
+        :class:`~nexus.errors.RegistryFrozen` once the engine started.
+        """
+        if self._frozen:
+            raise RegistryFrozen(
+                "Plugins must be added before the engine starts (the hooks froze at start-up)."
+            )
+        if chunk_every < 1:
+            raise ValueError(f"chunk_every must be at least 1, not {chunk_every!r}")
+        label = name or type(plugin).__qualname__
+        methods = {n: getattr(plugin, n, None) for n in HOOK_NAMES}
+        found = {n: m for n, m in methods.items() if m is not None}
+        if not found:
+            raise TypeError(f"plugin {label} has none of the hooks {', '.join(HOOK_NAMES)}")
+        for hook_name, method in found.items():
+            if not callable(method):
+                raise TypeError(f"plugin {label}: {hook_name} is not callable")
+        self.plugins.append(plugin)
+        if "on_stream_started" in found:
+            self._started.append((label, found["on_stream_started"]))
+        if "on_chunk_received" in found:
+            self._chunk.append((label, found["on_chunk_received"], chunk_every))
+        if "on_stream_completed" in found:
+            self._completed.append((label, found["on_stream_completed"]))
+        if "on_stream_failed" in found:
+            self._failed.append((label, found["on_stream_failed"]))
+
+    def load(self, configs: Iterable[PluginConfig], source: str | None = None) -> None:
+        """Add the plugins ``[[plugins]]`` describes, in order.
+
+        ``path = "module:attr"`` names a plugin object, or a class or factory
+        that is called with ``options`` as keyword arguments. Raises
+        :class:`~nexus.errors.ConfigError` naming ``[[plugins]] #N path`` when it
+        cannot be imported, built or registered.
+        """
+        from .encoders.registry import load_object
+
+        for number, config in enumerate(configs, 1):
+            where = f"[[plugins]] #{number} path"
+            if source:
+                where = f"{source}: {where}"
+            obj = load_object(config.path, where)
+            if isinstance(obj, type) or (
+                callable(obj) and not any(hasattr(obj, n) for n in HOOK_NAMES)
+            ):
+                try:
+                    obj = obj(**config.options)
+                except Exception as exc:
+                    raise ConfigError(
+                        f"{where}: {config.path!r} could not be built with its options: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from None
+            elif config.options:
+                raise ConfigError(
+                    f"{where}: {config.path!r} is a plugin object already; it takes no options"
+                )
+            try:
+                self.add(obj, config.chunk_every, name=config.path)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+
+    def freeze(self) -> None:
+        """No more plugins from now on (the engine calls it when it starts)."""
+        self._frozen = True
+
+    def _raised(self, plugin: str, hook: str) -> None:
+        self.errors[hook] += 1
+        log.exception("plugin %s raised in %s; the stream goes on", plugin, hook)
+
+    async def started(self, ctx: CallContext, request_id: str, model: str, provider: str) -> None:
+        """Call every ``on_stream_started``. Raises the :class:`StreamRejected` one raised."""
+        for name, hook in self._started:
+            try:
+                await hook(ctx, request_id, model, provider)
+            except StreamRejected:
+                raise
+            except Exception:
+                self._raised(name, "on_stream_started")
+
+    def observe(self, ctx: CallContext, meta: StreamMeta) -> StreamObserver | None:
+        """The observer of one stream, or None when no plugin watches streams."""
+        if self._chunk or self._completed or self._failed:
+            return StreamObserver(self, ctx, meta)
+        return None
+
+    def observed(self, stream: Stream, ctx: CallContext) -> Stream:
+        """``stream`` with its chunk and end hooks firing as it is read.
+
+        Closed before its end (or cancelled), it ends with
+        ``on_stream_failed`` (``code="stream_cancelled"``).
+        """
+        observer = self.observe(ctx, stream.meta)
+        if observer is None:
+            return stream
+        return Stream(_observe(stream, observer), stream.meta)
+
+
+class StreamObserver:
+    """One stream's hook calls: its chunk count, its end. Made by :meth:`Hooks.observe`.
+
+    A producer calls :meth:`chunk` for each data event when ``chunks`` is true
+    (one attribute check per event when no plugin wants chunks), then
+    :meth:`end` once, with the terminal event.
+    """
+
+    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "meta", "wants_final")
+
+    def __init__(self, hooks: Hooks, ctx: CallContext, meta: StreamMeta) -> None:
+        self._hooks = hooks
+        self._seen = 0
+        self.ctx = ctx
+        self.meta = meta
+        self.chunks = bool(hooks._chunk)
+        """Whether :meth:`chunk` has anything to do."""
+        self.wants_final = bool(hooks._completed)
+        """Whether :meth:`end` will use the merged completion."""
+
+    async def chunk(self, event: StreamEvent) -> None:
+        """Count a data event; call the chunk hooks whose turn it is."""
+        self._seen = seen = self._seen + 1
+        size = -1
+        for name, hook, every in self._hooks._chunk:
+            if seen % every:
+                continue
+            if size < 0:
+                size = len(orjson.dumps(event.to_dict()))
+            try:
+                await hook(self.ctx, self.meta.id, event.type, size)
+            except Exception:
+                self._hooks._raised(name, "on_chunk_received")
+
+    async def end(
+        self, terminal: StreamEvent, elapsed: float, final: Callable[[], Completion]
+    ) -> None:
+        """Call the completed hooks (``final()`` merges the stream) or the failed ones."""
+        hooks = self._hooks
+        meta = self.meta
+        error: Error | None = None
+        if type(terminal) is Error:
+            error = terminal
+        elif type(terminal) is Done and terminal.aborted:
+            error = _ABORTED
+        if error is not None:
+            for name, failed in hooks._failed:
+                try:
+                    await failed(self.ctx, meta.id, meta.model, error)
+                except Exception:
+                    hooks._raised(name, "on_stream_failed")
+            return
+        if not hooks._completed:
+            return
+        completion = final()
+        for name, completed in hooks._completed:
+            try:
+                await completed(self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
+            except Exception:
+                hooks._raised(name, "on_stream_completed")
+
+
+async def _observe(source: Stream, observer: StreamObserver) -> AsyncGenerator[StreamEvent, None]:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    merger = Merger(source.meta) if observer.wants_final else None
+    chunks = observer.chunks
+    terminal: StreamEvent | None = None
+    try:
+        async for event in source:
+            cls = type(event)
+            if cls is Error:
+                terminal = event
+            elif cls is not Done:
+                if chunks:
+                    await observer.chunk(event)
+                if merger is not None:
+                    merger.add(event)
+            yield event
+    except GatewayError as exc:
+        terminal = terminal or exc.to_event()
+        raise
+    except Exception:
+        terminal = terminal or _BROKEN
+        raise
+    except BaseException:  # closed before the end (GeneratorExit), or cancelled
+        terminal = terminal or _CLOSED
+        raise
+    finally:
+        try:
+            await source.close()
+        finally:
+            await observer.end(
+                terminal or Done(),
+                loop.time() - start,
+                merger.result if merger is not None else _no_final(source.meta),
+            )
+
+
+def _no_final(meta: StreamMeta) -> Callable[[], Completion]:
+    return lambda: Completion(id=meta.id, model=meta.model, created=meta.created)
+
+
+def map_stream(stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]) -> Stream:
+    """A stream of ``fn(event)`` for each event of ``stream`` (None drops the event).
+
+    Same ``meta``; closing it closes ``stream``. For a middleware that edits
+    or filters what the client gets::
+
+        async def redact(ctx, request, call_next):
+            return map_stream(await call_next(request), scrub)
+    """
+    return Stream(_mapped(stream, fn), stream.meta)
+
+
+async def _mapped(
+    stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]
+) -> AsyncGenerator[StreamEvent, None]:
+    try:
+        async for event in stream:
+            out = fn(event)
+            if out is not None:
+                yield out
+    finally:
+        await stream.close()

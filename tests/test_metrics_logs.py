@@ -425,3 +425,54 @@ async def test_access_log_off(make_client: MakeClient, caplog: pytest.LogCapture
     resp = await client.post(CHAT, json=chat(stream=True))
     await resp.read()
     assert access_records(caplog) == []
+
+
+async def test_a_stream_cut_short_keeps_its_status_in_the_access_log(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Headers out, then the client leaves: the client got a 200, and so says the log."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(providers=[gated])
+    resp = await client.post(
+        f"{CHAT}?stream_format=sse",
+        json=chat(model="gated/m", stream=True),
+        headers={"X-Request-Id": "rid-cut"},
+    )
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")
+    resp.close()
+    samples = await eventually(
+        client, lambda s: value(s, "nexus_cancellations_total", cause="client_disconnect") >= 1
+    )
+    assert value(samples, "nexus_requests_total", endpoint=CHAT, format=SSE, status="200") == 1
+    assert value(samples, "nexus_requests_total", endpoint=CHAT, format=SSE, status="500") == 0
+    (record,) = [r for r in access_records(caplog) if r.request_id == "rid-cut"]  # type: ignore[attr-defined]
+    assert record.access["status"] == 200  # type: ignore[attr-defined]
+    assert record.access["cancelled"] == "client_disconnect"  # type: ignore[attr-defined]
+
+
+async def test_a_client_that_leaves_before_any_answer_is_a_499(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    gated = GatedProvider(before=0, after=1)
+    client = await make_client(providers=[gated])
+    request = asyncio.ensure_future(
+        client.post(
+            f"{CHAT}?stream_format=sse",
+            json=chat(model="gated/m", stream=True),
+            headers={"X-Request-Id": "rid-gone"},
+        )
+    )
+    await asyncio.wait_for(gated.started.wait(), 3)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    deadline = asyncio.get_running_loop().time() + 3
+    while not [r for r in access_records(caplog) if r.request_id == "rid-gone"]:  # type: ignore[attr-defined]
+        assert asyncio.get_running_loop().time() < deadline, "no access line"
+        await asyncio.sleep(0.02)
+    (record,) = [r for r in access_records(caplog) if r.request_id == "rid-gone"]  # type: ignore[attr-defined]
+    assert record.access["status"] == 499  # type: ignore[attr-defined]
+    assert record.access["cancelled"] == "client_disconnect"  # type: ignore[attr-defined]

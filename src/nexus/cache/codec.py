@@ -86,7 +86,13 @@ def loads_events(data: bytes | str) -> list[StreamEvent]:
 
 
 def event_size(event: StreamEvent) -> int:
-    """About the bytes an event costs in a log: exact enough for bounds, cheap per token."""
+    """About the bytes an event costs in a log: exact enough for bounds, cheap per token.
+
+    Measured with tracemalloc on CPython 3.11: a content delta costs ~130 bytes
+    besides its text (the object, the ``str`` header, the log's slot), other
+    events somewhat less than their JSON plus ~60, so that ``max_log_bytes``
+    and the memory store's bound are bounds on memory, not on text.
+    """
     if type(event) is Delta and event.content is not None and event.tool_calls is None:
-        return 48 + len(event.content)
-    return 16 + len(orjson.dumps(dump_event(event)))
+        return 128 + len(event.content)
+    return 64 + len(orjson.dumps(dump_event(event)))

@@ -44,7 +44,7 @@ from ..hooks import CallContext
 from ..request import ChatRequest
 from ..stream import Stream
 from ..types import StreamMeta
-from .run import RunReader, StreamRun
+from .run import MAX_BATCH, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
 
 __all__ = ["Opened", "StoreReader", "StreamHub", "cache_key"]
@@ -95,6 +95,7 @@ class StoreReader:
         self._hub = hub
         self._id = info.id
         self._batches: AsyncIterator[list[StreamEvent]] = hub.store.read(info.id, start)
+        self._pending: list[StreamEvent] = []
         self._lease: asyncio.Task[None] | None = None
         if info.status == "in_progress" and hub.store.shared:
             self._lease = asyncio.get_running_loop().create_task(self._renew())
@@ -107,7 +108,13 @@ class StoreReader:
         return self
 
     async def __anext__(self) -> list[StreamEvent]:
-        return await self._batches.__anext__()
+        pending = self._pending
+        if not pending:
+            pending = await self._batches.__anext__()
+            if len(pending) <= MAX_BATCH:
+                return pending
+        self._pending = pending[MAX_BATCH:]
+        return pending[:MAX_BATCH]
 
     async def _renew(self) -> None:
         ttl = max(self._hub.streams.detach_timeout_s * 2, 2.0)

@@ -302,6 +302,12 @@ class StreamRun:
         )
 
 
+MAX_BATCH = 256
+"""Most events a reader returns at once. Live batches are what upstream delivered
+together and are smaller; a backlog (a late attach, a resume, a replay) comes in
+slices of this many, so that a connection renders and holds a slice, not a log."""
+
+
 class RunReader:
     """Follows a local run's log from ``start``; attached until :meth:`close`."""
 
@@ -327,8 +333,9 @@ class RunReader:
             events = run.events
             index = self._index
             if index < len(events):
-                self._index = len(events)
-                return events[index:]
+                end = min(len(events), index + MAX_BATCH)
+                self._index = end
+                return events[index:end]
             if run.finished:
                 raise StopAsyncIteration
             await run._wait()

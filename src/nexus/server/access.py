@@ -11,6 +11,7 @@ in the request's :class:`Exchange` as it writes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
@@ -80,6 +81,8 @@ class Exchange:
     events: int = 0
     bytes: int = 0
     cancelled: str | None = None
+    status: int | None = None
+    """The status sent, once the headers are out (a stream cut short keeps its 200)."""
     headers: dict[str, str] = field(default_factory=dict)
     """Headers every response to this request carries (request id, CORS)."""
 
@@ -132,8 +135,12 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             for name, value in ex.headers.items():
                 response.headers.setdefault(name, value)
         return response
-    except BaseException:
+    except BaseException as exc:
         ex.cancelled = ex.cancelled or "client_disconnect"
+        if ex.status is not None:
+            status = ex.status  # the headers were out: the client got this status
+        elif isinstance(exc, asyncio.CancelledError):
+            status = 499  # the client left before any answer (nginx's convention)
         raise
     finally:
         _account(app, ex, status)

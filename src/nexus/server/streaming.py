@@ -53,6 +53,9 @@ log = logging.getLogger("nexus.server")
 
 _END = object()
 
+WRITE_SLICE = 64 * 1024
+"""Most bytes given to the transport at once (see :meth:`StreamPump._write_sliced`)."""
+
 
 async def _next(batches: AsyncIterator[list[StreamEvent]]) -> object:
     try:
@@ -143,13 +146,17 @@ class StreamPump:
                     events.inc(len(batch))
                 if renderer.done:
                     return await self._end(data)
-                if data:
-                    self._write_started = now()
-                    await write(data)
-                    self._last_write = now()
-                    ex.bytes += len(data)
-                    if sent is not None:
-                        sent.inc(len(data))
+                if not data:
+                    continue
+                if len(data) > WRITE_SLICE:
+                    await self._write_sliced(data)
+                    continue
+                self._write_started = now()
+                await write(data)
+                self._last_write = now()
+                ex.bytes += len(data)
+                if sent is not None:
+                    sent.inc(len(data))
             # The log ended without its terminal entry (a store that lost it).
             return await self._end(renderer.fail(_lost_event()))
         except asyncio.CancelledError:
@@ -253,12 +260,34 @@ class StreamPump:
         if not response.prepared:
             await response.prepare(self.request)
             self.exchange.ttfb = self._now() - self.exchange.started
+            self.exchange.status = response.status
             # From the headers on, the watchdog owns heartbeats and write stalls.
             self._watchdog = self._loop.create_task(self._watch())
+        if len(data) > WRITE_SLICE:
+            await self._write_sliced(data)
+            return
         self._write_started = self._loop.time()
         await response.write(data)
         self._last_write = self._loop.time()
         self._sent(len(data))
+
+    async def _write_sliced(self, data: bytes) -> None:
+        """Write a large output in slices, each timed on its own by the watchdog.
+
+        A write returns once the transport's buffer drains below its low-water
+        mark, so a slice that stalls for ``write_timeout_s`` means a socket that
+        took nothing for that long; a reader that is slow but alive keeps
+        finishing slices. The transport never holds more than about one slice.
+        """
+        write = self._require_response().write
+        now = self._loop.time
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_SLICE):
+            piece = view[start : start + WRITE_SLICE]
+            self._write_started = now()
+            await write(piece)
+            self._last_write = now()
+            self._sent(len(piece))
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size

@@ -109,7 +109,7 @@ def test_serve_logs_url_and_stops_on_sigterm(server: tuple[subprocess.Popen[str]
     out = subprocess.run(
         [CURL, "-s", url + "/healthz"], capture_output=True, check=True, timeout=10
     ).stdout
-    assert orjson.loads(out) == {"status": "ok", "streams": 0, "clients": 0}
+    assert orjson.loads(out) == {"status": "ok", "streams": 0, "clients": 0, "pid": proc.pid}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     assert proc.stderr is not None

@@ -45,7 +45,8 @@ def test_empty_file_gives_every_default(tmp_path: Path) -> None:
         retry_ms=3000,
         shutdown_grace_s=10.0,
         write_timeout_s=30.0,
-        uvloop=False,
+        uvloop="auto",
+        workers=1,
     )
     assert config.limits == LimitsConfig(max_body_bytes=33554432, max_concurrent_streams=10000)
     assert config.encoders == {}
@@ -81,6 +82,7 @@ retry_ms = 0
 shutdown_grace_s = 0
 write_timeout_s = 2.5
 uvloop = true
+workers = "auto"
 
 [limits]
 max_body_bytes = 1
@@ -109,6 +111,7 @@ targets = ["mock/echo", "other.mock/x"]
         shutdown_grace_s=0.0,
         write_timeout_s=2.5,
         uvloop=True,
+        workers="auto",
     )
     assert config.limits == LimitsConfig(max_body_bytes=1, max_concurrent_streams=1)
     # [encoders] values are stored as given; they are imported when the app starts.
@@ -245,6 +248,16 @@ def test_config_is_frozen() -> None:
             '[providers."a.b"]\nkind = "openai"\nbase_url = "ftp://x"\n',
             "[providers.\"a.b\"] base_url: String should match pattern '^https?://\\S+$'",
             id="dotted-provider-name-quoted",
+        ),
+        pytest.param(
+            '[server]\nworkers = "many"\n',
+            "[server] workers: expected a number of workers (1 or more) or \"auto\", not 'many'",
+            id="workers-not-a-count",
+        ),
+        pytest.param(
+            "[server]\nworkers = 0\n",
+            '[server] workers: expected a number of workers (1 or more) or "auto", not 0',
+            id="workers-zero",
         ),
         pytest.param(
             "providers = {}\n",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import orjson
@@ -340,7 +341,7 @@ async def test_models_and_health(make_client: MakeClient) -> None:
     missing = await client.get("/v1/models/gpt-4o")
     assert missing.status == 404
     health = await client.get("/healthz")
-    assert await health.json() == {"status": "ok", "streams": 0, "clients": 0}
+    assert await health.json() == {"status": "ok", "streams": 0, "clients": 0, "pid": os.getpid()}
 
 
 async def test_alias_routes_to_its_target(make_client: MakeClient) -> None:

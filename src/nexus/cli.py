@@ -1,13 +1,15 @@
-"""The ``nexus`` command: ``nexus serve [--config PATH] [--host H] [--port P]`` and
-``nexus hash-key``."""
+"""The ``nexus`` command: ``nexus serve [--config PATH] [--host H] [--port P]
+[--workers N|auto] [--loop auto|uvloop|asyncio]`` and ``nexus hash-key``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -16,6 +18,7 @@ from .auth import hash_key, is_loopback, new_key
 from .config import Config, load_config
 from .errors import ConfigError
 from .server.access import JsonFormatter
+from .supervisor import Supervisor, cpu_count
 
 log = logging.getLogger("nexus")
 
@@ -33,6 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--host", help="interface to bind (default: [server] host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (default: [server] port, 8080)")
+    serve.add_argument(
+        "--workers",
+        type=_workers_arg,
+        help="worker processes sharing the port, or 'auto' for one per core "
+        "(default: [server] workers, 1)",
+    )
+    serve.add_argument(
+        "--loop",
+        choices=("auto", "uvloop", "asyncio"),
+        help="event loop: uvloop where installed (auto), required, or asyncio's own "
+        "(default: [server] uvloop, auto)",
+    )
     serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     hash_key = commands.add_parser(
         "hash-key",
@@ -57,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 <= args.port <= 65535:
                 raise ConfigError(f"--port: {args.port} is not a port number (0-65535)")
             updates["port"] = args.port
+        if args.workers is not None:
+            updates["workers"] = args.workers
+        if args.loop is not None:
+            updates["uvloop"] = {"auto": "auto", "uvloop": True, "asyncio": False}[args.loop]
         if updates:
             config = config.model_copy(update={"server": server.model_copy(update=updates)})
         _setup_logging(args.log_level.upper(), config.logging.format)
@@ -65,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)
         return 2
+
+
+def _workers_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of workers (1 or more) or 'auto'")
+    return count
 
 
 def _hash_key(from_stdin: bool, name: str) -> int:
@@ -114,17 +145,20 @@ def _load(path: str | None) -> tuple[Config, str]:
 
 
 def _serve(config: Config, source: str) -> int:
-    if config.server.uvloop:
-        try:
-            import uvloop  # type: ignore[import-not-found, unused-ignore]
-        except ImportError:
-            raise ConfigError(
-                f"{source}: [server] uvloop: uvloop is not installed "
-                "(pip install 'nexus-gateway[uvloop]')"
-            ) from None
-        uvloop.install()
+    workers = config.server.workers
+    count = cpu_count() if workers == "auto" else workers
+    if count == 1:
+        return _serve_one(config, source)
+    return Supervisor(config, source, count, _serve_one).run()
+
+
+def _serve_one(
+    config: Config, source: str, worker: int | None = None, ready: Callable[[], None] | None = None
+) -> int:
+    """One gateway process: the whole server, or worker ``worker`` of several."""
+    _install_loop(config.server.uvloop, source)
     try:
-        asyncio.run(_run(config, source))
+        asyncio.run(_run(config, source, worker, ready))
     except OSError as exc:
         print(
             f"nexus: cannot serve on {config.server.host}:{config.server.port}: {exc.strerror}",
@@ -134,7 +168,27 @@ def _serve(config: Config, source: str) -> int:
     return 0
 
 
-async def _run(config: Config, source: str) -> None:
+def _install_loop(uvloop_wanted: bool | str, source: str) -> None:
+    if uvloop_wanted is False:
+        return
+    try:
+        import uvloop  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        if uvloop_wanted is True:
+            raise ConfigError(
+                f"{source}: [server] uvloop: uvloop is not installed "
+                "(pip install 'nexus-gateway[uvloop]')"
+            ) from None
+        return
+    uvloop.install()
+
+
+async def _run(
+    config: Config,
+    source: str,
+    worker: int | None = None,
+    ready: Callable[[], None] | None = None,
+) -> None:
     from .server.app import create_app
 
     app = create_app(config, config_source=source)
@@ -146,17 +200,25 @@ async def _run(config: Config, source: str) -> None:
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.server.host, config.server.port)
+        site = web.TCPSite(
+            runner, config.server.host, config.server.port, reuse_port=worker is not None
+        )
         await site.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        log.info("event loop: %s", type(loop).__module__.split(".")[0])
-        for address in runner.addresses:
-            host, port = address[0], address[1]
-            shown = f"[{host}]" if ":" in host else host
-            log.info("Nexus serving on http://%s:%d (config: %s)", shown, port, source)
+        loop_name = type(loop).__module__.split(".")[0]
+        if ready is not None:
+            ready()
+        if worker is not None:
+            log.info("worker %d (pid %d) ready, event loop: %s", worker, os.getpid(), loop_name)
+        else:
+            log.info("event loop: %s", loop_name)
+            for address in runner.addresses:
+                host, port = address[0], address[1]
+                shown = f"[{host}]" if ":" in host else host
+                log.info("Nexus serving on http://%s:%d (config: %s)", shown, port, source)
         await stop.wait()
         log.info("stopping: no new connections; streams get %.1fs", config.server.shutdown_grace_s)
     finally:

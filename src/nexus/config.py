@@ -54,7 +54,17 @@ class ServerConfig(_Table):
     retry_ms: int = Field(default=3000, ge=0)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     write_timeout_s: float = Field(default=30.0, gt=0)
-    uvloop: bool = False
+    uvloop: bool | Literal["auto"] = "auto"
+    """``auto``: uvloop when it is installed; ``true``: required; ``false``: asyncio's loop."""
+    workers: int | Literal["auto"] = Field(default=1)
+    """Worker processes on the port (``auto``: one per core); see :mod:`nexus.supervisor`."""
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_count(cls, value: object) -> object:
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(f'expected a number of workers (1 or more) or "auto", not {value!r}')
 
 
 class LimitsConfig(_Table):

@@ -76,7 +76,8 @@ def create_app(
     app[KEYS] = KeyRing(config.auth.keys)
     app[LIMITER] = RateLimiter(config.limits.requests_per_second_per_key)
     if config.metrics.enabled:
-        app[METRICS] = metrics = Metrics(lambda: len(hub.live))
+        app[METRICS] = metrics = Metrics()
+        metrics.watch(hub, engine.hooks)
         engine.hooks.add(MetricsPlugin(metrics, _provider_of(engine)), name="metrics")
         app.router.add_get("/metrics", metrics_endpoint)
     app[REGISTRY] = formats
@@ -128,7 +129,7 @@ def _provider_of(engine: Engine) -> Callable[[str], str]:
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """Prometheus text format. Names and counts only: no keys, no contents."""
-    body = request.app[METRICS].render(request.app[ENGINE].hooks.errors)
+    body = request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

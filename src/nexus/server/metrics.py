@@ -3,19 +3,57 @@
 Counted at the edges, never per event in a hot loop: the access middleware
 counts requests and times them, the pump adds events and bytes once per write
 (what upstream delivered together), the hub's hooks see streams start and end.
+
+Several workers (``nexus serve --workers N``): each worker calls
+:func:`enable_multiprocess` right after the fork, before it builds its app.
+From then on every value lives in a small file per worker in one shared
+directory (prometheus_client's multiprocess mode), and ``/metrics``, on any
+worker, adds up the files of all of them: counters and histograms count the
+whole server, dead workers' work included; ``nexus_active_streams`` is a
+``livesum`` gauge, the streams running in the workers alive (the supervisor
+calls :func:`mark_worker_dead` for each worker that ends). ``_created`` samples
+are not exported in that mode.
+
+Two values are read from other objects rather than counted here, so that they
+stay right whichever worker is scraped: the hub's running streams (one process:
+read at scrape time; several: the gauge set whenever ``hub.live`` changes) and
+the hooks' errors (counted as each happens, in both modes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import os
+from collections import Counter as Tally
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..events import Error
-from ..hooks import CallContext
+from ..hooks import CallContext, Hooks
 
-__all__ = ["CANCEL_CAUSES", "CONTENT_TYPE_LATEST", "Metrics", "MetricsPlugin"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..cache.hub import StreamHub
+
+__all__ = [
+    "CANCEL_CAUSES",
+    "CONTENT_TYPE_LATEST",
+    "Metrics",
+    "MetricsPlugin",
+    "enable_multiprocess",
+    "mark_worker_dead",
+]
 
 CANCEL_CAUSES = {
     "stream_detached": "detach_timeout",
@@ -29,11 +67,47 @@ CANCEL_CAUSES = {
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DURATION = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
+_shared_dir: str | None = None
+"""The multiprocess directory once :func:`enable_multiprocess` ran (None: one process)."""
+
+
+def enable_multiprocess(directory: str) -> None:
+    """Make this process one of several workers whose metrics ``/metrics`` adds up.
+
+    Call it in each worker right after the fork, before ``create_app``: the
+    metrics made afterwards keep their values in ``directory`` (which must
+    exist: the supervisor makes it, shares it and removes it), and ``/metrics``
+    renders every worker's files. Metrics made before the call are not
+    affected. Raises :class:`ValueError` when ``directory`` is not a directory.
+    """
+    global _shared_dir
+    if not os.path.isdir(directory):
+        raise ValueError(f"metrics directory {directory!r} is not a directory")
+    # prometheus_client picks its value class when it is first imported, from this
+    # variable; the supervisor imported it already, so the class is swapped here too.
+    # MultiProcessValue() takes this process's pid for its file names: after the fork.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+    _shared_dir = directory
+
+
+def mark_worker_dead(directory: str, pid: int) -> None:
+    """Forget the live gauges of the worker ``pid``, which ended (the supervisor calls it).
+
+    Its counters and histograms stay: what it did still counts.
+    """
+    multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
 
 class Metrics:
-    """The gateway's metrics. Labels hold names only, never keys or contents."""
+    """The gateway's metrics. Labels hold names only, never keys or contents.
 
-    def __init__(self, active_streams: Callable[[], float]) -> None:
+    :meth:`watch` connects the values read from the hub and the hooks.
+    """
+
+    def __init__(self) -> None:
+        self.shared_dir = _shared_dir
+        """The multiprocess directory, or None (this process alone)."""
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "nexus_requests",
@@ -42,9 +116,13 @@ class Metrics:
             registry=registry,
         )
         self.active = Gauge(
-            "nexus_active_streams", "Streams running in this process.", registry=registry
+            "nexus_active_streams",
+            "Streams running in this process."
+            if _shared_dir is None
+            else "Streams running, in all the workers alive.",
+            registry=registry,
+            multiprocess_mode="livesum",  # several workers: the sum over those alive
         )
-        self.active.set_function(active_streams)
         self.ttfb = Histogram(
             "nexus_time_to_first_byte_seconds",
             "From the request to the first byte of a stream's body.",
@@ -86,15 +164,118 @@ class Metrics:
         self.hook_errors = Counter(
             "nexus_hook_errors", "Plugin hooks that raised.", ("hook",), registry=registry
         )
-        self._hook_errors_seen: dict[str, int] = {}
 
-    def render(self, hook_errors: Mapping[str, int] | None = None) -> bytes:
-        for hook, total in (hook_errors or {}).items():
-            counted = self._hook_errors_seen.get(hook, 0)
-            if total > counted:
-                self.hook_errors.labels(hook).inc(total - counted)
-                self._hook_errors_seen[hook] = total
-        return generate_latest(self.registry)
+    def watch(self, hub: StreamHub, hooks: Hooks) -> None:
+        """Follow the hub's running streams and the hooks' errors (once, before the app starts).
+
+        One process: ``nexus_active_streams`` reads ``len(hub.live)`` at scrape
+        time. Several: ``hub.live`` becomes a dict that sets the gauge on every
+        change, as a scrape on another worker reads the value this one wrote.
+        ``hooks.errors`` becomes a counter that also counts into
+        ``nexus_hook_errors_total`` as each error happens.
+        """
+        if self.shared_dir is None:
+            self.active.set_function(lambda: len(hub.live))
+        else:
+            hub.live = _GaugedDict(hub.live, self.active)
+        errors = hooks.errors
+        if isinstance(errors, _HookErrors):  # an engine shared by several apps
+            errors.add_sink(self.hook_errors)
+        else:
+            hooks.errors = _HookErrors(errors, self.hook_errors)
+
+    def render(self) -> bytes:
+        """The Prometheus text format: this app's registry, or every worker's files."""
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, self.shared_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_D = TypeVar("_D")
+
+
+class _GaugedDict(dict[_K, _V]):
+    """A dict whose size a gauge follows, set on each change.
+
+    In multiprocess mode a gauge cannot read a value at scrape time (the scrape
+    may reach another worker), so the hub's ``live`` dict writes its size itself.
+    """
+
+    __slots__ = ("_gauge",)
+
+    def __init__(self, items: Mapping[_K, _V], gauge: Gauge) -> None:
+        super().__init__(items)
+        self._gauge = gauge
+        gauge.set(len(self))
+
+    def __setitem__(self, key: _K, value: _V) -> None:
+        super().__setitem__(key, value)
+        self._gauge.set(len(self))
+
+    def __delitem__(self, key: _K) -> None:
+        super().__delitem__(key)
+        self._gauge.set(len(self))
+
+    @overload
+    def pop(self, key: _K, /) -> _V: ...
+    @overload
+    def pop(self, key: _K, default: _V, /) -> _V: ...
+    @overload
+    def pop(self, key: _K, default: _D, /) -> _V | _D: ...
+    def pop(self, key: _K, /, *default: Any) -> Any:
+        value = super().pop(key, *default)
+        self._gauge.set(len(self))
+        return value
+
+    def popitem(self) -> tuple[_K, _V]:
+        item = super().popitem()
+        self._gauge.set(len(self))
+        return item
+
+    def setdefault(self, key: _K, default: _V, /) -> _V:
+        value = super().setdefault(key, default)
+        self._gauge.set(len(self))
+        return value
+
+    def update(self, *args: Any, **kwargs: _V) -> None:
+        super().update(*args, **kwargs)
+        self._gauge.set(len(self))
+
+    def clear(self) -> None:
+        super().clear()
+        self._gauge.set(len(self))
+
+
+class _HookErrors(Tally[str]):
+    """``Hooks.errors`` that also counts into ``nexus_hook_errors_total`` as errors happen.
+
+    The hooks count with ``errors[hook] += 1``: each rise of a count is added
+    to every sink (one per app that watches these hooks).
+    """
+
+    def __init__(self, counts: Mapping[str, int], sink: Counter) -> None:
+        super().__init__()
+        self.sinks = [sink]
+        for hook, count in counts.items():
+            self[hook] = count
+
+    def add_sink(self, sink: Counter) -> None:
+        """Count into ``sink`` too, starting with the counts so far."""
+        self.sinks.append(sink)
+        for hook, count in self.items():
+            if count > 0:
+                sink.labels(hook).inc(count)
+
+    def __setitem__(self, key: str, value: int) -> None:
+        rise = value - self.get(key, 0)
+        super().__setitem__(key, value)
+        if rise > 0:
+            for sink in self.sinks:
+                sink.labels(key).inc(rise)
 
 
 class MetricsPlugin:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import orjson
@@ -51,6 +52,7 @@ async def healthz(request: web.Request) -> web.Response:
         "status": "ok",
         "streams": len(request.app[state.HUB].live),
         "clients": len(runtime.active) + len(runtime.sockets),
+        "pid": os.getpid(),  # which worker answered, with `nexus serve --workers N`
     }
     return web.Response(
         body=orjson.dumps(body),

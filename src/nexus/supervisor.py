@@ -1,0 +1,253 @@
+"""Several worker processes on one port: ``nexus serve --workers N``.
+
+A Python process runs on one core. The supervisor forks N workers, each a
+whole gateway with its own event loop, listening on the same port with
+``SO_REUSEPORT`` so that the kernel spreads connections across them. The
+supervisor itself serves nothing: it keeps the port reserved (bound, not
+listening, so the kernel never queues a connection for it), restarts a worker
+that dies, and on SIGTERM or SIGINT passes SIGTERM on to every worker and waits
+for them to end their streams gracefully (``[server] shutdown_grace_s``).
+
+What the workers do not share: with the in-memory store each has its own
+stream logs and cache (resume needs one worker, or sticky routing); with the
+Redis store a stream started on one worker resumes on any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+from .config import Config
+
+__all__ = ["Supervisor", "cpu_count", "reserve_port"]
+
+log = logging.getLogger("nexus")
+
+QUICK_DEATH_S = 2.0
+"""A worker that dies sooner than this after its start counts towards a crash loop."""
+MAX_QUICK_DEATHS = 5
+"""Quick deaths in a row after which the supervisor gives up (a config or a bug,
+not bad luck: restarting would only spin)."""
+KILL_AFTER_S = 10.0
+"""How long past the grace period a worker may take to stop before it is killed."""
+
+WorkerMain = Callable[[Config, str, int, Callable[[], None]], int]
+"""Runs one worker: ``(config, config source, worker index, ready) -> exit code``; it
+calls ``ready()`` once it accepts connections."""
+READY_TIMEOUT_S = 60.0
+"""How long the supervisor waits for the workers to listen before it says it serves."""
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, never listening.
+
+    It resolves port 0 to a real port that every worker then binds, and it
+    keeps the port while workers come and go. A socket that does not listen
+    gets no connections, so none wait on it.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Supervisor:
+    """Starts, watches and stops the worker processes. See the module docstring."""
+
+    def __init__(self, config: Config, source: str, workers: int, worker_main: WorkerMain) -> None:
+        self.config = config
+        self.source = source
+        self.workers = workers
+        self.worker_main = worker_main
+        self._context = multiprocessing.get_context("fork")
+        self._running: dict[int, tuple[BaseProcess, float]] = {}  # index -> (process, started)
+        self._ready: dict[int, Any] = {}  # index -> its multiprocessing.Event
+        self._stopping = False
+        self.metrics_dir: str | None = None
+
+    def run(self) -> int:
+        server = self.config.server
+        reserved = reserve_port(server.host, server.port)
+        port = reserved.getsockname()[1]
+        config = self.config.model_copy(update={"server": server.model_copy(update={"port": port})})
+        if config.metrics.enabled:
+            self.metrics_dir = tempfile.mkdtemp(prefix="nexus-metrics-")
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            for index in range(self.workers):
+                self._start(config, index)
+            self._wait_ready()
+            shown = f"[{server.host}]" if ":" in server.host else server.host
+            log.info(
+                "Nexus serving on http://%s:%d with %d workers (config: %s)",
+                shown,
+                port,
+                self.workers,
+                self.source,
+            )
+            if self.workers > 1 and config.store.kind == "memory":
+                log.warning(
+                    "%d workers share no memory: with the in-memory store, resuming a "
+                    "stream (and the stream cache) needs sticky routing; "
+                    '[store] kind = "redis" lets any worker resume any stream',
+                    self.workers,
+                )
+            return self._watch(config)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._stop_all(config)
+            reserved.close()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self._stopping:
+            log.info("supervisor: %s, stopping the workers", signal.Signals(signum).name)
+        self._stopping = True
+        for process, _ in self._running.values():
+            if process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+
+    def _start(self, config: Config, index: int) -> None:
+        ready = self._context.Event()
+        process = self._context.Process(
+            target=_worker,
+            args=(self.worker_main, config, self.source, index, self.metrics_dir, ready),
+            name=f"nexus-worker-{index}",
+            daemon=False,
+        )
+        process.start()
+        self._running[index] = (process, time.monotonic())
+        self._ready[index] = ready
+        log.debug("worker %d started (pid %s)", index, process.pid)
+
+    def _wait_ready(self) -> None:
+        """Until every worker listens (or died: the watch loop handles that)."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for index, ready in list(self._ready.items()):
+            process, _ = self._running[index]
+            while not ready.wait(0.05) and process.is_alive() and not self._stopping:
+                if time.monotonic() > deadline:
+                    log.warning("worker %d is not listening after %.0fs", index, READY_TIMEOUT_S)
+                    return
+
+    def _watch(self, config: Config) -> int:
+        quick_deaths = 0
+        while self._running:
+            sentinels = {process.sentinel: index for index, (process, _) in self._running.items()}
+            for sentinel in wait(list(sentinels)):
+                index = sentinels[sentinel]  # type: ignore[index]
+                process, started = self._running.pop(index)
+                process.join()
+                self._forget(process)
+                if self._stopping:
+                    log.info("worker %d (pid %s) stopped", index, process.pid)
+                    continue
+                lived = time.monotonic() - started
+                log.error(
+                    "worker %d (pid %s) died (exit code %s) after %.1fs; restarting it",
+                    index,
+                    process.pid,
+                    process.exitcode,
+                    lived,
+                )
+                quick_deaths = quick_deaths + 1 if lived < QUICK_DEATH_S else 0
+                if quick_deaths >= MAX_QUICK_DEATHS:
+                    log.error(
+                        "%d workers in a row died within %.0fs of their start: giving up",
+                        quick_deaths,
+                        QUICK_DEATH_S,
+                    )
+                    return 1
+                if quick_deaths:
+                    time.sleep(min(0.1 * 2**quick_deaths, QUICK_DEATH_S))
+                self._start(config, index)
+        return 0
+
+    def _stop_all(self, config: Config) -> None:
+        """SIGTERM to every worker left, then wait; kill those past grace + a margin."""
+        if self._running:
+            self._on_signal(signal.SIGTERM, None)
+        deadline = time.monotonic() + config.server.shutdown_grace_s + KILL_AFTER_S
+        for index, (process, _) in list(self._running.items()):
+            process.join(max(deadline - time.monotonic(), 0))
+            if process.is_alive():
+                log.error("worker %d (pid %s) did not stop: killing it", index, process.pid)
+                process.kill()
+                process.join()
+            self._forget(process)
+        self._running.clear()
+
+    def _forget(self, process: BaseProcess) -> None:
+        """Drop a dead worker's live gauges from the shared metrics."""
+        if self.metrics_dir is not None and process.pid is not None:
+            from .server.metrics import mark_worker_dead
+
+            mark_worker_dead(self.metrics_dir, process.pid)
+
+
+def _worker(
+    worker_main: WorkerMain,
+    config: Config,
+    source: str,
+    index: int,
+    metrics_dir: str | None,
+    ready: Any,
+) -> None:
+    """A worker's first steps after the fork, then its gateway."""
+    # The supervisor's handlers came along with the fork; the worker's loop sets its own.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _die_with_parent()
+    if metrics_dir is not None:
+        from .server.metrics import enable_multiprocess
+
+        enable_multiprocess(metrics_dir)
+    raise SystemExit(worker_main(config, source, index, ready.set))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker if the supervisor dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the supervisor died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -379,8 +379,9 @@ async def test_memory_stays_bounded_while_the_mock_produces_100_mb_for_a_client_
     assert timeline.attached is not None, "the stream never showed in /healthz"
     assert timeline.dropped is not None, "the client that read nothing was never dropped"
     assert timeline.gone is not None, "the stream was never ended"
-    assert WRITE_TIMEOUT_S <= timeline.dropped - sent <= WRITE_TIMEOUT_S + 2.0
-    assert timeline.gone - timeline.dropped <= DETACH_TIMEOUT_S + 1.0
+    # Generous margins: the machine is shared, and /healthz is polled, not pushed.
+    assert WRITE_TIMEOUT_S <= timeline.dropped - sent <= WRITE_TIMEOUT_S + 4.0
+    assert timeline.gone - timeline.dropped <= DETACH_TIMEOUT_S + 4.0
     sid = stream_id(raw)
     assert f"dropping client of stream {sid}: a write stalled" in server.log_text()
     assert b"data: [DONE]" not in raw

@@ -306,14 +306,22 @@ class StreamPump:
         heartbeat = self.renderer.heartbeat()
         # Stalls are noticed within a quarter of the write timeout.
         tick = self.write_timeout_s / 4
+        transport = self.request.transport
+        buffered = -1  # the transport's write buffer when last looked at
+        moved = 0.0  # when it last changed: the socket took data
         while True:
             now = self._loop.time()
             if self._write_started > self._last_write:
-                stalled = now - self._write_started
+                # A write is waiting for the socket. It stalls only while the socket takes
+                # nothing: a slow reader that drains the buffer bit by bit is alive.
+                size = transport.get_write_buffer_size() if transport is not None else 0
+                if size != buffered:
+                    buffered, moved = size, now
+                stalled = now - max(self._write_started, moved)
                 if stalled >= self.write_timeout_s:
                     self._abort(f"a write stalled for {stalled:.1f}s")
                     return
-                wake = self._write_started + self.write_timeout_s
+                wake = now + tick
             else:
                 idle = now - self._last_write
                 if self._ended:

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ._frozen import quick_init
+
 __all__ = [
     "Audio",
     "Citation",
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """One fragment of a tool call.
@@ -75,6 +78,7 @@ class ToolCall:
         return {"type": "tool_call", "delta": {"tool_calls": [self.wire()]}}
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Delta:
     """An increment of the assistant message; ``finish_reason`` closes the turn."""
@@ -104,6 +108,7 @@ class Delta:
         return {"type": "delta", "delta": self.delta_dict(), "finish_reason": self.finish_reason}
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Reasoning:
     """Reasoning ("thinking") text, kept apart from the answer.
@@ -123,6 +128,7 @@ class Reasoning:
         return {"type": "reasoning", "delta": {"reasoning": self.text, "signature": self.signature}}
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Audio:
     """A chunk of audio output: base64 ``data`` and/or its ``transcript``."""
@@ -139,6 +145,7 @@ class Audio:
         }
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Image:
     """An image output, inline (base64 ``data``) or by ``url``."""
@@ -155,6 +162,7 @@ class Image:
         }
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Citation:
     """A source the answer cites."""
@@ -171,6 +179,7 @@ class Citation:
         }
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Token counts; the last usage event of a stream holds the totals."""
@@ -203,6 +212,7 @@ class Usage:
         return {"type": "usage", "usage": self.wire()}
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Error:
     """A failure after the stream started; the stream ends after it.
@@ -231,6 +241,7 @@ class Error:
         return {"type": "error", "error": error}
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Idle keepalive, written by the pump, never by providers."""
@@ -241,6 +252,7 @@ class Heartbeat:
         return {"type": "heartbeat"}
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Done:
     """The terminator of formats that have one; ``aborted`` after a client abort."""

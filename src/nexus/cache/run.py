@@ -182,7 +182,7 @@ class StreamRun:
                 events.append(event)
                 offsets.append(now() - start)
                 if cls is Delta and event.content is not None and event.tool_calls is None:  # type: ignore[union-attr]
-                    size += 48 + len(event.content)  # type: ignore[union-attr]
+                    size += 128 + len(event.content)  # type: ignore[union-attr]
                 else:
                     size += event_size(event)
                 if self._waiters:

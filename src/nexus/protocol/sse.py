@@ -12,6 +12,8 @@ import codecs
 import re
 from dataclasses import dataclass
 
+from .._frozen import quick_init
+
 __all__ = ["SSEDecoder", "ServerSentEvent", "comment", "frame"]
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -61,6 +63,7 @@ def _check_field(name: str, value: str) -> None:
         raise ValueError(f"an SSE {name} must not contain CR or LF")
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ServerSentEvent:
     """A dispatched event. ``id`` is the last event id in force when it was dispatched."""
@@ -96,6 +99,8 @@ class SSEDecoder:
             self._skip_lf = False
             if text[0] == "\n":
                 text = text[1:]
+        if "\r" not in text:
+            return self._decode_lf(text)
         events: list[ServerSentEvent] = []
         start = 0
         # Only the new text is scanned for line ends, and the partial line is kept as
@@ -117,6 +122,36 @@ class SSEDecoder:
             start = match.end()
         if start < len(text):
             self._pending.append(text[start:])
+        return events
+
+    def _decode_lf(self, text: str) -> list[ServerSentEvent]:
+        """:meth:`decode` for text whose lines all end in LF: what servers send.
+
+        The same rules, on ``str.split`` rather than a regex, with the usual
+        ``data: `` line handled inline: the per-event cost of every upstream.
+        """
+        lines = text.split("\n")
+        tail = lines.pop()  # after the last LF: a line still arriving ("" if none)
+        events: list[ServerSentEvent] = []
+        if lines:
+            if self._pending:
+                self._pending.append(lines[0])
+                lines[0] = "".join(self._pending)
+                self._pending = []
+            data = self._data
+            for line in lines:
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                elif not line:
+                    event = self._dispatch()
+                    if event is not None:
+                        events.append(event)
+                        data = self._data
+                else:
+                    self._line(line)
+                    data = self._data
+        if tail:
+            self._pending.append(tail)
         return events
 
     def flush(self) -> list[ServerSentEvent]:
@@ -151,11 +186,12 @@ class SSEDecoder:
         if not self._data:
             self._event = ""
             return None
+        data = self._data
         event = ServerSentEvent(
-            data="\n".join(self._data),
-            event=self._event or "message",
-            id=self._last_id,
-            retry=self._retry,
+            data[0] if len(data) == 1 else "\n".join(data),
+            self._event or "message",
+            self._last_id,
+            self._retry,
         )
         self._data = []
         self._event = ""

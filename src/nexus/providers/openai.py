@@ -71,8 +71,10 @@ def chunk_events(chunk: dict[str, Any]) -> list[StreamEvent]:
             events.append(Reasoning(reasoning))
         content = delta.get("content")
         refusal = delta.get("refusal")
-        if content or refusal:
-            events.append(Delta(content=content or None, refusal=refusal or None))
+        if refusal:
+            events.append(Delta(content=content or None, refusal=refusal))
+        elif content:
+            events.append(Delta(content))
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
             events.append(
@@ -155,18 +157,20 @@ class OpenAIProvider(HTTPProvider):
         )
         clean = False
         try:
-            async for sse in self.sse_events(upstream):
-                data = sse.data
-                if data.startswith("[DONE]"):
-                    clean = True
-                    return
-                chunk = self.payload(data)
-                if chunk is None:
-                    continue
-                if chunk.get("error"):
-                    raise in_stream_error(self.name, chunk["error"])
-                for event in chunk_events(chunk):
-                    yield event
+            payload = self.payload
+            async for batch in self.sse_batches(upstream):
+                for sse in batch:
+                    data = sse.data
+                    if data.startswith("[DONE]"):
+                        clean = True
+                        return
+                    chunk = payload(data)
+                    if chunk is None:
+                        continue
+                    if chunk.get("error"):
+                        raise in_stream_error(self.name, chunk["error"])
+                    for event in chunk_events(chunk):
+                        yield event
             raise UpstreamError(
                 f"provider {self.name!r} ended the stream without [DONE]",
                 code="upstream_disconnect",

@@ -46,6 +46,7 @@ def test_empty_file_gives_every_default(tmp_path: Path) -> None:
         shutdown_grace_s=10.0,
         write_timeout_s=30.0,
         uvloop="auto",
+        backlog=2048,
         workers=1,
     )
     assert config.limits == LimitsConfig(max_body_bytes=33554432, max_concurrent_streams=10000)

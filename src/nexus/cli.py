@@ -201,7 +201,11 @@ async def _run(
     await runner.setup()
     try:
         site = web.TCPSite(
-            runner, config.server.host, config.server.port, reuse_port=worker is not None
+            runner,
+            config.server.host,
+            config.server.port,
+            backlog=config.server.backlog,
+            reuse_port=worker is not None,
         )
         await site.start()
         stop = asyncio.Event()

@@ -56,6 +56,8 @@ class ServerConfig(_Table):
     write_timeout_s: float = Field(default=30.0, gt=0)
     uvloop: bool | Literal["auto"] = "auto"
     """``auto``: uvloop when it is installed; ``true``: required; ``false``: asyncio's loop."""
+    backlog: int = Field(default=2048, ge=1)
+    """Connections the kernel queues before the gateway accepts them (capped by somaxconn)."""
     workers: int | Literal["auto"] = Field(default=1)
     """Worker processes on the port (``auto``: one per core); see :mod:`nexus.supervisor`."""
 
@@ -185,7 +187,9 @@ class HTTPProviderConfig(_Table):
     connect_timeout_s: float = Field(default=10.0, gt=0)
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
     idle_timeout_s: float = Field(default=60.0, gt=0)
-    max_connections: int = Field(default=100, ge=1)
+    max_connections: int = Field(default=1000, ge=1)
+    """Upstream connections at once: a stream holds one for its whole length, so this is
+    also the most streams in flight to this provider (more wait for a free one)."""
     optional: bool = False
 
 

@@ -1,0 +1,260 @@
+"""The five scenarios of issue 8: their sizes, and the figures drawn from each run.
+
+Definitions (the README repeats them):
+
+* **chunks/s**: content chunks received by all streams / wall time from the first
+  connect to the last stream's end.
+* **CPU µs/chunk**: CPU time of the gateway's process tree (every thread, from
+  /proc schedstat) over the run / chunks delivered. Direct has no gateway.
+* **TTFB / TTFC**: from the moment the stream's connection is opened (the request
+  goes out right after) to the first byte of the response / the first content chunk.
+* **delay**: per chunk, its arrival at the load generator minus the send time the
+  upstream stamped into it (both CLOCK_MONOTONIC). **added latency pX** = pX of the
+  delays through the system minus pX through direct in the same round: chunks cannot
+  be paired across systems, their distributions can.
+* Every figure is taken per round, then the median over rounds is reported.
+* **RSS/stream**: (peak RSS of the gateway's processes while the streams are open -
+  RSS after warm-up, before the load) / the most streams open at once (all of them,
+  unless the gateway could not open the last before the first ended). Sampled every
+  0.25 s.
+* **abort → upstream closed**: from the WebSocket ``abort`` sent to the moment the
+  upstream saw its connection close (both CLOCK_MONOTONIC).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .systems import Variant
+
+__all__ = ["FULL", "SMOKE", "Scenario", "aggregate", "percentile", "run_figures"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    streams: int
+    chunks: int
+    delay_ms: float
+    stamp: bool = False
+    batch: int = 1
+    mode: str = "streams"
+    stagger_s: float = 0.0
+    ws_only: bool = False
+    timeout_s: float = 300.0
+    max_rounds: int | None = None
+    """Cap on ``--rounds`` for a scenario whose runs are long and whose figure (RSS) is
+    not one that timing noise moves."""
+
+    def applies(self, variant: Variant) -> bool:
+        return variant.format == "ws" if self.ws_only else True
+
+    def upstream_config(self) -> dict[str, Any]:
+        return {
+            "chunks": self.chunks,
+            "delay_ms": self.delay_ms,
+            "stamp": self.stamp,
+            "batch": self.batch,
+        }
+
+
+def _scenarios(*items: Scenario) -> dict[str, Scenario]:
+    return {s.name: s for s in items}
+
+
+FULL = _scenarios(
+    Scenario(
+        "saturation",
+        "50 streams x 2,000 chunks, no delay (the upstream writes 16 frames per write)",
+        streams=50,
+        chunks=2000,
+        delay_ms=0,
+        batch=16,
+    ),
+    Scenario(
+        "realistic",
+        "200 streams x 100 tokens at 20 ms, started over 0.5 s",
+        streams=200,
+        chunks=100,
+        delay_ms=20,
+        stamp=True,
+        stagger_s=0.5,
+    ),
+    Scenario(
+        "idle",
+        "5,000 concurrent streams x 30 tokens at 1 token/s (one round)",
+        streams=5000,
+        chunks=30,
+        delay_ms=1000,
+        timeout_s=240,
+        max_rounds=1,
+    ),
+    Scenario(
+        "ttfb",
+        "200 sequential requests (5 chunks each) on one keep-alive connection",
+        streams=200,
+        chunks=5,
+        delay_ms=0,
+        mode="sequential",
+    ),
+    Scenario(
+        "ws_abort",
+        "50 WebSocket turns aborted after their first chunk (upstream: 10 ms per token)",
+        streams=50,
+        chunks=100_000,
+        delay_ms=10,
+        mode="ws_abort",
+        ws_only=True,
+        timeout_s=30,
+    ),
+)
+
+SMOKE = _scenarios(
+    Scenario("saturation", "smoke: 5 streams x 20 chunks", 5, 20, 0, batch=16, timeout_s=30),
+    Scenario(
+        "realistic",
+        "smoke: 5 streams x 10 tokens at 5 ms",
+        5,
+        10,
+        5,
+        stamp=True,
+        stagger_s=0.01,
+        timeout_s=30,
+    ),
+    Scenario("idle", "smoke: 20 streams x 2 tokens at 100 ms", 20, 2, 100, timeout_s=30),
+    Scenario("ttfb", "smoke: 5 sequential requests", 5, 5, 0, mode="sequential", timeout_s=30),
+    Scenario(
+        "ws_abort",
+        "smoke: 3 aborted WebSocket turns",
+        3,
+        10_000,
+        10,
+        mode="ws_abort",
+        ws_only=True,
+        timeout_s=30,
+    ),
+)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between closest ranks; None if no values."""
+    if not values:
+        return None
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100
+    low, high = math.floor(pos), math.ceil(pos)
+    return data[low] + (data[high] - data[low]) * (pos - low)
+
+
+def run_figures(
+    result: dict[str, Any],
+    cpu_s: float | None,
+    rss_before: int | None,
+    rss_peak: int | None,
+) -> dict[str, Any]:
+    """The figures of one run (one variant, one round), from the load generator's
+    result and the gateway's CPU and RSS."""
+    streams = result["streams"]
+    chunks = sum(s["chunks"] for s in streams)
+    wall = result.get("wall_s")
+    errors = sorted({s["error"] for s in streams if s["error"]})
+    run: dict[str, Any] = {
+        "streams": len(streams),
+        "ok": sum(1 for s in streams if s["ok"]),
+        "errors": errors[:5],
+        "chunks": chunks,
+        "bytes": sum(s["bytes"] for s in streams),
+        "wall_s": wall,
+        "chunks_per_s": chunks / wall if wall else None,
+        "peak_open": result.get("peak_open"),
+        "ramp_s": result.get("ramp_s"),
+        "gaps": result.get("gaps"),
+        "gateway_cpu_s": cpu_s,
+        "cpu_us_per_chunk": cpu_s / chunks * 1e6 if cpu_s is not None and chunks else None,
+        "rss_before": rss_before,
+        "rss_peak": rss_peak,
+        # Per stream open at the peak: a gateway too slow to open them all before the
+        # first ones end holds fewer at once, and its RSS peak is theirs.
+        "rss_per_stream": (rss_peak - rss_before) / (result.get("peak_open") or len(streams))
+        if rss_peak is not None and rss_before is not None and streams
+        else None,
+        # Samples, pooled over the rounds by aggregate(); not written to the JSON.
+        "_ttfb": [s["ttfb"] for s in streams if s["ttfb"] is not None],
+        "_ttfc": [s["ttfc"] for s in streams if s["ttfc"] is not None],
+        "_delays": result.get("delays", []),
+        "_abort_upstream": [
+            s["abort_upstream"] for s in streams if s.get("abort_upstream") is not None
+        ],
+        "_abort_ack": [s["abort_ack"] for s in streams if s.get("abort_ack") is not None],
+    }
+    return run
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return percentile(present, 50) if present else None
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
+
+
+def aggregate(
+    scenario: Scenario, runs: list[dict[str, Any]], direct: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """A variant's figures over its rounds: each figure (percentiles included) is taken
+    per round, then the median over the rounds, so that one round a shared machine
+    disturbed does not decide a p99. ``direct``: the direct runs of the same scenario,
+    for the added latency (each round against the direct run of the same round)."""
+
+    def per_round(key: str, q: float) -> float | None:
+        return _ms(_median([percentile(run[key], q) for run in runs]))
+
+    fig: dict[str, Any] = {
+        "rounds": len(runs),
+        "streams": sum(r["streams"] for r in runs),
+        "ok": sum(r["ok"] for r in runs),
+    }
+    fig["all_ok"] = fig["streams"] > 0 and fig["ok"] == fig["streams"]
+    fig["steal_s"] = sum(sum(r.get("steal_s", {}).values()) for r in runs)
+    if scenario.name == "saturation":
+        fig["chunks_per_s"] = _median([r["chunks_per_s"] for r in runs])
+        fig["cpu_us_per_chunk"] = _median([r["cpu_us_per_chunk"] for r in runs])
+    elif scenario.name == "realistic":
+        fig["ttfc_p50_ms"] = per_round("_ttfc", 50)
+        fig["ttfc_p99_ms"] = per_round("_ttfc", 99)
+        fig["delay_p50_ms"] = per_round("_delays", 50)
+        fig["delay_p99_ms"] = per_round("_delays", 99)
+        base = {r.get("round"): r for r in direct or []}
+        for q in (50, 99):
+            added: list[float | None] = []
+            for run in runs:
+                other = base.get(run.get("round"))
+                mine = percentile(run["_delays"], q)
+                theirs = percentile(other["_delays"], q) if other is not None else None
+                added.append(None if mine is None or theirs is None else mine - theirs)
+            fig[f"added_p{q}_ms"] = _ms(_median(added))
+    elif scenario.name == "idle":
+        fig["peak_open"] = min((r["peak_open"] or 0) for r in runs)
+        fig["rss_per_stream_kb"] = _median(
+            [None if r["rss_per_stream"] is None else r["rss_per_stream"] / 1024 for r in runs]
+        )
+        fig["rss_before_mb"] = _median(
+            [None if r["rss_before"] is None else r["rss_before"] / 2**20 for r in runs]
+        )
+        fig["rss_peak_mb"] = _median(
+            [None if r["rss_peak"] is None else r["rss_peak"] / 2**20 for r in runs]
+        )
+    elif scenario.name == "ttfb":
+        fig["ttfb_p50_ms"] = per_round("_ttfb", 50)
+        fig["ttfb_p99_ms"] = per_round("_ttfb", 99)
+        fig["ttfc_p50_ms"] = per_round("_ttfc", 50)
+        fig["ttfc_p99_ms"] = per_round("_ttfc", 99)
+    elif scenario.name == "ws_abort":
+        fig["abort_closed_p50_ms"] = per_round("_abort_upstream", 50)
+        fig["abort_closed_p99_ms"] = per_round("_abort_upstream", 99)
+        fig["abort_ack_p50_ms"] = per_round("_abort_ack", 50)
+    return fig

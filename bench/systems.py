@@ -1,0 +1,292 @@
+"""The systems under test, and how each is started, pinned, measured and stopped.
+
+=============  ==============================================================  ======
+system         what runs                                                       format
+=============  ==============================================================  ======
+direct         nothing: the load generator talks to the fake upstream          sse
+rawproxy       ``python -m bench.rawproxy`` (bytes copied, nothing parsed)     sse
+nexus          ``nexus serve`` with an openai-kind provider on the upstream    each
+nexus-w2       the same with ``--workers 2``                                   sse
+nexus-asyncio  the same on asyncio's own loop (``[server] uvloop = false``;    sse
+               opt-in: the default picks uvloop where it is installed)
+litellm        the LiteLLM proxy from ``bench/litellm`` (when installed)       sse
+=============  ==============================================================  ======
+
+A *variant* is a system and the output format its clients ask for; each Nexus format
+is a variant of its own (one row in the tables). Every variant runs in a fresh
+process, started before the round and measured alone.
+
+Nexus gets the settings a deployment of this size needs and nothing else: a provider
+pool and a stream limit large enough for 5,000 streams (the defaults, 100 pooled
+upstream connections and 10,000 streams, would queue the idle scenario), and no
+access log, like the peer (LiteLLM logs at ERROR) and the raw proxy (none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from .procfs import pin, tree
+
+__all__ = [
+    "FORMAT_LABELS",
+    "Pinning",
+    "Running",
+    "StartError",
+    "Variant",
+    "litellm_module",
+    "plan_pinning",
+    "start",
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT_PATH = "/v1/chat/completions"
+FORMAT_LABELS = {"sse": "openai-sse", "nexus": "native-sse", "ndjson": "ndjson", "ws": "websocket"}
+NEXUS_SYSTEMS = ("nexus", "nexus-w2", "nexus-asyncio")
+SYSTEMS = ("direct", "rawproxy", *NEXUS_SYSTEMS, "litellm")
+
+
+@dataclass(frozen=True)
+class Variant:
+    system: str
+    format: str = "sse"
+
+    @property
+    def label(self) -> str:
+        if self.system in NEXUS_SYSTEMS:
+            return f"{self.system} ({FORMAT_LABELS[self.format]})"
+        return self.system
+
+    @property
+    def multi_process(self) -> bool:
+        return self.system == "nexus-w2"
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """Which CPUs each side gets (None: not pinned)."""
+
+    load: set[int] | None
+    upstream: set[int] | None
+    gateway: set[int] | None
+    multi: set[int] | None
+    note: str
+
+
+def plan_pinning(cpus: list[int]) -> Pinning:
+    """Gateway and load side on different cores where the machine has them.
+
+    Two CPUs: the gateway on the second, the load generator, the upstream and the
+    harness on the first; a multi-worker gateway is left on both (pinning its
+    workers to one core would measure nothing). Four or more: the upstream gets a
+    core of its own and a multi-worker gateway two.
+    """
+    if len(cpus) < 2:
+        return Pinning(None, None, None, None, "one CPU: nothing pinned")
+    c = cpus
+    if len(c) == 2:
+        return Pinning(
+            {c[0]},
+            {c[0]},
+            {c[1]},
+            None,
+            f"gateway on CPU {c[1]}; load generator, upstream and harness on CPU {c[0]}; "
+            "multi-worker gateways unpinned (both CPUs, shared with the load side)",
+        )
+    if len(c) == 3:
+        return Pinning(
+            {c[0]},
+            {c[0]},
+            {c[1]},
+            {c[1], c[2]},
+            f"gateway on CPU {c[1]} (multi-worker: CPUs {c[1]},{c[2]}); "
+            f"load generator, upstream and harness on CPU {c[0]}",
+        )
+    return Pinning(
+        {c[0]},
+        {c[1]},
+        {c[2]},
+        {c[2], c[3]},
+        f"load generator and harness on CPU {c[0]}, upstream on CPU {c[1]}, gateway on "
+        f"CPU {c[2]} (multi-worker: CPUs {c[2]},{c[3]})",
+    )
+
+
+class StartError(RuntimeError):
+    """A system did not come up; the message ends with the tail of its log."""
+
+
+@dataclass
+class Running:
+    """A system under test: where to send requests, and its process (None for direct)."""
+
+    variant: Variant
+    base_url: str
+    model: str
+    api_key: str
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    ready_path: str = "/"
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def url(self) -> str:
+        return self.base_url + CHAT_PATH
+
+    def pids(self) -> list[int]:
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return tree(self.proc.pid)
+
+    def event_loop(self) -> str | None:
+        """The event loop the system says it runs on (``event loop: uvloop`` in its log)."""
+        if self.log is None or not self.log.exists():
+            return None
+        found = re.search(r"event loop: (\w+)", self.log.read_text(errors="replace"))
+        return found[1] if found else None
+
+    def log_tail(self, lines: int = 15) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll ``ready_path`` until it answers 200; :class:`StartError` if the process
+        exits or the time runs out."""
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                last = tail.splitlines()[-1] if tail else ""
+                raise StartError(f"exited with {self.proc.returncode} at start: {last}\n" + tail)
+            url = self.base_url + self.ready_path
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+            time.sleep(0.05)
+        raise StartError(f"not ready after {timeout:.0f}s\n" + self.log_tail())
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM (a supervisor passes it to its workers), then SIGKILL to what is left."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pids = self.pids()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+        for pid in pids[1:]:  # workers that outlived their supervisor
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def litellm_module() -> ModuleType | None:
+    """``bench/litellm/system.py`` (another part of the harness), if it is there."""
+    try:
+        return importlib.import_module("bench.litellm.system")
+    except ImportError:
+        return None
+
+
+def _nexus_config(upstream: str, port: int, asyncio_loop: bool) -> str:
+    loop = "uvloop = false\n" if asyncio_loop else ""
+    return f"""\
+# Written by bench/systems.py for one benchmark run.
+[server]
+host = "127.0.0.1"
+port = {port}
+{loop}
+[limits]
+max_concurrent_streams = 1000000
+
+[logging]
+access_log = false
+
+[providers.bench]
+kind = "openai"
+base_url = "{upstream}/v1"
+max_connections = 100000
+"""
+
+
+def child_env() -> dict[str, str]:
+    """The environment of the harness, with the repository importable as ``bench``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def start(variant: Variant, upstream: str, workdir: Path) -> Running:
+    """Start ``variant``'s process (not waiting for it); see :meth:`Running.wait_ready`."""
+    system = variant.system
+    if system == "direct":
+        return Running(variant, upstream, "bench", "sk-bench")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    name = variant.label.replace(" ", "_").replace("(", "").replace(")", "")
+    log = workdir / f"{name}-{port}.log"
+    env = child_env()
+    if system == "rawproxy":
+        argv = [sys.executable, "-m", "bench.rawproxy", "--upstream", upstream, "--port", str(port)]
+        running = Running(variant, base, "bench", "sk-bench", ready_path="/_bench/stats")
+    elif system in NEXUS_SYSTEMS:
+        config = workdir / f"{name}-{port}.toml"
+        config.write_text(_nexus_config(upstream, port, asyncio_loop=system == "nexus-asyncio"))
+        argv = [sys.executable, "-m", "nexus.cli", "serve", "--config", str(config)]
+        if system == "nexus-w2":
+            argv += ["--workers", "2"]
+        running = Running(variant, base, "bench/bench", "sk-bench", ready_path="/healthz")
+    elif system == "litellm":
+        module = litellm_module()
+        if module is None:
+            raise StartError("litellm: bench/litellm/system.py is missing")
+        argv, env = module.litellm_command(upstream + "/v1", port, workdir)
+        running = Running(
+            variant,
+            base,
+            getattr(module, "MODEL", "bench"),
+            getattr(module, "API_KEY", "sk-bench"),
+            ready_path=getattr(module, "READY_PATH", "/health/liveliness"),
+        )
+    else:
+        raise StartError(f"unknown system {system!r}")
+    with log.open("wb") as out:
+        running.proc = subprocess.Popen(
+            argv,
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    running.log = log
+    return running
+
+
+def pin_running(running: Running, pinning: Pinning) -> None:
+    cpus = pinning.multi if running.variant.multi_process else pinning.gateway
+    pin(running.pids(), cpus)

@@ -1,0 +1,65 @@
+"""The benchmark harness (bench/run, issue 8) at tiny sizes: it runs, prints its tables,
+and writes a JSON with every figure, every stream having ended well."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ("saturation", "realistic", "idle", "ttfb", "ws_abort")
+NEXUS = ("nexus (openai-sse)", "nexus (native-sse)", "nexus (ndjson)", "nexus (websocket)")
+FIGURES = {
+    "saturation": ("chunks_per_s", "cpu_us_per_chunk", "cpu_vs_rawproxy"),
+    "realistic": ("ttfc_p50_ms", "ttfc_p99_ms", "delay_p50_ms", "added_p50_ms", "added_p99_ms"),
+    "idle": ("peak_open", "rss_per_stream_kb", "rss_vs_rawproxy"),
+    "ttfb": ("ttfb_p50_ms", "ttfb_p99_ms", "ttfc_p50_ms", "ttfc_p99_ms"),
+    "ws_abort": ("abort_closed_p50_ms", "abort_closed_p99_ms", "abort_ack_p50_ms"),
+}
+GATEWAY_ONLY = {"cpu_us_per_chunk", "cpu_vs_rawproxy", "rss_per_stream_kb", "rss_vs_rawproxy"}
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "run"),
+            "--smoke",
+            "--systems",
+            "direct,rawproxy,nexus",
+            "--out",
+            str(tmp_path),
+            "--no-chart",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for scenario in SCENARIOS:
+        assert f"### {scenario}:" in proc.stdout
+    assert "| system |" in proc.stdout
+    assert "### targets (issue 8)" in proc.stdout
+
+    (path,) = tmp_path.glob("*.json")
+    run = json.loads(path.read_text())
+    assert run["machine"]["nproc"] >= 1
+    assert run["versions"]["aiohttp"] and run["versions"]["nexus"]
+    assert (tmp_path / path.name.replace(".json", ".md")).read_text().strip()
+    figures = run["figures"]
+    for scenario, keys in FIGURES.items():
+        rows = figures[scenario]
+        expected = NEXUS[3:] if scenario == "ws_abort" else ("direct", "rawproxy", *NEXUS)
+        assert set(rows) == set(expected), (scenario, rows)
+        for label, fig in rows.items():
+            assert "error" not in fig, (scenario, label, fig)
+            assert fig["all_ok"] and fig["ok"] == fig["streams"] > 0, (scenario, label, fig)
+            for key in keys:
+                if label == "direct" and key in GATEWAY_ONLY:
+                    continue
+                assert fig[key] is not None, (scenario, label, key)
+    for target in run["targets"]:
+        assert {"scenario", "target", "system", "value", "limit", "pass"} <= set(target)

@@ -577,3 +577,40 @@ async def test_optional_provider_without_key_is_left_out_with_a_warning(
         assert (await error_of(resp))["code"] == "model_not_found"
     assert contents(await read_sse(await post(client))) == ["ok"]
     assert len(upstream.requests) == 1
+
+
+async def test_waiting_for_a_pooled_connection_is_not_a_first_byte_timeout(
+    connect: Connect, upstream: FakeUpstream
+) -> None:
+    """One pooled connection, held ~1 s by a stream: a second stream waits for it longer
+    than ``first_byte_timeout_s``, and still gets its answer (the wait is the gateway's)."""
+    slow = Reply.stream(text_frames("a", "b", "c", "d"), delay=0.2)
+    client = await connect(slow, slow, max_connections=1, first_byte_timeout_s=0.5)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    first, second = await asyncio.gather(post(client), post(client))
+    assert (first.status, second.status) == (200, 200)
+    for resp in (first, second):
+        frames = await read_sse(resp)
+        assert contents(frames) == ["a", "b", "c", "d"]
+    assert loop.time() - start > 1.5  # one after the other: the pool held one
+    assert len(upstream.requests) == 2
+
+
+async def test_a_connection_from_the_pool_still_has_the_whole_first_byte_timeout(
+    connect: Connect,
+) -> None:
+    """After the wait for the pool, the upstream's own silence is timed in full."""
+    slow = Reply.stream(text_frames("a"), delay=0.6)
+    stalled = Reply.stream([], end="stall", headers_delay=5)
+    client = await connect(slow, stalled, max_connections=1, first_byte_timeout_s=0.8)
+    loop = asyncio.get_running_loop()
+    first = asyncio.ensure_future(post(client))
+    await asyncio.sleep(0.05)
+    start = loop.time()
+    second = await post(client)
+    assert second.status == 504
+    assert (await error_of(second))["code"] == "upstream_timeout"
+    # Waited ~1.2 s for the pool (the first stream), then the full 0.8 s.
+    assert loop.time() - start > 1.7
+    assert (await first).status == 200

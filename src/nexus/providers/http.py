@@ -168,6 +168,7 @@ class HTTPProvider(Provider):
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
+            trace_configs=[_pool_wait_trace()],
             # sock_connect only: ``connect`` would also count the wait for a free
             # pooled connection, making a busy pool look like a slow upstream.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
@@ -206,12 +207,19 @@ class HTTPProvider(Provider):
         key headers and the body to another host.
         """
         url = self.base_url + path
-        deadline = asyncio.get_running_loop().time() + self.config.first_byte_timeout_s
+        first_byte = self.config.first_byte_timeout_s
+        deadline = asyncio.get_running_loop().time() + first_byte
         with map_upstream_errors(self.name, "before responding"):
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(deadline) as timeout:
                 response = await self.session.post(
-                    url, data=orjson.dumps(body), headers=headers, allow_redirects=False
+                    url,
+                    data=orjson.dumps(body),
+                    headers=headers,
+                    allow_redirects=False,
+                    # The wait for a free pooled connection does not count (see below).
+                    trace_request_ctx=_PoolWait(timeout, first_byte),
                 )
+                deadline = timeout.when() or deadline
                 if response.status >= 300:
                     try:
                         payload = await _read_capped(response, _MAX_ERROR_BODY)
@@ -253,6 +261,40 @@ class HTTPProvider(Provider):
             events = decoder.decode(chunk)
             if events:
                 yield events
+
+
+class _PoolWait:
+    """The first-byte deadline of one request, held while it waits for a pooled connection.
+
+    With every connection of the pool in use (streams hold theirs for their
+    whole length), a request queues. That wait is the gateway's, not the
+    upstream's slowness: the deadline stops while it lasts and restarts in full
+    once a connection is free.
+    """
+
+    __slots__ = ("first_byte", "timeout")
+
+    def __init__(self, timeout: asyncio.Timeout, first_byte: float) -> None:
+        self.timeout = timeout
+        self.first_byte = first_byte
+
+
+def _pool_wait_trace() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+
+    async def queued(session: object, context: Any, params: object) -> None:
+        wait = context.trace_request_ctx
+        if isinstance(wait, _PoolWait):
+            wait.timeout.reschedule(None)
+
+    async def dequeued(session: object, context: Any, params: object) -> None:
+        wait = context.trace_request_ctx
+        if isinstance(wait, _PoolWait):
+            wait.timeout.reschedule(asyncio.get_running_loop().time() + wait.first_byte)
+
+    trace.on_connection_queued_start.append(queued)
+    trace.on_connection_queued_end.append(dequeued)
+    return trace
 
 
 class UpstreamStream:

@@ -529,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         if s.max_rounds is not None and s.max_rounds < args.rounds
     ]
     capped = f" ({', '.join(caps)})" if caps else ""
-    loop_note = ", ".join(f"{label} {name or '?'}" for label, name in loops.items()) or "-"
+    loop_note = (
+        ", ".join(f"{label} {name or 'not reported'}" for label, name in loops.items()) or "-"
+    )
     loop_note += "; load side: " + ("uvloop" if v.get("uvloop") else "asyncio")
     stolen = sum(
         sum(run.get("steal_s", {}).values())

@@ -167,6 +167,7 @@ _COLUMNS: dict[str, list[tuple[str, str, Callable[[Any], str]]]] = {
         ("delay p99 ms", "delay_p99_ms", _num("{:.2f}")),
         ("added p50 ms", "added_p50_ms", _num("{:+.2f}")),
         ("added p99 ms", "added_p99_ms", _num("{:+.2f}")),
+        ("gateway CPU µs/chunk", "cpu_us_per_chunk", _num("{:.0f}")),
     ],
     "idle": [
         ("peak open", "peak_open", _num("{:,}")),
@@ -174,12 +175,14 @@ _COLUMNS: dict[str, list[tuple[str, str, Callable[[Any], str]]]] = {
         ("RSS peak MB", "rss_peak_mb", _num("{:.1f}")),
         ("RSS KB/stream", "rss_per_stream_kb", _num("{:.1f}")),
         ("vs raw proxy", "rss_vs_rawproxy", _num("{:.2f}x")),
+        ("gateway CPU µs/chunk", "cpu_us_per_chunk", _num("{:.0f}")),
     ],
     "ttfb": [
         ("TTFB p50 ms", "ttfb_p50_ms", _num("{:.2f}")),
         ("TTFB p99 ms", "ttfb_p99_ms", _num("{:.2f}")),
         ("TTFC p50 ms", "ttfc_p50_ms", _num("{:.2f}")),
         ("TTFC p99 ms", "ttfc_p99_ms", _num("{:.2f}")),
+        ("gateway CPU ms/request", "cpu_ms_per_request", _num("{:.2f}")),
     ],
     "ws_abort": [
         ("abort → upstream closed p50 ms", "abort_closed_p50_ms", _num("{:.2f}")),

@@ -220,9 +220,9 @@ def aggregate(
     }
     fig["all_ok"] = fig["streams"] > 0 and fig["ok"] == fig["streams"]
     fig["steal_s"] = sum(sum(r.get("steal_s", {}).values()) for r in runs)
+    fig["cpu_us_per_chunk"] = _median([r["cpu_us_per_chunk"] for r in runs])
     if scenario.name == "saturation":
         fig["chunks_per_s"] = _median([r["chunks_per_s"] for r in runs])
-        fig["cpu_us_per_chunk"] = _median([r["cpu_us_per_chunk"] for r in runs])
     elif scenario.name == "realistic":
         fig["ttfc_p50_ms"] = per_round("_ttfc", 50)
         fig["ttfc_p99_ms"] = per_round("_ttfc", 99)
@@ -249,6 +249,12 @@ def aggregate(
             [None if r["rss_peak"] is None else r["rss_peak"] / 2**20 for r in runs]
         )
     elif scenario.name == "ttfb":
+        fig["cpu_ms_per_request"] = _median(
+            [
+                None if r["gateway_cpu_s"] is None else r["gateway_cpu_s"] / r["streams"] * 1e3
+                for r in runs
+            ]
+        )
         fig["ttfb_p50_ms"] = per_round("_ttfb", 50)
         fig["ttfb_p99_ms"] = per_round("_ttfb", 99)
         fig["ttfc_p50_ms"] = per_round("_ttfc", 50)

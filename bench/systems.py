@@ -17,9 +17,9 @@ is a variant of its own (one row in the tables). Every variant runs in a fresh
 process, started before the round and measured alone.
 
 Nexus gets the settings a deployment of this size needs and nothing else: a provider
-pool and a stream limit large enough for 5,000 streams (the defaults, 100 pooled
-upstream connections and 10,000 streams, would queue the idle scenario), and no
-access log, like the peer (LiteLLM logs at ERROR) and the raw proxy (none).
+pool and a stream limit large enough for 5,000 streams (a stream holds a pooled upstream
+connection for its length), and no access log, like the peer (LiteLLM logs at ERROR)
+and the raw proxy (none).
 """
 
 from __future__ import annotations

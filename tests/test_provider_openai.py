@@ -22,7 +22,7 @@ from nexus import Engine
 from nexus.config import parse_config
 from nexus.encoders.registry import default_registry
 from nexus.errors import ConfigError
-from nexus.events import Delta, Usage
+from nexus.events import Delta, Error, Usage
 from nexus.server.app import create_app
 from support import MakeClient, parse_sse
 from upstreams import (
@@ -614,3 +614,58 @@ async def test_a_connection_from_the_pool_still_has_the_whole_first_byte_timeout
     # Waited ~1.2 s for the pool (the first stream), then the full 0.8 s.
     assert loop.time() - start > 1.7
     assert (await first).status == 200
+
+
+# --- the read timer: one per response -----------------------------------------------
+
+
+async def test_time_the_consumer_takes_between_events_is_not_an_idle_timeout(
+    upstream: FakeUpstream,
+) -> None:
+    """Frames that came in one read wait on a slow consumer for longer than the idle
+    timeout: only time spent waiting for the upstream counts."""
+    upstream.add(Reply.stream([b"".join(text_frames("a", "b", "c"))], eof_delay=0.1))
+    config = parse_config({"providers": {"up": provider(upstream, idle_timeout_s=0.2)}})
+    engine = Engine.from_config(config)
+    events = []
+    async with engine, engine.complete_stream(chat()) as stream:
+        async for event in stream:
+            events.append(event)
+            await asyncio.sleep(0.3)
+    assert [e.content for e in events if isinstance(e, Delta)] == ["a", "b", "c", None]
+
+
+async def test_an_idle_timeout_after_slow_consumption_still_fires(upstream: FakeUpstream) -> None:
+    """The timer set for a long first-byte wait does not delay a shorter idle deadline."""
+    upstream.add(Reply.stream([openai_chunk(content="first")], end="stall"))
+    config = parse_config(
+        {
+            "providers": {
+                "up": provider(upstream, first_byte_timeout_s=30, idle_timeout_s=0.2),
+            }
+        }
+    )
+    engine = Engine.from_config(config)
+    loop = asyncio.get_running_loop()
+    async with engine, engine.complete_stream(chat()) as stream:
+        first = await stream.next()
+        assert first == Delta(content="first")
+        start = loop.time()
+        last = await stream.next()
+    assert isinstance(last, Error) and last.code == "upstream_timeout"
+    assert 0.15 < loop.time() - start < 2.0
+
+
+async def test_cancelling_a_read_is_a_cancellation_not_a_timeout(upstream: FakeUpstream) -> None:
+    upstream.add(Reply.stream([openai_chunk(content="first")], end="stall"))
+    config = parse_config({"providers": {"up": provider(upstream, idle_timeout_s=0.3)}})
+    engine = Engine.from_config(config)
+    async with engine, engine.complete_stream(chat()) as stream:
+        assert await stream.next() == Delta(content="first")
+        read = asyncio.ensure_future(stream.next())
+        await asyncio.sleep(0.05)
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        # The timer of that read is gone with it: nothing fires into this task later.
+        await asyncio.sleep(0.5)

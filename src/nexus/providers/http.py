@@ -245,22 +245,96 @@ class HTTPProvider(Provider):
         step less for every token.
         """
         decoder = SSEDecoder()
-        content = upstream.response.content
+        readany = upstream.response.content.readany
         loop = asyncio.get_running_loop()
+        idle = self.config.idle_timeout_s
         deadline = upstream.deadline
         phase = "before the first byte"
-        while True:
-            with map_upstream_errors(self.name, phase):
-                async with asyncio.timeout_at(deadline):
-                    chunk = await content.readany()
-            if not chunk:
-                decoder.flush()
-                return
-            deadline = loop.time() + self.config.idle_timeout_s
-            phase = "between chunks"
-            events = decoder.decode(chunk)
-            if events:
-                yield events
+        timer = _ReadTimer(loop)
+        try:
+            while True:
+                timer.arm(deadline)
+                try:
+                    chunk = await readany()
+                except asyncio.CancelledError:
+                    if not timer.expired():
+                        raise
+                    error: BaseException = TimeoutError()
+                except Exception as exc:
+                    error = exc
+                else:
+                    timer.waiting = False
+                    if not chunk:
+                        decoder.flush()
+                        return
+                    deadline = loop.time() + idle
+                    phase = "between chunks"
+                    events = decoder.decode(chunk)
+                    if events:
+                        yield events
+                    continue
+                with map_upstream_errors(self.name, phase):
+                    raise error
+        finally:
+            timer.close()
+
+
+class _ReadTimer:
+    """The first-byte and idle timeouts of one response: one timer, not one per read.
+
+    ``asyncio.timeout`` around every ``readany()`` costs a timer, a task lookup
+    and a context per token. This keeps one timer handle per response, which
+    moves only when it fires early (the deadline moved on since it was set) or
+    a nearer deadline comes; when a read is waiting past its deadline it cancels
+    the reading task, and :meth:`expired` tells that cancellation from others.
+    Time outside reads (the consumer's) never counts.
+    """
+
+    __slots__ = ("_cancelled", "_handle", "_loop", "_task", "deadline", "waiting")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task = asyncio.current_task()
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelled = False
+        self.deadline = 0.0
+        self.waiting = False
+
+    def arm(self, deadline: float) -> None:
+        """A read may wait from now until ``deadline``."""
+        self.deadline = deadline
+        self.waiting = True
+        self._task = asyncio.current_task()  # the reader: the one to cancel
+        handle = self._handle
+        if handle is None or handle.when() > deadline:
+            if handle is not None:
+                handle.cancel()
+            self._handle = self._loop.call_at(deadline, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self.waiting:
+            return  # no read is waiting: the next arm() sets the timer again
+        if self._loop.time() < self.deadline:
+            self._handle = self._loop.call_at(self.deadline, self._fire)
+            return
+        if self._task is not None and not self._cancelled:
+            self._cancelled = True
+            self._task.cancel()
+
+    def expired(self) -> bool:
+        """Whether the cancellation being handled is this timer's alone (then: a timeout)."""
+        if not self._cancelled or self._task is None:
+            return False
+        self._cancelled = False
+        self.waiting = False
+        return self._task.uncancel() == 0
+
+    def close(self) -> None:
+        self.waiting = False
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class _PoolWait:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -42,11 +40,13 @@ import aiohttp
 import orjson
 import pytest
 
+from nexus_process import start_nexus, stop_nexus
+
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status and uses TCP_MAXSEG"
 )
 
-NEXUS = str(Path(sys.executable).parent / "nexus")
+_SERVING = re.compile(r"Nexus serving on http://([\d.]+):(\d+)")
 MiB = 1024 * 1024
 
 WRITE_TIMEOUT_S = 1.0
@@ -101,31 +101,11 @@ def serve(tmp_path: Path, config_text: str) -> Iterator[Server]:
     config = tmp_path / "config.toml"
     config.write_text(config_text)
     log = tmp_path / "nexus.log"
-    with log.open("wb") as sink:  # a file, not a pipe: nothing can block the server's logging
-        proc = subprocess.Popen(
-            [NEXUS, "serve", "--config", str(config), "--port", "0"],
-            stdout=subprocess.DEVNULL,
-            stderr=sink,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    proc, match = start_nexus(config, log, ready=_SERVING)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            match = re.search(r"Nexus serving on http://([\d.]+):(\d+)", log.read_text())
-            if match:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("nexus serve did not report its URL:\n" + log.read_text())
-            time.sleep(0.05)
         yield Server(proc, match.group(1), int(match.group(2)), log)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_nexus(proc)
 
 
 @pytest.fixture

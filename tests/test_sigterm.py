@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,8 +31,9 @@ import orjson
 import pytest
 import websockets
 
+from nexus_process import start_nexus, stop_nexus
+
 CURL = shutil.which("curl")
-NEXUS = str(Path(sys.executable).parent / "nexus")
 GRACE_S = 2.0
 
 pytestmark = pytest.mark.skipif(CURL is None, reason="needs curl")
@@ -55,24 +54,11 @@ def server(tmp_path: Path) -> Iterator[Server]:
         '[providers.mock]\nkind = "mock"\n'
     )
     log = tmp_path / "nexus.log"
-    with log.open("wb") as sink:  # a file, not a pipe: the server's logging never blocks
-        proc = subprocess.Popen(
-            [NEXUS, "serve", "--config", str(config), "--port", "0"],
-            stdout=subprocess.DEVNULL,
-            stderr=sink,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    proc, match = start_nexus(config, log)
     try:
-        deadline = time.monotonic() + 20
-        while not (match := re.search(r"Nexus serving on (http://\S+)", log.read_text())):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("nexus serve did not report its URL:\n" + log.read_text())
-            time.sleep(0.05)
         yield Server(proc, match.group(1), log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_nexus(proc, gently=False)
 
 
 def chat(words: int, **extra: Any) -> dict[str, Any]:

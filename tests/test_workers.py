@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,45 +15,36 @@ import aiohttp
 import orjson
 import pytest
 
+from nexus_process import NEXUS, start_nexus, stop_nexus
 from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
 
-NEXUS = str(Path(sys.executable).parent / "nexus")
 CHAT = "/v1/chat/completions"
 SERVING = re.compile(r"Nexus serving on (http://\S+) with (\d+) workers")
 
 
 class Supervised:
-    """A ``nexus serve --workers N`` process and the lines it logs (read on a thread)."""
+    """A ``nexus serve --workers N`` process and its log."""
 
     def __init__(self, config: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [NEXUS, "serve", "--config", str(config), "--port", "0", *args],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.url = ""
-        self.url = self.wait_for(SERVING).group(1)
+        self.log = config.parent / "nexus.log"
+        self.proc, match = start_nexus(config, self.log, *args, ready=SERVING)
+        self.url = match.group(1)
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
+    @property
+    def lines(self) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines(keepends=True)
 
     def wait_for(
         self, pattern: re.Pattern[str], timeout: float = 20, after: int = 0
     ) -> re.Match[str]:
+        """The first line from line ``after`` on that matches ``pattern``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in self.lines[after:]:
                 match = pattern.search(line)
                 if match:
                     return match
-            if self.proc.poll() is not None and not self._reader.is_alive():
+            if self.proc.poll() is not None:
                 break
             time.sleep(0.02)
         raise AssertionError(f"no {pattern.pattern!r} in the log:\n" + "".join(self.lines))
@@ -67,14 +57,11 @@ class Supervised:
         return {int(pid) for pid in out.split()}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for pid in self.workers():
-            os.kill(pid, signal.SIGKILL)
-        self._reader.join(5)
-        assert self.proc.stderr is not None
-        self.proc.stderr.close()
+        workers = self.workers()
+        stop_nexus(self.proc, gently=False)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -177,8 +164,18 @@ def test_sigterm_lets_running_streams_finish_then_stops_every_worker(two: Superv
 
 def test_workers_auto_is_one_per_core(config: Path) -> None:
     cores = len(os.sched_getaffinity(0))
-    if cores < 2:
-        pytest.skip("one core: auto is one worker, served without a supervisor")
+    if cores == 1:
+        # One core: one worker, served by the process itself (no supervisor, no children).
+        proc, _ = start_nexus(config, config.parent / "nexus.log", "--workers", "auto")
+        try:
+            assert "with 1 workers" not in (config.parent / "nexus.log").read_text()
+            out = subprocess.run(
+                ["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True
+            ).stdout
+            assert out.split() == []
+        finally:
+            stop_nexus(proc)
+        return
     server = Supervised(config, "--workers", "auto")
     try:
         assert int(server.wait_for(SERVING).group(2)) == cores

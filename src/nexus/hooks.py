@@ -185,12 +185,13 @@ class Hooks:
 
     Register with :meth:`add` (Python) or :meth:`load` (``[[plugins]]``), before
     the engine starts: it freezes then. ``errors`` counts hooks that raised,
-    by hook name.
+    by hook name; ``on_error`` callbacks hear of each as it happens (metrics).
     """
 
     def __init__(self) -> None:
         self.plugins: list[object] = []
         self.errors: Counter[str] = Counter()
+        self.on_error: list[Callable[[str], None]] = []
         self._started: list[tuple[str, StartedHook]] = []
         self._chunk: list[tuple[str, ChunkHook, int]] = []
         self._completed: list[tuple[str, CompletedHook]] = []
@@ -276,6 +277,8 @@ class Hooks:
 
     def _raised(self, plugin: str, hook: str) -> None:
         self.errors[hook] += 1
+        for listener in self.on_error:
+            listener(hook)
         log.exception("plugin %s raised in %s; the stream goes on", plugin, hook)
 
     async def started(self, ctx: CallContext, request_id: str, model: str, provider: str) -> None:

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -151,6 +151,8 @@ class StreamHub:
         self.cache = cache or CacheConfig()
         self.max_duration_s = max_duration_s
         self.live: dict[str, StreamRun] = {}
+        self.on_live: Callable[[int], None] | None = None
+        """Told how many streams run here whenever that changes (metrics, several workers)."""
         self._keepers: set[asyncio.Task[None]] = set()
 
     async def open(
@@ -267,6 +269,8 @@ class StreamHub:
             observer=self.engine.hooks.observe(ctx, info.meta),
         )
         self.live[run.id] = run
+        if self.on_live is not None:
+            self.on_live(len(self.live))
         run.start(detached=background)
         keeper = asyncio.get_running_loop().create_task(self._keep(run, record))
         self._keepers.add(keeper)
@@ -347,6 +351,8 @@ class StreamHub:
                 await self._record(run, record)
         finally:
             self.live.pop(run.id, None)
+            if self.on_live is not None:
+                self.on_live(len(self.live))
 
     async def _keep_alive(self, run: StreamRun) -> None:
         """Keep a long, quiet stream's live log from expiring while it runs."""

@@ -23,9 +23,7 @@ the hooks' errors (counted as each happens, in both modes).
 from __future__ import annotations
 
 import os
-from collections import Counter as Tally
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -169,20 +167,20 @@ class Metrics:
         """Follow the hub's running streams and the hooks' errors (once, before the app starts).
 
         One process: ``nexus_active_streams`` reads ``len(hub.live)`` at scrape
-        time. Several: ``hub.live`` becomes a dict that sets the gauge on every
-        change, as a scrape on another worker reads the value this one wrote.
-        ``hooks.errors`` becomes a counter that also counts into
-        ``nexus_hook_errors_total`` as each error happens.
+        time. Several: the hub sets it on every change, as a scrape on another
+        worker reads the value this one wrote. Hook errors are counted as they
+        happen (those before this call too).
         """
         if self.shared_dir is None:
             self.active.set_function(lambda: len(hub.live))
         else:
-            hub.live = _GaugedDict(hub.live, self.active)
-        errors = hooks.errors
-        if isinstance(errors, _HookErrors):  # an engine shared by several apps
-            errors.add_sink(self.hook_errors)
-        else:
-            hooks.errors = _HookErrors(errors, self.hook_errors)
+            hub.on_live = self.active.set
+            self.active.set(len(hub.live))
+        counter = self.hook_errors
+        for hook, count in hooks.errors.items():
+            if count > 0:
+                counter.labels(hook).inc(count)
+        hooks.on_error.append(lambda hook: counter.labels(hook).inc())
 
     def render(self) -> bytes:
         """The Prometheus text format: this app's registry, or every worker's files."""
@@ -191,91 +189,6 @@ class Metrics:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, self.shared_dir)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
-
-
-_K = TypeVar("_K")
-_V = TypeVar("_V")
-_D = TypeVar("_D")
-
-
-class _GaugedDict(dict[_K, _V]):
-    """A dict whose size a gauge follows, set on each change.
-
-    In multiprocess mode a gauge cannot read a value at scrape time (the scrape
-    may reach another worker), so the hub's ``live`` dict writes its size itself.
-    """
-
-    __slots__ = ("_gauge",)
-
-    def __init__(self, items: Mapping[_K, _V], gauge: Gauge) -> None:
-        super().__init__(items)
-        self._gauge = gauge
-        gauge.set(len(self))
-
-    def __setitem__(self, key: _K, value: _V) -> None:
-        super().__setitem__(key, value)
-        self._gauge.set(len(self))
-
-    def __delitem__(self, key: _K) -> None:
-        super().__delitem__(key)
-        self._gauge.set(len(self))
-
-    @overload
-    def pop(self, key: _K, /) -> _V: ...
-    @overload
-    def pop(self, key: _K, default: _V, /) -> _V: ...
-    @overload
-    def pop(self, key: _K, default: _D, /) -> _V | _D: ...
-    def pop(self, key: _K, /, *default: Any) -> Any:
-        value = super().pop(key, *default)
-        self._gauge.set(len(self))
-        return value
-
-    def popitem(self) -> tuple[_K, _V]:
-        item = super().popitem()
-        self._gauge.set(len(self))
-        return item
-
-    def setdefault(self, key: _K, default: _V, /) -> _V:
-        value = super().setdefault(key, default)
-        self._gauge.set(len(self))
-        return value
-
-    def update(self, *args: Any, **kwargs: _V) -> None:
-        super().update(*args, **kwargs)
-        self._gauge.set(len(self))
-
-    def clear(self) -> None:
-        super().clear()
-        self._gauge.set(len(self))
-
-
-class _HookErrors(Tally[str]):
-    """``Hooks.errors`` that also counts into ``nexus_hook_errors_total`` as errors happen.
-
-    The hooks count with ``errors[hook] += 1``: each rise of a count is added
-    to every sink (one per app that watches these hooks).
-    """
-
-    def __init__(self, counts: Mapping[str, int], sink: Counter) -> None:
-        super().__init__()
-        self.sinks = [sink]
-        for hook, count in counts.items():
-            self[hook] = count
-
-    def add_sink(self, sink: Counter) -> None:
-        """Count into ``sink`` too, starting with the counts so far."""
-        self.sinks.append(sink)
-        for hook, count in self.items():
-            if count > 0:
-                sink.labels(hook).inc(count)
-
-    def __setitem__(self, key: str, value: int) -> None:
-        rise = value - self.get(key, 0)
-        super().__setitem__(key, value)
-        if rise > 0:
-            for sink in self.sinks:
-                sink.labels(key).inc(rise)
 
 
 class MetricsPlugin:

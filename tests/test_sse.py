@@ -344,3 +344,53 @@ def test_any_stream_chunked_anywhere_decodes_as_whole(data: st.DataObject, strea
     events = [e for a, b in itertools.pairwise(bounds) for e in chunked.decode(stream[a:b])]
     assert events + chunked.flush() == expected
     assert chunked.last_event_id == whole.last_event_id
+
+
+class _GeneralOnly(SSEDecoder):
+    """The decoder without its fast path for whole ``data:`` events: the reference."""
+
+    def _plain(self) -> bool:
+        return False
+
+
+_DATA_HEAVY = st.lists(
+    st.one_of(
+        st.tuples(st.just("data"), _TEXT),
+        st.tuples(st.sampled_from(["data", "event", "id", "retry", ":", ""]), _TEXT),
+    ),
+    max_size=30,
+)
+
+
+@st.composite
+def data_heavy_streams(draw: st.DrawFn) -> bytes:
+    """Mostly ``data: x`` lines and blank lines, LF-ended, as servers send: the fast path's
+    ground, with the odd field, comment, CR and missing space to knock it off."""
+    lines = draw(_DATA_HEAVY)
+    out = []
+    for name, value in lines:
+        out.append((name + draw(st.sampled_from([": ", ":"])) + value) if name else "")
+        out.append(draw(st.sampled_from(["\n", "\n", "\n", "\n\n", "\r\n"])))
+    return "".join(out).encode()
+
+
+@settings(max_examples=400, database=None, deadline=None)
+@given(data=st.data(), stream=data_heavy_streams())
+def test_fast_path_decodes_as_the_general_rules(data: st.DataObject, stream: bytes) -> None:
+    cuts = data.draw(st.lists(st.integers(min_value=0, max_value=len(stream)), max_size=8))
+    bounds = [0, *sorted(cuts), len(stream)]
+    chunks = [stream[a:b] for a, b in itertools.pairwise(bounds)]
+    fast, reference, payloads = SSEDecoder(), _GeneralOnly(), SSEDecoder()
+    expected = [e for chunk in chunks for e in reference.decode(chunk)]
+    assert [e for chunk in chunks for e in fast.decode(chunk)] == expected
+    assert [d for chunk in chunks for d in payloads.decode_data(chunk)] == [
+        e.data for e in expected
+    ]
+    assert fast.last_event_id == reference.last_event_id
+
+
+def test_decode_data_gives_payloads_of_whole_and_split_events() -> None:
+    decoder = SSEDecoder()
+    assert decoder.decode_data(b'data: {"a":1}\n\ndata: {"b"') == ['{"a":1}']
+    assert decoder.decode_data(b":2}\n\ndata: [DONE]\n\n") == ['{"b":2}', "[DONE]"]
+    assert decoder.decode_data(b"event: x\ndata: y\n\n: ping\n\n") == ["y"]

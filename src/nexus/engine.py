@@ -194,7 +194,7 @@ class Engine:
             upstream_model=upstream,
             retry_ms=self.retry_ms,
         )
-        return Stream(self._run(targets, request), meta)
+        return Stream.of_batches(self._run(targets, request), meta)
 
     async def open_stream(
         self,
@@ -253,19 +253,20 @@ class Engine:
 
     async def _run(
         self, targets: list[Target], request: ChatRequest
-    ) -> AsyncGenerator[StreamEvent, None]:
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
         for attempt, (provider, model) in enumerate(targets):
-            events = provider.stream(request, model)
+            batches = provider.batches(request, model)
             started = False
             try:
-                async for event in events:
-                    started = True
-                    yield event
+                async for batch in batches:
+                    if batch:
+                        started = True
+                        yield batch
                 return
             except GatewayError as exc:
                 if started:
-                    yield exc.to_event()
+                    yield [exc.to_event()]
                     return
                 if exc.retryable and attempt < last:
                     log.warning(
@@ -280,15 +281,17 @@ class Engine:
                 log.exception("provider %s raised", provider.name)
                 if not started:
                     raise
-                yield Error(
-                    error_type="server_error",
-                    message=f"provider {provider.name!r} failed unexpectedly",
-                    code="internal_error",
-                    retryable=True,
-                )
+                yield [
+                    Error(
+                        error_type="server_error",
+                        message=f"provider {provider.name!r} failed unexpectedly",
+                        code="internal_error",
+                        retryable=True,
+                    )
+                ]
                 return
             finally:
-                await events.aclose()
+                await batches.aclose()
 
 
 def _link(middleware: Middleware, ctx: CallContext, call_next: Next) -> Next:

@@ -306,7 +306,7 @@ class Hooks:
         observer = self.observe(ctx, stream.meta)
         if observer is None:
             return stream
-        return Stream(_observe(stream, observer), stream.meta)
+        return Stream.of_batches(_observe(stream, observer), stream.meta)
 
 
 class StreamObserver:
@@ -371,23 +371,26 @@ class StreamObserver:
                 hooks._raised(name, "on_stream_completed")
 
 
-async def _observe(source: Stream, observer: StreamObserver) -> AsyncGenerator[StreamEvent, None]:
+async def _observe(
+    source: Stream, observer: StreamObserver
+) -> AsyncGenerator[list[StreamEvent], None]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     merger = Merger(source.meta) if observer.wants_final else None
     chunks = observer.chunks
     terminal: StreamEvent | None = None
     try:
-        async for event in source:
-            cls = type(event)
-            if cls is Error:
-                terminal = event
-            elif cls is not Done:
-                if chunks:
-                    await observer.chunk(event)
-                if merger is not None:
-                    merger.add(event)
-            yield event
+        while batch := await source.read_batch():
+            for event in batch:
+                cls = type(event)
+                if cls is Error:
+                    terminal = event
+                elif cls is not Done:
+                    if chunks:
+                        await observer.chunk(event)
+                    if merger is not None:
+                        merger.add(event)
+            yield batch
     except GatewayError as exc:
         terminal = terminal or exc.to_event()
         raise
@@ -421,16 +424,16 @@ def map_stream(stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]) 
         async def redact(ctx, request, call_next):
             return map_stream(await call_next(request), scrub)
     """
-    return Stream(_mapped(stream, fn), stream.meta)
+    return Stream.of_batches(_mapped(stream, fn), stream.meta)
 
 
 async def _mapped(
     stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]
-) -> AsyncGenerator[StreamEvent, None]:
+) -> AsyncGenerator[list[StreamEvent], None]:
     try:
-        async for event in stream:
-            out = fn(event)
-            if out is not None:
+        while batch := await stream.read_batch():
+            out = [mapped for event in batch if (mapped := fn(event)) is not None]
+            if out:
                 yield out
     finally:
         await stream.close()

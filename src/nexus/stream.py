@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Iterable
 from types import TracebackType
+from typing import Any
 
 from .errors import StreamError
 from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
@@ -40,22 +41,85 @@ class EndOfStream(Exception):
 
 
 class Stream:
-    """One completion's events, in order. Single reader; not restartable."""
+    """One completion's events, in order. Single reader; not restartable.
 
-    __slots__ = ("_close_cancels", "_closing", "_events", "_read_done", "_reader", "meta")
+    Made from an async generator of events, or (:meth:`of_batches`) of lists of
+    events, one per upstream read: :meth:`read_batch` hands such a list over in
+    one step, which is how the gateway reads (one step per read, not per token).
+    """
+
+    __slots__ = (
+        "_at",
+        "_batch",
+        "_batched",
+        "_close_cancels",
+        "_closing",
+        "_events",
+        "_read_done",
+        "_reader",
+        "meta",
+    )
 
     def __init__(self, events: AsyncGenerator[StreamEvent, None], meta: StreamMeta) -> None:
-        self._events = events
+        self._events: AsyncGenerator[Any, None] = events
+        self._batched = False
+        self._batch: list[StreamEvent] = []
+        self._at = 0
         self._closing = False
         self._close_cancels = 0
         self._reader: asyncio.Task[object] | None = None
         self._read_done: asyncio.Future[None] | None = None
         self.meta = meta
 
+    @classmethod
+    def of_batches(
+        cls, batches: AsyncGenerator[list[StreamEvent], None], meta: StreamMeta
+    ) -> Stream:
+        """A stream read from lists of events (empty lists are skipped)."""
+        stream = cls(batches, meta)  # type: ignore[arg-type]
+        stream._batched = True
+        return stream
+
     def __aiter__(self) -> Stream:
         return self
 
     async def __anext__(self) -> StreamEvent:
+        batch = self._batch
+        at = self._at
+        if at < len(batch):
+            self._at = at + 1
+            return batch[at]
+        if not self._batched:
+            event: StreamEvent = await self._step()
+            return event
+        while True:
+            batch = await self._step()
+            if batch:
+                self._batch = batch
+                self._at = 1
+                first: StreamEvent = batch[0]
+                return first
+
+    async def read_batch(self) -> list[StreamEvent]:
+        """The next events, at least one, as they arrived together; ``[]`` at the end."""
+        batch: list[StreamEvent] = self._batch
+        if self._at < len(batch):
+            batch = batch[self._at :]
+            self._batch = []
+            self._at = 0
+            return batch
+        try:
+            if not self._batched:
+                return [await self._step()]
+            while True:
+                batch = await self._step()
+                if batch:
+                    return batch
+        except StopAsyncIteration:
+            return []
+
+    async def _step(self) -> Any:
+        """The source's next item; ``StopAsyncIteration`` at its end or after close()."""
         self._reader = asyncio.current_task()
         try:
             return await self._events.__anext__()
@@ -97,6 +161,8 @@ class Stream:
         the stream (``StopAsyncIteration`` / :class:`EndOfStream`).
         """
         self._closing = True
+        self._batch = []
+        self._at = 0
         events = self._events
         reader = self._reader
         running = getattr(events, "ag_running", False)

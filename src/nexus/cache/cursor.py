@@ -24,14 +24,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import orjson
+
 from ..encoders.base import Encoder
 from ..errors import InvalidLastEventId
-from ..events import Done, Error, StreamEvent
+from ..events import Delta, Done, Error, StreamEvent
 
 __all__ = ["Cursor", "Renderer", "parse_cursor", "uses_event_ids"]
 
 _CURSOR = re.compile(r"(?:([A-Za-z0-9_-]{8,128})\.)?([0-9]{1,12})(?:\.([0-9]{1,6}))?")
 _FRAME_END = b"\n\n"
+_dumps = orjson.dumps
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ class Renderer:
     """
 
     __slots__ = (
+        "_content_frame",
         "_encode",
         "_encoder",
         "_ids",
@@ -96,6 +100,7 @@ class Renderer:
     ) -> None:
         self._encoder = encoder
         self._encode = encoder.encode
+        self._content_frame = encoder.content_frame
         self._ids = ids
         self._prefix = b"id: " + stream_id.encode("ascii") + b"."
         self._skipping = after is not None
@@ -115,10 +120,27 @@ class Renderer:
         ids = self._ids
         prefix = self._prefix
         parts: list[bytes] = []
+        extend = parts.extend
         step = self.step
+        frame = self._content_frame if not self._skipping else None
         for event in events:
             step += 1
             cls = type(event)
+            if cls is Delta and frame is not None:
+                content = event.content  # type: ignore[union-attr]
+                if (
+                    content is not None
+                    and event.finish_reason is None  # type: ignore[union-attr]
+                    and event.tool_calls is None  # type: ignore[union-attr]
+                    and event.role is None  # type: ignore[union-attr]
+                    and event.refusal is None  # type: ignore[union-attr]
+                ):
+                    # plain_content(): the encoder's frame, built here without a call.
+                    if ids:
+                        extend((prefix, b"%d\n" % step, frame[0], _dumps(content), frame[1]))
+                    else:
+                        extend((frame[0], _dumps(content), frame[1]))
+                    continue
             if cls is Error:
                 # Two steps: the error, then the terminator (an NDJSON client that
                 # counted the error line still gets the done line).

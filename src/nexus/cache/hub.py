@@ -189,7 +189,7 @@ class StreamHub:
                 upstream_model=recording.upstream_model,
                 retry_ms=self.engine.retry_ms,
             )
-            source = Stream(self._replay(recording), meta)
+            source = Stream.of_batches(self._replay(recording), meta)
             await self._started(source, ctx)
             info, run = await self._launch(source, format, owner, background, ctx)
             return Opened(info, run, "hit")
@@ -382,11 +382,11 @@ class StreamHub:
         except Exception:
             log.exception("recording stream %s failed", run.id)
 
-    async def _replay(self, recording: Recording) -> AsyncGenerator[StreamEvent, None]:
+    async def _replay(self, recording: Recording) -> AsyncGenerator[list[StreamEvent], None]:
         mode = self.cache.mode
         if mode == "burst":
-            for event in recording.events:
-                yield event
+            for at in range(0, len(recording.events), MAX_BATCH):
+                yield recording.events[at : at + MAX_BATCH]
             return
         divisor = self.cache.ff_divisor if mode == "fast_forward" else 1.0
         loop = asyncio.get_running_loop()
@@ -395,7 +395,7 @@ class StreamHub:
             delay = start + offset / divisor - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            yield event
+            yield [event]
 
 
 def with_usage(meta: StreamMeta, include_usage: bool) -> StreamMeta:

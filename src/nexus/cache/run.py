@@ -58,6 +58,34 @@ class LogReader(Protocol):
     async def close(self) -> None: ...
 
 
+def _size(batch: list[StreamEvent]) -> int:
+    """What ``batch`` adds to the log's size (:func:`event_size`, inlined for content
+    deltas); -1 when it holds an :class:`Error` or :class:`Done`."""
+    size = 0
+    for event in batch:
+        cls = type(event)
+        if cls is Delta and event.content is not None and event.tool_calls is None:  # type: ignore[union-attr]
+            size += 128 + len(event.content)  # type: ignore[union-attr]
+        elif cls is Error or cls is Done:
+            return -1
+        else:
+            size += event_size(event)
+    return size
+
+
+def _without_terminals(batch: list[StreamEvent]) -> tuple[list[StreamEvent], Error | None, int]:
+    """The batch up to its first :class:`Error` (which ends the log), without any
+    :class:`Done` (not logged: the log's own end says it); that error; their size."""
+    kept: list[StreamEvent] = []
+    for event in batch:
+        cls = type(event)
+        if cls is Error:
+            return kept, event, _size(kept)  # type: ignore[return-value]
+        if cls is not Done:
+            kept.append(event)
+    return kept, None, _size(kept)
+
+
 def _error(code: str, message: str, *, retryable: bool = False) -> Error:
     return Error(error_type="server_error", message=message, code=code, retryable=retryable)
 
@@ -169,26 +197,30 @@ class StreamRun:
         observer = self._observer
         chunk = observer.chunk if observer is not None and observer.chunks else None
         self._running = True
+        unyielded = 0
+        ended = False
+        read = source.read_batch
         try:
             if self._cancel_with is not None:
                 raise asyncio.CancelledError
-            async for event in source:
-                cls = type(event)
-                if cls is Error:
-                    terminal = event
-                    break
-                if cls is Done:
-                    continue
-                events.append(event)
-                offsets.append(now() - start)
-                if cls is Delta and event.content is not None and event.tool_calls is None:  # type: ignore[union-attr]
-                    size += 128 + len(event.content)  # type: ignore[union-attr]
-                else:
-                    size += event_size(event)
+            while batch := await read():
+                offset = now() - start
+                added = _size(batch)
+                if added < 0:
+                    batch, error, added = _without_terminals(batch)
+                    if error is not None:
+                        terminal = error
+                        ended = True
+                size += added
+                events += batch
+                offsets += [offset] * len(batch)
                 if self._waiters:
                     self._wake()
                 if chunk is not None:
-                    await chunk(event)
+                    for event in batch:
+                        await chunk(event)
+                if ended:
+                    break
                 if size > limit:
                     terminal = _error(
                         "stream_too_large",
@@ -196,7 +228,9 @@ class StreamRun:
                         "([streams] max_log_bytes) and was ended.",
                     )
                     break
-                if not len(events) & 255:
+                unyielded += len(batch)
+                if unyielded >= 256:
+                    unyielded = 0
                     await asyncio.sleep(0)  # a source that never waits must not starve writers
         except asyncio.CancelledError:
             terminal = self._cancel_with or _error("stream_cancelled", "The stream was cancelled.")

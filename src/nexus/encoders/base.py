@@ -34,6 +34,11 @@ class Encoder(ABC):
     aliases: ClassVar[tuple[str, ...]] = ()
     event_ids: ClassVar[bool | None] = None
 
+    content_frame: tuple[bytes, bytes] | None = None
+    """``(head, tail)`` when the frame of a delta carrying only content (the commonest
+    event by far) is ``head + <the content as a JSON string> + tail``, one frame with no
+    state behind it: the pump then builds it without calling :meth:`encode`."""
+
     def __init__(self, meta: StreamMeta) -> None:
         self.meta = meta
 

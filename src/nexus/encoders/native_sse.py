@@ -40,6 +40,8 @@ class NativeSSEEncoder(Encoder):
     content_type = "text/event-stream; charset=utf-8"
     aliases = ("nexus", "nexus-sse")
 
+    content_frame = (_CONTENT_HEAD, b"}}\n\n")
+
     def start(self) -> bytes:
         if self.meta.retry_ms is not None:
             return b"retry: %d\n\n" % self.meta.retry_ms

@@ -11,16 +11,19 @@ __all__ = ["NDJSONEncoder"]
 
 _dumps = orjson.dumps
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
+_CONTENT_HEAD = b'{"type":"delta","delta":{"content":'
 
 
 class NDJSONEncoder(Encoder):
     media_type = "application/x-ndjson"
     aliases = ("ndjson", "jsonl")
 
+    content_frame = (_CONTENT_HEAD, b"}}\n")
+
     def encode(self, event: StreamEvent) -> bytes:
         content = plain_content(event)
         if content is not None:
-            return b'{"type":"delta","delta":{"content":' + _dumps(content) + b"}}\n"
+            return _CONTENT_HEAD + _dumps(content) + b"}}\n"
         return _dumps(event.to_dict(), option=_NEWLINE)
 
     def heartbeat(self) -> bytes:

@@ -49,6 +49,7 @@ class OpenAISSEEncoder(Encoder):
         self._head = b"data: " + chunk_prefix(meta)
         # The commonest frame by far, assembled around one dumps() of the text.
         self._content_head = self._head + b'[{"index":0,"delta":{"content":'
+        self.content_frame = (self._content_head, _CONTENT_TAIL)
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}

@@ -95,6 +95,61 @@ class SSEDecoder:
         text = self._text.decode(chunk)
         if not text:
             return []
+        if self._plain():
+            payloads = self._data_blocks(text)
+            if payloads is not None:
+                last_id = self._last_id
+                events = [ServerSentEvent(data, "message", last_id) for data in payloads[0]]
+                if payloads[1]:
+                    events += self._decode_text(payloads[1])
+                return events
+        return self._decode_text(text)
+
+    def decode_data(self, chunk: bytes) -> list[str]:
+        """:meth:`decode`, giving only each event's data: for upstreams whose events are
+        told apart by their JSON, not their ``event:`` names (OpenAI).
+
+        Most reads are whole ``data: {...}`` events, one line each: those are cut
+        with two ``str`` splits and no per-event object.
+        """
+        text = self._text.decode(chunk)
+        if not text:
+            return []
+        if self._plain():
+            payloads = self._data_blocks(text)
+            if payloads is not None:
+                data, rest = payloads
+                if rest:
+                    data += [event.data for event in self._decode_text(rest)]
+                return data
+        return [event.data for event in self._decode_text(text)]
+
+    def _plain(self) -> bool:
+        """No event half-read but perhaps a partial line: where the fast path may start."""
+        return not self._data and not self._event and self._retry is None and not self._skip_lf
+
+    def _data_blocks(self, text: str) -> tuple[list[str], str] | None:
+        """The data of the whole events at the start of ``text`` if each is a single
+        ``data: `` line (else None: the general path), and the text after them."""
+        if self._pending:
+            text = "".join(self._pending) + text
+        cut = text.rfind("\n\n")
+        if cut < 0 or "\r" in text:
+            return None
+        head = text[:cut]
+        blocks = head.split("\n\n")
+        # Exactly one LF per block beyond the separators: no block has a second line.
+        if head.count("\n") != 2 * (len(blocks) - 1):
+            return None
+        data = []
+        for block in blocks:
+            if not block.startswith("data: "):
+                return None
+            data.append(block[6:])
+        self._pending = []
+        return data, text[cut + 2 :]
+
+    def _decode_text(self, text: str) -> list[ServerSentEvent]:
         if self._skip_lf:
             self._skip_lf = False
             if text[0] == "\n":

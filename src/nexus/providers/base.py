@@ -1,7 +1,9 @@
 """The provider interface: the outbound edge. A provider turns a request into events.
 
 ``stream(request, model)`` is an async generator of
-:class:`~nexus.events.StreamEvent`. Before its first event it *raises*
+:class:`~nexus.events.StreamEvent`; ``batches(request, model)`` the same events in
+lists, one per upstream read (what the engine reads: one step per read, not per
+token; by default one event per list, from ``stream``). Before its first event it *raises*
 :class:`~nexus.errors.GatewayError` (so the engine can fall back to another
 target or answer with an HTTP status); after that it may also raise, and the
 engine turns the exception into an error event. Closing the generator
@@ -18,7 +20,7 @@ from typing import ClassVar
 from ..events import StreamEvent
 from ..request import ChatRequest
 
-__all__ = ["Provider"]
+__all__ = ["Provider", "flatten"]
 
 
 class Provider(ABC):
@@ -43,3 +45,30 @@ class Provider(ABC):
     @abstractmethod
     def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
         """Stream a completion of ``request`` from upstream ``model``."""
+
+    def batches(self, request: ChatRequest, model: str) -> AsyncGenerator[list[StreamEvent], None]:
+        """:meth:`stream` in non-empty lists of events; override to hand over a whole read."""
+        return _one_by_one(self.stream(request, model))
+
+
+async def _one_by_one(
+    events: AsyncGenerator[StreamEvent, None],
+) -> AsyncGenerator[list[StreamEvent], None]:
+    try:
+        async for event in events:
+            yield [event]
+    finally:
+        await events.aclose()
+
+
+async def flatten(
+    batches: AsyncGenerator[list[StreamEvent], None],
+) -> AsyncGenerator[StreamEvent, None]:
+    """The events of ``batches`` one by one: ``stream`` for a provider that overrides
+    :meth:`Provider.batches`."""
+    try:
+        async for batch in batches:
+            for event in batch:
+                yield event
+    finally:
+        await batches.aclose()

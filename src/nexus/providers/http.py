@@ -29,8 +29,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -43,6 +43,8 @@ from .base import Provider
 __all__ = ["HTTPProvider", "UpstreamStream", "map_upstream_errors", "resolve_api_key"]
 
 log = logging.getLogger("nexus.providers")
+
+T = TypeVar("T")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
@@ -234,7 +236,17 @@ class HTTPProvider(Provider):
             for event in batch:
                 yield event
 
-    async def sse_batches(self, upstream: UpstreamStream) -> AsyncIterator[list[ServerSentEvent]]:
+    def sse_batches(self, upstream: UpstreamStream) -> AsyncIterator[list[ServerSentEvent]]:
+        """The SSE events of the response, as each read completes them (see :meth:`_sse`)."""
+        return self._sse(upstream, SSEDecoder().decode)
+
+    def sse_data(self, upstream: UpstreamStream) -> AsyncIterator[list[str]]:
+        """:meth:`sse_batches` with each event's data alone (event names and ids unread)."""
+        return self._sse(upstream, SSEDecoder().decode_data)
+
+    async def _sse(
+        self, upstream: UpstreamStream, decode: Callable[[bytes], list[T]]
+    ) -> AsyncIterator[list[T]]:
         """The SSE events of the response, as each read completes them.
 
         Read with the first-byte and idle timeouts: the first body bytes must
@@ -244,7 +256,6 @@ class HTTPProvider(Provider):
         a clean end). A batch per read, not an event per step: one generator
         step less for every token.
         """
-        decoder = SSEDecoder()
         readany = upstream.response.content.readany
         loop = asyncio.get_running_loop()
         idle = self.config.idle_timeout_s
@@ -265,11 +276,10 @@ class HTTPProvider(Provider):
                 else:
                     timer.waiting = False
                     if not chunk:
-                        decoder.flush()
-                        return
+                        return  # an event without its blank line is dropped (§1, rule 6)
                     deadline = loop.time() + idle
                     phase = "between chunks"
-                    events = decoder.decode(chunk)
+                    events = decode(chunk)
                     if events:
                         yield events
                     continue

@@ -16,13 +16,18 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import orjson
+
 from ..config import OpenAIProviderConfig
 from ..errors import GatewayError, UpstreamError
 from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
 from ..request import ChatRequest
+from .base import flatten
 from .http import HTTPProvider
 
-__all__ = ["OpenAIProvider", "chunk_events", "upstream_body"]
+__all__ = ["OpenAIProvider", "chunk_events", "read_events", "upstream_body"]
+
+_loads = orjson.loads
 
 _NOT_OPENAI = {"mock", "thinking", "top_k", "background"}
 """Fields an OpenAI-compatible server would refuse: the mock's script, Anthropic-only knobs,
@@ -104,6 +109,49 @@ def chunk_events(chunk: dict[str, Any]) -> list[StreamEvent]:
     return events
 
 
+def read_events(
+    payloads: list[str], provider: str
+) -> tuple[list[StreamEvent], bool | GatewayError]:
+    """The events of one read's SSE payloads, and what ended them: False (nothing, read
+    on), True (``[DONE]``) or the error to raise once the events before it are out: an
+    error object in the stream, or ``upstream_protocol_error`` for a payload not JSON.
+    """
+    events: list[StreamEvent] = []
+    append = events.append
+    for data in payloads:
+        if data.startswith("[DONE]"):
+            return events, True
+        try:
+            chunk = _loads(data)
+        except orjson.JSONDecodeError:
+            return events, UpstreamError(
+                f"provider {provider!r} sent an event that is not JSON",
+                code="upstream_protocol_error",
+            )
+        if type(chunk) is not dict:
+            continue
+        if chunk.get("error"):
+            return events, in_stream_error(provider, chunk["error"])
+        # The commonest chunk by far, one choice whose delta is only content: the
+        # same event as chunk_events() gives, with a few lookups.
+        choices = chunk.get("choices")
+        if choices and len(choices) == 1 and not chunk.get("usage"):
+            choice = choices[0]
+            delta = choice.get("delta")
+            if (
+                delta
+                and len(delta) == 1
+                and choice.get("finish_reason") is None
+                and choice.get("index", 0) == 0
+            ):
+                content = delta.get("content")
+                if content:
+                    append(Delta(content))
+                    continue
+        events += chunk_events(chunk)
+    return events, False
+
+
 _IN_STREAM_STATUS = {
     "invalid_request_error": (400, False),
     "not_found_error": (404, False),
@@ -149,7 +197,12 @@ class OpenAIProvider(HTTPProvider):
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        return flatten(self.batches(request, model))
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         upstream = await self.post_stream(
             "/chat/completions",
             upstream_body(request, model, self.config.token_limit_field),
@@ -157,20 +210,15 @@ class OpenAIProvider(HTTPProvider):
         )
         clean = False
         try:
-            payload = self.payload
-            async for batch in self.sse_batches(upstream):
-                for sse in batch:
-                    data = sse.data
-                    if data.startswith("[DONE]"):
-                        clean = True
-                        return
-                    chunk = payload(data)
-                    if chunk is None:
-                        continue
-                    if chunk.get("error"):
-                        raise in_stream_error(self.name, chunk["error"])
-                    for event in chunk_events(chunk):
-                        yield event
+            async for payloads in self.sse_data(upstream):
+                events, end = read_events(payloads, self.name)
+                if events:
+                    yield events
+                if end is True:
+                    clean = True
+                    return
+                if end:
+                    raise end
             raise UpstreamError(
                 f"provider {self.name!r} ended the stream without [DONE]",
                 code="upstream_disconnect",

@@ -10,9 +10,10 @@ a plain assignment. Same signature, same defaults, same result.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["quick_init"]
+__all__ = ["quick_init", "quick_new"]
 
 T = TypeVar("T")
 
@@ -40,3 +41,28 @@ def quick_init(cls: type[T]) -> type[T]:
     init.__module__ = cls.__module__
     setattr(cls, "__init__", init)  # noqa: B010 - mypy refuses assigning a method
     return cls
+
+
+def quick_new(cls: type[T]) -> Callable[..., T]:
+    """A constructor for ``cls`` (a :func:`quick_init` class) at about half its cost.
+
+    The slot descriptors' ``__set__`` is still a call per field; a plain slotted twin
+    of the class assigns its fields with plain stores, then the instance becomes a
+    ``cls`` (same slots, same layout: CPython allows the ``__class__`` change). For
+    the hottest construction of all, the content delta of every token.
+    """
+    slots = cls.__dict__["__slots__"]
+    params: list[str] = []
+    body: list[str] = []
+    namespace: dict[str, Any] = {"_cls": cls}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.default is dataclasses.MISSING:
+            params.append(field.name)
+        else:
+            namespace[f"_default_{field.name}"] = field.default
+            params.append(f"{field.name}=_default_{field.name}")
+        body.append(f"    self.{field.name} = {field.name}")
+    body.append("    self.__class__ = _cls")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body), namespace)
+    twin = type(f"_New{cls.__name__}", (), {"__slots__": slots, "__init__": namespace["__init__"]})
+    return twin  # type: ignore[return-value]

@@ -110,9 +110,17 @@ class SSEDecoder:
         told apart by their JSON, not their ``event:`` names (OpenAI).
 
         Most reads are whole ``data: {...}`` events, one line each: those are cut
-        with two ``str`` splits and no per-event object.
+        with one ``str`` split and no per-event object.
         """
-        text = self._text.decode(chunk)
+        return self.data_of(self.text(chunk))
+
+    def text(self, chunk: bytes) -> str:
+        """The text of ``chunk`` (UTF-8, a sequence cut at its end kept for the next),
+        for :meth:`data_of` or a caller's own fast path (see :attr:`between_events`)."""
+        return self._text.decode(chunk)
+
+    def data_of(self, text: str) -> list[str]:
+        """:meth:`decode_data` for text from :meth:`text`."""
         if not text:
             return []
         if self._plain():
@@ -124,6 +132,11 @@ class SSEDecoder:
                 return data
         return [event.data for event in self._decode_text(text)]
 
+    @property
+    def between_events(self) -> bool:
+        """Whether the next text starts a new event: nothing of one is pending."""
+        return not self._pending and self._plain()
+
     def _plain(self) -> bool:
         """No event half-read but perhaps a partial line: where the fast path may start."""
         return not self._data and not self._event and self._retry is None and not self._skip_lf
@@ -134,18 +147,13 @@ class SSEDecoder:
         if self._pending:
             text = "".join(self._pending) + text
         cut = text.rfind("\n\n")
-        if cut < 0 or "\r" in text:
+        if cut < 0 or "\r" in text or not text.startswith("data: "):
             return None
-        head = text[:cut]
-        blocks = head.split("\n\n")
-        # Exactly one LF per block beyond the separators: no block has a second line.
-        if head.count("\n") != 2 * (len(blocks) - 1):
+        # "data: A\n\ndata: B" -> ["A", "B"]: whole single-line data events when the
+        # only LFs are the two after each event.
+        data = text[6:cut].split("\n\ndata: ")
+        if text.count("\n", 0, cut + 2) != 2 * len(data):
             return None
-        data = []
-        for block in blocks:
-            if not block.startswith("data: "):
-                return None
-            data.append(block[6:])
         self._pending = []
         return data, text[cut + 2 :]
 

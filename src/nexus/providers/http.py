@@ -238,16 +238,12 @@ class HTTPProvider(Provider):
 
     def sse_batches(self, upstream: UpstreamStream) -> AsyncIterator[list[ServerSentEvent]]:
         """The SSE events of the response, as each read completes them (see :meth:`_sse`)."""
-        return self._sse(upstream, SSEDecoder().decode)
+        return self.sse_reads(upstream, SSEDecoder().decode)
 
-    def sse_data(self, upstream: UpstreamStream) -> AsyncIterator[list[str]]:
-        """:meth:`sse_batches` with each event's data alone (event names and ids unread)."""
-        return self._sse(upstream, SSEDecoder().decode_data)
-
-    async def _sse(
-        self, upstream: UpstreamStream, decode: Callable[[bytes], list[T]]
-    ) -> AsyncIterator[list[T]]:
-        """The SSE events of the response, as each read completes them.
+    async def sse_reads(
+        self, upstream: UpstreamStream, decode: Callable[[bytes], T]
+    ) -> AsyncIterator[T]:
+        """``decode(bytes)`` for each read of the response body, unless that is falsy.
 
         Read with the first-byte and idle timeouts: the first body bytes must
         arrive by the deadline set when the request went out, each later gap

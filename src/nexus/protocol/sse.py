@@ -132,10 +132,16 @@ class SSEDecoder:
                 return data
         return [event.data for event in self._decode_text(text)]
 
-    @property
-    def between_events(self) -> bool:
-        """Whether the next text starts a new event: nothing of one is pending."""
-        return not self._pending and self._plain()
+    def lead(self, text: str) -> str | None:
+        """``text`` with the partial line pending before it (taken), for a caller's own
+        fast path, which gives :meth:`data_of` whatever it does not take; None (and
+        nothing taken) when part of an event is pending."""
+        if not self._plain():
+            return None
+        if self._pending:
+            text = "".join(self._pending) + text
+            self._pending = []
+        return text
 
     def _plain(self) -> bool:
         """No event half-read but perhaps a partial line: where the fast path may start."""

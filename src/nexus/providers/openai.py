@@ -157,32 +157,62 @@ class ChunkReader:
         """:meth:`read` for the SSE events completed by the bytes of one read."""
         decoder = self._decoder
         text = decoder.text(chunk)
-        if self._head is not None and decoder.between_events:
-            events = self._whole(text)
-            if events is not None:
-                return events, False
-        return self.read(decoder.data_of(text))
+        first: list[StreamEvent] = []
+        if self._head is None:
+            # No template yet: the first events one at a time, so that the rest of the
+            # read takes the template's path once one of them taught it.
+            for _ in range(_LEARN_EVENTS):
+                cut = text.find("\n\n") + 2
+                if cut < 2 or self._misses >= _MAX_MISSES:
+                    break
+                events, end = self.read(decoder.data_of(text[:cut]))
+                first += events
+                text = text[cut:]
+                if end or self._head is not None:
+                    if end:
+                        return first, end
+                    break
+        lead = decoder.lead(text) if self._head is not None else None
+        if lead is None:
+            events, end = self.read(decoder.data_of(text))
+            return (first + events if first else events), end
+        events, used = self._template_events(lead)
+        if first:
+            events = first + events
+        if used < len(lead):
+            payloads = decoder.data_of(lead[used:] if used else lead)
+            if payloads:
+                more, end = self.read(payloads)
+                return events + more if events else more, end
+        return events, False
 
-    def _whole(self, text: str) -> list[StreamEvent] | None:
-        """The events of ``text`` if it is whole template events alone, else None."""
-        head, tail = self._frame_head, self._frame_tail
-        if not text.startswith(head) or not text.endswith(tail) or "\r" in text:
-            return None
-        pieces = text[len(head) : len(text) - len(tail)].split(self._frame_sep)
-        if text.count("\n") != 2 * len(pieces):
-            return None  # a line break inside: more than one line to an event
+    def _template_events(self, text: str) -> tuple[list[StreamEvent], int]:
+        """The events of the template events that ``text`` starts with, and where they end."""
+        head = self._frame_head
+        if not text.startswith(head) or "\r" in text:
+            return [], 0
+        pieces = text[len(head) :].split(self._frame_sep)
+        last = pieces.pop()
+        at = last.find(self._frame_tail)
+        if at >= 0:  # the last of them, and what follows it
+            pieces.append(last[:at])
+            used = len(text) - len(last) + at + len(self._frame_tail)
+        else:  # the last one is still arriving
+            used = len(text) - len(last) - len(head)
+        if not pieces or text.count("\n", 0, used) != 2 * len(pieces):
+            return [], 0  # none, or a line break inside one: more than one line to an event
         events: list[StreamEvent] = []
         append = events.append
         for piece in pieces:
             try:
                 content = _loads(piece)
             except orjson.JSONDecodeError:
-                return None
+                return [], 0
             if type(content) is not str:
-                return None
+                return [], 0
             if content:
                 append(_content_delta(content))
-        return events
+        return events, used
 
     def read(self, payloads: list[str]) -> tuple[list[StreamEvent], bool | GatewayError]:
         """The events of one read's SSE payloads, and what ended them: False (nothing,
@@ -260,6 +290,8 @@ class ChunkReader:
 
 _content_delta = quick_new(Delta)
 _MAX_MISSES = 3
+_LEARN_EVENTS = 8
+"""Most events of one read taken one at a time while no template is known."""
 """Content chunks looked at for a template before a stream is read in full throughout."""
 _PROBE = Delta("\u2603 probe \"\u00e9\"")
 _PROBE_TOKEN = orjson.dumps(_PROBE.content).decode()

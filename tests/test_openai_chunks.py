@@ -3,6 +3,7 @@ checked against the general rules (``chunk_events``) on every shape of chunk."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import orjson
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 from nexus.errors import UpstreamError
 from nexus.events import Delta
-from nexus.providers.openai import chunk_events, read_events
+from nexus.protocol.sse import SSEDecoder
+from nexus.providers.openai import ChunkReader, chunk_events, read_events
 
 _TEXT = st.one_of(st.none(), st.just(""), st.text(max_size=5))
 _DELTA = st.dictionaries(
@@ -60,3 +62,82 @@ def test_events_before_an_error_are_kept_and_the_error_returned() -> None:
     events, end = read_events([content, "not json"], "up")
     assert events == [Delta("hi")]
     assert isinstance(end, UpstreamError) and end.code == "upstream_protocol_error"
+
+
+def _general(body: bytes) -> list[Any]:
+    """The events of a whole body by the rules alone: SSE, then chunk_events()."""
+    events: list[Any] = []
+    for sse in SSEDecoder().decode(body):
+        if sse.data.startswith("[DONE]"):
+            break
+        events += chunk_events(orjson.loads(sse.data))
+    return events
+
+
+_CONTENT = st.text(
+    alphabet=st.sampled_from(['a', ' ', '"', "\\", "\t", "\u00e9", "\U0001f600", "\u2028", "/"]),
+    max_size=6,
+)
+_OTHER = st.sampled_from(
+    [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}},
+        {"id": "other-id", "choices": [{"index": 0, "delta": {"content": "x"}}]},
+    ]
+)
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> bytes:
+    """A stream's body: mostly content chunks of one id, some others, odd separators."""
+    frames = []
+    for _ in range(draw(st.integers(min_value=0, max_value=40))):
+        if draw(st.integers(min_value=0, max_value=9)):
+            chunk: dict[str, Any] = {
+                "id": "chatcmpl-1",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": draw(_CONTENT)}}],
+            }
+        else:
+            chunk = draw(_OTHER)
+        line = b"data: " + orjson.dumps(chunk)
+        end = draw(st.sampled_from([b"\n\n"] * 8 + [b"\r\n\r\n", b"\n: ping\n\n", b"\n\n\n"]))
+        frames.append(line + end)
+    return b"".join(frames) + b"data: [DONE]\n\n"
+
+
+@settings(max_examples=400, database=None, deadline=None)
+@given(data=st.data(), body=bodies())
+def test_feed_gives_the_events_of_the_rules_however_the_body_is_cut(
+    data: st.DataObject, body: bytes
+) -> None:
+    cuts = data.draw(st.lists(st.integers(min_value=0, max_value=len(body)), max_size=10))
+    bounds = [0, *sorted(cuts), len(body)]
+    reader = ChunkReader("up")
+    events: list[Any] = []
+    done = False
+    for a, b in itertools.pairwise(bounds):
+        more, end = reader.feed(body[a:b])
+        events += more
+        assert end is False or end is True
+        if end:
+            done = True
+            break
+    assert done
+    assert events == _general(body)
+
+
+def test_feed_learns_the_template_and_takes_its_path() -> None:
+    def chunk(content: str) -> bytes:
+        payload = {"id": "c", "choices": [{"index": 0, "delta": {"content": content}}]}
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    reader = ChunkReader("up")
+    reader.feed(chunk("learn"))
+    assert reader._head is not None
+    text = (chunk('say "hi"') + chunk("a\\b") + chunk("plain") + chunk("")).decode()
+    events, used = reader._template_events(text)
+    assert used == len(text)
+    assert events == [Delta('say "hi"'), Delta("a\\b"), Delta("plain")]

@@ -14,6 +14,7 @@ typed error.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+import re
 from typing import Any
 
 import orjson
@@ -139,6 +140,7 @@ class ChunkReader:
         "_frame_tail",
         "_head",
         "_misses",
+        "_slot",
         "_tail",
         "_tail_at",
         "provider",
@@ -151,6 +153,7 @@ class ChunkReader:
         self._tail = ""
         self._tail_at = 0
         self._frame_head = self._frame_tail = self._frame_sep = ""
+        self._slot = (0, -1)
         self._misses = 0
 
     def feed(self, chunk: bytes) -> tuple[list[StreamEvent], bool | GatewayError]:
@@ -187,28 +190,48 @@ class ChunkReader:
         return events, False
 
     def _template_events(self, text: str) -> tuple[list[StreamEvent], int]:
-        """The events of the template events that ``text`` starts with, and where they end."""
-        head = self._frame_head
-        if not text.startswith(head) or "\r" in text:
+        """The events of the template events that ``text`` starts with, and where they end.
+
+        ``text`` is cut at each ``LF LF data: `` (a short separator: quick to find),
+        the content strings taken from their places in the pieces, and the pieces
+        checked all at once by putting them back together around the template.
+        """
+        if not text.startswith(self._frame_head) or "\r" in text:
             return [], 0
-        pieces = text[len(head) :].split(self._frame_sep)
-        last = pieces.pop()
-        at = last.find(self._frame_tail)
-        if at >= 0:  # the last of them, and what follows it
-            pieces.append(last[:at])
-            used = len(text) - len(last) + at + len(self._frame_tail)
-        else:  # the last one is still arriving
-            used = len(text) - len(last) - len(head)
-        if not pieces or text.count("\n", 0, used) != 2 * len(pieces):
-            return [], 0  # none, or a line break inside one: more than one line to an event
+        cut = text.rfind("\n\n")
+        if cut < 0:
+            return [], 0
+        frames = text[6:cut].split("\n\ndata: ")
+        start, stop = self._slot
+        strings = [frame[start:stop] for frame in frames]
+        used = cut + 2
+        if self._frame_head + self._frame_sep.join(strings) + self._frame_tail != text[:used]:
+            # Not all of them: the template events before the first other one.
+            head, tail = self._frame_head[6:], self._frame_tail[:-2]
+            count = 0
+            for frame in frames:
+                if len(frame) < -stop + start or not (
+                    frame.startswith(head) and frame.endswith(tail)
+                ):
+                    break
+                count += 1
+            if not count:
+                return [], 0
+            del frames[count:], strings[count:]
+            used = 8 * count + sum(map(len, frames))
+        # No line break inside an event: the template has none (it was one line), a
+        # string none either (a JSON string holds no raw control character).
+        joined = "".join(strings)
+        if _NOT_PLAIN.search(joined) is None:
+            # Between the quotes, no quote, backslash or control character: the JSON
+            # string is its text as it stands.
+            return list(map(_content_delta, filter(None, strings))), used
         events: list[StreamEvent] = []
         append = events.append
-        for piece in pieces:
+        for string in strings:
             try:
-                content = _loads(piece)
+                content = _loads('"' + string + '"')
             except orjson.JSONDecodeError:
-                return [], 0
-            if type(content) is not str:
                 return [], 0
             if content:
                 append(_content_delta(content))
@@ -282,14 +305,17 @@ class ChunkReader:
         if type(probe) is not dict or probe.get("error") or chunk_events(probe) != [_PROBE]:
             return None
         self._head, self._tail, self._tail_at = head, tail, len(tail)
-        self._frame_head = "data: " + head
-        self._frame_tail = tail + "\n\n"
-        self._frame_sep = tail + "\n\ndata: " + head
+        # The frame path keeps the string's quotes in the template, its text between.
+        self._frame_head = "data: " + head + '"'
+        self._frame_tail = '"' + tail + "\n\n"
+        self._frame_sep = '"' + tail + '\n\ndata: ' + head + '"'
+        self._slot = (len(head) + 1, -len(tail) - 1)
         return head
 
 
 _content_delta = quick_new(Delta)
 _MAX_MISSES = 3
+_NOT_PLAIN = re.compile(r'["\\\x00-\x1f]')
 _LEARN_EVENTS = 8
 """Most events of one read taken one at a time while no template is known."""
 """Content chunks looked at for a template before a stream is read in full throughout."""

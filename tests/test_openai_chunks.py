@@ -75,7 +75,7 @@ def _general(body: bytes) -> list[Any]:
 
 
 _CONTENT = st.text(
-    alphabet=st.sampled_from(['a', ' ', '"', "\\", "\t", "\u00e9", "\U0001f600", "\u2028", "/"]),
+    alphabet=st.sampled_from(["a", " ", '"', "\\", "\t", "\u00e9", "\U0001f600", "\u2028", "/"]),
     max_size=6,
 )
 _OTHER = st.sampled_from(

@@ -65,4 +65,4 @@ def quick_new(cls: type[T]) -> Callable[..., T]:
     body.append("    self.__class__ = _cls")
     exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body), namespace)
     twin = type(f"_New{cls.__name__}", (), {"__slots__": slots, "__init__": namespace["__init__"]})
-    return twin  # type: ignore[return-value]
+    return twin

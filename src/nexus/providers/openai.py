@@ -13,15 +13,15 @@ typed error.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 import re
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
 
+from .._frozen import quick_new
 from ..config import OpenAIProviderConfig
 from ..errors import GatewayError, UpstreamError
-from .._frozen import quick_new
 from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
 from ..protocol.sse import SSEDecoder
 from ..request import ChatRequest
@@ -308,7 +308,7 @@ class ChunkReader:
         # The frame path keeps the string's quotes in the template, its text between.
         self._frame_head = "data: " + head + '"'
         self._frame_tail = '"' + tail + "\n\n"
-        self._frame_sep = '"' + tail + '\n\ndata: ' + head + '"'
+        self._frame_sep = '"' + tail + "\n\ndata: " + head + '"'
         self._slot = (len(head) + 1, -len(tail) - 1)
         return head
 
@@ -319,7 +319,7 @@ _NOT_PLAIN = re.compile(r'["\\\x00-\x1f]')
 _LEARN_EVENTS = 8
 """Most events of one read taken one at a time while no template is known."""
 """Content chunks looked at for a template before a stream is read in full throughout."""
-_PROBE = Delta("\u2603 probe \"\u00e9\"")
+_PROBE = Delta('\u2603 probe "\u00e9"')
 _PROBE_TOKEN = orjson.dumps(_PROBE.content).decode()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -21,6 +22,9 @@ from .server.access import JsonFormatter
 from .supervisor import Supervisor, cpu_count
 
 log = logging.getLogger("nexus")
+
+GC_THRESHOLD = 10_000
+"""The collector's first threshold in a gateway process (see :func:`_serve_one`)."""
 
 DEFAULT_CONFIG = "config.toml"
 
@@ -157,6 +161,10 @@ def _serve_one(
 ) -> int:
     """One gateway process: the whole server, or worker ``worker`` of several."""
     _install_loop(config.server.uvloop, source)
+    # Each token leaves an event in a log and a few short-lived containers: at the
+    # default threshold (700) the collector runs every few hundred tokens, for ~20% of
+    # the CPU at saturation (bench/README.md). The gateway process only, not importers.
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
     try:
         asyncio.run(_run(config, source, worker, ready))
     except OSError as exc:

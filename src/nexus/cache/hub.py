@@ -44,6 +44,7 @@ from ..hooks import CallContext
 from ..request import ChatRequest
 from ..stream import Stream
 from ..types import StreamMeta
+from .codec import event_size
 from .run import MAX_BATCH, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
 
@@ -344,7 +345,9 @@ class StreamHub:
             await run.wait()
             run.info.status = status_of(run.events[-1])
             try:
-                await store.end(run.info, run.events, written, ttl)
+                await store.end(
+                    run.info, run.events, written, ttl, run.size + event_size(run.events[-1])
+                )
             except Exception:
                 log.exception("keeping the log of stream %s failed", run.id)
             if record is not None:

@@ -40,10 +40,16 @@ class MemoryStore(Store):
 
     # Logs.
     async def end(
-        self, info: StreamInfo, events: Sequence[StreamEvent], start: int, ttl_s: float
+        self,
+        info: StreamInfo,
+        events: Sequence[StreamEvent],
+        start: int,
+        ttl_s: float,
+        size: int | None = None,
     ) -> None:
-        size = 256 + sum(event_size(event) for event in events)
-        self._put("log:" + info.id, (info, events), ttl_s, size)
+        if size is None:
+            size = sum(event_size(event) for event in events)
+        self._put("log:" + info.id, (info, events), ttl_s, 256 + size)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         item = self._get("log:" + stream_id)

@@ -257,7 +257,12 @@ class RedisStore(Store):
         await self._write(stream_id, start, events, ttl_ms, None)
 
     async def end(
-        self, info: StreamInfo, events: Sequence[StreamEvent], start: int, ttl_s: float
+        self,
+        info: StreamInfo,
+        events: Sequence[StreamEvent],
+        start: int,
+        ttl_s: float,
+        size: int | None = None,
     ) -> None:
         self._live_ttl_ms.pop(info.id, None)
         await self._write(info.id, start, events[start:], _ms(ttl_s), info)

@@ -96,10 +96,17 @@ class Store(ABC):
 
     @abstractmethod
     async def end(
-        self, info: StreamInfo, events: Sequence[StreamEvent], start: int, ttl_s: float
+        self,
+        info: StreamInfo,
+        events: Sequence[StreamEvent],
+        start: int,
+        ttl_s: float,
+        size: int | None = None,
     ) -> None:
         """The stream finished; ``events`` is its whole log, ``events[start:]`` not yet
-        appended. It stays readable for ``ttl_s``."""
+        appended. It stays readable for ``ttl_s``. ``size``: what
+        :func:`~nexus.cache.codec.event_size` adds up to over ``events``, when the
+        caller counted it as the log grew."""
 
     @abstractmethod
     async def info(self, stream_id: str) -> StreamInfo | None:

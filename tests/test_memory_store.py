@@ -353,3 +353,34 @@ async def test_a_log_ending_in_error_round_trips() -> None:
     log: list[StreamEvent] = [Delta(content="partial"), Error("upstream_error", "boom")]
     await store.end(info(), log, 0, LONG)
     assert await read_all(store, info().id) == log
+
+
+async def test_an_entry_replaced_with_a_longer_ttl_outlives_its_old_expiry() -> None:
+    one = log_size(sized_log(4))
+    store = MemoryStore(max_bytes=3 * one)
+    await store.end(info("chatcmpl-aaaa-a"), sized_log(4), 0, SHORT)
+    await store.end(info("chatcmpl-bbbb-b"), sized_log(4), 0, LONG)
+    await store.end(info("chatcmpl-aaaa-a"), sized_log(4), 0, LONG)  # now the newest
+    await asyncio.sleep(SHORT + 0.02)
+    await store.end(info("chatcmpl-cccc-c"), sized_log(4), 0, LONG)
+    await store.end(info("chatcmpl-dddd-d"), sized_log(4), 0, LONG)  # over: one must go
+    assert await store.info("chatcmpl-aaaa-a") is not None, "its first expiry is stale"
+    assert await store.info("chatcmpl-bbbb-b") is None, "the oldest live entry went"
+    assert store.size == 3 * one
+
+
+async def test_the_size_counted_by_the_caller_is_taken() -> None:
+    store = MemoryStore()
+    events: list[StreamEvent] = [Delta(content="hi"), Done()]
+    await store.end(info(), events, 0, LONG, size=1000)
+    assert store.size == 256 + 1000
+    await store.end(info(), events, 0, LONG)
+    assert store.size == log_size(events)
+
+
+async def test_replacing_one_entry_again_and_again_keeps_the_expiry_heap_small() -> None:
+    store = MemoryStore(max_bytes=10 * log_size(sized_log(1)))
+    for _ in range(500):
+        await store.end(info(), sized_log(1), 0, LONG)
+    assert len(store) == 1
+    assert len(store._expiry) <= 2 * len(store) + 65

@@ -2,12 +2,15 @@
 
 Live logs stay with their :class:`~nexus.cache.run.StreamRun`; this store keeps
 finished logs and recordings until their TTL, and drops the oldest entries
-when the total passes ``max_bytes``. Nothing is copied: a finished log is the
+when the total passes ``max_bytes`` (expired ones first, found through a heap of
+expiry times: a put costs O(log n), however many entries are kept). Nothing is copied: a finished log is the
 run's own list.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +36,9 @@ class MemoryStore(Store):
         self.max_bytes = max_bytes
         self.size = 0
         self._items: OrderedDict[str, _Item] = OrderedDict()
+        self._expiry: list[tuple[float, int, str, _Item]] = []
+        """(expires_at, seq, key, item) per put; stale once the key holds another item."""
+        self._seq = itertools.count()
         self._claims: dict[str, tuple[str, float]] = {}
 
     def __len__(self) -> int:
@@ -107,14 +113,23 @@ class MemoryStore(Store):
             self._drop(key)
         if size > self.max_bytes:
             return  # larger than the whole store: not kept
-        self._items[key] = _Item(value, time.monotonic() + ttl_s, size)
+        item = _Item(value, time.monotonic() + ttl_s, size)
+        self._items[key] = item
+        heapq.heappush(self._expiry, (item.expires_at, next(self._seq), key, item))
         self.size += size
         if self.size > self.max_bytes:
             now = time.monotonic()
-            for old in [k for k, item in self._items.items() if item.expires_at <= now]:
-                self._drop(old)
+            expiry = self._expiry
+            while expiry and expiry[0][0] <= now:
+                _, _, old, stale = heapq.heappop(expiry)
+                if self._items.get(old) is stale:
+                    self._drop(old)
             while self.size > self.max_bytes:
                 self._drop(next(iter(self._items)))
+        if len(self._expiry) > 2 * len(self._items) + 64:
+            # Entries dropped or replaced leave theirs behind: rebuild now and then.
+            self._expiry = [(i.expires_at, next(self._seq), k, i) for k, i in self._items.items()]
+            heapq.heapify(self._expiry)
 
     def _drop(self, key: str) -> None:
         item = self._items.pop(key)

@@ -3,8 +3,8 @@
 Live logs stay with their :class:`~nexus.cache.run.StreamRun`; this store keeps
 finished logs and recordings until their TTL, and drops the oldest entries
 when the total passes ``max_bytes`` (expired ones first, found through a heap of
-expiry times: a put costs O(log n), however many entries are kept). Nothing is copied: a finished log is the
-run's own list.
+expiry times: a put costs O(log n), however many entries are kept). Nothing is
+copied: a finished log is the run's own list.
 """
 
 from __future__ import annotations

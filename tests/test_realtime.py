@@ -12,6 +12,7 @@ import pytest
 import websockets
 
 from support import GatedProvider, MakeClient
+from upstreams import FakeUpstream, Reply, openai_chunk
 
 
 class TextOnlyProvider(GatedProvider):
@@ -310,3 +311,28 @@ async def test_vanished_peer_cancels_the_stream(make_client: MakeClient) -> None
     writer.transport.abort()  # TCP gone, no close frame
     await asyncio.wait_for(gated.closed.wait(), 5)
     assert gated.closed_at is not None and gated.closed_at - gone < 0.5
+
+
+@pytest.mark.parametrize("compression", [None, "deflate"])
+async def test_a_batch_of_tokens_goes_out_one_text_frame_each(
+    make_client: MakeClient, compression: str | None
+) -> None:
+    # An upstream that writes 300 tokens (some escaped, some long) in one piece: the
+    # gateway reads them as one batch and writes their frames together.
+    tokens = [f"t{i} " for i in range(300)]
+    tokens[7] = 'quote " and \\ and \u00e9 \U0001f600'
+    tokens[150] = "x" * 70_000  # a frame with the 64-bit length
+    tokens[151] = "y" * 300  # and one with the 16-bit length
+    body = b"".join(openai_chunk(content=t) for t in tokens)
+    body += openai_chunk(finish_reason="stop") + b"data: [DONE]\n\n"
+    async with FakeUpstream(Reply.stream([body])) as upstream:
+        provider = {"kind": "openai", "base_url": upstream.url + "/v1"}
+        client = await make_client({"providers": {"up": provider}})
+        url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+        async with websockets.connect(url, max_size=None, compression=compression) as ws:
+            await ws.send(start(model="up/m"))
+            frames = await turn(ws)
+    contents = [f["delta"]["content"] for f in frames if f["type"] == "delta" and f["delta"]]
+    assert contents == tokens
+    assert frames[-2] == {"type": "delta", "delta": {}, "finish_reason": "stop"}
+    assert frames[-1] == {"type": "done"}

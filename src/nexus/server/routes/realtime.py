@@ -33,7 +33,7 @@ from ...cache.hub import with_usage
 from ...cache.run import LogReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown, TooManyStreams
-from ...events import Done, Error
+from ...events import Done, Error, plain_content
 from ...hooks import CallContext
 from ...protocol.realtime import (
     AbortTurn,
@@ -41,6 +41,7 @@ from ...protocol.realtime import (
     Send,
     StartTurn,
     gateway_error_frame,
+    text_frames,
 )
 from .. import state
 from ..access import admit, authenticate, exchange
@@ -52,6 +53,8 @@ log = logging.getLogger("nexus.realtime")
 PROTOCOL = "nexus.v1"
 """The subprotocol a browser offers beside ``nexus-key.<key>`` (the one answered)."""
 _DONE = '{"type":"done"}'
+_CONTENT_HEAD = NDJSONEncoder.content_frame[0]  # the event's JSON, as in NDJSON
+_dumps = orjson.dumps
 _ABORTED = '{"type":"done","aborted":true}'
 _INTERNAL = Error(
     error_type="server_error",
@@ -179,20 +182,29 @@ class RealtimeConnection:
         started = False
         try:
             async for batch in reader:
+                frames: list[bytes] = []
                 for event in batch:
                     cls = type(event)
-                    if cls is Done:
-                        self._terminate()  # before the frame: the client may start again at once
-                        await ws.send_str(_ABORTED if event.aborted else _DONE)  # type: ignore[union-attr]
-                        return
-                    if cls is Error:
+                    if cls is Done or cls is Error:
+                        if frames:
+                            await self._send_texts(frames)
+                        if cls is Done:
+                            self._terminate()  # before the frame: the client may start again
+                            await ws.send_str(_ABORTED if event.aborted else _DONE)  # type: ignore[union-attr]
+                            return
                         failure = reader.failure
                         if not started and failure is not None:
                             raise failure
                         await self._fail(orjson.dumps(event.to_dict()))
                         return
                     started = True
-                    await ws.send_frame(orjson.dumps(event.to_dict()), WSMsgType.TEXT)
+                    content = plain_content(event)
+                    if content is not None:
+                        frames.append(_CONTENT_HEAD + _dumps(content) + b"}}")
+                    else:
+                        frames.append(_dumps(event.to_dict()))
+                if frames:
+                    await self._send_texts(frames)
         except GatewayError as exc:
             if exc.status >= 500:
                 await self._fail(orjson.dumps(exc.to_event().to_dict()))
@@ -206,6 +218,22 @@ class RealtimeConnection:
             await self._fail(orjson.dumps(_INTERNAL.to_dict()))
         finally:
             await _release(reader, run)
+
+    async def _send_texts(self, payloads: list[bytes]) -> None:
+        """One text frame per payload: all in one write, unless the connection
+        compresses (then aiohttp frames each)."""
+        ws = self.ws
+        transport = self.request.transport
+        if ws.compress or len(payloads) == 1 or transport is None:
+            for payload in payloads:
+                await ws.send_frame(payload, WSMsgType.TEXT)
+            return
+        if ws.closed or transport.is_closing():
+            raise ConnectionResetError("the realtime client went away")
+        transport.write(text_frames(payloads))
+        protocol = self.request.protocol
+        if protocol.writing_paused:
+            await protocol._drain_helper()  # aiohttp's own wait for the transport
 
     async def _release(self) -> None:
         """Let go of the current turn's stream (also when it was cancelled before it ran)."""

@@ -778,3 +778,11 @@ def test_sdk_decoder_after_fail_with_heartbeats(encoder: type[Encoder], decoder_
 def last_step(log: list[StreamEvent]) -> int:
     """The terminal step: a failed stream has one more, error then terminator."""
     return len(log) + (1 if type(log[-1]) is Error else 0)
+
+
+def test_ids_count_on_past_the_steps_numbered_in_advance() -> None:
+    # Steps below 4096 take their id line from a table, later ones format it.
+    log: list[StreamEvent] = [Delta(content=f"t{i}") for i in range(4200)] + [Done()]
+    data, _ = render(OpenAISSEEncoder, PLAIN_META, log, random.Random(7))
+    steps = [int(line.rsplit(b".", 1)[1]) for line in data.split(b"\n") if line.startswith(b"id: ")]
+    assert steps == list(range(4202))

@@ -35,6 +35,9 @@ __all__ = ["Cursor", "Renderer", "parse_cursor", "uses_event_ids"]
 _CURSOR = re.compile(r"(?:([A-Za-z0-9_-]{8,128})\.)?([0-9]{1,12})(?:\.([0-9]{1,6}))?")
 _FRAME_END = b"\n\n"
 _dumps = orjson.dumps
+_NUMBERED = 4096
+_NUMBERS = [b"%d\n" % step for step in range(_NUMBERED)]
+"""The ends of the first steps' id lines, made once (a step's id is formatted per event)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,8 @@ class Renderer:
         extend = parts.extend
         step = self.step
         frame = self._content_frame if not self._skipping else None
+        head, tail = frame if frame is not None else (b"", b"")
+        numbers = _NUMBERS
         for event in events:
             step += 1
             cls = type(event)
@@ -137,9 +142,10 @@ class Renderer:
                 ):
                     # plain_content(): the encoder's frame, built here without a call.
                     if ids:
-                        extend((prefix, b"%d\n" % step, frame[0], _dumps(content), frame[1]))
+                        number = numbers[step] if step < _NUMBERED else b"%d\n" % step
+                        extend((prefix, number, head, _dumps(content), tail))
                     else:
-                        extend((frame[0], _dumps(content), frame[1]))
+                        extend((head, _dumps(content), tail))
                     continue
             if cls is Error:
                 # Two steps: the error, then the terminator (an NDJSON client that

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -259,7 +259,12 @@ class StreamHub:
         ctx: CallContext,
         record: str | None = None,
     ) -> StreamRun:
-        """Run it (``store.begin`` done); a keeper task looks after its log."""
+        """Run it (``store.begin`` done); a keeper looks after its log.
+
+        With a shared store the keeper is a task for the run's whole length (it
+        mirrors the log as it grows); otherwise it is a task started when the run
+        finishes: an idle stream holds no task of the hub's.
+        """
         run = StreamRun(
             info,
             source,
@@ -268,15 +273,22 @@ class StreamHub:
             leased=(lambda: self.store.leased(info.id)) if self.store.shared else None,
             max_duration_s=self.max_duration_s,
             observer=self.engine.hooks.observe(ctx, info.meta),
+            timed=record is not None,
         )
         self.live[run.id] = run
         if self.on_live is not None:
             self.on_live(len(self.live))
         run.start(detached=background)
-        keeper = asyncio.get_running_loop().create_task(self._keep(run, record))
-        self._keepers.add(keeper)
-        keeper.add_done_callback(self._keepers.discard)
+        if self.store.shared:
+            self._track(self._keep(run, record))
+        else:
+            run.when_finished(lambda: self._track(self._end(run, record, 0)))
         return run
+
+    def _track(self, keeper: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(keeper)
+        self._keepers.add(task)
+        task.add_done_callback(self._keepers.discard)
 
     async def attach(
         self, stream_id: str, start: int = 0, *, meta: StreamMeta | None = None
@@ -318,31 +330,50 @@ class StreamHub:
         """Until every run's keeper is done (logs handed to the store); at most ``timeout_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self._keepers and loop.time() < deadline:
-            await asyncio.wait(list(self._keepers), timeout=deadline - loop.time())
-        if self._keepers:
-            log.warning("%d streams did not finish closing in %.0fs", len(self._keepers), timeout_s)
+        # A run leaves ``live`` once its log is kept: by its keeper, or by the task its
+        # end starts (between the two, neither is there to wait for: a turn of the loop).
+        while (self._keepers or self.live) and loop.time() < deadline:
+            pending = [*self._keepers, *(run.done for run in self.live.values())]
+            pending = [p for p in pending if not p.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=deadline - loop.time())
+            else:
+                await asyncio.sleep(0)
+        if self._keepers or self.live:
+            log.warning(
+                "%d streams did not finish closing in %.0fs",
+                max(len(self._keepers), len(self.live)),
+                timeout_s,
+            )
 
     async def _keep(self, run: StreamRun, record: str | None) -> None:
+        """A shared store's keeper: the log mirrored as it grows, then :meth:`_end`."""
         store = self.store
-        ttl = self.streams.resume_ttl_s
         written = 0
         try:
-            if store.shared:
-                alive = asyncio.get_running_loop().create_task(self._keep_alive(run))
-                try:
-                    while not run.finished:
-                        end = len(run.events)  # no terminal yet: that goes with end()
-                        if end > written:
-                            await store.append(run.id, written, run.events[written:end])
-                            written = end
-                        else:
-                            await run.changed()
-                except Exception:
-                    log.exception("mirroring stream %s to the store failed", run.id)
-                await run.wait()
-                alive.cancel()
+            alive = asyncio.get_running_loop().create_task(self._keep_alive(run))
+            try:
+                while not run.finished:
+                    end = len(run.events)  # no terminal yet: that goes with end()
+                    if end > written:
+                        await store.append(run.id, written, run.events[written:end])
+                        written = end
+                    else:
+                        await run.changed()
+            except Exception:
+                log.exception("mirroring stream %s to the store failed", run.id)
             await run.wait()
+            alive.cancel()
+        except BaseException:
+            self._gone(run)
+            raise
+        await self._end(run, record, written)
+
+    async def _end(self, run: StreamRun, record: str | None, written: int) -> None:
+        """The finished log handed to the store (``written`` entries are there), recorded."""
+        store = self.store
+        ttl = self.streams.resume_ttl_s
+        try:
             run.info.status = status_of(run.events[-1])
             try:
                 await store.end(
@@ -353,9 +384,12 @@ class StreamHub:
             if record is not None:
                 await self._record(run, record)
         finally:
-            self.live.pop(run.id, None)
-            if self.on_live is not None:
-                self.on_live(len(self.live))
+            self._gone(run)
+
+    def _gone(self, run: StreamRun) -> None:
+        self.live.pop(run.id, None)
+        if self.on_live is not None:
+            self.on_live(len(self.live))
 
     async def _keep_alive(self, run: StreamRun) -> None:
         """Keep a long, quiet stream's live log from expiring while it runs."""
@@ -375,6 +409,7 @@ class StreamHub:
                 and not terminal.aborted
                 and len(run.events) - 1 <= cache.max_frames
                 and run.size <= cache.max_bytes
+                and run.offsets is not None
             ):
                 meta = run.info.meta
                 recording = Recording(

@@ -103,12 +103,14 @@ class StreamRun:
         leased: Callable[[], Awaitable[bool]] | None = None,
         max_duration_s: float | None = None,
         observer: StreamObserver | None = None,
+        timed: bool = True,
     ) -> None:
         self.info = info
         self.id = info.meta.id
         self.events: list[StreamEvent] = []
-        self.offsets: list[float] = []
-        """Seconds from the start to each entry (for paced replay of recordings)."""
+        self.offsets: list[float] | None = [] if timed else None
+        """Seconds from the start to each entry (for paced replay of recordings), when
+        ``timed``: the stream is to be recorded."""
         self.finished = False
         self.failure: GatewayError | None = None
         """The error the source raised before any event (the origin answers with its status)."""
@@ -168,6 +170,15 @@ class StreamRun:
         """Until the log is finished (the source closed)."""
         await asyncio.shield(self._finished)
 
+    @property
+    def done(self) -> asyncio.Future[None]:
+        """Done when the log is finished (do not cancel it: :meth:`wait` is for waiting)."""
+        return self._finished
+
+    def when_finished(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` (soon) once the log is finished."""
+        self._finished.add_done_callback(lambda _: callback())
+
     async def changed(self) -> None:
         """Until the next entry (returns at once when finished)."""
         if not self.finished:
@@ -204,7 +215,6 @@ class StreamRun:
             if self._cancel_with is not None:
                 raise asyncio.CancelledError
             while batch := await read():
-                offset = now() - start
                 added = _size(batch)
                 if added < 0:
                     batch, error, added = _without_terminals(batch)
@@ -213,7 +223,8 @@ class StreamRun:
                         ended = True
                 size += added
                 events += batch
-                offsets += [offset] * len(batch)
+                if offsets is not None:
+                    offsets += [now() - start] * len(batch)
                 if self._waiters:
                     self._wake()
                 if chunk is not None:
@@ -265,7 +276,8 @@ class StreamRun:
 
     def _finish(self, terminal: StreamEvent, offset: float) -> None:
         self.events.append(terminal)
-        self.offsets.append(offset)
+        if self.offsets is not None:
+            self.offsets.append(offset)
         self.finished = True
         self._disarm()
         if self._deadline is not None:

@@ -11,6 +11,7 @@ from ..cache.hub import StreamHub
 from ..config import Config
 from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
+from .watchdog import Watchdog
 
 if TYPE_CHECKING:
     from .routes.realtime import RealtimeConnection
@@ -25,6 +26,8 @@ class Runtime:
 
     active: set[StreamPump] = field(default_factory=set)
     sockets: set[RealtimeConnection] = field(default_factory=set)
+    watchdog: Watchdog = field(default_factory=Watchdog)
+    """The timers of every streaming response (heartbeats, write stalls)."""
     shutting_down: bool = False
 
 

@@ -17,10 +17,11 @@ The race between producer, heartbeat, disconnect and shutdown:
   reads the provider; this pump only follows the log, so a client that
   leaves does not stop the stream at once: it runs on for
   ``[streams] detach_timeout_s`` for the client to come back.
-* **Watchdog.** One task per response owns the timers: after
-  ``heartbeat_interval_s`` without a write it writes a heartbeat, and a write
-  that has not finished after ``write_timeout_s`` (a client that stopped
-  reading) gets the connection aborted.
+* **Watchdog.** One task for all responses (:mod:`~nexus.server.watchdog`)
+  checks their timers: after ``heartbeat_interval_s`` without a write a
+  heartbeat is written, and a write that has not finished after
+  ``write_timeout_s`` (a client that stopped reading) gets the connection
+  aborted.
 * **Disconnect.** The server runs with ``handler_cancellation``: aiohttp
   cancels the handler task when the peer goes away, wherever it awaits, and
   ``finally`` detaches the reader. A failed write ends the pump the same way.
@@ -46,6 +47,7 @@ from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
 from .access import METRICS, Exchange, exchange
+from .watchdog import Watchdog
 
 __all__ = ["StreamPump", "pump"]
 
@@ -82,6 +84,7 @@ class StreamPump:
         active: set[StreamPump] | None = None,
         first_wait_s: float | None = None,
         origin: bool = True,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.request = request
         self.origin = origin
@@ -100,7 +103,11 @@ class StreamPump:
         self._active = active
         self._task: asyncio.Task[object] | None = None
         self._shutting_down = False
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watchdog = watchdog if watchdog is not None else Watchdog()
+        self._watched = False
+        self._beat: asyncio.Task[None] | None = None
+        self._buffered = -1  # the transport's write buffer when last looked at
+        self._moved = 0.0  # when it last changed: the socket took data
         self._ended = False
         self._loop = asyncio.get_running_loop()
         self._last_write = self._loop.time()
@@ -194,8 +201,10 @@ class StreamPump:
                     await self._end(renderer.fail(event))
             return self.response
         finally:
-            if self._watchdog is not None:
-                self._watchdog.cancel()
+            if self._watched:
+                self._watchdog.discard(self)
+            if self._beat is not None:
+                self._beat.cancel()
             if self._active is not None:
                 self._active.discard(self)
             await self.reader.close()
@@ -262,7 +271,8 @@ class StreamPump:
             self.exchange.ttfb = self._now() - self.exchange.started
             self.exchange.status = response.status
             # From the headers on, the watchdog owns heartbeats and write stalls.
-            self._watchdog = self._loop.create_task(self._watch())
+            self._watched = True
+            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
         if len(data) > WRITE_SLICE:
             await self._write_sliced(data)
             return
@@ -300,48 +310,40 @@ class StreamPump:
         await self._write(data)
         return self._require_response()
 
-    async def _watch(self) -> None:
-        """Heartbeats when idle; abort the connection when a write stalls."""
-        response = self._require_response()
-        heartbeat = self.renderer.heartbeat()
-        # Stalls are noticed within a quarter of the write timeout.
-        tick = self.write_timeout_s / 4
-        transport = self.request.transport
-        buffered = -1  # the transport's write buffer when last looked at
-        moved = 0.0  # when it last changed: the socket took data
-        while True:
-            now = self._loop.time()
-            if self._write_started > self._last_write:
-                # A write is waiting for the socket. It stalls only while the socket takes
-                # nothing: a slow reader that drains the buffer bit by bit is alive.
-                size = transport.get_write_buffer_size() if transport is not None else 0
-                if size != buffered:
-                    buffered, moved = size, now
-                stalled = now - max(self._write_started, moved)
-                if stalled >= self.write_timeout_s:
-                    self._abort(f"a write stalled for {stalled:.1f}s")
-                    return
-                wake = now + tick
-            else:
-                idle = now - self._last_write
-                if self._ended:
-                    wake = now + tick
-                elif idle >= self.heartbeat_s:
-                    self._write_started = now
-                    try:
-                        # Awaited here, not in a task: the frame goes to the transport
-                        # before anything else runs, so it cannot follow the terminator.
-                        async with asyncio.timeout(self.write_timeout_s):
-                            await response.write(heartbeat)
-                    except (TimeoutError, ConnectionError):
-                        self._abort("a heartbeat could not be written")
-                        return
-                    self._last_write = self._loop.time()
-                    self._sent(len(heartbeat))
-                    continue
-                else:
-                    wake = self._last_write + self.heartbeat_s
-            await asyncio.sleep(max(min(wake - now, tick), 0.001))
+    def check(self, now: float) -> None:
+        """The watchdog's tick: abort a stalled write, start a heartbeat that is due."""
+        if self._write_started > self._last_write:
+            # A write is waiting for the socket. It stalls only while the socket takes
+            # nothing: a slow reader that drains the buffer bit by bit is alive.
+            transport = self.request.transport
+            size = transport.get_write_buffer_size() if transport is not None else 0
+            if size != self._buffered:
+                self._buffered, self._moved = size, now
+            stalled = now - max(self._write_started, self._moved)
+            if stalled >= self.write_timeout_s:
+                self._abort(f"a write stalled for {stalled:.1f}s")
+        elif not self._ended and self._beat is None and now - self._last_write >= self.heartbeat_s:
+            self._beat = self._loop.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        try:
+            response = self.response
+            if self._ended or response is None:
+                return  # the terminator went out meanwhile: nothing may follow it
+            heartbeat = self.renderer.heartbeat()
+            self._write_started = self._loop.time()
+            try:
+                # The frame reaches the transport before this task first waits, so
+                # the check above holds: it cannot follow the terminator.
+                async with asyncio.timeout(self.write_timeout_s):
+                    await response.write(heartbeat)
+            except (TimeoutError, ConnectionError):
+                self._abort("a heartbeat could not be written")
+                return
+            self._last_write = self._loop.time()
+            self._sent(len(heartbeat))
+        finally:
+            self._beat = None
 
     def _abort(self, why: str) -> None:
         log.warning("dropping client of stream %s: %s", self.reader.meta.id, why)
@@ -387,6 +389,7 @@ async def pump(
     active: set[StreamPump] | None = None,
     first_wait_s: float | None = None,
     origin: bool = True,
+    watchdog: Watchdog | None = None,
 ) -> web.StreamResponse:
     """Write ``reader``'s log to the client of ``request`` in ``encoder_cls``'s format.
 
@@ -427,5 +430,6 @@ async def pump(
         active=active,
         first_wait_s=first_wait_s,
         origin=origin,
+        watchdog=watchdog,
     )
     return await runner.run()

@@ -229,6 +229,7 @@ async def _pump(
         active=request.app[state.RUNTIME].active,
         first_wait_s=first_wait_s,
         origin=origin,
+        watchdog=request.app[state.RUNTIME].watchdog,
     )
 
 

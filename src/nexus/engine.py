@@ -261,7 +261,11 @@ class Engine:
             try:
                 async for batch in batches:
                     if batch:
-                        started = True
+                        if not started:
+                            started = True
+                            # No other target will be tried: the request need not stay
+                            # alive for the stream's length in this frame.
+                            del request
                         yield batch
                 return
             except GatewayError as exc:

@@ -381,11 +381,10 @@ class OpenAIProvider(HTTPProvider):
     async def batches(
         self, request: ChatRequest, model: str
     ) -> AsyncGenerator[list[StreamEvent], None]:
-        upstream = await self.post_stream(
-            "/chat/completions",
-            upstream_body(request, model, self.config.token_limit_field),
-            self.headers(),
-        )
+        body = upstream_body(request, model, self.config.token_limit_field)
+        del request  # held by nothing for the stream's length
+        upstream = await self.post_stream("/chat/completions", body, self.headers())
+        del body
         clean = False
         try:
             async for events, end in self.sse_reads(upstream, ChunkReader(self.name).feed):

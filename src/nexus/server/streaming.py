@@ -141,6 +141,7 @@ class StreamPump:
                     return web.Response(status=204, headers={"Cache-Control": "no-cache"})
                 return await self._end(self._begin() + data)  # type: ignore[operator]
             await self._write(self._begin() + data)  # type: ignore[operator]
+            data = b""  # an idle stream does not keep its first output
             write = self._require_response().write
             feed = renderer.feed
             now = self._loop.time
@@ -262,6 +263,7 @@ class StreamPump:
         """Create the response (sent with the first write)."""
         if self.response is None:
             self.response = web.StreamResponse(status=200, headers=self.headers)
+            self.headers = {}  # in the response now
         return b""
 
     async def _write(self, data: bytes) -> None:

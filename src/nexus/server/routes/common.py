@@ -163,6 +163,7 @@ async def complete(
         headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
         return json_response(describe(opened.info), status=202, headers=headers)
     reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, chat.include_usage))
+    del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
 
 

@@ -37,7 +37,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -379,7 +380,7 @@ def _lost_event() -> Error:
     )
 
 
-async def pump(
+def pump(
     request: web.Request,
     reader: LogReader,
     encoder_cls: type[Encoder],
@@ -392,7 +393,7 @@ async def pump(
     first_wait_s: float | None = None,
     origin: bool = True,
     watchdog: Watchdog | None = None,
-) -> web.StreamResponse:
+) -> Coroutine[Any, Any, web.StreamResponse]:
     """Write ``reader``'s log to the client of ``request`` in ``encoder_cls``'s format.
 
     The reader must start at the log's first entry: a resume (``after``) renders
@@ -434,4 +435,4 @@ async def pump(
         origin=origin,
         watchdog=watchdog,
     )
-    return await runner.run()
+    return runner.run()  # awaited by the caller: no frame of this call held meanwhile

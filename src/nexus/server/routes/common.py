@@ -8,7 +8,7 @@ already exists (``GET /v1/streams/{id}``, and a POST carrying ``Last-Event-ID``)
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -209,7 +209,7 @@ def _count_cache(request: web.Request, result: str | None) -> None:
         metrics.cache.labels(result).inc()
 
 
-async def _pump(
+def _pump(
     request: web.Request,
     reader: LogReader,
     encoder: type[Encoder],
@@ -217,9 +217,9 @@ async def _pump(
     headers: dict[str, str],
     first_wait_s: float | None = None,
     origin: bool = True,
-) -> web.StreamResponse:
+) -> Coroutine[Any, Any, web.StreamResponse]:
     config = request.app[state.CONFIG]
-    return await pump(
+    return pump(
         request,
         reader,
         encoder,

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ._frozen import quick_init
+from ._frozen import quick_init, quick_new
 
 __all__ = [
     "Audio",
@@ -44,6 +44,8 @@ __all__ = [
     "StreamEvent",
     "ToolCall",
     "Usage",
+    "content_delta",
+    "content_deltas",
 ]
 
 
@@ -287,3 +289,39 @@ def plain_content(event: object) -> str | None:
         ):
             return content
     return None
+
+
+_new_delta = quick_new(Delta)
+_SHARED: dict[str, Delta] = {}
+_MAX_SHARED = 16_384
+_SHARED_LENGTH = 32
+
+
+def content_delta(content: str) -> Delta:
+    """``Delta(content)``, one object for every delta of the same short text.
+
+    Events are frozen, so one may stand in many logs at once: a token's delta (most
+    deltas are one token, and tokens repeat) costs a log one slot, not an object and
+    a string, and the hot path a dict lookup, not a construction. The table holds at
+    most 16,384 texts of up to 32 characters and starts again when full.
+    """
+    delta = _SHARED.get(content)
+    if delta is None:
+        delta = _new_delta(content)
+        if len(content) <= _SHARED_LENGTH:
+            if len(_SHARED) >= _MAX_SHARED:
+                _SHARED.clear()
+            _SHARED[content] = delta
+    return delta
+
+
+def content_deltas(strings: list[str]) -> list[StreamEvent]:
+    """:func:`content_delta` of each non-empty string."""
+    get = _SHARED.get
+    out: list[StreamEvent] = []
+    append = out.append
+    for content in strings:
+        if content:
+            delta = get(content)
+            append(delta if delta is not None else content_delta(content))
+    return out

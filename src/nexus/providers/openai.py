@@ -19,10 +19,9 @@ from typing import Any
 
 import orjson
 
-from .._frozen import quick_new
 from ..config import OpenAIProviderConfig
 from ..errors import GatewayError, UpstreamError
-from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta, content_deltas
 from ..protocol.sse import SSEDecoder
 from ..request import ChatRequest
 from .base import flatten
@@ -225,7 +224,7 @@ class ChunkReader:
         if _NOT_PLAIN.search(joined) is None:
             # Between the quotes, no quote, backslash or control character: the JSON
             # string is its text as it stands.
-            return list(map(_content_delta, filter(None, strings))), used
+            return content_deltas(strings), used
         events: list[StreamEvent] = []
         append = events.append
         for string in strings:
@@ -234,7 +233,7 @@ class ChunkReader:
             except orjson.JSONDecodeError:
                 return [], 0
             if content:
-                append(_content_delta(content))
+                append(content_delta(content))
         return events, used
 
     def read(self, payloads: list[str]) -> tuple[list[StreamEvent], bool | GatewayError]:
@@ -254,7 +253,7 @@ class ChunkReader:
                     content = None
                 if type(content) is str:
                     if content:
-                        append(_content_delta(content))
+                        append(content_delta(content))
                     continue
             if data.startswith("[DONE]"):
                 return events, True
@@ -283,7 +282,7 @@ class ChunkReader:
                 ):
                     content = delta.get("content")
                     if content and type(content) is str:
-                        append(_content_delta(content))
+                        append(content_delta(content))
                         if head is None and self._misses < _MAX_MISSES:
                             head = self._learn(data, content)
                         continue
@@ -313,7 +312,6 @@ class ChunkReader:
         return head
 
 
-_content_delta = quick_new(Delta)
 _MAX_MISSES = 3
 _NOT_PLAIN = re.compile(r'["\\\x00-\x1f]')
 _LEARN_EVENTS = 8

@@ -40,7 +40,13 @@ from ..errors import ConfigError, GatewayError, UpstreamError, UpstreamTimeout
 from ..protocol.sse import ServerSentEvent, SSEDecoder
 from .base import Provider
 
-__all__ = ["HTTPProvider", "UpstreamStream", "map_upstream_errors", "resolve_api_key"]
+__all__ = [
+    "BodyReader",
+    "HTTPProvider",
+    "UpstreamStream",
+    "map_upstream_errors",
+    "resolve_api_key",
+]
 
 log = logging.getLogger("nexus.providers")
 
@@ -243,46 +249,67 @@ class HTTPProvider(Provider):
     async def sse_reads(
         self, upstream: UpstreamStream, decode: Callable[[bytes], T]
     ) -> AsyncIterator[T]:
-        """``decode(bytes)`` for each read of the response body, unless that is falsy.
-
-        Read with the first-byte and idle timeouts: the first body bytes must
-        arrive by the deadline set when the request went out, each later gap
-        within ``idle_timeout_s``; time spent by the consumer between events
-        does not count. Ends at end of body (the caller decides whether that was
-        a clean end). A batch per read, not an event per step: one generator
-        step less for every token.
-        """
-        readany = upstream.response.content.readany
-        loop = asyncio.get_running_loop()
-        idle = self.config.idle_timeout_s
-        deadline = upstream.deadline
-        phase = "before the first byte"
-        timer = _ReadTimer(loop)
+        """``decode(bytes)`` for each read of the response body, unless that is falsy
+        (see :class:`BodyReader`). A batch per read, not an event per step."""
+        body = self.body(upstream)
         try:
-            while True:
-                timer.arm(deadline)
-                try:
-                    chunk = await readany()
-                except asyncio.CancelledError:
-                    if not timer.expired():
-                        raise
-                    error: BaseException = TimeoutError()
-                except Exception as exc:
-                    error = exc
-                else:
-                    timer.waiting = False
-                    if not chunk:
-                        return  # an event without its blank line is dropped (§1, rule 6)
-                    deadline = loop.time() + idle
-                    phase = "between chunks"
-                    events = decode(chunk)
-                    if events:
-                        yield events
-                    continue
-                with map_upstream_errors(self.name, phase):
-                    raise error
+            while chunk := await body.read():
+                events = decode(chunk)
+                if events:
+                    yield events
         finally:
-            timer.close()
+            body.close()
+
+    def body(self, upstream: UpstreamStream) -> BodyReader:
+        """The response body, read with this provider's timeouts."""
+        return BodyReader(self.name, upstream, self.config.idle_timeout_s)
+
+
+class BodyReader:
+    """A streaming response's body, read by ``await read()`` (``b""`` at its end).
+
+    Read with the first-byte and idle timeouts: the first body bytes must arrive
+    by the deadline set when the request went out, each later gap within
+    ``idle_timeout_s``; time spent by the consumer between reads does not count.
+    The caller decides whether the end was a clean one, and calls :meth:`close`.
+    An object rather than an async generator: a stream holds its few fields, not
+    a suspended frame.
+    """
+
+    __slots__ = ("_deadline", "_idle", "_now", "_phase", "_provider", "_readany", "_timer")
+
+    def __init__(self, provider: str, upstream: UpstreamStream, idle: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._provider = provider
+        self._readany = upstream.response.content.readany
+        self._now = loop.time
+        self._idle = idle
+        self._deadline = upstream.deadline
+        self._phase = "before the first byte"
+        self._timer = _ReadTimer(loop)
+
+    async def read(self) -> bytes:
+        timer = self._timer
+        timer.arm(self._deadline)
+        try:
+            chunk = await self._readany()
+        except asyncio.CancelledError:
+            if not timer.expired():
+                raise
+            error: BaseException = TimeoutError()
+        except Exception as exc:
+            error = exc
+        else:
+            timer.waiting = False
+            if chunk:
+                self._deadline = self._now() + self._idle
+                self._phase = "between chunks"
+            return chunk
+        with map_upstream_errors(self._provider, self._phase):
+            raise error
+
+    def close(self) -> None:
+        self._timer.close()
 
 
 class _ReadTimer:

@@ -379,13 +379,16 @@ class OpenAIProvider(HTTPProvider):
     async def batches(
         self, request: ChatRequest, model: str
     ) -> AsyncGenerator[list[StreamEvent], None]:
-        body = upstream_body(request, model, self.config.token_limit_field)
+        payload = upstream_body(request, model, self.config.token_limit_field)
         del request  # held by nothing for the stream's length
-        upstream = await self.post_stream("/chat/completions", body, self.headers())
-        del body
+        upstream = await self.post_stream("/chat/completions", payload, self.headers())
+        del payload
         clean = False
+        body = self.body(upstream)
+        feed = ChunkReader(self.name).feed
         try:
-            async for events, end in self.sse_reads(upstream, ChunkReader(self.name).feed):
+            while chunk := await body.read():
+                events, end = feed(chunk)
                 if events:
                     yield events
                 if end is True:
@@ -398,4 +401,5 @@ class OpenAIProvider(HTTPProvider):
                 code="upstream_disconnect",
             )
         finally:
+            body.close()
             await upstream.finish(clean)

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from nexus.server import state
-from nexus.server.watchdog import Watchdog
+from nexus.watchdog import Watchdog
 from support import GatedProvider, MakeClient
 
 

@@ -44,6 +44,7 @@ from ..hooks import CallContext
 from ..request import ChatRequest
 from ..stream import Stream
 from ..types import StreamMeta
+from ..watchdog import Watchdog
 from .codec import event_size
 from .run import MAX_BATCH, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
@@ -155,6 +156,8 @@ class StreamHub:
         self.on_live: Callable[[int], None] | None = None
         """Told how many streams run here whenever that changes (metrics, several workers)."""
         self._keepers: set[asyncio.Task[None]] = set()
+        self.watchdog = Watchdog()
+        """Ends the streams that pass ``max_duration_s``: one ticker, not a timer each."""
 
     async def open(
         self,
@@ -274,6 +277,7 @@ class StreamHub:
             max_duration_s=self.max_duration_s,
             observer=self.engine.hooks.observe(ctx, info.meta),
             timed=record is not None,
+            watchdog=self.watchdog,
         )
         self.live[run.id] = run
         if self.on_live is not None:

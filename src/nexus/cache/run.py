@@ -33,6 +33,7 @@ from ..events import Delta, Done, Error, StreamEvent
 from ..hooks import StreamObserver
 from ..stream import Stream, merge_events
 from ..types import StreamMeta
+from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
@@ -104,6 +105,7 @@ class StreamRun:
         max_duration_s: float | None = None,
         observer: StreamObserver | None = None,
         timed: bool = True,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.info = info
         self.id = info.meta.id
@@ -123,6 +125,8 @@ class StreamRun:
         self._max_duration_s = max_duration_s
         self._observer = observer
         self._deadline: asyncio.TimerHandle | None = None
+        self._watchdog = watchdog
+        self._ends_at = 0.0
         self._loop = asyncio.get_running_loop()
         self._waiters: list[asyncio.Future[None]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -139,10 +143,24 @@ class StreamRun:
     def start(self, *, detached: bool = False) -> None:
         """Start producing. ``detached``: nobody reads yet (a background request)."""
         self._task = self._loop.create_task(self._produce(), name=f"nexus-stream-{self.id}")
-        if self._max_duration_s is not None:
-            self._deadline = self._loop.call_later(self._max_duration_s, self._too_long)
+        limit = self._max_duration_s
+        if limit is not None:
+            if self._watchdog is not None:
+                # Checked by the hub's one ticker, at worst 1/8 of the limit (5 s) late:
+                # not a timer handle per stream.
+                self._ends_at = self._loop.time() + limit
+                self._watchdog.add(self, min(limit / 8, 5.0))
+            else:
+                self._deadline = self._loop.call_later(limit, self._too_long)
         if detached:
             self._arm()
+
+    def check(self, now: float) -> None:
+        """The watchdog's tick: end the stream once it has run for its limit."""
+        if now >= self._ends_at:
+            if self._watchdog is not None:
+                self._watchdog.discard(self)
+            self._too_long()
 
     def _too_long(self) -> None:
         self.cancel(
@@ -282,6 +300,8 @@ class StreamRun:
         self._disarm()
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._watchdog is not None:
+            self._watchdog.discard(self)
         self._wake()
         if not self._finished.done():
             self._finished.set_result(None)

@@ -11,7 +11,7 @@ from ..cache.hub import StreamHub
 from ..config import Config
 from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
-from .watchdog import Watchdog
+from ..watchdog import Watchdog
 
 if TYPE_CHECKING:
     from .routes.realtime import RealtimeConnection

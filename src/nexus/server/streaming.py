@@ -47,8 +47,8 @@ from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
+from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange
-from .watchdog import Watchdog
 
 __all__ = ["StreamPump", "pump"]
 

@@ -69,8 +69,11 @@ async def test_idle_streams_share_one_watchdog_and_all_get_heartbeats(
     for i, resp in enumerate(responses):
         while received[i].count(b'{"type":"heartbeat"}') < 2:
             received[i] += await asyncio.wait_for(resp.content.readany(), 5)
-    assert len(watchdog_tasks()) == 1
+    # Two tickers in all, however many streams: the responses' and the runs' (their
+    # max_stream_duration_s).
+    assert len(watchdog_tasks()) == 2
     assert len(client.server.app[state.RUNTIME].watchdog) == len(responses)
+    assert len(client.server.app[state.HUB].watchdog) == len(responses)
     gated.gate.set()
     for resp in responses:
         assert (await resp.read()).endswith(b'{"type":"done"}\n')

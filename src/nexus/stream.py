@@ -108,15 +108,26 @@ class Stream:
             self._batch = []
             self._at = 0
             return batch
+        # _step() inlined: a suspended read holds one frame less (the gateway's idle
+        # streams are all suspended here).
+        self._reader = asyncio.current_task()
+        events = self._events
         try:
-            if not self._batched:
-                return [await self._step()]
             while True:
-                batch = await self._step()
-                if batch:
-                    return batch
+                item = await events.__anext__()
+                if not self._batched:
+                    return [item]
+                if item:
+                    return item  # type: ignore[no-any-return]
         except StopAsyncIteration:
             return []
+        except asyncio.CancelledError:
+            if not self._closed_under_reader():
+                raise
+        finally:
+            if self._read_done is not None and not self._read_done.done():
+                self._read_done.set_result(None)
+        return []  # close() from another task ended this read
 
     async def _step(self) -> Any:
         """The source's next item; ``StopAsyncIteration`` at its end or after close()."""

@@ -286,8 +286,12 @@ class StreamHub:
         if self.store.shared:
             self._track(self._keep(run, record))
         else:
-            run.when_finished(lambda: self._track(self._end(run, record, 0)))
+            run.record = record
+            run.on_finish = self._finished
         return run
+
+    def _finished(self, run: StreamRun) -> None:
+        self._track(self._end(run, run.record, 0))
 
     def _track(self, keeper: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(keeper)

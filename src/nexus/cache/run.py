@@ -127,6 +127,10 @@ class StreamRun:
         self._deadline: asyncio.TimerHandle | None = None
         self._watchdog = watchdog
         self._ends_at = 0.0
+        self.record: str | None = None
+        """The cache key it is to be recorded under, if any (the hub's)."""
+        self.on_finish: Callable[[StreamRun], object] | None = None
+        """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()
         self._waiters: list[asyncio.Future[None]] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -192,10 +196,6 @@ class StreamRun:
     def done(self) -> asyncio.Future[None]:
         """Done when the log is finished (do not cancel it: :meth:`wait` is for waiting)."""
         return self._finished
-
-    def when_finished(self, callback: Callable[[], object]) -> None:
-        """Call ``callback()`` (soon) once the log is finished."""
-        self._finished.add_done_callback(lambda _: callback())
 
     async def changed(self) -> None:
         """Until the next entry (returns at once when finished)."""
@@ -305,6 +305,8 @@ class StreamRun:
         self._wake()
         if not self._finished.done():
             self._finished.set_result(None)
+        if self.on_finish is not None:
+            self.on_finish(self)
 
     def _wake(self) -> None:
         waiters = self._waiters

@@ -36,6 +36,7 @@ from .base import Encoder
 __all__ = ["OpenAISSEEncoder"]
 
 _dumps = orjson.dumps
+_CONTENT_OPEN = b'[{"index":0,"delta":{"content":'
 _CONTENT_TAIL = b'},"finish_reason":null}]}\n\n'
 
 
@@ -46,10 +47,14 @@ class OpenAISSEEncoder(Encoder):
 
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
-        self._head = b"data: " + chunk_prefix(meta)
         # The commonest frame by far, assembled around one dumps() of the text.
-        self._content_head = self._head + b'[{"index":0,"delta":{"content":'
+        self._content_head = b"data: " + chunk_prefix(meta) + _CONTENT_OPEN
         self.content_frame = (self._content_head, _CONTENT_TAIL)
+
+    @property
+    def _head(self) -> bytes:
+        """``data: `` and the chunk up to its choices: not kept (rare frames only)."""
+        return self._content_head[: -len(_CONTENT_OPEN)]
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}

@@ -134,9 +134,6 @@ class ChunkReader:
 
     __slots__ = (
         "_decoder",
-        "_frame_head",
-        "_frame_sep",
-        "_frame_tail",
         "_head",
         "_misses",
         "_slot",
@@ -151,7 +148,6 @@ class ChunkReader:
         self._head: str | None = None
         self._tail = ""
         self._tail_at = 0
-        self._frame_head = self._frame_tail = self._frame_sep = ""
         self._slot = (0, -1)
         self._misses = 0
 
@@ -195,7 +191,8 @@ class ChunkReader:
         the content strings taken from their places in the pieces, and the pieces
         checked all at once by putting them back together around the template.
         """
-        if not text.startswith(self._frame_head) or "\r" in text:
+        head = "data: " + self._head + '"'  # type: ignore[operator]
+        if not text.startswith(head) or "\r" in text:
             return [], 0
         cut = text.rfind("\n\n")
         if cut < 0:
@@ -204,9 +201,10 @@ class ChunkReader:
         start, stop = self._slot
         strings = [frame[start:stop] for frame in frames]
         used = cut + 2
-        if self._frame_head + self._frame_sep.join(strings) + self._frame_tail != text[:used]:
+        tail = '"' + self._tail + "\n\n"
+        if head + (tail + head).join(strings) + tail != text[:used]:
             # Not all of them: the template events before the first other one.
-            head, tail = self._frame_head[6:], self._frame_tail[:-2]
+            head, tail = head[6:], tail[:-2]
             count = 0
             for frame in frames:
                 if len(frame) < -stop + start or not (
@@ -305,9 +303,6 @@ class ChunkReader:
             return None
         self._head, self._tail, self._tail_at = head, tail, len(tail)
         # The frame path keeps the string's quotes in the template, its text between.
-        self._frame_head = "data: " + head + '"'
-        self._frame_tail = '"' + tail + "\n\n"
-        self._frame_sep = '"' + tail + "\n\ndata: " + head + '"'
         self._slot = (len(head) + 1, -len(tail) - 1)
         return head
 

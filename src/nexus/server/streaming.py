@@ -271,6 +271,9 @@ class StreamPump:
         response = self._require_response()
         if not response.prepared:
             await response.prepare(self.request)
+            # Sent: the headers (and the copies their serialisation cached) are not
+            # kept for the stream's length.
+            response.headers.clear()
             self.exchange.ttfb = self._now() - self.exchange.started
             self.exchange.status = response.status
             # From the headers on, the watchdog owns heartbeats and write stalls.

@@ -406,7 +406,16 @@ class RunReader:
                 return events[index:end]
             if run.finished:
                 raise StopAsyncIteration
-            await run._wait()
+            # run._wait(), inlined: an idle reader holds one frame less.
+            waiter = run._loop.create_future()
+            waiters = run._waiters
+            waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+                raise
 
     async def close(self) -> None:
         if not self._closed:

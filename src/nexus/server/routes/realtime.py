@@ -26,7 +26,7 @@ import contextlib
 import logging
 
 import orjson
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from ...auth import ApiKey, Forbidden
 from ...cache.hub import with_usage
@@ -99,18 +99,26 @@ class RealtimeConnection:
         self.runtime.sockets.add(self)
         try:
             async for message in ws:
-                if message.type is WSMsgType.TEXT:
-                    actions = self.session.receive_text(message.data)
-                elif message.type is WSMsgType.BINARY:
-                    actions = self.session.receive_binary(message.data)
-                else:  # ERROR: the reader already closed the socket (e.g. 1009)
+                if not await self._receive(message):
                     break
-                for action in actions:
-                    await self._do(action)
+                # Not held while the socket waits for its next frame (a turn may be long).
+                del message
         finally:
             self.runtime.sockets.discard(self)
             await self._cancel_turn()
         return ws
+
+    async def _receive(self, message: WSMessage) -> bool:
+        """Carry out what a client frame asks; False when the socket is done."""
+        if message.type is WSMsgType.TEXT:
+            actions = self.session.receive_text(message.data)
+        elif message.type is WSMsgType.BINARY:
+            actions = self.session.receive_binary(message.data)
+        else:  # ERROR: the reader already closed the socket (e.g. 1009)
+            return False
+        for action in actions:
+            await self._do(action)
+        return True
 
     async def _do(self, action: Send | StartTurn | AbortTurn) -> None:
         match action:

@@ -76,11 +76,19 @@ class RealtimeConnection:
         self.key = key
         self.hub = app[state.HUB]
         self.runtime = app[state.RUNTIME]
+        # Pings are the watchdog's (see check()), not a timer and a pong wait of
+        # aiohttp's per connection (3.7 KB of an idle one); so pongs, and the client's
+        # pings, come to _receive().
         self.ws = web.WebSocketResponse(
-            heartbeat=config.server.heartbeat_interval_s,
+            autoping=False,
             max_msg_size=config.realtime.max_message_bytes,
             protocols=protocols,
         )
+        self._heartbeat_s = config.server.heartbeat_interval_s
+        self._loop = asyncio.get_running_loop()
+        self._last_seen = 0.0  # when the client last sent a frame
+        self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline
+        self._ping: asyncio.Task[None] | None = None
         self.max_streams = config.limits.max_concurrent_streams
         self.session = RealtimeSession(
             max_pending_input_bytes=config.realtime.max_pending_input_bytes
@@ -97,6 +105,8 @@ class RealtimeConnection:
         ws = self.ws
         await ws.prepare(self.request)
         self.runtime.sockets.add(self)
+        self._last_seen = self._loop.time()
+        self.runtime.watchdog.add(self, self._heartbeat_s / 4)
         try:
             async for message in ws:
                 if not await self._receive(message):
@@ -104,12 +114,44 @@ class RealtimeConnection:
                 # Not held while the socket waits for its next frame (a turn may be long).
                 del message
         finally:
+            self.runtime.watchdog.discard(self)
+            if self._ping is not None:
+                self._ping.cancel()
             self.runtime.sockets.discard(self)
             await self._cancel_turn()
         return ws
 
+    def check(self, now: float) -> None:
+        """The watchdog's tick: a ping after ``heartbeat_interval_s`` without a frame from
+        the client; no frame (a pong or any other) half an interval after it: the peer is
+        gone, and the connection is dropped (its turn's stream with it)."""
+        if self._pong_due:
+            if now >= self._pong_due:
+                log.info("realtime client did not answer a ping: dropping the connection")
+                transport = self.request.transport
+                if transport is not None:
+                    transport.abort()
+        elif now - self._last_seen >= self._heartbeat_s and self._ping is None:
+            self._pong_due = now + self._heartbeat_s / 2
+            self._ping = self._loop.create_task(self._send_ping())
+
+    async def _send_ping(self) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.ws.ping()
+        finally:
+            self._ping = None
+
     async def _receive(self, message: WSMessage) -> bool:
         """Carry out what a client frame asks; False when the socket is done."""
+        self._last_seen = self._loop.time()
+        self._pong_due = 0.0  # any frame shows the client is there
+        if message.type is WSMsgType.PING:
+            with contextlib.suppress(ConnectionError):
+                await self.ws.pong(message.data)
+            return True
+        if message.type is WSMsgType.PONG:
+            return True
         if message.type is WSMsgType.TEXT:
             actions = self.session.receive_text(message.data)
         elif message.type is WSMsgType.BINARY:

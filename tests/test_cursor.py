@@ -786,3 +786,20 @@ def test_ids_count_on_past_the_steps_numbered_in_advance() -> None:
     data, _ = render(OpenAISSEEncoder, PLAIN_META, log, random.Random(7))
     steps = [int(line.rsplit(b".", 1)[1]) for line in data.split(b"\n") if line.startswith(b"id: ")]
     assert steps == list(range(4202))
+
+
+def test_the_built_in_encoders_frame_content_deltas_themselves() -> None:
+    for encoder in (OpenAISSEEncoder, NativeSSEEncoder, NDJSONEncoder):
+        assert encoder(PLAIN_META).uses_content_frame() is not None
+
+
+def test_a_subclass_that_overrides_encode_is_called_for_content_deltas() -> None:
+    # The content frame stands for the encode() of the class that declared it: a
+    # subclass with its own encode() (a redacting one, say) gets every event.
+    class Redacting(NDJSONEncoder):
+        def encode(self, event: StreamEvent) -> bytes:
+            return super().encode(event).replace(b"secret", b"******")
+
+    assert Redacting(PLAIN_META).uses_content_frame() is None
+    data, _ = render(Redacting, PLAIN_META, [Delta(content="my secret"), Done()])
+    assert b"secret" not in data and b"my ******" in data

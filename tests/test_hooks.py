@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -829,3 +829,20 @@ def test_stream_rejected_defaults() -> None:
         "insufficient_quota"
     )
     assert isinstance(error, GatewayError)
+
+
+async def test_map_stream_gives_the_events_before_the_one_it_fails_on() -> None:
+    async def one_read() -> AsyncGenerator[list[StreamEvent], None]:
+        yield [Delta(content="a"), Delta(content="b"), Delta(content="boom"), Delta(content="c")]
+
+    def edit(event: StreamEvent) -> StreamEvent:
+        if isinstance(event, Delta) and event.content == "boom":
+            raise ValueError("boom")
+        return event
+
+    mapped = map_stream(Stream.of_batches(one_read(), StreamMeta.new("m")), edit)
+    got = []
+    with pytest.raises(ValueError, match="boom"):
+        async for event in mapped:
+            got.append(event)
+    assert got == [Delta(content="a"), Delta(content="b")]

@@ -141,3 +141,15 @@ def test_feed_learns_the_template_and_takes_its_path() -> None:
     events, used = reader._template_events(text)
     assert used == len(text)
     assert events == [Delta('say "hi"'), Delta("a\\b"), Delta("plain")]
+
+
+def test_no_template_is_learnt_from_an_event_of_several_data_lines() -> None:
+    # SSE joins the lines with LF: a template holding one would let a line that SSE
+    # ignores (an unknown field) pass as an event of the template.
+    reader = ChunkReader("up")
+    body = b'data: {"choices":[{"index":0,"delta":\ndata: {"content":"hi"}}]}\n\n'
+    events, end = reader.feed(body)
+    assert events == [Delta("hi")] and end is False
+    assert reader._head is None
+    events, end = reader.feed(b'{"content":"evil"}}]}\n\n')
+    assert events == [] and end is False

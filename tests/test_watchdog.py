@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, ClassVar
 
 from nexus.server import state
 from nexus.watchdog import Watchdog
@@ -78,3 +78,85 @@ async def test_idle_streams_share_one_watchdog_and_all_get_heartbeats(
     for resp in responses:
         assert (await resp.read()).endswith(b'{"type":"done"}\n')
     assert len(client.server.app[state.RUNTIME].watchdog) == 0
+
+
+async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() -> None:
+    # The tick finds a heartbeat due in the loop turn a batch larger than a write slice
+    # arrives; the heartbeat task runs once the first slice waits on a slow client: it
+    # must not go out between two slices of one frame.
+    from nexus.cache.cursor import Renderer
+    from nexus.encoders.openai_sse import OpenAISSEEncoder
+    from nexus.events import Delta, Done
+    from nexus.server.streaming import WRITE_SLICE, StreamPump
+    from nexus.types import StreamMeta
+
+    class Reader:
+        def __init__(self, meta: StreamMeta) -> None:
+            self.meta, self.failure = meta, None
+            self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def __aiter__(self) -> Reader:
+            return self
+
+        async def __anext__(self) -> Any:
+            item = await self.queue.get()
+            if item is None:
+                raise StopAsyncIteration
+            return item
+
+        async def close(self) -> None:
+            pass
+
+    class Transport:
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+    class Request:
+        app: ClassVar[dict[str, Any]] = {}
+        transport = Transport()
+
+    class Response:
+        prepared, status = True, 200
+
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.gate = asyncio.Event()
+            self.gate.set()
+
+        async def write(self, data: bytes) -> None:
+            self.writes.append(bytes(data))
+            if len(data) == WRITE_SLICE:
+                await self.gate.wait()  # a slow client: the slice waits for the socket
+
+    meta = StreamMeta.new("m")
+    reader = Reader(meta)
+    renderer = Renderer(OpenAISSEEncoder(meta), meta.id, ids=False)
+    pump = StreamPump(
+        Request(),  # type: ignore[arg-type]
+        reader,
+        renderer,
+        heartbeat_s=15,
+        write_timeout_s=30,
+        headers={},
+        watchdog=Watchdog(),
+    )
+    response = Response()
+    pump.response = response  # type: ignore[assignment]
+    task = asyncio.create_task(pump.run())
+    reader.queue.put_nowait([Delta("hi")])
+    for _ in range(5):
+        await asyncio.sleep(0)
+    pump._last_write -= 20  # idle past the heartbeat interval
+    pump._write_started = pump._last_write
+    response.gate.clear()
+    reader.queue.put_nowait([Delta("x" * 200_000)])
+    pump.check(asyncio.get_running_loop().time())  # the tick, in the same loop turn
+    for _ in range(5):
+        await asyncio.sleep(0)
+    response.gate.set()
+    reader.queue.put_nowait([Done()])
+    await asyncio.wait_for(task, 5)
+    body = b"".join(response.writes)
+    start = body.index(b'"content":"xxxx')
+    assert b": ping" not in body[start : body.index(b"\n\n", start)], "inside the frame"
+    assert body.endswith(b"data: [DONE]\n\n")

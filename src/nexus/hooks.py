@@ -432,7 +432,16 @@ async def _mapped(
 ) -> AsyncGenerator[list[StreamEvent], None]:
     try:
         while batch := await stream.read_batch():
-            out = [mapped for event in batch if (mapped := fn(event)) is not None]
+            out: list[StreamEvent] = []
+            try:
+                for event in batch:
+                    mapped = fn(event)
+                    if mapped is not None:
+                        out.append(mapped)
+            except BaseException:
+                if out:
+                    yield out  # the events before the one fn failed on still go out
+                raise
             if out:
                 yield out
     finally:

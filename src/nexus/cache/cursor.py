@@ -103,7 +103,7 @@ class Renderer:
     ) -> None:
         self._encoder = encoder
         self._encode = encoder.encode
-        self._content_frame = encoder.content_frame
+        self._content_frame = encoder.uses_content_frame()
         self._ids = ids
         self._prefix = b"id: " + stream_id.encode("ascii") + b"."
         self._skipping = after is not None

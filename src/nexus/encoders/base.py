@@ -11,6 +11,7 @@ nothing". Encoders may keep per-stream state; they are never shared.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 from ..events import Done, Error, StreamEvent
@@ -37,7 +38,17 @@ class Encoder(ABC):
     content_frame: tuple[bytes, bytes] | None = None
     """``(head, tail)`` when the frame of a delta carrying only content (the commonest
     event by far) is ``head + <the content as a JSON string> + tail``, one frame with no
-    state behind it: the pump then builds it without calling :meth:`encode`."""
+    state behind it: the pump then builds it without calling :meth:`encode`. Set
+    :attr:`frame_encode` to the ``encode`` it stands for: a subclass that overrides
+    ``encode`` is then called as usual."""
+    frame_encode: ClassVar[Callable[..., bytes] | None] = None
+
+    def uses_content_frame(self) -> tuple[bytes, bytes] | None:
+        """:attr:`content_frame`, if this class's ``encode`` is the one it stands for."""
+        cls = type(self)
+        if self.content_frame is None or cls.encode is not cls.frame_encode:
+            return None
+        return self.content_frame
 
     def __init__(self, meta: StreamMeta) -> None:
         self.meta = meta

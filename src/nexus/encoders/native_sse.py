@@ -53,6 +53,8 @@ class NativeSSEEncoder(Encoder):
             return _CONTENT_HEAD + _dumps(content) + b"}}\n\n"
         return _HEADS[type(event)] + _dumps(event.to_dict()) + b"\n\n"
 
+    frame_encode = encode  # what content_frame stands for
+
     def heartbeat(self) -> bytes:
         # A comment line; no blank line, which would dispatch an empty event in
         # decoders that keep the last id pending (the openai SDK's, §1).

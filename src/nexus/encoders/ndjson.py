@@ -26,6 +26,8 @@ class NDJSONEncoder(Encoder):
             return _CONTENT_HEAD + _dumps(content) + b"}}\n"
         return _dumps(event.to_dict(), option=_NEWLINE)
 
+    frame_encode = encode  # what content_frame stands for
+
     def heartbeat(self) -> bytes:
         return b'{"type":"heartbeat"}\n'
 

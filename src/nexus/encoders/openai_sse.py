@@ -107,6 +107,8 @@ class OpenAISSEEncoder(Encoder):
             case _:
                 return b""
 
+    frame_encode = encode  # what content_frame stands for
+
     def error(self, event: Error) -> bytes:
         body = {
             "error": {

@@ -290,6 +290,8 @@ class ChunkReader:
     def _learn(self, data: str, content: str) -> str | None:
         """Take ``data`` (a content chunk) as the template, if the probe agrees."""
         self._misses += 1
+        if "\n" in data:
+            return None  # an event of several data: lines: the template must be one line
         token = orjson.dumps(content).decode()
         if data.count(token) != 1:
             return None  # escaped another way than orjson's, or found twice: no template

@@ -106,6 +106,7 @@ class StreamPump:
         self._shutting_down = False
         self._watchdog = watchdog if watchdog is not None else Watchdog()
         self._watched = False
+        self._writing = False  # the pump is inside a write (of one or several slices)
         self._beat: asyncio.Task[None] | None = None
         self._buffered = -1  # the transport's write buffer when last looked at
         self._moved = 0.0  # when it last changed: the socket took data
@@ -160,9 +161,11 @@ class StreamPump:
                 if len(data) > WRITE_SLICE:
                     await self._write_sliced(data)
                     continue
+                self._writing = True
                 self._write_started = now()
                 await write(data)
                 self._last_write = now()
+                self._writing = False
                 ex.bytes += len(data)
                 if sent is not None:
                     sent.inc(len(data))
@@ -282,9 +285,11 @@ class StreamPump:
         if len(data) > WRITE_SLICE:
             await self._write_sliced(data)
             return
+        self._writing = True
         self._write_started = self._loop.time()
         await response.write(data)
         self._last_write = self._loop.time()
+        self._writing = False
         self._sent(len(data))
 
     async def _write_sliced(self, data: bytes) -> None:
@@ -298,12 +303,14 @@ class StreamPump:
         write = self._require_response().write
         now = self._loop.time
         view = memoryview(data)
+        self._writing = True  # a heartbeat must not come between two slices of a frame
         for start in range(0, len(view), WRITE_SLICE):
             piece = view[start : start + WRITE_SLICE]
             self._write_started = now()
             await write(piece)
             self._last_write = now()
             self._sent(len(piece))
+        self._writing = False
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size
@@ -336,6 +343,8 @@ class StreamPump:
             response = self.response
             if self._ended or response is None:
                 return  # the terminator went out meanwhile: nothing may follow it
+            if self._writing or self._loop.time() - self._last_write < self.heartbeat_s:
+                return  # a write began since the tick (a frame's slices must stay together)
             heartbeat = self.renderer.heartbeat()
             self._write_started = self._loop.time()
             try:

@@ -86,19 +86,14 @@ class Stream:
     async def __anext__(self) -> StreamEvent:
         batch = self._batch
         at = self._at
-        if at < len(batch):
-            self._at = at + 1
-            return batch[at]
-        if not self._batched:
-            event: StreamEvent = await self._step()
-            return event
-        while True:
-            batch = await self._step()
-            if batch:
-                self._batch = batch
-                self._at = 1
-                first: StreamEvent = batch[0]
-                return first
+        if at >= len(batch):
+            batch = await self.read_batch()
+            if not batch:
+                raise StopAsyncIteration
+            self._batch = batch
+            at = 0
+        self._at = at + 1
+        return batch[at]
 
     async def read_batch(self) -> list[StreamEvent]:
         """The next events, at least one, as they arrived together; ``[]`` at the end."""
@@ -108,8 +103,6 @@ class Stream:
             self._batch = []
             self._at = 0
             return batch
-        # _step() inlined: a suspended read holds one frame less (the gateway's idle
-        # streams are all suspended here).
         self._reader = asyncio.current_task()
         events = self._events
         try:
@@ -127,22 +120,7 @@ class Stream:
         finally:
             if self._read_done is not None and not self._read_done.done():
                 self._read_done.set_result(None)
-        return []  # close() from another task ended this read
-
-    async def _step(self) -> Any:
-        """The source's next item; ``StopAsyncIteration`` at its end or after close()."""
-        self._reader = asyncio.current_task()
-        try:
-            return await self._events.__anext__()
-        except asyncio.CancelledError:
-            if not self._closed_under_reader():
-                raise
-        finally:
-            if self._read_done is not None and not self._read_done.done():
-                self._read_done.set_result(None)
-        # close() from another task ended this read. (Raised here, not inside the
-        # except clause: CPython 3.11 mis-counts recursion depth on that path.)
-        raise StopAsyncIteration
+        return []  # close() from another task ended this read (the stream ends)
 
     async def next(self) -> StreamEvent:
         """The next event. Raises :class:`EndOfStream` when the stream is over."""

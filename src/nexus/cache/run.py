@@ -200,19 +200,24 @@ class StreamRun:
     async def changed(self) -> None:
         """Until the next entry (returns at once when finished)."""
         if not self.finished:
-            await self._wait()
+            waiter = self._waiter()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self._drop(waiter)
+                raise
 
-    async def _wait(self) -> None:
+    def _waiter(self) -> asyncio.Future[None]:
+        """A future done at the next entry, for the caller to await itself (an idle
+        reader then holds no frame of this run's); :meth:`_drop` it if cancelled."""
         waiter = self._loop.create_future()
-        waiters = self._waiters
-        waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            # A reader that leaves an idle stream must not leave its waiter behind.
-            with contextlib.suppress(ValueError):
-                waiters.remove(waiter)
-            raise
+        self._waiters.append(waiter)
+        return waiter
+
+    def _drop(self, waiter: asyncio.Future[None]) -> None:
+        """A reader that leaves an idle stream must not leave its waiter behind."""
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
 
     async def _produce(self) -> None:
         source = self._source
@@ -406,15 +411,11 @@ class RunReader:
                 return events[index:end]
             if run.finished:
                 raise StopAsyncIteration
-            # run._wait(), inlined: an idle reader holds one frame less.
-            waiter = run._loop.create_future()
-            waiters = run._waiters
-            waiters.append(waiter)
+            waiter = run._waiter()
             try:
                 await waiter
             except asyncio.CancelledError:
-                with contextlib.suppress(ValueError):
-                    waiters.remove(waiter)
+                run._drop(waiter)
                 raise
 
     async def close(self) -> None:

@@ -4,6 +4,7 @@ checked against the general rules (``chunk_events``) on every shape of chunk."""
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import orjson
@@ -141,6 +142,32 @@ def test_feed_learns_the_template_and_takes_its_path() -> None:
     events, used = reader._template_events(text)
     assert used == len(text)
     assert events == [Delta('say "hi"'), Delta("a\\b"), Delta("plain")]
+
+
+def test_a_long_chunk_in_many_reads_costs_linear_time() -> None:
+    # A big content string (an image in base64) arriving in 1 KB reads once the template
+    # is known: the pending line is kept in pieces, not copied on every read. Eight times
+    # the size takes about eight times as long; a copy per read would take 64.
+    def chunk(content: str) -> bytes:
+        payload = {"id": "c", "choices": [{"index": 0, "delta": {"content": content}}]}
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def feed_time(size: int) -> float:
+        body = chunk("x" * size)
+        best = float("inf")
+        for _ in range(5):
+            reader = ChunkReader("up")
+            reader.feed(chunk("learn"))
+            start = time.perf_counter()
+            events: list[Any] = []
+            for i in range(0, len(body), 1024):
+                events += reader.feed(body[i : i + 1024])[0]
+            best = min(best, time.perf_counter() - start)
+            assert events == [Delta("x" * size)]
+        return best
+
+    short, long = feed_time(128 * 1024), feed_time(1024 * 1024)
+    assert long < 24 * short + 0.005, f"{long * 1000:.1f} ms vs {short * 1000:.1f} ms"
 
 
 def test_no_template_is_learnt_from_an_event_of_several_data_lines() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import socket
 from typing import Any
 
 import orjson
 import pytest
 import websockets
 
+from nexus.server.state import RUNTIME
 from support import GatedProvider, MakeClient
 from upstreams import FakeUpstream, Reply, openai_chunk
 
@@ -336,3 +338,95 @@ async def test_a_batch_of_tokens_goes_out_one_text_frame_each(
     assert contents == tokens
     assert frames[-2] == {"type": "delta", "delta": {}, "finish_reason": "stop"}
     assert frames[-1] == {"type": "done"}
+
+
+def turn_tasks() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if "Turn." in t.get_coro().__qualname__]  # type: ignore[union-attr]
+
+
+async def test_an_idle_turn_waits_for_its_stream_without_a_task(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=2)
+    client, ws = await connect(make_client, providers=[gated])
+    async with ws:
+        await ws.send(start(model="gated/m"))
+        assert orjson.loads(await asyncio.wait_for(ws.recv(), 5))["delta"] == {
+            "content": "before0 "
+        }
+        (conn,) = client.app[RUNTIME].sockets
+        assert conn.turn is not None and conn.turn.task is None
+        assert turn_tasks() == []  # the log's growth calls the turn back
+        gated.gate.set()
+        frames = await turn(ws)
+        assert [f["delta"].get("content") for f in frames[:2]] == ["after0 ", "after1 "]
+        assert frames[-1] == {"type": "done"}
+        await asyncio.sleep(0.05)
+        assert conn.turn is None and turn_tasks() == []
+        # The next turn on the same connection starts as the first did.
+        await ws.send(start("again"))
+        assert (await turn(ws))[-1] == {"type": "done"}
+
+
+async def test_a_client_that_stops_reading_gets_every_frame_once_it_reads_again(
+    make_client: MakeClient,
+) -> None:
+    # 2 MB of tokens, far more than the (shrunk) socket buffers hold while the client does
+    # not read: the turn waits for the paused socket in a task, then goes back to its log.
+    tokens = [f"{i:05d} " + "x" * 4090 for i in range(500)]
+    pieces = [
+        b"".join(openai_chunk(content=t) for t in tokens[i : i + 50])
+        for i in range(0, len(tokens), 50)
+    ]
+    pieces.append(openai_chunk(finish_reason="stop") + b"data: [DONE]\n\n")
+    async with FakeUpstream(Reply.stream(pieces)) as upstream:
+        provider = {"kind": "openai", "base_url": upstream.url + "/v1"}
+        client = await make_client({"providers": {"up": provider}})
+        url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((client.server.host, client.server.port))
+        sock.setblocking(False)
+        async with websockets.connect(
+            url, sock=sock, max_size=None, max_queue=1, compression=None
+        ) as ws:
+            (conn,) = client.app[RUNTIME].sockets
+            server_sock = conn.request.transport.get_extra_info("socket")
+            server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            await ws.send(start(model="up/m"))
+            for _ in range(500):
+                if conn.paused:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn.paused, "the socket never filled up"
+            assert conn.turn is not None and conn.turn.task is not None
+            frames = await turn(ws)
+    contents = [f["delta"]["content"] for f in frames if f["type"] == "delta" and f["delta"]]
+    assert contents == tokens
+    assert frames[-1] == {"type": "done"}
+
+
+async def test_a_failure_while_writing_from_the_log_ends_the_turn_with_an_error(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writes that the log's callback makes run outside any task: what they raise
+    # still reaches the client as an error frame and a 1011, as a task's would.
+    import nexus.server.routes.realtime as route
+
+    def broken(payloads: list[bytes]) -> bytes:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(route, "text_frames", broken)
+    client = await make_client()
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    async with websockets.connect(url, compression=None) as ws:
+        await ws.send(start("a b c"))
+        frames = await turn(ws)
+        assert frames[-1]["type"] == "error"
+        assert frames[-1]["error"]["code"] == "internal_error"
+        with pytest.raises(websockets.ConnectionClosedError):
+            await asyncio.wait_for(ws.recv(), 5)
+        assert ws.close_code == 1011
+    for _ in range(100):
+        if not client.app[RUNTIME].sockets:
+            break
+        await asyncio.sleep(0.01)
+    assert not client.app[RUNTIME].sockets

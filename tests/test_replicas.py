@@ -149,6 +149,31 @@ async def test_recordings_and_in_flight_requests_are_shared(
     assert not other.started.is_set()
 
 
+async def test_a_websocket_turn_follows_a_stream_it_joined_on_the_other_replica(
+    make_client: MakeClient, prefix: str
+) -> None:
+    # The turn reads replica one's log from Redis (not a local run): it waits in a task.
+    gated = GatedProvider(before=1, after=2)
+    config = redis_config(prefix, cache={"enabled": True})
+    one = await make_client(config, providers=[gated])
+    two = await make_client(config, providers=[GatedProvider()])
+    body = chat(model="gated/m", stream=True)
+    first = await one.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    await asyncio.wait_for(first.content.readline(), 5)
+    async with two.ws_connect("/v1/realtime") as ws:
+        await ws.send_str(orjson.dumps({"type": "start", "request": body}).decode())
+        frame = await asyncio.wait_for(ws.receive_json(), 5)
+        assert frame == {"type": "delta", "delta": {"content": "before0 "}}
+        assert not two.app[HUB].live  # followed from Redis, not run here
+        gated.gate.set()
+        frames = [frame]
+        while frames[-1]["type"] not in ("done", "error"):
+            frames.append(await asyncio.wait_for(ws.receive_json(), 5))
+    assert text_of(frames) == "before0 after0 after1 "
+    assert frames[-1] == {"type": "done"}
+    await first.read()
+
+
 async def test_cancel_answers_409_on_a_replica_that_does_not_run_the_stream(
     make_client: MakeClient, prefix: str
 ) -> None:

@@ -135,10 +135,13 @@ class SSEDecoder:
     def lead(self, text: str) -> str | None:
         """``text`` with the partial line pending before it (taken), for a caller's own
         fast path, which gives :meth:`data_of` whatever it does not take; None (and
-        nothing taken) when part of an event is pending."""
+        nothing taken) when part of an event is pending, or ``text`` does not end the
+        pending line (a long line in many reads is kept in pieces, not copied per read)."""
         if not self._plain():
             return None
         if self._pending:
+            if "\n" not in text and "\r" not in text:
+                return None
             text = "".join(self._pending) + text
             self._pending = []
         return text
@@ -151,6 +154,8 @@ class SSEDecoder:
         """The data of the whole events at the start of ``text`` if each is a single
         ``data: `` line (else None: the general path), and the text after them."""
         if self._pending:
+            if "\n" not in text:
+                return None  # inside the pending line: the general path keeps it in pieces
             text = "".join(self._pending) + text
         cut = text.rfind("\n\n")
         if cut < 0 or "\r" in text or not text.startswith("data: "):

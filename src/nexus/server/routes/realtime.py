@@ -2,13 +2,17 @@
 
 The protocol (envelopes, states, errors) lives in
 :class:`~nexus.protocol.realtime.RealtimeSession`; this module reads frames,
-feeds them to it and carries out its actions. A turn runs in its own task
-and sends each event of the engine's stream as one text frame (the NDJSON
-object), then ``{"type":"done"}``.
+feeds them to it and carries out its actions. A turn (:class:`Turn`) sends
+each event of the engine's stream as one text frame (the NDJSON object), then
+``{"type":"done"}``. It follows the stream's log without a task of its own:
+the log's growth calls it back, and it writes what arrived straight to the
+socket; a task runs only while the turn waits for something else (a paused
+socket, its end).
 
-* ``abort`` cancels the turn's task: the cancellation reaches the provider at
-  its current await, so its cleanup runs at once, not at the next chunk; then
-  ``{"type":"done","aborted":true}`` goes out and the connection stays open.
+* ``abort`` ends the turn and cancels its stream: the cancellation reaches the
+  provider at its current await, so its cleanup runs at once, not at the next
+  chunk; then ``{"type":"done","aborted":true}`` goes out and the connection
+  stays open.
 * A provider failure (an error event, or an upstream error before output):
   the error frame, then close 1011. A request-level failure (unknown model,
   unsupported input): the error frame, and the connection stays open.
@@ -24,16 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import orjson
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from ...auth import ApiKey, Forbidden
 from ...cache.hub import with_usage
-from ...cache.run import LogReader, StreamRun
+from ...cache.run import LogReader, RunReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown, TooManyStreams
-from ...events import Done, Error, plain_content
+from ...events import Done, Error, StreamEvent, plain_content
 from ...hooks import CallContext
 from ...protocol.realtime import (
     AbortTurn,
@@ -46,7 +52,7 @@ from ...protocol.realtime import (
 from .. import state
 from ..access import admit, authenticate, exchange
 
-__all__ = ["RealtimeConnection", "handle"]
+__all__ = ["RealtimeConnection", "Turn", "handle"]
 
 log = logging.getLogger("nexus.realtime")
 
@@ -93,23 +99,25 @@ class RealtimeConnection:
         self.session = RealtimeSession(
             max_pending_input_bytes=config.realtime.max_pending_input_bytes
         )
-        self.turn: asyncio.Task[None] | None = None
-        self._held: tuple[LogReader, StreamRun | None] | None = None
-        self._terminated = False
+        self.turn: Turn | None = None
+        """The running turn, until it is over (its stream let go)."""
 
     @property
     def busy(self) -> bool:
-        return self.turn is not None and not self.turn.done()
+        return self.turn is not None
 
     async def run(self) -> web.WebSocketResponse:
         ws = self.ws
         await ws.prepare(self.request)
+        ws.headers.clear()  # sent: not kept for the connection's length
         self.runtime.sockets.add(self)
         self._last_seen = self._loop.time()
         self.runtime.watchdog.add(self, self._heartbeat_s / 4)
+        receive = ws.receive
         try:
-            async for message in ws:
-                if not await self._receive(message):
+            while True:
+                message = await receive()
+                if message.type in _CLOSED or not await self._receive(message):
                     break
                 # Not held while the socket waits for its next frame (a turn may be long).
                 del message
@@ -200,121 +208,211 @@ class RealtimeConnection:
                     await self.ws.send_str(gateway_error_frame(exc).frame)
                     return
                 self.session.start_accepted()
-                self._terminated = False
                 # A joined stream is another request's: this socket may leave it, never end it.
-                owned = None if opened.joined else opened.run
-                self._held = (reader, owned)
-                turn = asyncio.get_running_loop().create_task(self._turn(reader, owned))
-                turn.add_done_callback(self._turn_done)
+                turn = Turn(self, reader, None if opened.joined else opened.run)
                 self.turn = turn
+                turn.advance()
             case AbortTurn():
                 running = self.turn
-                if running is None or running.done():
+                if running is None:
                     return
-                running.cancel()
-                await asyncio.wait((running,))
-                await self._release()
-                # Sent here, not by the turn: a turn cancelled before it first ran
-                # must still answer. A turn that already sent its end gets nothing more.
-                if not self._terminated:
-                    self._terminate()
+                await running.stop()
+                # Sent here, not by the turn: a turn stopped before it wrote anything must
+                # still answer. A turn that already sent its end gets nothing more.
+                if not running.terminated:
+                    running.terminate()
                     with contextlib.suppress(ConnectionError):
                         await self.ws.send_str(_ABORTED)
 
-    def _turn_done(self, turn: asyncio.Task[None]) -> None:
-        if turn is self.turn:
-            self.session.turn_ended()
-        if not turn.cancelled() and turn.exception() is not None:
-            log.error("realtime turn failed", exc_info=turn.exception())
-
-    async def _turn(self, reader: LogReader, run: StreamRun | None) -> None:
-        ws = self.ws
-        started = False
-        try:
-            async for batch in reader:
-                frames: list[bytes] = []
-                for event in batch:
-                    cls = type(event)
-                    if cls is Done or cls is Error:
-                        if frames:
-                            await self._send_texts(frames)
-                        if cls is Done:
-                            self._terminate()  # before the frame: the client may start again
-                            await ws.send_str(_ABORTED if event.aborted else _DONE)  # type: ignore[union-attr]
-                            return
-                        failure = reader.failure
-                        if not started and failure is not None:
-                            raise failure
-                        await self._fail(orjson.dumps(event.to_dict()))
-                        return
-                    started = True
-                    content = plain_content(event)
-                    if content is not None:
-                        frames.append(_CONTENT_HEAD + _dumps(content) + b"}}")
-                    else:
-                        frames.append(_dumps(event.to_dict()))
-                if frames:
-                    await self._send_texts(frames)
-        except GatewayError as exc:
-            if exc.status >= 500:
-                await self._fail(orjson.dumps(exc.to_event().to_dict()))
-            else:
-                self._terminate()
-                await ws.send_str(gateway_error_frame(exc).frame)
-        except ConnectionError:
-            log.debug("realtime client went away mid-turn")
-        except Exception:
-            log.exception("realtime turn failed")
-            await self._fail(orjson.dumps(_INTERNAL.to_dict()))
-        finally:
-            await _release(reader, run)
-
-    async def _send_texts(self, payloads: list[bytes]) -> None:
-        """One text frame per payload: all in one write, unless the connection
-        compresses (then aiohttp frames each)."""
+    def write_now(self, payloads: list[bytes]) -> bool:
+        """Write one text frame per payload at once, in one write; False when that cannot be
+        done without a wait (the connection compresses, or is going away)."""
         ws = self.ws
         transport = self.request.transport
-        if ws.compress or len(payloads) == 1 or transport is None:
+        if ws.compress or transport is None or ws.closed or transport.is_closing():
+            return False
+        if payloads:
+            transport.write(text_frames(payloads))
+        return True
+
+    @property
+    def paused(self) -> bool:
+        """The socket's buffer is full: wait for it before writing more."""
+        return self.request.protocol.writing_paused
+
+    async def send_texts(self, payloads: list[bytes]) -> None:
+        """One text frame per payload (see :meth:`write_now`; compressed ones framed by
+        aiohttp, each), then the wait for a paused socket."""
+        if not self.write_now(payloads):
+            ws = self.ws
+            if not ws.compress:
+                raise ConnectionResetError("the realtime client went away")
             for payload in payloads:
                 await ws.send_frame(payload, WSMsgType.TEXT)
-            return
-        if ws.closed or transport.is_closing():
-            raise ConnectionResetError("the realtime client went away")
-        transport.write(text_frames(payloads))
-        protocol = self.request.protocol
-        if protocol.writing_paused:
-            await protocol._drain_helper()  # aiohttp's own wait for the transport
+        if self.paused:
+            await self.request.protocol._drain_helper()  # aiohttp's own wait for the transport
 
-    async def _release(self) -> None:
-        """Let go of the current turn's stream (also when it was cancelled before it ran)."""
-        held, self._held = self._held, None
-        if held is not None:
-            await _release(*held)
-
-    def _terminate(self) -> None:
-        """The turn's last frame is about to go out: no aborted frame after it."""
-        self._terminated = True
-        self.session.turn_ended()
-
-    async def _fail(self, frame: bytes) -> None:
+    async def fail(self, frame: bytes) -> None:
         """A provider (or gateway) failure ends the connection: the error, then 1011."""
-        self._terminate()
         with contextlib.suppress(ConnectionError):
             await self.ws.send_frame(frame, WSMsgType.TEXT)
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
 
     async def _cancel_turn(self) -> None:
         turn = self.turn
-        if turn is not None and not turn.done():
-            turn.cancel()
-            await asyncio.wait((turn,))
-        await self._release()
+        if turn is not None:
+            await turn.stop()
 
     async def shutdown(self) -> None:
         """Server shutdown: cancel the turn, close with 1001 (going away)."""
         await self._cancel_turn()
         with contextlib.suppress(Exception):
             await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
+
+class Turn:
+    """One turn's writer: each event of its log as a text frame, then its end.
+
+    It waits for the log without a task: :meth:`advance` writes what the log
+    holds straight to the socket, then asks the log (:meth:`RunReader.notify`)
+    to call it again when it grows. A task (``task``) runs only while the turn
+    waits for something else: a paused socket, a compressing connection's
+    writes, its end (the last frame, a close), a log read from the store (a
+    stream of another replica's). An idle turn holds no task and no frame.
+    """
+
+    __slots__ = ("conn", "over", "reader", "run", "started", "task", "terminated")
+
+    def __init__(self, conn: RealtimeConnection, reader: LogReader, run: StreamRun | None) -> None:
+        self.conn = conn
+        self.reader = reader
+        self.run = run
+        """The stream it ends when it ends early; None for one it only joined."""
+        self.started = False  # an event went out: a failure is in-band from then on
+        self.terminated = False  # its last frame went out: no aborted frame after it
+        self.over = False
+        self.task: asyncio.Task[None] | None = None
+
+    def advance(self, _: object = None) -> None:
+        """Write what the log holds beyond what was written; then wait for more."""
+        if self.over or self.task is not None:
+            return
+        reader = self.reader
+        if type(reader) is not RunReader:
+            self._wait(self._finish([], None))
+            return
+        conn = self.conn
+        try:
+            while (batch := reader.poll()) is not None:
+                payloads, end = self._payloads(batch)
+                if end is not None or not conn.write_now(payloads):
+                    self._wait(self._finish(payloads, end))
+                    return
+                if conn.paused:
+                    self._wait(self._finish([], None))
+                    return
+        except Exception as exc:  # called by the loop: the turn's task handles it
+            self._wait(self._finish([], exc))
+            return
+        reader.notify(self.advance)
+
+    def _payloads(self, batch: list[StreamEvent]) -> tuple[list[bytes], StreamEvent | None]:
+        """The frames of ``batch``'s events up to its terminal entry (returned beside them)."""
+        payloads: list[bytes] = []
+        for event in batch:
+            cls = type(event)
+            if cls is Done or cls is Error:
+                return payloads, event
+            self.started = True
+            content = plain_content(event)
+            if content is not None:
+                payloads.append(_CONTENT_HEAD + _dumps(content) + b"}}")
+            else:
+                payloads.append(_dumps(event.to_dict()))
+        return payloads, None
+
+    def _wait(self, work: Coroutine[Any, Any, None]) -> None:
+        self.task = asyncio.get_running_loop().create_task(work)
+
+    async def _finish(self, payloads: list[bytes], end: StreamEvent | Exception | None) -> None:
+        """The waiting part: write ``payloads`` (then ``end``, if any), waiting for the
+        socket; then, on a local log, back to :meth:`advance`; on another, read it on.
+        ``end`` may be what :meth:`advance` raised, to be handled here."""
+        conn = self.conn
+        back = False
+        try:
+            if isinstance(end, Exception):
+                raise end
+            await conn.send_texts(payloads)
+            if end is None and type(self.reader) is not RunReader:
+                async for batch in self.reader:
+                    payloads, end = self._payloads(batch)
+                    await conn.send_texts(payloads)
+                    if end is not None:
+                        break
+                # else: the log ended without its terminal entry (a store that lost it)
+            if end is not None:
+                await self._end(end)
+            else:
+                back = type(self.reader) is RunReader
+        except GatewayError as exc:
+            self.terminate()
+            with contextlib.suppress(ConnectionError):
+                if exc.status >= 500:
+                    await conn.fail(orjson.dumps(exc.to_event().to_dict()))
+                else:
+                    await conn.ws.send_str(gateway_error_frame(exc).frame)
+        except ConnectionError:
+            log.debug("realtime client went away mid-turn")
+        except Exception:
+            log.exception("realtime turn failed")
+            self.terminate()
+            await conn.fail(orjson.dumps(_INTERNAL.to_dict()))
+        finally:
+            self.task = None
+            if not back:
+                await self._close()
+        if back:
+            self.advance()
+
+    async def _end(self, event: StreamEvent) -> None:
+        if type(event) is Done:
+            self.terminate()  # before the frame: the client may start again
+            await self.conn.ws.send_str(_ABORTED if event.aborted else _DONE)
+            return
+        failure = self.reader.failure
+        if not self.started and failure is not None:
+            raise failure
+        self.terminate()
+        await self.conn.fail(orjson.dumps(event.to_dict()))
+
+    def terminate(self) -> None:
+        """The turn's last frame is about to go out: the session may start the next."""
+        self.terminated = True
+        if self.conn.turn is self:
+            self.conn.session.turn_ended()
+
+    async def stop(self) -> None:
+        """End the turn now (an abort, the socket gone, shutdown); its stream with it."""
+        task = self.task
+        if task is not None:
+            task.cancel()
+            await asyncio.wait((task,))
+        await self._close()
+
+    async def _close(self) -> None:
+        """Over: the stream let go (ended, unless shared), the connection free for the next."""
+        if self.over:
+            return
+        self.over = True
+        conn = self.conn
+        if conn.turn is self:
+            conn.turn = None
+            conn.session.turn_ended()
+        await _release(self.reader, self.run)
+
+
+_CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 
 
 async def _release(reader: LogReader, run: StreamRun | None) -> None:

@@ -85,9 +85,9 @@ FULL = _scenarios(
     ),
     Scenario(
         "idle",
-        "5,000 concurrent streams x 30 tokens at 1 token/s (one round)",
+        "5,000 concurrent streams x 60 tokens at 1 token/s (one round)",
         streams=5000,
-        chunks=30,
+        chunks=60,
         delay_ms=1000,
         timeout_s=240,
         max_rounds=1,

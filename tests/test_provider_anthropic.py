@@ -11,7 +11,8 @@ import pytest
 
 from nexus import Engine, accumulate
 from nexus.config import parse_config
-from nexus.providers.anthropic import messages_body
+from nexus.events import Delta, Usage
+from nexus.providers.anthropic import StreamTranslator, messages_body
 from nexus.request import ChatRequest
 from support import MakeClient, parse_sse
 from upstreams import FakeUpstream, Reply, sse
@@ -362,6 +363,39 @@ async def test_error_event_mid_stream(make_client: MakeClient, upstream: FakeUps
     assert error["type"] == "overloaded_error"
     assert "Overloaded" in error["message"]
     assert events[-1].data == "[DONE]"
+
+
+async def test_a_read_is_one_batch_and_an_error_keeps_the_events_before_it(
+    upstream: FakeUpstream,
+) -> None:
+    # The whole body in one write: its events come as one batch, as for OpenAI-kind
+    # upstreams; the error event in the same read ends the stream after them.
+    overloaded = {"type": "overloaded_error", "message": "Overloaded"}
+    body = b"".join([message_start(), *text_block(0, "a", "b", "c"), event("ping")])
+    body += event("error", error=overloaded)
+    upstream.add(Reply.stream([body]))
+    async with Engine.from_config(parse_config(config(upstream))) as engine:
+        stream = engine.complete_stream(chat())
+        batches = []
+        while batch := await stream.read_batch():
+            batches.append(batch)
+    assert batches[0] == [Delta("a"), Delta("b"), Delta("c")]
+    assert len(batches) == 2 and batches[1][0].type == "error"
+    assert batches[1][0].error_type == "overloaded_error"  # type: ignore[union-attr]
+
+
+def test_the_translator_reads_up_to_message_stop() -> None:
+    translator = StreamTranslator("claude")
+    events = parse_sse(
+        b"".join([message_start(), *text_block(0, "hi"), *finish("end_turn", 3), event("ping")])
+    )
+    out, failure = translator.read(events, orjson.loads)
+    assert failure is None and translator.finished
+    assert out == [
+        Delta("hi"),
+        Delta(finish_reason="stop"),
+        Usage(10, 3, 13, cached_tokens=0, cache_write_tokens=0),
+    ]
 
 
 async def test_end_without_message_stop_is_an_error(upstream: FakeUpstream) -> None:

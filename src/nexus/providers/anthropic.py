@@ -20,14 +20,15 @@ input + cache read + cache creation, ``cached_tokens`` = cache read.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
 
 from ..config import AnthropicProviderConfig
-from ..errors import InvalidRequest, UpstreamError
-from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..errors import GatewayError, InvalidRequest, UpstreamError
+from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
+from ..protocol.sse import ServerSentEvent, SSEDecoder
 from ..request import (
     AssistantMessage,
     ChatRequest,
@@ -39,6 +40,7 @@ from ..request import (
     UserMessage,
     message_text,
 )
+from .base import flatten
 from .http import HTTPProvider
 from .openai import in_stream_error
 
@@ -209,6 +211,26 @@ class StreamTranslator:
         self._input = self._cache_read = self._cache_write = self._output = 0
         self._finish: str | None = None
 
+    def read(
+        self, events: list[ServerSentEvent], parse: Callable[[str], dict[str, Any] | None]
+    ) -> tuple[list[StreamEvent], GatewayError | None]:
+        """The stream events of one upstream read's SSE events (``parse`` turns their data
+        into JSON objects), up to ``message_stop``; an ``error`` event comes back beside
+        the events before it, which are not lost."""
+        out: list[StreamEvent] = []
+        for sse in events:
+            data = parse(sse.data)
+            if data is None:
+                continue
+            kind = sse.event if sse.event != "message" else str(data.get("type", ""))
+            try:
+                out += self.feed(kind, data)
+            except GatewayError as exc:
+                return out, exc
+            if self.finished:
+                break
+        return out, None
+
     def feed(self, kind: str, data: dict[str, Any]) -> list[StreamEvent]:
         match kind:
             case "content_block_delta":
@@ -216,7 +238,7 @@ class StreamTranslator:
                 match delta.get("type"):
                     case "text_delta":
                         text = delta.get("text")
-                        return [Delta(content=text)] if text else []
+                        return [content_delta(text)] if text else []
                     case "input_json_delta":
                         index = self._tool_index.get(data.get("index", -1))
                         partial = delta.get("partial_json") or ""
@@ -307,24 +329,32 @@ class AnthropicProvider(HTTPProvider):
             headers["x-api-key"] = self._api_key
         return headers
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        return flatten(self.batches(request, model))
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         if request.token_limit == 0:
             # The API requires max_tokens >= 1; zero tokens needs no upstream call.
-            yield Delta(finish_reason="length")
-            yield Usage()
+            yield [Delta(finish_reason="length"), Usage()]
             return
-        body = messages_body(request, model, self.config.default_max_tokens)
-        upstream = await self.post_stream("/v1/messages", body, self.headers())
+        payload = messages_body(request, model, self.config.default_max_tokens)
+        del request  # held by nothing for the stream's length
+        upstream = await self.post_stream("/v1/messages", payload, self.headers())
+        del payload
         translator = StreamTranslator(self.name)
+        decode = SSEDecoder().decode
+        parse = self.payload
+        body = self.body(upstream)
         clean = False
         try:
-            async for sse in self.sse_events(upstream):
-                data = self.payload(sse.data)
-                if data is None:
-                    continue
-                kind = sse.event if sse.event != "message" else str(data.get("type", ""))
-                for event in translator.feed(kind, data):
-                    yield event
+            while chunk := await body.read():
+                events, failure = translator.read(decode(chunk), parse)
+                if events:
+                    yield events
+                if failure is not None:
+                    raise failure
                 if translator.finished:
                     clean = True
                     return
@@ -333,4 +363,5 @@ class AnthropicProvider(HTTPProvider):
                 code="upstream_disconnect",
             )
         finally:
+            body.close()
             await upstream.finish(clean)

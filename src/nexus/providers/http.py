@@ -29,15 +29,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import orjson
 
 from ..config import HTTPProviderConfig
 from ..errors import ConfigError, GatewayError, UpstreamError, UpstreamTimeout
-from ..protocol.sse import ServerSentEvent, SSEDecoder
 from ..watchdog import Watchdog
 from .base import Provider
 
@@ -50,8 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("nexus.providers")
-
-T = TypeVar("T")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
@@ -213,7 +210,7 @@ class HTTPProvider(Provider):
         """POST ``body``; the response once its headers are in and its status is 2xx.
 
         ``first_byte_timeout_s`` is one deadline from now to the first body bytes
-        (see :meth:`sse_events`). Redirects are not followed: they would carry the
+        (see :class:`BodyReader`). Redirects are not followed: they would carry the
         key headers and the body to another host.
         """
         url = self.base_url + path
@@ -237,30 +234,6 @@ class HTTPProvider(Provider):
                         response.close()
                     raise status_error(self.name, response.status, payload, response.headers)
         return UpstreamStream(response, deadline)
-
-    async def sse_events(self, upstream: UpstreamStream) -> AsyncIterator[ServerSentEvent]:
-        """The SSE events of the response, one by one (see :meth:`sse_batches`)."""
-        async for batch in self.sse_batches(upstream):
-            for event in batch:
-                yield event
-
-    def sse_batches(self, upstream: UpstreamStream) -> AsyncIterator[list[ServerSentEvent]]:
-        """The SSE events of the response, as each read completes them (see :meth:`_sse`)."""
-        return self.sse_reads(upstream, SSEDecoder().decode)
-
-    async def sse_reads(
-        self, upstream: UpstreamStream, decode: Callable[[bytes], T]
-    ) -> AsyncIterator[T]:
-        """``decode(bytes)`` for each read of the response body, unless that is falsy
-        (see :class:`BodyReader`). A batch per read, not an event per step."""
-        body = self.body(upstream)
-        try:
-            while chunk := await body.read():
-                events = decode(chunk)
-                if events:
-                    yield events
-        finally:
-            body.close()
 
     def body(self, upstream: UpstreamStream) -> BodyReader:
         """The response body, read with this provider's timeouts."""

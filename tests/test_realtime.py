@@ -430,3 +430,48 @@ async def test_a_failure_while_writing_from_the_log_ends_the_turn_with_an_error(
             break
         await asyncio.sleep(0.01)
     assert not client.app[RUNTIME].sockets
+
+
+async def test_a_start_right_after_done_is_not_undone_by_the_ending_turn(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ending turn lets the session go when its done frame is on its way; its last
+    # steps (the write, the release) run while the next start is being opened. They must
+    # not let the session go a second time: a third start would then be accepted and the
+    # second turn's stream orphaned, never cancelled.
+    from aiohttp import web
+
+    from nexus.cache.hub import StreamHub
+
+    send_str = web.WebSocketResponse.send_str
+    open_stream = StreamHub.open
+
+    async def slow_done(self: web.WebSocketResponse, data: str, *a: Any, **kw: Any) -> None:
+        await send_str(self, data, *a, **kw)
+        if data == '{"type":"done"}':
+            await asyncio.sleep(0.2)
+
+    async def slow_open(self: StreamHub, *a: Any, **kw: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await open_stream(self, *a, **kw)
+
+    monkeypatch.setattr(web.WebSocketResponse, "send_str", slow_done)
+    monkeypatch.setattr(StreamHub, "open", slow_open)
+    gated = GatedProvider(before=1, after=1)
+    client, ws = await connect(make_client, providers=[gated])
+    async with ws:
+        await ws.send(start("first"))
+        assert (await turn(ws))[-1] == {"type": "done"}
+        await ws.send(start("second", model="gated/m"))
+        assert orjson.loads(await asyncio.wait_for(ws.recv(), 5))["type"] == "delta"
+        (conn,) = client.app[RUNTIME].sockets
+        assert conn.session.streaming
+        await ws.send(start("third"))
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "stream_in_progress"
+        await ws.send('{"type": "abort"}')
+        assert orjson.loads(await asyncio.wait_for(ws.recv(), 5)) == {
+            "type": "done",
+            "aborted": True,
+        }
+    await asyncio.wait_for(gated.closed.wait(), 5)

@@ -408,7 +408,8 @@ class Turn:
         conn = self.conn
         if conn.turn is self:
             conn.turn = None
-            conn.session.turn_ended()
+            if not self.terminated:  # else the session already moved on: it may be streaming
+                conn.session.turn_ended()
         await _release(self.reader, self.run)
 
 

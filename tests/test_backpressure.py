@@ -296,11 +296,12 @@ async def test_client_that_stops_reading_is_dropped_and_its_stream_cancelled_aft
         sent = time.monotonic()
         await send(writer, "POST", "/v1/chat/completions", body)
         timeline = await follow_health(server, until=sent + 12)
+        # Checked before reading: a client never dropped would leave the read waiting.
+        assert timeline.attached is not None, "the stream never showed in /healthz"
+        assert timeline.dropped is not None, "the client that read nothing was never dropped"
+        assert timeline.gone is not None, "the stream was never cancelled"
         raw = await read_rest(reader)  # only now: what the kernel held, then EOF or a reset
 
-    assert timeline.attached is not None, "the stream never showed in /healthz"
-    assert timeline.dropped is not None, "the client that read nothing was never dropped"
-    assert timeline.gone is not None, "the stream was never cancelled"
     # The ~100 KB the kernel holds fill in ~1 s (~1,000 frames/s of SSE), then the write
     # stalls for write_timeout_s; the watchdog notices within a quarter of it.
     assert WRITE_TIMEOUT_S <= timeline.dropped - sent <= WRITE_TIMEOUT_S + 3.0

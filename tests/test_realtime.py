@@ -6,6 +6,7 @@ import asyncio
 import base64
 import os
 import socket
+import zlib
 from typing import Any
 
 import orjson
@@ -265,17 +266,21 @@ async def test_pings_are_answered_and_keep_the_connection(make_client: MakeClien
 # --- raw clients: peers that misbehave in ways a client library will not ---
 
 
-async def _raw_socket(client: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _raw_socket(
+    client: Any, extensions: str = ""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
     key = base64.b64encode(os.urandom(16)).decode()
+    extra = f"Sec-WebSocket-Extensions: {extensions}\r\n" if extensions else ""
     writer.write(
         (
             "GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
         ).encode()
     )
     head = await reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 101")
+    assert (b"permessage-deflate" in head) == bool(extensions)
     return reader, writer
 
 
@@ -284,6 +289,42 @@ def _masked_text(payload: bytes) -> bytes:
     assert len(payload) < 126
     body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
     return bytes([0x81, 0x80 | len(payload)]) + mask + body
+
+
+@pytest.mark.parametrize("extensions", ["", "permessage-deflate"])
+async def test_server_pings_are_bare_control_frames_and_a_pong_keeps_the_peer(
+    make_client: MakeClient, extensions: str
+) -> None:
+    # Written by the gateway itself, not by aiohttp: check the bytes. With compression
+    # negotiated too, a control frame has RSV1 clear and is never compressed.
+    client = await make_client({"server": {"heartbeat_interval_s": 0.1}})
+    reader, writer = await _raw_socket(client, extensions)
+    pong = bytes([0x8A, 0x80]) + os.urandom(4)  # masked, no payload
+    for _ in range(4):  # four intervals: 0.4 s, far past one pong's deadline (0.05 s)
+        assert await asyncio.wait_for(reader.readexactly(2), 5) == b"\x89\x00"
+        writer.write(pong)
+    writer.write(_masked_text(start("alive").encode()))
+    inflate = zlib.decompressobj(-zlib.MAX_WBITS)
+    texts: list[bytes] = []
+    compressed = 0
+    while b'{"type":"done"}' not in texts[-1:]:
+        head = await asyncio.wait_for(reader.readexactly(2), 5)
+        assert head[1] & 0x80 == 0  # a server's frames are never masked
+        size = head[1] & 0x7F
+        if size >= 126:
+            size = int.from_bytes(await reader.readexactly(2 if size == 126 else 8), "big")
+        payload = await reader.readexactly(size)
+        if head[0] == 0x89:  # another ping between the turn's frames: still bare
+            assert payload == b""
+            continue
+        assert head[0] & 0x0F == 1 and head[0] & 0x80  # whole text frames
+        if head[0] & 0x40:  # RSV1: compressed (RFC 7692 7.2.2)
+            compressed += 1
+            payload = inflate.decompress(payload + b"\x00\x00\xff\xff")
+        texts.append(payload)
+    assert b"".join(texts).count(b'"type":"delta"') >= 1
+    assert bool(compressed) == bool(extensions)
+    writer.close()
 
 
 async def test_peer_that_ignores_pings_is_closed_and_its_stream_cancelled(

@@ -110,12 +110,13 @@ async def test_unknown_stream_is_404_stream_not_found(make_client: MakeClient) -
 
 
 async def test_a_finished_stream_expires_after_resume_ttl(make_client: MakeClient) -> None:
-    client = await make_client({"streams": {"resume_ttl_s": 0.3}})
+    # A TTL wide enough that a loaded CI machine reaches the first GET within it.
+    client = await make_client({"streams": {"resume_ttl_s": 1.0}})
     resp = await client.post("/v1/chat/completions", json=chat(TEXT, stream=True))
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     await resp.read()
     assert (await client.get(f"/v1/streams/{stream_id}")).status == 200
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(1.1)
     resp = await client.get(f"/v1/streams/{stream_id}")
     assert resp.status == 404
     assert (await resp.json())["error"]["code"] == "stream_not_found"

@@ -147,7 +147,7 @@ class RealtimeConnection:
         A control frame is never compressed nor fragmented (RFC 6455 5.5, RFC 7692 6.1),
         so it may go between any two frames. A task per ping (``ws.ping()`` is a
         coroutine) came to every idle connection at once, every interval, and raised
-        their memory's high-water mark by ~1 KB each (bench/README.md).
+        their memory's high-water mark by ~0.3 KB each (bench/README.md).
         """
         transport = self.request.transport
         if transport is not None and not transport.is_closing() and not self.ws.closed:

@@ -460,6 +460,78 @@ async def test_max_concurrent_streams_per_key(make_client: MakeClient) -> None:
     await resp.read()
 
 
+@pytest.mark.parametrize("keys", [True, False], ids=["per-key", "global"])
+async def test_requests_arriving_together_cannot_pass_the_stream_limit(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch, keys: bool
+) -> None:
+    # Opening a stream may wait (a shared store, a middleware): requests that are being
+    # opened count, or all of them would pass a limit that only two fit in.
+    from nexus.cache.hub import StreamHub
+    from nexus.server.state import HUB
+
+    open_stream = StreamHub.open
+
+    async def slow_open(self: StreamHub, *a: Any, **kw: Any) -> Any:
+        await asyncio.sleep(0.1)
+        return await open_stream(self, *a, **kw)
+
+    monkeypatch.setattr(StreamHub, "open", slow_open)
+    gated = GatedProvider(before=1, after=1)
+    limits = {"max_concurrent_streams_per_key": 2} if keys else {"max_concurrent_streams": 2}
+    config = keyed(limits=limits) if keys else {"providers": PROVIDERS, "limits": limits}
+    client = await make_client(config, providers=[gated])
+    url = "/v1/chat/completions?stream_format=sse"
+    body = chat(model="gated/m", stream=True)
+    responses = await asyncio.gather(
+        *(client.post(url, json=body, headers=bearer(KEY_A)) for _ in range(6))
+    )
+    assert sorted(r.status for r in responses) == [200, 200, 429, 429, 429, 429]
+    hub = client.app[HUB]
+    assert hub.running("alpha" if keys else None) == 2
+    gated.gate.set()
+    for resp in responses:
+        if resp.status == 200:
+            assert parse_sse(await resp.read())[-1].data == "[DONE]"
+        else:
+            assert (await resp.json())["error"]["code"] == "too_many_streams"
+    for _ in range(100):
+        if hub.running() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert hub.running() == 0
+    assert hub.running("alpha") == 0
+
+
+async def test_websocket_turns_count_toward_the_per_key_limit(make_client: MakeClient) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(
+        keyed(limits={"max_concurrent_streams_per_key": 1}), providers=[gated]
+    )
+    url = "/v1/chat/completions?stream_format=sse"
+    first = await client.post(url, json=chat(model="gated/m", stream=True), headers=bearer(KEY_A))
+    assert first.status == 200
+    async with websockets.connect(ws_url(client), additional_headers=bearer(KEY_A)) as ws:
+        await ws.send(start_frame())
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["type"] == "error"
+        assert error["error"]["code"] == "too_many_streams"
+        assert "'alpha'" in error["error"]["message"]
+        gated.gate.set()
+        assert parse_sse(await first.read())[-1].data == "[DONE]"
+        # Its HTTP stream ended: the same socket may start a turn now.
+        for _ in range(50):
+            await ws.send(start_frame())
+            frames = await turn(ws)
+            if frames[-1] == {"type": "done"}:
+                break
+            await asyncio.sleep(0.02)
+        assert frames[-1] == {"type": "done"}
+    # Another key is not limited by alpha's streams.
+    async with websockets.connect(ws_url(client), additional_headers=bearer(KEY_B)) as ws:
+        await ws.send(start_frame())
+        assert (await turn(ws))[-1] == {"type": "done"}
+
+
 # --- CORS -----------------------------------------------------------------------------
 
 ORIGIN = "https://app.example"

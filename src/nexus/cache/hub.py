@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,7 +38,7 @@ import orjson
 
 from ..config import CacheConfig, StreamsConfig
 from ..engine import Engine
-from ..errors import GatewayError, StreamNotFound
+from ..errors import GatewayError, StreamNotFound, TooManyStreams
 from ..events import Done, Error, StreamEvent
 from ..hooks import CallContext
 from ..request import ChatRequest
@@ -153,11 +153,51 @@ class StreamHub:
         self.cache = cache or CacheConfig()
         self.max_duration_s = max_duration_s
         self.live: dict[str, StreamRun] = {}
+        self._owned: dict[str, int] = {}  # live runs per owner (API key name)
+        self._opening = 0  # admitted requests whose stream is not live yet
+        self._opening_owned: dict[str, int] = {}
         self.on_live: Callable[[int], None] | None = None
         """Told how many streams run here whenever that changes (metrics, several workers)."""
         self._keepers: set[asyncio.Task[None]] = set()
         self.watchdog = Watchdog()
         """Ends the streams that pass ``max_duration_s``: one ticker, not a timer each."""
+
+    def running(self, owner: str | None = None) -> int:
+        """Streams running here, or ``owner``'s: those live and those being opened."""
+        if owner is None:
+            return len(self.live) + self._opening
+        return self._owned.get(owner, 0) + self._opening_owned.get(owner, 0)
+
+    @contextlib.contextmanager
+    def admit(self, owner: str | None, limit: int, per_key: int | None = None) -> Iterator[None]:
+        """A place among the streams running here while one is opened in the block.
+
+        Raises :class:`TooManyStreams` past ``[limits] max_concurrent_streams``, or
+        past ``per_key`` streams of ``owner``. A request being opened counts as
+        running, so that requests arriving together cannot all pass a limit that
+        only some of them fit in; counted, not scanned (the check is O(1)).
+        """
+        if self.running() >= limit:
+            raise TooManyStreams(
+                f"The gateway is at its limit of {limit} concurrent streams "
+                "([limits] max_concurrent_streams); retry shortly.",
+                headers={"Retry-After": "1"},
+            )
+        if owner is not None and per_key is not None and self.running(owner) >= per_key:
+            raise TooManyStreams(
+                f"The API key {owner!r} is at its limit of {per_key} concurrent streams "
+                "([limits] max_concurrent_streams_per_key); retry when one ends.",
+                headers={"Retry-After": "1"},
+            )
+        self._opening += 1
+        if owner is not None:
+            self._opening_owned[owner] = self._opening_owned.get(owner, 0) + 1
+        try:
+            yield
+        finally:
+            self._opening -= 1
+            if owner is not None:
+                _discount(self._opening_owned, owner)
 
     async def open(
         self,
@@ -280,6 +320,9 @@ class StreamHub:
             watchdog=self.watchdog,
         )
         self.live[run.id] = run
+        owner = info.owner
+        if owner is not None:
+            self._owned[owner] = self._owned.get(owner, 0) + 1
         if self.on_live is not None:
             self.on_live(len(self.live))
         run.start(detached=background)
@@ -395,7 +438,8 @@ class StreamHub:
             self._gone(run)
 
     def _gone(self, run: StreamRun) -> None:
-        self.live.pop(run.id, None)
+        if self.live.pop(run.id, None) is not None and run.info.owner is not None:
+            _discount(self._owned, run.info.owner)
         if self.on_live is not None:
             self.on_live(len(self.live))
 
@@ -454,3 +498,12 @@ def with_usage(meta: StreamMeta, include_usage: bool) -> StreamMeta:
 def describe(info: StreamInfo) -> dict[str, Any]:
     """The JSON a background request answers with."""
     return {"id": info.id, "url": f"/v1/streams/{info.id}", "status": info.status}
+
+
+def _discount(counts: dict[str, int], owner: str) -> None:
+    """One less for ``owner``; none left, no entry (the dict holds active keys only)."""
+    left = counts.get(owner, 0) - 1
+    if left > 0:
+        counts[owner] = left
+    else:
+        counts.pop(owner, None)

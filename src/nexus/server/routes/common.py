@@ -25,7 +25,6 @@ from ...errors import (
     ServerShuttingDown,
     StreamError,
     StreamNotFound,
-    TooManyStreams,
 )
 from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
@@ -139,24 +138,11 @@ async def complete(
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
         completion = await accumulate(Stream(_events(reader), reader.meta))
         return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
-    config = app[state.CONFIG]
-    if len(hub.live) >= config.limits.max_concurrent_streams:
-        raise TooManyStreams(
-            f"The gateway is at its limit of {config.limits.max_concurrent_streams} "
-            "concurrent streams; retry shortly.",
-            headers={"Retry-After": "1"},
+    limits = app[state.CONFIG].limits
+    with hub.admit(owner, limits.max_concurrent_streams, limits.max_concurrent_streams_per_key):
+        opened = await hub.open(
+            chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
         )
-    if owner is not None:
-        per_key = config.limits.max_concurrent_streams_per_key
-        if sum(1 for run in hub.live.values() if run.info.owner == owner) >= per_key:
-            raise TooManyStreams(
-                f"The API key {owner!r} is at its limit of {per_key} concurrent streams; "
-                "retry when one ends.",
-                headers={"Retry-After": "1"},
-            )
-    opened = await hub.open(
-        chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
-    )
     _count_cache(request, opened.cache)
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     if chat.background:

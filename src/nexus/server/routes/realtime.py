@@ -38,7 +38,7 @@ from ...auth import ApiKey, Forbidden
 from ...cache.hub import with_usage
 from ...cache.run import LogReader, RunReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
-from ...errors import GatewayError, ServerShuttingDown, TooManyStreams
+from ...errors import GatewayError, ServerShuttingDown
 from ...events import Done, Error, StreamEvent, plain_content
 from ...hooks import CallContext
 from ...protocol.realtime import (
@@ -96,6 +96,7 @@ class RealtimeConnection:
         self._last_seen = 0.0  # when the client last sent a frame
         self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline
         self.max_streams = config.limits.max_concurrent_streams
+        self.max_streams_per_key = config.limits.max_concurrent_streams_per_key
         self.session = RealtimeSession(
             max_pending_input_bytes=config.realtime.max_pending_input_bytes
         )
@@ -185,23 +186,19 @@ class RealtimeConnection:
                             f"{request.model!r}.",
                             param="request.model",
                         )
-                    if len(self.hub.live) >= self.max_streams:
-                        raise TooManyStreams(
-                            f"The gateway is at its limit of {self.max_streams} concurrent "
-                            "streams; retry shortly."
-                        )
                     owner = self.key.name if self.key is not None else None
-                    opened = await self.hub.open(
-                        request,
-                        format=NDJSONEncoder.media_type,
-                        owner=owner,
-                        ctx=CallContext(
-                            request_id=exchange(self.request).request_id,
-                            key=owner,
-                            endpoint="/v1/realtime",
+                    with self.hub.admit(owner, self.max_streams, self.max_streams_per_key):
+                        opened = await self.hub.open(
+                            request,
                             format=NDJSONEncoder.media_type,
-                        ),
-                    )
+                            owner=owner,
+                            ctx=CallContext(
+                                request_id=exchange(self.request).request_id,
+                                key=owner,
+                                endpoint="/v1/realtime",
+                                format=NDJSONEncoder.media_type,
+                            ),
+                        )
                     reader = await self.hub.attach(
                         opened.id, meta=with_usage(opened.info.meta, request.include_usage)
                     )

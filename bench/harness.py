@@ -54,7 +54,7 @@ from .systems import (
 __all__ = ["main"]
 
 DEFAULT_SYSTEMS = "direct,rawproxy,nexus,nexus-w2,litellm"
-FORMATS = ("sse", "nexus", "ndjson", "ws")
+FORMATS = ("sse", "nexus", "ndjson", "anthropic", "responses", "ws")
 WARMUP = {"chunks": 3, "delay_ms": 0, "stamp": False, "batch": 1}
 
 
@@ -403,7 +403,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--formats",
         default=",".join(FORMATS),
-        help="Nexus output formats, comma-separated (default: sse,nexus,ndjson,ws)",
+        help=f"Nexus output formats, comma-separated (default: {','.join(FORMATS)})",
     )
     parser.add_argument(
         "--scenario",

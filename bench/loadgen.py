@@ -4,18 +4,21 @@ HTTP streams use raw asyncio (a ``Protocol`` per connection, a hand-written chun
 decoder, ``bytes.count`` on whole lines) so that reading costs far less than any
 gateway spends writing; the WebSocket format uses aiohttp's client.
 
-A *chunk* is a content delta: a frame whose JSON holds ``"content":" …"`` (every token
-of the fake upstream starts with a space, so the empty role chunk never counts). Each
-format is counted on its own wire shape and must show its terminator:
+A *chunk* is a content delta: a frame whose JSON holds the format's content string
+starting with a space (``"content":" …"``; every token of the fake upstream starts with
+one, so the empty role chunk and the empty first text block never count). Each format
+is counted on its own wire shape and must show its terminator:
 
-========  ==========================================  =========================
-format    request                                     end of stream
-========  ==========================================  =========================
-sse       ``Accept: text/event-stream`` (OpenAI SSE)  ``data: [DONE]``
-nexus     ``?stream_format=nexus`` (native SSE)       ``event: done``
-ndjson    ``Accept: application/x-ndjson``            ``{"type":"done"}``
-ws        ``GET /v1/realtime``, ``start`` envelope    ``{"type":"done"…}`` frame
-========  ==========================================  =========================
+=========  ==========================================  ==============  =============================
+format     request                                     content         end of stream
+=========  ==========================================  ==============  =============================
+sse        ``Accept: text/event-stream`` (OpenAI SSE)  ``"content":``  ``data: [DONE]``
+nexus      ``?stream_format=nexus`` (native SSE)       ``"content":``  ``event: done``
+ndjson     ``Accept: application/x-ndjson``            ``"content":``  ``{"type":"done"}``
+anthropic  ``POST /v1/messages`` (Anthropic SSE)       ``"text":``     ``event: message_stop``
+responses  ``POST /v1/responses`` (Responses SSE)      ``"delta":``    ``event: response.completed``
+ws         ``GET /v1/realtime``, ``start`` envelope    ``"content":``  ``{"type":"done"…}`` frame
+=========  ==========================================  ==============  =============================
 
 Per stream it records: time to first byte and to first chunk (from the moment its
 connection is opened), the arrival time and size of every read that held chunks
@@ -46,25 +49,57 @@ from .procfs import new_loop, raise_nofile
 
 __all__ = ["Job", "StreamRecord", "run_job"]
 
-_CONTENT = (b'"content":" ', b'"content": " ')
-_STAMP = re.compile(rb'"content": ?" (\d{16})"')
 _STAMP_TEXT = re.compile(r'"content": ?" (\d{16})"')
-_END = {
-    "sse": b"data: [DONE]",
-    "nexus": b"event: done",
-    "ndjson": b'{"type":"done"}',
-}
-_ERROR = {
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How one HTTP format is asked for and read."""
+
+    accept: str
+    end: bytes
+    errors: tuple[bytes, ...]
+    field: bytes = b"content"
+    """The JSON key of a content delta's text."""
+    path: str | None = None
+    """The endpoint, when not the chat completions one the job's URL names."""
+    query: str = ""
+
+    @property
+    def content(self) -> tuple[bytes, bytes]:
+        return (b'"' + self.field + b'":" ', b'"' + self.field + b'": " ')
+
+    @property
+    def stamp(self) -> re.Pattern[bytes]:
+        return re.compile(b'"' + self.field + rb'": ?" (\d{16})"')
+
+
+WIRES = {
     # Nexus's named error event, and the bare error object other servers send.
-    "sse": (b"event: error", b'data: {"error"'),
-    "nexus": (b"event: error",),
-    "ndjson": (b'{"type":"error"',),
+    "sse": Wire("text/event-stream", b"data: [DONE]", (b"event: error", b'data: {"error"')),
+    "nexus": Wire(
+        "application/vnd.nexus.events+sse",
+        b"event: done",
+        (b"event: error",),
+        query="stream_format=nexus",
+    ),
+    "ndjson": Wire("application/x-ndjson", b'{"type":"done"}', (b'{"type":"error"',)),
+    "anthropic": Wire(
+        "text/event-stream",
+        b"event: message_stop",
+        (b"event: error",),
+        field=b"text",
+        path="/v1/messages",
+    ),
+    "responses": Wire(
+        "text/event-stream",
+        b"event: response.completed",
+        (b"event: error", b"event: response.failed", b"event: response.incomplete"),
+        field=b"delta",
+        path="/v1/responses",
+    ),
 }
-_ACCEPT = {
-    "sse": "text/event-stream",
-    "nexus": "application/vnd.nexus.events+sse",
-    "ndjson": "application/x-ndjson",
-}
+"""The HTTP formats; ``ws`` is read by :func:`_ws_message`."""
 
 
 @dataclass
@@ -83,8 +118,8 @@ class Job:
     stagger_s: float = 0.0
     """Start the streams evenly over this long (0: all at once)."""
     ramp: int = 100
-    """At most this many connections between connect and response headers (the
-    servers' listen backlogs are 128)."""
+    """At most this many connections between connect and response headers (under the
+    smallest listen backlog of the systems: 128, aiohttp's default, the raw proxy's)."""
     timeout_s: float = 120.0
     upstream: str = ""
     """The upstream's base URL, for ``ws_abort`` (it asks when the upstream saw the close)."""
@@ -127,11 +162,14 @@ class StreamRecord:
 class _Scanner:
     """Counts chunks in a body's bytes, line by line, as they arrive."""
 
-    __slots__ = ("end", "err", "rest", "stamp")
+    __slots__ = ("content", "end", "err", "pattern", "rest", "stamp")
 
     def __init__(self, fmt: str, stamp: bool) -> None:
-        self.end = _END[fmt]
-        self.err = _ERROR[fmt]
+        wire = WIRES[fmt]
+        self.end = wire.end
+        self.err = wire.errors
+        self.content = wire.content
+        self.pattern = wire.stamp
         self.stamp = stamp
         self.rest = b""
 
@@ -142,7 +180,7 @@ class _Scanner:
             self.rest = data
             return
         lines, self.rest = data[:cut], data[cut:]
-        n = lines.count(_CONTENT[0]) + lines.count(_CONTENT[1])
+        n = lines.count(self.content[0]) + lines.count(self.content[1])
         if n:
             if rec.ttfc is None:
                 rec.ttfc = now - rec.t0
@@ -150,7 +188,7 @@ class _Scanner:
             rec.arrivals.append(now)
             rec.counts.append(n)
             if self.stamp:
-                rec.delays.extend(now - int(m) / 1e6 for m in _STAMP.findall(lines))
+                rec.delays.extend(now - int(m) / 1e6 for m in self.pattern.findall(lines))
         if self.end in lines:
             rec.end_seen = True
         if rec.error is None and any(err in lines for err in self.err):
@@ -294,22 +332,25 @@ class _HTTPConnection(asyncio.Protocol):
 
 def _request_bytes(job: Job) -> tuple[str, int, bytes]:
     url = urlsplit(job.url)
-    path = url.path or "/"
-    if job.format == "nexus":
-        path += ("&" if url.query else "?") + "stream_format=nexus"
-    elif url.query:
-        path += "?" + url.query
-    body = json.dumps(
-        {
-            "model": job.model,
-            "messages": [{"role": "user", "content": "Say hello."}],
-            "stream": True,
-        }
-    ).encode()
+    wire = WIRES[job.format]
+    path = wire.path or url.path or "/"
+    query = "&".join(filter(None, [url.query, wire.query]))
+    if query:
+        path += "?" + query
+    request: dict[str, Any] = {
+        "model": job.model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "stream": True,
+    }
+    if job.format == "anthropic":
+        request["max_tokens"] = 4096
+    elif job.format == "responses":
+        request["input"] = request.pop("messages")[0]["content"]
+    body = json.dumps(request).encode()
     host, port = url.hostname or "127.0.0.1", url.port or 80
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Accept: {_ACCEPT[job.format]}\r\nContent-Length: {len(body)}\r\n"
+        f"Accept: {wire.accept}\r\nContent-Length: {len(body)}\r\n"
         f"Authorization: Bearer {job.api_key}\r\n\r\n"
     )
     return host, port, head.encode() + body

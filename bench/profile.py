@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .harness import Loadgen, Upstream
+from .harness import FORMATS, Loadgen, Upstream
 from .loadgen import Job
 from .procfs import raise_nofile
 from .scenarios import FULL
@@ -74,7 +74,7 @@ def summarize(folded: Path, top: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--format", default="sse", choices=("sse", "nexus", "ndjson", "ws"))
+    parser.add_argument("--format", default="sse", choices=FORMATS)
     parser.add_argument(
         "--scenario", default="saturation", choices=("saturation", "realistic", "ttfb")
     )

@@ -53,7 +53,14 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_PATH = "/v1/chat/completions"
-FORMAT_LABELS = {"sse": "openai-sse", "nexus": "native-sse", "ndjson": "ndjson", "ws": "websocket"}
+FORMAT_LABELS = {
+    "sse": "openai-sse",
+    "nexus": "native-sse",
+    "ndjson": "ndjson",
+    "anthropic": "anthropic-sse",
+    "responses": "responses-sse",
+    "ws": "websocket",
+}
 NEXUS_SYSTEMS = ("nexus", "nexus-w2", "nexus-asyncio")
 SYSTEMS = ("direct", "rawproxy", *NEXUS_SYSTEMS, "litellm")
 

@@ -1,16 +1,28 @@
-"""The benchmark harness (bench/run, issue 8) at tiny sizes: it runs, prints its tables,
-and writes a JSON with every figure, every stream having ended well."""
+"""The benchmark harness (bench/run, issue 8) at tiny sizes: it runs every system but
+LiteLLM (skipped with its message: it is not installed here, or is made to look so), prints
+its tables, and writes a JSON with every figure, every stream having ended well, and the
+PNG chart."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("saturation", "realistic", "idle", "ttfb", "ws_abort")
-NEXUS = ("nexus (openai-sse)", "nexus (native-sse)", "nexus (ndjson)", "nexus (websocket)")
+NEXUS = (
+    "nexus (openai-sse)",
+    "nexus (native-sse)",
+    "nexus (ndjson)",
+    "nexus (anthropic-sse)",
+    "nexus (responses-sse)",
+    "nexus (websocket)",
+    "nexus-w2 (openai-sse)",
+)
+WS = ("nexus (websocket)",)
 FIGURES = {
     "saturation": ("chunks_per_s", "cpu_us_per_chunk", "cpu_vs_rawproxy"),
     "realistic": ("ttfc_p50_ms", "ttfc_p99_ms", "delay_p50_ms", "added_p50_ms", "added_p99_ms"),
@@ -22,23 +34,25 @@ GATEWAY_ONLY = {"cpu_us_per_chunk", "cpu_vs_rawproxy", "rss_per_stream_kb", "rss
 
 
 def test_bench_smoke(tmp_path: Path) -> None:
+    env = dict(os.environ, NEXUS_BENCH_LITELLM=str(tmp_path / "no-litellm"))
     proc = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "run"),
             "--smoke",
             "--systems",
-            "direct,rawproxy,nexus",
+            "direct,rawproxy,nexus,nexus-w2,litellm",
             "--out",
             str(tmp_path),
-            "--no-chart",
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "litellm: skipped (not installed; see bench/litellm/README.md)" in proc.stderr
     for scenario in SCENARIOS:
         assert f"### {scenario}:" in proc.stdout
     assert "| system |" in proc.stdout
@@ -49,10 +63,12 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert run["machine"]["nproc"] >= 1
     assert run["versions"]["aiohttp"] and run["versions"]["nexus"]
     assert (tmp_path / path.name.replace(".json", ".md")).read_text().strip()
+    png = tmp_path / path.name.replace(".json", ".png")
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
     figures = run["figures"]
     for scenario, keys in FIGURES.items():
         rows = figures[scenario]
-        expected = NEXUS[3:] if scenario == "ws_abort" else ("direct", "rawproxy", *NEXUS)
+        expected = WS if scenario == "ws_abort" else ("direct", "rawproxy", *NEXUS)
         assert set(rows) == set(expected), (scenario, rows)
         for label, fig in rows.items():
             assert "error" not in fig, (scenario, label, fig)

@@ -292,6 +292,23 @@ LOGS: dict[str, list[StreamEvent]] = {
         UPSTREAM_ERROR,
     ],
     "aborted": [Delta(content="cut "), Delta(content="short"), Done(aborted=True)],
+    "blocks-between-texts": [
+        Delta(content=""),
+        Delta(content="one"),
+        Delta(content=""),
+        Delta(content=" two"),
+        Reasoning("think"),
+        Delta(content="three"),
+        Delta(content=" four\n\n"),
+        Delta(content=" five"),
+        ToolCall(0, "call_1", "f", "{}"),
+        Delta(content="six"),
+        Delta(refusal="no"),
+        Delta(content="seven"),
+        Delta(content=" eight"),
+        Delta(finish_reason="stop"),
+        Done(),
+    ],
     "done-only": [Done()],
     "error-only": [BAD_REQUEST],
 }
@@ -791,6 +808,46 @@ def test_ids_count_on_past_the_steps_numbered_in_advance() -> None:
 def test_the_built_in_encoders_frame_content_deltas_themselves() -> None:
     for encoder in (OpenAISSEEncoder, NativeSSEEncoder, NDJSONEncoder):
         assert encoder(PLAIN_META).uses_content_frame() is not None
+    for stateful in (AnthropicSSEEncoder, ResponsesSSEEncoder):
+        assert stateful(PLAIN_META).uses_content_frame() is None
+        assert stateful(PLAIN_META).uses_encode_texts()
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize("log", LOG_PARAMS)
+@pytest.mark.parametrize("encoder", ENCODERS)
+def test_the_fast_paths_give_the_bytes_of_encode(
+    encoder: type[Encoder], log: list[StreamEvent], meta: StreamMeta
+) -> None:
+    # A subclass with its own encode() takes neither content_frame nor encode_texts:
+    # every event through encode(), the reference the fast paths must match.
+    class EventByEvent(encoder):  # type: ignore[valid-type,misc]
+        def encode(self, event: StreamEvent) -> bytes:
+            return super().encode(event)  # type: ignore[no-any-return]
+
+    reference = EventByEvent(meta)
+    assert reference.uses_content_frame() is None and not reference.uses_encode_texts()
+    expected, _ = render(EventByEvent, meta, log)
+    assert render(encoder, meta, log)[0] == expected
+    for attempt in range(4):
+        body, _ = render(encoder, meta, log, seeded("fast", encoder.__name__, attempt))
+        assert body == expected
+
+
+def test_a_long_run_of_content_is_one_encode_texts_call() -> None:
+    calls: list[int] = []
+
+    class Counting(AnthropicSSEEncoder):
+        def encode_texts(self, texts: list[str]) -> list[bytes] | None:
+            calls.append(len(texts))
+            return super().encode_texts(texts)
+
+    Counting.frame_encode = Counting.encode
+    log: list[StreamEvent] = [Delta(content=f" t{i}") for i in range(300)] + [Done()]
+    body, _ = render(Counting, PLAIN_META, log)
+    # The first opens the text block through encode(); the other 299 come in one call.
+    assert calls == [300, 299]
+    assert body.count(b'"type":"text_delta"') == 300
 
 
 def test_a_subclass_that_overrides_encode_is_called_for_content_deltas() -> None:

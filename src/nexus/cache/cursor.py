@@ -28,7 +28,7 @@ import orjson
 
 from ..encoders.base import Encoder
 from ..errors import InvalidLastEventId
-from ..events import Delta, Done, Error, StreamEvent
+from ..events import Delta, Done, Error, StreamEvent, content_delta
 
 __all__ = ["Cursor", "Renderer", "parse_cursor", "uses_event_ids"]
 
@@ -92,6 +92,7 @@ class Renderer:
         "_skip_frame",
         "_skip_step",
         "_skipping",
+        "_texts",
         "done",
         "resumed",
         "step",
@@ -104,6 +105,7 @@ class Renderer:
         self._encoder = encoder
         self._encode = encoder.encode
         self._content_frame = encoder.uses_content_frame()
+        self._texts = self._content_frame is None and encoder.uses_encode_texts()
         self._ids = ids
         self._prefix = b"id: " + stream_id.encode("ascii") + b"."
         self._skipping = after is not None
@@ -127,11 +129,15 @@ class Renderer:
         step = self.step
         frame = self._content_frame if not self._skipping else None
         head, tail = frame if frame is not None else (b"", b"")
+        texts = self._texts if not self._skipping else False
+        fast = frame is not None or texts
+        pending: list[str] = []  # content for encode_texts, from step ``first`` on
+        first = 0
         numbers = _NUMBERS
         for event in events:
             step += 1
             cls = type(event)
-            if cls is Delta and frame is not None:
+            if cls is Delta and fast:
                 content = event.content  # type: ignore[union-attr]
                 if (
                     content is not None
@@ -141,12 +147,19 @@ class Renderer:
                     and event.refusal is None  # type: ignore[union-attr]
                 ):
                     # plain_content(): the encoder's frame, built here without a call.
-                    if ids:
+                    if frame is None:
+                        if not pending:
+                            first = step
+                        pending.append(content)
+                    elif ids:
                         number = numbers[step] if step < _NUMBERED else b"%d\n" % step
                         extend((prefix, number, head, _dumps(content), tail))
                     else:
                         extend((head, _dumps(content), tail))
                     continue
+            if pending:
+                self._texts_out(pending, first, parts)
+                pending = []
             if cls is Error:
                 # Two steps: the error, then the terminator (an NDJSON client that
                 # counted the error line still gets the done line).
@@ -169,11 +182,38 @@ class Renderer:
                     else:
                         data = self._with_ids(step, data)
                 parts.append(data)
+        if pending:
+            self._texts_out(pending, first, parts)
         self.step = step
         if not parts:
             return b""
         self.wrote = True
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _texts_out(self, texts: list[str], step: int, parts: list[bytes]) -> None:
+        """The frames of consecutive plain content deltas from ``step`` on, through the
+        encoder's :meth:`~nexus.encoders.base.Encoder.encode_texts` (one call for them
+        all), or :meth:`encode` for one at a time while the encoder is not ready."""
+        encoder = self._encoder
+        at = 0
+        while at < len(texts):
+            frames = encoder.encode_texts(texts[at:] if at else texts)
+            if frames is None:
+                data = self._encode(content_delta(texts[at]))
+                if data:
+                    parts.append(self._with_ids(step, data) if self._ids else data)
+                step += 1
+                at += 1
+                continue
+            if self._ids:
+                prefix = self._prefix
+                for data in frames:
+                    number = _NUMBERS[step] if step < _NUMBERED else b"%d\n" % step
+                    parts += (prefix, number, data)
+                    step += 1
+            else:
+                parts += frames
+            return
 
     def _emit(self, step: int, data: bytes, parts: list[bytes]) -> None:
         data = self._out(step, data)

@@ -159,6 +159,14 @@ class AnthropicSSEEncoder(Encoder):
             case _:
                 return b""
 
+    frame_encode = encode  # what encode_texts stands for
+
+    def encode_texts(self, texts: list[str]) -> list[bytes] | None:
+        if self._open != "text":
+            return None
+        head = _TEXT_DELTA % self._index
+        return [head + _dumps(text) + b"}}\n\n" for text in texts]
+
     def _tool(self, call: ToolCall) -> bytes:
         out = b""
         block = self._tool_blocks.get(call.index)

@@ -50,6 +50,27 @@ class Encoder(ABC):
             return None
         return self.content_frame
 
+    def encode_texts(self, texts: list[str]) -> list[bytes] | None:
+        """The frames of consecutive deltas that carry only content, one frame per text
+        and exactly what :meth:`encode` would give for each in turn; or None, with
+        nothing changed, when the encoder's state does not allow it now (a block or an
+        item to open first): the pump then calls :meth:`encode` for the first of them
+        and asks again for the rest.
+
+        For stateful formats whose content frames differ from one to the next (a
+        sequence number, a block index), where :attr:`content_frame` cannot serve: one
+        call per run of content deltas instead of one per delta. Declare
+        :attr:`frame_encode` too; a subclass that overrides ``encode`` is then called
+        as usual. The default returns None.
+        """
+        return None
+
+    def uses_encode_texts(self) -> bool:
+        """Whether the pump may call :meth:`encode_texts` (declared, and this class's
+        ``encode`` is the one it stands for)."""
+        cls = type(self)
+        return cls.encode_texts is not Encoder.encode_texts and cls.encode is cls.frame_encode
+
     def __init__(self, meta: StreamMeta) -> None:
         self.meta = meta
 

@@ -149,6 +149,15 @@ class ResponsesSSEEncoder(Encoder):
     def start(self) -> bytes:
         return self._preamble()
 
+    def encode_texts(self, texts: list[str]) -> list[bytes] | None:
+        frame = self._text_frame
+        if frame is None or not all(texts):
+            return None
+        self._part_text += texts
+        seq = self._seq
+        self._seq = seq + len(texts)
+        return [frame % (n, _dumps(text)) for n, text in enumerate(texts, seq)]
+
     def encode(self, event: StreamEvent) -> bytes:
         frame = self._text_frame
         if frame is not None and type(event) is Delta:
@@ -183,6 +192,8 @@ class ResponsesSSEEncoder(Encoder):
             case _:
                 pass  # audio, images, citations: not in this format yet
         return out
+
+    frame_encode = encode  # what encode_texts stands for
 
     def error(self, event: Error) -> bytes:
         if self._finished:

@@ -99,20 +99,29 @@ class ResponsesSSEEncoder(Encoder):
 
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
-        self._id, self._stem = response_ids(meta.id)
         self._seq = 0
         self._started = False
         self._finished = False
         self._items: list[_Item] = []
         self._current: _Item | None = None
-        self._calls: dict[int, _Item] = {}
-        self._call_ids: dict[str, _Item] = {}
+        # Tool-call items by index and by id; made with the first call (an idle
+        # stream's encoder holds as little as it can).
+        self._calls: dict[int, _Item] | None = None
+        self._call_ids: dict[str, _Item]  # set with _calls
         self._usage: Usage | None = None
         self._finish: str | None = None
         # Set while the open item's current part is output_text: its text delta frame
         # with %d and %s holes for the sequence number and the text; the part's text.
         self._text_frame: bytes | None = None
         self._part_text: list[str] = []
+
+    @property
+    def _id(self) -> str:
+        return response_ids(self.meta.id)[0]
+
+    @property
+    def _stem(self) -> str:
+        return response_ids(self.meta.id)[1]
 
     # --- framing -------------------------------------------------------------
 
@@ -338,14 +347,18 @@ class ResponsesSSEEncoder(Encoder):
 
     def _tool_call(self, call: ToolCall) -> bytes:
         # Merged as nexus.accumulate merges: by id when one repeats, else by index.
+        calls = self._calls
+        if calls is None:
+            calls = self._calls = {}
+            self._call_ids = {}
         item = self._call_ids.get(call.id) if call.id is not None else None
         if item is None:
-            item = self._calls.get(call.index)
+            item = calls.get(call.index)
         out = b""
         if item is None:
             call_id = call.id or f"call_{self.meta.id[-12:]}_{call.index}"
             out, item = self._open("function_call", "fc", call_id=call_id, name=call.name or "")
-            self._calls[call.index] = item
+            calls[call.index] = item
         elif not item.name and call.name:
             item.name = call.name
         if call.id is not None:

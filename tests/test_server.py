@@ -309,6 +309,26 @@ async def test_body_over_limit_is_413(make_client: MakeClient) -> None:
     assert ok.status == 200
 
 
+async def test_a_streaming_request_does_not_hold_its_body_for_the_stream(
+    make_client: MakeClient,
+) -> None:
+    # request.read() would cache the body on the request for its whole life: a long
+    # conversation's bytes held for as long as the stream runs.
+    from nexus.server.state import RUNTIME
+
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(providers=[gated])
+    body = chat("x" * 100_000, model="gated/m", stream=True)
+    resp = await client.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    assert resp.status == 200
+    assert b"before0" in await resp.content.readline()
+    (pump,) = client.app[RUNTIME].active
+    assert pump.request._read_bytes is None
+    gated.gate.set()
+    lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    assert lines[-1] == {"type": "done"}
+
+
 async def test_unknown_route_and_method_are_json(make_client: MakeClient) -> None:
     client = await make_client()
     resp = await client.get("/v1/nothing")

@@ -43,15 +43,28 @@ ATTACH_WAIT_S = 0.05
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, or :class:`RequestTooLarge` past ``[limits] max_body_bytes``."""
+    """The request body, or :class:`RequestTooLarge` past ``[limits] max_body_bytes``.
+
+    Read from the payload, not with ``request.read()``, which keeps the bytes on the
+    request for as long as it lives: a stream's whole length, for a body that can be
+    a long conversation. Here they go once the request is parsed.
+    """
     limit = request.app[state.CONFIG].limits.max_body_bytes
-    too_large = RequestTooLarge(f"The request body is larger than the limit of {limit} bytes.")
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
+        raise _too_large(limit)
+    content = request.content
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_large(limit: int) -> RequestTooLarge:
+    return RequestTooLarge(f"The request body is larger than the limit of {limit} bytes.")
 
 
 def json_response(

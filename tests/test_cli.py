@@ -145,11 +145,23 @@ def test_sigterm_ends_running_streams_with_a_retryable_error(
     assert 2 < rest.count(b'"content"') < 150
 
 
-def test_serves_on_uvloop_when_configured(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("setting", "flags", "loop"),
+    [
+        ("uvloop = true\n", [], "uvloop"),
+        ("", [], "uvloop"),  # the default, "auto": uvloop where it is installed (the test extra)
+        ("uvloop = true\n", ["--loop", "asyncio"], "asyncio"),  # the flag wins
+        ("uvloop = false\n", ["--loop", "uvloop"], "uvloop"),
+    ],
+    ids=["configured", "default-auto", "flag-asyncio", "flag-uvloop"],
+)
+def test_serves_on_the_event_loop_chosen(
+    tmp_path: Path, setting: str, flags: list[str], loop: str
+) -> None:
     config = tmp_path / "config.toml"
-    config.write_text('[server]\nuvloop = true\n[providers.mock]\nkind = "mock"\n')
+    config.write_text(f'[server]\n{setting}[providers.mock]\nkind = "mock"\n')
     proc = subprocess.Popen(
-        [NEXUS, "serve", "--config", str(config), "--port", "0"],
+        [NEXUS, "serve", "--config", str(config), "--port", "0", *flags],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -162,7 +174,7 @@ def test_serves_on_uvloop_when_configured(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     proc.stderr.close()
-    assert any("event loop: uvloop" in line for line in lines), lines
+    assert any(f"event loop: {loop}" in line for line in lines), lines
 
 
 def test_sigterm_closes_realtime_sockets_with_1001(

@@ -235,6 +235,66 @@ async def test_with_redis_any_worker_resumes_any_stream(tmp_path: Path) -> None:
         await client.aclose()
 
 
+async def test_with_redis_a_live_stream_resumes_mid_stream_on_the_other_worker(
+    tmp_path: Path,
+) -> None:
+    """A client reads part of a stream from one worker, drops, and resumes with its
+    Last-Event-ID on a connection that landed on the other worker, while the stream
+    still runs on the first: it gets exactly the rest."""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    path = tmp_path / "config.toml"
+    path.write_text(
+        '[providers.mock]\nkind = "mock"\n\n'
+        f'[store]\nkind = "redis"\nurl = "{REDIS_URL}"\nprefix = "{prefix}"\n'
+    )
+    server = Supervised(path, "--workers", "2")
+    text = " ".join(f"w{i}" for i in range(40))  # 40 tokens, 50 ms each: 2 s
+    try:
+        async with aiohttp.ClientSession() as first:
+            maker = await worker_of(first, server.url)
+            body = chat_body(text, mock={"delay_ms": 50})
+            async with first.post(server.url + CHAT, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                stream_id = resp.headers["X-Nexus-Stream-Id"]
+                head, last_id = b"", None
+                while head.count(b'"content":"') < 4:
+                    line = await resp.content.readline()
+                    assert line, "the stream ended before its first tokens"
+                    head += line
+                    if line.startswith(b"id: "):
+                        last_id = line[4:].strip().decode()
+                while not head.endswith(b"\n\n"):  # the rest of the frame the id is for
+                    head += await resp.content.readline()
+            assert b"[DONE]" not in head
+        # Fresh connections until one lands on the other worker (SO_REUSEPORT spreads
+        # them by source port: about half do).
+        for _ in range(40):
+            async with aiohttp.ClientSession() as other:
+                if await worker_of(other, server.url) == maker:
+                    continue
+                started = time.monotonic()
+                headers = {"Last-Event-ID": str(last_id)}
+                async with other.get(
+                    server.url + f"/v1/streams/{stream_id}", headers=headers
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    first_byte = await resp.content.readline()
+                    waited = time.monotonic() - started
+                    rest = first_byte + await resp.read()
+                break
+        else:
+            pytest.fail("no connection landed on the other worker in 40 tries")
+        assert waited < 1.0  # joined live, not after the stream's end
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert (contents(head) + contents(rest)).strip() == text
+        assert contents(rest)  # most of the stream was still to come
+    finally:
+        server.stop()
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
 def test_sigint_stops_cleanly(config: Path) -> None:
     server = Supervised(config, "--workers", "2")
     try:

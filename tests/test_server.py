@@ -329,6 +329,43 @@ async def test_a_streaming_request_does_not_hold_its_body_for_the_stream(
     assert lines[-1] == {"type": "done"}
 
 
+async def test_a_stream_writes_its_headers_with_its_first_bytes_and_its_end_with_its_last(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One system call (and one packet) each, not a write of the headers alone before
+    # the first bytes, nor the chunked body's end alone after the last.
+    from aiohttp.http_writer import StreamWriter
+
+    writes: list[bytes] = []
+    write, writelines = StreamWriter._write, StreamWriter._writelines
+
+    def record(self: StreamWriter, chunk: Any) -> None:
+        writes.append(bytes(chunk))
+        write(self, chunk)
+
+    def record_lines(self: StreamWriter, chunks: Any) -> None:
+        chunks = list(chunks)
+        writes.append(b"".join(bytes(c) for c in chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(StreamWriter, "_write", record)
+    monkeypatch.setattr(StreamWriter, "_writelines", record_lines)
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(providers=[gated])
+    writes.clear()  # the client's request
+    resp = await client.post("/v1/chat/completions", json=chat(model="gated/m", stream=True))
+    assert resp.status == 200
+    head = b""
+    while b"before0" not in head:
+        head += await resp.content.readuntil(b"\n\n")
+    served = [w for w in writes if w.startswith(b"HTTP/1.1 200")]
+    assert len(served) == 1 and b"before0" in served[0]  # the headers, with the first frame
+    gated.gate.set()
+    assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    last = writes[-1]
+    assert last.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # the last frame, then the end
+
+
 async def test_unknown_route_and_method_are_json(make_client: MakeClient) -> None:
     client = await make_client()
     resp = await client.get("/v1/nothing")

@@ -128,6 +128,9 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
             if len(data) == WRITE_SLICE:
                 await self.gate.wait()  # a slow client: the slice waits for the socket
 
+        async def write_eof(self, data: bytes = b"") -> None:  # the last bytes, then the end
+            self.writes.append(bytes(data))
+
     meta = StreamMeta.new("m")
     reader = Reader(meta)
     renderer = Renderer(OpenAISSEEncoder(meta), meta.id, ids=False)

@@ -266,22 +266,26 @@ class StreamPump:
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
         if self.response is None:
-            self.response = web.StreamResponse(status=200, headers=self.headers)
+            self.response = _Response(status=200, headers=self.headers)
             self.headers = {}  # in the response now
         return b""
+
+    async def _prepare(self, response: web.StreamResponse) -> None:
+        """The headers, to go out with the first bytes written."""
+        await response.prepare(self.request)
+        # Serialised: the headers (and the copies their serialisation cached) are not
+        # kept for the stream's length.
+        response.headers.clear()
+        self.exchange.ttfb = self._now() - self.exchange.started
+        self.exchange.status = response.status
+        # From the headers on, the watchdog owns heartbeats and write stalls.
+        self._watched = True
+        self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
 
     async def _write(self, data: bytes) -> None:
         response = self._require_response()
         if not response.prepared:
-            await response.prepare(self.request)
-            # Sent: the headers (and the copies their serialisation cached) are not
-            # kept for the stream's length.
-            response.headers.clear()
-            self.exchange.ttfb = self._now() - self.exchange.started
-            self.exchange.status = response.status
-            # From the headers on, the watchdog owns heartbeats and write stalls.
-            self._watched = True
-            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
+            await self._prepare(response)
         if len(data) > WRITE_SLICE:
             await self._write_sliced(data)
             return
@@ -318,10 +322,23 @@ class StreamPump:
             self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
-        """Write the last bytes of the stream; nothing is written after them."""
+        """Write the last bytes of the stream and the end of the body; nothing is
+        written after them. The two go out in one write (aiohttp would send the end
+        of a chunked body on its own once the handler returns)."""
         self._ended = True  # the watchdog stops heartbeats but still watches this write
-        await self._write(data)
-        return self._require_response()
+        response = self._require_response()
+        if not response.prepared:
+            await self._prepare(response)
+        if len(data) > WRITE_SLICE:
+            await self._write_sliced(data)
+            data = b""
+        self._writing = True
+        self._write_started = self._loop.time()
+        await response.write_eof(data)
+        self._last_write = self._loop.time()
+        self._writing = False
+        self._sent(len(data))
+        return response
 
     def check(self, now: float) -> None:
         """The watchdog's tick: abort a stalled write, start a heartbeat that is due."""
@@ -368,6 +385,17 @@ class StreamPump:
             transport.abort()
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+
+class _Response(web.StreamResponse):
+    """A stream's response: its headers go out with its first bytes, in one write.
+
+    aiohttp's ``StreamResponse`` sends them on ``prepare()``, alone (its ``Response``
+    does not); the pump always has the first output in hand when it prepares, so
+    that is one system call and one packet less per request.
+    """
+
+    _send_headers_immediately = False
 
 
 def _shutdown_event() -> Error:

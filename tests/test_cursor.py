@@ -834,6 +834,29 @@ def test_the_fast_paths_give_the_bytes_of_encode(
         assert body == expected
 
 
+@pytest.mark.parametrize("encoder", [AnthropicSSEEncoder, ResponsesSSEEncoder])
+def test_empty_texts_cost_no_call_per_delta_left(encoder: type[Encoder]) -> None:
+    # Empty texts write nothing: a run with some, or of nothing else, must neither leave
+    # the fast path nor ask encode_texts again for every delta left (quadratic).
+    calls: list[int] = []
+
+    class Counting(encoder):  # type: ignore[valid-type,misc]
+        def encode_texts(self, texts: list[str]) -> list[bytes] | None:
+            calls.append(len(texts))
+            return super().encode_texts(texts)  # type: ignore[no-any-return]
+
+    Counting.frame_encode = Counting.encode
+    empties: list[StreamEvent] = [Delta(content="") for _ in range(200)]
+    body, _ = render(Counting, PLAIN_META, [*empties, Done()])
+    assert calls == [200]  # not ready (nothing open), and nothing written since
+    calls.clear()
+    log: list[StreamEvent] = [Delta(content=f" t{i}") for i in range(200)]
+    body, _ = render(Counting, PLAIN_META, [*log, Delta(content=""), *log, Done()])
+    assert calls == [401, 400]  # the first opens the block or item, then one call
+    reference, _ = render(encoder, PLAIN_META, [*log, Delta(content=""), *log, Done()])
+    assert body == reference
+
+
 def test_a_long_run_of_content_is_one_encode_texts_call() -> None:
     calls: list[int] = []
 

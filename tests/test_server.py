@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 from typing import Any
 
@@ -309,6 +310,29 @@ async def test_body_over_limit_is_413(make_client: MakeClient) -> None:
     assert ok.status == 200
 
 
+async def test_a_compressed_request_body_is_read_whole(make_client: MakeClient) -> None:
+    client = await make_client({"limits": {"max_body_bytes": 3_000_000}})
+    history = {"role": "user", "content": "word " * 400_000}  # 2 MB: several pieces
+    request = chat("the last words", stream=True)
+    request["messages"] = [history, {"role": "assistant", "content": "ok"}, *request["messages"]]
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=ndjson",
+        data=gzip.compress(orjson.dumps(request)),
+        headers=headers,
+    )
+    assert resp.status == 200, await resp.text()
+    lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    deltas = [line["delta"].get("content") or "" for line in lines if line["type"] == "delta"]
+    assert "".join(deltas) == "the last words"  # the echo of the last message: all parsed
+    # Past the limit once decompressed: 413, whatever the compressed size.
+    big = gzip.compress(orjson.dumps(chat("x" * 4_000_000)))
+    assert len(big) < 3_000_000
+    resp = await client.post("/v1/chat/completions", data=big, headers=headers)
+    assert resp.status == 413
+    assert (await resp.json())["error"]["code"] == "request_too_large"
+
+
 async def test_a_streaming_request_does_not_hold_its_body_for_the_stream(
     make_client: MakeClient,
 ) -> None:
@@ -352,7 +376,6 @@ async def test_a_stream_writes_its_headers_with_its_first_bytes_and_its_end_with
     monkeypatch.setattr(StreamWriter, "_writelines", record_lines)
     gated = GatedProvider(before=1, after=1)
     client = await make_client(providers=[gated])
-    writes.clear()  # the client's request
     resp = await client.post("/v1/chat/completions", json=chat(model="gated/m", stream=True))
     assert resp.status == 200
     head = b""

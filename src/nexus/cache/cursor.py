@@ -193,23 +193,28 @@ class Renderer:
     def _texts_out(self, texts: list[str], step: int, parts: list[bytes]) -> None:
         """The frames of consecutive plain content deltas from ``step`` on, through the
         encoder's :meth:`~nexus.encoders.base.Encoder.encode_texts` (one call for them
-        all), or :meth:`encode` for one at a time while the encoder is not ready."""
+        all), or :meth:`encode` for one at a time while the encoder is not ready: asked
+        again after each delta that wrote something (which may have changed its state),
+        so that a run it cannot take costs one call per delta, not one per delta left."""
         encoder = self._encoder
         at = 0
+        ready = True
         while at < len(texts):
-            frames = encoder.encode_texts(texts[at:] if at else texts)
+            frames = encoder.encode_texts(texts[at:] if at else texts) if ready else None
             if frames is None:
                 data = self._encode(content_delta(texts[at]))
                 if data:
                     parts.append(self._with_ids(step, data) if self._ids else data)
+                ready = bool(data)
                 step += 1
                 at += 1
                 continue
             if self._ids:
                 prefix = self._prefix
                 for data in frames:
-                    number = _NUMBERS[step] if step < _NUMBERED else b"%d\n" % step
-                    parts += (prefix, number, data)
+                    if data:  # nothing to write, no id (as for encode())
+                        number = _NUMBERS[step] if step < _NUMBERED else b"%d\n" % step
+                        parts += (prefix, number, data)
                     step += 1
             else:
                 parts += frames

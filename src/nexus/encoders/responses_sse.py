@@ -160,12 +160,24 @@ class ResponsesSSEEncoder(Encoder):
 
     def encode_texts(self, texts: list[str]) -> list[bytes] | None:
         frame = self._text_frame
-        if frame is None or not all(texts):
+        if frame is None:
             return None
-        self._part_text += texts
         seq = self._seq
-        self._seq = seq + len(texts)
-        return [frame % (n, _dumps(text)) for n, text in enumerate(texts, seq)]
+        if all(texts):
+            self._part_text += texts
+            self._seq = seq + len(texts)
+            return [frame % (n, _dumps(text)) for n, text in enumerate(texts, seq)]
+        # An empty text is no event (as in encode()): no frame, no sequence number.
+        out: list[bytes] = []
+        for text in texts:
+            if text:
+                self._part_text.append(text)
+                out.append(frame % (seq, _dumps(text)))
+                seq += 1
+            else:
+                out.append(b"")
+        self._seq = seq
+        return out
 
     def encode(self, event: StreamEvent) -> bytes:
         frame = self._text_frame

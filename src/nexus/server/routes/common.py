@@ -53,6 +53,11 @@ async def read_body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
     content = request.content
+    # As request.read() does: a compressed body decompresses in pieces up to the limit,
+    # not in small steps paused and resumed (the method is aiohttp 3.13's).
+    raise_chunk_size = getattr(content, "set_read_chunk_size", None)
+    if raise_chunk_size is not None:
+        raise_chunk_size(limit)
     chunks: list[bytes] = []
     size = 0
     while chunk := await content.readany():

@@ -196,17 +196,22 @@ def test_bad_worker_counts_are_refused(config: Path) -> None:
         assert "a number of workers (1 or more) or 'auto'" in run.stderr
 
 
-async def test_with_redis_any_worker_resumes_any_stream(tmp_path: Path) -> None:
-    """Start streams on whichever worker and attach over fresh connections: with two
-    workers about half the attaches land on the other one, and all must resume."""
-    client = await connect_or_skip()
-    prefix = new_prefix()
+def redis_config(tmp_path: Path, prefix: str) -> Path:
+    """The mock provider and the Redis store under ``prefix``."""
     path = tmp_path / "config.toml"
     path.write_text(
         '[providers.mock]\nkind = "mock"\n\n'
         f'[store]\nkind = "redis"\nurl = "{REDIS_URL}"\nprefix = "{prefix}"\n'
     )
-    server = Supervised(path, "--workers", "2")
+    return path
+
+
+async def test_with_redis_any_worker_resumes_any_stream(tmp_path: Path) -> None:
+    """Start streams on whichever worker and attach over fresh connections: with two
+    workers about half the attaches land on the other one, and all must resume."""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    server = Supervised(redis_config(tmp_path, prefix), "--workers", "2")
     try:
         assert len(server.workers()) == 2
         crossed = 0
@@ -243,12 +248,7 @@ async def test_with_redis_a_live_stream_resumes_mid_stream_on_the_other_worker(
     still runs on the first: it gets exactly the rest."""
     client = await connect_or_skip()
     prefix = new_prefix()
-    path = tmp_path / "config.toml"
-    path.write_text(
-        '[providers.mock]\nkind = "mock"\n\n'
-        f'[store]\nkind = "redis"\nurl = "{REDIS_URL}"\nprefix = "{prefix}"\n'
-    )
-    server = Supervised(path, "--workers", "2")
+    server = Supervised(redis_config(tmp_path, prefix), "--workers", "2")
     text = " ".join(f"w{i}" for i in range(40))  # 40 tokens, 50 ms each: 2 s
     try:
         async with aiohttp.ClientSession() as first:

@@ -282,16 +282,21 @@ class StreamPump:
         self._watched = True
         self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
 
-    async def _write(self, data: bytes) -> None:
+    async def _write(self, data: bytes, *, last: bool = False) -> None:
+        """Write ``data``, timed by the watchdog; ``last``: and the end of the body, in
+        the same write (aiohttp would send the end of a chunked body on its own once
+        the handler returns)."""
         response = self._require_response()
         if not response.prepared:
             await self._prepare(response)
         if len(data) > WRITE_SLICE:
             await self._write_sliced(data)
-            return
+            if not last:
+                return
+            data = b""
         self._writing = True
         self._write_started = self._loop.time()
-        await response.write(data)
+        await (response.write_eof(data) if last else response.write(data))
         self._last_write = self._loop.time()
         self._writing = False
         self._sent(len(data))
@@ -323,22 +328,10 @@ class StreamPump:
 
     async def _end(self, data: bytes) -> web.StreamResponse:
         """Write the last bytes of the stream and the end of the body; nothing is
-        written after them. The two go out in one write (aiohttp would send the end
-        of a chunked body on its own once the handler returns)."""
+        written after them."""
         self._ended = True  # the watchdog stops heartbeats but still watches this write
-        response = self._require_response()
-        if not response.prepared:
-            await self._prepare(response)
-        if len(data) > WRITE_SLICE:
-            await self._write_sliced(data)
-            data = b""
-        self._writing = True
-        self._write_started = self._loop.time()
-        await response.write_eof(data)
-        self._last_write = self._loop.time()
-        self._writing = False
-        self._sent(len(data))
-        return response
+        await self._write(data, last=True)
+        return self._require_response()
 
     def check(self, now: float) -> None:
         """The watchdog's tick: abort a stalled write, start a heartbeat that is due."""

@@ -52,11 +52,10 @@ class Encoder(ABC):
 
     def encode_texts(self, texts: list[str]) -> list[bytes] | None:
         """The frames of consecutive deltas that carry only content, one per text (``b""``
-        for one that writes nothing) and exactly what :meth:`encode` would give for each
-        in turn; or None, with
-        nothing changed, when the encoder's state does not allow it now (a block or an
-        item to open first): the pump then calls :meth:`encode` for the first of them
-        and asks again for the rest.
+        for one that writes nothing), exactly what :meth:`encode` would give for each in
+        turn; or None, with nothing changed, when the encoder's state does not allow it
+        now (a block or an item to open first): the pump then calls :meth:`encode` for
+        the first of them and asks again for the rest.
 
         For stateful formats whose content frames differ from one to the next (a
         sequence number, a block index), where :attr:`content_frame` cannot serve: one

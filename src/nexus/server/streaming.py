@@ -270,25 +270,21 @@ class StreamPump:
             self.headers = {}  # in the response now
         return b""
 
-    async def _prepare(self, response: web.StreamResponse) -> None:
-        """The headers, to go out with the first bytes written."""
-        await response.prepare(self.request)
-        # Serialised: the headers (and the copies their serialisation cached) are not
-        # kept for the stream's length.
-        response.headers.clear()
-        self.exchange.ttfb = self._now() - self.exchange.started
-        self.exchange.status = response.status
-        # From the headers on, the watchdog owns heartbeats and write stalls.
-        self._watched = True
-        self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
-
     async def _write(self, data: bytes, *, last: bool = False) -> None:
         """Write ``data``, timed by the watchdog; ``last``: and the end of the body, in
         the same write (aiohttp would send the end of a chunked body on its own once
         the handler returns)."""
         response = self._require_response()
         if not response.prepared:
-            await self._prepare(response)
+            await response.prepare(self.request)  # the headers go out with ``data``
+            # Serialised: the headers (and the copies their serialisation cached) are not
+            # kept for the stream's length.
+            response.headers.clear()
+            self.exchange.ttfb = self._now() - self.exchange.started
+            self.exchange.status = response.status
+            # From the headers on, the watchdog owns heartbeats and write stalls.
+            self._watched = True
+            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
         if len(data) > WRITE_SLICE:
             await self._write_sliced(data)
             if not last:

@@ -51,9 +51,13 @@ from .systems import (
     start,
 )
 
-__all__ = ["main"]
+__all__ = ["EXIT_FAILED", "EXIT_MISSED", "exit_status", "main"]
 
 DEFAULT_SYSTEMS = "direct,rawproxy,nexus,nexus-w2,litellm"
+EXIT_FAILED = 1
+"""A system under test could not be started or measured (its row says why)."""
+EXIT_MISSED = 3
+"""With ``--check``: every system ran, and a target check failed."""
 FORMATS = ("sse", "nexus", "ndjson", "anthropic", "responses", "ws")
 WARMUP = {"chunks": 3, "delay_ms": 0, "stamp": False, "batch": 1}
 
@@ -416,6 +420,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=ROOT / "bench" / "results", help="where results go"
     )
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit {EXIT_MISSED} when a target check fails (default: report it, exit 0)",
+    )
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for system in args.systems:
@@ -502,10 +511,15 @@ def main(argv: list[str] | None = None) -> int:
         direct = per.get("direct")
         rows: dict[str, dict[str, Any]] = {}
         for label, done in per.items():
+            error = failures.get(scenario.name, {}).get(label)
             if done:
                 rows[label] = aggregate(scenario, done, direct)
-            elif label in failures.get(scenario.name, {}):
-                rows[label] = {"error": failures[scenario.name][label]}
+                if error is not None:
+                    # Figures from the rounds that ran, and the failure said, not dropped.
+                    notes.append(f"{scenario.name}: {label} failed in a round ({error})")
+                    rows[label]["failed_round"] = error
+            elif error is not None:
+                rows[label] = {"error": error}
         figures[scenario.name] = rows
     report.add_ratios(figures)
     checks = report.targets(figures)
@@ -586,4 +600,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(text)
     log(f"results: {base}.json, {base}.md" + (f", {base}.png" if charted else ""))
+    status = exit_status(figures, checks, check=args.check)
+    if status == EXIT_FAILED:
+        failed = sorted(
+            {
+                label
+                for rows in figures.values()
+                for label, fig in rows.items()
+                if "error" in fig or "failed_round" in fig
+            }
+        )
+        log(f"bench: not every round of {', '.join(failed)} could be measured (see the notes)")
+    elif status == EXIT_MISSED:
+        log(f"bench: {sum(not c['pass'] for c in checks)} target check(s) failed (--check)")
+    return status
+
+
+def exit_status(figures: report.Figures, checks: list[dict[str, Any]], *, check: bool) -> int:
+    """0; :data:`EXIT_FAILED` if a system could not be measured, in any round; with ``check``,
+    :data:`EXIT_MISSED` if every system ran and a target check failed."""
+    if any(
+        "error" in fig or "failed_round" in fig
+        for rows in figures.values()
+        for fig in rows.values()
+    ):
+        return EXIT_FAILED
+    if check and not all(c["pass"] for c in checks):
+        return EXIT_MISSED
     return 0

@@ -79,3 +79,50 @@ def test_bench_smoke(tmp_path: Path) -> None:
                 assert fig[key] is not None, (scenario, label, key)
     for target in run["targets"]:
         assert {"scenario", "target", "system", "value", "limit", "pass"} <= set(target)
+
+
+def _bench_run(
+    *args: str, env: dict[str, str], python: list[str]
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*python, str(ROOT / "bench" / "run"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_bench_run_finds_its_interpreter_or_says_what_to_do(tmp_path: Path) -> None:
+    # python -S: this very interpreter without its site-packages, as a python3 outside the venv.
+    bare = [sys.executable, "-S"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXUS_BENCH")}
+    found = _bench_run("--help", env={**env, "NEXUS_BENCH_PYTHON": sys.executable}, python=bare)
+    assert found.returncode == 0, found.stderr
+    assert "--check" in found.stdout
+
+    absent = tmp_path / "no-venv" / "python"
+    lost = _bench_run("--smoke", env={**env, "NEXUS_BENCH_PYTHON": str(absent)}, python=bare)
+    assert lost.returncode == 2
+    assert "cannot import aiohttp" in lost.stderr and f"{absent} does not exist" in lost.stderr
+    assert "pip install -e '.[bench]'" in lost.stderr
+
+
+def test_the_exit_status_tells_a_failed_system_and_with_check_a_missed_target() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.harness import EXIT_FAILED, EXIT_MISSED, exit_status
+    finally:
+        sys.path.remove(str(ROOT))
+    ran = {"realistic": {"rawproxy": {"ok": 1}, "nexus (openai-sse)": {"ok": 1}}}
+    passed = [{"pass": True}, {"pass": True}]
+    missed = [{"pass": True}, {"pass": False}]
+    assert exit_status(ran, passed, check=True) == 0
+    assert exit_status(ran, missed, check=False) == 0
+    assert exit_status(ran, missed, check=True) == EXIT_MISSED
+    broken = {"realistic": {**ran["realistic"], "litellm": {"error": "exited with 1 at start"}}}
+    assert exit_status(broken, passed, check=False) == EXIT_FAILED
+    assert exit_status(broken, missed, check=True) == EXIT_FAILED
+    one_round = {"idle": {"nexus (ndjson)": {"ok": 1, "failed_round": "timed out"}}}
+    assert exit_status(one_round, passed, check=False) == EXIT_FAILED

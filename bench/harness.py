@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"pinning: {pinning.note}")
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    failures: dict[str, dict[str, str]] = {}
+    failures: dict[str, dict[str, list[str]]] = {}  # scenario -> variant -> "round N: why"
     upstream = Upstream(pinning.upstream)
     loadgen = Loadgen(pinning.load)
     try:
@@ -486,9 +486,10 @@ def main(argv: list[str] | None = None) -> int:
                         fleet.prepare(chosen)
                         upstream.configure(scenario.upstream_config())
                         for variant in chosen:
+                            failed = failures.setdefault(scenario.name, {})
                             if variant in fleet.broken:
-                                failures.setdefault(scenario.name, {})[variant.label] = (
-                                    fleet.broken[variant]
+                                failed.setdefault(variant.label, []).append(
+                                    f"round {round_no}: {fleet.broken[variant]}"
                                 )
                                 continue
                             fig = measure(fleet.live[variant], scenario, loadgen, upstream, pinning)
@@ -496,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
                             fleet.release(variant)
                             log("  " + _progress(scenario, variant, fig))
                             if "error" in fig:
-                                failures.setdefault(scenario.name, {})[variant.label] = fig["error"]
+                                failed.setdefault(variant.label, []).append(
+                                    f"round {round_no}: {fig['error']}"
+                                )
                             else:
                                 runs[scenario.name][variant.label].append(fig)
             finally:
@@ -511,15 +514,15 @@ def main(argv: list[str] | None = None) -> int:
         direct = per.get("direct")
         rows: dict[str, dict[str, Any]] = {}
         for label, done in per.items():
-            error = failures.get(scenario.name, {}).get(label)
+            errors = failures.get(scenario.name, {}).get(label, [])
             if done:
                 rows[label] = aggregate(scenario, done, direct)
-                if error is not None:
-                    # Figures from the rounds that ran, and the failure said, not dropped.
-                    notes.append(f"{scenario.name}: {label} failed in a round ({error})")
-                    rows[label]["failed_round"] = error
-            elif error is not None:
-                rows[label] = {"error": error}
+                if errors:
+                    # Figures from the rounds that ran, and every failure said, not dropped.
+                    rows[label]["failed_rounds"] = errors
+                    notes += [f"{scenario.name}: {label} failed in {e}" for e in errors]
+            elif errors:
+                rows[label] = {"error": "; ".join(errors)}
         figures[scenario.name] = rows
     report.add_ratios(figures)
     checks = report.targets(figures)
@@ -607,12 +610,16 @@ def main(argv: list[str] | None = None) -> int:
                 label
                 for rows in figures.values()
                 for label, fig in rows.items()
-                if "error" in fig or "failed_round" in fig
+                if "error" in fig or "failed_rounds" in fig
             }
         )
         log(f"bench: not every round of {', '.join(failed)} could be measured (see the notes)")
     elif status == EXIT_MISSED:
         log(f"bench: {sum(c['pass'] is False for c in checks)} target check(s) failed (--check)")
+    if args.check:
+        unchecked = sum(c["pass"] is None for c in checks)
+        if unchecked:
+            log(f"bench: {unchecked} target check(s) n/a: their reference system did not run")
     return status
 
 
@@ -620,7 +627,7 @@ def exit_status(figures: report.Figures, checks: list[dict[str, Any]], *, check:
     """0; :data:`EXIT_FAILED` if a system could not be measured, in any round; with ``check``,
     :data:`EXIT_MISSED` if every system ran and a target check failed."""
     if any(
-        "error" in fig or "failed_round" in fig
+        "error" in fig or "failed_rounds" in fig
         for rows in figures.values()
         for fig in rows.values()
     ):

@@ -105,8 +105,49 @@ def test_bench_run_finds_its_interpreter_or_says_what_to_do(tmp_path: Path) -> N
     absent = tmp_path / "no-venv" / "python"
     lost = _bench_run("--smoke", env={**env, "NEXUS_BENCH_PYTHON": str(absent)}, python=bare)
     assert lost.returncode == 2
-    assert "cannot import aiohttp" in lost.stderr and f"{absent} does not exist" in lost.stderr
+    assert (
+        "cannot import aiohttp" in lost.stderr and f"{absent} is not an executable" in lost.stderr
+    )
     assert "pip install -e '.[bench]'" in lost.stderr
+
+    # A python that cannot import the project either: run once more, then told, never a loop.
+    wrapper = tmp_path / "bare-python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    wrapper.chmod(0o755)
+    again = _bench_run("--smoke", env={**env, "NEXUS_BENCH_PYTHON": str(wrapper)}, python=bare)
+    assert again.returncode == 2
+    assert f"{wrapper} cannot either" in again.stderr
+
+
+def test_a_system_that_cannot_start_fails_the_run(tmp_path: Path) -> None:
+    broken = tmp_path / "litellm"
+    broken.write_text("#!/bin/sh\necho 'no config' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    env = dict(os.environ, NEXUS_BENCH_LITELLM=str(broken))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "run"),
+            "--smoke",
+            "--systems",
+            "direct,litellm",
+            "--scenario",
+            "saturation",
+            "--no-chart",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "bench: not every round of litellm could be measured" in proc.stderr
+    (path,) = tmp_path.glob("*.json")
+    row = json.loads(path.read_text())["figures"]["saturation"]["litellm"]
+    assert row["error"].startswith("round 1: ")
 
 
 def test_the_exit_status_tells_a_failed_system_and_with_check_a_missed_target() -> None:
@@ -124,5 +165,23 @@ def test_the_exit_status_tells_a_failed_system_and_with_check_a_missed_target() 
     broken = {"realistic": {**ran["realistic"], "litellm": {"error": "exited with 1 at start"}}}
     assert exit_status(broken, passed, check=False) == EXIT_FAILED
     assert exit_status(broken, missed, check=True) == EXIT_FAILED
-    one_round = {"idle": {"nexus (ndjson)": {"ok": 1, "failed_round": "timed out"}}}
+    one_round = {"idle": {"nexus (ndjson)": {"ok": 1, "failed_rounds": ["round 2: timed out"]}}}
     assert exit_status(one_round, passed, check=False) == EXIT_FAILED
+
+
+def test_a_lost_round_fails_every_stream_completes() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.report import targets
+    finally:
+        sys.path.remove(str(ROOT))
+    row = {"ok": 400, "streams": 400, "all_ok": True, "rounds": 2, "peak_open": 200}
+    lost = {**row, "failed_rounds": ["round 3: timed out"]}
+    for scenario in ("realistic", "idle"):
+        for fig, expected in ((row, True), (lost, False)):
+            (check,) = [
+                c
+                for c in targets({scenario: {"nexus (ndjson)": fig}})
+                if c["target"].startswith("every stream completes")
+            ]
+            assert check["pass"] is expected, (scenario, fig)

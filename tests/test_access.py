@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 import websockets
+from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from nexus.auth import hash_key
@@ -425,7 +426,11 @@ async def test_rate_limit_recovers(make_client: MakeClient) -> None:
     assert resp.status == 200
 
 
-async def test_max_concurrent_streams_per_key(make_client: MakeClient) -> None:
+async def _key_a_holds_its_one_stream(
+    make_client: MakeClient,
+) -> tuple[GatedProvider, TestClient[Any, Any], str, ClientResponse]:
+    """A gateway with max_concurrent_streams_per_key = 1, and key A's stream held open on
+    the gate (released by ``gated.gate.set()``)."""
     gated = GatedProvider(before=1, after=1)
     client = await make_client(
         keyed(limits={"max_concurrent_streams_per_key": 1}), providers=[gated]
@@ -433,6 +438,11 @@ async def test_max_concurrent_streams_per_key(make_client: MakeClient) -> None:
     url = "/v1/chat/completions?stream_format=sse"
     first = await client.post(url, json=chat(model="gated/m", stream=True), headers=bearer(KEY_A))
     assert first.status == 200
+    return gated, client, url, first
+
+
+async def test_max_concurrent_streams_per_key(make_client: MakeClient) -> None:
+    gated, client, url, first = await _key_a_holds_its_one_stream(make_client)
     second = await client.post(url, json=chat(model="gated/m", stream=True), headers=bearer(KEY_A))
     assert second.status == 429
     assert (await second.json())["error"]["code"] == "too_many_streams"
@@ -503,13 +513,7 @@ async def test_requests_arriving_together_cannot_pass_the_stream_limit(
 
 
 async def test_websocket_turns_count_toward_the_per_key_limit(make_client: MakeClient) -> None:
-    gated = GatedProvider(before=1, after=1)
-    client = await make_client(
-        keyed(limits={"max_concurrent_streams_per_key": 1}), providers=[gated]
-    )
-    url = "/v1/chat/completions?stream_format=sse"
-    first = await client.post(url, json=chat(model="gated/m", stream=True), headers=bearer(KEY_A))
-    assert first.status == 200
+    gated, client, _, first = await _key_a_holds_its_one_stream(make_client)
     async with websockets.connect(ws_url(client), additional_headers=bearer(KEY_A)) as ws:
         await ws.send(start_frame())
         error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))

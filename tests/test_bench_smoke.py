@@ -33,23 +33,29 @@ FIGURES = {
 GATEWAY_ONLY = {"cpu_us_per_chunk", "cpu_vs_rawproxy", "rss_per_stream_kb", "rss_vs_rawproxy"}
 
 
-def test_bench_smoke(tmp_path: Path) -> None:
-    env = dict(os.environ, NEXUS_BENCH_LITELLM=str(tmp_path / "no-litellm"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "run"),
-            "--smoke",
-            "--systems",
-            "direct,rawproxy,nexus,nexus-w2,litellm",
-            "--out",
-            str(tmp_path),
-        ],
+def _bench_run(
+    *args: str, env: dict[str, str], python: list[str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*(python or [sys.executable]), str(ROOT / "bench" / "run"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         env=env,
+    )
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    env = dict(os.environ, NEXUS_BENCH_LITELLM=str(tmp_path / "no-litellm"))
+    proc = _bench_run(
+        "--smoke",
+        "--systems",
+        "direct,rawproxy,nexus,nexus-w2,litellm",
+        "--out",
+        str(tmp_path),
+        env=env,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "litellm: skipped (not installed; see bench/litellm/README.md)" in proc.stderr
@@ -79,19 +85,6 @@ def test_bench_smoke(tmp_path: Path) -> None:
                 assert fig[key] is not None, (scenario, label, key)
     for target in run["targets"]:
         assert {"scenario", "target", "system", "value", "limit", "pass"} <= set(target)
-
-
-def _bench_run(
-    *args: str, env: dict[str, str], python: list[str]
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*python, str(ROOT / "bench" / "run"), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
 
 
 def test_bench_run_finds_its_interpreter_or_says_what_to_do(tmp_path: Path) -> None:
@@ -124,24 +117,17 @@ def test_a_system_that_cannot_start_fails_the_run(tmp_path: Path) -> None:
     broken.write_text("#!/bin/sh\necho 'no config' >&2\nexit 1\n")
     broken.chmod(0o755)
     env = dict(os.environ, NEXUS_BENCH_LITELLM=str(broken))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "run"),
-            "--smoke",
-            "--systems",
-            "direct,litellm",
-            "--scenario",
-            "saturation",
-            "--no-chart",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _bench_run(
+        "--smoke",
+        "--systems",
+        "direct,litellm",
+        "--scenario",
+        "saturation",
+        "--no-chart",
+        "--out",
+        str(tmp_path),
         env=env,
+        timeout=120,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "bench: not every round of litellm could be measured" in proc.stderr

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import re
+import subprocess
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
@@ -27,7 +29,7 @@ from nexus.auth import hash_key
 from nexus.events import Delta, StreamEvent, Usage
 from nexus.protocol.sse import ServerSentEvent
 from nexus.request import ChatRequest
-from nexus_process import start_nexus, stop_nexus
+from nexus_process import NEXUS, start_nexus, stop_nexus
 from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
 from support import GatedProvider, MakeClient, chat, parse_sse
 
@@ -277,6 +279,44 @@ async def test_a_read_token_expires_with_resume_ttl_s(
         assert text_of(await resp.read()) == SLOW  # it was still running
 
 
+async def worker_of(http: aiohttp.ClientSession, url: str) -> int:
+    """The pid of the worker behind ``http``'s kept-alive connection."""
+    async with http.get(url + "/healthz") as resp:
+        pid: int = (await resp.json())["pid"]
+        return pid
+
+
+async def test_a_read_token_from_one_worker_reads_on_another(tmp_path: Path) -> None:
+    """``--workers 2`` with no secret configured: the supervisor makes one for both."""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    os.environ.pop(SECRET_ENV, None)
+    store = f'[store]\nkind = "redis"\nurl = "{REDIS_URL}"\nprefix = "{prefix}"\n'
+    serving = re.compile(r"Nexus serving on (http://\S+) with 2 workers")
+    server = Gateway(tmp_path, keyed_toml(store), "--workers", "2", ready=serving)
+    try:
+        crossed = 0
+        for i in range(12):
+            async with aiohttp.ClientSession() as http:
+                started = await start(http, server, KEY_A, f"across workers {i}")
+                maker = await worker_of(http, server.url)
+            async with aiohttp.ClientSession() as http:
+                async with http.get(server.url + started["url"]) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert text_of(await resp.read()) == f"across workers {i}"
+                crossed += await worker_of(http, server.url) != maker
+            if crossed >= 2:
+                break
+        assert crossed >= 1  # all 12 on one worker: once in ~4,000 runs
+    finally:
+        server.stop()
+        await drop_keys(client, prefix)
+        await client.aclose()
+    log = server.log.read_text()
+    assert f"other replicas do not; set {SECRET_ENV} to one secret" in log
+    assert "secret made by this process" not in log  # the workers were handed one
+
+
 # --- the cache and joins ------------------------------------------------------------------
 
 
@@ -410,3 +450,48 @@ async def test_recordings_and_joins_are_per_key_unless_shared(
     assert (ndjson(await asyncio.wait_for(replay.read(), 5)) == a_answer) is share
     calls = one_provider.calls + two_provider.calls
     assert calls == (1 if share else 2)
+
+
+def test_a_short_token_secret_stops_the_start(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(keyed_toml())
+    for args in ((), ("--workers", "2")):
+        out = subprocess.run(
+            [NEXUS, "serve", "--config", str(config), "--port", "0", *args],
+            env={**os.environ, SECRET_ENV: "too-short"},
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        assert out.returncode == 2, out.stderr
+        assert f"{SECRET_ENV} holds a secret of 9 characters" in out.stderr
+        assert "too-short" not in out.stderr
+
+
+async def test_replicas_with_one_secret_read_each_others_tokens(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    store = {"kind": "redis", "url": REDIS_URL, "prefix": prefix}
+    config = keyed_config(store, share=False)
+    config["auth"]["token_secret_env"] = SECRET_ENV
+    try:
+        monkeypatch.setenv(SECRET_ENV, "one secret for every replica, 32+ chars")
+        one = await make_client(config)
+        two = await make_client(config)
+        monkeypatch.setenv(SECRET_ENV, "another secret, as long as the first one")
+        stranger = await make_client(config)
+        resp = await one.post(CHAT, json=chat(stream=True, background=True), headers=bearer(KEY_A))
+        started = await resp.json()
+        await asyncio.sleep(0.1)
+        resp = await two.get(started["url"])
+        assert resp.status == 200
+        assert text_of(await resp.read()) == "Hello there world"
+        resp = await stranger.get(started["url"])
+        assert resp.status == 401
+        resp = await stranger.get(started["url"].split("?")[0], headers=bearer(KEY_A))
+        assert resp.status == 200  # the stream is there: only the token is refused
+    finally:
+        await drop_keys(client, prefix)
+        await client.aclose()

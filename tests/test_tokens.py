@@ -50,7 +50,7 @@ def tampered(token: str) -> list[str]:
         f"{expires}{mac}",
         f"+{expires}.{mac}",
         f"{expires}.{mac}".replace(".", ".."),
-        f"{'١' * len(expires)}.{mac}",  # Arabic-Indic digits are digits to str.isdigit
+        "\u0661" * len(expires) + "." + mac,  # Arabic-Indic digits: digits to str.isdigit
         f"{expires}.{'é' * 43}",
         "",
         ".",

@@ -326,60 +326,80 @@ async def _background(client: TestClient[Any, Any], key: str, model: str = "mock
     return str((await resp.json())["id"])
 
 
-async def test_stream_read_by_id_or_owner_only(make_client: MakeClient) -> None:
+async def test_stream_read_by_owner_or_read_token_only(make_client: MakeClient) -> None:
     client = await make_client(keyed())
-    stream_id = await _background(client, KEY_A)
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat(stream=True, background=True),
+        headers=bearer(KEY_A),
+    )
+    assert resp.status == 202
+    started = await resp.json()
+    stream_id = started["id"]
     url = f"/v1/streams/{stream_id}?stream_format=sse"
-    # The id alone is the capability.
+    # The id alone is not a capability.
     resp = await client.get(url)
-    assert resp.status == 200
-    assert parse_sse(await resp.read())[-1].data == "[DONE]"
+    assert resp.status == 401
+    assert (await resp.json())["error"]["code"] == "invalid_api_key"
     resp = await client.get(url, headers=bearer(KEY_A))
     assert resp.status == 200
-    await resp.read()
+    assert parse_sse(await resp.read())[-1].data == "[DONE]"
+    # Another key's stream is a stream that does not exist.
+    missing = await client.get("/v1/streams/chatcmpl-nope?stream_format=sse", headers=bearer(KEY_B))
+    assert missing.status == 404
     resp = await client.get(url, headers=bearer(KEY_B))
-    assert resp.status == 403
-    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    assert resp.status == 404
+    assert (await resp.json())["error"]["code"] == "stream_not_found"
     resp = await client.get(url, headers={"x-api-key": KEY_B})
-    assert resp.status == 403
+    assert resp.status == 404
     # A key that is no key at all is a 401, not a free pass.
     resp = await client.get(url, headers=bearer(WRONG))
     assert resp.status == 401
+    # The read token of the 202 reads it without a key.
+    resp = await client.get(started["url"] + "&stream_format=sse")
+    assert resp.status == 200
+    assert parse_sse(await resp.read())[-1].data == "[DONE]"
     # Resuming by POST with Last-Event-ID: the same rule.
-    resp = await client.get(url)
+    resp = await client.get(url, headers=bearer(KEY_A))
     first = parse_sse(await resp.read())[0].id
     assert first
     resume = {"Last-Event-ID": first}
     resp = await client.post(
         "/v1/chat/completions", json=chat(stream=True), headers=resume | bearer(KEY_B)
     )
-    assert resp.status == 403
-    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    assert resp.status == 404
+    assert (await resp.json())["error"]["code"] == "stream_not_found"
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=resume)
+    assert resp.status == 401
     resp = await client.post(
         "/v1/chat/completions", json=chat(stream=True), headers=resume | bearer(KEY_A)
     )
     assert resp.status == 200
     await resp.read()
-    # A finished stream's DELETE: the same rule.
+    # A finished stream's DELETE: the same rule, and a read token is no key.
     resp = await client.delete(f"/v1/streams/{stream_id}", headers=bearer(KEY_B))
-    assert resp.status == 403
-    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    assert resp.status == 404
+    assert (await resp.json())["error"]["code"] == "stream_not_found"
+    resp = await client.delete(started["url"])
+    assert resp.status == 401
     resp = await client.delete(f"/v1/streams/{stream_id}", headers=bearer(KEY_A))
     assert resp.status == 200
 
 
-async def test_live_stream_delete_by_owner_or_id_only(make_client: MakeClient) -> None:
+async def test_live_stream_delete_by_owner_only(make_client: MakeClient) -> None:
     gated = GatedProvider(before=1, after=1)
     client = await make_client(keyed(), providers=[gated])
     first = await _background(client, KEY_A, "gated/m")
     second = await _background(client, KEY_A, "gated/m")
     resp = await client.delete(f"/v1/streams/{first}", headers=bearer(KEY_B))
-    assert resp.status == 403
-    assert (await resp.json())["error"]["code"] == "stream_forbidden"
+    assert resp.status == 404
+    assert (await resp.json())["error"]["code"] == "stream_not_found"
     resp = await client.delete(f"/v1/streams/{first}", headers=bearer(KEY_A))
     assert resp.status == 200
     assert (await resp.json())["status"] != "in_progress"
     resp = await client.delete(f"/v1/streams/{second}")
+    assert resp.status == 401
+    resp = await client.delete(f"/v1/streams/{second}", headers=bearer(KEY_A))
     assert resp.status == 200
     assert (await resp.json())["status"] != "in_progress"
 

@@ -36,8 +36,15 @@ async def background(client: Any, path: str = "/v1/chat/completions", **body: An
     resp = await client.post(path, json={**chat(TEXT), "background": True, **body})
     assert resp.status == 202, await resp.text()
     data = await resp.json()
-    assert data == {"id": data["id"], "url": f"/v1/streams/{data['id']}", "status": "in_progress"}
-    assert resp.headers["Location"] == data["url"]
+    token = data["read_token"]
+    assert re.fullmatch(r"\d+\.[\w-]{43}", token)
+    assert data == {
+        "id": data["id"],
+        "url": f"/v1/streams/{data['id']}?token={token}",
+        "status": "in_progress",
+        "read_token": token,
+    }
+    assert resp.headers["Location"] == f"/v1/streams/{data['id']}"  # no token in a header
     assert resp.headers["X-Nexus-Stream-Id"] == data["id"]
     return str(data["id"])
 

@@ -17,6 +17,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 import browser
+from nexus.auth import hash_key
 from nexus.config import parse_config
 from nexus.encoders.registry import default_registry
 from nexus.providers.mock import words
@@ -216,3 +217,73 @@ async def test_abort_stops_the_stream(gateway: TestServer, page: Page, transport
             lines = [json.loads(line) for line in (await resp.text()).splitlines()]
         assert lines[-1]["type"] == "done"
         assert sum("content" in line.get("delta", {}) for line in lines) < len(words(TEXT))
+
+
+# --- with API keys: the key on fetch, the read token on EventSource -------------------------
+
+CONSOLE_KEY = "nx-console-0123456789abcdef"
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def keyed_gateway() -> AsyncIterator[TestServer]:
+    config = parse_config(
+        {
+            "server": {"retry_ms": 50, "shutdown_grace_s": 0},
+            "auth": {"keys": [{"name": "console", "sha256": hash_key(CONSOLE_KEY)}]},
+        }
+    )
+    app = create_app(config, registry=default_registry.copy())
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield server
+    await server.close()
+
+
+async def with_key(page: Page) -> None:
+    """The key as the page keeps it (typed in once, remembered in this browser)."""
+    await page.context.add_init_script(
+        f"localStorage.setItem('nexus.key', {json.dumps(CONSOLE_KEY)});"
+    )
+
+
+@pytest.mark.parametrize(
+    ("transport", "request_prefix"),
+    [("sse", b"GET /v1/streams/"), ("ndjson", b"POST /v1/chat/completions")],
+)
+async def test_a_keyed_stream_resumes_after_a_drop(
+    keyed_gateway: TestServer, page: Page, transport: str, request_prefix: bytes
+) -> None:
+    """SSE reconnects with the stream's read token (EventSource sends no key); NDJSON
+    resumes with the key."""
+    await with_key(page)
+    proxy = browser.CuttingProxy(port_of(keyed_gateway), request_prefix, b'"type":"delta"', after=8)
+    async with proxy:
+        await open_console(page, proxy.port)
+        await send(page, transport, TEXT, delay_ms=20)
+
+        await asyncio.wait_for(proxy.cut.wait(), 5)
+        await expect(page.locator("#status")).to_have_attribute("data-state", "done")
+        assert await output_of(page) == TEXT
+        assert int(await page.locator("#reconnects").text_content() or "0") >= 1
+        assert "token=" not in (await page.locator("#log").text_content() or "")
+
+
+async def test_a_keyed_background_stream_is_aborted_with_the_key(
+    keyed_gateway: TestServer, page: Page
+) -> None:
+    await with_key(page)
+    await open_console(page, port_of(keyed_gateway))
+    await send(page, "sse", TEXT, delay_ms=25)
+    await expect(page.locator("#tokens")).to_have_text(_AT_LEAST_3)
+    await page.click("#abort")
+    await expect(page.locator("#status")).to_have_attribute("data-state", "aborted")
+    stream_id = await page.locator("#stream-id").text_content()
+    url = keyed_gateway.make_url(f"/v1/streams/{stream_id}").with_query(stream_format="ndjson")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url) as resp:
+            assert resp.status == 401  # the id alone reads nothing
+        headers = {"Authorization": f"Bearer {CONSOLE_KEY}"}
+        async with session.get(url, headers=headers) as resp:
+            lines = [json.loads(line) for line in (await resp.text()).splitlines()]
+    assert lines[-1]["type"] == "done"
+    assert sum("content" in line.get("delta", {}) for line in lines) < len(words(TEXT))

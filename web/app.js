@@ -1,13 +1,15 @@
 // The Nexus console: stream one completion at a time over one of three transports
 // and show its events as they arrive. Plain browser JavaScript, no build step.
 //
-//   sse     POST /v1/chat/completions {"background": true} -> 202 {id, url}, then
-//           EventSource(url?stream_format=nexus). EventSource reconnects by itself
-//           and sends Last-Event-ID; the server resumes after that event.
+//   sse     POST /v1/chat/completions {"background": true} -> 202 {id, url, read_token},
+//           then EventSource(url + &stream_format=nexus): the url carries the stream's
+//           read token (?token=), as EventSource cannot send the key. EventSource
+//           reconnects by itself and sends Last-Event-ID; the server resumes after
+//           that event.
 //   ndjson  POST /v1/chat/completions?stream_format=ndjson read with fetch. If the
 //           connection drops before {"type":"done"}, resume with
 //           GET /v1/streams/<id>?stream_format=ndjson&last_event_id=<n>, n being the
-//           number of complete non-heartbeat lines read so far.
+//           number of complete non-heartbeat lines read so far (with the key, as the POST).
 //   ws      GET /v1/realtime: {"type":"start","request":{...}} out, event objects in,
 //           {"type":"abort"} to stop. An unexpected close reconnects the socket; the
 //           turn in flight is not resumed (it is marked interrupted).
@@ -237,7 +239,8 @@
   // --- transports ---------------------------------------------------------------
 
   // The API key (kept in this browser only): a Bearer header on fetch, a subprotocol on
-  // the WebSocket. EventSource cannot send headers: it reads a stream by its unguessable id.
+  // the WebSocket. EventSource cannot send headers: it reads a background stream with the
+  // read token of the 202 (in its url), good for that one stream, for reading only.
   const keyInput = document.getElementById("api-key");
   keyInput.value = localStorage.getItem("nexus.key") || "";
   keyInput.addEventListener("change", () => {
@@ -291,10 +294,11 @@
     if (resp.status !== 202) throw new Error(await httpErrorMessage(resp));
     const info = await resp.json();
     showStreamId(r, info.id);
+    // info.url is /v1/streams/<id>?token=<read token>: the token stays out of the log.
     const url = streamUrl(info.url || `/v1/streams/${encodeURIComponent(info.id)}`, {
       stream_format: "nexus",
     });
-    note(`background stream ${info.id}; EventSource ${url.pathname}${url.search}`, r);
+    note(`background stream ${info.id}; EventSource ${url.pathname} (with its read token)`, r);
     const es = new EventSource(url);
     r.es = es;
     es.addEventListener("open", () => {
@@ -377,7 +381,7 @@
           last_event_id: String(r.received),
         });
         try {
-          resp = await fetch(url, { signal: r.controller.signal });
+          resp = await fetch(url, { headers: authHeaders({}), signal: r.controller.signal });
         } catch (err) {
           if (r.finished || err.name === "AbortError") return;
           reason = err.message || String(err);

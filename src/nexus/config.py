@@ -90,6 +90,12 @@ class AuthConfig(_Table):
     keys: list[AuthKeyConfig] = Field(default_factory=list)
     allow_unauthenticated: bool = False
     """Serve without keys on a non-loopback interface (refused otherwise)."""
+    token_secret_env: str = Field(
+        default="NEXUS_TOKEN_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128
+    )
+    """The NAME of the environment variable holding the secret that signs read tokens
+    (see :mod:`nexus.tokens`); the same value on every replica. Unset or empty: each
+    process makes its own (``nexus serve --workers N`` makes one for all its workers)."""
 
     @field_validator("keys")
     @classmethod
@@ -150,6 +156,10 @@ class CacheConfig(_Table):
     max_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     mode: Literal["burst", "paced", "fast_forward"] = "burst"
     ff_divisor: float = Field(default=4.0, gt=0)
+    share_across_keys: bool = False
+    """Replay one key's recordings to, and join its in-flight streams with, another key's
+    identical requests. Off: each API key has its own cache (a shared one tells a key what
+    another asked, and hands it the other's answer and usage)."""
 
 
 class MemoryStoreConfig(_Table):

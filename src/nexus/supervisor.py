@@ -10,7 +10,11 @@ for them to end their streams gracefully (``[server] shutdown_grace_s``).
 
 What the workers do not share: with the in-memory store each has its own
 stream logs and cache (resume needs one worker, or sticky routing); with the
-Redis store a stream started on one worker resumes on any other.
+Redis store a stream started on one worker resumes on any other. What they do
+share: the secret of the read tokens (:mod:`nexus.tokens`). Without one in the
+environment the supervisor makes one and puts it there, so every worker it forks
+inherits it (:func:`shared_token_secret`): a token one worker issued is good on
+any other.
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
 from .config import Config
+from .tokens import new_secret, secret_from_env
 
-__all__ = ["Supervisor", "cpu_count", "reserve_port"]
+__all__ = ["Supervisor", "cpu_count", "reserve_port", "shared_token_secret"]
 
 log = logging.getLogger("nexus")
 
@@ -80,6 +85,36 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+@contextlib.contextmanager
+def shared_token_secret(
+    config: Config, environ: MutableMapping[str, str] | None = None
+) -> Iterator[None]:
+    """While in the block, ``[auth] token_secret_env`` names a secret in ``environ``
+    (``os.environ``): the configured one, else one made here, which the workers forked
+    in the block inherit. Raises :class:`~nexus.errors.ConfigError` for a short one."""
+    env = os.environ if environ is None else environ
+    name = config.auth.token_secret_env
+    if secret_from_env(name, env) is not None:
+        yield
+        return
+    previous = env.get(name)
+    env[name] = new_secret()
+    if config.auth.keys and config.store.kind == "redis":
+        log.warning(
+            "read tokens are signed with a secret made by this supervisor: its workers "
+            "share it, other replicas do not; set %s to one secret (32+ characters) on "
+            "every replica sharing the store",
+            name,
+        )
+    try:
+        yield
+    finally:
+        if previous is None:
+            env.pop(name, None)
+        else:
+            env[name] = previous
+
+
 class Supervisor:
     """Starts, watches and stops the worker processes. See the module docstring."""
 
@@ -95,6 +130,10 @@ class Supervisor:
         self.metrics_dir: str | None = None
 
     def run(self) -> int:
+        with shared_token_secret(self.config):
+            return self._run()
+
+    def _run(self) -> int:
         server = self.config.server
         reserved = reserve_port(server.host, server.port)
         port = reserved.getsockname()[1]

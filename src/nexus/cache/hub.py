@@ -4,10 +4,15 @@
 
 1. With ``[cache] enabled``, a recording of the same canonical request
    (:func:`cache_key`: model, messages, parameters; not the wire format, not the
-   stream options) replays as a new stream (``cache="hit"``), burst, paced or
-   fast-forwarded.
-2. An identical request still streaming (here, or on a replica sharing the
-   store) is joined: one upstream call, many listeners (``cache="hit"``).
+   stream options) made by the same owner replays as a new stream
+   (``cache="hit"``), burst, paced or fast-forwarded.
+2. An identical request of the same owner still streaming (here, or on a
+   replica sharing the store) is joined: one upstream call, many listeners
+   (``cache="hit"``).
+
+The owner is the API key's name (``anonymous`` without keys): a key never gets
+another key's recording, usage included, nor joins its stream, unless
+``[cache] share_across_keys`` says the keys share one cache.
 3. Otherwise the engine's stream starts in a :class:`StreamRun`
    (``cache="miss"``, or None with the cache off); if it ends well, it is
    recorded.
@@ -49,17 +54,30 @@ from .codec import event_size
 from .run import MAX_BATCH, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
 
-__all__ = ["Opened", "StoreReader", "StreamHub", "cache_key"]
+__all__ = ["ANONYMOUS", "SHARED", "Opened", "StoreReader", "StreamHub", "cache_key"]
 
 log = logging.getLogger("nexus.streams")
 
 _NOT_IN_KEY = {"stream", "stream_options", "background"}
 
+ANONYMOUS = "anonymous"
+"""Whose cache a request without an API key (auth off) uses."""
+SHARED = "*"
+"""The one cache every key uses with ``[cache] share_across_keys`` (never a key's name)."""
 
-def cache_key(request: ChatRequest) -> str:
-    """The canonical request: what decides the output, whatever the wire format."""
+
+def cache_key(request: ChatRequest, owner: str | None = None, *, shared: bool = False) -> str:
+    """The canonical request in its owner's cache: what decides the output, whatever the
+    wire format, and whose it is.
+
+    ``owner`` is the API key's name (None: no key, the ``anonymous`` cache); with
+    ``shared`` every owner has the same key. The in-flight claim uses this key too,
+    so a request joins only a stream it could have replayed.
+    """
+    scope = SHARED if shared else ANONYMOUS if owner is None else "key:" + owner
     body = request.model_dump(mode="json", exclude=_NOT_IN_KEY, exclude_none=True)
-    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    canonical = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(scope.encode() + b"\n" + canonical).hexdigest()
 
 
 def status_of(terminal: StreamEvent) -> Status:
@@ -222,7 +240,7 @@ class StreamHub:
             stream = await self._open(request, ctx)
             info, run = await self._launch(stream, format, owner, background, ctx)
             return Opened(info, run)
-        key = cache_key(request)
+        key = cache_key(request, owner, shared=self.cache.share_across_keys)
         recording = await self.store.get_recording(key)
         if recording is not None:
             self.engine.route(request.model)  # the model must still exist
@@ -495,9 +513,20 @@ def with_usage(meta: StreamMeta, include_usage: bool) -> StreamMeta:
     )
 
 
-def describe(info: StreamInfo) -> dict[str, Any]:
-    """The JSON a background request answers with."""
-    return {"id": info.id, "url": f"/v1/streams/{info.id}", "status": info.status}
+def describe(info: StreamInfo, read_token: str | None = None) -> dict[str, Any]:
+    """The JSON a background request answers with (and a DELETE, without a token).
+
+    With ``read_token`` (see :mod:`nexus.tokens`) it is included, and ``url`` carries
+    it as ``?token=``: a URL a browser's ``EventSource`` can read without headers.
+    """
+    if read_token is None:
+        return {"id": info.id, "url": f"/v1/streams/{info.id}", "status": info.status}
+    return {
+        "id": info.id,
+        "url": f"/v1/streams/{info.id}?token={read_token}",
+        "status": info.status,
+        "read_token": read_token,
+    }
 
 
 def _discount(counts: dict[str, int], owner: str) -> None:

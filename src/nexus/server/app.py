@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -23,11 +24,12 @@ from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from ..errors import ServerShuttingDown
 from ..events import Error
+from ..tokens import StreamTokens, new_secret, secret_from_env
 from .access import KEYS, LIMITER, METRICS, access_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
-from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, Runtime
+from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
 
 __all__ = ["create_app"]
 
@@ -75,6 +77,7 @@ def create_app(
     app[HUB] = hub
     app[KEYS] = KeyRing(config.auth.keys)
     app[LIMITER] = RateLimiter(config.limits.requests_per_second_per_key)
+    app[TOKENS] = StreamTokens(_token_secret(config))
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()
         metrics.watch(hub, engine.hooks)
@@ -138,6 +141,27 @@ async def _leased(hub: StreamHub, stream_id: str) -> bool:
         return await hub.store.leased(stream_id)
     except Exception:
         return False
+
+
+def _token_secret(config: Config) -> str:
+    """The secret of the read tokens: from ``[auth] token_secret_env``, else a new one.
+
+    Raises :class:`~nexus.errors.ConfigError` for a secret too short to trust. A made
+    one signs tokens that only this process accepts: with keys (tokens matter) and a
+    shared store (replicas), that is worth a warning.
+    """
+    name = config.auth.token_secret_env
+    secret = secret_from_env(name, os.environ)
+    if secret is None:
+        secret = new_secret()
+        if config.auth.keys and config.store.kind == "redis":
+            log.warning(
+                "read tokens are signed with a secret made by this process: a token from "
+                "another replica fails here; set %s to one secret (32+ characters) on every "
+                "replica sharing the store",
+                name,
+            )
+    return secret
 
 
 def build_store(config: StoreConfig) -> Store:

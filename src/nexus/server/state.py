@@ -11,13 +11,14 @@ from ..cache.hub import StreamHub
 from ..config import Config
 from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
+from ..tokens import StreamTokens
 from ..watchdog import Watchdog
 
 if TYPE_CHECKING:
     from .routes.realtime import RealtimeConnection
     from .streaming import StreamPump
 
-__all__ = ["CONFIG", "ENGINE", "HUB", "REGISTRY", "RUNTIME", "Runtime"]
+__all__ = ["CONFIG", "ENGINE", "HUB", "REGISTRY", "RUNTIME", "TOKENS", "Runtime"]
 
 
 @dataclass
@@ -36,3 +37,5 @@ ENGINE = web.AppKey("engine", Engine)
 HUB = web.AppKey("hub", StreamHub)
 REGISTRY = web.AppKey("registry", EncoderRegistry)
 RUNTIME = web.AppKey("runtime", Runtime)
+TOKENS = web.AppKey("tokens", StreamTokens)
+"""Makes and checks the read tokens of background streams (``?token=``)."""

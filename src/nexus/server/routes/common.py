@@ -4,20 +4,30 @@ An endpoint supplies its request parsing (body bytes to a :class:`ChatRequest`),
 its default stream format and its non-streaming JSON; :func:`complete` does the
 rest through the one hub and the one pump. :func:`resume` serves a stream that
 already exists (``GET /v1/streams/{id}``, and a POST carrying ``Last-Event-ID``).
+
+A stream belongs to the API key that made it. With keys configured,
+:func:`find_stream` finds one only for its owner's key, or (on a GET) for a
+read token issued for it (:mod:`nexus.tokens`): no key, a bad one or a bad
+token is a 401; another key's stream is the same 404, after the same lookup,
+as a stream that does not exist, so an id's existence is not told to a key it
+does not belong to. Without keys, a stream is read by its id alone.
 """
 
 from __future__ import annotations
 
+import hmac
+import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from ...auth import Forbidden, credential
+from ...auth import Unauthorized
 from ...cache.cursor import Cursor, parse_cursor
 from ...cache.hub import describe, with_usage
 from ...cache.run import LogReader
+from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
 from ...errors import (
     InvalidLastEventId,
@@ -36,7 +46,15 @@ from .. import state
 from ..access import KEYS, METRICS, admit, authenticate, exchange
 from ..streaming import pump
 
-__all__ = ["check_owner", "complete", "json_response", "last_event_id", "read_body", "resume"]
+__all__ = [
+    "complete",
+    "find_stream",
+    "json_response",
+    "last_event_id",
+    "read_body",
+    "resume",
+    "stream_not_found",
+]
 
 ATTACH_WAIT_S = 0.05
 """An attach sends its headers with the log so far, or after this long with nothing."""
@@ -134,7 +152,8 @@ async def complete(
                 param="last_event_id",
             )
         admit(request, key, None)
-        return await resume(request, cursor.stream_id, encoder, cursor)
+        info = await find_stream(request, cursor.stream_id)
+        return await resume(request, info, encoder, cursor)
     chat = parse(body)
     admit(request, key, chat.model)
     owner = key.name if key is not None else None
@@ -164,28 +183,32 @@ async def complete(
     _count_cache(request, opened.cache)
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     if chat.background:
+        # Location is the bare resource (a key reads it); the body's url carries a read token.
         headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
-        return json_response(describe(opened.info), status=202, headers=headers)
+        token = app[state.TOKENS].issue(
+            opened.id, time.time(), app[state.CONFIG].streams.resume_ttl_s
+        )
+        return json_response(describe(opened.info, token), status=202, headers=headers)
     reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, chat.include_usage))
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
 
 
 async def resume(
-    request: web.Request, stream_id: str, encoder: type[Encoder], cursor: Cursor | None
+    request: web.Request, info: StreamInfo, encoder: type[Encoder], cursor: Cursor | None
 ) -> web.StreamResponse:
-    """Attach to an existing stream and write it from after ``cursor`` (from the start if None)."""
+    """Attach to a stream :func:`find_stream` found and write it from after ``cursor``
+    (from the start if None)."""
+    stream_id = info.id
     if cursor is not None and cursor.stream_id not in (None, stream_id):
         raise InvalidLastEventId(
             f"Last-Event-ID {str(cursor)!r} belongs to another stream than {stream_id!r}.",
             param="last_event_id",
         )
-    hub = request.app[state.HUB]
-    info = await hub.info(stream_id)
-    if info is None:
-        raise StreamNotFound(f"No stream {stream_id!r}: unknown, or expired.", param="id")
-    check_owner(request, info.owner)
-    reader = await hub.attach(stream_id)
+    try:
+        reader = await request.app[state.HUB].attach(stream_id)
+    except StreamNotFound:  # expired since it was found
+        raise stream_not_found(stream_id) from None
     if cursor is not None:
         metrics = request.app.get(METRICS)
         if metrics is not None:
@@ -195,16 +218,56 @@ async def resume(
     )
 
 
-def check_owner(request: web.Request, owner: str | None) -> None:
-    """A stream is read with its id alone, or by the key that made it: a request that
-    presents another key is refused (403 ``stream_forbidden``)."""
-    key = exchange(request).key
-    if key is None and request.app[KEYS].enabled and credential(request.headers) is not None:
-        key = authenticate(request)
-    if key is not None and owner is not None and key.name != owner:
-        raise Forbidden(
-            "This stream was made with another API key.", code="stream_forbidden", param="id"
-        )
+async def find_stream(
+    request: web.Request, stream_id: str, *, read_token: bool = False
+) -> StreamInfo:
+    """The stream ``stream_id``, if the caller may use it (see the module docstring).
+
+    With ``read_token`` (a GET), a ``?token=`` query parameter authorises the
+    request instead of a key. Raises :class:`~nexus.auth.Unauthorized` (401
+    ``invalid_api_key``) and :func:`stream_not_found` (404, also for another key's
+    stream).
+    """
+    app = request.app
+    owner = _reader(request, stream_id, read_token)
+    info = await app[state.HUB].info(stream_id)
+    if info is None or (owner is not None and not _same_owner(info.owner, owner)):
+        raise stream_not_found(stream_id)
+    return info
+
+
+def stream_not_found(stream_id: str) -> StreamNotFound:
+    """The one answer for a stream that is not there, or not the caller's."""
+    return StreamNotFound(
+        f"No stream {stream_id!r}: unknown, or expired (finished streams are kept for "
+        "[streams] resume_ttl_s).",
+        param="id",
+    )
+
+
+def _reader(request: web.Request, stream_id: str, read_token: bool) -> str | None:
+    """Whose streams the caller may use: a key's name; None for any (no keys, or a valid
+    read token for this stream). Raises :class:`Unauthorized`."""
+    app = request.app
+    if not app[KEYS].enabled:
+        return None
+    if read_token:
+        token = request.query.get("token")
+        if token is not None:
+            if not app[state.TOKENS].check(token, stream_id, time.time()):
+                raise Unauthorized(
+                    "Invalid read token: malformed, expired, or not this stream's.",
+                    headers={"WWW-Authenticate": 'Bearer realm="nexus"'},
+                )
+            return None
+    key = authenticate(request)
+    if key is None:  # not with keys configured; never read as "any stream"
+        raise Unauthorized("Missing API key.", headers={"WWW-Authenticate": 'Bearer realm="nexus"'})
+    return key.name
+
+
+def _same_owner(owner: str | None, name: str) -> bool:
+    return owner is not None and hmac.compare_digest(owner.encode(), name.encode())
 
 
 def _count_cache(request: web.Request, result: str | None) -> None:

@@ -5,6 +5,11 @@ that made the stream): the log so far, then live. ``Last-Event-ID`` (or
 ``?last_event_id=``) starts right after that event; past the end the answer is
 ``204``, which tells an ``EventSource`` to stop. ``DELETE`` cancels a stream
 running in this process and answers with its status.
+
+With keys configured, both need the key that made the stream; a ``GET`` may
+instead carry the stream's read token (``?token=``, from the ``202`` of a
+background request), which a ``DELETE`` does not accept. See
+:func:`~nexus.server.routes.common.find_stream`.
 """
 
 from __future__ import annotations
@@ -12,38 +17,26 @@ from __future__ import annotations
 from aiohttp import web
 
 from ...cache.hub import describe, status_of
-from ...errors import GatewayError, StreamNotFound
+from ...errors import GatewayError
 from ...events import Error
 from .. import state
-from .common import check_owner, json_response, last_event_id, negotiate, resume
+from .common import find_stream, json_response, last_event_id, negotiate, resume
 
 __all__ = ["cancel", "get"]
 
 
-def _not_found(stream_id: str) -> StreamNotFound:
-    return StreamNotFound(
-        f"No stream {stream_id!r}: unknown, or expired (finished streams are kept for "
-        "[streams] resume_ttl_s).",
-        param="id",
-    )
-
-
 async def get(request: web.Request) -> web.StreamResponse:
-    stream_id = request.match_info["id"]
+    info = await find_stream(request, request.match_info["id"], read_token=True)
     cursor = last_event_id(request)
-    info = await request.app[state.HUB].info(stream_id)
-    if info is None:
-        raise _not_found(stream_id)
     encoder = negotiate(request, info.format)
-    return await resume(request, stream_id, encoder, cursor)
+    return await resume(request, info, encoder, cursor)
 
 
 async def cancel(request: web.Request) -> web.StreamResponse:
-    stream_id = request.match_info["id"]
-    hub = request.app[state.HUB]
-    run = hub.live.get(stream_id)
+    info = await find_stream(request, request.match_info["id"])
+    stream_id = info.id
+    run = request.app[state.HUB].live.get(stream_id)
     if run is not None:
-        check_owner(request, run.info.owner)
         # An error, not a done: whoever else reads it (a joined request) must not take
         # the cut-short stream for a finished one.
         run.cancel(
@@ -55,10 +48,6 @@ async def cancel(request: web.Request) -> web.StreamResponse:
         )
         await run.wait()
         return json_response(describe(run.info) | {"status": status_of(run.events[-1])})
-    info = await hub.info(stream_id)
-    if info is None:
-        raise _not_found(stream_id)
-    check_owner(request, info.owner)
     if info.status == "in_progress":
         raise GatewayError(
             f"Stream {stream_id!r} runs on another replica; cancel it there, or detach "

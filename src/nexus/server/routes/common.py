@@ -185,9 +185,11 @@ async def complete(
     if chat.background:
         # Location is the bare resource (a key reads it); the body's url carries a read token.
         headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
-        token = app[state.TOKENS].issue(
-            opened.id, time.time(), app[state.CONFIG].streams.resume_ttl_s
-        )
+        config = app[state.CONFIG]
+        # Good for as long as the stream can be read: while it may run, then resume_ttl_s
+        # (a browser's EventSource reconnecting late in a long stream still gets in).
+        lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
+        token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
         return json_response(describe(opened.info, token), status=202, headers=headers)
     reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, chat.include_usage))
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs

@@ -289,9 +289,19 @@ async def silent_websocket(server: Server) -> AsyncIterator[asyncio.StreamWriter
         writer.transport.abort()
 
 
+KEEPALIVES = {
+    "pings": masked(0x9, b"ping"),
+    # Each answered with an invalid_envelope error frame, queued behind the turn's.
+    "bad-envelopes": masked(0x1, b'{"type":"nope"}'),
+}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses TCP_MAXSEG")
-async def test_a_realtime_client_that_pings_but_never_reads_is_dropped(tmp_path: Path) -> None:
-    # Heartbeats as short as the write timeout: the client's pings are what keeps it
+@pytest.mark.parametrize("keepalive", list(KEEPALIVES))
+async def test_a_realtime_client_that_pings_but_never_reads_is_dropped(
+    tmp_path: Path, keepalive: str
+) -> None:
+    # Heartbeats as short as the write timeout: the client's frames are what keeps it
     # from being dropped as gone, so only the write timeout can drop it.
     with serve(tmp_path, config(heartbeat_s=WRITE_TIMEOUT_S)) as server:
         async with silent_websocket(server) as writer:
@@ -303,7 +313,7 @@ async def test_a_realtime_client_that_pings_but_never_reads_is_dropped(tmp_path:
             dropped = None
             while time.monotonic() - began < WRITE_TIMEOUT_S + 5:
                 try:
-                    writer.write(masked(0x9, b"ping"))  # alive, as far as pings go
+                    writer.write(KEEPALIVES[keepalive])  # alive, as far as frames go
                     await writer.drain()
                 except ConnectionError:
                     dropped = time.monotonic() - began
@@ -324,3 +334,4 @@ async def test_a_realtime_client_that_pings_but_never_reads_is_dropped(tmp_path:
         assert 'nexus_cancellations_total{cause="write_timeout"} 1.0' in metrics, metrics
         log = server.log.read_text()
         assert re.search(r"endpoint=/v1/realtime .*cancelled=write_timeout", log), log
+        assert "Traceback" not in log, log

@@ -175,7 +175,7 @@ async def test_every_websocket_start_takes_a_token_of_the_keys_rate(tmp_path: Pa
 
 # --- non-streaming requests and the concurrency limits ----------------------------------------
 
-SLOW = {"content": "one two three four five", "delay_ms": 250}  # about 1.5 s
+SLOW = {"content": "one two three four", "delay_ms": 250}  # about 1 s
 
 
 async def post_slow(
@@ -193,7 +193,7 @@ async def post_slow(
 
 
 async def staggered(*calls: Any) -> list[tuple[int, dict[str, Any]]]:
-    """Run the calls at once, each started 0.1 s after the one before (a known order)."""
+    """Run the calls together, each started 0.1 s after the one before."""
     tasks = []
     for call in calls:
         tasks.append(asyncio.ensure_future(call))
@@ -201,8 +201,16 @@ async def staggered(*calls: Any) -> list[tuple[int, dict[str, Any]]]:
     return list(await asyncio.gather(*tasks))
 
 
-def codes(results: list[tuple[int, dict[str, Any]]]) -> list[object]:
-    return [200 if status == 200 else body["error"]["code"] for status, body in results]
+def outcome(results: list[tuple[int, dict[str, Any]]]) -> tuple[int, list[str]]:
+    """How many succeeded, and the messages of those refused with 429 too_many_streams
+    (any other answer fails the test). Order-free: on a busy machine requests sent 0.1 s
+    apart may still be admitted in another order."""
+    refused = []
+    for status, body in results:
+        if status != 200:
+            assert (status, body["error"]["code"]) == (429, "too_many_streams"), body
+            refused.append(body["error"]["message"])
+    return len(results) - len(refused), refused
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["cache-off", "cache-on"])
@@ -214,9 +222,10 @@ async def test_non_streaming_requests_count_toward_the_stream_limits(
             # Per key: alpha's two run together (counted once each, not as opening and
             # as live); its third is refused while they run.
             results = await staggered(*(post_slow(http, server, KEY_A, f"a{n}") for n in range(3)))
-            assert codes(results) == [200, 200, "too_many_streams"]
-            assert "'alpha'" in results[2][1]["error"]["message"]
-            assert "max_concurrent_streams_per_key" in results[2][1]["error"]["message"]
+            ok, refused = outcome(results)
+            assert ok == 2, refused
+            assert "'alpha'" in refused[0]
+            assert "max_concurrent_streams_per_key" in refused[0]
             # Global: three run, the fourth (another key, under its own limit) is refused.
             results = await staggered(
                 post_slow(http, server, KEY_A, "g0"),
@@ -224,8 +233,9 @@ async def test_non_streaming_requests_count_toward_the_stream_limits(
                 post_slow(http, server, KEY_B, "g2"),
                 post_slow(http, server, KEY_A, "g3"),
             )
-            assert codes(results) == [200, 200, 200, "too_many_streams"]
-            assert "[limits] max_concurrent_streams)" in results[3][1]["error"]["message"]
+            ok, refused = outcome(results)
+            assert ok == 3, refused
+            assert "[limits] max_concurrent_streams)" in refused[0]
             # Clients that leave give their places back at once (the request is cancelled,
             # with the cache its run too): alpha may run two again straight away.
             leaving = [
@@ -239,7 +249,7 @@ async def test_non_streaming_requests_count_toward_the_stream_limits(
             results = await staggered(
                 *(post_slow(http, server, KEY_A, f"back{n}") for n in range(2))
             )
-            assert codes(results) == [200, 200]
+            assert outcome(results) == (2, [])
             assert (await server.health())["streams"] == 0
         log = server.log.read_text()
         assert log.count("status=429") == 2, log

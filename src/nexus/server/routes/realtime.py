@@ -166,8 +166,12 @@ class RealtimeConnection:
         """How long the socket has been paused without taking a byte (0.0: not paused).
 
         A write that waits (the turn's, or aiohttp's own for a frame or a pong) waits
-        for this socket to unpause. Only a smaller buffer is progress: one that grows
-        (pongs to the peer's pings queued behind the turn's frames) is not.
+        for this socket to unpause. Timed from the first tick that sees it paused;
+        progress starts the clock again: a smaller buffer at a tick, and the end of
+        the turn's wait (:meth:`send_texts`), so that a slow reader whose socket
+        pauses and resumes between two ticks is not taken for one that stalled. A
+        buffer that grows (pongs to the peer's pings, error frames, queued behind
+        the turn's frames) is not progress.
         """
         transport = self.request.transport
         if transport is None or not self.paused:
@@ -289,6 +293,7 @@ class RealtimeConnection:
                 await ws.send_frame(payload, WSMsgType.TEXT)
         if self.paused:
             await self.request.protocol._drain_helper()  # aiohttp's own wait for the transport
+        self._stalled = 0.0  # the socket took what it had: the next wait is timed afresh
 
     async def fail(self, frame: bytes) -> None:
         """A provider (or gateway) failure ends the connection: the error, then 1011."""

@@ -286,7 +286,8 @@ async def silent_websocket(server: Server) -> AsyncIterator[asyncio.StreamWriter
     key = base64.b64encode(os.urandom(16)).decode()
     writer.write(
         (
-            f"GET /v1/realtime HTTP/1.1\r\nHost: {server.host}\r\nUpgrade: websocket\r\n"
+            f"GET /v1/realtime HTTP/1.1\r\nHost: {server.host}:{server.port}\r\n"
+            "Upgrade: websocket\r\n"
             f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
             f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {KEY_A}\r\n\r\n"
         ).encode()

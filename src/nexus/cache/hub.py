@@ -51,10 +51,10 @@ from ..stream import Stream
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
-from .run import MAX_BATCH, RunReader, StreamRun
+from .run import MAX_BATCH, LogReader, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
 
-__all__ = ["ANONYMOUS", "SHARED", "Opened", "StoreReader", "StreamHub", "cache_key"]
+__all__ = ["ANONYMOUS", "SHARED", "Opened", "StoreReader", "StreamHub", "cache_key", "leave"]
 
 log = logging.getLogger("nexus.streams")
 
@@ -172,7 +172,7 @@ class StreamHub:
         self.max_duration_s = max_duration_s
         self.live: dict[str, StreamRun] = {}
         self._owned: dict[str, int] = {}  # live runs per owner (API key name)
-        self._opening = 0  # admitted requests whose stream is not live yet
+        self._opening = 0  # admitted requests with no live run (yet, or at all)
         self._opening_owned: dict[str, int] = {}
         self.on_live: Callable[[int], None] | None = None
         """Told how many streams run here whenever that changes (metrics, several workers)."""
@@ -181,14 +181,16 @@ class StreamHub:
         """Ends the streams that pass ``max_duration_s``: one ticker, not a timer each."""
 
     def running(self, owner: str | None = None) -> int:
-        """Streams running here, or ``owner``'s: those live and those being opened."""
+        """Streams running here, or ``owner``'s: those live and the requests admitted
+        without a live run (being opened, or answered without one)."""
         if owner is None:
             return len(self.live) + self._opening
         return self._owned.get(owner, 0) + self._opening_owned.get(owner, 0)
 
     @contextlib.contextmanager
     def admit(self, owner: str | None, limit: int, per_key: int | None = None) -> Iterator[None]:
-        """A place among the streams running here while one is opened in the block.
+        """A place among the streams running here while one is opened in the block (or,
+        for a request answered without a run of its own, while it runs).
 
         Raises :class:`TooManyStreams` past ``[limits] max_concurrent_streams``, or
         past ``per_key`` streams of ``owner``. A request being opened counts as
@@ -511,6 +513,16 @@ def with_usage(meta: StreamMeta, include_usage: bool) -> StreamMeta:
     return (
         meta if meta.include_usage == include_usage else replace(meta, include_usage=include_usage)
     )
+
+
+async def leave(reader: LogReader, run: StreamRun | None) -> None:
+    """A reader whose client never learnt the stream's id is done: close it and, when it
+    ends early (an abort, the client gone, a failure), end the stream with it, unless it
+    is shared (``run`` None: joined; or joined by others who still read it).
+    Idempotent."""
+    await reader.close()
+    if run is not None and not run.finished and not run.attached:
+        run.cancel(Done(aborted=True))
 
 
 def describe(info: StreamInfo, read_token: str | None = None) -> dict[str, Any]:

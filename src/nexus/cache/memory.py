@@ -2,13 +2,23 @@
 
 Live logs stay with their :class:`~nexus.cache.run.StreamRun`; this store keeps
 finished logs and recordings until their TTL, and drops the oldest entries
-when the total passes ``max_bytes`` (expired ones first, found through a heap of
-expiry times: a put costs O(log n), however many entries are kept). Nothing is
-copied: a finished log is the run's own list.
+when the total passes ``max_bytes``. Nothing is copied: a finished log is the
+run's own list.
+
+Expired entries are freed, not just hidden: a heap of expiry times gives the
+entries due first, and they are dropped (and in-flight claims past their TTL
+with them) on every put and on a tick every :data:`SWEEP_INTERVAL_S` while the
+store is started (:meth:`MemoryStore.start` to :meth:`MemoryStore.close`), so an
+entry's memory goes back within that long of its expiry even when nothing else
+is stored. A sweep costs O(log n) per entry it drops and O(1) when none is due;
+a heap entry names its item by key and sequence number, so an entry dropped
+early (replaced, evicted) is not kept alive by the heap.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import itertools
 import time
@@ -21,7 +31,10 @@ from ..events import StreamEvent
 from .codec import event_size
 from .store import Recording, Store, StreamInfo
 
-__all__ = ["MemoryStore"]
+__all__ = ["SWEEP_INTERVAL_S", "MemoryStore"]
+
+SWEEP_INTERVAL_S = 0.5
+"""How often a started store frees what expired (at most this long after the expiry)."""
 
 
 @dataclass(slots=True)
@@ -29,6 +42,7 @@ class _Item:
     value: tuple[StreamInfo, Sequence[StreamEvent]] | Recording
     expires_at: float
     size: int
+    seq: int
 
 
 class MemoryStore(Store):
@@ -36,13 +50,49 @@ class MemoryStore(Store):
         self.max_bytes = max_bytes
         self.size = 0
         self._items: OrderedDict[str, _Item] = OrderedDict()
-        self._expiry: list[tuple[float, int, str, _Item]] = []
-        """(expires_at, seq, key, item) per put; stale once the key holds another item."""
+        self._expiry: list[tuple[float, int, str]] = []
+        """(expires_at, seq, key) per put; stale once the key holds another item (or none)."""
         self._seq = itertools.count()
         self._claims: dict[str, tuple[str, float]] = {}
+        self._claim_expiry: list[tuple[float, str, str]] = []
+        """(expires_at, key, stream_id) per claim; stale once released or claimed again."""
+        self._ticker: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self._items)
+
+    async def start(self) -> None:
+        """Start the tick that frees expired entries (see the module docstring)."""
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def close(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.sweep()
+
+    def sweep(self, now: float | None = None) -> None:
+        """Drop every entry and claim expired as of ``now`` (default: the clock)."""
+        if now is None:
+            now = time.monotonic()
+        expiry, items = self._expiry, self._items
+        while expiry and expiry[0][0] <= now:
+            _, seq, key = heapq.heappop(expiry)
+            item = items.get(key)
+            if item is not None and item.seq == seq:
+                self._drop(key)
+        claims, claim_expiry = self._claims, self._claim_expiry
+        while claim_expiry and claim_expiry[0][0] <= now:
+            expires_at, key, stream_id = heapq.heappop(claim_expiry)
+            if claims.get(key) == (stream_id, expires_at):
+                del claims[key]
 
     # Logs.
     async def end(
@@ -84,7 +134,13 @@ class MemoryStore(Store):
         held = self._claims.get(key)
         if held is not None and held[1] > now and held[0] != stream_id:
             return held[0]
-        self._claims[key] = (stream_id, now + ttl_s)
+        expires_at = now + ttl_s
+        self._claims[key] = (stream_id, expires_at)
+        heapq.heappush(self._claim_expiry, (expires_at, key, stream_id))
+        if len(self._claim_expiry) > 2 * len(self._claims) + 64:
+            # Released and renewed claims leave theirs behind: rebuild now and then.
+            self._claim_expiry = [(at, k, s) for k, (s, at) in self._claims.items()]
+            heapq.heapify(self._claim_expiry)
         return None
 
     async def release(self, key: str, stream_id: str) -> None:
@@ -109,26 +165,21 @@ class MemoryStore(Store):
         ttl_s: float,
         size: int,
     ) -> None:
+        now = time.monotonic()
+        self.sweep(now)  # expired entries go first
         if key in self._items:
             self._drop(key)
         if size > self.max_bytes:
             return  # larger than the whole store: not kept
-        item = _Item(value, time.monotonic() + ttl_s, size)
+        item = _Item(value, now + ttl_s, size, next(self._seq))
         self._items[key] = item
-        heapq.heappush(self._expiry, (item.expires_at, next(self._seq), key, item))
+        heapq.heappush(self._expiry, (item.expires_at, item.seq, key))
         self.size += size
-        if self.size > self.max_bytes:
-            now = time.monotonic()
-            expiry = self._expiry
-            while expiry and expiry[0][0] <= now:
-                _, _, old, stale = heapq.heappop(expiry)
-                if self._items.get(old) is stale:
-                    self._drop(old)
-            while self.size > self.max_bytes:
-                self._drop(next(iter(self._items)))
+        while self.size > self.max_bytes:
+            self._drop(next(iter(self._items)))
         if len(self._expiry) > 2 * len(self._items) + 64:
             # Entries dropped or replaced leave theirs behind: rebuild now and then.
-            self._expiry = [(i.expires_at, next(self._seq), k, i) for k, i in self._items.items()]
+            self._expiry = [(i.expires_at, i.seq, k) for k, i in self._items.items()]
             heapq.heapify(self._expiry)
 
     def _drop(self, key: str) -> None:

@@ -82,10 +82,11 @@ class Store(ABC):
     """Whether other processes see this store (live logs are then mirrored into it)."""
 
     async def start(self) -> None:
-        """Connect; called when the app starts."""
+        """Connect, and start the store's own tasks (the memory store's sweep of what
+        expired); called when the app starts."""
 
     async def close(self) -> None:
-        """Release connections; called when the app stops."""
+        """Release connections and stop the store's tasks; called when the app stops."""
 
     # Logs.
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:

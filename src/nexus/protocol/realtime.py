@@ -120,7 +120,14 @@ def error_frame(
 
 
 def gateway_error_frame(error: GatewayError) -> Send:
-    return Send(orjson.dumps(error.to_event().to_dict()).decode())
+    """The error frame of a refusal. One that HTTP answers with ``Retry-After``
+    (``rate_limited``, ``too_many_streams``) carries it as ``error.retry_after_s``: the
+    whole seconds to wait before the next ``start``."""
+    body = error.to_event().to_dict()
+    retry_after = error.headers.get("Retry-After")
+    if retry_after is not None and retry_after.isdigit():
+        body["error"]["retry_after_s"] = int(retry_after)
+    return Send(orjson.dumps(body).decode())
 
 
 @dataclass(slots=True)

@@ -12,11 +12,13 @@ in the request's :class:`Exchange` as it writes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ from ..errors import GatewayError
 from .errors import Handler
 from .metrics import Metrics
 from .state import CONFIG as _CONFIG
+from .state import HUB as _HUB
 
 __all__ = [
     "EXCHANGE",
@@ -38,6 +41,7 @@ __all__ = [
     "JsonFormatter",
     "access_middleware",
     "admit",
+    "admit_stream",
     "authenticate",
     "exchange",
 ]
@@ -194,15 +198,19 @@ def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> Ap
     return key
 
 
-def admit(request: web.Request, key: ApiKey | None, model: str | None) -> None:
-    """Per-key checks before a request may run: its model, its rate.
+def admit(
+    request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
+) -> None:
+    """Per-key checks before a request may run: its model (when it names one), its rate.
 
-    Raises 403 ``model_not_allowed`` and 429 ``rate_limited`` (with ``Retry-After``).
+    Every request of a key takes one token of its ``requests_per_second_per_key``
+    bucket here, whatever the way in. Raises 403 ``model_not_allowed`` (naming
+    ``param``) and 429 ``rate_limited`` (with ``Retry-After``, whole seconds).
     """
     if key is None:
         return
     if model is not None and not key.allows(model):
-        raise Forbidden(f"The API key {key.name!r} may not use the model {model!r}.", param="model")
+        raise Forbidden(f"The API key {key.name!r} may not use the model {model!r}.", param=param)
     wait = request.app[LIMITER].acquire(key.name, time.monotonic())
     if wait > 0:
         limit = request.app[_CONFIG].limits.requests_per_second_per_key
@@ -213,6 +221,27 @@ def admit(request: web.Request, key: ApiKey | None, model: str | None) -> None:
             retryable=True,
             headers={"Retry-After": str(max(1, math.ceil(wait)))},
         )
+
+
+@contextlib.contextmanager
+def admit_stream(
+    request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
+) -> Iterator[None]:
+    """Everything a request that runs a model passes: :func:`admit`, then a place among
+    the streams running here (:meth:`~nexus.cache.hub.StreamHub.admit`) for the block.
+
+    The block opens the stream (its run counts from then on: leaving the block
+    right after ``hub.open`` returns, with no wait between, never counts it twice),
+    or, for a request answered without a run of its own, is the whole request.
+    Raises what :func:`admit` raises, and 429 ``too_many_streams``.
+    """
+    admit(request, key, model, param=param)
+    limits = request.app[_CONFIG].limits
+    owner = key.name if key is not None else None
+    with request.app[_HUB].admit(
+        owner, limits.max_concurrent_streams, limits.max_concurrent_streams_per_key
+    ):
+        yield
 
 
 class JsonFormatter(logging.Formatter):

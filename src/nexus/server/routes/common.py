@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ...auth import Unauthorized
 from ...cache.cursor import Cursor, parse_cursor
-from ...cache.hub import describe, with_usage
+from ...cache.hub import describe, leave, with_usage
 from ...cache.run import LogReader
 from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
@@ -43,7 +43,7 @@ from ...request import ChatRequest
 from ...stream import Stream, accumulate
 from ...types import Completion
 from .. import state
-from ..access import KEYS, METRICS, admit, authenticate, exchange
+from ..access import KEYS, METRICS, admit, admit_stream, authenticate, exchange
 from ..streaming import pump
 
 __all__ = [
@@ -155,7 +155,6 @@ async def complete(
         info = await find_stream(request, cursor.stream_id)
         return await resume(request, info, encoder, cursor)
     chat = parse(body)
-    admit(request, key, chat.model)
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)
@@ -168,15 +167,22 @@ async def complete(
     )
     if not streaming:
         ex.format = "application/json"
-        if not hub.cache.enabled:
-            return json_response(render(await app[state.ENGINE].complete(chat, ctx)))
-        opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
+        # Counted among the streams running like a streaming request: without the cache
+        # (no run of its own) for as long as it runs; with it, as its run.
+        with admit_stream(request, key, chat.model):
+            if not hub.cache.enabled:
+                return json_response(render(await app[state.ENGINE].complete(chat, ctx)))
+            opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
         _count_cache(request, opened.cache)
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
-        completion = await accumulate(Stream(_events(reader), reader.meta))
+        try:
+            completion = await accumulate(Stream(_events(reader), reader.meta))
+        finally:
+            # Nobody else can attach (no id was given out): the run ends with the
+            # request (the client gone, a failure), unless it is shared.
+            await leave(reader, None if opened.joined else opened.run)
         return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
-    limits = app[state.CONFIG].limits
-    with hub.admit(owner, limits.max_concurrent_streams, limits.max_concurrent_streams_per_key):
+    with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
         )

@@ -19,6 +19,21 @@ socket, its end).
 * Ping frames every ``heartbeat_interval_s``; a peer that does not answer
   in half that time is closed and its turn cancelled. A peer that vanishes
   ends the receive loop, which cancels the turn.
+* A peer that does not read its frames: once the socket is paused (its
+  buffer full) and has taken no byte for ``[server] write_timeout_s``, the
+  connection is aborted (no close frame: it could not reach a peer that does
+  not read) and its turn cancelled, counted as a ``write_timeout``
+  cancellation, whatever frames the peer keeps sending (its pings show that
+  it is there, not that it reads). The watchdog's tick checks it, as it
+  does the pings: no timer per write.
+* Each ``start`` is admitted as an HTTP request is
+  (:func:`~nexus.server.access.admit_stream`): the key's models, its rate, a
+  place among the streams running. A refusal is an error frame (with
+  ``retry_after_s`` for ``rate_limited`` and ``too_many_streams``), and the
+  connection stays open. The handshake itself is authenticated but takes no
+  token: the rate counts model calls (a socket's first ``start`` is never
+  refused for its own handshake), and sockets are bounded by ``[server]
+  max_connections``.
 * A message over ``[realtime] max_message_bytes`` closes with 1009; server
   shutdown closes with 1001.
 """
@@ -34,8 +49,8 @@ from typing import Any
 import orjson
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
-from ...auth import ApiKey, Forbidden
-from ...cache.hub import with_usage
+from ...auth import ApiKey
+from ...cache.hub import leave, with_usage
 from ...cache.run import LogReader, RunReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
@@ -50,7 +65,7 @@ from ...protocol.realtime import (
     text_frames,
 )
 from .. import state
-from ..access import admit, authenticate, exchange
+from ..access import admit_stream, authenticate, exchange
 
 __all__ = ["RealtimeConnection", "Turn", "handle"]
 
@@ -92,11 +107,12 @@ class RealtimeConnection:
             protocols=protocols,
         )
         self._heartbeat_s = config.server.heartbeat_interval_s
+        self._write_timeout_s = config.server.write_timeout_s
+        self._stalled = 0.0  # since when the paused socket has taken no byte (0: not paused)
+        self._buffered = 0  # the transport's write buffer when last looked at
         self._loop = asyncio.get_running_loop()
         self._last_seen = 0.0  # when the client last sent a frame
         self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline
-        self.max_streams = config.limits.max_concurrent_streams
-        self.max_streams_per_key = config.limits.max_concurrent_streams_per_key
         self.session = RealtimeSession(
             max_pending_input_bytes=config.realtime.max_pending_input_bytes
         )
@@ -113,7 +129,7 @@ class RealtimeConnection:
         ws.headers.clear()  # sent: not kept for the connection's length
         self.runtime.sockets.add(self)
         self._last_seen = self._loop.time()
-        self.runtime.watchdog.add(self, self._heartbeat_s / 4)
+        self.runtime.watchdog.add(self, min(self._heartbeat_s, self._write_timeout_s) / 4)
         receive = ws.receive
         try:
             while True:
@@ -131,16 +147,48 @@ class RealtimeConnection:
     def check(self, now: float) -> None:
         """The watchdog's tick: a ping after ``heartbeat_interval_s`` without a frame from
         the client; no frame (a pong or any other) half an interval after it: the peer is
-        gone, and the connection is dropped (its turn's stream with it)."""
-        if self._pong_due:
+        gone, and the connection is dropped (its turn's stream with it). A socket paused
+        for ``write_timeout_s`` without taking a byte: the peer does not read, and the
+        connection is dropped too, whatever it sends."""
+        stalled = self._stalled_for(now)
+        if stalled >= self._write_timeout_s:
+            log.warning("realtime client read nothing for %.1fs: dropping the connection", stalled)
+            exchange(self.request).cancelled = "write_timeout"
+            self._drop()
+        elif self._pong_due:
             if now >= self._pong_due:
                 log.info("realtime client did not answer a ping: dropping the connection")
-                transport = self.request.transport
-                if transport is not None:
-                    transport.abort()
+                self._drop()
         elif now - self._last_seen >= self._heartbeat_s:
             self._pong_due = now + self._heartbeat_s / 2
             self._ping()
+
+    def _stalled_for(self, now: float) -> float:
+        """How long the socket has been paused without taking a byte (0.0: not paused).
+
+        A write that waits (the turn's, or aiohttp's own for a frame or a pong) waits
+        for this socket to unpause. Timed from the first tick that sees it paused;
+        progress starts the clock again: a smaller buffer at a tick, and the end of
+        the turn's wait (:meth:`send_texts`), so that a slow reader whose socket
+        pauses and resumes between two ticks is not taken for one that stalled. A
+        buffer that grows (pongs to the peer's pings, error frames, queued behind
+        the turn's frames) is not progress.
+        """
+        transport = self.request.transport
+        if transport is None or not self.paused:
+            self._stalled = 0.0
+            return 0.0
+        size = transport.get_write_buffer_size()
+        if not self._stalled or size < self._buffered:
+            self._stalled = now  # paused since this tick, or the peer took some bytes
+        self._buffered = size
+        return now - self._stalled
+
+    def _drop(self) -> None:
+        """Abort the connection: the receive loop ends, and with it the turn."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
 
     def _ping(self) -> None:
         """A ping frame written straight to the socket, as a turn writes its frames.
@@ -180,14 +228,9 @@ class RealtimeConnection:
                 await self.ws.send_str(frame)
             case StartTurn(request=request):
                 try:
-                    if self.key is not None and not self.key.allows(request.model):
-                        raise Forbidden(
-                            f"The API key {self.key.name!r} may not use the model "
-                            f"{request.model!r}.",
-                            param="request.model",
-                        )
                     owner = self.key.name if self.key is not None else None
-                    with self.hub.admit(owner, self.max_streams, self.max_streams_per_key):
+                    # As an HTTP request: the key's model, its rate, a place among the streams.
+                    with admit_stream(self.request, self.key, request.model, param="request.model"):
                         opened = await self.hub.open(
                             request,
                             format=NDJSONEncoder.media_type,
@@ -251,6 +294,7 @@ class RealtimeConnection:
                 await ws.send_frame(payload, WSMsgType.TEXT)
         if self.paused:
             await self.request.protocol._drain_helper()  # aiohttp's own wait for the transport
+        self._stalled = 0.0  # the socket took what it had: the next wait is timed afresh
 
     async def fail(self, frame: bytes) -> None:
         """A provider (or gateway) failure ends the connection: the error, then 1011."""
@@ -410,19 +454,10 @@ class Turn:
             conn.turn = None
             if not self.terminated:  # else the session already moved on: it may be streaming
                 conn.session.turn_ended()
-        await _release(self.reader, self.run)
+        await leave(self.reader, self.run)
 
 
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
-
-
-async def _release(reader: LogReader, run: StreamRun | None) -> None:
-    """Idempotent. The socket never told anyone this stream's id: when the turn ends early
-    (abort, the socket gone), the stream ends with it, unless it is shared: joined, or
-    joined by others who still read it."""
-    await reader.close()
-    if run is not None and not run.finished and not run.attached:
-        run.cancel(Done(aborted=True))
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -432,7 +467,6 @@ async def handle(request: web.Request) -> web.StreamResponse:
         p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()
     )
     key = authenticate(request, offered)
-    admit(request, key, None)
     exchange(request).format = "websocket"
     return await RealtimeConnection(request, key, _chosen(offered)).run()
 

@@ -23,7 +23,9 @@ with ``nothing_to_abort``; both leave the turn and the connection as they are.
 attached to the last user message of the next ``start``. Consecutive
 ``pcm16`` chunks of one sample rate are joined into one audio part.
 Malformed frames get ``invalid_envelope``; an invalid request
-``invalid_request`` naming the field. None of these close the connection.
+``invalid_request`` naming the field, as does JSON nested deeper than
+``max_json_depth`` (counted from the request, as over HTTP). None of these close
+the connection.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from ..request import (
     TextPart,
     UserMessage,
 )
+from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from .openai_chat import validation_error
 
 __all__ = [
@@ -133,8 +136,11 @@ class _PendingAudio:
 class RealtimeSession:
     """One connection's protocol state (see the module docstring)."""
 
-    def __init__(self, *, max_pending_input_bytes: int) -> None:
+    def __init__(
+        self, *, max_pending_input_bytes: int, max_json_depth: int = MAX_JSON_DEPTH
+    ) -> None:
         self.max_pending_input_bytes = max_pending_input_bytes
+        self.max_json_depth = max_json_depth
         self.streaming = False
         self._pending: list[ImagePart | _PendingAudio] = []
         self._pending_bytes = 0
@@ -156,9 +162,14 @@ class RealtimeSession:
         try:
             data = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
+            if "depth limit" in str(exc):  # past orjson's own limit (1024)
+                return [self._too_deep(None)]
             return [error_frame("invalid_envelope", f"the frame is not valid JSON: {exc}")]
         if not isinstance(data, dict):
             return [error_frame("invalid_envelope", "an envelope must be a JSON object")]
+        # The request sits one level down in its envelope: the same limit as over HTTP.
+        if deeper_than(data, self.max_json_depth + 1):
+            return [self._too_deep(data.get("type"))]
         try:
             envelope = _ENVELOPE.validate_python(data)
         except ValidationError as exc:
@@ -177,6 +188,11 @@ class RealtimeSession:
             case ImageEnvelope():
                 return self._add_image(envelope)
         raise AssertionError(envelope)  # pragma: no cover - the union is exhaustive
+
+    def _too_deep(self, kind: object) -> Send:
+        error = too_deep(self.max_json_depth, "The request" if kind == "start" else "The frame")
+        param = "request" if kind == "start" else None
+        return error_frame("invalid_request", error.message, param=param)
 
     def turn_ended(self) -> None:
         self.streaming = False

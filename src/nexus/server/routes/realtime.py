@@ -98,7 +98,8 @@ class RealtimeConnection:
         self.max_streams = config.limits.max_concurrent_streams
         self.max_streams_per_key = config.limits.max_concurrent_streams_per_key
         self.session = RealtimeSession(
-            max_pending_input_bytes=config.realtime.max_pending_input_bytes
+            max_pending_input_bytes=config.realtime.max_pending_input_bytes,
+            max_json_depth=config.limits.max_json_depth,
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""

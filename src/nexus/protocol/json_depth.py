@@ -6,6 +6,7 @@ recurses: validation, the cache key, the body sent upstream (orjson's encoder st
 254 levels, with an error that would surface as a 500). So a request is refused at the
 edge, once, right after it is parsed, when it nests deeper than ``[limits]
 max_json_depth`` (64 by default: a chat request with tool schemas needs a dozen or two).
+A body past orjson's own limit is not JSON it can parse: ``invalid_json``, also a 400.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..errors import InvalidRequest
 
-__all__ = ["MAX_JSON_DEPTH", "deeper_than", "too_deep"]
+__all__ = ["MAX_JSON_DEPTH", "deep_field", "deeper_than", "too_deep"]
 
 MAX_JSON_DEPTH = 64
 """The default of ``[limits] max_json_depth``."""
@@ -41,5 +42,19 @@ def deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-def too_deep(limit: int, what: str = "The request body") -> InvalidRequest:
-    return InvalidRequest(f"{what} nests JSON objects and arrays deeper than {limit} levels.")
+def deep_field(obj: dict[str, Any], limit: int) -> str | None:
+    """The first field of ``obj`` whose value makes ``obj`` nest more than ``limit``
+    levels deep, or None: which part of a request to name in the error."""
+    for name, value in obj.items():
+        if deeper_than(value, limit - 1):
+            return name
+    return None
+
+
+def too_deep(param: str, limit: int) -> InvalidRequest:
+    """400 ``invalid_request`` naming the field that nests too deep."""
+    return InvalidRequest(
+        f"{param}: nested deeper than the limit of {limit} levels of JSON objects and "
+        "arrays (counted from the request body)",
+        param=param,
+    )

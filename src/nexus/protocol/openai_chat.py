@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from ..errors import InvalidRequest
 from ..request import ChatRequest
 from ..types import Completion, StreamMeta
-from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
+from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
 
 __all__ = [
     "chunk_prefix",
@@ -40,20 +40,20 @@ def parse_chat_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatR
 
 def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
     """A request body as a JSON object. Raises :class:`InvalidRequest`: ``invalid_json``
-    for bytes that are not one, ``invalid_request`` for one nested deeper than
-    ``max_depth`` (see :mod:`nexus.protocol.json_depth`)."""
+    for bytes that are not one (orjson parses 1024 levels at most), ``invalid_request``
+    naming the field for one nested deeper than ``max_depth``
+    (see :mod:`nexus.protocol.json_depth`)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        if "depth limit" in str(exc):  # past orjson's own limit (1024): too deep as well
-            raise too_deep(max_depth) from None
         raise InvalidRequest(
             f"The request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    if deeper_than(data, max_depth):
-        raise too_deep(max_depth)
+    field = deep_field(data, max_depth)
+    if field is not None:
+        raise too_deep(field, max_depth)
     return data
 
 

@@ -23,9 +23,8 @@ with ``nothing_to_abort``; both leave the turn and the connection as they are.
 attached to the last user message of the next ``start``. Consecutive
 ``pcm16`` chunks of one sample rate are joined into one audio part.
 Malformed frames get ``invalid_envelope``; an invalid request
-``invalid_request`` naming the field, as does JSON nested deeper than
-``max_json_depth`` (counted from the request, as over HTTP). None of these close
-the connection.
+``invalid_request`` naming the field, as does a request nested deeper than
+``max_json_depth`` (counted as over HTTP). None of these close the connection.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from ..request import (
     TextPart,
     UserMessage,
 )
-from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
+from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
 from .openai_chat import validation_error
 
 __all__ = [
@@ -162,14 +161,12 @@ class RealtimeSession:
         try:
             data = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
-            if "depth limit" in str(exc):  # past orjson's own limit (1024)
-                return [self._too_deep(None)]
             return [error_frame("invalid_envelope", f"the frame is not valid JSON: {exc}")]
         if not isinstance(data, dict):
             return [error_frame("invalid_envelope", "an envelope must be a JSON object")]
-        # The request sits one level down in its envelope: the same limit as over HTTP.
-        if deeper_than(data, self.max_json_depth + 1):
-            return [self._too_deep(data.get("type"))]
+        refused = self._too_deep(data)
+        if refused is not None:
+            return [refused]
         try:
             envelope = _ENVELOPE.validate_python(data)
         except ValidationError as exc:
@@ -189,10 +186,20 @@ class RealtimeSession:
                 return self._add_image(envelope)
         raise AssertionError(envelope)  # pragma: no cover - the union is exhaustive
 
-    def _too_deep(self, kind: object) -> Send:
-        error = too_deep(self.max_json_depth, "The request" if kind == "start" else "The frame")
-        param = "request" if kind == "start" else None
-        return error_frame("invalid_request", error.message, param=param)
+    def _too_deep(self, data: dict[str, Any]) -> Send | None:
+        """A start's request is held to the limit it has over HTTP; any other frame, one
+        level more (its envelope)."""
+        limit = self.max_json_depth
+        request = data.get("request")
+        if data.get("type") == "start" and isinstance(request, dict):
+            field = deep_field(request, limit)
+            if field is not None:
+                error = too_deep(f"request.{field}", limit)
+                return error_frame("invalid_request", error.message, param=error.param)
+        field = deep_field(data, limit + 1)
+        if field is None:
+            return None
+        return error_frame("invalid_envelope", too_deep(field, limit).message, param=field)
 
     def turn_ended(self) -> None:
         self.streaming = False

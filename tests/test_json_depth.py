@@ -7,7 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from nexus.errors import InvalidRequest
+from nexus.config import parse_config
+from nexus.errors import ConfigError, InvalidRequest
 from nexus.protocol.anthropic_messages import parse_messages_request
 from nexus.protocol.json_depth import deep_field, deeper_than
 from nexus.protocol.openai_chat import parse_chat_request
@@ -127,3 +128,11 @@ def test_a_start_at_the_limit_is_taken() -> None:
     # Any other frame: one level more, for its envelope.
     [refused] = session.receive_text('{"type":"abort","x":' + "[" * 6 + "]" * 6 + "}")
     assert orjson.loads(refused.frame)["error"]["param"] == "x"  # type: ignore[union-attr]
+
+
+def test_the_config_key_and_its_bounds() -> None:
+    assert parse_config({}).limits.max_json_depth == 64
+    assert parse_config({"limits": {"max_json_depth": 12}}).limits.max_json_depth == 12
+    for bad in (0, 201):  # past 200 the gateway's own encoding (254 levels) could fail
+        with pytest.raises(ConfigError, match="max_json_depth"):
+            parse_config({"limits": {"max_json_depth": bad}})

@@ -19,6 +19,7 @@ the operator serves the gateway to whoever reaches it, by any name.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 
@@ -58,6 +59,7 @@ def origin_allowed(origin: str, allowed: list[str], *, scheme: str, host: str | 
     return theirs is not None and theirs == split_host(host, scheme)
 
 
+@functools.lru_cache(maxsize=64)  # asked on every request of a keyless gateway: few names
 def loopback_host(host: str) -> bool:
     """Whether a ``Host`` header names this machine: ``localhost`` or a name under it
     (RFC 6761 §6.3: they resolve to loopback, never to a rebound address), an address in

@@ -603,16 +603,22 @@ async def test_cors_disallowed_origin(make_client: MakeClient) -> None:
     client = await make_client(keyed(cors={"allow_origins": [ORIGIN]}))
     evil = {"Origin": "https://evil.example"}
     resp = await client.get("/v1/models", headers=evil | bearer(KEY_A))
-    assert resp.status == 200
+    assert resp.status == 403  # a page of another site: refused, even with a key
+    assert (await resp.json())["error"]["code"] == "origin_not_allowed"
     assert not any(h.lower().startswith("access-control-") for h in resp.headers)
     resp = await client.options(
         "/v1/chat/completions", headers=evil | {"Access-Control-Request-Method": "POST"}
     )
     assert resp.status != 204
     assert not any(h.lower().startswith("access-control-") for h in resp.headers)
-    # No [cors] at all: no CORS headers for anyone.
+    # No [cors] at all: the gateway's own pages only, and no CORS headers for anyone.
     plain = await make_client(keyed())
     resp = await plain.get("/v1/models", headers={"Origin": ORIGIN} | bearer(KEY_A))
+    assert resp.status == 403
+    assert "Access-Control-Allow-Origin" not in resp.headers
+    own = str(plain.make_url("/")).rstrip("/")
+    resp = await plain.get("/v1/models", headers={"Origin": own} | bearer(KEY_A))
+    assert resp.status == 200
     assert "Access-Control-Allow-Origin" not in resp.headers
 
 

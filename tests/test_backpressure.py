@@ -198,7 +198,7 @@ async def raw_client(
 
 async def send(writer: asyncio.StreamWriter, method: str, path: str, body: bytes = b"") -> None:
     head = (
-        f"{method} {path} HTTP/1.1\r\nHost: nexus\r\nContent-Type: application/json\r\n"
+        f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     writer.write(head.encode() + body)

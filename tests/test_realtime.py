@@ -274,7 +274,8 @@ async def _raw_socket(
     extra = f"Sec-WebSocket-Extensions: {extensions}\r\n" if extensions else ""
     writer.write(
         (
-            "GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            "GET /v1/realtime HTTP/1.1\r\nHost: localhost\r\n"
+            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
             f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
         ).encode()
     )

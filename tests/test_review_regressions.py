@@ -117,7 +117,8 @@ async def test_start_and_abort_in_one_read_do_not_lock_the_connection(
     key = base64.b64encode(os.urandom(16)).decode()
     writer.write(
         (
-            "GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            "GET /v1/realtime HTTP/1.1\r\nHost: localhost\r\n"
+            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
             f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
         ).encode()
     )

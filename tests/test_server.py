@@ -509,7 +509,7 @@ async def test_client_that_stops_reading_is_dropped(make_client: MakeClient) -> 
     body = orjson.dumps(chat(model="endless/m", stream=True))
     writer.write(
         b"POST /v1/chat/completions?stream_format=ndjson HTTP/1.1\r\n"
-        b"Host: x\r\nContent-Type: application/json\r\n"
+        b"Host: localhost\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body) + body
     )
     await writer.drain()

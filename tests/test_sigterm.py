@@ -164,7 +164,7 @@ async def _request_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     body = orjson.dumps(chat(3))
     try:
         writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: nexus\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
         )
         await writer.drain()
@@ -192,7 +192,7 @@ async def test_sigterm_drains_every_format_then_ends_the_rest_and_exits_0(
     # An idle keep-alive connection, opened before the signal.
     host, port = url.removeprefix("http://").rsplit(":", 1)
     idle_reader, idle_writer = await asyncio.open_connection(host, int(port))
-    idle_writer.write(b"GET /healthz HTTP/1.1\r\nHost: nexus\r\n\r\n")
+    idle_writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
     await idle_writer.drain()
     head = await idle_reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")

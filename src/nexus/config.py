@@ -76,6 +76,10 @@ class LimitsConfig(_Table):
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
     """Sustained rate per API key (bursts up to one second's worth); 0 turns it off."""
     max_stream_duration_s: float = Field(default=900.0, gt=0)
+    max_json_depth: int = Field(default=64, ge=1, le=200)
+    """How deep a request body's JSON may nest (objects and arrays); deeper: 400. At most
+    200: the gateway nests a request a level or two further when it stores or forwards
+    it, and the JSON encoder stops at 254."""
 
 
 class AuthKeyConfig(_Table):
@@ -89,7 +93,8 @@ class AuthKeyConfig(_Table):
 class AuthConfig(_Table):
     keys: list[AuthKeyConfig] = Field(default_factory=list)
     allow_unauthenticated: bool = False
-    """Serve without keys on a non-loopback interface (refused otherwise)."""
+    """Serving without keys is meant: on a non-loopback interface (refused otherwise), and
+    to any ``Host`` name (otherwise a keyless gateway answers loopback names only)."""
     token_secret_env: str = Field(
         default="NEXUS_TOKEN_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128
     )

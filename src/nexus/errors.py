@@ -14,6 +14,7 @@ a stream has started::
         ├── ModelNotFound            404 model_not_found
         ├── StreamNotFound           404 stream_not_found (unknown or expired stream id)
         ├── RequestTooLarge          413 request_too_large
+        ├── UnsupportedMediaType     415 unsupported_media_type (a Content-Encoding not taken)
         ├── TooManyStreams           429 too_many_streams (retryable)
         ├── ServerShuttingDown       503 server_shutting_down (retryable)
         ├── StreamLost               502 stream_lost (retryable): the replica running it stopped
@@ -42,6 +43,7 @@ __all__ = [
     "StreamNotFound",
     "TooManyStreams",
     "UnsupportedInput",
+    "UnsupportedMediaType",
     "UnsupportedStreamFormat",
     "UpstreamError",
     "UpstreamTimeout",
@@ -149,6 +151,12 @@ class ModelNotFound(GatewayError):
 class RequestTooLarge(GatewayError):
     status = 413
     code = "request_too_large"
+    error_type = "invalid_request_error"
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    code = "unsupported_media_type"
     error_type = "invalid_request_error"
 
 

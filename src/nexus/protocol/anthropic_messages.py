@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from ..errors import GatewayError, InvalidRequest
 from ..request import ChatRequest, MockScript, OpenModel, StrictModel
 from ..types import Completion
+from .json_depth import MAX_JSON_DEPTH
 from .openai_chat import parse_json_object, validation_error
 
 __all__ = [
@@ -123,9 +124,10 @@ class MessagesRequest(OpenModel):
     mock: MockScript | None = None
 
 
-def parse_messages_request(body: bytes) -> ChatRequest:
-    """Validate a Messages request and translate it. Raises :class:`InvalidRequest`."""
-    data = parse_json_object(body)
+def parse_messages_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
+    """Validate a Messages request and translate it. Raises :class:`InvalidRequest`
+    (also for JSON nested deeper than ``max_depth``)."""
+    data = parse_json_object(body, max_depth=max_depth)
     try:
         request = MessagesRequest.model_validate(data)
     except ValidationError as exc:

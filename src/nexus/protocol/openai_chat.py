@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from ..errors import InvalidRequest
 from ..request import ChatRequest
 from ..types import Completion, StreamMeta
+from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
 
 __all__ = [
     "chunk_prefix",
@@ -23,20 +24,25 @@ __all__ = [
 ]
 
 
-def parse_chat_request(body: bytes) -> ChatRequest:
+def parse_chat_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
     """Validate a request body.
 
     Raises :class:`InvalidRequest` with code ``invalid_json`` for bytes that are
-    not a JSON object, and code ``invalid_request`` naming the field otherwise.
+    not a JSON object, and code ``invalid_request`` naming the field otherwise
+    (or for JSON nested deeper than ``max_depth``).
     """
-    data = parse_json_object(body)
+    data = parse_json_object(body, max_depth=max_depth)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, data) from None
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
+def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A request body as a JSON object. Raises :class:`InvalidRequest`: ``invalid_json``
+    for bytes that are not one (orjson parses 1024 levels at most), ``invalid_request``
+    naming the field for one nested deeper than ``max_depth``
+    (see :mod:`nexus.protocol.json_depth`)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -45,6 +51,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    field = deep_field(data, max_depth)
+    if field is not None:
+        raise too_deep(field, max_depth)
     return data
 
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 
 from ..errors import InvalidRequest
 from ..request import ChatRequest, FunctionDef, MockScript, OpenModel, StrictModel
+from .json_depth import MAX_JSON_DEPTH
 from .openai_chat import field_path, parse_json_object, validation_error
 from .openai_responses_output import response_body
 
@@ -200,14 +201,15 @@ _STATEFUL = ("previous_response_id", "conversation")
 _TAG_ERRORS = ("union_tag_invalid", "union_tag_not_found")
 
 
-def parse_responses_request(body: bytes) -> ChatRequest:
+def parse_responses_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
     """Validate a ``/v1/responses`` body and translate it into a :class:`ChatRequest`.
 
     Raises :class:`InvalidRequest`: code ``invalid_json`` for bytes that are not
     a JSON object, else code ``invalid_request`` with ``param`` naming the field
-    of the Responses request (``input[2].call_id``, ``max_output_tokens``).
+    of the Responses request (``input[2].call_id``, ``max_output_tokens``), or for
+    JSON nested deeper than ``max_depth``.
     """
-    data = parse_json_object(body)
+    data = parse_json_object(body, max_depth=max_depth)
     for name in _STATEFUL:
         if data.get(name) is not None:
             raise InvalidRequest(

@@ -23,7 +23,8 @@ with ``nothing_to_abort``; both leave the turn and the connection as they are.
 attached to the last user message of the next ``start``. Consecutive
 ``pcm16`` chunks of one sample rate are joined into one audio part.
 Malformed frames get ``invalid_envelope``; an invalid request
-``invalid_request`` naming the field. None of these close the connection.
+``invalid_request`` naming the field, as does a request nested deeper than
+``max_json_depth`` (counted as over HTTP). None of these close the connection.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ..request import (
     TextPart,
     UserMessage,
 )
+from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
 from .openai_chat import validation_error
 
 __all__ = [
@@ -140,8 +142,11 @@ class _PendingAudio:
 class RealtimeSession:
     """One connection's protocol state (see the module docstring)."""
 
-    def __init__(self, *, max_pending_input_bytes: int) -> None:
+    def __init__(
+        self, *, max_pending_input_bytes: int, max_json_depth: int = MAX_JSON_DEPTH
+    ) -> None:
         self.max_pending_input_bytes = max_pending_input_bytes
+        self.max_json_depth = max_json_depth
         self.streaming = False
         self._pending: list[ImagePart | _PendingAudio] = []
         self._pending_bytes = 0
@@ -166,6 +171,9 @@ class RealtimeSession:
             return [error_frame("invalid_envelope", f"the frame is not valid JSON: {exc}")]
         if not isinstance(data, dict):
             return [error_frame("invalid_envelope", "an envelope must be a JSON object")]
+        refused = self._too_deep(data)
+        if refused is not None:
+            return [refused]
         try:
             envelope = _ENVELOPE.validate_python(data)
         except ValidationError as exc:
@@ -184,6 +192,21 @@ class RealtimeSession:
             case ImageEnvelope():
                 return self._add_image(envelope)
         raise AssertionError(envelope)  # pragma: no cover - the union is exhaustive
+
+    def _too_deep(self, data: dict[str, Any]) -> Send | None:
+        """A start's request is held to the limit it has over HTTP; any other frame, one
+        level more (its envelope)."""
+        limit = self.max_json_depth
+        request = data.get("request")
+        if data.get("type") == "start" and isinstance(request, dict):
+            field = deep_field(request, limit)
+            if field is not None:
+                error = too_deep(f"request.{field}", limit)
+                return error_frame("invalid_request", error.message, param=error.param)
+        field = deep_field(data, limit + 1)
+        if field is None:
+            return None
+        return error_frame("invalid_envelope", too_deep(field, limit).message, param=field)
 
     def turn_ended(self) -> None:
         self.streaming = False

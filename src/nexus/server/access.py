@@ -2,11 +2,19 @@
 per-key limits, the access log.
 
 :func:`access_middleware` is the outermost layer: it gives every request an id
-(``X-Request-Id`` honoured when it is sane, echoed on every response), answers
-CORS preflights for ``[cors] allow_origins``, and writes one access line per
-request (endpoint, format, provider, status, TTFB, duration, events, bytes) and
-its metrics. Routes call :func:`authenticate` and :func:`admit`; the pump fills
-in the request's :class:`Exchange` as it writes.
+(``X-Request-Id`` honoured when it is sane, echoed on every response), refuses
+pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
+403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
+WebSocket handshake is refused before it upgrades), answers CORS preflights for
+``[cors] allow_origins``, and writes one access line per request (endpoint,
+format, provider, status, TTFB, duration, events, bytes) and its metrics. Routes
+call :func:`authenticate` and :func:`admit`; the pump fills in the request's
+:class:`Exchange` as it writes.
+
+A request answered before its body was read to the end (a 401, a 413, any refusal)
+has its connection closed once the answer is out: aiohttp would otherwise read the
+rest of the body, for up to ten seconds, to keep the connection (its "lingering"
+read), on behalf of a client that may not even have a key.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, RateLimiter, credential
 from ..errors import GatewayError
-from .errors import Handler
+from .errors import Handler, error_response
 from .metrics import Metrics
+from .origins import loopback_host, origin_allowed
 from .state import CONFIG as _CONFIG
 from .state import HUB as _HUB
 
@@ -117,7 +126,15 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     app = request.app
     config = app[_CONFIG]
     origin = request.headers.get("Origin")
-    if origin is not None and _origin_allowed(origin, config.cors.allow_origins):
+    refusal = _refusal(request, origin)
+    if refusal is not None:
+        refused = error_response(request, refusal)
+        refused.headers.update(ex.headers)
+        try:
+            return await _close_if_unread(request, refused)
+        finally:
+            _account(app, ex, refused.status)
+    if origin is not None and _cors_origin(origin, config.cors.allow_origins):
         ex.headers["Access-Control-Allow-Origin"] = origin
         ex.headers["Vary"] = "Origin"
         ex.headers["Access-Control-Expose-Headers"] = _EXPOSED
@@ -138,7 +155,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         if not response.prepared:
             for name, value in ex.headers.items():
                 response.headers.setdefault(name, value)
-        return response
+        return await _close_if_unread(request, response)
     except BaseException as exc:
         ex.cancelled = ex.cancelled or "client_disconnect"
         if ex.status is not None:
@@ -150,8 +167,52 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         _account(app, ex, status)
 
 
-def _origin_allowed(origin: str, allowed: list[str]) -> bool:
-    return "*" in allowed or origin in allowed
+def _cors_origin(origin: str, allowed: list[str]) -> bool:
+    """Whether responses to ``origin`` carry CORS headers: it is listed (or ``"*"`` is)."""
+    return origin in allowed or ("*" in allowed and origin != "null")
+
+
+def _refusal(request: web.Request, origin: str | None) -> GatewayError | None:
+    """Why a request is not served, before any route sees it (see :mod:`.origins`)."""
+    config = request.app[_CONFIG]
+    host = request.headers.get("Host")
+    if origin is not None and not origin_allowed(
+        origin, config.cors.allow_origins, scheme=request.scheme, host=host
+    ):
+        return Forbidden(
+            f"Requests from pages at {origin!r} are not allowed: the gateway serves its "
+            "own pages and the origins in [cors] allow_origins.",
+            code="origin_not_allowed",
+        )
+    if (
+        host is not None
+        and not request.app[KEYS].enabled
+        and not config.auth.allow_unauthenticated
+        and request.path != "/healthz"  # liveness only, for probes under any name
+        and not loopback_host(host)
+    ):
+        return Forbidden(
+            f"Host {host!r} is not served: without API keys the gateway answers only "
+            "loopback names (localhost, 127.0.0.1, [::1]). Add [[auth.keys]], or set "
+            "[auth] allow_unauthenticated = true to serve any name.",
+            code="host_not_allowed",
+        )
+    return None
+
+
+async def _close_if_unread(
+    request: web.Request, response: web.StreamResponse
+) -> web.StreamResponse:
+    """Send ``response`` and close the connection if the request's body is not all in:
+    its rest is never read (nor inflated), by the route or by aiohttp's lingering read."""
+    if request.content.is_eof():
+        return response
+    response.force_close()  # "Connection: close", while the headers can still say so
+    if not response.prepared:
+        await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
 
 
 def _endpoint(request: web.Request) -> str:

@@ -71,6 +71,9 @@ def create_app(
     app = web.Application(
         client_max_size=config.limits.max_body_bytes,
         middlewares=[access_middleware, error_middleware],
+        # Request bodies are inflated by the routes, after the key, in bounded pieces
+        # (routes/common.py read_body); aiohttp's own would start as the bytes arrive.
+        handler_args={"auto_decompress": False},
     )
     app[CONFIG] = config
     app[ENGINE] = engine

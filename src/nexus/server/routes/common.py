@@ -15,10 +15,11 @@ does not belong to. Without keys, a stream is read by its id alone.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -31,13 +32,13 @@ from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
 from ...errors import (
     InvalidLastEventId,
-    RequestTooLarge,
     ServerShuttingDown,
     StreamError,
     StreamNotFound,
 )
 from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
+from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
 from ...stream import Stream, accumulate
@@ -60,34 +61,50 @@ ATTACH_WAIT_S = 0.05
 """An attach sends its headers with the log so far, or after this long with nothing."""
 
 
+class ParseBody(Protocol):
+    """An endpoint's request parser: body bytes to a :class:`ChatRequest`, refusing JSON
+    nested deeper than ``max_depth``."""
+
+    def __call__(self, body: bytes, /, *, max_depth: int) -> ChatRequest: ...
+
+
 async def read_body(request: web.Request) -> bytes:
-    """The request body, or :class:`RequestTooLarge` past ``[limits] max_body_bytes``.
+    """The request body, as sent or inflated from gzip or deflate.
+
+    Raises :class:`RequestTooLarge` past ``[limits] max_body_bytes`` (of the inflated
+    size, and of the sent one), :class:`UnsupportedMediaType` for a ``Content-Encoding``
+    other than gzip and deflate (before any of the body is read), and
+    :class:`InvalidRequest` for compressed data that is not valid. Call it after the
+    key is checked: nothing reads or inflates a body before (aiohttp's own
+    decompression is off, see :func:`nexus.server.app.create_app`). A compressed body
+    is inflated in pieces (:mod:`nexus.protocol.content_encoding`), with a turn of the
+    event loop between them.
 
     Read from the payload, not with ``request.read()``, which keeps the bytes on the
     request for as long as it lives: a stream's whole length, for a body that can be
     a long conversation. Here they go once the request is parsed.
     """
     limit = request.app[state.CONFIG].limits.max_body_bytes
+    coding = content_coding(request.headers.getall("Content-Encoding", ()))
     if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
     content = request.content
-    # As request.read() does: a compressed body decompresses in pieces up to the limit,
-    # not in small steps paused and resumed (the method is aiohttp 3.13's).
-    raise_chunk_size = getattr(content, "set_read_chunk_size", None)
-    if raise_chunk_size is not None:
-        raise_chunk_size(limit)
     chunks: list[bytes] = []
-    size = 0
-    while chunk := await content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    if coding is None:
+        size = 0
+        while chunk := await content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    else:
+        inflater = Inflater(coding, limit=limit)
+        while chunk := await content.readany():
+            for piece in inflater.decode(chunk):
+                chunks.append(piece)
+                await asyncio.sleep(0)  # the loop serves others between pieces
+        inflater.flush()
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _too_large(limit: int) -> RequestTooLarge:
-    return RequestTooLarge(f"The request body is larger than the limit of {limit} bytes.")
 
 
 def json_response(
@@ -128,7 +145,7 @@ def _check_open(request: web.Request) -> None:
 async def complete(
     request: web.Request,
     *,
-    parse: Callable[[bytes], ChatRequest],
+    parse: ParseBody,
     default_format: str,
     render: Callable[[Completion], dict[str, Any]],
 ) -> web.StreamResponse:
@@ -154,7 +171,7 @@ async def complete(
         admit(request, key, None)
         info = await find_stream(request, cursor.stream_id)
         return await resume(request, info, encoder, cursor)
-    chat = parse(body)
+    chat = parse(body, max_depth=app[state.CONFIG].limits.max_json_depth)
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)

@@ -114,7 +114,8 @@ class RealtimeConnection:
         self._last_seen = 0.0  # when the client last sent a frame
         self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline
         self.session = RealtimeSession(
-            max_pending_input_bytes=config.realtime.max_pending_input_bytes
+            max_pending_input_bytes=config.realtime.max_pending_input_bytes,
+            max_json_depth=config.limits.max_json_depth,
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""

@@ -24,6 +24,7 @@ from ..engine import Engine
 from ..errors import ServerShuttingDown
 from ..events import Error
 from .access import KEYS, LIMITER, METRICS, access_middleware
+from .connection import connection_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
@@ -68,7 +69,7 @@ def create_app(
 
     app = web.Application(
         client_max_size=config.limits.max_body_bytes,
-        middlewares=[access_middleware, error_middleware],
+        middlewares=[connection_middleware, access_middleware, error_middleware],
     )
     app[CONFIG] = config
     app[ENGINE] = engine

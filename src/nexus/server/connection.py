@@ -1,0 +1,512 @@
+"""The connection layer of ``nexus serve``: slow and idle clients, a connection cap,
+parser errors that reveal nothing, masked WebSocket frames.
+
+aiohttp's :class:`~aiohttp.web.RequestHandler` (the protocol object of one
+connection) has no deadline for a request head and none for a fresh connection
+before a long default, no cap on connections, and answers a malformed request
+with the parser's excerpt of the raw bytes. :class:`Connection` is a documented
+subclass of it that overrides public methods only, each calling ``super()``;
+:class:`ConnectionSite` listens with it (a :class:`~aiohttp.web.BaseSite`, as
+``TCPSite`` is); :class:`ConnectionRegistry` keeps the deadlines.
+
+A connection is always in one phase::
+
+    connect ──> HEAD ──(request head complete: the handler starts)──> BUSY
+                 ^                                                     │
+                 └──(first byte of the next request)── IDLE <──(response written)
+    BUSY ──(WebSocket upgrade)──> UPGRADED        past max_connections ──> REJECTED
+
+* **HEAD** lasts at most ``[server] header_timeout_s`` from the connect (or from
+  the first byte of a next request on a keep-alive connection): an idle or
+  slow-header client is closed then.
+* **IDLE** (keep-alive, no byte since the last response) lasts at most
+  ``[server] keepalive_timeout_s``.
+* **BUSY** and **UPGRADED** are not timed here: a request body has its own
+  timeout where it is read, a response its write timeout, a stream its
+  heartbeat and maximum duration, a WebSocket its ping / pong. A stream that
+  runs for minutes is never cut by this layer.
+* **REJECTED**: the connection past ``[server] max_connections`` (in this
+  process: each worker of ``--workers N`` has its own cap) gets a 503
+  ``too_many_connections`` with ``Retry-After`` and ``Connection: close`` at
+  once, without the app; its write side is shut, what it sends is discarded,
+  and it is closed at its EOF or a second later.
+
+"The handler starts" is the :func:`connection_middleware` (``create_app``
+installs it first); "the response is written" is aiohttp's ``log_access``
+call, made after every response. No timer and no task per connection: a
+phase's deadlines all have the same length, so a dict per phase, in insertion
+order, is also in deadline order; a :class:`~nexus.watchdog.Watchdog` tick (a
+quarter of the shorter timeout) closes the expired ones at its front.
+
+After a WebSocket upgrade, the client's bytes pass a
+:class:`~nexus.protocol.websocket_frames.MaskScanner` before aiohttp's frame
+reader: an unmasked frame (RFC 6455 §5.1) gets a close frame with 1002 and the
+connection is closed.
+
+A parser error (bad header character, over-long line, duplicate
+Content-Length, ...) is answered 400 ``invalid_request`` in JSON whose message
+is the parser's reason without its excerpt, and logged as one line, the same;
+:mod:`nexus.server.redaction` covers whatever else aiohttp logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Iterator
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import orjson
+from aiohttp import http_exceptions as bad
+from aiohttp import web
+from aiohttp.http import HttpProcessingError, WebSocketReader
+from yarl import URL
+
+from ..errors import GatewayError, InvalidRequest
+from ..protocol.websocket_frames import MaskScanner, close_frame
+from ..watchdog import Watchdog
+from .errors import Handler
+from .redaction import parse_error_reason
+
+if TYPE_CHECKING:
+    from aiohttp.web_request import BaseRequest
+
+__all__ = [
+    "Connection",
+    "ConnectionRegistry",
+    "ConnectionSite",
+    "Phase",
+    "connection_middleware",
+]
+
+log = logging.getLogger("nexus.server")
+
+REJECT_LINGER_S = 1.0
+"""How long a rejected connection may stay open to read its request and see the 503."""
+_UNMASKED = close_frame(1002, "client frames must be masked")
+
+
+class Phase(enum.Enum):
+    HEAD = "head"
+    BUSY = "busy"
+    IDLE = "idle"
+    UPGRADED = "upgraded"
+    REJECTED = "rejected"
+    CLOSED = "closed"
+
+
+class Tracked(Protocol):
+    """What the registry needs of a connection (a :class:`Connection`, or a test's fake)."""
+
+    phase: Phase
+
+    def expire(self, reason: str) -> None:
+        """Close at once: a deadline passed."""
+
+
+def _json_response(error: GatewayError) -> web.Response:
+    response = web.Response(
+        status=error.status,
+        body=orjson.dumps(error.openai_body()),
+        content_type="application/json",
+        headers=error.headers,
+    )
+    response.force_close()
+    return response
+
+
+def _rejection(max_connections: int) -> bytes:
+    """The 503 a connection past the cap gets, as bytes: it never reaches aiohttp."""
+    body = orjson.dumps(
+        GatewayError(
+            f"The server is at its limit of {max_connections} connections; retry shortly.",
+            code="too_many_connections",
+            status=503,
+            retryable=True,
+        ).openai_body()
+    )
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Retry-After: 1\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ConnectionRegistry:
+    """The open connections of one process: their count and their phase deadlines.
+
+    Sans-I/O but for :meth:`start` / :meth:`stop` (its watchdog) and the clock:
+    every transition takes ``now`` (the loop's time); :meth:`check` closes the
+    connections whose deadline has passed.
+    """
+
+    def __init__(
+        self, *, header_timeout_s: float, keepalive_timeout_s: float, max_connections: int
+    ) -> None:
+        self.header_timeout_s = header_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.max_connections = max_connections
+        self.open = 0
+        """Connections admitted and not yet lost (rejected ones are not counted)."""
+        self.heads: dict[Tracked, float] = {}
+        """HEAD connections -> deadline, in deadline order (see the module docstring)."""
+        self.idle: dict[Tracked, float] = {}
+        self.lingering: dict[Tracked, tuple[float, asyncio.BaseTransport]] = {}
+        self.rejection = _rejection(max_connections)
+        self.tick = min(header_timeout_s, keepalive_timeout_s, REJECT_LINGER_S * 4) / 4
+        self.watchdog = Watchdog()
+        self._last_full_warning = -1e9
+
+    # Transitions ------------------------------------------------------------
+
+    def admit(self, conn: Tracked, now: float) -> bool:
+        """A new connection: False when it is one too many (it is then REJECTED)."""
+        if self.open >= self.max_connections:
+            conn.phase = Phase.REJECTED
+            if now - self._last_full_warning > 10:
+                self._last_full_warning = now
+                log.warning(
+                    "at [server] max_connections (%d): new connections get 503",
+                    self.max_connections,
+                )
+            return False
+        self.open += 1
+        conn.phase = Phase.HEAD
+        self.heads[conn] = now + self.header_timeout_s
+        return True
+
+    def linger(self, conn: Tracked, transport: asyncio.BaseTransport, now: float) -> bool:
+        """Keep a rejected connection open briefly; False when too many already are."""
+        if len(self.lingering) >= self.max_connections:
+            return False
+        self.lingering[conn] = (now + min(REJECT_LINGER_S, self.header_timeout_s), transport)
+        return True
+
+    def head_begun(self, conn: Tracked, now: float) -> None:
+        """An IDLE connection's first byte of its next request."""
+        self.idle.pop(conn, None)
+        conn.phase = Phase.HEAD
+        self.heads[conn] = now + self.header_timeout_s
+
+    def request_started(self, conn: Tracked) -> None:
+        """The request head is complete and the app handles it."""
+        if conn.phase is Phase.HEAD:
+            del self.heads[conn]
+        elif conn.phase is Phase.IDLE:  # a pipelined request, read while the last one ran
+            del self.idle[conn]
+        else:
+            return
+        conn.phase = Phase.BUSY
+
+    def response_done(self, conn: Tracked, now: float) -> None:
+        """The response is written; the connection waits for its next request."""
+        if conn.phase is Phase.BUSY:
+            conn.phase = Phase.IDLE
+            self.idle[conn] = now + self.keepalive_timeout_s
+
+    def upgraded(self, conn: Tracked) -> None:
+        """Now a WebSocket: no longer timed here."""
+        self.heads.pop(conn, None)
+        self.idle.pop(conn, None)
+        conn.phase = Phase.UPGRADED
+
+    def lost(self, conn: Tracked) -> None:
+        if conn.phase is Phase.REJECTED:
+            self.lingering.pop(conn, None)
+        elif conn.phase is not Phase.CLOSED:
+            self.heads.pop(conn, None)
+            self.idle.pop(conn, None)
+            self.open -= 1
+        conn.phase = Phase.CLOSED
+
+    # Deadlines --------------------------------------------------------------
+
+    def check(self, now: float) -> None:
+        """Close every connection whose phase deadline is past (the watchdog's tick)."""
+        for table, reason in (
+            (self.heads, f"no complete request head within {self.header_timeout_s:g}s"),
+            (self.idle, f"idle for {self.keepalive_timeout_s:g}s"),
+        ):
+            for conn in _expired(table, now):
+                del table[conn]
+                conn.phase = Phase.CLOSED
+                self.open -= 1
+                conn.expire(reason)
+        if self.lingering:
+            late = [c for c, (deadline, _) in self.lingering.items() if deadline <= now]
+            for conn in late:
+                _, transport = self.lingering.pop(conn)
+                transport.close()
+
+    def start(self) -> None:
+        """Start checking (in the running loop)."""
+        self.watchdog.add(self, self.tick)
+
+    def stop(self) -> None:
+        """Stop checking, and close the rejected connections still lingering."""
+        self.watchdog.discard(self)
+        for _, transport in self.lingering.values():
+            transport.close()
+        self.lingering.clear()
+
+
+def _expired(table: dict[Tracked, float], now: float) -> list[Tracked]:
+    expired = []
+    for conn, deadline in table.items():
+        if deadline > now:
+            break
+        expired.append(conn)
+    return expired
+
+
+class _MaskCheckedReader:
+    """aiohttp's WebSocket frame reader behind a :class:`MaskScanner` (what ``set_parser``
+    is given instead of the reader; the protocol calls ``feed_data`` and ``feed_eof``)."""
+
+    __slots__ = ("connection", "reader", "scanner")
+
+    def __init__(self, reader: WebSocketReader, connection: Connection) -> None:
+        self.reader = reader
+        self.connection = connection
+        self.scanner = MaskScanner()
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        if self.scanner.feed(data):
+            return self.reader.feed_data(data)
+        self.connection.fail_websocket()
+        return True, b""
+
+    def feed_eof(self) -> None:
+        self.reader.feed_eof()
+
+
+class Connection(web.RequestHandler):
+    """aiohttp's request handler (one per connection), tracked by a :class:`ConnectionRegistry`.
+
+    Made by :class:`ConnectionSite` with the keyword arguments aiohttp's own
+    would get. Overrides ``connection_made`` (the cap), ``data_received`` (the
+    start of a next request), ``connection_lost``, ``set_parser`` (the upgrade,
+    and the mask check), ``log_access`` (the end of a response) and
+    ``handle_error`` (JSON, without the raw request).
+    """
+
+    __slots__ = ("phase", "registry")
+
+    phase: Phase
+
+    def __init__(self, manager: web.Server, registry: ConnectionRegistry, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.registry = registry
+        self.phase = Phase.HEAD
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        registry = self.registry
+        now = asyncio.get_running_loop().time()
+        if registry.admit(self, now):
+            super().connection_made(transport)
+            return
+        # Not handed to aiohttp: no request task, no parser; the 503, then EOF.
+        writer = cast(asyncio.Transport, transport)
+        if not registry.linger(self, transport, now):
+            writer.abort()
+            return
+        writer.write(registry.rejection)
+        if writer.can_write_eof():
+            writer.write_eof()
+
+    def data_received(self, data: bytes) -> None:
+        phase = self.phase
+        if phase is Phase.IDLE and data:
+            self.registry.head_begun(self, asyncio.get_running_loop().time())
+        elif phase is Phase.REJECTED:
+            return  # read and dropped, so that closing does not reset the 503
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        rejected = self.phase is Phase.REJECTED
+        self.registry.lost(self)
+        if not rejected:
+            super().connection_lost(exc)
+
+    def set_parser(self, parser: Any, data_received_cb: Any = None) -> None:
+        """The WebSocket upgrade: untimed from now on, and every frame must be masked."""
+        self.registry.upgraded(self)
+        checked = _MaskCheckedReader(parser, self)
+        super().set_parser(cast(WebSocketReader, checked), data_received_cb)
+
+    def log_access(
+        self, request: BaseRequest, response: web.StreamResponse, time: float | None
+    ) -> None:
+        self.registry.response_done(self, asyncio.get_running_loop().time())
+        super().log_access(request, response, time)
+
+    def request_started(self) -> None:
+        self.registry.request_started(self)
+
+    def expire(self, reason: str) -> None:
+        log.debug("closing a connection from %s: %s", self.peername, reason)
+        self.force_close()
+
+    def fail_websocket(self) -> None:
+        """An unmasked client frame: close 1002, and the connection (RFC 6455 §5.1, §7.1.7)."""
+        log.info("closing a WebSocket from %s: an unmasked client frame (1002)", self.peername)
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(_UNMASKED)
+        self.force_close()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A JSON error; for a malformed request, its reason without the raw bytes."""
+        if not isinstance(exc, HttpProcessingError):
+            super().handle_error(request, status, exc, message)  # logs; raises if too late
+            try:
+                phrase = HTTPStatus(status).phrase
+            except ValueError:
+                phrase = "Error"
+            return _json_response(GatewayError(f"{phrase}.", status=status))
+        reason = parse_error_description(exc)
+        # A client speaking TLS or garbage to the port: common, and not news (as aiohttp).
+        level = logging.DEBUG if isinstance(exc, bad.BadHttpMethod) else logging.INFO
+        log.log(level, "malformed request from %s: %s", request.remote, reason)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was under way: no error response can follow")
+        return _json_response(InvalidRequest(f"Malformed HTTP request: {reason}.", status=status))
+
+
+_DESCRIPTIONS: tuple[tuple[type[HttpProcessingError], str], ...] = (
+    (bad.BadHttpMethod, "invalid method"),
+    (bad.BadStatusLine, "invalid request line"),
+    (bad.InvalidURLError, "invalid request target"),
+    (bad.LineTooLong, "a request line or header line is too long"),
+    (bad.InvalidHeader, "invalid header"),
+    (bad.TransferEncodingError, "invalid chunked body"),
+    (bad.ContentLengthError, "body shorter than its Content-Length"),
+    (bad.PayloadEncodingError, "invalid body encoding"),
+)
+"""The parser errors whose message is (or may be) the raw bytes themselves (the pure-Python
+parser's ``InvalidURLError(path)``, ``InvalidHeader(line)``...): described by their class."""
+
+
+def parse_error_description(exc: HttpProcessingError) -> str:
+    """What a parser error says is wrong, never what the client sent.
+
+    By its class where its message may quote the request; otherwise (llhttp's
+    reasons, ``"Invalid header value char:\n\n  b'...'"``) the message's reason,
+    without the excerpt (:func:`~nexus.server.redaction.parse_error_reason`).
+    """
+    for kind, description in _DESCRIPTIONS:
+        if isinstance(exc, kind):
+            return description
+    return parse_error_reason(exc.message)
+
+
+@web.middleware
+async def connection_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Marks the request's connection BUSY: its head is complete, the app handles it.
+
+    The first middleware (``create_app`` puts it there); nothing for a request
+    that did not come through a :class:`Connection` (a test client, an embedding
+    application's own site).
+    """
+    protocol = request.protocol
+    if isinstance(protocol, Connection):
+        protocol.request_started()
+    return await handler(request)
+
+
+class ConnectionSite(web.BaseSite):
+    """A TCP listener whose connections are :class:`Connection` objects; ``TCPSite``'s
+    place in an ``AppRunner`` (``runner.cleanup()`` stops it).
+
+    ``handler_args`` are the keyword arguments aiohttp's ``RequestHandler`` takes
+    (those given to the ``AppRunner``, e.g. ``access_log``).
+    """
+
+    __slots__ = (
+        "backlog_size",
+        "handler_args",
+        "host",
+        "listener",
+        "port",
+        "registry",
+        "reuse_port",
+        "runner",
+    )
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        registry: ConnectionRegistry,
+        backlog: int = 128,
+        reuse_port: bool = False,
+        handler_args: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        if connection_middleware not in runner.app.middlewares:
+            raise RuntimeError(
+                "ConnectionSite needs connection_middleware in the app's middlewares "
+                "(create_app puts it there): without it a running request looks idle"
+            )
+        self.runner = runner
+        self.backlog_size = backlog
+        self.host = host
+        self.port = port
+        self.registry = registry
+        self.reuse_port = reuse_port
+        self.handler_args = handler_args or {}
+        self.listener: asyncio.Server | None = None
+
+    @property
+    def name(self) -> str:
+        return str(URL.build(scheme="http", host=self.host, port=self.port))
+
+    @property
+    def addresses(self) -> list[Any]:
+        """The listening sockets' addresses (``runner.addresses`` knows only aiohttp's sites)."""
+        return list(self._sockets())
+
+    def _sockets(self) -> Iterator[Any]:
+        sockets = self.listener.sockets if self.listener is not None else ()
+        for sock in sockets:
+            yield sock.getsockname()
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self.runner.server
+        if server is None:
+            raise RuntimeError("call runner.setup() before starting a site")
+        registry, handler_args = self.registry, self.handler_args
+
+        def factory() -> Connection:
+            return Connection(server, registry, loop=loop, **handler_args)
+
+        self.listener = await loop.create_server(
+            factory,
+            self.host,
+            self.port,
+            backlog=self.backlog_size,
+            reuse_port=self.reuse_port or None,
+        )
+        registry.start()
+
+    async def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        self.registry.stop()
+        await super().stop()

@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Iterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -160,7 +159,7 @@ class ConnectionRegistry:
         self.rejection = _rejection(max_connections)
         self.tick = min(header_timeout_s, keepalive_timeout_s, REJECT_LINGER_S * 4) / 4
         self.watchdog = Watchdog()
-        self._last_full_warning = -1e9
+        self.warned_at = -1e9
 
     # Transitions ------------------------------------------------------------
 
@@ -168,8 +167,8 @@ class ConnectionRegistry:
         """A new connection: False when it is one too many (it is then REJECTED)."""
         if self.open >= self.max_connections:
             conn.phase = Phase.REJECTED
-            if now - self._last_full_warning > 10:
-                self._last_full_warning = now
+            if now - self.warned_at > 10:
+                self.warned_at = now
                 log.warning(
                     "at [server] max_connections (%d): new connections get 503",
                     self.max_connections,
@@ -477,12 +476,8 @@ class ConnectionSite(web.BaseSite):
     @property
     def addresses(self) -> list[Any]:
         """The listening sockets' addresses (``runner.addresses`` knows only aiohttp's sites)."""
-        return list(self._sockets())
-
-    def _sockets(self) -> Iterator[Any]:
         sockets = self.listener.sockets if self.listener is not None else ()
-        for sock in sockets:
-            yield sock.getsockname()
+        return [sock.getsockname() for sock in sockets]
 
     async def start(self) -> None:
         await super().start()

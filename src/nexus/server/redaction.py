@@ -100,7 +100,7 @@ class RedactingFilter(logging.Filter):
     again (:class:`logging.Formatter` prints ``exc_text`` when it is set).
     """
 
-    _formatter = logging.Formatter()
+    formatter = logging.Formatter()
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -108,10 +108,10 @@ class RedactingFilter(logging.Filter):
         except Exception:  # arguments that do not fit the format: keep the parts, redacted
             message = f"{record.msg} {record.args!r}"
         clean = redact(message)
-        if clean != message or record.args:
+        if clean != message:
             record.msg, record.args = clean, None
         if record.exc_info and record.exc_info[0] is not None:
-            text = record.exc_text or self._formatter.formatException(record.exc_info)
+            text = record.exc_text or self.formatter.formatException(record.exc_info)
             record.exc_info, record.exc_text = None, redact(text)
         elif record.exc_text:
             record.exc_text = redact(record.exc_text)

@@ -5,6 +5,7 @@ clients are closed, long streams and WebSockets are not, the connection cap answ
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import socket
 import struct
@@ -21,7 +22,9 @@ HEADER_S = 0.5
 KEEPALIVE_S = 1.0
 
 
+@contextlib.contextmanager
 def serve(tmp_path: Path, server: str, *args: str) -> Iterator[tuple[str, int]]:
+    """``nexus serve`` with ``server`` as its [server] table; its (host, port)."""
     config = tmp_path / "config.toml"
     config.write_text(f'[server]\n{server}\n[providers.mock]\nkind = "mock"\n')
     proc, match = start_nexus(config, tmp_path / "nexus.log", *args)
@@ -36,10 +39,9 @@ def serve(tmp_path: Path, server: str, *args: str) -> Iterator[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def timed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    yield from serve(
-        tmp_path_factory.mktemp("timed"),
-        f"header_timeout_s = {HEADER_S}\nkeepalive_timeout_s = {KEEPALIVE_S}",
-    )
+    settings = f"header_timeout_s = {HEADER_S}\nkeepalive_timeout_s = {KEEPALIVE_S}"
+    with serve(tmp_path_factory.mktemp("timed"), settings) as address:
+        yield address
 
 
 _opened: list[socket.socket] = []
@@ -125,8 +127,8 @@ def test_a_long_stream_is_not_cut(timed: tuple[str, int]) -> None:
         {
             "model": "mock/echo",
             "stream": True,
-            "messages": [{"role": "user", "content": "word " * 12}],
-            "mock": {"delay_ms": 250},  # 3 s: past both timeouts
+            "messages": [{"role": "user", "content": "word " * 8}],
+            "mock": {"delay_ms": 250},  # 2 s: past both timeouts
         }
     )
     sock = connect(timed)
@@ -142,7 +144,7 @@ def test_a_long_stream_is_not_cut(timed: tuple[str, int]) -> None:
         assert chunk, data
         data += chunk
     assert time.monotonic() - started > HEADER_S + KEEPALIVE_S
-    assert data.count(b"word") == 12
+    assert data.count(b"word") == 8
 
 
 def ws_handshake(sock: socket.socket) -> None:
@@ -234,12 +236,9 @@ def test_an_unmasked_client_frame_closes_with_1002(timed: tuple[str, int], toget
 def capped(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[tuple[str, int]]:
-    yield from serve(
-        tmp_path_factory.mktemp("capped"),
-        "max_connections = 4\nheader_timeout_s = 10",
-        "--loop",
-        request.param,
-    )
+    settings = "max_connections = 4\nheader_timeout_s = 10"
+    with serve(tmp_path_factory.mktemp("capped"), settings, "--loop", request.param) as address:
+        yield address
 
 
 def test_the_connection_past_the_cap_gets_503(capped: tuple[str, int]) -> None:
@@ -286,7 +285,7 @@ def test_a_rejected_connection_that_sends_nothing_is_answered_and_closed(
 
 
 def test_workers_apply_the_timeouts(tmp_path: Path) -> None:
-    for address in serve(tmp_path, f"header_timeout_s = {HEADER_S}", "--workers", "2"):
+    with serve(tmp_path, f"header_timeout_s = {HEADER_S}", "--workers", "2") as address:
         socks = [connect(address) for _ in range(4)]  # spread across the workers
         for sock in socks:
             assert closed_after(sock) < HEADER_S + 1.5

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
+from nexus.config import parse_config
+from nexus.errors import ConfigError
 from nexus.server.connection import ConnectionRegistry, Phase
 
 
@@ -146,3 +150,23 @@ def test_the_rejection_is_a_complete_503() -> None:
     assert b"\r\nRetry-After: 1" in head and b"\r\nConnection: close" in head
     assert f"Content-Length: {len(body)}".encode() in head
     assert b'"code":"too_many_connections"' in body and b"7 connections" in body
+
+
+def test_the_config_keys() -> None:
+    server = parse_config({}).server
+    assert (server.header_timeout_s, server.keepalive_timeout_s, server.max_connections) == (
+        10.0,
+        75.0,
+        20_000,
+    )
+    custom = parse_config(
+        {"server": {"header_timeout_s": 0.5, "keepalive_timeout_s": 2, "max_connections": 3}}
+    ).server
+    assert (custom.header_timeout_s, custom.keepalive_timeout_s, custom.max_connections) == (
+        0.5,
+        2.0,
+        3,
+    )
+    for bad in ({"header_timeout_s": 0}, {"keepalive_timeout_s": -1}, {"max_connections": 0}):
+        with pytest.raises(ConfigError):
+            parse_config({"server": bad})

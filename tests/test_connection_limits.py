@@ -9,6 +9,8 @@ import contextlib
 import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -289,3 +291,30 @@ def test_workers_apply_the_timeouts(tmp_path: Path) -> None:
         socks = [connect(address) for _ in range(4)]  # spread across the workers
         for sock in socks:
             assert closed_after(sock) < HEADER_S + 1.5
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "cap", "after", "warned"),
+    [
+        (1024, 20000, 20000, 20000, False),  # raised to the hard limit
+        (1024, 4096, 20000, 4096, True),  # still below the cap: a warning
+        (1024, 20000, 100, 1024, False),  # enough already
+    ],
+)
+def test_the_open_file_limit_is_raised_for_the_cap(
+    tmp_path: Path, soft: int, hard: int, cap: int, after: int, warned: bool
+) -> None:
+    script = tmp_path / "limits.py"
+    script.write_text(
+        "import logging, resource\n"
+        "logging.basicConfig()\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
+        "from nexus.cli import _open_files_for\n"
+        f"_open_files_for({cap})\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    if done.returncode and "not allowed" in done.stderr:  # a hard limit below the case's
+        pytest.skip(done.stderr)
+    assert int(done.stdout) == after
+    assert ("max_connections is" in done.stderr) is warned

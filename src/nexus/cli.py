@@ -153,11 +153,43 @@ def _load(path: str | None) -> tuple[Config, str]:
 
 
 def _serve(config: Config, source: str) -> int:
+    _open_files_for(config.server.max_connections)
     workers = config.server.workers
     count = cpu_count() if workers == "auto" else workers
     if count == 1:
         return _serve_one(config, source)
     return Supervisor(config, source, count, _serve_one).run()
+
+
+def _open_files_for(connections: int) -> None:
+    """Let each process hold ``[server] max_connections``: raise the soft open-file limit
+    (``ulimit -n``, often 1024) towards the hard one, which only root could raise.
+
+    A client connection is one file, a stream's upstream connection another: the
+    target is twice the cap and a margin. Below the cap itself, accept() would fail
+    (EMFILE) before the cap's 503 could be sent: that is worth a warning.
+    """
+    try:
+        import resource
+    except ImportError:  # not on a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * connections + 256
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < connections:
+        log.warning(
+            "[server] max_connections is %d, but a process may open only %d files "
+            "(ulimit -n): past that, connections are refused without the 503",
+            connections,
+            soft,
+        )
 
 
 def _serve_one(

@@ -8,7 +8,7 @@ import pytest
 
 from nexus.config import parse_config
 from nexus.errors import ConfigError
-from nexus.server.connection import ConnectionRegistry, Phase
+from nexus.server.connection_registry import ConnectionRegistry, Phase
 
 
 @dataclass(eq=False)

@@ -7,7 +7,8 @@ before a long default, no cap on connections, and answers a malformed request
 with the parser's excerpt of the raw bytes. :class:`Connection` is a documented
 subclass of it that overrides public methods only, each calling ``super()``;
 :class:`ConnectionSite` listens with it (a :class:`~aiohttp.web.BaseSite`, as
-``TCPSite`` is); :class:`ConnectionRegistry` keeps the deadlines.
+``TCPSite`` is); a :class:`~nexus.server.connection_registry.ConnectionRegistry`
+counts the connections and keeps their deadlines.
 
 A connection is always in one phase::
 
@@ -33,10 +34,8 @@ A connection is always in one phase::
 
 "The handler starts" is the :func:`connection_middleware` (``create_app``
 installs it first); "the response is written" is aiohttp's ``log_access``
-call, made after every response. No timer and no task per connection: a
-phase's deadlines all have the same length, so a dict per phase, in insertion
-order, is also in deadline order; a :class:`~nexus.watchdog.Watchdog` tick (a
-quarter of the shorter timeout) closes the expired ones at its front.
+call, made after every response. No timer and no task per connection (one
+watchdog tick for all of them: see :mod:`nexus.server.connection_registry`).
 
 After a WebSocket upgrade, the client's bytes pass a
 :class:`~nexus.protocol.websocket_frames.MaskScanner` before aiohttp's frame
@@ -52,10 +51,9 @@ is the parser's reason without its excerpt, and logged as one line, the same;
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from aiohttp import http_exceptions as bad
@@ -65,7 +63,7 @@ from yarl import URL
 
 from ..errors import GatewayError, InvalidRequest
 from ..protocol.websocket_frames import MaskScanner, close_frame
-from ..watchdog import Watchdog
+from .connection_registry import ConnectionRegistry, Phase
 from .errors import Handler
 from .redaction import parse_error_reason
 
@@ -82,27 +80,7 @@ __all__ = [
 
 log = logging.getLogger("nexus.server")
 
-REJECT_LINGER_S = 1.0
-"""How long a rejected connection may stay open to read its request and see the 503."""
 _UNMASKED = close_frame(1002, "client frames must be masked")
-
-
-class Phase(enum.Enum):
-    HEAD = "head"
-    BUSY = "busy"
-    IDLE = "idle"
-    UPGRADED = "upgraded"
-    REJECTED = "rejected"
-    CLOSED = "closed"
-
-
-class Tracked(Protocol):
-    """What the registry needs of a connection (a :class:`Connection`, or a test's fake)."""
-
-    phase: Phase
-
-    def expire(self, reason: str) -> None:
-        """Close at once: a deadline passed."""
 
 
 def _json_response(error: GatewayError) -> web.Response:
@@ -114,153 +92,6 @@ def _json_response(error: GatewayError) -> web.Response:
     )
     response.force_close()
     return response
-
-
-def _rejection(max_connections: int) -> bytes:
-    """The 503 a connection past the cap gets, as bytes: it never reaches aiohttp."""
-    body = orjson.dumps(
-        GatewayError(
-            f"The server is at its limit of {max_connections} connections; retry shortly.",
-            code="too_many_connections",
-            status=503,
-            retryable=True,
-        ).openai_body()
-    )
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Retry-After: 1\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-class ConnectionRegistry:
-    """The open connections of one process: their count and their phase deadlines.
-
-    Sans-I/O but for :meth:`start` / :meth:`stop` (its watchdog) and the clock:
-    every transition takes ``now`` (the loop's time); :meth:`check` closes the
-    connections whose deadline has passed.
-    """
-
-    def __init__(
-        self, *, header_timeout_s: float, keepalive_timeout_s: float, max_connections: int
-    ) -> None:
-        self.header_timeout_s = header_timeout_s
-        self.keepalive_timeout_s = keepalive_timeout_s
-        self.max_connections = max_connections
-        self.open = 0
-        """Connections admitted and not yet lost (rejected ones are not counted)."""
-        self.heads: dict[Tracked, float] = {}
-        """HEAD connections -> deadline, in deadline order (see the module docstring)."""
-        self.idle: dict[Tracked, float] = {}
-        self.lingering: dict[Tracked, tuple[float, asyncio.BaseTransport]] = {}
-        self.rejection = _rejection(max_connections)
-        self.tick = min(header_timeout_s, keepalive_timeout_s, REJECT_LINGER_S * 4) / 4
-        self.watchdog = Watchdog()
-        self.warned_at = -1e9
-
-    # Transitions ------------------------------------------------------------
-
-    def admit(self, conn: Tracked, now: float) -> bool:
-        """A new connection: False when it is one too many (it is then REJECTED)."""
-        if self.open >= self.max_connections:
-            conn.phase = Phase.REJECTED
-            if now - self.warned_at > 10:
-                self.warned_at = now
-                log.warning(
-                    "at [server] max_connections (%d): new connections get 503",
-                    self.max_connections,
-                )
-            return False
-        self.open += 1
-        conn.phase = Phase.HEAD
-        self.heads[conn] = now + self.header_timeout_s
-        return True
-
-    def linger(self, conn: Tracked, transport: asyncio.BaseTransport, now: float) -> bool:
-        """Keep a rejected connection open briefly; False when too many already are."""
-        if len(self.lingering) >= self.max_connections:
-            return False
-        self.lingering[conn] = (now + min(REJECT_LINGER_S, self.header_timeout_s), transport)
-        return True
-
-    def head_begun(self, conn: Tracked, now: float) -> None:
-        """An IDLE connection's first byte of its next request."""
-        self.idle.pop(conn, None)
-        conn.phase = Phase.HEAD
-        self.heads[conn] = now + self.header_timeout_s
-
-    def request_started(self, conn: Tracked) -> None:
-        """The request head is complete and the app handles it."""
-        if conn.phase is Phase.HEAD:
-            del self.heads[conn]
-        elif conn.phase is Phase.IDLE:  # a pipelined request, read while the last one ran
-            del self.idle[conn]
-        else:
-            return
-        conn.phase = Phase.BUSY
-
-    def response_done(self, conn: Tracked, now: float) -> None:
-        """The response is written; the connection waits for its next request."""
-        if conn.phase is Phase.BUSY:
-            conn.phase = Phase.IDLE
-            self.idle[conn] = now + self.keepalive_timeout_s
-
-    def upgraded(self, conn: Tracked) -> None:
-        """Now a WebSocket: no longer timed here."""
-        self.heads.pop(conn, None)
-        self.idle.pop(conn, None)
-        conn.phase = Phase.UPGRADED
-
-    def lost(self, conn: Tracked) -> None:
-        if conn.phase is Phase.REJECTED:
-            self.lingering.pop(conn, None)
-        elif conn.phase is not Phase.CLOSED:
-            self.heads.pop(conn, None)
-            self.idle.pop(conn, None)
-            self.open -= 1
-        conn.phase = Phase.CLOSED
-
-    # Deadlines --------------------------------------------------------------
-
-    def check(self, now: float) -> None:
-        """Close every connection whose phase deadline is past (the watchdog's tick)."""
-        for table, reason in (
-            (self.heads, f"no complete request head within {self.header_timeout_s:g}s"),
-            (self.idle, f"idle for {self.keepalive_timeout_s:g}s"),
-        ):
-            for conn in _expired(table, now):
-                del table[conn]
-                conn.phase = Phase.CLOSED
-                self.open -= 1
-                conn.expire(reason)
-        if self.lingering:
-            late = [c for c, (deadline, _) in self.lingering.items() if deadline <= now]
-            for conn in late:
-                _, transport = self.lingering.pop(conn)
-                transport.close()
-
-    def start(self) -> None:
-        """Start checking (in the running loop)."""
-        self.watchdog.add(self, self.tick)
-
-    def stop(self) -> None:
-        """Stop checking, and close the rejected connections still lingering."""
-        self.watchdog.discard(self)
-        for _, transport in self.lingering.values():
-            transport.close()
-        self.lingering.clear()
-
-
-def _expired(table: dict[Tracked, float], now: float) -> list[Tracked]:
-    expired = []
-    for conn, deadline in table.items():
-        if deadline > now:
-            break
-        expired.append(conn)
-    return expired
 
 
 class _MaskCheckedReader:
@@ -401,7 +232,7 @@ def parse_error_description(exc: HttpProcessingError) -> str:
     """What a parser error says is wrong, never what the client sent.
 
     By its class where its message may quote the request; otherwise (llhttp's
-    reasons, ``"Invalid header value char:\n\n  b'...'"``) the message's reason,
+    reasons, ``"Invalid header value char:\\n\\n  b'...'"``) the message's reason,
     without the excerpt (:func:`~nexus.server.redaction.parse_error_reason`).
     """
     for kind, description in _DESCRIPTIONS:

@@ -12,12 +12,14 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from .auth import hash_key, is_loopback, new_key
 from .config import Config, load_config
 from .errors import ConfigError
+from .server import redaction
 from .server.access import JsonFormatter
 from .supervisor import Supervisor, cpu_count
 
@@ -125,6 +127,8 @@ def _setup_logging(level: str, fmt: str) -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    # aiohttp logs raw request bytes (parser errors): credentials in them are redacted.
+    redaction.install()
 
 
 def _check_exposure(config: Config, source: str) -> None:
@@ -149,11 +153,43 @@ def _load(path: str | None) -> tuple[Config, str]:
 
 
 def _serve(config: Config, source: str) -> int:
+    _open_files_for(config.server.max_connections)
     workers = config.server.workers
     count = cpu_count() if workers == "auto" else workers
     if count == 1:
         return _serve_one(config, source)
     return Supervisor(config, source, count, _serve_one).run()
+
+
+def _open_files_for(connections: int) -> None:
+    """Let each process hold ``[server] max_connections``: raise the soft open-file limit
+    (``ulimit -n``, often 1024) towards the hard one, which only root could raise.
+
+    A client connection is one file, a stream's upstream connection another: the
+    target is twice the cap and a margin. Below the cap itself, accept() would fail
+    (EMFILE) before the cap's 503 could be sent: that is worth a warning.
+    """
+    try:
+        import resource
+    except ImportError:  # not on a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * connections + 256
+    if hard != resource.RLIM_INFINITY:
+        wanted = min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < connections:
+        log.warning(
+            "[server] max_connections is %d, but a process may open only %d files "
+            "(ulimit -n): past that, connections are refused without the 503",
+            connections,
+            soft,
+        )
 
 
 def _serve_one(
@@ -198,22 +234,32 @@ async def _run(
     ready: Callable[[], None] | None = None,
 ) -> None:
     from .server.app import create_app
+    from .server.connection import ConnectionRegistry, ConnectionSite
 
     app = create_app(config, config_source=source)
+    # nexus.access writes one line per request, with more in it.
+    handler_args: dict[str, Any] = {"access_log": None}
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=config.server.shutdown_grace_s + 5,
-        access_log=None,  # nexus.access writes one line per request, with more in it
+        **handler_args,
     )
     await runner.setup()
     try:
-        site = web.TCPSite(
+        registry = ConnectionRegistry(
+            header_timeout_s=config.server.header_timeout_s,
+            keepalive_timeout_s=config.server.keepalive_timeout_s,
+            max_connections=config.server.max_connections,
+        )
+        site = ConnectionSite(
             runner,
             config.server.host,
             config.server.port,
+            registry=registry,
             backlog=config.server.backlog,
             reuse_port=worker is not None,
+            handler_args=handler_args,
         )
         await site.start()
         stop = asyncio.Event()
@@ -227,7 +273,7 @@ async def _run(
             log.info("worker %d (pid %d) ready, event loop: %s", worker, os.getpid(), loop_name)
         else:
             log.info("event loop: %s", loop_name)
-            for address in runner.addresses:
+            for address in site.addresses:
                 host, port = address[0], address[1]
                 shown = f"[{host}]" if ":" in host else host
                 log.info("Nexus serving on http://%s:%d (config: %s)", shown, port, source)

@@ -60,6 +60,14 @@ class ServerConfig(_Table):
     """Connections the kernel queues before the gateway accepts them (capped by somaxconn)."""
     workers: int | Literal["auto"] = Field(default=1)
     """Worker processes on the port (``auto``: one per core); see :mod:`nexus.supervisor`."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A connection must deliver a complete request head this long after it connects
+    (or after the first byte of a next request on a keep-alive connection); else it is
+    closed. See :mod:`nexus.server.connection`."""
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)
+    """An idle keep-alive connection (no byte since its last response) is closed after this."""
+    max_connections: int = Field(default=20_000, ge=1)
+    """Open connections per process (per worker with ``workers``); one more gets a 503."""
 
     @field_validator("workers", mode="before")
     @classmethod

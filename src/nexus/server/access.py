@@ -323,6 +323,8 @@ class JsonFormatter(logging.Formatter):
             out.update(access)
         if record.exc_info:
             out["error"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # formatted (and redacted) by a filter: see server/redaction.py
+            out["error"] = record.exc_text
         return orjson.dumps(out).decode()
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:

@@ -26,6 +26,7 @@ from ..errors import ServerShuttingDown
 from ..events import Error
 from ..tokens import StreamTokens, new_secret, secret_from_env
 from .access import KEYS, LIMITER, METRICS, access_middleware
+from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
@@ -70,10 +71,8 @@ def create_app(
 
     app = web.Application(
         client_max_size=config.limits.max_body_bytes,
-        middlewares=[access_middleware, error_middleware],
-        # Request bodies are inflated by the routes, after the key, in bounded pieces
-        # (routes/common.py read_body); aiohttp's own would start as the bytes arrive.
-        handler_args={"auto_decompress": False},
+        middlewares=[connection_middleware, access_middleware, error_middleware],
+        handler_args=dict(HANDLER_ARGS),
     )
     app[CONFIG] = config
     app[ENGINE] = engine

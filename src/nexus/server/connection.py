@@ -1,0 +1,345 @@
+"""The connection layer of ``nexus serve``: slow and idle clients, a connection cap,
+parser errors that reveal nothing, masked WebSocket frames.
+
+aiohttp's :class:`~aiohttp.web.RequestHandler` (the protocol object of one
+connection) has no deadline for a request head and none for a fresh connection
+before a long default, no cap on connections, and answers a malformed request
+with the parser's excerpt of the raw bytes. :class:`Connection` is a documented
+subclass of it that overrides public methods only, each calling ``super()``;
+:class:`ConnectionSite` listens with it (a :class:`~aiohttp.web.BaseSite`, as
+``TCPSite`` is); a :class:`~nexus.server.connection_registry.ConnectionRegistry`
+counts the connections and keeps their deadlines.
+
+A connection is always in one phase::
+
+    connect ──> HEAD ──(request head complete: the handler starts)──> BUSY
+                 ^                                                     │
+                 └──(first byte of the next request)── IDLE <──(response written)
+    BUSY ──(WebSocket upgrade)──> UPGRADED        past max_connections ──> REJECTED
+
+* **HEAD** lasts at most ``[server] header_timeout_s`` from the connect (or from
+  the first byte of a next request on a keep-alive connection): an idle or
+  slow-header client is closed then.
+* **IDLE** (keep-alive, no byte since the last response) lasts at most
+  ``[server] keepalive_timeout_s``.
+* **BUSY** and **UPGRADED** are not timed here: a request body has its own
+  timeout where it is read, a response its write timeout, a stream its
+  heartbeat and maximum duration, a WebSocket its ping / pong. A stream that
+  runs for minutes is never cut by this layer.
+* **REJECTED**: the connection past ``[server] max_connections`` (in this
+  process: each worker of ``--workers N`` has its own cap) gets a 503
+  ``too_many_connections`` with ``Retry-After`` and ``Connection: close`` at
+  once, without the app; its write side is shut, what it sends is discarded,
+  and it is closed at its EOF or a second later.
+
+"The handler starts" is the :func:`connection_middleware` (``create_app``
+installs it first); "the response is written" is aiohttp's ``log_access``
+call, made after every response. No timer and no task per connection (one
+watchdog tick for all of them: see :mod:`nexus.server.connection_registry`).
+
+After a WebSocket upgrade, the client's bytes pass a
+:class:`~nexus.protocol.websocket_frames.MaskScanner` before aiohttp's frame
+reader: an unmasked frame (RFC 6455 §5.1) gets a close frame with 1002 and the
+connection is closed.
+
+A parser error (bad header character, over-long line, duplicate
+Content-Length, ...) is answered 400 ``invalid_request`` in JSON whose message
+is the parser's reason without its excerpt, and logged as one line, the same;
+:mod:`nexus.server.redaction` covers whatever else aiohttp logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, cast
+
+import orjson
+from aiohttp import http_exceptions as bad
+from aiohttp import web
+from aiohttp.http import HttpProcessingError, WebSocketReader
+from yarl import URL
+
+from ..errors import GatewayError, InvalidRequest
+from ..protocol.websocket_frames import MaskScanner, close_frame
+from .connection_registry import ConnectionRegistry, Phase
+from .errors import Handler
+from .redaction import parse_error_reason
+
+if TYPE_CHECKING:
+    from aiohttp.web_request import BaseRequest
+
+__all__ = [
+    "HANDLER_ARGS",
+    "Connection",
+    "ConnectionRegistry",
+    "ConnectionSite",
+    "Phase",
+    "connection_middleware",
+]
+
+HANDLER_ARGS: dict[str, Any] = {"auto_decompress": False}
+"""What every request handler of the gateway is built with, by ``create_app``'s
+application and by :class:`ConnectionSite` alike: request bodies are inflated by
+the routes, after the key, in bounded pieces (``read_body`` in routes/common.py);
+aiohttp's own decompression would start as the bytes arrive."""
+
+log = logging.getLogger("nexus.server")
+
+_UNMASKED = close_frame(1002, "client frames must be masked")
+
+
+def _json_response(error: GatewayError) -> web.Response:
+    response = web.Response(
+        status=error.status,
+        body=orjson.dumps(error.openai_body()),
+        content_type="application/json",
+        headers=error.headers,
+    )
+    response.force_close()
+    return response
+
+
+class _MaskCheckedReader:
+    """aiohttp's WebSocket frame reader behind a :class:`MaskScanner` (what ``set_parser``
+    is given instead of the reader; the protocol calls ``feed_data`` and ``feed_eof``)."""
+
+    __slots__ = ("connection", "reader", "scanner")
+
+    def __init__(self, reader: WebSocketReader, connection: Connection) -> None:
+        self.reader = reader
+        self.connection = connection
+        self.scanner = MaskScanner()
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        if self.scanner.feed(data):
+            return self.reader.feed_data(data)
+        self.connection.fail_websocket()
+        return True, b""
+
+    def feed_eof(self) -> None:
+        self.reader.feed_eof()
+
+
+class Connection(web.RequestHandler):
+    """aiohttp's request handler (one per connection), tracked by a :class:`ConnectionRegistry`.
+
+    Made by :class:`ConnectionSite` with the keyword arguments aiohttp's own
+    would get. Overrides ``connection_made`` (the cap), ``data_received`` (the
+    start of a next request), ``connection_lost``, ``set_parser`` (the upgrade,
+    and the mask check), ``log_access`` (the end of a response) and
+    ``handle_error`` (JSON, without the raw request).
+    """
+
+    __slots__ = ("phase", "registry")
+
+    phase: Phase
+
+    def __init__(self, manager: web.Server, registry: ConnectionRegistry, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.registry = registry
+        self.phase = Phase.HEAD
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        registry = self.registry
+        now = asyncio.get_running_loop().time()
+        if registry.admit(self, now):
+            super().connection_made(transport)
+            return
+        # Not handed to aiohttp: no request task, no parser; the 503, then EOF.
+        writer = cast(asyncio.Transport, transport)
+        if not registry.linger(self, transport, now):
+            writer.abort()
+            return
+        writer.write(registry.rejection)
+        if writer.can_write_eof():
+            writer.write_eof()
+
+    def data_received(self, data: bytes) -> None:
+        phase = self.phase
+        if phase is Phase.IDLE and data:
+            self.registry.head_begun(self, asyncio.get_running_loop().time())
+        elif phase is Phase.REJECTED:
+            return  # read and dropped, so that closing does not reset the 503
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        rejected = self.phase is Phase.REJECTED
+        self.registry.lost(self)
+        if not rejected:
+            super().connection_lost(exc)
+
+    def set_parser(self, parser: Any, data_received_cb: Any = None) -> None:
+        """The WebSocket upgrade: untimed from now on, and every frame must be masked."""
+        self.registry.upgraded(self)
+        checked = _MaskCheckedReader(parser, self)
+        super().set_parser(cast(WebSocketReader, checked), data_received_cb)
+
+    def log_access(
+        self, request: BaseRequest, response: web.StreamResponse, time: float | None
+    ) -> None:
+        self.registry.response_done(self, asyncio.get_running_loop().time())
+        super().log_access(request, response, time)
+
+    def request_started(self) -> None:
+        self.registry.request_started(self)
+
+    def expire(self, reason: str) -> None:
+        log.debug("closing a connection from %s: %s", self.peername, reason)
+        self.force_close()
+
+    def fail_websocket(self) -> None:
+        """An unmasked client frame: close 1002, and the connection (RFC 6455 §5.1, §7.1.7)."""
+        log.info("closing a WebSocket from %s: an unmasked client frame (1002)", self.peername)
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(_UNMASKED)
+        self.force_close()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """A JSON error; for a malformed request, its reason without the raw bytes."""
+        if not isinstance(exc, HttpProcessingError):
+            super().handle_error(request, status, exc, message)  # logs; raises if too late
+            try:
+                phrase = HTTPStatus(status).phrase
+            except ValueError:
+                phrase = "Error"
+            return _json_response(GatewayError(f"{phrase}.", status=status))
+        reason = parse_error_description(exc)
+        # A client speaking TLS or garbage to the port: common, and not news (as aiohttp).
+        level = logging.DEBUG if isinstance(exc, bad.BadHttpMethod) else logging.INFO
+        log.log(level, "malformed request from %s: %s", request.remote, reason)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was under way: no error response can follow")
+        return _json_response(InvalidRequest(f"Malformed HTTP request: {reason}.", status=status))
+
+
+_DESCRIPTIONS: tuple[tuple[type[HttpProcessingError], str], ...] = (
+    (bad.BadHttpMethod, "invalid method"),
+    (bad.BadStatusLine, "invalid request line"),
+    (bad.InvalidURLError, "invalid request target"),
+    (bad.LineTooLong, "a request line or header line is too long"),
+    (bad.InvalidHeader, "invalid header"),
+    (bad.TransferEncodingError, "invalid chunked body"),
+    (bad.ContentLengthError, "body shorter than its Content-Length"),
+    (bad.PayloadEncodingError, "invalid body encoding"),
+)
+"""The parser errors whose message is (or may be) the raw bytes themselves (the pure-Python
+parser's ``InvalidURLError(path)``, ``InvalidHeader(line)``...): described by their class."""
+
+
+def parse_error_description(exc: HttpProcessingError) -> str:
+    """What a parser error says is wrong, never what the client sent.
+
+    By its class where its message may quote the request; otherwise (llhttp's
+    reasons, ``"Invalid header value char:\\n\\n  b'...'"``) the message's reason,
+    without the excerpt (:func:`~nexus.server.redaction.parse_error_reason`).
+    """
+    for kind, description in _DESCRIPTIONS:
+        if isinstance(exc, kind):
+            return description
+    return parse_error_reason(exc.message)
+
+
+@web.middleware
+async def connection_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Marks the request's connection BUSY: its head is complete, the app handles it.
+
+    The first middleware (``create_app`` puts it there); nothing for a request
+    that did not come through a :class:`Connection` (a test client, an embedding
+    application's own site).
+    """
+    protocol = request.protocol
+    if isinstance(protocol, Connection):
+        protocol.request_started()
+    return await handler(request)
+
+
+class ConnectionSite(web.BaseSite):
+    """A TCP listener whose connections are :class:`Connection` objects; ``TCPSite``'s
+    place in an ``AppRunner`` (``runner.cleanup()`` stops it).
+
+    ``handler_args`` are the keyword arguments aiohttp's ``RequestHandler`` takes
+    (those given to the ``AppRunner``, e.g. ``access_log``).
+    """
+
+    __slots__ = (
+        "backlog_size",
+        "handler_args",
+        "host",
+        "listener",
+        "port",
+        "registry",
+        "reuse_port",
+        "runner",
+    )
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        registry: ConnectionRegistry,
+        backlog: int = 128,
+        reuse_port: bool = False,
+        handler_args: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        if connection_middleware not in runner.app.middlewares:
+            raise RuntimeError(
+                "ConnectionSite needs connection_middleware in the app's middlewares "
+                "(create_app puts it there): without it a running request looks idle"
+            )
+        self.runner = runner
+        self.backlog_size = backlog
+        self.host = host
+        self.port = port
+        self.registry = registry
+        self.reuse_port = reuse_port
+        self.handler_args = handler_args or {}
+        self.listener: asyncio.Server | None = None
+
+    @property
+    def name(self) -> str:
+        return str(URL.build(scheme="http", host=self.host, port=self.port))
+
+    @property
+    def addresses(self) -> list[Any]:
+        """The listening sockets' addresses (``runner.addresses`` knows only aiohttp's sites)."""
+        sockets = self.listener.sockets if self.listener is not None else ()
+        return [sock.getsockname() for sock in sockets]
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self.runner.server
+        if server is None:
+            raise RuntimeError("call runner.setup() before starting a site")
+        registry, handler_args = self.registry, self.handler_args
+
+        def factory() -> Connection:
+            return Connection(server, registry, loop=loop, **HANDLER_ARGS, **handler_args)
+
+        self.listener = await loop.create_server(
+            factory,
+            self.host,
+            self.port,
+            backlog=self.backlog_size,
+            reuse_port=self.reuse_port or None,
+        )
+        registry.start()
+
+    async def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        self.registry.stop()
+        await super().stop()

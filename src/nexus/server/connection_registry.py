@@ -1,0 +1,197 @@
+"""The open connections of one process: how many, and when each one's current phase ends.
+
+:mod:`nexus.server.connection` describes the phases (HEAD, BUSY, IDLE, UPGRADED,
+REJECTED) and who moves a connection between them; this module keeps the
+books. No timer and no task per connection: all HEAD deadlines have the same
+length (``[server] header_timeout_s``), as have all IDLE ones, so a dict per
+phase, in insertion order (a connection is re-inserted when it enters the
+phase), is also in deadline order, and a tick closes the expired connections
+at the front of each and stops at the first that is not. The tick is a
+:class:`~nexus.watchdog.Watchdog`'s, at a quarter of the shorter timeout.
+
+Sans-I/O but for the watchdog: every transition takes ``now`` (the loop's time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Protocol
+
+import orjson
+
+from ..errors import GatewayError
+from ..watchdog import Watchdog
+
+__all__ = ["REJECT_LINGER_S", "ConnectionRegistry", "Phase", "Tracked"]
+
+log = logging.getLogger("nexus.server")
+
+REJECT_LINGER_S = 1.0
+"""How long a rejected connection may stay open to read its request and see the 503."""
+
+
+class Phase(enum.Enum):
+    HEAD = "head"
+    BUSY = "busy"
+    IDLE = "idle"
+    UPGRADED = "upgraded"
+    REJECTED = "rejected"
+    CLOSED = "closed"
+
+
+class Tracked(Protocol):
+    """What the registry needs of a connection (a :class:`Connection`, or a test's fake)."""
+
+    phase: Phase
+
+    def expire(self, reason: str) -> None:
+        """Close at once: a deadline passed."""
+
+
+def _rejection(max_connections: int) -> bytes:
+    """The 503 a connection past the cap gets, as bytes: it never reaches aiohttp."""
+    body = orjson.dumps(
+        GatewayError(
+            f"The server is at its limit of {max_connections} connections; retry shortly.",
+            code="too_many_connections",
+            status=503,
+            retryable=True,
+        ).openai_body()
+    )
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Retry-After: 1\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ConnectionRegistry:
+    """The open connections of one process: their count and their phase deadlines.
+
+    Sans-I/O but for :meth:`start` / :meth:`stop` (its watchdog) and the clock:
+    every transition takes ``now`` (the loop's time); :meth:`check` closes the
+    connections whose deadline has passed.
+    """
+
+    def __init__(
+        self, *, header_timeout_s: float, keepalive_timeout_s: float, max_connections: int
+    ) -> None:
+        self.header_timeout_s = header_timeout_s
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.max_connections = max_connections
+        self.open = 0
+        """Connections admitted and not yet lost (rejected ones are not counted)."""
+        self.heads: dict[Tracked, float] = {}
+        """HEAD connections -> deadline, in deadline order (see the module docstring)."""
+        self.idle: dict[Tracked, float] = {}
+        self.lingering: dict[Tracked, tuple[float, asyncio.BaseTransport]] = {}
+        self.rejection = _rejection(max_connections)
+        self.tick = min(header_timeout_s, keepalive_timeout_s, REJECT_LINGER_S * 4) / 4
+        self.watchdog = Watchdog()
+        self.warned_at = -1e9
+
+    # Transitions ------------------------------------------------------------
+
+    def admit(self, conn: Tracked, now: float) -> bool:
+        """A new connection: False when it is one too many (it is then REJECTED)."""
+        if self.open >= self.max_connections:
+            conn.phase = Phase.REJECTED
+            if now - self.warned_at > 10:
+                self.warned_at = now
+                log.warning(
+                    "at [server] max_connections (%d): new connections get 503",
+                    self.max_connections,
+                )
+            return False
+        self.open += 1
+        conn.phase = Phase.HEAD
+        self.heads[conn] = now + self.header_timeout_s
+        return True
+
+    def linger(self, conn: Tracked, transport: asyncio.BaseTransport, now: float) -> bool:
+        """Keep a rejected connection open briefly; False when too many already are."""
+        if len(self.lingering) >= self.max_connections:
+            return False
+        self.lingering[conn] = (now + min(REJECT_LINGER_S, self.header_timeout_s), transport)
+        return True
+
+    def head_begun(self, conn: Tracked, now: float) -> None:
+        """An IDLE connection's first byte of its next request."""
+        self.idle.pop(conn, None)
+        conn.phase = Phase.HEAD
+        self.heads[conn] = now + self.header_timeout_s
+
+    def request_started(self, conn: Tracked) -> None:
+        """The request head is complete and the app handles it."""
+        if conn.phase is Phase.HEAD:
+            del self.heads[conn]
+        elif conn.phase is Phase.IDLE:  # a pipelined request, read while the last one ran
+            del self.idle[conn]
+        else:
+            return
+        conn.phase = Phase.BUSY
+
+    def response_done(self, conn: Tracked, now: float) -> None:
+        """The response is written; the connection waits for its next request."""
+        if conn.phase is Phase.BUSY:
+            conn.phase = Phase.IDLE
+            self.idle[conn] = now + self.keepalive_timeout_s
+
+    def upgraded(self, conn: Tracked) -> None:
+        """Now a WebSocket: no longer timed here."""
+        self.heads.pop(conn, None)
+        self.idle.pop(conn, None)
+        conn.phase = Phase.UPGRADED
+
+    def lost(self, conn: Tracked) -> None:
+        if conn.phase is Phase.REJECTED:
+            self.lingering.pop(conn, None)
+        elif conn.phase is not Phase.CLOSED:
+            self.heads.pop(conn, None)
+            self.idle.pop(conn, None)
+            self.open -= 1
+        conn.phase = Phase.CLOSED
+
+    # Deadlines --------------------------------------------------------------
+
+    def check(self, now: float) -> None:
+        """Close every connection whose phase deadline is past (the watchdog's tick)."""
+        for table, reason in (
+            (self.heads, f"no complete request head within {self.header_timeout_s:g}s"),
+            (self.idle, f"idle for {self.keepalive_timeout_s:g}s"),
+        ):
+            for conn in _expired(table, now):
+                del table[conn]
+                conn.phase = Phase.CLOSED
+                self.open -= 1
+                conn.expire(reason)
+        if self.lingering:
+            late = [c for c, (deadline, _) in self.lingering.items() if deadline <= now]
+            for conn in late:
+                _, transport = self.lingering.pop(conn)
+                transport.close()
+
+    def start(self) -> None:
+        """Start checking (in the running loop)."""
+        self.watchdog.add(self, self.tick)
+
+    def stop(self) -> None:
+        """Stop checking, and close the rejected connections still lingering."""
+        self.watchdog.discard(self)
+        for _, transport in self.lingering.values():
+            transport.close()
+        self.lingering.clear()
+
+
+def _expired(table: dict[Tracked, float], now: float) -> list[Tracked]:
+    expired = []
+    for conn, deadline in table.items():
+        if deadline > now:
+            break
+        expired.append(conn)
+    return expired

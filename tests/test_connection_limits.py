@@ -22,6 +22,7 @@ from nexus_process import start_nexus, stop_nexus
 
 HEADER_S = 0.5
 KEEPALIVE_S = 1.0
+BODY_S = 0.5
 
 
 @contextlib.contextmanager
@@ -41,7 +42,10 @@ def serve(tmp_path: Path, server: str, *args: str) -> Iterator[tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def timed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    settings = f"header_timeout_s = {HEADER_S}\nkeepalive_timeout_s = {KEEPALIVE_S}"
+    settings = (
+        f"header_timeout_s = {HEADER_S}\nkeepalive_timeout_s = {KEEPALIVE_S}\n"
+        f"body_timeout_s = {BODY_S}"
+    )
     with serve(tmp_path_factory.mktemp("timed"), settings) as address:
         yield address
 
@@ -124,6 +128,74 @@ def test_an_idle_keepalive_connection_is_closed(timed: tuple[str, int]) -> None:
     assert KEEPALIVE_S * 0.9 <= elapsed < KEEPALIVE_S + 1.0
 
 
+def chat_head(length: int) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length
+    )
+
+
+CHAT_BODY = orjson.dumps({"model": "mock/echo", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_a_stalled_request_body_gets_408_and_is_closed(timed: tuple[str, int]) -> None:
+    """Headers, part of the body, then nothing: 408 request_timeout after body_timeout_s,
+    as JSON, and the connection closed (not held for the rest of the body)."""
+    sock = connect(timed)
+    sock.sendall(chat_head(len(CHAT_BODY)) + CHAT_BODY[:10])
+    started = time.monotonic()
+    sock.settimeout(5)
+    status, headers, body = response(sock)
+    elapsed = time.monotonic() - started
+    assert status == 408, body
+    assert orjson.loads(body)["error"]["code"] == "request_timeout"
+    assert headers.get("connection", "").lower() == "close"
+    assert BODY_S * 0.9 <= elapsed < BODY_S + 1.0
+    assert closed_after(sock) < 1.0
+
+
+def test_a_slow_but_steady_request_body_is_served(timed: tuple[str, int]) -> None:
+    """The body timeout is between bytes: a body trickling for three times it is read."""
+    sock = connect(timed)
+    sock.sendall(chat_head(len(CHAT_BODY)))
+    pieces = [CHAT_BODY[i : i + 8] for i in range(0, len(CHAT_BODY), 8)]
+    pause = BODY_S * 3 / len(pieces)
+    assert pause < BODY_S / 2
+    for piece in pieces:
+        time.sleep(pause)
+        sock.sendall(piece)
+    status, _, body = response(sock)
+    assert status == 200, body
+    assert orjson.loads(body)["choices"][0]["message"]["content"] == "hi"
+
+
+def test_many_slow_clients_are_all_closed(timed: tuple[str, int]) -> None:
+    """50 idle, 50 slow-head and 50 slow-body sockets: none is open a second past its
+    timeout (they never complete, whatever they trickle)."""
+    idle = [connect(timed) for _ in range(50)]
+    heads = [connect(timed) for _ in range(50)]
+    bodies = [connect(timed) for _ in range(50)]
+    for sock in heads:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: loc")
+    for sock in bodies:
+        sock.sendall(chat_head(len(CHAT_BODY)) + CHAT_BODY[:5])
+    deadline = time.monotonic() + max(HEADER_S, BODY_S) + 1.5
+    open_ = {*idle, *heads, *bodies}
+    while open_ and time.monotonic() < deadline:
+        for sock in list(open_):
+            sock.setblocking(False)
+            try:
+                while sock.recv(65536):
+                    pass
+                open_.discard(sock)  # EOF: closed by the server
+            except BlockingIOError:
+                pass
+            except OSError:
+                open_.discard(sock)  # reset: closed by the server
+        time.sleep(0.05)
+    assert not open_, f"{len(open_)} of 150 slow sockets still open"
+
+
 def test_a_long_stream_is_not_cut(timed: tuple[str, int]) -> None:
     body = orjson.dumps(
         {
@@ -134,10 +206,7 @@ def test_a_long_stream_is_not_cut(timed: tuple[str, int]) -> None:
         }
     )
     sock = connect(timed)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
+    sock.sendall(chat_head(len(body)) + body)
     started = time.monotonic()
     sock.settimeout(5)
     data = b""
@@ -214,8 +283,9 @@ def test_an_unmasked_client_frame_closes_with_1002(timed: tuple[str, int], toget
     if together:  # in the same packet as the handshake: aiohttp buffers it as the upgrade's tail
         key = base64.b64encode(os.urandom(16))
         sock.sendall(
-            b"GET /v1/realtime HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade"
-            b"\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: " + key + b"\r\n\r\n" + unmasked
+            b"GET /v1/realtime HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            b"Sec-WebSocket-Key: " + key + b"\r\n\r\n" + unmasked
         )
         data = b""
         while b"\r\n\r\n" not in data:

@@ -64,6 +64,9 @@ class ServerConfig(_Table):
     """A connection must deliver a complete request head this long after it connects
     (or after the first byte of a next request on a keep-alive connection); else it is
     closed. See :mod:`nexus.server.connection`."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """A request whose body takes no byte for this long (between two reads) is answered
+    ``408 request_timeout`` and its connection closed."""
     keepalive_timeout_s: float = Field(default=75.0, gt=0)
     """An idle keep-alive connection (no byte since its last response) is closed after this."""
     max_connections: int = Field(default=20_000, ge=1)

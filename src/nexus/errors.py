@@ -13,6 +13,7 @@ a stream has started::
         │   └── InvalidLastEventId   400 invalid_last_event_id
         ├── ModelNotFound            404 model_not_found
         ├── StreamNotFound           404 stream_not_found (unknown or expired stream id)
+        ├── RequestTimeout           408 request_timeout (the body stalled: [server] body_timeout_s)
         ├── RequestTooLarge          413 request_too_large
         ├── UnsupportedMediaType     415 unsupported_media_type (a Content-Encoding not taken)
         ├── TooManyStreams           429 too_many_streams (retryable)
@@ -36,6 +37,7 @@ __all__ = [
     "ModelNotFound",
     "NexusError",
     "RegistryFrozen",
+    "RequestTimeout",
     "RequestTooLarge",
     "ServerShuttingDown",
     "StreamError",
@@ -145,6 +147,12 @@ class StreamLost(GatewayError):
 class ModelNotFound(GatewayError):
     status = 404
     code = "model_not_found"
+    error_type = "invalid_request_error"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    code = "request_timeout"
     error_type = "invalid_request_error"
 
 

@@ -32,6 +32,7 @@ from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
 from ...errors import (
     InvalidLastEventId,
+    RequestTimeout,
     ServerShuttingDown,
     StreamError,
     StreamNotFound,
@@ -89,22 +90,37 @@ async def read_body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     content = request.content
+    stall_s = request.app[state.CONFIG].server.body_timeout_s
     chunks: list[bytes] = []
     if coding is None:
         size = 0
-        while chunk := await content.readany():
+        while chunk := await _read_some(content, stall_s):
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
             chunks.append(chunk)
     else:
         inflater = Inflater(coding, limit=limit)
-        while chunk := await content.readany():
+        while chunk := await _read_some(content, stall_s):
             for piece in inflater.decode(chunk):
                 chunks.append(piece)
                 await asyncio.sleep(0)  # the loop serves others between pieces
         inflater.flush()
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _read_some(content: web.StreamReader, stall_s: float) -> bytes:
+    """What the body has next (b"" at its end), or :class:`RequestTimeout` when it takes
+    no byte for ``stall_s`` ([server] body_timeout_s): a timer per read of a body, not
+    per event. The 408 goes out with the connection closed (its body is unread: see
+    the access middleware)."""
+    try:
+        async with asyncio.timeout(stall_s):
+            return await content.readany()
+    except TimeoutError:
+        raise RequestTimeout(
+            f"The request body sent no byte for {stall_s:g}s ([server] body_timeout_s)."
+        ) from None
 
 
 def json_response(

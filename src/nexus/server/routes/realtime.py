@@ -231,7 +231,9 @@ class RealtimeConnection:
                 try:
                     owner = self.key.name if self.key is not None else None
                     # As an HTTP request: the key's model, its rate, a place among the streams.
-                    with admit_stream(self.request, self.key, request.model, param="request.model"):
+                    async with admit_stream(
+                        self.request, self.key, request.model, param="request.model"
+                    ):
                         opened = await self.hub.open(
                             request,
                             format=NDJSONEncoder.media_type,

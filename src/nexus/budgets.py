@@ -12,7 +12,7 @@ import datetime as dt
 import math
 from dataclasses import dataclass
 
-__all__ = ["PERIODS", "Window", "budget_message", "window"]
+__all__ = ["PERIODS", "Window", "budget_message", "key_table", "window"]
 
 PERIODS = ("day", "month", "total")
 
@@ -75,3 +75,14 @@ def budget_message(name: str, budget: float, period: str, spent: float, win: Win
     if resets is None:
         return text + '; it does not reset (budget_period = "total").'
     return text + f"; it resets at {resets}."
+
+
+def key_table(rows: list[dict[str, str]]) -> str:
+    """``nexus keys``'s table: a header and one line per key, columns padded to fit."""
+    columns = ("name", "models", "budget_usd", "period", "spent_usd", "resets_at")
+    cells = [list(columns), *([row.get(column, "-") for column in columns] for row in rows)]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )

@@ -113,9 +113,10 @@ class KeyLimits(ABC):
 
     @abstractmethod
     async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
-        """One request of ``key``: its budget, a token of its rate, and with ``stream`` a
-        place among its concurrent streams; the :class:`Slot` to :meth:`release` when
-        the stream ends (None when there is nothing to release).
+        """One request of ``key``: a token of its rate and, with ``stream`` (a request
+        that runs a model), its budget and a place among its concurrent streams; the
+        :class:`Slot` to :meth:`release` when the stream ends (None when there is
+        nothing to release).
 
         Raises :class:`BudgetExceeded`, 429 ``rate_limited``, :class:`TooManyStreams`
         and (shared backend) :class:`StoreUnavailable`.
@@ -153,7 +154,7 @@ class LocalLimits(KeyLimits):
 
     def check(self, key: ApiKey, *, stream: bool, budget: bool = True) -> None:
         """:meth:`admit`, without a wait: what it raises, or nothing."""
-        if budget and key.budget_usd is not None:
+        if budget and stream and key.budget_usd is not None:
             now = time.time()
             spent = self._current(key, now)
             if spent >= key.budget_usd:
@@ -181,8 +182,9 @@ class LocalLimits(KeyLimits):
 
 
 class BudgetPlugin:
-    """Charges each stream's cost to its key's budget when it ends (completed, failed,
-    cancelled): an internal hook plugin, registered by the app when a key has a budget.
+    """Charges each stream's cost to its key when it ends (completed, failed, cancelled):
+    an internal hook plugin, registered by the app when it has keys. Every key's spend is
+    kept (``nexus keys`` shows it), per its ``budget_period`` (``month`` unless set).
 
     A stream's end hooks run before its last entry reaches the readers, so a client
     that saw the end of one request is refused its next one if that one spent the
@@ -192,7 +194,7 @@ class BudgetPlugin:
 
     def __init__(self, limits: KeyLimits, keys: list[ApiKey]) -> None:
         self.limits = limits
-        self.keys = {key.name: key for key in keys if key.budget_usd is not None}
+        self.keys = {key.name: key for key in keys}
 
     async def on_stream_completed(
         self, ctx: CallContext, *args: Any, spend: Any = None, **kwargs: Any

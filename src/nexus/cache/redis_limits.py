@@ -178,7 +178,7 @@ class RedisLimits(KeyLimits):
         slot = None
         if stream and self.per_key is not None:
             slot = Slot(name, f"{self.store.replica_id}-{next(self._ids)}")
-        budget = key.budget_usd
+        budget = key.budget_usd if stream else None
         win_id = window(key.budget_period, time.time()).id if budget is not None else ""
         try:
             code, value = await self._admit(

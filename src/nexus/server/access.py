@@ -259,14 +259,13 @@ def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> Ap
 async def admit(
     request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
 ) -> None:
-    """Per-key checks before a request may run: its model (when it names one), its
-    budget, its rate.
+    """Per-key checks before a request may run: its model (when it names one), its rate.
 
     Every request of a key takes one token of its ``requests_per_second_per_key``
     bucket here or in :func:`admit_stream`, whatever the way in (counted in Redis
     with ``[store] kind = "redis"``: see :mod:`nexus.cache.limits`). Raises 403
-    ``model_not_allowed`` (naming ``param``), 429 ``budget_exceeded`` and 429
-    ``rate_limited`` (both with ``Retry-After``, whole seconds).
+    ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited`` (with
+    ``Retry-After``, whole seconds).
     """
     if key is None:
         return
@@ -291,7 +290,9 @@ async def admit_stream(
     The block opens the stream (its run counts from then on: leaving the block
     right after ``hub.open`` returns, with no wait between, never counts it twice),
     or, for a request answered without a run of its own, is the whole request.
-    Raises what :func:`admit` raises, and 429 ``too_many_streams``.
+    Raises what :func:`admit` raises, 429 ``too_many_streams``, 429 ``budget_exceeded``
+    (the reset time in its message, ``Retry-After`` for a day or a month) and, with
+    Redis down and a budget to check, 503 ``store_unavailable``.
     """
     if key is not None:
         _check_model(key, model, param)

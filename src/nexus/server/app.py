@@ -80,7 +80,7 @@ def create_app(
     app[HUB] = hub
     app[KEYS] = keys = KeyRing(config.auth.keys)
     hub.limits = limits = build_limits(config, store, hub)
-    if any(key.budget_usd is not None for key in keys.keys):
+    if keys.enabled:
         engine.hooks.add(BudgetPlugin(limits, keys.keys), name="budgets")
     app[TOKENS] = StreamTokens(_token_secret(config))
     if config.metrics.enabled:

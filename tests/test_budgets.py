@@ -204,3 +204,19 @@ sha256 = "{hash_key("other")}"
     finally:
         await drop_keys(client, prefix)
         await client.aclose()
+
+
+def test_nexus_keys_with_the_memory_store_says_where_the_spend_is(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f'[[auth.keys]]\nname = "alpha"\nsha256 = "{hash_key(KEY)}"\nbudget_usd = 2\n')
+    done = subprocess.run(
+        [NEXUS, "keys", "--config", str(path)], capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 0, done.stderr
+    _, line, note = done.stdout.splitlines()
+    assert line.split()[:4] == ["alpha", "*", "2", "month"]
+    assert "memory store" in note
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[auth.keys]]\nname = "a"\nsha256 = "00"\nbudget_period = "week"\n')
+    done = subprocess.run([NEXUS, "keys", "--config", str(bad)], capture_output=True, text=True)
+    assert done.returncode == 2 and "config error" in done.stderr

@@ -159,3 +159,36 @@ def _quick() -> Iterator[None]:
     began = time.monotonic()
     yield
     assert time.monotonic() - began < 20
+
+
+async def test_redis_down_fails_open_to_this_process_except_for_budgets() -> None:
+    import redis.asyncio as aioredis
+
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits, StoreUnavailable
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    store = RedisStore(prefix=new_prefix(), client=client)
+    limits = RedisLimits(
+        store, rate=1, per_key=5, lease_s=1, fallback=LocalLimits(1, 5, lambda name: 0)
+    )
+    await limits.start()
+    try:
+        # No budget: admitted against this process's bucket (one token), never a 500.
+        plain = ApiKey("plain")
+        assert await limits.admit(plain, stream=True) is None
+        with pytest.raises(Exception) as limited:
+            await limits.admit(plain, stream=True)
+        assert getattr(limited.value, "code", None) == "rate_limited"
+        # A budget that cannot be checked is not spent: 503 store_unavailable.
+        with pytest.raises(StoreUnavailable) as refused:
+            await limits.admit(ApiKey("capped", budget_usd=1.0), stream=True)
+        assert refused.value.status == 503
+        # A charge that cannot be sent is kept for the next tick.
+        await limits.charge(ApiKey("capped", budget_usd=1.0), 0.5)
+        assert sum(usd for usd, _ in limits._unsent.values()) == 0.5
+    finally:
+        await limits.close()
+        await client.aclose()

@@ -8,7 +8,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from nexus import Engine, MockProvider, Provider
-from nexus.config import Config, parse_config
+from nexus.config import Config, parse_config, price_table
 from nexus.encoders.registry import default_registry
 from nexus.server.app import create_app
 from support import MakeClient
@@ -30,8 +30,9 @@ def make_client(aiohttp_client: Any) -> MakeClient:
             engine = Engine(
                 [MockProvider(name, models=p.models) for name, p in cfg.providers.items()]
                 + providers,
-                {alias: a.targets for alias, a in cfg.models.items()},
+                {alias: a.targets for alias, a in cfg.models.items() if a.targets is not None},
                 retry_ms=cfg.server.retry_ms,
+                prices=price_table(cfg),
             )
         app = create_app(cfg, engine=engine, registry=default_registry.copy())
         return await aiohttp_client(app)

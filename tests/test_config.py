@@ -226,7 +226,7 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             '[models."x"]\ntargets = []\n',
-            '[models."x"] targets: List should have at least 1 item after validation, not 0',
+            '[models."x"] targets: an alias needs at least one target',
             id="alias-no-targets",
         ),
         pytest.param(

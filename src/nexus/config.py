@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .pricing import Price, PriceTable
 
 __all__ = [
     "AnthropicProviderConfig",
@@ -256,7 +257,36 @@ ProviderConfig = Annotated[
 
 
 class ModelAliasConfig(_Table):
-    targets: list[str] = Field(min_length=1)
+    """``[models."<name>"]``: an alias (``targets``, and optionally its prices) when the
+    name has no ``/``; the prices of one ``<provider>/<model>`` (no ``targets``) when it
+    has one. Prices are USD per million tokens (see :mod:`nexus.pricing`)."""
+
+    targets: list[str] | None = None
+    input_usd_per_mtok: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    output_usd_per_mtok: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    cached_input_usd_per_mtok: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Unset: the input price."""
+
+    @field_validator(
+        "input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok", mode="before"
+    )
+    @classmethod
+    def _number(cls, value: object) -> object:
+        if type(value) is int:  # strict mode takes no int for a float: ``= 3`` is meant
+            return float(value)
+        return value
+
+    @property
+    def priced(self) -> bool:
+        return self.input_usd_per_mtok is not None or self.output_usd_per_mtok is not None
+
+    def price(self) -> Price | None:
+        """Its prices, or None when it sets none."""
+        if not self.priced:
+            return None
+        given = self.input_usd_per_mtok or 0.0
+        cached = self.cached_input_usd_per_mtok
+        return Price(given, self.output_usd_per_mtok or 0.0, given if cached is None else cached)
 
 
 def _default_providers() -> dict[str, ProviderConfig]:
@@ -299,6 +329,33 @@ class Config(_Table):
     @model_validator(mode="after")
     def _targets_exist(self) -> Config:
         for alias, cfg in self.models.items():
+            where = f'[models."{alias}"]'
+            given = (cfg.input_usd_per_mtok, cfg.output_usd_per_mtok)
+            if (None in given and given != (None, None)) or (
+                cfg.cached_input_usd_per_mtok is not None and None in given
+            ):
+                raise ValueError(
+                    f"{where}: prices need both input_usd_per_mtok and output_usd_per_mtok"
+                )
+            if "/" in alias:
+                provider, _, model = alias.partition("/")
+                if cfg.targets is not None:
+                    raise ValueError(
+                        f"{where} targets: a '<provider>/<model>' entry holds prices only; "
+                        "an alias name has no '/'"
+                    )
+                if not model or provider not in self.providers:
+                    raise ValueError(
+                        f"{where}: a name with '/' must be '<provider>/<model>' with a "
+                        f"provider among {sorted(self.providers)}"
+                    )
+                if not cfg.priced:
+                    raise ValueError(f"{where}: set input_usd_per_mtok and output_usd_per_mtok")
+                continue
+            if cfg.targets is None:
+                raise ValueError(f"{where} targets: required key is missing")
+            if not cfg.targets:
+                raise ValueError(f"{where} targets: an alias needs at least one target")
             for target in cfg.targets:
                 name, slash, model = target.partition("/")
                 if not slash or not model or name not in self.providers:
@@ -307,6 +364,12 @@ class Config(_Table):
                         f"'<provider>/<model>' with a provider among {sorted(self.providers)}"
                     )
         return self
+
+
+def price_table(config: Config) -> PriceTable:
+    """The prices ``[models."<name>"]`` set, by alias or ``provider/model``."""
+    prices = {name: cfg.price() for name, cfg in config.models.items()}
+    return PriceTable({name: price for name, price in prices.items() if price is not None})
 
 
 def load_config(path: str | Path) -> Config:

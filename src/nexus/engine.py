@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -31,6 +32,7 @@ from pydantic import ValidationError
 from .errors import GatewayError, ModelNotFound, UnsupportedInput
 from .events import Error, StreamEvent
 from .hooks import CallContext, Hooks, Middleware, Next
+from .pricing import PriceTable
 from .protocol.openai_chat import validation_error
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
@@ -76,6 +78,7 @@ class Engine:
         retry_ms: int | None = None,
         hooks: Hooks | None = None,
         middleware: Sequence[Middleware] = (),
+        prices: PriceTable | None = None,
     ) -> None:
         if isinstance(providers, Mapping):
             providers = list(providers.values())
@@ -84,6 +87,9 @@ class Engine:
         self.retry_ms = retry_ms
         self.hooks = hooks if hooks is not None else Hooks()
         self.middleware: tuple[Middleware, ...] = tuple(middleware)
+        self.prices = prices if prices is not None else PriceTable()
+        """What each model costs (:mod:`nexus.pricing`); the hooks' spends use it."""
+        self.hooks.prices = self.prices
         for alias, targets in self.aliases.items():
             for target in targets:
                 self._split(target, f"models.{alias}")
@@ -95,6 +101,7 @@ class Engine:
         Raises :class:`~nexus.errors.ConfigError` for a plugin that cannot be
         loaded (its message starts with ``source``, the config file, when given).
         """
+        from .config import price_table
         from .providers import build_provider
 
         built = [build_provider(name, cfg) for name, cfg in config.providers.items()]
@@ -102,6 +109,8 @@ class Engine:
         names = {p.name for p in providers}
         models: dict[str, list[str]] = {}
         for alias, cfg in config.models.items():
+            if cfg.targets is None:
+                continue  # a '<provider>/<model>' price entry, not an alias
             targets = [t for t in cfg.targets if t.partition("/")[0] in names]
             if targets:
                 models[alias] = targets
@@ -109,7 +118,13 @@ class Engine:
                 log.warning("alias %r left out: none of its targets' providers is available", alias)
         hooks = Hooks()
         hooks.load(config.plugins, source)
-        return cls(providers, models, retry_ms=config.server.retry_ms, hooks=hooks)
+        return cls(
+            providers,
+            models,
+            retry_ms=config.server.retry_ms,
+            hooks=hooks,
+            prices=price_table(config),
+        )
 
     async def start(self) -> None:
         self.hooks.freeze()
@@ -194,7 +209,15 @@ class Engine:
             upstream_model=upstream,
             retry_ms=self.retry_ms,
         )
-        return Stream.of_batches(self._run(targets, request), meta)
+        if len(targets) == 1:
+            return Stream.of_batches(self._run(targets, request, None), meta)
+
+        def served(provider: Provider, model: str) -> None:
+            # A fallback answered: the stream's meta names it from its first event on.
+            stream.meta = replace(meta, provider=provider.name, upstream_model=model)
+
+        stream = Stream.of_batches(self._run(targets, request, served), meta)
+        return stream
 
     async def open_stream(
         self,
@@ -252,7 +275,10 @@ class Engine:
         return await accumulate(await self.open_stream(request, ctx))
 
     async def _run(
-        self, targets: list[Target], request: ChatRequest
+        self,
+        targets: list[Target],
+        request: ChatRequest,
+        served: Callable[[Provider, str], None] | None,
     ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
         for attempt, (provider, model) in enumerate(targets):
@@ -266,6 +292,8 @@ class Engine:
                             # No other target will be tried: the request need not stay
                             # alive for the stream's length in this frame.
                             del request
+                            if attempt and served is not None:
+                                served(provider, model)
                         yield batch
                 return
             except GatewayError as exc:

@@ -5,8 +5,9 @@ Hooks
 
         async def on_stream_started(self, ctx, request_id, model, provider): ...
         async def on_chunk_received(self, ctx, request_id, kind, byte_size): ...
-        async def on_stream_completed(self, ctx, request_id, model, provider, elapsed, final): ...
-        async def on_stream_failed(self, ctx, request_id, model, error): ...
+        async def on_stream_completed(self, ctx, request_id, model, provider, elapsed, final,
+                                      *, spend): ...
+        async def on_stream_failed(self, ctx, request_id, model, error, *, spend): ...
 
     ``ctx`` is the request's :class:`CallContext` (the same object for every hook
     of one request); ``request_id`` is the stream id (``StreamMeta.id``, what
@@ -18,6 +19,13 @@ Hooks
     (what :func:`~nexus.stream.accumulate` returns: do not mutate it, other
     plugins get the same object). ``error`` is the :class:`~nexus.events.Error`
     event the stream ended with (a client's abort is ``code="stream_cancelled"``).
+    ``spend`` is the stream's :class:`~nexus.pricing.Spend`: its tokens and cost
+    from the upstream's usage, or, for a stream that failed or was cancelled
+    before its final usage, what was seen so far with ``estimated=True``; a cache
+    hit spends nothing (zero). It is passed, as a keyword, only to methods that
+    take a ``spend`` parameter (or ``**kwargs``): older plugins are called as
+    before. ``provider`` (and ``meta.provider`` of the stream) is the target
+    that answered, after fallbacks.
 
     ``on_stream_started`` runs before the stream is launched: raising
     :class:`StreamRejected` from it refuses the request with that error (an HTTP
@@ -60,6 +68,7 @@ Middleware
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 from collections import Counter
@@ -71,6 +80,7 @@ import orjson
 
 from .errors import ConfigError, GatewayError, RegistryFrozen
 from .events import Done, Error, StreamEvent
+from .pricing import UNKNOWN, PriceTable, Spend, Tally, terminal_ok
 from .request import ChatRequest
 from .stream import Merger, Stream
 from .types import Completion, StreamMeta
@@ -159,8 +169,22 @@ Middleware = Callable[[CallContext, ChatRequest, Next], Awaitable[Stream]]
 
 StartedHook = Callable[[CallContext, str, str, str], Awaitable[object]]
 ChunkHook = Callable[[CallContext, str, str, int], Awaitable[object]]
-CompletedHook = Callable[[CallContext, str, str, str, float, Completion], Awaitable[object]]
-FailedHook = Callable[[CallContext, str, str, Error], Awaitable[object]]
+CompletedHook = Callable[..., Awaitable[object]]
+FailedHook = Callable[..., Awaitable[object]]
+
+
+def _takes_spend(method: Callable[..., object]) -> bool:
+    """Whether a hook method takes ``spend=`` (looked at once, when the plugin is added)."""
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "spend" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
+
 
 _ABORTED = Error(
     error_type="server_error",
@@ -194,9 +218,11 @@ class Hooks:
         self.on_error: list[Callable[[str], None]] = []
         self._started: list[tuple[str, StartedHook]] = []
         self._chunk: list[tuple[str, ChunkHook, int]] = []
-        self._completed: list[tuple[str, CompletedHook]] = []
-        self._failed: list[tuple[str, FailedHook]] = []
+        self._completed: list[tuple[str, CompletedHook, bool]] = []
+        self._failed: list[tuple[str, FailedHook, bool]] = []
         self._frozen = False
+        self.prices = PriceTable()
+        """What the spends passed to the end hooks are priced with (the engine's)."""
 
     def __bool__(self) -> bool:
         return bool(self.plugins)
@@ -233,9 +259,11 @@ class Hooks:
         if "on_chunk_received" in found:
             self._chunk.append((label, found["on_chunk_received"], chunk_every))
         if "on_stream_completed" in found:
-            self._completed.append((label, found["on_stream_completed"]))
+            method = found["on_stream_completed"]
+            self._completed.append((label, method, _takes_spend(method)))
         if "on_stream_failed" in found:
-            self._failed.append((label, found["on_stream_failed"]))
+            method = found["on_stream_failed"]
+            self._failed.append((label, method, _takes_spend(method)))
 
     def load(self, configs: Iterable[PluginConfig], source: str | None = None) -> None:
         """Add the plugins ``[[plugins]]`` describes, in order.
@@ -306,7 +334,10 @@ class Hooks:
         observer = self.observe(ctx, stream.meta)
         if observer is None:
             return stream
-        return Stream.of_batches(_observe(stream, observer), stream.meta)
+        link: list[Stream] = []  # the outer stream, until its meta is settled
+        outer = Stream.of_batches(_observe(stream, observer, link), stream.meta)
+        link.append(outer)
+        return outer
 
 
 class StreamObserver:
@@ -344,9 +375,14 @@ class StreamObserver:
                 self._hooks._raised(name, "on_chunk_received")
 
     async def end(
-        self, terminal: StreamEvent, elapsed: float, final: Callable[[], Completion]
+        self,
+        terminal: StreamEvent,
+        elapsed: float,
+        final: Callable[[], Completion],
+        spend: Spend = UNKNOWN,
     ) -> None:
-        """Call the completed hooks (``final()`` merges the stream) or the failed ones."""
+        """Call the completed hooks (``final()`` merges the stream) or the failed ones,
+        with the stream's ``spend``."""
         hooks = self._hooks
         meta = self.meta
         error: Error | None = None
@@ -355,30 +391,36 @@ class StreamObserver:
         elif type(terminal) is Done and terminal.aborted:
             error = _ABORTED
         if error is not None:
-            for name, failed in hooks._failed:
+            for name, failed, takes in hooks._failed:
                 try:
-                    await failed(self.ctx, meta.id, meta.model, error)
+                    if takes:
+                        await failed(self.ctx, meta.id, meta.model, error, spend=spend)
+                    else:
+                        await failed(self.ctx, meta.id, meta.model, error)
                 except Exception:
                     hooks._raised(name, "on_stream_failed")
             return
         if not hooks._completed:
             return
         completion = final()
-        for name, completed in hooks._completed:
+        for name, completed, takes in hooks._completed:
+            args = (self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
             try:
-                await completed(self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
+                await (completed(*args, spend=spend) if takes else completed(*args))
             except Exception:
                 hooks._raised(name, "on_stream_completed")
 
 
 async def _observe(
-    source: Stream, observer: StreamObserver
+    source: Stream, observer: StreamObserver, link: list[Stream]
 ) -> AsyncGenerator[list[StreamEvent], None]:
     loop = asyncio.get_running_loop()
     start = loop.time()
     merger = Merger(source.meta) if observer.wants_final else None
     chunks = observer.chunks
     terminal: StreamEvent | None = None
+    tallied = Tally()
+    count = tallied.add
     try:
         while batch := await source.read_batch():
             for event in batch:
@@ -386,10 +428,13 @@ async def _observe(
                 if cls is Error:
                     terminal = event
                 elif cls is not Done:
+                    count(event)
                     if chunks:
                         await observer.chunk(event)
                     if merger is not None:
                         merger.add(event)
+            if link:
+                link.pop().meta = observer.meta = source.meta  # the target that answered
             yield batch
     except GatewayError as exc:
         terminal = terminal or exc.to_event()
@@ -401,13 +446,18 @@ async def _observe(
         terminal = terminal or _CLOSED
         raise
     finally:
+        link.clear()
         try:
             await source.close()
         finally:
+            end = terminal or Done()
+            meta = observer.meta = source.meta
+            complete = terminal_ok(end)
             await observer.end(
-                terminal or Done(),
+                end,
                 loop.time() - start,
-                merger.result if merger is not None else _no_final(source.meta),
+                merger.result if merger is not None else _no_final(meta),
+                observer._hooks.prices.spend(tallied, meta, complete=complete),
             )
 
 
@@ -424,14 +474,19 @@ def map_stream(stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]) 
         async def redact(ctx, request, call_next):
             return map_stream(await call_next(request), scrub)
     """
-    return Stream.of_batches(_mapped(stream, fn), stream.meta)
+    link: list[Stream] = []  # the outer stream, until its meta is settled
+    outer = Stream.of_batches(_mapped(stream, fn, link), stream.meta)
+    link.append(outer)
+    return outer
 
 
 async def _mapped(
-    stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]
+    stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None], link: list[Stream]
 ) -> AsyncGenerator[list[StreamEvent], None]:
     try:
         while batch := await stream.read_batch():
+            if link:
+                link.pop().meta = stream.meta  # the target that answered (after fallbacks)
             out: list[StreamEvent] = []
             try:
                 for event in batch:
@@ -445,4 +500,5 @@ async def _mapped(
             if out:
                 yield out
     finally:
+        link.clear()
         await stream.close()

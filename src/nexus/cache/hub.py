@@ -275,7 +275,7 @@ class StreamHub:
             )
             source = Stream.of_batches(self._replay(recording), meta)
             await self._started(source, ctx)
-            info, run = await self._launch(source, format, owner, background, ctx)
+            info, run = await self._launch(source, format, owner, background, ctx, replayed=True)
             return Opened(info, run, "hit")
         stream = await self._open(request, ctx)
         info = self._info(stream, format, owner)
@@ -327,12 +327,19 @@ class StreamHub:
         return StreamInfo(meta=source.meta, format=format, owner=owner)
 
     async def _launch(
-        self, source: Stream, format: str, owner: str | None, background: bool, ctx: CallContext
+        self,
+        source: Stream,
+        format: str,
+        owner: str | None,
+        background: bool,
+        ctx: CallContext,
+        *,
+        replayed: bool = False,
     ) -> tuple[StreamInfo, StreamRun]:
         info = self._info(source, format, owner)
         if self.store.shared:
             await self.store.begin(info, self.streams.resume_ttl_s)
-        return info, self._start(info, source, background, ctx)
+        return info, self._start(info, source, background, ctx, replayed=replayed)
 
     def _start(
         self,
@@ -341,6 +348,8 @@ class StreamHub:
         background: bool,
         ctx: CallContext,
         record: str | None = None,
+        *,
+        replayed: bool = False,
     ) -> StreamRun:
         """Run it (``store.begin`` done); a keeper looks after its log.
 
@@ -358,6 +367,8 @@ class StreamHub:
             observer=self.engine.hooks.observe(ctx, info.meta),
             timed=record is not None,
             watchdog=self.watchdog,
+            prices=self.engine.prices,
+            replayed=replayed,
         )
         self.live[run.id] = run
         slot = _ADMITTED.get()

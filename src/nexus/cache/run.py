@@ -31,6 +31,7 @@ from typing import Protocol
 from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
 from ..hooks import StreamObserver
+from ..pricing import NOTHING, PriceTable, Spend, tally, terminal_ok
 from ..stream import Stream, merge_events
 from ..types import StreamMeta
 from ..watchdog import Watchdog
@@ -106,6 +107,8 @@ class StreamRun:
         observer: StreamObserver | None = None,
         timed: bool = True,
         watchdog: Watchdog | None = None,
+        prices: PriceTable | None = None,
+        replayed: bool = False,
     ) -> None:
         self.info = info
         self.id = info.meta.id
@@ -127,6 +130,11 @@ class StreamRun:
         self._deadline: asyncio.TimerHandle | None = None
         self._watchdog = watchdog
         self._ends_at = 0.0
+        self._prices = prices if prices is not None else PriceTable()
+        self._replayed = replayed
+        self.spend: Spend | None = None
+        """What the stream spent upstream (:mod:`nexus.pricing`), once it finished; a
+        replayed recording spent nothing."""
         self.record: str | None = None
         """The cache key it is to be recorded under, if any (the hub's)."""
         self.on_finish: Callable[[StreamRun], object] | None = None
@@ -237,7 +245,10 @@ class StreamRun:
         try:
             if self._cancel_with is not None:
                 raise asyncio.CancelledError
-            while batch := await read():
+            batch = await read()
+            if source.meta is not self.info.meta:  # a fallback target answered
+                self._served(source.meta)
+            while batch:
                 added = _size(batch)
                 if added < 0:
                     batch, error, added = _without_terminals(batch)
@@ -266,6 +277,7 @@ class StreamRun:
                 if unyielded >= 256:
                     unyielded = 0
                     await asyncio.sleep(0)  # a source that never waits must not starve writers
+                batch = await read()
         except asyncio.CancelledError:
             terminal = self._cancel_with or _error("stream_cancelled", "The stream was cancelled.")
             task = asyncio.current_task()
@@ -289,13 +301,31 @@ class StreamRun:
             log.exception("closing the source of stream %s failed", self.id)
         finally:
             try:
+                self.spend = spend = self._spent(terminal)
                 if observer is not None:
                     self._running = False  # the end is decided: cancel() must not cut the hooks
                     await observer.end(
-                        terminal, now() - start, lambda: merge_events(events, self.info.meta)
+                        terminal,
+                        now() - start,
+                        lambda: merge_events(events, self.info.meta),
+                        spend,
                     )
             finally:
                 self._finish(terminal, now() - start)
+
+    def _served(self, meta: StreamMeta) -> None:
+        """The stream is served by another target than the first (``meta`` names it)."""
+        self.info.meta = meta
+        if self._observer is not None:
+            self._observer.meta = meta
+
+    def _spent(self, terminal: StreamEvent) -> Spend:
+        """The stream's spend, from its log (once, at its end)."""
+        if self._replayed:
+            return NOTHING
+        complete = terminal_ok(terminal)
+        tallied = tally(self.events, complete=complete)
+        return self._prices.spend(tallied, self.info.meta, complete=complete)
 
     def _finish(self, terminal: StreamEvent, offset: float) -> None:
         self.events.append(terminal)

@@ -1,0 +1,179 @@
+"""What a stream spent: its tokens and their cost in USD. Sans-I/O.
+
+Prices come from ``[models."<name>"]`` (USD per million tokens): ``<name>`` is
+an alias (a table with ``targets``) or a ``<provider>/<model>`` id (a table of
+prices only). The price of a stream is its *served* target's (the
+``provider/model`` that answered, after fallbacks), else its alias's own, else
+none (the cost is then unknown: ``cost_usd`` is None).
+
+The cost is computed from the usage the upstream reported, never guessed::
+
+    (prompt - cached) * input + cached * cached_input + completion * output
+
+per million tokens; ``completion`` includes reasoning tokens, as OpenAI counts
+them. ``cached_input_usd_per_mtok`` defaults to the input price. Tokens written
+to a provider's prompt cache (Anthropic's ``cache_creation_input_tokens``) are
+part of ``prompt`` and cost the input price here.
+
+A stream that ended without a final usage (it failed, was cancelled, or the
+upstream gave none) reports what it can, marked ``estimated``: the prompt and
+cached tokens of the last usage seen (an upstream that reports its input first,
+as Anthropic's ``message_start`` does), and as completion tokens the larger of
+that usage's and the number of output events seen (content, reasoning and tool
+call deltas: one token each, which is how streaming upstreams deliver them and
+how the mock provider counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .events import Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
+from .types import StreamMeta
+
+__all__ = [
+    "NOTHING",
+    "UNKNOWN",
+    "Price",
+    "PriceTable",
+    "Spend",
+    "Tally",
+    "cost_usd",
+    "spend_of",
+    "tally",
+    "terminal_ok",
+]
+
+PER_TOKENS = 1_000_000
+"""Prices are per this many tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spend:
+    """What one stream spent upstream.
+
+    ``cost_usd`` is None when no price applies. ``estimated``: the stream ended
+    without the upstream's final usage, and the figures are what the gateway
+    saw (see the module docstring). A cache hit spends nothing (all zero).
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reasoning_tokens: int
+    cost_usd: float | None
+    estimated: bool
+
+
+NOTHING = Spend(0, 0, 0, 0, 0.0, False)
+"""The spend of a request that called no upstream (a cache hit)."""
+
+UNKNOWN = Spend(0, 0, 0, 0, None, True)
+"""A spend nobody counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """USD per million tokens."""
+
+    input_usd_per_mtok: float
+    output_usd_per_mtok: float
+    cached_input_usd_per_mtok: float
+
+
+class PriceTable:
+    """Prices by model name (alias or ``provider/model``); see the module docstring."""
+
+    __slots__ = ("prices",)
+
+    def __init__(self, prices: Mapping[str, Price] | None = None) -> None:
+        self.prices: dict[str, Price] = dict(prices or {})
+
+    def __bool__(self) -> bool:
+        return bool(self.prices)
+
+    def price(self, served: str, asked: str) -> Price | None:
+        """The price for a stream served by ``served`` (``provider/model``) for ``asked``."""
+        found = self.prices.get(served)
+        return found if found is not None else self.prices.get(asked)
+
+    def spend(self, tallied: Tally, meta: StreamMeta, *, complete: bool) -> Spend:
+        """The spend of the stream ``meta`` names (served by ``meta.provider``)."""
+        served = f"{meta.provider}/{meta.upstream_model}"
+        return spend_of(tallied, self.price(served, meta.model), complete=complete)
+
+
+def cost_usd(price: Price, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> float:
+    """The cost of these tokens at ``price``. Cached tokens beyond the prompt count as
+    prompt tokens (an upstream that reports more cached than prompt is not trusted)."""
+    cached = min(max(cached_tokens, 0), max(prompt_tokens, 0))
+    uncached = max(prompt_tokens, 0) - cached
+    micro = (
+        uncached * price.input_usd_per_mtok
+        + cached * price.cached_input_usd_per_mtok
+        + max(completion_tokens, 0) * price.output_usd_per_mtok
+    )
+    return micro / PER_TOKENS
+
+
+@dataclass(slots=True)
+class Tally:
+    """What a stream's events say of its spend: its last usage, its output events."""
+
+    usage: Usage | None = None
+    produced: int = 0
+    """Content, reasoning and tool call deltas seen."""
+    ended: bool = False
+    """The stream ended normally (a :class:`Done`, not an :class:`Error`)."""
+
+    def add(self, event: StreamEvent) -> None:
+        cls = type(event)
+        if cls is Usage:
+            self.usage = event  # type: ignore[assignment]
+        elif cls is Delta:
+            if event.content or event.tool_calls or event.refusal:  # type: ignore[union-attr]
+                self.produced += 1
+        elif cls is Reasoning or cls is ToolCall:
+            self.produced += 1
+
+
+def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:
+    """A :class:`Tally` of ``events`` (a finished log, once at its end). A complete
+    stream's final usage is looked for from the end, and nothing is counted if found."""
+    if complete:
+        for event in reversed(events):
+            if type(event) is Usage:
+                return Tally(usage=event)
+    result = Tally()
+    add = result.add
+    for event in events:
+        add(event)
+    return result
+
+
+def spend_of(tallied: Tally, price: Price | None, *, complete: bool) -> Spend:
+    """The :class:`Spend` of a stream. ``complete``: it ended normally, so a usage seen
+    is the upstream's final count (exact); otherwise output seen after it is counted."""
+    usage = tallied.usage
+    if usage is not None:
+        prompt = usage.prompt_tokens
+        completion = usage.completion_tokens
+        cached = usage.cached_tokens or 0
+        reasoning = usage.reasoning_tokens or 0
+        estimated = False
+        if not complete and tallied.produced > completion:
+            completion, estimated = tallied.produced, True
+    else:
+        prompt = cached = reasoning = 0
+        completion = tallied.produced
+        estimated = True
+    cost = None if price is None else cost_usd(price, prompt, completion, cached)
+    return Spend(prompt, completion, cached, reasoning, cost, estimated)
+
+
+def terminal_ok(event: StreamEvent) -> bool:
+    """Whether a stream that ended with ``event`` completed (not failed, not aborted)."""
+    if type(event) is Error:
+        return False
+    return not (type(event) is Done and event.aborted)

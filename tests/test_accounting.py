@@ -1,0 +1,248 @@
+"""What each stream spent, as the end hooks get it, and who served it after fallbacks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import pytest
+
+from nexus import (
+    CallContext,
+    ChatRequest,
+    Completion,
+    Delta,
+    Engine,
+    Error,
+    Hooks,
+    Provider,
+    StreamEvent,
+    Usage,
+    accumulate,
+)
+from nexus.config import parse_config
+from nexus.errors import UpstreamError
+from nexus.pricing import Price, PriceTable, Spend, cost_usd
+from nexus.server.state import HUB
+from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk
+
+KEY_ENV = "NEXUS_TEST_ACCOUNTING_KEY"
+PRICE = Price(2.5, 10.0, 1.25)
+OTHER_PRICE = Price(1.0, 4.0, 0.5)
+
+
+@pytest.fixture(autouse=True)
+def key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, "sk-accounting-test")
+
+
+@pytest.fixture
+async def upstreams() -> AsyncIterator[tuple[FakeUpstream, FakeUpstream]]:
+    async with FakeUpstream() as first, FakeUpstream() as second:
+        yield first, second
+
+
+class SpendPlugin:
+    """Takes ``spend=``: records it with the hook's other arguments."""
+
+    def __init__(self) -> None:
+        self.ends: list[tuple[str, str, Any, Spend]] = []
+        self.done = asyncio.Event()
+
+    async def on_stream_completed(
+        self,
+        ctx: CallContext,
+        request_id: str,
+        model: str,
+        provider: str,
+        elapsed: float,
+        final: Completion,
+        *,
+        spend: Spend,
+    ) -> None:
+        self.ends.append(("completed", provider, final, spend))
+        self.done.set()
+
+    async def on_stream_failed(
+        self, ctx: CallContext, request_id: str, model: str, error: Error, **extra: Any
+    ) -> None:
+        self.ends.append(("failed", model, error, extra["spend"]))
+        self.done.set()
+
+
+class OldPlugin:
+    """Written before spends existed: must still be called, without them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def on_stream_completed(
+        self, ctx: CallContext, rid: str, model: str, provider: str, elapsed: float, final: Any
+    ) -> None:
+        self.calls.append("completed")
+
+    async def on_stream_failed(self, ctx: CallContext, rid: str, model: str, error: Error) -> None:
+        self.calls.append("failed")
+
+
+def hooks_of(*plugins: object) -> Hooks:
+    hooks = Hooks()
+    for plugin in plugins:
+        hooks.add(plugin)
+    return hooks
+
+
+def usage_chunk() -> bytes:
+    return openai_usage_chunk(
+        {
+            "prompt_tokens": 1200,
+            "completion_tokens": 300,
+            "total_tokens": 1500,
+            "prompt_tokens_details": {"cached_tokens": 1000},
+            "completion_tokens_details": {"reasoning_tokens": 120},
+        }
+    )
+
+
+def two_targets(first: FakeUpstream, second: FakeUpstream) -> dict[str, Any]:
+    def provider(fake: FakeUpstream) -> dict[str, Any]:
+        return {"kind": "openai", "base_url": fake.url + "/v1", "api_key_env": KEY_ENV}
+
+    return {
+        "providers": {"a": provider(first), "b": provider(second)},
+        "models": {
+            "smart": {
+                "targets": ["a/m1", "b/m2"],
+                "input_usd_per_mtok": 100.0,
+                "output_usd_per_mtok": 100.0,
+            },
+            "b/m2": {
+                "input_usd_per_mtok": 2.5,
+                "output_usd_per_mtok": 10.0,
+                "cached_input_usd_per_mtok": 1.25,
+            },
+        },
+        "streams": {"detach_timeout_s": 0.2},
+    }
+
+
+ANSWER = [
+    openai_chunk(content="Hi"),
+    openai_chunk(content=" there"),
+    openai_chunk(finish_reason="stop"),
+    usage_chunk(),
+    DONE,
+]
+UNAVAILABLE = Reply.json(503, {"error": {"message": "overloaded", "type": "server_error"}})
+
+
+async def test_python_api_fallback_names_the_target_that_answered(
+    upstreams: tuple[FakeUpstream, FakeUpstream],
+) -> None:
+    first, second = upstreams
+    first.add(UNAVAILABLE)
+    second.add(Reply.stream(ANSWER))
+    config = parse_config(two_targets(first, second))
+    engine = Engine.from_config(config)
+    plugin, old = SpendPlugin(), OldPlugin()
+    for p in (plugin, old):
+        engine.hooks.add(p)
+    async with engine:
+        stream = await engine.open_stream(
+            {"model": "smart", "messages": [{"role": "user", "content": "x"}]}
+        )
+        assert (stream.meta.provider, stream.meta.upstream_model) == ("a", "m1")  # not yet run
+        completion = await accumulate(stream)
+        assert (stream.meta.provider, stream.meta.upstream_model) == ("b", "m2")
+    assert completion.content == "Hi there"
+    assert len(first.requests) == len(second.requests) == 1
+    [(kind, provider, _, spend)] = plugin.ends
+    assert (kind, provider) == ("completed", "b")
+    # The served target's price (b/m2), not the alias's.
+    assert spend == Spend(1200, 300, 1000, 120, cost_usd(PRICE, 1200, 300, 1000), False)
+    assert spend.cost_usd == pytest.approx((200 * 2.5 + 1000 * 1.25 + 300 * 10.0) / 1e6)
+    assert old.calls == ["completed"]
+
+
+async def test_server_fallback_names_the_target_that_answered(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    first, second = upstreams
+    first.add(UNAVAILABLE)
+    second.add(Reply.stream(ANSWER))
+    client = await make_client(two_targets(first, second))
+    plugin = SpendPlugin()
+    hub = client.app[HUB]
+    hub.engine.hooks._frozen = False  # a test plugin, added after start-up
+    hub.engine.hooks.add(plugin)
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "smart", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert resp.status == 200
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    await resp.read()
+    await asyncio.wait_for(plugin.done.wait(), 5)
+    [(kind, provider, _, spend)] = plugin.ends
+    assert (kind, provider) == ("completed", "b")
+    assert spend.cost_usd == cost_usd(PRICE, 1200, 300, 1000)
+    info = await hub.info(stream_id)
+    assert info is not None
+    assert (info.meta.provider, info.meta.upstream_model) == ("b", "m2")
+
+
+class FailingProvider(Provider):
+    """Reports its input first, sends three deltas, then fails (an upstream cut)."""
+
+    kind = "failing"
+
+    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        yield Usage(prompt_tokens=40, completion_tokens=1, total_tokens=41, cached_tokens=8)
+        for word in ("one", "two", "three"):
+            yield Delta(content=word)
+        raise UpstreamError("connection reset", code="upstream_error")
+
+
+async def test_on_stream_failed_gets_the_billed_input_and_the_output_seen() -> None:
+    plugin, old = SpendPlugin(), OldPlugin()
+    engine = Engine(
+        [FailingProvider("f")], hooks=hooks_of(plugin, old), prices=PriceTable({"f/x": PRICE})
+    )
+    async with engine:
+        stream = await engine.open_stream(
+            {"model": "f/x", "messages": [{"role": "user", "content": "x"}]}
+        )
+        events = [event async for event in stream]
+    assert isinstance(events[-1], Error)
+    [(kind, model, error, spend)] = plugin.ends
+    assert (kind, model, error.code) == ("failed", "f/x", "upstream_error")
+    assert spend == Spend(40, 3, 8, 0, cost_usd(PRICE, 40, 3, 8), True)
+    assert old.calls == ["failed"]
+
+
+async def test_a_stream_cut_mid_way_reports_an_estimate_to_the_hooks(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    first, _ = upstreams
+    frames = [openai_chunk(content=w) for w in ("a", "b", "c", "d")]
+    first.add(Reply.stream(frames, end="abort"))
+    config = two_targets(first, first)
+    config["models"]["a/m1"] = {"input_usd_per_mtok": 2.5, "output_usd_per_mtok": 10.0}
+    client = await make_client(config)
+    plugin = SpendPlugin()
+    hub = client.app[HUB]
+    hub.engine.hooks._frozen = False
+    hub.engine.hooks.add(plugin)
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "a/m1", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    )
+    body = await resp.read()
+    assert b"event: error" in body
+    await asyncio.wait_for(plugin.done.wait(), 5)
+    [(kind, _, error, spend)] = plugin.ends
+    assert kind == "failed"
+    assert error.code != "stream_cancelled"
+    assert spend == Spend(0, 4, 0, 0, 4 * 10.0 / 1e6, True)

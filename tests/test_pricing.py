@@ -1,0 +1,218 @@
+"""nexus.pricing: prices from the config, cost from usage (exact), spends of failed streams."""
+
+from __future__ import annotations
+
+import pytest
+
+from nexus.config import parse_config, price_table
+from nexus.errors import ConfigError
+from nexus.events import Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
+from nexus.pricing import (
+    NOTHING,
+    Price,
+    PriceTable,
+    Spend,
+    Tally,
+    cost_usd,
+    spend_of,
+    tally,
+    terminal_ok,
+)
+from nexus.types import StreamMeta
+
+PRICE = Price(input_usd_per_mtok=2.5, output_usd_per_mtok=10.0, cached_input_usd_per_mtok=1.25)
+
+
+def test_cost_is_uncached_input_cached_input_and_output_per_million() -> None:
+    # 1000 prompt tokens of which 400 cached, 500 completion (reasoning included).
+    cost = cost_usd(PRICE, prompt_tokens=1000, completion_tokens=500, cached_tokens=400)
+    assert cost == (600 * 2.5 + 400 * 1.25 + 500 * 10.0) / 1_000_000
+    assert cost == pytest.approx(0.007, abs=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion", "cached", "micro_usd"),
+    [
+        (0, 0, 0, 0.0),
+        (1, 0, 0, 2.5),
+        (0, 1, 0, 10.0),
+        (1, 0, 1, 1.25),
+        (1_000_000, 1_000_000, 0, 12_500_000.0),
+        (10, 0, 50, 12.5),  # more cached than prompt: not trusted, priced as cached prompt
+        (-5, -5, -5, 0.0),  # nonsense from upstream costs nothing, never a refund
+    ],
+)
+def test_cost_exact_to_the_token(
+    prompt: int, completion: int, cached: int, micro_usd: float
+) -> None:
+    assert cost_usd(PRICE, prompt, completion, cached) * 1_000_000 == pytest.approx(micro_usd)
+
+
+def test_one_token_more_costs_exactly_one_token_more() -> None:
+    base = cost_usd(PRICE, 1234, 567, 89)
+    assert cost_usd(PRICE, 1235, 567, 89) - base == pytest.approx(2.5e-6, rel=1e-9)
+    assert cost_usd(PRICE, 1234, 568, 89) - base == pytest.approx(10e-6, rel=1e-9)
+    assert cost_usd(PRICE, 1234, 567, 90) - base == pytest.approx(-1.25e-6, rel=1e-9)
+
+
+def meta(model: str = "fast", provider: str = "up", upstream: str = "m") -> StreamMeta:
+    return StreamMeta(id="s1", model=model, created=0, provider=provider, upstream_model=upstream)
+
+
+def test_the_served_target_s_price_comes_before_the_alias_s() -> None:
+    own = Price(1.0, 2.0, 0.5)
+    alias = Price(3.0, 4.0, 3.0)
+    table = PriceTable({"up/m": own, "fast": alias})
+    assert table.price("up/m", "fast") is own
+    assert table.price("other/x", "fast") is alias
+    assert table.price("other/x", "slow") is None
+
+
+USAGE = Usage(
+    prompt_tokens=1000, completion_tokens=500, total_tokens=1500, cached_tokens=400,
+    reasoning_tokens=200,
+)  # fmt: skip
+
+
+def test_a_complete_stream_spends_its_final_usage_exactly() -> None:
+    events: list[StreamEvent] = [Delta(content="a"), Delta(content="b"), USAGE]
+    table = PriceTable({"up/m": PRICE})
+    spend = table.spend(tally(events, complete=True), meta(), complete=True)
+    assert spend == Spend(1000, 500, 400, 200, cost_usd(PRICE, 1000, 500, 400), False)
+
+
+def test_without_a_price_the_cost_is_unknown() -> None:
+    spend = PriceTable().spend(tally([USAGE], complete=True), meta(), complete=True)
+    assert spend.cost_usd is None
+    assert (spend.prompt_tokens, spend.estimated) == (1000, False)
+
+
+def test_a_failed_stream_without_usage_counts_its_output_events() -> None:
+    events: list[StreamEvent] = [
+        Delta(role="assistant"),  # no output
+        Delta(content="a"),
+        Reasoning(text="hm"),
+        ToolCall(index=0, id="c", name="f", arguments="{}"),
+        Delta(content=""),  # no output
+        Delta(content="b"),
+    ]
+    tallied = tally(events, complete=False)
+    assert tallied.produced == 4
+    spend = spend_of(tallied, PRICE, complete=False)
+    assert spend == Spend(0, 4, 0, 0, 4 * 10.0 / 1_000_000, True)
+
+
+def test_a_failed_stream_keeps_the_usage_billed_before_the_failure() -> None:
+    # The upstream reported its input (as Anthropic's message_start does), then failed.
+    early = Usage(prompt_tokens=300, completion_tokens=1, total_tokens=301, cached_tokens=100)
+    events: list[StreamEvent] = [early, Delta(content="a"), Delta(content="b"), Delta(content="c")]
+    spend = spend_of(tally(events, complete=False), PRICE, complete=False)
+    assert spend == Spend(300, 3, 100, 0, cost_usd(PRICE, 300, 3, 100), True)
+    # A usage that already counts all the output seen is the upstream's word: not estimated.
+    final = spend_of(tally([Delta(content="a"), USAGE], complete=False), PRICE, complete=False)
+    assert final == Spend(1000, 500, 400, 200, cost_usd(PRICE, 1000, 500, 400), False)
+
+
+def test_a_complete_stream_without_usage_is_estimated() -> None:
+    tallied = tally([Delta(content="a"), Delta(content="b")], complete=True)
+    assert spend_of(tallied, None, complete=True) == Spend(0, 2, 0, 0, None, True)
+
+
+def test_tally_adds_up_one_event_at_a_time() -> None:
+    tallied = Tally()
+    for event in (Delta(content="x"), USAGE, Delta(content="y")):
+        tallied.add(event)
+    assert (tallied.usage, tallied.produced) == (USAGE, 2)
+
+
+def test_terminal_ok() -> None:
+    assert terminal_ok(Done())
+    assert not terminal_ok(Done(aborted=True))
+    assert not terminal_ok(Error(error_type="server_error", message="x", code="upstream_error"))
+
+
+def test_nothing_spent() -> None:
+    assert Spend(0, 0, 0, 0, 0.0, False) == NOTHING
+
+
+# --- configuration -----------------------------------------------------------------------
+
+PROVIDERS = {"up": {"kind": "mock"}, "other": {"kind": "mock"}}
+
+
+def test_prices_of_aliases_and_provider_models() -> None:
+    config = parse_config(
+        {
+            "providers": PROVIDERS,
+            "models": {
+                "fast": {
+                    "targets": ["up/m", "other/n"],
+                    "input_usd_per_mtok": 3,
+                    "output_usd_per_mtok": 4.5,
+                },
+                "up/m": {
+                    "input_usd_per_mtok": 2.5,
+                    "output_usd_per_mtok": 10.0,
+                    "cached_input_usd_per_mtok": 1.25,
+                },
+            },
+        }
+    )
+    table = price_table(config)
+    assert table.prices == {"fast": Price(3.0, 4.5, 3.0), "up/m": PRICE}
+
+
+@pytest.mark.parametrize(
+    ("models", "message"),
+    [
+        (
+            {"up/m": {"targets": ["up/m"], "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 1.0}},
+            "[models.\"up/m\"] targets: a '<provider>/<model>' entry holds prices only; "
+            "an alias name has no '/'",
+        ),
+        (
+            {"nope/m": {"input_usd_per_mtok": 1.0, "output_usd_per_mtok": 1.0}},
+            "[models.\"nope/m\"]: a name with '/' must be '<provider>/<model>' with a provider "
+            "among ['other', 'up']",
+        ),
+        (
+            {"up/m": {}},
+            '[models."up/m"]: set input_usd_per_mtok and output_usd_per_mtok',
+        ),
+        (
+            {"fast": {"targets": ["up/m"], "input_usd_per_mtok": 1.0}},
+            '[models."fast"]: prices need both input_usd_per_mtok and output_usd_per_mtok',
+        ),
+        (
+            {"up/m": {"cached_input_usd_per_mtok": 1.0}},
+            '[models."up/m"]: prices need both input_usd_per_mtok and output_usd_per_mtok',
+        ),
+        (
+            {"up/m": {"input_usd_per_mtok": -1.0, "output_usd_per_mtok": 1.0}},
+            '[models."up/m"] input_usd_per_mtok: Input should be greater than or equal to 0',
+        ),
+        (
+            {"up/m": {"input_usd_per_mtok": "1", "output_usd_per_mtok": 1.0}},
+            '[models."up/m"] input_usd_per_mtok: Input should be a valid number',
+        ),
+        (
+            {"up/m": {"input_usd_per_mtok": float("inf"), "output_usd_per_mtok": 1.0}},
+            '[models."up/m"] input_usd_per_mtok: Input should be a finite number',
+        ),
+    ],
+)
+def test_price_config_errors_are_clear(models: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"providers": PROVIDERS, "models": models}, "config.toml")
+    assert str(caught.value) == f"config.toml: {message}"
+
+
+def test_a_price_entry_is_not_an_alias() -> None:
+    from nexus.engine import Engine
+
+    prices = {"input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}
+    config = parse_config({"providers": PROVIDERS, "models": {"up/m": prices}})
+    engine = Engine.from_config(config)
+    assert engine.aliases == {}
+    assert engine.prices.prices == {"up/m": Price(1.0, 2.0, 1.0)}
+    assert engine.hooks.prices is engine.prices

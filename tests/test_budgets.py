@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 import websockets
@@ -17,8 +18,11 @@ import websockets
 from nexus.auth import ApiKey, hash_key
 from nexus.budgets import budget_message, key_table, window
 from nexus.cache.limits import BudgetExceeded, BudgetPlugin, LocalLimits
+from nexus.events import Error
 from nexus.hooks import CallContext
+from nexus.pricing import Spend
 from nexus.server.state import HUB
+from nexus.types import Completion
 from redis_support import connect_or_skip, drop_keys, new_prefix
 from support import MakeClient
 
@@ -70,12 +74,8 @@ def test_key_table_pads_its_columns() -> None:
     assert header.index("spent_usd") == line.index("0.5")
 
 
-class Spend:
-    """What a stream's end hooks receive (``cost_usd``, estimated or not)."""
-
-    def __init__(self, cost_usd: float | None) -> None:
-        self.cost_usd = cost_usd
-        self.estimated = False
+def spend(cost_usd: float | None, estimated: bool = False) -> Spend:
+    return Spend(10, 5, 0, 0, cost_usd, estimated)
 
 
 async def test_spend_reaching_the_budget_refuses_the_next_request_until_the_window_ends(
@@ -87,10 +87,14 @@ async def test_spend_reaching_the_budget_refuses_the_next_request_until_the_wind
     key = ApiKey("alpha", budget_usd=1.0, budget_period="day")
     plugin = BudgetPlugin(limits, [key, ApiKey("beta")])
     ctx = CallContext(key="alpha")
-    await plugin.on_stream_completed(ctx, "id", "m", "p", 0.1, None, spend=Spend(0.6))
+    final = Completion(id="id", model="m", created=0)
+    failed = Error(error_type="server_error", message="gone", code="stream_cancelled")
+    await plugin.on_stream_completed(ctx, "id", "m", "p", 0.1, final, spend=spend(0.6))
     await limits.admit(key, stream=True)  # 0.6 of 1.0: still under
-    await plugin.on_stream_failed(ctx, "id", "m", None, spend=Spend(0.5))  # a failed one bills
-    await plugin.on_stream_completed(ctx, "id", "m", "p", 0.1, None, spend=Spend(None))
+    await plugin.on_stream_failed(
+        ctx, "id", "m", failed, spend=spend(0.5, True)
+    )  # a failed one bills
+    await plugin.on_stream_completed(ctx, "id", "m", "p", 0.1, final, spend=spend(None))
     assert await limits.spent(key) == pytest.approx(1.1)
     with pytest.raises(BudgetExceeded) as refused:
         await limits.admit(key, stream=True)
@@ -220,3 +224,103 @@ def test_nexus_keys_with_the_memory_store_says_where_the_spend_is(tmp_path: Path
     bad.write_text('[[auth.keys]]\nname = "a"\nsha256 = "00"\nbudget_period = "week"\n')
     done = subprocess.run([NEXUS, "keys", "--config", str(bad)], capture_output=True, text=True)
     assert done.returncode == 2 and "config error" in done.stderr
+
+
+async def test_two_replicas_share_a_keys_budget(tmp_path: Path) -> None:
+    """A charge on one replica refuses the next request on the other: the spend is in Redis."""
+    from nexus_process import start_nexus, stop_nexus
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f"""\
+[server]
+shutdown_grace_s = 0
+
+[store]
+kind = "redis"
+prefix = "{prefix}"
+
+[[auth.keys]]
+name = "alpha"
+sha256 = "{hash_key(KEY)}"
+budget_usd = 4
+budget_period = "total"
+
+[models."mock/echo"]
+input_usd_per_mtok = 0
+output_usd_per_mtok = 1000000   # a dollar a completion token
+
+[providers.mock]
+kind = "mock"
+"""
+    )
+    procs = []
+    try:
+        urls = []
+        for n in range(2):
+            proc, match = start_nexus(path, tmp_path / f"nexus{n}.log")
+            procs.append(proc)
+            urls.append(match.group(1))
+        three = {**CHAT, "mock": {"content": "one two three"}}  # $3 each
+        async with aiohttp.ClientSession(headers=BEARER) as http:
+            # A streaming request on the first: $3 of $4, charged before its end is read.
+            async with http.post(
+                urls[0] + "/v1/chat/completions", json={**three, "stream": True}
+            ) as resp:
+                assert resp.status == 200
+                assert b"[DONE]" in await resp.read()
+            # Under the budget still: the second runs (non-streaming), and passes it ($6).
+            async with http.post(urls[1] + "/v1/chat/completions", json=three) as resp:
+                assert resp.status == 200, await resp.text()
+            # Refused on both, before anything opens.
+            for url in urls:
+                async with http.post(url + "/v1/chat/completions", json=three) as resp:
+                    assert resp.status == 429
+                    error = (await resp.json())["error"]
+                    assert error["code"] == "budget_exceeded"
+                    assert "$6 of its total budget of $4" in error["message"]
+        done = subprocess.run(
+            [NEXUS, "keys", "--config", str(path)], capture_output=True, text=True, timeout=20
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[1].split() == [
+            "alpha", "*", "4", "total", "6.000000", "never"
+        ]  # fmt: skip
+    finally:
+        for proc in procs:
+            stop_nexus(proc, gently=False)
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
+async def test_every_way_in_is_charged_and_a_cache_hit_is_free(make_client: MakeClient) -> None:
+    prices = {"mock/echo": {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1_000_000}}
+    client = await make_client(keyed(100, "total", models=prices, cache={"enabled": True}))
+    limits = client.app[HUB].limits
+    alpha = ApiKey("alpha", budget_usd=100, budget_period="total")
+
+    async def chat(script: dict[str, Any], **extra: Any) -> aiohttp.ClientResponse:
+        body = {**CHAT, "mock": script, **extra}
+        resp = await client.post("/v1/chat/completions", json=body, headers=BEARER)
+        await resp.read()
+        return resp
+
+    three = {"content": "one two three"}  # $1 a completion token
+    assert (await chat(three)).status == 200
+    assert await limits.spent(alpha) == pytest.approx(3)
+    hit = await chat(three)
+    assert hit.headers["X-Nexus-Cache"] == "hit"
+    assert await limits.spent(alpha) == pytest.approx(3)  # a replay billed nothing
+    # A stream that fails after two chunks: its estimated spend.
+    assert (await chat({"content": "a b c d", "fail_after": 2}, stream=True)).status == 200
+    assert await limits.spent(alpha) == pytest.approx(5)
+    # A WebSocket turn.
+    url = str(client.make_url("/v1/realtime")).replace("http", "ws", 1)
+    async with websockets.connect(url, additional_headers=BEARER) as ws:
+        request = {**CHAT, "mock": {"content": "x y"}}
+        await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
+        while orjson.loads(await ws.recv())["type"] != "done":
+            pass
+    assert await limits.spent(alpha) == pytest.approx(7)

@@ -104,7 +104,7 @@ class AuthKeyConfig(_Table):
     """The SHA-256 of the key, hex (``nexus hash-key`` prints it); never the key itself."""
     models: list[str] | None = None
     """Model ids this key may call (``*`` wildcards: ``"mock/*"``); unset: every model."""
-    budget_usd: float | None = Field(default=None, ge=0)
+    budget_usd: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """What the key may spend per ``budget_period`` (the requests' ``cost_usd``, estimates
     included); past it, requests get ``429 budget_exceeded``. Unset: no budget."""
     budget_period: Literal["day", "month", "total"] = "month"

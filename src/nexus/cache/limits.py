@@ -24,12 +24,14 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
 
 from ..auth import ApiKey, RateLimiter
 from ..budgets import budget_message, window
 from ..errors import GatewayError, TooManyStreams
+from ..events import Error
 from ..hooks import CallContext
+from ..pricing import Spend
+from ..types import Completion
 
 __all__ = [
     "BudgetExceeded",
@@ -197,20 +199,26 @@ class BudgetPlugin:
         self.keys = {key.name: key for key in keys}
 
     async def on_stream_completed(
-        self, ctx: CallContext, *args: Any, spend: Any = None, **kwargs: Any
+        self,
+        ctx: CallContext,
+        request_id: str,
+        model: str,
+        provider: str,
+        elapsed: float,
+        final: Completion,
+        *,
+        spend: Spend,
     ) -> None:
         await self._charge(ctx, spend)
 
     async def on_stream_failed(
-        self, ctx: CallContext, *args: Any, spend: Any = None, **kwargs: Any
+        self, ctx: CallContext, request_id: str, model: str, error: Error, *, spend: Spend
     ) -> None:
         await self._charge(ctx, spend)
 
-    async def _charge(self, ctx: CallContext, spend: Any) -> None:
-        if ctx.key is None:
-            return
-        key = self.keys.get(ctx.key)
-        cost = getattr(spend, "cost_usd", None)
-        if key is None or not cost or cost <= 0:
-            return
-        await self.limits.charge(key, float(cost))
+    async def _charge(self, ctx: CallContext, spend: Spend) -> None:
+        """Add the stream's cost (estimated or not; none when it has no price)."""
+        key = None if ctx.key is None else self.keys.get(ctx.key)
+        cost = spend.cost_usd
+        if key is not None and cost is not None and cost > 0:
+            await self.limits.charge(key, cost)

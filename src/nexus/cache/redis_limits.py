@@ -179,6 +179,8 @@ class RedisLimits(KeyLimits):
         if stream and self.per_key is not None:
             slot = Slot(name, f"{self.store.replica_id}-{next(self._ids)}")
         budget = key.budget_usd if stream else None
+        if slot is None and budget is None and self.rate <= 0:
+            return None  # nothing to count: no round trip
         win_id = window(key.budget_period, time.time()).id if budget is not None else ""
         try:
             code, value = await self._admit(

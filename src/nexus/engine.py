@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -36,6 +36,9 @@ from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
 from .stream import Stream, accumulate
 from .types import Completion, StreamMeta
+
+if TYPE_CHECKING:
+    from .telemetry import Telemetry
 
 __all__ = ["Engine"]
 
@@ -84,6 +87,8 @@ class Engine:
         self.retry_ms = retry_ms
         self.hooks = hooks if hooks is not None else Hooks()
         self.middleware: tuple[Middleware, ...] = tuple(middleware)
+        self.telemetry: Telemetry | None = None
+        """A span per upstream attempt when set (:mod:`nexus.telemetry`; the app sets it)."""
         for alias, targets in self.aliases.items():
             for target in targets:
                 self._split(target, f"models.{alias}")
@@ -255,20 +260,36 @@ class Engine:
         self, targets: list[Target], request: ChatRequest
     ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
+        telemetry = self.telemetry
         for attempt, (provider, model) in enumerate(targets):
+            span = (
+                telemetry.attempt(provider.name, provider.kind, model, request, attempt)
+                if telemetry is not None
+                else None
+            )
             batches = provider.batches(request, model)
             started = False
+            # The last two reads: where a stream's finish reason and usage are (for the span).
+            before: list[StreamEvent] | None = None
+            latest: list[StreamEvent] | None = None
             try:
                 async for batch in batches:
                     if batch:
                         if not started:
                             started = True
+                            if span is not None:
+                                span.first_output()
                             # No other target will be tried: the request need not stay
                             # alive for the stream's length in this frame.
                             del request
+                        before, latest = latest, batch
                         yield batch
+                if span is not None:
+                    span.answered(before, latest)
                 return
             except GatewayError as exc:
+                if span is not None:
+                    span.failed(exc.code)
                 if started:
                     yield [exc.to_event()]
                     return
@@ -283,6 +304,8 @@ class Engine:
                 raise
             except Exception:
                 log.exception("provider %s raised", provider.name)
+                if span is not None:
+                    span.failed("internal_error")
                 if not started:
                     raise
                 yield [
@@ -295,7 +318,11 @@ class Engine:
                 ]
                 return
             finally:
-                await batches.aclose()
+                try:
+                    await batches.aclose()
+                finally:
+                    if span is not None:
+                        span.end()
 
 
 def _link(middleware: Middleware, ctx: CallContext, call_next: Next) -> Next:

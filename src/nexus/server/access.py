@@ -35,6 +35,7 @@ from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, RateLimiter, credential
 from ..errors import GatewayError
+from ..telemetry import Telemetry
 from .errors import Handler, error_response
 from .metrics import Metrics
 from .origins import loopback_host, origin_allowed
@@ -46,6 +47,7 @@ __all__ = [
     "KEYS",
     "LIMITER",
     "METRICS",
+    "TELEMETRY",
     "Exchange",
     "JsonFormatter",
     "access_middleware",
@@ -61,6 +63,9 @@ access_log = logging.getLogger("nexus.access")
 KEYS = web.AppKey("keys", KeyRing)
 LIMITER = web.AppKey("limiter", RateLimiter)
 METRICS = web.AppKey("metrics", Metrics)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
+"""Set when tracing is on (``[telemetry] otlp_endpoint``): a span per request."""
+_UNTRACED = ("/healthz", "/metrics")
 
 
 def _request_key() -> Any:
@@ -148,6 +153,19 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
                 }
             )
             return response
+    tracing = app.get(TELEMETRY)
+    span = (
+        tracing.request_span(
+            request.method,
+            None if ex.endpoint == "unmatched" else ex.endpoint,
+            request.path,
+            request.headers,
+            scheme=request.scheme,
+            request_id=request_id,
+        )
+        if tracing is not None and ex.endpoint not in _UNTRACED
+        else None
+    )
     status = 500
     try:
         response = await handler(request)
@@ -164,6 +182,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             status = 499  # the client left before any answer (nginx's convention)
         raise
     finally:
+        if span is not None:
+            span.close(status, ex.stream_id, ex.cancelled)
         _account(app, ex, status)
 
 

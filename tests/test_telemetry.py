@@ -8,12 +8,17 @@ The app runs in process with an in-memory exporter in place of the OTLP one
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
@@ -23,6 +28,7 @@ from nexus.encoders.registry import default_registry
 from nexus.errors import ConfigError
 from nexus.server.app import create_app
 from nexus.telemetry import Telemetry, traces_url
+from nexus_process import start_nexus, stop_nexus
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -74,7 +80,8 @@ async def finished(exporter: InMemorySpanExporter, count: int) -> list[ReadableS
 
 
 def body(model: str = "smart", **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "stream": True, **extra}
+    messages = [{"role": "user", "content": "Hi"}]
+    return {"model": model, "messages": messages, "stream": True, **extra}
 
 
 def traceparent_of(seen_headers: Any) -> tuple[str, str, str]:
@@ -277,3 +284,65 @@ def test_the_config_is_checked() -> None:
     assert traces_url("http://c:4318") == "http://c:4318/v1/traces"
     assert traces_url("http://c:4318/") == "http://c:4318/v1/traces"
     assert traces_url("https://c/otlp/v1/traces") == "https://c/otlp/v1/traces"
+
+
+async def test_nexus_serve_sends_its_spans_to_an_otlp_collector(tmp_path: Path) -> None:
+    """The real exporter: OTLP/HTTP protobuf to <otlp_endpoint>/v1/traces, flushed when
+    the server stops."""
+    received: list[bytes] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        assert request.content_type == "application/x-protobuf"
+        received.append(await request.read())
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    collector = web.Application()
+    collector.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(collector, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    config = tmp_path / "nexus.toml"
+    config.write_text(
+        "[telemetry]\n"
+        f'otlp_endpoint = "http://127.0.0.1:{port}"\n'
+        'service_name = "nexus-test"\n'
+        "[providers.mock]\n"
+        'kind = "mock"\n'
+    )
+    try:
+        proc, match = await asyncio.to_thread(start_nexus, config, tmp_path / "nexus.log")
+        try:
+            async with aiohttp.ClientSession() as session:
+                url = match.group(1) + "/v1/chat/completions"
+                async with session.post(url, json=body("mock/echo")) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+        finally:
+            # In a thread: the collector must go on answering while the server flushes.
+            await asyncio.to_thread(stop_nexus, proc)
+    finally:
+        await runner.cleanup()
+    assert received, (tmp_path / "nexus.log").read_text()
+    spans = []
+    for payload in received:
+        export = ExportTraceServiceRequest.FromString(payload)
+        for resource_spans in export.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}[
+                "service.name"
+            ]
+            assert service == "nexus-test"
+            spans += [s for scope in resource_spans.scope_spans for s in scope.spans]
+    assert sorted(s.name for s in spans) == ["POST /v1/chat/completions", "chat echo"]
+
+
+def test_the_gateway_imports_no_opentelemetry_until_tracing_is_on() -> None:
+    code = (
+        "import sys, nexus, nexus.server.app, nexus.providers.openai, nexus.telemetry; "
+        "from nexus.config import parse_config; from nexus.server.app import create_app; "
+        "create_app(parse_config({})); "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

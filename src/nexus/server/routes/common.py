@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, Protocol
 
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from ...auth import Unauthorized
 from ...cache.cursor import Cursor, parse_cursor
@@ -110,7 +110,7 @@ async def read_body(request: web.Request) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _read_some(content: web.StreamReader, stall_s: float) -> bytes:
+async def _read_some(content: StreamReader, stall_s: float) -> bytes:
     """What the body has next (b"" at its end), or :class:`RequestTimeout` when it takes
     no byte for ``stall_s`` ([server] body_timeout_s): a timer per read of a body, not
     per event. The 408 goes out with the connection closed (its body is unread: see

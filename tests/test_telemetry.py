@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from nexus import cli
 from nexus.config import parse_config
 from nexus.encoders.registry import default_registry
 from nexus.errors import ConfigError
@@ -276,6 +277,7 @@ def test_the_config_is_checked() -> None:
         ({"sample_ratio": 1.5}, "sample_ratio"),
         ({"sample_ratio": -0.1}, "sample_ratio"),
         ({"otlp_endpoint": "collector:4318"}, "otlp_endpoint"),
+        ({"otlp_endpoint": "https://user:secret@collector:4318"}, "OTEL_EXPORTER_OTLP_HEADERS"),
         ({"service_name": ""}, "service_name"),
         ({"endpoint": "http://x"}, "unknown key"),
     ]:
@@ -346,3 +348,17 @@ def test_the_gateway_imports_no_opentelemetry_until_tracing_is_on() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_nexus_serve_refuses_an_endpoint_without_the_extra_before_any_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "nexus.toml"
+    config.write_text(
+        '[telemetry]\notlp_endpoint = "http://127.0.0.1:4318"\n[server]\nworkers = 2\n'
+    )
+    for name in [m for m in sys.modules if m.startswith("opentelemetry")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    assert cli.main(["serve", "--config", str(config), "--port", "0"]) == 2
+    assert "pip install 'nexus-gateway[otel]'" in capsys.readouterr().err

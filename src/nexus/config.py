@@ -165,6 +165,16 @@ class TelemetryConfig(_Table):
     """The share of new traces recorded; a request that comes with a ``traceparent``
     follows its caller's decision (parent-based sampling)."""
 
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        if value is not None and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(
+                "no credentials in the URL (the exporter's log lines show it): give them in "
+                "the environment, OTEL_EXPORTER_OTLP_HEADERS"
+            )
+        return value
+
 
 class StreamsConfig(_Table):
     """Stream resources: how long they outlive their connections."""

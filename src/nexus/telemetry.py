@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import importlib
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,7 @@ __all__ = [
     "Attempt",
     "RequestSpan",
     "Telemetry",
+    "check_installed",
     "end_with",
     "request_model",
     "upstream_headers",
@@ -121,21 +123,12 @@ class Telemetry:
         """
         if config.otlp_endpoint is None and exporter is None:
             return None
-        try:
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        _require(_SDK if exporter is not None else (*_SDK, _EXPORTER))
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-            if exporter is None:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-        except ImportError as exc:
-            raise ConfigError(
-                "[telemetry] otlp_endpoint is set, but the OpenTelemetry packages are not "
-                f"installed ({exc.name or exc}): {INSTALL_HINT}, or unset otlp_endpoint"
-            ) from None
         provider = TracerProvider(
             resource=Resource.create({"service.name": config.service_name}),
             sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
@@ -143,6 +136,8 @@ class Telemetry:
         if exporter is None:
             assert config.otlp_endpoint is not None
             # A worker thread batches and sends: the event loop never waits on the collector.
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
             endpoint = traces_url(config.otlp_endpoint)
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         else:
@@ -345,6 +340,34 @@ def end_with(until: asyncio.Future[Any]) -> None:
     request = _REQUEST.get()
     if request is not None:
         request.until = until
+
+
+_SDK = (
+    "opentelemetry.trace",
+    "opentelemetry.trace.propagation.tracecontext",
+    "opentelemetry.sdk.resources",
+    "opentelemetry.sdk.trace",
+    "opentelemetry.sdk.trace.sampling",
+)
+_EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+
+
+def check_installed(config: TelemetryConfig) -> None:
+    """Raise :class:`~nexus.errors.ConfigError` if ``config`` turns tracing on and the
+    ``otel`` extra is not installed (``nexus serve`` asks before it starts any worker)."""
+    if config.otlp_endpoint is not None:
+        _require((*_SDK, _EXPORTER))
+
+
+def _require(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(
+                "[telemetry] otlp_endpoint is set, but the OpenTelemetry packages are not "
+                f"installed (no {exc.name or name}): {INSTALL_HINT}, or unset otlp_endpoint"
+            ) from None
 
 
 def traces_url(endpoint: str) -> str:

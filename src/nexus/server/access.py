@@ -7,7 +7,8 @@ pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
 403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
 WebSocket handshake is refused before it upgrades), answers CORS preflights for
 ``[cors] allow_origins``, and writes one access line per request (endpoint,
-format, provider, status, TTFB, duration, events, bytes) and its metrics. Routes
+format, provider, status, TTFB, duration, events, bytes) and its metrics; with
+tracing on, the request runs inside its span (:mod:`nexus.telemetry`). Routes
 call :func:`authenticate` and :func:`admit`; the pump fills in the request's
 :class:`Exchange` as it writes.
 

@@ -27,6 +27,7 @@ from .errors import ConfigError
 from .server import redaction
 from .server.access import JsonFormatter
 from .supervisor import Supervisor, cpu_count
+from .telemetry import check_installed
 
 log = logging.getLogger("nexus")
 
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             config = config.model_copy(update={"server": server.model_copy(update=updates)})
         _setup_logging(args.log_level.upper(), config.logging.format)
         _check_exposure(config, source)
+        check_installed(config.telemetry)  # once, before any worker starts
         return _serve(config, source)
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)

@@ -40,6 +40,7 @@ __all__ = [
     "ServerConfig",
     "StoreConfig",
     "StreamsConfig",
+    "TelemetryConfig",
     "load_config",
 ]
 
@@ -166,6 +167,29 @@ class LoggingConfig(_Table):
 class MetricsConfig(_Table):
     enabled: bool = True
     """Prometheus text format at ``GET /metrics``."""
+
+
+class TelemetryConfig(_Table):
+    """OpenTelemetry traces (:mod:`nexus.telemetry`; needs ``nexus-gateway[otel]``)."""
+
+    otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://\S+$", max_length=2048)
+    """The collector's OTLP/HTTP address (``http://127.0.0.1:4318``: spans go to its
+    ``/v1/traces``). Unset: no tracing at all."""
+    service_name: str = Field(default="nexus", min_length=1, max_length=256)
+    """The ``service.name`` of the spans' resource."""
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    """The share of new traces recorded; a request that comes with a ``traceparent``
+    follows its caller's decision (parent-based sampling)."""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        if value is not None and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(
+                "no credentials in the URL (the exporter's log lines show it): give them in "
+                "the environment, OTEL_EXPORTER_OTLP_HEADERS"
+            )
+        return value
 
 
 class StreamsConfig(_Table):
@@ -303,6 +327,7 @@ class Config(_Table):
     plugins: list[PluginConfig] = Field(default_factory=list)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     streams: StreamsConfig = Field(default_factory=StreamsConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     store: StoreConfig = Field(default_factory=MemoryStoreConfig)

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -38,6 +38,9 @@ from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
 from .stream import Stream, accumulate
 from .types import Completion, StreamMeta
+
+if TYPE_CHECKING:
+    from .telemetry import Telemetry
 
 __all__ = ["Engine"]
 
@@ -90,6 +93,8 @@ class Engine:
         self.prices = prices if prices is not None else PriceTable()
         """What each model costs (:mod:`nexus.pricing`); the hooks' spends use it."""
         self.hooks.prices = self.prices
+        self.telemetry: Telemetry | None = None
+        """A span per upstream attempt when set (:mod:`nexus.telemetry`; the app sets it)."""
         for alias, targets in self.aliases.items():
             for target in targets:
                 self._split(target, f"models.{alias}")
@@ -281,22 +286,38 @@ class Engine:
         served: Callable[[Provider, str], None] | None,
     ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
+        telemetry = self.telemetry
         for attempt, (provider, model) in enumerate(targets):
+            span = (
+                telemetry.attempt(provider.name, provider.kind, model, request, attempt)
+                if telemetry is not None
+                else None
+            )
             batches = provider.batches(request, model)
             started = False
+            # The last two reads: where a stream's finish reason and usage are (for the span).
+            before: list[StreamEvent] | None = None
+            latest: list[StreamEvent] | None = None
             try:
                 async for batch in batches:
                     if batch:
                         if not started:
                             started = True
+                            if span is not None:
+                                span.first_output()
                             # No other target will be tried: the request need not stay
                             # alive for the stream's length in this frame.
                             del request
                             if attempt and served is not None:
                                 served(provider, model)
+                        before, latest = latest, batch
                         yield batch
+                if span is not None:
+                    span.answered(before, latest)
                 return
             except GatewayError as exc:
+                if span is not None:
+                    span.failed(exc.code)
                 if started:
                     yield [exc.to_event()]
                     return
@@ -311,6 +332,8 @@ class Engine:
                 raise
             except Exception:
                 log.exception("provider %s raised", provider.name)
+                if span is not None:
+                    span.failed("internal_error")
                 if not started:
                     raise
                 yield [
@@ -323,7 +346,11 @@ class Engine:
                 ]
                 return
             finally:
-                await batches.aclose()
+                try:
+                    await batches.aclose()
+                finally:
+                    if span is not None:
+                        span.end()
 
 
 def _link(middleware: Middleware, ctx: CallContext, call_next: Next) -> Next:

@@ -7,7 +7,8 @@ pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
 403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
 WebSocket handshake is refused before it upgrades), answers CORS preflights for
 ``[cors] allow_origins``, and writes one access line per request (endpoint,
-format, provider, status, TTFB, duration, events, bytes) and its metrics. Routes
+format, provider, status, TTFB, duration, events, bytes) and its metrics; with
+tracing on, the request runs inside its span (:mod:`nexus.telemetry`). Routes
 call :func:`authenticate` and :func:`admit`; the pump fills in the request's
 :class:`Exchange` as it writes.
 
@@ -34,6 +35,7 @@ from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..errors import GatewayError
+from ..telemetry import Telemetry
 from .errors import Handler, error_response
 from .metrics import Metrics
 from .origins import loopback_host, origin_allowed
@@ -44,6 +46,7 @@ __all__ = [
     "EXCHANGE",
     "KEYS",
     "METRICS",
+    "TELEMETRY",
     "Exchange",
     "JsonFormatter",
     "access_middleware",
@@ -58,6 +61,9 @@ access_log = logging.getLogger("nexus.access")
 
 KEYS = web.AppKey("keys", KeyRing)
 METRICS = web.AppKey("metrics", Metrics)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
+"""Set when tracing is on (``[telemetry] otlp_endpoint``): a span per request."""
+_UNTRACED = ("/healthz", "/metrics")
 
 
 def _request_key() -> Any:
@@ -145,6 +151,19 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
                 }
             )
             return response
+    tracing = app.get(TELEMETRY)
+    span = (
+        tracing.request_span(
+            request.method,
+            None if ex.endpoint == "unmatched" else ex.endpoint,
+            request.path,
+            request.headers,
+            scheme=request.scheme,
+            request_id=request_id,
+        )
+        if tracing is not None and ex.endpoint not in _UNTRACED
+        else None
+    )
     status = 500
     try:
         response = await handler(request)
@@ -161,6 +180,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             status = 499  # the client left before any answer (nginx's convention)
         raise
     finally:
+        if span is not None:
+            span.close(status, ex.stream_id, ex.cancelled)
         _account(app, ex, status)
 
 

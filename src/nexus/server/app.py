@@ -25,8 +25,9 @@ from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from ..errors import ServerShuttingDown
 from ..events import Error
+from ..telemetry import Telemetry
 from ..tokens import StreamTokens, new_secret, secret_from_env
-from .access import KEYS, METRICS, access_middleware
+from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
@@ -45,6 +46,7 @@ def create_app(
     registry: EncoderRegistry | None = None,
     store: Store | None = None,
     config_source: str = "config.toml",
+    telemetry: Telemetry | None = None,
 ) -> web.Application:
     """Build the gateway app.
 
@@ -53,6 +55,9 @@ def create_app(
     added to the app's own copy (a :class:`~nexus.errors.ConfigError` if one
     cannot be imported). ``engine`` defaults to one built from ``config``, and
     ``store`` to the one ``[store]`` names (connected when the app starts).
+    ``telemetry`` (traces) defaults to what ``[telemetry]`` describes (none without an
+    ``otlp_endpoint``; a :class:`~nexus.errors.ConfigError` when it is set and the
+    ``otel`` extra is not installed); the app shuts it down when it stops.
     """
     config = config or Config()
     base = registry if registry is not None else default_registry
@@ -62,6 +67,9 @@ def create_app(
     formats = EncoderRegistry()
     engine = engine or Engine.from_config(config, source=config_source)
     store = store or build_store(config.store)
+    if telemetry is None:
+        telemetry = Telemetry.from_config(config.telemetry)
+    engine.telemetry = telemetry
     hub = StreamHub(
         engine,
         store,
@@ -88,6 +96,8 @@ def create_app(
         metrics.watch(hub, engine.hooks)
         engine.hooks.add(MetricsPlugin(metrics, _provider_of(engine)), name="metrics")
         app.router.add_get("/metrics", metrics_endpoint)
+    if telemetry is not None:
+        app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
     app[RUNTIME] = Runtime()
 
@@ -108,6 +118,9 @@ def create_app(
                 await limits.close()
         finally:
             await store.close()
+            if telemetry is not None:
+                # Flushes the spans still queued: in a thread, the collector may be slow.
+                await asyncio.to_thread(telemetry.shutdown)
 
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(_drain_streams)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from .auth import KeyRing, hash_key, is_loopback, new_key
 from .budgets import key_table, window
@@ -152,8 +151,10 @@ async def _keys(config: Config) -> int:
     store = config.store
     limits: KeyLimits | None = None
     client = None
+    errors: tuple[type[Exception], ...] = (OSError,)
     if isinstance(store, RedisStoreConfig):
         import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
 
         from .cache.redis import RedisStore, redact_url
         from .cache.redis_limits import RedisLimits
@@ -166,6 +167,7 @@ async def _keys(config: Config) -> int:
             lease_s=config.limits.stream_lease_s,
             fallback=LocalLimits(0.0, None),
         )
+        errors = (OSError, RedisError)
     now = time.time()
     rows = []
     try:
@@ -182,7 +184,7 @@ async def _keys(config: Config) -> int:
             if limits is not None:
                 row["spent_usd"] = f"{await limits.spent(key):.6f}"
             rows.append(row)
-    except (OSError, RedisError) as exc:
+    except errors as exc:
         assert isinstance(store, RedisStoreConfig)
         print(
             f"nexus: keys: Redis not reachable at {redact_url(store.url)}: {type(exc).__name__}",

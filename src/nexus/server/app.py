@@ -200,6 +200,8 @@ def build_limits(config: Config, store: Store, hub: StreamHub) -> KeyLimits:
     local = LocalLimits(
         limits.requests_per_second_per_key, limits.max_concurrent_streams_per_key, hub.running
     )
+    if not store.shared:
+        return local  # (and redis-py not imported: it pulls in more than it needs)
     from ..cache.redis import RedisStore
 
     if not isinstance(store, RedisStore):

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from ..auth import KeyRing, RateLimiter
+from ..auth import KeyRing
 from ..cache.hub import StreamHub
+from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
 from ..cache.store import Store
 from ..config import Config, MemoryStoreConfig, StoreConfig
@@ -26,7 +27,7 @@ from ..errors import ServerShuttingDown
 from ..events import Error
 from ..telemetry import Telemetry
 from ..tokens import StreamTokens, new_secret, secret_from_env
-from .access import KEYS, LIMITER, METRICS, TELEMETRY, access_middleware
+from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
@@ -85,8 +86,10 @@ def create_app(
     app[CONFIG] = config
     app[ENGINE] = engine
     app[HUB] = hub
-    app[KEYS] = KeyRing(config.auth.keys)
-    app[LIMITER] = RateLimiter(config.limits.requests_per_second_per_key)
+    app[KEYS] = keys = KeyRing(config.auth.keys)
+    hub.limits = limits = build_limits(config, store, hub)
+    if keys.enabled:
+        engine.hooks.add(BudgetPlugin(limits, keys.keys), name="budgets")
     app[TOKENS] = StreamTokens(_token_secret(config))
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()
@@ -105,12 +108,14 @@ def create_app(
         formats.freeze()
         await store.start()
         try:
+            await limits.start()
             await engine.start()
             try:
                 yield
                 await hub.shutdown(_shutdown_event())
             finally:
                 await engine.close()
+                await limits.close()
         finally:
             await store.close()
             if telemetry is not None:
@@ -186,6 +191,30 @@ def build_store(config: StoreConfig) -> Store:
     from ..cache.redis import RedisStore
 
     return RedisStore(config.url, prefix=config.prefix)
+
+
+def build_limits(config: Config, store: Store, hub: StreamHub) -> KeyLimits:
+    """The per-key limits: in Redis with a Redis store (shared by the replicas), else
+    in this process, beside the hub's count of each key's streams."""
+    limits = config.limits
+    local = LocalLimits(
+        limits.requests_per_second_per_key, limits.max_concurrent_streams_per_key, hub.running
+    )
+    if not store.shared:
+        return local  # (and redis-py not imported: it pulls in more than it needs)
+    from ..cache.redis import RedisStore
+
+    if not isinstance(store, RedisStore):
+        return local
+    from ..cache.redis_limits import RedisLimits
+
+    return RedisLimits(
+        store,
+        rate=limits.requests_per_second_per_key,
+        per_key=limits.max_concurrent_streams_per_key,
+        lease_s=limits.stream_lease_s,
+        fallback=local,
+    )
 
 
 def _shutdown_event() -> Error:

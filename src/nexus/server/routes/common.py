@@ -185,7 +185,7 @@ async def complete(
                 "event ('<stream id>.<step>'), not a count.",
                 param="last_event_id",
             )
-        admit(request, key, None)
+        await admit(request, key, None)
         info = await find_stream(request, cursor.stream_id)
         return await resume(request, info, encoder, cursor)
     chat = parse(body, max_depth=app[state.CONFIG].limits.max_json_depth)
@@ -204,7 +204,7 @@ async def complete(
         ex.format = "application/json"
         # Counted among the streams running like a streaming request: without the cache
         # (no run of its own) for as long as it runs; with it, as its run.
-        with admit_stream(request, key, chat.model):
+        async with admit_stream(request, key, chat.model):
             if not hub.cache.enabled:
                 return json_response(render(await app[state.ENGINE].complete(chat, ctx)))
             opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
@@ -217,7 +217,7 @@ async def complete(
             # request (the client gone, a failure), unless it is shared.
             await leave(reader, None if opened.joined else opened.run)
         return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
-    with admit_stream(request, key, chat.model):
+    async with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
         )

@@ -17,7 +17,9 @@ Hooks
     is in seconds; ``final`` is the merged :class:`~nexus.types.Completion`
     (what :func:`~nexus.stream.accumulate` returns: do not mutate it, other
     plugins get the same object). ``error`` is the :class:`~nexus.events.Error`
-    event the stream ended with (a client's abort is ``code="stream_cancelled"``).
+    event the stream ended with (a client's abort is ``code="stream_cancelled"``;
+    a stream that was not resumable, cancelled as its last client left, is
+    ``code="client_disconnect"``).
 
     ``on_stream_started`` runs before the stream is launched: raising
     :class:`StreamRejected` from it refuses the request with that error (an HTTP

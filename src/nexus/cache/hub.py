@@ -119,6 +119,7 @@ class StoreReader:
         self._batches: AsyncIterator[list[StreamEvent]] = hub.store.read(info.id, start)
         self._pending: list[StreamEvent] = []
         self._lease: asyncio.Task[None] | None = None
+        self._resumable = info.resumable
         if info.status == "in_progress" and hub.store.shared:
             self._lease = asyncio.get_running_loop().create_task(self._renew())
 
@@ -139,7 +140,10 @@ class StoreReader:
         return pending[:MAX_BATCH]
 
     async def _renew(self) -> None:
-        ttl = max(self._hub.streams.detach_timeout_s * 2, 2.0)
+        # A stream that is not resumable is cancelled once the last lease lapses: keep
+        # it short, so that the owner stops paying soon after this reader leaves.
+        detach = self._hub.streams.detach_timeout_s if self._resumable else 0.0
+        ttl = max(detach * 2, 2.0)
         while True:
             with contextlib.suppress(Exception):
                 await self._hub.store.lease(self._id, ttl)

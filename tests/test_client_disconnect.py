@@ -481,3 +481,28 @@ async def test_a_reader_on_another_replica_keeps_a_plain_stream_until_its_lease_
     got = await one.get(f"/v1/streams/{stream_id}?stream_format=ndjson")
     lines = [orjson.loads(line) for line in (await got.read()).splitlines()]
     assert lines[-2]["error"]["code"] == "client_disconnect"
+
+
+async def test_a_resumable_request_that_joins_a_plain_stream_makes_it_resumable(
+    make_client: MakeClient,
+) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(
+        {"cache": {"enabled": True}, "streams": {"detach_timeout_s": 0.3}}, providers=[gated]
+    )
+    request = support_chat(model="gated/m", stream=True)
+    plain = await client.post(f"{CHAT}?stream_format=ndjson", json=request)
+    assert plain.headers["X-Nexus-Resumable"] == "false"
+    await asyncio.wait_for(plain.content.readline(), 5)
+    joined = await client.post(
+        f"{CHAT}?stream_format=ndjson", json=request, headers={"X-Nexus-Resumable": "true"}
+    )
+    assert joined.headers["X-Nexus-Cache"] == "hit"
+    assert joined.headers["X-Nexus-Stream-Id"] == plain.headers["X-Nexus-Stream-Id"]
+    assert joined.headers["X-Nexus-Resumable"] == "true"
+    await asyncio.wait_for(joined.content.readline(), 5)
+    plain.close()
+    joined.close()
+    await asyncio.sleep(0.1)
+    assert not gated.closed.is_set()  # waits detach_timeout_s for the joiner to come back
+    await asyncio.wait_for(gated.closed.wait(), 2)

@@ -49,7 +49,9 @@ async def test_a_stream_started_on_one_replica_resumes_on_the_other(
     one = await make_client(config, providers=[gated])
     two = await make_client(config, providers=[GatedProvider()])
     resp = await one.post(
-        "/v1/chat/completions?stream_format=nexus", json=chat(model="gated/m", stream=True)
+        "/v1/chat/completions?stream_format=nexus",
+        json=chat(model="gated/m", stream=True),
+        headers={"X-Nexus-Resumable": "true"},
     )
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     seen = b""

@@ -42,6 +42,7 @@ async def background(client: Any, path: str = "/v1/chat/completions", **body: An
         "id": data["id"],
         "url": f"/v1/streams/{data['id']}?token={token}",
         "status": "in_progress",
+        "resumable": True,
         "read_token": token,
     }
     assert resp.headers["Location"] == f"/v1/streams/{data['id']}"  # no token in a header
@@ -200,8 +201,10 @@ async def test_a_dropped_live_stream_resumes_with_nothing_lost_or_repeated(
     gated = GatedProvider(before=3, after=3)
     client = await make_client(providers=[gated])
     resp = await client.post(
-        "/v1/chat/completions?stream_format=nexus", json=chat(model="gated/m", stream=True)
+        "/v1/chat/completions?stream_format=nexus",
+        json=chat(model="gated/m", stream=True, stream_options={"resumable": True}),
     )
+    assert resp.headers["X-Nexus-Resumable"] == "true"
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     seen = b""
     while seen.count(b"event: delta") < 2:
@@ -307,7 +310,9 @@ async def test_a_stream_with_no_client_is_cancelled_after_detach_timeout(
     gated = GatedProvider(before=1, after=1)
     client = await make_client({"streams": {"detach_timeout_s": 0.2}}, providers=[gated])
     resp = await client.post(
-        "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
+        "/v1/chat/completions?stream_format=ndjson",
+        json=chat(model="gated/m", stream=True),
+        headers={"X-Nexus-Resumable": "true"},
     )
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     await asyncio.wait_for(resp.content.readline(), 5)
@@ -326,7 +331,8 @@ async def test_a_client_that_comes_back_in_time_keeps_the_stream(make_client: Ma
     gated = GatedProvider(before=1, after=2)
     client = await make_client({"streams": {"detach_timeout_s": 0.3}}, providers=[gated])
     resp = await client.post(
-        "/v1/chat/completions?stream_format=ndjson", json=chat(model="gated/m", stream=True)
+        "/v1/chat/completions?stream_format=ndjson",
+        json=chat(model="gated/m", stream=True, stream_options={"resumable": True}),
     )
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     await asyncio.wait_for(resp.content.readline(), 5)
@@ -363,6 +369,7 @@ async def test_delete_cancels_a_running_stream(make_client: MakeClient) -> None:
         "id": stream_id,
         "url": f"/v1/streams/{stream_id}",
         "status": "cancelled",
+        "resumable": True,
     }
     assert gated.closed.is_set()
     assert not gated.gate.is_set()

@@ -254,7 +254,8 @@ async def test_with_redis_a_live_stream_resumes_mid_stream_on_the_other_worker(
         async with aiohttp.ClientSession() as first:
             maker = await worker_of(first, server.url)
             body = chat_body(text, mock={"delay_ms": 50})
-            async with first.post(server.url + CHAT, json=body) as resp:
+            resumable = {"X-Nexus-Resumable": "true"}  # it outlives the dropped connection
+            async with first.post(server.url + CHAT, json=body, headers=resumable) as resp:
                 assert resp.status == 200, await resp.text()
                 stream_id = resp.headers["X-Nexus-Stream-Id"]
                 head, last_id = b"", None

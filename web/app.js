@@ -6,7 +6,8 @@
 //           read token (?token=), as EventSource cannot send the key. EventSource
 //           reconnects by itself and sends Last-Event-ID; the server resumes after
 //           that event.
-//   ndjson  POST /v1/chat/completions?stream_format=ndjson read with fetch. If the
+//   ndjson  POST /v1/chat/completions?stream_format=ndjson (X-Nexus-Resumable: true, so
+//           that the server keeps the stream through a drop) read with fetch. If the
 //           connection drops before {"type":"done"}, resume with
 //           GET /v1/streams/<id>?stream_format=ndjson&last_event_id=<n>, n being the
 //           number of complete non-heartbeat lines read so far (with the key, as the POST).
@@ -252,10 +253,10 @@
     return key ? { ...extra, Authorization: `Bearer ${key}` } : { ...extra };
   }
 
-  async function postJSON(url, body, r) {
+  async function postJSON(url, body, r, extra = {}) {
     return fetch(url, {
       method: "POST",
-      headers: authHeaders({ "Content-Type": "application/json" }),
+      headers: authHeaders({ "Content-Type": "application/json", ...extra }),
       body: JSON.stringify(body),
       signal: r.controller.signal,
     });
@@ -348,7 +349,10 @@
 
   async function startNDJSON(r, body) {
     setStatus("connecting", "connecting…");
-    let resp = await postJSON("/v1/chat/completions?stream_format=ndjson", { ...body, stream: true }, r);
+    // Resumable: the server keeps the stream going through a drop, for the resume below.
+    let resp = await postJSON("/v1/chat/completions?stream_format=ndjson", { ...body, stream: true }, r, {
+      "X-Nexus-Resumable": "true",
+    });
     if (!resp.ok) throw new Error(await httpErrorMessage(resp));
     showStreamId(r, resp.headers.get("X-Nexus-Stream-Id"));
     let failures = 0;

@@ -196,7 +196,8 @@ class StreamsConfig(_Table):
     """Stream resources: how long they outlive their connections."""
 
     detach_timeout_s: float = Field(default=15.0, ge=0)
-    """With no client attached, the provider stream runs this long, then is cancelled."""
+    """With no client attached, a resumable stream (background, or asked for) runs this
+    long, then is cancelled; any other stream is cancelled as its last client leaves."""
     resume_ttl_s: float = Field(default=300.0, gt=0)
     """A finished stream stays replayable (``GET /v1/streams/{id}``) this long."""
     max_log_bytes: int = Field(default=32 * 1024 * 1024, gt=0)

@@ -18,8 +18,10 @@ Hooks
     is in seconds; ``final`` is the merged :class:`~nexus.types.Completion`
     (what :func:`~nexus.stream.accumulate` returns: do not mutate it, other
     plugins get the same object). ``error`` is the :class:`~nexus.events.Error`
-    event the stream ended with (a client's abort is ``code="stream_cancelled"``).
-    ``spend`` is the stream's :class:`~nexus.pricing.Spend`: its tokens and cost
+    event the stream ended with (a client's abort is ``code="stream_cancelled"``;
+    a stream that was not resumable, cancelled as its last client left, is
+    ``code="client_disconnect"``). ``spend`` is the stream's
+    :class:`~nexus.pricing.Spend`: its tokens and cost
     from the upstream's usage, or, for a stream that failed or was cancelled
     before its final usage, what was seen so far with ``estimated=True``; a cache
     hit spends nothing (zero). It is passed, as a keyword, only to methods that

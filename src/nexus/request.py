@@ -183,6 +183,11 @@ class ResponseFormat(StrictModel):
 class StreamOptions(OpenModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None
+    resumable: bool = Field(default=False, exclude=True)
+    """Nexus: the stream outlives its client for ``[streams] detach_timeout_s``, to be
+    resumed with ``Last-Event-ID`` (without it, a client that leaves cancels the
+    upstream at once). Excluded from every dump: never sent upstream, not in the
+    cache key."""
 
 
 # --- the mock provider's script --------------------------------------------
@@ -290,3 +295,8 @@ class ChatRequest(OpenModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the body asked for a resumable stream (``stream_options.resumable``)."""
+        return self.stream_options is not None and self.stream_options.resumable

@@ -62,6 +62,8 @@ __all__ = ["ANONYMOUS", "SHARED", "Opened", "StoreReader", "StreamHub", "cache_k
 log = logging.getLogger("nexus.streams")
 
 _NOT_IN_KEY = {"stream", "stream_options", "background"}
+_CANCELLED = ("stream_detached", "stream_cancelled", "client_disconnect")
+"""Error codes of a stream ended on purpose (its status is ``cancelled``, not ``failed``)."""
 
 ANONYMOUS = "anonymous"
 """Whose cache a request without an API key (auth off) uses."""
@@ -92,7 +94,7 @@ def cache_key(request: ChatRequest, owner: str | None = None, *, shared: bool = 
 
 def status_of(terminal: StreamEvent) -> Status:
     if type(terminal) is Error:
-        return "cancelled" if terminal.code in ("stream_detached", "stream_cancelled") else "failed"
+        return "cancelled" if terminal.code in _CANCELLED else "failed"
     if type(terminal) is Done and terminal.aborted:
         return "cancelled"
     return "completed"
@@ -127,6 +129,7 @@ class StoreReader:
         self._batches: AsyncIterator[list[StreamEvent]] = hub.store.read(info.id, start)
         self._pending: list[StreamEvent] = []
         self._lease: asyncio.Task[None] | None = None
+        self._resumable = info.resumable
         if info.status == "in_progress" and hub.store.shared:
             self._lease = asyncio.get_running_loop().create_task(self._renew())
 
@@ -147,7 +150,10 @@ class StoreReader:
         return pending[:MAX_BATCH]
 
     async def _renew(self) -> None:
-        ttl = max(self._hub.streams.detach_timeout_s * 2, 2.0)
+        # A stream that is not resumable is cancelled once the last lease lapses: keep
+        # it short, so that the owner stops paying soon after this reader leaves.
+        detach = self._hub.streams.detach_timeout_s if self._resumable else 0.0
+        ttl = max(detach * 2, 2.0)
         while True:
             with contextlib.suppress(Exception):
                 await self._hub.store.lease(self._id, ttl)
@@ -246,9 +252,15 @@ class StreamHub:
         format: str,
         owner: str | None = None,
         background: bool = False,
+        resumable: bool = False,
         ctx: CallContext | None = None,
     ) -> Opened:
         """A stream for ``request``: replayed, joined or new (see the module docstring).
+
+        ``resumable``: it outlives its clients for ``[streams] detach_timeout_s``
+        (a ``background`` stream always does); otherwise the last reader to leave
+        cancels it (:mod:`nexus.cache.run`). A resumable request that joins a stream
+        of this replica's makes that stream resumable.
 
         ``ctx`` is what the middleware and the hooks see of the call (by default
         one with ``key=owner`` and ``format``). Raises what
@@ -260,7 +272,7 @@ class StreamHub:
             ctx = CallContext(key=owner, format=format)
         if not self.cache.enabled:
             stream = await self._open(request, ctx)
-            info, run = await self._launch(stream, format, owner, background, ctx)
+            info, run = await self._launch(stream, format, owner, background, resumable, ctx)
             return Opened(info, run)
         key = cache_key(request, owner, shared=self.cache.share_across_keys)
         recording = await self.store.get_recording(key)
@@ -275,10 +287,12 @@ class StreamHub:
             )
             source = Stream.of_batches(self._replay(recording), meta)
             await self._started(source, ctx)
-            info, run = await self._launch(source, format, owner, background, ctx, replayed=True)
+            info, run = await self._launch(
+                source, format, owner, background, resumable, ctx, replayed=True
+            )
             return Opened(info, run, "hit")
         stream = await self._open(request, ctx)
-        info = self._info(stream, format, owner)
+        info = self._info(stream, format, owner, background or resumable)
         if self.store.shared:
             # Visible to every replica before anyone can be told its id (a 202, a claim).
             await self.store.begin(info, self.streams.resume_ttl_s)
@@ -293,7 +307,10 @@ class StreamHub:
                 await stream.close()
                 if self.store.shared:
                     await self.store.end(replace(info, status="cancelled"), [], 0, 1.0)
-                return Opened(joined, self.live.get(holder), "hit", joined=True)
+                local = self.live.get(holder)
+                if local is not None and resumable:
+                    local.info.resumable = True  # this client may leave and come back
+                return Opened(joined, local, "hit", joined=True)
             await self.store.release(key, holder)  # its stream is over, or its replica died
         run = self._start(info, stream, background, ctx)  # contended: stream, but do not record
         return Opened(info, run, "miss")
@@ -317,14 +334,14 @@ class StreamHub:
     async def _joinable(self, stream_id: str) -> StreamInfo | None:
         run = self.live.get(stream_id)
         if run is not None:
-            return run.info if not run.finished else None
+            return run.info if not run.ending else None
         info = await self.store.info(stream_id)
         if info is None or info.status != "in_progress":
             return None
         return info if await self.store.alive(stream_id) else None
 
-    def _info(self, source: Stream, format: str, owner: str | None) -> StreamInfo:
-        return StreamInfo(meta=source.meta, format=format, owner=owner)
+    def _info(self, source: Stream, format: str, owner: str | None, resumable: bool) -> StreamInfo:
+        return StreamInfo(meta=source.meta, format=format, owner=owner, resumable=resumable)
 
     async def _launch(
         self,
@@ -332,11 +349,12 @@ class StreamHub:
         format: str,
         owner: str | None,
         background: bool,
+        resumable: bool,
         ctx: CallContext,
         *,
         replayed: bool = False,
     ) -> tuple[StreamInfo, StreamRun]:
-        info = self._info(source, format, owner)
+        info = self._info(source, format, owner, background or resumable)
         if self.store.shared:
             await self.store.begin(info, self.streams.resume_ttl_s)
         return info, self._start(info, source, background, ctx, replayed=replayed)
@@ -558,6 +576,16 @@ async def leave(reader: LogReader, run: StreamRun | None) -> None:
     ends early (an abort, the client gone, a failure), end the stream with it, unless it
     is shared (``run`` None: joined; or joined by others who still read it).
     Idempotent."""
+    # Cancelled before the close, which would otherwise end a stream that is not
+    # resumable as ``client_disconnect``: this end is an abort.
+    if (
+        run is not None
+        and not run.finished
+        and run.attached == 1
+        and isinstance(reader, RunReader)
+        and reader.attached
+    ):
+        run.cancel(Done(aborted=True))
     await reader.close()
     if run is not None and not run.finished and not run.attached:
         run.cancel(Done(aborted=True))
@@ -570,11 +598,17 @@ def describe(info: StreamInfo, read_token: str | None = None) -> dict[str, Any]:
     it as ``?token=``: a URL a browser's ``EventSource`` can read without headers.
     """
     if read_token is None:
-        return {"id": info.id, "url": f"/v1/streams/{info.id}", "status": info.status}
+        return {
+            "id": info.id,
+            "url": f"/v1/streams/{info.id}",
+            "status": info.status,
+            "resumable": info.resumable,
+        }
     return {
         "id": info.id,
         "url": f"/v1/streams/{info.id}?token={read_token}",
         "status": info.status,
+        "resumable": info.resumable,
         "read_token": read_token,
     }
 

@@ -7,12 +7,17 @@ Readers (:class:`RunReader`) follow the log from any index and get whatever
 arrived since their last read as one batch, so a burst from upstream becomes
 one write downstream.
 
-Connections come and go; the run does not follow them. When the last reader
-detaches, a timer of ``detach_timeout_s`` starts; if no reader comes back (and
-no other replica holds a lease on the stream) the source is cancelled and the
-log ends with ``stream_detached``. :meth:`StreamRun.cancel` ends it at once with
-the terminal entry given (an abort, shutdown). A log that grows past
-``max_log_bytes`` ends with ``stream_too_large``.
+Readers come and go. When the last one detaches, what happens depends on whether
+the stream is *resumable* (``info.resumable``: a background request, or one that
+asked for it). A resumable stream runs on: a timer of ``detach_timeout_s``
+starts; if no reader comes back (and no other replica holds a lease on the
+stream) the source is cancelled and the log ends with ``stream_detached``. Any
+other stream is cancelled at once (nobody will come back for it: the upstream
+is not paid to generate for nobody), its log ending with ``client_disconnect``;
+with a shared store, a lease held by another replica's reader keeps it running,
+checked every ``LEASE_POLL_S`` until the lease lapses. :meth:`StreamRun.cancel`
+ends it at once with the terminal entry given (an abort, shutdown). A log that
+grows past ``max_log_bytes`` ends with ``stream_too_large``.
 
 With an ``observer`` (:mod:`nexus.hooks`), the producer calls the plugins' chunk
 hooks after each entry reaches the log, and their completed or failed hooks with
@@ -38,9 +43,13 @@ from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
-__all__ = ["LogReader", "RunReader", "StreamRun"]
+__all__ = ["LEASE_POLL_S", "LogReader", "RunReader", "StreamRun"]
 
 log = logging.getLogger("nexus.streams")
+
+LEASE_POLL_S = 1.0
+"""How often a stream that is not resumable, left by its last local reader, checks
+whether another replica's reader still holds a lease on it (leases last at least 2 s)."""
 
 
 class LogReader(Protocol):
@@ -153,7 +162,8 @@ class StreamRun:
         return self.events[-1] if self.finished else None
 
     def start(self, *, detached: bool = False) -> None:
-        """Start producing. ``detached``: nobody reads yet (a background request)."""
+        """Start producing. ``detached``: nobody reads yet (a background request, which
+        is resumable: the detach timer starts)."""
         self._task = self._loop.create_task(self._produce(), name=f"nexus-stream-{self.id}")
         limit = self._max_duration_s
         if limit is not None:
@@ -358,14 +368,23 @@ class StreamRun:
     def _detach(self) -> None:
         self.attached -= 1
         if self.attached == 0 and not self.finished:
-            self._arm()
+            if self.info.resumable:
+                self._arm()
+            else:
+                self._expire()  # nobody will come back for it: now, not after a timer
+
+    @property
+    def ending(self) -> bool:
+        """Finished, or being cancelled: no new request should join it."""
+        return self.finished or self._cancel_with is not None
 
     def _arm(self) -> None:
         self._disarm()
-        if self._detach_timeout_s <= 0:
+        wait = self._detach_timeout_s if self.info.resumable else LEASE_POLL_S
+        if wait <= 0:
             self._expire()
         else:
-            self._timer = self._loop.call_later(self._detach_timeout_s, self._expire)
+            self._timer = self._loop.call_later(wait, self._expire)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -377,7 +396,7 @@ class StreamRun:
         if self.attached or self.finished:
             return
         if self._leased is None:
-            self._cancel_detached()
+            self._abandon()
         else:
             self._lease_check = self._loop.create_task(self._check_lease())
 
@@ -393,16 +412,27 @@ class StreamRun:
         if leased:
             self._arm()
         else:
-            self._cancel_detached()
+            self._abandon()
 
-    def _cancel_detached(self) -> None:
-        self.cancel(
-            _error(
-                "stream_detached",
-                f"No client was attached for {self._detach_timeout_s:g}s "
-                "([streams] detach_timeout_s); the stream was cancelled.",
+    def _abandon(self) -> None:
+        """Nobody reads it any more: cancel it, saying why."""
+        if self.info.resumable:
+            self.cancel(
+                _error(
+                    "stream_detached",
+                    f"No client was attached for {self._detach_timeout_s:g}s "
+                    "([streams] detach_timeout_s); the stream was cancelled.",
+                )
             )
-        )
+        else:
+            self.cancel(
+                _error(
+                    "client_disconnect",
+                    "Every client of this stream went away and it was not resumable "
+                    '(ask with "background": true, "stream_options": {"resumable": true} '
+                    "or the header X-Nexus-Resumable: true); the stream was cancelled.",
+                )
+            )
 
 
 MAX_BATCH = 256
@@ -427,6 +457,11 @@ class RunReader:
     @property
     def failure(self) -> GatewayError | None:
         return self._run.failure
+
+    @property
+    def attached(self) -> bool:
+        """Not closed yet: it counts among its run's readers."""
+        return not self._closed
 
     def __aiter__(self) -> RunReader:
         return self

@@ -46,6 +46,9 @@ class StreamInfo:
     owner: str | None = None
     status: Status = "in_progress"
     created_at: float = field(default_factory=time.time)
+    resumable: bool = False
+    """It outlives its clients for ``[streams] detach_timeout_s`` (``background``, or
+    asked for); otherwise the last client to leave cancels it at once."""
 
     @property
     def id(self) -> str:
@@ -62,6 +65,7 @@ class StreamInfo:
             owner=data.get("owner"),
             status=data["status"],
             created_at=data["created_at"],
+            resumable=data.get("resumable", False),
         )
 
 

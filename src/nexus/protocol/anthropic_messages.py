@@ -16,7 +16,7 @@ import orjson
 from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import GatewayError, InvalidRequest
-from ..request import ChatRequest, MockScript, OpenModel, StrictModel
+from ..request import ChatRequest, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
 from .json_depth import MAX_JSON_DEPTH
 from .openai_chat import parse_json_object, validation_error
@@ -121,6 +121,9 @@ class MessagesRequest(OpenModel):
     metadata: Metadata | None = None
     stream: bool = False
     background: bool = False
+    stream_options: StreamOptions | None = None
+    """Nexus: ``{"resumable": true}`` asks for a resumable stream (as on
+    ``/v1/chat/completions``); its other options are not read here."""
     mock: MockScript | None = None
 
 
@@ -152,8 +155,13 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
         "stream": request.stream,
         "background": request.background,
     }
+    options: dict[str, bool] = {}
     if request.stream:
-        chat["stream_options"] = {"include_usage": True}
+        options["include_usage"] = True
+    if request.stream_options is not None and request.stream_options.resumable:
+        options["resumable"] = True
+    if options:
+        chat["stream_options"] = options
     for key in ("temperature", "top_p", "top_k", "thinking"):
         value = getattr(request, key)
         if value is not None:

@@ -25,7 +25,14 @@ from typing import Annotated, Any, Literal, NoReturn
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 
 from ..errors import InvalidRequest
-from ..request import ChatRequest, FunctionDef, MockScript, OpenModel, StrictModel
+from ..request import (
+    ChatRequest,
+    FunctionDef,
+    MockScript,
+    OpenModel,
+    StreamOptions,
+    StrictModel,
+)
 from .json_depth import MAX_JSON_DEPTH
 from .openai_chat import field_path, parse_json_object, validation_error
 from .openai_responses_output import response_body
@@ -188,6 +195,8 @@ class ResponsesRequest(OpenModel):
     top_p: float | None = Field(default=None, ge=0, le=1)
     stream: bool = False
     background: bool = False
+    stream_options: StreamOptions | None = None
+    """Of OpenAI's options only Nexus's ``resumable`` is read (see ``ChatRequest``)."""
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -285,6 +294,8 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
         "stream": request.stream,
         "background": request.background,
     }
+    if request.stream_options is not None and request.stream_options.resumable:
+        chat["stream_options"] = {"resumable": True}
     if request.tools:
         chat["tools"] = [
             {

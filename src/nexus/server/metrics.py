@@ -62,6 +62,11 @@ CANCEL_CAUSES = {
 }
 """Error codes that end a stream on purpose, and the cancellation cause each counts as."""
 
+LEFT_BY_CLIENTS = "client_disconnect"
+"""The code of a stream cancelled because its last client left (it was not resumable):
+counted once, as ``cause="client_disconnect"``, by the response that left
+(:mod:`nexus.server.access`), not again here; nor is it an upstream error."""
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DURATION = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
@@ -202,6 +207,8 @@ class MetricsPlugin:
         self, ctx: CallContext, request_id: str, model: str, error: Error
     ) -> None:
         code = error.code or error.error_type
+        if code == LEFT_BY_CLIENTS:
+            return
         cause = CANCEL_CAUSES.get(code)
         if cause is not None:
             self.metrics.cancellations.labels(cause).inc()

@@ -14,9 +14,10 @@ The race between producer, heartbeat, disconnect and shutdown:
   the interval passes first, the headers go out with a heartbeat: from then
   on failures travel in the stream.
 * **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`)
-  reads the provider; this pump only follows the log, so a client that
-  leaves does not stop the stream at once: it runs on for
-  ``[streams] detach_timeout_s`` for the client to come back.
+  reads the provider; this pump only follows the log. When its client leaves,
+  the pump's reader detaches: the last reader of a stream that is not
+  resumable cancels it at once (the upstream connection closes); a resumable
+  one runs on for ``[streams] detach_timeout_s`` for the client to come back.
 * **Watchdog.** One task for all responses (:mod:`~nexus.server.watchdog`)
   checks their timers: after ``heartbeat_interval_s`` without a write a
   heartbeat is written, and a write that has not finished after

@@ -11,6 +11,13 @@ read token issued for it (:mod:`nexus.tokens`): no key, a bad one or a bad
 token is a 401; another key's stream is the same 404, after the same lookup,
 as a stream that does not exist, so an id's existence is not told to a key it
 does not belong to. Without keys, a stream is read by its id alone.
+
+A stream is *resumable* when the request asked (``"background": true``,
+``"stream_options": {"resumable": true}`` in any endpoint's body, or the header
+``X-Nexus-Resumable: true``): it then outlives its client for
+``[streams] detach_timeout_s``. Any other stream is cancelled as soon as its last
+client leaves (:mod:`nexus.cache.run`). Streaming responses and a stream's GET say
+which it is in ``X-Nexus-Resumable: true|false``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
 from ...errors import (
     InvalidLastEventId,
+    InvalidRequest,
     RequestTimeout,
     ServerShuttingDown,
     StreamError,
@@ -50,6 +58,7 @@ from ..access import KEYS, METRICS, admit, admit_stream, authenticate, exchange
 from ..streaming import pump
 
 __all__ = [
+    "RESUMABLE_HEADER",
     "complete",
     "find_stream",
     "json_response",
@@ -58,6 +67,9 @@ __all__ = [
     "resume",
     "stream_not_found",
 ]
+
+RESUMABLE_HEADER = "X-Nexus-Resumable"
+"""Asks for a resumable stream (``true``); says on a streaming response whether it is."""
 
 ATTACH_WAIT_S = 0.05
 """An attach sends its headers with the log so far, or after this long with nothing."""
@@ -154,6 +166,23 @@ def last_event_id(request: web.Request) -> Cursor | None:
     return parse_cursor(value)
 
 
+def resumable_header(value: str | None) -> bool:
+    """What ``X-Nexus-Resumable`` asks: ``true`` or ``false`` in any case (absent:
+    false). Raises :class:`InvalidRequest` for anything else."""
+    if value is None:
+        return False
+    match value.strip().lower():
+        case "true":
+            return True
+        case "false":
+            return False
+    raise InvalidRequest(f"{RESUMABLE_HEADER}: must be 'true' or 'false'.", param=RESUMABLE_HEADER)
+
+
+def _resumable(yes: bool) -> dict[str, str]:
+    return {RESUMABLE_HEADER: "true" if yes else "false"}
+
+
 def _check_open(request: web.Request) -> None:
     if request.app[state.RUNTIME].shutting_down:
         raise ServerShuttingDown("The server is shutting down; retry the request.")
@@ -176,6 +205,7 @@ async def complete(
     app = request.app
     key = authenticate(request)
     encoder = negotiate(request, default_format)
+    asked = resumable_header(request.headers.get(RESUMABLE_HEADER))
     body = await read_body(request)
     cursor = last_event_id(request)
     if cursor is not None:
@@ -219,10 +249,16 @@ async def complete(
         return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
     async with admit_stream(request, key, chat.model):
         opened = await hub.open(
-            chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
+            chat,
+            format=default_format,
+            background=chat.background,
+            resumable=chat.resumable or asked,
+            owner=owner,
+            ctx=ctx,
         )
     _count_cache(request, opened.cache)
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
+    headers.update(_resumable(opened.info.resumable))
     if chat.background:
         if opened.run is not None:
             end_with(opened.run.done)  # the request's span covers its run, not just the 202
@@ -259,7 +295,13 @@ async def resume(
         if metrics is not None:
             metrics.resumes.inc()
     return await _pump(
-        request, reader, encoder, cursor, {}, first_wait_s=ATTACH_WAIT_S, origin=False
+        request,
+        reader,
+        encoder,
+        cursor,
+        _resumable(info.resumable),
+        first_wait_s=ATTACH_WAIT_S,
+        origin=False,
     )
 
 

@@ -3,7 +3,9 @@
 ``GET`` attaches in any negotiated format (default: the format of the endpoint
 that made the stream): the log so far, then live. ``Last-Event-ID`` (or
 ``?last_event_id=``) starts right after that event; past the end the answer is
-``204``, which tells an ``EventSource`` to stop. ``DELETE`` cancels a stream
+``204``, which tells an ``EventSource`` to stop. The answer's
+``X-Nexus-Resumable`` says whether the stream waits for a reader that leaves
+(``true``) or ends with the last one (``false``). ``DELETE`` cancels a stream
 running in this process and answers with its status.
 
 With keys configured, both need the key that made the stream; a ``GET`` may
@@ -51,7 +53,8 @@ async def cancel(request: web.Request) -> web.StreamResponse:
     if info.status == "in_progress":
         raise GatewayError(
             f"Stream {stream_id!r} runs on another replica; cancel it there, or detach "
-            "and let [streams] detach_timeout_s end it.",
+            "and let it end (at once when it is not resumable, else after "
+            "[streams] detach_timeout_s).",
             code="stream_not_local",
             status=409,
         )

@@ -55,6 +55,9 @@ class NativeSSEEncoder(Encoder):
 
     frame_encode = encode  # what content_frame stands for
 
+    def error(self, event: Error) -> bytes:
+        return _HEADS[Error] + _dumps(event.to_dict(self.request_id)) + b"\n\n"
+
     def heartbeat(self) -> bytes:
         # A comment line; no blank line, which would dispatch an empty event in
         # decoders that keep the last id pending (the openai SDK's, §1).

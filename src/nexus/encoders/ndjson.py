@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from ..events import StreamEvent, plain_content
+from ..events import Error, StreamEvent, plain_content
 from .base import Encoder
 
 __all__ = ["NDJSONEncoder"]
@@ -27,6 +27,9 @@ class NDJSONEncoder(Encoder):
         return _dumps(event.to_dict(), option=_NEWLINE)
 
     frame_encode = encode  # what content_frame stands for
+
+    def error(self, event: Error) -> bytes:
+        return _dumps(event.to_dict(self.request_id), option=_NEWLINE)
 
     def heartbeat(self) -> bytes:
         return b'{"type":"heartbeat"}\n'

@@ -1,7 +1,8 @@
 """Native SSE with named events: ``event: <type>`` plus the NDJSON object as data.
 
 For ``EventSource`` listeners and other clients that route on the event name
-without parsing the payload. Ends with ``event: done``.
+without parsing the payload. Ends with ``event: done``. The error event carries the
+response's request id as ``error.request_id``.
 """
 
 from __future__ import annotations

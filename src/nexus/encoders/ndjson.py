@@ -1,4 +1,9 @@
-"""NDJSON: one event object per line; the stream ends with ``{"type":"done"}``."""
+"""NDJSON: one event object per line; the stream ends with ``{"type":"done"}``.
+
+One line per log entry (a resume counts lines): an early partial usage is a line
+too, marked ``"partial": true``. The error line carries the response's request id
+as ``error.request_id``.
+"""
 
 from __future__ import annotations
 

@@ -235,17 +235,17 @@ class StreamTranslator:
             try:
                 out += self.feed(kind, data)
             except GatewayError as exc:
-                return self._with_early(out), exc
+                return (out if self._output_started else self._with_early(out)), exc
             if self.finished:
                 break
-        return self._with_early(out), None
+        return (out if self._output_started else self._with_early(out)), None
 
     def _with_early(self, out: list[StreamEvent]) -> list[StreamEvent]:
-        """``out``, led by the early input counts if it is the first output."""
-        if not out or self._output_started:
+        """``out``, led by the early input counts if it is the first output (any)."""
+        if not out:
             return out
         self._output_started = True
-        early = self._early
+        early, self._early = self._early, None
         return out if early is None else [early, *out]
 
     def feed(self, kind: str, data: dict[str, Any]) -> list[StreamEvent]:

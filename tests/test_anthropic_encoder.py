@@ -103,13 +103,21 @@ def run(*steps: StreamEvent | str, meta: StreamMeta = META) -> bytes:
     return out + enc.end()
 
 
-def test_start_is_message_start_with_zero_usage() -> None:
-    assert AnthropicSSEEncoder(META).start() == MESSAGE_START
+def test_message_start_leads_the_first_event_with_zero_usage() -> None:
+    """Without an early count (an OpenAI upstream reports usage only at the end)."""
+    enc = AnthropicSSEEncoder(META)
+    assert enc.start() == b""
+    assert enc.encode(Delta(role="assistant")) == MESSAGE_START
 
 
 def test_retry_line_precedes_the_first_frame() -> None:
     meta = StreamMeta(id="chatcmpl-abc123", model="mock/echo", created=1700000000, retry_ms=3000)
-    assert AnthropicSSEEncoder(meta).start() == b"retry: 3000\n" + MESSAGE_START
+    enc = AnthropicSSEEncoder(meta)
+    assert enc.start() == b""
+    assert enc.encode(Delta(role="assistant")) == b"retry: 3000\n" + MESSAGE_START
+    idle = AnthropicSSEEncoder(meta)
+    assert idle.heartbeat() == b"retry: 3000\n" + frame("ping", 1, {"type": "ping"})
+    assert idle.encode(Delta(role="assistant")) == MESSAGE_START
 
 
 @pytest.mark.parametrize(
@@ -123,8 +131,8 @@ def test_retry_line_precedes_the_first_frame() -> None:
 )
 def test_text_stream_frame_by_frame(finish: str, stop_reason: str) -> None:
     enc = AnthropicSSEEncoder(META)
-    assert enc.start() == MESSAGE_START
-    assert enc.encode(Delta(role="assistant")) == b""
+    assert enc.start() == b""
+    assert enc.encode(Delta(role="assistant")) == MESSAGE_START
     assert enc.encode(Delta(content="Hel")) == block_start(2, 0, TEXT_BLOCK) + block_delta(
         3, 0, text("Hel")
     )
@@ -232,11 +240,11 @@ def test_citations_are_citations_deltas_on_the_text_block() -> None:
 
 def test_heartbeat_is_a_ping_frame_in_the_id_sequence() -> None:
     enc = AnthropicSSEEncoder(META)
-    assert enc.start() == MESSAGE_START
+    assert enc.start() == b""
     assert enc.heartbeat() == frame("ping", 2, {"type": "ping"})
-    assert enc.encode(Delta(content="a")) == block_start(3, 0, TEXT_BLOCK) + block_delta(
-        4, 0, text("a")
-    )
+    assert enc.encode(Delta(content="a")) == MESSAGE_START + block_start(
+        3, 0, TEXT_BLOCK
+    ) + block_delta(4, 0, text("a"))
     assert enc.heartbeat() == frame("ping", 5, {"type": "ping"})
 
 
@@ -258,7 +266,8 @@ FULL = (
 
 def test_every_frame_is_named_after_its_type() -> None:
     data = run(*FULL, meta=StreamMeta("chatcmpl-abc123", "mock/echo", 1700000000, retry_ms=3000))
-    assert data.startswith(b"retry: 3000\nevent: message_start\n")
+    # A heartbeat before the first event comes before message_start (the SDK skips pings).
+    assert data.startswith(b"retry: 3000\nevent: ping\n")
     frames = data.removeprefix(b"retry: 3000\n").removesuffix(b"\n\n").split(b"\n\n")
     names = []
     for raw in frames:
@@ -267,7 +276,7 @@ def test_every_frame_is_named_after_its_type() -> None:
         assert orjson.loads(match[2])["type"] == match[1].decode()
         names.append(match[1].decode())
     assert names.count("ping") == 3
-    assert names[0] == "message_start"
+    assert names[:2] == ["ping", "message_start"]
     assert names[-2:] == ["message_delta", "message_stop"]
 
 
@@ -287,13 +296,59 @@ def test_every_frame_is_named_after_its_type() -> None:
 )
 def test_error_frame_ends_the_stream(error: Error, kind: str) -> None:
     enc = AnthropicSSEEncoder(META)
-    assert enc.start() == MESSAGE_START
-    assert enc.encode(Delta(content="partial")) == block_start(2, 0, TEXT_BLOCK) + block_delta(
-        3, 0, text("partial")
-    )
-    body = {"type": "error", "error": {"type": kind, "message": error.message}}
+    assert enc.start() == b""
+    assert enc.encode(Delta(content="partial")) == MESSAGE_START + block_start(
+        2, 0, TEXT_BLOCK
+    ) + block_delta(3, 0, text("partial"))
+    details = {"error_code": error.code}
+    body = {"type": "error", "error": {"type": kind, "message": error.message, "details": details}}
     assert enc.error(error) == frame("error", 4, body)
     assert enc.end() == b""
+
+
+def test_error_frame_carries_the_code_and_the_request_id() -> None:
+    """Anthropic's shape: the code in ``error.details.error_code`` (what the SDK reads into
+    ``error_code``), the request id at the top level (the SDK's ``ErrorResponse``)."""
+    enc = AnthropicSSEEncoder(META)
+    enc.request_id = "req-client-7"
+    error = Error("upstream_error", "too slow", code="upstream_timeout", retryable=True)
+    assert enc.error(error) == (
+        b'event: error\ndata: {"type":"error","error":{"type":"timeout_error",'
+        b'"message":"too slow","details":{"error_code":"upstream_timeout"}},'
+        b'"request_id":"req-client-7"}\n\n'
+    )
+    bare = AnthropicSSEEncoder(META)
+    assert bare.error(Error("server_error", "x")) == (
+        b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"x"}}\n\n'
+    )
+
+
+EARLY = Usage(
+    prompt_tokens=41 + 7 + 3, total_tokens=51, cached_tokens=7, cache_write_tokens=3, partial=True
+)
+
+
+def test_early_usage_fills_message_start() -> None:
+    """Anthropic's own order: the input counts in message_start, before any content; the
+    totals in message_delta."""
+    enc = AnthropicSSEEncoder(META)
+    assert enc.start() == b""
+    early_usage = {
+        "input_tokens": 41,
+        "output_tokens": 0,
+        "cache_read_input_tokens": 7,
+        "cache_creation_input_tokens": 3,
+    }
+    message_start = orjson.loads(MESSAGE_START.split(b"data: ", 1)[1])
+    message_start["message"]["usage"] = early_usage
+    assert enc.encode(EARLY) == frame("message_start", 1, message_start)
+    assert enc.encode(Delta(content="Hi")) == block_start(2, 0, TEXT_BLOCK) + block_delta(
+        3, 0, text("Hi")
+    )
+    assert enc.encode(Delta(finish_reason="stop")) == b""
+    assert enc.encode(Usage(51, 2, 53, cached_tokens=7, cache_write_tokens=3)) == b""
+    final = {**early_usage, "output_tokens": 2}
+    assert enc.end() == block_stop(4, 0) + ending(5, "end_turn", final)
 
 
 def sdk_final_message(data: bytes) -> Message:

@@ -79,6 +79,13 @@ CASES: list[Any] = [
         b'["usage",5,3,8,2,0,1]',
         id="usage-all-fields",
     ),
+    # A field added later is stored only when set: a log of totals reads the same in a
+    # replica that does not know it.
+    pytest.param(
+        Usage(41, 0, 41, cached_tokens=0, cache_write_tokens=0, partial=True),
+        b'["usage",41,0,41,0,0,null,true]',
+        id="usage-partial",
+    ),
     pytest.param(
         Error("upstream_error", "boom"),
         b'["error","upstream_error","boom",null,false,null]',
@@ -170,6 +177,7 @@ EVENTS = st.one_of(
         cached_tokens=_OPT_COUNT,
         cache_write_tokens=_OPT_COUNT,
         reasoning_tokens=_OPT_COUNT,
+        partial=st.booleans(),
     ),
     st.builds(
         Error,
@@ -223,6 +231,8 @@ def test_round_trip_any_log(log: list[StreamEvent]) -> None:
         pytest.param(["done", False, True], id="done-extra-field"),
         pytest.param(["heartbeat", 1], id="heartbeat-extra-field"),
         pytest.param(["error", "t"], id="error-short"),
+        pytest.param(["usage", 1, 2, 3, None, None], id="usage-short"),
+        pytest.param(["usage", 1, 2, 3, None, None, None, True, 1], id="usage-long"),
         pytest.param("delta", id="bare-string"),
     ],
 )
@@ -299,3 +309,8 @@ def test_event_size_counts_more_for_more_tool_calls() -> None:
     one = event_size(Delta(tool_calls=(FULL_CALL,)))
     two = event_size(Delta(tool_calls=(FULL_CALL, FULL_CALL)))
     assert 0 < one < two
+
+
+def test_a_usage_stored_without_the_partial_flag_loads_as_totals() -> None:
+    assert load_event(["usage", 5, 3, 8, None, None, None]) == Usage(5, 3, 8)
+    assert load_event(["usage", 5, 3, 8, None, None, None, False]) == Usage(5, 3, 8)

@@ -165,12 +165,12 @@ def test_openai_usage(
         (
             ERROR,
             b'event: error\ndata: {"error":{"message":"boom","type":"upstream_error",'
-            b'"param":null,"code":"upstream_timeout"}}\n\n',
+            b'"param":null,"code":"upstream_timeout","retryable":true}}\n\n',
         ),
         (
             Error(error_type="invalid_request_error", message="bad", param="model"),
             b'event: error\ndata: {"error":{"message":"bad","type":"invalid_request_error",'
-            b'"param":"model","code":null}}\n\n',
+            b'"param":"model","code":null,"retryable":false}}\n\n',
         ),
     ],
 )
@@ -179,6 +179,54 @@ def test_openai_error_heartbeat_end(meta: StreamMeta, error: Error, expected: by
     assert encoder.error(error) == expected
     assert encoder.heartbeat() == b": ping\n"
     assert encoder.end() == b"data: [DONE]\n\n"
+
+
+def test_openai_error_carries_the_request_id() -> None:
+    encoder = OpenAISSEEncoder(make_meta())
+    encoder.request_id = "req-client-7"
+    assert encoder.error(ERROR) == (
+        b'event: error\ndata: {"error":{"message":"boom","type":"upstream_error",'
+        b'"param":null,"code":"upstream_timeout","retryable":true,'
+        b'"request_id":"req-client-7"}}\n\n'
+    )
+
+
+PARTIAL = Usage(
+    prompt_tokens=41, total_tokens=41, cached_tokens=0, cache_write_tokens=0, partial=True
+)
+
+
+@pytest.mark.parametrize("meta", METAS)
+def test_openai_skips_an_early_partial_usage(meta: StreamMeta) -> None:
+    """The usage chunk is written once, with the totals: never for the early count."""
+    assert OpenAISSEEncoder(meta).encode(PARTIAL) == b""
+
+
+PARTIAL_JSON = (
+    b'{"type":"usage","usage":{"prompt_tokens":41,"completion_tokens":0,"total_tokens":41,'
+    b'"prompt_tokens_details":{"cached_tokens":0}},"partial":true}'
+)
+ERROR_WITH_ID_JSON = (
+    b'{"type":"error","error":{"type":"upstream_error","message":"boom",'
+    b'"code":"upstream_timeout","retryable":true,"request_id":"req-client-7"}}'
+)
+
+
+@pytest.mark.parametrize("meta", METAS)
+def test_native_formats_mark_an_early_usage_partial(meta: StreamMeta) -> None:
+    """One line per log entry (NDJSON resumes by count), marked so that it is not read
+    as the totals."""
+    assert NDJSONEncoder(meta).encode(PARTIAL) == PARTIAL_JSON + b"\n"
+    assert (
+        NativeSSEEncoder(meta).encode(PARTIAL) == b"event: usage\ndata: " + PARTIAL_JSON + b"\n\n"
+    )
+
+
+def test_native_formats_error_carries_the_request_id() -> None:
+    ndjson, native = NDJSONEncoder(make_meta()), NativeSSEEncoder(make_meta())
+    ndjson.request_id = native.request_id = "req-client-7"
+    assert ndjson.error(ERROR) == ERROR_WITH_ID_JSON + b"\n"
+    assert native.error(ERROR) == b"event: error\ndata: " + ERROR_WITH_ID_JSON + b"\n\n"
 
 
 def test_openai_head_escapes_meta_strings() -> None:
@@ -333,7 +381,7 @@ def byte_chunks(data: bytes) -> Iterator[bytes]:
 
 
 CITED = {"url": "https://x.test", "title": "X"}
-ERROR_TAIL = {"param": None, "code": "upstream_timeout"}
+ERROR_TAIL = {"param": None, "code": "upstream_timeout", "retryable": True}
 
 
 def openai_payloads(meta: StreamMeta, failed: bool) -> list[Any]:

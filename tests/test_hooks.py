@@ -451,7 +451,12 @@ async def test_a_rejection_is_a_403_in_the_endpoints_shape(
     if path == "/v1/messages":
         assert body == {
             "type": "error",
-            "error": {"type": "permission_error", "message": "Refused by policy."},
+            "error": {
+                "type": "permission_error",
+                "message": "Refused by policy.",
+                "details": {"error_code": "stream_rejected"},
+            },
+            "request_id": resp.headers["X-Request-Id"],
         }
     else:
         assert body == {
@@ -460,6 +465,7 @@ async def test_a_rejection_is_a_403_in_the_endpoints_shape(
                 "type": "permission_error",
                 "param": None,
                 "code": "stream_rejected",
+                "request_id": resp.headers["X-Request-Id"],
             }
         }
     assert plugin.names() == ["started"]  # nothing else: no stream was made
@@ -627,6 +633,7 @@ async def test_middleware_refuses_a_request_in_the_endpoints_shape(
         assert body["error"] == {
             "type": "invalid_request_error",
             "message": "That model is not for you.",
+            "details": {"error_code": "model_refused"},
         }
     else:
         assert body["error"]["code"] == "model_refused"

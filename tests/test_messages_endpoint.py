@@ -111,8 +111,14 @@ async def test_errors_in_anthropic_shape(make_client: MakeClient) -> None:
         await api.messages.create(model="mock/echo", max_tokens=0, messages=USER)
     assert bad.value.body == {
         "type": "error",
-        "error": {"type": "invalid_request_error", "message": bad.value.body["error"]["message"]},  # type: ignore[index]
+        "error": {
+            "type": "invalid_request_error",
+            "message": bad.value.body["error"]["message"],  # type: ignore[index]
+            "details": {"error_code": "invalid_request"},
+        },
+        "request_id": bad.value.response.headers["X-Request-Id"],
     }
+    assert bad.value.error_code == "invalid_request"
     assert "max_tokens" in bad.value.message
     with pytest.raises(anthropic.NotFoundError) as missing:
         await api.messages.create(model="gpt-4o", max_tokens=10, messages=USER)

@@ -136,6 +136,17 @@ async def test_text_thinking_and_usage(make_client: MakeClient, upstream: FakeUp
     )
     lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
     assert lines == [
+        # message_start's input counts, ahead of the first output and marked partial
+        {
+            "type": "usage",
+            "usage": {
+                "prompt_tokens": 17,
+                "completion_tokens": 0,
+                "total_tokens": 17,
+                "prompt_tokens_details": {"cached_tokens": 5, "cache_write_tokens": 2},
+            },
+            "partial": True,
+        },
         {"type": "reasoning", "delta": {"reasoning": "Hmm"}},
         {"type": "reasoning", "delta": {"reasoning": "", "signature": "s"}},
         {"type": "delta", "delta": {"content": "Hel"}},
@@ -379,7 +390,8 @@ async def test_a_read_is_one_batch_and_an_error_keeps_the_events_before_it(
         batches = []
         while batch := await stream.read_batch():
             batches.append(batch)
-    assert batches[0] == [Delta("a"), Delta("b"), Delta("c")]
+    early = Usage(10, 0, 10, cached_tokens=0, cache_write_tokens=0, partial=True)
+    assert batches[0] == [early, Delta("a"), Delta("b"), Delta("c")]
     assert len(batches) == 2 and batches[1][0].type == "error"
     assert batches[1][0].error_type == "overloaded_error"  # type: ignore[union-attr]
 
@@ -392,10 +404,32 @@ def test_the_translator_reads_up_to_message_stop() -> None:
     out, failure = translator.read(events, orjson.loads)
     assert failure is None and translator.finished
     assert out == [
+        Usage(10, 0, 10, cached_tokens=0, cache_write_tokens=0, partial=True),
         Delta("hi"),
         Delta(finish_reason="stop"),
         Usage(10, 3, 13, cached_tokens=0, cache_write_tokens=0),
     ]
+
+
+def test_early_input_counts_wait_for_the_first_output() -> None:
+    """message_start's counts lead the first batch with output, never a batch of their
+    own: a failure before any output stays a failure before the stream's first event
+    (an HTTP status, or the next target)."""
+    translator = StreamTranslator("claude")
+    out, failure = translator.read(parse_sse(message_start(41, 7, 3) + event("ping")), orjson.loads)
+    assert (out, failure) == ([], None)
+    overloaded = {"type": "overloaded_error", "message": "Overloaded"}
+    out, failure = translator.read(parse_sse(event("error", error=overloaded)), orjson.loads)
+    assert out == [] and failure is not None
+    translator = StreamTranslator("claude")
+    assert translator.read(parse_sse(message_start(41, 7, 3)), orjson.loads) == ([], None)
+    out, _ = translator.read(parse_sse(b"".join(text_block(0, "hi"))), orjson.loads)
+    assert out == [
+        Usage(51, 0, 51, cached_tokens=7, cache_write_tokens=3, partial=True),
+        Delta("hi"),
+    ]
+    out, _ = translator.read(parse_sse(b"".join(text_block(1, "more"))), orjson.loads)
+    assert out == [Delta("more")]
 
 
 async def test_end_without_message_stop_is_an_error(upstream: FakeUpstream) -> None:
@@ -444,6 +478,8 @@ async def test_client_going_away_closes_the_upstream(
     upstream.add(Reply.stream([message_start(), *text_block(0, "slow")], end="stall"))
     client = await make_client({**config(upstream), "streams": {"detach_timeout_s": 0}})
     resp = await client.post("/v1/chat/completions?stream_format=ndjson", json=chat(stream=True))
+    first = orjson.loads(await asyncio.wait_for(resp.content.readline(), 5))
+    assert (first["type"], first["partial"]) == ("usage", True)
     assert orjson.loads(await asyncio.wait_for(resp.content.readline(), 5))["type"] == "delta"
     gone = asyncio.get_running_loop().time()
     resp.close()

@@ -429,6 +429,23 @@ def test_session_error_frame_is_exact(session: RealtimeSession) -> None:
     }
 
 
+def test_every_session_error_frame_carries_the_request_id() -> None:
+    session = RealtimeSession(max_pending_input_bytes=10, request_id="req-ws-1")
+    frames = [
+        *session.receive_text("not json"),
+        *session.receive_text('{"type":"abort"}'),
+        *session.receive_text('{"type":"nope"}'),
+        *session.receive_text('{"kind":"start"}'),
+        *session.receive_text('{"type":"image","mime_type":"image/png"}'),
+        *session.receive_binary(b"x"),
+    ]
+    assert [orjson.loads(f.frame)["error"]["request_id"] for f in frames] == ["req-ws-1"] * 6
+    assert error_frame("stream_in_progress", "busy", request_id="req-ws-1").frame == (
+        '{"type":"error","error":{"type":"invalid_request_error","message":"busy",'
+        '"code":"stream_in_progress","retryable":false,"request_id":"req-ws-1"}}'
+    )
+
+
 def test_stream_false_is_refused_and_stream_true_accepted() -> None:
     session = RealtimeSession(max_pending_input_bytes=1000)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

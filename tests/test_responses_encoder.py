@@ -568,3 +568,18 @@ def test_fast_path_frames_survive_a_percent_sign_in_the_stream_id() -> None:
         ("msg_50%d_0", "a", 4),
         ("msg_50%d_0", "%s", 5),
     ]
+
+
+def test_error_event_carries_the_request_id_and_an_early_usage_is_not_reported() -> None:
+    """The flat ``error`` event has the spec's fields and the response's request id; a
+    partial usage (input counts before any output) is neither streamed nor reported."""
+    enc = ResponsesSSEEncoder(META)
+    enc.request_id = "req-client-7"
+    f = Frames()
+    early = Usage(41, 0, 41, cached_tokens=0, cache_write_tokens=0, partial=True)
+    assert enc.start() + enc.encode(early) == f.opening()
+    failed = response("failed", [], None, error={"code": "server_error", "message": "boom"})
+    assert enc.error(ERROR) == (
+        f("error", code="upstream_error", message="boom", param=None, request_id="req-client-7")
+        + f("response.failed", response=failed)
+    )

@@ -158,7 +158,9 @@ async def test_mid_stream_failure_each_format(make_client: MakeClient) -> None:
     error = orjson.loads(events[-2].data)
     assert set(error) == {"error"}
     assert error["error"]["code"] == "upstream_error"
-    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert set(error["error"]) == {"message", "type", "param", "code", "retryable", "request_id"}
+    assert error["error"]["request_id"] == resp.headers["X-Request-Id"]
+    assert error["error"]["retryable"] is True
 
     resp = await client.post("/v1/chat/completions?stream_format=ndjson", json=body)
     lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
@@ -267,7 +269,8 @@ async def test_validation_errors_name_the_field(
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 400
     error = (await resp.json())["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
+    assert error["request_id"] == resp.headers["X-Request-Id"]
     assert error["type"] == "invalid_request_error"
     assert error["code"] == "invalid_request"
     assert error["param"] == param

@@ -21,7 +21,7 @@ from nexus.events import (
     Usage,
 )
 from nexus.request import ChatRequest
-from nexus.stream import Channel, EndOfStream, Stream, accumulate
+from nexus.stream import Channel, EndOfStream, Stream, accumulate, merge_events
 from nexus.types import CompletedToolCall, StreamMeta
 
 EVENTS: list[StreamEvent] = [
@@ -407,3 +407,13 @@ async def test_accumulate_over_a_channel() -> None:
     assert result.content == "Hello world"
     assert result.usage == EVENTS[-1]
     assert rec.log == ["finally"]
+
+
+def test_an_early_partial_usage_never_replaces_the_totals() -> None:
+    meta = StreamMeta(id="chatcmpl-1", model="m", created=1)
+    early = Usage(41, 0, 41, partial=True)
+    totals = Usage(41, 5, 46)
+    assert merge_events([early, Delta("hi"), totals], meta).usage == totals
+    assert merge_events([totals, early], meta).usage == totals
+    # A stream cut short keeps what it knew: the input counts.
+    assert merge_events([early, Delta("hi")], meta).usage == early

@@ -143,7 +143,8 @@ async def test_every_sse_frame_carries_an_id_after_the_retry_line(
     )
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     body = await resp.read()
-    assert body.startswith(b"retry: 1500\nid: " + stream_id.encode() + b".0")
+    # Step 0 (start()) for most formats; Anthropic's message_start leads step 1.
+    assert body.startswith(b"retry: 1500\nid: " + stream_id.encode() + b".")
     frames = [f for f in body.split(b"\n\n") if f.strip()]
     ids = []
     for frame in frames:

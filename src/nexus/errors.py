@@ -102,16 +102,19 @@ class GatewayError(NexusError):
             param=self.param,
         )
 
-    def openai_body(self) -> dict[str, Any]:
-        """``{"error": {"message", "type", "param", "code"}}`` (PROTOCOLS.md §5)."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
+    def openai_body(self, request_id: str | None = None) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}`` (PROTOCOLS.md §5), with
+        ``request_id`` (the response's ``X-Request-Id``) in the error object when given:
+        OpenAI's own bodies have no such field, and its SDK keeps the object whole."""
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.error_type,
+            "param": self.param,
+            "code": self.code,
         }
+        if request_id is not None:
+            error["request_id"] = request_id
+        return {"error": error}
 
 
 class InvalidRequest(GatewayError):

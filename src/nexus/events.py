@@ -16,7 +16,9 @@ native SSE ``data:`` payload and the WebSocket text frame::
     {"type":"image","image":{"data":"<b64>","url":null,"mime_type":"image/png"}}
     {"type":"citation","citation":{"url":"...","title":"...","quoted":"..."}}
     {"type":"usage","usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}
-    {"type":"error","error":{"type":"upstream_error","message":"...","code":"...","retryable":true}}
+    {"type":"usage","usage":{"prompt_tokens":41,"completion_tokens":0,"total_tokens":41},"partial":true}
+    {"type":"error","error":{"type":"upstream_error","message":"...","code":"...","retryable":true,
+        "request_id":"req_..."}}
     {"type":"heartbeat"}
     {"type":"done"}
 
@@ -184,7 +186,16 @@ class Citation:
 @quick_init
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts; the last usage event of a stream holds the totals."""
+    """Token counts; the last usage event of a stream holds the totals.
+
+    ``partial``: the input counts an upstream reported before any output (Anthropic's
+    ``message_start``), sent ahead of the first content so that formats which report
+    input tokens up front (Anthropic's own ``message_start``) can; ``completion_tokens``
+    is 0 and the totals follow at the end. Formats that report only totals skip it
+    (OpenAI's usage chunk, the Responses usage); Nexus's own formats write it with
+    ``"partial": true``. A consumer that wants the totals takes the last usage event
+    that is not partial.
+    """
 
     type: ClassVar[str] = "usage"
     prompt_tokens: int = 0
@@ -193,6 +204,7 @@ class Usage:
     cached_tokens: int | None = None
     cache_write_tokens: int | None = None
     reasoning_tokens: int | None = None
+    partial: bool = False
 
     def wire(self) -> dict[str, Any]:
         """The OpenAI ``usage`` object."""
@@ -211,6 +223,8 @@ class Usage:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        if self.partial:
+            return {"type": "usage", "usage": self.wire(), "partial": True}
         return {"type": "usage", "usage": self.wire()}
 
 
@@ -221,7 +235,9 @@ class Error:
 
     ``type`` names the error class (the ``error.type`` of the OpenAI shape),
     ``code`` the specific cause, ``retryable`` whether the same request may
-    succeed if sent again.
+    succeed if sent again. The request id is not in the event: one stream's log
+    serves several requests (joins, attaches), and each client's error frame
+    carries its own request's id (see :meth:`to_dict`).
     """
 
     type: ClassVar[str] = "error"
@@ -231,7 +247,9 @@ class Error:
     retryable: bool = False
     param: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, request_id: str | None = None) -> dict[str, Any]:
+        """The event's JSON; with ``request_id`` (the ``X-Request-Id`` of the response it
+        is written to) as ``error.request_id``."""
         error: dict[str, Any] = {
             "type": self.error_type,
             "message": self.message,
@@ -240,6 +258,8 @@ class Error:
         }
         if self.param is not None:
             error["param"] = self.param
+        if request_id is not None:
+            error["request_id"] = request_id
         return {"type": "error", "error": error}
 
 

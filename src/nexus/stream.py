@@ -343,7 +343,9 @@ class Merger:
             case ToolCall():
                 self._merge(event)
             case Usage():
-                result.usage = event
+                # The totals come last; an early partial count never replaces them.
+                if not event.partial or result.usage is None or result.usage.partial:
+                    result.usage = event
             case Citation():
                 result.citations.append(event)
             case Audio():

@@ -4,6 +4,11 @@ The NDJSON form (``to_dict()``) is for clients and drops what a client does
 not need; a stored log must give back the very events, so each is stored as
 ``[type, field, field, ...]`` in dataclass field order (a delta's tool calls as
 nested lists). Sans-I/O.
+
+Fields added to an event after logs were first stored (:data:`_ADDED`) are left
+off while they hold their default, so that a log written now reads the same in a
+replica that does not know them yet, and a log stored before them (shorter) loads
+with their defaults.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ _CLASSES: dict[str, type[Any]] = {
     for cls in (Delta, Reasoning, ToolCall, Audio, Image, Citation, Usage, Error, Heartbeat, Done)
 }
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
+_ADDED: dict[type[Any], int] = {Usage: 1}
+"""Per class, how many of its last fields came after the first stored format."""
+_DEFAULTS = {
+    cls: tuple(f.default for f in dataclasses.fields(cls)[len(_FIELDS[cls]) - added :])
+    for cls, added in _ADDED.items()
+}
 
 
 def dump_event(event: StreamEvent) -> list[Any]:
@@ -46,6 +57,11 @@ def dump_event(event: StreamEvent) -> list[Any]:
         if name == "tool_calls" and value is not None:
             value = [dump_event(call)[1:] for call in value]
         out.append(value)
+    defaults = _DEFAULTS.get(cls)
+    if defaults is not None:
+        first = len(out) - len(defaults)  # where the added fields start in ``out``
+        while len(out) > first and out[-1] == defaults[len(out) - 1 - first]:
+            out.pop()
     return out
 
 
@@ -66,7 +82,13 @@ def _load(data: Sequence[Any]) -> StreamEvent:
     fields = _FIELDS[cls]
     values = list(data[1:])
     if len(values) != len(fields):
-        raise ValueError(f"a stored {data[0]} event has {len(values)} fields, not {len(fields)}")
+        added = _DEFAULTS.get(cls, ())
+        missing = len(fields) - len(values)
+        if not 0 < missing <= len(added):
+            raise ValueError(
+                f"a stored {data[0]} event has {len(values)} fields, not {len(fields)}"
+            )
+        values += added[len(added) - missing :]
     if cls is Delta:
         calls = values[fields.index("tool_calls")]
         if calls is not None:

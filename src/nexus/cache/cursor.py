@@ -177,7 +177,9 @@ class Renderer:
                 self._emit(step, data, parts)
             elif data:
                 if ids:
-                    if data.count(_FRAME_END) == 1:
+                    # One frame gets its id line in front, unless it opens with the
+                    # response's retry line (a format that writes it with its first event).
+                    if data.count(_FRAME_END) == 1 and not data.startswith(b"retry:"):
                         data = prefix + b"%d\n" % step + data
                     else:
                         data = self._with_ids(step, data)

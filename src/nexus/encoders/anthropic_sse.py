@@ -9,6 +9,14 @@ reasoning → a ``thinking`` block, text → a ``text`` block, each tool call �
 ``tool_use`` block fed by ``input_json_delta``. A mid-stream failure is an
 ``event: error`` frame in the non-streaming error shape, and the stream ends
 there (no ``message_stop``: the SDK raises on the error).
+
+``message_start`` goes out with the first event, not at ``start()``: an upstream
+that reports its input tokens before any content (Anthropic's own
+``message_start``) gives a partial :class:`~nexus.events.Usage` first, and its
+counts are the ``message_start`` usage, as Anthropic writes them; otherwise (an
+OpenAI upstream reports usage only at the end) they are 0 there, and the
+``message_delta`` carries the totals either way. A heartbeat may come before it
+(the SDK skips pings).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from ..events import (
 from ..protocol.anthropic_messages import (
     STOP_REASONS,
     anthropic_error_type,
+    error_body,
     message_id,
     usage_body,
 )
@@ -43,6 +52,7 @@ _TEXT_DELTA = (
     b"event: content_block_delta\n"
     b'data: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
 )
+_PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 _STATUS_BY_CODE = {
     "upstream_timeout": 504,
     "upstream_rate_limited": 429,
@@ -63,11 +73,21 @@ class AnthropicSSEEncoder(Encoder):
         self._stop_reason: str | None = None
         self._usage: Usage | None = None
         self._failed = False
+        self._started = False  # message_start went out
+        self._retry = b"retry: %d\n" % meta.retry_ms if meta.retry_ms is not None else b""
 
     def _frame(self, name: str, data: dict[str, Any]) -> bytes:
         return b"event: %s\ndata: %s\n\n" % (name.encode(), _dumps(data))
 
     def start(self) -> bytes:
+        return b""  # message_start waits for the first event (see the module docstring)
+
+    def _message_start(self, usage: Usage | None) -> bytes:
+        """``message_start`` (after the ``retry:`` line), once; ``usage``: the input counts
+        reported before any output, if any."""
+        if self._started:
+            return b""
+        self._started = True
         message: dict[str, Any] = {
             "id": message_id(self.meta.id),
             "type": "message",
@@ -76,10 +96,16 @@ class AnthropicSSEEncoder(Encoder):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": usage_body(usage),
         }
-        head = b"retry: %d\n" % self.meta.retry_ms if self.meta.retry_ms is not None else b""
-        return head + self._frame("message_start", {"type": "message_start", "message": message})
+        return self._first() + self._frame(
+            "message_start", {"type": "message_start", "message": message}
+        )
+
+    def _first(self) -> bytes:
+        """The ``retry:`` line, on whichever frame goes out first; then nothing."""
+        retry, self._retry = self._retry, b""
+        return retry
 
     def _close(self) -> bytes:
         if self._open is None:
@@ -111,6 +137,9 @@ class AnthropicSSEEncoder(Encoder):
         if content is not None and self._open == "text":
             # The commonest frame, assembled around one dumps() of the text.
             return _TEXT_DELTA % self._index + _dumps(content) + b"}}\n\n"
+        if not self._started:
+            early = event if type(event) is Usage and event.partial else None
+            return self._message_start(early) + self.encode(event)
         match event:
             case Delta():
                 out = b""
@@ -162,7 +191,7 @@ class AnthropicSSEEncoder(Encoder):
     frame_encode = encode  # what encode_texts stands for
 
     def encode_texts(self, texts: list[str]) -> list[bytes] | None:
-        if self._open != "text":
+        if self._open != "text":  # (so message_start went out)
             return None
         head = _TEXT_DELTA % self._index
         return [head + _dumps(text) + b"}}\n\n" for text in texts]
@@ -190,17 +219,16 @@ class AnthropicSSEEncoder(Encoder):
             event.code or "", 400 if event.error_type == "invalid_request_error" else 500
         )
         kind = anthropic_error_type(event.error_type, status)
-        return self._frame(
-            "error", {"type": "error", "error": {"type": kind, "message": event.message}}
-        )
+        body = error_body(kind, event.message, event.code, self.request_id)
+        return self._first() + self._frame("error", body)
 
     def heartbeat(self) -> bytes:
-        return self._frame("ping", {"type": "ping"})
+        return self._first() + _PING
 
     def end(self) -> bytes:
         if self._failed:
             return b""
-        out = self._close()
+        out = self._message_start(None) + self._close()
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None},

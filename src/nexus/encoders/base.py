@@ -6,6 +6,10 @@ stream's :class:`~nexus.types.StreamMeta` and writes, in order: ``start()``,
 ends the stream), ``heartbeat()`` whenever the stream is idle for the
 configured interval, and ``end()`` last. An empty ``bytes`` means "write
 nothing". Encoders may keep per-stream state; they are never shared.
+
+An encoder writes one response: the pump sets :attr:`Encoder.request_id` to that
+response's ``X-Request-Id`` before ``start()``, and error frames carry it (a stream
+followed by several requests gets a different id in each one's error frame).
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ class Encoder(ABC):
         ``encode`` is the one it stands for)."""
         cls = type(self)
         return cls.encode_texts is not Encoder.encode_texts and cls.encode is cls.frame_encode
+
+    request_id: str | None = None
+    """The ``X-Request-Id`` of the response this encoder writes, set by the pump after
+    construction; None outside a request. Error frames carry it."""
 
     def __init__(self, meta: StreamMeta) -> None:
         self.meta = meta

@@ -1,7 +1,8 @@
 """Native SSE with named events: ``event: <type>`` plus the NDJSON object as data.
 
 For ``EventSource`` listeners and other clients that route on the event name
-without parsing the payload. Ends with ``event: done``.
+without parsing the payload. Ends with ``event: done``. The error event carries the
+response's request id as ``error.request_id``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class NativeSSEEncoder(Encoder):
         return _HEADS[type(event)] + _dumps(event.to_dict()) + b"\n\n"
 
     frame_encode = encode  # what content_frame stands for
+
+    def error(self, event: Error) -> bytes:
+        return _HEADS[Error] + _dumps(event.to_dict(self.request_id)) + b"\n\n"
 
     def heartbeat(self) -> bytes:
         # A comment line; no blank line, which would dispatch an empty event in

@@ -1,10 +1,15 @@
-"""NDJSON: one event object per line; the stream ends with ``{"type":"done"}``."""
+"""NDJSON: one event object per line; the stream ends with ``{"type":"done"}``.
+
+One line per log entry (a resume counts lines): an early partial usage is a line
+too, marked ``"partial": true``. The error line carries the response's request id
+as ``error.request_id``.
+"""
 
 from __future__ import annotations
 
 import orjson
 
-from ..events import StreamEvent, plain_content
+from ..events import Error, StreamEvent, plain_content
 from .base import Encoder
 
 __all__ = ["NDJSONEncoder"]
@@ -27,6 +32,9 @@ class NDJSONEncoder(Encoder):
         return _dumps(event.to_dict(), option=_NEWLINE)
 
     frame_encode = encode  # what content_frame stands for
+
+    def error(self, event: Error) -> bytes:
+        return _dumps(event.to_dict(self.request_id), option=_NEWLINE)
 
     def heartbeat(self) -> bytes:
         return b'{"type":"heartbeat"}\n'

@@ -3,9 +3,11 @@
 Each chunk is ``data: {json}\\n\\n`` with no ``event:`` line. The role goes out
 once, in the first chunk (the SDK's stream helper concatenates repeated roles);
 reasoning is ``delta.reasoning_content``; usage is a trailing chunk with
-``choices: []``, only when the request set ``stream_options.include_usage``. A
-mid-stream failure is ``event: error`` whose data is ``{"error": {...}}`` (the
-SDK raises ``APIError`` on it), then ``data: [DONE]``.
+``choices: []``, only when the request set ``stream_options.include_usage``, and
+only with the totals (an early partial count is not written). A mid-stream failure
+is ``event: error`` whose data is ``{"error": {"message", "type", "param", "code",
+"retryable", "request_id"}}`` (the SDK raises ``APIError`` on it, with that object
+as its ``body``), then ``data: [DONE]``.
 
 The chunk's fixed head (id, object, created, model) is serialised once per
 stream; each event serialises only its choice.
@@ -86,8 +88,8 @@ class OpenAISSEEncoder(Encoder):
             case ToolCall():
                 return self._chunk({"tool_calls": [event.wire()]})
             case Usage():
-                if not self.meta.include_usage:
-                    return b""
+                if not self.meta.include_usage or event.partial:
+                    return b""  # one usage chunk, with the totals
                 return self._head + b'[],"usage":' + _dumps(event.wire()) + b"}\n\n"
             case Audio():
                 audio = {"data": event.data, "transcript": event.transcript}
@@ -110,15 +112,18 @@ class OpenAISSEEncoder(Encoder):
     frame_encode = encode  # what content_frame stands for
 
     def error(self, event: Error) -> bytes:
-        body = {
-            "error": {
-                "message": event.message,
-                "type": event.error_type,
-                "param": event.param,
-                "code": event.code,
-            }
+        # OpenAI's error object, plus ``retryable`` and the response's ``request_id``
+        # (OpenAI's own bodies have neither; the SDK keeps the object as ``APIError.body``).
+        error: dict[str, Any] = {
+            "message": event.message,
+            "type": event.error_type,
+            "param": event.param,
+            "code": event.code,
+            "retryable": event.retryable,
         }
-        return b"event: error\ndata: " + _dumps(body) + b"\n\n"
+        if self.request_id is not None:
+            error["request_id"] = self.request_id
+        return b"event: error\ndata: " + _dumps({"error": error}) + b"\n\n"
 
     def heartbeat(self) -> bytes:
         # A comment line and no blank line: every frame carries an ``id:``, and after

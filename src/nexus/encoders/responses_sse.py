@@ -27,7 +27,13 @@ Every frame is ``event: <type>\\ndata: {"type": <type>, "sequence_number": N, ..
   ``get_final_response()`` returns: built with the same builders as the
   non-streaming body (:mod:`nexus.protocol.openai_responses_output`).
 * :meth:`error` writes a flat ``error`` event (the SDK yields it, it does not
-  raise) then ``response.failed``; :meth:`end` then writes nothing.
+  raise) with the spec's ``code``, ``message``, ``param`` and the response's
+  ``request_id`` (our addition), then ``response.failed``; :meth:`end` then writes
+  nothing.
+* Usage is reported once, with the totals, in the final response: a partial
+  count an upstream gave before any output is not written (OpenAI's
+  ``response.created`` carries no usage, and the Response's usage object would
+  claim 0 output tokens).
 
 The hot path, a content delta into an open text part, is one ``dumps`` of the
 text between bytes prepared when the part opened.
@@ -209,7 +215,8 @@ class ResponsesSSEEncoder(Encoder):
             case ToolCall():
                 out += self._tool_call(event)
             case Usage():
-                self._usage = event
+                if not event.partial:
+                    self._usage = event
             case _:
                 pass  # audio, images, citations: not in this format yet
         return out
@@ -220,9 +227,10 @@ class ResponsesSSEEncoder(Encoder):
         if self._finished:
             return b""
         self._finished = True
-        out = self._preamble() + self._event(
-            "error", {"code": event.code, "message": event.message, "param": event.param}
-        )
+        fields = {"code": event.code, "message": event.message, "param": event.param}
+        if self.request_id is not None:
+            fields["request_id"] = self.request_id
+        out = self._preamble() + self._event("error", fields)
         if self._current is not None:
             self._current.status = "incomplete"  # added, never done: cut off by the failure
         response = self._response(

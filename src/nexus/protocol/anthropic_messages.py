@@ -24,6 +24,7 @@ from .openai_chat import parse_json_object, validation_error
 __all__ = [
     "MessagesRequest",
     "anthropic_error_body",
+    "error_body",
     "error_type_for",
     "message_body",
     "parse_messages_request",
@@ -354,12 +355,23 @@ def anthropic_error_type(error_type: str, status: int) -> str:
     return error_type_for(status)
 
 
-def anthropic_error_body(error: GatewayError) -> dict[str, Any]:
-    """``{"type":"error","error":{"type","message"}}`` (PROTOCOLS.md §3)."""
-    return {
-        "type": "error",
-        "error": {
-            "type": anthropic_error_type(error.error_type, error.status),
-            "message": error.message,
-        },
-    }
+def error_body(kind: str, message: str, code: str | None, request_id: str | None) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type":"error","error":{"type","message","details":
+    {"error_code"}},"request_id"}``. ``details.error_code`` is where the Anthropic API
+    puts the stable code of an error (its SDK reads it into ``APIStatusError.error_code``
+    and treats a code it does not know as the bare ``type``); ``request_id`` is at the
+    top level, as in the API's error responses (the SDK's ``ErrorResponse``). Each is
+    left out when unknown."""
+    error: dict[str, Any] = {"type": kind, "message": message}
+    if code:
+        error["details"] = {"error_code": code}
+    body: dict[str, Any] = {"type": "error", "error": error}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def anthropic_error_body(error: GatewayError, request_id: str | None = None) -> dict[str, Any]:
+    """The error body of ``/v1/messages`` (PROTOCOLS.md §3): :func:`error_body`."""
+    kind = anthropic_error_type(error.error_type, error.status)
+    return error_body(kind, error.message, error.code, request_id)

@@ -115,17 +115,23 @@ Action = Send | StartTurn | AbortTurn
 
 
 def error_frame(
-    code: str, message: str, *, param: str | None = None, error_type: str = "invalid_request_error"
+    code: str,
+    message: str,
+    *,
+    param: str | None = None,
+    error_type: str = "invalid_request_error",
+    request_id: str | None = None,
 ) -> Send:
+    """An error frame: the error event's JSON, with the connection's request id."""
     event = Error(error_type=error_type, message=message, code=code, param=param)
-    return Send(orjson.dumps(event.to_dict()).decode())
+    return Send(orjson.dumps(event.to_dict(request_id)).decode())
 
 
-def gateway_error_frame(error: GatewayError) -> Send:
+def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> Send:
     """The error frame of a refusal. One that HTTP answers with ``Retry-After``
     (``rate_limited``, ``too_many_streams``) carries it as ``error.retry_after_s``: the
     whole seconds to wait before the next ``start``."""
-    body = error.to_event().to_dict()
+    body = error.to_event().to_dict(request_id)
     retry_after = error.headers.get("Retry-After")
     if retry_after is not None and retry_after.isdigit():
         body["error"]["retry_after_s"] = int(retry_after)
@@ -143,13 +149,22 @@ class RealtimeSession:
     """One connection's protocol state (see the module docstring)."""
 
     def __init__(
-        self, *, max_pending_input_bytes: int, max_json_depth: int = MAX_JSON_DEPTH
+        self,
+        *,
+        max_pending_input_bytes: int,
+        max_json_depth: int = MAX_JSON_DEPTH,
+        request_id: str | None = None,
     ) -> None:
         self.max_pending_input_bytes = max_pending_input_bytes
         self.max_json_depth = max_json_depth
+        self.request_id = request_id
+        """The ``X-Request-Id`` of the connection's handshake: every error frame has it."""
         self.streaming = False
         self._pending: list[ImagePart | _PendingAudio] = []
         self._pending_bytes = 0
+
+    def _error(self, code: str, message: str, *, param: str | None = None) -> Send:
+        return error_frame(code, message, param=param, request_id=self.request_id)
 
     @property
     def pending_bytes(self) -> int:
@@ -157,7 +172,7 @@ class RealtimeSession:
 
     def receive_binary(self, data: bytes) -> list[Action]:
         return [
-            error_frame(
+            self._error(
                 "invalid_envelope",
                 f"binary frames are not accepted ({len(data)} bytes received); "
                 "send JSON envelopes as text frames",
@@ -168,23 +183,23 @@ class RealtimeSession:
         try:
             data = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
-            return [error_frame("invalid_envelope", f"the frame is not valid JSON: {exc}")]
+            return [self._error("invalid_envelope", f"the frame is not valid JSON: {exc}")]
         if not isinstance(data, dict):
-            return [error_frame("invalid_envelope", "an envelope must be a JSON object")]
+            return [self._error("invalid_envelope", "an envelope must be a JSON object")]
         refused = self._too_deep(data)
         if refused is not None:
             return [refused]
         try:
             envelope = _ENVELOPE.validate_python(data)
         except ValidationError as exc:
-            return [_envelope_error(exc, data)]
+            return [_envelope_error(exc, data, self.request_id)]
         match envelope:
             case StartEnvelope():
                 return self._start(envelope)
             case AbortEnvelope():
                 if not self.streaming:
                     return [
-                        error_frame("nothing_to_abort", "abort received, but no stream is running")
+                        self._error("nothing_to_abort", "abort received, but no stream is running")
                     ]
                 return [AbortTurn()]
             case AudioChunkEnvelope():
@@ -202,11 +217,11 @@ class RealtimeSession:
             field = deep_field(request, limit)
             if field is not None:
                 error = too_deep(f"request.{field}", limit)
-                return error_frame("invalid_request", error.message, param=error.param)
+                return self._error("invalid_request", error.message, param=error.param)
         field = deep_field(data, limit + 1)
         if field is None:
             return None
-        return error_frame("invalid_envelope", too_deep(field, limit).message, param=field)
+        return self._error("invalid_envelope", too_deep(field, limit).message, param=field)
 
     def turn_ended(self) -> None:
         self.streaming = False
@@ -214,7 +229,7 @@ class RealtimeSession:
     def _start(self, envelope: StartEnvelope) -> list[Action]:
         if self.streaming:
             return [
-                error_frame(
+                self._error(
                     "stream_in_progress",
                     "a stream is already running on this connection; send abort first",
                 )
@@ -225,10 +240,10 @@ class RealtimeSession:
         except ValidationError as exc:
             error = validation_error(exc, body)
             param = f"request.{error.param}" if error.param else "request"
-            return [error_frame("invalid_request", error.message, param=param)]
+            return [self._error("invalid_request", error.message, param=param)]
         if "stream" in body and not request.stream:
             return [
-                error_frame(
+                self._error(
                     "invalid_request",
                     "stream: the realtime surface always streams; omit stream or set it to true",
                     param="request.stream",
@@ -254,14 +269,14 @@ class RealtimeSession:
         try:
             decoded = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
-            return error_frame("invalid_envelope", "b64: not valid base64", param="b64")
+            return self._error("invalid_envelope", "b64: not valid base64", param="b64")
         refused = self._count(len(decoded))
         return decoded if refused is None else refused
 
     def _count(self, size: int) -> Send | None:
         total = self._pending_bytes + size
         if total > self.max_pending_input_bytes:
-            return error_frame(
+            return self._error(
                 "input_too_large",
                 f"pending input would be {total} bytes, over the limit of "
                 f"{self.max_pending_input_bytes}; this chunk was dropped, the earlier "
@@ -290,7 +305,7 @@ class RealtimeSession:
 
     def _add_image(self, envelope: ImageEnvelope) -> list[Action]:
         if (envelope.b64 is None) == (envelope.url is None):
-            return [error_frame("invalid_envelope", "image: give exactly one of b64 and url")]
+            return [self._error("invalid_envelope", "image: give exactly one of b64 and url")]
         if envelope.b64 is not None:
             decoded = self._take(envelope.b64)
             if isinstance(decoded, Send):
@@ -303,7 +318,7 @@ class RealtimeSession:
             if url.startswith("data:"):
                 # Inline data counts against the pending limit like b64 does.
                 if not comma:
-                    return [error_frame("invalid_envelope", "url: a data URL needs a ','")]
+                    return [self._error("invalid_envelope", "url: a data URL needs a ','")]
                 if header.endswith(";base64"):
                     decoded = self._take(data)
                     if isinstance(decoded, Send):
@@ -344,20 +359,29 @@ def _attach(request: ChatRequest, parts: list[ContentPart]) -> ChatRequest:
     return request.model_copy(update={"messages": messages})
 
 
-def _envelope_error(exc: ValidationError, data: dict[str, Any]) -> Send:
+def _envelope_error(exc: ValidationError, data: dict[str, Any], request_id: str | None) -> Send:
     first = exc.errors(include_url=False)[0]
     if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
         kind = data.get("type")
         if kind is None:
-            return error_frame("invalid_envelope", "an envelope needs a 'type'", param="type")
+            return error_frame(
+                "invalid_envelope",
+                "an envelope needs a 'type'",
+                param="type",
+                request_id=request_id,
+            )
         return error_frame(
             "invalid_envelope",
             f"unknown envelope type {kind!r}; expected start, abort, audio_chunk or image",
             param="type",
+            request_id=request_id,
         )
     error = validation_error(exc, data)
     return error_frame(
-        "invalid_envelope", f"{data.get('type')}: {error.message}", param=error.param
+        "invalid_envelope",
+        f"{data.get('type')}: {error.message}",
+        param=error.param,
+        request_id=request_id,
     )
 
 

@@ -16,6 +16,13 @@ citations, ``ping`` ignored, ``error`` → a typed error. Stop reasons:
 ``model_context_window_exceeded`` → ``length``, ``tool_use`` → ``tool_calls``,
 ``refusal`` → ``content_filter``. Usage in OpenAI terms: ``prompt_tokens`` =
 input + cache read + cache creation, ``cached_tokens`` = cache read.
+
+The input counts of ``message_start`` (which Anthropic sends before any content)
+go out as a partial :class:`~nexus.events.Usage` at the head of the first batch
+that has output, so that ``/v1/messages`` can put them in its own
+``message_start``; held until then, so that a failure before any output is still a
+failure before the stream's first event (an HTTP status, or the next target).
+The totals follow at ``message_stop``.
 """
 
 from __future__ import annotations
@@ -210,6 +217,8 @@ class StreamTranslator:
         self._tool_index: dict[int, int] = {}
         self._input = self._cache_read = self._cache_write = self._output = 0
         self._finish: str | None = None
+        self._early: Usage | None = None  # message_start's counts, until output goes out
+        self._output_started = False
 
     def read(
         self, events: list[ServerSentEvent], parse: Callable[[str], dict[str, Any] | None]
@@ -226,10 +235,18 @@ class StreamTranslator:
             try:
                 out += self.feed(kind, data)
             except GatewayError as exc:
-                return out, exc
+                return (out if self._output_started else self._with_early(out)), exc
             if self.finished:
                 break
-        return out, None
+        return (out if self._output_started else self._with_early(out)), None
+
+    def _with_early(self, out: list[StreamEvent]) -> list[StreamEvent]:
+        """``out``, led by the early input counts if it is the first output (any)."""
+        if not out:
+            return out
+        self._output_started = True
+        early, self._early = self._early, None
+        return out if early is None else [early, *out]
 
     def feed(self, kind: str, data: dict[str, Any]) -> list[StreamEvent]:
         match kind:
@@ -273,6 +290,15 @@ class StreamTranslator:
             case "message_start":
                 usage = (data.get("message") or {}).get("usage") or {}
                 self._usage(usage)
+                if usage.get("input_tokens") is not None and not self._output_started:
+                    prompt = self._input + self._cache_read + self._cache_write
+                    self._early = Usage(
+                        prompt_tokens=prompt,
+                        total_tokens=prompt,
+                        cached_tokens=self._cache_read,
+                        cache_write_tokens=self._cache_write,
+                        partial=True,
+                    )
                 return []
             case "message_delta":
                 self._usage(data.get("usage") or {})

@@ -1,8 +1,9 @@
 """Errors at the HTTP edge: one middleware renders every failure as JSON.
 
 The body's shape is the endpoint's: a handler may carry an ``error_body``
-attribute (a function of :class:`~nexus.errors.GatewayError` to a dict); the
-default is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+attribute (a function of :class:`~nexus.errors.GatewayError` and the request id to
+a dict); the default is OpenAI's ``{"error": {"message", "type", "param", "code",
+"request_id"}}``. The request id is the ``X-Request-Id`` the response carries.
 Unknown routes and methods get the same JSON shape, and an unexpected
 exception a 500 whose message reveals nothing internal.
 """
@@ -24,11 +25,11 @@ __all__ = ["error_middleware", "error_response"]
 log = logging.getLogger("nexus.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-ErrorBody = Callable[[GatewayError], dict[str, Any]]
+ErrorBody = Callable[[GatewayError, str | None], dict[str, Any]]
 
 
-def _openai_body(error: GatewayError) -> dict[str, Any]:
-    return error.openai_body()
+def _openai_body(error: GatewayError, request_id: str | None) -> dict[str, Any]:
+    return error.openai_body(request_id)
 
 
 def error_response(request: web.Request, error: GatewayError) -> web.Response:
@@ -37,7 +38,7 @@ def error_response(request: web.Request, error: GatewayError) -> web.Response:
     headers = dict(error.headers)
     return web.Response(
         status=error.status,
-        body=orjson.dumps(body(error)),
+        body=orjson.dumps(body(error, _known_request_id(request))),
         content_type="application/json",
         headers=headers,
     )
@@ -46,11 +47,16 @@ def error_response(request: web.Request, error: GatewayError) -> web.Response:
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def _request_id(request: web.Request) -> str:
+def _known_request_id(request: web.Request) -> str | None:
+    """The id the access middleware gave the request; None without it."""
     from .access import EXCHANGE  # the access middleware set it
 
-    exchange = request.get(EXCHANGE)
-    return str(getattr(exchange, "request_id", "")) or "req_" + os.urandom(12).hex()
+    request_id = getattr(request.get(EXCHANGE), "request_id", None)
+    return request_id if isinstance(request_id, str) and request_id else None
+
+
+def _request_id(request: web.Request) -> str:
+    return _known_request_id(request) or "req_" + os.urandom(12).hex()
 
 
 @web.middleware

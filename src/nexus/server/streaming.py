@@ -435,7 +435,9 @@ def pump(
     output as an HTTP status; an attach gets it in the stream.
     """
     meta = reader.meta
+    ex = exchange(request)
     encoder = encoder_cls(meta)
+    encoder.request_id = ex.request_id  # this response's, for its error frames
     renderer = Renderer(encoder, meta.id, ids=uses_event_ids(encoder_cls), after=after)
     all_headers = {
         "Content-Type": encoder.content_type or encoder.media_type,
@@ -445,7 +447,6 @@ def pump(
         "X-Nexus-Stream-Format": encoder.media_type,
         "X-Nexus-Stream-Id": meta.id,
     }
-    ex = exchange(request)
     all_headers.update(ex.headers)
     if headers:
         all_headers.update(headers)

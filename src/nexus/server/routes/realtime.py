@@ -113,9 +113,12 @@ class RealtimeConnection:
         self._loop = asyncio.get_running_loop()
         self._last_seen = 0.0  # when the client last sent a frame
         self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline
+        self.request_id = exchange(request).request_id
+        """The handshake's ``X-Request-Id``: every error frame of the connection has it."""
         self.session = RealtimeSession(
             max_pending_input_bytes=config.realtime.max_pending_input_bytes,
             max_json_depth=config.limits.max_json_depth,
+            request_id=self.request_id,
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
@@ -251,7 +254,7 @@ class RealtimeConnection:
                 except GatewayError as exc:
                     # Refused before anything streamed: the pending input is kept.
                     self.session.start_refused()
-                    await self.ws.send_str(gateway_error_frame(exc).frame)
+                    await self.ws.send_str(gateway_error_frame(exc, self.request_id).frame)
                     return
                 self.session.start_accepted()
                 # A joined stream is another request's: this socket may leave it, never end it.
@@ -406,15 +409,15 @@ class Turn:
             self.terminate()
             with contextlib.suppress(ConnectionError):
                 if exc.status >= 500:
-                    await conn.fail(orjson.dumps(exc.to_event().to_dict()))
+                    await conn.fail(orjson.dumps(exc.to_event().to_dict(conn.request_id)))
                 else:
-                    await conn.ws.send_str(gateway_error_frame(exc).frame)
+                    await conn.ws.send_str(gateway_error_frame(exc, conn.request_id).frame)
         except ConnectionError:
             log.debug("realtime client went away mid-turn")
         except Exception:
             log.exception("realtime turn failed")
             self.terminate()
-            await conn.fail(orjson.dumps(_INTERNAL.to_dict()))
+            await conn.fail(orjson.dumps(_INTERNAL.to_dict(conn.request_id)))
         finally:
             self.task = None
             if not back:
@@ -431,7 +434,8 @@ class Turn:
         if not self.started and failure is not None:
             raise failure
         self.terminate()
-        await self.conn.fail(orjson.dumps(event.to_dict()))
+        body = event.to_dict(self.conn.request_id) if type(event) is Error else event.to_dict()
+        await self.conn.fail(orjson.dumps(body))
 
     def terminate(self) -> None:
         """The turn's last frame is about to go out: the session may start the next."""

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 
 from nexus import (
@@ -246,3 +247,95 @@ async def test_a_stream_cut_mid_way_reports_an_estimate_to_the_hooks(
     assert kind == "failed"
     assert error.code != "stream_cancelled"
     assert spend == Spend(0, 4, 0, 0, 4 * 10.0 / 1e6, True)
+
+
+# --- usage.cost ----------------------------------------------------------------------------
+
+
+def one_upstream(fake: FakeUpstream, **cache: Any) -> dict[str, Any]:
+    config = two_targets(fake, fake)
+    config["models"]["a/m1"] = {
+        "input_usd_per_mtok": 2.5,
+        "output_usd_per_mtok": 10.0,
+        "cached_input_usd_per_mtok": 1.25,
+    }
+    if cache:
+        config["cache"] = cache
+    return config
+
+
+COST = cost_usd(PRICE, 1200, 300, 1000)
+
+
+async def test_include_cost_over_the_openai_sdk(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    from openai import AsyncOpenAI
+
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER), Reply.stream(ANSWER))
+    client = await make_client(one_upstream(fake))
+    async with AsyncOpenAI(
+        base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0
+    ) as api:
+        stream = await api.chat.completions.create(
+            model="a/m1",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            stream_options={"include_usage": True, "include_cost": True},  # type: ignore[typeddict-unknown-key]
+        )
+        chunks = [chunk async for chunk in stream]
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (1200, 300)
+        assert usage.model_extra == {"cost": COST}
+        # Without include_cost: no cost.
+        plain = await api.chat.completions.create(
+            model="a/m1",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        last = [chunk async for chunk in plain][-1]
+        assert last.usage is not None and not last.usage.model_extra
+    # Never sent upstream.
+    assert [seen.body["stream_options"] for seen in fake.requests] == [{"include_usage": True}] * 2
+
+
+async def test_include_cost_over_raw_sse_and_json(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER), Reply.stream(ANSWER))
+    client = await make_client(one_upstream(fake))
+    body = {
+        "model": "a/m1",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_cost": True},
+    }
+    resp = await client.post("/v1/chat/completions", json=body)
+    frames = [f for f in (await resp.read()).split(b"\n") if f.startswith(b"data: {")]
+    usage = orjson.loads(frames[-1][len(b"data: ") :])["usage"]
+    assert usage["cost"] == COST
+    assert isinstance(usage["cost"], float)
+    resp = await client.post("/v1/chat/completions", json={**body, "stream": False})
+    assert (await resp.json())["usage"]["cost"] == COST
+
+
+async def test_include_cost_keeps_the_cache_key_and_a_hit_costs_nothing(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER))
+    client = await make_client(one_upstream(fake, enabled=True))
+    body = {"model": "a/m1", "messages": [{"role": "user", "content": "x"}], "stream": False}
+    first = await client.post("/v1/chat/completions", json=body)
+    assert first.headers["X-Nexus-Cache"] == "miss"
+    assert "cost" not in (await first.json())["usage"]
+    costed = {**body, "stream_options": {"include_cost": True}}
+    hit = await client.post("/v1/chat/completions", json=costed)
+    assert hit.headers["X-Nexus-Cache"] == "hit"
+    usage = (await hit.json())["usage"]
+    assert (usage["prompt_tokens"], usage["cost"]) == (1200, 0.0)
+    assert len(fake.requests) == 1

@@ -73,10 +73,10 @@ CASES: list[Any] = [
         b'["citation","https://x","X","q"]',
         id="citation-all-fields",
     ),
-    pytest.param(Usage(), b'["usage",0,0,0,null,null,null]', id="usage-defaults"),
+    pytest.param(Usage(), b'["usage",0,0,0,null,null,null,null]', id="usage-defaults"),
     pytest.param(
-        Usage(5, 3, 8, cached_tokens=2, cache_write_tokens=0, reasoning_tokens=1),
-        b'["usage",5,3,8,2,0,1]',
+        Usage(5, 3, 8, cached_tokens=2, cache_write_tokens=0, reasoning_tokens=1, cost_usd=0.5),
+        b'["usage",5,3,8,2,0,1,0.5]',
         id="usage-all-fields",
     ),
     pytest.param(
@@ -299,3 +299,7 @@ def test_event_size_counts_more_for_more_tool_calls() -> None:
     one = event_size(Delta(tool_calls=(FULL_CALL,)))
     two = event_size(Delta(tool_calls=(FULL_CALL, FULL_CALL)))
     assert 0 < one < two
+
+
+def test_a_usage_stored_before_its_cost_still_loads() -> None:
+    assert load_event(["usage", 5, 3, 8, 2, 0, 1]) == Usage(5, 3, 8, 2, 0, 1)

@@ -182,6 +182,8 @@ class ResponseFormat(StrictModel):
 
 class StreamOptions(OpenModel):
     include_usage: bool = False
+    include_cost: bool = False
+    """Nexus's: ``usage.cost`` (USD) in the usage chunk; never sent upstream."""
     include_obfuscation: bool | None = None
 
 
@@ -290,3 +292,7 @@ class ChatRequest(OpenModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def include_cost(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_cost

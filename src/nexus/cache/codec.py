@@ -65,6 +65,8 @@ def _load(data: Sequence[Any]) -> StreamEvent:
     cls = _CLASSES[data[0]]
     fields = _FIELDS[cls]
     values = list(data[1:])
+    if cls is Usage and len(values) == len(fields) - 1:
+        values.append(None)  # stored before usage had its cost
     if len(values) != len(fields):
         raise ValueError(f"a stored {data[0]} event has {len(values)} fields, not {len(fields)}")
     if cls is Delta:

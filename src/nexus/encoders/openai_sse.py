@@ -3,7 +3,9 @@
 Each chunk is ``data: {json}\\n\\n`` with no ``event:`` line. The role goes out
 once, in the first chunk (the SDK's stream helper concatenates repeated roles);
 reasoning is ``delta.reasoning_content``; usage is a trailing chunk with
-``choices: []``, only when the request set ``stream_options.include_usage``. A
+``choices: []``, only when the request set ``stream_options.include_usage``
+(with ``cost``, in USD, when it also set ``include_cost`` and the model has a
+price). A
 mid-stream failure is ``event: error`` whose data is ``{"error": {...}}`` (the
 SDK raises ``APIError`` on it), then ``data: [DONE]``.
 
@@ -88,7 +90,10 @@ class OpenAISSEEncoder(Encoder):
             case Usage():
                 if not self.meta.include_usage:
                     return b""
-                return self._head + b'[],"usage":' + _dumps(event.wire()) + b"}\n\n"
+                usage = event.wire()
+                if self.meta.include_cost and event.cost_usd is not None:
+                    usage["cost"] = event.cost_usd  # OpenRouter's field, USD
+                return self._head + b'[],"usage":' + _dumps(usage) + b"}\n\n"
             case Audio():
                 audio = {"data": event.data, "transcript": event.transcript}
                 if event.format is not None:

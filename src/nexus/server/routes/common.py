@@ -204,7 +204,8 @@ async def complete(
         # (no run of its own) for as long as it runs; with it, as its run.
         with admit_stream(request, key, chat.model):
             if not hub.cache.enabled:
-                return json_response(render(await app[state.ENGINE].complete(chat, ctx)))
+                completion = await app[state.ENGINE].complete(chat, ctx)
+                return json_response(_body(render, completion, chat.include_cost))
             opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
         _count_cache(request, opened.cache)
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
@@ -214,7 +215,10 @@ async def complete(
             # Nobody else can attach (no id was given out): the run ends with the
             # request (the client gone, a failure), unless it is shared.
             await leave(reader, None if opened.joined else opened.run)
-        return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
+        return json_response(
+            _body(render, completion, chat.include_cost),
+            headers={"X-Nexus-Cache": opened.cache or "miss"},
+        )
     with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
@@ -230,9 +234,24 @@ async def complete(
         lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
         token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
         return json_response(describe(opened.info, token), status=202, headers=headers)
-    reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, chat.include_usage))
+    reader = await hub.attach(
+        opened.id, meta=with_usage(opened.info.meta, chat.include_usage, chat.include_cost)
+    )
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
+
+
+def _body(
+    render: Callable[[Completion], dict[str, Any]], completion: Completion, include_cost: bool
+) -> dict[str, Any]:
+    """The response body, with ``usage.cost`` (USD) when asked for and known."""
+    body = render(completion)
+    usage = completion.usage
+    if include_cost and usage is not None and usage.cost_usd is not None:
+        wire = body.get("usage")
+        if isinstance(wire, dict):
+            wire["cost"] = usage.cost_usd
+    return body
 
 
 async def resume(

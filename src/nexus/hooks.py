@@ -27,6 +27,10 @@ Hooks
     before. ``provider`` (and ``meta.provider`` of the stream) is the target
     that answered, after fallbacks.
 
+    A plugin whose class sets ``wants_final = False`` does not read ``final``: when
+    no plugin wants it, the stream is not merged and ``final`` is an empty
+    :class:`~nexus.types.Completion` (its id, model and creation time only).
+
     ``on_stream_started`` runs before the stream is launched: raising
     :class:`StreamRejected` from it refuses the request with that error (an HTTP
     error in the endpoint's shape, even for a background request). Any other
@@ -220,6 +224,7 @@ class Hooks:
         self._chunk: list[tuple[str, ChunkHook, int]] = []
         self._completed: list[tuple[str, CompletedHook, bool]] = []
         self._failed: list[tuple[str, FailedHook, bool]] = []
+        self._final = False  # a completed hook uses the merged completion
         self._frozen = False
         self.prices = PriceTable()
         """What the spends passed to the end hooks are priced with (the engine's)."""
@@ -261,6 +266,7 @@ class Hooks:
         if "on_stream_completed" in found:
             method = found["on_stream_completed"]
             self._completed.append((label, method, _takes_spend(method)))
+            self._final = self._final or getattr(plugin, "wants_final", True) is not False
         if "on_stream_failed" in found:
             method = found["on_stream_failed"]
             self._failed.append((label, method, _takes_spend(method)))
@@ -357,7 +363,7 @@ class StreamObserver:
         self.meta = meta
         self.chunks = bool(hooks._chunk)
         """Whether :meth:`chunk` has anything to do."""
-        self.wants_final = bool(hooks._completed)
+        self.wants_final = hooks._final
         """Whether :meth:`end` will use the merged completion."""
 
     async def chunk(self, event: StreamEvent) -> None:
@@ -402,7 +408,7 @@ class StreamObserver:
             return
         if not hooks._completed:
             return
-        completion = final()
+        completion = final() if self.wants_final else _no_final(meta)()
         for name, completed, takes in hooks._completed:
             args = (self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
             try:

@@ -46,6 +46,7 @@ from ..engine import Engine
 from ..errors import GatewayError, StreamNotFound, TooManyStreams
 from ..events import Done, Error, StreamEvent, Usage
 from ..hooks import CallContext
+from ..pricing import Spend
 from ..request import ChatRequest
 from ..stream import Stream
 from ..types import StreamMeta
@@ -123,6 +124,14 @@ class StoreReader:
     @property
     def failure(self) -> GatewayError | None:
         return None
+
+    @property
+    def spend(self) -> Spend | None:
+        return None  # counted where the stream ran
+
+    @property
+    def served(self) -> StreamMeta:
+        return self.meta
 
     def __aiter__(self) -> StoreReader:
         return self

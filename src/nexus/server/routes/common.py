@@ -39,13 +39,14 @@ from ...errors import (
 )
 from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
+from ...pricing import NOTHING, Spend, Tally
 from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
 from ...stream import Stream, accumulate
-from ...types import Completion
+from ...types import Completion, StreamMeta
 from .. import state
-from ..access import KEYS, METRICS, admit, admit_stream, authenticate, exchange
+from ..access import KEYS, METRICS, Exchange, admit, admit_stream, authenticate, exchange
 from ..streaming import pump
 
 __all__ = [
@@ -191,6 +192,7 @@ async def complete(
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)
+    ex.model = chat.model
     streaming = chat.stream or chat.background
     ctx = CallContext(
         request_id=ex.request_id,
@@ -204,10 +206,15 @@ async def complete(
         # (no run of its own) for as long as it runs; with it, as its run.
         with admit_stream(request, key, chat.model):
             if not hub.cache.enabled:
-                completion = await app[state.ENGINE].complete(chat, ctx)
+                engine = app[state.ENGINE]
+                stream = await engine.open_stream(chat, ctx)
+                completion = await accumulate(stream)
+                spent = engine.prices.spend(Tally(completion.usage), stream.meta, complete=True)
+                _settle(ex, stream.meta, spent)
                 return json_response(_body(render, completion, chat.include_cost))
             opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
         _count_cache(request, opened.cache)
+        ex.cache = opened.cache
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
         try:
             completion = await accumulate(Stream(_events(reader), reader.meta))
@@ -215,6 +222,7 @@ async def complete(
             # Nobody else can attach (no id was given out): the run ends with the
             # request (the client gone, a failure), unless it is shared.
             await leave(reader, None if opened.joined else opened.run)
+        _settle(ex, reader.served, NOTHING if opened.cache == "hit" else reader.spend)
         return json_response(
             _body(render, completion, chat.include_cost),
             headers={"X-Nexus-Cache": opened.cache or "miss"},
@@ -224,6 +232,7 @@ async def complete(
             chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
         )
     _count_cache(request, opened.cache)
+    ex.cache = opened.cache
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     if chat.background:
         # Location is the bare resource (a key reads it); the body's url carries a read token.
@@ -239,6 +248,13 @@ async def complete(
     )
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
+
+
+def _settle(ex: Exchange, served: StreamMeta, spend: Spend | None) -> None:
+    """A JSON answer's access line: who answered, what it spent."""
+    ex.provider = served.provider
+    ex.served = f"{served.provider}/{served.upstream_model}"
+    ex.spend = spend
 
 
 def _body(

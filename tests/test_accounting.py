@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -71,6 +72,19 @@ class SpendPlugin:
     ) -> None:
         self.ends.append(("failed", model, error, extra["spend"]))
         self.done.set()
+
+
+PLUGINS: list[SpendPlugin] = []
+
+
+def make_spend_plugin() -> SpendPlugin:
+    """For ``[[plugins]] path = "test_accounting:make_spend_plugin"``."""
+    PLUGINS.append(SpendPlugin())
+    return PLUGINS[-1]
+
+
+def with_plugin(config: dict[str, Any]) -> dict[str, Any]:
+    return {**config, "plugins": [{"path": "test_accounting:make_spend_plugin"}]}
 
 
 class OldPlugin:
@@ -173,11 +187,9 @@ async def test_server_fallback_names_the_target_that_answered(
     first, second = upstreams
     first.add(UNAVAILABLE)
     second.add(Reply.stream(ANSWER))
-    client = await make_client(two_targets(first, second))
-    plugin = SpendPlugin()
+    client = await make_client(with_plugin(two_targets(first, second)))
+    plugin = PLUGINS[-1]
     hub = client.app[HUB]
-    hub.engine.hooks._frozen = False  # a test plugin, added after start-up
-    hub.engine.hooks.add(plugin)
     resp = await client.post(
         "/v1/chat/completions",
         json={"model": "smart", "stream": True, "messages": [{"role": "user", "content": "x"}]},
@@ -231,11 +243,8 @@ async def test_a_stream_cut_mid_way_reports_an_estimate_to_the_hooks(
     first.add(Reply.stream(frames, end="abort"))
     config = two_targets(first, first)
     config["models"]["a/m1"] = {"input_usd_per_mtok": 2.5, "output_usd_per_mtok": 10.0}
-    client = await make_client(config)
-    plugin = SpendPlugin()
-    hub = client.app[HUB]
-    hub.engine.hooks._frozen = False
-    hub.engine.hooks.add(plugin)
+    client = await make_client(with_plugin(config))
+    plugin = PLUGINS[-1]
     resp = await client.post(
         "/v1/chat/completions",
         json={"model": "a/m1", "stream": True, "messages": [{"role": "user", "content": "x"}]},
@@ -339,3 +348,21 @@ async def test_include_cost_keeps_the_cache_key_and_a_hit_costs_nothing(
     usage = (await hit.json())["usage"]
     assert (usage["prompt_tokens"], usage["cost"]) == (1200, 0.0)
     assert len(fake.requests) == 1
+
+
+async def test_the_text_access_line_quotes_what_a_client_chose(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client()
+    model = 'mock/x y\nforged=1 "z'
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "a b"}]},
+    )
+    assert resp.status == 200
+    (record,) = [r for r in caplog.records if r.name == "nexus.access"]
+    line = record.getMessage()
+    assert "\n" not in line
+    assert f"model={orjson.dumps(model).decode()} " in line
+    assert record.access["model"] == model  # type: ignore[attr-defined]

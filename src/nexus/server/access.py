@@ -6,10 +6,26 @@ per-key limits, the access log.
 pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
 403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
 WebSocket handshake is refused before it upgrades), answers CORS preflights for
-``[cors] allow_origins``, and writes one access line per request (endpoint,
-format, provider, status, TTFB, duration, events, bytes) and its metrics. Routes
-call :func:`authenticate` and :func:`admit`; the pump fills in the request's
+``[cors] allow_origins``, and writes one access line per request and its metrics.
+Routes call :func:`authenticate` and :func:`admit`; the pump fills in the request's
 :class:`Exchange` as it writes.
+
+The access line: ``method``, ``path`` (never the query: a read token travels
+there), ``endpoint``, ``status``, ``outcome`` (``ok``, ``error:<code>`` for an
+HTTP error, ``mid_stream_error:<code>`` for a stream that failed after its
+headers, ``cancelled:<reason>`` for one ended on purpose or left by its client),
+``model`` (as asked) and ``served`` (``provider/model``, the target that answered
+after fallbacks), ``format``, ``provider``, ``stream_id``, ``key`` (its name),
+``client`` (the peer's address), ``cache``, ``ttfb_ms``, ``ttft_ms``,
+``duration_ms``, ``events`` and ``bytes`` (of a written stream only), and what the
+request spent upstream (:class:`~nexus.pricing.Spend`): ``prompt_tokens``,
+``completion_tokens``, ``cached_tokens``, ``reasoning_tokens``, ``cost_usd`` (when
+the model has a price) and ``estimated`` (when so). A cache hit or a request that
+joined another's stream spent nothing (zeros: the tokens were the other's); a
+request whose client left before the stream's end has no spend (its stream's
+hooks and metrics count it when it ends). Lines of failed requests (a status of
+400 or more, or an outcome other than ``ok``) are logged at WARNING. In the text
+form, a value with spaces, quotes or control characters is JSON-quoted.
 
 A request answered before its body was read to the end (a 401, a 413, any refusal)
 has its connection closed once the answer is out: aiohttp would otherwise read the

@@ -11,8 +11,16 @@ directory (prometheus_client's multiprocess mode), and ``/metrics``, on any
 worker, adds up the files of all of them: counters and histograms count the
 whole server, dead workers' work included; ``nexus_active_streams`` is a
 ``livesum`` gauge, the streams running in the workers alive (the supervisor
-calls :func:`mark_worker_dead` for each worker that ends). ``_created`` samples
-are not exported in that mode.
+calls :func:`mark_worker_dead` for each worker that ends). No ``_created``
+samples in either mode (:func:`prometheus_client.disable_created_metrics`).
+
+Spend: ``nexus_tokens_total{model,key,kind}`` and ``nexus_cost_usd_total{model,key}``
+are counted once per stream, when it ends (through the hooks, whoever reads it:
+background streams, streams joined by several requests), estimated for a stream
+cut before its final usage. ``model`` is the model asked for when it is an alias
+or an advertised model, ``<provider>/*`` for any other model of a provider (clients
+choose the name; labels must stay few), ``unknown`` otherwise; ``key`` is the key's
+name, ``anonymous`` without keys. No label is ever empty.
 
 Two values are read from other objects rather than counted here, so that they
 stay right whichever worker is scraped: the hub's running streams (one process:

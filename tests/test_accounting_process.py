@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,13 +80,13 @@ output_usd_per_mtok = 2
 
 
 @contextlib.contextmanager
-def serve(tmp_path: Path, text: str) -> Iterator[tuple[str, Path]]:
+def serve(tmp_path: Path, text: str) -> Iterator[tuple[str, Path, subprocess.Popen[bytes]]]:
     path = tmp_path / "config.toml"
     path.write_text(text)
     log = tmp_path / "nexus.log"
     proc, match = start_nexus(path, log)
     try:
-        yield match.group(1), log
+        yield match.group(1), log, proc
     finally:
         stop_nexus(proc)
 
@@ -169,7 +171,7 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
     async with FakeUpstream() as oai, FakeUpstream() as claude:
         oai.add(Reply.stream(OPENAI))
         claude.add(Reply.stream(ANTHROPIC, path="/v1/messages"))
-        with serve(tmp_path, config(oai.url, claude.url)) as (url, log):
+        with serve(tmp_path, config(oai.url, claude.url)) as (url, log, _):
             async with aiohttp.ClientSession() as session:
                 status, _ = await post(session, url, "r-oai", body("oai/gpt-x", stream=True))
                 assert status == 200
@@ -277,3 +279,22 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
     assert value("nexus_upstream_errors_total", provider="mock", code="upstream_error") == 1
     assert "_created" not in metrics
     assert '="-"' not in metrics and '=""' not in metrics
+
+
+async def test_a_stream_cut_by_shutdown_is_not_a_success(tmp_path: Path) -> None:
+    async with FakeUpstream() as oai, FakeUpstream() as claude:
+        with serve(tmp_path, config(oai.url, claude.url)) as (url, log, proc):
+            slow = body("mock/echo", " ".join(["w"] * 50), stream=True, mock={"delay_ms": 100})
+            headers = {**HEADERS, "X-Request-Id": "r-shutdown"}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + CHAT, json=slow, headers=headers) as resp,
+            ):
+                await resp.content.readuntil(b"\n\n")
+                proc.send_signal(signal.SIGTERM)
+                rest = await resp.read()
+            assert b"server_shutting_down" in rest
+            line = await wait_for_line(log, "r-shutdown")
+    assert line["level"] == "warning"
+    assert (line["status"], line["outcome"]) == (200, "cancelled:shutdown")
+    assert line["completion_tokens"] > 0 and line["estimated"] is True

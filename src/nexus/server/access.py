@@ -139,7 +139,7 @@ class Exchange:
     def outcome(self, status: int) -> str:
         """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""
         if self.stream_error is not None:
-            cause = CANCEL_CAUSES.get(self.stream_error)
+            cause = _OUTCOME_CAUSES.get(self.stream_error)
             if cause is not None:
                 return f"cancelled:{cause}"
             return f"mid_stream_error:{self.stream_error}"
@@ -154,10 +154,14 @@ class Exchange:
         if type(terminal) is Error:
             self.stream_error = terminal.code or terminal.error_type
         elif type(terminal) is Done and terminal.aborted:
-            self.stream_error = "stream_cancelled"
+            self.cancelled = self.cancelled or "client_disconnect"  # its reader left
 
 
 EXCHANGE: Any = _request_key()
+
+_OUTCOME_CAUSES = {**CANCEL_CAUSES, "stream_cancelled": "aborted"}
+"""The ``cancelled:<reason>`` of a stream that ended with one of these error codes
+(``aborted``: ``DELETE /v1/streams/{id}``, or its producer cancelled)."""
 
 
 def exchange(request: web.Request) -> Exchange:

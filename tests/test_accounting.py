@@ -330,6 +330,12 @@ async def test_include_cost_over_raw_sse_and_json(
     assert isinstance(usage["cost"], float)
     resp = await client.post("/v1/chat/completions", json={**body, "stream": False})
     assert (await resp.json())["usage"]["cost"] == COST
+    # include_cost alone asks for the usage chunk too.
+    fake.add(Reply.stream(ANSWER))
+    alone = {**body, "stream_options": {"include_cost": True}}
+    resp = await client.post("/v1/chat/completions", json=alone)
+    frames = [f for f in (await resp.read()).split(b"\n") if f.startswith(b"data: {")]
+    assert orjson.loads(frames[-1][len(b"data: ") :])["usage"]["cost"] == COST
 
 
 async def test_include_cost_keeps_the_cache_key_and_a_hit_costs_nothing(

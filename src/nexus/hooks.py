@@ -24,8 +24,9 @@ Hooks
     before its final usage, what was seen so far with ``estimated=True``; a cache
     hit spends nothing (zero). It is passed, as a keyword, only to methods that
     take a ``spend`` parameter (or ``**kwargs``): older plugins are called as
-    before. ``provider`` (and ``meta.provider`` of the stream) is the target
-    that answered, after fallbacks.
+    before. In the end hooks, ``provider`` (like the stream's ``meta.provider``)
+    is the target that answered, after fallbacks; ``on_stream_started`` runs before
+    the stream does, so its ``provider`` is the first target.
 
     A plugin whose class sets ``wants_final = False`` does not read ``final``: when
     no plugin wants it, the stream is not merged and ``final`` is an empty

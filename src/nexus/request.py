@@ -183,7 +183,8 @@ class ResponseFormat(StrictModel):
 class StreamOptions(OpenModel):
     include_usage: bool = False
     include_cost: bool = False
-    """Nexus's: ``usage.cost`` (USD) in the usage chunk; never sent upstream."""
+    """Nexus's: ``usage.cost`` (USD) in the usage chunk (sent even without
+    ``include_usage``); never sent upstream."""
     include_obfuscation: bool | None = None
 
 

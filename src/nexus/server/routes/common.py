@@ -243,8 +243,10 @@ async def complete(
         lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
         token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
         return json_response(describe(opened.info, token), status=202, headers=headers)
+    # include_cost asks for the usage chunk too: the cost rides on it.
+    usage = chat.include_usage or chat.include_cost
     reader = await hub.attach(
-        opened.id, meta=with_usage(opened.info.meta, chat.include_usage, chat.include_cost)
+        opened.id, meta=with_usage(opened.info.meta, usage, chat.include_cost)
     )
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)

@@ -372,3 +372,31 @@ async def test_the_text_access_line_quotes_what_a_client_chose(
     assert "\n" not in line
     assert f"model={orjson.dumps(model).decode()} " in line
     assert record.access["model"] == model  # type: ignore[attr-defined]
+
+
+async def test_a_cache_hit_spends_nothing(
+    make_client: MakeClient,
+    upstreams: tuple[FakeUpstream, FakeUpstream],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER))
+    client = await make_client(with_plugin(one_upstream(fake, enabled=True)))
+    plugin = PLUGINS[-1]
+    body = {"model": "a/m1", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    for request_id in ("first", "again"):
+        resp = await client.post(
+            "/v1/chat/completions", json=body, headers={"X-Request-Id": request_id}
+        )
+        await resp.read()
+    await asyncio.sleep(0.05)
+    lines = {r.request_id: r.access for r in caplog.records if r.name == "nexus.access"}  # type: ignore[attr-defined]
+    assert (lines["first"]["cache"], lines["first"]["cost_usd"]) == ("miss", round(COST, 10))
+    assert lines["first"]["prompt_tokens"] == 1200
+    again = lines["again"]
+    assert (again["cache"], again["outcome"], again["cost_usd"]) == ("hit", "ok", 0.0)
+    assert (again["prompt_tokens"], again["completion_tokens"]) == (0, 0)
+    assert [spend.cost_usd for *_, spend in plugin.ends] == [COST, 0.0]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'nexus_tokens_total{key="anonymous",kind="prompt",model="a/*"} 1200.0' in metrics

@@ -400,3 +400,29 @@ async def test_a_cache_hit_spends_nothing(
     assert [spend.cost_usd for *_, spend in plugin.ends] == [COST, 0.0]
     metrics = await (await client.get("/metrics")).text()
     assert 'nexus_tokens_total{key="anonymous",kind="prompt",model="a/*"} 1200.0' in metrics
+
+
+async def test_a_request_no_target_answered_names_none(
+    make_client: MakeClient,
+    upstreams: tuple[FakeUpstream, FakeUpstream],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    first, second = upstreams
+    first.add(UNAVAILABLE)
+    second.add(UNAVAILABLE)
+    client = await make_client(two_targets(first, second))
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "smart", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert resp.status == 502
+    (record,) = [r for r in caplog.records if r.name == "nexus.access"]
+    line = record.access  # type: ignore[attr-defined]
+    assert record.levelno == logging.WARNING
+    assert (line["model"], line["served"], line["outcome"]) == (
+        "smart",
+        None,
+        f"error:{(await resp.json())['error']['code']}",
+    )
+    assert "prompt_tokens" not in line

@@ -225,6 +225,8 @@ class StreamPump:
         answered and, for the request that made it, what it spent (nothing for a cache
         hit or a joined stream; not yet known when the client left before its end)."""
         ex = self.exchange
+        if self.reader.failure is not None:
+            return  # no target answered: an HTTP error, nothing served
         served = self.reader.served
         ex.provider = served.provider
         ex.served = f"{served.provider}/{served.upstream_model}" if served.provider else None

@@ -91,6 +91,9 @@ class ApiKey:
 
     name: str
     models: tuple[str, ...] | None = None
+    budget_usd: float | None = None
+    """What it may spend per ``budget_period`` (see :mod:`nexus.budgets`); None: no budget."""
+    budget_period: str = "month"
 
     def allows(self, model: str) -> bool:
         if self.models is None:
@@ -105,7 +108,12 @@ class KeyRing:
         self._keys = [
             (
                 bytes.fromhex(key.sha256),
-                ApiKey(key.name, None if key.models is None else tuple(key.models)),
+                ApiKey(
+                    key.name,
+                    None if key.models is None else tuple(key.models),
+                    key.budget_usd,
+                    key.budget_period,
+                ),
             )
             for key in keys
         ]
@@ -113,6 +121,11 @@ class KeyRing:
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
+
+    @property
+    def keys(self) -> list[ApiKey]:
+        """Every configured key, in the config's order."""
+        return [key for _, key in self._keys]
 
     def lookup(self, presented: str) -> ApiKey | None:
         """The key ``presented`` is, compared in constant time against every stored hash."""

@@ -1,5 +1,6 @@
 """The ``nexus`` command: ``nexus serve [--config PATH] [--host H] [--port P]
-[--workers N|auto] [--loop auto|uvloop|asyncio]`` and ``nexus hash-key``."""
+[--workers N|auto] [--loop auto|uvloop|asyncio]``, ``nexus hash-key`` and
+``nexus keys [--config PATH]``."""
 
 from __future__ import annotations
 
@@ -10,18 +11,22 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from .auth import hash_key, is_loopback, new_key
-from .config import Config, load_config
+from .auth import KeyRing, hash_key, is_loopback, new_key
+from .budgets import key_table, window
+from .cache.limits import KeyLimits, LocalLimits
+from .config import Config, RedisStoreConfig, load_config
 from .errors import ConfigError
 from .server import redaction
 from .server.access import JsonFormatter
 from .supervisor import Supervisor, cpu_count
+from .telemetry import check_installed
 
 log = logging.getLogger("nexus")
 
@@ -64,9 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     hash_key.add_argument("--stdin", action="store_true", help="hash a key read from stdin")
     hash_key.add_argument("--name", default="my-app", help="the key's name in the entry")
+    keys = commands.add_parser(
+        "keys",
+        help="print each API key's models, budget and spend in the current period",
+        description="Each [[auth.keys]] entry: its models, budget, period, what it spent in "
+        "the current period and when that resets, read from the configured store (Redis: "
+        "what every replica charged; the memory store lives in the gateway's process, "
+        "so its spend is not shown).",
+    )
+    keys.add_argument("--config", help=f"path of the config file (default: ./{DEFAULT_CONFIG})")
     args = parser.parse_args(argv)
     if args.command == "hash-key":
         return _hash_key(args.stdin, args.name)
+    if args.command == "keys":
+        try:
+            config, _ = _load(args.config)
+        except ConfigError as exc:
+            print(f"nexus: config error: {exc}", file=sys.stderr)
+            return 2
+        return asyncio.run(_keys(config))
 
     try:
         config, source = _load(args.config)
@@ -86,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             config = config.model_copy(update={"server": server.model_copy(update=updates)})
         _setup_logging(args.log_level.upper(), config.logging.format)
         _check_exposure(config, source)
+        check_installed(config.telemetry)  # once, before any worker starts
         return _serve(config, source)
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)
@@ -117,6 +139,64 @@ def _hash_key(from_stdin: bool, name: str) -> int:
     print(f"sha256: {hash_key(key)}")
     print("\n# config.toml (the key itself is not stored):")
     print(f'[[auth.keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"')
+    return 0
+
+
+async def _keys(config: Config) -> int:
+    """``nexus keys``: one line per key (see :func:`nexus.budgets.key_table`)."""
+    ring = KeyRing(config.auth.keys)
+    if not ring.enabled:
+        print("No [[auth.keys]] configured.")
+        return 0
+    store = config.store
+    limits: KeyLimits | None = None
+    client = None
+    errors: tuple[type[Exception], ...] = (OSError,)
+    if isinstance(store, RedisStoreConfig):
+        import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
+
+        from .cache.redis import RedisStore, redact_url
+        from .cache.redis_limits import RedisLimits
+
+        client = aioredis.Redis.from_url(store.url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        limits = RedisLimits(
+            RedisStore(store.url, store.prefix, client=client),
+            rate=0.0,
+            per_key=None,
+            lease_s=config.limits.stream_lease_s,
+            fallback=LocalLimits(0.0, None),
+        )
+        errors = (OSError, RedisError)
+    now = time.time()
+    rows = []
+    try:
+        for key in ring.keys:
+            row = {
+                "name": key.name,
+                "models": ",".join(key.models) if key.models is not None else "*",
+            }
+            if key.budget_usd is not None:
+                row["budget_usd"] = f"{key.budget_usd:g}"
+            # Spend is kept per period for every key (``month`` unless it says otherwise).
+            row["period"] = key.budget_period
+            row["resets_at"] = window(key.budget_period, now).resets_iso() or "never"
+            if limits is not None:
+                row["spent_usd"] = f"{await limits.spent(key):.6f}"
+            rows.append(row)
+    except errors as exc:
+        assert isinstance(store, RedisStoreConfig)
+        print(
+            f"nexus: keys: Redis not reachable at {redact_url(store.url)}: {type(exc).__name__}",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        if client is not None:
+            await client.aclose()
+    print(key_table(rows))
+    if limits is None:
+        print("(spend: the memory store is in the gateway's process; not readable from here)")
     return 0
 
 

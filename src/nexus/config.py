@@ -40,6 +40,7 @@ __all__ = [
     "ServerConfig",
     "StoreConfig",
     "StreamsConfig",
+    "TelemetryConfig",
     "load_config",
 ]
 
@@ -88,6 +89,10 @@ class LimitsConfig(_Table):
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
     """Sustained rate per API key (bursts up to one second's worth); 0 turns it off."""
     max_stream_duration_s: float = Field(default=900.0, gt=0)
+    stream_lease_s: float = Field(default=10.0, gt=0)
+    """With ``[store] kind = "redis"``: how long a concurrent-stream slot stays counted
+    after its replica stopped renewing it (a replica that died); renewed every third of
+    that while the stream runs."""
     max_json_depth: int = Field(default=64, ge=1, le=200)
     """How deep a request body's JSON may nest (objects and arrays); deeper: 400. At most
     200: the gateway nests a request a level or two further when it stores or forwards
@@ -100,6 +105,17 @@ class AuthKeyConfig(_Table):
     """The SHA-256 of the key, hex (``nexus hash-key`` prints it); never the key itself."""
     models: list[str] | None = None
     """Model ids this key may call (``*`` wildcards: ``"mock/*"``); unset: every model."""
+    budget_usd: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """What the key may spend per ``budget_period`` (the requests' ``cost_usd``, estimates
+    included); past it, requests get ``429 budget_exceeded``. Unset: no budget."""
+    budget_period: Literal["day", "month", "total"] = "month"
+    """The budget's window: a UTC calendar day or month, or the key's whole life."""
+
+    @field_validator("budget_usd", mode="before")
+    @classmethod
+    def _usd(cls, value: object) -> object:
+        # TOML writes 5 for 5.0: a whole number of dollars is a budget too.
+        return float(value) if type(value) is int else value
 
 
 class AuthConfig(_Table):
@@ -153,6 +169,29 @@ class LoggingConfig(_Table):
 class MetricsConfig(_Table):
     enabled: bool = True
     """Prometheus text format at ``GET /metrics``."""
+
+
+class TelemetryConfig(_Table):
+    """OpenTelemetry traces (:mod:`nexus.telemetry`; needs ``nexus-gateway[otel]``)."""
+
+    otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://\S+$", max_length=2048)
+    """The collector's OTLP/HTTP address (``http://127.0.0.1:4318``: spans go to its
+    ``/v1/traces``). Unset: no tracing at all."""
+    service_name: str = Field(default="nexus", min_length=1, max_length=256)
+    """The ``service.name`` of the spans' resource."""
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    """The share of new traces recorded; a request that comes with a ``traceparent``
+    follows its caller's decision (parent-based sampling)."""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        if value is not None and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(
+                "no credentials in the URL (the exporter's log lines show it): give them in "
+                "the environment, OTEL_EXPORTER_OTLP_HEADERS"
+            )
+        return value
 
 
 class StreamsConfig(_Table):
@@ -290,6 +329,7 @@ class Config(_Table):
     plugins: list[PluginConfig] = Field(default_factory=list)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     streams: StreamsConfig = Field(default_factory=StreamsConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     store: StoreConfig = Field(default_factory=MemoryStoreConfig)

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -38,6 +38,9 @@ from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
 from .stream import Stream, accumulate
 from .types import Completion, StreamMeta
+
+if TYPE_CHECKING:
+    from .telemetry import Telemetry
 
 __all__ = ["Engine"]
 
@@ -90,6 +93,8 @@ class Engine:
         self.prices = prices if prices is not None else PriceTable()
         """What each model costs (:mod:`nexus.pricing`); the hooks' spends use it."""
         self.hooks.prices = self.prices
+        self.telemetry: Telemetry | None = None
+        """A span per upstream attempt when set (:mod:`nexus.telemetry`; the app sets it)."""
         for alias, targets in self.aliases.items():
             for target in targets:
                 self._split(target, f"models.{alias}")
@@ -282,10 +287,19 @@ class Engine:
     ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
         asked = request.model
+        telemetry = self.telemetry
         for attempt, (provider, model) in enumerate(targets):
             price = self.prices.price(f"{provider.name}/{model}", asked)
+            span = (
+                telemetry.attempt(provider.name, provider.kind, model, request, attempt)
+                if telemetry is not None
+                else None
+            )
             batches = provider.batches(request, model)
             started = False
+            # The last two reads: where a stream's finish reason and usage are (for the span).
+            before: list[StreamEvent] | None = None
+            latest: list[StreamEvent] | None = None
             try:
                 async for batch in batches:
                     if batch:
@@ -294,14 +308,21 @@ class Engine:
                             batch[-1] = _priced(batch[-1], price)
                         if not started:
                             started = True
+                            if span is not None:
+                                span.first_output()
                             # No other target will be tried: the request need not stay
                             # alive for the stream's length in this frame.
                             del request
                             if attempt and served is not None:
                                 served(provider, model)
+                        before, latest = latest, batch
                         yield batch
+                if span is not None:
+                    span.answered(before, latest)
                 return
             except GatewayError as exc:
+                if span is not None:
+                    span.failed(exc.code)
                 if started:
                     yield [exc.to_event()]
                     return
@@ -316,6 +337,8 @@ class Engine:
                 raise
             except Exception:
                 log.exception("provider %s raised", provider.name)
+                if span is not None:
+                    span.failed("internal_error")
                 if not started:
                     raise
                 yield [
@@ -328,7 +351,11 @@ class Engine:
                 ]
                 return
             finally:
-                await batches.aclose()
+                try:
+                    await batches.aclose()
+                finally:
+                    if span is not None:
+                        span.end()
 
 
 def _priced(usage: Usage, price: Price) -> Usage:

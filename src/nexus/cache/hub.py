@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
+from ..auth import ApiKey
 from ..config import CacheConfig, StreamsConfig
 from ..engine import Engine
 from ..errors import GatewayError, StreamNotFound, TooManyStreams
@@ -52,6 +54,7 @@ from ..stream import Stream
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
+from .limits import KeyLimits, LocalLimits, Slot
 from .run import MAX_BATCH, LogReader, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
 
@@ -65,6 +68,13 @@ ANONYMOUS = "anonymous"
 """Whose cache a request without an API key (auth off) uses."""
 SHARED = "*"
 """The one cache every key uses with ``[cache] share_across_keys`` (never a key's name)."""
+
+
+_ADMITTED: contextvars.ContextVar[Slot | None] = contextvars.ContextVar(
+    "nexus_admitted", default=None
+)
+"""The slot :meth:`StreamHub.admit` took for the block it runs: the run that
+:meth:`StreamHub.open` starts in that block (the same task) takes it over."""
 
 
 def cache_key(request: ChatRequest, owner: str | None = None, *, shared: bool = False) -> str:
@@ -183,6 +193,9 @@ class StreamHub:
         self._owned: dict[str, int] = {}  # live runs per owner (API key name)
         self._opening = 0  # admitted requests with no live run (yet, or at all)
         self._opening_owned: dict[str, int] = {}
+        self.limits: KeyLimits = LocalLimits(0.0, None, self.running)
+        """Per-key rates, streams and budgets (the app sets the configured ones)."""
+        self._slots: dict[str, Slot] = {}  # run id -> the key's slot it holds (shared limits)
         self.on_live: Callable[[int], None] | None = None
         """Told how many streams run here whenever that changes (metrics, several workers)."""
         self._keepers: set[asyncio.Task[None]] = set()
@@ -196,15 +209,18 @@ class StreamHub:
             return len(self.live) + self._opening
         return self._owned.get(owner, 0) + self._opening_owned.get(owner, 0)
 
-    @contextlib.contextmanager
-    def admit(self, owner: str | None, limit: int, per_key: int | None = None) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def admit(self, key: ApiKey | None, limit: int) -> AsyncIterator[None]:
         """A place among the streams running here while one is opened in the block (or,
-        for a request answered without a run of its own, while it runs).
+        for a request answered without a run of its own, while it runs), and ``key``'s
+        place among its own streams (:meth:`KeyLimits.admit`, with its rate and budget).
 
-        Raises :class:`TooManyStreams` past ``[limits] max_concurrent_streams``, or
-        past ``per_key`` streams of ``owner``. A request being opened counts as
-        running, so that requests arriving together cannot all pass a limit that
-        only some of them fit in; counted, not scanned (the check is O(1)).
+        Raises :class:`TooManyStreams` past ``[limits] max_concurrent_streams`` (this
+        process), and what :meth:`KeyLimits.admit` raises. A request being opened
+        counts as running, so that requests arriving together cannot all pass a limit
+        that only some of them fit in; counted, not scanned (the check is O(1)). A run
+        started in the block takes the key's :class:`Slot` with it (see :meth:`_start`):
+        it is released when the run ends, else when the block does.
         """
         if self.running() >= limit:
             raise TooManyStreams(
@@ -212,21 +228,25 @@ class StreamHub:
                 "([limits] max_concurrent_streams); retry shortly.",
                 headers={"Retry-After": "1"},
             )
-        if owner is not None and per_key is not None and self.running(owner) >= per_key:
-            raise TooManyStreams(
-                f"The API key {owner!r} is at its limit of {per_key} concurrent streams "
-                "([limits] max_concurrent_streams_per_key); retry when one ends.",
-                headers={"Retry-After": "1"},
-            )
         self._opening += 1
-        if owner is not None:
-            self._opening_owned[owner] = self._opening_owned.get(owner, 0) + 1
         try:
-            yield
+            slot = None
+            owner = None
+            if key is not None:
+                slot = await self.limits.admit(key, stream=True)
+                owner = key.name
+                self._opening_owned[owner] = self._opening_owned.get(owner, 0) + 1
+            admitted = _ADMITTED.set(slot)
+            try:
+                yield
+            finally:
+                _ADMITTED.reset(admitted)
+                if owner is not None:
+                    _discount(self._opening_owned, owner)
+                if slot is not None and not slot.taken:
+                    self.limits.release(slot)
         finally:
             self._opening -= 1
-            if owner is not None:
-                _discount(self._opening_owned, owner)
 
     async def open(
         self,
@@ -360,6 +380,10 @@ class StreamHub:
             replayed=replayed,
         )
         self.live[run.id] = run
+        slot = _ADMITTED.get()
+        if slot is not None and not slot.taken and slot.key == info.owner:
+            slot.taken = True  # the run holds it now, until _gone
+            self._slots[run.id] = slot
         owner = info.owner
         if owner is not None:
             self._owned[owner] = self._owned.get(owner, 0) + 1
@@ -480,6 +504,9 @@ class StreamHub:
     def _gone(self, run: StreamRun) -> None:
         if self.live.pop(run.id, None) is not None and run.info.owner is not None:
             _discount(self._owned, run.info.owner)
+        slot = self._slots.pop(run.id, None)
+        if slot is not None:
+            self.limits.release(slot)
         if self.on_live is not None:
             self.on_live(len(self.live))
 

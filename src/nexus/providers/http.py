@@ -37,6 +37,7 @@ import orjson
 
 from ..config import HTTPProviderConfig
 from ..errors import ConfigError, GatewayError, UpstreamError, UpstreamTimeout
+from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider
 
@@ -211,9 +212,11 @@ class HTTPProvider(Provider):
 
         ``first_byte_timeout_s`` is one deadline from now to the first body bytes
         (see :class:`BodyReader`). Redirects are not followed: they would carry the
-        key headers and the body to another host.
+        key headers and the body to another host. With tracing on, the request carries
+        the attempt's W3C trace context (:mod:`nexus.telemetry`).
         """
         url = self.base_url + path
+        headers = upstream_headers(headers, url)  # the attempt's traceparent, when tracing
         first_byte = self.config.first_byte_timeout_s
         deadline = asyncio.get_running_loop().time() + first_byte
         with map_upstream_errors(self.name, "before responding"):

@@ -6,8 +6,9 @@ per-key limits, the access log.
 pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
 403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
 WebSocket handshake is refused before it upgrades), answers CORS preflights for
-``[cors] allow_origins``, and writes one access line per request and its metrics.
-Routes call :func:`authenticate` and :func:`admit`; the pump fills in the request's
+``[cors] allow_origins``, and writes one access line per request and its metrics;
+with tracing on, the request runs inside its span (:mod:`nexus.telemetry`). Routes
+call :func:`authenticate` and :func:`admit`; the pump fills in the request's
 :class:`Exchange` as it writes.
 
 The access line: ``method``, ``path`` (never the query: a read token travels
@@ -38,21 +39,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from ..auth import ApiKey, Forbidden, KeyRing, RateLimiter, credential
+from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..errors import GatewayError
 from ..events import Done, Error, StreamEvent
 from ..pricing import Spend
+from ..telemetry import Telemetry
 from .errors import Handler, error_response
 from .metrics import CANCEL_CAUSES, Metrics
 from .origins import loopback_host, origin_allowed
@@ -62,8 +63,8 @@ from .state import HUB as _HUB
 __all__ = [
     "EXCHANGE",
     "KEYS",
-    "LIMITER",
     "METRICS",
+    "TELEMETRY",
     "Exchange",
     "JsonFormatter",
     "access_middleware",
@@ -77,8 +78,10 @@ log = logging.getLogger("nexus.server")
 access_log = logging.getLogger("nexus.access")
 
 KEYS = web.AppKey("keys", KeyRing)
-LIMITER = web.AppKey("limiter", RateLimiter)
 METRICS = web.AppKey("metrics", Metrics)
+TELEMETRY = web.AppKey("telemetry", Telemetry)
+"""Set when tracing is on (``[telemetry] otlp_endpoint``): a span per request."""
+_UNTRACED = ("/healthz", "/metrics")
 
 
 def _request_key() -> Any:
@@ -212,6 +215,19 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
                 }
             )
             return response
+    tracing = app.get(TELEMETRY)
+    span = (
+        tracing.request_span(
+            request.method,
+            None if ex.endpoint == "unmatched" else ex.endpoint,
+            request.path,
+            request.headers,
+            scheme=request.scheme,
+            request_id=request_id,
+        )
+        if tracing is not None and ex.endpoint not in _UNTRACED
+        else None
+    )
     status = 500
     try:
         response = await handler(request)
@@ -228,6 +244,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             status = 499  # the client left before any answer (nginx's convention)
         raise
     finally:
+        if span is not None:
+            span.close(status, ex.stream_id, ex.cancelled)
         _account(app, ex, status)
 
 
@@ -366,49 +384,48 @@ def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> Ap
     return key
 
 
-def admit(
+async def admit(
     request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
 ) -> None:
     """Per-key checks before a request may run: its model (when it names one), its rate.
 
     Every request of a key takes one token of its ``requests_per_second_per_key``
-    bucket here, whatever the way in. Raises 403 ``model_not_allowed`` (naming
-    ``param``) and 429 ``rate_limited`` (with ``Retry-After``, whole seconds).
+    bucket here or in :func:`admit_stream`, whatever the way in (counted in Redis
+    with ``[store] kind = "redis"``: see :mod:`nexus.cache.limits`). Raises 403
+    ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited`` (with
+    ``Retry-After``, whole seconds).
     """
     if key is None:
         return
+    _check_model(key, model, param)
+    await request.app[_HUB].limits.admit(key, stream=False)
+
+
+def _check_model(key: ApiKey, model: str | None, param: str) -> None:
     if model is not None and not key.allows(model):
         raise Forbidden(f"The API key {key.name!r} may not use the model {model!r}.", param=param)
-    wait = request.app[LIMITER].acquire(key.name, time.monotonic())
-    if wait > 0:
-        limit = request.app[_CONFIG].limits.requests_per_second_per_key
-        raise GatewayError(
-            f"The API key {key.name!r} is over its limit of {limit:g} requests per second.",
-            code="rate_limited",
-            status=429,
-            retryable=True,
-            headers={"Retry-After": str(max(1, math.ceil(wait)))},
-        )
 
 
-@contextlib.contextmanager
-def admit_stream(
+@contextlib.asynccontextmanager
+async def admit_stream(
     request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
-) -> Iterator[None]:
-    """Everything a request that runs a model passes: :func:`admit`, then a place among
-    the streams running here (:meth:`~nexus.cache.hub.StreamHub.admit`) for the block.
+) -> AsyncIterator[None]:
+    """Everything a request that runs a model passes: its model, then a place among the
+    streams running here and among its key's, with its budget and rate
+    (:meth:`~nexus.cache.hub.StreamHub.admit`: one Redis round trip for the key's
+    part with a shared store), for the block.
 
     The block opens the stream (its run counts from then on: leaving the block
     right after ``hub.open`` returns, with no wait between, never counts it twice),
     or, for a request answered without a run of its own, is the whole request.
-    Raises what :func:`admit` raises, and 429 ``too_many_streams``.
+    Raises what :func:`admit` raises, 429 ``too_many_streams``, 429 ``budget_exceeded``
+    (the reset time in its message, ``Retry-After`` for a day or a month) and, with
+    Redis down and a budget to check, 503 ``store_unavailable``.
     """
-    admit(request, key, model, param=param)
+    if key is not None:
+        _check_model(key, model, param)
     limits = request.app[_CONFIG].limits
-    owner = key.name if key is not None else None
-    with request.app[_HUB].admit(
-        owner, limits.max_concurrent_streams, limits.max_concurrent_streams_per_key
-    ):
+    async with request.app[_HUB].admit(key, limits.max_concurrent_streams):
         yield
 
 

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from ..auth import KeyRing, RateLimiter
+from ..auth import KeyRing
 from ..cache.hub import StreamHub
+from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
 from ..cache.store import Store
 from ..config import Config, MemoryStoreConfig, StoreConfig
@@ -24,8 +25,9 @@ from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from ..errors import ServerShuttingDown
 from ..events import Error
+from ..telemetry import Telemetry
 from ..tokens import StreamTokens, new_secret, secret_from_env
-from .access import KEYS, LIMITER, METRICS, access_middleware
+from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
@@ -44,6 +46,7 @@ def create_app(
     registry: EncoderRegistry | None = None,
     store: Store | None = None,
     config_source: str = "config.toml",
+    telemetry: Telemetry | None = None,
 ) -> web.Application:
     """Build the gateway app.
 
@@ -52,6 +55,9 @@ def create_app(
     added to the app's own copy (a :class:`~nexus.errors.ConfigError` if one
     cannot be imported). ``engine`` defaults to one built from ``config``, and
     ``store`` to the one ``[store]`` names (connected when the app starts).
+    ``telemetry`` (traces) defaults to what ``[telemetry]`` describes (none without an
+    ``otlp_endpoint``; a :class:`~nexus.errors.ConfigError` when it is set and the
+    ``otel`` extra is not installed); the app shuts it down when it stops.
     """
     config = config or Config()
     base = registry if registry is not None else default_registry
@@ -61,6 +67,9 @@ def create_app(
     formats = EncoderRegistry()
     engine = engine or Engine.from_config(config, source=config_source)
     store = store or build_store(config.store)
+    if telemetry is None:
+        telemetry = Telemetry.from_config(config.telemetry)
+    engine.telemetry = telemetry
     hub = StreamHub(
         engine,
         store,
@@ -77,8 +86,10 @@ def create_app(
     app[CONFIG] = config
     app[ENGINE] = engine
     app[HUB] = hub
-    app[KEYS] = KeyRing(config.auth.keys)
-    app[LIMITER] = RateLimiter(config.limits.requests_per_second_per_key)
+    app[KEYS] = keys = KeyRing(config.auth.keys)
+    hub.limits = limits = build_limits(config, store, hub)
+    if keys.enabled:
+        engine.hooks.add(BudgetPlugin(limits, keys.keys), name="budgets")
     app[TOKENS] = StreamTokens(_token_secret(config))
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()
@@ -87,6 +98,8 @@ def create_app(
         metrics.providers = frozenset(engine.providers)
         engine.hooks.add(MetricsPlugin(metrics, _provider_of(engine)), name="metrics")
         app.router.add_get("/metrics", metrics_endpoint)
+    if telemetry is not None:
+        app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
     app[RUNTIME] = Runtime()
 
@@ -97,14 +110,19 @@ def create_app(
         formats.freeze()
         await store.start()
         try:
+            await limits.start()
             await engine.start()
             try:
                 yield
                 await hub.shutdown(_shutdown_event())
             finally:
                 await engine.close()
+                await limits.close()
         finally:
             await store.close()
+            if telemetry is not None:
+                # Flushes the spans still queued: in a thread, the collector may be slow.
+                await asyncio.to_thread(telemetry.shutdown)
 
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(_drain_streams)
@@ -175,6 +193,30 @@ def build_store(config: StoreConfig) -> Store:
     from ..cache.redis import RedisStore
 
     return RedisStore(config.url, prefix=config.prefix)
+
+
+def build_limits(config: Config, store: Store, hub: StreamHub) -> KeyLimits:
+    """The per-key limits: in Redis with a Redis store (shared by the replicas), else
+    in this process, beside the hub's count of each key's streams."""
+    limits = config.limits
+    local = LocalLimits(
+        limits.requests_per_second_per_key, limits.max_concurrent_streams_per_key, hub.running
+    )
+    if not store.shared:
+        return local  # (and redis-py not imported: it pulls in more than it needs)
+    from ..cache.redis import RedisStore
+
+    if not isinstance(store, RedisStore):
+        return local
+    from ..cache.redis_limits import RedisLimits
+
+    return RedisLimits(
+        store,
+        rate=limits.requests_per_second_per_key,
+        per_key=limits.max_concurrent_streams_per_key,
+        lease_s=limits.stream_lease_s,
+        fallback=local,
+    )
 
 
 def _shutdown_event() -> Error:

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, Protocol
 
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from ...auth import Unauthorized
 from ...cache.cursor import Cursor, parse_cursor
@@ -44,6 +44,7 @@ from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
 from ...stream import Stream, accumulate
+from ...telemetry import end_with, request_model
 from ...types import Completion, StreamMeta
 from .. import state
 from ..access import KEYS, METRICS, Exchange, admit, admit_stream, authenticate, exchange
@@ -110,7 +111,7 @@ async def read_body(request: web.Request) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _read_some(content: web.StreamReader, stall_s: float) -> bytes:
+async def _read_some(content: StreamReader, stall_s: float) -> bytes:
     """What the body has next (b"" at its end), or :class:`RequestTimeout` when it takes
     no byte for ``stall_s`` ([server] body_timeout_s): a timer per read of a body, not
     per event. The 408 goes out with the connection closed (its body is unread: see
@@ -185,10 +186,11 @@ async def complete(
                 "event ('<stream id>.<step>'), not a count.",
                 param="last_event_id",
             )
-        admit(request, key, None)
+        await admit(request, key, None)
         info = await find_stream(request, cursor.stream_id)
         return await resume(request, info, encoder, cursor)
     chat = parse(body, max_depth=app[state.CONFIG].limits.max_json_depth)
+    request_model(chat.model)  # on the request's span, when tracing
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)
@@ -204,7 +206,7 @@ async def complete(
         ex.format = "application/json"
         # Counted among the streams running like a streaming request: without the cache
         # (no run of its own) for as long as it runs; with it, as its run.
-        with admit_stream(request, key, chat.model):
+        async with admit_stream(request, key, chat.model):
             if not hub.cache.enabled:
                 engine = app[state.ENGINE]
                 stream = await engine.open_stream(chat, ctx)
@@ -227,7 +229,7 @@ async def complete(
             _body(render, completion, chat.include_cost),
             headers={"X-Nexus-Cache": opened.cache or "miss"},
         )
-    with admit_stream(request, key, chat.model):
+    async with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat, format=default_format, background=chat.background, owner=owner, ctx=ctx
         )
@@ -235,6 +237,8 @@ async def complete(
     ex.cache = opened.cache
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     if chat.background:
+        if opened.run is not None:
+            end_with(opened.run.done)  # the request's span covers its run, not just the 202
         # Location is the bare resource (a key reads it); the body's url carries a read token.
         headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
         config = app[state.CONFIG]

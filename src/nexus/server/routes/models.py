@@ -37,7 +37,7 @@ async def get_model(request: web.Request) -> web.Response:
     model_id = request.match_info["model"]
     key = authenticate(request)
     engine.route(model_id)  # raises ModelNotFound
-    admit(request, key, model_id)
+    await admit(request, key, model_id)
     return web.Response(
         body=orjson.dumps(_model(model_id, _owner(engine, model_id))),
         content_type="application/json",

@@ -27,7 +27,7 @@ socket, its end).
   it is there, not that it reads). The watchdog's tick checks it, as it
   does the pings: no timer per write.
 * Each ``start`` is admitted as an HTTP request is
-  (:func:`~nexus.server.access.admit_stream`): the key's models, its rate, a
+  (:func:`~nexus.server.access.admit_stream`): the key's models, budget and rate, a
   place among the streams running. A refusal is an error frame (with
   ``retry_after_s`` for ``rate_limited`` and ``too_many_streams``), and the
   connection stays open. The handshake itself is authenticated but takes no
@@ -231,7 +231,9 @@ class RealtimeConnection:
                 try:
                     owner = self.key.name if self.key is not None else None
                     # As an HTTP request: the key's model, its rate, a place among the streams.
-                    with admit_stream(self.request, self.key, request.model, param="request.model"):
+                    async with admit_stream(
+                        self.request, self.key, request.model, param="request.model"
+                    ):
                         opened = await self.hub.open(
                             request,
                             format=NDJSONEncoder.media_type,

@@ -1,0 +1,224 @@
+"""Per-key limits: request rate, concurrent streams, budget. One interface, two backends.
+
+A request of an API key passes :meth:`KeyLimits.admit` before it opens anything:
+its budget (``[[auth.keys]] budget_usd`` per ``budget_period``), one token of its
+``requests_per_second_per_key`` bucket, and, for a request that runs a model, a
+place among its ``max_concurrent_streams_per_key`` streams (a :class:`Slot`). A
+request that ends charges its cost (:meth:`KeyLimits.charge`).
+
+* :class:`LocalLimits` (``[store] kind = "memory"``): token buckets and spend in
+  this process; the streams a key runs are the hub's own count of them. N
+  processes admit N times the limits.
+* :class:`~nexus.cache.redis_limits.RedisLimits` (``kind = "redis"``): every
+  count is in Redis, checked and taken by one Lua script in one round trip, so
+  replicas and workers together admit exactly the limits. See that module for
+  slots, leases, and what a Redis failure does.
+
+The global ``[limits] max_concurrent_streams`` is not here: it protects one
+process, and the hub counts it (:meth:`~nexus.cache.hub.StreamHub.admit`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from ..auth import ApiKey, RateLimiter
+from ..budgets import budget_message, window
+from ..errors import GatewayError, TooManyStreams
+from ..events import Error
+from ..hooks import CallContext
+from ..pricing import Spend
+from ..types import Completion
+
+__all__ = [
+    "BudgetExceeded",
+    "BudgetPlugin",
+    "KeyLimits",
+    "LocalLimits",
+    "Slot",
+    "StoreUnavailable",
+    "budget_exceeded",
+    "rate_limited",
+    "too_many_streams",
+]
+
+
+class BudgetExceeded(GatewayError):
+    status = 429
+    code = "budget_exceeded"
+    error_type = "rate_limit_error"
+    retryable = False
+
+
+class StoreUnavailable(GatewayError):
+    """The store a decision needs could not be reached (a budget with Redis down)."""
+
+    status = 503
+    code = "store_unavailable"
+    error_type = "server_error"
+    retryable = True
+
+
+def rate_limited(name: str, rate: float, wait_s: float) -> GatewayError:
+    return GatewayError(
+        f"The API key {name!r} is over its limit of {rate:g} requests per second.",
+        code="rate_limited",
+        status=429,
+        retryable=True,
+        headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+    )
+
+
+def too_many_streams(name: str, per_key: int) -> TooManyStreams:
+    return TooManyStreams(
+        f"The API key {name!r} is at its limit of {per_key} concurrent streams "
+        "([limits] max_concurrent_streams_per_key); retry when one ends.",
+        headers={"Retry-After": "1"},
+    )
+
+
+def budget_exceeded(key: ApiKey, spent: float, now: float) -> BudgetExceeded:
+    """The refusal of a key whose window's spend reached its budget: the reset time in
+    the message and, for a window that ends, ``Retry-After``."""
+    assert key.budget_usd is not None
+    win = window(key.budget_period, now)
+    retry = win.retry_after_s(now)
+    return BudgetExceeded(
+        budget_message(key.name, key.budget_usd, key.budget_period, spent, win),
+        headers={} if retry is None else {"Retry-After": str(retry)},
+    )
+
+
+class Slot:
+    """A key's place among its concurrent streams in a shared count: held by the request
+    that took it, then by the run it opened (``taken``), released when that ends."""
+
+    __slots__ = ("id", "key", "taken")
+
+    def __init__(self, key: str, id: str) -> None:
+        self.key = key
+        self.id = id
+        self.taken = False
+
+
+class KeyLimits(ABC):
+    """Rates, concurrent streams and budgets of API keys. See the module docstring."""
+
+    async def start(self) -> None:
+        """Called when the app starts (after the store's start)."""
+
+    async def close(self) -> None:
+        """Called when the app stops (before the store's close)."""
+
+    @abstractmethod
+    async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
+        """One request of ``key``: a token of its rate and, with ``stream`` (a request
+        that runs a model), its budget and a place among its concurrent streams; the
+        :class:`Slot` to :meth:`release` when the stream ends (None when there is
+        nothing to release).
+
+        Raises :class:`BudgetExceeded`, 429 ``rate_limited``, :class:`TooManyStreams`
+        and (shared backend) :class:`StoreUnavailable`.
+        """
+
+    def release(self, slot: Slot) -> None:
+        """The stream that held ``slot`` ended."""
+
+    @abstractmethod
+    async def charge(self, key: ApiKey, usd: float) -> None:
+        """Add ``usd`` to the spend of ``key``'s current budget window."""
+
+    @abstractmethod
+    async def spent(self, key: ApiKey) -> float:
+        """The spend of ``key``'s current budget window."""
+
+
+class LocalLimits(KeyLimits):
+    """This process's limits: token buckets, the hub's count of each key's streams
+    (``running``), spend per key in memory (the current window only)."""
+
+    def __init__(
+        self, rate: float, per_key: int | None, running: Callable[[str], int] | None = None
+    ) -> None:
+        self.rate = rate
+        self.per_key = per_key
+        self._buckets = RateLimiter(rate)
+        self._running = running
+        self._spend: dict[str, tuple[str, float]] = {}
+        """Key name -> (window id, spend): a new window replaces the old one."""
+
+    async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
+        self.check(key, stream=stream)
+        return None
+
+    def check(self, key: ApiKey, *, stream: bool, budget: bool = True) -> None:
+        """:meth:`admit`, without a wait: what it raises, or nothing."""
+        if budget and stream and key.budget_usd is not None:
+            now = time.time()
+            spent = self._current(key, now)
+            if spent >= key.budget_usd:
+                raise budget_exceeded(key, spent, now)
+        wait = self._buckets.acquire(key.name, time.monotonic())
+        if wait > 0:
+            raise rate_limited(key.name, self.rate, wait)
+        per_key = self.per_key
+        running = self._running
+        if stream and per_key is not None and running is not None and running(key.name) >= per_key:
+            raise too_many_streams(key.name, per_key)
+
+    def _current(self, key: ApiKey, now: float) -> float:
+        held = self._spend.get(key.name)
+        if held is None or held[0] != window(key.budget_period, now).id:
+            return 0.0
+        return held[1]
+
+    async def charge(self, key: ApiKey, usd: float) -> None:
+        now = time.time()
+        self._spend[key.name] = (window(key.budget_period, now).id, self._current(key, now) + usd)
+
+    async def spent(self, key: ApiKey) -> float:
+        return self._current(key, time.time())
+
+
+class BudgetPlugin:
+    """Charges each stream's cost to its key when it ends (completed, failed, cancelled):
+    an internal hook plugin, registered by the app when it has keys. Every key's spend is
+    kept (``nexus keys`` shows it), per its ``budget_period`` (``month`` unless set).
+
+    A stream's end hooks run before its last entry reaches the readers, so a client
+    that saw the end of one request is refused its next one if that one spent the
+    budget. A request that joined another's stream fires no end hook (it costs
+    nothing), nor does a cache replay (its ``Spend`` has no cost: nothing was billed).
+    """
+
+    def __init__(self, limits: KeyLimits, keys: list[ApiKey]) -> None:
+        self.limits = limits
+        self.keys = {key.name: key for key in keys}
+
+    async def on_stream_completed(
+        self,
+        ctx: CallContext,
+        request_id: str,
+        model: str,
+        provider: str,
+        elapsed: float,
+        final: Completion,
+        *,
+        spend: Spend,
+    ) -> None:
+        await self._charge(ctx, spend)
+
+    async def on_stream_failed(
+        self, ctx: CallContext, request_id: str, model: str, error: Error, *, spend: Spend
+    ) -> None:
+        await self._charge(ctx, spend)
+
+    async def _charge(self, ctx: CallContext, spend: Spend) -> None:
+        """Add the stream's cost (estimated or not; none when it has no price)."""
+        key = None if ctx.key is None else self.keys.get(ctx.key)
+        cost = spend.cost_usd
+        if key is not None and cost is not None and cost > 0:
+            await self.limits.charge(key, cost)

@@ -1,0 +1,304 @@
+"""Per-key limits in Redis: shared by every replica and worker on one store.
+
+Keys, under the store's ``{prefix}:``::
+
+    limits:rate:{key}      hash    the key's token bucket: tokens "t", last refill "at" (ms)
+    limits:streams:{key}   zset    one member per stream running, scored by its lease deadline
+    spend:{key}:{window}   string  the window's spend in USD (INCRBYFLOAT); expires a day
+                                   after the window ends (``total`` never does)
+
+**One round trip.** :data:`_ADMIT`, a Lua script run with EVALSHA, checks and
+takes everything a request needs at once: the budget (spend below it), a token
+(refilled from Redis's own clock, so replicas' clocks do not matter), and a slot
+(stale members dropped first, then a count under the limit, then the new
+member). Being a script, it is atomic: two replicas cannot both take the last
+token or the last slot.
+
+**Slots and leases.** A slot's score is its lease deadline. This process renews
+the leases of all the slots it holds on one tick (every third of
+``[limits] stream_lease_s``), one script call per key in one pipeline, not a
+timer per stream. A slot is removed when its stream ends (batched: the ends of
+one loop turn go in one pipeline); the slots of a replica that died stop being
+renewed and are dropped by the next admission once their lease passed.
+
+**Redis failing** never becomes a 500:
+
+* rate and concurrency *fail open to this process*: the request is admitted
+  against :class:`~nexus.cache.limits.LocalLimits` (this process's buckets and
+  streams), so each process still holds the limits by itself while Redis is
+  away; a warning is logged (at most one a minute).
+* a key with a budget *fails closed*: ``503 store_unavailable``; spend that
+  cannot be checked is not spent.
+* a charge that fails is kept here and retried on the next tick (lost only if
+  this process stops before Redis is back); a release that fails is left to
+  its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from ..auth import ApiKey
+from ..budgets import window
+from .limits import (
+    KeyLimits,
+    LocalLimits,
+    Slot,
+    StoreUnavailable,
+    budget_exceeded,
+    rate_limited,
+    too_many_streams,
+)
+from .redis import RedisStore
+
+__all__ = ["RedisLimits"]
+
+log = logging.getLogger("nexus.limits")
+
+# KEYS: the rate bucket, the stream slots, the spend.
+# ARGV: rate per second (0: none), bucket capacity, slot limit (0: no slot), slot id,
+#       lease ms, budget (negative: none).
+# Returns {0, ""} admitted; {1, wait ms} no token; {2, ""} no slot; {3, spend} budget spent.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local budget = tonumber(ARGV[6])
+if budget >= 0 then
+  local spent = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
+  if spent >= budget then return {3, tostring(spent)} end
+end
+local rate = tonumber(ARGV[1])
+if rate > 0 then
+  local capacity = tonumber(ARGV[2])
+  local bucket = redis.call('HMGET', KEYS[1], 't', 'at')
+  local tokens = tonumber(bucket[1]) or capacity
+  local at = tonumber(bucket[2]) or now
+  if now > at then
+    tokens = math.min(capacity, tokens + (now - at) * rate / 1000)
+    at = now
+  end
+  local ok = tokens >= 1
+  if ok then tokens = tokens - 1 end
+  redis.call('HSET', KEYS[1], 't', tostring(tokens), 'at', tostring(at))
+  redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate * 1000) + 1000)
+  if not ok then return {1, tostring(math.ceil((1 - tokens) * 1000 / rate))} end
+end
+local limit = tonumber(ARGV[3])
+if limit > 0 then
+  local lease = tonumber(ARGV[5])
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) >= limit then return {2, ''} end
+  redis.call('ZADD', KEYS[2], now + lease, ARGV[4])
+  redis.call('PEXPIRE', KEYS[2], lease * 2)
+end
+return {0, ''}
+"""
+
+# KEYS: a key's stream slots. ARGV: lease ms, then the ids of the slots held here.
+# XX: a slot dropped as stale (this process stalled past its lease) does not come back.
+_RENEW = """
+local t = redis.call('TIME')
+local lease = tonumber(ARGV[1])
+local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + lease
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', deadline, ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], lease * 2)
+return 0
+"""
+
+_WARN_EVERY_S = 60.0
+
+
+class RedisLimits(KeyLimits):
+    """:class:`KeyLimits` in the Redis of ``store`` (see the module docstring).
+
+    ``fallback`` is what admits while Redis fails (rate and concurrency only).
+    """
+
+    def __init__(
+        self,
+        store: RedisStore,
+        *,
+        rate: float,
+        per_key: int | None,
+        lease_s: float,
+        fallback: LocalLimits,
+    ) -> None:
+        self.store = store
+        self.rate = rate
+        self.capacity = max(rate, 1.0)
+        self.per_key = per_key
+        self.lease_ms = max(1, round(lease_s * 1000))
+        self.fallback = fallback
+        self._held: dict[str, set[str]] = {}
+        """Key name -> ids of the slots held here: what the tick renews."""
+        self._ids = itertools.count()
+        self._releasing: list[Slot] = []
+        self._unsent: dict[tuple[str, str], tuple[float, float | None]] = {}
+        """(key, window) -> (USD, TTL) of charges that failed, retried on the tick."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ticker: asyncio.Task[None] | None = None
+        self._warned = -math.inf
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.store.prefix, *parts))
+
+    async def start(self) -> None:
+        client = self.store.client
+        self._admit = client.register_script(_ADMIT)
+        self._renew = client.register_script(_RENEW)
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def close(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            await asyncio.wait((ticker,), timeout=2.0)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        await self._flush_charges()
+        # Slots still held (streams cut by the shutdown) go now, not at their lease's end.
+        pipe = self.store.client.pipeline(transaction=False)
+        for name, ids in self._held.items():
+            if ids:
+                pipe.zrem(self._key("limits", "streams", name), *ids)
+        self._held.clear()
+        with contextlib.suppress(RedisError, OSError):
+            await pipe.execute()
+
+    async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
+        name = key.name
+        slot = None
+        if stream and self.per_key is not None:
+            slot = Slot(name, f"{self.store.replica_id}-{next(self._ids)}")
+        budget = key.budget_usd if stream else None
+        if slot is None and budget is None and self.rate <= 0:
+            return None  # nothing to count: no round trip
+        win_id = window(key.budget_period, time.time()).id if budget is not None else ""
+        try:
+            code, value = await self._admit(
+                keys=[
+                    self._key("limits", "rate", name),
+                    self._key("limits", "streams", name),
+                    self._key("spend", name, win_id),
+                ],
+                args=[
+                    repr(self.rate),
+                    repr(self.capacity),
+                    self.per_key if slot is not None and self.per_key is not None else 0,
+                    slot.id if slot is not None else "",
+                    self.lease_ms,
+                    repr(budget) if budget is not None else -1,
+                ],
+            )
+        except (RedisError, OSError) as exc:
+            if budget is not None:
+                raise StoreUnavailable(
+                    f"The spend of the API key {name!r} cannot be checked: the store is "
+                    "unavailable; retry shortly.",
+                    headers={"Retry-After": "1"},
+                ) from None
+            self._warn(exc)
+            self.fallback.check(key, stream=stream, budget=False)
+            return None
+        code = int(code)
+        if code == 1:
+            raise rate_limited(name, self.rate, int(value) / 1000)
+        if code == 2:
+            assert self.per_key is not None
+            raise too_many_streams(name, self.per_key)
+        if code == 3:
+            raise budget_exceeded(key, float(value), time.time())
+        if slot is not None:
+            self._held.setdefault(name, set()).add(slot.id)
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        held = self._held.get(slot.key)
+        if held is None or slot.id not in held:
+            return
+        held.discard(slot.id)
+        if not held:
+            del self._held[slot.key]
+        self._releasing.append(slot)
+        if len(self._releasing) == 1:  # the first of this turn: one pipeline for them all
+            task = asyncio.get_running_loop().create_task(self._release())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _release(self) -> None:
+        await asyncio.sleep(0)  # the other ends of this turn join the pipeline
+        slots, self._releasing = self._releasing, []
+        pipe = self.store.client.pipeline(transaction=False)
+        for slot in slots:
+            pipe.zrem(self._key("limits", "streams", slot.key), slot.id)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._warn(exc)  # their leases run out
+
+    async def charge(self, key: ApiKey, usd: float) -> None:
+        win = window(key.budget_period, time.time())
+        ttl = win.ttl_s(time.time())
+        entry = (key.name, win.id)
+        before, _ = self._unsent.get(entry, (0.0, None))
+        self._unsent[entry] = (before + usd, ttl)
+        await self._flush_charges()
+
+    async def _flush_charges(self) -> None:
+        if not self._unsent:
+            return
+        sending, self._unsent = self._unsent, {}
+        pipe = self.store.client.pipeline(transaction=False)
+        for (name, win_id), (usd, ttl) in sending.items():
+            spend = self._key("spend", name, win_id)
+            pipe.incrbyfloat(spend, usd)
+            if ttl is not None:
+                pipe.pexpire(spend, max(1, round(ttl * 1000)))
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("charging spend failed (%s): retried on the next tick", type(exc).__name__)
+            for entry, (usd, ttl) in sending.items():
+                before, _ = self._unsent.get(entry, (0.0, None))
+                self._unsent[entry] = (before + usd, ttl)
+
+    async def spent(self, key: ApiKey) -> float:
+        win = window(key.budget_period, time.time())
+        raw: Any = await self.store.client.get(self._key("spend", key.name, win.id))
+        return 0.0 if raw is None else float(raw)
+
+    async def _tick(self) -> None:
+        """Renew the leases of the slots held here; retry charges that failed."""
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                if self._held:
+                    pipe = self.store.client.pipeline(transaction=False)
+                    for name, ids in self._held.items():
+                        await self._renew(
+                            keys=[self._key("limits", "streams", name)],
+                            args=[self.lease_ms, *ids],
+                            client=pipe,
+                        )
+                    await pipe.execute()
+                await self._flush_charges()
+            except (RedisError, OSError) as exc:
+                self._warn(exc)
+
+    def _warn(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._warned >= _WARN_EVERY_S:
+            self._warned = now
+            log.warning(
+                "per-key limits: Redis failed (%s); rate and concurrency are held per "
+                "process until it is back",
+                type(exc).__name__,
+            )

@@ -1,0 +1,392 @@
+"""OpenTelemetry traces: a span per request, a child span per upstream attempt.
+
+Optional: the ``nexus-gateway[otel]`` extra brings the OpenTelemetry API, SDK and
+OTLP/HTTP exporter, and ``[telemetry] otlp_endpoint`` turns tracing on. Without the
+endpoint nothing here imports OpenTelemetry and every call is a ``None`` check: the
+server holds no :class:`Telemetry`, the engine's ``telemetry`` is None, and the
+context variables below stay unset. With the endpoint but without the packages,
+:meth:`Telemetry.from_config` refuses to start (a :class:`~nexus.errors.ConfigError`
+naming the extra): tracing asked for and silently absent would go unnoticed.
+
+One request, as a trace::
+
+    POST /v1/chat/completions      SERVER   http.*, gen_ai.request.model (as asked)
+    ├── chat gpt-4o                CLIENT   failed before output: status ERROR,
+    │                                       error.type = "upstream_error"
+    └── chat claude-sonnet-4-5     CLIENT   event gen_ai.first_token,
+                                            gen_ai.usage.*, finish_reasons
+
+The request span (:class:`RequestSpan`, opened by the access middleware) is the
+current span while the handler runs, so a stream's run (a task started by the
+handler, which copies its context) and the engine's attempts under it are its
+children. A streaming response is pumped inside the handler, so the span ends
+with the stream; a background request's span ends when its run does
+(:func:`end_with`), not with its ``202``. A client's ``traceparent`` and
+``tracestate`` (W3C Trace Context) make the request span a child of the caller's;
+the engine's :class:`Attempt` span is what goes upstream (:func:`upstream_headers`,
+called by the HTTP providers). Sampling is parent-based: a caller's sampled
+trace stays sampled, an unsampled one stays unsampled, and ``sample_ratio``
+decides for requests that come without one.
+
+Attribute names follow the OpenTelemetry GenAI semantic conventions as they stand
+(``gen_ai.provider.name``, which replaced ``gen_ai.system``; the latter is not
+sent). The conventions name no event for the first token; they define the span
+attribute ``gen_ai.response.time_to_first_chunk`` (seconds from the request),
+which is set, and the moment is also marked by one event, ``gen_ai.first_token``,
+so that it shows on a timeline. Nothing is done per chunk: attributes are set when
+an attempt starts and ends, and the first output is one event.
+
+Traces carry no prompt, no completion, no key and no upstream error message:
+models, token counts, finish reasons, error codes, the route and the path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from .errors import ConfigError
+from .events import Delta, StreamEvent, Usage
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span
+
+    from .config import TelemetryConfig
+    from .request import ChatRequest
+
+__all__ = [
+    "Attempt",
+    "RequestSpan",
+    "Telemetry",
+    "check_installed",
+    "end_with",
+    "request_model",
+    "upstream_headers",
+]
+
+INSTALL_HINT = "pip install 'nexus-gateway[otel]'"
+
+PROVIDER_NAMES = {"openai": "openai", "anthropic": "anthropic", "mock": "nexus.mock"}
+"""``gen_ai.provider.name`` by provider kind: the conventions' well-known values, and
+a custom one for the built-in mock. An OpenAI-compatible server of any vendor is
+``openai``: the wire the gateway speaks (``server.address`` tells the host)."""
+
+_HTTP_METHODS = frozenset(
+    {"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE"}
+)
+
+_ATTEMPT: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
+    "nexus_attempt", default=None
+)
+"""The upstream attempt being made in this task (its span goes upstream)."""
+_REQUEST: contextvars.ContextVar[RequestSpan | None] = contextvars.ContextVar(
+    "nexus_request_span", default=None
+)
+"""The request span of the handler running in this task."""
+
+
+class Telemetry:
+    """A tracer and the W3C propagator; one per app (the engine holds it too).
+
+    ``provider`` is an SDK ``TracerProvider``; :meth:`shutdown` flushes and stops it.
+    Built by :meth:`from_config`, or by hand around any provider (tests use an
+    in-memory exporter).
+    """
+
+    def __init__(self, provider: TracerProvider) -> None:
+        from opentelemetry import context, trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = provider
+        self.tracer = provider.get_tracer("nexus")
+        self.propagator = TraceContextTextMapPropagator()
+        self._context = context
+        self._trace = trace
+
+    @classmethod
+    def from_config(
+        cls, config: TelemetryConfig, *, exporter: SpanExporter | None = None
+    ) -> Telemetry | None:
+        """The tracing ``[telemetry]`` describes; None when ``otlp_endpoint`` is unset
+        (and no ``exporter`` is given: then spans go to it, one by one, instead).
+
+        Raises :class:`~nexus.errors.ConfigError` when the OpenTelemetry packages are
+        not installed.
+        """
+        if config.otlp_endpoint is None and exporter is None:
+            return None
+        _require(_SDK if exporter is not None else (*_SDK, _EXPORTER))
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": config.service_name}),
+            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+        )
+        if exporter is None:
+            assert config.otlp_endpoint is not None
+            # A worker thread batches and sends: the event loop never waits on the collector.
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            endpoint = traces_url(config.otlp_endpoint)
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        else:
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return cls(provider)
+
+    def shutdown(self) -> None:
+        """Export what is pending and stop (at the app's end)."""
+        self.provider.shutdown()
+
+    def request_span(
+        self,
+        method: str,
+        route: str | None,
+        path: str,
+        headers: Mapping[str, str],
+        *,
+        scheme: str,
+        request_id: str,
+    ) -> RequestSpan:
+        """Open the SERVER span of one HTTP request and make it current in this task.
+
+        ``route`` is the matched route's pattern (None: no route matched); the span is
+        named ``"{method} {route}"`` (HTTP semantic conventions), an unknown method
+        being ``_OTHER``. ``headers`` may carry the caller's ``traceparent``. Close it
+        with :meth:`RequestSpan.close` in the same task.
+        """
+        known = method if method in _HTTP_METHODS else "_OTHER"
+        name = "HTTP" if known == "_OTHER" else known
+        if route is not None:
+            name += " " + route
+        attributes: dict[str, Any] = {
+            "http.request.method": known,
+            "url.path": path,
+            "url.scheme": scheme,
+            "nexus.request_id": request_id,
+        }
+        if route is not None:
+            attributes["http.route"] = route
+        parent = self.propagator.extract(headers)
+        span = self.tracer.start_span(
+            name, parent, kind=self._trace.SpanKind.SERVER, attributes=attributes
+        )
+        token = self._context.attach(self._trace.set_span_in_context(span, parent))
+        return RequestSpan(self, span, token)
+
+    def attempt(
+        self, provider: str, kind: str, model: str, request: ChatRequest, index: int
+    ) -> Attempt:
+        """Open the CLIENT span of one upstream attempt (a child of the current span):
+        ``provider`` (its name in the config) of ``kind``, upstream ``model``. It is
+        the span that :func:`upstream_headers` sends upstream from this task."""
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": PROVIDER_NAMES.get(kind, kind),
+            "gen_ai.request.model": model,
+            "gen_ai.request.stream": True,  # the gateway always streams from upstream
+            "nexus.provider": provider,
+            "nexus.attempt": index,
+        }
+        if request.token_limit is not None:
+            attributes["gen_ai.request.max_tokens"] = request.token_limit
+        if request.temperature is not None:
+            attributes["gen_ai.request.temperature"] = request.temperature
+        if request.top_p is not None:
+            attributes["gen_ai.request.top_p"] = request.top_p
+        started = time.time_ns()
+        span = self.tracer.start_span(
+            f"chat {model}",
+            kind=self._trace.SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=started,
+        )
+        attempt = Attempt(self, span, model, started)
+        _ATTEMPT.set(attempt)
+        return attempt
+
+
+class RequestSpan:
+    """The SERVER span of one HTTP request (see :meth:`Telemetry.request_span`)."""
+
+    __slots__ = ("_request", "_telemetry", "_token", "span", "until")
+
+    def __init__(self, telemetry: Telemetry, span: Span, token: object) -> None:
+        self._telemetry = telemetry
+        self.span = span
+        self._token = token
+        self._request = _REQUEST.set(self)
+        self.until: asyncio.Future[Any] | None = None
+        """Set by :func:`end_with`: the span ends when this is done, not at :meth:`close`."""
+
+    def close(self, status: int, stream_id: str = "", cancelled: str | None = None) -> None:
+        """The response is out (or the handler failed): record ``status`` (a 5xx is an
+        error), leave the span's context, and end it, or have it end with its run."""
+        telemetry = self._telemetry
+        _REQUEST.reset(self._request)
+        telemetry._context.detach(self._token)
+        span = self.span
+        span.set_attribute("http.response.status_code", status)
+        if stream_id:
+            span.set_attribute("nexus.stream.id", stream_id)
+        if cancelled is not None:
+            span.set_attribute("nexus.cancelled", cancelled)
+        if status >= 500:
+            span.set_attribute("error.type", str(status))
+            span.set_status(telemetry._trace.Status(telemetry._trace.StatusCode.ERROR))
+        until = self.until
+        if until is None or until.done():
+            span.end()
+        else:
+            until.add_done_callback(lambda _: span.end())
+
+
+class Attempt:
+    """The CLIENT span of one upstream attempt (see :meth:`Telemetry.attempt`)."""
+
+    __slots__ = ("_started", "_telemetry", "done", "model", "span")
+
+    def __init__(self, telemetry: Telemetry, span: Span, model: str, started: int) -> None:
+        self._telemetry = telemetry
+        self.span = span
+        self.model = model
+        self._started = started
+        self.done = False
+
+    def first_output(self) -> None:
+        """The attempt's first events arrived (once per attempt)."""
+        now = time.time_ns()
+        self.span.set_attribute("gen_ai.response.time_to_first_chunk", (now - self._started) / 1e9)
+        self.span.add_event("gen_ai.first_token", timestamp=now)
+
+    def answered(self, *tail: list[StreamEvent] | None) -> None:
+        """The upstream ended its stream well. ``tail``: its last reads, where the
+        finish reason and the usage are (the end of a stream; read once, from the end)."""
+        span = self.span
+        span.set_attribute("gen_ai.response.model", self.model)
+        usage, finish = _outcome(tail)
+        if usage is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+            if usage.cached_tokens is not None:
+                span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_tokens)
+            if usage.reasoning_tokens is not None:
+                span.set_attribute("gen_ai.usage.reasoning.output_tokens", usage.reasoning_tokens)
+        if finish is not None:
+            span.set_attribute("gen_ai.response.finish_reasons", [finish])
+        self.done = True
+
+    def failed(self, code: str) -> None:
+        """The attempt failed with the error ``code`` (before or after its first output)."""
+        trace = self._telemetry._trace
+        self.span.set_attribute("error.type", code)
+        self.span.set_status(trace.Status(trace.StatusCode.ERROR, code))
+        self.done = True
+
+    def end(self) -> None:
+        """End the span (an attempt neither answered nor failed was cancelled)."""
+        if not self.done:
+            self.span.set_attribute("nexus.cancelled", True)
+        self.span.end()
+        if _ATTEMPT.get() is self:
+            _ATTEMPT.set(None)
+
+    def outgoing(self, headers: dict[str, str], url: str) -> dict[str, str]:
+        """``headers`` with this attempt's ``traceparent`` (and ``tracestate``); the
+        upstream's address on the span."""
+        parts = urlsplit(url)
+        if parts.hostname:
+            self.span.set_attribute("server.address", parts.hostname)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            self.span.set_attribute("server.port", port)
+        telemetry = self._telemetry
+        carrier = dict(headers)
+        context: Context = telemetry._trace.set_span_in_context(self.span)
+        telemetry.propagator.inject(carrier, context=context)
+        return carrier
+
+
+def upstream_headers(headers: dict[str, str], url: str) -> dict[str, str]:
+    """The headers of an upstream request to ``url``: as given without tracing; with
+    it, a copy that carries the current attempt's trace context (W3C)."""
+    attempt = _ATTEMPT.get()
+    if attempt is None:
+        return headers
+    return attempt.outgoing(headers, url)
+
+
+def request_model(model: str) -> None:
+    """Note on the current request span the model the client asked for (an alias
+    stays an alias; the attempts name the upstream models)."""
+    request = _REQUEST.get()
+    if request is not None:
+        request.span.set_attribute("gen_ai.operation.name", "chat")
+        request.span.set_attribute("gen_ai.request.model", model)
+
+
+def end_with(until: asyncio.Future[Any]) -> None:
+    """Have the current request span end when ``until`` is done (a background
+    request's run) rather than with its response."""
+    request = _REQUEST.get()
+    if request is not None:
+        request.until = until
+
+
+_SDK = (
+    "opentelemetry.trace",
+    "opentelemetry.trace.propagation.tracecontext",
+    "opentelemetry.sdk.resources",
+    "opentelemetry.sdk.trace",
+    "opentelemetry.sdk.trace.sampling",
+)
+_EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+
+
+def check_installed(config: TelemetryConfig) -> None:
+    """Raise :class:`~nexus.errors.ConfigError` if ``config`` turns tracing on and the
+    ``otel`` extra is not installed (``nexus serve`` asks before it starts any worker)."""
+    if config.otlp_endpoint is not None:
+        _require((*_SDK, _EXPORTER))
+
+
+def _require(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(
+                "[telemetry] otlp_endpoint is set, but the OpenTelemetry packages are not "
+                f"installed (no {exc.name or name}): {INSTALL_HINT}, or unset otlp_endpoint"
+            ) from None
+
+
+def traces_url(endpoint: str) -> str:
+    """The OTLP/HTTP traces URL of a collector address (``/v1/traces`` added unless
+    it is there)."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+
+
+def _outcome(tail: tuple[list[StreamEvent] | None, ...]) -> tuple[Usage | None, str | None]:
+    """The last usage and the last finish reason in ``tail`` (reads, oldest first)."""
+    usage: Usage | None = None
+    finish: str | None = None
+    for batch in reversed(tail):
+        for event in reversed(batch or ()):
+            if usage is None and type(event) is Usage:
+                usage = event
+            elif finish is None and type(event) is Delta and event.finish_reason is not None:
+                finish = event.finish_reason
+            if usage is not None and finish is not None:
+                return usage, finish
+    return usage, finish

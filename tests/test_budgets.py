@@ -1,0 +1,326 @@
+"""Budgets: windows (UTC day, month, total), the refusal before a request opens, in every
+endpoint's shape, spend kept per window, and ``nexus keys``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import websockets
+
+from nexus.auth import ApiKey, hash_key
+from nexus.budgets import budget_message, key_table, window
+from nexus.cache.limits import BudgetExceeded, BudgetPlugin, LocalLimits
+from nexus.events import Error
+from nexus.hooks import CallContext
+from nexus.pricing import Spend
+from nexus.server.state import HUB
+from nexus.types import Completion
+from redis_support import connect_or_skip, drop_keys, new_prefix
+from support import MakeClient
+
+KEY = "nx-budget-0123456789-secret"
+NEXUS = str(Path(sys.executable).parent / "nexus")
+
+
+def at(text: str) -> float:
+    return dt.datetime.fromisoformat(text).replace(tzinfo=dt.UTC).timestamp()
+
+
+@pytest.mark.parametrize(
+    ("period", "now", "id", "resets"),
+    [
+        ("day", "2026-11-25T17:00:00", "2026-11-25", "2026-11-26T00:00:00Z"),
+        ("day", "2026-12-31T23:59:59", "2026-12-31", "2027-01-01T00:00:00Z"),
+        ("month", "2026-11-25T17:00:00", "2026-11", "2026-12-01T00:00:00Z"),
+        ("month", "2026-12-01T00:00:00", "2026-12", "2027-01-01T00:00:00Z"),
+        ("month", "2028-02-29T12:00:00", "2028-02", "2028-03-01T00:00:00Z"),
+        ("total", "2026-11-25T17:00:00", "total", None),
+    ],
+)
+def test_windows_are_utc_calendar_periods(
+    period: str, now: str, id: str, resets: str | None
+) -> None:
+    win = window(period, at(now))
+    assert (win.id, win.resets_iso()) == (id, resets)
+
+
+def test_a_window_says_when_it_resets_and_outlives_its_end_in_the_store() -> None:
+    now = at("2026-11-25T23:59:30")
+    day = window("day", now)
+    assert day.retry_after_s(now) == 30
+    assert day.ttl_s(now) == 30 + 86_400
+    assert window("total", now).retry_after_s(now) is None
+    assert window("total", now).ttl_s(now) is None
+    message = budget_message("alpha", 5, "day", 5.25, day)
+    assert "'alpha'" in message and "daily budget of $5" in message
+    assert "resets at 2026-11-26T00:00:00Z" in message
+    with pytest.raises(ValueError, match="week"):
+        window("week", now)
+
+
+def test_key_table_pads_its_columns() -> None:
+    text = key_table([{"name": "alpha", "models": "*", "spent_usd": "0.5"}])
+    header, line = text.splitlines()
+    assert header.split() == ["name", "models", "budget_usd", "period", "spent_usd", "resets_at"]
+    assert line.split() == ["alpha", "*", "-", "-", "0.5", "-"]
+    assert header.index("spent_usd") == line.index("0.5")
+
+
+def spend(cost_usd: float | None, estimated: bool = False) -> Spend:
+    return Spend(10, 5, 0, 0, cost_usd, estimated)
+
+
+async def test_spend_reaching_the_budget_refuses_the_next_request_until_the_window_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [at("2026-11-25T23:59:00")]
+    monkeypatch.setattr("nexus.cache.limits.time.time", lambda: clock[0])
+    limits = LocalLimits(0, None)
+    key = ApiKey("alpha", budget_usd=1.0, budget_period="day")
+    plugin = BudgetPlugin(limits, [key, ApiKey("beta")])
+    ctx = CallContext(key="alpha")
+    final = Completion(id="id", model="m", created=0)
+    failed = Error(error_type="server_error", message="gone", code="stream_cancelled")
+    await plugin.on_stream_completed(ctx, "id", "m", "p", 0.1, final, spend=spend(0.6))
+    await limits.admit(key, stream=True)  # 0.6 of 1.0: still under
+    await plugin.on_stream_failed(
+        ctx, "id", "m", failed, spend=spend(0.5, True)
+    )  # a failed one bills
+    await plugin.on_stream_completed(ctx, "id", "m", "p", 0.1, final, spend=spend(None))
+    assert await limits.spent(key) == pytest.approx(1.1)
+    with pytest.raises(BudgetExceeded) as refused:
+        await limits.admit(key, stream=True)
+    assert refused.value.status == 429 and refused.value.code == "budget_exceeded"
+    assert refused.value.headers == {"Retry-After": "60"}
+    assert "resets at 2026-11-26T00:00:00Z" in refused.value.message
+    await limits.admit(key, stream=False)  # reading a stream, listing models: no cost
+    clock[0] = at("2026-11-26T00:00:01")  # a new day, a new window
+    assert await limits.spent(key) == 0.0
+    await limits.admit(key, stream=True)
+
+
+def keyed(budget: float, period: str = "month", **extra: Any) -> dict[str, Any]:
+    entry = {"name": "alpha", "sha256": hash_key(KEY), "budget_usd": budget}
+    entry["budget_period"] = period
+    return {"auth": {"keys": [entry]}, **extra}
+
+
+BEARER = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": "mock/echo", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_a_spent_budget_is_a_429_in_each_endpoints_shape(make_client: MakeClient) -> None:
+    client = await make_client(keyed(0.5, "day"))
+    resp = await client.post("/v1/chat/completions", json=CHAT, headers=BEARER)
+    assert resp.status == 200
+    hub = client.app[HUB]
+    await hub.limits.charge(ApiKey("alpha", budget_usd=0.5, budget_period="day"), 0.5)
+    for path, body in (
+        ("/v1/chat/completions", CHAT),
+        ("/v1/chat/completions", {**CHAT, "stream": True}),
+        ("/v1/responses", {"model": "mock/echo", "input": "hi"}),
+    ):
+        resp = await client.post(path, json=body, headers=BEARER)
+        assert resp.status == 429, path
+        error = (await resp.json())["error"]
+        assert error["code"] == "budget_exceeded"
+        assert "daily budget of $0.5" in error["message"] and "resets at" in error["message"]
+        assert 1 <= int(resp.headers["Retry-After"]) <= 86_400
+    resp = await client.post(
+        "/v1/messages", json={**CHAT, "max_tokens": 16}, headers={"x-api-key": KEY}
+    )
+    assert resp.status == 429
+    body = await resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+    assert "budget" in body["error"]["message"]
+    # Listing models costs nothing: not refused.
+    assert (await client.get("/v1/models", headers=BEARER)).status == 200
+    # On a socket: an error frame, with the wait, and the socket stays open.
+    url = str(client.make_url("/v1/realtime")).replace("http", "ws", 1)
+    async with websockets.connect(url, additional_headers=BEARER) as ws:
+        await ws.send(orjson.dumps({"type": "start", "request": CHAT}).decode())
+        frame = orjson.loads(await ws.recv())
+        assert frame["type"] == "error"
+        assert frame["error"]["code"] == "budget_exceeded"
+        assert frame["error"]["retry_after_s"] >= 1
+
+
+async def test_a_total_budget_never_resets(make_client: MakeClient) -> None:
+    client = await make_client(keyed(0.0, "total"))
+    resp = await client.post("/v1/chat/completions", json=CHAT, headers=BEARER)
+    assert resp.status == 429
+    assert "Retry-After" not in resp.headers
+    assert "does not reset" in (await resp.json())["error"]["message"]
+
+
+async def test_nexus_keys_prints_each_keys_spend_from_redis(tmp_path: Path) -> None:
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    try:
+        store = RedisStore(prefix=prefix, client=client)
+        limits = RedisLimits(store, rate=0, per_key=None, lease_s=1, fallback=LocalLimits(0, None))
+        alpha = ApiKey("alpha", ("mock/*",), 5.0, "day")
+        await limits.charge(alpha, 0.25)
+        await limits.charge(alpha, 0.5)
+        path = tmp_path / "config.toml"
+        path.write_text(
+            f"""\
+[store]
+kind = "redis"
+prefix = "{prefix}"
+
+[[auth.keys]]
+name = "alpha"
+sha256 = "{hash_key(KEY)}"
+models = ["mock/*"]
+budget_usd = 5
+budget_period = "day"
+
+[[auth.keys]]
+name = "beta"
+sha256 = "{hash_key("other")}"
+"""
+        )
+        done = subprocess.run(
+            [NEXUS, "keys", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env={**os.environ},
+        )
+        assert done.returncode == 0, done.stderr
+        header, alpha_line, beta_line = done.stdout.splitlines()
+        assert header.startswith("name")
+        assert alpha_line.split()[:5] == ["alpha", "mock/*", "5", "day", "0.750000"]
+        assert alpha_line.split()[5].endswith("T00:00:00Z")
+        assert beta_line.split()[:5] == ["beta", "*", "-", "month", "0.000000"]
+    finally:
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
+def test_nexus_keys_with_the_memory_store_says_where_the_spend_is(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(f'[[auth.keys]]\nname = "alpha"\nsha256 = "{hash_key(KEY)}"\nbudget_usd = 2\n')
+    done = subprocess.run(
+        [NEXUS, "keys", "--config", str(path)], capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 0, done.stderr
+    _, line, note = done.stdout.splitlines()
+    assert line.split()[:4] == ["alpha", "*", "2", "month"]
+    assert "memory store" in note
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[auth.keys]]\nname = "a"\nsha256 = "00"\nbudget_period = "week"\n')
+    done = subprocess.run([NEXUS, "keys", "--config", str(bad)], capture_output=True, text=True)
+    assert done.returncode == 2 and "config error" in done.stderr
+
+
+async def test_two_replicas_share_a_keys_budget(tmp_path: Path) -> None:
+    """A charge on one replica refuses the next request on the other: the spend is in Redis."""
+    from nexus_process import start_nexus, stop_nexus
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f"""\
+[server]
+shutdown_grace_s = 0
+
+[store]
+kind = "redis"
+prefix = "{prefix}"
+
+[[auth.keys]]
+name = "alpha"
+sha256 = "{hash_key(KEY)}"
+budget_usd = 4
+budget_period = "total"
+
+[models."mock/echo"]
+input_usd_per_mtok = 0
+output_usd_per_mtok = 1000000   # a dollar a completion token
+
+[providers.mock]
+kind = "mock"
+"""
+    )
+    procs = []
+    try:
+        urls = []
+        for n in range(2):
+            proc, match = start_nexus(path, tmp_path / f"nexus{n}.log")
+            procs.append(proc)
+            urls.append(match.group(1))
+        three = {**CHAT, "mock": {"content": "one two three"}}  # $3 each
+        async with aiohttp.ClientSession(headers=BEARER) as http:
+            # A streaming request on the first: $3 of $4, charged before its end is read.
+            async with http.post(
+                urls[0] + "/v1/chat/completions", json={**three, "stream": True}
+            ) as resp:
+                assert resp.status == 200
+                assert b"[DONE]" in await resp.read()
+            # Under the budget still: the second runs (non-streaming), and passes it ($6).
+            async with http.post(urls[1] + "/v1/chat/completions", json=three) as resp:
+                assert resp.status == 200, await resp.text()
+            # Refused on both, before anything opens.
+            for url in urls:
+                async with http.post(url + "/v1/chat/completions", json=three) as resp:
+                    assert resp.status == 429
+                    error = (await resp.json())["error"]
+                    assert error["code"] == "budget_exceeded"
+                    assert "$6 of its total budget of $4" in error["message"]
+        done = subprocess.run(
+            [NEXUS, "keys", "--config", str(path)], capture_output=True, text=True, timeout=20
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[1].split() == [
+            "alpha", "*", "4", "total", "6.000000", "never"
+        ]  # fmt: skip
+    finally:
+        for proc in procs:
+            stop_nexus(proc, gently=False)
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
+async def test_every_way_in_is_charged_and_a_cache_hit_is_free(make_client: MakeClient) -> None:
+    prices = {"mock/echo": {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1_000_000}}
+    client = await make_client(keyed(100, "total", models=prices, cache={"enabled": True}))
+    limits = client.app[HUB].limits
+    alpha = ApiKey("alpha", budget_usd=100, budget_period="total")
+
+    async def chat(script: dict[str, Any], **extra: Any) -> aiohttp.ClientResponse:
+        body = {**CHAT, "mock": script, **extra}
+        resp = await client.post("/v1/chat/completions", json=body, headers=BEARER)
+        await resp.read()
+        return resp
+
+    three = {"content": "one two three"}  # $1 a completion token
+    assert (await chat(three)).status == 200
+    assert await limits.spent(alpha) == pytest.approx(3)
+    hit = await chat(three)
+    assert hit.headers["X-Nexus-Cache"] == "hit"
+    assert await limits.spent(alpha) == pytest.approx(3)  # a replay billed nothing
+    # A stream that fails after two chunks: its estimated spend.
+    assert (await chat({"content": "a b c d", "fail_after": 2}, stream=True)).status == 200
+    assert await limits.spent(alpha) == pytest.approx(5)
+    # A WebSocket turn.
+    url = str(client.make_url("/v1/realtime")).replace("http", "ws", 1)
+    async with websockets.connect(url, additional_headers=BEARER) as ws:
+        request = {**CHAT, "mock": {"content": "x y"}}
+        await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
+        while orjson.loads(await ws.recv())["type"] != "done":
+            pass
+    assert await limits.spent(alpha) == pytest.approx(7)

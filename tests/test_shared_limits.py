@@ -1,0 +1,194 @@
+"""Per-key limits shared by replicas: two real ``nexus serve`` processes on one Redis.
+
+* Together they admit exactly ``requests_per_second_per_key`` (one bucket in Redis,
+  not one per process).
+* Together they run exactly ``max_concurrent_streams_per_key`` streams of a key; a
+  stream that ends (completed, or its client gone) gives its slot back at once.
+* A replica killed (SIGKILL) mid-stream stops renewing its slot, which expires
+  within ``[limits] stream_lease_s``: the other replica admits the key again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from nexus.auth import hash_key
+from nexus_process import start_nexus, stop_nexus
+from redis_support import connect_or_skip, drop_keys, new_prefix
+
+_SERVING = re.compile(r"Nexus serving on (http://[\d.]+:\d+)")
+KEY = "nx-shared-limits-0123456789"
+LEASE_S = 1.0
+
+
+def config(prefix: str, *, rate: float = 0, per_key: int = 100) -> str:
+    return f"""\
+[server]
+shutdown_grace_s = 0
+
+[streams]
+detach_timeout_s = 0           # a client that leaves ends its stream at once
+
+[limits]
+requests_per_second_per_key = {rate}
+max_concurrent_streams_per_key = {per_key}
+stream_lease_s = {LEASE_S}
+
+[store]
+kind = "redis"
+url = "redis://127.0.0.1:6379/0"
+prefix = "{prefix}"
+
+[[auth.keys]]
+name = "alpha"
+sha256 = "{hash_key(KEY)}"
+
+[providers.mock]
+kind = "mock"
+"""
+
+
+@contextlib.asynccontextmanager
+async def replicas(tmp_path: Path, **limits: Any) -> AsyncIterator[list[Any]]:
+    """Two gateways sharing one Redis prefix: [(process, url), ...]."""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    path = tmp_path / "config.toml"
+    path.write_text(config(prefix, **limits))
+    started: list[Any] = []
+    try:
+        for n in range(2):
+            proc, match = start_nexus(path, tmp_path / f"nexus{n}.log", ready=_SERVING)
+            started.append((proc, match.group(1)))
+        yield started
+    finally:
+        for proc, _ in started:
+            stop_nexus(proc, gently=False)
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
+def headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def slow(tag: str, delay_ms: int = 200) -> dict[str, Any]:
+    return {
+        "model": "mock/echo",
+        "stream": True,
+        "messages": [{"role": "user", "content": tag}],
+        "mock": {"content": "one two three four five six", "delay_ms": delay_ms},
+    }
+
+
+async def test_two_replicas_admit_exactly_the_rate_together(tmp_path: Path) -> None:
+    async with replicas(tmp_path, rate=2) as (one, two), aiohttp.ClientSession() as http:
+
+        async def get(url: str) -> tuple[int, str]:
+            async with http.get(url + "/v1/models/mock/echo", headers=headers()) as resp:
+                body = await resp.json()
+                return resp.status, "" if resp.status == 200 else body["error"]["code"]
+
+        # Ten at once, five on each: a bucket of two for both (a process of its own would
+        # admit two each).
+        results = await asyncio.gather(*(get(url) for _, url in (one, two) * 5))
+        assert sorted(results) == [(200, "")] * 2 + [(429, "rate_limited")] * 8
+
+
+async def open_stream(
+    http: aiohttp.ClientSession, url: str, tag: str
+) -> tuple[int, aiohttp.ClientResponse]:
+    resp = await http.post(url + "/v1/chat/completions", json=slow(tag), headers=headers())
+    if resp.status != 200:
+        assert (await resp.json())["error"]["code"] == "too_many_streams"
+        resp.release()
+    return resp.status, resp
+
+
+async def test_two_replicas_run_exactly_the_keys_streams_together(tmp_path: Path) -> None:
+    async with replicas(tmp_path, per_key=2) as (one, two), aiohttp.ClientSession() as http:
+        urls = [url for _, url in (one, two)]
+        opened = await asyncio.gather(*(open_stream(http, urls[n % 2], f"s{n}") for n in range(6)))
+        running = [resp for status, resp in opened if status == 200]
+        assert len(running) == 2, [status for status, _ in opened]
+        # One ends well, the other's client leaves: both slots come back.
+        assert b"[DONE]" in await running[0].read()
+        running[1].close()
+        for _ in range(50):
+            again = await asyncio.gather(*(open_stream(http, url, "again") for url in urls))
+            if all(status == 200 for status, _ in again):
+                break
+            for status, resp in again:
+                if status == 200:
+                    resp.close()
+            await asyncio.sleep(0.05)
+        assert [status for status, _ in again] == [200, 200]
+        for _, resp in again:
+            resp.close()
+
+
+async def test_a_killed_replicas_slot_expires_within_its_lease(tmp_path: Path) -> None:
+    async with replicas(tmp_path, per_key=1) as (one, two), aiohttp.ClientSession() as http:
+        status, held = await open_stream(http, one[1], "held")
+        assert status == 200
+        status, _ = await open_stream(http, two[1], "refused")
+        assert status == 429
+        one[0].kill()  # SIGKILL: no release, no goodbye
+        killed = time.monotonic()
+        held.close()
+        while True:
+            status, resp = await open_stream(http, two[1], "after")
+            if status == 200:
+                resp.close()
+                break
+            assert time.monotonic() - killed < LEASE_S + 1.0, "the dead replica's slot stayed"
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture(autouse=True)
+def _quick() -> Iterator[None]:
+    began = time.monotonic()
+    yield
+    assert time.monotonic() - began < 20
+
+
+async def test_redis_down_fails_open_to_this_process_except_for_budgets() -> None:
+    import redis.asyncio as aioredis
+
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits, StoreUnavailable
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    store = RedisStore(prefix=new_prefix(), client=client)
+    limits = RedisLimits(
+        store, rate=1, per_key=5, lease_s=1, fallback=LocalLimits(1, 5, lambda name: 0)
+    )
+    await limits.start()
+    try:
+        # No budget: admitted against this process's bucket (one token), never a 500.
+        plain = ApiKey("plain")
+        assert await limits.admit(plain, stream=True) is None
+        with pytest.raises(Exception) as limited:
+            await limits.admit(plain, stream=True)
+        assert getattr(limited.value, "code", None) == "rate_limited"
+        # A budget that cannot be checked is not spent: 503 store_unavailable.
+        with pytest.raises(StoreUnavailable) as refused:
+            await limits.admit(ApiKey("capped", budget_usd=1.0), stream=True)
+        assert refused.value.status == 503
+        # A charge that cannot be sent is kept for the next tick.
+        await limits.charge(ApiKey("capped", budget_usd=1.0), 0.5)
+        assert sum(usd for usd, _ in limits._unsent.values()) == 0.5
+    finally:
+        await limits.close()
+        await client.aclose()

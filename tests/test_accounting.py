@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 
 from nexus import (
@@ -70,6 +72,19 @@ class SpendPlugin:
     ) -> None:
         self.ends.append(("failed", model, error, extra["spend"]))
         self.done.set()
+
+
+PLUGINS: list[SpendPlugin] = []
+
+
+def make_spend_plugin() -> SpendPlugin:
+    """For ``[[plugins]] path = "test_accounting:make_spend_plugin"``."""
+    PLUGINS.append(SpendPlugin())
+    return PLUGINS[-1]
+
+
+def with_plugin(config: dict[str, Any]) -> dict[str, Any]:
+    return {**config, "plugins": [{"path": "test_accounting:make_spend_plugin"}]}
 
 
 class OldPlugin:
@@ -172,11 +187,9 @@ async def test_server_fallback_names_the_target_that_answered(
     first, second = upstreams
     first.add(UNAVAILABLE)
     second.add(Reply.stream(ANSWER))
-    client = await make_client(two_targets(first, second))
-    plugin = SpendPlugin()
+    client = await make_client(with_plugin(two_targets(first, second)))
+    plugin = PLUGINS[-1]
     hub = client.app[HUB]
-    hub.engine.hooks._frozen = False  # a test plugin, added after start-up
-    hub.engine.hooks.add(plugin)
     resp = await client.post(
         "/v1/chat/completions",
         json={"model": "smart", "stream": True, "messages": [{"role": "user", "content": "x"}]},
@@ -230,11 +243,8 @@ async def test_a_stream_cut_mid_way_reports_an_estimate_to_the_hooks(
     first.add(Reply.stream(frames, end="abort"))
     config = two_targets(first, first)
     config["models"]["a/m1"] = {"input_usd_per_mtok": 2.5, "output_usd_per_mtok": 10.0}
-    client = await make_client(config)
-    plugin = SpendPlugin()
-    hub = client.app[HUB]
-    hub.engine.hooks._frozen = False
-    hub.engine.hooks.add(plugin)
+    client = await make_client(with_plugin(config))
+    plugin = PLUGINS[-1]
     resp = await client.post(
         "/v1/chat/completions",
         json={"model": "a/m1", "stream": True, "messages": [{"role": "user", "content": "x"}]},
@@ -246,3 +256,173 @@ async def test_a_stream_cut_mid_way_reports_an_estimate_to_the_hooks(
     assert kind == "failed"
     assert error.code != "stream_cancelled"
     assert spend == Spend(0, 4, 0, 0, 4 * 10.0 / 1e6, True)
+
+
+# --- usage.cost ----------------------------------------------------------------------------
+
+
+def one_upstream(fake: FakeUpstream, **cache: Any) -> dict[str, Any]:
+    config = two_targets(fake, fake)
+    config["models"]["a/m1"] = {
+        "input_usd_per_mtok": 2.5,
+        "output_usd_per_mtok": 10.0,
+        "cached_input_usd_per_mtok": 1.25,
+    }
+    if cache:
+        config["cache"] = cache
+    return config
+
+
+COST = cost_usd(PRICE, 1200, 300, 1000)
+
+
+async def test_include_cost_over_the_openai_sdk(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    from openai import AsyncOpenAI
+
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER), Reply.stream(ANSWER))
+    client = await make_client(one_upstream(fake))
+    async with AsyncOpenAI(
+        base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0
+    ) as api:
+        stream = await api.chat.completions.create(
+            model="a/m1",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            stream_options={"include_usage": True, "include_cost": True},  # type: ignore[typeddict-unknown-key]
+        )
+        chunks = [chunk async for chunk in stream]
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (1200, 300)
+        assert usage.model_extra == {"cost": COST}
+        # Without include_cost: no cost.
+        plain = await api.chat.completions.create(
+            model="a/m1",
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        last = [chunk async for chunk in plain][-1]
+        assert last.usage is not None and not last.usage.model_extra
+    # Never sent upstream.
+    assert [seen.body["stream_options"] for seen in fake.requests] == [{"include_usage": True}] * 2
+
+
+async def test_include_cost_over_raw_sse_and_json(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER), Reply.stream(ANSWER))
+    client = await make_client(one_upstream(fake))
+    body = {
+        "model": "a/m1",
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_cost": True},
+    }
+    resp = await client.post("/v1/chat/completions", json=body)
+    frames = [f for f in (await resp.read()).split(b"\n") if f.startswith(b"data: {")]
+    usage = orjson.loads(frames[-1][len(b"data: ") :])["usage"]
+    assert usage["cost"] == COST
+    assert isinstance(usage["cost"], float)
+    resp = await client.post("/v1/chat/completions", json={**body, "stream": False})
+    assert (await resp.json())["usage"]["cost"] == COST
+    # include_cost alone asks for the usage chunk too.
+    fake.add(Reply.stream(ANSWER))
+    alone = {**body, "stream_options": {"include_cost": True}}
+    resp = await client.post("/v1/chat/completions", json=alone)
+    frames = [f for f in (await resp.read()).split(b"\n") if f.startswith(b"data: {")]
+    assert orjson.loads(frames[-1][len(b"data: ") :])["usage"]["cost"] == COST
+
+
+async def test_include_cost_keeps_the_cache_key_and_a_hit_costs_nothing(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER))
+    client = await make_client(one_upstream(fake, enabled=True))
+    body = {"model": "a/m1", "messages": [{"role": "user", "content": "x"}], "stream": False}
+    first = await client.post("/v1/chat/completions", json=body)
+    assert first.headers["X-Nexus-Cache"] == "miss"
+    assert "cost" not in (await first.json())["usage"]
+    costed = {**body, "stream_options": {"include_cost": True}}
+    hit = await client.post("/v1/chat/completions", json=costed)
+    assert hit.headers["X-Nexus-Cache"] == "hit"
+    usage = (await hit.json())["usage"]
+    assert (usage["prompt_tokens"], usage["cost"]) == (1200, 0.0)
+    assert len(fake.requests) == 1
+
+
+async def test_the_text_access_line_quotes_what_a_client_chose(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client()
+    model = 'mock/x y\nforged=1 "z'
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "a b"}]},
+    )
+    assert resp.status == 200
+    (record,) = [r for r in caplog.records if r.name == "nexus.access"]
+    line = record.getMessage()
+    assert "\n" not in line
+    assert f"model={orjson.dumps(model).decode()} " in line
+    assert record.access["model"] == model  # type: ignore[attr-defined]
+
+
+async def test_a_cache_hit_spends_nothing(
+    make_client: MakeClient,
+    upstreams: tuple[FakeUpstream, FakeUpstream],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    fake, _ = upstreams
+    fake.add(Reply.stream(ANSWER))
+    client = await make_client(with_plugin(one_upstream(fake, enabled=True)))
+    plugin = PLUGINS[-1]
+    body = {"model": "a/m1", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    for request_id in ("first", "again"):
+        resp = await client.post(
+            "/v1/chat/completions", json=body, headers={"X-Request-Id": request_id}
+        )
+        await resp.read()
+    await asyncio.sleep(0.05)
+    lines = {r.request_id: r.access for r in caplog.records if r.name == "nexus.access"}  # type: ignore[attr-defined]
+    assert (lines["first"]["cache"], lines["first"]["cost_usd"]) == ("miss", round(COST, 10))
+    assert lines["first"]["prompt_tokens"] == 1200
+    again = lines["again"]
+    assert (again["cache"], again["outcome"], again["cost_usd"]) == ("hit", "ok", 0.0)
+    assert (again["prompt_tokens"], again["completion_tokens"]) == (0, 0)
+    assert [spend.cost_usd for *_, spend in plugin.ends] == [COST, 0.0]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'nexus_tokens_total{key="anonymous",kind="prompt",model="a/*"} 1200.0' in metrics
+
+
+async def test_a_request_no_target_answered_names_none(
+    make_client: MakeClient,
+    upstreams: tuple[FakeUpstream, FakeUpstream],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    first, second = upstreams
+    first.add(UNAVAILABLE)
+    second.add(UNAVAILABLE)
+    client = await make_client(two_targets(first, second))
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": "smart", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert resp.status == 502
+    (record,) = [r for r in caplog.records if r.name == "nexus.access"]
+    line = record.access  # type: ignore[attr-defined]
+    assert record.levelno == logging.WARNING
+    assert (line["model"], line["served"], line["outcome"]) == (
+        "smart",
+        None,
+        f"error:{(await resp.json())['error']['code']}",
+    )
+    assert "prompt_tokens" not in line

@@ -75,8 +75,8 @@ CASES: list[Any] = [
     ),
     pytest.param(Usage(), b'["usage",0,0,0,null,null,null]', id="usage-defaults"),
     pytest.param(
-        Usage(5, 3, 8, cached_tokens=2, cache_write_tokens=0, reasoning_tokens=1),
-        b'["usage",5,3,8,2,0,1]',
+        Usage(5, 3, 8, cached_tokens=2, cache_write_tokens=0, reasoning_tokens=1, cost_usd=0.5),
+        b'["usage",5,3,8,2,0,1,false,0.5]',
         id="usage-all-fields",
     ),
     # A field added later is stored only when set: a log of totals reads the same in a
@@ -232,7 +232,7 @@ def test_round_trip_any_log(log: list[StreamEvent]) -> None:
         pytest.param(["heartbeat", 1], id="heartbeat-extra-field"),
         pytest.param(["error", "t"], id="error-short"),
         pytest.param(["usage", 1, 2, 3, None, None], id="usage-short"),
-        pytest.param(["usage", 1, 2, 3, None, None, None, True, 1], id="usage-long"),
+        pytest.param(["usage", 1, 2, 3, None, None, None, True, 1, 2], id="usage-long"),
         pytest.param("delta", id="bare-string"),
     ],
 )
@@ -314,3 +314,7 @@ def test_event_size_counts_more_for_more_tool_calls() -> None:
 def test_a_usage_stored_without_the_partial_flag_loads_as_totals() -> None:
     assert load_event(["usage", 5, 3, 8, None, None, None]) == Usage(5, 3, 8)
     assert load_event(["usage", 5, 3, 8, None, None, None, False]) == Usage(5, 3, 8)
+
+
+def test_a_usage_stored_before_its_cost_still_loads() -> None:
+    assert load_event(["usage", 5, 3, 8, 2, 0, 1]) == Usage(5, 3, 8, 2, 0, 1)

@@ -78,7 +78,7 @@ async def test_metrics_exposition_format(make_client: MakeClient) -> None:
     } <= names
 
 
-async def test_requests_by_endpoint_format_status(make_client: MakeClient) -> None:
+async def test_requests_by_endpoint_model_outcome(make_client: MakeClient) -> None:
     client = await make_client()
     for _ in range(2):
         resp = await client.post(CHAT, json=chat(stream=True))
@@ -97,14 +97,13 @@ async def test_requests_by_endpoint_format_status(make_client: MakeClient) -> No
     await client.get("/metrics")  # not counted
     samples = await scrape(client)
     total = "nexus_requests_total"
-    assert value(samples, total, endpoint=CHAT, format=SSE, status="200") == 2
-    assert value(samples, total, endpoint=CHAT, format="application/json", status="200") == 1
-    assert value(samples, total, endpoint=CHAT, format="-", status="400") == 1
+    assert value(samples, total, endpoint=CHAT, model="mock/echo", outcome="ok") == 3
     assert (
-        value(samples, total, endpoint="/v1/messages", format="application/x-ndjson", status="200")
-        == 1
+        value(samples, total, endpoint=CHAT, model="unknown", outcome="error:invalid_request") == 1
     )
-    assert value(samples, total, endpoint="/v1/models", format="-", status="200") == 1
+    assert value(samples, total, endpoint="/v1/messages", model="mock/echo", outcome="ok") == 1
+    assert value(samples, total, endpoint="/v1/models", model="unknown", outcome="ok") == 1
+    assert all("-" not in dict(labels).values() for _, labels in samples)
     assert not any(
         name == total and dict(labels).get("endpoint") == "/metrics" for name, labels in samples
     )
@@ -123,12 +122,17 @@ async def test_active_streams_and_histograms(make_client: MakeClient) -> None:
     samples = await eventually(client, lambda s: value(s, "nexus_active_streams") == 0)
     assert value(samples, "nexus_active_streams") == 0
     labels = {"endpoint": CHAT, "format": SSE}
-    for metric in ("nexus_time_to_first_byte_seconds", "nexus_stream_duration_seconds"):
-        assert value(samples, f"{metric}_count", **labels) == 1
-        assert value(samples, f"{metric}_sum", **labels) > 0
-        assert value(samples, f"{metric}_bucket", le="+Inf", **labels) == 1
+    by_model = {"model": "gated/*"}  # not an advertised model: its provider's
+    for metric, of in (
+        ("nexus_time_to_first_byte_seconds", labels),
+        ("nexus_time_to_first_token_seconds", by_model),
+        ("nexus_stream_duration_seconds", by_model),
+    ):
+        assert value(samples, f"{metric}_count", **of) == 1
+        assert value(samples, f"{metric}_sum", **of) > 0
+        assert value(samples, f"{metric}_bucket", le="+Inf", **of) == 1
     ttfb = value(samples, "nexus_time_to_first_byte_seconds_sum", **labels)
-    assert ttfb <= value(samples, "nexus_stream_duration_seconds_sum", **labels)
+    assert ttfb <= value(samples, "nexus_stream_duration_seconds_sum", **by_model)
 
 
 async def test_bytes_out_equal_the_body_the_client_read(make_client: MakeClient) -> None:
@@ -181,7 +185,7 @@ async def test_upstream_errors_in_stream(make_client: MakeClient) -> None:
     assert b"error" in body
     samples = await scrape(client)
     errors = {
-        dict(labels)["kind"]: count
+        dict(labels)["code"]: count
         for (name, labels), count in samples.items()
         if name == "nexus_upstream_errors_total" and dict(labels)["provider"] == "mock"
     }
@@ -321,7 +325,8 @@ async def test_one_access_line_per_request(
     }
     for record in records:
         assert fields <= set(record.access)  # type: ignore[attr-defined]
-        assert record.levelno == logging.INFO
+        bad_request = record.request_id == "rid-bad"  # type: ignore[attr-defined]
+        assert record.levelno == (logging.WARNING if bad_request else logging.INFO)
         assert record.getMessage().startswith(record.request_id)  # type: ignore[attr-defined]
     stream = by_id["rid-stream"].access  # type: ignore[attr-defined]
     assert stream["endpoint"] == CHAT
@@ -334,9 +339,10 @@ async def test_one_access_line_per_request(
     assert 0 < stream["bytes"] <= len(body)
     plain = by_id["rid-json"].access  # type: ignore[attr-defined]
     assert (plain["status"], plain["format"]) == (200, "application/json")
+    assert (plain["events"], plain["bytes"]) == (None, None)  # no stream was written
     bad = by_id["rid-bad"].access  # type: ignore[attr-defined]
-    assert bad["status"] == 400
-    assert (bad["events"], bad["bytes"]) == (0, 0)
+    assert (bad["status"], bad["outcome"]) == (400, "error:invalid_request")
+    assert (bad["events"], bad["bytes"]) == (None, None)
 
 
 async def test_access_log_bytes_equal_the_body(
@@ -445,11 +451,15 @@ async def test_a_stream_cut_short_keeps_its_status_in_the_access_log(
     samples = await eventually(
         client, lambda s: value(s, "nexus_cancellations_total", cause="client_disconnect") >= 1
     )
-    assert value(samples, "nexus_requests_total", endpoint=CHAT, format=SSE, status="200") == 1
-    assert value(samples, "nexus_requests_total", endpoint=CHAT, format=SSE, status="500") == 0
+    requests = "nexus_requests_total"
+    cut = "cancelled:client_disconnect"
+    assert value(samples, requests, endpoint=CHAT, model="gated/*", outcome=cut) == 1
+    assert value(samples, requests, endpoint=CHAT, model="gated/*", outcome="ok") == 0
     (record,) = [r for r in access_records(caplog) if r.request_id == "rid-cut"]  # type: ignore[attr-defined]
     assert record.access["status"] == 200  # type: ignore[attr-defined]
     assert record.access["cancelled"] == "client_disconnect"  # type: ignore[attr-defined]
+    assert record.access["outcome"] == cut  # type: ignore[attr-defined]
+    assert record.levelno == logging.WARNING
 
 
 async def test_a_client_that_leaves_before_any_answer_is_a_499(

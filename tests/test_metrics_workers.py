@@ -159,12 +159,20 @@ async def _add_up(workers: Workers, one: Worker, two: Worker) -> None:
         await asyncio.sleep(0.05)  # the access middleware counts once the handler returned
 
         samples = await scrape(session, one)  # two was never scraped: its counts are in its file
-        assert value(samples, "nexus_requests_total", endpoint=CHAT, format=SSE, status="200") == 2
+        ok = {"endpoint": CHAT, "model": "mock/echo", "outcome": "ok"}
+        assert value(samples, "nexus_requests_total", **ok) == 2
+        tokens = {"model": "mock/echo", "key": "anonymous"}
+        assert value(samples, "nexus_tokens_total", kind="prompt", **tokens) == 6
+        assert value(samples, "nexus_tokens_total", kind="completion", **tokens) == 6
+        assert not any(name.endswith("_created") for name, _ in samples)
         assert value(samples, "nexus_bytes_out_total", format=SSE) == sum(map(len, bodies))
         events = sum(len(parse_sse(body)) for body in bodies)
         assert value(samples, "nexus_events_out_total", format=SSE) == events
-        labels = {"endpoint": CHAT, "format": SSE}
-        for histogram in ("nexus_time_to_first_byte_seconds", "nexus_stream_duration_seconds"):
+        for histogram, labels in (
+            ("nexus_time_to_first_byte_seconds", {"endpoint": CHAT, "format": SSE}),
+            ("nexus_time_to_first_token_seconds", {"model": "mock/echo"}),
+            ("nexus_stream_duration_seconds", {"model": "mock/echo"}),
+        ):
             assert value(samples, f"{histogram}_count", **labels) == 2
             assert value(samples, f"{histogram}_bucket", le="+Inf", **labels) == 2
             assert value(samples, f"{histogram}_sum", **labels) > 0
@@ -190,7 +198,7 @@ async def _add_up(workers: Workers, one: Worker, two: Worker) -> None:
             samples = await scrape(session, one)
             assert value(samples, "nexus_active_streams") == 1
             # What the dead worker did still counts.
-            total = value(samples, "nexus_requests_total", endpoint=CHAT, format=SSE, status="200")
+            total = value(samples, "nexus_requests_total", **ok)
             assert total == 2
             assert value(samples, "nexus_bytes_out_total", format=SSE) > sum(map(len, bodies))
         finally:

@@ -161,7 +161,9 @@ class LoggingConfig(_Table):
     format: Literal["text", "json"] = "text"
     """``json``: one JSON object per line, with the request id."""
     access_log: bool = True
-    """One line per request: endpoint, format, provider, status, TTFB, duration, events, bytes."""
+    """One line per request: method, path, endpoint, status, outcome, model asked and served,
+    key name, client address, TTFB, TTFT, duration, events and bytes of a written stream,
+    tokens and cost (see :mod:`nexus.server.access`)."""
 
 
 class MetricsConfig(_Table):

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from .errors import GatewayError, ModelNotFound, UnsupportedInput
-from .events import Error, StreamEvent
+from .events import Error, StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
-from .pricing import PriceTable
+from .pricing import Price, PriceTable, cost_usd
 from .protocol.openai_chat import validation_error
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
@@ -286,8 +286,10 @@ class Engine:
         served: Callable[[Provider, str], None] | None,
     ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
+        asked = request.model
         telemetry = self.telemetry
         for attempt, (provider, model) in enumerate(targets):
+            price = self.prices.price(f"{provider.name}/{model}", asked)
             span = (
                 telemetry.attempt(provider.name, provider.kind, model, request, attempt)
                 if telemetry is not None
@@ -301,6 +303,9 @@ class Engine:
             try:
                 async for batch in batches:
                     if batch:
+                        if price is not None and type(batch[-1]) is Usage:
+                            # A provider's usage ends the read it came in: one check a read.
+                            batch[-1] = _priced(batch[-1], price)
                         if not started:
                             started = True
                             if span is not None:
@@ -351,6 +356,12 @@ class Engine:
                 finally:
                     if span is not None:
                         span.end()
+
+
+def _priced(usage: Usage, price: Price) -> Usage:
+    """``usage`` with its cost at ``price``."""
+    cost = cost_usd(price, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens or 0)
+    return replace(usage, cost_usd=cost)
 
 
 def _link(middleware: Middleware, ctx: CallContext, call_next: Next) -> Next:

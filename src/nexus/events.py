@@ -205,9 +205,13 @@ class Usage:
     cache_write_tokens: int | None = None
     reasoning_tokens: int | None = None
     partial: bool = False
+    cost_usd: float | None = None
+    """What these tokens cost, when the gateway has a price for the model that answered
+    (:mod:`nexus.pricing`; the engine sets it). Not part of :meth:`wire`: a client gets
+    it as ``usage.cost`` when it asks (``stream_options.include_cost``)."""
 
     def wire(self) -> dict[str, Any]:
-        """The OpenAI ``usage`` object."""
+        """The OpenAI ``usage`` object (without the cost)."""
         out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,

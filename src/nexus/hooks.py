@@ -26,8 +26,13 @@ Hooks
     before its final usage, what was seen so far with ``estimated=True``; a cache
     hit spends nothing (zero). It is passed, as a keyword, only to methods that
     take a ``spend`` parameter (or ``**kwargs``): older plugins are called as
-    before. ``provider`` (and ``meta.provider`` of the stream) is the target
-    that answered, after fallbacks.
+    before. In the end hooks, ``provider`` (like the stream's ``meta.provider``)
+    is the target that answered, after fallbacks; ``on_stream_started`` runs before
+    the stream does, so its ``provider`` is the first target.
+
+    A plugin whose class sets ``wants_final = False`` does not read ``final``: when
+    no plugin wants it, the stream is not merged and ``final`` is an empty
+    :class:`~nexus.types.Completion` (its id, model and creation time only).
 
     ``on_stream_started`` runs before the stream is launched: raising
     :class:`StreamRejected` from it refuses the request with that error (an HTTP
@@ -222,6 +227,7 @@ class Hooks:
         self._chunk: list[tuple[str, ChunkHook, int]] = []
         self._completed: list[tuple[str, CompletedHook, bool]] = []
         self._failed: list[tuple[str, FailedHook, bool]] = []
+        self._final = False  # a completed hook uses the merged completion
         self._frozen = False
         self.prices = PriceTable()
         """What the spends passed to the end hooks are priced with (the engine's)."""
@@ -263,6 +269,7 @@ class Hooks:
         if "on_stream_completed" in found:
             method = found["on_stream_completed"]
             self._completed.append((label, method, _takes_spend(method)))
+            self._final = self._final or getattr(plugin, "wants_final", True) is not False
         if "on_stream_failed" in found:
             method = found["on_stream_failed"]
             self._failed.append((label, method, _takes_spend(method)))
@@ -359,7 +366,7 @@ class StreamObserver:
         self.meta = meta
         self.chunks = bool(hooks._chunk)
         """Whether :meth:`chunk` has anything to do."""
-        self.wants_final = bool(hooks._completed)
+        self.wants_final = hooks._final
         """Whether :meth:`end` will use the merged completion."""
 
     async def chunk(self, event: StreamEvent) -> None:
@@ -404,7 +411,7 @@ class StreamObserver:
             return
         if not hooks._completed:
             return
-        completion = final()
+        completion = final() if self.wants_final else _no_final(meta)()
         for name, completed, takes in hooks._completed:
             args = (self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
             try:

@@ -182,6 +182,9 @@ class ResponseFormat(StrictModel):
 
 class StreamOptions(OpenModel):
     include_usage: bool = False
+    include_cost: bool = False
+    """Nexus's: ``usage.cost`` (USD) in the usage chunk (sent even without
+    ``include_usage``); never sent upstream."""
     include_obfuscation: bool | None = None
     resumable: bool = Field(default=False, exclude=True)
     """Nexus: the stream outlives its client for ``[streams] detach_timeout_s``, to be
@@ -300,3 +303,7 @@ class ChatRequest(OpenModel):
     def resumable(self) -> bool:
         """Whether the body asked for a resumable stream (``stream_options.resumable``)."""
         return self.stream_options is not None and self.stream_options.resumable
+
+    @property
+    def include_cost(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_cost

@@ -31,6 +31,8 @@ class StreamMeta:
     provider: str = ""
     upstream_model: str = ""
     retry_ms: int | None = None
+    include_cost: bool = False
+    """The listener asked for ``usage.cost`` (``stream_options.include_cost``)."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

@@ -40,7 +40,7 @@ _CLASSES: dict[str, type[Any]] = {
     for cls in (Delta, Reasoning, ToolCall, Audio, Image, Citation, Usage, Error, Heartbeat, Done)
 }
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
-_ADDED: dict[type[Any], int] = {Usage: 1}
+_ADDED: dict[type[Any], int] = {Usage: 2}  # partial, cost_usd
 """Per class, how many of its last fields came after the first stored format."""
 _DEFAULTS = {
     cls: tuple(f.default for f in dataclasses.fields(cls)[len(_FIELDS[cls]) - added :])

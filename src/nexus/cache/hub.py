@@ -46,8 +46,9 @@ from ..auth import ApiKey
 from ..config import CacheConfig, StreamsConfig
 from ..engine import Engine
 from ..errors import GatewayError, StreamNotFound, TooManyStreams
-from ..events import Done, Error, StreamEvent
+from ..events import Done, Error, StreamEvent, Usage
 from ..hooks import CallContext
+from ..pricing import Spend
 from ..request import ChatRequest
 from ..stream import Stream
 from ..types import StreamMeta
@@ -136,6 +137,14 @@ class StoreReader:
     @property
     def failure(self) -> GatewayError | None:
         return None
+
+    @property
+    def spend(self) -> Spend | None:
+        return None  # counted where the stream ran
+
+    @property
+    def served(self) -> StreamMeta:
+        return self.meta
 
     def __aiter__(self) -> StoreReader:
         return self
@@ -541,7 +550,7 @@ class StreamHub:
             ):
                 meta = run.info.meta
                 recording = Recording(
-                    run.events[:-1], run.offsets[:-1], meta.provider, meta.upstream_model
+                    _free(run.events[:-1]), run.offsets[:-1], meta.provider, meta.upstream_model
                 )
                 await self.store.put_recording(key, recording, cache.ttl_s)
             await self.store.release(key, run.id)
@@ -564,11 +573,19 @@ class StreamHub:
             yield [event]
 
 
-def with_usage(meta: StreamMeta, include_usage: bool) -> StreamMeta:
-    """``meta`` for a listener whose request asked (or not) for usage."""
-    return (
-        meta if meta.include_usage == include_usage else replace(meta, include_usage=include_usage)
-    )
+def _free(events: list[StreamEvent]) -> list[StreamEvent]:
+    """A recording's events: its replays cost nothing upstream, so their usage says 0."""
+    return [
+        replace(e, cost_usd=0.0) if type(e) is Usage and e.cost_usd is not None else e
+        for e in events
+    ]
+
+
+def with_usage(meta: StreamMeta, include_usage: bool, include_cost: bool = False) -> StreamMeta:
+    """``meta`` for a listener whose request asked (or not) for usage (and its cost)."""
+    if meta.include_usage == include_usage and meta.include_cost == include_cost:
+        return meta
+    return replace(meta, include_usage=include_usage, include_cost=include_cost)
 
 
 async def leave(reader: LogReader, run: StreamRun | None) -> None:

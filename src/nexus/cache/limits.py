@@ -194,6 +194,8 @@ class BudgetPlugin:
     nothing), nor does a cache replay (its ``Spend`` has no cost: nothing was billed).
     """
 
+    wants_final = False  # the spend is all it reads: streams need not be merged for it
+
     def __init__(self, limits: KeyLimits, keys: list[ApiKey]) -> None:
         self.limits = limits
         self.keys = {key.name: key for key in keys}

@@ -64,6 +64,15 @@ class LogReader(Protocol):
     @property
     def failure(self) -> GatewayError | None: ...
 
+    @property
+    def spend(self) -> Spend | None:
+        """What the stream spent, once it ended here (None: not yet, or elsewhere)."""
+
+    @property
+    def served(self) -> StreamMeta:
+        """The stream's meta as it is now: after a fallback, it names the target that
+        answered (``meta`` is the listener's, as it was when the reader was made)."""
+
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 
     async def close(self) -> None: ...
@@ -462,6 +471,14 @@ class RunReader:
     def attached(self) -> bool:
         """Not closed yet: it counts among its run's readers."""
         return not self._closed
+
+    @property
+    def spend(self) -> Spend | None:
+        return self._run.spend
+
+    @property
+    def served(self) -> StreamMeta:
+        return self._run.info.meta
 
     def __aiter__(self) -> RunReader:
         return self

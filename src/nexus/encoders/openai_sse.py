@@ -3,11 +3,12 @@
 Each chunk is ``data: {json}\\n\\n`` with no ``event:`` line. The role goes out
 once, in the first chunk (the SDK's stream helper concatenates repeated roles);
 reasoning is ``delta.reasoning_content``; usage is a trailing chunk with
-``choices: []``, only when the request set ``stream_options.include_usage``, and
-only with the totals (an early partial count is not written). A mid-stream failure
-is ``event: error`` whose data is ``{"error": {"message", "type", "param", "code",
-"retryable", "request_id"}}`` (the SDK raises ``APIError`` on it, with that object
-as its ``body``), then ``data: [DONE]``.
+``choices: []``, only when the request set ``stream_options.include_usage``
+(with ``cost``, in USD, when it also set ``include_cost`` and the model has a
+price), and only with the totals (an early partial count is not written). A
+mid-stream failure is ``event: error`` whose data is ``{"error": {"message",
+"type", "param", "code", "retryable", "request_id"}}`` (the SDK raises
+``APIError`` on it, with that object as its ``body``), then ``data: [DONE]``.
 
 The chunk's fixed head (id, object, created, model) is serialised once per
 stream; each event serialises only its choice.
@@ -90,7 +91,10 @@ class OpenAISSEEncoder(Encoder):
             case Usage():
                 if not self.meta.include_usage or event.partial:
                     return b""  # one usage chunk, with the totals
-                return self._head + b'[],"usage":' + _dumps(event.wire()) + b"}\n\n"
+                usage = event.wire()
+                if self.meta.include_cost and event.cost_usd is not None:
+                    usage["cost"] = event.cost_usd  # OpenRouter's field, USD
+                return self._head + b'[],"usage":' + _dumps(usage) + b"}\n\n"
             case Audio():
                 audio = {"data": event.data, "transcript": event.transcript}
                 if event.format is not None:

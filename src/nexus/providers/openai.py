@@ -52,6 +52,7 @@ def upstream_body(
     body["stream"] = True
     options = dict(body.get("stream_options") or {})
     options["include_usage"] = True
+    options.pop("include_cost", None)  # Nexus's own option
     body["stream_options"] = options
     if token_limit_field is not None and request.token_limit is not None:
         body.pop("max_tokens", None)

@@ -6,11 +6,27 @@ per-key limits, the access log.
 pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
 403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
 WebSocket handshake is refused before it upgrades), answers CORS preflights for
-``[cors] allow_origins``, and writes one access line per request (endpoint,
-format, provider, status, TTFB, duration, events, bytes) and its metrics; with
-tracing on, the request runs inside its span (:mod:`nexus.telemetry`). Routes
+``[cors] allow_origins``, and writes one access line per request and its metrics;
+with tracing on, the request runs inside its span (:mod:`nexus.telemetry`). Routes
 call :func:`authenticate` and :func:`admit`; the pump fills in the request's
 :class:`Exchange` as it writes.
+
+The access line: ``method``, ``path`` (never the query: a read token travels
+there), ``endpoint``, ``status``, ``outcome`` (``ok``, ``error:<code>`` for an
+HTTP error, ``mid_stream_error:<code>`` for a stream that failed after its
+headers, ``cancelled:<reason>`` for one ended on purpose or left by its client),
+``model`` (as asked) and ``served`` (``provider/model``, the target that answered
+after fallbacks), ``format``, ``provider``, ``stream_id``, ``key`` (its name),
+``client`` (the peer's address), ``cache``, ``ttfb_ms``, ``ttft_ms``,
+``duration_ms``, ``events`` and ``bytes`` (of a written stream only), and what the
+request spent upstream (:class:`~nexus.pricing.Spend`): ``prompt_tokens``,
+``completion_tokens``, ``cached_tokens``, ``reasoning_tokens``, ``cost_usd`` (when
+the model has a price) and ``estimated`` (when so). A cache hit or a request that
+joined another's stream spent nothing (zeros: the tokens were the other's); a
+request whose client left before the stream's end has no spend (its stream's
+hooks and metrics count it when it ends). Lines of failed requests (a status of
+400 or more, or an outcome other than ``ok``) are logged at WARNING. In the text
+form, a value with spaces, quotes or control characters is JSON-quoted.
 
 A request answered before its body was read to the end (a 401, a 413, any refusal)
 has its connection closed once the answer is out: aiohttp would otherwise read the
@@ -35,9 +51,11 @@ from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..errors import GatewayError
+from ..events import Done, Error, StreamEvent
+from ..pricing import Spend
 from ..telemetry import Telemetry
 from .errors import Handler, error_response
-from .metrics import Metrics
+from .metrics import CANCEL_CAUSES, Metrics
 from .origins import loopback_host, origin_allowed
 from .state import CONFIG as _CONFIG
 from .state import HUB as _HUB
@@ -102,9 +120,52 @@ class Exchange:
     """The status sent, once the headers are out (a stream cut short keeps its 200)."""
     headers: dict[str, str] = field(default_factory=dict)
     """Headers every response to this request carries (request id, CORS)."""
+    method: str = ""
+    path: str = ""
+    """The URL's path, never its query (a read token travels there)."""
+    client: str | None = None
+    model: str | None = None
+    """The model asked for, once the request was routed (an alias stays an alias)."""
+    served: str | None = None
+    """``provider/model``: the target that answered, after fallbacks."""
+    streamed: bool = False
+    """The pump wrote the body (events and bytes count); false for a JSON answer."""
+    ttft: float | None = None
+    """From the request to the stream's first event."""
+    error: str | None = None
+    """The code of the error the response carries (an HTTP error's)."""
+    stream_error: str | None = None
+    """The code of the error a stream ended with, after its headers went out."""
+    spend: Spend | None = None
+    """What the request spent upstream (its own stream's; zero for a cache hit)."""
+    cache: str | None = None
+
+    def outcome(self, status: int) -> str:
+        """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""
+        if self.stream_error is not None:
+            cause = _OUTCOME_CAUSES.get(self.stream_error)
+            if cause is not None:
+                return f"cancelled:{cause}"
+            return f"mid_stream_error:{self.stream_error}"
+        if self.cancelled is not None:
+            return f"cancelled:{self.cancelled}"
+        if status >= 400:
+            return f"error:{self.error or status}"
+        return "ok"
+
+    def ended_with(self, terminal: StreamEvent | None) -> None:
+        """Note the terminal event of the stream this request wrote."""
+        if type(terminal) is Error:
+            self.stream_error = terminal.code or terminal.error_type
+        elif type(terminal) is Done and terminal.aborted:
+            self.cancelled = self.cancelled or "client_disconnect"  # its reader left
 
 
 EXCHANGE: Any = _request_key()
+
+_OUTCOME_CAUSES = {**CANCEL_CAUSES, "stream_cancelled": "aborted"}
+"""The ``cancelled:<reason>`` of a stream that ended with one of these error codes
+(``aborted``: ``DELETE /v1/streams/{id}``, or its producer cancelled)."""
 
 
 def exchange(request: web.Request) -> Exchange:
@@ -125,6 +186,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     request_id = incoming if _REQUEST_ID.fullmatch(incoming) else _new_id()
     ex = Exchange(request_id, time.monotonic())
     ex.endpoint = _endpoint(request)
+    ex.method = request.method
+    ex.path = request.path
+    ex.client = request.remote
     ex.headers["X-Request-Id"] = request_id
     request[EXCHANGE] = ex
     app = request.app
@@ -243,32 +307,75 @@ def _endpoint(request: web.Request) -> str:
 
 def _account(app: web.Application, ex: Exchange, status: int) -> None:
     elapsed = time.monotonic() - ex.started
+    outcome = ex.outcome(status)
     metrics = app.get(METRICS)
     if metrics is not None and ex.endpoint not in ("/metrics",):
-        metrics.requests.labels(ex.endpoint, ex.format or "-", str(status)).inc()
+        model = metrics.model_label(ex.model)
+        metrics.requests.labels(ex.endpoint, model, outcome).inc()
         if ex.ttfb is not None:
             metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
-            metrics.duration.labels(ex.endpoint, ex.format).observe(elapsed)
+        if ex.ttft is not None:
+            metrics.ttft.labels(model).observe(ex.ttft)
+            metrics.duration.labels(model).observe(elapsed)
         if ex.cancelled is not None:
             metrics.cancellations.labels(ex.cancelled).inc()
     if app[_CONFIG].logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
-        fields = {
-            "endpoint": ex.endpoint,
-            "status": status,
-            "format": ex.format or None,
-            "provider": ex.provider or None,
-            "stream_id": ex.stream_id or None,
-            "key": ex.key.name if ex.key is not None else None,
-            "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 2),
-            "duration_ms": round(elapsed * 1000, 2),
-            "events": ex.events,
-            "bytes": ex.bytes,
-            "cancelled": ex.cancelled,
-        }
-        text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        access_log.info(
-            "%s %s", ex.request_id, text, extra={"request_id": ex.request_id, "access": fields}
+        fields = _fields(ex, status, outcome, elapsed)
+        text = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
+        failed = status >= 400 or outcome != "ok"
+        access_log.log(
+            logging.WARNING if failed else logging.INFO,
+            "%s %s",
+            ex.request_id,
+            text,
+            extra={"request_id": ex.request_id, "access": fields},
         )
+
+
+_PLAIN = re.compile(r"[\x21-\x7e]+")
+
+
+def _text(value: object) -> object:
+    """A value as the text line shows it: a string with spaces, quotes or control
+    characters (a client's model name) is JSON-quoted, so that it cannot forge fields or
+    lines."""
+    if isinstance(value, str) and (not _PLAIN.fullmatch(value) or '"' in value):
+        return orjson.dumps(value).decode()
+    return value
+
+
+def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str, Any]:
+    """The access line's fields, in order (None: left out of the text line)."""
+    spend = ex.spend
+    fields: dict[str, Any] = {
+        "method": ex.method or None,
+        "path": ex.path or None,
+        "endpoint": ex.endpoint,
+        "status": status,
+        "outcome": outcome,
+        "model": ex.model,
+        "served": ex.served,
+        "format": ex.format or None,
+        "provider": ex.provider or None,
+        "stream_id": ex.stream_id or None,
+        "key": ex.key.name if ex.key is not None else None,
+        "client": ex.client,
+        "cache": ex.cache,
+        "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 2),
+        "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
+        "duration_ms": round(elapsed * 1000, 2),
+        "events": ex.events if ex.streamed else None,
+        "bytes": ex.bytes if ex.streamed else None,
+        "cancelled": ex.cancelled,
+    }
+    if spend is not None:
+        fields["prompt_tokens"] = spend.prompt_tokens
+        fields["completion_tokens"] = spend.completion_tokens
+        fields["cached_tokens"] = spend.cached_tokens
+        fields["reasoning_tokens"] = spend.reasoning_tokens
+        fields["cost_usd"] = None if spend.cost_usd is None else round(spend.cost_usd, 10)
+        fields["estimated"] = True if spend.estimated else None
+    return fields
 
 
 def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:

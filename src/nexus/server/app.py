@@ -94,6 +94,8 @@ def create_app(
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()
         metrics.watch(hub, engine.hooks)
+        metrics.models = frozenset(engine.models())
+        metrics.providers = frozenset(engine.providers)
         engine.hooks.add(MetricsPlugin(metrics, _provider_of(engine)), name="metrics")
         app.router.add_get("/metrics", metrics_endpoint)
     if telemetry is not None:
@@ -145,7 +147,7 @@ def _provider_of(engine: Engine) -> Callable[[str], str]:
         try:
             return engine.route(model)[0][0].name
         except Exception:
-            return "-"
+            return "unknown"
 
     return provider_of
 

@@ -33,6 +33,11 @@ def _openai_body(error: GatewayError, request_id: str | None) -> dict[str, Any]:
 
 
 def error_response(request: web.Request, error: GatewayError) -> web.Response:
+    from .access import EXCHANGE  # the access middleware set it
+
+    exchange = request.get(EXCHANGE)
+    if exchange is not None:
+        exchange.error = error.code  # the access line's outcome: error:<code>
     handler = getattr(request.match_info, "handler", None)
     body: ErrorBody = getattr(handler, "error_body", _openai_body)
     headers = dict(error.headers)

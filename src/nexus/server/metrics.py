@@ -11,8 +11,16 @@ directory (prometheus_client's multiprocess mode), and ``/metrics``, on any
 worker, adds up the files of all of them: counters and histograms count the
 whole server, dead workers' work included; ``nexus_active_streams`` is a
 ``livesum`` gauge, the streams running in the workers alive (the supervisor
-calls :func:`mark_worker_dead` for each worker that ends). ``_created`` samples
-are not exported in that mode.
+calls :func:`mark_worker_dead` for each worker that ends). No ``_created``
+samples in either mode (:func:`prometheus_client.disable_created_metrics`).
+
+Spend: ``nexus_tokens_total{model,key,kind}`` and ``nexus_cost_usd_total{model,key}``
+are counted once per stream, when it ends (through the hooks, whoever reads it:
+background streams, streams joined by several requests), estimated for a stream
+cut before its final usage. ``model`` is the model asked for when it is an alias
+or an advertised model, ``<provider>/*`` for any other model of a provider (clients
+choose the name; labels must stay few), ``unknown`` otherwise; ``key`` is the key's
+name, ``anonymous`` without keys. No label is ever empty.
 
 Two values are read from other objects rather than counted here, so that they
 stay right whichever worker is scraped: the hub's running streams (one process:
@@ -30,6 +38,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     multiprocess,
     values,
@@ -38,6 +47,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..events import Error
 from ..hooks import CallContext, Hooks
+from ..pricing import Spend
+from ..types import Completion
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -69,6 +80,16 @@ counted once, as ``cause="client_disconnect"``, by the response that left
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DURATION = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
+# No ``nexus_*_created`` series: a timestamp per series that doubled the page and that
+# the multiprocess mode (several workers) never exports anyway. Process-wide, as
+# prometheus_client has it; set here, before any metric is made.
+
+ANONYMOUS = "anonymous"
+"""The ``key`` label of requests made without a key (auth off)."""
+UNKNOWN = "unknown"
+"""A label whose value is not known (never empty, never ``-``)."""
 
 _shared_dir: str | None = None
 """The multiprocess directory once :func:`enable_multiprocess` ran (None: one process)."""
@@ -112,10 +133,37 @@ class Metrics:
         self.shared_dir = _shared_dir
         """The multiprocess directory, or None (this process alone)."""
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.models: frozenset[str] = frozenset()
+        """Model ids that are labels as they are (aliases, advertised models); see
+        :meth:`model_label`."""
+        self.providers: frozenset[str] = frozenset()
+        """Provider names (``<provider>/*`` labels)."""
         self.requests = Counter(
             "nexus_requests",
-            "HTTP requests by endpoint, stream format and status.",
-            ("endpoint", "format", "status"),
+            "HTTP requests by endpoint, model asked for and outcome (ok, error:<code>, "
+            "cancelled:<reason>, mid_stream_error:<code>).",
+            ("endpoint", "model", "outcome"),
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "nexus_tokens",
+            "Tokens spent upstream by model asked for, key name and kind (prompt, completion, "
+            "cached, reasoning); estimated for streams cut before their final usage.",
+            ("model", "key", "kind"),
+            registry=registry,
+        )
+        self.cost = Counter(
+            "nexus_cost_usd",
+            "What streams cost upstream, in USD, by model asked for and key name (models "
+            "with a price only).",
+            ("model", "key"),
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "nexus_time_to_first_token_seconds",
+            "From the request to the first event of its stream, by model asked for.",
+            ("model",),
+            buckets=_LATENCY,
             registry=registry,
         )
         self.active = Gauge(
@@ -135,8 +183,8 @@ class Metrics:
         )
         self.duration = Histogram(
             "nexus_stream_duration_seconds",
-            "From the request to the end of a stream's body.",
-            ("endpoint", "format"),
+            "From the request to the end of a stream's body, by model asked for.",
+            ("model",),
             buckets=_DURATION,
             registry=registry,
         )
@@ -149,7 +197,7 @@ class Metrics:
         self.upstream_errors = Counter(
             "nexus_upstream_errors",
             "Streams that failed upstream, by provider and error code.",
-            ("provider", "kind"),
+            ("provider", "code"),
             registry=registry,
         )
         self.cancellations = Counter(
@@ -167,6 +215,33 @@ class Metrics:
         self.hook_errors = Counter(
             "nexus_hook_errors", "Plugin hooks that raised.", ("hook",), registry=registry
         )
+
+    def model_label(self, model: str | None) -> str:
+        """The ``model`` label of ``model``: itself when it is an alias or an advertised
+        model, ``<provider>/*`` for any other model of a provider (the client chooses
+        the name: labels must stay few), ``unknown`` when the request named none that
+        routes."""
+        if model is None:
+            return UNKNOWN
+        if model in self.models:
+            return model
+        provider, slash, _ = model.partition("/")
+        return f"{provider}/*" if slash and provider in self.providers else UNKNOWN
+
+    def spent(self, model: str, key: str | None, spend: Spend) -> None:
+        """Count a stream's spend (once per stream, at its end)."""
+        label = self.model_label(model)
+        owner = key if key is not None else ANONYMOUS
+        for kind, count in (
+            ("prompt", spend.prompt_tokens),
+            ("completion", spend.completion_tokens),
+            ("cached", spend.cached_tokens),
+            ("reasoning", spend.reasoning_tokens),
+        ):
+            if count > 0:
+                self.tokens.labels(label, owner, kind).inc(count)
+        if spend.cost_usd:
+            self.cost.labels(label, owner).inc(spend.cost_usd)
 
     def watch(self, hub: StreamHub, hooks: Hooks) -> None:
         """Follow the hub's running streams and the hooks' errors (once, before the app starts).
@@ -199,13 +274,29 @@ class Metrics:
 class MetricsPlugin:
     """Counts each stream's end once, whoever reads it: through the lifecycle hooks."""
 
+    wants_final = False  # the spend is all it reads of a completed stream
+
     def __init__(self, metrics: Metrics, provider_of: Callable[[str], str]) -> None:
         self.metrics = metrics
         self.provider_of = provider_of
 
-    async def on_stream_failed(
-        self, ctx: CallContext, request_id: str, model: str, error: Error
+    async def on_stream_completed(
+        self,
+        ctx: CallContext,
+        request_id: str,
+        model: str,
+        provider: str,
+        elapsed: float,
+        final: Completion,
+        *,
+        spend: Spend,
     ) -> None:
+        self.metrics.spent(model, ctx.key, spend)
+
+    async def on_stream_failed(
+        self, ctx: CallContext, request_id: str, model: str, error: Error, *, spend: Spend
+    ) -> None:
+        self.metrics.spent(model, ctx.key, spend)
         code = error.code or error.error_type
         if code == LEFT_BY_CLIENTS:
             return

@@ -48,6 +48,7 @@ from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
+from ..pricing import NOTHING
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange
 
@@ -92,7 +93,7 @@ class StreamPump:
         self.origin = origin
         self.exchange = exchange or Exchange("", self._now())
         metrics = request.app.get(METRICS)
-        fmt = self.exchange.format or "-"
+        fmt = self.exchange.format or "unknown"
         self._events = metrics.events.labels(fmt) if metrics is not None else None
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
         self.reader = reader
@@ -112,6 +113,7 @@ class StreamPump:
         self._buffered = -1  # the transport's write buffer when last looked at
         self._moved = 0.0  # when it last changed: the socket took data
         self._ended = False
+        self._last: StreamEvent | None = None  # the last event of the first output
         self._loop = asyncio.get_running_loop()
         self._last_write = self._loop.time()
         self._write_started = self._last_write
@@ -139,6 +141,7 @@ class StreamPump:
                 # The log ended without its terminal entry (a store that lost it).
                 return await self._end(self._begin() + renderer.fail(_lost_event()))
             if renderer.done:
+                self.exchange.ended_with(self._last)
                 if self.response is None and not renderer.wrote:
                     # Resumed after the last event: nothing left (EventSource stops on 204).
                     return web.Response(status=204, headers={"Cache-Control": "no-cache"})
@@ -156,6 +159,7 @@ class StreamPump:
                 if events is not None:
                     events.inc(len(batch))
                 if renderer.done:
+                    ex.ended_with(batch[-1])
                     return await self._end(data)
                 if not data:
                     continue
@@ -171,6 +175,7 @@ class StreamPump:
                 if sent is not None:
                     sent.inc(len(data))
             # The log ended without its terminal entry (a store that lost it).
+            ex.ended_with(_lost_event())
             return await self._end(renderer.fail(_lost_event()))
         except asyncio.CancelledError:
             if not self._shutting_down or self._ended:
@@ -207,6 +212,7 @@ class StreamPump:
                     await self._end(renderer.fail(event))
             return self.response
         finally:
+            self._settle()
             if self._watched:
                 self._watchdog.discard(self)
             if self._beat is not None:
@@ -214,6 +220,19 @@ class StreamPump:
             if self._active is not None:
                 self._active.discard(self)
             await self.reader.close()
+
+    def _settle(self) -> None:
+        """The access line's view of the stream once it is written: the target that
+        answered and, for the request that made it, what it spent (nothing for a cache
+        hit or a joined stream; not yet known when the client left before its end)."""
+        ex = self.exchange
+        if self.reader.failure is not None:
+            return  # no target answered: an HTTP error, nothing served
+        served = self.reader.served
+        ex.provider = served.provider
+        ex.served = f"{served.provider}/{served.upstream_model}" if served.provider else None
+        if self.origin:
+            ex.spend = NOTHING if ex.cache == "hit" else self.reader.spend
 
     def _require_response(self) -> web.StreamResponse:
         assert self.response is not None
@@ -251,6 +270,9 @@ class StreamPump:
             if batch is _END:
                 return _END
             events: list[StreamEvent] = batch  # type: ignore[assignment]
+            self._last = events[-1]
+            if self.origin and self.exchange.ttft is None:
+                self.exchange.ttft = self._now() - self.exchange.started
             # Only the request that made the stream gets its failure as an HTTP status; an
             # attach gets the stream as it is, error and all.
             fresh = self.origin and renderer.step == 0 and not renderer.resumed
@@ -453,6 +475,8 @@ def pump(
     ex.format = encoder.media_type
     ex.stream_id = meta.id
     ex.provider = meta.provider
+    ex.model = ex.model or meta.model
+    ex.streamed = True
     runner = StreamPump(
         request,
         reader,

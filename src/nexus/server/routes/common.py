@@ -47,14 +47,15 @@ from ...errors import (
 )
 from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
+from ...pricing import NOTHING, Spend, Tally
 from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
 from ...stream import Stream, accumulate
 from ...telemetry import end_with, request_model
-from ...types import Completion
+from ...types import Completion, StreamMeta
 from .. import state
-from ..access import KEYS, METRICS, admit, admit_stream, authenticate, exchange
+from ..access import KEYS, METRICS, Exchange, admit, admit_stream, authenticate, exchange
 from ..streaming import pump
 
 __all__ = [
@@ -223,6 +224,7 @@ async def complete(
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)
+    ex.model = chat.model
     streaming = chat.stream or chat.background
     ctx = CallContext(
         request_id=ex.request_id,
@@ -236,9 +238,15 @@ async def complete(
         # (no run of its own) for as long as it runs; with it, as its run.
         async with admit_stream(request, key, chat.model):
             if not hub.cache.enabled:
-                return json_response(render(await app[state.ENGINE].complete(chat, ctx)))
+                engine = app[state.ENGINE]
+                stream = await engine.open_stream(chat, ctx)
+                completion = await accumulate(stream)
+                spent = engine.prices.spend(Tally(completion.usage), stream.meta, complete=True)
+                _settle(ex, stream.meta, spent)
+                return json_response(_body(render, completion, chat.include_cost))
             opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
         _count_cache(request, opened.cache)
+        ex.cache = opened.cache
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
         try:
             completion = await accumulate(Stream(_events(reader), reader.meta))
@@ -246,7 +254,11 @@ async def complete(
             # Nobody else can attach (no id was given out): the run ends with the
             # request (the client gone, a failure), unless it is shared.
             await leave(reader, None if opened.joined else opened.run)
-        return json_response(render(completion), headers={"X-Nexus-Cache": opened.cache or "miss"})
+        _settle(ex, reader.served, NOTHING if opened.cache == "hit" else reader.spend)
+        return json_response(
+            _body(render, completion, chat.include_cost),
+            headers={"X-Nexus-Cache": opened.cache or "miss"},
+        )
     async with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat,
@@ -257,6 +269,7 @@ async def complete(
             ctx=ctx,
         )
     _count_cache(request, opened.cache)
+    ex.cache = opened.cache
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     headers.update(_resumable(opened.info.resumable))
     if chat.background:
@@ -270,9 +283,33 @@ async def complete(
         lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
         token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
         return json_response(describe(opened.info, token), status=202, headers=headers)
-    reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, chat.include_usage))
+    # include_cost asks for the usage chunk too: the cost rides on it.
+    usage = chat.include_usage or chat.include_cost
+    reader = await hub.attach(
+        opened.id, meta=with_usage(opened.info.meta, usage, chat.include_cost)
+    )
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
+
+
+def _settle(ex: Exchange, served: StreamMeta, spend: Spend | None) -> None:
+    """A JSON answer's access line: who answered, what it spent."""
+    ex.provider = served.provider
+    ex.served = f"{served.provider}/{served.upstream_model}"
+    ex.spend = spend
+
+
+def _body(
+    render: Callable[[Completion], dict[str, Any]], completion: Completion, include_cost: bool
+) -> dict[str, Any]:
+    """The response body, with ``usage.cost`` (USD) when asked for and known."""
+    body = render(completion)
+    usage = completion.usage
+    if include_cost and usage is not None and usage.cost_usd is not None:
+        wire = body.get("usage")
+        if isinstance(wire, dict):
+            wire["cost"] = usage.cost_usd
+    return body
 
 
 async def resume(

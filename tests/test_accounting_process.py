@@ -246,6 +246,9 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
     gone = lines["r-gone"]
     assert gone["level"] == "warning"
     assert gone["outcome"] == "cancelled:client_disconnect"
+    # Its stream ended with it (not resumable): the line has what it spent so far.
+    assert gone["estimated"] is True
+    assert gone["completion_tokens"] >= 1
 
     samples = {
         (s.name, frozenset(s.labels.items())): s.value

@@ -108,6 +108,9 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
         async def close(self) -> None:
             pass
 
+        async def settled_spend(self, wait_s: float) -> None:
+            return None
+
     class Transport:
         def get_write_buffer_size(self) -> int:
             return 0

@@ -146,6 +146,9 @@ class StoreReader:
     def served(self) -> StreamMeta:
         return self.meta
 
+    async def settled_spend(self, wait_s: float) -> Spend | None:
+        return None  # counted where the stream ran
+
     def __aiter__(self) -> StoreReader:
         return self
 

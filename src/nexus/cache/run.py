@@ -73,6 +73,11 @@ class LogReader(Protocol):
         """The stream's meta as it is now: after a fallback, it names the target that
         answered (``meta`` is the listener's, as it was when the reader was made)."""
 
+    async def settled_spend(self, wait_s: float) -> Spend | None:
+        """:attr:`spend`, after waiting up to ``wait_s`` for a stream that is ending (its
+        last reader gone and not resumable: cancelled at once) to end. Call it after
+        :meth:`close`."""
+
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 
     async def close(self) -> None: ...
@@ -479,6 +484,14 @@ class RunReader:
     @property
     def served(self) -> StreamMeta:
         return self._run.info.meta
+
+    async def settled_spend(self, wait_s: float) -> Spend | None:
+        run = self._run
+        if not run.finished and not run.attached and not run.info.resumable:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await run.wait()
+        return run.spend
 
     def __aiter__(self) -> RunReader:
         return self

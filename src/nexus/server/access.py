@@ -23,8 +23,9 @@ request spent upstream (:class:`~nexus.pricing.Spend`): ``prompt_tokens``,
 ``completion_tokens``, ``cached_tokens``, ``reasoning_tokens``, ``cost_usd`` (when
 the model has a price) and ``estimated`` (when so). A cache hit or a request that
 joined another's stream spent nothing (zeros: the tokens were the other's); a
-request whose client left before the stream's end has no spend (its stream's
-hooks and metrics count it when it ends). Lines of failed requests (a status of
+request whose client left before the stream's end has what its stream spent
+until it was cancelled (estimated), or, for a resumable stream that runs on, no
+spend (its stream's hooks and metrics count it when it ends). Lines of failed requests (a status of
 400 or more, or an outcome other than ``ok``) are logged at WARNING. In the text
 form, a value with spaces, quotes or control characters is JSON-quoted.
 

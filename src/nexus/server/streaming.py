@@ -62,6 +62,11 @@ WRITE_SLICE = 64 * 1024
 """Most bytes given to the transport at once (see :meth:`StreamPump._write_sliced`)."""
 
 
+SETTLE_WAIT_S = 1.0
+"""How long the access line of a request whose client left waits for its stream's
+spend (the stream is cancelled at once; its end takes a few milliseconds)."""
+
+
 async def _next(batches: AsyncIterator[list[StreamEvent]]) -> object:
     try:
         return await batches.__anext__()
@@ -220,6 +225,11 @@ class StreamPump:
             if self._active is not None:
                 self._active.discard(self)
             await self.reader.close()
+            ex = self.exchange
+            if self.origin and ex.spend is None and self.reader.failure is None:
+                # The client left before the end: its stream, unless resumable, is being
+                # cancelled now; the access line waits (briefly) for what it spent.
+                ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
 
     def _settle(self) -> None:
         """The access line's view of the stream once it is written: the target that

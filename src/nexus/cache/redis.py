@@ -173,11 +173,10 @@ class RedisStore(Store):
     async def start(self) -> None:
         """Connect and PING. Raises :class:`RedisUnavailable` (no credentials in it)."""
         if self._client is None:
-            self._client = aioredis.Redis.from_url(
+            # Bounded: past it, a command waits up to pool_timeout_s, then fails.
+            pool = aioredis.BlockingConnectionPool.from_url(
                 self.url,
                 decode_responses=False,
-                # Bounded: past it, a command waits up to pool_timeout_s, then fails.
-                connection_pool_class=aioredis.BlockingConnectionPool,
                 max_connections=self.max_connections,
                 timeout=self.pool_timeout_s,
                 # Above block_ms, so a blocking XREAD is not cut short.
@@ -185,6 +184,7 @@ class RedisStore(Store):
                 socket_connect_timeout=5.0,
                 retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
             )
+            self._client = aioredis.Redis.from_pool(pool)  # closes the pool with it
         try:
             await self._client.ping()
             await self._client.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))

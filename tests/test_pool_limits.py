@@ -244,3 +244,37 @@ def test_provider_pool_defaults_and_unlimited(max_connections: int) -> None:
         kind="openai", base_url="http://x", max_connections=max_connections
     )
     assert chosen.max_connections == max_connections
+
+
+async def test_a_busy_store_before_a_stream_costs_no_upstream_call(make_client: Any) -> None:
+    """The one pooled connection is busy: 503 store_unavailable with Retry-After, and
+    nothing was sent upstream (the stream is opened, and closed, before it is read)."""
+    from nexus.server.state import HUB
+    from support import GatedProvider
+
+    redis = await connect_or_skip()
+    prefix = new_prefix()
+    provider = GatedProvider()
+    store_table = {"kind": "redis", "prefix": prefix, "max_connections": 1, "pool_timeout_s": 0.05}
+    try:
+        client = await make_client({"store": store_table}, providers=[provider])
+        store = client.server.app[HUB].store
+        # A blocking read holds the only connection for a second.
+        holder = asyncio.ensure_future(store.client.xread({f"{prefix}:none": "0-0"}, block=1000))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        resp = await client.post(CHAT, json={**body("gated/x"), "stream": True})
+        error = await resp.json()
+        assert resp.status == 503, error
+        assert time.monotonic() - started < 0.5
+        assert error["error"]["code"] == "store_unavailable"
+        assert resp.headers["Retry-After"] == "1"
+        assert not provider.started.is_set()
+        await holder  # the read ends on its own: its connection is back in the pool
+        resp = await client.post(CHAT, json={**body("gated/x"), "stream": True})
+        assert resp.status == 200  # the pool is free again
+        provider.gate.set()
+        assert b"data: [DONE]" in await resp.read()
+    finally:
+        await drop_keys(redis, prefix)
+        await redis.aclose()

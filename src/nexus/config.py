@@ -232,6 +232,12 @@ class RedisStoreConfig(_Table):
     url: str = Field(default="redis://127.0.0.1:6379/0", pattern=r"^(redis|rediss|unix)://\S+$")
     prefix: str = Field(default="nexus", min_length=1)
     """Key prefix: replicas that share streams share it."""
+    max_connections: int = Field(default=128, ge=1)
+    """Connections to Redis from this process. Commands hold one for a round trip; a
+    client following a stream that runs on another replica holds one while its read
+    blocks (up to 1.5 s at a time)."""
+    pool_timeout_s: float = Field(default=5.0, gt=0)
+    """How long a request may wait for a free connection, then 503 ``store_unavailable``."""
 
 
 StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminator="kind")]
@@ -256,9 +262,15 @@ class HTTPProviderConfig(_Table):
     connect_timeout_s: float = Field(default=10.0, gt=0)
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
     idle_timeout_s: float = Field(default=60.0, gt=0)
-    max_connections: int = Field(default=1000, ge=1)
-    """Upstream connections at once: a stream holds one for its whole length, so this is
-    also the most streams in flight to this provider (more wait for a free one)."""
+    max_connections: int = Field(default=10_000, ge=0)
+    """Upstream connections at once (0: no limit): a stream holds one for its whole
+    length, so this is also the most streams in flight to this provider. The default is
+    ``[limits] max_concurrent_streams``' default, so the gateway's own limit is the one
+    met first; a lower one protects an upstream with a limit of its own."""
+    pool_timeout_s: float = Field(default=10.0, ge=0)
+    """How long a request may wait for a free connection of the pool, then 503
+    ``upstream_pool_exhausted`` (the next target of an alias is tried). Not part of
+    ``first_byte_timeout_s``."""
     optional: bool = False
 
 

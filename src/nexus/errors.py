@@ -18,9 +18,15 @@ a stream has started::
         ├── UnsupportedMediaType     415 unsupported_media_type (a Content-Encoding not taken)
         ├── TooManyStreams           429 too_many_streams (retryable)
         ├── ServerShuttingDown       503 server_shutting_down (retryable)
+        ├── StoreUnavailable         503 store_unavailable (retryable, Retry-After): the store
+        │                            (Redis) cannot be reached, or no pooled connection freed
+        │                            up within [store] pool_timeout_s
         ├── StreamLost               502 stream_lost (retryable): the replica running it stopped
         └── UpstreamError            502 upstream_error (retryable)
-            └── UpstreamTimeout      504 upstream_timeout (retryable)
+            ├── UpstreamTimeout      504 upstream_timeout (retryable)
+            └── UpstreamPoolExhausted   503 upstream_pool_exhausted (retryable, Retry-After):
+                                     no connection of the provider's pool freed up within
+                                     [providers.X] pool_timeout_s
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "RequestTimeout",
     "RequestTooLarge",
     "ServerShuttingDown",
+    "StoreUnavailable",
     "StreamError",
     "StreamLost",
     "StreamNotFound",
@@ -48,6 +55,7 @@ __all__ = [
     "UnsupportedMediaType",
     "UnsupportedStreamFormat",
     "UpstreamError",
+    "UpstreamPoolExhausted",
     "UpstreamTimeout",
 ]
 
@@ -185,6 +193,16 @@ class ServerShuttingDown(GatewayError):
     retryable = True
 
 
+class StoreUnavailable(GatewayError):
+    """The store a request needs could not be reached: Redis down, or every pooled
+    connection busy past ``[store] pool_timeout_s``. Give it ``Retry-After``."""
+
+    status = 503
+    code = "store_unavailable"
+    error_type = "server_error"
+    retryable = True
+
+
 class UpstreamError(GatewayError):
     status = 502
     code = "upstream_error"
@@ -195,6 +213,17 @@ class UpstreamError(GatewayError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
+
+
+class UpstreamPoolExhausted(UpstreamError):
+    """Every connection of a provider's pool stayed busy for ``pool_timeout_s``.
+
+    Raised before any output, so the engine moves on to the next target of an
+    alias as for any retryable failure; the last one's is the client's 503.
+    """
+
+    status = 503
+    code = "upstream_pool_exhausted"
 
 
 class StreamError(GatewayError):

@@ -305,25 +305,33 @@ class StreamHub:
             return Opened(info, run, "hit")
         stream = await self._open(request, ctx)
         info = self._info(stream, format, owner, background or resumable)
-        if self.store.shared:
-            # Visible to every replica before anyone can be told its id (a 202, a claim).
-            await self.store.begin(info, self.streams.resume_ttl_s)
-        # A claim ends with its stream; one left by a replica that died is taken over.
-        for _ in range(3):
-            holder = await self.store.claim(key, info.id, self.streams.resume_ttl_s)
-            if holder is None:
-                run = self._start(info, stream, background, ctx, record=key)
-                return Opened(info, run, "miss")
-            joined = await self._joinable(holder)
-            if joined is not None:
+        handed = False  # until then, a failure of the store closes the upstream stream
+        try:
+            if self.store.shared:
+                # Visible to every replica before anyone can be told its id (a 202, a claim).
+                await self.store.begin(info, self.streams.resume_ttl_s)
+            # A claim ends with its stream; one left by a replica that died is taken over.
+            for _ in range(3):
+                holder = await self.store.claim(key, info.id, self.streams.resume_ttl_s)
+                if holder is None:
+                    handed = True
+                    run = self._start(info, stream, background, ctx, record=key)
+                    return Opened(info, run, "miss")
+                joined = await self._joinable(holder)
+                if joined is not None:
+                    handed = True
+                    await stream.close()
+                    if self.store.shared:
+                        await self.store.end(replace(info, status="cancelled"), [], 0, 1.0)
+                    local = self.live.get(holder)
+                    if local is not None and resumable:
+                        local.info.resumable = True  # this client may leave and come back
+                    return Opened(joined, local, "hit", joined=True)
+                await self.store.release(key, holder)  # its stream is over, or its replica died
+        except BaseException:
+            if not handed:
                 await stream.close()
-                if self.store.shared:
-                    await self.store.end(replace(info, status="cancelled"), [], 0, 1.0)
-                local = self.live.get(holder)
-                if local is not None and resumable:
-                    local.info.resumable = True  # this client may leave and come back
-                return Opened(joined, local, "hit", joined=True)
-            await self.store.release(key, holder)  # its stream is over, or its replica died
+            raise
         run = self._start(info, stream, background, ctx)  # contended: stream, but do not record
         return Opened(info, run, "miss")
 
@@ -368,7 +376,11 @@ class StreamHub:
     ) -> tuple[StreamInfo, StreamRun]:
         info = self._info(source, format, owner, background or resumable)
         if self.store.shared:
-            await self.store.begin(info, self.streams.resume_ttl_s)
+            try:
+                await self.store.begin(info, self.streams.resume_ttl_s)
+            except BaseException:
+                await source.close()  # the store cannot be reached: nothing may run unseen
+                raise
         return info, self._start(info, source, background, ctx, replayed=replayed)
 
     def _start(

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from ..auth import ApiKey, RateLimiter
 from ..budgets import budget_message, window
-from ..errors import GatewayError, TooManyStreams
+from ..errors import GatewayError, StoreUnavailable, TooManyStreams
 from ..events import Error
 from ..hooks import CallContext
 from ..pricing import Spend
@@ -51,15 +51,6 @@ class BudgetExceeded(GatewayError):
     code = "budget_exceeded"
     error_type = "rate_limit_error"
     retryable = False
-
-
-class StoreUnavailable(GatewayError):
-    """The store a decision needs could not be reached (a budget with Redis down)."""
-
-    status = 503
-    code = "store_unavailable"
-    error_type = "server_error"
-    retryable = True
 
 
 def rate_limited(name: str, rate: float, wait_s: float) -> GatewayError:

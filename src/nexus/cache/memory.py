@@ -47,6 +47,7 @@ class _Item:
 
 class MemoryStore(Store):
     def __init__(self, max_bytes: int = 256 * 1024 * 1024) -> None:
+        super().__init__()
         self.max_bytes = max_bytes
         self.size = 0
         self._items: OrderedDict[str, _Item] = OrderedDict()

@@ -19,8 +19,14 @@ While a stream is live, every append renews the TTL of its info and log to the
 log expires and its followers get :class:`~nexus.errors.StreamNotFound`.
 :meth:`RedisStore.end` sets both to the resume TTL.
 
-Each blocked reader holds one pooled connection for up to ``block_s``; the pool
-is sized for many of them. A reader cancelled mid-``XREAD`` has its connection
+Connections come from one bounded pool (``[store] max_connections``): a
+command holds one for its round trip, a blocked reader for up to ``block_s``. A
+command that finds them all busy waits up to ``[store] pool_timeout_s`` for one
+(redis-py's ``BlockingConnectionPool``), then fails. Every failure to reach
+Redis, that one included, is raised as
+:class:`~nexus.errors.StoreUnavailable` (503 ``store_unavailable``,
+``Retry-After``), never as redis-py's own errors, and counted through
+:attr:`Store.on_error`. A reader cancelled mid-``XREAD`` has its connection
 closed by redis-py before it returns to the pool, so no stale reply is left
 for the next command.
 """
@@ -31,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
@@ -41,7 +47,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from ..errors import StreamLost, StreamNotFound
+from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import Done, Error, StreamEvent
 from .codec import dump_event, load_event
 from .store import OWNER_TTL_S, Recording, Store, StreamInfo
@@ -138,12 +144,15 @@ class RedisStore(Store):
         prefix: str = "nexus",
         *,
         client: aioredis.Redis | None = None,
-        max_connections: int = 4096,
+        max_connections: int = 128,
+        pool_timeout_s: float = 5.0,
         block_s: float = 1.5,
     ) -> None:
+        super().__init__()
         self.url = url
         self.prefix = prefix
         self.max_connections = max_connections
+        self.pool_timeout_s = pool_timeout_s
         self.block_ms = _ms(block_s)
         """How long one XREAD blocks: also how soon a follower notices its log expired."""
         self._client = client
@@ -164,16 +173,18 @@ class RedisStore(Store):
     async def start(self) -> None:
         """Connect and PING. Raises :class:`RedisUnavailable` (no credentials in it)."""
         if self._client is None:
-            self._client = aioredis.Redis.from_url(
+            # Bounded: past it, a command waits up to pool_timeout_s, then fails.
+            pool = aioredis.BlockingConnectionPool.from_url(
                 self.url,
                 decode_responses=False,
-                # Every follower blocks on its own connection: allow many.
                 max_connections=self.max_connections,
+                timeout=self.pool_timeout_s,
                 # Above block_ms, so a blocking XREAD is not cut short.
                 socket_timeout=max(5.0, 2 * self.block_ms / 1000),
                 socket_connect_timeout=5.0,
                 retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
             )
+            self._client = aioredis.Redis.from_pool(pool)  # closes the pool with it
         try:
             await self._client.ping()
             await self._client.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
@@ -203,6 +214,19 @@ class RedisStore(Store):
             await self._client.aclose()
             self._client = None
 
+    @contextlib.contextmanager
+    def _reaching(self, op: str) -> Iterator[None]:
+        """Redis errors inside become :class:`StoreUnavailable`, counted as ``op``."""
+        try:
+            yield
+        except (RedisError, OSError) as exc:
+            for count in self.on_error:
+                count(op)
+            raise StoreUnavailable(
+                "The stream store cannot be reached right now; retry shortly.",
+                headers={"Retry-After": "1"},
+            ) from exc
+
     # Keys.
     def _key(self, stream_id: str, part: str) -> str:
         return f"{self.prefix}:stream:{stream_id}:{part}"
@@ -214,7 +238,8 @@ class RedisStore(Store):
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self._key(info.id, "owner"), self.replica_id.encode(), px=ttl_ms)
         pipe.set(self._key(info.id, "info"), orjson.dumps(info.to_json()), px=ttl_ms)
-        await pipe.execute()
+        with self._reaching("begin"):
+            await pipe.execute()
 
     async def keep_alive(self, stream_id: str) -> None:
         """Renew the live log's TTL: an idle stream must not expire while it runs."""
@@ -224,11 +249,14 @@ class RedisStore(Store):
         pipe = self.client.pipeline(transaction=False)
         for part in ("info", "log", "owner"):
             pipe.pexpire(self._key(stream_id, part), ttl_ms)
-        await pipe.execute()
+        with self._reaching("keep_alive"):
+            await pipe.execute()
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
-        return bool(await self._alive(keys=[self._key(stream_id, "owner")], args=[self.prefix]))
+        with self._reaching("alive"):
+            owner = self._key(stream_id, "owner")
+            return bool(await self._alive(keys=[owner], args=[self.prefix]))
 
     def _replica_key(self, replica_id: str) -> str:
         return f"{self.prefix}:replica:{replica_id}"
@@ -254,7 +282,8 @@ class RedisStore(Store):
         ttl_ms = self._live_ttl_ms.get(stream_id)
         if ttl_ms is None:
             raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
-        await self._write(stream_id, start, events, ttl_ms, None)
+        with self._reaching("append"):
+            await self._write(stream_id, start, events, ttl_ms, None)
 
     async def end(
         self,
@@ -265,8 +294,9 @@ class RedisStore(Store):
         size: int | None = None,
     ) -> None:
         self._live_ttl_ms.pop(info.id, None)
-        await self._write(info.id, start, events[start:], _ms(ttl_s), info)
-        await self.client.delete(self._key(info.id, "owner"))
+        with self._reaching("end"):
+            await self._write(info.id, start, events[start:], _ms(ttl_s), info)
+            await self.client.delete(self._key(info.id, "owner"))
 
     async def _write(
         self,
@@ -295,7 +325,8 @@ class RedisStore(Store):
                 raise result
 
     async def info(self, stream_id: str) -> StreamInfo | None:
-        raw = await self.client.get(self._key(stream_id, "info"))
+        with self._reaching("info"):
+            raw = await self.client.get(self._key(stream_id, "info"))
         return None if raw is None else StreamInfo.from_json(orjson.loads(raw))
 
     async def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
@@ -312,7 +343,9 @@ class RedisStore(Store):
         while True:
             # Catch up, in pages.
             while True:
-                entries = await self.client.xrange(log, min=f"0-{after + 2}", count=_PAGE) or []
+                with self._reaching("read"):
+                    entries = await self.client.xrange(log, min=f"0-{after + 2}", count=_PAGE)
+                entries = entries or []
                 if entries:
                     events, after, terminal = _decode(entries)
                     yield events
@@ -324,9 +357,10 @@ class RedisStore(Store):
                 return
             # Follow. A quiet spell: did it end (catch up once more, then stop) or expire?
             while not finished:
-                reply = await self.client.xread(
-                    {log: f"0-{after + 1}"}, count=_PAGE, block=self.block_ms
-                )
+                with self._reaching("read"):
+                    reply = await self.client.xread(
+                        {log: f"0-{after + 1}"}, count=_PAGE, block=self.block_ms
+                    )
                 entries = _xread_entries(reply)
                 if entries:
                     events, after, terminal = _decode(entries)
@@ -350,7 +384,8 @@ class RedisStore(Store):
         pipe = self.client.pipeline(transaction=False)
         pipe.get(self._key(stream_id, "info"))
         pipe.exists(self._key(stream_id, "log"))
-        raw, exists = await pipe.execute()
+        with self._reaching("read"):
+            raw, exists = await pipe.execute()
         if raw is None:
             if not exists:
                 raise StreamNotFound(f"No stream {stream_id!r}: unknown, or expired.")
@@ -360,14 +395,17 @@ class RedisStore(Store):
 
     # Leases.
     async def lease(self, stream_id: str, ttl_s: float) -> None:
-        await self.client.set(self._key(stream_id, "lease"), b"1", px=_ms(ttl_s))
+        with self._reaching("lease"):
+            await self.client.set(self._key(stream_id, "lease"), b"1", px=_ms(ttl_s))
 
     async def leased(self, stream_id: str) -> bool:
-        return bool(await self.client.exists(self._key(stream_id, "lease")))
+        with self._reaching("leased"):
+            return bool(await self.client.exists(self._key(stream_id, "lease")))
 
     # Recordings.
     async def get_recording(self, key: str) -> Recording | None:
-        raw = await self.client.get(f"{self.prefix}:rec:{key}")
+        with self._reaching("get_recording"):
+            raw = await self.client.get(f"{self.prefix}:rec:{key}")
         if raw is None:
             return None
         data = orjson.loads(raw)
@@ -387,17 +425,20 @@ class RedisStore(Store):
                 "upstream_model": recording.upstream_model,
             }
         )
-        await self.client.set(f"{self.prefix}:rec:{key}", value, px=_ms(ttl_s))
+        with self._reaching("put_recording"):
+            await self.client.set(f"{self.prefix}:rec:{key}", value, px=_ms(ttl_s))
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
         script = self.client.register_script(_CLAIM)
-        held = await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id, _ms(ttl_s)])
+        with self._reaching("claim"):
+            held = await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id, _ms(ttl_s)])
         return None if held is None else cast(bytes, held).decode()
 
     async def release(self, key: str, stream_id: str) -> None:
         script = self.client.register_script(_RELEASE)
-        await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id])
+        with self._reaching("release"):
+            await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id])
 
 
 _ALIVE = """

@@ -199,6 +199,8 @@ class RedisLimits(KeyLimits):
                 ],
             )
         except (RedisError, OSError) as exc:
+            for count in self.store.on_error:
+                count("admit")
             if budget is not None:
                 raise StoreUnavailable(
                     f"The spend of the API key {name!r} cannot be checked: the store is "

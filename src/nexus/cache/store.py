@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -84,6 +84,11 @@ class Store(ABC):
 
     shared: ClassVar[bool] = False
     """Whether other processes see this store (live logs are then mirrored into it)."""
+
+    def __init__(self) -> None:
+        self.on_error: list[Callable[[str], None]] = []
+        """Called with the operation's name (``begin``, ``read``...) each time one fails
+        because the store cannot be reached: the ``nexus_store_errors_total`` metric."""
 
     async def start(self) -> None:
         """Connect, and start the store's own tasks (the memory store's sweep of what

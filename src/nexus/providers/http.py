@@ -17,7 +17,18 @@ upstream              client sees
 5xx and others        502 ``upstream_error`` (5xx retryable)
 connect failure       502 ``upstream_connect_error`` (retryable)
 timeouts              504 ``upstream_timeout`` (retryable before output)
+pool busy             503 ``upstream_pool_exhausted`` (retryable, ``Retry-After``): no
+                      connection of the pool freed up within ``pool_timeout_s``
 ====================  ===========================================================
+
+The pool (``max_connections``): a stream holds its connection for its whole
+length, so a request past the limit queues for one. That wait is bounded
+(``pool_timeout_s``) and visible: each request's wait goes to the provider's
+``on_pool_wait`` callbacks (the ``nexus_upstream_pool_wait_seconds`` histogram)
+and is added to the call's :data:`POOL_WAITS` tally (``pool_wait_ms`` in the
+access line). Both are timed by one trace of aiohttp's public signals
+(``on_connection_queued_start`` / ``_end``), which only fire when a request
+actually queues.
 
 Keys are read from the environment variable named in the config; they are sent
 in headers only and never appear in logs, errors or ``repr``.
@@ -27,23 +38,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
 import orjson
 
 from ..config import HTTPProviderConfig
-from ..errors import ConfigError, GatewayError, UpstreamError, UpstreamTimeout
+from ..errors import (
+    ConfigError,
+    GatewayError,
+    UpstreamError,
+    UpstreamPoolExhausted,
+    UpstreamTimeout,
+)
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider
 
 __all__ = [
+    "POOL_WAITS",
     "BodyReader",
     "HTTPProvider",
+    "PoolWaits",
     "UpstreamStream",
     "map_upstream_errors",
     "resolve_api_key",
@@ -53,6 +73,29 @@ log = logging.getLogger("nexus.providers")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
+
+
+class PoolWaits:
+    """What one call waited for free pooled upstream connections, over all its attempts.
+
+    ``seconds`` stays None while the call made no upstream HTTP request (a mock
+    provider, a cache hit, a joined stream).
+    """
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.seconds = (self.seconds or 0.0) + seconds
+
+
+POOL_WAITS: contextvars.ContextVar[PoolWaits | None] = contextvars.ContextVar(
+    "nexus_pool_waits", default=None
+)
+"""The tally of the call being served (set by the server for each request; a stream's
+run task inherits it). Providers add each request's wait to it."""
 
 
 def resolve_api_key(name: str, config: HTTPProviderConfig) -> str | None:
@@ -166,13 +209,16 @@ class HTTPProvider(Provider):
         self._api_key = api_key
         self._session: aiohttp.ClientSession | None = None
         self._watchdog = Watchdog()  # the read timeouts of every response
+        self.on_pool_wait: list[Callable[[float], None]] = []
+        """Called once per upstream request with its wait for a pooled connection (s)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.base_url}>"
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections, enable_cleanup_closed=True
+            limit=self.config.max_connections,  # 0: no limit
+            enable_cleanup_closed=True,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -211,32 +257,55 @@ class HTTPProvider(Provider):
         """POST ``body``; the response once its headers are in and its status is 2xx.
 
         ``first_byte_timeout_s`` is one deadline from now to the first body bytes
-        (see :class:`BodyReader`). Redirects are not followed: they would carry the
-        key headers and the body to another host. With tracing on, the request carries
-        the attempt's W3C trace context (:mod:`nexus.telemetry`).
+        (see :class:`BodyReader`); the wait for a free pooled connection does not
+        count: it has ``pool_timeout_s`` of its own, then
+        :class:`~nexus.errors.UpstreamPoolExhausted`. Redirects are not followed:
+        they would carry the key headers and the body to another host. With tracing
+        on, the request carries the attempt's W3C trace context (:mod:`nexus.telemetry`).
         """
         url = self.base_url + path
         headers = upstream_headers(headers, url)  # the attempt's traceparent, when tracing
-        first_byte = self.config.first_byte_timeout_s
-        deadline = asyncio.get_running_loop().time() + first_byte
+        config = self.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.first_byte_timeout_s
+        wait = _PoolWait(config.first_byte_timeout_s, config.pool_timeout_s)
         with map_upstream_errors(self.name, "before responding"):
-            async with asyncio.timeout_at(deadline) as timeout:
-                response = await self.session.post(
-                    url,
-                    data=orjson.dumps(body),
-                    headers=headers,
-                    allow_redirects=False,
-                    # The wait for a free pooled connection does not count (see below).
-                    trace_request_ctx=_PoolWait(timeout, first_byte),
-                )
-                deadline = timeout.when() or deadline
-                if response.status >= 300:
-                    try:
-                        payload = await _read_capped(response, _MAX_ERROR_BODY)
-                    finally:
-                        response.close()
-                    raise status_error(self.name, response.status, payload, response.headers)
+            try:
+                async with asyncio.timeout_at(deadline) as timeout:
+                    wait.timeout = timeout
+                    response = await self.session.post(
+                        url,
+                        data=orjson.dumps(body),
+                        headers=headers,
+                        allow_redirects=False,
+                        trace_request_ctx=wait,
+                    )
+                    deadline = timeout.when() or deadline
+                    if response.status >= 300:
+                        try:
+                            payload = await _read_capped(response, _MAX_ERROR_BODY)
+                        finally:
+                            response.close()
+                        raise status_error(self.name, response.status, payload, response.headers)
+            except TimeoutError:
+                if wait.queued_at is None:
+                    raise
+                raise UpstreamPoolExhausted(
+                    f"provider {self.name!r}: all {config.max_connections} connections stayed "
+                    f"busy for {config.pool_timeout_s:g}s; retry shortly",
+                    headers={"Retry-After": "1"},
+                ) from None
+            finally:
+                self._waited(wait.seconds(loop.time()))
         return UpstreamStream(response, deadline)
+
+    def _waited(self, seconds: float) -> None:
+        """One request's pool wait: to the metrics and to the call's tally."""
+        for observe in self.on_pool_wait:
+            observe(seconds)
+        tally = POOL_WAITS.get()
+        if tally is not None:
+            tally.add(seconds)
 
     def body(self, upstream: UpstreamStream) -> BodyReader:
         """The response body, read with this provider's timeouts."""
@@ -349,19 +418,45 @@ class _ReadTimer:
 
 
 class _PoolWait:
-    """The first-byte deadline of one request, held while it waits for a pooled connection.
+    """One request's wait for a pooled connection, and the deadline it runs under.
 
     With every connection of the pool in use (streams hold theirs for their
     whole length), a request queues. That wait is the gateway's, not the
-    upstream's slowness: the deadline stops while it lasts and restarts in full
-    once a connection is free.
+    upstream's slowness: while it lasts, the request's one timeout is moved from
+    the first-byte deadline to ``pool_timeout_s`` after the wait began (so
+    re-queueing, which aiohttp may do, never extends it), and restarts in full
+    for the first byte once a connection is free. The timeout firing while
+    ``queued_at`` is set means the pool stayed full.
     """
 
-    __slots__ = ("first_byte", "timeout")
+    __slots__ = ("first_byte", "limit", "queued_at", "timeout", "waited")
 
-    def __init__(self, timeout: asyncio.Timeout, first_byte: float) -> None:
-        self.timeout = timeout
+    def __init__(self, first_byte: float, limit: float) -> None:
         self.first_byte = first_byte
+        self.limit = limit
+        self.timeout: asyncio.Timeout | None = None
+        self.queued_at: float | None = None
+        """Loop time the current wait began; None while not waiting."""
+        self.waited = 0.0
+
+    def queued(self, now: float) -> None:
+        if self.queued_at is None:
+            self.queued_at = now
+        if self.timeout is not None:
+            self.timeout.reschedule(now - self.waited + self.limit)
+
+    def dequeued(self, now: float) -> None:
+        if self.queued_at is not None:
+            self.waited += now - self.queued_at
+            self.queued_at = None
+        if self.timeout is not None:
+            self.timeout.reschedule(now + self.first_byte)
+
+    def seconds(self, now: float) -> float:
+        """The whole wait so far (a wait cut short counts until ``now``)."""
+        if self.queued_at is None:
+            return self.waited
+        return self.waited + now - self.queued_at
 
 
 def _pool_wait_trace() -> aiohttp.TraceConfig:
@@ -370,12 +465,12 @@ def _pool_wait_trace() -> aiohttp.TraceConfig:
     async def queued(session: object, context: Any, params: object) -> None:
         wait = context.trace_request_ctx
         if isinstance(wait, _PoolWait):
-            wait.timeout.reschedule(None)
+            wait.queued(asyncio.get_running_loop().time())
 
     async def dequeued(session: object, context: Any, params: object) -> None:
         wait = context.trace_request_ctx
         if isinstance(wait, _PoolWait):
-            wait.timeout.reschedule(asyncio.get_running_loop().time() + wait.first_byte)
+            wait.dequeued(asyncio.get_running_loop().time())
 
     trace.on_connection_queued_start.append(queued)
     trace.on_connection_queued_end.append(dequeued)

@@ -17,9 +17,11 @@ HTTP error, ``mid_stream_error:<code>`` for a stream that failed after its
 headers, ``cancelled:<reason>`` for one ended on purpose or left by its client),
 ``model`` (as asked) and ``served`` (``provider/model``, the target that answered
 after fallbacks), ``format``, ``provider``, ``stream_id``, ``key`` (its name),
-``client`` (the peer's address), ``cache``, ``ttfb_ms``, ``ttft_ms``,
-``duration_ms``, ``events`` and ``bytes`` (of a written stream only), and what the
-request spent upstream (:class:`~nexus.pricing.Spend`): ``prompt_tokens``,
+``client`` (the peer's address), ``cache``, ``pool_wait_ms`` (how long the
+request waited for free connections of its providers' pools, over its attempts;
+only when it sent a request upstream), ``ttfb_ms``, ``ttft_ms``, ``duration_ms``,
+``events`` and ``bytes`` (of a written stream only), and what the request spent
+upstream (:class:`~nexus.pricing.Spend`): ``prompt_tokens``,
 ``completion_tokens``, ``cached_tokens``, ``reasoning_tokens``, ``cost_usd`` (when
 the model has a price) and ``estimated`` (when so). A cache hit or a request that
 joined another's stream spent nothing (zeros: the tokens were the other's); a
@@ -54,6 +56,7 @@ from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..errors import GatewayError
 from ..events import Done, Error, StreamEvent
 from ..pricing import Spend
+from ..providers.http import POOL_WAITS, PoolWaits
 from ..telemetry import Telemetry
 from .errors import Handler, error_response
 from .metrics import CANCEL_CAUSES, Metrics
@@ -140,6 +143,8 @@ class Exchange:
     spend: Spend | None = None
     """What the request spent upstream (its own stream's; zero for a cache hit)."""
     cache: str | None = None
+    pool_waits: PoolWaits = field(default_factory=PoolWaits)
+    """What the request waited for pooled upstream connections (the providers add to it)."""
 
     def outcome(self, status: int) -> str:
         """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""
@@ -231,6 +236,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         else None
     )
     status = 500
+    waits = POOL_WAITS.set(ex.pool_waits)  # a stream's run task, started below, inherits it
     try:
         response = await handler(request)
         status = response.status
@@ -246,6 +252,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             status = 499  # the client left before any answer (nginx's convention)
         raise
     finally:
+        POOL_WAITS.reset(waits)
         if span is not None:
             span.close(status, ex.stream_id, ex.cancelled)
         _account(app, ex, status)
@@ -348,6 +355,7 @@ def _text(value: object) -> object:
 def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str, Any]:
     """The access line's fields, in order (None: left out of the text line)."""
     spend = ex.spend
+    pool_wait = ex.pool_waits.seconds
     fields: dict[str, Any] = {
         "method": ex.method or None,
         "path": ex.path or None,
@@ -362,6 +370,7 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         "key": ex.key.name if ex.key is not None else None,
         "client": ex.client,
         "cache": ex.cache,
+        "pool_wait_ms": None if pool_wait is None else round(pool_wait * 1000, 2),
         "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 2),
         "ttft_ms": None if ex.ttft is None else round(ex.ttft * 1000, 2),
         "duration_ms": round(elapsed * 1000, 2),

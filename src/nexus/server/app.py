@@ -192,7 +192,12 @@ def build_store(config: StoreConfig) -> Store:
         return MemoryStore(config.max_bytes)
     from ..cache.redis import RedisStore
 
-    return RedisStore(config.url, prefix=config.prefix)
+    return RedisStore(
+        config.url,
+        prefix=config.prefix,
+        max_connections=config.max_connections,
+        pool_timeout_s=config.pool_timeout_s,
+    )
 
 
 def build_limits(config: Config, store: Store, hub: StreamHub) -> KeyLimits:

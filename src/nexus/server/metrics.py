@@ -22,6 +22,12 @@ or an advertised model, ``<provider>/*`` for any other model of a provider (clie
 choose the name; labels must stay few), ``unknown`` otherwise; ``key`` is the key's
 name, ``anonymous`` without keys. No label is ever empty.
 
+Two more are fed by callbacks of the objects they time, once per request, never per
+event: ``nexus_upstream_pool_wait_seconds{provider}``, each upstream request's wait for
+a free connection of its provider's pool (0 when it did not wait; see
+:mod:`nexus.providers.http`), and ``nexus_store_errors_total{op}``, the store operations
+that failed (Redis unreachable, or its pool busy past ``[store] pool_timeout_s``).
+
 Two values are read from other objects rather than counted here, so that they
 stay right whichever worker is scraped: the hub's running streams (one process:
 read at scrape time; several: the gauge set whenever ``hub.live`` changes) and
@@ -48,6 +54,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..events import Error
 from ..hooks import CallContext, Hooks
 from ..pricing import Spend
+from ..providers.http import HTTPProvider
 from ..types import Completion
 
 if TYPE_CHECKING:
@@ -79,6 +86,7 @@ counted once, as ``cause="client_disconnect"``, by the response that left
 (:mod:`nexus.server.access`), not again here; nor is it an upstream error."""
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_POOL_WAIT = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DURATION = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -215,6 +223,21 @@ class Metrics:
         self.hook_errors = Counter(
             "nexus_hook_errors", "Plugin hooks that raised.", ("hook",), registry=registry
         )
+        self.pool_wait = Histogram(
+            "nexus_upstream_pool_wait_seconds",
+            "Each upstream request's wait for a free connection of its provider's pool "
+            "(max_connections); 0 when one was free.",
+            ("provider",),
+            buckets=_POOL_WAIT,
+            registry=registry,
+        )
+        self.store_errors = Counter(
+            "nexus_store_errors",
+            "Store operations that failed (Redis unreachable, or no pooled connection "
+            "within [store] pool_timeout_s), by operation.",
+            ("op",),
+            registry=registry,
+        )
 
     def model_label(self, model: str | None) -> str:
         """The ``model`` label of ``model``: itself when it is an alias or an advertised
@@ -244,7 +267,8 @@ class Metrics:
             self.cost.labels(label, owner).inc(spend.cost_usd)
 
     def watch(self, hub: StreamHub, hooks: Hooks) -> None:
-        """Follow the hub's running streams and the hooks' errors (once, before the app starts).
+        """Follow the hub's running streams, the hooks' errors, the HTTP providers' pool
+        waits and the store's errors (once, before the app starts).
 
         One process: ``nexus_active_streams`` reads ``len(hub.live)`` at scrape
         time. Several: the hub sets it on every change, as a scrape on another
@@ -261,6 +285,11 @@ class Metrics:
             if count > 0:
                 counter.labels(hook).inc(count)
         hooks.on_error.append(lambda hook: counter.labels(hook).inc())
+        for provider in hub.engine.providers.values():
+            if isinstance(provider, HTTPProvider):
+                provider.on_pool_wait.append(self.pool_wait.labels(provider.name).observe)
+        store_errors = self.store_errors
+        hub.store.on_error.append(lambda op: store_errors.labels(op).inc())
 
     def render(self) -> bytes:
         """The Prometheus text format: this app's registry, or every worker's files."""

@@ -236,7 +236,6 @@ access_log = false
 [providers.bench]
 kind = "openai"
 base_url = "{upstream}/v1"
-max_connections = 100000
 """
 
 

@@ -10,9 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import hash_key
 from nexus_process import start_nexus, stop_nexus
+from upstreams import FakeUpstream, Reply, openai_chunk, sse
 
 KEY = "nx-accounting-review-0042"
 BEARER = {"Authorization": f"Bearer {KEY}"}
@@ -76,3 +79,53 @@ async def test_a_key_with_a_budget_cannot_spend_on_a_model_without_a_price(
             async with http.post("/v1/chat/completions", json=body, headers=BEARER) as r:
                 assert r.status == 429
                 assert (await r.json())["error"]["code"] == "budget_exceeded"
+
+
+UPSTREAM_KEY_ENV = "NEXUS_TEST_REVIEW_UPSTREAM_KEY"
+
+
+def hostile_upstream(url: str) -> str:
+    return f"""
+[providers.oai]
+kind = "openai"
+base_url = "{url}/v1"
+api_key_env = "{UPSTREAM_KEY_ENV}"
+models = ["gpt-x"]
+"""
+
+
+async def test_an_upstreams_error_codes_cannot_mint_metric_series(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code of an error inside an upstream's stream went verbatim into the labels of
+    ``nexus_upstream_errors_total`` and ``nexus_requests_total{outcome}``: an upstream (any
+    OpenAI-compatible server) that puts an id in its codes grows /metrics without bound."""
+    monkeypatch.setenv(UPSTREAM_KEY_ENV, "sk-upstream")
+    count = 120
+    async with FakeUpstream() as fake:
+        for i in range(count):
+            error = sse(
+                {"error": {"code": f"busy_{i:04d}", "type": "server_error", "message": "x"}}
+            )
+            # Half fail mid-stream (after a delta), half before any output (an HTTP error).
+            head = [openai_chunk(content="Hi")] if i % 2 else []
+            fake.add(Reply.stream([*head, error]))
+        with serve(tmp_path, hostile_upstream(fake.url)) as url:
+            async with aiohttp.ClientSession(url) as http:
+                body = {
+                    "model": "oai/gpt-x",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}],
+                }
+                for i in range(count):
+                    async with http.post("/v1/chat/completions", json=body) as r:
+                        text = await r.text()
+                        assert f"busy_{i:04d}" in text  # the client still gets the code
+                async with http.get("/metrics") as r:
+                    metrics = await r.text()
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    codes = {s.labels["code"] for s in families["nexus_upstream_errors"].samples}
+    outcomes = {s.labels["outcome"] for s in families["nexus_requests"].samples}
+    assert len(codes) <= 65, sorted(codes)
+    assert len(outcomes) <= 2 * 65, sorted(outcomes)
+    assert "other" in codes

@@ -312,7 +312,7 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
     metrics = app.get(METRICS)
     if metrics is not None and ex.endpoint not in ("/metrics",):
         model = metrics.model_label(ex.model)
-        metrics.requests.labels(ex.endpoint, model, outcome).inc()
+        metrics.requests.labels(ex.endpoint, model, metrics.outcome_label(outcome)).inc()
         if ex.ttfb is not None:
             metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
         if ex.ttft is not None:

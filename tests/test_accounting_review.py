@@ -5,16 +5,19 @@ blown up, on a real ``nexus serve`` where it needs one."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nexus.auth import hash_key
+from nexus.auth import ApiKey, hash_key
+from nexus.cache.limits import LocalLimits
 from nexus_process import start_nexus, stop_nexus
+from redis_support import connect_or_skip, drop_keys, new_prefix
 from upstreams import FakeUpstream, Reply, openai_chunk, sse
 
 KEY = "nx-accounting-review-0042"
@@ -129,3 +132,79 @@ async def test_an_upstreams_error_codes_cannot_mint_metric_series(
     assert len(codes) <= 65, sorted(codes)
     assert len(outcomes) <= 2 * 65, sorted(outcomes)
     assert "other" in codes
+
+
+@contextlib.asynccontextmanager
+async def lossy_redis(marker: bytes) -> AsyncIterator[str]:
+    """A TCP proxy to the test Redis that loses the reply to the first command carrying
+    ``marker``: the command is carried out, the client's connection then drops (what a
+    network blip or a timed-out read does)."""
+    dropped = False
+    cut: set[asyncio.StreamWriter] = set()  # client connections whose replies are lost
+
+    async def pipe(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, client: asyncio.StreamWriter
+    ) -> None:
+        nonlocal dropped
+        up = writer is not client
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                if up and marker in data and not dropped:
+                    dropped = True
+                    cut.add(client)
+                    writer.write(data)
+                    await asyncio.sleep(0.2)  # Redis has carried it out by now
+                    return
+                if client in cut:
+                    continue
+                writer.write(data)
+                await writer.drain()
+
+    async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        redis_r, redis_w = await asyncio.open_connection("127.0.0.1", 6379)
+        upward = asyncio.ensure_future(pipe(client_r, redis_w, client_w))
+        downward = asyncio.ensure_future(pipe(redis_r, client_w, client_w))
+        await asyncio.wait((upward, downward), return_when=asyncio.FIRST_COMPLETED)
+        for end in (upward, downward):
+            end.cancel()
+        for writer in (client_w, redis_w):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.close()
+    assert dropped, "no command carried the marker"
+
+
+async def test_a_charge_whose_reply_is_lost_is_counted_once() -> None:
+    """A charge was an INCRBYFLOAT retried when its reply did not come back (by redis-py,
+    and again on the next tick): a reply lost after Redis added the spend added it twice,
+    and the tenant was refused at half its budget."""
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    direct = await connect_or_skip()
+    prefix = new_prefix()
+    key = ApiKey("alpha", budget_usd=1.0, budget_period="total")
+    spend_key = f"{prefix}:spend:alpha:total"
+    try:
+        async with lossy_redis(spend_key.encode()) as url:
+            store = RedisStore(url, prefix=prefix)
+            await store.start()
+            limits = RedisLimits(
+                store, rate=0, per_key=None, lease_s=0.3, fallback=LocalLimits(0, None)
+            )
+            await limits.start()
+            try:
+                await limits.charge(key, 0.25)
+                await asyncio.sleep(0.4)  # a tick: a charge that failed is retried
+            finally:
+                await limits.close()
+                await store.close()
+        assert float(await direct.get(spend_key) or 0) == pytest.approx(0.25)
+    finally:
+        await drop_keys(direct, prefix)
+        await direct.aclose()

@@ -208,3 +208,33 @@ async def test_a_charge_whose_reply_is_lost_is_counted_once() -> None:
     finally:
         await drop_keys(direct, prefix)
         await direct.aclose()
+
+
+async def test_a_non_streaming_request_is_held_to_max_stream_duration(tmp_path: Path) -> None:
+    """Without the cache a non-streaming request runs no stream of its own, and nothing
+    timed it: a tenant escaped ``max_stream_duration_s`` (and the gateway paid for the
+    whole generation) by asking for JSON instead of a stream."""
+    text = """
+[limits]
+max_stream_duration_s = 0.5
+
+[providers.mock]
+kind = "mock"
+models = ["echo"]
+"""
+    body = {
+        "model": "mock/echo",
+        "mock": {"delay_ms": 150},
+        "messages": [{"role": "user", "content": "a b c d e f g h i j k l m n o p"}],
+    }
+    with serve(tmp_path, text) as url:
+        async with aiohttp.ClientSession(url) as http:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            async with http.post("/v1/chat/completions", json=body) as r:
+                error = (await r.json())["error"]
+            assert loop.time() - started < 1.5  # not the 2.4 s the whole answer takes
+            assert r.status == 500 and error["code"] == "max_stream_duration"
+            async with http.post("/v1/messages", json={**body, "max_tokens": 64}) as r:
+                assert r.status == 500
+                assert (await r.json())["error"]["type"] == "api_error"

@@ -6,8 +6,8 @@ Keys, under the store's ``{prefix}:``::
     limits:streams:{key}   zset    one member per stream running, scored by its lease deadline
     spend:{key}:{window}   string  the window's spend in USD (INCRBYFLOAT); expires a day
                                    after the window ends (``total`` never does)
-    charged:{id}           string  a charge that was added (an hour): sent again, it adds
-                                   nothing
+    charged:{id}           string  a charge that was added (15 minutes): sent again, it
+                                   adds nothing
 
 **One round trip.** :data:`_ADMIT`, a Lua script run with EVALSHA, checks and
 takes everything a request needs at once: the budget (spend below it), a token
@@ -129,9 +129,10 @@ end
 return 0
 """
 
-_CHARGE_MARK_MS = 3_600_000
-"""How long a charge's marker outlives it: longer than any retry of it (a charge kept
-here while Redis is away for longer may count twice once it is back)."""
+_CHARGE_MARK_MS = 900_000
+"""How long a charge's marker outlives it: longer than its retries, short enough that the
+markers of a busy gateway stay small (100 charges a second: ~90,000 keys). A charge
+whose reply was lost just before an outage longer than this may count twice."""
 
 _WARN_EVERY_S = 60.0
 

@@ -110,7 +110,9 @@ async def test_spend_reaching_the_budget_refuses_the_next_request_until_the_wind
 def keyed(budget: float, period: str = "month", **extra: Any) -> dict[str, Any]:
     entry = {"name": "alpha", "sha256": hash_key(KEY), "budget_usd": budget}
     entry["budget_period"] = period
-    return {"auth": {"keys": [entry]}, **extra}
+    # A key with a budget runs only models with a price.
+    price = {"input_usd_per_mtok": 0, "output_usd_per_mtok": 0}
+    return {"auth": {"keys": [entry]}, "models": {"mock/echo": price}, **extra}
 
 
 BEARER = {"Authorization": f"Bearer {KEY}"}

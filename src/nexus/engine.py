@@ -180,6 +180,17 @@ class Engine:
             )
         return [(provider, upstream)]
 
+    def priced(self, model: str) -> bool:
+        """Whether every target of ``model`` has a price, so that any stream it serves,
+        after any fallback, has a cost to charge (a key with a budget needs one). An
+        unknown model is True: routing refuses it with its own error."""
+        try:
+            targets = self.route(model)
+        except ModelNotFound:
+            return True
+        price = self.prices.price
+        return all(price(f"{p.name}/{upstream}", model) is not None for p, upstream in targets)
+
     def models(self) -> list[str]:
         """Model ids to advertise: aliases, then each provider's models."""
         ids = list(self.aliases)

@@ -6,6 +6,8 @@ Keys, under the store's ``{prefix}:``::
     limits:streams:{key}   zset    one member per stream running, scored by its lease deadline
     spend:{key}:{window}   string  the window's spend in USD (INCRBYFLOAT); expires a day
                                    after the window ends (``total`` never does)
+    charged:{id}           string  a charge that was added (15 minutes): sent again, it
+                                   adds nothing
 
 **One round trip.** :data:`_ADMIT`, a Lua script run with EVALSHA, checks and
 takes everything a request needs at once: the budget (spend below it), a token
@@ -31,7 +33,9 @@ renewed and are dropped by the next admission once their lease passed.
   cannot be checked is not spent.
 * a charge that fails is kept here and retried on the next tick (lost only if
   this process stops before Redis is back); a release that fails is left to
-  its lease.
+  its lease. Each charge has an id, and adds its spend once however often it is
+  sent: a charge whose reply was lost (a blip after Redis carried it out) is
+  retried, by redis-py and by the tick, and must not count twice.
 """
 
 from __future__ import annotations
@@ -113,6 +117,23 @@ redis.call('PEXPIRE', KEYS[1], lease * 2)
 return 0
 """
 
+# KEYS: the spend, the charge's marker. ARGV: USD, the spend's TTL ms (0: none), the
+# marker's TTL ms. A charge sent again (its reply was lost: redis-py and the tick retry
+# it) finds its marker and adds nothing.
+_CHARGE = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[3]) then
+  redis.call('INCRBYFLOAT', KEYS[1], ARGV[1])
+  local ttl = tonumber(ARGV[2])
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
+end
+return 0
+"""
+
+_CHARGE_MARK_MS = 900_000
+"""How long a charge's marker outlives it: longer than its retries, short enough that the
+markers of a busy gateway stay small (100 charges a second: ~90,000 keys). A charge
+whose reply was lost just before an outage longer than this may count twice."""
+
 _WARN_EVERY_S = 60.0
 
 
@@ -141,8 +162,12 @@ class RedisLimits(KeyLimits):
         """Key name -> ids of the slots held here: what the tick renews."""
         self._ids = itertools.count()
         self._releasing: list[Slot] = []
-        self._unsent: dict[tuple[str, str], tuple[float, float | None]] = {}
-        """(key, window) -> (USD, TTL) of charges that failed, retried on the tick."""
+        self._unsent: dict[str, tuple[str, str, float, float | None]] = {}
+        """Charge id -> (key, window, USD, TTL) of charges not yet sent or that failed,
+        retried on the tick under the same id (counted once however often sent)."""
+        self._charger: Any = None
+        """The charge script, registered when first used (``nexus keys`` charges nothing
+        and never starts this)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._ticker: asyncio.Task[None] | None = None
         self._warned = -math.inf
@@ -247,30 +272,31 @@ class RedisLimits(KeyLimits):
             self._warn(exc)  # their leases run out
 
     async def charge(self, key: ApiKey, usd: float) -> None:
-        win = window(key.budget_period, time.time())
-        ttl = win.ttl_s(time.time())
-        entry = (key.name, win.id)
-        before, _ = self._unsent.get(entry, (0.0, None))
-        self._unsent[entry] = (before + usd, ttl)
+        now = time.time()
+        win = window(key.budget_period, now)
+        charge_id = f"{self.store.replica_id}-{next(self._ids)}"
+        self._unsent[charge_id] = (key.name, win.id, usd, win.ttl_s(now))
         await self._flush_charges()
 
     async def _flush_charges(self) -> None:
         if not self._unsent:
             return
         sending, self._unsent = self._unsent, {}
-        pipe = self.store.client.pipeline(transaction=False)
-        for (name, win_id), (usd, ttl) in sending.items():
-            spend = self._key("spend", name, win_id)
-            pipe.incrbyfloat(spend, usd)
-            if ttl is not None:
-                pipe.pexpire(spend, max(1, round(ttl * 1000)))
+        client = self.store.client
+        if self._charger is None:
+            self._charger = client.register_script(_CHARGE)
+        pipe = client.pipeline(transaction=False)
+        for charge_id, (name, win_id, usd, ttl) in sending.items():
+            await self._charger(
+                keys=[self._key("spend", name, win_id), self._key("charged", charge_id)],
+                args=[repr(usd), 0 if ttl is None else max(1, round(ttl * 1000)), _CHARGE_MARK_MS],
+                client=pipe,
+            )
         try:
             await pipe.execute()
         except (RedisError, OSError) as exc:
             log.warning("charging spend failed (%s): retried on the next tick", type(exc).__name__)
-            for entry, (usd, ttl) in sending.items():
-                before, _ = self._unsent.get(entry, (0.0, None))
-                self._unsent[entry] = (before + usd, ttl)
+            self._unsent.update(sending)
 
     async def spent(self, key: ApiKey) -> float:
         win = window(key.budget_period, time.time())

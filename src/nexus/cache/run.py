@@ -43,7 +43,7 @@ from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
-__all__ = ["LEASE_POLL_S", "LogReader", "RunReader", "StreamRun"]
+__all__ = ["LEASE_POLL_S", "LogReader", "RunReader", "StreamRun", "too_long"]
 
 log = logging.getLogger("nexus.streams")
 
@@ -113,6 +113,15 @@ def _without_terminals(batch: list[StreamEvent]) -> tuple[list[StreamEvent], Err
 
 def _error(code: str, message: str, *, retryable: bool = False) -> Error:
     return Error(error_type="server_error", message=message, code=code, retryable=retryable)
+
+
+def too_long(limit_s: float) -> Error:
+    """The end of a stream that ran for ``[limits] max_stream_duration_s``."""
+    return _error(
+        "max_stream_duration",
+        f"The stream ran past the gateway's limit of {limit_s:g}s "
+        "([limits] max_stream_duration_s) and was ended.",
+    )
 
 
 class StreamRun:
@@ -199,13 +208,8 @@ class StreamRun:
             self._too_long()
 
     def _too_long(self) -> None:
-        self.cancel(
-            _error(
-                "max_stream_duration",
-                f"The stream ran past the gateway's limit of {self._max_duration_s:g}s "
-                "([limits] max_stream_duration_s) and was ended.",
-            )
-        )
+        assert self._max_duration_s is not None
+        self.cancel(too_long(self._max_duration_s))
 
     def reader(self, start: int = 0) -> RunReader:
         return RunReader(self, start)

@@ -319,7 +319,7 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
     metrics = app.get(METRICS)
     if metrics is not None and ex.endpoint not in ("/metrics",):
         model = metrics.model_label(ex.model)
-        metrics.requests.labels(ex.endpoint, model, outcome).inc()
+        metrics.requests.labels(ex.endpoint, model, metrics.outcome_label(outcome)).inc()
         if ex.ttfb is not None:
             metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
         if ex.ttft is not None:
@@ -429,14 +429,25 @@ async def admit_stream(
     The block opens the stream (its run counts from then on: leaving the block
     right after ``hub.open`` returns, with no wait between, never counts it twice),
     or, for a request answered without a run of its own, is the whole request.
-    Raises what :func:`admit` raises, 429 ``too_many_streams``, 429 ``budget_exceeded``
+    Raises what :func:`admit` raises, 403 ``model_not_priced`` (a key with a budget,
+    a model with a target that has no price), 429 ``too_many_streams``, 429 ``budget_exceeded``
     (the reset time in its message, ``Retry-After`` for a day or a month) and, with
     Redis down and a budget to check, 503 ``store_unavailable``.
     """
+    hub = request.app[_HUB]
     if key is not None:
         _check_model(key, model, param)
+        if key.budget_usd is not None and not hub.engine.priced(model):
+            # Without a price a stream costs nothing and is never charged: the budget
+            # would not hold. Refused, as a budget that cannot be checked is.
+            raise Forbidden(
+                f"The API key {key.name!r} has a budget and the model {model!r} has no "
+                'price ([models."<name>"] input_usd_per_mtok, output_usd_per_mtok).',
+                code="model_not_priced",
+                param=param,
+            )
     limits = request.app[_CONFIG].limits
-    async with request.app[_HUB].admit(key, limits.max_concurrent_streams):
+    async with hub.admit(key, limits.max_concurrent_streams):
         yield
 
 

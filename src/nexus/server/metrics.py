@@ -20,7 +20,8 @@ background streams, streams joined by several requests), estimated for a stream
 cut before its final usage. ``model`` is the model asked for when it is an alias
 or an advertised model, ``<provider>/*`` for any other model of a provider (clients
 choose the name; labels must stay few), ``unknown`` otherwise; ``key`` is the key's
-name, ``anonymous`` without keys. No label is ever empty.
+name, ``anonymous`` without keys. Error codes (in ``outcome`` and ``code``) are labels
+for the first :data:`MAX_CODES` seen, ``other`` after them. No label is ever empty.
 
 Two more are fed by callbacks of the objects they time, once per request, never per
 event: ``nexus_upstream_pool_wait_seconds{provider}``, each upstream request's wait for
@@ -37,6 +38,7 @@ the hooks' errors (counted as each happens, in both modes).
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -94,6 +96,14 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 # the multiprocess mode (several workers) never exports anyway. Process-wide, as
 # prometheus_client has it; set here, before any metric is made.
 
+MAX_CODES = 64
+"""Most error codes that are label values of their own (per process); later ones are
+``other``. Codes come from upstreams too (the ``code`` of an error inside a stream),
+so they are not a closed set: without a bound, an upstream minting codes (an id in
+each) would grow ``/metrics`` without end."""
+OTHER = "other"
+_CODE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
 ANONYMOUS = "anonymous"
 """The ``key`` label of requests made without a key (auth off)."""
 UNKNOWN = "unknown"
@@ -146,6 +156,8 @@ class Metrics:
         :meth:`model_label`."""
         self.providers: frozenset[str] = frozenset()
         """Provider names (``<provider>/*`` labels)."""
+        self._codes: set[str] = set()
+        """The error codes that are labels of their own (see :meth:`code_label`)."""
         self.requests = Counter(
             "nexus_requests",
             "HTTP requests by endpoint, model asked for and outcome (ok, error:<code>, "
@@ -251,6 +263,25 @@ class Metrics:
         provider, slash, _ = model.partition("/")
         return f"{provider}/*" if slash and provider in self.providers else UNKNOWN
 
+    def code_label(self, code: str) -> str:
+        """The label of an error code: itself for the first :data:`MAX_CODES` codes seen
+        (of a sane shape), ``other`` after them."""
+        codes = self._codes
+        if code in codes:
+            return code
+        if len(codes) < MAX_CODES and _CODE.fullmatch(code):
+            codes.add(code)
+            return code
+        return OTHER
+
+    def outcome_label(self, outcome: str) -> str:
+        """The label of an outcome: ``error:<code>`` and ``mid_stream_error:<code>`` with
+        the code's label (:meth:`code_label`)."""
+        kind, colon, code = outcome.partition(":")
+        if not colon or kind == "cancelled":  # ok; cancelled: the gateway's own reasons
+            return outcome
+        return f"{kind}:{self.code_label(code)}"
+
     def spent(self, model: str, key: str | None, spend: Spend) -> None:
         """Count a stream's spend (once per stream, at its end)."""
         label = self.model_label(model)
@@ -333,4 +364,5 @@ class MetricsPlugin:
         if cause is not None:
             self.metrics.cancellations.labels(cause).inc()
         else:
-            self.metrics.upstream_errors.labels(self.provider_of(model), code).inc()
+            metrics = self.metrics
+            metrics.upstream_errors.labels(self.provider_of(model), metrics.code_label(code)).inc()

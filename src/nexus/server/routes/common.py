@@ -34,7 +34,7 @@ from aiohttp import StreamReader, web
 from ...auth import Unauthorized
 from ...cache.cursor import Cursor, parse_cursor
 from ...cache.hub import describe, leave, with_usage
-from ...cache.run import LogReader
+from ...cache.run import LogReader, too_long
 from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
 from ...errors import (
@@ -240,7 +240,15 @@ async def complete(
             if not hub.cache.enabled:
                 engine = app[state.ENGINE]
                 stream = await engine.open_stream(chat, ctx)
-                completion = await accumulate(stream)
+                # No run times it (see StreamRun): held to the same limit here.
+                limit = app[state.CONFIG].limits.max_stream_duration_s
+                try:
+                    async with asyncio.timeout(limit) as timer:
+                        completion = await accumulate(stream)
+                except TimeoutError:
+                    if not timer.expired():
+                        raise
+                    raise StreamError(too_long(limit)) from None
                 spent = engine.prices.spend(Tally(completion.usage), stream.meta, complete=True)
                 _settle(ex, stream.meta, spent)
                 return json_response(_body(render, completion, chat.include_cost))

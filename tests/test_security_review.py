@@ -1,0 +1,82 @@
+"""Holes found by a security review, each against a real ``nexus serve``.
+
+* JSON nested too deep inside a *string* (a tool call's ``arguments``) slipped past
+  ``[limits] max_json_depth``: the Anthropic provider parses it into the upstream
+  body and the Messages endpoint into its answer, and orjson's encoder stops at 254
+  levels, so both gave a 500 (and a WebSocket turn lost its socket).
+* A client that sends requests but never reads the answers kept its connection
+  for ever: an answer that does not fit the socket's buffers waits for the client,
+  and no timer covered a response the stream pump does not write, so a few
+  pipelined requests per connection, unauthenticated, held every connection slot.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from nexus_process import start_nexus, stop_nexus
+
+DEEP = "[" * 300 + "]" * 300
+"""Valid JSON (orjson parses up to 1024 levels) that orjson cannot write back (254)."""
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A keyless gateway: the mock, and an Anthropic provider nobody listens for (the
+    upstream body is built before any connection is tried)."""
+    tmp = tmp_path_factory.mktemp("review")
+    config = tmp / "config.toml"
+    config.write_text(
+        "[server]\nheader_timeout_s = 2\nkeepalive_timeout_s = 2\nwrite_timeout_s = 1\n"
+        '[providers.mock]\nkind = "mock"\n'
+        '[providers.anth]\nkind = "anthropic"\nbase_url = "http://127.0.0.1:9"\n'
+    )
+    proc, match = start_nexus(config, tmp / "nexus.log")
+    try:
+        yield match.group(1)
+    finally:
+        stop_nexus(proc, gently=False)
+
+
+def _post(url: str, path: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
+    host, port = url.removeprefix("http://").split(":")
+    data = orjson.dumps(body)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
+        )
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(rest)
+
+
+def test_deep_json_in_a_tool_calls_arguments_is_a_400_not_a_500(gateway: str) -> None:
+    body = {
+        "model": "anth/claude-x",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+    }
+    for stream in (False, True):
+        status, answer = _post(gateway, "/v1/chat/completions", body | {"stream": stream})
+        assert status == 400, answer
+        error = answer["error"]
+        assert isinstance(error, dict)
+        assert error["code"] == "invalid_request"
+        assert "nested deeper" in str(error["message"])

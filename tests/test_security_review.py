@@ -80,3 +80,22 @@ def test_deep_json_in_a_tool_calls_arguments_is_a_400_not_a_500(gateway: str) ->
         assert isinstance(error, dict)
         assert error["code"] == "invalid_request"
         assert "nested deeper" in str(error["message"])
+
+
+def test_deep_tool_call_arguments_in_a_messages_answer_are_not_a_500(gateway: str) -> None:
+    """The model's arguments (here the mock's, as a model could be led to write them)."""
+    status, answer = _post(
+        gateway,
+        "/v1/messages",
+        {
+            "model": "mock/echo",
+            "max_tokens": 100,
+            "messages": [{"role": "user", "content": "hi"}],
+            "mock": {"tool_calls": [{"name": "f", "arguments": DEEP}]},
+        },
+    )
+    assert status == 200, answer
+    content = answer["content"]
+    assert isinstance(content, list)
+    assert content[-1]["type"] == "tool_use"
+    assert content[-1]["input"] == {"_raw": DEEP}  # as for arguments that are not JSON

@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
 from collections.abc import Iterator
 
 import orjson
@@ -99,3 +101,25 @@ def test_deep_tool_call_arguments_in_a_messages_answer_are_not_a_500(gateway: st
     assert isinstance(content, list)
     assert content[-1]["type"] == "tool_use"
     assert content[-1]["input"] == {"_raw": DEEP}  # as for arguments that are not JSON
+
+
+def test_a_client_that_pipelines_requests_and_reads_nothing_is_dropped(gateway: str) -> None:
+    """Unauthenticated answers (any would do) pile up past the socket's buffers: the
+    connection is closed twice ``write_timeout_s`` (here 2 s) after its last byte left."""
+    host, port = gateway.removeprefix("http://").split(":")
+    count = 20_000
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # a window as small as can be
+    sock.connect((host, int(port)))
+    sock.settimeout(5)
+    with sock, contextlib.suppress(TimeoutError):
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n\r\n".encode() * count)
+        time.sleep(5)  # reads nothing
+        received, answers = b"", 0
+        with contextlib.suppress(ConnectionError):
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+                answers = received.count(b"HTTP/1.1 200 OK")
+        # Only what the kernel buffers held when the gateway gave up, not every answer
+        # (as a connection kept open for ever would send once read).
+        assert answers < count / 2

@@ -8,18 +8,24 @@
   for ever: an answer that does not fit the socket's buffers waits for the client,
   and no timer covered a response the stream pump does not write, so a few
   pipelined requests per connection, unauthenticated, held every connection slot.
+  And a connection aiohttp had let go of (closing, its buffer unsent) was counted
+  gone at its deadline but never closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import orjson
 import pytest
+from aiohttp import web
 
+from nexus.server.connection import HANDLER_ARGS, Connection, ConnectionRegistry
 from nexus_process import start_nexus, stop_nexus
 
 DEEP = "[" * 300 + "]" * 300
@@ -123,3 +129,29 @@ def test_a_client_that_pipelines_requests_and_reads_nothing_is_dropped(gateway: 
         # Only what the kernel buffers held when the gateway gave up, not every answer
         # (as a connection kept open for ever would send once read).
         assert answers < count / 2
+
+
+async def test_an_expired_connection_aiohttp_let_go_of_is_aborted() -> None:
+    """aiohttp's ``force_close`` (a ``Connection: close`` answer, a refusal with its body
+    unread) closes the transport and forgets it; a close waits to write its buffer, to a
+    client that may read nothing. The registry counted such a connection gone at its
+    deadline while its socket stayed open, uncounted: the deadline must abort it."""
+    registry = ConnectionRegistry(
+        header_timeout_s=1, keepalive_timeout_s=1, max_connections=5, write_timeout_s=1
+    )
+    conn = Connection(
+        web.Server(_never_called), registry, loop=asyncio.get_running_loop(), **HANDLER_ARGS
+    )
+    transport = mock.Mock(spec=asyncio.Transport)
+    transport.get_write_buffer_size.return_value = 70_000
+    transport.get_extra_info.return_value = None
+    conn.connection_made(transport)
+    conn.force_close()
+    assert not transport.abort.called
+    registry.check(asyncio.get_running_loop().time() + 2)
+    assert registry.open == 0
+    assert transport.abort.called
+
+
+async def _never_called(request: web.BaseRequest) -> web.StreamResponse:
+    raise AssertionError("no request here")

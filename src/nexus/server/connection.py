@@ -138,19 +138,25 @@ class Connection(web.RequestHandler):
     ``handle_error`` (JSON, without the raw request).
     """
 
-    __slots__ = ("phase", "registry")
+    __slots__ = ("phase", "registry", "wire")
 
     phase: Phase
+    wire: asyncio.Transport | None
+    """The connection's transport, kept after aiohttp lets go of it (``force_close``
+    forgets it while a close may still wait to write to a client that reads nothing):
+    an expired connection is aborted through it."""
 
     def __init__(self, manager: web.Server, registry: ConnectionRegistry, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.registry = registry
         self.phase = Phase.HEAD
+        self.wire = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         registry = self.registry
         now = asyncio.get_running_loop().time()
         if registry.admit(self, now):
+            self.wire = cast(asyncio.Transport, transport)
             super().connection_made(transport)
             return
         # Not handed to aiohttp: no request task, no parser; the 503, then EOF.
@@ -171,6 +177,7 @@ class Connection(web.RequestHandler):
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self.wire = None
         rejected = self.phase is Phase.REJECTED
         self.registry.lost(self)
         if not rejected:
@@ -193,14 +200,12 @@ class Connection(web.RequestHandler):
 
     def expire(self, reason: str) -> None:
         log.debug("closing a connection from %s: %s", self.peername, reason)
-        transport = self.transport
-        if transport is not None:
-            transport.abort()  # close() would first wait to write what the client does not read
+        if self.wire is not None:
+            self.wire.abort()  # close() would first wait to write what the client does not read
         self.force_close()
 
     def write_buffer_size(self) -> int:
-        transport = self.transport
-        return transport.get_write_buffer_size() if transport is not None else 0
+        return self.wire.get_write_buffer_size() if self.wire is not None else 0
 
     def pause_writing(self) -> None:
         """The transport's buffer is full: timed by the registry until it drains."""

@@ -25,9 +25,16 @@ import orjson
 import pytest
 from aiohttp import web
 
+from nexus.auth import hash_key
+from nexus.cache.store import StreamInfo
+from nexus.server import state
 from nexus.server.connection import HANDLER_ARGS, Connection, ConnectionRegistry
 from nexus_process import start_nexus, stop_nexus
+from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from support import GatedProvider, MakeClient, chat
 
+KEY_A = "nx-review-a-0123456789abcdef"
+KEY_B = "nx-review-b-fedcba9876543210"
 DEEP = "[" * 300 + "]" * 300
 """Valid JSON (orjson parses up to 1024 levels) that orjson cannot write back (254)."""
 
@@ -155,3 +162,57 @@ async def test_an_expired_connection_aiohttp_let_go_of_is_aborted() -> None:
 
 async def _never_called(request: web.BaseRequest) -> web.StreamResponse:
     raise AssertionError("no request here")
+
+
+async def test_another_keys_live_stream_takes_the_lookup_a_missing_one_takes(
+    make_client: MakeClient,
+) -> None:
+    """With a shared store, a stream running on this replica was found without asking the
+    store, a missing one only after a round trip to it: the time told another key that
+    an id it holds is a live stream here. Both now ask the store once."""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    try:
+        provider = GatedProvider()
+        gateway = await make_client(
+            {
+                "auth": {
+                    "keys": [
+                        {"name": "alpha", "sha256": hash_key(KEY_A)},
+                        {"name": "beta", "sha256": hash_key(KEY_B)},
+                    ]
+                },
+                "store": {"kind": "redis", "url": REDIS_URL, "prefix": prefix},
+            },
+            providers=[provider],
+        )
+        store = gateway.server.app[state.HUB].store
+        lookups: list[str] = []
+        info = store.info
+
+        async def counted(stream_id: str) -> StreamInfo | None:
+            lookups.append(stream_id)
+            return await info(stream_id)
+
+        store.info = counted  # type: ignore[method-assign]
+        owned = await gateway.post(
+            "/v1/chat/completions",
+            json=chat(model="gated/m", stream=True),
+            headers={"Authorization": f"Bearer {KEY_A}"},
+        )
+        await asyncio.wait_for(owned.content.readline(), 5)
+        live = owned.headers["X-Nexus-Stream-Id"]
+        missing = "chatcmpl-" + "0" * 32
+        answers = []
+        for stream_id in (live, missing):
+            lookups.clear()
+            resp = await gateway.get(
+                f"/v1/streams/{stream_id}", headers={"Authorization": f"Bearer {KEY_B}"}
+            )
+            answers.append((resp.status, lookups[:]))
+        assert answers == [(404, [live]), (404, [missing])]
+        provider.gate.set()
+        await owned.read()
+    finally:
+        await drop_keys(client, prefix)
+        await client.aclose()

@@ -53,6 +53,8 @@ def test_a_client_that_reads_nothing_is_closed_after_twice_write_timeout_s() -> 
     reg.write_paused(conn, 10.0)
     conn.buffered = 60_000  # some bytes left the buffer: slow, alive
     reg.check(50.0)
+    conn.buffered = 90_000  # more queued behind them: no progress
+    reg.check(100.0)
     reg.check(109.9)
     assert conn.expired == []
     reg.check(110.0)  # nothing left it for 60 s
@@ -60,6 +62,15 @@ def test_a_client_that_reads_nothing_is_closed_after_twice_write_timeout_s() -> 
     assert conn.phase is Phase.CLOSED and reg.open == 0 and not reg.paused
     reg.lost(conn)
     assert reg.open == 0
+
+
+def test_a_paused_connection_past_two_deadlines_is_counted_once() -> None:
+    reg, conn = registry(), Fake()
+    reg.admit(conn, 0.0)
+    reg.write_paused(conn, 0.0)  # still in its head's phase
+    reg.check(100.0)
+    assert conn.expired == ["no complete request head within 1s"]
+    assert reg.open == 0 and not reg.paused
 
 
 def test_a_write_that_resumes_or_an_upgrade_is_not_timed() -> None:

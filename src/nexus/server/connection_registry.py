@@ -203,14 +203,17 @@ class ConnectionRegistry:
         ):
             for conn in _expired(table, now):
                 del table[conn]
+                self.paused.pop(conn, None)
                 conn.phase = Phase.CLOSED
                 self.open -= 1
                 conn.expire(reason)
         for conn, (since, size) in list(self.paused.items()):
             buffered = conn.write_buffer_size()
-            if buffered != size:  # bytes left the buffer: slow, not stalled
+            if buffered < size:  # bytes left the buffer: slow, not stalled
                 self.paused[conn] = (now, buffered)
-            elif now - since >= self.stall_timeout_s:
+            elif now - since < self.stall_timeout_s:
+                self.paused[conn] = (since, buffered)  # more queued is no progress
+            else:
                 del self.paused[conn]
                 self.heads.pop(conn, None)
                 self.idle.pop(conn, None)

@@ -1,4 +1,5 @@
-"""Holes found by a security review, each against a real ``nexus serve``.
+"""Holes found by a security review: against a real ``nexus serve`` where a client can
+show them, in-process where only the gateway's own steps can.
 
 * JSON nested too deep inside a *string* (a tool call's ``arguments``) slipped past
   ``[limits] max_json_depth``: the Anthropic provider parses it into the upstream
@@ -10,6 +11,8 @@
   pipelined requests per connection, unauthenticated, held every connection slot.
   And a connection aiohttp had let go of (closing, its buffer unsent) was counted
   gone at its deadline but never closed.
+* With a shared store, another key's stream running on this replica was told
+  from a missing one by the time of the 404 (no store round trip).
 """
 
 from __future__ import annotations

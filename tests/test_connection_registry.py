@@ -15,14 +15,21 @@ from nexus.server.connection_registry import ConnectionRegistry, Phase
 class Fake:
     phase: Phase = Phase.CLOSED
     expired: list[str] = field(default_factory=list)
+    buffered: int = 0
 
     def expire(self, reason: str) -> None:
         self.expired.append(reason)
 
+    def write_buffer_size(self) -> int:
+        return self.buffered
+
 
 def registry(max_connections: int = 10) -> ConnectionRegistry:
     return ConnectionRegistry(
-        header_timeout_s=1.0, keepalive_timeout_s=5.0, max_connections=max_connections
+        header_timeout_s=1.0,
+        keepalive_timeout_s=5.0,
+        max_connections=max_connections,
+        write_timeout_s=30.0,
     )
 
 
@@ -37,6 +44,46 @@ def test_a_request_head_has_header_timeout_s() -> None:
     assert conn.phase is Phase.CLOSED and reg.open == 0
     reg.lost(conn)  # its connection_lost later: counted once
     assert reg.open == 0
+
+
+def test_a_client_that_reads_nothing_is_closed_after_twice_write_timeout_s() -> None:
+    reg, conn = registry(), Fake(buffered=70_000)
+    reg.admit(conn, 0.0)
+    reg.request_started(conn)
+    reg.write_paused(conn, 10.0)
+    conn.buffered = 60_000  # some bytes left the buffer: slow, alive
+    reg.check(50.0)
+    conn.buffered = 90_000  # more queued behind them: no progress
+    reg.check(100.0)
+    reg.check(109.9)
+    assert conn.expired == []
+    reg.check(110.0)  # nothing left it for 60 s
+    assert conn.expired == ["the client read nothing for 60s"]
+    assert conn.phase is Phase.CLOSED and reg.open == 0 and not reg.paused
+    reg.lost(conn)
+    assert reg.open == 0
+
+
+def test_a_paused_connection_past_two_deadlines_is_counted_once() -> None:
+    reg, conn = registry(), Fake()
+    reg.admit(conn, 0.0)
+    reg.write_paused(conn, 0.0)  # still in its head's phase
+    reg.check(100.0)
+    assert conn.expired == ["no complete request head within 1s"]
+    assert reg.open == 0 and not reg.paused
+
+
+def test_a_write_that_resumes_or_an_upgrade_is_not_timed() -> None:
+    reg, conn, ws = registry(), Fake(), Fake()
+    for c in (conn, ws):
+        reg.admit(c, 0.0)
+        reg.request_started(c)
+        reg.write_paused(c, 0.0)
+    reg.write_resumed(conn)
+    reg.upgraded(ws)  # its socket has a stall check of its own
+    reg.write_paused(ws, 0.0)
+    reg.check(1e6)
+    assert conn.expired == [] and ws.expired == []
 
 
 def test_a_running_request_is_not_timed() -> None:

@@ -331,6 +331,7 @@ async def _run(
             header_timeout_s=config.server.header_timeout_s,
             keepalive_timeout_s=config.server.keepalive_timeout_s,
             max_connections=config.server.max_connections,
+            write_timeout_s=config.server.write_timeout_s,
         )
         site = ConnectionSite(
             runner,

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from ..errors import GatewayError, InvalidRequest
 from ..request import ChatRequest, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
-from .json_depth import MAX_JSON_DEPTH
+from .json_depth import MAX_JSON_DEPTH, deeper_than
 from .openai_chat import parse_json_object, validation_error
 
 __all__ = [
@@ -292,6 +292,8 @@ def message_body(completion: Completion) -> dict[str, Any]:
         try:
             arguments = orjson.loads(call.arguments) if call.arguments else {}
         except orjson.JSONDecodeError:
+            arguments = {"_raw": call.arguments}
+        if deeper_than(arguments, MAX_JSON_DEPTH):  # orjson could not write it (254 levels)
             arguments = {"_raw": call.arguments}
         content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": arguments})
     return {

@@ -35,6 +35,7 @@ import orjson
 from ..config import AnthropicProviderConfig
 from ..errors import GatewayError, InvalidRequest, UpstreamError
 from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
+from ..protocol.json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from ..protocol.sse import ServerSentEvent, SSEDecoder
 from ..request import (
     AssistantMessage,
@@ -185,13 +186,22 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
 
 
 def _arguments(arguments: str) -> Any:
+    """An assistant tool call's arguments (a JSON string) as the object Anthropic wants.
+
+    The string escaped the body's depth check (it is a string there): JSON nested
+    deeper than :data:`MAX_JSON_DEPTH` is refused here, else the upstream body could
+    not be written (orjson stops at 254 levels) and the request would fail as a 500.
+    """
     try:
-        return orjson.loads(arguments) if arguments else {}
+        value = orjson.loads(arguments) if arguments else {}
     except orjson.JSONDecodeError:
         raise InvalidRequest(
             "an assistant tool call's arguments are not valid JSON",
             param="messages",
         ) from None
+    if deeper_than(value, MAX_JSON_DEPTH):
+        raise too_deep("messages", MAX_JSON_DEPTH)
+    return value
 
 
 def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:

@@ -23,9 +23,14 @@ A connection is always in one phase::
 * **IDLE** (keep-alive, no byte since the last response) lasts at most
   ``[server] keepalive_timeout_s``.
 * **BUSY** and **UPGRADED** are not timed here: a request body has its own
-  timeout where it is read, a response its write timeout, a stream its
-  heartbeat and maximum duration, a WebSocket its ping / pong. A stream that
-  runs for minutes is never cut by this layer.
+  timeout where it is read, a stream its write timeout, heartbeat and maximum
+  duration, a WebSocket its ping / pong. A stream that runs for minutes is
+  never cut by this layer.
+* Whatever the phase but UPGRADED, writes that stay paused (the client reads
+  nothing) with no byte leaving the buffer for twice ``[server]
+  write_timeout_s`` close the connection: the net under answers that the
+  stream pump does not write and time (a JSON body, an error, the answers to
+  pipelined requests).
 * **REJECTED**: the connection past ``[server] max_connections`` (in this
   process: each worker of ``--workers N`` has its own cap) gets a 503
   ``too_many_connections`` with ``Retry-After`` and ``Connection: close`` at
@@ -128,23 +133,30 @@ class Connection(web.RequestHandler):
     Made by :class:`ConnectionSite` with the keyword arguments aiohttp's own
     would get. Overrides ``connection_made`` (the cap), ``data_received`` (the
     start of a next request), ``connection_lost``, ``set_parser`` (the upgrade,
-    and the mask check), ``log_access`` (the end of a response) and
+    and the mask check), ``log_access`` (the end of a response),
+    ``pause_writing`` / ``resume_writing`` (a client that reads nothing) and
     ``handle_error`` (JSON, without the raw request).
     """
 
-    __slots__ = ("phase", "registry")
+    __slots__ = ("phase", "registry", "wire")
 
     phase: Phase
+    wire: asyncio.Transport | None
+    """The connection's transport, kept after aiohttp lets go of it (``force_close``
+    forgets it while a close may still wait to write to a client that reads nothing):
+    an expired connection is aborted through it."""
 
     def __init__(self, manager: web.Server, registry: ConnectionRegistry, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.registry = registry
         self.phase = Phase.HEAD
+        self.wire = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         registry = self.registry
         now = asyncio.get_running_loop().time()
         if registry.admit(self, now):
+            self.wire = cast(asyncio.Transport, transport)
             super().connection_made(transport)
             return
         # Not handed to aiohttp: no request task, no parser; the 503, then EOF.
@@ -165,6 +177,7 @@ class Connection(web.RequestHandler):
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self.wire = None
         rejected = self.phase is Phase.REJECTED
         self.registry.lost(self)
         if not rejected:
@@ -187,7 +200,21 @@ class Connection(web.RequestHandler):
 
     def expire(self, reason: str) -> None:
         log.debug("closing a connection from %s: %s", self.peername, reason)
+        if self.wire is not None:
+            self.wire.abort()  # close() would first wait to write what the client does not read
         self.force_close()
+
+    def write_buffer_size(self) -> int:
+        return self.wire.get_write_buffer_size() if self.wire is not None else 0
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is full: timed by the registry until it drains."""
+        super().pause_writing()
+        self.registry.write_paused(self, asyncio.get_running_loop().time())
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.registry.write_resumed(self)
 
     def fail_websocket(self) -> None:
         """An unmasked client frame: close 1002, and the connection (RFC 6455 §5.1, §7.1.7)."""

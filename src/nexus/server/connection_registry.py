@@ -9,6 +9,15 @@ phase), is also in deadline order, and a tick closes the expired connections
 at the front of each and stops at the first that is not. The tick is a
 :class:`~nexus.watchdog.Watchdog`'s, at a quarter of the shorter timeout.
 
+A connection whose writes are paused (its client reads nothing; the transport's
+buffer is full) is closed once no byte has left that buffer for twice ``[server]
+write_timeout_s``, whatever its phase but UPGRADED. The stream pump and the
+realtime socket drop such a client after ``write_timeout_s`` themselves, with
+their own accounting; this is the net under every other answer (a JSON body, an
+error, the answers to pipelined requests), which nothing else times: without
+it, a client that sends requests and reads nothing holds its connection for
+ever. Only paused connections are looked at, at each tick.
+
 Sans-I/O but for the watchdog: every transition takes ``now`` (the loop's time).
 """
 
@@ -47,7 +56,10 @@ class Tracked(Protocol):
     phase: Phase
 
     def expire(self, reason: str) -> None:
-        """Close at once: a deadline passed."""
+        """Close at once, dropping what the client has not read: a deadline passed."""
+
+    def write_buffer_size(self) -> int:
+        """The bytes its transport holds for the client."""
 
 
 def _rejection(max_connections: int) -> bytes:
@@ -79,10 +91,17 @@ class ConnectionRegistry:
     """
 
     def __init__(
-        self, *, header_timeout_s: float, keepalive_timeout_s: float, max_connections: int
+        self,
+        *,
+        header_timeout_s: float,
+        keepalive_timeout_s: float,
+        max_connections: int,
+        write_timeout_s: float,
     ) -> None:
         self.header_timeout_s = header_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.stall_timeout_s = 2 * write_timeout_s
+        """How long a paused connection may go without a byte leaving its buffer."""
         self.max_connections = max_connections
         self.open = 0
         """Connections admitted and not yet lost (rejected ones are not counted)."""
@@ -90,8 +109,14 @@ class ConnectionRegistry:
         """HEAD connections -> deadline, in deadline order (see the module docstring)."""
         self.idle: dict[Tracked, float] = {}
         self.lingering: dict[Tracked, tuple[float, asyncio.BaseTransport]] = {}
+        self.paused: dict[Tracked, tuple[float, int]] = {}
+        """Connections whose writes wait for the client -> (since when no byte has left
+        the buffer, its size then)."""
         self.rejection = _rejection(max_connections)
-        self.tick = min(header_timeout_s, keepalive_timeout_s, REJECT_LINGER_S * 4) / 4
+        self.tick = (
+            min(header_timeout_s, keepalive_timeout_s, self.stall_timeout_s, REJECT_LINGER_S * 4)
+            / 4
+        )
         self.watchdog = Watchdog()
         self.warned_at = -1e9
 
@@ -146,9 +171,20 @@ class ConnectionRegistry:
         """Now a WebSocket: no longer timed here."""
         self.heads.pop(conn, None)
         self.idle.pop(conn, None)
+        self.paused.pop(conn, None)
         conn.phase = Phase.UPGRADED
 
+    def write_paused(self, conn: Tracked, now: float) -> None:
+        """Its transport's buffer is full: the client reads nothing, or slowly."""
+        if conn.phase in (Phase.HEAD, Phase.BUSY, Phase.IDLE):
+            self.paused[conn] = (now, conn.write_buffer_size())
+
+    def write_resumed(self, conn: Tracked) -> None:
+        """Its buffer drained: the client reads."""
+        self.paused.pop(conn, None)
+
     def lost(self, conn: Tracked) -> None:
+        self.paused.pop(conn, None)
         if conn.phase is Phase.REJECTED:
             self.lingering.pop(conn, None)
         elif conn.phase is not Phase.CLOSED:
@@ -167,9 +203,23 @@ class ConnectionRegistry:
         ):
             for conn in _expired(table, now):
                 del table[conn]
+                self.paused.pop(conn, None)
                 conn.phase = Phase.CLOSED
                 self.open -= 1
                 conn.expire(reason)
+        for conn, (since, size) in list(self.paused.items()):
+            buffered = conn.write_buffer_size()
+            if buffered < size:  # bytes left the buffer: slow, not stalled
+                self.paused[conn] = (now, buffered)
+            elif now - since < self.stall_timeout_s:
+                self.paused[conn] = (since, buffered)  # more queued is no progress
+            else:
+                del self.paused[conn]
+                self.heads.pop(conn, None)
+                self.idle.pop(conn, None)
+                conn.phase = Phase.CLOSED
+                self.open -= 1
+                conn.expire(f"the client read nothing for {self.stall_timeout_s:g}s")
         if self.lingering:
             late = [c for c, (deadline, _) in self.lingering.items() if deadline <= now]
             for conn in late:

@@ -362,8 +362,15 @@ async def find_stream(
     """
     app = request.app
     owner = _reader(request, stream_id, read_token)
-    info = await app[state.HUB].info(stream_id)
-    if info is None or (owner is not None and not _same_owner(info.owner, owner)):
+    hub = app[state.HUB]
+    info = await hub.info(stream_id)
+    if info is not None and owner is not None and not _same_owner(info.owner, owner):
+        if hub.store.shared and stream_id in hub.live:
+            # Found here without the store's round trip that a missing id costs: take
+            # it too, so that the time does not tell another key a live stream's id.
+            await hub.store.info(stream_id)
+        info = None
+    if info is None:
         raise stream_not_found(stream_id)
     return info
 

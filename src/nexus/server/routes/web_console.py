@@ -2,6 +2,11 @@
 
 Plain files, no build step. An installed wheel carries them as ``nexus/web``;
 a source checkout serves the repository's ``web/``.
+
+They are read once, when the routes are added, and answered from memory like any
+other response: not with ``sendfile``, whose writes (with asyncio's own loop) go
+past the connection's ``pause_writing``, so that a client that asks for them and
+reads nothing would not be seen stalling (:mod:`nexus.server.connection`).
 """
 
 from __future__ import annotations
@@ -33,14 +38,31 @@ _HEADERS = {
 }
 
 
-async def index(request: web.Request) -> web.StreamResponse:
-    assert WEB_DIR is not None
-    return web.FileResponse(WEB_DIR / "index.html", headers=_HEADERS)
+_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
 def add_routes(app: web.Application) -> None:
     """Serve the console if its files are here (a stripped install may leave them out)."""
     if WEB_DIR is None:
         return
+    files = {
+        path.name: (path.read_bytes(), _TYPES[path.suffix])
+        for path in WEB_DIR.iterdir()
+        if path.is_file() and path.suffix in _TYPES
+    }
+
+    def answer(name: str) -> web.Response:
+        body, content_type = files[name]
+        return web.Response(body=body, content_type=content_type, charset="utf-8", headers=_HEADERS)
+
+    async def index(request: web.Request) -> web.StreamResponse:
+        return answer("index.html")
+
+    async def asset(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name not in files:
+            raise web.HTTPNotFound()
+        return answer(name)
+
     app.router.add_get("/", index)
-    app.router.add_static("/web/", WEB_DIR, follow_symlinks=False, show_index=False)
+    app.router.add_get("/web/{name}", asset)

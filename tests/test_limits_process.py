@@ -350,3 +350,34 @@ async def test_a_realtime_client_that_pings_but_never_reads_is_dropped(tmp_path:
         log = server.log.read_text()
         assert len(re.findall(r"endpoint=/v1/realtime .*cancelled=write_timeout", log)) == 2, log
         assert "Traceback" not in log, log
+
+
+async def test_a_websocket_session_is_logged_with_its_101(tmp_path: Path) -> None:
+    """The access line of a realtime session has the status the client got (101), also
+    when the client vanishes mid-turn (the handler is cancelled), never a 499 "left before
+    any answer"; a session the client closed is ok."""
+    with serve(tmp_path, config()) as server:
+        url = f"ws://{server.host}:{server.port}/v1/realtime"
+        headers = {**bearer(KEY_A), "X-Request-Id": "ws-closed"}
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            await ws.send(start_frame())
+            assert await turn_end(ws) == {"type": "done"}
+        headers = {**bearer(KEY_A), "X-Request-Id": "ws-vanished"}
+        ws = await websockets.connect(url, additional_headers=headers)
+        await ws.send(start_frame(" ".join(["w"] * 50), mock={"delay_ms": 100}))
+        await asyncio.wait_for(ws.recv(), 5)
+        ws.transport.abort()  # gone without a close frame
+        lines: dict[str, str] = {}
+        for _ in range(100):
+            log = server.log.read_text()
+            lines = {
+                rid: line
+                for line in log.splitlines()
+                for rid in ("ws-closed", "ws-vanished")
+                if f"nexus.access: {rid} " in line
+            }
+            if len(lines) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert "status=101 outcome=ok" in lines["ws-closed"], lines
+        assert "status=101 outcome=cancelled:client_disconnect" in lines["ws-vanished"], lines

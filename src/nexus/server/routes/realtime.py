@@ -131,6 +131,8 @@ class RealtimeConnection:
         ws = self.ws
         await ws.prepare(self.request)
         ws.headers.clear()  # sent: not kept for the connection's length
+        # What the client got, whatever ends the session (the access line's status).
+        exchange(self.request).status = ws.status
         self.runtime.sockets.add(self)
         self._last_seen = self._loop.time()
         self.runtime.watchdog.add(self, min(self._heartbeat_s, self._write_timeout_s) / 4)

@@ -127,7 +127,7 @@ def test_a_client_that_pipelines_requests_and_reads_nothing_is_dropped(
     gateway: str, path: str, count: int
 ) -> None:
     """Answers (any would do: no key needed for either) pile up past the socket's
-    buffers: the connection is closed twice ``write_timeout_s`` (here 2 s) after its
+    buffers: the connection is closed three times ``write_timeout_s`` (here 3 s) after its
     last byte left. The console's files too, which were sent with sendfile."""
     host, port = gateway.removeprefix("http://").split(":")
     sock = socket.socket()

@@ -27,7 +27,7 @@ A connection is always in one phase::
   duration, a WebSocket its ping / pong. A stream that runs for minutes is
   never cut by this layer.
 * Whatever the phase but UPGRADED, writes that stay paused (the client reads
-  nothing) with no byte leaving the buffer for twice ``[server]
+  nothing) with no byte leaving the buffer for three times ``[server]
   write_timeout_s`` close the connection: the net under answers that the
   stream pump does not write and time (a JSON body, an error, the answers to
   pipelined requests).

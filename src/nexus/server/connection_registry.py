@@ -10,10 +10,11 @@ at the front of each and stops at the first that is not. The tick is a
 :class:`~nexus.watchdog.Watchdog`'s, at a quarter of the shorter timeout.
 
 A connection whose writes are paused (its client reads nothing; the transport's
-buffer is full) is closed once no byte has left that buffer for twice ``[server]
-write_timeout_s``, whatever its phase but UPGRADED. The stream pump and the
-realtime socket drop such a client after ``write_timeout_s`` themselves, with
-their own accounting; this is the net under every other answer (a JSON body, an
+buffer is full) is closed once no byte has left that buffer for three times
+``[server] write_timeout_s``, whatever its phase but UPGRADED. The stream pump and
+the realtime socket drop such a client after ``write_timeout_s`` themselves, with
+their own accounting (the margin lets them go first on a busy machine, whose
+ticks run late); this is the net under every other answer (a JSON body, an
 error, the answers to pipelined requests), which nothing else times: without
 it, a client that sends requests and reads nothing holds its connection for
 ever. Only paused connections are looked at, at each tick.
@@ -100,7 +101,7 @@ class ConnectionRegistry:
     ) -> None:
         self.header_timeout_s = header_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
-        self.stall_timeout_s = 2 * write_timeout_s
+        self.stall_timeout_s = 3 * write_timeout_s
         """How long a paused connection may go without a byte leaving its buffer."""
         self.max_connections = max_connections
         self.open = 0

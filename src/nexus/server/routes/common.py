@@ -70,6 +70,9 @@ __all__ = [
 ]
 
 RESUMABLE_HEADER = "X-Nexus-Resumable"
+STORE_HEADER = "X-Nexus-Store"
+"""``unavailable``: the stream store could not be reached and ``[store] required = false``:
+the stream runs on this replica only, not cached, not joined (see :mod:`nexus.cache.hub`)."""
 """Asks for a resumable stream (``true``); says on a streaming response whether it is."""
 
 ATTACH_WAIT_S = 0.05
@@ -280,6 +283,8 @@ async def complete(
     ex.cache = opened.cache
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     headers.update(_resumable(opened.info.resumable))
+    if not opened.stored:
+        headers[STORE_HEADER] = "unavailable"
     if chat.background:
         if opened.run is not None:
             end_with(opened.run.done)  # the request's span covers its run, not just the 202

@@ -4,9 +4,16 @@ Keys, all under ``{prefix}:``::
 
     stream:{id}:info    string   JSON of StreamInfo.to_json()
     stream:{id}:log     stream   entry i has the ID 0-{i+1}, one field "e": the event's codec form
+    stream:{id}:owner   string   the replica running the live stream (deleted at its end)
     stream:{id}:lease   string   set while a client on another replica follows the stream
     rec:{key}           string   JSON of a Recording (events in codec form)
     claim:{key}         string   the id of the stream that holds an in-flight claim
+    replica:{id}        string   this replica is alive (renewed every third of its TTL)
+
+Every one has a TTL: a live log and its info and owner the ``ttl_s`` given to
+:meth:`RedisStore.begin` (renewed while it runs), a finished one the resume TTL,
+a recording ``[cache] ttl_s``, a claim and a lease theirs, a replica's keep-alive
+``OWNER_TTL_S``. (The limits' keys are in :mod:`nexus.cache.redis_limits`.)
 
 A log is a Redis Stream whose entry IDs *are* the log indices (``0-1`` is entry
 0), so a reader resumes from any index with ``XRANGE`` and then follows with a
@@ -17,8 +24,7 @@ refused by Redis, and the refusal is ignored.
 While a stream is live, every append renews the TTL of its info and log to the
 ``ttl_s`` given to :meth:`RedisStore.begin`; if the owning replica dies, the
 log expires and its followers get :class:`~nexus.errors.StreamNotFound`.
-:meth:`RedisStore.end` sets both to the resume TTL. Every key written here has a
-TTL (the replica's keep-alive too: ``OWNER_TTL_S``, deleted when it stops).
+:meth:`RedisStore.end` sets both to the resume TTL.
 
 Holes. A log mirrored here may lack entries a reader wants: trimmed (a log past
 ``max_log_bytes`` is appended with ``XADD MAXLEN ~``, keeping about that many
@@ -271,6 +277,9 @@ class RedisStore(Store):
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self._key(info.id, "owner"), self.replica_id.encode(), px=ttl_ms)
         pipe.set(self._key(info.id, "info"), orjson.dumps(info.to_json()), px=ttl_ms)
+        # Also here, not only on the heartbeat: after a restart that lost it, this
+        # replica's streams, begun again, must not look orphaned until the next beat.
+        pipe.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
         with self._reaching("begin"):
             await pipe.execute()
 

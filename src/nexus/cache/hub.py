@@ -378,6 +378,9 @@ class StreamHub:
         except BaseException:
             if not handed:
                 await stream.close()
+                if self.store.shared:
+                    with contextlib.suppress(Exception):  # its live entry ends with it
+                        await self.store.end(replace(info, status="failed"), [], 0, 1.0)
             raise
         run = self._start(info, stream, background, ctx)  # contended: stream, but do not record
         return Opened(info, run, "miss")

@@ -280,8 +280,13 @@ class RedisStore(Store):
         # Also here, not only on the heartbeat: after a restart that lost it, this
         # replica's streams, begun again, must not look orphaned until the next beat.
         pipe.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
-        with self._reaching("begin"):
-            await pipe.execute()
+        try:
+            with self._reaching("begin"):
+                await pipe.execute()
+        except StoreUnavailable:
+            self._live_ttl_ms.pop(info.id, None)  # not begun: nothing of it to renew
+            self._live_bytes.pop(info.id, None)
+            raise
 
     async def keep_alive(self, stream_id: str) -> None:
         """Renew the live log's TTL: an idle stream must not expire while it runs."""

@@ -266,10 +266,10 @@ async def complete(
             # request (the client gone, a failure), unless it is shared.
             await leave(reader, None if opened.joined else opened.run)
         _settle(ex, reader.served, NOTHING if opened.cache == "hit" else reader.spend)
-        return json_response(
-            _body(render, completion, chat.include_cost),
-            headers={"X-Nexus-Cache": opened.cache or "miss"},
-        )
+        headers = {"X-Nexus-Cache": opened.cache or "miss"}
+        if not opened.stored:
+            headers[STORE_HEADER] = "unavailable"
+        return json_response(_body(render, completion, chat.include_cost), headers=headers)
     async with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat,

@@ -604,6 +604,8 @@ class StreamHub:
                         mirror.ok()
                     except StoreUnavailable:
                         mirror.failed()
+                        if self._closing.is_set():
+                            break  # shutting down: its end gets one last try
                         await mirror.pause()
             except Exception:
                 log.exception("mirroring stream %s to the store failed", run.id)

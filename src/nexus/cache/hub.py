@@ -33,7 +33,7 @@ notice: its producer never awaits the store, so its clients read on to the end.
 What lapses is its mirror, hence resuming it elsewhere: the keeper warns once
 for the stream, tells :attr:`StreamHub.on_mirror` (``behind``), and retries
 from the last entry it mirrored at the stream's next growth, at most every
-``RETRY_S`` (doubling up to ``RETRY_MAX_S``); a log the store lost meanwhile is
+second or so (:mod:`nexus.cache.mirror`); a log the store lost meanwhile is
 begun again and written from entry 0 (``caught_up``). Its end is retried the
 same way for up to ``resume_ttl_s``, then given up (``abandoned``: a reader
 elsewhere gets an error, not a hole; see :mod:`nexus.cache.redis`). A new
@@ -69,6 +69,7 @@ from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
 from .limits import KeyLimits, LocalLimits, Slot
+from .mirror import Mirror
 from .run import MAX_BATCH, LogReader, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
 
@@ -79,12 +80,6 @@ log = logging.getLogger("nexus.streams")
 _NOT_IN_KEY = {"stream", "stream_options", "background"}
 _CANCELLED = ("stream_detached", "stream_cancelled", "client_disconnect")
 """Error codes of a stream ended on purpose (its status is ``cancelled``, not ``failed``)."""
-
-RETRY_S = 1.0
-"""After the store failed, a keeper's next try comes at least this much later..."""
-RETRY_MAX_S = 8.0
-"""...doubling after each failure up to this: thousands of streams do not hammer a
-store that is down."""
 
 ANONYMOUS = "anonymous"
 """Whose cache a request without an API key (auth off) uses."""
@@ -583,7 +578,7 @@ class StreamHub:
         store = self.store
         written = 0
         begun = stored
-        mirror = _Mirror(self, run)
+        mirror = Mirror(run, self.on_mirror, self._closing)
         try:
             alive = asyncio.get_running_loop().create_task(self._keep_alive(run))
             try:
@@ -618,7 +613,7 @@ class StreamHub:
         await self._end(run, record, written if begun else 0, mirror)
 
     async def _end(
-        self, run: StreamRun, record: str | None, written: int, mirror: _Mirror | None = None
+        self, run: StreamRun, record: str | None, written: int, mirror: Mirror | None = None
     ) -> None:
         """The finished log handed to the store (``written`` entries are there), recorded.
 
@@ -656,9 +651,6 @@ class StreamHub:
                 await self._record(run, record)
         finally:
             self._gone(run)
-
-    def _closing_future(self) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(self._closing.wait())
 
     def _gone(self, run: StreamRun) -> None:
         if self.live.pop(run.id, None) is not None and run.info.owner is not None:
@@ -714,61 +706,6 @@ class StreamHub:
             if delay > 0:
                 await asyncio.sleep(delay)
             yield [event]
-
-
-class _Mirror:
-    """A keeper's view of its stream's mirror: behind or not, and when to try again."""
-
-    __slots__ = ("_delay", "_hub", "_run", "behind")
-
-    def __init__(self, hub: StreamHub, run: StreamRun) -> None:
-        self._hub = hub
-        self._run = run
-        self._delay = RETRY_S
-        self.behind = False
-
-    def _tell(self, state: str) -> None:
-        if self._hub.on_mirror is not None:
-            self._hub.on_mirror(state)
-
-    def failed(self) -> None:
-        """A store call failed: warned and counted once per lapse, not per try."""
-        if not self.behind:
-            self.behind = True
-            log.warning(
-                "the stream store cannot be reached: stream %s streams on to its clients "
-                "here, but cannot be resumed on another replica until its log is caught up",
-                self._run.id,
-            )
-            self._tell("behind")
-
-    def ok(self) -> None:
-        if self.behind:
-            self.behind = False
-            self._delay = RETRY_S
-            log.info("stream %s: its log in the store is caught up", self._run.id)
-            self._tell("caught_up")
-
-    def abandon(self) -> None:
-        log.warning(
-            "stream %s: its log could not be kept in the store; readers elsewhere get an "
-            "error, not a partial stream",
-            self._run.id,
-        )
-        self._tell("abandoned")
-
-    async def pause(self) -> None:
-        """Until the next try: the delay, or sooner when the stream ends (its end is then
-        tried) or the hub closes (a last try)."""
-        delay = self._delay
-        self._delay = min(delay * 2, RETRY_MAX_S)
-        waits: list[asyncio.Future[Any]] = [self._hub._closing_future()]
-        if not self._run.finished:
-            waits.append(self._run.done)
-        try:
-            await asyncio.wait(waits, timeout=delay)
-        finally:
-            waits[0].cancel()
 
 
 def _free(events: list[StreamEvent]) -> list[StreamEvent]:

@@ -340,11 +340,13 @@ class StreamHub:
         stream = await self._open(request, ctx)
         info = self._info(stream, format, owner, background or resumable)
         handed = False  # until then, a failure of the store closes the upstream stream
+        begun = False
         try:
             try:
                 if self.store.shared:
                     # Visible to every replica before anyone can be told its id (a 202, a claim).
                     await self.store.begin(info, self.streams.resume_ttl_s)
+                    begun = True
                 holder = await self.store.claim(key, info.id, self.streams.resume_ttl_s)
             except StoreUnavailable:
                 if self.store_required:
@@ -373,7 +375,7 @@ class StreamHub:
         except BaseException:
             if not handed:
                 await stream.close()
-                if self.store.shared:
+                if begun:
                     with contextlib.suppress(Exception):  # its live entry ends with it
                         await self.store.end(replace(info, status="failed"), [], 0, 1.0)
             raise

@@ -238,6 +238,11 @@ class RedisStoreConfig(_Table):
     blocks (up to 1.5 s at a time)."""
     pool_timeout_s: float = Field(default=5.0, gt=0)
     """How long a request may wait for a free connection, then 503 ``store_unavailable``."""
+    required: bool = True
+    """Whether a new stream needs Redis. True: one that cannot be begun there is refused
+    (503 ``store_unavailable``). False: it runs on this replica only (``X-Nexus-Store:
+    unavailable``): not cached, not joined, resumable elsewhere only once its mirror caught
+    up. Streams already running keep streaming to their clients either way."""
 
 
 StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminator="kind")]

@@ -22,6 +22,7 @@ a stream has started::
         │                            (Redis) cannot be reached, or no pooled connection freed
         │                            up within [store] pool_timeout_s
         ├── StreamLost               502 stream_lost (retryable): the replica running it stopped
+        ├── StreamIncomplete         410 stream_incomplete: the store's copy of the log has a hole
         └── UpstreamError            502 upstream_error (retryable)
             ├── UpstreamTimeout      504 upstream_timeout (retryable)
             └── UpstreamPoolExhausted   503 upstream_pool_exhausted (retryable, Retry-After):
@@ -48,6 +49,7 @@ __all__ = [
     "ServerShuttingDown",
     "StoreUnavailable",
     "StreamError",
+    "StreamIncomplete",
     "StreamLost",
     "StreamNotFound",
     "TooManyStreams",
@@ -153,6 +155,15 @@ class StreamLost(GatewayError):
     status = 502
     code = "stream_lost"
     retryable = True
+
+
+class StreamIncomplete(GatewayError):
+    """The store's copy of a log lacks entries a reader asked for: trimmed past
+    ``[streams] max_log_bytes``, or lost while the store was unreachable. Served as an
+    error rather than as a stream with a hole."""
+
+    status = 410
+    code = "stream_incomplete"
 
 
 class ModelNotFound(GatewayError):

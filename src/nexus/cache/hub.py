@@ -27,6 +27,20 @@ refuses it before anything starts). A run fires the other hooks of its stream
 (a replica's live log, or a finished one within ``resume_ttl_s``). Each run has
 a keeper task that mirrors its log into a shared store as it grows and, when
 it ends, hands the log to the store, records it and releases its claim.
+
+The store may fail (Redis restarted or unreachable). A running stream does not
+notice: its producer never awaits the store, so its clients read on to the end.
+What lapses is its mirror, hence resuming it elsewhere: the keeper warns once
+for the stream, tells :attr:`StreamHub.on_mirror` (``behind``), and retries
+from the last entry it mirrored at the stream's next growth, at most every
+second or so (:mod:`nexus.cache.mirror`); a log the store lost meanwhile is
+begun again and written from entry 0 (``caught_up``). Its end is retried the
+same way for up to ``resume_ttl_s``, then given up (``abandoned``: a reader
+elsewhere gets an error, not a hole; see :mod:`nexus.cache.redis`). A new
+request whose stream cannot be begun in the store gets 503 ``store_unavailable``,
+unless ``[store] required = false``: it then runs on this replica alone
+(:attr:`Opened.stored` False), not cached and not joined, its keeper catching its
+mirror up from entry 0 once the store is back.
 """
 
 from __future__ import annotations
@@ -45,7 +59,7 @@ import orjson
 from ..auth import ApiKey
 from ..config import CacheConfig, StreamsConfig
 from ..engine import Engine
-from ..errors import GatewayError, StreamNotFound, TooManyStreams
+from ..errors import GatewayError, StoreUnavailable, StreamNotFound, TooManyStreams
 from ..events import Done, Error, StreamEvent, Usage
 from ..hooks import CallContext
 from ..pricing import Spend
@@ -55,6 +69,7 @@ from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
 from .limits import KeyLimits, LocalLimits, Slot
+from .mirror import Mirror
 from .run import MAX_BATCH, LogReader, RunReader, StreamRun
 from .store import Recording, Status, Store, StreamInfo
 
@@ -110,6 +125,9 @@ class Opened:
     cache: str | None = None
     joined: bool = False
     """It is another request's stream: leaving it must never end it."""
+    stored: bool = True
+    """False: the store could not be reached when it started (``[store] required =
+    false``): it runs on this replica only, not cached, not joined."""
 
     @property
     def id(self) -> str:
@@ -192,8 +210,16 @@ class StreamHub:
         streams: StreamsConfig | None = None,
         cache: CacheConfig | None = None,
         max_duration_s: float | None = None,
+        store_required: bool = True,
     ) -> None:
         self.engine = engine
+        self.store_required = store_required
+        """False: a stream the store cannot begin runs here alone (see the module docstring)."""
+        self.on_mirror: Callable[[str], None] | None = None
+        """Told ``behind``, ``caught_up`` or ``abandoned`` as a stream's mirror into a shared
+        store lapses, recovers, or is given up (metrics)."""
+        self._closing = asyncio.Event()
+        self._unstored_warned = 0.0
         self.store = store
         self.streams = streams or StreamsConfig()
         self.cache = cache or CacheConfig()
@@ -285,9 +311,17 @@ class StreamHub:
         if not self.cache.enabled:
             stream = await self._open(request, ctx)
             info, run = await self._launch(stream, format, owner, background, resumable, ctx)
-            return Opened(info, run)
+            return Opened(info, run, stored=run.stored)
         key = cache_key(request, owner, shared=self.cache.share_across_keys)
-        recording = await self.store.get_recording(key)
+        try:
+            recording = await self.store.get_recording(key)
+        except StoreUnavailable:
+            if self.store_required:
+                raise
+            stream = await self._open(request, ctx)
+            return self._unstored(
+                self._info(stream, format, owner, background or resumable), stream, background, ctx
+            )
         if recording is not None:
             self.engine.route(request.model)  # the model must still exist
             meta = StreamMeta.new(
@@ -302,17 +336,27 @@ class StreamHub:
             info, run = await self._launch(
                 source, format, owner, background, resumable, ctx, replayed=True
             )
-            return Opened(info, run, "hit")
+            return Opened(info, run, "hit", stored=run.stored)
         stream = await self._open(request, ctx)
         info = self._info(stream, format, owner, background or resumable)
         handed = False  # until then, a failure of the store closes the upstream stream
+        begun = False
         try:
-            if self.store.shared:
-                # Visible to every replica before anyone can be told its id (a 202, a claim).
-                await self.store.begin(info, self.streams.resume_ttl_s)
-            # A claim ends with its stream; one left by a replica that died is taken over.
-            for _ in range(3):
+            try:
+                if self.store.shared:
+                    # Visible to every replica before anyone can be told its id (a 202, a claim).
+                    await self.store.begin(info, self.streams.resume_ttl_s)
+                    begun = True
                 holder = await self.store.claim(key, info.id, self.streams.resume_ttl_s)
+            except StoreUnavailable:
+                if self.store_required:
+                    raise
+                handed = True
+                return self._unstored(info, stream, background, ctx)
+            # A claim ends with its stream; one left by a replica that died is taken over.
+            for attempt in range(3):
+                if attempt:
+                    holder = await self.store.claim(key, info.id, self.streams.resume_ttl_s)
                 if holder is None:
                     handed = True
                     run = self._start(info, stream, background, ctx, record=key)
@@ -331,6 +375,9 @@ class StreamHub:
         except BaseException:
             if not handed:
                 await stream.close()
+                if begun:
+                    with contextlib.suppress(Exception):  # its live entry ends with it
+                        await self.store.end(replace(info, status="failed"), [], 0, 1.0)
             raise
         run = self._start(info, stream, background, ctx)  # contended: stream, but do not record
         return Opened(info, run, "miss")
@@ -375,13 +422,38 @@ class StreamHub:
         replayed: bool = False,
     ) -> tuple[StreamInfo, StreamRun]:
         info = self._info(source, format, owner, background or resumable)
+        stored = True
         if self.store.shared:
             try:
                 await self.store.begin(info, self.streams.resume_ttl_s)
+            except StoreUnavailable:
+                if self.store_required:
+                    await source.close()  # the store cannot be reached: nothing may run unseen
+                    raise
+                self._warn_unstored()
+                stored = False
             except BaseException:
-                await source.close()  # the store cannot be reached: nothing may run unseen
+                await source.close()
                 raise
-        return info, self._start(info, source, background, ctx, replayed=replayed)
+        return info, self._start(info, source, background, ctx, replayed=replayed, stored=stored)
+
+    def _unstored(
+        self, info: StreamInfo, stream: Stream, background: bool, ctx: CallContext
+    ) -> Opened:
+        """Run ``stream`` here alone: the store could not be reached and is not required."""
+        self._warn_unstored()
+        return Opened(info, self._start(info, stream, background, ctx, stored=False), stored=False)
+
+    def _warn_unstored(self) -> None:
+        """A warning at most every 10 s, however many requests the outage meets."""
+        now = asyncio.get_running_loop().time()
+        if now - self._unstored_warned >= 10.0:
+            self._unstored_warned = now
+            log.warning(
+                "the stream store cannot be reached: new streams run on this replica only "
+                "([store] required = false), not cached, not joined, resumable elsewhere "
+                "once the store is back"
+            )
 
     def _start(
         self,
@@ -392,8 +464,9 @@ class StreamHub:
         record: str | None = None,
         *,
         replayed: bool = False,
+        stored: bool = True,
     ) -> StreamRun:
-        """Run it (``store.begin`` done); a keeper looks after its log.
+        """Run it (``store.begin`` done, unless not ``stored``); a keeper looks after its log.
 
         With a shared store the keeper is a task for the run's whole length (it
         mirrors the log as it grows); otherwise it is a task started when the run
@@ -422,9 +495,10 @@ class StreamHub:
             self._owned[owner] = self._owned.get(owner, 0) + 1
         if self.on_live is not None:
             self.on_live(len(self.live))
+        run.stored = stored
         run.start(detached=background)
         if self.store.shared:
-            self._track(self._keep(run, record))
+            self._track(self._keep(run, record, stored))
         else:
             run.record = record
             run.on_finish = self._finished
@@ -469,7 +543,9 @@ class StreamHub:
         return True
 
     async def shutdown(self, terminal: StreamEvent) -> None:
-        """Cancel every live stream with ``terminal``; wait until their logs are kept."""
+        """Cancel every live stream with ``terminal``; wait until their logs are kept
+        (keepers retrying a store that is down make one last try)."""
+        self._closing.set()
         for run in list(self.live.values()):
             run.cancel(terminal)
         await self.drain()
@@ -494,20 +570,40 @@ class StreamHub:
                 timeout_s,
             )
 
-    async def _keep(self, run: StreamRun, record: str | None) -> None:
-        """A shared store's keeper: the log mirrored as it grows, then :meth:`_end`."""
+    async def _keep(self, run: StreamRun, record: str | None, stored: bool = True) -> None:
+        """A shared store's keeper: the log mirrored as it grows, then :meth:`_end`.
+
+        ``written`` entries are in the store; while it fails, the keeper retries from
+        there (see the module docstring). ``stored`` False: the stream was not begun
+        in the store, which it is first, once the store answers.
+        """
         store = self.store
         written = 0
+        begun = stored
+        mirror = Mirror(run, self.on_mirror, self._closing)
         try:
             alive = asyncio.get_running_loop().create_task(self._keep_alive(run))
             try:
                 while not run.finished:
                     end = len(run.events)  # no terminal yet: that goes with end()
-                    if end > written:
-                        await store.append(run.id, written, run.events[written:end])
-                        written = end
-                    else:
+                    if begun and end <= written:
                         await run.changed()
+                        continue
+                    try:
+                        if not begun:
+                            await store.begin(run.info, self.streams.resume_ttl_s)
+                            begun, written = True, 0
+                        if end > written:
+                            if not await store.append(run.id, written, run.events[written:end]):
+                                begun = False  # the store lost the log: again, from entry 0
+                                continue
+                            written = end
+                        mirror.ok()
+                    except StoreUnavailable:
+                        mirror.failed()
+                        if self._closing.is_set():
+                            break  # shutting down: its end gets one last try
+                        await mirror.pause()
             except Exception:
                 log.exception("mirroring stream %s to the store failed", run.id)
             await run.wait()
@@ -515,20 +611,44 @@ class StreamHub:
         except BaseException:
             self._gone(run)
             raise
-        await self._end(run, record, written)
+        # Not begun (the store lost it, or never had it): end() writes it whole.
+        await self._end(run, record, written if begun else 0, mirror)
 
-    async def _end(self, run: StreamRun, record: str | None, written: int) -> None:
-        """The finished log handed to the store (``written`` entries are there), recorded."""
+    async def _end(
+        self, run: StreamRun, record: str | None, written: int, mirror: Mirror | None = None
+    ) -> None:
+        """The finished log handed to the store (``written`` entries are there), recorded.
+
+        With a shared store that fails, retried (``mirror``) for up to ``resume_ttl_s``;
+        the run stops counting as running meanwhile."""
         store = self.store
         ttl = self.streams.resume_ttl_s
         try:
             run.info.status = status_of(run.events[-1])
-            try:
-                await store.end(
-                    run.info, run.events, written, ttl, run.size + event_size(run.events[-1])
-                )
-            except Exception:
-                log.exception("keeping the log of stream %s failed", run.id)
+            size = run.size + event_size(run.events[-1])
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + ttl
+            while True:
+                try:
+                    await store.end(run.info, run.events, written, ttl, size)
+                    if mirror is not None:
+                        mirror.ok()
+                    break
+                except StoreUnavailable:
+                    if mirror is None:
+                        log.warning(
+                            "keeping the log of stream %s failed: store unreachable", run.id
+                        )
+                        break
+                    self._gone(run)  # ended: it must not hold a stream slot while this retries
+                    mirror.failed()
+                    if self._closing.is_set() or loop.time() >= give_up:
+                        mirror.abandon()
+                        return
+                    await mirror.pause()
+                except Exception:
+                    log.exception("keeping the log of stream %s failed", run.id)
+                    break
             if record is not None:
                 await self._record(run, record)
         finally:
@@ -549,6 +669,8 @@ class StreamHub:
             await asyncio.sleep(min(self.streams.resume_ttl_s / 3, 60.0))
             try:
                 await self.store.keep_alive(run.id)
+            except StoreUnavailable:
+                pass  # counted; the keeper warns once for the stream
             except Exception:
                 log.exception("renewing stream %s in the store failed", run.id)
 

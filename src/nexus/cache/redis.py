@@ -4,9 +4,16 @@ Keys, all under ``{prefix}:``::
 
     stream:{id}:info    string   JSON of StreamInfo.to_json()
     stream:{id}:log     stream   entry i has the ID 0-{i+1}, one field "e": the event's codec form
+    stream:{id}:owner   string   the replica running the live stream (deleted at its end)
     stream:{id}:lease   string   set while a client on another replica follows the stream
     rec:{key}           string   JSON of a Recording (events in codec form)
     claim:{key}         string   the id of the stream that holds an in-flight claim
+    replica:{id}        string   this replica is alive (renewed every third of its TTL)
+
+Every one has a TTL: a live log and its info and owner the ``ttl_s`` given to
+:meth:`RedisStore.begin` (renewed while it runs), a finished one the resume TTL,
+a recording ``[cache] ttl_s``, a claim and a lease theirs, a replica's keep-alive
+``OWNER_TTL_S``. (The limits' keys are in :mod:`nexus.cache.redis_limits`.)
 
 A log is a Redis Stream whose entry IDs *are* the log indices (``0-1`` is entry
 0), so a reader resumes from any index with ``XRANGE`` and then follows with a
@@ -18,6 +25,18 @@ While a stream is live, every append renews the TTL of its info and log to the
 ``ttl_s`` given to :meth:`RedisStore.begin`; if the owning replica dies, the
 log expires and its followers get :class:`~nexus.errors.StreamNotFound`.
 :meth:`RedisStore.end` sets both to the resume TTL.
+
+Holes. A log mirrored here may lack entries a reader wants: trimmed (a log past
+``max_log_bytes`` is appended with ``XADD MAXLEN ~``, keeping about that many
+bytes of its newest entries), or lost (Redis restarted without persistence
+while the stream ran). Appends after the first one use ``NOMKSTREAM``, so a log
+that vanished is noticed (:meth:`RedisStore.append` returns False: the keeper
+begins again and rewrites it from entry 0, which it still holds), never
+re-created with its start missing; :meth:`RedisStore.end` rewrites it whole
+itself. And a reader checks that the entries it gets follow each other from
+where it started: one that does not (trimmed, or restored from a stale
+snapshot) raises :class:`~nexus.errors.StreamIncomplete`, never a stream with
+a hole.
 
 Connections come from one bounded pool (``[store] max_connections``): a
 command holds one for its round trip, a blocked reader for up to ``block_s``. A
@@ -47,7 +66,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from ..errors import StoreUnavailable, StreamLost, StreamNotFound
+from ..errors import StoreUnavailable, StreamIncomplete, StreamLost, StreamNotFound
 from ..events import Done, Error, StreamEvent
 from .codec import dump_event, load_event
 from .store import OWNER_TTL_S, Recording, Store, StreamInfo
@@ -116,14 +135,28 @@ def _is_terminal(event: StreamEvent) -> bool:
     return isinstance(event, Done | Error)
 
 
-def _decode(entries: Sequence[Any]) -> tuple[list[StreamEvent], int, bool]:
-    """XRANGE / XREAD entries -> (events up to a terminal, index of the last one, terminal seen)."""
+def _decode(
+    stream_id: str, entries: Sequence[Any], after: int
+) -> tuple[list[StreamEvent], int, bool]:
+    """XRANGE / XREAD entries following entry ``after`` -> (events up to a terminal, index
+    of the last one, terminal seen).
+
+    Raises :class:`StreamIncomplete` when they do not follow on from ``after`` one by
+    one: the entries between were trimmed or lost (see the module docstring).
+    """
     events: list[StreamEvent] = []
-    last = -1
+    last = after
     for entry_id, fields in entries:
+        index = _index(entry_id)
+        if index != last + 1:
+            raise StreamIncomplete(
+                f"Stream {stream_id!r} is missing entries from {last + 1} in the store "
+                "(trimmed past [streams] max_log_bytes, or lost while the store was "
+                "unreachable); it cannot be resumed from there."
+            )
+        last = index
         event = load_event(orjson.loads(fields[b"e"]))
         events.append(event)
-        last = _index(entry_id)
         if _is_terminal(event):
             return events, last, True
     return events, last, False
@@ -147,6 +180,7 @@ class RedisStore(Store):
         max_connections: int = 128,
         pool_timeout_s: float = 5.0,
         block_s: float = 1.5,
+        max_log_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.url = url
@@ -159,6 +193,10 @@ class RedisStore(Store):
         self._owns_client = client is None
         self._live_ttl_ms: dict[str, int] = {}
         """Live streams begun here -> the TTL each append renews."""
+        self.max_log_bytes = max_log_bytes
+        """A live log past this many bytes (in codec form) is trimmed (``XADD MAXLEN ~``)."""
+        self._live_bytes: dict[str, int] = {}
+        """Live streams begun here -> the bytes of their entries mirrored so far."""
         self.replica_id = os.urandom(8).hex()
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
@@ -235,11 +273,20 @@ class RedisStore(Store):
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         ttl_ms = _ms(ttl_s)
         self._live_ttl_ms[info.id] = ttl_ms
+        self._live_bytes[info.id] = 0
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self._key(info.id, "owner"), self.replica_id.encode(), px=ttl_ms)
         pipe.set(self._key(info.id, "info"), orjson.dumps(info.to_json()), px=ttl_ms)
-        with self._reaching("begin"):
-            await pipe.execute()
+        # Also here, not only on the heartbeat: after a restart that lost it, this
+        # replica's streams, begun again, must not look orphaned until the next beat.
+        pipe.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
+        try:
+            with self._reaching("begin"):
+                await pipe.execute()
+        except StoreUnavailable:
+            self._live_ttl_ms.pop(info.id, None)  # not begun: nothing of it to renew
+            self._live_bytes.pop(info.id, None)
+            raise
 
     async def keep_alive(self, stream_id: str) -> None:
         """Renew the live log's TTL: an idle stream must not expire while it runs."""
@@ -271,19 +318,22 @@ class RedisStore(Store):
                 log.warning("renewing this replica's keep-alive failed: %s", type(exc).__name__)
             await asyncio.sleep(OWNER_TTL_S / 3)
 
-    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> None:
+    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
         """Entries ``start``... in one round trip, renewing the live TTL set by :meth:`begin`.
 
-        Raises ``RuntimeError`` if :meth:`begin` was not called here: the log
-        would otherwise be written without a TTL and never expire.
+        False when the log is gone from Redis (``start`` > 0 and no log: lost in a
+        restart, or expired while Redis was unreachable): nothing was written, and the
+        caller begins again and appends from entry 0. Raises ``RuntimeError`` if
+        :meth:`begin` was not called here: the log would otherwise be written without
+        a TTL and never expire.
         """
         if not events:
-            return
+            return True
         ttl_ms = self._live_ttl_ms.get(stream_id)
         if ttl_ms is None:
             raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
         with self._reaching("append"):
-            await self._write(stream_id, start, events, ttl_ms, None)
+            return await self._write(stream_id, start, events, ttl_ms, None)
 
     async def end(
         self,
@@ -294,9 +344,15 @@ class RedisStore(Store):
         size: int | None = None,
     ) -> None:
         self._live_ttl_ms.pop(info.id, None)
-        with self._reaching("end"):
-            await self._write(info.id, start, events[start:], _ms(ttl_s), info)
-            await self.client.delete(self._key(info.id, "owner"))
+        ttl_ms = _ms(ttl_s)
+        try:
+            with self._reaching("end"):
+                if not await self._write(info.id, start, events[start:], ttl_ms, info):
+                    self._live_bytes[info.id] = 0
+                    await self._write(info.id, 0, events, ttl_ms, info)  # lost: all of it again
+                await self.client.delete(self._key(info.id, "owner"))
+        finally:
+            self._live_bytes.pop(info.id, None)
 
     async def _write(
         self,
@@ -305,24 +361,46 @@ class RedisStore(Store):
         events: Sequence[StreamEvent],
         ttl_ms: int,
         info: StreamInfo | None,
-    ) -> None:
+    ) -> bool:
         """XADD ``events`` as entries ``start``..., then (re)write ``info``, then set both TTLs.
 
         One pipeline, in this order: a reader that sees the finished info has
         the whole log. Entries already present (a replayed pipeline) are skipped.
+        Past ``max_log_bytes`` the log is trimmed to about that size. False when
+        ``start`` > 0 and the log is gone (``NOMKSTREAM``: nothing was added).
         """
         log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
+        payloads = [orjson.dumps(dump_event(event)) for event in events]
+        size = self._live_bytes.get(stream_id, 0) + sum(map(len, payloads))
+        self._live_bytes[stream_id] = size
+        limit = self.max_log_bytes
+        # Entries to keep: as many as fit in the limit, at the log's mean entry size.
+        maxlen = (
+            None
+            if limit is None or size <= limit
+            else max(1, (start + len(events)) * limit // size)
+        )
+        after_first = start > 0
         pipe = self.client.pipeline(transaction=False)
-        for i, event in enumerate(events, start + 1):
-            pipe.xadd(log, {b"e": orjson.dumps(dump_event(event))}, id=f"0-{i}")
+        for i, payload in enumerate(payloads, start + 1):
+            pipe.xadd(
+                log,
+                {b"e": payload},
+                id=f"0-{i}",
+                maxlen=maxlen,
+                approximate=True,
+                nomkstream=after_first,
+            )
         if info is not None:
             pipe.set(info_key, orjson.dumps(info.to_json()), px=ttl_ms)
         pipe.pexpire(log, ttl_ms)
         pipe.pexpire(info_key, ttl_ms)
-        for result in await pipe.execute(raise_on_error=False):
+        results = await pipe.execute(raise_on_error=False)
+        for result in results:
             # "The ID specified in XADD is equal or smaller than the target stream top item"
             if isinstance(result, ResponseError) and "equal or smaller" not in str(result):
                 raise result
+        return not (after_first and payloads and results[0] is None)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         with self._reaching("info"):
@@ -347,7 +425,7 @@ class RedisStore(Store):
                     entries = await self.client.xrange(log, min=f"0-{after + 2}", count=_PAGE)
                 entries = entries or []
                 if entries:
-                    events, after, terminal = _decode(entries)
+                    events, after, terminal = _decode(stream_id, entries, after)
                     yield events
                     if terminal:
                         return
@@ -363,7 +441,7 @@ class RedisStore(Store):
                     )
                 entries = _xread_entries(reply)
                 if entries:
-                    events, after, terminal = _decode(entries)
+                    events, after, terminal = _decode(stream_id, entries, after)
                     yield events
                     if terminal:
                         return

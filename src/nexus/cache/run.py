@@ -169,6 +169,8 @@ class StreamRun:
         replayed recording spent nothing."""
         self.record: str | None = None
         """The cache key it is to be recorded under, if any (the hub's)."""
+        self.stored = True
+        """False: a shared store could not begin it; it runs here only (the hub's)."""
         self.on_finish: Callable[[StreamRun], object] | None = None
         """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()

@@ -101,8 +101,13 @@ class Store(ABC):
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         """A live stream starts (shared stores only)."""
 
-    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> None:
-        """Log entries ``start``, ``start + 1``, ... of a live stream (shared stores only)."""
+    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
+        """Log entries ``start``, ``start + 1``, ... of a live stream (shared stores only).
+
+        False when the entries before ``start`` are gone from the store (lost while
+        it was unreachable): the caller calls :meth:`begin` again and appends from 0.
+        """
+        return True
 
     @abstractmethod
     async def end(

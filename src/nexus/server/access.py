@@ -97,7 +97,7 @@ def _request_key() -> Any:
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
     "X-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, Location, Retry-After, "
-    "X-Nexus-Resumable"
+    "X-Nexus-Resumable, X-Nexus-Store"
 )
 _ALLOWED_HEADERS = (
     "Authorization, Content-Type, X-Api-Key, X-Nexus-Stream-Format, Last-Event-ID, "

@@ -20,7 +20,7 @@ from ..cache.hub import StreamHub
 from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
 from ..cache.store import Store
-from ..config import Config, MemoryStoreConfig, StoreConfig
+from ..config import Config, MemoryStoreConfig, RedisStoreConfig, StoreConfig
 from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from ..errors import ServerShuttingDown
@@ -66,7 +66,7 @@ def create_app(
     base.copy().load_config(config.encoders, config_source)
     formats = EncoderRegistry()
     engine = engine or Engine.from_config(config, source=config_source)
-    store = store or build_store(config.store)
+    store = store or build_store(config.store, max_log_bytes=config.streams.max_log_bytes)
     if telemetry is None:
         telemetry = Telemetry.from_config(config.telemetry)
     engine.telemetry = telemetry
@@ -76,6 +76,7 @@ def create_app(
         streams=config.streams,
         cache=config.cache,
         max_duration_s=config.limits.max_stream_duration_s,
+        store_required=not isinstance(config.store, RedisStoreConfig) or config.store.required,
     )
 
     app = web.Application(
@@ -186,8 +187,9 @@ def _token_secret(config: Config) -> str:
     return secret
 
 
-def build_store(config: StoreConfig) -> Store:
-    """The store ``[store]`` describes (not yet connected)."""
+def build_store(config: StoreConfig, *, max_log_bytes: int | None = None) -> Store:
+    """The store ``[store]`` describes (not yet connected); a shared one trims a live
+    log mirrored past ``max_log_bytes`` (``[streams] max_log_bytes``)."""
     if isinstance(config, MemoryStoreConfig):
         return MemoryStore(config.max_bytes)
     from ..cache.redis import RedisStore
@@ -197,6 +199,7 @@ def build_store(config: StoreConfig) -> Store:
         prefix=config.prefix,
         max_connections=config.max_connections,
         pool_timeout_s=config.pool_timeout_s,
+        max_log_bytes=max_log_bytes,
     )
 
 

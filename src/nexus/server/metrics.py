@@ -27,7 +27,10 @@ Two more are fed by callbacks of the objects they time, once per request, never 
 event: ``nexus_upstream_pool_wait_seconds{provider}``, each upstream request's wait for
 a free connection of its provider's pool (0 when it did not wait; see
 :mod:`nexus.providers.http`), and ``nexus_store_errors_total{op}``, the store operations
-that failed (Redis unreachable, or its pool busy past ``[store] pool_timeout_s``).
+that failed (Redis unreachable, or its pool busy past ``[store] pool_timeout_s``), and
+``nexus_store_mirror_total{state}``, once per stream whose mirror into the shared store
+fell ``behind`` (it cannot be resumed elsewhere meanwhile), ``caught_up`` or was
+``abandoned`` (see :mod:`nexus.cache.hub`).
 
 Two values are read from other objects rather than counted here, so that they
 stay right whichever worker is scraped: the hub's running streams (one process:
@@ -250,6 +253,13 @@ class Metrics:
             ("op",),
             registry=registry,
         )
+        self.store_mirror = Counter(
+            "nexus_store_mirror",
+            "Streams whose log mirror into the shared store fell behind (behind: it cannot "
+            "be resumed elsewhere meanwhile), caught up, or was given up (abandoned).",
+            ("state",),
+            registry=registry,
+        )
 
     def model_label(self, model: str | None) -> str:
         """The ``model`` label of ``model``: itself when it is an alias or an advertised
@@ -321,6 +331,8 @@ class Metrics:
                 provider.on_pool_wait.append(self.pool_wait.labels(provider.name).observe)
         store_errors = self.store_errors
         hub.store.on_error.append(lambda op: store_errors.labels(op).inc())
+        store_mirror = self.store_mirror
+        hub.on_mirror = lambda state: store_mirror.labels(state).inc()
 
     def render(self) -> bytes:
         """The Prometheus text format: this app's registry, or every worker's files."""

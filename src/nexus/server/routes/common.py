@@ -70,6 +70,9 @@ __all__ = [
 ]
 
 RESUMABLE_HEADER = "X-Nexus-Resumable"
+STORE_HEADER = "X-Nexus-Store"
+"""``unavailable``: the stream store could not be reached and ``[store] required = false``:
+the stream runs on this replica only, not cached, not joined (see :mod:`nexus.cache.hub`)."""
 """Asks for a resumable stream (``true``); says on a streaming response whether it is."""
 
 ATTACH_WAIT_S = 0.05
@@ -263,10 +266,10 @@ async def complete(
             # request (the client gone, a failure), unless it is shared.
             await leave(reader, None if opened.joined else opened.run)
         _settle(ex, reader.served, NOTHING if opened.cache == "hit" else reader.spend)
-        return json_response(
-            _body(render, completion, chat.include_cost),
-            headers={"X-Nexus-Cache": opened.cache or "miss"},
-        )
+        headers = {"X-Nexus-Cache": opened.cache or "miss"}
+        if not opened.stored:
+            headers[STORE_HEADER] = "unavailable"
+        return json_response(_body(render, completion, chat.include_cost), headers=headers)
     async with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat,
@@ -280,6 +283,8 @@ async def complete(
     ex.cache = opened.cache
     headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
     headers.update(_resumable(opened.info.resumable))
+    if not opened.stored:
+        headers[STORE_HEADER] = "unavailable"
     if chat.background:
         if opened.run is not None:
             end_with(opened.run.done)  # the request's span covers its run, not just the 202

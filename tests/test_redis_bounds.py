@@ -1,0 +1,150 @@
+"""Redis holds a bounded amount per stream, for a bounded time, and never serves a hole.
+
+Against the real Redis at 127.0.0.1:6379 (skipped with the reason when there is
+none, failed under ``CI=true``), each test on a key prefix of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from nexus.cache.redis import RedisStore
+from nexus.cache.store import StreamInfo
+from nexus.errors import StreamIncomplete
+from nexus.events import Delta, Done, StreamEvent
+from nexus.types import StreamMeta
+from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from support import MakeClient, chat
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis]:
+    client = await connect_or_skip()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
+    name = new_prefix()
+    yield name
+    await drop_keys(redis_client, name)
+
+
+def make_info() -> StreamInfo:
+    meta = StreamMeta.new("mock/echo", include_usage=False, provider="mock", upstream_model="m")
+    return StreamInfo(meta=meta, format="text/event-stream")
+
+
+async def read_all(store: RedisStore, stream_id: str, start: int = 0) -> list[StreamEvent]:
+    async with asyncio.timeout(10):
+        return [event async for batch in store.read(stream_id, start) for event in batch]
+
+
+async def test_a_log_past_max_log_bytes_is_trimmed_and_not_served_from_its_start(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    store = RedisStore(REDIS_URL, prefix, max_log_bytes=20_000)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"token {i:05d} ") for i in range(3000)]
+        for at in range(0, len(events), 100):
+            assert await store.append(info.id, at, events[at : at + 100])
+        key = f"{prefix}:stream:{info.id}:log"
+        kept = await redis_client.xlen(key)
+        assert kept < 1000  # about 20 kB of ~40-byte entries, trimmed by whole nodes
+        assert await redis_client.memory_usage(key) < 80_000
+        info.status = "completed"
+        await store.end(info, [*events, Done()], len(events), 60)
+        with pytest.raises(StreamIncomplete):
+            await read_all(store, info.id)  # entry 0 is gone: an error, not a partial log
+        tail = await read_all(store, info.id, len(events) - 10)
+        assert tail == [*events[-10:], Done()]
+    finally:
+        await store.close()
+
+
+async def test_a_log_lost_in_a_restart_is_noticed_and_written_again_whole(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    store = RedisStore(REDIS_URL, prefix)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
+        assert await store.append(info.id, 0, events[:3])
+        await redis_client.delete(f"{prefix}:stream:{info.id}:log")  # a restart, say
+        assert not await store.append(info.id, 3, events[3:])  # not written with a hole
+        assert not await redis_client.exists(f"{prefix}:stream:{info.id}:log")
+        info.status = "completed"
+        await store.end(info, [*events, Done()], 3, 60)  # rewrites it from entry 0
+        assert await read_all(store, info.id) == [*events, Done()]
+    finally:
+        await store.close()
+
+
+async def test_a_log_with_a_hole_is_an_error_for_its_reader(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    store = RedisStore(REDIS_URL, prefix)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
+        assert await store.append(info.id, 0, events[:2])
+        assert await store.append(info.id, 4, events[4:])  # 2 and 3 missing (a stale restore)
+        info.status = "completed"
+        await store.end(info, [*events, Done()], 6, 60)
+        with pytest.raises(StreamIncomplete):
+            await read_all(store, info.id)
+        with pytest.raises(StreamIncomplete):
+            await read_all(store, info.id, 1)
+        assert await read_all(store, info.id, 4) == [*events[4:], Done()]
+    finally:
+        await store.close()
+
+
+async def test_a_thousand_streams_leave_no_key_behind_after_their_ttls(
+    make_client: MakeClient, redis_client: aioredis.Redis, prefix: str
+) -> None:
+    config = {
+        "store": {"kind": "redis", "url": REDIS_URL, "prefix": prefix},
+        "streams": {"resume_ttl_s": 1},
+        "cache": {"enabled": True, "ttl_s": 1},
+    }
+    client = await make_client(config)
+
+    async def one(i: int) -> None:
+        resp = await client.post("/v1/chat/completions", json=chat(f"hello {i}", stream=True))
+        assert resp.status == 200
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+
+    for at in range(0, 1000, 50):
+        await asyncio.gather(*(one(i) for i in range(at, at + 50)))
+    await asyncio.sleep(0.1)  # the last keepers hand their logs over
+
+    keys = [key async for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000)]
+    assert len(keys) > 1000  # logs, infos, recordings of the streams within their TTLs
+    pipe = redis_client.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+        pipe.memory_usage(key)
+    replies = await pipe.execute()
+    ttls, sizes = replies[0::2], replies[1::2]
+    forever = [key for key, ttl in zip(keys, ttls, strict=True) if ttl == -1]
+    assert forever == []  # every key the gateway writes expires
+    # Measured: ~2,500 keys, ~4.6 MB (a Redis stream starts with a 4 kB node).
+    assert sum(size or 0 for size in sizes) < 8_000 * 1000
+
+    await asyncio.sleep(1.2)  # past resume_ttl_s and the cache's ttl_s
+    left = [key async for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000)]
+    # Only this replica's keep-alive (renewed while it runs, deleted when it stops).
+    assert [key.split(b":")[1] for key in left] == [b"replica"]

@@ -1,0 +1,135 @@
+"""The Redis store under faults, against a ``redis-server`` the test starts, stops and
+starts again on its own port (no persistence: a restart loses every key).
+
+A stream running while Redis goes away streams on to its client; a new request meets
+503 ``store_unavailable`` (``[store] required = true``, the default) or runs on its
+replica alone (``required = false``, ``X-Nexus-Store: unavailable``); once Redis is
+back, another replica resumes the stream whole: the keeper caught its log up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import ClientResponse
+from aiohttp.test_utils import TestClient
+
+from redis_server import RedisServer
+from support import GatedProvider, MakeClient, chat, parse_sse
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def config(server: RedisServer, **store: Any) -> dict[str, Any]:
+    return {
+        "store": {"kind": "redis", "url": server.url, "prefix": "faults", **store},
+        "streams": {"detach_timeout_s": 5},
+    }
+
+
+def texts(body: bytes) -> str:
+    return "".join(
+        orjson.loads(e.data)["delta"].get("content") or ""
+        for e in parse_sse(body)
+        if e.event == "delta"
+    )
+
+
+async def resume(client: TestClient[Any, Any], stream_id: str) -> ClientResponse:
+    """``GET /v1/streams/{id}`` on ``client`` until its store has the stream (15 s at most)."""
+    deadline = asyncio.get_running_loop().time() + 15
+    while True:
+        resp = await client.get(f"/v1/streams/{stream_id}?stream_format=nexus")
+        if resp.status == 200:
+            return resp
+        assert resp.status in (404, 503), await resp.text()
+        assert asyncio.get_running_loop().time() < deadline, "the log never caught up"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_stream_outlives_a_redis_restart_and_resumes_whole_elsewhere(
+    make_client: MakeClient, redis_server: RedisServer
+) -> None:
+    gated = GatedProvider(before=2, after=3)
+    one = await make_client(config(redis_server), providers=[gated])
+    two = await make_client(config(redis_server), providers=[GatedProvider()])
+    lenient = await make_client(config(redis_server, required=False))
+    resp = await one.post(
+        "/v1/chat/completions?stream_format=nexus",
+        json=chat(model="gated/m", stream=True),
+        headers={"X-Nexus-Resumable": "true"},
+    )
+    assert resp.status == 200
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    seen = b""
+    while seen.count(b"event: delta") < 2:
+        seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+
+    redis_server.stop()  # mid-stream: the mirror cannot follow
+    gated.gate.set()
+    seen += await asyncio.wait_for(resp.read(), 10)
+    assert texts(seen) == "before0 before1 after0 after1 after2 "
+    assert seen.endswith(b'event: done\ndata: {"type":"done"}\n\n')
+
+    # A new request meanwhile: refused by default...
+    refused = await one.post("/v1/chat/completions", json=chat(stream=True))
+    assert refused.status == 503
+    assert (await refused.json())["error"]["code"] == "store_unavailable"
+    # ...served on its replica alone with [store] required = false, which says so.
+    local = await lenient.post("/v1/chat/completions?stream_format=nexus", json=chat(stream=True))
+    assert local.status == 200
+    assert local.headers["X-Nexus-Store"] == "unavailable"
+    body = await asyncio.wait_for(local.read(), 10)
+    assert texts(body) == "Hello there world"
+    assert body.endswith(b'event: done\ndata: {"type":"done"}\n\n')
+
+    redis_server.start()  # empty: the log was lost with the restart
+    # The keeper catches up (the whole log again, from entry 0): another replica gets all
+    # of it, never a part.
+    resumed = await resume(two, stream_id)
+    replay = await asyncio.wait_for(resumed.read(), 10)
+    assert texts(replay) == "before0 before1 after0 after1 after2 "
+    assert replay.endswith(b'event: done\ndata: {"type":"done"}\n\n')
+    metrics = await (await one.get("/metrics")).text()
+    assert 'nexus_store_mirror_total{state="behind"} 1.0' in metrics
+    assert 'nexus_store_mirror_total{state="caught_up"} 1.0' in metrics
+
+
+async def test_a_local_only_stream_is_mirrored_whole_once_redis_is_back(
+    make_client: MakeClient, redis_server: RedisServer
+) -> None:
+    gated = GatedProvider(before=2, after=2)
+    lenient = await make_client(config(redis_server, required=False), providers=[gated])
+    two = await make_client(config(redis_server), providers=[GatedProvider()])
+    redis_server.stop()
+    resp = await lenient.post(
+        "/v1/chat/completions?stream_format=nexus",
+        json=chat(model="gated/m", stream=True),
+        headers={"X-Nexus-Resumable": "true"},
+    )
+    assert resp.status == 200
+    assert resp.headers["X-Nexus-Store"] == "unavailable"
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    seen = b""
+    while seen.count(b"event: delta") < 2:
+        seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    redis_server.start()
+    # The keeper's next try (a second or two): begun, then written from entry 0.
+    follower = await resume(two, stream_id)
+    gated.gate.set()
+    seen += await asyncio.wait_for(resp.read(), 10)
+    followed = await asyncio.wait_for(follower.read(), 10)
+    assert texts(seen) == texts(followed) == "before0 before1 after0 after1 "
+    assert followed.endswith(b'event: done\ndata: {"type":"done"}\n\n')

@@ -27,7 +27,7 @@ from nexus.config import parse_config
 from nexus.errors import UpstreamError
 from nexus.pricing import Price, PriceTable, Spend, cost_usd
 from nexus.server.state import HUB
-from support import MakeClient
+from support import MakeClient, chat
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk
 
 KEY_ENV = "NEXUS_TEST_ACCOUNTING_KEY"
@@ -426,3 +426,22 @@ async def test_a_request_no_target_answered_names_none(
         f"error:{(await resp.json())['error']['code']}",
     )
     assert "prompt_tokens" not in line
+
+
+@pytest.mark.parametrize("cache", [False, True])
+async def test_a_non_streaming_request_that_fails_mid_way_logs_what_it_spent(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture, cache: bool
+) -> None:
+    """A JSON request whose stream fails after some output: its access line has the
+    output counted so far (estimated) and who answered, cache on or off."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client({"cache": {"enabled": cache}})
+    body = chat("one two three four five six", mock={"fail_after": 3})
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status >= 500, await resp.text()
+    (record,) = [r for r in caplog.records if r.name == "nexus.access"]
+    line = record.access  # type: ignore[attr-defined]
+    assert line["outcome"].startswith("error:")
+    assert line["served"] == "mock/echo"
+    assert line["completion_tokens"] >= 1
+    assert line["estimated"] is True

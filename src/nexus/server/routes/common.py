@@ -46,7 +46,7 @@ from ...errors import (
     StreamNotFound,
 )
 from ...events import Done, Error, StreamEvent
-from ...hooks import CallContext
+from ...hooks import CallContext, map_stream
 from ...pricing import NOTHING, Spend, Tally
 from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
@@ -56,7 +56,7 @@ from ...telemetry import end_with, request_model
 from ...types import Completion, StreamMeta
 from .. import state
 from ..access import KEYS, METRICS, Exchange, admit, admit_stream, authenticate, exchange
-from ..streaming import pump
+from ..streaming import SETTLE_WAIT_S, pump
 
 __all__ = [
     "RESUMABLE_HEADER",
@@ -243,15 +243,19 @@ async def complete(
             if not hub.cache.enabled:
                 engine = app[state.ENGINE]
                 stream = await engine.open_stream(chat, ctx)
+                seen = Tally()  # what it produced, for the line of one that fails or is cut
                 # No run times it (see StreamRun): held to the same limit here.
                 limit = app[state.CONFIG].limits.max_stream_duration_s
                 try:
                     async with asyncio.timeout(limit) as timer:
-                        completion = await accumulate(stream)
-                except TimeoutError:
-                    if not timer.expired():
-                        raise
-                    raise StreamError(too_long(limit)) from None
+                        completion = await accumulate(map_stream(stream, _counted(seen)))
+                except BaseException as exc:
+                    if seen.usage is not None or seen.produced:  # a target answered
+                        spent = engine.prices.spend(seen, stream.meta, complete=False)
+                        _settle(ex, stream.meta, spent)
+                    if isinstance(exc, TimeoutError) and timer.expired():
+                        raise StreamError(too_long(limit)) from None
+                    raise
                 spent = engine.prices.spend(Tally(completion.usage), stream.meta, complete=True)
                 _settle(ex, stream.meta, spent)
                 return json_response(_body(render, completion, chat.include_cost))
@@ -259,13 +263,20 @@ async def complete(
         _count_cache(request, opened.cache)
         ex.cache = opened.cache
         reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
+        hit = opened.cache == "hit"  # a replay or a join: the tokens were another's
         try:
             completion = await accumulate(Stream(_events(reader), reader.meta))
-        finally:
+        except BaseException:
             # Nobody else can attach (no id was given out): the run ends with the
-            # request (the client gone, a failure), unless it is shared.
+            # request (the client gone, a failure), unless it is shared; its line has
+            # what it spent until then.
             await leave(reader, None if opened.joined else opened.run)
-        _settle(ex, reader.served, NOTHING if opened.cache == "hit" else reader.spend)
+            if reader.failure is None:
+                spent = NOTHING if hit else await reader.settled_spend(SETTLE_WAIT_S)
+                _settle(ex, reader.served, spent)
+            raise
+        await leave(reader, None if opened.joined else opened.run)
+        _settle(ex, reader.served, NOTHING if hit else reader.spend)
         headers = {"X-Nexus-Cache": opened.cache or "miss"}
         if not opened.stored:
             headers[STORE_HEADER] = "unavailable"
@@ -303,6 +314,16 @@ async def complete(
     )
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
+
+
+def _counted(seen: Tally) -> Callable[[StreamEvent], StreamEvent]:
+    """``map_stream``'s function that adds each event to ``seen`` and passes it on."""
+
+    def count(event: StreamEvent) -> StreamEvent:
+        seen.add(event)
+        return event
+
+    return count
 
 
 def _settle(ex: Exchange, served: StreamMeta, spend: Spend | None) -> None:

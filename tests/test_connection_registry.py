@@ -16,6 +16,7 @@ class Fake:
     phase: Phase = Phase.CLOSED
     expired: list[str] = field(default_factory=list)
     buffered: int = 0
+    timed_elsewhere: bool = False
 
     def expire(self, reason: str) -> None:
         self.expired.append(reason)
@@ -62,6 +63,22 @@ def test_a_client_that_reads_nothing_is_closed_after_three_times_write_timeout_s
     assert conn.phase is Phase.CLOSED and reg.open == 0 and not reg.paused
     reg.lost(conn)
     assert reg.open == 0
+
+
+def test_a_connection_whose_writer_times_its_writes_is_left_to_it() -> None:
+    """A stream pump drops a stalled client itself (write_timeout_s, its accounting):
+    the registry's net starts only once the pump lets go."""
+    reg, conn = registry(), Fake(buffered=70_000, timed_elsewhere=True)
+    reg.admit(conn, 0.0)
+    reg.request_started(conn)
+    reg.write_paused(conn, 0.0)
+    reg.check(1000.0)
+    assert conn.expired == []
+    conn.timed_elsewhere = False  # the pump is done; the client still reads nothing
+    reg.check(1089.9)
+    assert conn.expired == []
+    reg.check(1090.0)
+    assert conn.expired == ["the client read nothing for 90s"]
 
 
 def test_a_paused_connection_past_two_deadlines_is_counted_once() -> None:

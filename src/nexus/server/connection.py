@@ -138,9 +138,12 @@ class Connection(web.RequestHandler):
     ``handle_error`` (JSON, without the raw request).
     """
 
-    __slots__ = ("phase", "registry", "wire")
+    __slots__ = ("phase", "registry", "timed_elsewhere", "wire")
 
     phase: Phase
+    timed_elsewhere: bool
+    """A stream pump times this connection's writes itself (``write_timeout_s``, with
+    its own accounting): the registry's net for stalled writes leaves it alone."""
     wire: asyncio.Transport | None
     """The connection's transport, kept after aiohttp lets go of it (``force_close``
     forgets it while a close may still wait to write to a client that reads nothing):
@@ -150,6 +153,7 @@ class Connection(web.RequestHandler):
         super().__init__(manager, **kwargs)
         self.registry = registry
         self.phase = Phase.HEAD
+        self.timed_elsewhere = False
         self.wire = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

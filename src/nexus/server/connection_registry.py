@@ -11,10 +11,10 @@ at the front of each and stops at the first that is not. The tick is a
 
 A connection whose writes are paused (its client reads nothing; the transport's
 buffer is full) is closed once no byte has left that buffer for three times
-``[server] write_timeout_s``, whatever its phase but UPGRADED. The stream pump and
-the realtime socket drop such a client after ``write_timeout_s`` themselves, with
-their own accounting (the margin lets them go first on a busy machine, whose
-ticks run late); this is the net under every other answer (a JSON body, an
+``[server] write_timeout_s``, whatever its phase but UPGRADED, unless a stream pump times
+its writes (``timed_elsewhere``). The stream pump and the realtime socket drop
+such a client after ``write_timeout_s`` themselves, with their own accounting
+(and their own view of a slow reader); this is the net under every other answer (a JSON body, an
 error, the answers to pipelined requests), which nothing else times: without
 it, a client that sends requests and reads nothing holds its connection for
 ever. Only paused connections are looked at, at each tick.
@@ -55,6 +55,8 @@ class Tracked(Protocol):
     """What the registry needs of a connection (a :class:`Connection`, or a test's fake)."""
 
     phase: Phase
+    timed_elsewhere: bool
+    """Its writes are timed by their writer (a stream pump): not by the stall check."""
 
     def expire(self, reason: str) -> None:
         """Close at once, dropping what the client has not read: a deadline passed."""
@@ -210,7 +212,9 @@ class ConnectionRegistry:
                 conn.expire(reason)
         for conn, (since, size) in list(self.paused.items()):
             buffered = conn.write_buffer_size()
-            if buffered < size:  # bytes left the buffer: slow, not stalled
+            # Its writer (a stream pump) drops it, with its own accounting; or bytes
+            # left the buffer: slow, not stalled.
+            if conn.timed_elsewhere or buffered < size:
                 self.paused[conn] = (now, buffered)
             elif now - since < self.stall_timeout_s:
                 self.paused[conn] = (since, buffered)  # more queued is no progress

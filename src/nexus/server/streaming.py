@@ -51,6 +51,7 @@ from ..events import Error, StreamEvent
 from ..pricing import NOTHING
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange
+from .connection import Connection
 
 __all__ = ["StreamPump", "pump"]
 
@@ -220,6 +221,7 @@ class StreamPump:
             self._settle()
             if self._watched:
                 self._watchdog.discard(self)
+                self._time_writes(False)
             if self._beat is not None:
                 self._beat.cancel()
             if self._active is not None:
@@ -230,6 +232,12 @@ class StreamPump:
                 # The client left before the end: its stream, unless resumable, is being
                 # cancelled now; the access line waits (briefly) for what it spent.
                 ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
+
+    def _time_writes(self, here: bool) -> None:
+        """Tell the connection (``nexus serve``'s) whether this pump times its writes."""
+        connection = self.request.protocol
+        if isinstance(connection, Connection):
+            connection.timed_elsewhere = here
 
     def _settle(self) -> None:
         """The access line's view of the stream once it is written: the target that
@@ -315,9 +323,11 @@ class StreamPump:
             response.headers.clear()
             self.exchange.ttfb = self._now() - self.exchange.started
             self.exchange.status = response.status
-            # From the headers on, the watchdog owns heartbeats and write stalls.
+            # From the headers on, the watchdog owns heartbeats and write stalls (and the
+            # connection layer leaves this connection's stalls to it).
             self._watched = True
             self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
+            self._time_writes(True)
         if len(data) > WRITE_SLICE:
             await self._write_sliced(data)
             if not last:

@@ -272,8 +272,8 @@ async def complete(
             # what it spent until then.
             await leave(reader, None if opened.joined else opened.run)
             if reader.failure is None:
-                spent = NOTHING if hit else await reader.settled_spend(SETTLE_WAIT_S)
-                _settle(ex, reader.served, spent)
+                so_far = NOTHING if hit else await reader.settled_spend(SETTLE_WAIT_S)
+                _settle(ex, reader.served, so_far)
             raise
         await leave(reader, None if opened.joined else opened.run)
         _settle(ex, reader.served, NOTHING if hit else reader.spend)

@@ -1,4 +1,4 @@
-"""The benchmark harness of issue 8: ``bench/run`` (see ``bench/README.md``).
+"""The benchmark harness: ``bench/run`` (see ``bench/README.md``).
 
 A package so that its processes start as ``python -m bench.<module>`` from the
 repository root: the fake upstream, the load generator, the raw proxy and the

@@ -397,7 +397,7 @@ def versions(litellm_exe: str | None) -> dict[str, str | None]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bench/run",
-        description="Nexus benchmarks (issue 8): every scenario through every system.",
+        description="Nexus benchmarks: every scenario through every system.",
     )
     parser.add_argument(
         "--systems",

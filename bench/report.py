@@ -1,4 +1,4 @@
-"""The run's output: markdown tables, the targets of issue 8, JSON, and the PNG chart.
+"""The run's output: markdown tables, the targets (bench/README.md), JSON, and the PNG chart.
 
 Ratios and targets compare systems measured in the same run, never with figures
 from another machine or day: on a shared, noisy machine only those are meaningful.
@@ -45,7 +45,7 @@ def add_ratios(figures: Figures) -> None:
 
 
 def targets(figures: Figures) -> list[dict[str, Any]]:
-    """Each target of issue 8, for each Nexus variant measured: value, limit, pass."""
+    """Each target (bench/README.md), for each Nexus variant measured: value, limit, pass."""
     out: list[dict[str, Any]] = []
 
     def check(
@@ -237,7 +237,7 @@ def markdown(
         parts.append(_table(scenario, rows, not_applicable.get(scenario.name, [])))
     if checks:
         lines = [
-            "### targets (issue 8), against figures of this run",
+            "### targets, against figures of this run",
             "",
             "| scenario | target | system | measured | limit | result |",
             "|---|---|---|---:|---|---|",

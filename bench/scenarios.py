@@ -1,4 +1,4 @@
-"""The five scenarios of issue 8: their sizes, and the figures drawn from each run.
+"""The five benchmark scenarios (bench/README.md): their sizes, and the figures drawn from each run.
 
 Definitions (the README repeats them):
 

@@ -1,6 +1,6 @@
 """The Anthropic Messages SSE encoder, byte for byte, and its output read back by the anthropic SDK.
 
-PROTOCOLS.md §3: every frame has an ``event:`` line whose name is the payload's
+docs/protocols.md §3: every frame has an ``event:`` line whose name is the payload's
 ``type``; ``message_start`` comes first; content blocks are indexed 0, 1, 2… in
 order; the SDK's ``accumulate_event`` must rebuild the whole message.
 """

@@ -1,4 +1,4 @@
-"""The benchmark harness (bench/run, issue 8) at tiny sizes: it runs every system but
+"""The benchmark harness (bench/run, see bench/README.md) at tiny sizes: it runs every system but
 LiteLLM (skipped with its message: it is not installed here, or is made to look so), prints
 its tables, and writes a JSON with every figure, every stream having ended well, and the
 PNG chart."""
@@ -62,7 +62,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for scenario in SCENARIOS:
         assert f"### {scenario}:" in proc.stdout
     assert "| system |" in proc.stdout
-    assert "### targets (issue 8)" in proc.stdout
+    assert "### targets, against figures of this run" in proc.stdout
 
     (path,) = tmp_path.glob("*.json")
     run = json.loads(path.read_text())

@@ -729,7 +729,7 @@ def test_random_logs_render_and_resume_exactly(
     assert out == full[end:]
 
 
-# --- the SDK decoders' persistent-id quirk (PROTOCOLS.md §1) --------------------------------
+# --- the SDK decoders' persistent-id quirk (docs/protocols.md §1) --------------------------------
 
 
 def with_heartbeats(renderer: Renderer, chunks: list[bytes], rng: random.Random) -> list[bytes]:

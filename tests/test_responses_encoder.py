@@ -1,6 +1,6 @@
 """The Responses SSE encoder, byte for byte, and its output read back by the openai SDK.
 
-PROTOCOLS.md §4: ``event: <type>`` plus a JSON payload with that ``type`` and a
+docs/protocols.md §4: ``event: <type>`` plus a JSON payload with that ``type`` and a
 ``sequence_number`` counting from 0 by one; ``response.created`` first; items
 added at ``output_index`` 0, 1, ... and each one done; exactly one of
 ``response.completed`` / ``response.incomplete`` / ``response.failed`` last,
@@ -55,7 +55,7 @@ def response(
     error: dict[str, Any] | None = None,
     incomplete: str | None = None,
 ) -> dict[str, Any]:
-    """The ``response`` object as PROTOCOLS.md §4 and the SDK's type want it."""
+    """The ``response`` object as docs/protocols.md §4 and the SDK's type want it."""
     return {
         "id": RESP,
         "object": "response",

@@ -1,4 +1,4 @@
-"""SSE framing and the WHATWG decoder (PROTOCOLS.md §1), rule by rule."""
+"""SSE framing and the WHATWG decoder (docs/protocols.md §1), rule by rule."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_comment() -> None:
     assert decode_all(comment("ping") + comment() + frame("x")) == [Ev(data="x")]
 
 
-# --- decoder, rule by rule (PROTOCOLS.md §1) -------------------------------------------------
+# --- decoder, rule by rule (docs/protocols.md §1) -------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -265,7 +265,7 @@ def openai_chunk(
     created: int = 1700000000,
     **delta: Any,
 ) -> bytes:
-    """A ``chat.completion.chunk`` frame for choice 0 (PROTOCOLS.md §2).
+    """A ``chat.completion.chunk`` frame for choice 0 (docs/protocols.md §2).
 
     Keyword arguments other than the named ones form the delta, in order:
     ``openai_chunk(content="Hi")``, ``openai_chunk(tool_calls=[...])``,
@@ -304,5 +304,5 @@ def openai_usage_chunk(
 def openai_error_body(
     message: str, type_: str = "invalid_request_error", code: str | None = None
 ) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}`` (PROTOCOLS.md §5)."""
+    """``{"error": {"message", "type", "param", "code"}}`` (docs/protocols.md §5)."""
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}

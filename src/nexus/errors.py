@@ -113,7 +113,7 @@ class GatewayError(NexusError):
         )
 
     def openai_body(self, request_id: str | None = None) -> dict[str, Any]:
-        """``{"error": {"message", "type", "param", "code"}}`` (PROTOCOLS.md §5), with
+        """``{"error": {"message", "type", "param", "code"}}`` (docs/protocols.md §5), with
         ``request_id`` (the response's ``X-Request-Id``) in the error object when given:
         OpenAI's own bodies have no such field, and its SDK keeps the object whole."""
         error: dict[str, Any] = {

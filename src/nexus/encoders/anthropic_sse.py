@@ -1,4 +1,4 @@
-"""Anthropic Messages SSE (PROTOCOLS.md §3): the default format of ``POST /v1/messages``.
+"""Anthropic Messages SSE (docs/protocols.md §3): the default format of ``POST /v1/messages``.
 
 ``message_start`` → per content block ``content_block_start`` /
 ``content_block_delta``* / ``content_block_stop`` → ``message_delta`` (stop

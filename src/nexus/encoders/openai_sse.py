@@ -1,4 +1,4 @@
-"""OpenAI ``chat.completion.chunk`` SSE (PROTOCOLS.md §2): the default format.
+"""OpenAI ``chat.completion.chunk`` SSE (docs/protocols.md §2): the default format.
 
 Each chunk is ``data: {json}\\n\\n`` with no ``event:`` line. The role goes out
 once, in the first chunk (the SDK's stream helper concatenates repeated roles);

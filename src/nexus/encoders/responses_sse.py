@@ -1,4 +1,4 @@
-"""OpenAI Responses API SSE (PROTOCOLS.md §4): the default format of ``/v1/responses``.
+"""OpenAI Responses API SSE (docs/protocols.md §4): the default format of ``/v1/responses``.
 
 Every frame is ``event: <type>\\ndata: {"type": <type>, "sequence_number": N, ...}\\n\\n``;
 ``sequence_number`` counts from 0 by one over the whole stream, and there is no

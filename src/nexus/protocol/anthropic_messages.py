@@ -1,4 +1,4 @@
-"""Anthropic Messages wire shapes for ``POST /v1/messages`` (PROTOCOLS.md §3). Sans-I/O.
+"""Anthropic Messages wire shapes for ``POST /v1/messages`` (docs/protocols.md §3). Sans-I/O.
 
 Request bytes in, the engine's :class:`~nexus.request.ChatRequest` out (so any
 provider can serve it); merged completion in, a ``message`` object out; and
@@ -276,7 +276,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
 
 
 def message_body(completion: Completion) -> dict[str, Any]:
-    """A non-streaming ``message`` object (PROTOCOLS.md §3)."""
+    """A non-streaming ``message`` object (docs/protocols.md §3)."""
     content: list[dict[str, Any]] = []
     if completion.reasoning:
         content.append(
@@ -314,7 +314,7 @@ def message_id(stream_id: str) -> str:
 
 def usage_body(usage: Any) -> dict[str, Any]:
     """Anthropic usage from ours: ``input_tokens`` excludes cache reads and writes,
-    which are reported apart (PROTOCOLS.md §3)."""
+    which are reported apart (docs/protocols.md §3)."""
     if usage is None:
         return {"input_tokens": 0, "output_tokens": 0}
     cached = usage.cached_tokens or 0
@@ -374,6 +374,6 @@ def error_body(kind: str, message: str, code: str | None, request_id: str | None
 
 
 def anthropic_error_body(error: GatewayError, request_id: str | None = None) -> dict[str, Any]:
-    """The error body of ``/v1/messages`` (PROTOCOLS.md §3): :func:`error_body`."""
+    """The error body of ``/v1/messages`` (docs/protocols.md §3): :func:`error_body`."""
     kind = anthropic_error_type(error.error_type, error.status)
     return error_body(kind, error.message, error.code, request_id)

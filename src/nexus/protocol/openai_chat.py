@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions wire shapes (PROTOCOLS.md §2 and §5). Sans-I/O.
+"""OpenAI Chat Completions wire shapes (docs/protocols.md §2 and §5). Sans-I/O.
 
 Request bytes in, :class:`~nexus.request.ChatRequest` out; merged completion in,
 ``chat.completion`` dict out; plus the per-chunk pieces the SSE encoder uses.
@@ -113,7 +113,7 @@ def chunk_prefix(meta: StreamMeta) -> bytes:
 
 
 def completion_body(completion: Completion) -> dict[str, Any]:
-    """A non-streaming ``chat.completion`` object (PROTOCOLS.md §5)."""
+    """A non-streaming ``chat.completion`` object (docs/protocols.md §5)."""
     message: dict[str, Any] = {
         "role": completion.role,
         "content": completion.content if completion.content or not completion.tool_calls else None,

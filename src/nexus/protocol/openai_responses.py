@@ -1,4 +1,4 @@
-"""OpenAI Responses API wire shapes (PROTOCOLS.md §4). Sans-I/O.
+"""OpenAI Responses API wire shapes (docs/protocols.md §4). Sans-I/O.
 
 Request bytes in, :class:`~nexus.request.ChatRequest` out: the Responses body is
 validated here and translated into the engine's one request model, so every

@@ -1,4 +1,4 @@
-"""The Responses API ``response`` object and its output items (PROTOCOLS.md §4). Sans-I/O.
+"""The Responses API ``response`` object and its output items (docs/protocols.md §4). Sans-I/O.
 
 One set of builders for both forms of a response: :func:`response_body` turns
 a merged :class:`~nexus.types.Completion` into the non-streaming object, and
@@ -66,7 +66,7 @@ def refusal_part(text: str) -> dict[str, Any]:
 def function_call_item(
     item_id: str, call_id: str, name: str, arguments: str, status: str
 ) -> dict[str, Any]:
-    """A ``function_call`` output item (PROTOCOLS.md §4: arguments is a string)."""
+    """A ``function_call`` output item (docs/protocols.md §4: arguments is a string)."""
     return {
         "id": item_id,
         "type": "function_call",
@@ -112,7 +112,7 @@ def response_object(
     error: dict[str, Any] | None = None,
     incomplete: str | None = None,
 ) -> dict[str, Any]:
-    """A ``response`` object (PROTOCOLS.md §4) with the fields the SDK's type requires.
+    """A ``response`` object (docs/protocols.md §4) with the fields the SDK's type requires.
 
     Nexus keeps no copy of the request here, so the echoed request fields
     (``tools``, ``tool_choice``, ``temperature``...) are their defaults.

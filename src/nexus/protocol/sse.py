@@ -1,4 +1,4 @@
-"""Server-Sent Events, both ways, without I/O (PROTOCOLS.md §1).
+"""Server-Sent Events, both ways, without I/O (docs/protocols.md §1).
 
 :func:`frame` writes one event; :class:`SSEDecoder` parses a byte stream with the
 WHATWG rules: ``decode(chunk) -> list[ServerSentEvent]`` for each chunk as it

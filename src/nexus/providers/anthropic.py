@@ -1,4 +1,4 @@
-"""``kind = "anthropic"``: the Anthropic Messages API (PROTOCOLS.md §3).
+"""``kind = "anthropic"``: the Anthropic Messages API (docs/protocols.md §3).
 
 The request goes upstream as ``POST {base_url}/v1/messages`` with ``x-api-key``
 and ``anthropic-version``. Translation of the request: system and developer

@@ -1,4 +1,4 @@
-"""``kind = "openai"``: any OpenAI-compatible Chat Completions server (PROTOCOLS.md §2).
+"""``kind = "openai"``: any OpenAI-compatible Chat Completions server (docs/protocols.md §2).
 
 OpenAI, vLLM, Ollama, llama.cpp's server, ... The request goes upstream as
 ``POST {base_url}/chat/completions`` with ``stream: true`` and

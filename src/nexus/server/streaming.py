@@ -18,7 +18,7 @@ The race between producer, heartbeat, disconnect and shutdown:
   the pump's reader detaches: the last reader of a stream that is not
   resumable cancels it at once (the upstream connection closes); a resumable
   one runs on for ``[streams] detach_timeout_s`` for the client to come back.
-* **Watchdog.** One task for all responses (:mod:`~nexus.server.watchdog`)
+* **Watchdog.** One task for all responses (:mod:`~nexus.watchdog`)
   checks their timers: after ``heartbeat_interval_s`` without a write a
   heartbeat is written, and a write that has not finished after
   ``write_timeout_s`` (a client that stopped reading) gets the connection

@@ -1,6 +1,6 @@
 """``POST /v1/responses``: the OpenAI Responses API, streaming and not.
 
-Its own stream format by default (``response.*`` events, PROTOCOLS.md §4);
+Its own stream format by default (``response.*`` events, docs/protocols.md §4);
 ``stream_format`` negotiation picks any other registered one.
 """
 

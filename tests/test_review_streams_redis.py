@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from nexus import Engine, MockProvider, Provider
-from nexus.cache.hub import cache_key
+from nexus.cache.recording import cache_key
 from nexus.cache.redis import RedisStore
 from nexus.cache.store import StreamInfo
 from nexus.config import parse_config

@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from nexus import Provider
-from nexus.cache.hub import cache_key
+from nexus.cache.recording import cache_key
 from nexus.events import Delta, StreamEvent, Usage
 from nexus.request import ChatRequest
 from support import GatedProvider, MakeClient, chat, parse_sse

@@ -87,7 +87,7 @@ import orjson
 
 from .errors import ConfigError, GatewayError, RegistryFrozen
 from .events import Done, Error, StreamEvent
-from .pricing import UNKNOWN, PriceTable, Spend, Tally, terminal_ok
+from .pricing import NOTHING, UNKNOWN, PriceTable, Spend, Tally, terminal_ok
 from .request import ChatRequest
 from .stream import Merger, Stream
 from .types import Completion, StreamMeta
@@ -335,29 +335,20 @@ class Hooks:
         return None
 
     def observed(self, stream: Stream, ctx: CallContext) -> Stream:
-        """``stream`` with its chunk and end hooks firing as it is read.
-
-        Closed before its end (or cancelled), it ends with
-        ``on_stream_failed`` (``code="stream_cancelled"``).
-        """
+        """``stream`` with its chunk and end hooks firing as it is read
+        (:meth:`StreamObserver.watch`); ``stream`` itself when no plugin watches streams."""
         observer = self.observe(ctx, stream.meta)
-        if observer is None:
-            return stream
-        link: list[Stream] = []  # the outer stream, until its meta is settled
-        outer = Stream.of_batches(_observe(stream, observer, link), stream.meta)
-        link.append(outer)
-        return outer
+        return stream if observer is None else observer.watch(stream)
 
 
 class StreamObserver:
     """One stream's hook calls: its chunk count, its end. Made by :meth:`Hooks.observe`.
 
-    A producer calls :meth:`chunk` for each data event when ``chunks`` is true
-    (one attribute check per event when no plugin wants chunks), then
-    :meth:`end` once, with the terminal event.
+    :meth:`watch` is where they fire, for every caller (the engine's Python API and
+    the hub's runs alike): :meth:`chunk` for each data event, :meth:`end` once.
     """
 
-    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "meta", "wants_final")
+    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "ending", "meta", "wants_final")
 
     def __init__(self, hooks: Hooks, ctx: CallContext, meta: StreamMeta) -> None:
         self._hooks = hooks
@@ -365,9 +356,19 @@ class StreamObserver:
         self.ctx = ctx
         self.meta = meta
         self.chunks = bool(hooks._chunk)
-        """Whether :meth:`chunk` has anything to do."""
         self.wants_final = hooks._final
-        """Whether :meth:`end` will use the merged completion."""
+        self.ending: StreamEvent | None = None
+        """Why the reader closes the stream early (a run's cancel, its size limit): the
+        end hooks get it instead of ``stream_cancelled``."""
+
+    def watch(self, stream: Stream, *, free: bool = False) -> Stream:
+        """``stream`` with the hooks firing as it is read; closed before its end (or
+        cancelled) it ends with :attr:`ending`, else ``stream_cancelled``. ``free``: it
+        spends nothing (a replayed recording)."""
+        link: list[Stream] = []  # the outer stream, until its meta is settled
+        outer = Stream.of_batches(_observe(stream, self, link, free), stream.meta)
+        link.append(outer)
+        return outer
 
     async def chunk(self, event: StreamEvent) -> None:
         """Count a data event; call the chunk hooks whose turn it is."""
@@ -421,7 +422,7 @@ class StreamObserver:
 
 
 async def _observe(
-    source: Stream, observer: StreamObserver, link: list[Stream]
+    source: Stream, observer: StreamObserver, link: list[Stream], free: bool
 ) -> AsyncGenerator[list[StreamEvent], None]:
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -452,21 +453,24 @@ async def _observe(
         terminal = terminal or _BROKEN
         raise
     except BaseException:  # closed before the end (GeneratorExit), or cancelled
-        terminal = terminal or _CLOSED
+        terminal = terminal or observer.ending or _CLOSED
         raise
     finally:
         link.clear()
         try:
             await source.close()
         finally:
-            end = terminal or Done()
+            end = terminal or observer.ending or Done()
             meta = observer.meta = source.meta
             complete = terminal_ok(end)
+            spend = (
+                NOTHING if free else observer._hooks.prices.spend(tallied, meta, complete=complete)
+            )
             await observer.end(
                 end,
                 loop.time() - start,
                 merger.result if merger is not None else _no_final(meta),
-                observer._hooks.prices.spend(tallied, meta, complete=complete),
+                spend,
             )
 
 

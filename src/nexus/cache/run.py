@@ -19,10 +19,11 @@ checked every ``LEASE_POLL_S`` until the lease lapses. :meth:`StreamRun.cancel`
 ends it at once with the terminal entry given (an abort, shutdown). A log that
 grows past ``max_log_bytes`` ends with ``stream_too_large``.
 
-With an ``observer`` (:mod:`nexus.hooks`), the producer calls the plugins' chunk
-hooks after each entry reaches the log, and their completed or failed hooks with
-the terminal entry before it is appended (so a reader that saw the end knows
-the hooks ran).
+A run does not fire hooks: its source is the stream the hooks watch
+(:meth:`~nexus.hooks.StreamObserver.watch`), whose end hooks have run by the time
+the source is closed, so before the terminal entry is appended (a reader that saw
+the end knows they ran). A run that ends its source early tells the ``observer``
+why (:attr:`~nexus.hooks.StreamObserver.ending`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
 from ..hooks import StreamObserver
 from ..pricing import NOTHING, PriceTable, Spend, tally, terminal_ok
-from ..stream import Stream, merge_events
+from ..stream import Stream
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
@@ -135,10 +136,10 @@ class StreamRun:
         detach_timeout_s: float,
         max_log_bytes: int,
         leased: Callable[[], Awaitable[bool]] | None = None,
+        watchdog: Watchdog,
         max_duration_s: float | None = None,
         observer: StreamObserver | None = None,
         timed: bool = True,
-        watchdog: Watchdog | None = None,
         prices: PriceTable | None = None,
         replayed: bool = False,
     ) -> None:
@@ -159,7 +160,6 @@ class StreamRun:
         self._leased = leased
         self._max_duration_s = max_duration_s
         self._observer = observer
-        self._deadline: asyncio.TimerHandle | None = None
         self._watchdog = watchdog
         self._ends_at = 0.0
         self._prices = prices if prices is not None else PriceTable()
@@ -167,8 +167,6 @@ class StreamRun:
         self.spend: Spend | None = None
         """What the stream spent upstream (:mod:`nexus.pricing`), once it finished; a
         replayed recording spent nothing."""
-        self.record: str | None = None
-        """The cache key it is to be recorded under, if any (the hub's)."""
         self.stored = True
         """False: a shared store could not begin it; it runs here only (the hub's)."""
         self.on_finish: Callable[[StreamRun], object] | None = None
@@ -192,36 +190,29 @@ class StreamRun:
         self._task = self._loop.create_task(self._produce(), name=f"nexus-stream-{self.id}")
         limit = self._max_duration_s
         if limit is not None:
-            if self._watchdog is not None:
-                # Checked by the hub's one ticker, at worst 1/8 of the limit (5 s) late:
-                # not a timer handle per stream.
-                self._ends_at = self._loop.time() + limit
-                self._watchdog.add(self, min(limit / 8, 5.0))
-            else:
-                self._deadline = self._loop.call_later(limit, self._too_long)
+            # Checked by the hub's one ticker, at worst 1/8 of the limit (5 s) late:
+            # not a timer handle per stream.
+            self._ends_at = self._loop.time() + limit
+            self._watchdog.add(self, min(limit / 8, 5.0))
         if detached:
             self._arm()
 
     def check(self, now: float) -> None:
         """The watchdog's tick: end the stream once it has run for its limit."""
-        if now >= self._ends_at:
-            if self._watchdog is not None:
-                self._watchdog.discard(self)
-            self._too_long()
-
-    def _too_long(self) -> None:
-        assert self._max_duration_s is not None
-        self.cancel(too_long(self._max_duration_s))
+        if now >= self._ends_at and self._max_duration_s is not None:
+            self._watchdog.discard(self)
+            self.cancel(too_long(self._max_duration_s))
 
     def reader(self, start: int = 0) -> RunReader:
         return RunReader(self, start)
 
     def cancel(self, terminal: StreamEvent) -> None:
         """End the stream now; ``terminal`` closes the log (unless it already ended)."""
-        if self.finished or self._task is None:
-            return
-        if self._cancel_with is None:
-            self._cancel_with = terminal
+        if self.finished or self._task is None or self._cancel_with is not None:
+            return  # once: a second cancel must not cut the end hooks the first one runs
+        self._cancel_with = terminal
+        if self._observer is not None:
+            self._observer.ending = terminal
         if self._running:
             self._task.cancel()
         # else: the task has not run yet; it sees _cancel_with when it does.
@@ -266,8 +257,6 @@ class StreamRun:
         limit = self._max_log_bytes
         size = 0
         terminal: StreamEvent = Done()
-        observer = self._observer
-        chunk = observer.chunk if observer is not None and observer.chunks else None
         self._running = True
         unyielded = 0
         ended = False
@@ -277,7 +266,7 @@ class StreamRun:
                 raise asyncio.CancelledError
             batch = await read()
             if source.meta is not self.info.meta:  # a fallback target answered
-                self._served(source.meta)
+                self.info.meta = source.meta
             while batch:
                 added = _size(batch)
                 if added < 0:
@@ -291,9 +280,6 @@ class StreamRun:
                     offsets += [now() - start] * len(batch)
                 if self._waiters:
                     self._wake()
-                if chunk is not None:
-                    for event in batch:
-                        await chunk(event)
                 if ended:
                     break
                 if size > limit:
@@ -302,6 +288,8 @@ class StreamRun:
                         f"The stream passed the gateway's limit of {limit} bytes "
                         "([streams] max_log_bytes) and was ended.",
                     )
+                    if self._observer is not None:
+                        self._observer.ending = terminal
                     break
                 unyielded += len(batch)
                 if unyielded >= 256:
@@ -325,29 +313,14 @@ class StreamRun:
                 retryable=True,
             )
         self.size = size
+        self._running = False  # the end is decided: cancel() must not cut the end hooks
         try:
-            await source.close()
+            await source.close()  # the end hooks run here
         except Exception:
             log.exception("closing the source of stream %s failed", self.id)
         finally:
-            try:
-                self.spend = spend = self._spent(terminal)
-                if observer is not None:
-                    self._running = False  # the end is decided: cancel() must not cut the hooks
-                    await observer.end(
-                        terminal,
-                        now() - start,
-                        lambda: merge_events(events, self.info.meta),
-                        spend,
-                    )
-            finally:
-                self._finish(terminal, now() - start)
-
-    def _served(self, meta: StreamMeta) -> None:
-        """The stream is served by another target than the first (``meta`` names it)."""
-        self.info.meta = meta
-        if self._observer is not None:
-            self._observer.meta = meta
+            self.spend = self._spent(terminal)
+            self._finish(terminal, now() - start)
 
     def _spent(self, terminal: StreamEvent) -> Spend:
         """The stream's spend, from its log (once, at its end)."""
@@ -363,10 +336,7 @@ class StreamRun:
             self.offsets.append(offset)
         self.finished = True
         self._disarm()
-        if self._deadline is not None:
-            self._deadline.cancel()
-        if self._watchdog is not None:
-            self._watchdog.discard(self)
+        self._watchdog.discard(self)
         self._wake()
         if not self._finished.done():
             self._finished.set_result(None)

@@ -33,8 +33,8 @@ from aiohttp import StreamReader, web
 
 from ...auth import Unauthorized
 from ...cache.cursor import Cursor, parse_cursor
-from ...cache.hub import describe, leave, with_usage
-from ...cache.run import LogReader, too_long
+from ...cache.readers import leave, with_usage
+from ...cache.run import LogReader
 from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
 from ...errors import (
@@ -46,8 +46,8 @@ from ...errors import (
     StreamNotFound,
 )
 from ...events import Done, Error, StreamEvent
-from ...hooks import CallContext, map_stream
-from ...pricing import NOTHING, Spend, Tally
+from ...hooks import CallContext
+from ...pricing import NOTHING, Spend
 from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
@@ -237,28 +237,8 @@ async def complete(
     )
     if not streaming:
         ex.format = "application/json"
-        # Counted among the streams running like a streaming request: without the cache
-        # (no run of its own) for as long as it runs; with it, as its run.
+        # Counted among the streams running like a streaming request, as its run.
         async with admit_stream(request, key, chat.model):
-            if not hub.cache.enabled:
-                engine = app[state.ENGINE]
-                stream = await engine.open_stream(chat, ctx)
-                seen = Tally()  # what it produced, for the line of one that fails or is cut
-                # No run times it (see StreamRun): held to the same limit here.
-                limit = app[state.CONFIG].limits.max_stream_duration_s
-                try:
-                    async with asyncio.timeout(limit) as timer:
-                        completion = await accumulate(map_stream(stream, _counted(seen)))
-                except BaseException as exc:
-                    if seen.usage is not None or seen.produced:  # a target answered
-                        spent = engine.prices.spend(seen, stream.meta, complete=False)
-                        _settle(ex, stream.meta, spent)
-                    if isinstance(exc, TimeoutError) and timer.expired():
-                        raise StreamError(too_long(limit)) from None
-                    raise
-                spent = engine.prices.spend(Tally(completion.usage), stream.meta, complete=True)
-                _settle(ex, stream.meta, spent)
-                return json_response(_body(render, completion, chat.include_cost))
             opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
         _count_cache(request, opened.cache)
         ex.cache = opened.cache
@@ -277,7 +257,7 @@ async def complete(
             raise
         await leave(reader, None if opened.joined else opened.run)
         _settle(ex, reader.served, NOTHING if hit else reader.spend)
-        headers = {"X-Nexus-Cache": opened.cache or "miss"}
+        headers = {"X-Nexus-Cache": opened.cache or "miss"} if hub.cache.enabled else {}
         if not opened.stored:
             headers[STORE_HEADER] = "unavailable"
         return json_response(_body(render, completion, chat.include_cost), headers=headers)
@@ -314,16 +294,6 @@ async def complete(
     )
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
-
-
-def _counted(seen: Tally) -> Callable[[StreamEvent], StreamEvent]:
-    """``map_stream``'s function that adds each event to ``seen`` and passes it on."""
-
-    def count(event: StreamEvent) -> StreamEvent:
-        seen.add(event)
-        return event
-
-    return count
 
 
 def _settle(ex: Exchange, served: StreamMeta, spend: Spend | None) -> None:
@@ -399,6 +369,24 @@ async def find_stream(
     if info is None:
         raise stream_not_found(stream_id)
     return info
+
+
+def describe(info: StreamInfo, read_token: str | None = None) -> dict[str, Any]:
+    """The JSON a background request answers with (and a DELETE, without a token).
+
+    With ``read_token`` (see :mod:`nexus.tokens`) it is included, and ``url`` carries
+    it as ``?token=``: a URL a browser's ``EventSource`` can read without headers.
+    """
+    body: dict[str, Any] = {
+        "id": info.id,
+        "url": f"/v1/streams/{info.id}",
+        "status": info.status,
+        "resumable": info.resumable,
+    }
+    if read_token is not None:
+        body["url"] += f"?token={read_token}"
+        body["read_token"] = read_token
+    return body
 
 
 def stream_not_found(stream_id: str) -> StreamNotFound:

@@ -38,6 +38,7 @@ from nexus.config import Config, PluginConfig, parse_config
 from nexus.encoders.registry import default_registry
 from nexus.errors import ConfigError, InvalidRequest
 from nexus.hooks import Next
+from nexus.providers.mock import words
 from nexus.server.app import create_app
 from nexus.server.state import ENGINE, HUB
 from nexus.types import StreamMeta
@@ -786,12 +787,29 @@ async def test_engine_rejection_raises_and_nothing_streams() -> None:
     assert not gated.started.is_set()
 
 
-async def test_complete_stream_stays_the_raw_call() -> None:
+async def test_complete_stream_runs_the_middleware_and_the_hooks() -> None:
     plugin = RecordingPlugin()
     engine = Engine([MockProvider("mock")], hooks=hooks_of(plugin), middleware=[no_usage])
-    completion = await accumulate(engine.complete_stream(chat(TEXT)))
-    assert completion.content == TEXT
-    assert plugin.calls == []
+    async with engine:
+        stream = engine.complete_stream(chat(TEXT), CallContext(key="alice"))
+        assert plugin.calls == []  # nothing runs before the first read
+        completion = await accumulate(stream)
+    assert completion.content == "".join(f"[{w}]" for w in words(TEXT))
+    assert completion.usage is None  # the middleware dropped it
+    assert plugin.names()[0] == "started" and plugin.names()[-1] == "completed"
+    assert "chunk" in plugin.names()
+    started = plugin.of("started")[0]
+    assert started[0].key == "alice" and started[1] == stream.meta.id
+
+
+async def test_complete_stream_refused_by_a_plugin_raises_at_the_first_read() -> None:
+    plugin = RecordingPlugin(reject=("budget_exceeded", 429))
+    gated = GatedProvider()
+    engine = Engine([gated], hooks=hooks_of(plugin))
+    stream = engine.complete_stream({**chat(TEXT), "model": "gated/x"})
+    with pytest.raises(StreamRejected):
+        await stream.next()
+    assert not gated.started.is_set()
 
 
 async def test_map_stream_closes_the_inner_stream() -> None:

@@ -211,10 +211,12 @@ class FailingProvider(Provider):
 
     kind = "failing"
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
-        yield Usage(prompt_tokens=40, completion_tokens=1, total_tokens=41, cached_tokens=8)
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        yield [Usage(prompt_tokens=40, completion_tokens=1, total_tokens=41, cached_tokens=8)]
         for word in ("one", "two", "three"):
-            yield Delta(content=word)
+            yield [Delta(content=word)]
         raise UpstreamError("connection reset", code="upstream_error")
 
 

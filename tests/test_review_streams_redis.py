@@ -49,10 +49,12 @@ class Counting(GatedProvider):
         super().__init__(before=1, after=1)
         self.calls = 0
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         self.calls += 1
-        async for event in super().stream(request, model):
-            yield event
+        async for batch in super().batches(request, model):
+            yield batch
 
 
 async def replica(

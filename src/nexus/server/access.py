@@ -42,11 +42,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -54,14 +52,13 @@ from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..errors import GatewayError
-from ..events import Done, Error, StreamEvent
-from ..pricing import Spend
-from ..providers.http import POOL_WAITS, PoolWaits
+from ..providers.http import POOL_WAITS
 from ..telemetry import Telemetry
 from .errors import Handler, error_response
-from .metrics import CANCEL_CAUSES, Metrics
+from .metrics import Metrics
 from .origins import loopback_host, origin_allowed
 from .state import CONFIG as _CONFIG
+from .state import EXCHANGE, Exchange, exchange, new_request_id
 from .state import HUB as _HUB
 
 __all__ = [
@@ -88,12 +85,6 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 _UNTRACED = ("/healthz", "/metrics")
 
 
-def _request_key() -> Any:
-    # aiohttp 3.14 warns on string keys in request storage; older ones have no RequestKey.
-    factory = getattr(web, "RequestKey", None)
-    return factory("exchange", Exchange) if factory is not None else "nexus.exchange"
-
-
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
     "X-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, Location, Retry-After, "
@@ -105,91 +96,10 @@ _ALLOWED_HEADERS = (
 )
 
 
-@dataclass(slots=True)
-class Exchange:
-    """One request, as the access log and the metrics see it."""
-
-    request_id: str
-    started: float
-    endpoint: str = ""
-    format: str = ""
-    provider: str = ""
-    stream_id: str = ""
-    key: ApiKey | None = None
-    ttfb: float | None = None
-    events: int = 0
-    bytes: int = 0
-    cancelled: str | None = None
-    status: int | None = None
-    """The status sent, once the headers are out (a stream cut short keeps its 200)."""
-    headers: dict[str, str] = field(default_factory=dict)
-    """Headers every response to this request carries (request id, CORS)."""
-    method: str = ""
-    path: str = ""
-    """The URL's path, never its query (a read token travels there)."""
-    client: str | None = None
-    model: str | None = None
-    """The model asked for, once the request was routed (an alias stays an alias)."""
-    served: str | None = None
-    """``provider/model``: the target that answered, after fallbacks."""
-    streamed: bool = False
-    """The pump wrote the body (events and bytes count); false for a JSON answer."""
-    ttft: float | None = None
-    """From the request to the stream's first event."""
-    error: str | None = None
-    """The code of the error the response carries (an HTTP error's)."""
-    stream_error: str | None = None
-    """The code of the error a stream ended with, after its headers went out."""
-    spend: Spend | None = None
-    """What the request spent upstream (its own stream's; zero for a cache hit)."""
-    cache: str | None = None
-    pool_waits: PoolWaits = field(default_factory=PoolWaits)
-    """What the request waited for pooled upstream connections (the providers add to it)."""
-
-    def outcome(self, status: int) -> str:
-        """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""
-        if self.stream_error is not None:
-            cause = _OUTCOME_CAUSES.get(self.stream_error)
-            if cause is not None:
-                return f"cancelled:{cause}"
-            return f"mid_stream_error:{self.stream_error}"
-        if self.cancelled is not None:
-            return f"cancelled:{self.cancelled}"
-        if status >= 400:
-            return f"error:{self.error or status}"
-        return "ok"
-
-    def ended_with(self, terminal: StreamEvent | None) -> None:
-        """Note the terminal event of the stream this request wrote."""
-        if type(terminal) is Error:
-            self.stream_error = terminal.code or terminal.error_type
-        elif type(terminal) is Done and terminal.aborted:
-            self.cancelled = self.cancelled or "client_disconnect"  # its reader left
-
-
-EXCHANGE: Any = _request_key()
-
-_OUTCOME_CAUSES = {**CANCEL_CAUSES, "stream_cancelled": "aborted"}
-"""The ``cancelled:<reason>`` of a stream that ended with one of these error codes
-(``aborted``: ``DELETE /v1/streams/{id}``, or its producer cancelled)."""
-
-
-def exchange(request: web.Request) -> Exchange:
-    found: Exchange | None = request.get(EXCHANGE)
-    if found is None:  # a handler run without the middleware (unit tests)
-        found = Exchange(_new_id(), time.monotonic())
-        request[EXCHANGE] = found
-    return found
-
-
-def _new_id() -> str:
-    return "req_" + os.urandom(12).hex()
-
-
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     incoming = request.headers.get("X-Request-Id", "")
-    request_id = incoming if _REQUEST_ID.fullmatch(incoming) else _new_id()
+    request_id = incoming if _REQUEST_ID.fullmatch(incoming) else new_request_id()
     ex = Exchange(request_id, time.monotonic())
     ex.endpoint = _endpoint(request)
     ex.method = request.method

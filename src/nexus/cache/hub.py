@@ -346,7 +346,6 @@ class StreamHub:
         self.admission.started(run.id, info.owner)
         if self.on_live is not None:
             self.on_live(len(self.live))
-        run.stored = stored
         run.start(detached=detached)
         self.keeper.keep(run, record, stored)
         return run

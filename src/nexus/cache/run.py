@@ -1,29 +1,20 @@
 """A stream resource in this process: one producer task, one log, any number of readers.
 
-:class:`StreamRun` reads its source (the engine's :class:`~nexus.stream.Stream`,
-or a replayed recording) in a task of its own and appends each event to
-``events``; the last entry is terminal (:class:`Done`, or an :class:`Error`).
-Readers (:class:`RunReader`) follow the log from any index and get whatever
-arrived since their last read as one batch, so a burst from upstream becomes
-one write downstream.
+:class:`StreamRun` reads its source (the engine's stream, or a replayed recording)
+in a task of its own into ``events``, whose last entry is terminal (:class:`Done`
+or an :class:`Error`). A :class:`RunReader` follows the log from any index and gets
+all that arrived since its last read as one batch.
 
-Readers come and go. When the last one detaches, what happens depends on whether
-the stream is *resumable* (``info.resumable``: a background request, or one that
-asked for it). A resumable stream runs on: a timer of ``detach_timeout_s``
-starts; if no reader comes back (and no other replica holds a lease on the
-stream) the source is cancelled and the log ends with ``stream_detached``. Any
-other stream is cancelled at once (nobody will come back for it: the upstream
-is not paid to generate for nobody), its log ending with ``client_disconnect``;
-with a shared store, a lease held by another replica's reader keeps it running,
-checked every ``LEASE_POLL_S`` until the lease lapses. :meth:`StreamRun.cancel`
-ends it at once with the terminal entry given (an abort, shutdown). A log that
-grows past ``max_log_bytes`` ends with ``stream_too_large``.
+When the last reader leaves, a *resumable* stream (``info.resumable``) runs on for
+``detach_timeout_s``, then ends with ``stream_detached`` if nobody came back; any
+other stream is cancelled at once (``client_disconnect``: the upstream is not paid
+to generate for nobody). With a shared store, another replica's lease keeps either
+running (checked every ``LEASE_POLL_S``). A log past ``max_log_bytes`` ends with
+``stream_too_large``; :meth:`StreamRun.cancel` ends it with the entry given.
 
-A run does not fire hooks: its source is the stream the hooks watch
-(:meth:`~nexus.hooks.StreamObserver.watch`), whose end hooks have run by the time
-the source is closed, so before the terminal entry is appended (a reader that saw
-the end knows they ran). A run that ends its source early tells the ``observer``
-why (:attr:`~nexus.hooks.StreamObserver.ending`).
+A run fires no hooks: they watch its source (:meth:`~nexus.hooks.StreamObserver.watch`),
+so the end hooks have run when the source is closed, before the terminal entry is
+appended. A run that ends its source early tells the ``observer`` why.
 """
 
 from __future__ import annotations
@@ -55,10 +46,7 @@ whether another replica's reader still holds a lease on it (leases last at least
 
 class LogReader(Protocol):
     """What the pump reads: a log's entries in batches, from where it was opened.
-
-    ``failure`` is the error the source raised before any event, when the
-    stream runs here (the origin request answers with its HTTP status).
-    """
+    ``failure``: the error a local source raised before any event (an HTTP status)."""
 
     meta: StreamMeta
 
@@ -71,13 +59,11 @@ class LogReader(Protocol):
 
     @property
     def served(self) -> StreamMeta:
-        """The stream's meta as it is now: after a fallback, it names the target that
-        answered (``meta`` is the listener's, as it was when the reader was made)."""
+        """The stream's meta now (after a fallback, the target that answered)."""
 
     async def settled_spend(self, wait_s: float) -> Spend | None:
-        """:attr:`spend`, after waiting up to ``wait_s`` for a stream that is ending (its
-        last reader gone and not resumable: cancelled at once) to end. Call it after
-        :meth:`close`."""
+        """:attr:`spend`, after up to ``wait_s`` for a stream being cancelled (its last
+        reader gone) to end. Call it after :meth:`close`."""
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 
@@ -147,8 +133,7 @@ class StreamRun:
         self.id = info.meta.id
         self.events: list[StreamEvent] = []
         self.offsets: list[float] | None = [] if timed else None
-        """Seconds from the start to each entry (for paced replay of recordings), when
-        ``timed``: the stream is to be recorded."""
+        """Seconds from the start to each entry, when ``timed`` (to be recorded)."""
         self.finished = False
         self.failure: GatewayError | None = None
         """The error the source raised before any event (the origin answers with its status)."""
@@ -165,10 +150,7 @@ class StreamRun:
         self._prices = prices if prices is not None else PriceTable()
         self._replayed = replayed
         self.spend: Spend | None = None
-        """What the stream spent upstream (:mod:`nexus.pricing`), once it finished; a
-        replayed recording spent nothing."""
-        self.stored = True
-        """False: a shared store could not begin it; it runs here only (the hub's)."""
+        """What it spent upstream, once finished (a replay: nothing)."""
         self.on_finish: Callable[[StreamRun], object] | None = None
         """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()
@@ -179,10 +161,6 @@ class StreamRun:
         self._task: asyncio.Task[None] | None = None
         self._running = False
         self._finished = self._loop.create_future()
-
-    @property
-    def terminal(self) -> StreamEvent | None:
-        return self.events[-1] if self.finished else None
 
     def start(self, *, detached: bool = False) -> None:
         """Start producing. ``detached``: nobody reads yet (a background request, which

@@ -1,22 +1,17 @@
 """The engine: routes a request to a provider and hands back a :class:`~nexus.stream.Stream`.
 
-Routing: a model id is either an alias from ``[models."<alias>"]`` (its
-targets tried in order) or ``<provider>/<upstream model>``. Anything else is
-:class:`~nexus.errors.ModelNotFound`.
-
-Failure contract of the stream it returns: a :class:`~nexus.errors.GatewayError`
-raised by a provider *before its first event* is raised to the reader (after
-moving on to the next target when it is retryable); once an event went out,
-a failure becomes an :class:`~nexus.events.Error` event and the stream ends.
-The non-streaming path is :func:`~nexus.stream.accumulate` over the same stream.
+A model id is an alias from ``[models."<alias>"]`` (its targets tried in order) or
+``<provider>/<upstream model>``; anything else is :class:`~nexus.errors.ModelNotFound`.
+A :class:`~nexus.errors.GatewayError` a provider raises *before its first event* is
+raised to the reader (after trying the next target, when it is retryable); after
+an event, a failure becomes the stream's last event, an :class:`~nexus.events.Error`.
 
 Middleware and hooks (:mod:`nexus.hooks`) run for every caller:
 :meth:`Engine.open_stream` runs the middleware chain around the routed call, then
-the plugins' ``on_stream_started``, and returns the stream with the other hooks
-firing as it is read. :meth:`Engine.complete_stream` is the same, started when the
-stream is first read (so it can stay a plain call); :meth:`Engine.complete`
-accumulates it. The server opens its streams through the stream hub, which opens
-them here with ``observe=False`` and has the hooks watch its runs' sources.
+``on_stream_started``, and returns the stream the other hooks watch as it is read.
+:meth:`Engine.complete_stream` is the same, started at the first read (so it stays
+a plain call); :meth:`Engine.complete` accumulates it. The server's hub opens with
+``observe=False`` and has the hooks watch its runs' sources instead.
 """
 
 from __future__ import annotations
@@ -257,8 +252,6 @@ class Engine:
     def _routed(self, request: ChatRequest, targets: list[Target]) -> Stream:
         """The routed call itself: the end of the middleware chain."""
         meta = self._meta(request, targets[0])
-        if len(targets) == 1:
-            return Stream.of_batches(self._run(targets, request, None), meta)
 
         def served(provider: Provider, model: str) -> None:
             # A fallback answered: the stream's meta names it from its first event on.
@@ -322,7 +315,7 @@ class Engine:
         self,
         targets: list[Target],
         request: ChatRequest,
-        served: Callable[[Provider, str], None] | None,
+        served: Callable[[Provider, str], None],
     ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
         asked = request.model
@@ -352,7 +345,7 @@ class Engine:
                             # No other target will be tried: the request need not stay
                             # alive for the stream's length in this frame.
                             del request
-                            if attempt and served is not None:
+                            if attempt:
                                 served(provider, model)
                         before, latest = latest, batch
                         yield batch

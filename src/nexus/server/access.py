@@ -2,39 +2,22 @@
 per-key limits, the access log.
 
 :func:`access_middleware` is the outermost layer: it gives every request an id
-(``X-Request-Id`` honoured when it is sane, echoed on every response), refuses
-pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
-403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
-WebSocket handshake is refused before it upgrades), answers CORS preflights for
-``[cors] allow_origins``, and writes one access line per request and its metrics;
-with tracing on, the request runs inside its span (:mod:`nexus.telemetry`). Routes
-call :func:`authenticate` and :func:`admit`; the pump fills in the request's
-:class:`Exchange` as it writes.
+(a sane ``X-Request-Id`` is kept), refuses other sites' pages and rebound ``Host``
+names before any route runs (:mod:`nexus.server.origins`), answers CORS preflights,
+and writes one access line and the metrics per request, inside its span when tracing
+(:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`admit`; the
+pump fills in the request's :class:`~nexus.server.state.Exchange` as it writes.
 
-The access line: ``method``, ``path`` (never the query: a read token travels
-there), ``endpoint``, ``status``, ``outcome`` (``ok``, ``error:<code>`` for an
-HTTP error, ``mid_stream_error:<code>`` for a stream that failed after its
-headers, ``cancelled:<reason>`` for one ended on purpose or left by its client),
-``model`` (as asked) and ``served`` (``provider/model``, the target that answered
-after fallbacks), ``format``, ``provider``, ``stream_id``, ``key`` (its name),
-``client`` (the peer's address), ``cache``, ``pool_wait_ms`` (how long the
-request waited for free connections of its providers' pools, over its attempts;
-only when it sent a request upstream), ``ttfb_ms``, ``ttft_ms``, ``duration_ms``,
-``events`` and ``bytes`` (of a written stream only), and what the request spent
-upstream (:class:`~nexus.pricing.Spend`): ``prompt_tokens``,
-``completion_tokens``, ``cached_tokens``, ``reasoning_tokens``, ``cost_usd`` (when
-the model has a price) and ``estimated`` (when so). A cache hit or a request that
-joined another's stream spent nothing (zeros: the tokens were the other's); a
-request whose client left before the stream's end has what its stream spent
-until it was cancelled (estimated), or, for a resumable stream that runs on, no
-spend (its stream's hooks and metrics count it when it ends). Lines of failed requests (a status of
-400 or more, or an outcome other than ``ok``) are logged at WARNING. In the text
-form, a value with spaces, quotes or control characters is JSON-quoted.
+The access line's fields are :func:`_fields`'s. ``outcome`` is ``ok``,
+``error:<code>``, ``mid_stream_error:<code>`` or ``cancelled:<reason>``; ``served``
+the ``provider/model`` that answered after fallbacks; the spend, what the request's
+own stream spent (zeros for a cache hit or a join; estimated for one cut short).
+Failed requests are logged at WARNING; in the text form, a value with spaces, quotes
+or control characters is JSON-quoted.
 
-A request answered before its body was read to the end (a 401, a 413, any refusal)
-has its connection closed once the answer is out: aiohttp would otherwise read the
-rest of the body, for up to ten seconds, to keep the connection (its "lingering"
-read), on behalf of a client that may not even have a key.
+A request answered before its body was read to the end has its connection closed
+once the answer is out, rather than aiohttp reading the rest (for up to ten seconds)
+for a client that may not even have a key.
 """
 
 from __future__ import annotations
@@ -308,14 +291,9 @@ def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> Ap
 async def admit(
     request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
 ) -> None:
-    """Per-key checks before a request may run: its model (when it names one), its rate.
-
-    Every request of a key takes one token of its ``requests_per_second_per_key``
-    bucket here or in :func:`admit_stream`, whatever the way in (counted in Redis
-    with ``[store] kind = "redis"``: see :mod:`nexus.cache.limits`). Raises 403
-    ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited`` (with
-    ``Retry-After``, whole seconds).
-    """
+    """Per-key checks before a request may run: its model (when it names one), and a
+    token of its rate (here or in :func:`admit_stream`; :mod:`nexus.cache.limits`).
+    Raises 403 ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited``."""
     if key is None:
         return
     _check_model(key, model, param)
@@ -331,18 +309,12 @@ def _check_model(key: ApiKey, model: str | None, param: str) -> None:
 async def admit_stream(
     request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
 ) -> AsyncIterator[None]:
-    """Everything a request that runs a model passes: its model, then a place among the
-    streams running here and among its key's, with its budget and rate
-    (:meth:`~nexus.cache.hub.StreamHub.admit`: one Redis round trip for the key's
-    part with a shared store), for the block.
+    """For the block that opens the stream: the model checks, then a place among the
+    streams running here and the key's (:mod:`nexus.cache.admission`).
 
-    The block opens the stream (its run counts from then on: leaving the block
-    right after ``hub.open`` returns, with no wait between, never counts it twice),
-    or, for a request answered without a run of its own, is the whole request.
-    Raises what :func:`admit` raises, 403 ``model_not_priced`` (a key with a budget,
-    a model with a target that has no price), 429 ``too_many_streams``, 429 ``budget_exceeded``
-    (the reset time in its message, ``Retry-After`` for a day or a month) and, with
-    Redis down and a budget to check, 503 ``store_unavailable``.
+    Raises what :func:`admit` raises, 403 ``model_not_priced`` (a key with a budget, a
+    model a target of which has no price), 429 ``too_many_streams`` and
+    ``budget_exceeded``, and 503 ``store_unavailable`` (Redis down, a budget to check).
     """
     hub = request.app[_HUB]
     if key is not None:

@@ -1,33 +1,22 @@
-"""The stream hub: every stream the gateway serves is opened, found and ended here.
+"""The stream hub: every stream the gateway serves, streaming or not, is opened,
+found and ended here; the jobs around it have modules of their own.
 
 :meth:`StreamHub.open` turns a request into a stream resource:
 
-1. With ``[cache] enabled``, a recording of the same canonical request made by the
-   same owner (:mod:`nexus.cache.recording`) replays as a new stream
-   (``cache="hit"``), burst, paced or fast-forwarded.
-2. An identical request of the same owner still streaming (here, or on a
-   replica sharing the store) is joined: one upstream call, many listeners
-   (``cache="hit"``).
-3. Otherwise the engine's stream starts in a :class:`StreamRun` (``cache="miss"``,
-   or None with the cache off); if it ends well, it is recorded.
+1. With ``[cache] enabled``, a recording of the same request by the same owner
+   replays as a new stream (``cache="hit"``; :mod:`nexus.cache.recording`).
+2. An identical request of the same owner still streaming, here or on a replica
+   sharing the store, is joined: one upstream call, many listeners (``"hit"``).
+3. Otherwise the engine's stream, through its middleware, starts in a
+   :class:`StreamRun` (:mod:`nexus.cache.run`; ``"miss"``, or None with the cache
+   off), which :mod:`nexus.cache.keeper` keeps in the store and records.
 
-Every request, streaming or not, takes this one path. Engine streams are opened
-through the engine's middleware (:meth:`Engine.open_stream`); every request,
-whichever of the three, first passes the plugins' ``on_stream_started`` (a
-:class:`~nexus.hooks.StreamRejected` refuses it before anything starts). A run's
-source is watched by the hooks (:meth:`~nexus.hooks.StreamObserver.watch`); a
-joining request makes no stream, so it gets no more hooks.
-
-The jobs around it have their own modules: admission (:mod:`nexus.cache.admission`),
-the run (:mod:`nexus.cache.run`), its log kept in the store (:mod:`nexus.cache.keeper`),
-record and replay (:mod:`nexus.cache.recording`), reading a log
-(:mod:`nexus.cache.readers`). :meth:`StreamHub.attach` finds a stream by id: a local
-run, else the store (a replica's live log, or a finished one within ``resume_ttl_s``).
-
-A new request whose stream cannot be begun in the store gets 503
-``store_unavailable``, unless ``[store] required = false``: it then runs on this
-replica alone (:attr:`Opened.stored` False), not cached and not joined, its keeper
-catching its mirror up from entry 0 once the store is back.
+Every request first passes admission (:mod:`nexus.cache.admission`) and
+``on_stream_started``; the other hooks watch a run's source. :meth:`StreamHub.attach`
+finds a stream by id: a local run, else the store (:mod:`nexus.cache.readers`).
+A stream the store cannot begin gets 503 ``store_unavailable``, unless ``[store]
+required = false``: it then runs here alone (:attr:`Opened.stored` False), not
+cached, not joined, its keeper mirroring it once the store is back.
 """
 
 from __future__ import annotations

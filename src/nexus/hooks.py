@@ -324,7 +324,7 @@ class StreamObserver:
     the hub's runs alike): :meth:`chunk` for each data event, :meth:`end` once.
     """
 
-    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "ending", "meta", "wants_final")
+    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "ending", "meta", "settled", "wants_final")
 
     def __init__(self, hooks: Hooks, ctx: CallContext, meta: StreamMeta) -> None:
         self._hooks = hooks
@@ -336,6 +336,8 @@ class StreamObserver:
         self.ending: StreamEvent | None = None
         """Why the reader closes the stream early (a run's cancel, its size limit): the
         end hooks get it instead of ``stream_cancelled``."""
+        self.settled = False
+        """The stream's end is decided and its end hooks run: a cancel must not cut them."""
 
     def watch(self, stream: Stream, *, free: bool = False) -> Stream:
         """``stream`` with the hooks firing as it is read; closed before its end (or
@@ -433,6 +435,7 @@ async def _observe(
         raise
     finally:
         link.clear()
+        observer.settled = True
         try:
             await source.close()
         finally:

@@ -186,11 +186,14 @@ class StreamRun:
 
     def cancel(self, terminal: StreamEvent) -> None:
         """End the stream now; ``terminal`` closes the log (unless it already ended)."""
+        observer = self._observer
         if self.finished or self._task is None or self._cancel_with is not None:
             return  # once: a second cancel must not cut the end hooks the first one runs
+        if observer is not None:
+            if observer.settled:
+                return  # the end is decided: its hooks run
+            observer.ending = terminal
         self._cancel_with = terminal
-        if self._observer is not None:
-            self._observer.ending = terminal
         if self._running:
             self._task.cancel()
         # else: the task has not run yet; it sees _cancel_with when it does.

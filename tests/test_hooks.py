@@ -871,3 +871,31 @@ async def test_map_stream_gives_the_events_before_the_one_it_fails_on() -> None:
         async for event in mapped:
             got.append(event)
     assert got == [Delta(content="a"), Delta(content="b")]
+
+
+async def test_a_cancel_while_the_end_hooks_run_does_not_cut_them(hooked: HookedClient) -> None:
+    """The stream's end is decided once its end hooks start: a client leaving (or any
+    cancel) then changes neither the hooks nor the end."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+    finished: list[str] = []
+
+    class Slow:
+        async def on_stream_completed(self, *args: object) -> None:
+            entered.set()
+            await gate.wait()
+            finished.append("completed")
+
+    client = await hooked(hooks_of(Slow()))
+    hub = client.app[HUB]
+    opened = await hub.open(ChatRequest.model_validate(chat(TEXT)), format="text/plain")
+    assert opened.run is not None
+    run = opened.run
+    reader = run.reader()
+    await asyncio.wait_for(entered.wait(), 5)
+    run.cancel(Error(error_type="server_error", message="gone", code="client_disconnect"))
+    await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.wait_for(run.wait(), 5)
+    await reader.close()
+    assert finished == ["completed"]
+    assert run.events[-1] == Done()

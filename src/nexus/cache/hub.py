@@ -369,14 +369,6 @@ class StreamHub:
             return run.info
         return await self.store.info(stream_id)
 
-    def cancel(self, stream_id: str, terminal: StreamEvent) -> bool:
-        """End a local stream now. False when it is not running here."""
-        run = self.live.get(stream_id)
-        if run is None or run.finished:
-            return False
-        run.cancel(terminal)
-        return True
-
     async def shutdown(self, terminal: StreamEvent) -> None:
         """Cancel every live stream with ``terminal``; wait until their logs are kept
         (keepers retrying a store that is down make one last try)."""

@@ -228,8 +228,6 @@ class Engine:
         """
         request = _validated(request)
         targets = self._targets(request)
-        if not self.middleware and not self.hooks:
-            return self._routed(request, targets)  # nothing to run before it
         link: list[Stream] = []  # the outer stream, until its meta is settled
         outer = Stream.of_batches(self._opened(request, ctx, link), self._meta(request, targets[0]))
         link.append(outer)

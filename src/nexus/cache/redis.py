@@ -3,7 +3,7 @@
 Keys, all under ``{prefix}:``::
 
     stream:{id}:info    string   JSON of StreamInfo.to_json()
-    stream:{id}:log     stream   entry i has the ID 0-{i+1}, one field "e": the event's codec form
+    stream:{id}:log     stream   the log, in batches (see nexus.cache.redis_log)
     stream:{id}:owner   string   the replica running the live stream (deleted at its end)
     stream:{id}:lease   string   set while a client on another replica follows the stream
     rec:{key}           string   JSON of a Recording (events in codec form)
@@ -11,43 +11,30 @@ Keys, all under ``{prefix}:``::
     replica:{id}        string   this replica is alive (renewed every third of its TTL)
 
 Every one has a TTL: a live log and its info and owner the ``ttl_s`` given to
-:meth:`RedisStore.begin` (renewed while it runs), a finished one the resume TTL,
-a recording ``[cache] ttl_s``, a claim and a lease theirs, a replica's keep-alive
-``OWNER_TTL_S``. (The limits' keys are in :mod:`nexus.cache.redis_limits`.)
+:meth:`RedisStore.begin` (set by the first append, renewed by
+:meth:`RedisStore.keep_alive`), a finished one the resume TTL, a recording ``[cache]
+ttl_s``, a claim and a lease theirs, a replica's keep-alive ``OWNER_TTL_S``. (The
+limits' keys are in :mod:`nexus.cache.redis_limits`.) If the owning replica dies, its
+live logs expire and their followers get :class:`~nexus.errors.StreamNotFound`, or
+:class:`~nexus.errors.StreamLost` as soon as its keep-alive lapsed.
 
-A log is a Redis Stream whose entry IDs *are* the log indices (``0-1`` is entry
-0), so a reader resumes from any index with ``XRANGE`` and then follows with a
-blocking ``XREAD`` from the last ID it saw. Explicit IDs must grow, which also
-makes :meth:`RedisStore.append` safe to replay: an entry already written is
-refused by Redis, and the refusal is ignored.
+Holes. A log mirrored here may lack entries a reader wants: trimmed (past
+``max_log_bytes`` an append trims with ``XADD MINID ~`` to about that many bytes of the
+newest entries), or lost (Redis restarted without persistence while the stream ran).
+Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
+(:meth:`RedisStore.append` returns False: the keeper begins again and rewrites it from
+entry 0), never re-created with its start missing; :meth:`RedisStore.end` rewrites it
+whole itself. A reader checks that the entries it gets follow each other from where it
+started: one that does not raises :class:`~nexus.errors.StreamIncomplete`, never a
+stream with a hole.
 
-While a stream is live, every append renews the TTL of its info and log to the
-``ttl_s`` given to :meth:`RedisStore.begin`; if the owning replica dies, the
-log expires and its followers get :class:`~nexus.errors.StreamNotFound`.
-:meth:`RedisStore.end` sets both to the resume TTL.
-
-Holes. A log mirrored here may lack entries a reader wants: trimmed (a log past
-``max_log_bytes`` is appended with ``XADD MAXLEN ~``, keeping about that many
-bytes of its newest entries), or lost (Redis restarted without persistence
-while the stream ran). Appends after the first one use ``NOMKSTREAM``, so a log
-that vanished is noticed (:meth:`RedisStore.append` returns False: the keeper
-begins again and rewrites it from entry 0, which it still holds), never
-re-created with its start missing; :meth:`RedisStore.end` rewrites it whole
-itself. And a reader checks that the entries it gets follow each other from
-where it started: one that does not (trimmed, or restored from a stale
-snapshot) raises :class:`~nexus.errors.StreamIncomplete`, never a stream with
-a hole.
-
-Connections come from one bounded pool (``[store] max_connections``): a
-command holds one for its round trip, a blocked reader for up to ``block_s``. A
-command that finds them all busy waits up to ``[store] pool_timeout_s`` for one
-(redis-py's ``BlockingConnectionPool``), then fails. Every failure to reach
-Redis, that one included, is raised as
-:class:`~nexus.errors.StoreUnavailable` (503 ``store_unavailable``,
-``Retry-After``), never as redis-py's own errors, and counted through
-:attr:`Store.on_error`. A reader cancelled mid-``XREAD`` has its connection
-closed by redis-py before it returns to the pool, so no stale reply is left
-for the next command.
+Connections. Commands share pipelines on the bounded pool (``[store] max_connections``;
+see :class:`~nexus.cache.redis_log.Pipeliner`); followers share blocking reads on
+connections of their own, one per :data:`~nexus.cache.redis_log.KEYS_PER_READ` logs
+followed. A command that cannot be sent within ``[store] pool_timeout_s`` fails. Every
+failure to reach Redis is raised as :class:`~nexus.errors.StoreUnavailable` (503
+``store_unavailable``, ``Retry-After``), never as redis-py's own errors, and counted
+through :attr:`Store.on_error`.
 """
 
 from __future__ import annotations
@@ -63,20 +50,23 @@ from urllib.parse import parse_qs, urlsplit
 import orjson
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from ..errors import StoreUnavailable, StreamIncomplete, StreamLost, StreamNotFound
-from ..events import Done, Error, StreamEvent
-from .codec import dump_event, load_event
+from ..errors import StoreUnavailable, StreamLost, StreamNotFound
+from ..events import StreamEvent
+from .codec import dump_event, dumps_events, load_event
+from .redis_log import Followers, Pipeliner, decode
 from .store import OWNER_TTL_S, Recording, Store, StreamInfo
 
 log = logging.getLogger("nexus.store")
 
 __all__ = ["RedisStore", "RedisUnavailable", "redact_url"]
 
-_PAGE = 1000
+_PAGE = 100
 """Entries per XRANGE / XREAD reply: bounds one reply's size."""
+_ENTRY = 500
+"""Events per log entry at most (a log written whole is cut into entries of this size)."""
 
 # Atomic, so no window between "it is taken" and "by whom" (the holder may
 # expire in between). Re-claiming by the holder renews it, as in MemoryStore.
@@ -125,48 +115,12 @@ def _ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
-def _index(entry_id: bytes | str) -> int:
-    """The log index of entry ID ``0-{i+1}``."""
-    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(raw.partition("-")[2]) - 1
-
-
-def _is_terminal(event: StreamEvent) -> bool:
-    return isinstance(event, Done | Error)
-
-
-def _decode(
-    stream_id: str, entries: Sequence[Any], after: int
-) -> tuple[list[StreamEvent], int, bool]:
-    """XRANGE / XREAD entries following entry ``after`` -> (events up to a terminal, index
-    of the last one, terminal seen).
-
-    Raises :class:`StreamIncomplete` when they do not follow on from ``after`` one by
-    one: the entries between were trimmed or lost (see the module docstring).
-    """
-    events: list[StreamEvent] = []
-    last = after
-    for entry_id, fields in entries:
-        index = _index(entry_id)
-        if index != last + 1:
-            raise StreamIncomplete(
-                f"Stream {stream_id!r} is missing entries from {last + 1} in the store "
-                "(trimmed past [streams] max_log_bytes, or lost while the store was "
-                "unreachable); it cannot be resumed from there."
-            )
-        last = index
-        event = load_event(orjson.loads(fields[b"e"]))
-        events.append(event)
-        if _is_terminal(event):
-            return events, last, True
-    return events, last, False
-
-
 class RedisStore(Store):
     """A :class:`Store` in Redis. See the module docstring for the key layout.
 
     ``client``, if given, is used instead of connecting to ``url``; it must
-    have ``decode_responses=False`` and stays the caller's to close.
+    have ``decode_responses=False`` and stays the caller's to close. Followers
+    connect to ``url`` either way.
     """
 
     shared = True
@@ -179,7 +133,7 @@ class RedisStore(Store):
         client: aioredis.Redis | None = None,
         max_connections: int = 128,
         pool_timeout_s: float = 5.0,
-        block_s: float = 1.5,
+        block_s: float = 1.0,
         max_log_bytes: int | None = None,
     ) -> None:
         super().__init__()
@@ -192,15 +146,17 @@ class RedisStore(Store):
         self._client = client
         self._owns_client = client is None
         self._live_ttl_ms: dict[str, int] = {}
-        """Live streams begun here -> the TTL each append renews."""
+        """Live streams begun here -> their TTL, set by the first append."""
         self.max_log_bytes = max_log_bytes
-        """A live log past this many bytes (in codec form) is trimmed (``XADD MAXLEN ~``)."""
+        """A live log past this many bytes (in codec form) is trimmed (``XADD MINID ~``)."""
         self._live_bytes: dict[str, int] = {}
         """Live streams begun here -> the bytes of their entries mirrored so far."""
         self.replica_id = os.urandom(8).hex()
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
         self._stopping = False
+        self._pipeliner: Pipeliner | None = None
+        self.followers = Followers(self._connect, self._send, self.block_ms, _PAGE)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -208,21 +164,24 @@ class RedisStore(Store):
             raise RuntimeError("RedisStore used before start()")
         return self._client
 
+    def _connect(self, max_connections: int | None = None) -> aioredis.Redis:
+        # Bounded: past it, a command waits up to pool_timeout_s, then fails.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.url,
+            decode_responses=False,
+            max_connections=max_connections or 1,
+            timeout=self.pool_timeout_s,
+            # Above block_ms, so a blocking XREAD is not cut short.
+            socket_timeout=max(5.0, 2 * self.block_ms / 1000),
+            socket_connect_timeout=5.0,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
+        )
+        return aioredis.Redis.from_pool(pool)  # closes the pool with it
+
     async def start(self) -> None:
         """Connect and PING. Raises :class:`RedisUnavailable` (no credentials in it)."""
         if self._client is None:
-            # Bounded: past it, a command waits up to pool_timeout_s, then fails.
-            pool = aioredis.BlockingConnectionPool.from_url(
-                self.url,
-                decode_responses=False,
-                max_connections=self.max_connections,
-                timeout=self.pool_timeout_s,
-                # Above block_ms, so a blocking XREAD is not cut short.
-                socket_timeout=max(5.0, 2 * self.block_ms / 1000),
-                socket_connect_timeout=5.0,
-                retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
-            )
-            self._client = aioredis.Redis.from_pool(pool)  # closes the pool with it
+            self._client = self._connect(self.max_connections)
         try:
             await self._client.ping()
             await self._client.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
@@ -235,6 +194,7 @@ class RedisStore(Store):
                 f"Redis not reachable at {where}: {_scrub(str(exc), self.url)}"
             ) from None
         self._alive = self._client.register_script(_ALIVE)
+        self._pipeliner = Pipeliner(self._client, self.pool_timeout_s)
         self._stopping = False
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
@@ -248,9 +208,28 @@ class RedisStore(Store):
             self._heartbeat = None
             with contextlib.suppress(RedisError, OSError):
                 await self.client.delete(self._replica_key(self.replica_id))
+        await self.followers.close()
+        if self._pipeliner is not None:
+            await self._pipeliner.close()
+            self._pipeliner = None
         if self._client is not None and self._owns_client:
             await self._client.aclose()
             self._client = None
+
+    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        if self._pipeliner is None:
+            raise RuntimeError("RedisStore used before start()")
+        return await self._pipeliner.run(commands)
+
+    async def _call(self, op: str, *commands: tuple[Any, ...], allow: str = "") -> list[Any]:
+        """The replies to ``commands``, sent together. Refusals raise, but those that
+        say ``allow``; Redis failing raises :class:`StoreUnavailable`, counted as ``op``."""
+        with self._reaching(op):
+            replies = await self._send(commands)
+            for reply in replies:
+                if isinstance(reply, Exception) and not (allow and allow in str(reply)):
+                    raise reply
+        return replies
 
     @contextlib.contextmanager
     def _reaching(self, op: str) -> Iterator[None]:
@@ -274,15 +253,15 @@ class RedisStore(Store):
         ttl_ms = _ms(ttl_s)
         self._live_ttl_ms[info.id] = ttl_ms
         self._live_bytes[info.id] = 0
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self._key(info.id, "owner"), self.replica_id.encode(), px=ttl_ms)
-        pipe.set(self._key(info.id, "info"), orjson.dumps(info.to_json()), px=ttl_ms)
-        # Also here, not only on the heartbeat: after a restart that lost it, this
-        # replica's streams, begun again, must not look orphaned until the next beat.
-        pipe.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
         try:
-            with self._reaching("begin"):
-                await pipe.execute()
+            await self._call(
+                "begin",
+                ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
+                ("SET", self._key(info.id, "info"), orjson.dumps(info.to_json()), "PX", ttl_ms),
+                # Also here, not only on the heartbeat: after a restart that lost it, this
+                # replica's streams, begun again, must not look orphaned until the next beat.
+                ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
+            )
         except StoreUnavailable:
             self._live_ttl_ms.pop(info.id, None)  # not begun: nothing of it to renew
             self._live_bytes.pop(info.id, None)
@@ -293,11 +272,10 @@ class RedisStore(Store):
         ttl_ms = self._live_ttl_ms.get(stream_id)
         if ttl_ms is None:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for part in ("info", "log", "owner"):
-            pipe.pexpire(self._key(stream_id, part), ttl_ms)
-        with self._reaching("keep_alive"):
-            await pipe.execute()
+        await self._call(
+            "keep_alive",
+            *(("PEXPIRE", self._key(stream_id, part), ttl_ms) for part in ("info", "log", "owner")),
+        )
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
@@ -312,14 +290,14 @@ class RedisStore(Store):
         """This replica is alive: one key for all its streams, renewed every third of its TTL."""
         key, ttl_ms = self._replica_key(self.replica_id), _ms(OWNER_TTL_S)
         while not self._stopping:
+            await asyncio.sleep(OWNER_TTL_S / 3)  # (start() set it)
             try:
-                await self.client.set(key, b"1", px=ttl_ms)
-            except (RedisError, OSError) as exc:
-                log.warning("renewing this replica's keep-alive failed: %s", type(exc).__name__)
-            await asyncio.sleep(OWNER_TTL_S / 3)
+                await self._call("beat", ("SET", key, b"1", "PX", ttl_ms))
+            except StoreUnavailable as exc:
+                log.warning("renewing this replica's keep-alive failed: %s", exc.__cause__)
 
     async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
-        """Entries ``start``... in one round trip, renewing the live TTL set by :meth:`begin`.
+        """Entries ``start``... as one entry of the log, in the pipeline of the moment.
 
         False when the log is gone from Redis (``start`` > 0 and no log: lost in a
         restart, or expired while Redis was unreachable): nothing was written, and the
@@ -332,8 +310,7 @@ class RedisStore(Store):
         ttl_ms = self._live_ttl_ms.get(stream_id)
         if ttl_ms is None:
             raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
-        with self._reaching("append"):
-            return await self._write(stream_id, start, events, ttl_ms, None)
+        return await self._write("append", stream_id, start, events, ttl_ms, None)
 
     async def end(
         self,
@@ -346,74 +323,63 @@ class RedisStore(Store):
         self._live_ttl_ms.pop(info.id, None)
         ttl_ms = _ms(ttl_s)
         try:
-            with self._reaching("end"):
-                if not await self._write(info.id, start, events[start:], ttl_ms, info):
-                    self._live_bytes[info.id] = 0
-                    await self._write(info.id, 0, events, ttl_ms, info)  # lost: all of it again
-                await self.client.delete(self._key(info.id, "owner"))
+            if not await self._write("end", info.id, start, events[start:], ttl_ms, info):
+                self._live_bytes[info.id] = 0
+                await self._write("end", info.id, 0, events, ttl_ms, info)  # lost: all again
         finally:
             self._live_bytes.pop(info.id, None)
 
     async def _write(
         self,
+        op: str,
         stream_id: str,
         start: int,
         events: Sequence[StreamEvent],
         ttl_ms: int,
         info: StreamInfo | None,
     ) -> bool:
-        """XADD ``events`` as entries ``start``..., then (re)write ``info``, then set both TTLs.
-
-        One pipeline, in this order: a reader that sees the finished info has
-        the whole log. Entries already present (a replayed pipeline) are skipped.
-        Past ``max_log_bytes`` the log is trimmed to about that size. False when
-        ``start`` > 0 and the log is gone (``NOMKSTREAM``: nothing was added).
-        """
+        """XADD ``events`` as entries from index ``start``; with ``info`` (the end), then
+        write it, set the TTLs and drop the owner, all in one group of commands: a reader
+        that sees the finished info has the whole log. The TTLs are set on the first
+        append too (it creates the log). Past ``max_log_bytes`` the log is trimmed to
+        about that size. False when ``start`` > 0 and the log is gone (``NOMKSTREAM``:
+        nothing was added)."""
         log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
-        payloads = [orjson.dumps(dump_event(event)) for event in events]
-        size = self._live_bytes.get(stream_id, 0) + sum(map(len, payloads))
-        self._live_bytes[stream_id] = size
+        commands: list[tuple[Any, ...]] = []
+        size = self._live_bytes.get(stream_id, 0)
         limit = self.max_log_bytes
-        # Entries to keep: as many as fit in the limit, at the log's mean entry size.
-        maxlen = (
-            None
-            if limit is None or size <= limit
-            else max(1, (start + len(events)) * limit // size)
-        )
-        after_first = start > 0
-        pipe = self.client.pipeline(transaction=False)
-        for i, payload in enumerate(payloads, start + 1):
-            pipe.xadd(
-                log,
-                {b"e": payload},
-                id=f"0-{i}",
-                maxlen=maxlen,
-                approximate=True,
-                nomkstream=after_first,
-            )
+        for at in range(0, len(events), _ENTRY):
+            payload = dumps_events(events[at : at + _ENTRY])
+            end = start + min(at + _ENTRY, len(events))
+            size += len(payload)
+            trim: tuple[Any, ...] = ()
+            if limit is not None and size > limit:
+                # Keep as many entries as fit, at the log's mean entry size.
+                trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
+            exists = ("NOMKSTREAM",) if start > 0 else ()
+            commands.append(("XADD", log, *exists, *trim, f"0-{end}", "e", payload))
+        self._live_bytes[stream_id] = size
         if info is not None:
-            pipe.set(info_key, orjson.dumps(info.to_json()), px=ttl_ms)
-        pipe.pexpire(log, ttl_ms)
-        pipe.pexpire(info_key, ttl_ms)
-        results = await pipe.execute(raise_on_error=False)
-        for result in results:
-            # "The ID specified in XADD is equal or smaller than the target stream top item"
-            if isinstance(result, ResponseError) and "equal or smaller" not in str(result):
-                raise result
-        return not (after_first and payloads and results[0] is None)
+            commands.append(("SET", info_key, orjson.dumps(info.to_json()), "PX", ttl_ms))
+        if info is not None or start == 0:
+            commands += [("PEXPIRE", log, ttl_ms), ("PEXPIRE", info_key, ttl_ms)]
+        if info is not None:
+            commands.append(("DEL", self._key(stream_id, "owner")))
+        # "The ID specified in XADD is equal or smaller than the target stream top item"
+        replies = await self._call(op, *commands, allow="equal or smaller")
+        return not (start > 0 and events and replies[0] is None)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
-        with self._reaching("info"):
-            raw = await self.client.get(self._key(stream_id, "info"))
+        (raw,) = await self._call("info", ("GET", self._key(stream_id, "info")))
         return None if raw is None else StreamInfo.from_json(orjson.loads(raw))
 
     async def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
-        """Catch up with XRANGE, then follow with blocking XREAD until the terminal entry.
+        """Catch up with XRANGE, then follow with the shared XREADs until the terminal entry.
 
         Also stops when the info says the stream ended and nothing is left to
         read (a start past the end, or a log without a terminal). Raises
         :class:`~nexus.errors.StreamNotFound` when neither info nor log exists,
-        at the start or after an XREAD that timed out.
+        at the start or after a block time without entries.
         """
         log = self._key(stream_id, "log")
         finished = await self._finished(stream_id)
@@ -421,12 +387,14 @@ class RedisStore(Store):
         while True:
             # Catch up, in pages.
             while True:
-                with self._reaching("read"):
-                    entries = await self.client.xrange(log, min=f"0-{after + 2}", count=_PAGE)
+                (entries,) = await self._call(
+                    "read", ("XRANGE", log, f"0-{after + 2}", "+", "COUNT", _PAGE)
+                )
                 entries = entries or []
                 if entries:
-                    events, after, terminal = _decode(stream_id, entries, after)
-                    yield events
+                    events, after, terminal = decode(stream_id, entries, after)
+                    if events:
+                        yield events
                     if terminal:
                         return
                 if len(entries) < _PAGE:
@@ -436,13 +404,11 @@ class RedisStore(Store):
             # Follow. A quiet spell: did it end (catch up once more, then stop) or expire?
             while not finished:
                 with self._reaching("read"):
-                    reply = await self.client.xread(
-                        {log: f"0-{after + 1}"}, count=_PAGE, block=self.block_ms
-                    )
-                entries = _xread_entries(reply)
+                    entries = await self.followers.next(log, after)
                 if entries:
-                    events, after, terminal = _decode(stream_id, entries, after)
-                    yield events
+                    events, after, terminal = decode(stream_id, entries, after)
+                    if events:
+                        yield events
                     if terminal:
                         return
                 else:
@@ -459,11 +425,11 @@ class RedisStore(Store):
 
     async def _finished(self, stream_id: str) -> bool:
         """Whether the stream ended; raises StreamNotFound if neither info nor log exists."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(self._key(stream_id, "info"))
-        pipe.exists(self._key(stream_id, "log"))
-        with self._reaching("read"):
-            raw, exists = await pipe.execute()
+        raw, exists = await self._call(
+            "read",
+            ("GET", self._key(stream_id, "info")),
+            ("EXISTS", self._key(stream_id, "log")),
+        )
         if raw is None:
             if not exists:
                 raise StreamNotFound(f"No stream {stream_id!r}: unknown, or expired.")
@@ -473,17 +439,15 @@ class RedisStore(Store):
 
     # Leases.
     async def lease(self, stream_id: str, ttl_s: float) -> None:
-        with self._reaching("lease"):
-            await self.client.set(self._key(stream_id, "lease"), b"1", px=_ms(ttl_s))
+        await self._call("lease", ("SET", self._key(stream_id, "lease"), b"1", "PX", _ms(ttl_s)))
 
     async def leased(self, stream_id: str) -> bool:
-        with self._reaching("leased"):
-            return bool(await self.client.exists(self._key(stream_id, "lease")))
+        (found,) = await self._call("leased", ("EXISTS", self._key(stream_id, "lease")))
+        return bool(found)
 
     # Recordings.
     async def get_recording(self, key: str) -> Recording | None:
-        with self._reaching("get_recording"):
-            raw = await self.client.get(f"{self.prefix}:rec:{key}")
+        (raw,) = await self._call("get_recording", ("GET", f"{self.prefix}:rec:{key}"))
         if raw is None:
             return None
         data = orjson.loads(raw)
@@ -503,8 +467,9 @@ class RedisStore(Store):
                 "upstream_model": recording.upstream_model,
             }
         )
-        with self._reaching("put_recording"):
-            await self.client.set(f"{self.prefix}:rec:{key}", value, px=_ms(ttl_s))
+        await self._call(
+            "put_recording", ("SET", f"{self.prefix}:rec:{key}", value, "PX", _ms(ttl_s))
+        )
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
@@ -525,16 +490,6 @@ if not owner then return 0 end
 return redis.call('EXISTS', ARGV[1] .. ':replica:' .. owner)
 """
 """Whether the replica a stream's ``owner`` key names still has its keep-alive."""
-
-
-def _xread_entries(reply: Any) -> list[Any]:
-    """The entries of a one-stream XREAD reply, RESP2 (``[[key, entries]]``) or RESP3."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        (value,) = reply.values()
-        return cast(list[Any], value[0])
-    return cast(list[Any], reply[0][1])
 
 
 def _scrub(message: str, url: str) -> str:

@@ -174,6 +174,7 @@ class RedisStore(Store):
             # Above block_ms, so a blocking XREAD is not cut short.
             socket_timeout=max(5.0, 2 * self.block_ms / 1000),
             socket_connect_timeout=5.0,
+            client_name=f"nexus-{self.replica_id}",  # CLIENT LIST names the replica
             retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
         )
         return aioredis.Redis.from_pool(pool)  # closes the pool with it

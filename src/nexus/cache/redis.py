@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
@@ -68,27 +68,24 @@ _PAGE = 100
 _ENTRY = 500
 """Events per log entry at most (a log written whole is cut into entries of this size)."""
 
-# Atomic, so no window between "it is taken" and "by whom" (the holder may
-# expire in between). Re-claiming by the holder renews it, as in MemoryStore.
+# Scripts (EVAL: Redis keeps them compiled). A claim is atomic, so no window between "it
+# is taken" and "by whom"; its holder claiming again renews it, as in MemoryStore.
 _CLAIM = """
 local held = redis.call('GET', KEYS[1])
-if not held then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return false
-end
-if held == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return false
-end
-return held
+if held and held ~= ARGV[1] then return held end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false
 """
-
-# Delete only if still ours: the claim may have expired and been taken since.
+# Deleted only if still ours: it may have expired and been taken since.
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
+"""
+# Whether the replica a stream's owner key names still has its keep-alive.
+_ALIVE = """
+local owner = redis.call('GET', KEYS[1])
+if not owner then return 0 end
+return redis.call('EXISTS', ARGV[1] .. ':replica:' .. owner)
 """
 
 
@@ -145,18 +142,15 @@ class RedisStore(Store):
         """How long one XREAD blocks: also how soon a follower notices its log expired."""
         self._client = client
         self._owns_client = client is None
-        self._live_ttl_ms: dict[str, int] = {}
-        """Live streams begun here -> their TTL, set by the first append."""
         self.max_log_bytes = max_log_bytes
         """A live log past this many bytes (in codec form) is trimmed (``XADD MINID ~``)."""
-        self._live_bytes: dict[str, int] = {}
-        """Live streams begun here -> the bytes of their entries mirrored so far."""
+        self._live: dict[str, list[int]] = {}
+        """Live streams begun here -> [their TTL in ms, the bytes of their log so far]."""
         self.replica_id = os.urandom(8).hex()
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
-        self._stopping = False
         self._pipeliner: Pipeliner | None = None
-        self.followers = Followers(self._connect, self._send, self.block_ms, _PAGE)
+        self.followers = Followers(self._connect, self._call, self.block_ms, _PAGE)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -194,16 +188,11 @@ class RedisStore(Store):
             raise RedisUnavailable(
                 f"Redis not reachable at {where}: {_scrub(str(exc), self.url)}"
             ) from None
-        self._alive = self._client.register_script(_ALIVE)
         self._pipeliner = Pipeliner(self._client, self.pool_timeout_s)
-        self._stopping = False
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
         if self._heartbeat is not None:
-            # redis-py may turn the cancellation of a command into a ConnectionError, which
-            # _beat survives: the flag ends it for sure.
-            self._stopping = True
             self._heartbeat.cancel()
             await asyncio.wait((self._heartbeat,), timeout=2.0)
             self._heartbeat = None
@@ -217,33 +206,28 @@ class RedisStore(Store):
             await self._client.aclose()
             self._client = None
 
-    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        if self._pipeliner is None:
-            raise RuntimeError("RedisStore used before start()")
-        return await self._pipeliner.run(commands)
-
     async def _call(self, op: str, *commands: tuple[Any, ...], allow: str = "") -> list[Any]:
         """The replies to ``commands``, sent together. Refusals raise, but those that
         say ``allow``; Redis failing raises :class:`StoreUnavailable`, counted as ``op``."""
-        with self._reaching(op):
-            replies = await self._send(commands)
+        if self._pipeliner is None:
+            raise RuntimeError("RedisStore used before start()")
+        try:
+            replies = await self._pipeliner.run(commands)
             for reply in replies:
                 if isinstance(reply, Exception) and not (allow and allow in str(reply)):
                     raise reply
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(op) from exc
         return replies
 
-    @contextlib.contextmanager
-    def _reaching(self, op: str) -> Iterator[None]:
-        """Redis errors inside become :class:`StoreUnavailable`, counted as ``op``."""
-        try:
-            yield
-        except (RedisError, OSError) as exc:
-            for count in self.on_error:
-                count(op)
-            raise StoreUnavailable(
-                "The stream store cannot be reached right now; retry shortly.",
-                headers={"Retry-After": "1"},
-            ) from exc
+    def _unavailable(self, op: str) -> StoreUnavailable:
+        """Redis failed: counted as ``op``, to be raised."""
+        for count in self.on_error:
+            count(op)
+        return StoreUnavailable(
+            "The stream store cannot be reached right now; retry shortly.",
+            headers={"Retry-After": "1"},
+        )
 
     # Keys.
     def _key(self, stream_id: str, part: str) -> str:
@@ -252,8 +236,7 @@ class RedisStore(Store):
     # Logs.
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         ttl_ms = _ms(ttl_s)
-        self._live_ttl_ms[info.id] = ttl_ms
-        self._live_bytes[info.id] = 0
+        self._live[info.id] = [ttl_ms, 0]
         try:
             await self._call(
                 "begin",
@@ -264,25 +247,23 @@ class RedisStore(Store):
                 ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
             )
         except StoreUnavailable:
-            self._live_ttl_ms.pop(info.id, None)  # not begun: nothing of it to renew
-            self._live_bytes.pop(info.id, None)
+            self._live.pop(info.id, None)  # not begun: nothing of it to renew
             raise
 
     async def keep_alive(self, stream_id: str) -> None:
         """Renew the live log's TTL: an idle stream must not expire while it runs."""
-        ttl_ms = self._live_ttl_ms.get(stream_id)
-        if ttl_ms is None:
-            return
-        await self._call(
-            "keep_alive",
-            *(("PEXPIRE", self._key(stream_id, part), ttl_ms) for part in ("info", "log", "owner")),
-        )
+        if stream_id in self._live:
+            ttl_ms = self._live[stream_id][0]
+            parts = ("info", "log", "owner")
+            await self._call(
+                "keep_alive", *(("PEXPIRE", self._key(stream_id, p), ttl_ms) for p in parts)
+            )
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
-        with self._reaching("alive"):
-            owner = self._key(stream_id, "owner")
-            return bool(await self._alive(keys=[owner], args=[self.prefix]))
+        owner = self._key(stream_id, "owner")
+        (alive,) = await self._call("alive", ("EVAL", _ALIVE, 1, owner, self.prefix))
+        return bool(alive)
 
     def _replica_key(self, replica_id: str) -> str:
         return f"{self.prefix}:replica:{replica_id}"
@@ -290,7 +271,7 @@ class RedisStore(Store):
     async def _beat(self) -> None:
         """This replica is alive: one key for all its streams, renewed every third of its TTL."""
         key, ttl_ms = self._replica_key(self.replica_id), _ms(OWNER_TTL_S)
-        while not self._stopping:
+        while True:
             await asyncio.sleep(OWNER_TTL_S / 3)  # (start() set it)
             try:
                 await self._call("beat", ("SET", key, b"1", "PX", ttl_ms))
@@ -300,18 +281,13 @@ class RedisStore(Store):
     async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
         """Entries ``start``... as one entry of the log, in the pipeline of the moment.
 
-        False when the log is gone from Redis (``start`` > 0 and no log: lost in a
-        restart, or expired while Redis was unreachable): nothing was written, and the
-        caller begins again and appends from entry 0. Raises ``RuntimeError`` if
-        :meth:`begin` was not called here: the log would otherwise be written without
-        a TTL and never expire.
+        False when the log is gone (see the module docstring): nothing was written.
+        Raises ``RuntimeError`` if :meth:`begin` was not called here: the log would
+        otherwise be written without a TTL and never expire.
         """
-        if not events:
-            return True
-        ttl_ms = self._live_ttl_ms.get(stream_id)
-        if ttl_ms is None:
+        if stream_id not in self._live:
             raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
-        return await self._write("append", stream_id, start, events, ttl_ms, None)
+        return not events or await self._write("append", stream_id, start, events, None, 0)
 
     async def end(
         self,
@@ -321,14 +297,12 @@ class RedisStore(Store):
         ttl_s: float,
         size: int | None = None,
     ) -> None:
-        self._live_ttl_ms.pop(info.id, None)
-        ttl_ms = _ms(ttl_s)
         try:
-            if not await self._write("end", info.id, start, events[start:], ttl_ms, info):
-                self._live_bytes[info.id] = 0
-                await self._write("end", info.id, 0, events, ttl_ms, info)  # lost: all again
+            if not await self._write("end", info.id, start, events[start:], info, _ms(ttl_s)):
+                self._live[info.id][1] = 0
+                await self._write("end", info.id, 0, events, info, _ms(ttl_s))  # lost: all again
         finally:
-            self._live_bytes.pop(info.id, None)
+            self._live.pop(info.id, None)
 
     async def _write(
         self,
@@ -336,19 +310,17 @@ class RedisStore(Store):
         stream_id: str,
         start: int,
         events: Sequence[StreamEvent],
-        ttl_ms: int,
         info: StreamInfo | None,
+        ttl_ms: int,
     ) -> bool:
-        """XADD ``events`` as entries from index ``start``; with ``info`` (the end), then
-        write it, set the TTLs and drop the owner, all in one group of commands: a reader
-        that sees the finished info has the whole log. The TTLs are set on the first
-        append too (it creates the log). Past ``max_log_bytes`` the log is trimmed to
-        about that size. False when ``start`` > 0 and the log is gone (``NOMKSTREAM``:
-        nothing was added)."""
+        """XADD ``events`` from log index ``start``; with ``info`` (the end), then write
+        it, set the TTLs (``ttl_ms``) and drop the owner, in one group: a reader that sees
+        the finished info has the whole log. The first append sets the live TTLs too.
+        False when ``start`` > 0 and the log is gone (``NOMKSTREAM``: nothing added)."""
         log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
         commands: list[tuple[Any, ...]] = []
-        size = self._live_bytes.get(stream_id, 0)
-        limit = self.max_log_bytes
+        live = self._live.setdefault(stream_id, [ttl_ms, 0])
+        ttl_ms, size, limit = ttl_ms or live[0], live[1], self.max_log_bytes
         for at in range(0, len(events), _ENTRY):
             payload = dumps_events(events[at : at + _ENTRY])
             end = start + min(at + _ENTRY, len(events))
@@ -359,7 +331,7 @@ class RedisStore(Store):
                 trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
             exists = ("NOMKSTREAM",) if start > 0 else ()
             commands.append(("XADD", log, *exists, *trim, f"0-{end}", "e", payload))
-        self._live_bytes[stream_id] = size
+        live[1] = size
         if info is not None:
             commands.append(("SET", info_key, orjson.dumps(info.to_json()), "PX", ttl_ms))
         if info is not None or start == 0:
@@ -404,8 +376,10 @@ class RedisStore(Store):
                 return
             # Follow. A quiet spell: did it end (catch up once more, then stop) or expire?
             while not finished:
-                with self._reaching("read"):
+                try:
                     entries = await self.followers.next(log, after)
+                except (RedisError, OSError) as exc:
+                    raise self._unavailable("read") from exc
                 if entries:
                     events, after, terminal = decode(stream_id, entries, after)
                     if events:
@@ -474,23 +448,12 @@ class RedisStore(Store):
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
-        script = self.client.register_script(_CLAIM)
-        with self._reaching("claim"):
-            held = await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id, _ms(ttl_s)])
+        claim = f"{self.prefix}:claim:{key}"
+        (held,) = await self._call("claim", ("EVAL", _CLAIM, 1, claim, stream_id, _ms(ttl_s)))
         return None if held is None else cast(bytes, held).decode()
 
     async def release(self, key: str, stream_id: str) -> None:
-        script = self.client.register_script(_RELEASE)
-        with self._reaching("release"):
-            await script(keys=[f"{self.prefix}:claim:{key}"], args=[stream_id])
-
-
-_ALIVE = """
-local owner = redis.call('GET', KEYS[1])
-if not owner then return 0 end
-return redis.call('EXISTS', ARGV[1] .. ':replica:' .. owner)
-"""
-"""Whether the replica a stream's ``owner`` key names still has its keep-alive."""
+        await self._call("release", ("EVAL", _RELEASE, 1, f"{self.prefix}:claim:{key}", stream_id))
 
 
 def _scrub(message: str, url: str) -> str:

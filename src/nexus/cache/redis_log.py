@@ -32,7 +32,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ..errors import StreamIncomplete
+from ..errors import StoreUnavailable, StreamIncomplete
 from ..events import Done, Error, StreamEvent
 from .codec import loads_events
 
@@ -174,8 +174,8 @@ class _Read:
 
     async def _unblock(self, client_id: int) -> None:
         try:
-            await self.owner.run([("CLIENT UNBLOCK", client_id)])
-        except (RedisError, OSError):
+            await self.owner.call("unblock", ("CLIENT UNBLOCK", client_id))
+        except StoreUnavailable:
             pass  # the read ends at its block time anyway
         finally:
             self.unblocking = False
@@ -230,19 +230,19 @@ def _by_key(reply: Any) -> Iterable[tuple[bytes, list[Any]]]:
 class Followers:
     """Blocking reads shared by every reader of a store; see the module docstring.
 
-    ``connect`` gives a client of one connection for each blocking read; ``run`` sends
-    other commands (:meth:`Pipeliner.run`).
+    ``connect`` gives a client of one connection for each blocking read; ``call`` sends
+    other commands (``call(op, *commands)``: :meth:`~nexus.cache.redis.RedisStore._call`).
     """
 
     def __init__(
         self,
         connect: Callable[[], aioredis.Redis],
-        run: Callable[[Sequence[Command]], Coroutine[Any, Any, list[Any]]],
+        call: Callable[..., Coroutine[Any, Any, list[Any]]],
         block_ms: int,
         page: int,
     ) -> None:
         self.connect = connect
-        self.run = run
+        self.call = call
         self.block_ms = block_ms
         self.page = page
         self._reads: list[_Read] = []

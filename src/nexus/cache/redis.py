@@ -1,39 +1,29 @@
 """The Redis store: shared by replicas, so a stream started on one can be followed from another.
 
-Keys, all under ``{prefix}:``::
+Keys, all under ``{prefix}:``, each with a TTL::
 
-    stream:{id}:info    string   JSON of StreamInfo.to_json()
-    stream:{id}:log     stream   the log, in batches (see nexus.cache.redis_log)
-    stream:{id}:owner   string   the replica running the live stream (deleted at its end)
-    stream:{id}:lease   string   set while a client on another replica follows the stream
-    rec:{key}           string   JSON of a Recording (events in codec form)
-    claim:{key}         string   the id of the stream that holds an in-flight claim
-    replica:{id}        string   this replica is alive (renewed every third of its TTL)
+    stream:{id}:info    string   JSON of StreamInfo.to_json()      live: begin's ttl_s,
+    stream:{id}:log     stream   the log (nexus.cache.redis_log)   renewed by keep_alive;
+    stream:{id}:owner   string   the replica running it             finished: the resume TTL
+    stream:{id}:lease   string   a client on another replica follows it
+    rec:{key}           string   JSON of a Recording               [cache] ttl_s
+    claim:{key}         string   the stream holding an in-flight claim
+    replica:{id}        string   this replica is alive             OWNER_TTL_S, renewed
 
-Every one has a TTL: a live log and its info and owner the ``ttl_s`` given to
-:meth:`RedisStore.begin` (set by the first append, renewed by
-:meth:`RedisStore.keep_alive`), a finished one the resume TTL, a recording ``[cache]
-ttl_s``, a claim and a lease theirs, a replica's keep-alive ``OWNER_TTL_S``. (The
-limits' keys are in :mod:`nexus.cache.redis_limits`.) If the owning replica dies, its
-live logs expire and their followers get :class:`~nexus.errors.StreamNotFound`, or
-:class:`~nexus.errors.StreamLost` as soon as its keep-alive lapsed.
+(The limits' keys are in :mod:`nexus.cache.redis_limits`.) When the owner of a live log
+dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive lapsed.
 
-Holes. A log mirrored here may lack entries a reader wants: trimmed (past
-``max_log_bytes`` an append trims with ``XADD MINID ~`` to about that many bytes of the
-newest entries), or lost (Redis restarted without persistence while the stream ran).
+Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
+trims the oldest with ``XADD MINID ~``), or lost (Redis restarted without persistence).
 Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
-(:meth:`RedisStore.append` returns False: the keeper begins again and rewrites it from
-entry 0), never re-created with its start missing; :meth:`RedisStore.end` rewrites it
-whole itself. A reader checks that the entries it gets follow each other from where it
-started: one that does not raises :class:`~nexus.errors.StreamIncomplete`, never a
-stream with a hole.
+(:meth:`RedisStore.append` returns False: the keeper begins again from entry 0), never
+re-created without its start; :meth:`RedisStore.end` rewrites it whole itself. A reader
+that meets a gap raises :class:`~nexus.errors.StreamIncomplete`, never serves a hole.
 
-Connections. Commands share pipelines on the bounded pool (``[store] max_connections``;
-see :class:`~nexus.cache.redis_log.Pipeliner`); followers share blocking reads on
-connections of their own, one per :data:`~nexus.cache.redis_log.KEYS_PER_READ` logs
-followed. A command that cannot be sent within ``[store] pool_timeout_s`` fails. Every
-failure to reach Redis is raised as :class:`~nexus.errors.StoreUnavailable` (503
-``store_unavailable``, ``Retry-After``), never as redis-py's own errors, and counted
+Connections: commands share pipelines on the pool (``[store] max_connections``), and
+followers share blocking reads on connections of their own (:mod:`nexus.cache.redis_log`).
+A command not sent within ``[store] pool_timeout_s`` fails. Every failure to reach Redis
+is raised as :class:`~nexus.errors.StoreUnavailable` (503, ``Retry-After``) and counted
 through :attr:`Store.on_error`.
 """
 
@@ -347,56 +337,45 @@ class RedisStore(Store):
         return None if raw is None else StreamInfo.from_json(orjson.loads(raw))
 
     async def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
-        """Catch up with XRANGE, then follow with the shared XREADs until the terminal entry.
+        """Catch up with XRANGE, then follow with the shared XREADs until the terminal entry,
+        or, after a quiet spell, until the info says it ended and nothing is left.
 
-        Also stops when the info says the stream ended and nothing is left to
-        read (a start past the end, or a log without a terminal). Raises
-        :class:`~nexus.errors.StreamNotFound` when neither info nor log exists,
-        at the start or after a block time without entries.
+        Raises :class:`~nexus.errors.StreamNotFound` when neither info nor log exists (at
+        the start or after a quiet spell), :class:`~nexus.errors.StreamLost` when its
+        replica stopped before it ended.
         """
         log = self._key(stream_id, "log")
         finished = await self._finished(stream_id)
         after = start - 1  # index of the last entry read
+        following = False
         while True:
-            # Catch up, in pages.
-            while True:
-                (entries,) = await self._call(
-                    "read", ("XRANGE", log, f"0-{after + 2}", "+", "COUNT", _PAGE)
-                )
-                entries = entries or []
-                if entries:
-                    events, after, terminal = decode(stream_id, entries, after)
-                    if events:
-                        yield events
-                    if terminal:
-                        return
-                if len(entries) < _PAGE:
-                    break
-            if finished:
-                return
-            # Follow. A quiet spell: did it end (catch up once more, then stop) or expire?
-            while not finished:
+            if following:
                 try:
                     entries = await self.followers.next(log, after)
                 except (RedisError, OSError) as exc:
                     raise self._unavailable("read") from exc
-                if entries:
-                    events, after, terminal = decode(stream_id, entries, after)
-                    if events:
-                        yield events
-                    if terminal:
-                        return
-                else:
-                    finished = await self._finished(stream_id)
-                    if not finished and not await self.alive(stream_id):
-                        # Catch up once more: it may have ended just now.
-                        if await self._finished(stream_id):
-                            finished = True
-                            continue
+            else:
+                page = ("XRANGE", log, f"0-{after + 2}", "+", "COUNT", _PAGE)
+                entries = (await self._call("read", page))[0] or []
+                following = len(entries) < _PAGE
+            if entries:
+                events, after, terminal = decode(stream_id, entries, after)
+                if events:
+                    yield events
+                if terminal:
+                    return
+            if finished and following:
+                return
+            if following and not entries:  # quiet: did it end (catch up once more) or stop?
+                finished = await self._finished(stream_id)
+                if not finished and not await self.alive(stream_id):
+                    finished = await self._finished(stream_id)  # it may have ended just now
+                    if not finished:
                         raise StreamLost(
                             f"The replica running stream {stream_id!r} stopped before it "
                             "ended; retry the request."
                         )
+                following = not finished
 
     async def _finished(self, stream_id: str) -> bool:
         """Whether the stream ended; raises StreamNotFound if neither info nor log exists."""

@@ -4,38 +4,21 @@ Keys, under the store's ``{prefix}:``::
 
     limits:rate:{key}      hash    the key's token bucket: tokens "t", last refill "at" (ms)
     limits:streams:{key}   zset    one member per stream running, scored by its lease deadline
-    spend:{key}:{window}   string  the window's spend in USD (INCRBYFLOAT); expires a day
-                                   after the window ends (``total`` never does)
-    charged:{id}           string  a charge that was added (15 minutes): sent again, it
-                                   adds nothing
+    spend:{key}:{window}   string  the window's spend in USD; expires a day after the window
+    charged:{id}           string  a charge that was added (15 minutes): sent again, it adds nothing
 
-**One round trip.** :data:`_ADMIT`, a Lua script run with EVALSHA, checks and
-takes everything a request needs at once: the budget (spend below it), a token
-(refilled from Redis's own clock, so replicas' clocks do not matter), and a slot
-(stale members dropped first, then a count under the limit, then the new
-member). Being a script, it is atomic: two replicas cannot both take the last
-token or the last slot.
+One Lua script (:data:`_ADMIT`) checks and takes a request's budget, token (refilled
+on Redis's clock) and slot at once, atomically: two replicas cannot both take the last
+one. A slot's score is its lease deadline: this process renews all its slots on one
+tick (every third of ``[limits] stream_lease_s``, one pipeline); a slot goes when its
+stream ends (the ends of one loop turn in one pipeline), or, for a replica that died,
+at the next admission past its lease.
 
-**Slots and leases.** A slot's score is its lease deadline. This process renews
-the leases of all the slots it holds on one tick (every third of
-``[limits] stream_lease_s``), one script call per key in one pipeline, not a
-timer per stream. A slot is removed when its stream ends (batched: the ends of
-one loop turn go in one pipeline); the slots of a replica that died stop being
-renewed and are dropped by the next admission once their lease passed.
-
-**Redis failing** never becomes a 500:
-
-* rate and concurrency *fail open to this process*: the request is admitted
-  against :class:`~nexus.cache.limits.LocalLimits` (this process's buckets and
-  streams), so each process still holds the limits by itself while Redis is
-  away; a warning is logged (at most one a minute).
-* a key with a budget *fails closed*: ``503 store_unavailable``; spend that
-  cannot be checked is not spent.
-* a charge that fails is kept here and retried on the next tick (lost only if
-  this process stops before Redis is back); a release that fails is left to
-  its lease. Each charge has an id, and adds its spend once however often it is
-  sent: a charge whose reply was lost (a blip after Redis carried it out) is
-  retried, by redis-py and by the tick, and must not count twice.
+Redis failing is never a 500: rate and concurrency fail open to this process
+(:class:`~nexus.cache.limits.LocalLimits`, a warning a minute at most); a key with a
+budget fails closed (503 ``store_unavailable``: spend that cannot be checked is not
+spent); a charge that fails is retried on the tick under its id, so a charge whose reply
+was lost counts once; a release that fails is left to its lease.
 """
 
 from __future__ import annotations

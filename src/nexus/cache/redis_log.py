@@ -1,38 +1,34 @@
-"""A stream's log in Redis, and the two shared channels that move it: one pipeline in flight
-for every command of the process, and blocking reads shared by every follower.
+"""A stream's log in Redis, and the two shared channels that move it.
 
-**Layout.** A log is a Redis Stream of batches. An entry holds the events appended in
-one go, in the field ``e`` (:func:`~nexus.cache.codec.dumps_events`: a JSON array), and
-its ID is ``0-{end}``, ``end`` being the log index after its last event. IDs grow with
-the log, and the entry holding index ``i`` is the first with an ID above ``0-{i}``: a
-reader resumes at any index with ``XRANGE``, then follows with ``XREAD`` from the last
-ID it saw. Writing an entry again is safe: the same ID is refused by Redis (the caller
-ignores that), and an entry that overlaps the one before it (a retry that carries more
-events) is cut by the reader (:func:`decode`).
+**Layout.** A log is a Redis Stream of batches: an entry holds the events appended in one
+go, in the field ``e`` (:func:`~nexus.cache.codec.dumps_events`), and its ID is
+``0-{end}``, ``end`` being the log index after its last event. The entry holding index
+``i`` is the first with an ID above ``0-{i}``: a reader resumes at any index with
+``XRANGE``, then follows with ``XREAD``. Writing an entry again is safe: Redis refuses
+the same ID, and the reader cuts an entry that overlaps the one before it (a retry that
+carries more events).
 
 **Commands** (:class:`Pipeliner`): every task's commands join one pipeline; while it is
-in flight the next ones gather and go together in the next. A thousand streams
-mirroring their logs cost a round trip per turn, not one per stream, on one
-connection of the pool.
+in flight the next ones gather for the next. A thousand streams mirroring their logs
+cost a round trip per turn, on one connection of the pool.
 
 **Followers** (:class:`Followers`): one blocking ``XREAD`` per connection follows up to
-:data:`KEYS_PER_READ` logs for every reader of this process, routing each reply to the
-readers waiting on its keys. A reader that brings a new key interrupts the blocked read
-(``CLIENT UNBLOCK``), so that the next one includes it. 5,000 followed streams take 20
-connections, not 5,000.
+:data:`KEYS_PER_READ` logs for every reader of the process, and routes each reply to
+the readers of its keys; a reader that brings a new key interrupts it (``CLIENT
+UNBLOCK``) so that the next read includes it. 5,000 followed streams take 20 connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ..errors import StoreUnavailable, StreamIncomplete
+from ..errors import StreamIncomplete
 from ..events import Done, Error, StreamEvent
 from .codec import loads_events
 
@@ -74,12 +70,8 @@ def decode(
 
 
 class Pipeliner:
-    """Sends commands in pipelines, one at a time; see the module docstring.
-
-    A group of commands that waits longer than ``wait_s`` for its pipeline (or whose
-    pipeline waits that long for a connection of the pool) fails, with the errors of
-    Redis, as :class:`RedisError`.
-    """
+    """Sends commands in pipelines, one at a time (see the module docstring). A group
+    not sent within ``wait_s`` (its pipeline waited for the pool) fails."""
 
     def __init__(self, client: aioredis.Redis, wait_s: float) -> None:
         self._client = client
@@ -88,8 +80,8 @@ class Pipeliner:
         self._task: asyncio.Task[None] | None = None
 
     async def run(self, commands: Sequence[Command]) -> list[Any]:
-        """Each command's reply, in order; a command that Redis refused has its error as
-        its reply. Raises :class:`RedisError` or ``OSError`` when Redis cannot be reached."""
+        """Each command's reply, in order (a refusal as its error). Raises
+        :class:`RedisError` or ``OSError`` when Redis cannot be reached."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Any]] = loop.create_future()
         self._queue.append((commands, future, loop.time()))
@@ -104,28 +96,26 @@ class Pipeliner:
                 groups, self._queue = self._queue, []
                 late = loop.time() - self._wait_s
                 pipe = self._client.pipeline(transaction=False)
-                sent: list[tuple[asyncio.Future[list[Any]], int]] = []
+                sent = []
                 for commands, future, queued in groups:
-                    if future.done():
-                        continue  # its caller left
-                    if queued < late:
+                    if queued < late and not future.done():
                         future.set_exception(RedisError("no pipeline free in time"))
-                        continue
-                    for command in commands:
-                        pipe.execute_command(*command)
-                    sent.append((future, len(commands)))
-                if not sent:
-                    continue
+                    if not future.done():  # (else: its caller left)
+                        for command in commands:
+                            pipe.execute_command(*command)
+                        sent.append((future, len(commands)))
+                failed: BaseException | None = None
                 try:
-                    replies = await pipe.execute(raise_on_error=False)
+                    replies = await pipe.execute(raise_on_error=False) if sent else []
                 except (RedisError, OSError) as exc:
-                    for future, _ in sent:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
+                    failed = exc
                 at = 0
                 for future, count in sent:
-                    if not future.done():
+                    if future.done():
+                        pass
+                    elif failed is not None:
+                        future.set_exception(failed)
+                    else:
                         future.set_result(replies[at : at + count])
                     at += count
         finally:
@@ -134,56 +124,55 @@ class Pipeliner:
                 future.cancel()
 
     async def close(self) -> None:
-        task = self._task
-        if task is not None:
-            task.cancel()
-            await asyncio.wait((task,), timeout=2.0)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait((self._task,), timeout=2.0)
+
+
+Waiter = tuple[int, asyncio.Future[list[Any]]]
 
 
 class _Read:
-    """One blocking XREAD connection and the readers waiting on it, by key."""
+    """One blocking XREAD connection and its readers, by key."""
 
     def __init__(self, followers: Followers) -> None:
         self.owner = followers
         self.client = followers.connect()
-        self.waiting: dict[bytes, list[tuple[int, asyncio.Future[list[Any]]]]] = {}
+        self.waiting: dict[bytes, list[Waiter]] = {}
         self.woken = asyncio.Event()
         self.blocked = False
-        self.unblocking = False
+        self.unblocking: asyncio.Task[Any] | None = None
         self.id: int | None = None
         self.task = asyncio.get_running_loop().create_task(self._loop())
 
-    def add(self, key: bytes, waiter: tuple[int, asyncio.Future[list[Any]]]) -> None:
-        waiters = self.waiting.get(key)
-        if waiters is not None:
-            waiters.append(waiter)
+    def add(self, key: bytes, waiter: Waiter) -> None:
+        if key in self.waiting:
+            self.waiting[key].append(waiter)
             return
         self.waiting[key] = [waiter]
-        if not self.blocked:
-            self.woken.set()
-        elif not self.unblocking and self.id is not None:
-            self.unblocking = True  # the read under way lacks this key: restart it
-            asyncio.get_running_loop().create_task(self._unblock(self.id))
+        self.woken.set()
+        if self.blocked and self.unblocking is None and self.id is not None:
+            # The read under way lacks this key: end it (it ends at its block time anyway).
+            command = ("CLIENT UNBLOCK", self.id)
+            self.unblocking = asyncio.ensure_future(self.owner.call("unblock", command))
+            self.unblocking.add_done_callback(self._unblocked)
 
-    def remove(self, key: bytes, waiter: tuple[int, asyncio.Future[list[Any]]]) -> None:
-        waiters = self.waiting.get(key)
-        if waiters is not None and waiter in waiters:
+    def _unblocked(self, task: asyncio.Task[Any]) -> None:
+        self.unblocking = None
+        if not task.cancelled():
+            task.exception()  # counted by the call: retrieved, not raised
+
+    def remove(self, key: bytes, waiter: Waiter) -> None:
+        waiters = self.waiting.get(key, [])
+        if waiter in waiters:
             waiters.remove(waiter)
             if not waiters:
                 del self.waiting[key]
 
-    async def _unblock(self, client_id: int) -> None:
-        try:
-            await self.owner.call("unblock", ("CLIENT UNBLOCK", client_id))
-        except StoreUnavailable:
-            pass  # the read ends at its block time anyway
-        finally:
-            self.unblocking = False
-
     async def _loop(self) -> None:
         while True:
+            self.woken.clear()
             if not self.waiting:
-                self.woken.clear()
                 await self.woken.wait()
                 continue
             try:
@@ -195,7 +184,7 @@ class _Read:
                 }
                 self.blocked = True
                 try:
-                    reply = await self.client.xread(
+                    reply: Any = await self.client.xread(
                         streams,  # type: ignore[arg-type]
                         count=self.owner.page,
                         block=self.owner.block_ms,
@@ -205,12 +194,13 @@ class _Read:
             except (RedisError, OSError) as exc:
                 self.id = None
                 waiting, self.waiting = self.waiting, {}
-                for waiters in waiting.values():
-                    for _, future in waiters:
-                        if not future.done():
-                            future.set_exception(exc)
+                for _, future in (waiter for waiters in waiting.values() for waiter in waiters):
+                    if not future.done():
+                        future.set_exception(exc)
                 continue
-            for key, entries in _by_key(reply):
+            if isinstance(reply, dict):  # RESP3; RESP2 is [[key, entries], ...]
+                reply = [(key, value[0]) for key, value in reply.items()]
+            for key, entries in reply or ():
                 for after, future in self.waiting.pop(key, ()):
                     if not future.done():
                         future.set_result(
@@ -218,21 +208,10 @@ class _Read:
                         )
 
 
-def _by_key(reply: Any) -> Iterable[tuple[bytes, list[Any]]]:
-    """(key, entries) of an XREAD reply, RESP2 (``[[key, entries]]``) or RESP3."""
-    if not reply:
-        return ()
-    if isinstance(reply, dict):
-        return ((key, value[0]) for key, value in reply.items())
-    return ((key, entries) for key, entries in reply)
-
-
 class Followers:
     """Blocking reads shared by every reader of a store; see the module docstring.
-
-    ``connect`` gives a client of one connection for each blocking read; ``call`` sends
-    other commands (``call(op, *commands)``: :meth:`~nexus.cache.redis.RedisStore._call`).
-    """
+    ``connect`` gives a client of one connection for each; ``call(op, *commands)`` sends
+    other commands (:meth:`~nexus.cache.redis.RedisStore._call`)."""
 
     def __init__(
         self,
@@ -253,35 +232,29 @@ class Followers:
 
     async def next(self, key: str, after: int) -> list[Any]:
         """Entries of the log at ``key`` past log index ``after``, or none after a block
-        time without any. Raises :class:`RedisError` or ``OSError`` when Redis cannot be
-        reached."""
+        time. Raises :class:`RedisError` or ``OSError`` when Redis cannot be reached."""
         raw = key.encode()
         read = self._place(raw)
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        waiter = (after, future)
-        read.add(raw, waiter)
+        read.add(raw, (after, future))
         try:
             async with asyncio.timeout(self.block_ms / 1000):
                 return await future
         except TimeoutError:
             return []
         finally:
-            read.remove(raw, waiter)
+            read.remove(raw, (after, future))
 
     def _place(self, key: bytes) -> _Read:
         """The read that follows ``key`` already, else the least busy one with room."""
-        best = None
+        free = [read for read in self._reads if len(read.waiting) < KEYS_PER_READ]
         for read in self._reads:
             if key in read.waiting:
                 return read
-            if len(read.waiting) < KEYS_PER_READ and (
-                best is None or len(read.waiting) < len(best.waiting)
-            ):
-                best = read
-        if best is None:
-            best = _Read(self)
-            self._reads.append(best)
-        return best
+        if free:
+            return min(free, key=lambda read: len(read.waiting))
+        self._reads.append(_Read(self))
+        return self._reads[-1]
 
     async def close(self) -> None:
         reads, self._reads = self._reads, []

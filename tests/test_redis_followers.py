@@ -92,3 +92,33 @@ async def test_many_followed_streams_share_a_few_connections(
         await follower.close()
         await owner.close()
     assert await clients_of(redis_client, follower) == 0  # closed: none left behind
+
+
+async def test_a_new_follower_interrupts_the_blocked_read(prefix: str) -> None:
+    store = RedisStore(REDIS_URL, prefix, block_s=10)  # a read blocks long: not waited out
+    await store.start()
+    errors: list[str] = []
+    store.on_error.append(errors.append)
+    try:
+        first, second = make_info(), make_info()
+        for info in (first, second):
+            await store.begin(info, 60)
+
+        async def follow(info: StreamInfo) -> list[StreamEvent]:
+            return [event async for batch in store.read(info.id) for event in batch]
+
+        reading = asyncio.create_task(follow(first))
+        await asyncio.sleep(0.3)  # blocked in XREAD on the first key alone
+        joining = asyncio.create_task(follow(second))
+        await asyncio.sleep(0.3)
+        second.status = "completed"
+        started = asyncio.get_running_loop().time()
+        await store.end(second, [Delta(content="hi"), Done()], 0, 60)
+        async with asyncio.timeout(5):
+            assert await joining == [Delta(content="hi"), Done()]
+        assert asyncio.get_running_loop().time() - started < 2.0  # not at the block's end
+        assert len(store.followers) == 1
+        reading.cancel()
+        assert errors == []
+    finally:
+        await store.close()

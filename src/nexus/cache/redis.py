@@ -140,7 +140,7 @@ class RedisStore(Store):
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
         self._pipeliner: Pipeliner | None = None
-        self.followers = Followers(self._connect, self._call, self.block_ms, _PAGE)
+        self.followers = Followers(self._connect, self.call, self.block_ms, _PAGE)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -178,7 +178,6 @@ class RedisStore(Store):
             raise RedisUnavailable(
                 f"Redis not reachable at {where}: {_scrub(str(exc), self.url)}"
             ) from None
-        self._pipeliner = Pipeliner(self._client, self.pool_timeout_s)
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
@@ -196,11 +195,11 @@ class RedisStore(Store):
             await self._client.aclose()
             self._client = None
 
-    async def _call(self, op: str, *commands: tuple[Any, ...], allow: str = "") -> list[Any]:
+    async def call(self, op: str, *commands: tuple[Any, ...], allow: str = "") -> list[Any]:
         """The replies to ``commands``, sent together. Refusals raise, but those that
         say ``allow``; Redis failing raises :class:`StoreUnavailable`, counted as ``op``."""
-        if self._pipeliner is None:
-            raise RuntimeError("RedisStore used before start()")
+        if self._pipeliner is None:  # (a store given its client works unstarted)
+            self._pipeliner = Pipeliner(self.client, self.pool_timeout_s)
         try:
             replies = await self._pipeliner.run(commands)
             for reply in replies:
@@ -228,7 +227,7 @@ class RedisStore(Store):
         ttl_ms = _ms(ttl_s)
         self._live[info.id] = [ttl_ms, 0]
         try:
-            await self._call(
+            await self.call(
                 "begin",
                 ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
                 ("SET", self._key(info.id, "info"), orjson.dumps(info.to_json()), "PX", ttl_ms),
@@ -245,14 +244,14 @@ class RedisStore(Store):
         if stream_id in self._live:
             ttl_ms = self._live[stream_id][0]
             parts = ("info", "log", "owner")
-            await self._call(
+            await self.call(
                 "keep_alive", *(("PEXPIRE", self._key(stream_id, p), ttl_ms) for p in parts)
             )
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
         owner = self._key(stream_id, "owner")
-        (alive,) = await self._call("alive", ("EVAL", _ALIVE, 1, owner, self.prefix))
+        (alive,) = await self.call("alive", ("EVAL", _ALIVE, 1, owner, self.prefix))
         return bool(alive)
 
     def _replica_key(self, replica_id: str) -> str:
@@ -264,7 +263,7 @@ class RedisStore(Store):
         while True:
             await asyncio.sleep(OWNER_TTL_S / 3)  # (start() set it)
             try:
-                await self._call("beat", ("SET", key, b"1", "PX", ttl_ms))
+                await self.call("beat", ("SET", key, b"1", "PX", ttl_ms))
             except StoreUnavailable as exc:
                 log.warning("renewing this replica's keep-alive failed: %s", exc.__cause__)
 
@@ -329,11 +328,11 @@ class RedisStore(Store):
         if info is not None:
             commands.append(("DEL", self._key(stream_id, "owner")))
         # "The ID specified in XADD is equal or smaller than the target stream top item"
-        replies = await self._call(op, *commands, allow="equal or smaller")
+        replies = await self.call(op, *commands, allow="equal or smaller")
         return not (start > 0 and events and replies[0] is None)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
-        (raw,) = await self._call("info", ("GET", self._key(stream_id, "info")))
+        (raw,) = await self.call("info", ("GET", self._key(stream_id, "info")))
         return None if raw is None else StreamInfo.from_json(orjson.loads(raw))
 
     async def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
@@ -356,7 +355,7 @@ class RedisStore(Store):
                     raise self._unavailable("read") from exc
             else:
                 page = ("XRANGE", log, f"0-{after + 2}", "+", "COUNT", _PAGE)
-                entries = (await self._call("read", page))[0] or []
+                entries = (await self.call("read", page))[0] or []
                 following = len(entries) < _PAGE
             if entries:
                 events, after, terminal = decode(stream_id, entries, after)
@@ -379,7 +378,7 @@ class RedisStore(Store):
 
     async def _finished(self, stream_id: str) -> bool:
         """Whether the stream ended; raises StreamNotFound if neither info nor log exists."""
-        raw, exists = await self._call(
+        raw, exists = await self.call(
             "read",
             ("GET", self._key(stream_id, "info")),
             ("EXISTS", self._key(stream_id, "log")),
@@ -393,15 +392,15 @@ class RedisStore(Store):
 
     # Leases.
     async def lease(self, stream_id: str, ttl_s: float) -> None:
-        await self._call("lease", ("SET", self._key(stream_id, "lease"), b"1", "PX", _ms(ttl_s)))
+        await self.call("lease", ("SET", self._key(stream_id, "lease"), b"1", "PX", _ms(ttl_s)))
 
     async def leased(self, stream_id: str) -> bool:
-        (found,) = await self._call("leased", ("EXISTS", self._key(stream_id, "lease")))
+        (found,) = await self.call("leased", ("EXISTS", self._key(stream_id, "lease")))
         return bool(found)
 
     # Recordings.
     async def get_recording(self, key: str) -> Recording | None:
-        (raw,) = await self._call("get_recording", ("GET", f"{self.prefix}:rec:{key}"))
+        (raw,) = await self.call("get_recording", ("GET", f"{self.prefix}:rec:{key}"))
         if raw is None:
             return None
         data = orjson.loads(raw)
@@ -421,18 +420,18 @@ class RedisStore(Store):
                 "upstream_model": recording.upstream_model,
             }
         )
-        await self._call(
+        await self.call(
             "put_recording", ("SET", f"{self.prefix}:rec:{key}", value, "PX", _ms(ttl_s))
         )
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
         claim = f"{self.prefix}:claim:{key}"
-        (held,) = await self._call("claim", ("EVAL", _CLAIM, 1, claim, stream_id, _ms(ttl_s)))
+        (held,) = await self.call("claim", ("EVAL", _CLAIM, 1, claim, stream_id, _ms(ttl_s)))
         return None if held is None else cast(bytes, held).decode()
 
     async def release(self, key: str, stream_id: str) -> None:
-        await self._call("release", ("EVAL", _RELEASE, 1, f"{self.prefix}:claim:{key}", stream_id))
+        await self.call("release", ("EVAL", _RELEASE, 1, f"{self.prefix}:claim:{key}", stream_id))
 
 
 def _scrub(message: str, url: str) -> str:

@@ -249,7 +249,7 @@ class _Read:
 class Followers:
     """Blocking reads shared by every reader of a store; see the module docstring.
     ``connect`` gives a client of one connection for each; ``call(op, *commands)`` sends
-    other commands (:meth:`~nexus.cache.redis.RedisStore._call`)."""
+    other commands (:meth:`~nexus.cache.redis.RedisStore.call`)."""
 
     def __init__(
         self,

@@ -456,7 +456,7 @@ async def test_a_slow_but_alive_reader_gets_the_whole_stream(
     """A client that reads 1 KB every 10 ms (~100 KB/s) is never dropped.
 
     ``write_timeout_s`` (1 s) is for a client "whose socket takes no data for this
-    long" (README); this one's socket takes data every 10 ms. The mock produces
+    long" (docs/configuration.md); this one's socket takes data every 10 ms. The mock produces
     the whole stream in milliseconds, so the gateway holds a backlog of ~850 KB
     for it. With loopback's kernel buffers the kernel takes all of it at once;
     with small ones (``small-buffers``) the gateway must feed the socket as it

@@ -728,7 +728,7 @@ async def check_response(path: str, resp: Any) -> None:
 
 
 def terminated(media_type: str, body: bytes) -> bool:
-    """Whether ``body`` ends with its format's terminator (README, "Choosing the format")."""
+    """Whether ``body`` ends with its format's terminator (docs/http-api.md, the formats)."""
     if media_type == "application/x-ndjson":
         return bool(orjson.loads(body.splitlines()[-1]) == {"type": "done"})
     events, _ = decode([body])

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from nexus.cache.codec import loads_events
 from nexus.cache.redis import RedisStore, RedisUnavailable, redact_url
 from nexus.cache.store import Recording, StreamInfo
 from nexus.errors import StreamNotFound
@@ -139,12 +140,12 @@ async def test_begin_append_end_roundtrip(
 
     assert await store.info(info.id) == done
     assert flat(await read_all(store, info.id)) == events
-    # The layout other replicas rely on: entry i has the ID 0-{i+1}, one field "e".
+    # The layout other replicas rely on: an entry per append, its ID 0-{index after its
+    # last event}, its one field "e" the JSON array of its events' codec form.
     entries = await redis_client.xrange(f"{prefix}:stream:{info.id}:log") or []
-    assert [entry_id for entry_id, _ in entries] == [
-        f"0-{i + 1}".encode() for i in range(len(events))
-    ]
+    assert [entry_id for entry_id, _ in entries] == [b"0-5", b"0-9", f"0-{len(events)}".encode()]
     assert all(fields is not None and list(fields) == [b"e"] for _, fields in entries)
+    assert loads_events(entries[1][1][b"e"]) == events[5:9]
 
 
 async def test_end_without_begin_writes_everything(store: RedisStore) -> None:
@@ -172,9 +173,9 @@ async def test_read_pages_a_long_log(store: RedisStore) -> None:
     info = make_info("completed")
     events: list[StreamEvent] = [*(Delta(content=str(i)) for i in range(2500)), Done()]
     await store.end(info, events, 0, ttl_s=30)
-    batches = await read_all(store, info.id)
-    assert [len(batch) for batch in batches] == [1000, 1000, 501]
-    assert flat(batches) == events
+    assert await store.client.xlen(f"{store.prefix}:stream:{info.id}:log") == 6  # 500 a piece
+    assert flat(await read_all(store, info.id)) == events
+    assert flat(await read_all(store, info.id, 1234)) == events[1234:]
 
 
 async def test_a_finished_log_without_terminal_ends_the_read(store: RedisStore) -> None:

@@ -1,14 +1,10 @@
-"""Events to compact JSON and back, for stores that keep logs outside the process.
+"""Events to compact JSON and back, for stores that keep logs outside the process. Sans-I/O.
 
-The NDJSON form (``to_dict()``) is for clients and drops what a client does
-not need; a stored log must give back the very events, so each is stored as
-``[type, field, field, ...]`` in dataclass field order (a delta's tool calls as
-nested lists). Sans-I/O.
-
-Fields added to an event after logs were first stored (:data:`_ADDED`) are left
-off while they hold their default, so that a log written now reads the same in a
-replica that does not know them yet, and a log stored before them (shorter) loads
-with their defaults.
+A stored log must give back the very events (the clients' NDJSON form drops some), so
+each is stored as ``[type, field, ...]`` in dataclass field order (a delta's tool calls
+as nested lists). Fields added after logs were first stored (:data:`_ADDED`) are left
+off while they hold their default: a replica that does not know them reads a log
+written now, and a log stored before them loads with their defaults.
 """
 
 from __future__ import annotations
@@ -40,6 +36,7 @@ _CLASSES: dict[str, type[Any]] = {
     for cls in (Delta, Reasoning, ToolCall, Audio, Image, Citation, Usage, Error, Heartbeat, Done)
 }
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
+_CALLS = _FIELDS[Delta].index("tool_calls")
 _ADDED: dict[type[Any], int] = {Usage: 2}  # partial, cost_usd
 """Per class, how many of its last fields came after the first stored format."""
 _DEFAULTS = {
@@ -68,34 +65,21 @@ def dump_event(event: StreamEvent) -> list[Any]:
 def load_event(data: Sequence[Any]) -> StreamEvent:
     """The event :func:`dump_event` gave ``data`` for. Raises ``ValueError`` on bad input."""
     try:
-        return _load(data)
-    except (TypeError, KeyError, IndexError) as exc:
+        cls = _CLASSES[data[0]]
+        values = list(data[1:])
+        missing = len(_FIELDS[cls]) - len(values)
+        if missing:  # a log stored before the fields added since (or junk)
+            added = _DEFAULTS.get(cls, ())
+            if not 0 < missing <= len(added):
+                raise ValueError(f"a stored {data[0]} event has {len(values)} fields")
+            values += added[len(added) - missing :]
+        if cls is Delta and values[_CALLS] is not None:
+            if not all(type(call) is list for call in values[_CALLS]):
+                raise ValueError("stored tool calls are not lists")
+            values[_CALLS] = tuple(ToolCall(*call) for call in values[_CALLS])
+        event: StreamEvent = cls(*values)
+    except (TypeError, KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"not a stored event: {data!r:.80}") from exc
-
-
-def _load(data: Sequence[Any]) -> StreamEvent:
-    if not isinstance(data, list | tuple) or not data:
-        raise ValueError(f"not a stored event: {data!r:.80}")
-    if not isinstance(data[0], str) or data[0] not in _CLASSES:
-        raise ValueError(f"not a stored event: {data!r:.80}")
-    cls = _CLASSES[data[0]]
-    fields = _FIELDS[cls]
-    values = list(data[1:])
-    if len(values) != len(fields):
-        added = _DEFAULTS.get(cls, ())
-        missing = len(fields) - len(values)
-        if not 0 < missing <= len(added):
-            raise ValueError(
-                f"a stored {data[0]} event has {len(values)} fields, not {len(fields)}"
-            )
-        values += added[len(added) - missing :]
-    if cls is Delta:
-        calls = values[fields.index("tool_calls")]
-        if calls is not None:
-            if not isinstance(calls, list) or not all(isinstance(c, list) for c in calls):
-                raise ValueError(f"stored tool calls are not lists: {calls!r:.80}")
-            values[fields.index("tool_calls")] = tuple(ToolCall(*call) for call in calls)
-    event: StreamEvent = cls(*values)
     return event
 
 

@@ -1,18 +1,12 @@
 """The in-process store: the embedded default. One process; bounded by bytes, oldest out first.
 
-Live logs stay with their :class:`~nexus.cache.run.StreamRun`; this store keeps
-finished logs and recordings until their TTL, and drops the oldest entries
-when the total passes ``max_bytes``. Nothing is copied: a finished log is the
-run's own list.
-
-Expired entries are freed, not just hidden: a heap of expiry times gives the
-entries due first, and they are dropped (and in-flight claims past their TTL
-with them) on every put and on a tick every :data:`SWEEP_INTERVAL_S` while the
-store is started (:meth:`MemoryStore.start` to :meth:`MemoryStore.close`), so an
-entry's memory goes back within that long of its expiry even when nothing else
-is stored. A sweep costs O(log n) per entry it drops and O(1) when none is due;
-a heap entry names its item by key and sequence number, so an entry dropped
-early (replaced, evicted) is not kept alive by the heap.
+Live logs stay with their :class:`~nexus.cache.run.StreamRun`; this store keeps finished
+logs (the run's own list, not a copy) and recordings until their TTL, and drops the
+oldest when the total passes ``max_bytes``. Expired entries are freed, not just hidden:
+a heap of expiry times gives those due first, dropped (with expired claims) on every put
+and every :data:`SWEEP_INTERVAL_S` while started, at O(log n) per entry dropped. A heap
+entry names its item by key and sequence number, so an item dropped early is not kept
+alive by the heap.
 """
 
 from __future__ import annotations

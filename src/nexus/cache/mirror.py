@@ -1,11 +1,9 @@
-"""A keeper's view of its stream's mirror into a shared store: behind or not, and when to
-try again (see :mod:`nexus.cache.hub`, which keeps the log).
+"""A keeper's view of its stream's mirror into a shared store (see :mod:`nexus.cache.hub`).
 
-While the store fails, the keeper warns once per lapse (not per try, nor per event),
-reports ``behind``, ``caught_up`` or ``abandoned`` to the hub's ``on_mirror`` (the
-``nexus_store_mirror_total{state}`` metric), and waits between tries: ``RETRY_S``,
-doubling up to ``RETRY_MAX_S``, so that thousands of streams do not hammer a store
-that is down.
+While the store fails, the keeper warns once per lapse, reports ``behind``, ``caught_up``
+or ``abandoned`` to the hub's ``on_mirror`` (``nexus_store_mirror_total{state}``), and
+waits between tries: ``RETRY_S``, doubling up to ``RETRY_MAX_S``, so that thousands of
+streams do not hammer a store that is down.
 """
 
 from __future__ import annotations

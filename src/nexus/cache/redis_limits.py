@@ -4,51 +4,31 @@ Keys, under the store's ``{prefix}:``::
 
     limits:rate:{key}      hash    the key's token bucket: tokens "t", last refill "at" (ms)
     limits:streams:{key}   zset    one member per stream running, scored by its lease deadline
-    spend:{key}:{window}   string  the window's spend in USD (INCRBYFLOAT); expires a day
-                                   after the window ends (``total`` never does)
-    charged:{id}           string  a charge that was added (15 minutes): sent again, it
-                                   adds nothing
+    spend:{key}:{window}   string  the window's spend in USD; expires a day after the window
+    charged:{id}           string  a charge that was added (15 minutes): sent again, it adds nothing
 
-**One round trip.** :data:`_ADMIT`, a Lua script run with EVALSHA, checks and
-takes everything a request needs at once: the budget (spend below it), a token
-(refilled from Redis's own clock, so replicas' clocks do not matter), and a slot
-(stale members dropped first, then a count under the limit, then the new
-member). Being a script, it is atomic: two replicas cannot both take the last
-token or the last slot.
+One Lua script (:data:`_ADMIT`) checks and takes a request's budget, token (refilled
+on Redis's clock) and slot at once, atomically: two replicas cannot both take the last
+one. A slot's score is its lease deadline: this process renews all its slots on one
+tick (every third of ``[limits] stream_lease_s``, one pipeline); a slot goes when its
+stream ends (the ends of one loop turn in one pipeline), or, for a replica that died,
+at the next admission past its lease.
 
-**Slots and leases.** A slot's score is its lease deadline. This process renews
-the leases of all the slots it holds on one tick (every third of
-``[limits] stream_lease_s``), one script call per key in one pipeline, not a
-timer per stream. A slot is removed when its stream ends (batched: the ends of
-one loop turn go in one pipeline); the slots of a replica that died stop being
-renewed and are dropped by the next admission once their lease passed.
-
-**Redis failing** never becomes a 500:
-
-* rate and concurrency *fail open to this process*: the request is admitted
-  against :class:`~nexus.cache.limits.LocalLimits` (this process's buckets and
-  streams), so each process still holds the limits by itself while Redis is
-  away; a warning is logged (at most one a minute).
-* a key with a budget *fails closed*: ``503 store_unavailable``; spend that
-  cannot be checked is not spent.
-* a charge that fails is kept here and retried on the next tick (lost only if
-  this process stops before Redis is back); a release that fails is left to
-  its lease. Each charge has an id, and adds its spend once however often it is
-  sent: a charge whose reply was lost (a blip after Redis carried it out) is
-  retried, by redis-py and by the tick, and must not count twice.
+Redis failing is never a 500: rate and concurrency fail open to this process
+(:class:`~nexus.cache.limits.LocalLimits`, a warning a minute at most); a key with a
+budget fails closed (503 ``store_unavailable``: spend that cannot be checked is not
+spent); a charge that fails is retried on the tick under its id, so a charge whose reply
+was lost counts once; a release that fails is left to its lease.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
 import time
 from typing import Any
-
-from redis.exceptions import RedisError
 
 from ..auth import ApiKey
 from ..budgets import window
@@ -161,14 +141,10 @@ class RedisLimits(KeyLimits):
         self._held: dict[str, set[str]] = {}
         """Key name -> ids of the slots held here: what the tick renews."""
         self._ids = itertools.count()
-        self._releasing: list[Slot] = []
         self._unsent: dict[str, tuple[str, str, float, float | None]] = {}
         """Charge id -> (key, window, USD, TTL) of charges not yet sent or that failed,
         retried on the tick under the same id (counted once however often sent)."""
-        self._charger: Any = None
-        """The charge script, registered when first used (``nexus keys`` charges nothing
-        and never starts this)."""
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._ticker: asyncio.Task[None] | None = None
         self._warned = -math.inf
 
@@ -176,9 +152,6 @@ class RedisLimits(KeyLimits):
         return ":".join((self.store.prefix, *parts))
 
     async def start(self) -> None:
-        client = self.store.client
-        self._admit = client.register_script(_ADMIT)
-        self._renew = client.register_script(_RENEW)
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
     async def close(self) -> None:
@@ -190,13 +163,21 @@ class RedisLimits(KeyLimits):
             await asyncio.wait(self._tasks, timeout=2.0)
         await self._flush_charges()
         # Slots still held (streams cut by the shutdown) go now, not at their lease's end.
-        pipe = self.store.client.pipeline(transaction=False)
-        for name, ids in self._held.items():
-            if ids:
-                pipe.zrem(self._key("limits", "streams", name), *ids)
-        self._held.clear()
-        with contextlib.suppress(RedisError, OSError):
-            await pipe.execute()
+        held, self._held = self._held, {}
+        await self._send("release", [self._zrem(name, *ids) for name, ids in held.items()])
+
+    async def _send(self, op: str, commands: list[tuple[Any, ...]]) -> bool:
+        """``commands`` through the store's pipeline; a failure warned (and counted)."""
+        try:
+            if commands:
+                await self.store.call(op, *commands)
+            return True
+        except StoreUnavailable as exc:
+            self._warn(exc.__cause__ or exc)
+            return False
+
+    def _zrem(self, name: str, *ids: str) -> tuple[Any, ...]:
+        return ("ZREM", self._key("limits", "streams", name), *ids)
 
     async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
         name = key.name
@@ -208,31 +189,31 @@ class RedisLimits(KeyLimits):
             return None  # nothing to count: no round trip
         win_id = window(key.budget_period, time.time()).id if budget is not None else ""
         try:
-            code, value = await self._admit(
-                keys=[
+            ((code, value),) = await self.store.call(
+                "admit",
+                (
+                    "EVAL",
+                    _ADMIT,
+                    3,
                     self._key("limits", "rate", name),
                     self._key("limits", "streams", name),
                     self._key("spend", name, win_id),
-                ],
-                args=[
                     repr(self.rate),
                     repr(self.capacity),
                     self.per_key if slot is not None and self.per_key is not None else 0,
                     slot.id if slot is not None else "",
                     self.lease_ms,
                     repr(budget) if budget is not None else -1,
-                ],
+                ),
             )
-        except (RedisError, OSError) as exc:
-            for count in self.store.on_error:
-                count("admit")
+        except StoreUnavailable as exc:
             if budget is not None:
                 raise StoreUnavailable(
                     f"The spend of the API key {name!r} cannot be checked: the store is "
                     "unavailable; retry shortly.",
                     headers={"Retry-After": "1"},
                 ) from None
-            self._warn(exc)
+            self._warn(exc.__cause__ or exc)
             self.fallback.check(key, stream=stream, budget=False)
             return None
         code = int(code)
@@ -254,22 +235,11 @@ class RedisLimits(KeyLimits):
         held.discard(slot.id)
         if not held:
             del self._held[slot.key]
-        self._releasing.append(slot)
-        if len(self._releasing) == 1:  # the first of this turn: one pipeline for them all
-            task = asyncio.get_running_loop().create_task(self._release())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _release(self) -> None:
-        await asyncio.sleep(0)  # the other ends of this turn join the pipeline
-        slots, self._releasing = self._releasing, []
-        pipe = self.store.client.pipeline(transaction=False)
-        for slot in slots:
-            pipe.zrem(self._key("limits", "streams", slot.key), slot.id)
-        try:
-            await pipe.execute()
-        except (RedisError, OSError) as exc:
-            self._warn(exc)  # their leases run out
+        task = asyncio.get_running_loop().create_task(
+            self._send("release", [self._zrem(slot.key, slot.id)])  # their leases run out
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def charge(self, key: ApiKey, usd: float) -> None:
         now = time.time()
@@ -279,23 +249,22 @@ class RedisLimits(KeyLimits):
         await self._flush_charges()
 
     async def _flush_charges(self) -> None:
-        if not self._unsent:
-            return
         sending, self._unsent = self._unsent, {}
-        client = self.store.client
-        if self._charger is None:
-            self._charger = client.register_script(_CHARGE)
-        pipe = client.pipeline(transaction=False)
-        for charge_id, (name, win_id, usd, ttl) in sending.items():
-            await self._charger(
-                keys=[self._key("spend", name, win_id), self._key("charged", charge_id)],
-                args=[repr(usd), 0 if ttl is None else max(1, round(ttl * 1000)), _CHARGE_MARK_MS],
-                client=pipe,
+        commands = [
+            (
+                "EVAL",
+                _CHARGE,
+                2,
+                self._key("spend", name, win_id),
+                self._key("charged", charge_id),
+                repr(usd),
+                0 if ttl is None else max(1, round(ttl * 1000)),
+                _CHARGE_MARK_MS,
             )
-        try:
-            await pipe.execute()
-        except (RedisError, OSError) as exc:
-            log.warning("charging spend failed (%s): retried on the next tick", type(exc).__name__)
+            for charge_id, (name, win_id, usd, ttl) in sending.items()
+        ]
+        if not await self._send("charge", commands):
+            log.warning("charging spend failed: retried on the next tick")
             self._unsent.update(sending)
 
     async def spent(self, key: ApiKey) -> float:
@@ -307,19 +276,12 @@ class RedisLimits(KeyLimits):
         """Renew the leases of the slots held here; retry charges that failed."""
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
-            try:
-                if self._held:
-                    pipe = self.store.client.pipeline(transaction=False)
-                    for name, ids in self._held.items():
-                        await self._renew(
-                            keys=[self._key("limits", "streams", name)],
-                            args=[self.lease_ms, *ids],
-                            client=pipe,
-                        )
-                    await pipe.execute()
-                await self._flush_charges()
-            except (RedisError, OSError) as exc:
-                self._warn(exc)
+            leases = [
+                ("EVAL", _RENEW, 1, self._key("limits", "streams", name), self.lease_ms, *ids)
+                for name, ids in self._held.items()
+            ]
+            await self._send("renew", leases)
+            await self._flush_charges()
 
     def _warn(self, exc: BaseException) -> None:
         now = time.monotonic()

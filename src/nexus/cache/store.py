@@ -1,19 +1,11 @@
 """Where stream logs and recordings live: the :class:`Store` interface and :class:`StreamInfo`.
 
-A stream runs in one process (its :class:`~nexus.cache.run.StreamRun`); the
-store is what outlives it and what other processes see:
-
-* **Logs.** A *shared* store (Redis) mirrors a live log as it grows
-  (:meth:`Store.begin`, :meth:`Store.append`), so another replica can follow
-  it; every store keeps the finished log for ``resume_ttl_s``
-  (:meth:`Store.end`). :meth:`Store.read` yields a log from an index, in
-  batches, following it live until its terminal entry.
-* **Leases.** A replica following another's live stream renews a lease, which
-  keeps the owner from cancelling it as detached.
-* **Recordings.** Whole streams that ended well, keyed by the canonical
-  request (:meth:`Store.get_recording`, :meth:`Store.put_recording`).
-* **In-flight claims.** :meth:`Store.claim` makes identical concurrent
-  requests join one upstream call.
+A stream runs in one process (its :class:`~nexus.cache.run.StreamRun`); the store is
+what outlives it and what other processes see: logs (a *shared* store mirrors a live
+one as it grows, so another replica can follow it; every store keeps a finished one for
+``resume_ttl_s``), leases (a replica following another's live stream keeps it from being
+cancelled as detached), recordings (whole streams that ended well, by canonical
+request) and in-flight claims (identical concurrent requests join one upstream call).
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ __all__ = ["OWNER_TTL_S", "Recording", "Status", "Store", "StreamInfo"]
 
 OWNER_TTL_S = 10.0
 """A replica that has not renewed its keep-alive for this long is presumed dead, and so are
-its live streams (it renews it every third of that)."""
+its live streams."""
 
 Status = Literal["in_progress", "completed", "failed", "cancelled"]
 
@@ -91,8 +83,7 @@ class Store(ABC):
         because the store cannot be reached: the ``nexus_store_errors_total`` metric."""
 
     async def start(self) -> None:
-        """Connect, and start the store's own tasks (the memory store's sweep of what
-        expired); called when the app starts."""
+        """Connect, and start the store's own tasks; called when the app starts."""
 
     async def close(self) -> None:
         """Release connections and stop the store's tasks; called when the app stops."""
@@ -103,10 +94,8 @@ class Store(ABC):
 
     async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
         """Log entries ``start``, ``start + 1``, ... of a live stream (shared stores only).
-
-        False when the entries before ``start`` are gone from the store (lost while
-        it was unreachable): the caller calls :meth:`begin` again and appends from 0.
-        """
+        False when the entries before ``start`` are gone from the store (lost while it was
+        unreachable): the caller calls :meth:`begin` again and appends from 0."""
         return True
 
     @abstractmethod
@@ -119,9 +108,8 @@ class Store(ABC):
         size: int | None = None,
     ) -> None:
         """The stream finished; ``events`` is its whole log, ``events[start:]`` not yet
-        appended. It stays readable for ``ttl_s``. ``size``: what
-        :func:`~nexus.cache.codec.event_size` adds up to over ``events``, when the
-        caller counted it as the log grew."""
+        appended. It stays readable for ``ttl_s``. ``size``: the sum of
+        :func:`~nexus.cache.codec.event_size` over ``events``, if the caller counted it."""
 
     @abstractmethod
     async def info(self, stream_id: str) -> StreamInfo | None:
@@ -130,10 +118,8 @@ class Store(ABC):
     @abstractmethod
     def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
         """The log from entry ``start`` on, in batches, live until the terminal entry.
-
-        Raises :class:`~nexus.errors.StreamNotFound` if the log is unknown or
-        expired (also when it expires while being followed).
-        """
+        Raises :class:`~nexus.errors.StreamNotFound` if the log is unknown or expired
+        (also when it expires while being followed)."""
 
     async def keep_alive(self, stream_id: str) -> None:
         """``stream_id`` still runs: renew its live log's TTL (shared stores)."""

@@ -1,0 +1,304 @@
+"""A stream's log in Redis, and the two shared channels that move it.
+
+**Layout.** A log is a Redis Stream of batches: an entry holds the events appended in one
+go, in the field ``e`` (:func:`~nexus.cache.codec.dumps_events`), and its ID is
+``0-{end}``, ``end`` being the log index after its last event. The entry holding index
+``i`` is the first with an ID above ``0-{i}``: a reader resumes at any index with
+``XRANGE``, then follows with ``XREAD``. Writing an entry again is safe: Redis refuses
+the same ID, and the reader cuts an entry that overlaps the one before it (a retry that
+carries more events).
+
+**Commands** (:class:`Pipeliner`): every task's commands join one pipeline; while it is
+in flight the next ones gather for the next. A thousand streams mirroring their logs
+cost a round trip per turn, on one connection of the pool.
+
+**Followers** (:class:`Followers`): one blocking ``XREAD`` per connection follows up to
+:data:`KEYS_PER_READ` logs for every reader of the process, and routes each reply to
+the readers of its keys; a reader that brings a new key interrupts it (``CLIENT
+UNBLOCK``) so that the next read includes it. 5,000 followed streams take 20 connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError, RedisError, ResponseError
+
+from ..errors import StreamIncomplete
+from ..events import Done, Error, StreamEvent
+from .codec import loads_events
+
+__all__ = ["KEYS_PER_READ", "Followers", "Pipeliner", "decode"]
+
+KEYS_PER_READ = 250
+"""Logs one blocking XREAD follows: past it, a reader's key goes to another connection."""
+
+Command = tuple[Any, ...]
+
+
+def decode(
+    stream_id: str, entries: Sequence[Any], after: int
+) -> tuple[list[StreamEvent], int, bool]:
+    """Entries read after log index ``after`` -> (their events up to a terminal, the index
+    of the last one, terminal seen).
+
+    Raises :class:`StreamIncomplete` when an entry starts past ``after + 1``: the
+    entries between were trimmed or lost (see :mod:`nexus.cache.redis`).
+    """
+    events: list[StreamEvent] = []
+    for entry_id, fields in entries:
+        end = int(entry_id.partition(b"-")[2])
+        batch = loads_events(fields[b"e"] if type(fields) is dict else fields[1])
+        first = end - len(batch)
+        if first > after + 1:
+            raise StreamIncomplete(
+                f"Stream {stream_id!r} is missing entries from {after + 1} in the store "
+                "(trimmed past [streams] max_log_bytes, or lost while the store was "
+                "unreachable); it cannot be resumed from there."
+            )
+        if end <= after + 1:
+            continue  # read already
+        events += batch[after + 1 - first :]
+        after = end - 1
+        if isinstance(batch[-1], Done | Error):
+            return events, after, True
+    return events, after, False
+
+
+class Pipeliner:
+    """Sends commands in pipelines, one at a time (see the module docstring). A group
+    not sent within ``wait_s`` (its pipeline waited for the pool) fails."""
+
+    def __init__(self, client: aioredis.Redis, wait_s: float) -> None:
+        self._client = client
+        self._wait_s = wait_s
+        self._queue: list[tuple[Sequence[Command], asyncio.Future[list[Any]], float]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def run(self, commands: Sequence[Command]) -> list[Any]:
+        """Each command's reply, in order (a refusal as its error). Raises
+        :class:`RedisError` or ``OSError`` when Redis cannot be reached."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        self._queue.append((commands, future, loop.time()))
+        if self._task is None:
+            self._task = loop.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._queue:
+                groups, self._queue = self._queue, []
+                late = loop.time() - self._wait_s
+                commands: list[Command] = []
+                sent = []
+                for group, future, queued in groups:
+                    if queued < late and not future.done():
+                        future.set_exception(RedisError("no pipeline free in time"))
+                    if not future.done():  # (else: its caller left)
+                        commands += group
+                        sent.append((future, len(group)))
+                failed: BaseException | None = None
+                try:
+                    replies = await self._send(commands) if commands else []
+                except (RedisError, OSError) as exc:
+                    failed = exc
+                at = 0
+                for future, count in sent:
+                    if future.done():
+                        pass
+                    elif failed is not None:
+                        future.set_exception(failed)
+                    else:
+                        future.set_result(replies[at : at + count])
+                    at += count
+        finally:
+            self._task = None
+            for _, future, _ in self._queue:  # cancelled: nobody is left to send them
+                future.cancel()
+
+    async def _send(self, commands: list[Command]) -> list[Any]:
+        """One pipeline on one connection of the pool; a connection that broke since its
+        last use (Redis restarted) is replaced once."""
+        pool = self._client.connection_pool
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        try:
+            for retry in (True, False):
+                try:
+                    await connection.send_packed_command(_pack(commands))
+                    break
+                except (ConnectionError, OSError):
+                    await connection.disconnect()
+                    if not retry:
+                        raise
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await connection.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            await connection.disconnect()  # a reply may be left unread
+            raise
+        finally:
+            await pool.release(connection)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait((self._task,), timeout=2.0)
+
+
+def _pack(commands: list[Command]) -> bytes:
+    """``commands`` in RESP: what redis-py's packing makes, at less than half its cost."""
+    out = []
+    for command in commands:
+        out.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            if type(arg) is not bytes:
+                arg = str(arg).encode()
+            out.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+Waiter = tuple[int, asyncio.Future[list[Any]]]
+
+
+class _Read:
+    """One blocking XREAD connection and its readers, by key."""
+
+    def __init__(self, followers: Followers) -> None:
+        self.owner = followers
+        self.client = followers.connect()
+        self.waiting: dict[bytes, list[Waiter]] = {}
+        self.woken = asyncio.Event()
+        self.blocked = False
+        self.unblocking: asyncio.Task[Any] | None = None
+        self.id: int | None = None
+        self.task = asyncio.get_running_loop().create_task(self._loop())
+
+    def add(self, key: bytes, waiter: Waiter) -> None:
+        if key in self.waiting:
+            self.waiting[key].append(waiter)
+            return
+        self.waiting[key] = [waiter]
+        self.woken.set()
+        if self.blocked and self.unblocking is None and self.id is not None:
+            # The read under way lacks this key: end it (it ends at its block time anyway).
+            command = ("CLIENT", "UNBLOCK", self.id)
+            self.unblocking = asyncio.ensure_future(self.owner.call("unblock", command))
+            self.unblocking.add_done_callback(self._unblocked)
+
+    def _unblocked(self, task: asyncio.Task[Any]) -> None:
+        self.unblocking = None
+        if not task.cancelled():
+            task.exception()  # counted by the call: retrieved, not raised
+
+    def remove(self, key: bytes, waiter: Waiter) -> None:
+        waiters = self.waiting.get(key, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self.waiting[key]
+
+    async def _loop(self) -> None:
+        while True:
+            self.woken.clear()
+            if not self.waiting:
+                await self.woken.wait()
+                continue
+            try:
+                if self.id is None:
+                    self.id = int(await self.client.client_id())
+                streams = {
+                    key: f"0-{min(after for after, _ in waiters) + 1}"
+                    for key, waiters in self.waiting.items()
+                }
+                self.blocked = True
+                try:
+                    reply: Any = await self.client.xread(
+                        streams,  # type: ignore[arg-type]
+                        count=self.owner.page,
+                        block=self.owner.block_ms,
+                    )
+                finally:
+                    self.blocked = False
+            except (RedisError, OSError) as exc:
+                self.id = None
+                waiting, self.waiting = self.waiting, {}
+                for _, future in (waiter for waiters in waiting.values() for waiter in waiters):
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            if isinstance(reply, dict):  # RESP3; RESP2 is [[key, entries], ...]
+                reply = [(key, value[0]) for key, value in reply.items()]
+            for key, entries in reply or ():
+                for after, future in self.waiting.pop(key, ()):
+                    if not future.done():
+                        future.set_result(
+                            [e for e in entries if int(e[0].partition(b"-")[2]) > after + 1]
+                        )
+
+
+class Followers:
+    """Blocking reads shared by every reader of a store; see the module docstring.
+    ``connect`` gives a client of one connection for each; ``call(op, *commands)`` sends
+    other commands (:meth:`~nexus.cache.redis.RedisStore.call`)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], aioredis.Redis],
+        call: Callable[..., Coroutine[Any, Any, list[Any]]],
+        block_ms: int,
+        page: int,
+    ) -> None:
+        self.connect = connect
+        self.call = call
+        self.block_ms = block_ms
+        self.page = page
+        self._reads: list[_Read] = []
+
+    def __len__(self) -> int:
+        """Connections blocking for followers."""
+        return len(self._reads)
+
+    async def next(self, key: str, after: int) -> list[Any]:
+        """Entries of the log at ``key`` past log index ``after``, or none after a block
+        time. Raises :class:`RedisError` or ``OSError`` when Redis cannot be reached."""
+        raw = key.encode()
+        read = self._place(raw)
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        read.add(raw, (after, future))
+        try:
+            async with asyncio.timeout(self.block_ms / 1000):
+                return await future
+        except TimeoutError:
+            return []
+        finally:
+            read.remove(raw, (after, future))
+
+    def _place(self, key: bytes) -> _Read:
+        """The read that follows ``key`` already, else the least busy one with room."""
+        free = [read for read in self._reads if len(read.waiting) < KEYS_PER_READ]
+        for read in self._reads:
+            if key in read.waiting:
+                return read
+        if free:
+            return min(free, key=lambda read: len(read.waiting))
+        self._reads.append(_Read(self))
+        return self._reads[-1]
+
+    async def close(self) -> None:
+        reads, self._reads = self._reads, []
+        for read in reads:
+            read.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+                await read.task
+            with contextlib.suppress(RedisError, OSError):
+                await read.client.aclose()

@@ -1,0 +1,124 @@
+"""Followers share blocking reads: hundreds of streams followed from another replica take
+a handful of Redis connections, and every one of them is read whole, in order.
+
+Against the real Redis at 127.0.0.1:6379 (skipped with the reason when there is none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from nexus.cache.redis import RedisStore
+from nexus.cache.redis_log import KEYS_PER_READ
+from nexus.cache.store import StreamInfo
+from nexus.events import Delta, Done, StreamEvent
+from nexus.types import StreamMeta
+from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+
+STREAMS = 500
+ROUNDS = 4
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis]:
+    client = await connect_or_skip()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
+    name = new_prefix()
+    yield name
+    await drop_keys(redis_client, name)
+
+
+def make_info() -> StreamInfo:
+    meta = StreamMeta.new("mock/echo", include_usage=False, provider="mock", upstream_model="m")
+    return StreamInfo(meta=meta, format="text/event-stream")
+
+
+async def clients_of(redis_client: aioredis.Redis, store: RedisStore) -> int:
+    listed = await redis_client.client_list()
+    return sum(1 for client in listed if client["name"] == f"nexus-{store.replica_id}")
+
+
+async def test_many_followed_streams_share_a_few_connections(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    owner = RedisStore(REDIS_URL, prefix)
+    follower = RedisStore(REDIS_URL, prefix, block_s=0.5)
+    await owner.start()
+    await follower.start()
+    try:
+        infos = [make_info() for _ in range(STREAMS)]
+        await asyncio.gather(*(owner.begin(info, 60) for info in infos))
+        logs: dict[str, list[StreamEvent]] = {info.id: [] for info in infos}
+
+        async def follow(info: StreamInfo) -> list[StreamEvent]:
+            return [event async for batch in follower.read(info.id) for event in batch]
+
+        readers = [asyncio.create_task(follow(info)) for info in infos]
+        peak = 0
+        for n in range(ROUNDS):
+            await asyncio.sleep(0.2)  # the readers are following now
+            peak = max(peak, await clients_of(redis_client, follower))
+
+            async def grow(info: StreamInfo, n: int = n) -> None:
+                log = logs[info.id]
+                added = [Delta(content=f"{info.id[-4:]} {n}.{i} ") for i in range(n + 1)]
+                assert await owner.append(info.id, len(log), added)
+                log += added
+
+            await asyncio.gather(*(grow(info) for info in infos))
+        for info in infos:
+            info.status = "completed"
+            logs[info.id].append(Done())
+        await asyncio.gather(
+            *(owner.end(info, logs[info.id], len(logs[info.id]) - 1, 60) for info in infos)
+        )
+        async with asyncio.timeout(30):
+            got = await asyncio.gather(*readers)
+
+        assert [len(events) for events in got] == [1 + sum(range(1, ROUNDS + 1))] * STREAMS
+        assert got == [logs[info.id] for info in infos]  # each whole, in order
+        assert len(follower.followers) == -(-STREAMS // KEYS_PER_READ)
+        assert 0 < peak < 20, peak  # not one per stream
+    finally:
+        await follower.close()
+        await owner.close()
+    assert await clients_of(redis_client, follower) == 0  # closed: none left behind
+
+
+async def test_a_new_follower_interrupts_the_blocked_read(prefix: str) -> None:
+    store = RedisStore(REDIS_URL, prefix, block_s=10)  # a read blocks long: not waited out
+    await store.start()
+    errors: list[str] = []
+    store.on_error.append(errors.append)
+    try:
+        first, second = make_info(), make_info()
+        for info in (first, second):
+            await store.begin(info, 60)
+
+        async def follow(info: StreamInfo) -> list[StreamEvent]:
+            return [event async for batch in store.read(info.id) for event in batch]
+
+        reading = asyncio.create_task(follow(first))
+        await asyncio.sleep(0.3)  # blocked in XREAD on the first key alone
+        joining = asyncio.create_task(follow(second))
+        await asyncio.sleep(0.3)
+        second.status = "completed"
+        started = asyncio.get_running_loop().time()
+        await store.end(second, [Delta(content="hi"), Done()], 0, 60)
+        async with asyncio.timeout(5):
+            assert await joining == [Delta(content="hi"), Done()]
+        assert asyncio.get_running_loop().time() - started < 2.0  # not at the block's end
+        assert len(store.followers) == 1
+        reading.cancel()
+        assert errors == []
+    finally:
+        await store.close()

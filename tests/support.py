@@ -40,16 +40,18 @@ class GatedProvider(Provider):
         self.closed = asyncio.Event()
         self.closed_at: float | None = None
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         self.started.set()
         try:
             for i in range(self.before):
-                yield Delta(content=f"before{i} ")
+                yield [Delta(content=f"before{i} ")]
             await self.gate.wait()
             for i in range(self.after):
-                yield Delta(content=f"after{i} ")
-            yield Delta(finish_reason="stop")
-            yield Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)
+                yield [Delta(content=f"after{i} ")]
+            yield [Delta(finish_reason="stop")]
+            yield [Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)]
         finally:
             self.closed_at = asyncio.get_running_loop().time()
             self.closed.set()
@@ -66,11 +68,13 @@ class EndlessProvider(Provider):
         self.produced = 0
         self.closed = asyncio.Event()
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         try:
             while True:
                 self.produced += 1
-                yield Delta(content="x" * self.size)
+                yield [Delta(content="x" * self.size)]
                 await asyncio.sleep(0)
         finally:
             self.closed.set()

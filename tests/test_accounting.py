@@ -23,6 +23,7 @@ from nexus import (
     Usage,
     accumulate,
 )
+from nexus.cache.recording import cache_key
 from nexus.config import parse_config
 from nexus.errors import UpstreamError
 from nexus.pricing import Price, PriceTable, Spend, cost_usd
@@ -206,15 +207,52 @@ async def test_server_fallback_names_the_target_that_answered(
     assert (info.meta.provider, info.meta.upstream_model) == ("b", "m2")
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "json"])
+async def test_after_a_fallback_the_access_line_hooks_and_recording_name_who_answered(
+    make_client: MakeClient,
+    upstreams: tuple[FakeUpstream, FakeUpstream],
+    caplog: pytest.LogCaptureFixture,
+    stream: bool,
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    first, second = upstreams
+    first.add(UNAVAILABLE)
+    second.add(Reply.stream(ANSWER))
+    config = with_plugin({**two_targets(first, second), "cache": {"enabled": True}})
+    client = await make_client(config)
+    plugin = PLUGINS[-1]
+    body = {"model": "smart", "stream": stream, "messages": [{"role": "user", "content": "x"}]}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    await resp.read()
+    await asyncio.wait_for(plugin.done.wait(), 5)
+    [(kind, provider, _, _)] = plugin.ends
+    assert (kind, provider) == ("completed", "b")
+    (record,) = [r for r in caplog.records if r.name == "nexus.access"]
+    line = record.access  # type: ignore[attr-defined]
+    assert (line["provider"], line["served"], line["cache"]) == ("b", "b/m2", "miss")
+    store = client.app[HUB].store
+    request = ChatRequest.model_validate(body)
+    for _ in range(100):  # the recording is kept once the run's log is
+        recording = await store.get_recording(cache_key(request))
+        if recording is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert recording is not None
+    assert (recording.provider, recording.upstream_model) == ("b", "m2")
+
+
 class FailingProvider(Provider):
     """Reports its input first, sends three deltas, then fails (an upstream cut)."""
 
     kind = "failing"
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
-        yield Usage(prompt_tokens=40, completion_tokens=1, total_tokens=41, cached_tokens=8)
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        yield [Usage(prompt_tokens=40, completion_tokens=1, total_tokens=41, cached_tokens=8)]
         for word in ("one", "two", "three"):
-            yield Delta(content=word)
+            yield [Delta(content=word)]
         raise UpstreamError("connection reset", code="upstream_error")
 
 

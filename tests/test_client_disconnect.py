@@ -27,7 +27,7 @@ import openai
 import orjson
 import pytest
 
-from nexus.cache.hub import cache_key
+from nexus.cache.recording import cache_key
 from nexus.cache.run import LEASE_POLL_S
 from nexus.request import ChatRequest
 from nexus.server.state import HUB

@@ -50,13 +50,15 @@ class Scripted(Provider):
     async def close(self) -> None:
         self.log.append(f"close {self.name}")
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         self.calls.append(model)
         try:
             for i, event in enumerate(self.events):
                 if self.fail is not None and i == self.fail_at:
                     raise self.fail
-                yield event
+                yield [event]
             if self.fail is not None:
                 raise self.fail
         finally:

@@ -38,6 +38,7 @@ from nexus.config import Config, PluginConfig, parse_config
 from nexus.encoders.registry import default_registry
 from nexus.errors import ConfigError, InvalidRequest
 from nexus.hooks import Next
+from nexus.providers.mock import words
 from nexus.server.app import create_app
 from nexus.server.state import ENGINE, HUB
 from nexus.types import StreamMeta
@@ -786,12 +787,29 @@ async def test_engine_rejection_raises_and_nothing_streams() -> None:
     assert not gated.started.is_set()
 
 
-async def test_complete_stream_stays_the_raw_call() -> None:
+async def test_complete_stream_runs_the_middleware_and_the_hooks() -> None:
     plugin = RecordingPlugin()
     engine = Engine([MockProvider("mock")], hooks=hooks_of(plugin), middleware=[no_usage])
-    completion = await accumulate(engine.complete_stream(chat(TEXT)))
-    assert completion.content == TEXT
-    assert plugin.calls == []
+    async with engine:
+        stream = engine.complete_stream(chat(TEXT), CallContext(key="alice"))
+        assert plugin.calls == []  # nothing runs before the first read
+        completion = await accumulate(stream)
+    assert completion.content == "".join(f"[{w}]" for w in words(TEXT))
+    assert completion.usage is None  # the middleware dropped it
+    assert plugin.names()[0] == "started" and plugin.names()[-1] == "completed"
+    assert "chunk" in plugin.names()
+    started = plugin.of("started")[0]
+    assert started[0].key == "alice" and started[1] == stream.meta.id
+
+
+async def test_complete_stream_refused_by_a_plugin_raises_at_the_first_read() -> None:
+    plugin = RecordingPlugin(reject=("budget_exceeded", 429))
+    gated = GatedProvider()
+    engine = Engine([gated], hooks=hooks_of(plugin))
+    stream = engine.complete_stream({**chat(TEXT), "model": "gated/x"})
+    with pytest.raises(StreamRejected):
+        await stream.next()
+    assert not gated.started.is_set()
 
 
 async def test_map_stream_closes_the_inner_stream() -> None:
@@ -853,3 +871,31 @@ async def test_map_stream_gives_the_events_before_the_one_it_fails_on() -> None:
         async for event in mapped:
             got.append(event)
     assert got == [Delta(content="a"), Delta(content="b")]
+
+
+async def test_a_cancel_while_the_end_hooks_run_does_not_cut_them(hooked: HookedClient) -> None:
+    """The stream's end is decided once its end hooks start: a client leaving (or any
+    cancel) then changes neither the hooks nor the end."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+    finished: list[str] = []
+
+    class Slow:
+        async def on_stream_completed(self, *args: object) -> None:
+            entered.set()
+            await gate.wait()
+            finished.append("completed")
+
+    client = await hooked(hooks_of(Slow()))
+    hub = client.app[HUB]
+    opened = await hub.open(ChatRequest.model_validate(chat(TEXT)), format="text/plain")
+    assert opened.run is not None
+    run = opened.run
+    reader = run.reader()
+    await asyncio.wait_for(entered.wait(), 5)
+    run.cancel(Error(error_type="server_error", message="gone", code="client_disconnect"))
+    await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.wait_for(run.wait(), 5)
+    await reader.close()
+    assert finished == ["completed"]
+    assert run.events[-1] == Done()

@@ -30,10 +30,12 @@ class BoomProvider(Provider):
         self.delay = delay
         self.exc = exc
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         await asyncio.sleep(self.delay)
         raise self.exc("provider bug")
-        yield  # pragma: no cover - makes this an async generator
+        yield []  # pragma: no cover - makes this an async generator
 
 
 async def test_failure_after_headers_stays_in_band(make_client: MakeClient) -> None:

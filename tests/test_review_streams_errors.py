@@ -22,10 +22,12 @@ from support import MakeClient, chat, parse_sse
 class Late(Provider):
     kind = "late"
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         await asyncio.sleep(0.4)
         raise UpstreamError("upstream broke")
-        yield  # pragma: no cover
+        yield []  # pragma: no cover
 
 
 async def test_a_resume_after_the_first_frame_gets_the_error_in_band(

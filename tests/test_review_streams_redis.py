@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from nexus import Engine, MockProvider, Provider
-from nexus.cache.hub import cache_key
+from nexus.cache.recording import cache_key
 from nexus.cache.redis import RedisStore
 from nexus.cache.store import StreamInfo
 from nexus.config import parse_config
@@ -49,10 +49,12 @@ class Counting(GatedProvider):
         super().__init__(before=1, after=1)
         self.calls = 0
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         self.calls += 1
-        async for event in super().stream(request, model):
-            yield event
+        async for batch in super().batches(request, model):
+            yield batch
 
 
 async def replica(

@@ -125,8 +125,15 @@ async def test_close_over_engine_runs_provider_finally() -> None:
     class Hand(Provider):
         kind = "hand"
 
-        def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
-            return rec.gen()
+        async def batches(
+            self, request: ChatRequest, model: str
+        ) -> AsyncGenerator[list[StreamEvent], None]:
+            events = rec.gen()
+            try:
+                async for event in events:
+                    yield [event]
+            finally:
+                await events.aclose()
 
     engine = Engine([Hand("hand")])
     stream = engine.complete_stream(chat(model="hand/x"))

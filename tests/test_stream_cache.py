@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from nexus import Provider
-from nexus.cache.hub import cache_key
+from nexus.cache.recording import cache_key
 from nexus.events import Delta, StreamEvent, Usage
 from nexus.request import ChatRequest
 from support import GatedProvider, MakeClient, chat, parse_sse
@@ -30,7 +30,9 @@ class CountingProvider(Provider):
         self.gap_s = gap_s
         self.fail_at = fail_at
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         self.calls += 1
         for index, word in enumerate(WORDS):
             if index == self.fail_at:
@@ -39,9 +41,9 @@ class CountingProvider(Provider):
                 raise UpstreamError("upstream broke mid-stream")
             if index and self.gap_s:
                 await asyncio.sleep(self.gap_s)
-            yield Delta(content=word)
-        yield Delta(finish_reason="stop")
-        yield Usage(prompt_tokens=3, completion_tokens=5, total_tokens=8)
+            yield [Delta(content=word)]
+        yield [Delta(finish_reason="stop")]
+        yield [Usage(prompt_tokens=3, completion_tokens=5, total_tokens=8)]
 
 
 class CountingGate(GatedProvider):
@@ -49,10 +51,12 @@ class CountingGate(GatedProvider):
         super().__init__(before=2, after=2)
         self.calls = 0
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         self.calls += 1
-        async for event in super().stream(request, model):
-            yield event
+        async for batch in super().batches(request, model):
+            yield batch
 
 
 def ndjson(body: bytes) -> list[dict[str, Any]]:

@@ -417,15 +417,17 @@ class CountingProvider(GatedProvider):
         self.tag = tag
         self.calls = 0
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         self.calls += 1
         call = self.calls
         self.started.set()
-        yield Delta(content=f"{self.tag}-call{call} ")
+        yield [Delta(content=f"{self.tag}-call{call} ")]
         await self.gate.wait()
-        yield Delta(content="the end")
-        yield Delta(finish_reason="stop")
-        yield Usage(prompt_tokens=call, completion_tokens=2, total_tokens=call + 2)
+        yield [Delta(content="the end")]
+        yield [Delta(finish_reason="stop")]
+        yield [Usage(prompt_tokens=call, completion_tokens=2, total_tokens=call + 2)]
 
 
 def ndjson(body: bytes) -> tuple[str, dict[str, Any]]:

@@ -1,22 +1,17 @@
 """The engine: routes a request to a provider and hands back a :class:`~nexus.stream.Stream`.
 
-Routing: a model id is either an alias from ``[models."<alias>"]`` (its
-targets tried in order) or ``<provider>/<upstream model>``. Anything else is
-:class:`~nexus.errors.ModelNotFound`.
+A model id is an alias from ``[models."<alias>"]`` (its targets tried in order) or
+``<provider>/<upstream model>``; anything else is :class:`~nexus.errors.ModelNotFound`.
+A :class:`~nexus.errors.GatewayError` a provider raises *before its first event* is
+raised to the reader (after trying the next target, when it is retryable); after
+an event, a failure becomes the stream's last event, an :class:`~nexus.events.Error`.
 
-Failure contract of the stream it returns: a :class:`~nexus.errors.GatewayError`
-raised by a provider *before its first event* is raised to the reader (after
-moving on to the next target when it is retryable); once an event went out,
-a failure becomes an :class:`~nexus.events.Error` event and the stream ends.
-The non-streaming path is :func:`~nexus.stream.accumulate` over the same stream.
-
-Middleware and hooks (:mod:`nexus.hooks`): :meth:`Engine.open_stream` runs the
-middleware chain around :meth:`Engine.complete_stream`, then the plugins'
-``on_stream_started``, and returns the stream with the other hooks firing as it
-is read; :meth:`Engine.complete` accumulates that stream. ``complete_stream``
-itself stays the raw call: no middleware, no hooks. The server opens its streams
-through the stream hub, which runs the middleware the same way and fires the
-hooks from the stream's run.
+Middleware and hooks (:mod:`nexus.hooks`) run for every caller:
+:meth:`Engine.open_stream` runs the middleware chain around the routed call, then
+``on_stream_started``, and returns the stream the other hooks watch as it is read.
+:meth:`Engine.complete_stream` is the same, started at the first read (so it stays
+a plain call); :meth:`Engine.complete` accumulates it. The server's hub opens with
+``observe=False`` and has the hooks watch its runs' sources instead.
 """
 
 from __future__ import annotations
@@ -198,17 +193,9 @@ class Engine:
             ids.extend(f"{provider.name}/{m}" for m in provider.advertised_models())
         return ids
 
-    def complete_stream(self, request: ChatRequest | Mapping[str, Any]) -> Stream:
-        """Start routing ``request``; nothing is sent upstream until the stream is read.
-
-        Raises :class:`~nexus.errors.InvalidRequest` for an invalid mapping and
-        :class:`~nexus.errors.ModelNotFound` for an unknown model, right away.
-        """
-        if not isinstance(request, ChatRequest):
-            try:
-                request = ChatRequest.model_validate(request)
-            except ValidationError as exc:
-                raise validation_error(exc, request) from None
+    def _targets(self, request: ChatRequest) -> list[Target]:
+        """The targets that can take ``request``. Raises :class:`ModelNotFound` and
+        :class:`UnsupportedInput`."""
         targets = self.route(request.model)
         needs = input_kinds(request)
         if needs:
@@ -217,16 +204,52 @@ class Engine:
                 raise UnsupportedInput(
                     f"The model {request.model!r} cannot take {' and '.join(sorted(needs))} input.",
                 )
-        provider, upstream = targets[0]
-        meta = StreamMeta.new(
+        return targets
+
+    def _meta(self, request: ChatRequest, target: Target) -> StreamMeta:
+        return StreamMeta.new(
             request.model,
             include_usage=request.include_usage,
-            provider=provider.name,
-            upstream_model=upstream,
+            provider=target[0].name,
+            upstream_model=target[1],
             retry_ms=self.retry_ms,
         )
-        if len(targets) == 1:
-            return Stream.of_batches(self._run(targets, request, None), meta)
+
+    def complete_stream(
+        self, request: ChatRequest | Mapping[str, Any], ctx: CallContext | None = None
+    ) -> Stream:
+        """:meth:`open_stream`, started when the stream is first read: nothing runs (no
+        middleware, no hook, no upstream call) until then.
+
+        Raises :class:`~nexus.errors.InvalidRequest` for an invalid mapping and
+        :class:`~nexus.errors.ModelNotFound` for an unknown model, right away; a
+        middleware's refusal and a plugin's :class:`~nexus.hooks.StreamRejected` at
+        the first read. The stream's ``meta`` is the opened one's from its first event on.
+        """
+        request = _validated(request)
+        targets = self._targets(request)
+        link: list[Stream] = []  # the outer stream, until its meta is settled
+        outer = Stream.of_batches(self._opened(request, ctx, link), self._meta(request, targets[0]))
+        link.append(outer)
+        return outer
+
+    async def _opened(
+        self, request: ChatRequest, ctx: CallContext | None, link: list[Stream]
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        stream = await self.open_stream(request, ctx)
+        del request  # not held for the stream's length
+        try:
+            while batch := await stream.read_batch():
+                if link:
+                    link.pop().meta = stream.meta
+                yield batch
+        finally:
+            link.clear()
+            await stream.close()
+
+    def _routed(self, request: ChatRequest, targets: list[Target]) -> Stream:
+        """The routed call itself: the end of the middleware chain."""
+        meta = self._meta(request, targets[0])
 
         def served(provider: Provider, model: str) -> None:
             # A fallback answered: the stream's meta names it from its first event on.
@@ -242,21 +265,17 @@ class Engine:
         *,
         observe: bool = True,
     ) -> Stream:
-        """:meth:`complete_stream` through the middleware, then ``on_stream_started``.
+        """The routed call through the middleware, then ``on_stream_started``.
 
         The stream it returns fires the chunk hooks as it is read and
         ``on_stream_completed`` / ``on_stream_failed`` when it ends (closed
         early: failed, ``stream_cancelled``). ``ctx`` defaults to a new
         :class:`~nexus.hooks.CallContext`. ``observe=False`` skips the hooks
-        (the stream hub fires them itself). Raises what :meth:`complete_stream`
-        raises, a middleware's refusal, and a plugin's
-        :class:`~nexus.hooks.StreamRejected`.
+        (the stream hub has them watch its runs). Raises
+        :class:`~nexus.errors.InvalidRequest`, :class:`~nexus.errors.ModelNotFound`, a
+        middleware's refusal, and a plugin's :class:`~nexus.hooks.StreamRejected`.
         """
-        if not isinstance(request, ChatRequest):
-            try:
-                request = ChatRequest.model_validate(request)
-            except ValidationError as exc:
-                raise validation_error(exc, request) from None
+        request = _validated(request)
         if ctx is None:
             ctx = CallContext()
         stream = await self._pipeline(ctx)(request)
@@ -274,7 +293,7 @@ class Engine:
         """The middleware chain for one call, the engine at its end."""
 
         async def engine(request: ChatRequest) -> Stream:
-            return self.complete_stream(request)
+            return self._routed(request, self._targets(request))
 
         call: Next = engine
         for middleware in reversed(self.middleware):
@@ -294,7 +313,7 @@ class Engine:
         self,
         targets: list[Target],
         request: ChatRequest,
-        served: Callable[[Provider, str], None] | None,
+        served: Callable[[Provider, str], None],
     ) -> AsyncGenerator[list[StreamEvent], None]:
         last = len(targets) - 1
         asked = request.model
@@ -324,7 +343,7 @@ class Engine:
                             # No other target will be tried: the request need not stay
                             # alive for the stream's length in this frame.
                             del request
-                            if attempt and served is not None:
+                            if attempt:
                                 served(provider, model)
                         before, latest = latest, batch
                         yield batch
@@ -367,6 +386,16 @@ class Engine:
                 finally:
                     if span is not None:
                         span.end()
+
+
+def _validated(request: ChatRequest | Mapping[str, Any]) -> ChatRequest:
+    """``request`` as a :class:`ChatRequest`. Raises :class:`~nexus.errors.InvalidRequest`."""
+    if isinstance(request, ChatRequest):
+        return request
+    try:
+        return ChatRequest.model_validate(request)
+    except ValidationError as exc:
+        raise validation_error(exc, request) from None
 
 
 def _priced(usage: Usage, price: Price) -> Usage:

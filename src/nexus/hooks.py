@@ -1,7 +1,7 @@
 """Lifecycle hooks and middleware: what plugins see of each stream, and what wraps the engine.
 
 Hooks
-    A plugin is any object with some of these four async methods (each optional)::
+    A plugin is any object with some of these four async methods::
 
         async def on_stream_started(self, ctx, request_id, model, provider): ...
         async def on_chunk_received(self, ctx, request_id, kind, byte_size): ...
@@ -9,67 +9,43 @@ Hooks
                                       *, spend): ...
         async def on_stream_failed(self, ctx, request_id, model, error, *, spend): ...
 
-    ``ctx`` is the request's :class:`CallContext` (the same object for every hook
-    of one request); ``request_id`` is the stream id (``StreamMeta.id``, what
-    ``GET /v1/streams/{id}`` takes); ``model`` the model asked for (an alias
-    stays an alias) and ``provider`` the provider it was routed to. ``kind`` is
-    the event's type tag (``"delta"``, ``"reasoning"``, ``"tool_call"``,
-    ``"usage"``, ...) and ``byte_size`` the length of its JSON form. ``elapsed``
-    is in seconds; ``final`` is the merged :class:`~nexus.types.Completion`
-    (what :func:`~nexus.stream.accumulate` returns: do not mutate it, other
-    plugins get the same object). ``error`` is the :class:`~nexus.events.Error`
-    event the stream ended with (a client's abort is ``code="stream_cancelled"``;
-    a stream that was not resumable, cancelled as its last client left, is
-    ``code="client_disconnect"``). ``spend`` is the stream's
-    :class:`~nexus.pricing.Spend`: its tokens and cost
-    from the upstream's usage, or, for a stream that failed or was cancelled
-    before its final usage, what was seen so far with ``estimated=True``; a cache
-    hit spends nothing (zero). It is passed, as a keyword, only to methods that
-    take a ``spend`` parameter (or ``**kwargs``): older plugins are called as
-    before. In the end hooks, ``provider`` (like the stream's ``meta.provider``)
-    is the target that answered, after fallbacks; ``on_stream_started`` runs before
-    the stream does, so its ``provider`` is the first target.
+    ``ctx``: the request's :class:`CallContext` (one object for all its hooks).
+    ``request_id``: the stream id (``GET /v1/streams/{id}``). ``model``: as asked
+    (an alias stays an alias). ``provider``: in ``on_stream_started``, the first
+    target; in the end hooks, the target that answered, after fallbacks. ``kind``:
+    the event's type tag; ``byte_size``: the length of its JSON form. ``elapsed``:
+    seconds. ``final``: the merged :class:`~nexus.types.Completion` (shared: do not
+    mutate it; empty but for its id, model and creation time when every plugin's
+    class sets ``wants_final = False``). ``error``: the :class:`~nexus.events.Error`
+    the stream ended with (an abort is ``stream_cancelled``; a stream that was not
+    resumable, cancelled as its last client left, ``client_disconnect``). ``spend``:
+    the stream's :class:`~nexus.pricing.Spend` (``estimated=True`` for one that ended
+    before its final usage; zero for a cache hit), passed only to methods that take
+    ``spend`` (or ``**kwargs``).
 
-    A plugin whose class sets ``wants_final = False`` does not read ``final``: when
-    no plugin wants it, the stream is not merged and ``final`` is an empty
-    :class:`~nexus.types.Completion` (its id, model and creation time only).
+    Raising :class:`StreamRejected` from ``on_stream_started`` refuses the request
+    (an HTTP error, even for a background request). Any other exception from a hook
+    is logged, counted in :attr:`Hooks.errors`, and the stream goes on. Hooks run
+    inline, in registration order: a slow hook slows its stream. ``on_chunk_received``
+    runs for every Nth data event (``chunk_every``). A stream ends with exactly one
+    of ``on_stream_completed`` / ``on_stream_failed``.
 
-    ``on_stream_started`` runs before the stream is launched: raising
-    :class:`StreamRejected` from it refuses the request with that error (an HTTP
-    error in the endpoint's shape, even for a background request). Any other
-    exception from any hook is logged, counted in :attr:`Hooks.errors` by hook
-    name, and the stream goes on. Hooks run inline, in registration order:
-    a slow hook slows its stream (hand slow work to a task of your own).
-    ``on_chunk_received`` runs for every Nth data event of a stream (the
-    plugin's ``chunk_every``; the terminal event is not a chunk). A stream ends
-    with exactly one of ``on_stream_completed`` / ``on_stream_failed``.
-
-    Where they fire: the server path (``StreamHub.open``) calls
-    ``on_stream_started`` for every request, cache replays and requests that
-    join an identical in-flight stream included; a joining request makes no
-    stream of its own, so it gets no other hook (its ``request_id`` is the id
-    its own stream would have had). The stream's run calls the others, its end
-    hooks before the last entry reaches the readers (a client that saw the end
-    knows they ran: a budget is up to date for its next request). For
-    Python callers, :meth:`Engine.open_stream <nexus.engine.Engine.open_stream>`
-    and :meth:`Engine.complete <nexus.engine.Engine.complete>` fire all four;
-    :meth:`Engine.complete_stream <nexus.engine.Engine.complete_stream>` fires
-    none (it is the raw, synchronous call).
+    They fire for every caller: :meth:`StreamObserver.watch` wraps the stream being
+    read (by a run of the server's hub, or by the Python caller of the engine). The
+    server calls ``on_stream_started`` for every request, replays and joins
+    included; a join makes no stream, so it gets no other hook. A run's end hooks
+    have run before its last entry reaches its readers (a budget is up to date for
+    the client's next request).
 
 Middleware
-    ``async def middleware(ctx, request, call_next) -> Stream`` wraps the engine;
-    the streaming and the non-streaming paths (the latter accumulates the same
-    stream) go through it alike. It may return ``await call_next(other)`` with a
-    changed request (``request.model_copy(update=...)``: never mutate the one it
-    got), raise a :class:`~nexus.errors.GatewayError` to refuse the request, or
-    wrap the stream it gets back (:func:`map_stream`). The first middleware is
-    the outermost. With ``[cache]`` on, the cache key is the request as the
-    client sent it and a recording holds what the middleware returned: a hit
-    replays it as is, without calling the middleware; a request that joins an
-    identical in-flight stream passes the middleware (which may refuse it) and
-    then reads the other request's output. A refusal that must hold for cache
-    hits too belongs in ``on_stream_started``; a middleware whose output
-    depends on ``ctx`` (the API key) does not mix with the cache.
+    ``async def middleware(ctx, request, call_next) -> Stream`` wraps the engine for
+    streaming and non-streaming calls alike, the first one outermost. It may return
+    ``await call_next(other)`` with a changed copy of the request (never mutate it),
+    raise a :class:`~nexus.errors.GatewayError` to refuse, or wrap the stream
+    (:func:`map_stream`). With ``[cache]`` on, the key is the request as sent and a
+    recording holds what the middleware returned: a hit replays it without calling
+    the middleware; a join passes the middleware, then reads the other's output. A
+    refusal that must hold for hits belongs in ``on_stream_started``.
 """
 
 from __future__ import annotations
@@ -87,7 +63,7 @@ import orjson
 
 from .errors import ConfigError, GatewayError, RegistryFrozen
 from .events import Done, Error, StreamEvent
-from .pricing import UNKNOWN, PriceTable, Spend, Tally, terminal_ok
+from .pricing import NOTHING, UNKNOWN, PriceTable, Spend, Tally, terminal_ok
 from .request import ChatRequest
 from .stream import Merger, Stream
 from .types import Completion, StreamMeta
@@ -335,29 +311,20 @@ class Hooks:
         return None
 
     def observed(self, stream: Stream, ctx: CallContext) -> Stream:
-        """``stream`` with its chunk and end hooks firing as it is read.
-
-        Closed before its end (or cancelled), it ends with
-        ``on_stream_failed`` (``code="stream_cancelled"``).
-        """
+        """``stream`` with its chunk and end hooks firing as it is read
+        (:meth:`StreamObserver.watch`); ``stream`` itself when no plugin watches streams."""
         observer = self.observe(ctx, stream.meta)
-        if observer is None:
-            return stream
-        link: list[Stream] = []  # the outer stream, until its meta is settled
-        outer = Stream.of_batches(_observe(stream, observer, link), stream.meta)
-        link.append(outer)
-        return outer
+        return stream if observer is None else observer.watch(stream)
 
 
 class StreamObserver:
     """One stream's hook calls: its chunk count, its end. Made by :meth:`Hooks.observe`.
 
-    A producer calls :meth:`chunk` for each data event when ``chunks`` is true
-    (one attribute check per event when no plugin wants chunks), then
-    :meth:`end` once, with the terminal event.
+    :meth:`watch` is where they fire, for every caller (the engine's Python API and
+    the hub's runs alike): :meth:`chunk` for each data event, :meth:`end` once.
     """
 
-    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "meta", "wants_final")
+    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "ending", "meta", "settled", "wants_final")
 
     def __init__(self, hooks: Hooks, ctx: CallContext, meta: StreamMeta) -> None:
         self._hooks = hooks
@@ -365,9 +332,21 @@ class StreamObserver:
         self.ctx = ctx
         self.meta = meta
         self.chunks = bool(hooks._chunk)
-        """Whether :meth:`chunk` has anything to do."""
         self.wants_final = hooks._final
-        """Whether :meth:`end` will use the merged completion."""
+        self.ending: StreamEvent | None = None
+        """Why the reader closes the stream early (a run's cancel, its size limit): the
+        end hooks get it instead of ``stream_cancelled``."""
+        self.settled = False
+        """The stream's end is decided and its end hooks run: a cancel must not cut them."""
+
+    def watch(self, stream: Stream, *, free: bool = False) -> Stream:
+        """``stream`` with the hooks firing as it is read; closed before its end (or
+        cancelled) it ends with :attr:`ending`, else ``stream_cancelled``. ``free``: it
+        spends nothing (a replayed recording)."""
+        link: list[Stream] = []  # the outer stream, until its meta is settled
+        outer = Stream.of_batches(_observe(stream, self, link, free), stream.meta)
+        link.append(outer)
+        return outer
 
     async def chunk(self, event: StreamEvent) -> None:
         """Count a data event; call the chunk hooks whose turn it is."""
@@ -421,7 +400,7 @@ class StreamObserver:
 
 
 async def _observe(
-    source: Stream, observer: StreamObserver, link: list[Stream]
+    source: Stream, observer: StreamObserver, link: list[Stream], free: bool
 ) -> AsyncGenerator[list[StreamEvent], None]:
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -452,21 +431,25 @@ async def _observe(
         terminal = terminal or _BROKEN
         raise
     except BaseException:  # closed before the end (GeneratorExit), or cancelled
-        terminal = terminal or _CLOSED
+        terminal = terminal or observer.ending or _CLOSED
         raise
     finally:
         link.clear()
+        observer.settled = True
         try:
             await source.close()
         finally:
-            end = terminal or Done()
+            end = terminal or observer.ending or Done()
             meta = observer.meta = source.meta
             complete = terminal_ok(end)
+            spend = (
+                NOTHING if free else observer._hooks.prices.spend(tallied, meta, complete=complete)
+            )
             await observer.end(
                 end,
                 loop.time() - start,
                 merger.result if merger is not None else _no_final(meta),
-                observer._hooks.prices.spend(tallied, meta, complete=complete),
+                spend,
             )
 
 

@@ -15,7 +15,7 @@ request that ends charges its cost (:meth:`KeyLimits.charge`).
   slots, leases, and what a Redis failure does.
 
 The global ``[limits] max_concurrent_streams`` is not here: it protects one
-process, and the hub counts it (:meth:`~nexus.cache.hub.StreamHub.admit`).
+process, and admission counts it (:mod:`nexus.cache.admission`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,20 @@
 """A stream resource in this process: one producer task, one log, any number of readers.
 
-:class:`StreamRun` reads its source (the engine's :class:`~nexus.stream.Stream`,
-or a replayed recording) in a task of its own and appends each event to
-``events``; the last entry is terminal (:class:`Done`, or an :class:`Error`).
-Readers (:class:`RunReader`) follow the log from any index and get whatever
-arrived since their last read as one batch, so a burst from upstream becomes
-one write downstream.
+:class:`StreamRun` reads its source (the engine's stream, or a replayed recording)
+in a task of its own into ``events``, whose last entry is terminal (:class:`Done`
+or an :class:`Error`). A :class:`RunReader` follows the log from any index and gets
+all that arrived since its last read as one batch.
 
-Readers come and go. When the last one detaches, what happens depends on whether
-the stream is *resumable* (``info.resumable``: a background request, or one that
-asked for it). A resumable stream runs on: a timer of ``detach_timeout_s``
-starts; if no reader comes back (and no other replica holds a lease on the
-stream) the source is cancelled and the log ends with ``stream_detached``. Any
-other stream is cancelled at once (nobody will come back for it: the upstream
-is not paid to generate for nobody), its log ending with ``client_disconnect``;
-with a shared store, a lease held by another replica's reader keeps it running,
-checked every ``LEASE_POLL_S`` until the lease lapses. :meth:`StreamRun.cancel`
-ends it at once with the terminal entry given (an abort, shutdown). A log that
-grows past ``max_log_bytes`` ends with ``stream_too_large``.
+When the last reader leaves, a *resumable* stream (``info.resumable``) runs on for
+``detach_timeout_s``, then ends with ``stream_detached`` if nobody came back; any
+other stream is cancelled at once (``client_disconnect``: the upstream is not paid
+to generate for nobody). With a shared store, another replica's lease keeps either
+running (checked every ``LEASE_POLL_S``). A log past ``max_log_bytes`` ends with
+``stream_too_large``; :meth:`StreamRun.cancel` ends it with the entry given.
 
-With an ``observer`` (:mod:`nexus.hooks`), the producer calls the plugins' chunk
-hooks after each entry reaches the log, and their completed or failed hooks with
-the terminal entry before it is appended (so a reader that saw the end knows
-the hooks ran).
+A run fires no hooks: they watch its source (:meth:`~nexus.hooks.StreamObserver.watch`),
+so the end hooks have run when the source is closed, before the terminal entry is
+appended. A run that ends its source early tells the ``observer`` why.
 """
 
 from __future__ import annotations
@@ -37,7 +29,7 @@ from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
 from ..hooks import StreamObserver
 from ..pricing import NOTHING, PriceTable, Spend, tally, terminal_ok
-from ..stream import Stream, merge_events
+from ..stream import Stream
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
@@ -54,10 +46,7 @@ whether another replica's reader still holds a lease on it (leases last at least
 
 class LogReader(Protocol):
     """What the pump reads: a log's entries in batches, from where it was opened.
-
-    ``failure`` is the error the source raised before any event, when the
-    stream runs here (the origin request answers with its HTTP status).
-    """
+    ``failure``: the error a local source raised before any event (an HTTP status)."""
 
     meta: StreamMeta
 
@@ -70,13 +59,11 @@ class LogReader(Protocol):
 
     @property
     def served(self) -> StreamMeta:
-        """The stream's meta as it is now: after a fallback, it names the target that
-        answered (``meta`` is the listener's, as it was when the reader was made)."""
+        """The stream's meta now (after a fallback, the target that answered)."""
 
     async def settled_spend(self, wait_s: float) -> Spend | None:
-        """:attr:`spend`, after waiting up to ``wait_s`` for a stream that is ending (its
-        last reader gone and not resumable: cancelled at once) to end. Call it after
-        :meth:`close`."""
+        """:attr:`spend`, after up to ``wait_s`` for a stream being cancelled (its last
+        reader gone) to end. Call it after :meth:`close`."""
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 
@@ -135,10 +122,10 @@ class StreamRun:
         detach_timeout_s: float,
         max_log_bytes: int,
         leased: Callable[[], Awaitable[bool]] | None = None,
+        watchdog: Watchdog,
         max_duration_s: float | None = None,
         observer: StreamObserver | None = None,
         timed: bool = True,
-        watchdog: Watchdog | None = None,
         prices: PriceTable | None = None,
         replayed: bool = False,
     ) -> None:
@@ -146,8 +133,7 @@ class StreamRun:
         self.id = info.meta.id
         self.events: list[StreamEvent] = []
         self.offsets: list[float] | None = [] if timed else None
-        """Seconds from the start to each entry (for paced replay of recordings), when
-        ``timed``: the stream is to be recorded."""
+        """Seconds from the start to each entry, when ``timed`` (to be recorded)."""
         self.finished = False
         self.failure: GatewayError | None = None
         """The error the source raised before any event (the origin answers with its status)."""
@@ -159,18 +145,12 @@ class StreamRun:
         self._leased = leased
         self._max_duration_s = max_duration_s
         self._observer = observer
-        self._deadline: asyncio.TimerHandle | None = None
         self._watchdog = watchdog
         self._ends_at = 0.0
         self._prices = prices if prices is not None else PriceTable()
         self._replayed = replayed
         self.spend: Spend | None = None
-        """What the stream spent upstream (:mod:`nexus.pricing`), once it finished; a
-        replayed recording spent nothing."""
-        self.record: str | None = None
-        """The cache key it is to be recorded under, if any (the hub's)."""
-        self.stored = True
-        """False: a shared store could not begin it; it runs here only (the hub's)."""
+        """What it spent upstream, once finished (a replay: nothing)."""
         self.on_finish: Callable[[StreamRun], object] | None = None
         """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()
@@ -182,46 +162,38 @@ class StreamRun:
         self._running = False
         self._finished = self._loop.create_future()
 
-    @property
-    def terminal(self) -> StreamEvent | None:
-        return self.events[-1] if self.finished else None
-
     def start(self, *, detached: bool = False) -> None:
         """Start producing. ``detached``: nobody reads yet (a background request, which
         is resumable: the detach timer starts)."""
         self._task = self._loop.create_task(self._produce(), name=f"nexus-stream-{self.id}")
         limit = self._max_duration_s
         if limit is not None:
-            if self._watchdog is not None:
-                # Checked by the hub's one ticker, at worst 1/8 of the limit (5 s) late:
-                # not a timer handle per stream.
-                self._ends_at = self._loop.time() + limit
-                self._watchdog.add(self, min(limit / 8, 5.0))
-            else:
-                self._deadline = self._loop.call_later(limit, self._too_long)
+            # Checked by the hub's one ticker, at worst 1/8 of the limit (5 s) late:
+            # not a timer handle per stream.
+            self._ends_at = self._loop.time() + limit
+            self._watchdog.add(self, min(limit / 8, 5.0))
         if detached:
             self._arm()
 
     def check(self, now: float) -> None:
         """The watchdog's tick: end the stream once it has run for its limit."""
-        if now >= self._ends_at:
-            if self._watchdog is not None:
-                self._watchdog.discard(self)
-            self._too_long()
-
-    def _too_long(self) -> None:
-        assert self._max_duration_s is not None
-        self.cancel(too_long(self._max_duration_s))
+        if now >= self._ends_at and self._max_duration_s is not None:
+            self._watchdog.discard(self)
+            self.cancel(too_long(self._max_duration_s))
 
     def reader(self, start: int = 0) -> RunReader:
         return RunReader(self, start)
 
     def cancel(self, terminal: StreamEvent) -> None:
         """End the stream now; ``terminal`` closes the log (unless it already ended)."""
-        if self.finished or self._task is None:
-            return
-        if self._cancel_with is None:
-            self._cancel_with = terminal
+        observer = self._observer
+        if self.finished or self._task is None or self._cancel_with is not None:
+            return  # once: a second cancel must not cut the end hooks the first one runs
+        if observer is not None:
+            if observer.settled:
+                return  # the end is decided: its hooks run
+            observer.ending = terminal
+        self._cancel_with = terminal
         if self._running:
             self._task.cancel()
         # else: the task has not run yet; it sees _cancel_with when it does.
@@ -266,8 +238,6 @@ class StreamRun:
         limit = self._max_log_bytes
         size = 0
         terminal: StreamEvent = Done()
-        observer = self._observer
-        chunk = observer.chunk if observer is not None and observer.chunks else None
         self._running = True
         unyielded = 0
         ended = False
@@ -277,7 +247,7 @@ class StreamRun:
                 raise asyncio.CancelledError
             batch = await read()
             if source.meta is not self.info.meta:  # a fallback target answered
-                self._served(source.meta)
+                self.info.meta = source.meta
             while batch:
                 added = _size(batch)
                 if added < 0:
@@ -291,9 +261,6 @@ class StreamRun:
                     offsets += [now() - start] * len(batch)
                 if self._waiters:
                     self._wake()
-                if chunk is not None:
-                    for event in batch:
-                        await chunk(event)
                 if ended:
                     break
                 if size > limit:
@@ -302,6 +269,8 @@ class StreamRun:
                         f"The stream passed the gateway's limit of {limit} bytes "
                         "([streams] max_log_bytes) and was ended.",
                     )
+                    if self._observer is not None:
+                        self._observer.ending = terminal
                     break
                 unyielded += len(batch)
                 if unyielded >= 256:
@@ -325,29 +294,14 @@ class StreamRun:
                 retryable=True,
             )
         self.size = size
+        self._running = False  # the end is decided: cancel() must not cut the end hooks
         try:
-            await source.close()
+            await source.close()  # the end hooks run here
         except Exception:
             log.exception("closing the source of stream %s failed", self.id)
         finally:
-            try:
-                self.spend = spend = self._spent(terminal)
-                if observer is not None:
-                    self._running = False  # the end is decided: cancel() must not cut the hooks
-                    await observer.end(
-                        terminal,
-                        now() - start,
-                        lambda: merge_events(events, self.info.meta),
-                        spend,
-                    )
-            finally:
-                self._finish(terminal, now() - start)
-
-    def _served(self, meta: StreamMeta) -> None:
-        """The stream is served by another target than the first (``meta`` names it)."""
-        self.info.meta = meta
-        if self._observer is not None:
-            self._observer.meta = meta
+            self.spend = self._spent(terminal)
+            self._finish(terminal, now() - start)
 
     def _spent(self, terminal: StreamEvent) -> Spend:
         """The stream's spend, from its log (once, at its end)."""
@@ -363,10 +317,7 @@ class StreamRun:
             self.offsets.append(offset)
         self.finished = True
         self._disarm()
-        if self._deadline is not None:
-            self._deadline.cancel()
-        if self._watchdog is not None:
-            self._watchdog.discard(self)
+        self._watchdog.discard(self)
         self._wake()
         if not self._finished.done():
             self._finished.set_result(None)

@@ -1,14 +1,13 @@
 """The provider interface: the outbound edge. A provider turns a request into events.
 
-``stream(request, model)`` is an async generator of
-:class:`~nexus.events.StreamEvent`; ``batches(request, model)`` the same events in
-lists, one per upstream read (what the engine reads: one step per read, not per
-token; by default one event per list, from ``stream``). Before its first event it *raises*
-:class:`~nexus.errors.GatewayError` (so the engine can fall back to another
-target or answer with an HTTP status); after that it may also raise, and the
-engine turns the exception into an error event. Closing the generator
-(``aclose()`` or cancellation) must release the upstream at once: put the
-cleanup in ``finally``.
+A provider implements one primitive, :meth:`Provider.batches`: an async generator of
+non-empty lists of :class:`~nexus.events.StreamEvent`, one list per upstream read
+(what the engine reads: one step per read, not per token). Before its first event
+it *raises* :class:`~nexus.errors.GatewayError` (so the engine can fall back to
+another target or answer with an HTTP status); after that it may also raise, and
+the engine turns the exception into an error event. Closing the generator
+(``aclose()`` or cancellation) must release the upstream at once: put the cleanup
+in ``finally``. :meth:`Provider.stream` is derived: the same events one by one.
 """
 
 from __future__ import annotations
@@ -43,29 +42,18 @@ class Provider(ABC):
         return list(self._models)
 
     @abstractmethod
-    def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
-        """Stream a completion of ``request`` from upstream ``model``."""
-
     def batches(self, request: ChatRequest, model: str) -> AsyncGenerator[list[StreamEvent], None]:
-        """:meth:`stream` in non-empty lists of events; override to hand over a whole read."""
-        return _one_by_one(self.stream(request, model))
+        """Stream a completion of ``request`` from upstream ``model``, a list per read."""
 
-
-async def _one_by_one(
-    events: AsyncGenerator[StreamEvent, None],
-) -> AsyncGenerator[list[StreamEvent], None]:
-    try:
-        async for event in events:
-            yield [event]
-    finally:
-        await events.aclose()
+    def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        """The events of :meth:`batches`, one by one."""
+        return flatten(self.batches(request, model))
 
 
 async def flatten(
     batches: AsyncGenerator[list[StreamEvent], None],
 ) -> AsyncGenerator[StreamEvent, None]:
-    """The events of ``batches`` one by one: ``stream`` for a provider that overrides
-    :meth:`Provider.batches`."""
+    """The events of ``batches`` one by one; closing it closes ``batches``."""
     try:
         async for batch in batches:
             for event in batch:

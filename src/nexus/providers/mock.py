@@ -66,7 +66,9 @@ class MockProvider(Provider):
     def advertised_models(self) -> list[str]:
         return list(self._models) or ["echo"]
 
-    async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
         script = request.mock or _NO_SCRIPT
         delay = script.delay_ms / 1000
         limit = request.token_limit
@@ -93,13 +95,13 @@ class MockProvider(Provider):
             elif kind == "tool":
                 finish = "tool_calls"
             emitted += 1
-            yield event
+            yield [event]
         if fail_after is not None and finish != "length":
             raise _scripted_failure(emitted)
         if delay and emitted:
             await asyncio.sleep(delay)
-        yield Delta(finish_reason=finish)
-        yield _usage(request, script, emitted, reasoning_chunks)
+        yield [Delta(finish_reason=finish)]
+        yield [_usage(request, script, emitted, reasoning_chunks)]
 
 
 _NO_SCRIPT = MockScript()

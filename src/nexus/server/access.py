@@ -2,39 +2,22 @@
 per-key limits, the access log.
 
 :func:`access_middleware` is the outermost layer: it gives every request an id
-(``X-Request-Id`` honoured when it is sane, echoed on every response), refuses
-pages of other sites and rebound ``Host`` names (:mod:`nexus.server.origins`:
-403 ``origin_not_allowed`` and ``host_not_allowed``, before any route runs, so a
-WebSocket handshake is refused before it upgrades), answers CORS preflights for
-``[cors] allow_origins``, and writes one access line per request and its metrics;
-with tracing on, the request runs inside its span (:mod:`nexus.telemetry`). Routes
-call :func:`authenticate` and :func:`admit`; the pump fills in the request's
-:class:`Exchange` as it writes.
+(a sane ``X-Request-Id`` is kept), refuses other sites' pages and rebound ``Host``
+names before any route runs (:mod:`nexus.server.origins`), answers CORS preflights,
+and writes one access line and the metrics per request, inside its span when tracing
+(:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`admit`; the
+pump fills in the request's :class:`~nexus.server.state.Exchange` as it writes.
 
-The access line: ``method``, ``path`` (never the query: a read token travels
-there), ``endpoint``, ``status``, ``outcome`` (``ok``, ``error:<code>`` for an
-HTTP error, ``mid_stream_error:<code>`` for a stream that failed after its
-headers, ``cancelled:<reason>`` for one ended on purpose or left by its client),
-``model`` (as asked) and ``served`` (``provider/model``, the target that answered
-after fallbacks), ``format``, ``provider``, ``stream_id``, ``key`` (its name),
-``client`` (the peer's address), ``cache``, ``pool_wait_ms`` (how long the
-request waited for free connections of its providers' pools, over its attempts;
-only when it sent a request upstream), ``ttfb_ms``, ``ttft_ms``, ``duration_ms``,
-``events`` and ``bytes`` (of a written stream only), and what the request spent
-upstream (:class:`~nexus.pricing.Spend`): ``prompt_tokens``,
-``completion_tokens``, ``cached_tokens``, ``reasoning_tokens``, ``cost_usd`` (when
-the model has a price) and ``estimated`` (when so). A cache hit or a request that
-joined another's stream spent nothing (zeros: the tokens were the other's); a
-request whose client left before the stream's end has what its stream spent
-until it was cancelled (estimated), or, for a resumable stream that runs on, no
-spend (its stream's hooks and metrics count it when it ends). Lines of failed requests (a status of
-400 or more, or an outcome other than ``ok``) are logged at WARNING. In the text
-form, a value with spaces, quotes or control characters is JSON-quoted.
+The access line's fields are :func:`_fields`'s. ``outcome`` is ``ok``,
+``error:<code>``, ``mid_stream_error:<code>`` or ``cancelled:<reason>``; ``served``
+the ``provider/model`` that answered after fallbacks; the spend, what the request's
+own stream spent (zeros for a cache hit or a join; estimated for one cut short).
+Failed requests are logged at WARNING; in the text form, a value with spaces, quotes
+or control characters is JSON-quoted.
 
-A request answered before its body was read to the end (a 401, a 413, any refusal)
-has its connection closed once the answer is out: aiohttp would otherwise read the
-rest of the body, for up to ten seconds, to keep the connection (its "lingering"
-read), on behalf of a client that may not even have a key.
+A request answered before its body was read to the end has its connection closed
+once the answer is out, rather than aiohttp reading the rest (for up to ten seconds)
+for a client that may not even have a key.
 """
 
 from __future__ import annotations
@@ -42,11 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -54,14 +35,13 @@ from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..errors import GatewayError
-from ..events import Done, Error, StreamEvent
-from ..pricing import Spend
-from ..providers.http import POOL_WAITS, PoolWaits
+from ..providers.http import POOL_WAITS
 from ..telemetry import Telemetry
 from .errors import Handler, error_response
-from .metrics import CANCEL_CAUSES, Metrics
+from .metrics import Metrics
 from .origins import loopback_host, origin_allowed
 from .state import CONFIG as _CONFIG
+from .state import EXCHANGE, Exchange, exchange, new_request_id
 from .state import HUB as _HUB
 
 __all__ = [
@@ -88,12 +68,6 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 _UNTRACED = ("/healthz", "/metrics")
 
 
-def _request_key() -> Any:
-    # aiohttp 3.14 warns on string keys in request storage; older ones have no RequestKey.
-    factory = getattr(web, "RequestKey", None)
-    return factory("exchange", Exchange) if factory is not None else "nexus.exchange"
-
-
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
     "X-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, Location, Retry-After, "
@@ -105,91 +79,10 @@ _ALLOWED_HEADERS = (
 )
 
 
-@dataclass(slots=True)
-class Exchange:
-    """One request, as the access log and the metrics see it."""
-
-    request_id: str
-    started: float
-    endpoint: str = ""
-    format: str = ""
-    provider: str = ""
-    stream_id: str = ""
-    key: ApiKey | None = None
-    ttfb: float | None = None
-    events: int = 0
-    bytes: int = 0
-    cancelled: str | None = None
-    status: int | None = None
-    """The status sent, once the headers are out (a stream cut short keeps its 200)."""
-    headers: dict[str, str] = field(default_factory=dict)
-    """Headers every response to this request carries (request id, CORS)."""
-    method: str = ""
-    path: str = ""
-    """The URL's path, never its query (a read token travels there)."""
-    client: str | None = None
-    model: str | None = None
-    """The model asked for, once the request was routed (an alias stays an alias)."""
-    served: str | None = None
-    """``provider/model``: the target that answered, after fallbacks."""
-    streamed: bool = False
-    """The pump wrote the body (events and bytes count); false for a JSON answer."""
-    ttft: float | None = None
-    """From the request to the stream's first event."""
-    error: str | None = None
-    """The code of the error the response carries (an HTTP error's)."""
-    stream_error: str | None = None
-    """The code of the error a stream ended with, after its headers went out."""
-    spend: Spend | None = None
-    """What the request spent upstream (its own stream's; zero for a cache hit)."""
-    cache: str | None = None
-    pool_waits: PoolWaits = field(default_factory=PoolWaits)
-    """What the request waited for pooled upstream connections (the providers add to it)."""
-
-    def outcome(self, status: int) -> str:
-        """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""
-        if self.stream_error is not None:
-            cause = _OUTCOME_CAUSES.get(self.stream_error)
-            if cause is not None:
-                return f"cancelled:{cause}"
-            return f"mid_stream_error:{self.stream_error}"
-        if self.cancelled is not None:
-            return f"cancelled:{self.cancelled}"
-        if status >= 400:
-            return f"error:{self.error or status}"
-        return "ok"
-
-    def ended_with(self, terminal: StreamEvent | None) -> None:
-        """Note the terminal event of the stream this request wrote."""
-        if type(terminal) is Error:
-            self.stream_error = terminal.code or terminal.error_type
-        elif type(terminal) is Done and terminal.aborted:
-            self.cancelled = self.cancelled or "client_disconnect"  # its reader left
-
-
-EXCHANGE: Any = _request_key()
-
-_OUTCOME_CAUSES = {**CANCEL_CAUSES, "stream_cancelled": "aborted"}
-"""The ``cancelled:<reason>`` of a stream that ended with one of these error codes
-(``aborted``: ``DELETE /v1/streams/{id}``, or its producer cancelled)."""
-
-
-def exchange(request: web.Request) -> Exchange:
-    found: Exchange | None = request.get(EXCHANGE)
-    if found is None:  # a handler run without the middleware (unit tests)
-        found = Exchange(_new_id(), time.monotonic())
-        request[EXCHANGE] = found
-    return found
-
-
-def _new_id() -> str:
-    return "req_" + os.urandom(12).hex()
-
-
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     incoming = request.headers.get("X-Request-Id", "")
-    request_id = incoming if _REQUEST_ID.fullmatch(incoming) else _new_id()
+    request_id = incoming if _REQUEST_ID.fullmatch(incoming) else new_request_id()
     ex = Exchange(request_id, time.monotonic())
     ex.endpoint = _endpoint(request)
     ex.method = request.method
@@ -398,14 +291,9 @@ def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> Ap
 async def admit(
     request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
 ) -> None:
-    """Per-key checks before a request may run: its model (when it names one), its rate.
-
-    Every request of a key takes one token of its ``requests_per_second_per_key``
-    bucket here or in :func:`admit_stream`, whatever the way in (counted in Redis
-    with ``[store] kind = "redis"``: see :mod:`nexus.cache.limits`). Raises 403
-    ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited`` (with
-    ``Retry-After``, whole seconds).
-    """
+    """Per-key checks before a request may run: its model (when it names one), and a
+    token of its rate (here or in :func:`admit_stream`; :mod:`nexus.cache.limits`).
+    Raises 403 ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited``."""
     if key is None:
         return
     _check_model(key, model, param)
@@ -421,18 +309,12 @@ def _check_model(key: ApiKey, model: str | None, param: str) -> None:
 async def admit_stream(
     request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
 ) -> AsyncIterator[None]:
-    """Everything a request that runs a model passes: its model, then a place among the
-    streams running here and among its key's, with its budget and rate
-    (:meth:`~nexus.cache.hub.StreamHub.admit`: one Redis round trip for the key's
-    part with a shared store), for the block.
+    """For the block that opens the stream: the model checks, then a place among the
+    streams running here and the key's (:mod:`nexus.cache.admission`).
 
-    The block opens the stream (its run counts from then on: leaving the block
-    right after ``hub.open`` returns, with no wait between, never counts it twice),
-    or, for a request answered without a run of its own, is the whole request.
-    Raises what :func:`admit` raises, 403 ``model_not_priced`` (a key with a budget,
-    a model with a target that has no price), 429 ``too_many_streams``, 429 ``budget_exceeded``
-    (the reset time in its message, ``Retry-After`` for a day or a month) and, with
-    Redis down and a budget to check, 503 ``store_unavailable``.
+    Raises what :func:`admit` raises, 403 ``model_not_priced`` (a key with a budget, a
+    model a target of which has no price), 429 ``too_many_streams`` and
+    ``budget_exceeded``, and 503 ``store_unavailable`` (Redis down, a budget to check).
     """
     hub = request.app[_HUB]
     if key is not None:

@@ -11,7 +11,6 @@ exception a 500 whose message reveals nothing internal.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from ..errors import GatewayError
+from .state import EXCHANGE, new_request_id
 
 __all__ = ["error_middleware", "error_response"]
 
@@ -33,8 +33,6 @@ def _openai_body(error: GatewayError, request_id: str | None) -> dict[str, Any]:
 
 
 def error_response(request: web.Request, error: GatewayError) -> web.Response:
-    from .access import EXCHANGE  # the access middleware set it
-
     exchange = request.get(EXCHANGE)
     if exchange is not None:
         exchange.error = error.code  # the access line's outcome: error:<code>
@@ -54,14 +52,12 @@ _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 def _known_request_id(request: web.Request) -> str | None:
     """The id the access middleware gave the request; None without it."""
-    from .access import EXCHANGE  # the access middleware set it
-
     request_id = getattr(request.get(EXCHANGE), "request_id", None)
     return request_id if isinstance(request_id, str) and request_id else None
 
 
 def _request_id(request: web.Request) -> str:
-    return _known_request_id(request) or "req_" + os.urandom(12).hex()
+    return _known_request_id(request) or new_request_id()
 
 
 @web.middleware

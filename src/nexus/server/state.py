@@ -1,32 +1,62 @@
-"""Typed app state (``web.AppKey``), in its own module so routes can import it."""
+"""Typed app state (``web.AppKey``) and the request's :class:`Exchange`, in a module of
+their own: routes, middlewares and the pump import it; it imports none of them."""
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from ..auth import ApiKey
 from ..cache.hub import StreamHub
 from ..config import Config
 from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
+from ..events import Done, Error, StreamEvent
+from ..pricing import Spend
+from ..providers.http import PoolWaits
 from ..tokens import StreamTokens
 from ..watchdog import Watchdog
+from .metrics import CANCEL_CAUSES
 
-if TYPE_CHECKING:
-    from .routes.realtime import RealtimeConnection
-    from .streaming import StreamPump
+__all__ = [
+    "CONFIG",
+    "ENGINE",
+    "EXCHANGE",
+    "HUB",
+    "REGISTRY",
+    "RUNTIME",
+    "TOKENS",
+    "Exchange",
+    "Runtime",
+    "exchange",
+]
 
-__all__ = ["CONFIG", "ENGINE", "HUB", "REGISTRY", "RUNTIME", "TOKENS", "Runtime"]
+
+class Pump(Protocol):
+    """A streaming response in flight (:class:`~nexus.server.streaming.StreamPump`)."""
+
+    def shutdown(self) -> None: ...
+
+
+class Socket(Protocol):
+    """A realtime connection (:class:`~nexus.server.routes.realtime.RealtimeConnection`)."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    async def shutdown(self) -> None: ...
 
 
 @dataclass
 class Runtime:
     """Mutable per-app state: streams and sockets in flight, and whether we are stopping."""
 
-    active: set[StreamPump] = field(default_factory=set)
-    sockets: set[RealtimeConnection] = field(default_factory=set)
+    active: set[Pump] = field(default_factory=set)
+    sockets: set[Socket] = field(default_factory=set)
     watchdog: Watchdog = field(default_factory=Watchdog)
     """The timers of every streaming response (heartbeats, write stalls)."""
     shutting_down: bool = False
@@ -39,3 +69,90 @@ REGISTRY = web.AppKey("registry", EncoderRegistry)
 RUNTIME = web.AppKey("runtime", Runtime)
 TOKENS = web.AppKey("tokens", StreamTokens)
 """Makes and checks the read tokens of background streams (``?token=``)."""
+
+
+def _request_key() -> Any:
+    # aiohttp 3.14 warns on string keys in request storage; older ones have no RequestKey.
+    factory = getattr(web, "RequestKey", None)
+    return factory("exchange", Exchange) if factory is not None else "nexus.exchange"
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request, as the access log and the metrics see it."""
+
+    request_id: str
+    started: float
+    endpoint: str = ""
+    format: str = ""
+    provider: str = ""
+    stream_id: str = ""
+    key: ApiKey | None = None
+    ttfb: float | None = None
+    events: int = 0
+    bytes: int = 0
+    cancelled: str | None = None
+    status: int | None = None
+    """The status sent, once the headers are out (a stream cut short keeps its 200)."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """Headers every response to this request carries (request id, CORS)."""
+    method: str = ""
+    path: str = ""
+    """The URL's path, never its query (a read token travels there)."""
+    client: str | None = None
+    model: str | None = None
+    """The model asked for, once the request was routed (an alias stays an alias)."""
+    served: str | None = None
+    """``provider/model``: the target that answered, after fallbacks."""
+    streamed: bool = False
+    """The pump wrote the body (events and bytes count); false for a JSON answer."""
+    ttft: float | None = None
+    """From the request to the stream's first event."""
+    error: str | None = None
+    """The code of the error the response carries (an HTTP error's)."""
+    stream_error: str | None = None
+    """The code of the error a stream ended with, after its headers went out."""
+    spend: Spend | None = None
+    """What the request spent upstream (its own stream's; zero for a cache hit)."""
+    cache: str | None = None
+    pool_waits: PoolWaits = field(default_factory=PoolWaits)
+    """What the request waited for pooled upstream connections (the providers add to it)."""
+
+    def outcome(self, status: int) -> str:
+        """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""
+        if self.stream_error is not None:
+            cause = _OUTCOME_CAUSES.get(self.stream_error)
+            if cause is not None:
+                return f"cancelled:{cause}"
+            return f"mid_stream_error:{self.stream_error}"
+        if self.cancelled is not None:
+            return f"cancelled:{self.cancelled}"
+        if status >= 400:
+            return f"error:{self.error or status}"
+        return "ok"
+
+    def ended_with(self, terminal: StreamEvent | None) -> None:
+        """Note the terminal event of the stream this request wrote."""
+        if type(terminal) is Error:
+            self.stream_error = terminal.code or terminal.error_type
+        elif type(terminal) is Done and terminal.aborted:
+            self.cancelled = self.cancelled or "client_disconnect"  # its reader left
+
+
+EXCHANGE: Any = _request_key()
+
+_OUTCOME_CAUSES = {**CANCEL_CAUSES, "stream_cancelled": "aborted"}
+"""The ``cancelled:<reason>`` of a stream that ended with one of these error codes
+(``aborted``: ``DELETE /v1/streams/{id}``, or its producer cancelled)."""
+
+
+def exchange(request: web.Request) -> Exchange:
+    found: Exchange | None = request.get(EXCHANGE)
+    if found is None:  # a handler run without the middleware (unit tests)
+        found = Exchange(new_request_id(), time.monotonic())
+        request[EXCHANGE] = found
+    return found
+
+
+def new_request_id() -> str:
+    return "req_" + os.urandom(12).hex()

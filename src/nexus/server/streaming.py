@@ -52,6 +52,7 @@ from ..pricing import NOTHING
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange
 from .connection import Connection
+from .state import Pump
 
 __all__ = ["StreamPump", "pump"]
 
@@ -90,7 +91,7 @@ class StreamPump:
         heartbeat_s: float,
         write_timeout_s: float,
         headers: dict[str, str],
-        active: set[StreamPump] | None = None,
+        active: set[Pump] | None = None,
         first_wait_s: float | None = None,
         origin: bool = True,
         watchdog: Watchdog | None = None,
@@ -461,7 +462,7 @@ def pump(
     write_timeout_s: float,
     after: Cursor | None = None,
     headers: dict[str, str] | None = None,
-    active: set[StreamPump] | None = None,
+    active: set[Pump] | None = None,
     first_wait_s: float | None = None,
     origin: bool = True,
     watchdog: Watchdog | None = None,

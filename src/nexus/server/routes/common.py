@@ -1,23 +1,19 @@
 """What every completion endpoint does, in one place: read, negotiate, stream or answer.
 
-An endpoint supplies its request parsing (body bytes to a :class:`ChatRequest`),
-its default stream format and its non-streaming JSON; :func:`complete` does the
-rest through the one hub and the one pump. :func:`resume` serves a stream that
-already exists (``GET /v1/streams/{id}``, and a POST carrying ``Last-Event-ID``).
+An endpoint supplies its parser (body bytes to a :class:`ChatRequest`), its default
+stream format and its JSON shape; :func:`complete` does the rest through the one
+hub and the one pump, streaming or not. :func:`resume` serves a stream that already
+exists (``GET /v1/streams/{id}``, and a POST carrying ``Last-Event-ID``).
 
-A stream belongs to the API key that made it. With keys configured,
-:func:`find_stream` finds one only for its owner's key, or (on a GET) for a
-read token issued for it (:mod:`nexus.tokens`): no key, a bad one or a bad
-token is a 401; another key's stream is the same 404, after the same lookup,
-as a stream that does not exist, so an id's existence is not told to a key it
-does not belong to. Without keys, a stream is read by its id alone.
+With keys configured, :func:`find_stream` finds a stream only for the key that made
+it, or (on a GET) for its read token (:mod:`nexus.tokens`); another key's stream is
+the same 404, after the same lookup, as one that does not exist.
 
-A stream is *resumable* when the request asked (``"background": true``,
-``"stream_options": {"resumable": true}`` in any endpoint's body, or the header
-``X-Nexus-Resumable: true``): it then outlives its client for
-``[streams] detach_timeout_s``. Any other stream is cancelled as soon as its last
-client leaves (:mod:`nexus.cache.run`). Streaming responses and a stream's GET say
-which it is in ``X-Nexus-Resumable: true|false``.
+A stream is *resumable* when the request asks (``"background": true``,
+``"stream_options": {"resumable": true}``, or ``X-Nexus-Resumable: true``): it then
+outlives its client for ``[streams] detach_timeout_s``; any other stream ends when
+its last client leaves (:mod:`nexus.cache.run`). ``X-Nexus-Resumable`` on the
+response says which it is.
 """
 
 from __future__ import annotations
@@ -33,8 +29,9 @@ from aiohttp import StreamReader, web
 
 from ...auth import Unauthorized
 from ...cache.cursor import Cursor, parse_cursor
-from ...cache.hub import describe, leave, with_usage
-from ...cache.run import LogReader, too_long
+from ...cache.hub import Opened, StreamHub
+from ...cache.readers import leave, with_usage
+from ...cache.run import LogReader
 from ...cache.store import StreamInfo
 from ...encoders.base import Encoder
 from ...errors import (
@@ -46,8 +43,8 @@ from ...errors import (
     StreamNotFound,
 )
 from ...events import Done, Error, StreamEvent
-from ...hooks import CallContext, map_stream
-from ...pricing import NOTHING, Spend, Tally
+from ...hooks import CallContext
+from ...pricing import NOTHING, Spend
 from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
@@ -70,10 +67,10 @@ __all__ = [
 ]
 
 RESUMABLE_HEADER = "X-Nexus-Resumable"
-STORE_HEADER = "X-Nexus-Store"
-"""``unavailable``: the stream store could not be reached and ``[store] required = false``:
-the stream runs on this replica only, not cached, not joined (see :mod:`nexus.cache.hub`)."""
 """Asks for a resumable stream (``true``); says on a streaming response whether it is."""
+STORE_HEADER = "X-Nexus-Store"
+"""``unavailable``: the store could not be reached (``[store] required = false``): the
+stream runs on this replica only (see :mod:`nexus.cache.hub`)."""
 
 ATTACH_WAIT_S = 0.05
 """An attach sends its headers with the log so far, or after this long with nothing."""
@@ -87,20 +84,14 @@ class ParseBody(Protocol):
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request body, as sent or inflated from gzip or deflate.
+    """The request body, as sent or inflated from gzip or deflate (in pieces, with a
+    turn of the loop between them: :mod:`nexus.protocol.content_encoding`).
 
-    Raises :class:`RequestTooLarge` past ``[limits] max_body_bytes`` (of the inflated
-    size, and of the sent one), :class:`UnsupportedMediaType` for a ``Content-Encoding``
-    other than gzip and deflate (before any of the body is read), and
-    :class:`InvalidRequest` for compressed data that is not valid. Call it after the
-    key is checked: nothing reads or inflates a body before (aiohttp's own
-    decompression is off, see :func:`nexus.server.app.create_app`). A compressed body
-    is inflated in pieces (:mod:`nexus.protocol.content_encoding`), with a turn of the
-    event loop between them.
-
-    Read from the payload, not with ``request.read()``, which keeps the bytes on the
-    request for as long as it lives: a stream's whole length, for a body that can be
-    a long conversation. Here they go once the request is parsed.
+    Raises :class:`RequestTooLarge` past ``[limits] max_body_bytes`` (sent or
+    inflated), :class:`UnsupportedMediaType` for another ``Content-Encoding`` (before
+    reading), :class:`InvalidRequest` for bad compressed data. Call it after the key
+    is checked. Read from the payload, not ``request.read()``, which would keep the
+    bytes on the request for the stream's whole length.
     """
     limit = request.app[state.CONFIG].limits.max_body_bytes
     coding = content_coding(request.headers.getall("Content-Encoding", ()))
@@ -127,10 +118,8 @@ async def read_body(request: web.Request) -> bytes:
 
 
 async def _read_some(content: StreamReader, stall_s: float) -> bytes:
-    """What the body has next (b"" at its end), or :class:`RequestTimeout` when it takes
-    no byte for ``stall_s`` ([server] body_timeout_s): a timer per read of a body, not
-    per event. The 408 goes out with the connection closed (its body is unread: see
-    the access middleware)."""
+    """The body's next bytes (b"" at its end). Raises :class:`RequestTimeout` when
+    none come for ``stall_s`` ([server] body_timeout_s)."""
     try:
         async with asyncio.timeout(stall_s):
             return await content.readany()
@@ -237,65 +226,27 @@ async def complete(
     )
     if not streaming:
         ex.format = "application/json"
-        # Counted among the streams running like a streaming request: without the cache
-        # (no run of its own) for as long as it runs; with it, as its run.
-        async with admit_stream(request, key, chat.model):
-            if not hub.cache.enabled:
-                engine = app[state.ENGINE]
-                stream = await engine.open_stream(chat, ctx)
-                seen = Tally()  # what it produced, for the line of one that fails or is cut
-                # No run times it (see StreamRun): held to the same limit here.
-                limit = app[state.CONFIG].limits.max_stream_duration_s
-                try:
-                    async with asyncio.timeout(limit) as timer:
-                        completion = await accumulate(map_stream(stream, _counted(seen)))
-                except BaseException as exc:
-                    if seen.usage is not None or seen.produced:  # a target answered
-                        spent = engine.prices.spend(seen, stream.meta, complete=False)
-                        _settle(ex, stream.meta, spent)
-                    if isinstance(exc, TimeoutError) and timer.expired():
-                        raise StreamError(too_long(limit)) from None
-                    raise
-                spent = engine.prices.spend(Tally(completion.usage), stream.meta, complete=True)
-                _settle(ex, stream.meta, spent)
-                return json_response(_body(render, completion, chat.include_cost))
-            opened = await hub.open(chat, format=default_format, owner=owner, ctx=ctx)
-        _count_cache(request, opened.cache)
-        ex.cache = opened.cache
-        reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
-        hit = opened.cache == "hit"  # a replay or a join: the tokens were another's
-        try:
-            completion = await accumulate(Stream(_events(reader), reader.meta))
-        except BaseException:
-            # Nobody else can attach (no id was given out): the run ends with the
-            # request (the client gone, a failure), unless it is shared; its line has
-            # what it spent until then.
-            await leave(reader, None if opened.joined else opened.run)
-            if reader.failure is None:
-                so_far = NOTHING if hit else await reader.settled_spend(SETTLE_WAIT_S)
-                _settle(ex, reader.served, so_far)
-            raise
-        await leave(reader, None if opened.joined else opened.run)
-        _settle(ex, reader.served, NOTHING if hit else reader.spend)
-        headers = {"X-Nexus-Cache": opened.cache or "miss"}
-        if not opened.stored:
-            headers[STORE_HEADER] = "unavailable"
-        return json_response(_body(render, completion, chat.include_cost), headers=headers)
+    # A JSON answer is counted among the streams running like a streaming one: as its run.
     async with admit_stream(request, key, chat.model):
         opened = await hub.open(
             chat,
             format=default_format,
             background=chat.background,
-            resumable=chat.resumable or asked,
+            resumable=streaming and (chat.resumable or asked),
             owner=owner,
             ctx=ctx,
         )
     _count_cache(request, opened.cache)
     ex.cache = opened.cache
-    headers = {"X-Nexus-Cache": opened.cache} if opened.cache else {}
+    headers = {STORE_HEADER: "unavailable"} if not opened.stored else {}
+    if not streaming:
+        if hub.cache.enabled:
+            headers["X-Nexus-Cache"] = opened.cache or "miss"
+        completion = await _answer(ex, hub, opened)
+        return json_response(_body(render, completion, chat.include_cost), headers=headers)
+    if opened.cache:
+        headers["X-Nexus-Cache"] = opened.cache
     headers.update(_resumable(opened.info.resumable))
-    if not opened.stored:
-        headers[STORE_HEADER] = "unavailable"
     if chat.background:
         if opened.run is not None:
             end_with(opened.run.done)  # the request's span covers its run, not just the 202
@@ -316,14 +267,25 @@ async def complete(
     return await _pump(request, reader, encoder, None, headers)
 
 
-def _counted(seen: Tally) -> Callable[[StreamEvent], StreamEvent]:
-    """``map_stream``'s function that adds each event to ``seen`` and passes it on."""
-
-    def count(event: StreamEvent) -> StreamEvent:
-        seen.add(event)
-        return event
-
-    return count
+async def _answer(ex: Exchange, hub: StreamHub, opened: Opened) -> Completion:
+    """The merged completion of a stream nobody else learnt the id of, and its spend on
+    the access line. Raises the stream's failure, or :class:`StreamError`."""
+    reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
+    hit = opened.cache == "hit"  # a replay or a join: the tokens were another's
+    run = None if opened.joined else opened.run
+    try:
+        completion = await accumulate(Stream(_events(reader), reader.meta))
+    except BaseException:
+        # The run ends with the request (the client gone, a failure), unless it is
+        # shared; the line has what it spent until then.
+        await leave(reader, run)
+        if reader.failure is None:
+            so_far = NOTHING if hit else await reader.settled_spend(SETTLE_WAIT_S)
+            _settle(ex, reader.served, so_far)
+        raise
+    await leave(reader, run)
+    _settle(ex, reader.served, NOTHING if hit else reader.spend)
+    return completion
 
 
 def _settle(ex: Exchange, served: StreamMeta, spend: Spend | None) -> None:
@@ -399,6 +361,24 @@ async def find_stream(
     if info is None:
         raise stream_not_found(stream_id)
     return info
+
+
+def describe(info: StreamInfo, read_token: str | None = None) -> dict[str, Any]:
+    """The JSON a background request answers with (and a DELETE, without a token).
+
+    With ``read_token`` (see :mod:`nexus.tokens`) it is included, and ``url`` carries
+    it as ``?token=``: a URL a browser's ``EventSource`` can read without headers.
+    """
+    body: dict[str, Any] = {
+        "id": info.id,
+        "url": f"/v1/streams/{info.id}",
+        "status": info.status,
+        "resumable": info.resumable,
+    }
+    if read_token is not None:
+        body["url"] += f"?token={read_token}"
+        body["read_token"] = read_token
+    return body
 
 
 def stream_not_found(stream_id: str) -> StreamNotFound:

@@ -50,7 +50,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from ...auth import ApiKey
-from ...cache.hub import leave, with_usage
+from ...cache.readers import leave, with_usage
 from ...cache.run import LogReader, RunReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown

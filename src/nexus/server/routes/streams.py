@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ...cache.hub import describe, status_of
+from ...cache.keeper import status_of
 from ...errors import GatewayError
 from ...events import Error
 from .. import state
-from .common import find_stream, json_response, last_event_id, negotiate, resume
+from .common import describe, find_stream, json_response, last_event_id, negotiate, resume
 
 __all__ = ["cancel", "get"]
 

@@ -1,0 +1,110 @@
+"""Admission: the streams running in this process, whose they are, the places they hold.
+
+A request is admitted (:meth:`Admission.admit`) before it opens anything: a place
+among ``[limits] max_concurrent_streams`` in this process, and its key's place
+(:meth:`~nexus.cache.limits.KeyLimits.admit`: rate, streams, budget). A request
+being opened counts as running, so that requests arriving together cannot all pass
+a limit only some of them fit in; counted, not scanned (the check is O(1)). A run
+started in the block takes the key's :class:`~nexus.cache.limits.Slot` with it
+(:meth:`Admission.started`): released when the run ends (:meth:`Admission.ended`),
+else when the block does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import AsyncIterator
+
+from ..auth import ApiKey
+from ..errors import TooManyStreams
+from .limits import KeyLimits, LocalLimits, Slot
+
+__all__ = ["Admission"]
+
+_ADMITTED: contextvars.ContextVar[Slot | None] = contextvars.ContextVar(
+    "nexus_admitted", default=None
+)
+"""The slot :meth:`Admission.admit` took for the block it runs: the run started in
+that block (the same task) takes it over."""
+
+
+class Admission:
+    """Counts of the streams running here, per owner (API key name), and their slots."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self._owned: dict[str, int] = {}  # live runs per owner
+        self._opening = 0  # admitted requests with no live run (yet, or at all)
+        self._opening_owned: dict[str, int] = {}
+        self._slots: dict[str, Slot] = {}  # run id -> the key's slot it holds
+        self.limits: KeyLimits = LocalLimits(0.0, None, self.running)
+        """Per-key rates, streams and budgets (the app sets the configured ones)."""
+
+    def running(self, owner: str | None = None) -> int:
+        """Streams running here, or ``owner``'s: those live and the requests admitted
+        without a live run (being opened, or answered without one)."""
+        if owner is None:
+            return self.live + self._opening
+        return self._owned.get(owner, 0) + self._opening_owned.get(owner, 0)
+
+    @contextlib.asynccontextmanager
+    async def admit(self, key: ApiKey | None, limit: int) -> AsyncIterator[None]:
+        """Admit a request for the block (see the module docstring).
+
+        Raises :class:`TooManyStreams` past ``limit`` streams in this process, and
+        what :meth:`KeyLimits.admit` raises.
+        """
+        if self.running() >= limit:
+            raise TooManyStreams(
+                f"The gateway is at its limit of {limit} concurrent streams "
+                "([limits] max_concurrent_streams); retry shortly.",
+                headers={"Retry-After": "1"},
+            )
+        self._opening += 1
+        try:
+            slot = None
+            owner = None
+            if key is not None:
+                slot = await self.limits.admit(key, stream=True)
+                owner = key.name
+                self._opening_owned[owner] = self._opening_owned.get(owner, 0) + 1
+            admitted = _ADMITTED.set(slot)
+            try:
+                yield
+            finally:
+                _ADMITTED.reset(admitted)
+                if owner is not None:
+                    _discount(self._opening_owned, owner)
+                if slot is not None and not slot.taken:
+                    self.limits.release(slot)
+        finally:
+            self._opening -= 1
+
+    def started(self, run_id: str, owner: str | None) -> None:
+        """A run started: it counts, and holds the slot admitted for this task."""
+        self.live += 1
+        slot = _ADMITTED.get()
+        if slot is not None and not slot.taken and slot.key == owner:
+            slot.taken = True  # the run holds it now, until ended()
+            self._slots[run_id] = slot
+        if owner is not None:
+            self._owned[owner] = self._owned.get(owner, 0) + 1
+
+    def ended(self, run_id: str, owner: str | None) -> None:
+        """A run :meth:`started` ended (called once)."""
+        self.live -= 1
+        if owner is not None:
+            _discount(self._owned, owner)
+        slot = self._slots.pop(run_id, None)
+        if slot is not None:
+            self.limits.release(slot)
+
+
+def _discount(counts: dict[str, int], owner: str) -> None:
+    """One less for ``owner``; none left, no entry (the dict holds active keys only)."""
+    left = counts.get(owner, 0) - 1
+    if left > 0:
+        counts[owner] = left
+    else:
+        counts.pop(owner, None)

@@ -32,8 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ._frozen import quick_init, quick_new
-
 __all__ = [
     "Audio",
     "Citation",
@@ -46,12 +44,9 @@ __all__ = [
     "StreamEvent",
     "ToolCall",
     "Usage",
-    "content_delta",
-    "content_deltas",
 ]
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """One fragment of a tool call.
@@ -82,7 +77,6 @@ class ToolCall:
         return {"type": "tool_call", "delta": {"tool_calls": [self.wire()]}}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Delta:
     """An increment of the assistant message; ``finish_reason`` closes the turn."""
@@ -112,7 +106,6 @@ class Delta:
         return {"type": "delta", "delta": self.delta_dict(), "finish_reason": self.finish_reason}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Reasoning:
     """Reasoning ("thinking") text, kept apart from the answer.
@@ -132,7 +125,6 @@ class Reasoning:
         return {"type": "reasoning", "delta": {"reasoning": self.text, "signature": self.signature}}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Audio:
     """A chunk of audio output: base64 ``data`` and/or its ``transcript``."""
@@ -149,7 +141,6 @@ class Audio:
         }
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Image:
     """An image output, inline (base64 ``data``) or by ``url``."""
@@ -166,7 +157,6 @@ class Image:
         }
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Citation:
     """A source the answer cites."""
@@ -183,7 +173,6 @@ class Citation:
         }
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Token counts; the last usage event of a stream holds the totals.
@@ -232,7 +221,6 @@ class Usage:
         return {"type": "usage", "usage": self.wire()}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Error:
     """A failure after the stream started; the stream ends after it.
@@ -267,7 +255,6 @@ class Error:
         return {"type": "error", "error": error}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Idle keepalive, written by the pump, never by providers."""
@@ -278,7 +265,6 @@ class Heartbeat:
         return {"type": "heartbeat"}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Done:
     """The terminator of formats that have one; ``aborted`` after a client abort."""
@@ -295,57 +281,3 @@ class Done:
 StreamEvent = (
     Delta | Reasoning | ToolCall | Audio | Image | Citation | Usage | Error | Heartbeat | Done
 )
-
-
-def plain_content(event: object) -> str | None:
-    """The text of a delta that carries only content (the commonest event), else None.
-
-    Encoders use it for a fast path that serialises just the string.
-    """
-    if type(event) is Delta:
-        content = event.content
-        if (
-            content is not None
-            and event.finish_reason is None
-            and event.tool_calls is None
-            and event.role is None
-            and event.refusal is None
-        ):
-            return content
-    return None
-
-
-_new_delta = quick_new(Delta)
-_SHARED: dict[str, Delta] = {}
-_MAX_SHARED = 16_384
-_SHARED_LENGTH = 32
-
-
-def content_delta(content: str) -> Delta:
-    """``Delta(content)``, one object for every delta of the same short text.
-
-    Events are frozen, so one may stand in many logs at once: a token's delta (most
-    deltas are one token, and tokens repeat) costs a log one slot, not an object and
-    a string, and the hot path a dict lookup, not a construction. The table holds at
-    most 16,384 texts of up to 32 characters and starts again when full.
-    """
-    delta = _SHARED.get(content)
-    if delta is None:
-        delta = _new_delta(content)
-        if len(content) <= _SHARED_LENGTH:
-            if len(_SHARED) >= _MAX_SHARED:
-                _SHARED.clear()
-            _SHARED[content] = delta
-    return delta
-
-
-def content_deltas(strings: list[str]) -> list[StreamEvent]:
-    """:func:`content_delta` of each non-empty string."""
-    get = _SHARED.get
-    out: list[StreamEvent] = []
-    append = out.append
-    for content in strings:
-        if content:
-            delta = get(content)
-            append(delta if delta is not None else content_delta(content))
-    return out

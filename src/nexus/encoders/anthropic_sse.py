@@ -33,7 +33,6 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
-    plain_content,
 )
 from ..protocol.anthropic_messages import (
     STOP_REASONS,
@@ -48,10 +47,6 @@ from .base import Encoder
 __all__ = ["AnthropicSSEEncoder"]
 
 _dumps = orjson.dumps
-_TEXT_DELTA = (
-    b"event: content_block_delta\n"
-    b'data: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
-)
 _PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 _STATUS_BY_CODE = {
     "upstream_timeout": 504,
@@ -133,10 +128,6 @@ class AnthropicSSEEncoder(Encoder):
         return out + self._delta(self._index, {"type": "text_delta", "text": text})
 
     def encode(self, event: StreamEvent) -> bytes:
-        content = plain_content(event)
-        if content is not None and self._open == "text":
-            # The commonest frame, assembled around one dumps() of the text.
-            return _TEXT_DELTA % self._index + _dumps(content) + b"}}\n\n"
         if not self._started:
             early = event if type(event) is Usage and event.partial else None
             return self._message_start(early) + self.encode(event)
@@ -187,14 +178,6 @@ class AnthropicSSEEncoder(Encoder):
                 return b""
             case _:
                 return b""
-
-    frame_encode = encode  # what encode_texts stands for
-
-    def encode_texts(self, texts: list[str]) -> list[bytes] | None:
-        if self._open != "text":  # (so message_start went out)
-            return None
-        head = _TEXT_DELTA % self._index
-        return [head + _dumps(text) + b"}}\n\n" for text in texts]
 
     def _tool(self, call: ToolCall) -> bytes:
         out = b""

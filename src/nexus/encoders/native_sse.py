@@ -21,7 +21,6 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
-    plain_content,
 )
 from .base import Encoder
 
@@ -32,7 +31,6 @@ _HEADS = {
     cls: b"event: %s\ndata: " % cls.type.encode()
     for cls in (Delta, Reasoning, ToolCall, Audio, Image, Citation, Usage, Error, Heartbeat, Done)
 }
-_CONTENT_HEAD = b'event: delta\ndata: {"type":"delta","delta":{"content":'
 _END = b'event: done\ndata: {"type":"done"}\n\n'
 
 
@@ -41,20 +39,13 @@ class NativeSSEEncoder(Encoder):
     content_type = "text/event-stream; charset=utf-8"
     aliases = ("nexus", "nexus-sse")
 
-    content_frame = (_CONTENT_HEAD, b"}}\n\n")
-
     def start(self) -> bytes:
         if self.meta.retry_ms is not None:
             return b"retry: %d\n\n" % self.meta.retry_ms
         return b""
 
     def encode(self, event: StreamEvent) -> bytes:
-        content = plain_content(event)
-        if content is not None:
-            return _CONTENT_HEAD + _dumps(content) + b"}}\n\n"
         return _HEADS[type(event)] + _dumps(event.to_dict()) + b"\n\n"
-
-    frame_encode = encode  # what content_frame stands for
 
     def error(self, event: Error) -> bytes:
         return _HEADS[Error] + _dumps(event.to_dict(self.request_id)) + b"\n\n"

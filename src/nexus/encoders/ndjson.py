@@ -9,35 +9,21 @@ from __future__ import annotations
 
 import orjson
 
-from ..events import Error, StreamEvent, plain_content
+from ..events import Error, StreamEvent
 from .base import Encoder
 
 __all__ = ["NDJSONEncoder"]
 
 _dumps = orjson.dumps
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
-_CONTENT_HEAD = b'{"type":"delta","delta":{"content":'
 
 
 class NDJSONEncoder(Encoder):
     media_type = "application/x-ndjson"
     aliases = ("ndjson", "jsonl")
 
-    content_frame = (_CONTENT_HEAD, b"}}\n")
-
     def encode(self, event: StreamEvent) -> bytes:
-        content = plain_content(event)
-        if content is not None:
-            return _CONTENT_HEAD + _dumps(content) + b"}}\n"
         return _dumps(event.to_dict(), option=_NEWLINE)
-
-    frame_encode = encode  # what content_frame stands for
 
     def error(self, event: Error) -> bytes:
         return _dumps(event.to_dict(self.request_id), option=_NEWLINE)
-
-    def heartbeat(self) -> bytes:
-        return b'{"type":"heartbeat"}\n'
-
-    def end(self) -> bytes:
-        return b'{"type":"done"}\n'

@@ -30,7 +30,6 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
-    plain_content,
 )
 from ..protocol.openai_chat import chunk_prefix
 from ..types import StreamMeta
@@ -39,8 +38,6 @@ from .base import Encoder
 __all__ = ["OpenAISSEEncoder"]
 
 _dumps = orjson.dumps
-_CONTENT_OPEN = b'[{"index":0,"delta":{"content":'
-_CONTENT_TAIL = b'},"finish_reason":null}]}\n\n'
 
 
 class OpenAISSEEncoder(Encoder):
@@ -50,14 +47,7 @@ class OpenAISSEEncoder(Encoder):
 
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
-        # The commonest frame by far, assembled around one dumps() of the text.
-        self._content_head = b"data: " + chunk_prefix(meta) + _CONTENT_OPEN
-        self.content_frame = (self._content_head, _CONTENT_TAIL)
-
-    @property
-    def _head(self) -> bytes:
-        """``data: `` and the chunk up to its choices: not kept (rare frames only)."""
-        return self._content_head[: -len(_CONTENT_OPEN)]
+        self._head = b"data: " + chunk_prefix(meta)  # the chunk up to its choices
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
@@ -72,9 +62,6 @@ class OpenAISSEEncoder(Encoder):
         return first
 
     def encode(self, event: StreamEvent) -> bytes:
-        content = plain_content(event)
-        if content is not None:
-            return self._content_head + _dumps(content) + _CONTENT_TAIL
         match event:
             case Delta(content=content, role=None, refusal=None, tool_calls=None):
                 delta = {} if content is None else {"content": content}
@@ -112,8 +99,6 @@ class OpenAISSEEncoder(Encoder):
                 )
             case _:
                 return b""
-
-    frame_encode = encode  # what content_frame stands for
 
     def error(self, event: Error) -> bytes:
         # OpenAI's error object, plus ``retryable`` and the response's ``request_id``

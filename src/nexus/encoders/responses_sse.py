@@ -34,9 +34,6 @@ Every frame is ``event: <type>\\ndata: {"type": <type>, "sequence_number": N, ..
   count an upstream gave before any output is not written (OpenAI's
   ``response.created`` carries no usage, and the Response's usage object would
   claim 0 output tokens).
-
-The hot path, a content delta into an open text part, is one ``dumps`` of the
-text between bytes prepared when the part opened.
 """
 
 from __future__ import annotations
@@ -65,9 +62,6 @@ __all__ = ["ResponsesSSEEncoder"]
 
 _dumps = orjson.dumps
 _TEXT_DELTA = "response.output_text.delta"
-# The fast path's frame: holes for the sequence number, then (per part) the text.
-_TEXT_HEAD = b'event: %s\ndata: {"type":"%s","sequence_number":%%d' % ((_TEXT_DELTA.encode(),) * 2)
-_TEXT_TAIL = b',"logprobs":[]}\n\n'
 
 
 @dataclass(slots=True)
@@ -116,10 +110,6 @@ class ResponsesSSEEncoder(Encoder):
         self._call_ids: dict[str, _Item]  # set with _calls
         self._usage: Usage | None = None
         self._finish: str | None = None
-        # Set while the open item's current part is output_text: its text delta frame
-        # with %d and %s holes for the sequence number and the text; the part's text.
-        self._text_frame: bytes | None = None
-        self._part_text: list[str] = []
 
     @property
     def _id(self) -> str:
@@ -164,41 +154,7 @@ class ResponsesSSEEncoder(Encoder):
     def start(self) -> bytes:
         return self._preamble()
 
-    def encode_texts(self, texts: list[str]) -> list[bytes] | None:
-        frame = self._text_frame
-        if frame is None:
-            return None
-        seq = self._seq
-        if all(texts):
-            self._part_text += texts
-            self._seq = seq + len(texts)
-            return [frame % (n, _dumps(text)) for n, text in enumerate(texts, seq)]
-        # An empty text is no event (as in encode()): no frame, no sequence number.
-        out: list[bytes] = []
-        for text in texts:
-            if text:
-                self._part_text.append(text)
-                out.append(frame % (seq, _dumps(text)))
-                seq += 1
-            else:
-                out.append(b"")
-        self._seq = seq
-        return out
-
     def encode(self, event: StreamEvent) -> bytes:
-        frame = self._text_frame
-        if frame is not None and type(event) is Delta:
-            content = event.content
-            if (
-                content
-                and event.finish_reason is None
-                and event.tool_calls is None
-                and event.refusal is None
-            ):
-                self._part_text.append(content)
-                seq = self._seq
-                self._seq = seq + 1
-                return frame % (seq, _dumps(content))
         out = self._preamble()
         match event:
             case Delta():
@@ -220,8 +176,6 @@ class ResponsesSSEEncoder(Encoder):
             case _:
                 pass  # audio, images, citations: not in this format yet
         return out
-
-    frame_encode = encode  # what encode_texts stands for
 
     def error(self, event: Error) -> bytes:
         if self._finished:
@@ -283,7 +237,6 @@ class ResponsesSSEEncoder(Encoder):
         if item is None:
             return b""
         self._current = None
-        self._text_frame = None
         where = {"item_id": item.id, "output_index": item.index}
         if item.kind == "reasoning":
             text = "".join(item.chunks)
@@ -332,19 +285,11 @@ class ResponsesSSEEncoder(Encoder):
             out, item = self._open("message", "msg")
         if not item.parts or item.parts[-1][0] != kind:
             out += self._close_part(item)
-            self._part_text = []
-            item.parts.append((kind, self._part_text))
+            item.parts.append((kind, []))
             out += self._event(
                 "response.content_part.added",
                 {**_where(item), "part": _part(kind, "")},
             )
-            if kind == "output_text":
-                where = b',"item_id":%s,"output_index":%d,"content_index":%d,"delta":' % (
-                    _dumps(item.id),
-                    item.index,
-                    len(item.parts) - 1,
-                )
-                self._text_frame = _TEXT_HEAD + where.replace(b"%", b"%%") + b"%s" + _TEXT_TAIL
         item.parts[-1][1].append(text)
         if kind == "output_text":
             return out + self._event(_TEXT_DELTA, {**_where(item), "delta": text, "logprobs": []})
@@ -353,7 +298,6 @@ class ResponsesSSEEncoder(Encoder):
     def _close_part(self, item: _Item) -> bytes:
         if not item.parts:
             return b""
-        self._text_frame = None
         kind, chunks = item.parts[-1]
         text = "".join(chunks)
         where = _where(item)

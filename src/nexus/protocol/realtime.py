@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import struct
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -58,7 +57,6 @@ __all__ = [
     "Send",
     "StartTurn",
     "error_frame",
-    "text_frames",
 ]
 
 
@@ -383,26 +381,3 @@ def _envelope_error(exc: ValidationError, data: dict[str, Any], request_id: str 
         param=error.param,
         request_id=request_id,
     )
-
-
-def text_frames(payloads: list[bytes]) -> bytes:
-    """Server-to-client WebSocket text frames (RFC 6455 §5.2: FIN, unmasked, not
-    compressed), one per payload, as one string of bytes: a batch of events in one
-    write rather than a write (and a system call) each."""
-    out: list[bytes] = []
-    append = out.append
-    for payload in payloads:
-        size = len(payload)
-        if size < 126:
-            append(_LEN1(0x81, size))
-        elif size < 65536:
-            append(_LEN2(0x81, 126, size))
-        else:
-            append(_LEN3(0x81, 127, size))
-        append(payload)
-    return b"".join(out)
-
-
-_LEN1 = struct.Struct("!BB").pack
-_LEN2 = struct.Struct("!BBH").pack
-_LEN3 = struct.Struct("!BBQ").pack

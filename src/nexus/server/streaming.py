@@ -2,7 +2,7 @@
 
 Route handlers hold no framing code; they call :func:`pump`. It reads the log
 (a :class:`~nexus.cache.run.LogReader`: a local run, or the store) in batches,
-renders them with a :class:`~nexus.cache.cursor.Renderer` (the encoder, the
+renders them with a :class:`~nexus.server.render.Renderer` (the encoder, the
 SSE ``id:`` lines, the resume point) and writes each batch at once: what
 upstream delivered together goes out in one write. ``heartbeat()`` when idle.
 
@@ -19,10 +19,11 @@ The race between producer, heartbeat, disconnect and shutdown:
   resumable cancels it at once (the upstream connection closes); a resumable
   one runs on for ``[streams] detach_timeout_s`` for the client to come back.
 * **Watchdog.** One task for all responses (:mod:`~nexus.watchdog`)
-  checks their timers: after ``heartbeat_interval_s`` without a write a
-  heartbeat is written, and a write that has not finished after
-  ``write_timeout_s`` (a client that stopped reading) gets the connection
-  aborted.
+  checks their timers (:class:`Pump`, shared with the WebSocket connections of
+  :mod:`nexus.server.routes.realtime`): after ``heartbeat_interval_s`` without a
+  write a heartbeat is written, and a socket whose buffer stays full without
+  taking a byte for ``write_timeout_s`` (a client that stopped reading) gets the
+  connection aborted.
 * **Disconnect.** The server runs with ``handler_cancellation``: aiohttp
   cancels the handler task when the peer goes away, wherever it awaits, and
   ``finally`` detaches the reader. A failed write ends the pump the same way.
@@ -38,12 +39,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any
 
 from aiohttp import web
 
-from ..cache.cursor import Cursor, Renderer, uses_event_ids
 from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
@@ -52,6 +52,7 @@ from ..pricing import NOTHING
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange
 from .connection import Connection
+from .render import Cursor, Renderer, uses_event_ids
 
 __all__ = ["StreamPump", "pump"]
 
@@ -75,7 +76,116 @@ async def _next(batches: AsyncIterator[list[StreamEvent]]) -> object:
         return _END
 
 
-class StreamPump:
+class Pump:
+    """The writing side of one client connection, timed by the watchdog.
+
+    Shared by the HTTP pump (:class:`StreamPump`) and the WebSocket connection
+    (:class:`~nexus.server.routes.realtime.RealtimeConnection`). Each write goes
+    through :meth:`_timed`. At each tick (:meth:`check`): a socket whose buffer is
+    full and has taken no byte for ``write_timeout_s`` (a client that does not
+    read) gets the connection aborted; otherwise, when :meth:`_beat_due`, a task
+    runs :meth:`_heartbeat`, which has ``write_timeout_s`` to finish.
+    """
+
+    def __init__(
+        self,
+        request: web.Request,
+        *,
+        heartbeat_s: float,
+        write_timeout_s: float,
+        watchdog: Watchdog | None,
+    ) -> None:
+        self.request = request
+        self.heartbeat_s = heartbeat_s
+        self.write_timeout_s = write_timeout_s
+        self._watchdog = watchdog if watchdog is not None else Watchdog()
+        self._watched = False
+        self._loop = asyncio.get_running_loop()
+        self._last_write = self._loop.time()
+        self._writing = False  # inside a write (of one or several slices)
+        self._beat: asyncio.Task[None] | None = None
+        self._stalled = 0.0  # since when the full socket has taken no byte (0: not full)
+        self._buffered = 0  # the transport's write buffer when last looked at
+
+    def _watch(self, on: bool) -> None:
+        """Start (or stop) the watchdog's checks, and tell the connection (``nexus
+        serve``'s) that its writes are timed here (or no longer)."""
+        if on and not self._watched:
+            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
+        elif not on and self._watched:
+            self._watchdog.discard(self)
+            if self._beat is not None:
+                self._beat.cancel()
+        else:
+            return
+        self._watched = on
+        connection = self.request.protocol
+        if isinstance(connection, Connection):
+            connection.timed_elsewhere = on
+
+    async def _timed(self, write: Awaitable[None]) -> None:
+        """Await ``write``: one write, or several that must not have a heartbeat between."""
+        self._writing = True
+        try:
+            await write
+        finally:
+            self._writing = False
+        self._last_write = self._loop.time()
+        self._stalled = 0.0  # the socket took what it had: a new wait is timed afresh
+
+    def check(self, now: float) -> None:
+        """The watchdog's tick: abort a client that does not read, start a heartbeat due."""
+        stalled = self._stalled_for(now)
+        if stalled >= self.write_timeout_s:
+            self._abort(f"it read nothing for {stalled:.1f}s")
+        elif self._beat is None and self._beat_due(now):
+            self._beat = self._loop.create_task(self._beat_once())
+
+    def _stalled_for(self, now: float) -> float:
+        """How long the socket has been full without taking a byte (0.0: not full).
+
+        Timed from the first tick that sees it full; progress starts the clock again:
+        a smaller buffer at a tick, or the end of a write's wait. A slow reader whose
+        socket fills and drains between two ticks is not one that stalled; a buffer
+        that grows (frames queued behind the ones waiting) is no progress.
+        """
+        transport = self.request.transport
+        protocol = self.request.protocol
+        if transport is None or not protocol.writing_paused:
+            self._stalled = 0.0
+            return 0.0
+        size = transport.get_write_buffer_size()
+        if not self._stalled or size < self._buffered:
+            self._stalled = now
+        self._buffered = size
+        return now - self._stalled
+
+    def _beat_due(self, now: float) -> bool:
+        return not self._writing and now - self._last_write >= self.heartbeat_s
+
+    async def _beat_once(self) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await self._heartbeat()
+        except (TimeoutError, ConnectionError):
+            self._abort("a heartbeat could not be written")
+        finally:
+            self._beat = None
+
+    async def _heartbeat(self) -> None:
+        raise NotImplementedError
+
+    def _abort(self, why: str) -> None:
+        """Drop the client: the connection is aborted (a close could not reach a peer
+        that does not read)."""
+        log.warning("dropping a client of %s: %s", self.request.path, why)
+        exchange(self.request).cancelled = "write_timeout"
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+
+
+class StreamPump(Pump):
     """Writes one stream log to one HTTP response. Made and run by :func:`pump`."""
 
     _now = staticmethod(time.monotonic)
@@ -95,7 +205,9 @@ class StreamPump:
         origin: bool = True,
         watchdog: Watchdog | None = None,
     ) -> None:
-        self.request = request
+        super().__init__(
+            request, heartbeat_s=heartbeat_s, write_timeout_s=write_timeout_s, watchdog=watchdog
+        )
         self.origin = origin
         self.exchange = exchange or Exchange("", self._now())
         metrics = request.app.get(METRICS)
@@ -104,25 +216,14 @@ class StreamPump:
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
         self.reader = reader
         self.renderer = renderer
-        self.heartbeat_s = heartbeat_s
         self.first_wait_s = heartbeat_s if first_wait_s is None else first_wait_s
-        self.write_timeout_s = write_timeout_s
         self.headers = headers
         self.response: web.StreamResponse | None = None
         self._active = active
         self._task: asyncio.Task[object] | None = None
         self._shutting_down = False
-        self._watchdog = watchdog if watchdog is not None else Watchdog()
-        self._watched = False
-        self._writing = False  # the pump is inside a write (of one or several slices)
-        self._beat: asyncio.Task[None] | None = None
-        self._buffered = -1  # the transport's write buffer when last looked at
-        self._moved = 0.0  # when it last changed: the socket took data
         self._ended = False
         self._last: StreamEvent | None = None  # the last event of the first output
-        self._loop = asyncio.get_running_loop()
-        self._last_write = self._loop.time()
-        self._write_started = self._last_write
 
     def shutdown(self) -> None:
         """Cancel this stream for server shutdown (see the module docstring)."""
@@ -154,34 +255,16 @@ class StreamPump:
                 return await self._end(self._begin() + data)  # type: ignore[operator]
             await self._write(self._begin() + data)  # type: ignore[operator]
             data = b""  # an idle stream does not keep its first output
-            write = self._require_response().write
-            feed = renderer.feed
-            now = self._loop.time
-            ex = self.exchange
-            events, sent = self._events, self._bytes
             async for batch in batches:
-                data = feed(batch)
-                ex.events += len(batch)
-                if events is not None:
-                    events.inc(len(batch))
+                data = renderer.feed(batch)
+                self._count(len(batch))
                 if renderer.done:
-                    ex.ended_with(batch[-1])
+                    self.exchange.ended_with(batch[-1])
                     return await self._end(data)
-                if not data:
-                    continue
-                if len(data) > WRITE_SLICE:
-                    await self._write_sliced(data)
-                    continue
-                self._writing = True
-                self._write_started = now()
-                await write(data)
-                self._last_write = now()
-                self._writing = False
-                ex.bytes += len(data)
-                if sent is not None:
-                    sent.inc(len(data))
+                if data:
+                    await self._write(data)
             # The log ended without its terminal entry (a store that lost it).
-            ex.ended_with(_lost_event())
+            self.exchange.ended_with(_lost_event())
             return await self._end(renderer.fail(_lost_event()))
         except asyncio.CancelledError:
             if not self._shutting_down or self._ended:
@@ -219,11 +302,7 @@ class StreamPump:
             return self.response
         finally:
             self._settle()
-            if self._watched:
-                self._watchdog.discard(self)
-                self._time_writes(False)
-            if self._beat is not None:
-                self._beat.cancel()
+            self._watch(False)
             if self._active is not None:
                 self._active.discard(self)
             await self.reader.close()
@@ -232,12 +311,6 @@ class StreamPump:
                 # The client left before the end: its stream, unless resumable, is being
                 # cancelled now; the access line waits (briefly) for what it spent.
                 ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
-
-    def _time_writes(self, here: bool) -> None:
-        """Tell the connection (``nexus serve``'s) whether this pump times its writes."""
-        connection = self.request.protocol
-        if isinstance(connection, Connection):
-            connection.timed_elsewhere = here
 
     def _settle(self) -> None:
         """The access line's view of the stream once it is written: the target that
@@ -298,16 +371,20 @@ class StreamPump:
                 failure = self.reader.failure
                 raise failure if failure is not None else StreamError(events[0])
             out += renderer.feed(events)
-            self.exchange.events += len(events)
-            if self._events is not None:
-                self._events.inc(len(events))
+            self._count(len(events))
             if out or renderer.done:
                 return out
+
+    def _count(self, events: int) -> None:
+        self.exchange.events += events
+        if self._events is not None:
+            self._events.inc(events)
 
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
         if self.response is None:
             self.response = _Response(status=200, headers=self.headers)
+            self.response.enable_chunked_encoding()
             self.headers = {}  # in the response now
         return b""
 
@@ -323,42 +400,26 @@ class StreamPump:
             response.headers.clear()
             self.exchange.ttfb = self._now() - self.exchange.started
             self.exchange.status = response.status
-            # From the headers on, the watchdog owns heartbeats and write stalls (and the
-            # connection layer leaves this connection's stalls to it).
-            self._watched = True
-            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
-            self._time_writes(True)
+            # From the headers on, the watchdog owns heartbeats and write stalls.
+            self._watch(True)
         if len(data) > WRITE_SLICE:
-            await self._write_sliced(data)
+            await self._timed(self._write_sliced(data))
             if not last:
                 return
             data = b""
-        self._writing = True
-        self._write_started = self._loop.time()
-        await (response.write_eof(data) if last else response.write(data))
-        self._last_write = self._loop.time()
-        self._writing = False
+        await self._timed(response.write_eof(data) if last else response.write(data))
         self._sent(len(data))
 
     async def _write_sliced(self, data: bytes) -> None:
-        """Write a large output in slices, each timed on its own by the watchdog.
-
-        A write returns once the transport's buffer drains below its low-water
-        mark, so a slice that stalls for ``write_timeout_s`` means a socket that
-        took nothing for that long; a reader that is slow but alive keeps
-        finishing slices. The transport never holds more than about one slice.
-        """
+        """Write a large output in slices, so that the transport never holds more than
+        about one: a write returns once the transport's buffer drains below its
+        low-water mark. No heartbeat goes between two slices of a frame."""
         write = self._require_response().write
-        now = self._loop.time
         view = memoryview(data)
-        self._writing = True  # a heartbeat must not come between two slices of a frame
         for start in range(0, len(view), WRITE_SLICE):
             piece = view[start : start + WRITE_SLICE]
-            self._write_started = now()
             await write(piece)
-            self._last_write = now()
             self._sent(len(piece))
-        self._writing = False
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size
@@ -372,62 +433,37 @@ class StreamPump:
         await self._write(data, last=True)
         return self._require_response()
 
-    def check(self, now: float) -> None:
-        """The watchdog's tick: abort a stalled write, start a heartbeat that is due."""
-        if self._write_started > self._last_write:
-            # A write is waiting for the socket. It stalls only while the socket takes
-            # nothing: a slow reader that drains the buffer bit by bit is alive.
-            transport = self.request.transport
-            size = transport.get_write_buffer_size() if transport is not None else 0
-            if size != self._buffered:
-                self._buffered, self._moved = size, now
-            stalled = now - max(self._write_started, self._moved)
-            if stalled >= self.write_timeout_s:
-                self._abort(f"a write stalled for {stalled:.1f}s")
-        elif not self._ended and self._beat is None and now - self._last_write >= self.heartbeat_s:
-            self._beat = self._loop.create_task(self._heartbeat())
+    def _beat_due(self, now: float) -> bool:
+        return not self._ended and super()._beat_due(now)
 
     async def _heartbeat(self) -> None:
-        try:
-            response = self.response
-            if self._ended or response is None:
-                return  # the terminator went out meanwhile: nothing may follow it
-            if self._writing or self._loop.time() - self._last_write < self.heartbeat_s:
-                return  # a write began since the tick (a frame's slices must stay together)
-            heartbeat = self.renderer.heartbeat()
-            self._write_started = self._loop.time()
-            try:
-                # The frame reaches the transport before this task first waits, so
-                # the check above holds: it cannot follow the terminator.
-                async with asyncio.timeout(self.write_timeout_s):
-                    await response.write(heartbeat)
-            except (TimeoutError, ConnectionError):
-                self._abort("a heartbeat could not be written")
-                return
-            self._last_write = self._loop.time()
-            self._sent(len(heartbeat))
-        finally:
-            self._beat = None
+        response = self.response
+        if self._ended or self._writing or response is None:
+            return  # a write began since the tick, or the terminator went out
+        heartbeat = self.renderer.heartbeat()
+        # The frame reaches the transport before this task first waits: it cannot
+        # follow the terminator, nor go between two slices of a frame.
+        await self._timed(response.write(heartbeat))
+        self._sent(len(heartbeat))
 
     def _abort(self, why: str) -> None:
-        log.warning("dropping client of stream %s: %s", self.reader.meta.id, why)
-        self.exchange.cancelled = "write_timeout"
-        transport = self.request.transport
-        if transport is not None:
-            transport.abort()
+        super()._abort(why)
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
 
-class _Response(web.StreamResponse):
+class _Response(web.Response):
     """A stream's response: its headers go out with its first bytes, in one write.
 
-    aiohttp's ``StreamResponse`` sends them on ``prepare()``, alone (its ``Response``
-    does not); the pump always has the first output in hand when it prepares, so
-    that is one system call and one packet less per request.
+    aiohttp's ``StreamResponse`` sends them on ``prepare()``, alone; its ``Response``
+    keeps them for the first write. The pump always has the first output in hand
+    when it prepares: one system call and one packet less per request. Its body is
+    chunked and written by the pump; its last bytes go with the end of the body
+    (``Response.write_eof`` takes no data: it writes a body given up front).
     """
 
-    _send_headers_immediately = False
+    async def write_eof(self, data: bytes = b"") -> None:
+        await web.StreamResponse.write_eof(self, data)
 
 
 def _shutdown_event() -> Error:

@@ -32,7 +32,6 @@ import orjson
 from aiohttp import StreamReader, web
 
 from ...auth import Unauthorized
-from ...cache.cursor import Cursor, parse_cursor
 from ...cache.hub import describe, leave, with_usage
 from ...cache.run import LogReader, too_long
 from ...cache.store import StreamInfo
@@ -56,6 +55,7 @@ from ...telemetry import end_with, request_model
 from ...types import Completion, StreamMeta
 from .. import state
 from ..access import KEYS, METRICS, Exchange, admit, admit_stream, authenticate, exchange
+from ..render import Cursor, parse_cursor
 from ..streaming import SETTLE_WAIT_S, pump
 
 __all__ = [

@@ -10,12 +10,18 @@ mid-stream failure is ``event: error`` whose data is ``{"error": {"message",
 "type", "param", "code", "retryable", "request_id"}}`` (the SDK raises
 ``APIError`` on it, with that object as its ``body``), then ``data: [DONE]``.
 
+With ``stream_options.include_obfuscation: true`` every chunk ends with an
+``"obfuscation"`` string of random base64url characters, 1 to 16 of them, as
+OpenAI pads its chunks against length side channels; otherwise there is none.
+
 The chunk's fixed head (id, object, created, model) is serialised once per
 stream; each event serialises only its choice.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 from typing import Any
 
 import orjson
@@ -48,10 +54,19 @@ class OpenAISSEEncoder(Encoder):
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
         self._head = b"data: " + chunk_prefix(meta)  # the chunk up to its choices
+        self._obfuscated = meta.include_obfuscation
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        return self._head + b"[" + _dumps(choice) + b"]}\n\n"
+        return self._head + b"[" + _dumps(choice) + b"]" + self._tail()
+
+    def _tail(self) -> bytes:
+        """The end of a chunk: with its random ``obfuscation`` when the client asked."""
+        if not self._obfuscated:
+            return b"}\n\n"
+        raw = os.urandom(13)
+        padding = base64.urlsafe_b64encode(raw)[: 1 + raw[-1] % 16]  # no "=" in 17
+        return b',"obfuscation":"' + padding + b'"}\n\n'
 
     def start(self) -> bytes:
         # The retry field rides on the first data frame: a frame holding only
@@ -81,7 +96,7 @@ class OpenAISSEEncoder(Encoder):
                 usage = event.wire()
                 if self.meta.include_cost and event.cost_usd is not None:
                     usage["cost"] = event.cost_usd  # OpenRouter's field, USD
-                return self._head + b'[],"usage":' + _dumps(usage) + b"}\n\n"
+                return self._head + b'[],"usage":' + _dumps(usage) + self._tail()
             case Audio():
                 audio = {"data": event.data, "transcript": event.transcript}
                 if event.format is not None:

@@ -281,3 +281,21 @@ class Done:
 StreamEvent = (
     Delta | Reasoning | ToolCall | Audio | Image | Citation | Usage | Error | Heartbeat | Done
 )
+
+
+def plain_content(event: object) -> str | None:
+    """The text of a delta that carries only content (the commonest event), else None.
+
+    An encoder may frame it with bytes made once, around one ``dumps`` of the text.
+    """
+    if type(event) is Delta:
+        content = event.content
+        if (
+            content is not None
+            and event.finish_reason is None
+            and event.tool_calls is None
+            and event.role is None
+            and event.refusal is None
+        ):
+            return content
+    return None

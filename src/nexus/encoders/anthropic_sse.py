@@ -33,6 +33,7 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
+    plain_content,
 )
 from ..protocol.anthropic_messages import (
     STOP_REASONS,
@@ -47,6 +48,10 @@ from .base import Encoder
 __all__ = ["AnthropicSSEEncoder"]
 
 _dumps = orjson.dumps
+_TEXT_DELTA = (
+    b"event: content_block_delta\n"
+    b'data: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
+)
 _PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 _STATUS_BY_CODE = {
     "upstream_timeout": 504,
@@ -128,6 +133,9 @@ class AnthropicSSEEncoder(Encoder):
         return out + self._delta(self._index, {"type": "text_delta", "text": text})
 
     def encode(self, event: StreamEvent) -> bytes:
+        if self._open == "text" and (content := plain_content(event)):
+            # The commonest frame, around one dumps() of the text.
+            return _TEXT_DELTA % self._index + _dumps(content) + b"}}\n\n"
         if not self._started:
             early = event if type(event) is Usage and event.partial else None
             return self._message_start(early) + self.encode(event)

@@ -21,6 +21,7 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
+    plain_content,
 )
 from .base import Encoder
 
@@ -31,6 +32,7 @@ _HEADS = {
     cls: b"event: %s\ndata: " % cls.type.encode()
     for cls in (Delta, Reasoning, ToolCall, Audio, Image, Citation, Usage, Error, Heartbeat, Done)
 }
+_CONTENT_HEAD = b'event: delta\ndata: {"type":"delta","delta":{"content":'
 _END = b'event: done\ndata: {"type":"done"}\n\n'
 
 
@@ -45,6 +47,9 @@ class NativeSSEEncoder(Encoder):
         return b""
 
     def encode(self, event: StreamEvent) -> bytes:
+        content = plain_content(event)
+        if content is not None:  # the commonest frame, around one dumps() of the text
+            return _CONTENT_HEAD + _dumps(content) + b"}}\n\n"
         return _HEADS[type(event)] + _dumps(event.to_dict()) + b"\n\n"
 
     def error(self, event: Error) -> bytes:

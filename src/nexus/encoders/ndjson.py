@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import orjson
 
-from ..events import Error, StreamEvent
+from ..events import Error, StreamEvent, plain_content
 from .base import Encoder
 
 __all__ = ["NDJSONEncoder"]
 
 _dumps = orjson.dumps
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
+_CONTENT_HEAD = b'{"type":"delta","delta":{"content":'
 
 
 class NDJSONEncoder(Encoder):
@@ -23,6 +24,9 @@ class NDJSONEncoder(Encoder):
     aliases = ("ndjson", "jsonl")
 
     def encode(self, event: StreamEvent) -> bytes:
+        content = plain_content(event)
+        if content is not None:  # the commonest line, around one dumps() of the text
+            return _CONTENT_HEAD + _dumps(content) + b"}}\n"
         return _dumps(event.to_dict(), option=_NEWLINE)
 
     def error(self, event: Error) -> bytes:

@@ -36,6 +36,7 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
+    plain_content,
 )
 from ..protocol.openai_chat import chunk_prefix
 from ..types import StreamMeta
@@ -44,6 +45,8 @@ from .base import Encoder
 __all__ = ["OpenAISSEEncoder"]
 
 _dumps = orjson.dumps
+_CONTENT_OPEN = b'[{"index":0,"delta":{"content":'
+_CONTENT_CLOSE = b'},"finish_reason":null}]'
 
 
 class OpenAISSEEncoder(Encoder):
@@ -54,6 +57,7 @@ class OpenAISSEEncoder(Encoder):
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
         self._head = b"data: " + chunk_prefix(meta)  # the chunk up to its choices
+        self._content_head = self._head + _CONTENT_OPEN
         self._obfuscated = meta.include_obfuscation
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
@@ -77,6 +81,9 @@ class OpenAISSEEncoder(Encoder):
         return first
 
     def encode(self, event: StreamEvent) -> bytes:
+        content = plain_content(event)
+        if content is not None:  # the commonest chunk, around one dumps() of the text
+            return self._content_head + _dumps(content) + _CONTENT_CLOSE + self._tail()
         match event:
             case Delta(content=content, role=None, refusal=None, tool_calls=None):
                 delta = {} if content is None else {"content": content}

@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 
-from ..events import Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
+from ..events import Delta, Error, Reasoning, StreamEvent, ToolCall, Usage, plain_content
 from ..protocol.openai_responses_output import (
     function_call_item,
     incomplete_reason,
@@ -62,6 +62,9 @@ __all__ = ["ResponsesSSEEncoder"]
 
 _dumps = orjson.dumps
 _TEXT_DELTA = "response.output_text.delta"
+# The commonest frame, with holes for the sequence number, then (per part) the text.
+_TEXT_HEAD = b'event: %s\ndata: {"type":"%s","sequence_number":%%d' % ((_TEXT_DELTA.encode(),) * 2)
+_TEXT_TAIL = b',"logprobs":[]}\n\n'
 
 
 @dataclass(slots=True)
@@ -110,6 +113,10 @@ class ResponsesSSEEncoder(Encoder):
         self._call_ids: dict[str, _Item]  # set with _calls
         self._usage: Usage | None = None
         self._finish: str | None = None
+        # While the open part is output_text: its delta frame (holes for the sequence
+        # number and the text), and its text so far.
+        self._text_frame: bytes | None = None
+        self._part_text: list[str] = []
 
     @property
     def _id(self) -> str:
@@ -155,6 +162,11 @@ class ResponsesSSEEncoder(Encoder):
         return self._preamble()
 
     def encode(self, event: StreamEvent) -> bytes:
+        frame = self._text_frame
+        if frame is not None and (content := plain_content(event)):
+            self._part_text.append(content)
+            self._seq += 1
+            return frame % (self._seq - 1, _dumps(content))
         out = self._preamble()
         match event:
             case Delta():
@@ -237,6 +249,7 @@ class ResponsesSSEEncoder(Encoder):
         if item is None:
             return b""
         self._current = None
+        self._text_frame = None
         where = {"item_id": item.id, "output_index": item.index}
         if item.kind == "reasoning":
             text = "".join(item.chunks)
@@ -285,11 +298,19 @@ class ResponsesSSEEncoder(Encoder):
             out, item = self._open("message", "msg")
         if not item.parts or item.parts[-1][0] != kind:
             out += self._close_part(item)
-            item.parts.append((kind, []))
+            self._part_text = []
+            item.parts.append((kind, self._part_text))
             out += self._event(
                 "response.content_part.added",
                 {**_where(item), "part": _part(kind, "")},
             )
+            if kind == "output_text":
+                where = b',"item_id":%s,"output_index":%d,"content_index":%d,"delta":' % (
+                    _dumps(item.id),
+                    item.index,
+                    len(item.parts) - 1,
+                )
+                self._text_frame = _TEXT_HEAD + where.replace(b"%", b"%%") + b"%s" + _TEXT_TAIL
         item.parts[-1][1].append(text)
         if kind == "output_text":
             return out + self._event(_TEXT_DELTA, {**_where(item), "delta": text, "logprobs": []})
@@ -298,6 +319,7 @@ class ResponsesSSEEncoder(Encoder):
     def _close_part(self, item: _Item) -> bytes:
         if not item.parts:
             return b""
+        self._text_frame = None
         kind, chunks = item.parts[-1]
         text = "".join(chunks)
         where = _where(item)

@@ -99,7 +99,10 @@ class Renderer:
     def feed(self, events: Sequence[StreamEvent]) -> bytes:
         """The bytes for the next entries of the log."""
         encoder = self._encoder
+        encode = encoder.encode
         out = self._out
+        ids = self._ids
+        prefix = self._prefix
         parts: list[bytes] = []
         step = self.step
         for event in events:
@@ -114,9 +117,17 @@ class Renderer:
                 parts.append(out(step, encoder.end()))
                 self.done = True
                 break
-            parts.append(out(step, encoder.encode(event)))
+            data = encode(event)
+            if self._after is not None or (ids and _several(data)):
+                data = out(step, data)
+            elif ids and data:
+                data = prefix + b"%d\n" % step + data  # one frame: the commonest case
+            parts.append(data)
         self.step = step
-        return b"".join(parts)
+        joined = b"".join(parts)
+        if joined:
+            self.wrote = True
+        return joined
 
     def heartbeat(self) -> bytes:
         return self._encoder.heartbeat()
@@ -153,8 +164,8 @@ class Renderer:
         self.wrote = True
         if not self._ids:
             return data
-        if data.count(_FRAME_END) == 1 and not data.startswith(b"retry:"):
-            return self._prefix + b"%d\n" % step + data  # one frame (the commonest)
+        if not _several(data):
+            return self._prefix + b"%d\n" % step + data
         return self._number(step, _frames(data), 0)
 
     def _number(self, step: int, frames: list[bytes], first: int) -> bytes:
@@ -171,6 +182,20 @@ class Renderer:
             else:
                 out.append(line + frame)
         return b"".join(out)
+
+
+def _several(data: bytes) -> bool:
+    """Whether ``data`` is more than one SSE frame, or opens with the retry line.
+
+    A blank line before the end, found line by line (``find`` of one byte is a
+    ``memchr``; a frame has a line or two)."""
+    end = len(data) - 2
+    at = data.find(b"\n")
+    while at < end:
+        if data[at + 1] == 10:
+            return True
+        at = data.find(b"\n", at + 1)
+    return data.startswith(b"retry:")
 
 
 def _frames(data: bytes) -> list[bytes]:

@@ -1,36 +1,30 @@
 """The one pump: a stream's log and an encoder in, an HTTP response out.
 
-Route handlers hold no framing code; they call :func:`pump`. It reads the log
-(a :class:`~nexus.cache.run.LogReader`: a local run, or the store) in batches,
-renders them with a :class:`~nexus.server.render.Renderer` (the encoder, the
-SSE ``id:`` lines, the resume point) and writes each batch at once: what
-upstream delivered together goes out in one write. ``heartbeat()`` when idle.
-
-The race between producer, heartbeat, disconnect and shutdown:
+Route handlers call :func:`pump`. It reads the log (a
+:class:`~nexus.cache.run.LogReader`) in batches, renders each with a
+:class:`~nexus.server.render.Renderer` and writes it at once: what upstream
+delivered together goes out in one write. The race between producer,
+heartbeat, disconnect and shutdown:
 
 * **Before the headers.** The first batch is awaited for up to one heartbeat
-  interval before anything is written. A failure there (the source raised, or
-  the log starts with an error) becomes an HTTP status with a JSON body. If
-  the interval passes first, the headers go out with a heartbeat: from then
-  on failures travel in the stream.
+  interval. A failure there becomes an HTTP status with a JSON body; if the
+  interval passes first, the headers go out with a heartbeat, and failures
+  travel in the stream from then on.
 * **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`)
-  reads the provider; this pump only follows the log. When its client leaves,
-  the pump's reader detaches: the last reader of a stream that is not
-  resumable cancels it at once (the upstream connection closes); a resumable
-  one runs on for ``[streams] detach_timeout_s`` for the client to come back.
-* **Watchdog.** One task for all responses (:mod:`~nexus.watchdog`)
-  checks their timers (:class:`Pump`, shared with the WebSocket connections of
-  :mod:`nexus.server.routes.realtime`): after ``heartbeat_interval_s`` without a
-  write a heartbeat is written, and a socket whose buffer stays full without
-  taking a byte for ``write_timeout_s`` (a client that stopped reading) gets the
-  connection aborted.
-* **Disconnect.** The server runs with ``handler_cancellation``: aiohttp
-  cancels the handler task when the peer goes away, wherever it awaits, and
-  ``finally`` detaches the reader. A failed write ends the pump the same way.
+  reads the provider; the pump follows the log. When its client leaves, the
+  reader detaches: the last reader of a stream that is not resumable cancels
+  it at once; a resumable one runs on for ``[streams] detach_timeout_s``.
+* **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's
+  timers (:class:`~nexus.server.writer.Writer`, as the WebSocket connections'): a heartbeat
+  after ``heartbeat_interval_s`` without a write; the connection aborted when
+  its socket stays full without taking a byte for ``write_timeout_s``.
+* **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler
+  when the peer goes away; ``finally`` detaches the reader. A failed write
+  ends the pump the same way.
 * **Shutdown.** After the grace period the app cancels the streams (their logs
-  end with a retryable ``server_shutting_down`` error, which the pumps write
-  with the format's terminator), then :meth:`StreamPump.shutdown` the pumps
-  still running (those following another replica's stream).
+  end with a retryable ``server_shutting_down`` error, written with the
+  format's terminator), then :meth:`StreamPump.shutdown` the pumps still
+  running (those following another replica's stream).
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -51,8 +45,8 @@ from ..events import Error, StreamEvent
 from ..pricing import NOTHING
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange
-from .connection import Connection
 from .render import Cursor, Renderer, uses_event_ids
+from .writer import Writer
 
 __all__ = ["StreamPump", "pump"]
 
@@ -65,127 +59,10 @@ WRITE_SLICE = 64 * 1024
 
 
 SETTLE_WAIT_S = 1.0
-"""How long the access line of a request whose client left waits for its stream's
-spend (the stream is cancelled at once; its end takes a few milliseconds)."""
+"""How long the access line of a request whose client left waits for its stream's spend."""
 
 
-async def _next(batches: AsyncIterator[list[StreamEvent]]) -> object:
-    try:
-        return await batches.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-class Pump:
-    """The writing side of one client connection, timed by the watchdog.
-
-    Shared by the HTTP pump (:class:`StreamPump`) and the WebSocket connection
-    (:class:`~nexus.server.routes.realtime.RealtimeConnection`). Each write goes
-    through :meth:`_timed`. At each tick (:meth:`check`): a socket whose buffer is
-    full and has taken no byte for ``write_timeout_s`` (a client that does not
-    read) gets the connection aborted; otherwise, when :meth:`_beat_due`, a task
-    runs :meth:`_heartbeat`, which has ``write_timeout_s`` to finish.
-    """
-
-    def __init__(
-        self,
-        request: web.Request,
-        *,
-        heartbeat_s: float,
-        write_timeout_s: float,
-        watchdog: Watchdog | None,
-    ) -> None:
-        self.request = request
-        self.heartbeat_s = heartbeat_s
-        self.write_timeout_s = write_timeout_s
-        self._watchdog = watchdog if watchdog is not None else Watchdog()
-        self._watched = False
-        self._loop = asyncio.get_running_loop()
-        self._last_write = self._loop.time()
-        self._writing = False  # inside a write (of one or several slices)
-        self._beat: asyncio.Task[None] | None = None
-        self._stalled = 0.0  # since when the full socket has taken no byte (0: not full)
-        self._buffered = 0  # the transport's write buffer when last looked at
-
-    def _watch(self, on: bool) -> None:
-        """Start (or stop) the watchdog's checks, and tell the connection (``nexus
-        serve``'s) that its writes are timed here (or no longer)."""
-        if on and not self._watched:
-            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
-        elif not on and self._watched:
-            self._watchdog.discard(self)
-            if self._beat is not None:
-                self._beat.cancel()
-        else:
-            return
-        self._watched = on
-        connection = self.request.protocol
-        if isinstance(connection, Connection):
-            connection.timed_elsewhere = on
-
-    async def _timed(self, write: Awaitable[None]) -> None:
-        """Await ``write``: one write, or several that must not have a heartbeat between."""
-        self._writing = True
-        try:
-            await write
-        finally:
-            self._writing = False
-        self._last_write = self._loop.time()
-        self._stalled = 0.0  # the socket took what it had: a new wait is timed afresh
-
-    def check(self, now: float) -> None:
-        """The watchdog's tick: abort a client that does not read, start a heartbeat due."""
-        stalled = self._stalled_for(now)
-        if stalled >= self.write_timeout_s:
-            self._abort(f"it read nothing for {stalled:.1f}s")
-        elif self._beat is None and self._beat_due(now):
-            self._beat = self._loop.create_task(self._beat_once())
-
-    def _stalled_for(self, now: float) -> float:
-        """How long the socket has been full without taking a byte (0.0: not full).
-
-        Timed from the first tick that sees it full; progress starts the clock again:
-        a smaller buffer at a tick, or the end of a write's wait. A slow reader whose
-        socket fills and drains between two ticks is not one that stalled; a buffer
-        that grows (frames queued behind the ones waiting) is no progress.
-        """
-        transport = self.request.transport
-        protocol = self.request.protocol
-        if transport is None or not protocol.writing_paused:
-            self._stalled = 0.0
-            return 0.0
-        size = transport.get_write_buffer_size()
-        if not self._stalled or size < self._buffered:
-            self._stalled = now
-        self._buffered = size
-        return now - self._stalled
-
-    def _beat_due(self, now: float) -> bool:
-        return not self._writing and now - self._last_write >= self.heartbeat_s
-
-    async def _beat_once(self) -> None:
-        try:
-            async with asyncio.timeout(self.write_timeout_s):
-                await self._heartbeat()
-        except (TimeoutError, ConnectionError):
-            self._abort("a heartbeat could not be written")
-        finally:
-            self._beat = None
-
-    async def _heartbeat(self) -> None:
-        raise NotImplementedError
-
-    def _abort(self, why: str) -> None:
-        """Drop the client: the connection is aborted (a close could not reach a peer
-        that does not read)."""
-        log.warning("dropping a client of %s: %s", self.request.path, why)
-        exchange(self.request).cancelled = "write_timeout"
-        transport = self.request.transport
-        if transport is not None:
-            transport.abort()
-
-
-class StreamPump(Pump):
+class StreamPump(Writer):
     """Writes one stream log to one HTTP response. Made and run by :func:`pump`."""
 
     _now = staticmethod(time.monotonic)
@@ -279,7 +156,6 @@ class StreamPump(Pump):
             # Shutdown: a retryable error, the terminator and a clean end of the body.
             with contextlib.suppress(Exception):
                 await self._end(renderer.fail(_shutdown_event()))
-                await self.response.write_eof()
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
@@ -313,9 +189,8 @@ class StreamPump(Pump):
                 ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
 
     def _settle(self) -> None:
-        """The access line's view of the stream once it is written: the target that
-        answered and, for the request that made it, what it spent (nothing for a cache
-        hit or a joined stream; not yet known when the client left before its end)."""
+        """The access line's view of the written stream: the target that answered and,
+        for the request that made it, what it spent (nothing for a cache hit)."""
         ex = self.exchange
         if self.reader.failure is not None:
             return  # no target answered: an HTTP error, nothing served
@@ -325,24 +200,18 @@ class StreamPump(Pump):
         if self.origin:
             ex.spend = NOTHING if ex.cache == "hit" else self.reader.spend
 
-    def _require_response(self) -> web.StreamResponse:
-        assert self.response is not None
-        return self.response
-
     async def _first_output(self, batches: AsyncIterator[list[StreamEvent]], head: bytes) -> object:
         """The first bytes to write: ``head`` and the log rendered so far; ``_END`` if none.
 
-        The first batch is always awaited before anything is written, so that a
-        stream failing before any output raises (the client gets an HTTP
-        status). Batches that render nothing (a resume skipping what the client
-        has) are read on. If the wait passes ``first_wait_s``, the headers go out
-        with what is ready (and a heartbeat, when a heartbeat interval passed),
-        and failures travel in the stream from then on.
+        The first batch is awaited before anything is written, so that a stream
+        failing before any output raises (an HTTP status); batches that render
+        nothing (a resume) are read on. Past ``first_wait_s`` the headers go out
+        with what is ready (and a heartbeat, after a heartbeat interval).
         """
         renderer = self.renderer
         out = head
         while True:
-            task = self._loop.create_task(_next(batches))
+            task: asyncio.Future[object] = asyncio.ensure_future(anext(batches, _END))
             try:
                 if self.response is None:
                     done, _ = await asyncio.wait((task,), timeout=self.first_wait_s)
@@ -392,7 +261,8 @@ class StreamPump(Pump):
         """Write ``data``, timed by the watchdog; ``last``: and the end of the body, in
         the same write (aiohttp would send the end of a chunked body on its own once
         the handler returns)."""
-        response = self._require_response()
+        response = self.response
+        assert response is not None
         if not response.prepared:
             await response.prepare(self.request)  # the headers go out with ``data``
             # Serialised: the headers (and the copies their serialisation cached) are not
@@ -411,10 +281,10 @@ class StreamPump(Pump):
         self._sent(len(data))
 
     async def _write_sliced(self, data: bytes) -> None:
-        """Write a large output in slices, so that the transport never holds more than
-        about one: a write returns once the transport's buffer drains below its
-        low-water mark. No heartbeat goes between two slices of a frame."""
-        write = self._require_response().write
+        """Write a large output in slices: the transport never holds more than about one
+        (a write returns once its buffer drains below the low-water mark)."""
+        assert self.response is not None
+        write = self.response.write
         view = memoryview(data)
         for start in range(0, len(view), WRITE_SLICE):
             piece = view[start : start + WRITE_SLICE]
@@ -427,11 +297,11 @@ class StreamPump(Pump):
             self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
-        """Write the last bytes of the stream and the end of the body; nothing is
-        written after them."""
+        """Write the last bytes and the end of the body; nothing goes after them."""
         self._ended = True  # the watchdog stops heartbeats but still watches this write
         await self._write(data, last=True)
-        return self._require_response()
+        assert self.response is not None
+        return self.response
 
     def _beat_due(self, now: float) -> bool:
         return not self._ended and super()._beat_due(now)
@@ -453,17 +323,21 @@ class StreamPump(Pump):
 
 
 class _Response(web.Response):
-    """A stream's response: its headers go out with its first bytes, in one write.
+    """A chunked response whose headers go out with its first bytes, and its last
+    bytes with the end of the body: one write each.
 
-    aiohttp's ``StreamResponse`` sends them on ``prepare()``, alone; its ``Response``
-    keeps them for the first write. The pump always has the first output in hand
-    when it prepares: one system call and one packet less per request. Its body is
-    chunked and written by the pump; its last bytes go with the end of the body
-    (``Response.write_eof`` takes no data: it writes a body given up front).
+    aiohttp's ``StreamResponse`` sends its headers alone on ``prepare()``; its
+    ``Response`` keeps them for the first write, but writes only a body given up
+    front at ``write_eof()``.
     """
 
     async def write_eof(self, data: bytes = b"") -> None:
         await web.StreamResponse.write_eof(self, data)
+
+
+def _error(code: str, why: str) -> Error:
+    message = f"{why}; the response is incomplete."
+    return Error(error_type="server_error", message=message, code=code, retryable=True)
 
 
 def _shutdown_event() -> Error:
@@ -471,21 +345,11 @@ def _shutdown_event() -> Error:
 
 
 def _internal_event() -> Error:
-    return Error(
-        error_type="server_error",
-        message="The gateway failed while streaming; the response is incomplete.",
-        code="internal_error",
-        retryable=True,
-    )
+    return _error("internal_error", "The gateway failed while streaming")
 
 
 def _lost_event() -> Error:
-    return Error(
-        error_type="server_error",
-        message="The stream's log ended without its last event; the response is incomplete.",
-        code="stream_incomplete",
-        retryable=True,
-    )
+    return _error("stream_incomplete", "The stream's log ended without its last event")
 
 
 def pump(
@@ -504,13 +368,11 @@ def pump(
 ) -> Coroutine[Any, Any, web.StreamResponse]:
     """Write ``reader``'s log to the client of ``request`` in ``encoder_cls``'s format.
 
-    The reader must start at the log's first entry: a resume (``after``) renders
-    the skipped part too, without writing it, so that stateful encoders pick up
-    exactly where the first rendering was. ``first_wait_s`` (default: the
-    heartbeat interval) is how long the headers wait for the first output; an
-    attach uses a short one, so that the client knows at once that it is on.
-    ``origin``: the request that made the stream, which gets a failure before any
-    output as an HTTP status; an attach gets it in the stream.
+    The reader starts at the log's first entry: a resume (``after``) renders the
+    skipped part unwritten, so that stateful encoders pick up where they were.
+    ``first_wait_s`` (default: the heartbeat interval): how long the headers wait
+    for output (an attach's is short). ``origin``: the request that made the
+    stream, which gets a failure before any output as an HTTP status.
     """
     meta = reader.meta
     ex = exchange(request)

@@ -22,7 +22,7 @@ Frames and pings go through aiohttp's public WebSocket API.
   aborted (no close frame: it could not reach a peer that does not read) and
   its turn cancelled, counted as a ``write_timeout`` cancellation, whatever
   frames the peer keeps sending. The watchdog's tick checks it, as it does the
-  pings (:class:`~nexus.server.streaming.Pump`, shared with the HTTP pump).
+  pings (:class:`~nexus.server.writer.Writer`, shared with the HTTP pump).
 * Each ``start`` is admitted as an HTTP request is
   (:func:`~nexus.server.access.admit_stream`): the key's models, budget and rate, a
   place among the streams running. A refusal is an error frame (with
@@ -61,7 +61,7 @@ from ...protocol.realtime import (
 )
 from .. import state
 from ..access import admit_stream, authenticate, exchange
-from ..streaming import Pump
+from ..writer import Writer
 
 __all__ = ["RealtimeConnection", "Turn", "handle"]
 
@@ -85,7 +85,7 @@ def frame(event: StreamEvent) -> bytes:
     return orjson.dumps(event.to_dict())
 
 
-class RealtimeConnection(Pump):
+class RealtimeConnection(Writer):
     """One WebSocket client: its session, its socket, at most one running turn."""
 
     def __init__(
@@ -152,7 +152,7 @@ class RealtimeConnection(Pump):
         return ws
 
     def check(self, now: float) -> None:
-        """The watchdog's tick (see :class:`~nexus.server.streaming.Pump`); and no frame
+        """The watchdog's tick (see :class:`~nexus.server.writer.Writer`); and no frame
         (a pong or any other) half an interval after a ping: the peer is gone, and the
         connection is dropped (its turn's stream with it)."""
         if self._pong_due and now >= self._pong_due:

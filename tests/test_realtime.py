@@ -451,12 +451,12 @@ async def test_a_failure_while_writing_from_the_log_ends_the_turn_with_an_error(
     make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # What the turn's rendering raises reaches the client as an error frame and a 1011.
-    import nexus.server.routes.realtime as route
+    from nexus.encoders.ndjson import NDJSONEncoder
 
-    def broken(event: object) -> bytes:
+    def broken(self: NDJSONEncoder, event: object) -> bytes:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(route, "frame", broken)
+    monkeypatch.setattr(NDJSONEncoder, "encode", broken)
     client = await make_client()
     url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
     async with websockets.connect(url, compression=None) as ws:

@@ -1,39 +1,23 @@
 """``GET /v1/realtime``: the WebSocket surface. The route only moves frames.
 
-The protocol (envelopes, states, errors) lives in
-:class:`~nexus.protocol.realtime.RealtimeSession`; this module reads frames,
-feeds them to it and carries out its actions. A turn (:class:`Turn`) follows
-its stream's log in a task and sends each event as one text frame (the event's
-JSON, as an NDJSON line without its newline), then ``{"type":"done"}``.
-Frames and pings go through aiohttp's public WebSocket API.
+:class:`~nexus.protocol.realtime.RealtimeSession` holds the protocol; this
+module feeds it the client's frames and carries out its actions. A turn
+(:class:`Turn`) follows its stream's log in a task and sends each event as a
+text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
 
-* ``abort`` ends the turn and cancels its stream: the cancellation reaches the
-  provider at its current await, so its cleanup runs at once, not at the next
-  chunk; then ``{"type":"done","aborted":true}`` goes out and the connection
-  stays open.
-* A provider failure (an error event, or an upstream error before output):
-  the error frame, then close 1011. A request-level failure (unknown model,
-  unsupported input): the error frame, and the connection stays open.
-* Ping frames every ``heartbeat_interval_s`` without a frame from the peer; a
-  peer that does not answer in half that time is closed and its turn
-  cancelled. A peer that vanishes ends the receive loop, which cancels the turn.
-* A peer that does not read its frames: once the socket's buffer is full and
-  has taken no byte for ``[server] write_timeout_s``, the connection is
-  aborted (no close frame: it could not reach a peer that does not read) and
-  its turn cancelled, counted as a ``write_timeout`` cancellation, whatever
-  frames the peer keeps sending. The watchdog's tick checks it, as it does the
-  pings (:class:`~nexus.server.writer.Writer`, shared with the HTTP pump).
-* Each ``start`` is admitted as an HTTP request is
-  (:func:`~nexus.server.access.admit_stream`): the key's models, budget and rate, a
-  place among the streams running. A refusal is an error frame (with
-  ``retry_after_s`` for ``rate_limited`` and ``too_many_streams``), and the
-  connection stays open. The handshake itself is authenticated but takes no
-  token: the rate counts model calls (a socket's first ``start`` is never
-  refused for its own handshake), and sockets are bounded by ``[server]
-  max_connections``.
-* A message over ``[realtime] max_message_bytes`` closes with 1009. Server
-  shutdown ends a running turn with a retryable ``server_shutting_down`` error
-  frame, then closes with 1001.
+* ``abort`` cancels the turn's stream at once, then ``{"type":"done","aborted":true}``.
+* A provider failure: the error frame, then close 1011. A request-level
+  failure (unknown model, unsupported input): the error frame; the connection
+  stays open. Each ``start`` is admitted as an HTTP request is
+  (:func:`~nexus.server.access.admit_stream`); a refusal is an error frame
+  (with ``retry_after_s`` when HTTP would send ``Retry-After``).
+* Pings after ``heartbeat_interval_s`` without a frame from the peer; no answer
+  in half that time drops the connection. A peer that does not read (its socket
+  full, taking no byte for ``write_timeout_s``) is aborted: a ``write_timeout``.
+  Both are the watchdog's checks (:class:`~nexus.server.writer.Writer`).
+* A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown
+  ends a running turn with a retryable ``server_shutting_down`` error frame,
+  then closes with 1001.
 """
 
 from __future__ import annotations
@@ -42,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 
-import orjson
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from ...auth import ApiKey
@@ -50,7 +33,7 @@ from ...cache.hub import leave, with_usage
 from ...cache.run import LogReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
-from ...events import Done, Error, StreamEvent
+from ...events import Done, Error
 from ...hooks import CallContext
 from ...protocol.realtime import (
     AbortTurn,
@@ -69,7 +52,6 @@ log = logging.getLogger("nexus.realtime")
 
 PROTOCOL = "nexus.v1"
 """The subprotocol a browser offers beside ``nexus-key.<key>`` (the one answered)."""
-_DONE = '{"type":"done"}'
 _ABORTED = '{"type":"done","aborted":true}'
 _INTERNAL = Error(
     error_type="server_error",
@@ -77,12 +59,7 @@ _INTERNAL = Error(
     code="internal_error",
     retryable=True,
 )
-_SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.")
-
-
-def frame(event: StreamEvent) -> bytes:
-    """The text frame of one event: its JSON (the NDJSON line, without the newline)."""
-    return orjson.dumps(event.to_dict())
+_SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 
 
 class RealtimeConnection(Writer):
@@ -102,8 +79,7 @@ class RealtimeConnection(Writer):
         )
         self.key = key
         self.hub = app[state.HUB]
-        # Pings are the watchdog's (see check()), not a timer and a pong wait of
-        # aiohttp's per connection; so pongs, and the client's pings, come to _receive().
+        # Pings are the watchdog's (see check()), not aiohttp's timers per connection.
         self.ws = web.WebSocketResponse(
             autoping=False,
             max_msg_size=config.realtime.max_message_bytes,
@@ -152,9 +128,8 @@ class RealtimeConnection(Writer):
         return ws
 
     def check(self, now: float) -> None:
-        """The watchdog's tick (see :class:`~nexus.server.writer.Writer`); and no frame
-        (a pong or any other) half an interval after a ping: the peer is gone, and the
-        connection is dropped (its turn's stream with it)."""
+        """The watchdog's tick; and no frame half an interval after a ping: the peer is
+        gone, and the connection is dropped (its turn's stream with it)."""
         if self._pong_due and now >= self._pong_due:
             log.info("realtime client did not answer a ping: dropping the connection")
             self._drop()
@@ -274,15 +249,14 @@ class RealtimeConnection(Writer):
         with contextlib.suppress(Exception):
             if turn is not None and not turn.terminated:
                 turn.terminate()
-                error = orjson.dumps(_SHUTDOWN.to_event().to_dict(self.request_id))
-                await self.ws.send_frame(error, WSMsgType.TEXT)
+                await self.ws.send_frame(turn.encoder.error(_SHUTDOWN)[:-1], WSMsgType.TEXT)
             await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
 
 class Turn:
     """One turn's writer: each event of its log as a text frame, then its end, in a task."""
 
-    __slots__ = ("conn", "over", "reader", "run", "started", "task", "terminated")
+    __slots__ = ("conn", "encoder", "over", "reader", "run", "started", "task", "terminated")
 
     def __init__(self, conn: RealtimeConnection, reader: LogReader, run: StreamRun | None) -> None:
         self.conn = conn
@@ -292,11 +266,14 @@ class Turn:
         self.started = False  # an event went out: a failure is in-band from then on
         self.terminated = False  # its last frame went out: no aborted frame after it
         self.over = False
+        self.encoder = NDJSONEncoder(reader.meta)  # a frame is a line, without its newline
+        self.encoder.request_id = conn.request_id
         self.task = asyncio.get_running_loop().create_task(self._follow())
 
     async def _follow(self) -> None:
         """Write the log's events as they come, then the end; waiting for the socket."""
         conn = self.conn
+        encode = self.encoder.encode
         try:
             async for batch in self.reader:
                 payloads: list[bytes] = []
@@ -304,17 +281,17 @@ class Turn:
                     cls = type(event)
                     if cls is Done or cls is Error:
                         await conn.send_texts(payloads)
-                        await self._end(event)
+                        await self._end(event)  # type: ignore[arg-type]
                         return
                     self.started = True
-                    payloads.append(frame(event))
+                    payloads.append(encode(event)[:-1])
                 await conn.send_texts(payloads)
             # The log ended without its terminal entry (a store that lost it).
         except GatewayError as exc:
             self.terminate()
             with contextlib.suppress(ConnectionError):
                 if exc.status >= 500:
-                    await conn.fail(orjson.dumps(exc.to_event().to_dict(conn.request_id)))
+                    await conn.fail(self.encoder.error(exc.to_event())[:-1])
                 else:
                     await conn.ws.send_str(gateway_error_frame(exc, conn.request_id).frame)
         except ConnectionError:
@@ -322,21 +299,20 @@ class Turn:
         except Exception:
             log.exception("realtime turn failed")
             self.terminate()
-            await conn.fail(orjson.dumps(_INTERNAL.to_dict(conn.request_id)))
+            await conn.fail(self.encoder.error(_INTERNAL)[:-1])
         finally:
             await self._close()
 
-    async def _end(self, event: StreamEvent) -> None:
+    async def _end(self, event: Done | Error) -> None:
         if type(event) is Done:
             self.terminate()  # before the frame: the client may start again
-            await self.conn.ws.send_str(_ABORTED if event.aborted else _DONE)
+            await self.conn.ws.send_frame(self.encoder.encode(event)[:-1], WSMsgType.TEXT)
             return
         failure = self.reader.failure
         if not self.started and failure is not None:
             raise failure
         self.terminate()
-        body = event.to_dict(self.conn.request_id) if type(event) is Error else event.to_dict()
-        await self.conn.fail(orjson.dumps(body))
+        await self.conn.fail(self.encoder.error(event)[:-1])  # type: ignore[arg-type]
 
     def terminate(self) -> None:
         """The turn's last frame is about to go out: the session may start the next."""

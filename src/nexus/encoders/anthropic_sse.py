@@ -3,20 +3,15 @@
 ``message_start`` → per content block ``content_block_start`` /
 ``content_block_delta``* / ``content_block_stop`` → ``message_delta`` (stop
 reason, usage) → ``message_stop``. Every frame has its ``event:`` line (the SDK
-drops frames without one); the pump adds the ``id:`` lines; heartbeats are
-``event: ping``. Blocks open and close as the kind of output changes:
-reasoning → a ``thinking`` block, text → a ``text`` block, each tool call → a
-``tool_use`` block fed by ``input_json_delta``. A mid-stream failure is an
-``event: error`` frame in the non-streaming error shape, and the stream ends
-there (no ``message_stop``: the SDK raises on the error).
+drops frames without one); heartbeats are ``event: ping``. Reasoning goes in a
+``thinking`` block, text in a ``text`` block, each tool call in a ``tool_use``
+block (``input_json_delta``). A mid-stream failure is an ``event: error`` frame
+in the non-streaming error shape, and the stream ends there.
 
-``message_start`` goes out with the first event, not at ``start()``: an upstream
-that reports its input tokens before any content (Anthropic's own
-``message_start``) gives a partial :class:`~nexus.events.Usage` first, and its
-counts are the ``message_start`` usage, as Anthropic writes them; otherwise (an
-OpenAI upstream reports usage only at the end) they are 0 there, and the
-``message_delta`` carries the totals either way. A heartbeat may come before it
-(the SDK skips pings).
+``message_start`` goes out with the first event: an upstream that reports input
+tokens before any content (Anthropic's own ``message_start``) gives a partial
+:class:`~nexus.events.Usage` first, whose counts it carries (else 0); the
+``message_delta`` carries the totals.
 """
 
 from __future__ import annotations

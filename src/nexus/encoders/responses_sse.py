@@ -1,39 +1,23 @@
 """OpenAI Responses API SSE (docs/protocols.md §4): the default format of ``/v1/responses``.
 
-Every frame is ``event: <type>\\ndata: {"type": <type>, "sequence_number": N, ...}\\n\\n``;
-``sequence_number`` counts from 0 by one over the whole stream, and there is no
-``[DONE]``. The encoder is a small state machine over *output items*:
+Every frame is ``event: <type>\ndata: {"type": <type>, "sequence_number": N, ...}\n\n``,
+``N`` counting from 0 over the stream; no ``[DONE]``. A state machine over
+*output items*, one open at a time:
 
-* The stream opens with ``response.created`` then ``response.in_progress``
-  (status ``in_progress``, no output), written by :meth:`start`. The pump calls
-  it first; were another method called first, the opening would lead that
-  method's bytes instead (and ``start()`` add none), so the numbering always
-  follows the byte order.
-* Reasoning text opens a ``reasoning`` item with one summary part
-  (``reasoning_summary_part.added``, ``reasoning_summary_text.delta``...);
-  content opens a ``message`` item with an ``output_text`` part
-  (``content_part.added``, ``output_text.delta``...), a refusal a ``refusal``
-  part of the same item; each tool call opens a ``function_call`` item
-  (``function_call_arguments.delta``...). ``output_index`` counts items 0, 1, ...
-* One item is open at a time. It is closed (its ``...done`` events, then
-  ``output_item.done`` with the complete item) when an item of another kind or
-  another tool call starts, and at the end. The SDK's stream helper requires a
-  ``done`` for every added item. Argument fragments of a tool call that
-  arrive after its item closed (an upstream interleaving calls) are not
-  streamed; they are in the final response.
-* :meth:`end` closes the open item and writes exactly one of
-  ``response.completed`` or ``response.incomplete`` (finish reason ``length``
-  or ``content_filter``) carrying the full response, which is what
-  ``get_final_response()`` returns: built with the same builders as the
-  non-streaming body (:mod:`nexus.protocol.openai_responses_output`).
-* :meth:`error` writes a flat ``error`` event (the SDK yields it, it does not
-  raise) with the spec's ``code``, ``message``, ``param`` and the response's
-  ``request_id`` (our addition), then ``response.failed``; :meth:`end` then writes
-  nothing.
-* Usage is reported once, with the totals, in the final response: a partial
-  count an upstream gave before any output is not written (OpenAI's
-  ``response.created`` carries no usage, and the Response's usage object would
-  claim 0 output tokens).
+* :meth:`start`: ``response.created``, ``response.in_progress`` (led by whichever
+  method runs first, so that numbering follows the byte order).
+* Reasoning opens a ``reasoning`` item (one summary part), content a ``message``
+  item (an ``output_text`` part; a refusal, a ``refusal`` part), each tool call
+  a ``function_call`` item. An item closes (its ``...done`` events, then
+  ``output_item.done``) when another starts, and at the end: the SDK wants a
+  ``done`` for each. Arguments of a call whose item closed are only in the
+  final response.
+* :meth:`end`: ``response.completed`` or ``response.incomplete`` (``length``,
+  ``content_filter``) with the full response, built as the non-streaming body
+  is (:mod:`nexus.protocol.openai_responses_output`).
+* :meth:`error`: a flat ``error`` event (the SDK yields it) with ``code``,
+  ``message``, ``param`` and our ``request_id``, then ``response.failed``.
+* Usage: the totals, once, in the final response (not an early partial count).
 """
 
 from __future__ import annotations

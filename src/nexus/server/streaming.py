@@ -92,6 +92,7 @@ class StreamPump(Writer):
         self._events = metrics.events.labels(fmt) if metrics is not None else None
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
         self.reader = reader
+        self.name = f"stream {reader.meta.id}"
         self.renderer = renderer
         self.first_wait_s = heartbeat_s if first_wait_s is None else first_wait_s
         self.headers = headers
@@ -289,6 +290,7 @@ class StreamPump(Writer):
         for start in range(0, len(view), WRITE_SLICE):
             piece = view[start : start + WRITE_SLICE]
             await write(piece)
+            self._wrote()  # each slice is timed on its own: a slow reader takes them
             self._sent(len(piece))
 
     def _sent(self, size: int) -> None:

@@ -31,6 +31,9 @@ class Writer:
     else, when :meth:`_beat_due`, a task runs :meth:`_heartbeat` (within
     ``write_timeout_s``)."""
 
+    name = "a connection"
+    """What the log calls the client's connection when it is dropped."""
+
     def __init__(
         self,
         request: web.Request,
@@ -74,14 +77,18 @@ class Writer:
             await write
         finally:
             self._writing = False
+        self._wrote()
+
+    def _wrote(self) -> None:
+        """A write is done: the socket took what it had, a new wait is timed afresh."""
         self._last_write = self._loop.time()
-        self._stalled = 0.0  # the socket took what it had: a new wait is timed afresh
+        self._stalled = 0.0
 
     def check(self, now: float) -> None:
         """The watchdog's tick: abort a client that does not read, start a heartbeat due."""
         stalled = self._stalled_for(now)
         if stalled >= self.write_timeout_s:
-            self._abort(f"it read nothing for {stalled:.1f}s")
+            self._abort(f"a write stalled for {stalled:.1f}s")
         elif self._beat is None and self._beat_due(now):
             self._beat = self._loop.create_task(self._beat_once())
 
@@ -117,7 +124,7 @@ class Writer:
 
     def _abort(self, why: str) -> None:
         """Drop the client (abort: a close could not reach a peer that does not read)."""
-        log.warning("dropping a client of %s: %s", self.request.path, why)
+        log.warning("dropping client of %s: %s", self.name, why)
         exchange(self.request).cancelled = "write_timeout"
         transport = self.request.transport
         if transport is not None:

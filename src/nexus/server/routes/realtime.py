@@ -65,6 +65,8 @@ _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request."
 class RealtimeConnection(Writer):
     """One WebSocket client: its session, its socket, at most one running turn."""
 
+    name = "a realtime connection"
+
     def __init__(
         self, request: web.Request, key: ApiKey | None = None, protocols: tuple[str, ...] = ()
     ) -> None:

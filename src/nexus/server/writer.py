@@ -49,7 +49,7 @@ class Writer:
         self._watched = False
         self._loop = asyncio.get_running_loop()
         self._last_write = self._loop.time()
-        self._writing = False  # inside a write (of one or several slices)
+        self._writing = 0  # writes under way (a frame's slices count as one)
         self._beat: asyncio.Task[None] | None = None
         self._stalled = 0.0  # since when the full socket has taken no byte (0: not full)
         self._buffered = 0  # the transport's write buffer when last looked at
@@ -72,11 +72,11 @@ class Writer:
 
     async def _timed(self, write: Awaitable[None]) -> None:
         """Await ``write`` (one write, or several with no heartbeat between them)."""
-        self._writing = True
+        self._writing += 1
         try:
             await write
         finally:
-            self._writing = False
+            self._writing -= 1
         self._wrote()
 
     def _wrote(self) -> None:

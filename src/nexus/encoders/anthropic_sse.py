@@ -71,8 +71,9 @@ class AnthropicSSEEncoder(Encoder):
         self._started = False  # message_start went out
         self._retry = b"retry: %d\n" % meta.retry_ms if meta.retry_ms is not None else b""
 
-    def _frame(self, name: str, data: dict[str, Any]) -> bytes:
-        return b"event: %s\ndata: %s\n\n" % (name.encode(), _dumps(data))
+    def _frame(self, name: str, **fields: Any) -> bytes:
+        """The frame of the event ``name``: its ``event:`` line, and ``type`` first in its data."""
+        return b"event: %s\ndata: %s\n\n" % (name.encode(), _dumps({"type": name, **fields}))
 
     def start(self) -> bytes:
         return b""  # message_start waits for the first event (see the module docstring)
@@ -93,9 +94,7 @@ class AnthropicSSEEncoder(Encoder):
             "stop_sequence": None,
             "usage": usage_body(usage),
         }
-        return self._first() + self._frame(
-            "message_start", {"type": "message_start", "message": message}
-        )
+        return self._first() + self._frame("message_start", message=message)
 
     def _first(self) -> bytes:
         """The ``retry:`` line, on whichever frame goes out first; then nothing."""
@@ -106,26 +105,25 @@ class AnthropicSSEEncoder(Encoder):
         if self._open is None:
             return b""
         self._open = None
-        return self._frame(
-            "content_block_stop", {"type": "content_block_stop", "index": self._index}
-        )
+        return self._frame("content_block_stop", index=self._index)
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
         self._index += 1
         self._open = kind
-        start = {"type": "content_block_start", "index": self._index, "content_block": block}
-        return out + self._frame("content_block_start", start)
+        return out + self._frame("content_block_start", index=self._index, content_block=block)
 
     def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
-        body = {"type": "content_block_delta", "index": index, "delta": delta}
-        return self._frame("content_block_delta", body)
+        return self._frame("content_block_delta", index=index, delta=delta)
+
+    def _in_text(self) -> bytes:
+        """A text block opened, unless one is open."""
+        if self._open == "text":
+            return b""
+        return self._open_block("text", {"type": "text", "text": ""})
 
     def _text(self, text: str) -> bytes:
-        out = (
-            b"" if self._open == "text" else self._open_block("text", {"type": "text", "text": ""})
-        )
-        return out + self._delta(self._index, {"type": "text_delta", "text": text})
+        return self._in_text() + self._delta(self._index, {"type": "text_delta", "text": text})
 
     def encode(self, event: StreamEvent) -> bytes:
         if self._open == "text" and (content := plain_content(event)):
@@ -161,11 +159,7 @@ class AnthropicSSEEncoder(Encoder):
             case ToolCall():
                 return self._tool(event)
             case Citation():
-                out = (
-                    b""
-                    if self._open == "text"
-                    else self._open_block("text", {"type": "text", "text": ""})
-                )
+                out = self._in_text()
                 citation = {
                     "type": "web_search_result_location",
                     "url": event.url,
@@ -206,7 +200,7 @@ class AnthropicSSEEncoder(Encoder):
         )
         kind = anthropic_error_type(event.error_type, status)
         body = error_body(kind, event.message, event.code, self.request_id)
-        return self._first() + self._frame("error", body)
+        return self._first() + b"event: error\ndata: " + _dumps(body) + b"\n\n"
 
     def heartbeat(self) -> bytes:
         return self._first() + _PING
@@ -215,13 +209,6 @@ class AnthropicSSEEncoder(Encoder):
         if self._failed:
             return b""
         out = self._message_start(None) + self._close()
-        delta = {
-            "type": "message_delta",
-            "delta": {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None},
-            "usage": usage_body(self._usage),
-        }
-        return (
-            out
-            + self._frame("message_delta", delta)
-            + self._frame("message_stop", {"type": "message_stop"})
-        )
+        stop = {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None}
+        out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
+        return out + self._frame("message_stop")

@@ -22,7 +22,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai._streaming import SSEDecoder as OpenAISDKDecoder
 
-from nexus.cache.cursor import Cursor, Renderer, parse_cursor, uses_event_ids
 from nexus.encoders import Encoder
 from nexus.encoders.anthropic_sse import AnthropicSSEEncoder
 from nexus.encoders.native_sse import NativeSSEEncoder
@@ -44,6 +43,7 @@ from nexus.events import (
     Usage,
 )
 from nexus.protocol.sse import ServerSentEvent, SSEDecoder
+from nexus.server.render import Cursor, Renderer, parse_cursor, uses_event_ids
 from nexus.types import StreamMeta
 
 STREAM_ID = "chatcmpl-0123456789abcdef0123456789abcdef"
@@ -800,91 +800,18 @@ def last_step(log: list[StreamEvent]) -> int:
     return len(log) + (1 if type(log[-1]) is Error else 0)
 
 
-def test_ids_count_on_past_the_steps_numbered_in_advance() -> None:
-    # Steps below 4096 take their id line from a table, later ones format it.
+def test_ids_count_on_over_thousands_of_steps() -> None:
     log: list[StreamEvent] = [Delta(content=f"t{i}") for i in range(4200)] + [Done()]
     data, _ = render(OpenAISSEEncoder, PLAIN_META, log, random.Random(7))
     steps = [int(line.rsplit(b".", 1)[1]) for line in data.split(b"\n") if line.startswith(b"id: ")]
     assert steps == list(range(4202))
 
 
-def test_the_built_in_encoders_frame_content_deltas_themselves() -> None:
-    for encoder in (OpenAISSEEncoder, NativeSSEEncoder, NDJSONEncoder):
-        assert encoder(PLAIN_META).uses_content_frame() is not None
-    for stateful in (AnthropicSSEEncoder, ResponsesSSEEncoder):
-        assert stateful(PLAIN_META).uses_content_frame() is None
-        assert stateful(PLAIN_META).uses_encode_texts()
-
-
-@pytest.mark.parametrize("meta", METAS)
-@pytest.mark.parametrize("log", LOG_PARAMS)
-@pytest.mark.parametrize("encoder", ENCODERS)
-def test_the_fast_paths_give_the_bytes_of_encode(
-    encoder: type[Encoder], log: list[StreamEvent], meta: StreamMeta
-) -> None:
-    # A subclass with its own encode() takes neither content_frame nor encode_texts:
-    # every event through encode(), the reference the fast paths must match.
-    class EventByEvent(encoder):  # type: ignore[valid-type,misc]
-        def encode(self, event: StreamEvent) -> bytes:
-            return super().encode(event)  # type: ignore[no-any-return]
-
-    reference = EventByEvent(meta)
-    assert reference.uses_content_frame() is None and not reference.uses_encode_texts()
-    expected, _ = render(EventByEvent, meta, log)
-    assert render(encoder, meta, log)[0] == expected
-    for attempt in range(4):
-        body, _ = render(encoder, meta, log, seeded("fast", encoder.__name__, attempt))
-        assert body == expected
-
-
-@pytest.mark.parametrize("encoder", [AnthropicSSEEncoder, ResponsesSSEEncoder])
-def test_empty_texts_cost_no_call_per_delta_left(encoder: type[Encoder]) -> None:
-    # Empty texts write nothing: a run with some, or of nothing else, must neither leave
-    # the fast path nor ask encode_texts again for every delta left (quadratic).
-    calls: list[int] = []
-
-    class Counting(encoder):  # type: ignore[valid-type,misc]
-        def encode_texts(self, texts: list[str]) -> list[bytes] | None:
-            calls.append(len(texts))
-            return super().encode_texts(texts)  # type: ignore[no-any-return]
-
-    Counting.frame_encode = Counting.encode
-    empties: list[StreamEvent] = [Delta(content="") for _ in range(200)]
-    body, _ = render(Counting, PLAIN_META, [*empties, Done()])
-    # Not ready (nothing open), and nothing written since (Anthropic's first event
-    # writes message_start: asked once more).
-    assert calls == ([200, 199] if encoder is AnthropicSSEEncoder else [200])
-    calls.clear()
-    log: list[StreamEvent] = [Delta(content=f" t{i}") for i in range(200)]
-    body, _ = render(Counting, PLAIN_META, [*log, Delta(content=""), *log, Done()])
-    assert calls == [401, 400]  # the first opens the block or item, then one call
-    reference, _ = render(encoder, PLAIN_META, [*log, Delta(content=""), *log, Done()])
-    assert body == reference
-
-
-def test_a_long_run_of_content_is_one_encode_texts_call() -> None:
-    calls: list[int] = []
-
-    class Counting(AnthropicSSEEncoder):
-        def encode_texts(self, texts: list[str]) -> list[bytes] | None:
-            calls.append(len(texts))
-            return super().encode_texts(texts)
-
-    Counting.frame_encode = Counting.encode
-    log: list[StreamEvent] = [Delta(content=f" t{i}") for i in range(300)] + [Done()]
-    body, _ = render(Counting, PLAIN_META, log)
-    # The first opens the text block through encode(); the other 299 come in one call.
-    assert calls == [300, 299]
-    assert body.count(b'"type":"text_delta"') == 300
-
-
 def test_a_subclass_that_overrides_encode_is_called_for_content_deltas() -> None:
-    # The content frame stands for the encode() of the class that declared it: a
-    # subclass with its own encode() (a redacting one, say) gets every event.
+    # A subclass with its own encode() (a redacting one, say) gets every event.
     class Redacting(NDJSONEncoder):
         def encode(self, event: StreamEvent) -> bytes:
             return super().encode(event).replace(b"secret", b"******")
 
-    assert Redacting(PLAIN_META).uses_content_frame() is None
     data, _ = render(Redacting, PLAIN_META, [Delta(content="my secret"), Done()])
     assert b"secret" not in data and b"my ******" in data

@@ -387,26 +387,3 @@ def test_events_compare_and_hash_by_value() -> None:
     assert Delta(content="a") != Delta(content="b")
     assert len({Done(), Done(), Done(aborted=True)}) == 2
     assert hash(ToolCall(index=0, id="x")) == hash(ToolCall(index=0, id="x"))
-
-
-def test_content_delta_shares_one_frozen_delta_per_short_text() -> None:
-    from nexus import events
-
-    first = events.content_delta(" token")
-    assert first == Delta(" token") and type(first) is Delta
-    assert events.content_delta(" token") is first, "the same text: the same object"
-    long = "x" * 40
-    assert events.content_delta(long) == Delta(long)
-    assert events.content_delta(long) is not events.content_delta(long), "long texts: not kept"
-    assert events.content_deltas(["a", "", "b"]) == [Delta("a"), Delta("b")]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        first.content = "changed"  # type: ignore[misc]
-
-
-def test_the_shared_table_is_bounded_and_starts_again_when_full() -> None:
-    from nexus import events
-
-    for i in range(events._MAX_SHARED + 10):
-        events.content_delta(f"t{i}")
-    assert len(events._SHARED) <= events._MAX_SHARED
-    assert events.content_delta("t1") == Delta("t1")

@@ -296,7 +296,7 @@ def _masked_text(payload: bytes) -> bytes:
 async def test_server_pings_are_bare_control_frames_and_a_pong_keeps_the_peer(
     make_client: MakeClient, extensions: str
 ) -> None:
-    # Written by the gateway itself, not by aiohttp: check the bytes. With compression
+    # Check the bytes aiohttp writes for the gateway's pings. With compression
     # negotiated too, a control frame has RSV1 clear and is never compressed.
     client = await make_client({"server": {"heartbeat_interval_s": 0.1}})
     reader, writer = await _raw_socket(client, extensions)
@@ -386,7 +386,9 @@ def turn_tasks() -> list[asyncio.Task[Any]]:
     return [t for t in asyncio.all_tasks() if "Turn." in t.get_coro().__qualname__]  # type: ignore[union-attr]
 
 
-async def test_an_idle_turn_waits_for_its_stream_without_a_task(make_client: MakeClient) -> None:
+async def test_a_turn_follows_its_stream_in_one_task_that_ends_with_it(
+    make_client: MakeClient,
+) -> None:
     gated = GatedProvider(before=1, after=2)
     client, ws = await connect(make_client, providers=[gated])
     async with ws:
@@ -395,8 +397,7 @@ async def test_an_idle_turn_waits_for_its_stream_without_a_task(make_client: Mak
             "content": "before0 "
         }
         (conn,) = client.app[RUNTIME].sockets
-        assert conn.turn is not None and conn.turn.task is None
-        assert turn_tasks() == []  # the log's growth calls the turn back
+        assert conn.turn is not None and turn_tasks() == [conn.turn.task]
         gated.gate.set()
         frames = await turn(ws)
         assert [f["delta"].get("content") for f in frames[:2]] == ["after0 ", "after1 "]
@@ -412,7 +413,7 @@ async def test_a_client_that_stops_reading_gets_every_frame_once_it_reads_again(
     make_client: MakeClient,
 ) -> None:
     # 2 MB of tokens, far more than the (shrunk) socket buffers hold while the client does
-    # not read: the turn waits for the paused socket in a task, then goes back to its log.
+    # not read: the turn waits for the paused socket, then writes the rest.
     tokens = [f"{i:05d} " + "x" * 4090 for i in range(500)]
     pieces = [
         b"".join(openai_chunk(content=t) for t in tokens[i : i + 50])
@@ -449,14 +450,13 @@ async def test_a_client_that_stops_reading_gets_every_frame_once_it_reads_again(
 async def test_a_failure_while_writing_from_the_log_ends_the_turn_with_an_error(
     make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The writes that the log's callback makes run outside any task: what they raise
-    # still reaches the client as an error frame and a 1011, as a task's would.
-    import nexus.server.routes.realtime as route
+    # What the turn's rendering raises reaches the client as an error frame and a 1011.
+    from nexus.encoders.ndjson import NDJSONEncoder
 
-    def broken(payloads: list[bytes]) -> bytes:
+    def broken(self: NDJSONEncoder, event: object) -> bytes:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(route, "text_frames", broken)
+    monkeypatch.setattr(NDJSONEncoder, "encode", broken)
     client = await make_client()
     url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
     async with websockets.connect(url, compression=None) as ws:

@@ -84,9 +84,9 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
     # The tick finds a heartbeat due in the loop turn a batch larger than a write slice
     # arrives; the heartbeat task runs once the first slice waits on a slow client: it
     # must not go out between two slices of one frame.
-    from nexus.cache.cursor import Renderer
     from nexus.encoders.openai_sse import OpenAISSEEncoder
     from nexus.events import Delta, Done
+    from nexus.server.render import Renderer
     from nexus.server.streaming import WRITE_SLICE, StreamPump
     from nexus.types import StreamMeta
 
@@ -115,9 +115,14 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
         def get_write_buffer_size(self) -> int:
             return 0
 
+    class Protocol:
+        writing_paused = False
+
     class Request:
         app: ClassVar[dict[str, Any]] = {}
+        path = "/v1/chat/completions"
         transport = Transport()
+        protocol = Protocol()
 
     class Response:
         prepared, status = True, 200
@@ -154,7 +159,6 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
     for _ in range(5):
         await asyncio.sleep(0)
     pump._last_write -= 20  # idle past the heartbeat interval
-    pump._write_started = pump._last_write
     response.gate.clear()
     reader.queue.put_nowait([Delta("x" * 200_000)])
     pump.check(asyncio.get_running_loop().time())  # the tick, in the same loop turn

@@ -1,38 +1,18 @@
 """Typed stream events: what providers produce and encoders turn into bytes.
 
-One frozen, slotted record per event type. They are built once per token, so
-they carry no validation; the ``type`` tag is a class variable (no per-instance
-cost) and encoders dispatch on the class with ``match``.
-
-``to_dict()`` gives the event's JSON form, which *is* the NDJSON line, the
-native SSE ``data:`` payload and the WebSocket text frame::
-
-    {"type":"delta","delta":{"content":"Hello"}}
-    {"type":"delta","delta":{},"finish_reason":"stop"}
-    {"type":"reasoning","delta":{"reasoning":"Let me think..."}}
-    {"type":"tool_call","delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function",
-        "function":{"name":"f","arguments":""}}]}}
-    {"type":"audio","audio":{"data":"<b64>","format":"pcm16","transcript":null}}
-    {"type":"image","image":{"data":"<b64>","url":null,"mime_type":"image/png"}}
-    {"type":"citation","citation":{"url":"...","title":"...","quoted":"..."}}
-    {"type":"usage","usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}
-    {"type":"usage","usage":{"prompt_tokens":41,"completion_tokens":0,"total_tokens":41},"partial":true}
-    {"type":"error","error":{"type":"upstream_error","message":"...","code":"...","retryable":true,
-        "request_id":"req_..."}}
-    {"type":"heartbeat"}
-    {"type":"done"}
-
-End of stream is not an event that consumers receive: iteration simply ends
-(see :mod:`nexus.stream`). :class:`Done` exists for the formats that write an
-explicit terminator.
+Frozen, slotted records, built once per token, so without validation; the
+``type`` tag is a class variable and encoders dispatch with ``match``.
+``to_dict()`` is the event's JSON: the NDJSON line, the native SSE ``data:``
+and the WebSocket text frame, e.g. ``{"type":"delta","delta":{"content":"Hi"}}``
+or ``{"type":"usage","usage":{...},"partial":true}`` (docs/protocols.md).
+End of stream is not an event consumers receive: iteration ends
+(:mod:`nexus.stream`); :class:`Done` is for formats with a terminator.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
-
-from ._frozen import quick_init, quick_new
 
 __all__ = [
     "Audio",
@@ -46,19 +26,13 @@ __all__ = [
     "StreamEvent",
     "ToolCall",
     "Usage",
-    "content_delta",
-    "content_deltas",
 ]
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """One fragment of a tool call.
-
-    The first fragment for an ``index`` carries ``id`` and ``name``; later
-    fragments carry only more ``arguments`` text, to be concatenated.
-    """
+    """One fragment of a tool call: the first for an ``index`` carries ``id`` and
+    ``name``, later ones more ``arguments`` text, to be concatenated."""
 
     type: ClassVar[str] = "tool_call"
     index: int
@@ -82,7 +56,6 @@ class ToolCall:
         return {"type": "tool_call", "delta": {"tool_calls": [self.wire()]}}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Delta:
     """An increment of the assistant message; ``finish_reason`` closes the turn."""
@@ -112,15 +85,11 @@ class Delta:
         return {"type": "delta", "delta": self.delta_dict(), "finish_reason": self.finish_reason}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Reasoning:
-    """Reasoning ("thinking") text, kept apart from the answer.
-
-    ``signature`` is the provider's seal over the reasoning so far (Anthropic's
-    ``signature_delta``), which a client must send back with the thinking block
-    in a later turn; it usually arrives alone, with empty ``text``.
-    """
+    """Reasoning ("thinking") text, kept apart from the answer. ``signature``: the
+    provider's seal over it (Anthropic's ``signature_delta``, sent back in a later
+    turn), usually alone, with empty ``text``."""
 
     type: ClassVar[str] = "reasoning"
     text: str
@@ -132,7 +101,6 @@ class Reasoning:
         return {"type": "reasoning", "delta": {"reasoning": self.text, "signature": self.signature}}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Audio:
     """A chunk of audio output: base64 ``data`` and/or its ``transcript``."""
@@ -149,7 +117,6 @@ class Audio:
         }
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Image:
     """An image output, inline (base64 ``data``) or by ``url``."""
@@ -166,7 +133,6 @@ class Image:
         }
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Citation:
     """A source the answer cites."""
@@ -183,18 +149,14 @@ class Citation:
         }
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts; the last usage event of a stream holds the totals.
+    """Token counts; the last usage event that is not ``partial`` holds the totals.
 
-    ``partial``: the input counts an upstream reported before any output (Anthropic's
-    ``message_start``), sent ahead of the first content so that formats which report
-    input tokens up front (Anthropic's own ``message_start``) can; ``completion_tokens``
-    is 0 and the totals follow at the end. Formats that report only totals skip it
-    (OpenAI's usage chunk, the Responses usage); Nexus's own formats write it with
-    ``"partial": true``. A consumer that wants the totals takes the last usage event
-    that is not partial.
+    ``partial``: input counts an upstream reported before any output (Anthropic's
+    ``message_start``), ``completion_tokens`` 0. Formats that report input up front
+    write them; those that report only totals skip them; Nexus's own formats mark
+    them ``"partial": true``.
     """
 
     type: ClassVar[str] = "usage"
@@ -206,9 +168,8 @@ class Usage:
     reasoning_tokens: int | None = None
     partial: bool = False
     cost_usd: float | None = None
-    """What these tokens cost, when the gateway has a price for the model that answered
-    (:mod:`nexus.pricing`; the engine sets it). Not part of :meth:`wire`: a client gets
-    it as ``usage.cost`` when it asks (``stream_options.include_cost``)."""
+    """What they cost (:mod:`nexus.pricing`), when priced; not in :meth:`wire` (a client
+    asks for it with ``stream_options.include_cost``)."""
 
     def wire(self) -> dict[str, Any]:
         """The OpenAI ``usage`` object (without the cost)."""
@@ -232,16 +193,13 @@ class Usage:
         return {"type": "usage", "usage": self.wire()}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Error:
     """A failure after the stream started; the stream ends after it.
 
-    ``type`` names the error class (the ``error.type`` of the OpenAI shape),
-    ``code`` the specific cause, ``retryable`` whether the same request may
-    succeed if sent again. The request id is not in the event: one stream's log
-    serves several requests (joins, attaches), and each client's error frame
-    carries its own request's id (see :meth:`to_dict`).
+    ``error_type`` is the OpenAI shape's ``error.type``, ``code`` the cause,
+    ``retryable`` whether the same request may succeed again. No request id: one
+    log serves several requests, and each error frame carries its own (:meth:`to_dict`).
     """
 
     type: ClassVar[str] = "error"
@@ -252,8 +210,7 @@ class Error:
     param: str | None = None
 
     def to_dict(self, request_id: str | None = None) -> dict[str, Any]:
-        """The event's JSON; with ``request_id`` (the ``X-Request-Id`` of the response it
-        is written to) as ``error.request_id``."""
+        """The event's JSON, with the response's ``X-Request-Id`` as ``error.request_id``."""
         error: dict[str, Any] = {
             "type": self.error_type,
             "message": self.message,
@@ -267,7 +224,6 @@ class Error:
         return {"type": "error", "error": error}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Idle keepalive, written by the pump, never by providers."""
@@ -278,7 +234,6 @@ class Heartbeat:
         return {"type": "heartbeat"}
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class Done:
     """The terminator of formats that have one; ``aborted`` after a client abort."""
@@ -298,10 +253,8 @@ StreamEvent = (
 
 
 def plain_content(event: object) -> str | None:
-    """The text of a delta that carries only content (the commonest event), else None.
-
-    Encoders use it for a fast path that serialises just the string.
-    """
+    """The text of a delta that carries only content (the commonest event), else None:
+    an encoder may frame it with bytes made once, around one ``dumps`` of the text."""
     if type(event) is Delta:
         content = event.content
         if (
@@ -313,39 +266,3 @@ def plain_content(event: object) -> str | None:
         ):
             return content
     return None
-
-
-_new_delta = quick_new(Delta)
-_SHARED: dict[str, Delta] = {}
-_MAX_SHARED = 16_384
-_SHARED_LENGTH = 32
-
-
-def content_delta(content: str) -> Delta:
-    """``Delta(content)``, one object for every delta of the same short text.
-
-    Events are frozen, so one may stand in many logs at once: a token's delta (most
-    deltas are one token, and tokens repeat) costs a log one slot, not an object and
-    a string, and the hot path a dict lookup, not a construction. The table holds at
-    most 16,384 texts of up to 32 characters and starts again when full.
-    """
-    delta = _SHARED.get(content)
-    if delta is None:
-        delta = _new_delta(content)
-        if len(content) <= _SHARED_LENGTH:
-            if len(_SHARED) >= _MAX_SHARED:
-                _SHARED.clear()
-            _SHARED[content] = delta
-    return delta
-
-
-def content_deltas(strings: list[str]) -> list[StreamEvent]:
-    """:func:`content_delta` of each non-empty string."""
-    get = _SHARED.get
-    out: list[StreamEvent] = []
-    append = out.append
-    for content in strings:
-        if content:
-            delta = get(content)
-            append(delta if delta is not None else content_delta(content))
-    return out

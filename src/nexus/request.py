@@ -186,6 +186,8 @@ class StreamOptions(OpenModel):
     """Nexus's: ``usage.cost`` (USD) in the usage chunk (sent even without
     ``include_usage``); never sent upstream."""
     include_obfuscation: bool | None = None
+    """OpenAI's: an ``obfuscation`` string of random length in each chunk (padding
+    against length side channels). Nexus pads its own chunks only when it is true."""
     resumable: bool = Field(default=False, exclude=True)
     """Nexus: the stream outlives its client for ``[streams] detach_timeout_s``, to be
     resumed with ``Last-Event-ID`` (without it, a client that leaves cancels the
@@ -307,3 +309,8 @@ class ChatRequest(OpenModel):
     @property
     def include_cost(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_cost
+
+    @property
+    def include_obfuscation(self) -> bool:
+        options = self.stream_options
+        return options is not None and options.include_obfuscation is True

@@ -33,6 +33,8 @@ class StreamMeta:
     retry_ms: int | None = None
     include_cost: bool = False
     """The listener asked for ``usage.cost`` (``stream_options.include_cost``)."""
+    include_obfuscation: bool = False
+    """The listener asked for padded chunks (``stream_options.include_obfuscation``)."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

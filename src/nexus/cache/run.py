@@ -415,13 +415,12 @@ slices of this many, so that a connection renders and holds a slice, not a log."
 class RunReader:
     """Follows a local run's log from ``start``; attached until :meth:`close`."""
 
-    __slots__ = ("_closed", "_index", "_notice", "_run", "meta")
+    __slots__ = ("_closed", "_index", "_run", "meta")
 
     def __init__(self, run: StreamRun, start: int = 0) -> None:
         self._run = run
         self._index = start
         self._closed = False
-        self._notice: asyncio.Future[None] | None = None
         self.meta = run.info.meta
         run._attach()
 
@@ -471,28 +470,7 @@ class RunReader:
                 run._drop(waiter)
                 raise
 
-    def poll(self) -> list[StreamEvent] | None:
-        """The batch :meth:`__anext__` would return now, or None where it would wait
-        (or stop): a read that never waits."""
-        events = self._run.events
-        index = self._index
-        if index < len(events):
-            end = min(len(events), index + MAX_BATCH)
-            self._index = end
-            return events[index:end]
-        return None
-
-    def notify(self, callback: Callable[[asyncio.Future[None]], object]) -> None:
-        """Have the loop call ``callback`` once the log grows or ends, so that a reader
-        can wait without a task of its own. One at a time; :meth:`close` drops it."""
-        notice = self._run._waiter()
-        notice.add_done_callback(callback)
-        self._notice = notice
-
     async def close(self) -> None:
-        notice, self._notice = self._notice, None
-        if notice is not None and not notice.done():
-            self._run._drop(notice)  # it will never fire
         if not self._closed:
             self._closed = True
             self._run._detach()

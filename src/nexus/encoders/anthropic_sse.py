@@ -3,20 +3,15 @@
 ``message_start`` → per content block ``content_block_start`` /
 ``content_block_delta``* / ``content_block_stop`` → ``message_delta`` (stop
 reason, usage) → ``message_stop``. Every frame has its ``event:`` line (the SDK
-drops frames without one); the pump adds the ``id:`` lines; heartbeats are
-``event: ping``. Blocks open and close as the kind of output changes:
-reasoning → a ``thinking`` block, text → a ``text`` block, each tool call → a
-``tool_use`` block fed by ``input_json_delta``. A mid-stream failure is an
-``event: error`` frame in the non-streaming error shape, and the stream ends
-there (no ``message_stop``: the SDK raises on the error).
+drops frames without one); heartbeats are ``event: ping``. Reasoning goes in a
+``thinking`` block, text in a ``text`` block, each tool call in a ``tool_use``
+block (``input_json_delta``). A mid-stream failure is an ``event: error`` frame
+in the non-streaming error shape, and the stream ends there.
 
-``message_start`` goes out with the first event, not at ``start()``: an upstream
-that reports its input tokens before any content (Anthropic's own
-``message_start``) gives a partial :class:`~nexus.events.Usage` first, and its
-counts are the ``message_start`` usage, as Anthropic writes them; otherwise (an
-OpenAI upstream reports usage only at the end) they are 0 there, and the
-``message_delta`` carries the totals either way. A heartbeat may come before it
-(the SDK skips pings).
+``message_start`` goes out with the first event: an upstream that reports input
+tokens before any content (Anthropic's own ``message_start``) gives a partial
+:class:`~nexus.events.Usage` first, whose counts it carries (else 0); the
+``message_delta`` carries the totals.
 """
 
 from __future__ import annotations
@@ -76,8 +71,9 @@ class AnthropicSSEEncoder(Encoder):
         self._started = False  # message_start went out
         self._retry = b"retry: %d\n" % meta.retry_ms if meta.retry_ms is not None else b""
 
-    def _frame(self, name: str, data: dict[str, Any]) -> bytes:
-        return b"event: %s\ndata: %s\n\n" % (name.encode(), _dumps(data))
+    def _frame(self, name: str, **fields: Any) -> bytes:
+        """The frame of the event ``name``: its ``event:`` line, and ``type`` first in its data."""
+        return b"event: %s\ndata: %s\n\n" % (name.encode(), _dumps({"type": name, **fields}))
 
     def start(self) -> bytes:
         return b""  # message_start waits for the first event (see the module docstring)
@@ -98,9 +94,7 @@ class AnthropicSSEEncoder(Encoder):
             "stop_sequence": None,
             "usage": usage_body(usage),
         }
-        return self._first() + self._frame(
-            "message_start", {"type": "message_start", "message": message}
-        )
+        return self._first() + self._frame("message_start", message=message)
 
     def _first(self) -> bytes:
         """The ``retry:`` line, on whichever frame goes out first; then nothing."""
@@ -111,31 +105,29 @@ class AnthropicSSEEncoder(Encoder):
         if self._open is None:
             return b""
         self._open = None
-        return self._frame(
-            "content_block_stop", {"type": "content_block_stop", "index": self._index}
-        )
+        return self._frame("content_block_stop", index=self._index)
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
         self._index += 1
         self._open = kind
-        start = {"type": "content_block_start", "index": self._index, "content_block": block}
-        return out + self._frame("content_block_start", start)
+        return out + self._frame("content_block_start", index=self._index, content_block=block)
 
     def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
-        body = {"type": "content_block_delta", "index": index, "delta": delta}
-        return self._frame("content_block_delta", body)
+        return self._frame("content_block_delta", index=index, delta=delta)
+
+    def _in_text(self) -> bytes:
+        """A text block opened, unless one is open."""
+        if self._open == "text":
+            return b""
+        return self._open_block("text", {"type": "text", "text": ""})
 
     def _text(self, text: str) -> bytes:
-        out = (
-            b"" if self._open == "text" else self._open_block("text", {"type": "text", "text": ""})
-        )
-        return out + self._delta(self._index, {"type": "text_delta", "text": text})
+        return self._in_text() + self._delta(self._index, {"type": "text_delta", "text": text})
 
     def encode(self, event: StreamEvent) -> bytes:
-        content = plain_content(event)
-        if content is not None and self._open == "text":
-            # The commonest frame, assembled around one dumps() of the text.
+        if self._open == "text" and (content := plain_content(event)):
+            # The commonest frame, around one dumps() of the text.
             return _TEXT_DELTA % self._index + _dumps(content) + b"}}\n\n"
         if not self._started:
             early = event if type(event) is Usage and event.partial else None
@@ -167,11 +159,7 @@ class AnthropicSSEEncoder(Encoder):
             case ToolCall():
                 return self._tool(event)
             case Citation():
-                out = (
-                    b""
-                    if self._open == "text"
-                    else self._open_block("text", {"type": "text", "text": ""})
-                )
+                out = self._in_text()
                 citation = {
                     "type": "web_search_result_location",
                     "url": event.url,
@@ -187,14 +175,6 @@ class AnthropicSSEEncoder(Encoder):
                 return b""
             case _:
                 return b""
-
-    frame_encode = encode  # what encode_texts stands for
-
-    def encode_texts(self, texts: list[str]) -> list[bytes] | None:
-        if self._open != "text":  # (so message_start went out)
-            return None
-        head = _TEXT_DELTA % self._index
-        return [head + _dumps(text) + b"}}\n\n" for text in texts]
 
     def _tool(self, call: ToolCall) -> bytes:
         out = b""
@@ -220,7 +200,7 @@ class AnthropicSSEEncoder(Encoder):
         )
         kind = anthropic_error_type(event.error_type, status)
         body = error_body(kind, event.message, event.code, self.request_id)
-        return self._first() + self._frame("error", body)
+        return self._first() + b"event: error\ndata: " + _dumps(body) + b"\n\n"
 
     def heartbeat(self) -> bytes:
         return self._first() + _PING
@@ -229,13 +209,6 @@ class AnthropicSSEEncoder(Encoder):
         if self._failed:
             return b""
         out = self._message_start(None) + self._close()
-        delta = {
-            "type": "message_delta",
-            "delta": {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None},
-            "usage": usage_body(self._usage),
-        }
-        return (
-            out
-            + self._frame("message_delta", delta)
-            + self._frame("message_stop", {"type": "message_stop"})
-        )
+        stop = {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None}
+        out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
+        return out + self._frame("message_stop")

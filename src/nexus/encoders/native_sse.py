@@ -41,8 +41,6 @@ class NativeSSEEncoder(Encoder):
     content_type = "text/event-stream; charset=utf-8"
     aliases = ("nexus", "nexus-sse")
 
-    content_frame = (_CONTENT_HEAD, b"}}\n\n")
-
     def start(self) -> bytes:
         if self.meta.retry_ms is not None:
             return b"retry: %d\n\n" % self.meta.retry_ms
@@ -50,11 +48,9 @@ class NativeSSEEncoder(Encoder):
 
     def encode(self, event: StreamEvent) -> bytes:
         content = plain_content(event)
-        if content is not None:
+        if content is not None:  # the commonest frame, around one dumps() of the text
             return _CONTENT_HEAD + _dumps(content) + b"}}\n\n"
         return _HEADS[type(event)] + _dumps(event.to_dict()) + b"\n\n"
-
-    frame_encode = encode  # what content_frame stands for
 
     def error(self, event: Error) -> bytes:
         return _HEADS[Error] + _dumps(event.to_dict(self.request_id)) + b"\n\n"

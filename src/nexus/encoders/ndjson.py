@@ -23,21 +23,11 @@ class NDJSONEncoder(Encoder):
     media_type = "application/x-ndjson"
     aliases = ("ndjson", "jsonl")
 
-    content_frame = (_CONTENT_HEAD, b"}}\n")
-
     def encode(self, event: StreamEvent) -> bytes:
         content = plain_content(event)
-        if content is not None:
+        if content is not None:  # the commonest line, around one dumps() of the text
             return _CONTENT_HEAD + _dumps(content) + b"}}\n"
         return _dumps(event.to_dict(), option=_NEWLINE)
 
-    frame_encode = encode  # what content_frame stands for
-
     def error(self, event: Error) -> bytes:
         return _dumps(event.to_dict(self.request_id), option=_NEWLINE)
-
-    def heartbeat(self) -> bytes:
-        return b'{"type":"heartbeat"}\n'
-
-    def end(self) -> bytes:
-        return b'{"type":"done"}\n'

@@ -10,12 +10,18 @@ mid-stream failure is ``event: error`` whose data is ``{"error": {"message",
 "type", "param", "code", "retryable", "request_id"}}`` (the SDK raises
 ``APIError`` on it, with that object as its ``body``), then ``data: [DONE]``.
 
+With ``stream_options.include_obfuscation: true`` every chunk ends with an
+``"obfuscation"`` string of random base64url characters, 1 to 16 of them, as
+OpenAI pads its chunks against length side channels; otherwise there is none.
+
 The chunk's fixed head (id, object, created, model) is serialised once per
 stream; each event serialises only its choice.
 """
 
 from __future__ import annotations
 
+import base64
+import os
 from typing import Any
 
 import orjson
@@ -40,7 +46,7 @@ __all__ = ["OpenAISSEEncoder"]
 
 _dumps = orjson.dumps
 _CONTENT_OPEN = b'[{"index":0,"delta":{"content":'
-_CONTENT_TAIL = b'},"finish_reason":null}]}\n\n'
+_CONTENT_CLOSE = b'},"finish_reason":null}]'
 
 
 class OpenAISSEEncoder(Encoder):
@@ -50,18 +56,21 @@ class OpenAISSEEncoder(Encoder):
 
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
-        # The commonest frame by far, assembled around one dumps() of the text.
-        self._content_head = b"data: " + chunk_prefix(meta) + _CONTENT_OPEN
-        self.content_frame = (self._content_head, _CONTENT_TAIL)
-
-    @property
-    def _head(self) -> bytes:
-        """``data: `` and the chunk up to its choices: not kept (rare frames only)."""
-        return self._content_head[: -len(_CONTENT_OPEN)]
+        self._head = b"data: " + chunk_prefix(meta)  # the chunk up to its choices
+        self._content_head = self._head + _CONTENT_OPEN
+        self._obfuscated = meta.include_obfuscation
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        return self._head + b"[" + _dumps(choice) + b"]}\n\n"
+        return self._head + b"[" + _dumps(choice) + b"]" + self._tail()
+
+    def _tail(self) -> bytes:
+        """The end of a chunk: with its random ``obfuscation`` when the client asked."""
+        if not self._obfuscated:
+            return b"}\n\n"
+        raw = os.urandom(13)
+        padding = base64.urlsafe_b64encode(raw)[: 1 + raw[-1] % 16]  # no "=" in 17
+        return b',"obfuscation":"' + padding + b'"}\n\n'
 
     def start(self) -> bytes:
         # The retry field rides on the first data frame: a frame holding only
@@ -73,8 +82,8 @@ class OpenAISSEEncoder(Encoder):
 
     def encode(self, event: StreamEvent) -> bytes:
         content = plain_content(event)
-        if content is not None:
-            return self._content_head + _dumps(content) + _CONTENT_TAIL
+        if content is not None:  # the commonest chunk, around one dumps() of the text
+            return self._content_head + _dumps(content) + _CONTENT_CLOSE + self._tail()
         match event:
             case Delta(content=content, role=None, refusal=None, tool_calls=None):
                 delta = {} if content is None else {"content": content}
@@ -94,7 +103,7 @@ class OpenAISSEEncoder(Encoder):
                 usage = event.wire()
                 if self.meta.include_cost and event.cost_usd is not None:
                     usage["cost"] = event.cost_usd  # OpenRouter's field, USD
-                return self._head + b'[],"usage":' + _dumps(usage) + b"}\n\n"
+                return self._head + b'[],"usage":' + _dumps(usage) + self._tail()
             case Audio():
                 audio = {"data": event.data, "transcript": event.transcript}
                 if event.format is not None:
@@ -112,8 +121,6 @@ class OpenAISSEEncoder(Encoder):
                 )
             case _:
                 return b""
-
-    frame_encode = encode  # what content_frame stands for
 
     def error(self, event: Error) -> bytes:
         # OpenAI's error object, plus ``retryable`` and the response's ``request_id``

@@ -1,42 +1,23 @@
 """OpenAI Responses API SSE (docs/protocols.md §4): the default format of ``/v1/responses``.
 
-Every frame is ``event: <type>\\ndata: {"type": <type>, "sequence_number": N, ...}\\n\\n``;
-``sequence_number`` counts from 0 by one over the whole stream, and there is no
-``[DONE]``. The encoder is a small state machine over *output items*:
+Every frame is ``event: <type>\ndata: {"type": <type>, "sequence_number": N, ...}\n\n``,
+``N`` counting from 0 over the stream; no ``[DONE]``. A state machine over
+*output items*, one open at a time:
 
-* The stream opens with ``response.created`` then ``response.in_progress``
-  (status ``in_progress``, no output), written by :meth:`start`. The pump calls
-  it first; were another method called first, the opening would lead that
-  method's bytes instead (and ``start()`` add none), so the numbering always
-  follows the byte order.
-* Reasoning text opens a ``reasoning`` item with one summary part
-  (``reasoning_summary_part.added``, ``reasoning_summary_text.delta``...);
-  content opens a ``message`` item with an ``output_text`` part
-  (``content_part.added``, ``output_text.delta``...), a refusal a ``refusal``
-  part of the same item; each tool call opens a ``function_call`` item
-  (``function_call_arguments.delta``...). ``output_index`` counts items 0, 1, ...
-* One item is open at a time. It is closed (its ``...done`` events, then
-  ``output_item.done`` with the complete item) when an item of another kind or
-  another tool call starts, and at the end. The SDK's stream helper requires a
-  ``done`` for every added item. Argument fragments of a tool call that
-  arrive after its item closed (an upstream interleaving calls) are not
-  streamed; they are in the final response.
-* :meth:`end` closes the open item and writes exactly one of
-  ``response.completed`` or ``response.incomplete`` (finish reason ``length``
-  or ``content_filter``) carrying the full response, which is what
-  ``get_final_response()`` returns: built with the same builders as the
-  non-streaming body (:mod:`nexus.protocol.openai_responses_output`).
-* :meth:`error` writes a flat ``error`` event (the SDK yields it, it does not
-  raise) with the spec's ``code``, ``message``, ``param`` and the response's
-  ``request_id`` (our addition), then ``response.failed``; :meth:`end` then writes
-  nothing.
-* Usage is reported once, with the totals, in the final response: a partial
-  count an upstream gave before any output is not written (OpenAI's
-  ``response.created`` carries no usage, and the Response's usage object would
-  claim 0 output tokens).
-
-The hot path, a content delta into an open text part, is one ``dumps`` of the
-text between bytes prepared when the part opened.
+* :meth:`start`: ``response.created``, ``response.in_progress`` (led by whichever
+  method runs first, so that numbering follows the byte order).
+* Reasoning opens a ``reasoning`` item (one summary part), content a ``message``
+  item (an ``output_text`` part; a refusal, a ``refusal`` part), each tool call
+  a ``function_call`` item. An item closes (its ``...done`` events, then
+  ``output_item.done``) when another starts, and at the end: the SDK wants a
+  ``done`` for each. Arguments of a call whose item closed are only in the
+  final response.
+* :meth:`end`: ``response.completed`` or ``response.incomplete`` (``length``,
+  ``content_filter``) with the full response, built as the non-streaming body
+  is (:mod:`nexus.protocol.openai_responses_output`).
+* :meth:`error`: a flat ``error`` event (the SDK yields it) with ``code``,
+  ``message``, ``param`` and our ``request_id``, then ``response.failed``.
+* Usage: the totals, once, in the final response (not an early partial count).
 """
 
 from __future__ import annotations
@@ -46,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from ..events import Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
+from ..events import Delta, Error, Reasoning, StreamEvent, ToolCall, Usage, plain_content
 from ..protocol.openai_responses_output import (
     function_call_item,
     incomplete_reason,
@@ -65,7 +46,7 @@ __all__ = ["ResponsesSSEEncoder"]
 
 _dumps = orjson.dumps
 _TEXT_DELTA = "response.output_text.delta"
-# The fast path's frame: holes for the sequence number, then (per part) the text.
+# The commonest frame, with holes for the sequence number, then (per part) the text.
 _TEXT_HEAD = b'event: %s\ndata: {"type":"%s","sequence_number":%%d' % ((_TEXT_DELTA.encode(),) * 2)
 _TEXT_TAIL = b',"logprobs":[]}\n\n'
 
@@ -116,8 +97,8 @@ class ResponsesSSEEncoder(Encoder):
         self._call_ids: dict[str, _Item]  # set with _calls
         self._usage: Usage | None = None
         self._finish: str | None = None
-        # Set while the open item's current part is output_text: its text delta frame
-        # with %d and %s holes for the sequence number and the text; the part's text.
+        # While the open part is output_text: its delta frame (holes for the sequence
+        # number and the text), and its text so far.
         self._text_frame: bytes | None = None
         self._part_text: list[str] = []
 
@@ -164,41 +145,12 @@ class ResponsesSSEEncoder(Encoder):
     def start(self) -> bytes:
         return self._preamble()
 
-    def encode_texts(self, texts: list[str]) -> list[bytes] | None:
-        frame = self._text_frame
-        if frame is None:
-            return None
-        seq = self._seq
-        if all(texts):
-            self._part_text += texts
-            self._seq = seq + len(texts)
-            return [frame % (n, _dumps(text)) for n, text in enumerate(texts, seq)]
-        # An empty text is no event (as in encode()): no frame, no sequence number.
-        out: list[bytes] = []
-        for text in texts:
-            if text:
-                self._part_text.append(text)
-                out.append(frame % (seq, _dumps(text)))
-                seq += 1
-            else:
-                out.append(b"")
-        self._seq = seq
-        return out
-
     def encode(self, event: StreamEvent) -> bytes:
         frame = self._text_frame
-        if frame is not None and type(event) is Delta:
-            content = event.content
-            if (
-                content
-                and event.finish_reason is None
-                and event.tool_calls is None
-                and event.refusal is None
-            ):
-                self._part_text.append(content)
-                seq = self._seq
-                self._seq = seq + 1
-                return frame % (seq, _dumps(content))
+        if frame is not None and (content := plain_content(event)):
+            self._part_text.append(content)
+            self._seq += 1
+            return frame % (self._seq - 1, _dumps(content))
         out = self._preamble()
         match event:
             case Delta():
@@ -220,8 +172,6 @@ class ResponsesSSEEncoder(Encoder):
             case _:
                 pass  # audio, images, citations: not in this format yet
         return out
-
-    frame_encode = encode  # what encode_texts stands for
 
     def error(self, event: Error) -> bytes:
         if self._finished:

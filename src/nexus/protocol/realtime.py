@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import struct
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -58,7 +57,6 @@ __all__ = [
     "Send",
     "StartTurn",
     "error_frame",
-    "text_frames",
 ]
 
 
@@ -94,16 +92,12 @@ _ENVELOPE: TypeAdapter[Any] = TypeAdapter(Envelope)
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Send this text frame to the client."""
-
-    frame: str
+    frame: str  # a text frame for the client
 
 
 @dataclass(frozen=True, slots=True)
 class StartTurn:
-    """Start streaming this request (pending input already attached)."""
-
-    request: ChatRequest
+    request: ChatRequest  # to stream, the pending input attached
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,13 +165,8 @@ class RealtimeSession:
         return self._pending_bytes
 
     def receive_binary(self, data: bytes) -> list[Action]:
-        return [
-            self._error(
-                "invalid_envelope",
-                f"binary frames are not accepted ({len(data)} bytes received); "
-                "send JSON envelopes as text frames",
-            )
-        ]
+        message = f"binary frames are not accepted ({len(data)} bytes received); send JSON "
+        return [self._error("invalid_envelope", message + "envelopes as text frames")]
 
     def receive_text(self, text: str) -> list[Action]:
         try:
@@ -197,11 +186,9 @@ class RealtimeSession:
             case StartEnvelope():
                 return self._start(envelope)
             case AbortEnvelope():
-                if not self.streaming:
-                    return [
-                        self._error("nothing_to_abort", "abort received, but no stream is running")
-                    ]
-                return [AbortTurn()]
+                if self.streaming:
+                    return [AbortTurn()]
+                return [self._error("nothing_to_abort", "abort received, but no stream is running")]
             case AudioChunkEnvelope():
                 return self._add_audio(envelope)
             case ImageEnvelope():
@@ -228,12 +215,8 @@ class RealtimeSession:
 
     def _start(self, envelope: StartEnvelope) -> list[Action]:
         if self.streaming:
-            return [
-                self._error(
-                    "stream_in_progress",
-                    "a stream is already running on this connection; send abort first",
-                )
-            ]
+            message = "a stream is already running on this connection; send abort first"
+            return [self._error("stream_in_progress", message)]
         body = envelope.request
         try:
             request = ChatRequest.model_validate(body)
@@ -242,13 +225,8 @@ class RealtimeSession:
             param = f"request.{error.param}" if error.param else "request"
             return [self._error("invalid_request", error.message, param=param)]
         if "stream" in body and not request.stream:
-            return [
-                self._error(
-                    "invalid_request",
-                    "stream: the realtime surface always streams; omit stream or set it to true",
-                    param="request.stream",
-                )
-            ]
+            message = "stream: the realtime surface always streams; omit stream or set it to true"
+            return [self._error("invalid_request", message, param="request.stream")]
         request = request.model_copy(update={"stream": True})
         if self._pending:
             request = _attach(request, [_to_part(p) for p in self._pending])
@@ -276,12 +254,11 @@ class RealtimeSession:
     def _count(self, size: int) -> Send | None:
         total = self._pending_bytes + size
         if total > self.max_pending_input_bytes:
-            return self._error(
-                "input_too_large",
+            message = (
                 f"pending input would be {total} bytes, over the limit of "
-                f"{self.max_pending_input_bytes}; this chunk was dropped, the earlier "
-                "input is kept",
+                f"{self.max_pending_input_bytes}; this chunk was dropped, the earlier input is kept"
             )
+            return self._error("input_too_large", message)
         self._pending_bytes = total
         return None
 
@@ -360,49 +337,14 @@ def _attach(request: ChatRequest, parts: list[ContentPart]) -> ChatRequest:
 
 
 def _envelope_error(exc: ValidationError, data: dict[str, Any], request_id: str | None) -> Send:
-    first = exc.errors(include_url=False)[0]
-    if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        kind = data.get("type")
+    kind = data.get("type")
+    if exc.errors(include_url=False)[0]["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        param: str | None = "type"
         if kind is None:
-            return error_frame(
-                "invalid_envelope",
-                "an envelope needs a 'type'",
-                param="type",
-                request_id=request_id,
-            )
-        return error_frame(
-            "invalid_envelope",
-            f"unknown envelope type {kind!r}; expected start, abort, audio_chunk or image",
-            param="type",
-            request_id=request_id,
-        )
-    error = validation_error(exc, data)
-    return error_frame(
-        "invalid_envelope",
-        f"{data.get('type')}: {error.message}",
-        param=error.param,
-        request_id=request_id,
-    )
-
-
-def text_frames(payloads: list[bytes]) -> bytes:
-    """Server-to-client WebSocket text frames (RFC 6455 §5.2: FIN, unmasked, not
-    compressed), one per payload, as one string of bytes: a batch of events in one
-    write rather than a write (and a system call) each."""
-    out: list[bytes] = []
-    append = out.append
-    for payload in payloads:
-        size = len(payload)
-        if size < 126:
-            append(_LEN1(0x81, size))
-        elif size < 65536:
-            append(_LEN2(0x81, 126, size))
+            message = "an envelope needs a 'type'"
         else:
-            append(_LEN3(0x81, 127, size))
-        append(payload)
-    return b"".join(out)
-
-
-_LEN1 = struct.Struct("!BB").pack
-_LEN2 = struct.Struct("!BBH").pack
-_LEN3 = struct.Struct("!BBQ").pack
+            message = f"unknown envelope type {kind!r}; expected start, abort, audio_chunk or image"
+    else:
+        error = validation_error(exc, data)
+        message, param = f"{kind}: {error.message}", error.param
+    return error_frame("invalid_envelope", message, param=param, request_id=request_id)

@@ -12,8 +12,6 @@ import codecs
 import re
 from dataclasses import dataclass
 
-from .._frozen import quick_init
-
 __all__ = ["SSEDecoder", "ServerSentEvent", "comment", "frame"]
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -63,7 +61,6 @@ def _check_field(name: str, value: str) -> None:
         raise ValueError(f"an SSE {name} must not contain CR or LF")
 
 
-@quick_init
 @dataclass(frozen=True, slots=True)
 class ServerSentEvent:
     """A dispatched event. ``id`` is the last event id in force when it was dispatched."""

@@ -34,7 +34,7 @@ import orjson
 
 from ..config import AnthropicProviderConfig
 from ..errors import GatewayError, InvalidRequest, UpstreamError
-from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
+from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage
 from ..protocol.json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from ..protocol.sse import ServerSentEvent, SSEDecoder
 from ..request import (
@@ -265,7 +265,7 @@ class StreamTranslator:
                 match delta.get("type"):
                     case "text_delta":
                         text = delta.get("text")
-                        return [content_delta(text)] if text else []
+                        return [Delta(text)] if text else []
                     case "input_json_delta":
                         index = self._tool_index.get(data.get("index", -1))
                         partial = delta.get("partial_json") or ""

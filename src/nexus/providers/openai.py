@@ -21,7 +21,7 @@ import orjson
 
 from ..config import OpenAIProviderConfig
 from ..errors import GatewayError, UpstreamError
-from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta, content_deltas
+from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
 from ..protocol.sse import SSEDecoder
 from ..request import ChatRequest
 from .base import flatten
@@ -223,7 +223,7 @@ class ChunkReader:
         if _NOT_PLAIN.search(joined) is None:
             # Between the quotes, no quote, backslash or control character: the JSON
             # string is its text as it stands.
-            return content_deltas(strings), used
+            return [Delta(s) for s in strings if s], used
         events: list[StreamEvent] = []
         append = events.append
         for string in strings:
@@ -232,7 +232,7 @@ class ChunkReader:
             except orjson.JSONDecodeError:
                 return [], 0
             if content:
-                append(content_delta(content))
+                append(Delta(content))
         return events, used
 
     def read(self, payloads: list[str]) -> tuple[list[StreamEvent], bool | GatewayError]:
@@ -252,7 +252,7 @@ class ChunkReader:
                     content = None
                 if type(content) is str:
                     if content:
-                        append(content_delta(content))
+                        append(Delta(content))
                     continue
             if data.startswith("[DONE]"):
                 return events, True
@@ -281,7 +281,7 @@ class ChunkReader:
                 ):
                     content = delta.get("content")
                     if content and type(content) is str:
-                        append(content_delta(content))
+                        append(Delta(content))
                         if head is None and self._misses < _MAX_MISSES:
                             head = self._learn(data, content)
                         continue

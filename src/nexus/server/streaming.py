@@ -1,35 +1,30 @@
 """The one pump: a stream's log and an encoder in, an HTTP response out.
 
-Route handlers hold no framing code; they call :func:`pump`. It reads the log
-(a :class:`~nexus.cache.run.LogReader`: a local run, or the store) in batches,
-renders them with a :class:`~nexus.cache.cursor.Renderer` (the encoder, the
-SSE ``id:`` lines, the resume point) and writes each batch at once: what
-upstream delivered together goes out in one write. ``heartbeat()`` when idle.
-
-The race between producer, heartbeat, disconnect and shutdown:
+Route handlers call :func:`pump`. It reads the log (a
+:class:`~nexus.cache.run.LogReader`) in batches, renders each with a
+:class:`~nexus.server.render.Renderer` and writes it at once: what upstream
+delivered together goes out in one write. The race between producer,
+heartbeat, disconnect and shutdown:
 
 * **Before the headers.** The first batch is awaited for up to one heartbeat
-  interval before anything is written. A failure there (the source raised, or
-  the log starts with an error) becomes an HTTP status with a JSON body. If
-  the interval passes first, the headers go out with a heartbeat: from then
-  on failures travel in the stream.
+  interval. A failure there becomes an HTTP status with a JSON body; if the
+  interval passes first, the headers go out with a heartbeat, and failures
+  travel in the stream from then on.
 * **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`)
-  reads the provider; this pump only follows the log. When its client leaves,
-  the pump's reader detaches: the last reader of a stream that is not
-  resumable cancels it at once (the upstream connection closes); a resumable
-  one runs on for ``[streams] detach_timeout_s`` for the client to come back.
-* **Watchdog.** One task for all responses (:mod:`~nexus.watchdog`)
-  checks their timers: after ``heartbeat_interval_s`` without a write a
-  heartbeat is written, and a write that has not finished after
-  ``write_timeout_s`` (a client that stopped reading) gets the connection
-  aborted.
-* **Disconnect.** The server runs with ``handler_cancellation``: aiohttp
-  cancels the handler task when the peer goes away, wherever it awaits, and
-  ``finally`` detaches the reader. A failed write ends the pump the same way.
+  reads the provider; the pump follows the log. When its client leaves, the
+  reader detaches: the last reader of a stream that is not resumable cancels
+  it at once; a resumable one runs on for ``[streams] detach_timeout_s``.
+* **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's
+  timers (:class:`~nexus.server.writer.Writer`, as the WebSocket connections'): a heartbeat
+  after ``heartbeat_interval_s`` without a write; the connection aborted when
+  its socket stays full without taking a byte for ``write_timeout_s``.
+* **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler
+  when the peer goes away; ``finally`` detaches the reader. A failed write
+  ends the pump the same way.
 * **Shutdown.** After the grace period the app cancels the streams (their logs
-  end with a retryable ``server_shutting_down`` error, which the pumps write
-  with the format's terminator), then :meth:`StreamPump.shutdown` the pumps
-  still running (those following another replica's stream).
+  end with a retryable ``server_shutting_down`` error, written with the
+  format's terminator), then :meth:`StreamPump.shutdown` the pumps still
+  running (those following another replica's stream).
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ from typing import Any
 
 from aiohttp import web
 
-from ..cache.cursor import Cursor, Renderer, uses_event_ids
 from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
@@ -51,8 +45,9 @@ from ..events import Error, StreamEvent
 from ..pricing import NOTHING
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange
-from .connection import Connection
+from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
+from .writer import Writer
 
 __all__ = ["StreamPump", "pump"]
 
@@ -65,18 +60,10 @@ WRITE_SLICE = 64 * 1024
 
 
 SETTLE_WAIT_S = 1.0
-"""How long the access line of a request whose client left waits for its stream's
-spend (the stream is cancelled at once; its end takes a few milliseconds)."""
+"""How long the access line of a request whose client left waits for its stream's spend."""
 
 
-async def _next(batches: AsyncIterator[list[StreamEvent]]) -> object:
-    try:
-        return await batches.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-class StreamPump:
+class StreamPump(Writer):
     """Writes one stream log to one HTTP response. Made and run by :func:`pump`."""
 
     _now = staticmethod(time.monotonic)
@@ -96,7 +83,9 @@ class StreamPump:
         origin: bool = True,
         watchdog: Watchdog | None = None,
     ) -> None:
-        self.request = request
+        super().__init__(
+            request, heartbeat_s=heartbeat_s, write_timeout_s=write_timeout_s, watchdog=watchdog
+        )
         self.origin = origin
         self.exchange = exchange or Exchange("", self._now())
         metrics = request.app.get(METRICS)
@@ -104,26 +93,16 @@ class StreamPump:
         self._events = metrics.events.labels(fmt) if metrics is not None else None
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
         self.reader = reader
+        self.name = f"stream {reader.meta.id}"
         self.renderer = renderer
-        self.heartbeat_s = heartbeat_s
         self.first_wait_s = heartbeat_s if first_wait_s is None else first_wait_s
-        self.write_timeout_s = write_timeout_s
         self.headers = headers
         self.response: web.StreamResponse | None = None
         self._active = active
         self._task: asyncio.Task[object] | None = None
         self._shutting_down = False
-        self._watchdog = watchdog if watchdog is not None else Watchdog()
-        self._watched = False
-        self._writing = False  # the pump is inside a write (of one or several slices)
-        self._beat: asyncio.Task[None] | None = None
-        self._buffered = -1  # the transport's write buffer when last looked at
-        self._moved = 0.0  # when it last changed: the socket took data
         self._ended = False
         self._last: StreamEvent | None = None  # the last event of the first output
-        self._loop = asyncio.get_running_loop()
-        self._last_write = self._loop.time()
-        self._write_started = self._last_write
 
     def shutdown(self) -> None:
         """Cancel this stream for server shutdown (see the module docstring)."""
@@ -155,34 +134,16 @@ class StreamPump:
                 return await self._end(self._begin() + data)  # type: ignore[operator]
             await self._write(self._begin() + data)  # type: ignore[operator]
             data = b""  # an idle stream does not keep its first output
-            write = self._require_response().write
-            feed = renderer.feed
-            now = self._loop.time
-            ex = self.exchange
-            events, sent = self._events, self._bytes
             async for batch in batches:
-                data = feed(batch)
-                ex.events += len(batch)
-                if events is not None:
-                    events.inc(len(batch))
+                data = renderer.feed(batch)
+                self._count(len(batch))
                 if renderer.done:
-                    ex.ended_with(batch[-1])
+                    self.exchange.ended_with(batch[-1])
                     return await self._end(data)
-                if not data:
-                    continue
-                if len(data) > WRITE_SLICE:
-                    await self._write_sliced(data)
-                    continue
-                self._writing = True
-                self._write_started = now()
-                await write(data)
-                self._last_write = now()
-                self._writing = False
-                ex.bytes += len(data)
-                if sent is not None:
-                    sent.inc(len(data))
+                if data:
+                    await self._write(data)
             # The log ended without its terminal entry (a store that lost it).
-            ex.ended_with(_lost_event())
+            self.exchange.ended_with(_lost_event())
             return await self._end(renderer.fail(_lost_event()))
         except asyncio.CancelledError:
             if not self._shutting_down or self._ended:
@@ -197,7 +158,6 @@ class StreamPump:
             # Shutdown: a retryable error, the terminator and a clean end of the body.
             with contextlib.suppress(Exception):
                 await self._end(renderer.fail(_shutdown_event()))
-                await self.response.write_eof()
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
@@ -220,11 +180,7 @@ class StreamPump:
             return self.response
         finally:
             self._settle()
-            if self._watched:
-                self._watchdog.discard(self)
-                self._time_writes(False)
-            if self._beat is not None:
-                self._beat.cancel()
+            self._watch(False)
             if self._active is not None:
                 self._active.discard(self)
             await self.reader.close()
@@ -234,16 +190,9 @@ class StreamPump:
                 # cancelled now; the access line waits (briefly) for what it spent.
                 ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
 
-    def _time_writes(self, here: bool) -> None:
-        """Tell the connection (``nexus serve``'s) whether this pump times its writes."""
-        connection = self.request.protocol
-        if isinstance(connection, Connection):
-            connection.timed_elsewhere = here
-
     def _settle(self) -> None:
-        """The access line's view of the stream once it is written: the target that
-        answered and, for the request that made it, what it spent (nothing for a cache
-        hit or a joined stream; not yet known when the client left before its end)."""
+        """The access line's view of the written stream: the target that answered and,
+        for the request that made it, what it spent (nothing for a cache hit)."""
         ex = self.exchange
         if self.reader.failure is not None:
             return  # no target answered: an HTTP error, nothing served
@@ -253,24 +202,18 @@ class StreamPump:
         if self.origin:
             ex.spend = NOTHING if ex.cache == "hit" else self.reader.spend
 
-    def _require_response(self) -> web.StreamResponse:
-        assert self.response is not None
-        return self.response
-
     async def _first_output(self, batches: AsyncIterator[list[StreamEvent]], head: bytes) -> object:
         """The first bytes to write: ``head`` and the log rendered so far; ``_END`` if none.
 
-        The first batch is always awaited before anything is written, so that a
-        stream failing before any output raises (the client gets an HTTP
-        status). Batches that render nothing (a resume skipping what the client
-        has) are read on. If the wait passes ``first_wait_s``, the headers go out
-        with what is ready (and a heartbeat, when a heartbeat interval passed),
-        and failures travel in the stream from then on.
+        The first batch is awaited before anything is written, so that a stream
+        failing before any output raises (an HTTP status); batches that render
+        nothing (a resume) are read on. Past ``first_wait_s`` the headers go out
+        with what is ready (and a heartbeat, after a heartbeat interval).
         """
         renderer = self.renderer
         out = head
         while True:
-            task = self._loop.create_task(_next(batches))
+            task: asyncio.Future[object] = asyncio.ensure_future(anext(batches, _END))
             try:
                 if self.response is None:
                     done, _ = await asyncio.wait((task,), timeout=self.first_wait_s)
@@ -299,16 +242,20 @@ class StreamPump:
                 failure = self.reader.failure
                 raise failure if failure is not None else StreamError(events[0])
             out += renderer.feed(events)
-            self.exchange.events += len(events)
-            if self._events is not None:
-                self._events.inc(len(events))
+            self._count(len(events))
             if out or renderer.done:
                 return out
+
+    def _count(self, events: int) -> None:
+        self.exchange.events += events
+        if self._events is not None:
+            self._events.inc(events)
 
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
         if self.response is None:
             self.response = _Response(status=200, headers=self.headers)
+            self.response.enable_chunked_encoding()
             self.headers = {}  # in the response now
         return b""
 
@@ -316,7 +263,8 @@ class StreamPump:
         """Write ``data``, timed by the watchdog; ``last``: and the end of the body, in
         the same write (aiohttp would send the end of a chunked body on its own once
         the handler returns)."""
-        response = self._require_response()
+        response = self.response
+        assert response is not None
         if not response.prepared:
             await response.prepare(self.request)  # the headers go out with ``data``
             # Serialised: the headers (and the copies their serialisation cached) are not
@@ -324,42 +272,27 @@ class StreamPump:
             response.headers.clear()
             self.exchange.ttfb = self._now() - self.exchange.started
             self.exchange.status = response.status
-            # From the headers on, the watchdog owns heartbeats and write stalls (and the
-            # connection layer leaves this connection's stalls to it).
-            self._watched = True
-            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
-            self._time_writes(True)
+            # From the headers on, the watchdog owns heartbeats and write stalls.
+            self._watch(True)
         if len(data) > WRITE_SLICE:
-            await self._write_sliced(data)
+            await self._timed(self._write_sliced(data))
             if not last:
                 return
             data = b""
-        self._writing = True
-        self._write_started = self._loop.time()
-        await (response.write_eof(data) if last else response.write(data))
-        self._last_write = self._loop.time()
-        self._writing = False
+        await self._timed(response.write_eof(data) if last else response.write(data))
         self._sent(len(data))
 
     async def _write_sliced(self, data: bytes) -> None:
-        """Write a large output in slices, each timed on its own by the watchdog.
-
-        A write returns once the transport's buffer drains below its low-water
-        mark, so a slice that stalls for ``write_timeout_s`` means a socket that
-        took nothing for that long; a reader that is slow but alive keeps
-        finishing slices. The transport never holds more than about one slice.
-        """
-        write = self._require_response().write
-        now = self._loop.time
+        """Write a large output in slices: the transport never holds more than about one
+        (a write returns once its buffer drains below the low-water mark)."""
+        assert self.response is not None
+        write = self.response.write
         view = memoryview(data)
-        self._writing = True  # a heartbeat must not come between two slices of a frame
         for start in range(0, len(view), WRITE_SLICE):
             piece = view[start : start + WRITE_SLICE]
-            self._write_started = now()
             await write(piece)
-            self._last_write = now()
+            self._wrote()  # each slice is timed on its own: a slow reader takes them
             self._sent(len(piece))
-        self._writing = False
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size
@@ -367,68 +300,47 @@ class StreamPump:
             self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
-        """Write the last bytes of the stream and the end of the body; nothing is
-        written after them."""
+        """Write the last bytes and the end of the body; nothing goes after them."""
         self._ended = True  # the watchdog stops heartbeats but still watches this write
         await self._write(data, last=True)
-        return self._require_response()
+        assert self.response is not None
+        return self.response
 
-    def check(self, now: float) -> None:
-        """The watchdog's tick: abort a stalled write, start a heartbeat that is due."""
-        if self._write_started > self._last_write:
-            # A write is waiting for the socket. It stalls only while the socket takes
-            # nothing: a slow reader that drains the buffer bit by bit is alive.
-            transport = self.request.transport
-            size = transport.get_write_buffer_size() if transport is not None else 0
-            if size != self._buffered:
-                self._buffered, self._moved = size, now
-            stalled = now - max(self._write_started, self._moved)
-            if stalled >= self.write_timeout_s:
-                self._abort(f"a write stalled for {stalled:.1f}s")
-        elif not self._ended and self._beat is None and now - self._last_write >= self.heartbeat_s:
-            self._beat = self._loop.create_task(self._heartbeat())
+    def _beat_due(self, now: float) -> bool:
+        return not self._ended and super()._beat_due(now)
 
     async def _heartbeat(self) -> None:
-        try:
-            response = self.response
-            if self._ended or response is None:
-                return  # the terminator went out meanwhile: nothing may follow it
-            if self._writing or self._loop.time() - self._last_write < self.heartbeat_s:
-                return  # a write began since the tick (a frame's slices must stay together)
-            heartbeat = self.renderer.heartbeat()
-            self._write_started = self._loop.time()
-            try:
-                # The frame reaches the transport before this task first waits, so
-                # the check above holds: it cannot follow the terminator.
-                async with asyncio.timeout(self.write_timeout_s):
-                    await response.write(heartbeat)
-            except (TimeoutError, ConnectionError):
-                self._abort("a heartbeat could not be written")
-                return
-            self._last_write = self._loop.time()
-            self._sent(len(heartbeat))
-        finally:
-            self._beat = None
+        response = self.response
+        if self._ended or self._writing or response is None:
+            return  # a write began since the tick, or the terminator went out
+        heartbeat = self.renderer.heartbeat()
+        # The frame reaches the transport before this task first waits: it cannot
+        # follow the terminator, nor go between two slices of a frame.
+        await self._timed(response.write(heartbeat))
+        self._sent(len(heartbeat))
 
     def _abort(self, why: str) -> None:
-        log.warning("dropping client of stream %s: %s", self.reader.meta.id, why)
-        self.exchange.cancelled = "write_timeout"
-        transport = self.request.transport
-        if transport is not None:
-            transport.abort()
+        super()._abort(why)
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
 
-class _Response(web.StreamResponse):
-    """A stream's response: its headers go out with its first bytes, in one write.
+class _Response(web.Response):
+    """A chunked response whose headers go out with its first bytes, and its last
+    bytes with the end of the body: one write each.
 
-    aiohttp's ``StreamResponse`` sends them on ``prepare()``, alone (its ``Response``
-    does not); the pump always has the first output in hand when it prepares, so
-    that is one system call and one packet less per request.
+    aiohttp's ``StreamResponse`` sends its headers alone on ``prepare()``; its
+    ``Response`` keeps them for the first write, but writes only a body given up
+    front at ``write_eof()``.
     """
 
-    _send_headers_immediately = False
+    async def write_eof(self, data: bytes = b"") -> None:
+        await web.StreamResponse.write_eof(self, data)
+
+
+def _error(code: str, why: str) -> Error:
+    message = f"{why}; the response is incomplete."
+    return Error(error_type="server_error", message=message, code=code, retryable=True)
 
 
 def _shutdown_event() -> Error:
@@ -436,21 +348,11 @@ def _shutdown_event() -> Error:
 
 
 def _internal_event() -> Error:
-    return Error(
-        error_type="server_error",
-        message="The gateway failed while streaming; the response is incomplete.",
-        code="internal_error",
-        retryable=True,
-    )
+    return _error("internal_error", "The gateway failed while streaming")
 
 
 def _lost_event() -> Error:
-    return Error(
-        error_type="server_error",
-        message="The stream's log ended without its last event; the response is incomplete.",
-        code="stream_incomplete",
-        retryable=True,
-    )
+    return _error("stream_incomplete", "The stream's log ended without its last event")
 
 
 def pump(
@@ -469,13 +371,11 @@ def pump(
 ) -> Coroutine[Any, Any, web.StreamResponse]:
     """Write ``reader``'s log to the client of ``request`` in ``encoder_cls``'s format.
 
-    The reader must start at the log's first entry: a resume (``after``) renders
-    the skipped part too, without writing it, so that stateful encoders pick up
-    exactly where the first rendering was. ``first_wait_s`` (default: the
-    heartbeat interval) is how long the headers wait for the first output; an
-    attach uses a short one, so that the client knows at once that it is on.
-    ``origin``: the request that made the stream, which gets a failure before any
-    output as an HTTP status; an attach gets it in the stream.
+    The reader starts at the log's first entry: a resume (``after``) renders the
+    skipped part unwritten, so that stateful encoders pick up where they were.
+    ``first_wait_s`` (default: the heartbeat interval): how long the headers wait
+    for output (an attach's is short). ``origin``: the request that made the
+    stream, which gets a failure before any output as an HTTP status.
     """
     meta = reader.meta
     ex = exchange(request)

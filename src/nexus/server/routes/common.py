@@ -22,13 +22,13 @@ import asyncio
 import hmac
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import StreamReader, web
 
 from ...auth import Unauthorized
-from ...cache.cursor import Cursor, parse_cursor
 from ...cache.hub import Opened, StreamHub
 from ...cache.readers import leave, with_usage
 from ...cache.run import LogReader
@@ -53,6 +53,7 @@ from ...telemetry import end_with, request_model
 from ...types import Completion, StreamMeta
 from .. import state
 from ..access import KEYS, METRICS, Exchange, admit, admit_stream, authenticate, exchange
+from ..render import Cursor, parse_cursor
 from ..streaming import SETTLE_WAIT_S, pump
 
 __all__ = [
@@ -260,9 +261,10 @@ async def complete(
         return json_response(describe(opened.info, token), status=202, headers=headers)
     # include_cost asks for the usage chunk too: the cost rides on it.
     usage = chat.include_usage or chat.include_cost
-    reader = await hub.attach(
-        opened.id, meta=with_usage(opened.info.meta, usage, chat.include_cost)
-    )
+    meta = with_usage(opened.info.meta, usage, chat.include_cost)
+    if chat.include_obfuscation:
+        meta = replace(meta, include_obfuscation=True)
+    reader = await hub.attach(opened.id, meta=meta)
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
 

@@ -1,0 +1,131 @@
+"""The writing side of a client connection, timed by the watchdog.
+
+The HTTP pump (:class:`~nexus.server.streaming.StreamPump`) and the WebSocket
+connection (:class:`~nexus.server.routes.realtime.RealtimeConnection`) share it:
+the same write timeout, the same heartbeat timer, one tick of
+:mod:`~nexus.watchdog` for all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+from aiohttp import web
+
+from ..watchdog import Watchdog
+from .access import exchange
+from .connection import Connection
+
+__all__ = ["Writer"]
+
+log = logging.getLogger("nexus.server")
+
+
+class Writer:
+    """Writes to one client, timed by the watchdog (see the module docstring).
+
+    Writes go through :meth:`_timed`. At each tick (:meth:`check`), a socket full
+    without taking a byte for ``write_timeout_s`` gets the connection aborted;
+    else, when :meth:`_beat_due`, a task runs :meth:`_heartbeat` (within
+    ``write_timeout_s``)."""
+
+    name = "a connection"
+    """What the log calls the client's connection when it is dropped."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        *,
+        heartbeat_s: float,
+        write_timeout_s: float,
+        watchdog: Watchdog | None,
+    ) -> None:
+        self.request = request
+        self.heartbeat_s = heartbeat_s
+        self.write_timeout_s = write_timeout_s
+        self._watchdog = watchdog if watchdog is not None else Watchdog()
+        self._watched = False
+        self._loop = asyncio.get_running_loop()
+        self._last_write = self._loop.time()
+        self._writing = 0  # writes under way (a frame's slices count as one)
+        self._beat: asyncio.Task[None] | None = None
+        self._stalled = 0.0  # since when the full socket has taken no byte (0: not full)
+        self._buffered = 0  # the transport's write buffer when last looked at
+
+    def _watch(self, on: bool) -> None:
+        """Start (or stop) the watchdog's checks, and tell the connection (``nexus
+        serve``'s) that its writes are timed here (or no longer)."""
+        if on and not self._watched:
+            self._watchdog.add(self, min(self.heartbeat_s, self.write_timeout_s) / 4)
+        elif not on and self._watched:
+            self._watchdog.discard(self)
+            if self._beat is not None:
+                self._beat.cancel()
+        else:
+            return
+        self._watched = on
+        connection = self.request.protocol
+        if isinstance(connection, Connection):
+            connection.timed_elsewhere = on
+
+    async def _timed(self, write: Awaitable[None]) -> None:
+        """Await ``write`` (one write, or several with no heartbeat between them)."""
+        self._writing += 1
+        try:
+            await write
+        finally:
+            self._writing -= 1
+        self._wrote()
+
+    def _wrote(self) -> None:
+        """A write is done: the socket took what it had, a new wait is timed afresh."""
+        self._last_write = self._loop.time()
+        self._stalled = 0.0
+
+    def check(self, now: float) -> None:
+        """The watchdog's tick: abort a client that does not read, start a heartbeat due."""
+        stalled = self._stalled_for(now)
+        if stalled >= self.write_timeout_s:
+            self._abort(f"a write stalled for {stalled:.1f}s")
+        elif self._beat is None and self._beat_due(now):
+            self._beat = self._loop.create_task(self._beat_once())
+
+    def _stalled_for(self, now: float) -> float:
+        """How long the socket has been full without taking a byte (0.0: not full),
+        from the first tick that saw it full. Progress (a smaller buffer at a tick, the
+        end of a write's wait) starts the clock again; a growing buffer is none."""
+        transport = self.request.transport
+        protocol = self.request.protocol
+        if transport is None or not protocol.writing_paused:
+            self._stalled = 0.0
+            return 0.0
+        size = transport.get_write_buffer_size()
+        if not self._stalled or size < self._buffered:
+            self._stalled = now
+        self._buffered = size
+        return now - self._stalled
+
+    def _beat_due(self, now: float) -> bool:
+        return not self._writing and now - self._last_write >= self.heartbeat_s
+
+    async def _beat_once(self) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await self._heartbeat()
+        except (TimeoutError, ConnectionError):
+            self._abort("a heartbeat could not be written")
+        finally:
+            self._beat = None
+
+    async def _heartbeat(self) -> None:
+        raise NotImplementedError
+
+    def _abort(self, why: str) -> None:
+        """Drop the client (abort: a close could not reach a peer that does not read)."""
+        log.warning("dropping client of %s: %s", self.name, why)
+        exchange(self.request).cancelled = "write_timeout"
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()

@@ -23,7 +23,17 @@ a stream has started::
         │                            up within [store] pool_timeout_s
         ├── StreamLost               502 stream_lost (retryable): the replica running it stopped
         ├── StreamIncomplete         410 stream_incomplete: the store's copy of the log has a hole
-        └── UpstreamError            502 upstream_error (retryable)
+        └── UpstreamError            502 upstream_error (retryable): the upstream failed
+            ├── UpstreamInvalidRequest   400 upstream_invalid_request: the upstream refused the
+            │                        request (its 404/413/422 kept; 404 is upstream_not_found)
+            ├── UpstreamAuthError    502 upstream_auth_error: it refused the gateway's key (401,
+            │                        403); the operator's problem, its text never passed on
+            ├── UpstreamRateLimited  429 upstream_rate_limited (retryable, Retry-After kept)
+            ├── UpstreamServerError  502 upstream_error (retryable): a 5xx
+            │   └── UpstreamOverloaded   502 upstream_error (retryable): 503, Anthropic's 529
+            ├── UpstreamConnectError 502 upstream_connect_error (retryable)
+            ├── UpstreamDisconnected 502 upstream_disconnect (retryable): the body ended early
+            ├── UpstreamProtocolError    502 upstream_protocol_error: an event that is not JSON
             ├── UpstreamTimeout      504 upstream_timeout (retryable)
             └── UpstreamPoolExhausted   503 upstream_pool_exhausted (retryable, Retry-After):
                                      no connection of the provider's pool freed up within
@@ -56,8 +66,16 @@ __all__ = [
     "UnsupportedInput",
     "UnsupportedMediaType",
     "UnsupportedStreamFormat",
+    "UpstreamAuthError",
+    "UpstreamConnectError",
+    "UpstreamDisconnected",
     "UpstreamError",
+    "UpstreamInvalidRequest",
+    "UpstreamOverloaded",
     "UpstreamPoolExhausted",
+    "UpstreamProtocolError",
+    "UpstreamRateLimited",
+    "UpstreamServerError",
     "UpstreamTimeout",
 ]
 
@@ -91,6 +109,7 @@ class GatewayError(NexusError):
         param: str | None = None,
         retryable: bool | None = None,
         headers: dict[str, str] | None = None,
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -100,6 +119,8 @@ class GatewayError(NexusError):
             self.status = status
         if retryable is not None:
             self.retryable = retryable
+        if error_type is not None:
+            self.error_type = error_type
         self.param = param
         self.headers = headers or {}
 
@@ -221,6 +242,55 @@ class UpstreamError(GatewayError):
     retryable = True
 
 
+class UpstreamInvalidRequest(UpstreamError):
+    status = 400
+    code = "upstream_invalid_request"
+    error_type = "invalid_request_error"
+    retryable = False
+
+
+class UpstreamAuthError(UpstreamError):
+    """The upstream refused the gateway's credentials: the operator's problem, not the
+    client's. The message is ours alone: the upstream's may quote the key."""
+
+    code = "upstream_auth_error"
+    retryable = False
+
+    def __init__(self, provider: str, detail: str = "") -> None:
+        super().__init__(
+            f"provider {provider!r} refused the gateway's credentials{detail}; "
+            "check the key in its api_key_env"
+        )
+
+
+class UpstreamRateLimited(UpstreamError):
+    status = 429
+    code = "upstream_rate_limited"
+    error_type = "rate_limit_error"
+
+
+class UpstreamServerError(UpstreamError):
+    """A 5xx from the upstream."""
+
+
+class UpstreamOverloaded(UpstreamServerError):
+    """The upstream is overloaded (503, or Anthropic's 529 and ``overloaded_error``)."""
+
+
+class UpstreamConnectError(UpstreamError):
+    code = "upstream_connect_error"
+
+
+class UpstreamDisconnected(UpstreamError):
+    """The upstream closed the connection, or ended its body before the protocol's end."""
+
+    code = "upstream_disconnect"
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
@@ -252,8 +322,8 @@ class StreamError(GatewayError):
             ),
             param=event.param,
             retryable=event.retryable,
+            error_type=event.error_type,
         )
-        self.error_type = event.error_type
         self.event = event
 
 

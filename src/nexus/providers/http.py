@@ -1,25 +1,11 @@
-"""What every HTTP upstream shares: one pooled client session, timeouts, error mapping.
+"""What every HTTP upstream shares: one pooled client session, timeouts, error mapping,
+and the read loop that feeds the body to the provider's decoder (:mod:`nexus.protocol`).
 
-Foreign errors are translated once, here (``map_upstream_errors``), to the most
-specific :mod:`nexus.errors` class. Before the first byte of output an upstream
-failure is *raised* (the engine may fall back to another target, or the client
-gets an HTTP status); what is raised after becomes an error event.
-
-HTTP statuses from upstream, before output (issue "Real upstream providers"):
-
-====================  ===========================================================
-upstream              client sees
-====================  ===========================================================
-400, 404, 413, 422    the same status and the upstream's message (not retryable)
-429                   429 ``upstream_rate_limited``, ``Retry-After`` kept (retryable)
-401, 403              502 ``upstream_auth_error``: the gateway's credentials, not the
-                      client's, were refused; the upstream text is not passed on
-5xx and others        502 ``upstream_error`` (5xx retryable)
-connect failure       502 ``upstream_connect_error`` (retryable)
-timeouts              504 ``upstream_timeout`` (retryable before output)
-pool busy             503 ``upstream_pool_exhausted`` (retryable, ``Retry-After``): no
-                      connection of the pool freed up within ``pool_timeout_s``
-====================  ===========================================================
+Foreign errors and upstream statuses are translated once, here (``map_upstream_errors``,
+``status_error``), to the most specific :mod:`nexus.errors` class (its docstring draws
+them with what the client sees). Before the first byte of output an upstream failure is
+*raised* (the engine may fall back to another target, or the client gets an HTTP status);
+what is raised after becomes an error event.
 
 The pool (``max_connections``): a stream holds its connection for its whole
 length, so a request past the limit queues for one. That wait is bounded
@@ -41,8 +27,9 @@ import contextlib
 import contextvars
 import logging
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from abc import abstractmethod
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import Any, ClassVar
 
 import aiohttp
 import orjson
@@ -51,13 +38,23 @@ from ..config import HTTPProviderConfig
 from ..errors import (
     ConfigError,
     GatewayError,
+    UpstreamAuthError,
+    UpstreamConnectError,
+    UpstreamDisconnected,
     UpstreamError,
+    UpstreamInvalidRequest,
+    UpstreamOverloaded,
     UpstreamPoolExhausted,
+    UpstreamRateLimited,
+    UpstreamServerError,
     UpstreamTimeout,
 )
+from ..events import StreamEvent
+from ..protocol.upstream import UpstreamDecoder
+from ..request import ChatRequest
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
-from .base import Provider
+from .base import Provider, flatten
 
 __all__ = [
     "POOL_WAITS",
@@ -119,67 +116,37 @@ def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
     except GatewayError:
         raise
     except TimeoutError as exc:
-        raise UpstreamTimeout(
-            f"provider {provider!r} timed out {phase}", code="upstream_timeout"
-        ) from exc
+        raise UpstreamTimeout(f"provider {provider!r} timed out {phase}") from exc
     except aiohttp.ClientConnectorError as exc:
-        raise UpstreamError(
-            f"cannot connect to provider {provider!r}: {exc.os_error.strerror or exc}",
-            code="upstream_connect_error",
+        raise UpstreamConnectError(
+            f"cannot connect to provider {provider!r}: {exc.os_error.strerror or exc}"
         ) from exc
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-        raise UpstreamError(
-            f"provider {provider!r} closed the connection {phase}", code="upstream_disconnect"
-        ) from exc
+        raise UpstreamDisconnected(f"provider {provider!r} closed the connection {phase}") from exc
     except aiohttp.ClientError as exc:
-        raise UpstreamError(
-            f"provider {provider!r} failed {phase}: {type(exc).__name__}",
-            code="upstream_error",
-        ) from exc
+        raise UpstreamError(f"provider {provider!r} failed {phase}: {type(exc).__name__}") from exc
 
 
-def status_error(provider: str, status: int, body: bytes, headers: Any) -> GatewayError:
-    """The error for a non-2xx upstream response (see the module docstring)."""
-    message = _upstream_message(body)
+def status_error(provider: str, status: int, body: bytes, headers: Any) -> UpstreamError:
+    """The error for a non-2xx upstream response: 400/404/413/422 keep their status and
+    the upstream's message; 401/403 lose the message (it may quote the key); 429 keeps
+    ``Retry-After``; redirects are not followed (they would carry the key elsewhere)."""
+    if status in (401, 403):
+        return UpstreamAuthError(provider, f" ({status})")
+    message = f"provider {provider!r} answered {status}: {_upstream_message(body)}"
     if status in (400, 404, 413, 422):
-        error = GatewayError(
-            f"provider {provider!r}: {message}",
-            status=status,
-            code="upstream_invalid_request" if status != 404 else "upstream_not_found",
-            retryable=False,
-        )
-        error.error_type = "invalid_request_error"
-        return error
+        code = "upstream_not_found" if status == 404 else None
+        return UpstreamInvalidRequest(message, status=status, code=code)
     if status == 429:
         kept = {k: headers[k] for k in ("Retry-After", "retry-after-ms") if k in headers}
-        error = GatewayError(
-            f"provider {provider!r} is rate limiting the gateway: {message}",
-            status=429,
-            code="upstream_rate_limited",
-            retryable=True,
-            headers=kept,
-        )
-        error.error_type = "rate_limit_error"
-        return error
+        return UpstreamRateLimited(message, headers=kept)
+    if status in (503, 529):
+        return UpstreamOverloaded(message)
+    if status >= 500:
+        return UpstreamServerError(message)
     if 300 <= status < 400:
-        return UpstreamError(
-            f"provider {provider!r} answered with a redirect ({status}); "
-            "redirects are not followed: check its base_url",
-            code="upstream_error",
-            retryable=False,
-        )
-    if status in (401, 403):
-        return UpstreamError(
-            f"provider {provider!r} refused the gateway's credentials ({status}); "
-            "check the key in its api_key_env",
-            code="upstream_auth_error",
-            retryable=False,
-        )
-    return UpstreamError(
-        f"provider {provider!r} answered {status}: {message}",
-        code="upstream_error",
-        retryable=status >= 500 or status in (408, 409),
-    )
+        message = f"provider {provider!r} answered {status}, a redirect: check its base_url"
+    return UpstreamError(message, retryable=status in (408, 409))
 
 
 def _upstream_message(body: bytes) -> str:
@@ -200,7 +167,10 @@ def _upstream_message(body: bytes) -> str:
 
 
 class HTTPProvider(Provider):
-    """Base for providers that stream from an HTTP endpoint with SSE."""
+    """Base for providers that stream from an HTTP endpoint: a subclass names its
+    ``path``, its ``headers()`` and, in :meth:`upstream`, the body and the decoder."""
+
+    path: ClassVar[str]
 
     def __init__(self, name: str, config: HTTPProviderConfig, api_key: str | None) -> None:
         super().__init__(name, models=config.models)
@@ -239,17 +209,6 @@ class HTTPProvider(Provider):
         if self._session is None:
             raise RuntimeError(f"provider {self.name!r} is not started")
         return self._session
-
-    def payload(self, data: str) -> dict[str, Any] | None:
-        """An SSE event's JSON object (None for other JSON); not JSON is a protocol error."""
-        try:
-            value = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise UpstreamError(
-                f"provider {self.name!r} sent an event that is not JSON",
-                code="upstream_protocol_error",
-            ) from None
-        return value if isinstance(value, dict) else None
 
     async def post_stream(
         self, path: str, body: dict[str, Any], headers: dict[str, str]
@@ -298,6 +257,44 @@ class HTTPProvider(Provider):
             finally:
                 self._waited(wait.seconds(loop.time()))
         return UpstreamStream(response, deadline)
+
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json", "Accept": "text/event-stream"}
+
+    @abstractmethod
+    def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], UpstreamDecoder]:
+        """The upstream request's body for ``request``, and a decoder for its stream."""
+
+    def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
+        return flatten(self.batches(request, model))
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        """One list of events per upstream read, until the decoder's end; a body that
+        ends before it is :class:`~nexus.errors.UpstreamDisconnected`, never a success."""
+        payload, decoder = self.upstream(request, model)
+        del request  # held by nothing for the stream's length
+        upstream = await self.post_stream(self.path, payload, self.headers())
+        del payload
+        body = self.body(upstream)
+        clean = False
+        try:
+            while chunk := await body.read():
+                events = decoder.decode(chunk)
+                if events:
+                    yield events
+                if decoder.error is not None:
+                    raise decoder.error
+                if decoder.done:
+                    clean = True
+                    return
+            raise UpstreamDisconnected(
+                f"provider {self.name!r} ended the stream without {decoder.terminator}"
+            )
+        finally:
+            body.close()
+            await upstream.finish(clean)
 
     def _waited(self, seconds: float) -> None:
         """One request's pool wait: to the metrics and to the call's tally."""

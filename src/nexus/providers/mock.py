@@ -107,8 +107,7 @@ _NO_SCRIPT = MockScript()
 
 def _scripted_failure(emitted: int) -> UpstreamError:
     return UpstreamError(
-        f"mock provider failed after {emitted} chunks, as scripted by mock.fail_after",
-        code="upstream_error",
+        f"mock provider failed after {emitted} chunks, as scripted by mock.fail_after"
     )
 
 

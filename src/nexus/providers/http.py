@@ -56,15 +56,7 @@ from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider, flatten
 
-__all__ = [
-    "POOL_WAITS",
-    "BodyReader",
-    "HTTPProvider",
-    "PoolWaits",
-    "UpstreamStream",
-    "map_upstream_errors",
-    "resolve_api_key",
-]
+__all__ = ["POOL_WAITS", "HTTPProvider", "PoolWaits", "map_upstream_errors", "resolve_api_key"]
 
 log = logging.getLogger("nexus.providers")
 
@@ -167,8 +159,8 @@ def _upstream_message(body: bytes) -> str:
 
 
 class HTTPProvider(Provider):
-    """Base for providers that stream from an HTTP endpoint: a subclass names its
-    ``path``, its ``headers()`` and, in :meth:`upstream`, the body and the decoder."""
+    """A provider that streams from an HTTP endpoint: a subclass names its ``path`` and
+    ``headers()`` and gives, in :meth:`upstream`, the body and the stream's decoder."""
 
     path: ClassVar[str]
 
@@ -186,77 +178,21 @@ class HTTPProvider(Provider):
         return f"<{type(self).__name__} {self.name!r} {self.base_url}>"
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections,  # 0: no limit
-            enable_cleanup_closed=True,
-        )
         self._session = aiohttp.ClientSession(
-            connector=connector,
+            connector=aiohttp.TCPConnector(
+                limit=self.config.max_connections,  # 0: no limit
+                enable_cleanup_closed=True,
+            ),
             trace_configs=[_pool_wait_trace()],
             # sock_connect only: ``connect`` would also count the wait for a free
             # pooled connection, making a busy pool look like a slow upstream.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
-            json_serialize=lambda obj: orjson.dumps(obj).decode(),
         )
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError(f"provider {self.name!r} is not started")
-        return self._session
-
-    async def post_stream(
-        self, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> UpstreamStream:
-        """POST ``body``; the response once its headers are in and its status is 2xx.
-
-        ``first_byte_timeout_s`` is one deadline from now to the first body bytes
-        (see :class:`BodyReader`); the wait for a free pooled connection does not
-        count: it has ``pool_timeout_s`` of its own, then
-        :class:`~nexus.errors.UpstreamPoolExhausted`. Redirects are not followed:
-        they would carry the key headers and the body to another host. With tracing
-        on, the request carries the attempt's W3C trace context (:mod:`nexus.telemetry`).
-        """
-        url = self.base_url + path
-        headers = upstream_headers(headers, url)  # the attempt's traceparent, when tracing
-        config = self.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.first_byte_timeout_s
-        wait = _PoolWait(config.first_byte_timeout_s, config.pool_timeout_s)
-        with map_upstream_errors(self.name, "before responding"):
-            try:
-                async with asyncio.timeout_at(deadline) as timeout:
-                    wait.timeout = timeout
-                    response = await self.session.post(
-                        url,
-                        data=orjson.dumps(body),
-                        headers=headers,
-                        allow_redirects=False,
-                        trace_request_ctx=wait,
-                    )
-                    deadline = timeout.when() or deadline
-                    if response.status >= 300:
-                        try:
-                            payload = await _read_capped(response, _MAX_ERROR_BODY)
-                        finally:
-                            response.close()
-                        raise status_error(self.name, response.status, payload, response.headers)
-            except TimeoutError:
-                if wait.queued_at is None:
-                    raise
-                raise UpstreamPoolExhausted(
-                    f"provider {self.name!r}: all {config.max_connections} connections stayed "
-                    f"busy for {config.pool_timeout_s:g}s; retry shortly",
-                    headers={"Retry-After": "1"},
-                ) from None
-            finally:
-                self._waited(wait.seconds(loop.time()))
-        return UpstreamStream(response, deadline)
 
     def headers(self) -> dict[str, str]:
         return {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -275,9 +211,8 @@ class HTTPProvider(Provider):
         ends before it is :class:`~nexus.errors.UpstreamDisconnected`, never a success."""
         payload, decoder = self.upstream(request, model)
         del request  # held by nothing for the stream's length
-        upstream = await self.post_stream(self.path, payload, self.headers())
+        body = await self._post(payload)
         del payload
-        body = self.body(upstream)
         clean = False
         try:
             while chunk := await body.read():
@@ -293,69 +228,123 @@ class HTTPProvider(Provider):
                 f"provider {self.name!r} ended the stream without {decoder.terminator}"
             )
         finally:
-            body.close()
-            await upstream.finish(clean)
+            await body.finish(clean)
 
-    def _waited(self, seconds: float) -> None:
-        """One request's pool wait: to the metrics and to the call's tally."""
-        for observe in self.on_pool_wait:
-            observe(seconds)
-        tally = POOL_WAITS.get()
-        if tally is not None:
-            tally.add(seconds)
+    async def _post(self, payload: dict[str, Any]) -> _Body:
+        """POST ``payload``; the body once the headers are in and the status is 2xx.
 
-    def body(self, upstream: UpstreamStream) -> BodyReader:
-        """The response body, read with this provider's timeouts."""
+        ``first_byte_timeout_s`` is one deadline from now to the first body bytes; the
+        wait for a free pooled connection does not count: it has ``pool_timeout_s`` of
+        its own, then :class:`~nexus.errors.UpstreamPoolExhausted`. Redirects are not
+        followed: they would carry the key headers and the body to another host. With
+        tracing on, the request carries the attempt's W3C trace context.
+        """
+        if self._session is None:
+            raise RuntimeError(f"provider {self.name!r} is not started")
+        url = self.base_url + self.path
         config = self.config
-        tick = min(config.first_byte_timeout_s, config.idle_timeout_s) / 8
-        return BodyReader(
-            self.name, upstream, config.idle_timeout_s, self._watchdog, min(tick, 1.0)
-        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.first_byte_timeout_s
+        wait = _PoolWait(config.first_byte_timeout_s, config.pool_timeout_s)
+        with map_upstream_errors(self.name, "before responding"):
+            try:
+                async with asyncio.timeout_at(deadline) as timeout:
+                    wait.timeout = timeout
+                    response = await self._session.post(
+                        url,
+                        data=orjson.dumps(payload),
+                        headers=upstream_headers(self.headers(), url),
+                        allow_redirects=False,
+                        trace_request_ctx=wait,
+                    )
+                    deadline = timeout.when() or deadline
+                    if response.status >= 300:
+                        try:
+                            error = await _read_capped(response, _MAX_ERROR_BODY)
+                        finally:
+                            response.close()
+                        raise status_error(self.name, response.status, error, response.headers)
+            except TimeoutError:
+                if wait.queued_at is None:
+                    raise
+                raise UpstreamPoolExhausted(
+                    f"provider {self.name!r}: all {config.max_connections} connections stayed "
+                    f"busy for {config.pool_timeout_s:g}s; retry shortly",
+                    headers={"Retry-After": "1"},
+                ) from None
+            finally:
+                seconds = wait.seconds(loop.time())
+                for observe in self.on_pool_wait:
+                    observe(seconds)
+                tally = POOL_WAITS.get()
+                if tally is not None:
+                    tally.add(seconds)
+        tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
+        return _Body(self.name, response, deadline, config.idle_timeout_s, self._watchdog, tick)
 
 
-class BodyReader:
-    """A streaming response's body, read by ``await read()`` (``b""`` at its end).
+class _Body:
+    """A streaming response's body, read by ``await read()`` (``b""`` at its end) with the
+    first-byte and idle timeouts: the first bytes by the deadline set when the request went
+    out, each later gap within ``idle_timeout_s``; the consumer's time between reads does
+    not count.
 
-    Read with the first-byte and idle timeouts: the first body bytes must arrive
-    by the deadline set when the request went out, each later gap within
-    ``idle_timeout_s``; time spent by the consumer between reads does not count.
-    The caller decides whether the end was a clean one, and calls :meth:`close`.
-    An object rather than an async generator: a stream holds its few fields, not
-    a suspended frame.
+    A timer per read (``asyncio.timeout`` around every ``readany()``) would cost a timer,
+    a task lookup and a context per token, and a timer handle per response each idle
+    stream's memory. Instead the provider's one watchdog ticks for every body being read
+    (at 1/8 of the shorter timeout, at most a second apart) and cancels a read waiting past
+    its deadline; :meth:`_expired` tells that cancellation from others.
     """
 
-    __slots__ = ("_deadline", "_idle", "_now", "_phase", "_provider", "_readany", "_timer")
+    __slots__ = (
+        "_cancelled",
+        "_deadline",
+        "_idle",
+        "_now",
+        "_phase",
+        "_provider",
+        "_readany",
+        "_task",
+        "_waiting",
+        "_watchdog",
+        "response",
+    )
 
     def __init__(
         self,
         provider: str,
-        upstream: UpstreamStream,
+        response: aiohttp.ClientResponse,
+        deadline: float,
         idle: float,
         watchdog: Watchdog,
         tick: float,
     ) -> None:
-        loop = asyncio.get_running_loop()
+        self.response = response
         self._provider = provider
-        self._readany = upstream.response.content.readany
-        self._now = loop.time
+        self._readany = response.content.readany
+        self._now = asyncio.get_running_loop().time
+        self._deadline = deadline
         self._idle = idle
-        self._deadline = upstream.deadline
         self._phase = "before the first byte"
-        self._timer = _ReadTimer(watchdog, tick)
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
+        self._waiting = False
+        self._watchdog = watchdog
+        watchdog.add(self, tick)
 
     async def read(self) -> bytes:
-        timer = self._timer
-        timer.arm(self._deadline)
+        self._waiting = True
+        self._task = asyncio.current_task()  # the reader: the one to cancel
         try:
             chunk = await self._readany()
         except asyncio.CancelledError:
-            if not timer.expired():
+            if not self._expired():
                 raise
             error: BaseException = TimeoutError()
         except Exception as exc:
             error = exc
         else:
-            timer.waiting = False
+            self._waiting = False
             if chunk:
                 self._deadline = self._now() + self._idle
                 self._phase = "between chunks"
@@ -363,55 +352,39 @@ class BodyReader:
         with map_upstream_errors(self._provider, self._phase):
             raise error
 
-    def close(self) -> None:
-        self._timer.close()
-
-
-class _ReadTimer:
-    """The first-byte and idle timeouts of one response, on the provider's watchdog.
-
-    A timer per read (``asyncio.timeout`` around every ``readany()``) costs a timer,
-    a task lookup and a context per token, and a timer handle per response costs
-    each idle stream its memory (~0.5 KB on uvloop). Instead the provider's one
-    watchdog ticks for every response being read (at 1/8 of the shorter timeout, at
-    most a second apart) and cancels a read that is waiting past its deadline;
-    :meth:`expired` tells that cancellation from others. Time outside reads (the
-    consumer's) never counts.
-    """
-
-    __slots__ = ("_cancelled", "_task", "_watchdog", "deadline", "waiting")
-
-    def __init__(self, watchdog: Watchdog, tick: float) -> None:
-        self._task: asyncio.Task[Any] | None = None
-        self._cancelled = False
-        self._watchdog = watchdog
-        self.deadline = 0.0
-        self.waiting = False
-        watchdog.add(self, tick)
-
-    def arm(self, deadline: float) -> None:
-        """A read may wait from now until ``deadline``."""
-        self.deadline = deadline
-        self.waiting = True
-        self._task = asyncio.current_task()  # the reader: the one to cancel
-
     def check(self, now: float) -> None:
-        task = self._task
-        if self.waiting and now >= self.deadline and not self._cancelled and task is not None:
+        """The watchdog's tick: cancel the read waiting past its deadline."""
+        if self._waiting and now >= self._deadline and not self._cancelled and self._task:
             self._cancelled = True
-            task.cancel()
+            self._task.cancel()
 
-    def expired(self) -> bool:
-        """Whether the cancellation being handled is this timer's alone (then: a timeout)."""
+    def _expired(self) -> bool:
+        """Whether the cancellation being handled is the watchdog's alone (a timeout)."""
         if not self._cancelled or self._task is None:
             return False
-        self._cancelled = False
-        self.waiting = False
+        self._cancelled = self._waiting = False
         return self._task.uncancel() == 0
 
-    def close(self) -> None:
-        self.waiting = False
+    async def finish(self, clean: bool) -> None:
+        """Give the connection back to the pool after a clean end, else drop it.
+
+        After the protocol's last event only the body's end is left to read; reading it
+        (briefly) keeps the keep-alive connection. Dropping it on cancellation is what
+        makes the upstream see the client leave at once.
+        """
+        self._waiting = False
         self._watchdog.discard(self)
+        response = self.response
+        if clean:
+            try:
+                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+                    while await response.content.readany():
+                        pass
+                response.release()
+                return
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+        response.close()
 
 
 class _PoolWait:
@@ -472,35 +445,6 @@ def _pool_wait_trace() -> aiohttp.TraceConfig:
     trace.on_connection_queued_start.append(queued)
     trace.on_connection_queued_end.append(dequeued)
     return trace
-
-
-class UpstreamStream:
-    """A streaming upstream response and its first-byte deadline."""
-
-    __slots__ = ("deadline", "response")
-
-    def __init__(self, response: aiohttp.ClientResponse, deadline: float) -> None:
-        self.response = response
-        self.deadline = deadline
-
-    async def finish(self, clean: bool) -> None:
-        """Give the connection back to the pool after a clean end, else drop it.
-
-        After the protocol's last event only the body's end is left to read;
-        reading it (briefly) keeps the keep-alive connection. Dropping it on
-        cancellation is what makes the upstream see the client leave at once.
-        """
-        response = self.response
-        if clean:
-            try:
-                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
-                    while await response.content.readany():
-                        pass
-                response.release()
-                return
-            except (TimeoutError, aiohttp.ClientError):
-                pass
-        response.close()
 
 
 async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:

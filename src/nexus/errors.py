@@ -33,7 +33,7 @@ a stream has started::
             │   └── UpstreamOverloaded   502 upstream_error (retryable): 503, Anthropic's 529
             ├── UpstreamConnectError 502 upstream_connect_error (retryable)
             ├── UpstreamDisconnected 502 upstream_disconnect (retryable): the body ended early
-            ├── UpstreamProtocolError    502 upstream_protocol_error: an event that is not JSON
+            ├── UpstreamProtocolError    502 upstream_protocol_error (retryable): not JSON
             ├── UpstreamTimeout      504 upstream_timeout (retryable)
             └── UpstreamPoolExhausted   503 upstream_pool_exhausted (retryable, Retry-After):
                                      no connection of the provider's pool freed up within
@@ -45,39 +45,6 @@ from __future__ import annotations
 from typing import Any
 
 from .events import Error
-
-__all__ = [
-    "ConfigError",
-    "GatewayError",
-    "InvalidLastEventId",
-    "InvalidRequest",
-    "ModelNotFound",
-    "NexusError",
-    "RegistryFrozen",
-    "RequestTimeout",
-    "RequestTooLarge",
-    "ServerShuttingDown",
-    "StoreUnavailable",
-    "StreamError",
-    "StreamIncomplete",
-    "StreamLost",
-    "StreamNotFound",
-    "TooManyStreams",
-    "UnsupportedInput",
-    "UnsupportedMediaType",
-    "UnsupportedStreamFormat",
-    "UpstreamAuthError",
-    "UpstreamConnectError",
-    "UpstreamDisconnected",
-    "UpstreamError",
-    "UpstreamInvalidRequest",
-    "UpstreamOverloaded",
-    "UpstreamPoolExhausted",
-    "UpstreamProtocolError",
-    "UpstreamRateLimited",
-    "UpstreamServerError",
-    "UpstreamTimeout",
-]
 
 
 class NexusError(Exception):
@@ -179,10 +146,6 @@ class StreamLost(GatewayError):
 
 
 class StreamIncomplete(GatewayError):
-    """The store's copy of a log lacks entries a reader asked for: trimmed past
-    ``[streams] max_log_bytes``, or lost while the store was unreachable. Served as an
-    error rather than as a stream with a hole."""
-
     status = 410
     code = "stream_incomplete"
 
@@ -226,9 +189,6 @@ class ServerShuttingDown(GatewayError):
 
 
 class StoreUnavailable(GatewayError):
-    """The store a request needs could not be reached: Redis down, or every pooled
-    connection busy past ``[store] pool_timeout_s``. Give it ``Retry-After``."""
-
     status = 503
     code = "store_unavailable"
     error_type = "server_error"
@@ -274,7 +234,7 @@ class UpstreamServerError(UpstreamError):
 
 
 class UpstreamOverloaded(UpstreamServerError):
-    """The upstream is overloaded (503, or Anthropic's 529 and ``overloaded_error``)."""
+    """503, or Anthropic's 529 and ``overloaded_error``: the upstream is overloaded."""
 
 
 class UpstreamConnectError(UpstreamError):
@@ -282,8 +242,6 @@ class UpstreamConnectError(UpstreamError):
 
 
 class UpstreamDisconnected(UpstreamError):
-    """The upstream closed the connection, or ended its body before the protocol's end."""
-
     code = "upstream_disconnect"
 
 
@@ -297,12 +255,6 @@ class UpstreamTimeout(UpstreamError):
 
 
 class UpstreamPoolExhausted(UpstreamError):
-    """Every connection of a provider's pool stayed busy for ``pool_timeout_s``.
-
-    Raised before any output, so the engine moves on to the next target of an
-    alias as for any retryable failure; the last one's is the client's 503.
-    """
-
     status = 503
     code = "upstream_pool_exhausted"
 
@@ -327,15 +279,12 @@ class StreamError(GatewayError):
         self.event = event
 
 
-_STATUS_BY_CODE = {
-    "upstream_timeout": 504,
-    "server_shutting_down": 503,
-    "too_many_streams": 429,
-}
+_STATUS_BY_CODE = {"upstream_timeout": 504, "server_shutting_down": 503, "too_many_streams": 429}
+_STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_error": 429, "server_error": 500}
 
-_STATUS_BY_TYPE = {
-    "invalid_request_error": 400,
-    "rate_limit_error": 429,
-    "server_error": 500,
-    "upstream_error": 502,
-}
+
+__all__ = sorted(
+    name
+    for name, value in list(globals().items())
+    if isinstance(value, type) and issubclass(value, NexusError)
+)

@@ -1,23 +1,18 @@
-"""What every HTTP upstream shares: one pooled client session, timeouts, error mapping,
-and the read loop that feeds the body to the provider's decoder (:mod:`nexus.protocol`).
+"""What every HTTP upstream shares: a pooled client session, timeouts, the read loop
+feeding the body to the provider's decoder, and error mapping: foreign errors and
+upstream statuses become the most specific :mod:`nexus.errors` class here, once
+(``map_upstream_errors``, ``status_error``). Raised before the first event, an error may
+send the engine to the next target, or the client gets its HTTP status; after, it
+becomes an error event.
 
-Foreign errors and upstream statuses are translated once, here (``map_upstream_errors``,
-``status_error``), to the most specific :mod:`nexus.errors` class (its docstring draws
-them with what the client sees). Before the first byte of output an upstream failure is
-*raised* (the engine may fall back to another target, or the client gets an HTTP status);
-what is raised after becomes an error event.
+The pool (``max_connections``): a stream holds its connection for its whole length, so
+a request past the limit queues, for ``pool_timeout_s`` at most. Each request's wait,
+timed by aiohttp's public ``on_connection_queued_start`` / ``_end`` signals, goes to
+the provider's ``on_pool_wait`` callbacks (a histogram) and to the call's
+:data:`POOL_WAITS` tally (``pool_wait_ms`` in the access line).
 
-The pool (``max_connections``): a stream holds its connection for its whole
-length, so a request past the limit queues for one. That wait is bounded
-(``pool_timeout_s``) and visible: each request's wait goes to the provider's
-``on_pool_wait`` callbacks (the ``nexus_upstream_pool_wait_seconds`` histogram)
-and is added to the call's :data:`POOL_WAITS` tally (``pool_wait_ms`` in the
-access line). Both are timed by one trace of aiohttp's public signals
-(``on_connection_queued_start`` / ``_end``), which only fire when a request
-actually queues.
-
-Keys are read from the environment variable named in the config; they are sent
-in headers only and never appear in logs, errors or ``repr``.
+Keys come from the environment variable the config names, go out in headers only, and
+never appear in logs, errors or ``repr``.
 """
 
 from __future__ import annotations
@@ -65,11 +60,8 @@ _DRAIN_TIMEOUT_S = 0.05
 
 
 class PoolWaits:
-    """What one call waited for free pooled upstream connections, over all its attempts.
-
-    ``seconds`` stays None while the call made no upstream HTTP request (a mock
-    provider, a cache hit, a joined stream).
-    """
+    """What one call waited for pooled upstream connections, over all its attempts; None
+    while it made no upstream HTTP request (a mock provider, a cache hit, a joined stream)."""
 
     __slots__ = ("seconds",)
 
@@ -388,16 +380,11 @@ class _Body:
 
 
 class _PoolWait:
-    """One request's wait for a pooled connection, and the deadline it runs under.
-
-    With every connection of the pool in use (streams hold theirs for their
-    whole length), a request queues. That wait is the gateway's, not the
-    upstream's slowness: while it lasts, the request's one timeout is moved from
-    the first-byte deadline to ``pool_timeout_s`` after the wait began (so
-    re-queueing, which aiohttp may do, never extends it), and restarts in full
-    for the first byte once a connection is free. The timeout firing while
-    ``queued_at`` is set means the pool stayed full.
-    """
+    """One request's wait for a pooled connection. The wait is the gateway's, not the
+    upstream's: while it lasts, the request's one timeout moves from the first-byte
+    deadline to ``pool_timeout_s`` after the wait began (a re-queue never extends it), and
+    restarts in full once a connection is free. It firing while ``queued_at`` is set
+    means the pool stayed full."""
 
     __slots__ = ("first_byte", "limit", "queued_at", "timeout", "waited")
 
@@ -405,8 +392,7 @@ class _PoolWait:
         self.first_byte = first_byte
         self.limit = limit
         self.timeout: asyncio.Timeout | None = None
-        self.queued_at: float | None = None
-        """Loop time the current wait began; None while not waiting."""
+        self.queued_at: float | None = None  # when the current wait began
         self.waited = 0.0
 
     def queued(self, now: float) -> None:
@@ -430,18 +416,13 @@ class _PoolWait:
 
 
 def _pool_wait_trace() -> aiohttp.TraceConfig:
-    trace = aiohttp.TraceConfig()
-
     async def queued(session: object, context: Any, params: object) -> None:
-        wait = context.trace_request_ctx
-        if isinstance(wait, _PoolWait):
-            wait.queued(asyncio.get_running_loop().time())
+        context.trace_request_ctx.queued(asyncio.get_running_loop().time())
 
     async def dequeued(session: object, context: Any, params: object) -> None:
-        wait = context.trace_request_ctx
-        if isinstance(wait, _PoolWait):
-            wait.dequeued(asyncio.get_running_loop().time())
+        context.trace_request_ctx.dequeued(asyncio.get_running_loop().time())
 
+    trace = aiohttp.TraceConfig()
     trace.on_connection_queued_start.append(queued)
     trace.on_connection_queued_end.append(dequeued)
     return trace
@@ -449,12 +430,7 @@ def _pool_wait_trace() -> aiohttp.TraceConfig:
 
 async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
     """The body up to ``limit`` bytes, however many reads it takes."""
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await response.content.read(limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
+    body = b""
+    while len(body) < limit and (chunk := await response.content.read(limit - len(body))):
+        body += chunk
+    return body

@@ -1,26 +1,19 @@
 """The built-in deterministic provider: the default of ``config.toml``.
 
-Without a script it echoes the last user message, one word-sized delta at a
-time (a word keeps the whitespace before it). Non-text parts of that message
-are echoed as ``[image <mime_type> <N> bytes]`` / ``[audio <format> <N> bytes]``
-(``N`` = decoded bytes; ``[image <url>]`` for a linked image).
+Without a script it echoes the last user message, one word-sized delta at a time (a
+word keeps the whitespace before it); an image or audio part is echoed as ``[image
+<mime_type> <N> bytes]`` / ``[audio <format> <N> bytes]`` (``N`` decoded bytes; ``[image
+<url>]`` for a link). A ``mock`` object in the request scripts it (README, "Mock
+provider"): ``content``, ``reasoning``, ``tool_calls``, ``delay_ms``, ``fail_after``,
+``usage``.
 
-A ``mock`` object in the request body scripts it (README, "Mock provider"):
-``content``, ``reasoning``, ``tool_calls``, ``delay_ms``, ``fail_after``, ``usage``.
-
-Order of output: reasoning words, content words, then each tool call (an opening
-fragment with id and name, then the arguments in 8-character fragments), then
-a finish delta and a usage event. Every one of those data events is one
-"chunk" and one completion token:
-
-- ``max_tokens`` / ``max_completion_tokens`` stops after that many chunks, with
-  ``finish_reason: "length"``;
-- ``stop`` cuts the content before the earliest stop sequence (``"stop"``);
-- ``fail_after: N`` raises an upstream error after N chunks (or before the
-  finish, if the script has fewer);
-- usage: ``prompt_tokens`` = whitespace-separated words in the text of all
-  messages, ``completion_tokens`` = chunks emitted, ``reasoning_tokens`` = the
-  reasoning chunks (when there is reasoning); ``mock.usage`` overrides any of them.
+Out come reasoning words, content words, each tool call (id and name, then the
+arguments in 8-character fragments), a finish and the usage. Each data event is one
+chunk and one completion token: ``max_tokens`` stops after that many (``length``);
+``stop`` cuts the content before the earliest stop sequence; ``fail_after: N`` fails
+after N chunks (or before the finish). Usage: ``prompt_tokens`` = the words of all
+messages, ``completion_tokens`` = the chunks, ``reasoning_tokens`` = the reasoning chunks
+(with reasoning); ``mock.usage`` overrides any of them.
 """
 
 from __future__ import annotations
@@ -41,6 +34,7 @@ from ..request import (
     ChatRequest,
     ImagePart,
     MockScript,
+    MockUsage,
     TextPart,
     UserMessage,
     message_text,
@@ -173,27 +167,19 @@ def _decoded_size(data: str, field: str) -> int:
 
 
 def _usage(request: ChatRequest, script: MockScript, emitted: int, reasoning: int) -> Usage:
-    prompt = sum(len(_COUNT.findall(message_text(m))) for m in request.messages)
-    override = script.usage
-    if override is None:
-        return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=emitted,
-            total_tokens=prompt + emitted,
-            reasoning_tokens=reasoning if script.reasoning else None,
-        )
-    prompt = override.prompt_tokens if override.prompt_tokens is not None else prompt
-    completion = override.completion_tokens if override.completion_tokens is not None else emitted
+    given = script.usage or MockUsage()
+    prompt = given.prompt_tokens
+    if prompt is None:
+        prompt = sum(len(_COUNT.findall(message_text(m))) for m in request.messages)
+    completion = emitted if given.completion_tokens is None else given.completion_tokens
+    if given.reasoning_tokens is not None:
+        reasoning_tokens: int | None = given.reasoning_tokens
+    else:
+        reasoning_tokens = reasoning if script.reasoning else None
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=(
-            override.total_tokens if override.total_tokens is not None else prompt + completion
-        ),
-        cached_tokens=override.cached_tokens,
-        reasoning_tokens=(
-            override.reasoning_tokens
-            if override.reasoning_tokens is not None
-            else (reasoning if script.reasoning else None)
-        ),
+        total_tokens=prompt + completion if given.total_tokens is None else given.total_tokens,
+        cached_tokens=given.cached_tokens,
+        reasoning_tokens=reasoning_tokens,
     )

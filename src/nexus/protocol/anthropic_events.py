@@ -1,26 +1,17 @@
 """The upstream side of the Anthropic Messages API (docs/protocols.md §3). Sans-I/O.
 
-:func:`messages_body` writes the request: system and developer messages become
-``system``; tool results become ``tool_result`` blocks in a user turn; assistant tool
-calls become ``tool_use`` blocks; image parts become base64 or URL image blocks;
-consecutive messages of one role are merged (the API wants them alternating); tools get
-``input_schema``; ``tool_choice`` maps to auto / any / none / tool; ``stop`` becomes
-``stop_sequences``; ``max_tokens`` is required upstream, so a request without one gets
-``default_max_tokens``.
+:func:`messages_body` writes the request: system messages go to ``system``, tool
+results and calls to ``tool_result`` / ``tool_use`` blocks, one role's consecutive
+messages are merged (the API wants them alternating), and ``max_tokens``, required
+upstream, defaults to ``default_max_tokens``. :class:`EventDecoder` reads the stream;
+usage in OpenAI terms: ``prompt_tokens`` = input + cache read + cache creation,
+``cached_tokens`` = cache read.
 
-:class:`EventDecoder` reads the stream: ``text_delta`` → content, ``input_json_delta``
-→ tool-call arguments, ``thinking_delta`` → reasoning, ``citations_delta`` → citations,
-``ping`` ignored, ``error`` → a typed error. Stop reasons: ``end_turn``/``stop_sequence``/
-``pause_turn`` → ``stop``, ``max_tokens`` and ``model_context_window_exceeded`` →
-``length``, ``tool_use`` → ``tool_calls``, ``refusal`` → ``content_filter``. Usage in
-OpenAI terms: ``prompt_tokens`` = input + cache read + cache creation, ``cached_tokens`` =
-cache read.
-
-The input counts of ``message_start`` (sent before any content) go out as a partial
-:class:`~nexus.events.Usage` at the head of the first read that has output, so that
-``/v1/messages`` can put them in its own ``message_start``; held until then, so that a
-failure before any output is still a failure before the stream's first event (an HTTP
-status, or the next target). The totals follow at ``message_stop``.
+The input counts of ``message_start`` go out as a partial :class:`~nexus.events.Usage`
+leading the first read with output (``/v1/messages`` puts them in its own
+``message_start``), not before: a failure before any output stays a failure before the
+stream's first event (an HTTP status, or the next target). Totals follow at
+``message_stop``.
 """
 
 from __future__ import annotations
@@ -60,7 +51,7 @@ _FINISH_REASONS = {
 
 
 def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> dict[str, Any]:
-    """The Anthropic Messages request for ``request`` (see the module docstring)."""
+    """The Anthropic Messages request for ``request``."""
     system: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
 
@@ -86,27 +77,13 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
             if text:
                 blocks.append({"type": "text", "text": text})
             for call in message.tool_calls or ():
-                blocks.append(
-                    {
-                        "type": "tool_use",
-                        "id": call.id,
-                        "name": call.function.name,
-                        "input": _arguments(call.function.arguments),
-                    }
-                )
+                use = {"type": "tool_use", "id": call.id, "name": call.function.name}
+                blocks.append({**use, "input": _arguments(call.function.arguments)})
             if blocks:
                 add("assistant", blocks)
         elif isinstance(message, ToolMessage):
-            add(
-                "user",
-                [
-                    {
-                        "type": "tool_result",
-                        "tool_use_id": message.tool_call_id,
-                        "content": message_text(message),
-                    }
-                ],
-            )
+            result = {"type": "tool_result", "tool_use_id": message.tool_call_id}
+            add("user", [{**result, "content": message_text(message)}])
     body: dict[str, Any] = {
         "model": model,
         "messages": turns,
@@ -165,34 +142,24 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
             blocks.append(_text_block(part))
         elif isinstance(part, ImagePart):
             url = part.image_url.url
+            source = {"type": "url", "url": url}
             if url.startswith("data:"):
                 header, _, data = url.partition(",")
                 media_type = header[5:].split(";", 1)[0]
-                blocks.append(
-                    {
-                        "type": "image",
-                        "source": {"type": "base64", "media_type": media_type, "data": data},
-                    }
-                )
-            else:
-                blocks.append({"type": "image", "source": {"type": "url", "url": url}})
+                source = {"type": "base64", "media_type": media_type, "data": data}
+            blocks.append({"type": "image", "source": source})
     return blocks
 
 
 def _arguments(arguments: str) -> Any:
     """An assistant tool call's arguments (a JSON string) as the object Anthropic wants.
-
-    The string escaped the body's depth check (it is a string there): JSON nested
-    deeper than :data:`MAX_JSON_DEPTH` is refused here, else the upstream body could
-    not be written (orjson stops at 254 levels) and the request would fail as a 500.
-    """
+    Being a string, it escaped the body's depth check: too deep is refused here, else the
+    upstream body could not be written (orjson stops at 254 levels): a 500."""
     try:
         value = orjson.loads(arguments) if arguments else {}
     except orjson.JSONDecodeError:
-        raise InvalidRequest(
-            "an assistant tool call's arguments are not valid JSON",
-            param="messages",
-        ) from None
+        message = "an assistant tool call's arguments are not valid JSON"
+        raise InvalidRequest(message, param="messages") from None
     if deeper_than(value, MAX_JSON_DEPTH):
         raise too_deep("messages", MAX_JSON_DEPTH)
     return value
@@ -227,7 +194,7 @@ class EventDecoder:
         self.error: UpstreamError | None = None
         self._sse = SSEDecoder().decode
         self._tool_index: dict[int, int] = {}
-        self._input = self._cache_read = self._cache_write = self._output = 0
+        self._counts = dict.fromkeys(_COUNTS, 0)
         self._finish: str | None = None
         self._early: Usage | None = None  # message_start's counts, until output goes out
         self._started = False  # output went out
@@ -242,23 +209,17 @@ class EventDecoder:
                     f"provider {self.provider!r} sent an event that is not JSON"
                 )
                 break
-            if type(data) is not dict:
-                continue
-            kind = sse.event if sse.event != "message" else str(data.get("type", ""))
-            try:
-                out += self._feed(kind, data)
-            except UpstreamError as exc:
-                self.error = exc
-                break
-            if self.done:
-                break
+            if type(data) is dict:
+                out += self._event(sse.event if sse.event != "message" else data.get("type"), data)
+                if self.done or self.error:
+                    break
         if out and not self._started:
             self._started = True
             if self._early is not None:
                 out.insert(0, self._early)
         return out
 
-    def _feed(self, kind: str, data: dict[str, Any]) -> list[StreamEvent]:
+    def _event(self, kind: object, data: dict[str, Any]) -> list[StreamEvent]:
         match kind:
             case "content_block_delta":
                 delta = data.get("delta") or {}
@@ -268,10 +229,10 @@ class EventDecoder:
                         return [content_delta(text)] if text else []
                     case "input_json_delta":
                         index = self._tool_index.get(data.get("index", -1))
-                        partial = delta.get("partial_json") or ""
+                        partial = delta.get("partial_json")
                         if index is None or not partial:
                             return []
-                        return [ToolCall(index=index, arguments=partial)]
+                        return [ToolCall(index, arguments=partial)]
                     case "thinking_delta":
                         thinking = delta.get("thinking")
                         return [Reasoning(thinking)] if thinking else []
@@ -280,71 +241,54 @@ class EventDecoder:
                         return [Reasoning("", signature=signature)] if signature else []
                     case "citations_delta":
                         citation = delta.get("citation") or {}
-                        return [
-                            Citation(
-                                url=citation.get("url"),
-                                title=citation.get("title") or citation.get("document_title"),
-                                quoted=citation.get("cited_text"),
-                            )
-                        ]
+                        title = citation.get("title") or citation.get("document_title")
+                        return [Citation(citation.get("url"), title, citation.get("cited_text"))]
                 return []  # future delta types
             case "content_block_start":
                 block = data.get("content_block") or {}
                 if block.get("type") == "tool_use":
-                    index = len(self._tool_index)
-                    self._tool_index[data.get("index", -1)] = index
+                    index = self._tool_index[data.get("index", -1)] = len(self._tool_index)
                     return [ToolCall(index=index, id=block.get("id"), name=block.get("name"))]
                 if block.get("type") == "text" and block.get("text"):
                     return [Delta(content=block["text"])]
-                return []
             case "message_start":
                 usage = (data.get("message") or {}).get("usage") or {}
-                self._usage(usage)
+                self._count(usage)
                 if usage.get("input_tokens") is not None and not self._started:
-                    prompt = self._input + self._cache_read + self._cache_write
-                    self._early = Usage(
-                        prompt_tokens=prompt,
-                        total_tokens=prompt,
-                        cached_tokens=self._cache_read,
-                        cache_write_tokens=self._cache_write,
-                        partial=True,
-                    )
-                return []
+                    self._early = self._usage(partial=True)
             case "message_delta":
-                self._usage(data.get("usage") or {})
+                self._count(data.get("usage") or {})
                 reason = (data.get("delta") or {}).get("stop_reason")
                 if reason and self._finish is None:
                     self._finish = _FINISH_REASONS.get(reason, "stop")
                     return [Delta(finish_reason=self._finish)]
-                return []
             case "message_stop":
                 self.done = True
-                events: list[StreamEvent] = []
                 if self._finish is None:
                     self._finish = "stop"
-                    events.append(Delta(finish_reason="stop"))
-                prompt = self._input + self._cache_read + self._cache_write
-                events.append(
-                    Usage(
-                        prompt_tokens=prompt,
-                        completion_tokens=self._output,
-                        total_tokens=prompt + self._output,
-                        cached_tokens=self._cache_read,
-                        cache_write_tokens=self._cache_write,
-                    )
-                )
-                return events
+                    return [Delta(finish_reason="stop"), self._usage()]
+                return [self._usage()]
             case "error":
-                raise in_stream_error(self.provider, data.get("error"))
+                self.error = in_stream_error(self.provider, data.get("error"))
         return []  # ping, content_block_stop, unknown events
 
-    def _usage(self, usage: dict[str, Any]) -> None:
+    def _count(self, usage: dict[str, Any]) -> None:
         # Counts are cumulative totals: later values overwrite (§3, message_delta).
-        if usage.get("input_tokens") is not None:
-            self._input = usage["input_tokens"]
-        if usage.get("cache_read_input_tokens") is not None:
-            self._cache_read = usage["cache_read_input_tokens"]
-        if usage.get("cache_creation_input_tokens") is not None:
-            self._cache_write = usage["cache_creation_input_tokens"]
-        if usage.get("output_tokens") is not None:
-            self._output = usage["output_tokens"]
+        for key, value in usage.items():
+            if key in self._counts and value is not None:
+                self._counts[key] = value
+
+    def _usage(self, partial: bool = False) -> Usage:
+        counts = self._counts
+        cached, written = counts["cache_read_input_tokens"], counts["cache_creation_input_tokens"]
+        prompt = counts["input_tokens"] + cached + written
+        output = 0 if partial else counts["output_tokens"]
+        return Usage(prompt, output, prompt + output, cached, written, partial=partial)
+
+
+_COUNTS = (
+    "input_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "output_tokens",
+)

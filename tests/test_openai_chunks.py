@@ -11,7 +11,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus.errors import UpstreamError, UpstreamProtocolError
+from nexus.errors import UpstreamError, UpstreamProtocolError, UpstreamServerError
 from nexus.events import Delta, Reasoning, ToolCall, Usage
 from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events
 from nexus.protocol.sse import SSEDecoder
@@ -100,7 +100,7 @@ def test_events_before_an_error_are_kept_and_the_error_returned() -> None:
     content = '{"choices":[{"index":0,"delta":{"content":"hi"}}]}'
     events, end = read_events([content, '{"error":{"message":"boom","type":"x"}}', content])
     assert events == [Delta("hi")]
-    assert type(end) is UpstreamError and "boom" in str(end)
+    assert isinstance(end, UpstreamServerError) and "boom" in str(end)
     events, end = read_events([content, "not json", content])
     assert events == [Delta("hi")]
     assert isinstance(end, UpstreamProtocolError) and end.code == "upstream_protocol_error"

@@ -1,9 +1,9 @@
 """What every HTTP upstream shares: a pooled client session, timeouts, the read loop
-feeding the body to the provider's decoder, and error mapping: foreign errors and
-upstream statuses become the most specific :mod:`nexus.errors` class here, once
-(``map_upstream_errors``, ``status_error``). Raised before the first event, an error may
-send the engine to the next target, or the client gets its HTTP status; after, it
-becomes an error event.
+feeding the body to the provider's decoder, and error mapping: foreign errors and upstream
+statuses become the most specific :mod:`nexus.errors` class here, once
+(``map_upstream_errors``; :func:`~nexus.protocol.upstream.status_error`). Raised before
+the first event, an error may send the engine to the next target, or the client gets its
+HTTP status; after, it becomes an error event.
 
 The pool (``max_connections``): a stream holds its connection for its whole length, so
 a request past the limit queues, for ``pool_timeout_s`` at most. Each request's wait,
@@ -33,19 +33,14 @@ from ..config import HTTPProviderConfig
 from ..errors import (
     ConfigError,
     GatewayError,
-    UpstreamAuthError,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
-    UpstreamInvalidRequest,
-    UpstreamOverloaded,
     UpstreamPoolExhausted,
-    UpstreamRateLimited,
-    UpstreamServerError,
     UpstreamTimeout,
 )
 from ..events import StreamEvent
-from ..protocol.upstream import UpstreamDecoder
+from ..protocol.upstream import UpstreamDecoder, error_text, status_error
 from ..request import ChatRequest
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
@@ -109,45 +104,6 @@ def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
         raise UpstreamDisconnected(f"provider {provider!r} closed the connection {phase}") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"provider {provider!r} failed {phase}: {type(exc).__name__}") from exc
-
-
-def status_error(provider: str, status: int, body: bytes, headers: Any) -> UpstreamError:
-    """The error for a non-2xx upstream response: 400/404/413/422 keep their status and
-    the upstream's message; 401/403 lose the message (it may quote the key); 429 keeps
-    ``Retry-After``; redirects are not followed (they would carry the key elsewhere)."""
-    if status in (401, 403):
-        return UpstreamAuthError(provider, f" ({status})")
-    message = f"provider {provider!r} answered {status}: {_upstream_message(body)}"
-    if status in (400, 404, 413, 422):
-        code = "upstream_not_found" if status == 404 else None
-        return UpstreamInvalidRequest(message, status=status, code=code)
-    if status == 429:
-        kept = {k: headers[k] for k in ("Retry-After", "retry-after-ms") if k in headers}
-        return UpstreamRateLimited(message, headers=kept)
-    if status in (503, 529):
-        return UpstreamOverloaded(message)
-    if status >= 500:
-        return UpstreamServerError(message)
-    if 300 <= status < 400:
-        message = f"provider {provider!r} answered {status}, a redirect: check its base_url"
-    return UpstreamError(message, retryable=status in (408, 409))
-
-
-def _upstream_message(body: bytes) -> str:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        text = body.decode("utf-8", "replace").strip()
-        return text[:500] or "(no message)"
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if isinstance(data.get("message"), str):
-            return str(data["message"])
-    return orjson.dumps(data).decode()[:500]
 
 
 class HTTPProvider(Provider):
@@ -250,12 +206,13 @@ class HTTPProvider(Provider):
                         trace_request_ctx=wait,
                     )
                     deadline = timeout.when() or deadline
-                    if response.status >= 300:
+                    if (status := response.status) >= 300:
                         try:
-                            error = await _read_capped(response, _MAX_ERROR_BODY)
+                            text = error_text(await _read_capped(response, _MAX_ERROR_BODY))
                         finally:
                             response.close()
-                        raise status_error(self.name, response.status, error, response.headers)
+                        message = f"provider {self.name!r} answered {status}: {text}"
+                        raise status_error(self.name, status, message, response.headers)
             except TimeoutError:
                 if wait.queued_at is None:
                     raise

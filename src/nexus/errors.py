@@ -18,16 +18,14 @@ a stream has started::
         ├── UnsupportedMediaType     415 unsupported_media_type (a Content-Encoding not taken)
         ├── TooManyStreams           429 too_many_streams (retryable)
         ├── ServerShuttingDown       503 server_shutting_down (retryable)
-        ├── StoreUnavailable         503 store_unavailable (retryable, Retry-After): the store
-        │                            (Redis) cannot be reached, or no pooled connection freed
-        │                            up within [store] pool_timeout_s
+        ├── StoreUnavailable         503 store_unavailable (retryable, Retry-After): Redis down,
+        │                            or its pool busy past [store] pool_timeout_s
         ├── StreamLost               502 stream_lost (retryable): the replica running it stopped
         ├── StreamIncomplete         410 stream_incomplete: the store's copy of the log has a hole
         └── UpstreamError            502 upstream_error (retryable): the upstream failed
-            ├── UpstreamInvalidRequest   400 upstream_invalid_request: the upstream refused the
-            │                        request (its 404/413/422 kept; 404 is upstream_not_found)
-            ├── UpstreamAuthError    502 upstream_auth_error: it refused the gateway's key (401,
-            │                        403); the operator's problem, its text never passed on
+            ├── UpstreamInvalidRequest   400 upstream_invalid_request (404 upstream_not_found,
+            │                        413, 422 kept): the upstream refused the request
+            ├── UpstreamAuthError    502 upstream_auth_error: 401/403, the gateway's key refused
             ├── UpstreamRateLimited  429 upstream_rate_limited (retryable, Retry-After kept)
             ├── UpstreamServerError  502 upstream_error (retryable): a 5xx
             │   └── UpstreamOverloaded   502 upstream_error (retryable): 503, Anthropic's 529
@@ -36,8 +34,7 @@ a stream has started::
             ├── UpstreamProtocolError    502 upstream_protocol_error (retryable): not JSON
             ├── UpstreamTimeout      504 upstream_timeout (retryable)
             └── UpstreamPoolExhausted   503 upstream_pool_exhausted (retryable, Retry-After):
-                                     no connection of the provider's pool freed up within
-                                     [providers.X] pool_timeout_s
+                                     the provider's pool busy past its pool_timeout_s
 """
 
 from __future__ import annotations

@@ -180,11 +180,8 @@ def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
 
 
 class EventDecoder:
-    """One stream's body to events (the shape of :class:`~nexus.protocol.upstream.UpstreamDecoder`).
-
-    ``message_stop`` sets ``done``; an ``error`` event, or data that is not JSON, sets
-    ``error``, the events before it kept; what follows either is not read.
-    """
+    """One stream's body to events (:class:`~nexus.protocol.upstream.UpstreamDecoder`:
+    ``message_stop`` sets ``done``)."""
 
     terminator: ClassVar[str] = "message_stop"
 

@@ -1,11 +1,5 @@
-"""The upstream side of OpenAI Chat Completions streaming (docs/protocols.md §2). Sans-I/O.
-
-:func:`upstream_body` writes the request for an OpenAI-compatible server (OpenAI,
-vLLM, Ollama, llama.cpp's server, ...): ours with the upstream model, ``stream: true``
-and ``stream_options.include_usage: true``; parameters Nexus does not interpret pass
-through. :class:`ChunkDecoder` reads the body: SSE, then each ``chat.completion.chunk``
-to events (:func:`chunk_events`); ``data: [DONE]`` ends it.
-"""
+"""The upstream side of OpenAI Chat Completions streaming (docs/protocols.md §2), for any
+OpenAI-compatible server (OpenAI, vLLM, Ollama, llama.cpp, ...). Sans-I/O."""
 
 from __future__ import annotations
 
@@ -21,19 +15,15 @@ from .upstream import in_stream_error
 
 __all__ = ["ChunkDecoder", "chunk_events", "upstream_body"]
 
-_NOT_OPENAI = {"mock", "thinking", "top_k", "background"}
-"""Fields an OpenAI-compatible server would refuse: the mock's script, Anthropic-only knobs,
-and Nexus's own ``background``."""
+_NOT_OPENAI = {"mock", "thinking", "top_k", "background"}  # Nexus's or Anthropic's alone
 
 
 def upstream_body(
     request: ChatRequest, model: str, token_limit_field: str | None = None
 ) -> dict[str, Any]:
-    """The upstream request: ours, with the upstream model name, always streaming.
-
-    ``stream_options.include_obfuscation`` is left to the client: OpenAI's padding hides
-    token lengths from whoever watches the encrypted traffic to the upstream.
-    """
+    """The upstream request: ours (fields Nexus does not interpret pass through), with the
+    upstream model, streaming with usage. ``include_obfuscation`` is the client's: OpenAI's
+    padding hides token lengths from whoever watches the encrypted traffic upstream."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
     for message in body.get("messages", ()):
         message.pop("thinking_blocks", None)  # Anthropic's signed thinking, carried for it alone
@@ -103,11 +93,8 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
 
 
 class ChunkDecoder:
-    """One stream's body to events (the shape of :class:`~nexus.protocol.upstream.UpstreamDecoder`).
-
-    ``data: [DONE]`` sets ``done``; an error object in the stream, or a payload that is
-    not JSON, sets ``error``; what follows either is not read.
-    """
+    """One stream's body to events: SSE, then :func:`chunk_events` of each payload
+    (:class:`~nexus.protocol.upstream.UpstreamDecoder`: ``[DONE]`` sets ``done``)."""
 
     __slots__ = ("_payloads", "done", "error", "provider")
     terminator: ClassVar[str] = "[DONE]"

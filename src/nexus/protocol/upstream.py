@@ -1,10 +1,10 @@
 """What the upstream codecs share: the decoders' shape, and the map from an upstream's
 error (a status, or an error object in the stream) to the most specific class.
 
-A decoder takes one stream's body, read by read: ``decode(chunk) -> list[StreamEvent]``
-gives the events the bytes completed. Then ``error``, when set, is the failure to raise
-once those events are out (an error object in the stream, a payload that is not JSON),
-and ``done`` says the protocol's end (``terminator``) was met: the body must end there.
+A decoder takes a stream's body read by read: ``decode(chunk)`` gives the events the
+bytes completed; then ``error``, if set, is to be raised once they are out (an error
+object in the stream, data that is not JSON), and ``done`` says the protocol's end
+(``terminator``) came. Nothing after either is read.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import logging
 import os
 from abc import abstractmethod
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -47,8 +46,6 @@ from ..watchdog import Watchdog
 from .base import Provider, flatten
 
 __all__ = ["POOL_WAITS", "HTTPProvider", "PoolWaits", "map_upstream_errors", "resolve_api_key"]
-
-log = logging.getLogger("nexus.providers")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05

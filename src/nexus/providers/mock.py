@@ -1,19 +1,14 @@
-"""The built-in deterministic provider: the default of ``config.toml``.
+"""The built-in deterministic provider: the default of ``config.toml`` (README, "Mock provider").
 
-Without a script it echoes the last user message, one word-sized delta at a time (a
-word keeps the whitespace before it); an image or audio part is echoed as ``[image
-<mime_type> <N> bytes]`` / ``[audio <format> <N> bytes]`` (``N`` decoded bytes; ``[image
-<url>]`` for a link). A ``mock`` object in the request scripts it (README, "Mock
-provider"): ``content``, ``reasoning``, ``tool_calls``, ``delay_ms``, ``fail_after``,
-``usage``.
-
-Out come reasoning words, content words, each tool call (id and name, then the
-arguments in 8-character fragments), a finish and the usage. Each data event is one
-chunk and one completion token: ``max_tokens`` stops after that many (``length``);
-``stop`` cuts the content before the earliest stop sequence; ``fail_after: N`` fails
-after N chunks (or before the finish). Usage: ``prompt_tokens`` = the words of all
-messages, ``completion_tokens`` = the chunks, ``reasoning_tokens`` = the reasoning chunks
-(with reasoning); ``mock.usage`` overrides any of them.
+Unscripted, it echoes the last user message in word-sized deltas (a word keeps the
+whitespace before it); an image or audio part as ``[image <mime_type> <N> bytes]`` /
+``[audio <format> <N> bytes]`` (``N`` decoded bytes; ``[image <url>]`` for a link). A
+``mock`` object in the request scripts ``content``, ``reasoning``, ``tool_calls``,
+``delay_ms``, ``fail_after`` and ``usage``. Reasoning words, content words and tool-call
+fragments (the arguments 8 characters at a time) are one chunk and one completion token
+each: ``max_tokens`` stops after that many (``length``), ``fail_after: N`` fails after N
+(or before the finish); ``stop`` cuts the content at the earliest stop sequence. Usage
+counts the words of all messages as the prompt, unless ``mock.usage`` says otherwise.
 """
 
 from __future__ import annotations
@@ -74,7 +69,7 @@ class MockProvider(Provider):
         if cuts:
             content = content[: min(cuts)]
 
-        for kind, event in _script_events(request, script, content):
+        for event in _script_events(request, script, content):
             if fail_after is not None and emitted >= fail_after:
                 raise _scripted_failure(emitted)
             if limit is not None and emitted >= limit:
@@ -82,9 +77,9 @@ class MockProvider(Provider):
                 break
             if delay and emitted:
                 await asyncio.sleep(delay)
-            if kind == "reasoning":
+            if type(event) is Reasoning:
                 reasoning_chunks += 1
-            elif kind == "tool":
+            elif type(event) is ToolCall:
                 finish = "tool_calls"
             emitted += 1
             yield event
@@ -105,29 +100,18 @@ def _scripted_failure(emitted: int) -> UpstreamError:
     )
 
 
-def _script_events(
-    request: ChatRequest, script: MockScript, content: str
-) -> Iterator[tuple[str, StreamEvent]]:
-    if script.reasoning:
-        for piece in words(script.reasoning):
-            yield "reasoning", Reasoning(piece)
-    for piece in words(content):
-        yield "content", Delta(content=piece)
+def _script_events(request: ChatRequest, script: MockScript, content: str) -> Iterator[StreamEvent]:
+    yield from map(Reasoning, words(script.reasoning or ""))
+    yield from map(Delta, words(content))
     for index, call in enumerate(script.tool_calls or ()):
-        arguments = (
-            call.arguments
-            if isinstance(call.arguments, str)
-            else orjson.dumps(call.arguments).decode()
-        )
-        digest = hashlib.sha256(
-            f"{len(request.messages)}:{index}:{call.name}:{arguments}".encode()
-        ).hexdigest()[:24]
-        yield "tool", ToolCall(index=index, id=f"call_{digest}", name=call.name, arguments="")
+        arguments = call.arguments
+        if not isinstance(arguments, str):
+            arguments = orjson.dumps(arguments).decode()
+        seed = f"{len(request.messages)}:{index}:{call.name}:{arguments}"
+        digest = hashlib.sha256(seed.encode()).hexdigest()[:24]
+        yield ToolCall(index=index, id=f"call_{digest}", name=call.name)
         for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
-            yield (
-                "tool",
-                ToolCall(index=index, arguments=arguments[start : start + ARGUMENT_FRAGMENT]),
-            )
+            yield ToolCall(index=index, arguments=arguments[start : start + ARGUMENT_FRAGMENT])
 
 
 def echo(request: ChatRequest) -> str:

@@ -156,11 +156,12 @@ class HTTPProvider(Provider):
         ends before it is :class:`~nexus.errors.UpstreamDisconnected`, never a success."""
         payload, decoder = self.upstream(request, model)
         del request  # held by nothing for the stream's length
-        body = await self._post(payload)
+        exchange = _Exchange(self)
+        await exchange.send(orjson.dumps(payload))
         del payload
         clean = False
         try:
-            while chunk := await body.read():
+            while chunk := await exchange.read():
                 events = decoder.decode(chunk)
                 if events:
                     yield events
@@ -173,112 +174,111 @@ class HTTPProvider(Provider):
                 f"provider {self.name!r} ended the stream without {decoder.terminator}"
             )
         finally:
-            await body.finish(clean)
-
-    async def _post(self, payload: dict[str, Any]) -> _Body:
-        """POST ``payload``; the body once the headers are in and the status is 2xx.
-
-        ``first_byte_timeout_s`` is one deadline from now to the first body bytes; the
-        wait for a free pooled connection does not count: it has ``pool_timeout_s`` of
-        its own, then :class:`~nexus.errors.UpstreamPoolExhausted`. Redirects are not
-        followed: they would carry the key headers and the body to another host. With
-        tracing on, the request carries the attempt's W3C trace context.
-        """
-        if self._session is None:
-            raise RuntimeError(f"provider {self.name!r} is not started")
-        url = self.base_url + self.path
-        config = self.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.first_byte_timeout_s
-        wait = _PoolWait(config.first_byte_timeout_s, config.pool_timeout_s)
-        with map_upstream_errors(self.name, "before responding"):
-            try:
-                async with asyncio.timeout_at(deadline) as timeout:
-                    wait.timeout = timeout
-                    response = await self._session.post(
-                        url,
-                        data=orjson.dumps(payload),
-                        headers=upstream_headers(self.headers(), url),
-                        allow_redirects=False,
-                        trace_request_ctx=wait,
-                    )
-                    deadline = timeout.when() or deadline
-                    if (status := response.status) >= 300:
-                        try:
-                            text = error_text(await _read_capped(response, _MAX_ERROR_BODY))
-                        finally:
-                            response.close()
-                        message = f"provider {self.name!r} answered {status}: {text}"
-                        raise status_error(self.name, status, message, response.headers)
-            except TimeoutError:
-                if wait.queued_at is None:
-                    raise
-                raise UpstreamPoolExhausted(
-                    f"provider {self.name!r}: all {config.max_connections} connections stayed "
-                    f"busy for {config.pool_timeout_s:g}s; retry shortly",
-                    headers={"Retry-After": "1"},
-                ) from None
-            finally:
-                seconds = wait.seconds(loop.time())
-                for observe in self.on_pool_wait:
-                    observe(seconds)
-                tally = POOL_WAITS.get()
-                if tally is not None:
-                    tally.add(seconds)
-        tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
-        return _Body(self.name, response, deadline, config.idle_timeout_s, self._watchdog, tick)
+            await exchange.finish(clean)
 
 
-class _Body:
-    """A streaming response's body, read by ``await read()`` (``b""`` at its end) with the
-    first-byte and idle timeouts: the first bytes by the deadline set when the request went
-    out, each later gap within ``idle_timeout_s``; the consumer's time between reads does
-    not count.
+class _Exchange:
+    """One upstream request, from its wait for a pooled connection to its body's end.
 
-    A timer per read (``asyncio.timeout`` around every ``readany()``) would cost a timer,
-    a task lookup and a context per token, and a timer handle per response each idle
-    stream's memory. Instead the provider's one watchdog ticks for every body being read
-    (at 1/8 of the shorter timeout, at most a second apart) and cancels a read waiting past
-    its deadline; :meth:`_expired` tells that cancellation from others.
+    ``first_byte_timeout_s`` is one deadline from the request to the first body bytes,
+    then each gap between reads gets ``idle_timeout_s``; the consumer's time between reads
+    does not count. A wait for a pooled connection is the gateway's, not the upstream's:
+    while it lasts, the deadline moves to ``pool_timeout_s`` after the wait began (a
+    re-queue never extends it), then :class:`~nexus.errors.UpstreamPoolExhausted`; it
+    restarts in full once a connection is free. Redirects are not followed: they would
+    carry the key and the body to another host.
+
+    Reads are timed neither by a timer per read (a timer, a task lookup and a context per
+    token) nor per response (each idle stream's memory): the provider's one watchdog ticks
+    for every body being read and cancels a read waiting past its deadline;
+    :meth:`_expired` tells that cancellation from others.
     """
 
     __slots__ = (
         "_cancelled",
         "_deadline",
-        "_idle",
         "_now",
         "_phase",
         "_provider",
         "_readany",
         "_task",
+        "_timeout",
         "_waiting",
-        "_watchdog",
+        "queued_at",
         "response",
+        "waited",
     )
 
-    def __init__(
-        self,
-        provider: str,
-        response: aiohttp.ClientResponse,
-        deadline: float,
-        idle: float,
-        watchdog: Watchdog,
-        tick: float,
-    ) -> None:
-        self.response = response
+    def __init__(self, provider: HTTPProvider) -> None:
         self._provider = provider
-        self._readany = response.content.readany
         self._now = asyncio.get_running_loop().time
-        self._deadline = deadline
-        self._idle = idle
-        self._phase = "before the first byte"
+        self._timeout: asyncio.Timeout | None = None
         self._task: asyncio.Task[Any] | None = None
-        self._cancelled = False
-        self._waiting = False
-        self._watchdog = watchdog
-        watchdog.add(self, tick)
+        self._cancelled = self._waiting = False
+        self.queued_at: float | None = None  # when the current wait for a connection began
+        self.waited = 0.0
+
+    async def send(self, body: bytes) -> None:
+        """POST ``body`` and take the response once its status is 2xx (with tracing on, the
+        request carries the attempt's W3C trace context)."""
+        provider, config = self._provider, self._provider.config
+        if provider._session is None:
+            raise RuntimeError(f"provider {provider.name!r} is not started")
+        url = provider.base_url + provider.path
+        with map_upstream_errors(provider.name, "before responding"):
+            try:
+                async with asyncio.timeout(config.first_byte_timeout_s) as self._timeout:
+                    response = await provider._session.post(
+                        url,
+                        data=body,
+                        headers=upstream_headers(provider.headers(), url),
+                        allow_redirects=False,
+                        trace_request_ctx=self,
+                    )
+                    self._deadline = self._timeout.when() or self._now()
+                    if (status := response.status) >= 300:
+                        try:
+                            text = error_text(await _read_capped(response, _MAX_ERROR_BODY))
+                        finally:
+                            response.close()
+                        message = f"provider {provider.name!r} answered {status}: {text}"
+                        raise status_error(provider.name, status, message, response.headers)
+            except TimeoutError:
+                if self.queued_at is None:
+                    raise
+                raise UpstreamPoolExhausted(
+                    f"provider {provider.name!r}: all {config.max_connections} connections "
+                    f"stayed busy for {config.pool_timeout_s:g}s; retry shortly",
+                    headers={"Retry-After": "1"},
+                ) from None
+            finally:
+                waited = self.waited + (self._now() - self.queued_at if self.queued_at else 0.0)
+                for observe in provider.on_pool_wait:
+                    observe(waited)
+                tally = POOL_WAITS.get()
+                if tally is not None:
+                    tally.add(waited)
+        self.response = response
+        self._readany = response.content.readany
+        self._phase = "before the first byte"
+        tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
+        provider._watchdog.add(self, tick)
+
+    def queued(self, now: float) -> None:
+        if self.queued_at is None:
+            self.queued_at = now
+        if self._timeout is not None:
+            self._timeout.reschedule(now - self.waited + self._provider.config.pool_timeout_s)
+
+    def dequeued(self, now: float) -> None:
+        if self.queued_at is not None:
+            self.waited += now - self.queued_at
+            self.queued_at = None
+        if self._timeout is not None:
+            self._timeout.reschedule(now + self._provider.config.first_byte_timeout_s)
 
     async def read(self) -> bytes:
+        """The next bytes of the body; ``b""`` at its end."""
         self._waiting = True
         self._task = asyncio.current_task()  # the reader: the one to cancel
         try:
@@ -292,10 +292,10 @@ class _Body:
         else:
             self._waiting = False
             if chunk:
-                self._deadline = self._now() + self._idle
+                self._deadline = self._now() + self._provider.config.idle_timeout_s
                 self._phase = "between chunks"
             return chunk
-        with map_upstream_errors(self._provider, self._phase):
+        with map_upstream_errors(self._provider.name, self._phase):
             raise error
 
     def check(self, now: float) -> None:
@@ -312,14 +312,10 @@ class _Body:
         return self._task.uncancel() == 0
 
     async def finish(self, clean: bool) -> None:
-        """Give the connection back to the pool after a clean end, else drop it.
-
-        After the protocol's last event only the body's end is left to read; reading it
-        (briefly) keeps the keep-alive connection. Dropping it on cancellation is what
-        makes the upstream see the client leave at once.
-        """
+        """Give the connection back to the pool after a clean end (reading, briefly, the
+        rest of the body keeps it alive), else drop it: the upstream sees the client leave."""
         self._waiting = False
-        self._watchdog.discard(self)
+        self._provider._watchdog.discard(self)
         response = self.response
         if clean:
             try:
@@ -333,43 +329,10 @@ class _Body:
         response.close()
 
 
-class _PoolWait:
-    """One request's wait for a pooled connection. The wait is the gateway's, not the
-    upstream's: while it lasts, the request's one timeout moves from the first-byte
-    deadline to ``pool_timeout_s`` after the wait began (a re-queue never extends it), and
-    restarts in full once a connection is free. It firing while ``queued_at`` is set
-    means the pool stayed full."""
-
-    __slots__ = ("first_byte", "limit", "queued_at", "timeout", "waited")
-
-    def __init__(self, first_byte: float, limit: float) -> None:
-        self.first_byte = first_byte
-        self.limit = limit
-        self.timeout: asyncio.Timeout | None = None
-        self.queued_at: float | None = None  # when the current wait began
-        self.waited = 0.0
-
-    def queued(self, now: float) -> None:
-        if self.queued_at is None:
-            self.queued_at = now
-        if self.timeout is not None:
-            self.timeout.reschedule(now - self.waited + self.limit)
-
-    def dequeued(self, now: float) -> None:
-        if self.queued_at is not None:
-            self.waited += now - self.queued_at
-            self.queued_at = None
-        if self.timeout is not None:
-            self.timeout.reschedule(now + self.first_byte)
-
-    def seconds(self, now: float) -> float:
-        """The whole wait so far (a wait cut short counts until ``now``)."""
-        if self.queued_at is None:
-            return self.waited
-        return self.waited + now - self.queued_at
-
-
 def _pool_wait_trace() -> aiohttp.TraceConfig:
+    """aiohttp's public signals of a request queueing for a pooled connection, to its
+    :class:`_Exchange` (they fire only when a request actually queues)."""
+
     async def queued(session: object, context: Any, params: object) -> None:
         context.trace_request_ctx.queued(asyncio.get_running_loop().time())
 

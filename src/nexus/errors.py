@@ -89,24 +89,14 @@ class GatewayError(NexusError):
         self.headers = headers or {}
 
     def to_event(self) -> Error:
-        return Error(
-            error_type=self.error_type,
-            message=self.message,
-            code=self.code,
-            retryable=self.retryable,
-            param=self.param,
-        )
+        return Error(self.error_type, self.message, self.code, self.retryable, self.param)
 
     def openai_body(self, request_id: str | None = None) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}`` (docs/protocols.md §5), with
         ``request_id`` (the response's ``X-Request-Id``) in the error object when given:
         OpenAI's own bodies have no such field, and its SDK keeps the object whole."""
-        error: dict[str, Any] = {
-            "message": self.message,
-            "type": self.error_type,
-            "param": self.param,
-            "code": self.code,
-        }
+        error = {"message": self.message, "type": self.error_type, "param": self.param}
+        error["code"] = self.code
         if request_id is not None:
             error["request_id"] = request_id
         return {"error": error}
@@ -257,18 +247,14 @@ class UpstreamPoolExhausted(UpstreamError):
 
 
 class StreamError(GatewayError):
-    """An :class:`~nexus.events.Error` event met while accumulating a stream.
-
-    Raised by :func:`nexus.accumulate`; ``event`` is the error event itself.
-    """
+    """An :class:`~nexus.events.Error` event (``event``) met by :func:`nexus.accumulate`."""
 
     def __init__(self, event: Error) -> None:
+        status = _STATUS_BY_CODE.get(event.code or "", _STATUS_BY_TYPE.get(event.error_type, 502))
         super().__init__(
             event.message,
             code=event.code,
-            status=_STATUS_BY_CODE.get(
-                event.code or "", _STATUS_BY_TYPE.get(event.error_type, 502)
-            ),
+            status=status,
             param=event.param,
             retryable=event.retryable,
             error_type=event.error_type,

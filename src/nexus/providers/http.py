@@ -1,18 +1,13 @@
-"""What every HTTP upstream shares: a pooled client session, timeouts, the read loop
-feeding the body to the provider's decoder, and error mapping: foreign errors and upstream
-statuses become the most specific :mod:`nexus.errors` class here, once
-(``map_upstream_errors``; :func:`~nexus.protocol.upstream.status_error`). Raised before
-the first event, an error may send the engine to the next target, or the client gets its
-HTTP status; after, it becomes an error event.
+"""What every HTTP upstream shares: a pooled session, timeouts, the read loop feeding the
+body to the provider's decoder, and error mapping: aiohttp errors and upstream statuses
+become the most specific :mod:`nexus.errors` class here, once (``map_upstream_errors``,
+:func:`~nexus.protocol.upstream.status_error`). Raised before the first event, an error
+may send the engine to the next target; after, it becomes an error event.
 
-The pool (``max_connections``): a stream holds its connection for its whole length, so
-a request past the limit queues, for ``pool_timeout_s`` at most. Each request's wait,
-timed by aiohttp's public ``on_connection_queued_start`` / ``_end`` signals, goes to
-the provider's ``on_pool_wait`` callbacks (a histogram) and to the call's
-:data:`POOL_WAITS` tally (``pool_wait_ms`` in the access line).
-
-Keys come from the environment variable the config names, go out in headers only, and
-never appear in logs, errors or ``repr``.
+A stream holds its pooled connection (``max_connections``) for its whole length; a
+request's wait for one goes to the provider's ``on_pool_wait`` callbacks (a histogram) and
+to the call's :data:`POOL_WAITS` (``pool_wait_ms`` in the access line). Keys go out in
+headers only, never in logs, errors or ``repr``.
 """
 
 from __future__ import annotations
@@ -67,8 +62,8 @@ class PoolWaits:
 POOL_WAITS: contextvars.ContextVar[PoolWaits | None] = contextvars.ContextVar(
     "nexus_pool_waits", default=None
 )
-"""The tally of the call being served (set by the server for each request; a stream's
-run task inherits it). Providers add each request's wait to it."""
+"""The tally of the call being served: set by the server per request, inherited by a
+stream's run task."""
 
 
 def resolve_api_key(name: str, config: HTTPProviderConfig) -> str | None:
@@ -104,8 +99,8 @@ def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
 
 
 class HTTPProvider(Provider):
-    """A provider that streams from an HTTP endpoint: a subclass names its ``path`` and
-    ``headers()`` and gives, in :meth:`upstream`, the body and the stream's decoder."""
+    """A provider streaming from an HTTP endpoint: a subclass gives ``path``, ``headers()``
+    and, in :meth:`upstream`, the body and the stream's decoder."""
 
     path: ClassVar[str]
 
@@ -180,18 +175,13 @@ class HTTPProvider(Provider):
 class _Exchange:
     """One upstream request, from its wait for a pooled connection to its body's end.
 
-    ``first_byte_timeout_s`` is one deadline from the request to the first body bytes,
-    then each gap between reads gets ``idle_timeout_s``; the consumer's time between reads
-    does not count. A wait for a pooled connection is the gateway's, not the upstream's:
-    while it lasts, the deadline moves to ``pool_timeout_s`` after the wait began (a
-    re-queue never extends it), then :class:`~nexus.errors.UpstreamPoolExhausted`; it
-    restarts in full once a connection is free. Redirects are not followed: they would
-    carry the key and the body to another host.
-
-    Reads are timed neither by a timer per read (a timer, a task lookup and a context per
-    token) nor per response (each idle stream's memory): the provider's one watchdog ticks
-    for every body being read and cancels a read waiting past its deadline;
-    :meth:`_expired` tells that cancellation from others.
+    ``first_byte_timeout_s`` runs from the request to the first body bytes, then each gap
+    between reads gets ``idle_timeout_s`` (the consumer's time does not count). A wait for
+    a pooled connection is the gateway's: while it lasts, the deadline is ``pool_timeout_s``
+    after the wait began (then :class:`~nexus.errors.UpstreamPoolExhausted`); it restarts in
+    full once a connection is free. No timer per read (a timer, a task lookup and a context
+    per token) nor per response (an idle stream's memory): the provider's one watchdog
+    cancels a read waiting past its deadline; :meth:`_expired` tells that from others.
     """
 
     __slots__ = (
@@ -219,8 +209,8 @@ class _Exchange:
         self.waited = 0.0
 
     async def send(self, body: bytes) -> None:
-        """POST ``body`` and take the response once its status is 2xx (with tracing on, the
-        request carries the attempt's W3C trace context)."""
+        """POST ``body``; the response, once its status is 2xx. Redirects are not followed:
+        they would carry the key to another host."""
         provider, config = self._provider, self._provider.config
         if provider._session is None:
             raise RuntimeError(f"provider {provider.name!r} is not started")

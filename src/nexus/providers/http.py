@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import os
 from abc import abstractmethod
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, ClassVar
@@ -25,7 +24,6 @@ import orjson
 
 from ..config import HTTPProviderConfig
 from ..errors import (
-    ConfigError,
     GatewayError,
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -40,7 +38,7 @@ from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider, flatten
 
-__all__ = ["POOL_WAITS", "HTTPProvider", "PoolWaits", "map_upstream_errors", "resolve_api_key"]
+__all__ = ["POOL_WAITS", "HTTPProvider", "PoolWaits", "map_upstream_errors"]
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
@@ -64,19 +62,6 @@ POOL_WAITS: contextvars.ContextVar[PoolWaits | None] = contextvars.ContextVar(
 )
 """The tally of the call being served: set by the server per request, inherited by a
 stream's run task."""
-
-
-def resolve_api_key(name: str, config: HTTPProviderConfig) -> str | None:
-    """The key from ``api_key_env``; :class:`ConfigError` naming the variable if unset."""
-    if not config.api_key_env:
-        return None
-    key = os.environ.get(config.api_key_env)
-    if not key:
-        raise ConfigError(
-            f"[providers.{name}] api_key_env: the environment variable {config.api_key_env} "
-            "is not set (set it, or mark the provider optional = true)"
-        )
-    return key
 
 
 @contextlib.contextmanager

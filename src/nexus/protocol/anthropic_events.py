@@ -90,11 +90,9 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
         "max_tokens": request.token_limit or default_max_tokens,
         "stream": True,
     }
-    if system:
-        if any("cache_control" in block for block in system):
-            body["system"] = system
-        else:
-            body["system"] = "\n\n".join(block["text"] for block in system)
+    if system:  # a string unless a block carries a cache mark
+        marked = any("cache_control" in block for block in system)
+        body["system"] = system if marked else "\n\n".join(block["text"] for block in system)
     if request.temperature is not None:
         body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0-1
     if request.top_p is not None:

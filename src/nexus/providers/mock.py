@@ -71,7 +71,7 @@ class MockProvider(Provider):
 
         for event in _script_events(request, script, content):
             if fail_after is not None and emitted >= fail_after:
-                raise _scripted_failure(emitted)
+                break
             if limit is not None and emitted >= limit:
                 finish = "length"
                 break
@@ -84,7 +84,8 @@ class MockProvider(Provider):
             emitted += 1
             yield event
         if fail_after is not None and finish != "length":
-            raise _scripted_failure(emitted)
+            message = f"mock provider failed after {emitted} chunks, as scripted by mock.fail_after"
+            raise UpstreamError(message)
         if delay and emitted:
             await asyncio.sleep(delay)
         yield Delta(finish_reason=finish)
@@ -92,12 +93,6 @@ class MockProvider(Provider):
 
 
 _NO_SCRIPT = MockScript()
-
-
-def _scripted_failure(emitted: int) -> UpstreamError:
-    return UpstreamError(
-        f"mock provider failed after {emitted} chunks, as scripted by mock.fail_after"
-    )
 
 
 def _script_events(request: ChatRequest, script: MockScript, content: str) -> Iterator[StreamEvent]:

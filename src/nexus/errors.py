@@ -171,14 +171,12 @@ class TooManyStreams(GatewayError):
 class ServerShuttingDown(GatewayError):
     status = 503
     code = "server_shutting_down"
-    error_type = "server_error"
     retryable = True
 
 
 class StoreUnavailable(GatewayError):
     status = 503
     code = "store_unavailable"
-    error_type = "server_error"
     retryable = True
 
 

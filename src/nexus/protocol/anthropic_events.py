@@ -1,17 +1,12 @@
 """The upstream side of the Anthropic Messages API (docs/protocols.md §3). Sans-I/O.
 
-:func:`messages_body` writes the request: system messages go to ``system``, tool
-results and calls to ``tool_result`` / ``tool_use`` blocks, one role's consecutive
-messages are merged (the API wants them alternating), and ``max_tokens``, required
-upstream, defaults to ``default_max_tokens``. :class:`EventDecoder` reads the stream;
-usage in OpenAI terms: ``prompt_tokens`` = input + cache read + cache creation,
-``cached_tokens`` = cache read.
-
-The input counts of ``message_start`` go out as a partial :class:`~nexus.events.Usage`
-leading the first read with output (``/v1/messages`` puts them in its own
-``message_start``), not before: a failure before any output stays a failure before the
-stream's first event (an HTTP status, or the next target). Totals follow at
-``message_stop``.
+:func:`messages_body` writes the request (one role's consecutive messages merged: the API
+wants them alternating; ``max_tokens``, required, defaults to ``default_max_tokens``).
+:class:`EventDecoder` reads the stream; usage in OpenAI terms: ``prompt_tokens`` = input +
+cache read + cache creation, ``cached_tokens`` = cache read. ``message_start``'s input
+counts go out as a partial :class:`~nexus.events.Usage` leading the first read with
+output (``/v1/messages`` puts them in its own ``message_start``), not before: a failure
+before any output stays one before the first event (an HTTP status, or the next target).
 """
 
 from __future__ import annotations
@@ -39,10 +34,7 @@ from .upstream import in_stream_error
 
 __all__ = ["EventDecoder", "messages_body"]
 
-_FINISH_REASONS = {
-    "end_turn": "stop",
-    "stop_sequence": "stop",
-    "pause_turn": "stop",
+_FINISH_REASONS = {  # others (end_turn, stop_sequence, pause_turn): stop
     "max_tokens": "length",
     "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",

@@ -1,11 +1,5 @@
 """What the upstream codecs share: the decoders' shape, and the map from an upstream's
-error (a status, or an error object in the stream) to the most specific class.
-
-A decoder takes a stream's body read by read: ``decode(chunk)`` gives the events the
-bytes completed; then ``error``, if set, is to be raised once they are out (an error
-object in the stream, data that is not JSON), and ``done`` says the protocol's end
-(``terminator``) came. Nothing after either is read.
-"""
+error (a status, or an error object in the stream) to the most specific class."""
 
 from __future__ import annotations
 
@@ -28,6 +22,11 @@ __all__ = ["UpstreamDecoder", "error_text", "in_stream_error", "status_error"]
 
 
 class UpstreamDecoder(Protocol):
+    """A stream's body, read by read: ``decode(chunk)`` gives the events the bytes completed;
+    then ``error``, if set, is to be raised once they are out (an error object in the
+    stream, data that is not JSON), and ``done`` says ``terminator`` came. Nothing after
+    either is read."""
+
     terminator: ClassVar[str]
     done: bool
     error: UpstreamError | None
@@ -94,13 +93,9 @@ _STATUS_OF_TYPE = {
 
 
 def in_stream_error(provider: str, error: Any) -> UpstreamError:
-    """The error for an error object met inside the stream (OpenAI ``{"error": {...}}``,
-    Anthropic's ``error`` event: docs/protocols.md §2, §3).
-
-    Its ``type`` stands for a status (:func:`status_error`: a request the upstream refused
-    stays a 4xx if no output went out, whether another target may be tried); the type and
-    the code (``upstream_error`` if none) reach the client as they came.
-    """
+    """The error for an error object inside the stream (docs/protocols.md §2, §3): its
+    ``type`` stands for a status (:func:`status_error`); the type and the code
+    (``upstream_error`` if none) reach the client as they came."""
     if not isinstance(error, dict):
         error = {"message": str(error)}
     kind, code = error.get("type"), error.get("code")

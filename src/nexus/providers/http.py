@@ -24,7 +24,6 @@ import orjson
 
 from ..config import HTTPProviderConfig
 from ..errors import (
-    GatewayError,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
@@ -69,8 +68,6 @@ def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
     """Translate aiohttp and timeout errors into :mod:`nexus.errors` (``raise ... from``)."""
     try:
         yield
-    except GatewayError:
-        raise
     except TimeoutError as exc:
         raise UpstreamTimeout(f"provider {provider!r} timed out {phase}") from exc
     except aiohttp.ClientConnectorError as exc:

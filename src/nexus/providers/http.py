@@ -215,16 +215,18 @@ class _Exchange:
                             response.close()
                         message = f"provider {provider.name!r} answered {status}: {text}"
                         raise status_error(provider.name, status, message, response.headers)
-            except TimeoutError:
+            except TimeoutError as exc:
                 if self.queued_at is None:
                     raise
                 raise UpstreamPoolExhausted(
                     f"provider {provider.name!r}: all {config.max_connections} connections "
                     f"stayed busy for {config.pool_timeout_s:g}s; retry shortly",
                     headers={"Retry-After": "1"},
-                ) from None
+                ) from exc
             finally:
-                waited = self.waited + (self._now() - self.queued_at if self.queued_at else 0.0)
+                waited = self.waited
+                if self.queued_at is not None:
+                    waited += self._now() - self.queued_at
                 for observe in provider.on_pool_wait:
                     observe(waited)
                 tally = POOL_WAITS.get()

@@ -57,17 +57,12 @@ class MockProvider(Provider):
 
     async def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
         script = request.mock or _NO_SCRIPT
-        delay = script.delay_ms / 1000
-        limit = request.token_limit
-        fail_after = script.fail_after
-        emitted = 0
-        reasoning_chunks = 0
+        delay, limit, fail_after = script.delay_ms / 1000, request.token_limit, script.fail_after
+        emitted = reasoning_chunks = 0
         finish = "stop"
-
         content = script.content if script.content is not None else echo(request)
         cuts = [i for i in (content.find(s) for s in request.stop_sequences) if i != -1]
-        if cuts:
-            content = content[: min(cuts)]
+        content = content[: min(cuts, default=len(content))]
 
         for event in _script_events(request, script, content):
             if fail_after is not None and emitted >= fail_after:

@@ -8,13 +8,15 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nexus.errors import UpstreamError, UpstreamProtocolError, UpstreamServerError
 from nexus.events import Delta, Reasoning, ToolCall, Usage
-from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events
+from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events, upstream_body
 from nexus.protocol.sse import SSEDecoder
+from nexus.request import ChatRequest
 
 _TEXT = st.one_of(st.none(), st.just(""), st.text(max_size=5))
 _DELTA = st.dictionaries(
@@ -235,3 +237,18 @@ def test_an_event_of_several_data_lines_is_one_payload() -> None:
     assert decoder.decode(body) == [Delta("hi")]
     assert decoder.decode(b'{"content":"evil"}}]}\n\n') == []
     assert decoder.error is None and not decoder.done
+
+
+@pytest.mark.parametrize("obfuscation", [True, False])
+def test_the_clients_stream_options_stay_home(obfuscation: bool) -> None:
+    """``include_obfuscation`` shapes the client's stream; upstream, the provider's default
+    padding stays (and a compatible server that refuses the field never sees it)."""
+    request = ChatRequest.model_validate(
+        {
+            "model": "up/m",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "stream_options": {"include_obfuscation": obfuscation, "include_cost": True},
+        }
+    )
+    assert upstream_body(request, "m")["stream_options"] == {"include_usage": True}

@@ -22,8 +22,10 @@ def upstream_body(
     request: ChatRequest, model: str, token_limit_field: str | None = None
 ) -> dict[str, Any]:
     """The upstream request: ours (fields Nexus does not interpret pass through), with the
-    upstream model, streaming with usage. ``include_obfuscation`` is the client's: OpenAI's
-    padding hides token lengths from whoever watches the encrypted traffic upstream."""
+    upstream model, streaming with usage. Nexus's own stream options stay home, and so does
+    ``include_obfuscation``: it shapes the client's stream; upstream, the provider's default
+    (OpenAI pads, hiding token lengths from whoever watches the traffic) is kept, and a
+    compatible server that refuses the field never sees it."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
     for message in body.get("messages", ()):
         message.pop("thinking_blocks", None)  # Anthropic's signed thinking, carried for it alone
@@ -37,7 +39,8 @@ def upstream_body(
     body["stream"] = True
     options = dict(body.get("stream_options") or {})
     options["include_usage"] = True
-    options.pop("include_cost", None)  # Nexus's own option
+    options.pop("include_cost", None)
+    options.pop("include_obfuscation", None)
     body["stream_options"] = options
     if token_limit_field is not None and request.token_limit is not None:
         body.pop("max_tokens", None)

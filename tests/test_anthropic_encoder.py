@@ -290,7 +290,7 @@ def test_every_frame_is_named_after_its_type() -> None:
         ),
         (Error("upstream_error", "too slow", code="upstream_timeout"), "timeout_error"),
         (Error("server_error", "slow down", code="upstream_rate_limited"), "rate_limit_error"),
-        # An Anthropic upstream's in-stream rate_limit_error (providers/openai.py in_stream_error):
+        # An Anthropic upstream's in-stream rate_limit_error (protocol/upstream.py in_stream_error):
         (Error("rate_limit_error", "rate limited", code="upstream_error"), "rate_limit_error"),
     ],
 )

@@ -1,5 +1,5 @@
-"""``read_events``: a read's payloads to events, its fast path for content deltas
-checked against the general rules (``chunk_events``) on every shape of chunk."""
+"""``ChunkDecoder``: an OpenAI-compatible stream's body to events, by the rules of
+``chunk_events``, however the body is cut into reads."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus.errors import UpstreamError
-from nexus.events import Delta
+from nexus.errors import UpstreamError, UpstreamProtocolError, UpstreamServerError
+from nexus.events import Delta, Reasoning, ToolCall, Usage
+from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events, upstream_body
 from nexus.protocol.sse import SSEDecoder
-from nexus.providers.openai import ChunkReader, chunk_events, read_events
+from nexus.request import ChatRequest
 
 _TEXT = st.one_of(st.none(), st.just(""), st.text(max_size=5))
 _DELTA = st.dictionaries(
@@ -40,29 +42,94 @@ _CHUNK = st.fixed_dictionaries(
 )
 
 
+def read_events(payloads: list[str]) -> tuple[list[Any], bool | UpstreamError]:
+    """The events of one read of ``payloads``, and its end: ``[DONE]``, an error or False."""
+    decoder = ChunkDecoder("up")
+    events = decoder.decode(b"".join(b"data: " + p.encode() + b"\n\n" for p in payloads))
+    return events, decoder.error or decoder.done
+
+
+def rules(chunks: list[dict[str, Any]]) -> list[Any]:
+    events: list[Any] = []
+    for chunk in chunks:
+        chunk_events(chunk, events)
+    return events
+
+
 @settings(max_examples=500, database=None, deadline=None)
 @given(chunks=st.lists(_CHUNK, max_size=6))
-def test_fast_path_gives_what_the_general_rules_give(chunks: list[dict[str, Any]]) -> None:
+def test_a_read_gives_the_events_of_each_chunk_in_order(chunks: list[dict[str, Any]]) -> None:
     payloads = [orjson.dumps(chunk).decode() for chunk in chunks]
-    events, end = read_events(payloads, "up")
+    events, end = read_events(payloads)
     assert end is False
-    assert events == [event for chunk in chunks for event in chunk_events(chunk)]
+    assert events == rules(chunks)
+
+
+def test_chunk_events_order_within_a_chunk() -> None:
+    chunk = {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {
+                    "reasoning": "think",
+                    "content": "text",
+                    "tool_calls": [{"index": 1, "id": "c", "function": {"name": "f"}}],
+                },
+                "finish_reason": "tool_calls",
+            },
+            {"index": 1, "delta": {"content": "another choice"}},
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+    }
+    assert rules([chunk]) == [
+        Reasoning("think"),
+        Delta("text"),
+        ToolCall(index=1, id="c", name="f", arguments=""),
+        Delta(finish_reason="tool_calls"),
+        Usage(1, 2, 3),
+    ]
+    refusal = {"choices": [{"delta": {"content": "", "refusal": "no"}}]}
+    assert rules([refusal]) == [Delta(refusal="no")]
 
 
 def test_done_ends_the_read_and_what_follows_is_not_read() -> None:
     content = '{"choices":[{"index":0,"delta":{"content":"hi"}}]}'
-    events, end = read_events([content, "[DONE]", content], "up")
+    events, end = read_events([content, "[DONE]", content])
     assert events == [Delta("hi")] and end is True
 
 
 def test_events_before_an_error_are_kept_and_the_error_returned() -> None:
     content = '{"choices":[{"index":0,"delta":{"content":"hi"}}]}'
-    events, end = read_events([content, '{"error":{"message":"boom","type":"x"}}'], "up")
+    events, end = read_events([content, '{"error":{"message":"boom","type":"x"}}', content])
     assert events == [Delta("hi")]
-    assert isinstance(end, UpstreamError) and "boom" in str(end)
-    events, end = read_events([content, "not json"], "up")
+    assert isinstance(end, UpstreamServerError) and "boom" in str(end)
+    events, end = read_events([content, "not json", content])
     assert events == [Delta("hi")]
-    assert isinstance(end, UpstreamError) and end.code == "upstream_protocol_error"
+    assert isinstance(end, UpstreamProtocolError) and end.code == "upstream_protocol_error"
+
+
+def test_realistic_chunks_with_obfuscation_and_service_fields() -> None:
+    """What OpenAI sends by default: ``obfuscation`` padding (1-16 random characters)
+    and ``service_tier`` / ``system_fingerprint`` on every chunk."""
+    body = b""
+    for pad, text in (("aZ", "Hel"), ("q8Kd0LmPn2Xc4Vb9", "lo"), ("x", ' "w"')):
+        chunk = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1764000000,
+            "model": "gpt-4.1",
+            "service_tier": "default",
+            "system_fingerprint": "fp_b3f1157249",
+            "choices": [
+                {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+            ],
+            "usage": None,
+            "obfuscation": pad,
+        }
+        body += b"data: " + orjson.dumps(chunk) + b"\n\n"
+    decoder = ChunkDecoder("up")
+    assert decoder.decode(body + b"data: [DONE]\n\n") == [Delta("Hel"), Delta("lo"), Delta(' "w"')]
+    assert decoder.done and decoder.error is None
 
 
 def _general(body: bytes) -> list[Any]:
@@ -71,7 +138,7 @@ def _general(body: bytes) -> list[Any]:
     for sse in SSEDecoder().decode(body):
         if sse.data.startswith("[DONE]"):
             break
-        events += chunk_events(orjson.loads(sse.data))
+        chunk_events(orjson.loads(sse.data), events)
     return events
 
 
@@ -111,43 +178,36 @@ def bodies(draw: st.DrawFn) -> bytes:
 
 @settings(max_examples=400, database=None, deadline=None)
 @given(data=st.data(), body=bodies())
-def test_feed_gives_the_events_of_the_rules_however_the_body_is_cut(
+def test_decode_gives_the_events_of_the_rules_however_the_body_is_cut(
     data: st.DataObject, body: bytes
 ) -> None:
     cuts = data.draw(st.lists(st.integers(min_value=0, max_value=len(body)), max_size=10))
     bounds = [0, *sorted(cuts), len(body)]
-    reader = ChunkReader("up")
+    decoder = ChunkDecoder("up")
     events: list[Any] = []
-    done = False
     for a, b in itertools.pairwise(bounds):
-        more, end = reader.feed(body[a:b])
-        events += more
-        assert end is False or end is True
-        if end:
-            done = True
+        events += decoder.decode(body[a:b])
+        assert decoder.error is None
+        if decoder.done:
             break
-    assert done
+    assert decoder.done
     assert events == _general(body)
 
 
-def test_feed_learns_the_template_and_takes_its_path() -> None:
+def test_content_strings_with_escapes() -> None:
     def chunk(content: str) -> bytes:
         payload = {"id": "c", "choices": [{"index": 0, "delta": {"content": content}}]}
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-    reader = ChunkReader("up")
-    reader.feed(chunk("learn"))
-    assert reader._head is not None
-    text = (chunk('say "hi"') + chunk("a\\b") + chunk("plain") + chunk("")).decode()
-    events, used = reader._template_events(text)
-    assert used == len(text)
-    assert events == [Delta('say "hi"'), Delta("a\\b"), Delta("plain")]
+    body = chunk('say "hi"') + chunk("a\\b") + chunk("plain") + chunk("") + chunk("\u2028\t")
+    events = ChunkDecoder("up").decode(body)
+    assert events == [Delta('say "hi"'), Delta("a\\b"), Delta("plain"), Delta("\u2028\t")]
 
 
 def test_a_long_chunk_in_many_reads_costs_linear_time() -> None:
-    # A big content string (an image in base64) arriving in 1 KB reads once the template
-    # is known: the pending line is kept in pieces, not copied on every read. Eight times
-    # the size takes about eight times as long; a copy per read would take 64.
+    # A big content string (an image in base64) arriving in 1 KB reads: the pending line
+    # is kept in pieces, not copied on every read. Eight times the size takes about eight
+    # times as long; a copy per read would take 64.
     def chunk(content: str) -> bytes:
         payload = {"id": "c", "choices": [{"index": 0, "delta": {"content": content}}]}
         return b"data: " + orjson.dumps(payload) + b"\n\n"
@@ -156,12 +216,12 @@ def test_a_long_chunk_in_many_reads_costs_linear_time() -> None:
         body = chunk("x" * size)
         best = float("inf")
         for _ in range(5):
-            reader = ChunkReader("up")
-            reader.feed(chunk("learn"))
+            decoder = ChunkDecoder("up")
+            decoder.decode(chunk("first"))
             start = time.perf_counter()
             events: list[Any] = []
             for i in range(0, len(body), 1024):
-                events += reader.feed(body[i : i + 1024])[0]
+                events += decoder.decode(body[i : i + 1024])
             best = min(best, time.perf_counter() - start)
             assert events == [Delta("x" * size)]
         return best
@@ -170,13 +230,25 @@ def test_a_long_chunk_in_many_reads_costs_linear_time() -> None:
     assert long < 24 * short + 0.005, f"{long * 1000:.1f} ms vs {short * 1000:.1f} ms"
 
 
-def test_no_template_is_learnt_from_an_event_of_several_data_lines() -> None:
-    # SSE joins the lines with LF: a template holding one would let a line that SSE
-    # ignores (an unknown field) pass as an event of the template.
-    reader = ChunkReader("up")
+def test_an_event_of_several_data_lines_is_one_payload() -> None:
+    # SSE joins the lines with LF; a line SSE ignores (an unknown field) is no event.
+    decoder = ChunkDecoder("up")
     body = b'data: {"choices":[{"index":0,"delta":\ndata: {"content":"hi"}}]}\n\n'
-    events, end = reader.feed(body)
-    assert events == [Delta("hi")] and end is False
-    assert reader._head is None
-    events, end = reader.feed(b'{"content":"evil"}}]}\n\n')
-    assert events == [] and end is False
+    assert decoder.decode(body) == [Delta("hi")]
+    assert decoder.decode(b'{"content":"evil"}}]}\n\n') == []
+    assert decoder.error is None and not decoder.done
+
+
+@pytest.mark.parametrize("obfuscation", [True, False])
+def test_the_clients_stream_options_stay_home(obfuscation: bool) -> None:
+    """``include_obfuscation`` shapes the client's stream; upstream, the provider's default
+    padding stays (and a compatible server that refuses the field never sees it)."""
+    request = ChatRequest.model_validate(
+        {
+            "model": "up/m",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "stream_options": {"include_obfuscation": obfuscation, "include_cost": True},
+        }
+    )
+    assert upstream_body(request, "m")["stream_options"] == {"include_usage": True}

@@ -11,8 +11,9 @@ import pytest
 
 from nexus import Engine, accumulate
 from nexus.config import parse_config
+from nexus.errors import UpstreamOverloaded
 from nexus.events import Delta, Usage
-from nexus.providers.anthropic import StreamTranslator, messages_body
+from nexus.protocol.anthropic_events import EventDecoder, messages_body
 from nexus.request import ChatRequest
 from support import MakeClient, parse_sse
 from upstreams import FakeUpstream, Reply, sse
@@ -396,13 +397,12 @@ async def test_a_read_is_one_batch_and_an_error_keeps_the_events_before_it(
     assert batches[1][0].error_type == "overloaded_error"  # type: ignore[union-attr]
 
 
-def test_the_translator_reads_up_to_message_stop() -> None:
-    translator = StreamTranslator("claude")
-    events = parse_sse(
+def test_the_decoder_reads_up_to_message_stop() -> None:
+    decoder = EventDecoder("claude")
+    out = decoder.decode(
         b"".join([message_start(), *text_block(0, "hi"), *finish("end_turn", 3), event("ping")])
     )
-    out, failure = translator.read(events, orjson.loads)
-    assert failure is None and translator.finished
+    assert decoder.error is None and decoder.done
     assert out == [
         Usage(10, 0, 10, cached_tokens=0, cache_write_tokens=0, partial=True),
         Delta("hi"),
@@ -415,21 +415,27 @@ def test_early_input_counts_wait_for_the_first_output() -> None:
     """message_start's counts lead the first batch with output, never a batch of their
     own: a failure before any output stays a failure before the stream's first event
     (an HTTP status, or the next target)."""
-    translator = StreamTranslator("claude")
-    out, failure = translator.read(parse_sse(message_start(41, 7, 3) + event("ping")), orjson.loads)
-    assert (out, failure) == ([], None)
+    decoder = EventDecoder("claude")
+    assert decoder.decode(message_start(41, 7, 3) + event("ping")) == []
     overloaded = {"type": "overloaded_error", "message": "Overloaded"}
-    out, failure = translator.read(parse_sse(event("error", error=overloaded)), orjson.loads)
-    assert out == [] and failure is not None
-    translator = StreamTranslator("claude")
-    assert translator.read(parse_sse(message_start(41, 7, 3)), orjson.loads) == ([], None)
-    out, _ = translator.read(parse_sse(b"".join(text_block(0, "hi"))), orjson.loads)
-    assert out == [
+    assert decoder.decode(event("error", error=overloaded)) == []
+    assert isinstance(decoder.error, UpstreamOverloaded)
+    assert decoder.error.error_type == "overloaded_error" and decoder.error.retryable
+    decoder = EventDecoder("claude")
+    assert decoder.decode(message_start(41, 7, 3)) == []
+    assert decoder.decode(b"".join(text_block(0, "hi"))) == [
         Usage(51, 0, 51, cached_tokens=7, cache_write_tokens=3, partial=True),
         Delta("hi"),
     ]
-    out, _ = translator.read(parse_sse(b"".join(text_block(1, "more"))), orjson.loads)
-    assert out == [Delta("more")]
+    assert decoder.decode(b"".join(text_block(1, "more"))) == [Delta("more")]
+    assert decoder.decode(message_start(99)) == [] and decoder.error is None
+
+
+def test_data_that_is_not_json_is_a_protocol_error() -> None:
+    decoder = EventDecoder("claude")
+    out = decoder.decode(b"".join(text_block(0, "hi")) + b"event: ping\ndata: {oops\n\n")
+    assert out == [Delta("hi")]
+    assert decoder.error is not None and decoder.error.code == "upstream_protocol_error"
 
 
 async def test_end_without_message_stop_is_an_error(upstream: FakeUpstream) -> None:

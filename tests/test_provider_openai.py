@@ -3,7 +3,7 @@
 Through the running gateway (``POST /v1/chat/completions`` with ``up/<model>``)
 and, where simpler, through :class:`~nexus.Engine`: streaming, the upstream
 request, tool calls, reasoning, refusal, usage, the error table of
-``nexus.providers.http``, timeouts, fallbacks, cancellation and secrets.
+``nexus.protocol.upstream``, timeouts, fallbacks, cancellation and secrets.
 """
 
 from __future__ import annotations

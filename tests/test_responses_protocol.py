@@ -426,7 +426,7 @@ def test_response_body_empty_and_content_filter() -> None:
 
 
 def test_thinking_is_forwarded_for_anthropic_upstreams() -> None:
-    from nexus.providers.anthropic import messages_body
+    from nexus.protocol.anthropic_events import messages_body
 
     thinking = {"type": "enabled", "budget_tokens": 1024}
     body = {"model": "claude/x", "input": "Hi", "max_output_tokens": 2048, "thinking": thinking}

@@ -18,16 +18,23 @@ a stream has started::
         ├── UnsupportedMediaType     415 unsupported_media_type (a Content-Encoding not taken)
         ├── TooManyStreams           429 too_many_streams (retryable)
         ├── ServerShuttingDown       503 server_shutting_down (retryable)
-        ├── StoreUnavailable         503 store_unavailable (retryable, Retry-After): the store
-        │                            (Redis) cannot be reached, or no pooled connection freed
-        │                            up within [store] pool_timeout_s
+        ├── StoreUnavailable         503 store_unavailable (retryable, Retry-After): Redis down,
+        │                            or its pool busy past [store] pool_timeout_s
         ├── StreamLost               502 stream_lost (retryable): the replica running it stopped
         ├── StreamIncomplete         410 stream_incomplete: the store's copy of the log has a hole
-        └── UpstreamError            502 upstream_error (retryable)
+        └── UpstreamError            502 upstream_error (retryable): the upstream failed
+            ├── UpstreamInvalidRequest   400 upstream_invalid_request (404 upstream_not_found,
+            │                        413, 422 kept): the upstream refused the request
+            ├── UpstreamAuthError    502 upstream_auth_error: 401/403, the gateway's key refused
+            ├── UpstreamRateLimited  429 upstream_rate_limited (retryable, Retry-After kept)
+            ├── UpstreamServerError  502 upstream_error (retryable): a 5xx
+            │   └── UpstreamOverloaded   502 upstream_error (retryable): 503, Anthropic's 529
+            ├── UpstreamConnectError 502 upstream_connect_error (retryable)
+            ├── UpstreamDisconnected 502 upstream_disconnect (retryable): the body ended early
+            ├── UpstreamProtocolError    502 upstream_protocol_error (retryable): not JSON
             ├── UpstreamTimeout      504 upstream_timeout (retryable)
             └── UpstreamPoolExhausted   503 upstream_pool_exhausted (retryable, Retry-After):
-                                     no connection of the provider's pool freed up within
-                                     [providers.X] pool_timeout_s
+                                     the provider's pool busy past its pool_timeout_s
 """
 
 from __future__ import annotations
@@ -35,31 +42,6 @@ from __future__ import annotations
 from typing import Any
 
 from .events import Error
-
-__all__ = [
-    "ConfigError",
-    "GatewayError",
-    "InvalidLastEventId",
-    "InvalidRequest",
-    "ModelNotFound",
-    "NexusError",
-    "RegistryFrozen",
-    "RequestTimeout",
-    "RequestTooLarge",
-    "ServerShuttingDown",
-    "StoreUnavailable",
-    "StreamError",
-    "StreamIncomplete",
-    "StreamLost",
-    "StreamNotFound",
-    "TooManyStreams",
-    "UnsupportedInput",
-    "UnsupportedMediaType",
-    "UnsupportedStreamFormat",
-    "UpstreamError",
-    "UpstreamPoolExhausted",
-    "UpstreamTimeout",
-]
 
 
 class NexusError(Exception):
@@ -91,6 +73,7 @@ class GatewayError(NexusError):
         param: str | None = None,
         retryable: bool | None = None,
         headers: dict[str, str] | None = None,
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -100,28 +83,20 @@ class GatewayError(NexusError):
             self.status = status
         if retryable is not None:
             self.retryable = retryable
+        if error_type is not None:
+            self.error_type = error_type
         self.param = param
         self.headers = headers or {}
 
     def to_event(self) -> Error:
-        return Error(
-            error_type=self.error_type,
-            message=self.message,
-            code=self.code,
-            retryable=self.retryable,
-            param=self.param,
-        )
+        return Error(self.error_type, self.message, self.code, self.retryable, self.param)
 
     def openai_body(self, request_id: str | None = None) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}`` (docs/protocols.md §5), with
         ``request_id`` (the response's ``X-Request-Id``) in the error object when given:
         OpenAI's own bodies have no such field, and its SDK keeps the object whole."""
-        error: dict[str, Any] = {
-            "message": self.message,
-            "type": self.error_type,
-            "param": self.param,
-            "code": self.code,
-        }
+        error = {"message": self.message, "type": self.error_type, "param": self.param}
+        error["code"] = self.code
         if request_id is not None:
             error["request_id"] = request_id
         return {"error": error}
@@ -158,10 +133,6 @@ class StreamLost(GatewayError):
 
 
 class StreamIncomplete(GatewayError):
-    """The store's copy of a log lacks entries a reader asked for: trimmed past
-    ``[streams] max_log_bytes``, or lost while the store was unreachable. Served as an
-    error rather than as a stream with a hole."""
-
     status = 410
     code = "stream_incomplete"
 
@@ -200,17 +171,12 @@ class TooManyStreams(GatewayError):
 class ServerShuttingDown(GatewayError):
     status = 503
     code = "server_shutting_down"
-    error_type = "server_error"
     retryable = True
 
 
 class StoreUnavailable(GatewayError):
-    """The store a request needs could not be reached: Redis down, or every pooled
-    connection busy past ``[store] pool_timeout_s``. Give it ``Retry-After``."""
-
     status = 503
     code = "store_unavailable"
-    error_type = "server_error"
     retryable = True
 
 
@@ -221,51 +187,85 @@ class UpstreamError(GatewayError):
     retryable = True
 
 
+class UpstreamInvalidRequest(UpstreamError):
+    status = 400
+    code = "upstream_invalid_request"
+    error_type = "invalid_request_error"
+    retryable = False
+
+
+class UpstreamAuthError(UpstreamError):
+    """The upstream refused the gateway's credentials: the operator's problem, not the
+    client's. The message is ours alone: the upstream's may quote the key."""
+
+    code = "upstream_auth_error"
+    retryable = False
+
+    def __init__(self, provider: str, detail: str = "") -> None:
+        super().__init__(
+            f"provider {provider!r} refused the gateway's credentials{detail}; "
+            "check the key in its api_key_env"
+        )
+
+
+class UpstreamRateLimited(UpstreamError):
+    status = 429
+    code = "upstream_rate_limited"
+    error_type = "rate_limit_error"
+
+
+class UpstreamServerError(UpstreamError):
+    """A 5xx from the upstream."""
+
+
+class UpstreamOverloaded(UpstreamServerError):
+    """503, or Anthropic's 529 and ``overloaded_error``: the upstream is overloaded."""
+
+
+class UpstreamConnectError(UpstreamError):
+    code = "upstream_connect_error"
+
+
+class UpstreamDisconnected(UpstreamError):
+    code = "upstream_disconnect"
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
 
 
 class UpstreamPoolExhausted(UpstreamError):
-    """Every connection of a provider's pool stayed busy for ``pool_timeout_s``.
-
-    Raised before any output, so the engine moves on to the next target of an
-    alias as for any retryable failure; the last one's is the client's 503.
-    """
-
     status = 503
     code = "upstream_pool_exhausted"
 
 
 class StreamError(GatewayError):
-    """An :class:`~nexus.events.Error` event met while accumulating a stream.
-
-    Raised by :func:`nexus.accumulate`; ``event`` is the error event itself.
-    """
+    """An :class:`~nexus.events.Error` event (``event``) met by :func:`nexus.accumulate`."""
 
     def __init__(self, event: Error) -> None:
+        status = _STATUS_BY_CODE.get(event.code or "", _STATUS_BY_TYPE.get(event.error_type, 502))
         super().__init__(
             event.message,
             code=event.code,
-            status=_STATUS_BY_CODE.get(
-                event.code or "", _STATUS_BY_TYPE.get(event.error_type, 502)
-            ),
+            status=status,
             param=event.param,
             retryable=event.retryable,
+            error_type=event.error_type,
         )
-        self.error_type = event.error_type
         self.event = event
 
 
-_STATUS_BY_CODE = {
-    "upstream_timeout": 504,
-    "server_shutting_down": 503,
-    "too_many_streams": 429,
-}
+_STATUS_BY_CODE = {"upstream_timeout": 504, "server_shutting_down": 503, "too_many_streams": 429}
+_STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_error": 429, "server_error": 500}
 
-_STATUS_BY_TYPE = {
-    "invalid_request_error": 400,
-    "rate_limit_error": 429,
-    "server_error": 500,
-    "upstream_error": 502,
-}
+
+__all__ = sorted(
+    name
+    for name, value in list(globals().items())
+    if isinstance(value, type) and issubclass(value, NexusError)
+)

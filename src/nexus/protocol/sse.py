@@ -109,15 +109,7 @@ class SSEDecoder:
         Most reads are whole ``data: {...}`` events, one line each: those are cut
         with one ``str`` split and no per-event object.
         """
-        return self.data_of(self.text(chunk))
-
-    def text(self, chunk: bytes) -> str:
-        """The text of ``chunk`` (UTF-8, a sequence cut at its end kept for the next),
-        for :meth:`data_of` or a caller's own fast path (see :attr:`between_events`)."""
-        return self._text.decode(chunk)
-
-    def data_of(self, text: str) -> list[str]:
-        """:meth:`decode_data` for text from :meth:`text`."""
+        text = self._text.decode(chunk)
         if not text:
             return []
         if self._plain():
@@ -128,20 +120,6 @@ class SSEDecoder:
                     data += [event.data for event in self._decode_text(rest)]
                 return data
         return [event.data for event in self._decode_text(text)]
-
-    def lead(self, text: str) -> str | None:
-        """``text`` with the partial line pending before it (taken), for a caller's own
-        fast path, which gives :meth:`data_of` whatever it does not take; None (and
-        nothing taken) when part of an event is pending, or ``text`` does not end the
-        pending line (a long line in many reads is kept in pieces, not copied per read)."""
-        if not self._plain():
-            return None
-        if self._pending:
-            if "\n" not in text and "\r" not in text:
-                return None
-            text = "".join(self._pending) + text
-            self._pending = []
-        return text
 
     def _plain(self) -> bool:
         """No event half-read but perhaps a partial line: where the fast path may start."""

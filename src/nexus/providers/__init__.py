@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from ..config import AnthropicProviderConfig, MockProviderConfig, OpenAIProviderConfig
 from ..errors import ConfigError
 from .anthropic import AnthropicProvider
 from .base import Provider
-from .http import resolve_api_key
 from .mock import MockProvider
 from .openai import OpenAIProvider
 
@@ -20,20 +20,19 @@ log = logging.getLogger("nexus.providers")
 def build_provider(
     name: str, config: MockProviderConfig | OpenAIProviderConfig | AnthropicProviderConfig
 ) -> Provider | None:
-    """The provider a config table describes; None for an optional one without its key."""
+    """The provider a config table describes, with its key from ``api_key_env``; None for
+    an optional one whose variable is unset, :class:`ConfigError` naming it for another."""
     if isinstance(config, MockProviderConfig):
         return MockProvider(name, models=config.models)
-    try:
-        key = resolve_api_key(name, config)
-    except ConfigError:
+    key = os.environ.get(config.api_key_env) if config.api_key_env else None
+    if config.api_key_env and not key:
+        unset = f"the environment variable {config.api_key_env} is not set"
         if not config.optional:
-            raise
-        log.warning(
-            "provider %r left out: the environment variable %s is not set (optional = true)",
-            name,
-            config.api_key_env,
-        )
+            raise ConfigError(
+                f"[providers.{name}] api_key_env: {unset} "
+                "(set it, or mark the provider optional = true)"
+            )
+        log.warning("provider %r left out: %s (optional = true)", name, unset)
         return None
-    if isinstance(config, OpenAIProviderConfig):
-        return OpenAIProvider(name, config, key)
-    return AnthropicProvider(name, config, key)
+    kind = OpenAIProvider if isinstance(config, OpenAIProviderConfig) else AnthropicProvider
+    return kind(name, config, key)

@@ -1,403 +1,42 @@
-"""``kind = "anthropic"``: the Anthropic Messages API (docs/protocols.md §3).
-
-The request goes upstream as ``POST {base_url}/v1/messages`` with ``x-api-key``
-and ``anthropic-version``. Translation of the request: system and developer
-messages become ``system``; tool results become ``tool_result`` blocks in a user
-turn; assistant tool calls become ``tool_use`` blocks; image parts become
-base64 or URL image blocks; consecutive messages of one role are merged (the
-API wants them alternating); tools get ``input_schema``; ``tool_choice`` maps to
-auto / any / none / tool; ``stop`` becomes ``stop_sequences``; ``max_tokens`` is
-required upstream, so a request without one gets ``default_max_tokens``.
-
-Translation of the stream: ``text_delta`` → content, ``input_json_delta`` →
-tool-call arguments, ``thinking_delta`` → reasoning, ``citations_delta`` →
-citations, ``ping`` ignored, ``error`` → a typed error. Stop reasons:
-``end_turn``/``stop_sequence``/``pause_turn`` → ``stop``, ``max_tokens`` and
-``model_context_window_exceeded`` → ``length``, ``tool_use`` → ``tool_calls``,
-``refusal`` → ``content_filter``. Usage in OpenAI terms: ``prompt_tokens`` =
-input + cache read + cache creation, ``cached_tokens`` = cache read.
-
-The input counts of ``message_start`` (which Anthropic sends before any content)
-go out as a partial :class:`~nexus.events.Usage` at the head of the first batch
-that has output, so that ``/v1/messages`` can put them in its own
-``message_start``; held until then, so that a failure before any output is still a
-failure before the stream's first event (an HTTP status, or the next target).
-The totals follow at ``message_stop``.
-"""
+"""``kind = "anthropic"``: the Anthropic Messages API, with ``x-api-key`` and
+``anthropic-version``; the codec is :mod:`nexus.protocol.anthropic_events`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
-import orjson
-
 from ..config import AnthropicProviderConfig
-from ..errors import GatewayError, InvalidRequest, UpstreamError
-from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage
-from ..protocol.json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
-from ..protocol.sse import ServerSentEvent, SSEDecoder
-from ..request import (
-    AssistantMessage,
-    ChatRequest,
-    ImagePart,
-    NamedToolChoice,
-    SystemMessage,
-    TextPart,
-    ToolMessage,
-    UserMessage,
-    message_text,
-)
-from .base import flatten
+from ..events import Delta, StreamEvent, Usage
+from ..protocol.anthropic_events import EventDecoder, messages_body
+from ..request import ChatRequest
 from .http import HTTPProvider
-from .openai import in_stream_error
 
-__all__ = ["AnthropicProvider", "StreamTranslator", "messages_body"]
-
-STOP_REASONS = {
-    "end_turn": "stop",
-    "stop_sequence": "stop",
-    "pause_turn": "stop",
-    "max_tokens": "length",
-    "model_context_window_exceeded": "length",
-    "tool_use": "tool_calls",
-    "refusal": "content_filter",
-}
-
-
-def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> dict[str, Any]:
-    """The Anthropic Messages request for ``request`` (see the module docstring)."""
-    system: list[dict[str, Any]] = []
-    turns: list[dict[str, Any]] = []
-
-    def add(role: str, blocks: list[dict[str, Any]]) -> None:
-        if turns and turns[-1]["role"] == role:
-            turns[-1]["content"].extend(blocks)
-        else:
-            turns.append({"role": role, "content": blocks})
-
-    for message in request.messages:
-        if isinstance(message, SystemMessage):
-            if isinstance(message.content, str):
-                system.append({"type": "text", "text": message.content})
-            else:
-                system.extend(_text_block(part) for part in message.content)
-        elif isinstance(message, UserMessage):
-            add("user", _user_blocks(message))
-        elif isinstance(message, AssistantMessage):
-            blocks: list[dict[str, Any]] = list(
-                (message.model_extra or {}).get("thinking_blocks") or ()
-            )
-            text = message_text(message)
-            if text:
-                blocks.append({"type": "text", "text": text})
-            for call in message.tool_calls or ():
-                blocks.append(
-                    {
-                        "type": "tool_use",
-                        "id": call.id,
-                        "name": call.function.name,
-                        "input": _arguments(call.function.arguments),
-                    }
-                )
-            if blocks:
-                add("assistant", blocks)
-        elif isinstance(message, ToolMessage):
-            add(
-                "user",
-                [
-                    {
-                        "type": "tool_result",
-                        "tool_use_id": message.tool_call_id,
-                        "content": message_text(message),
-                    }
-                ],
-            )
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": turns,
-        "max_tokens": request.token_limit or default_max_tokens,
-        "stream": True,
-    }
-    if system:
-        if any("cache_control" in block for block in system):
-            body["system"] = system
-        else:
-            body["system"] = "\n\n".join(block["text"] for block in system)
-    if request.temperature is not None:
-        body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0-1
-    if request.top_p is not None:
-        body["top_p"] = request.top_p
-    if request.stop_sequences:
-        body["stop_sequences"] = request.stop_sequences
-    if request.user:
-        body["metadata"] = {"user_id": request.user}
-    if request.tools:
-        body["tools"] = [
-            {
-                "name": tool.function.name,
-                "description": tool.function.description or "",
-                "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
-                **_extra(tool, "cache_control"),
-            }
-            for tool in request.tools
-        ]
-    choice = _tool_choice(request)
-    if choice is not None:
-        body["tool_choice"] = choice
-    extra = request.model_extra or {}
-    for key in ("thinking", "top_k"):
-        if key in extra:
-            body[key] = extra[key]
-    return body
-
-
-def _extra(model: Any, key: str) -> dict[str, Any]:
-    value = (model.model_extra or {}).get(key)
-    return {key: value} if value is not None else {}
-
-
-def _text_block(part: TextPart) -> dict[str, Any]:
-    """A text block; a ``cache_control`` from the client marks a prompt-cache breakpoint."""
-    return {"type": "text", "text": part.text, **_extra(part, "cache_control")}
-
-
-def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
-    if isinstance(message.content, str):
-        return [{"type": "text", "text": message.content}]
-    blocks: list[dict[str, Any]] = []
-    for part in message.content:
-        if isinstance(part, TextPart):
-            blocks.append(_text_block(part))
-        elif isinstance(part, ImagePart):
-            url = part.image_url.url
-            if url.startswith("data:"):
-                header, _, data = url.partition(",")
-                media_type = header[5:].split(";", 1)[0]
-                blocks.append(
-                    {
-                        "type": "image",
-                        "source": {"type": "base64", "media_type": media_type, "data": data},
-                    }
-                )
-            else:
-                blocks.append({"type": "image", "source": {"type": "url", "url": url}})
-    return blocks
-
-
-def _arguments(arguments: str) -> Any:
-    """An assistant tool call's arguments (a JSON string) as the object Anthropic wants.
-
-    The string escaped the body's depth check (it is a string there): JSON nested
-    deeper than :data:`MAX_JSON_DEPTH` is refused here, else the upstream body could
-    not be written (orjson stops at 254 levels) and the request would fail as a 500.
-    """
-    try:
-        value = orjson.loads(arguments) if arguments else {}
-    except orjson.JSONDecodeError:
-        raise InvalidRequest(
-            "an assistant tool call's arguments are not valid JSON",
-            param="messages",
-        ) from None
-    if deeper_than(value, MAX_JSON_DEPTH):
-        raise too_deep("messages", MAX_JSON_DEPTH)
-    return value
-
-
-def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
-    choice = request.tool_choice
-    out: dict[str, Any] | None
-    if choice is None:
-        out = {"type": "auto"} if request.tools and request.parallel_tool_calls is False else None
-    elif isinstance(choice, NamedToolChoice):
-        out = {"type": "tool", "name": choice.function.name}
-    else:
-        out = {"type": {"auto": "auto", "required": "any", "none": "none"}[choice]}
-    if out is not None and request.parallel_tool_calls is False and out["type"] != "none":
-        out["disable_parallel_tool_use"] = True
-    return out
-
-
-class StreamTranslator:
-    """Anthropic named events in, stream events out. Sans-I/O; one per stream."""
-
-    def __init__(self, provider: str) -> None:
-        self.provider = provider
-        self.finished = False
-        self._tool_index: dict[int, int] = {}
-        self._input = self._cache_read = self._cache_write = self._output = 0
-        self._finish: str | None = None
-        self._early: Usage | None = None  # message_start's counts, until output goes out
-        self._output_started = False
-
-    def read(
-        self, events: list[ServerSentEvent], parse: Callable[[str], dict[str, Any] | None]
-    ) -> tuple[list[StreamEvent], GatewayError | None]:
-        """The stream events of one upstream read's SSE events (``parse`` turns their data
-        into JSON objects), up to ``message_stop``; an ``error`` event comes back beside
-        the events before it, which are not lost."""
-        out: list[StreamEvent] = []
-        for sse in events:
-            data = parse(sse.data)
-            if data is None:
-                continue
-            kind = sse.event if sse.event != "message" else str(data.get("type", ""))
-            try:
-                out += self.feed(kind, data)
-            except GatewayError as exc:
-                return (out if self._output_started else self._with_early(out)), exc
-            if self.finished:
-                break
-        return (out if self._output_started else self._with_early(out)), None
-
-    def _with_early(self, out: list[StreamEvent]) -> list[StreamEvent]:
-        """``out``, led by the early input counts if it is the first output (any)."""
-        if not out:
-            return out
-        self._output_started = True
-        early, self._early = self._early, None
-        return out if early is None else [early, *out]
-
-    def feed(self, kind: str, data: dict[str, Any]) -> list[StreamEvent]:
-        match kind:
-            case "content_block_delta":
-                delta = data.get("delta") or {}
-                match delta.get("type"):
-                    case "text_delta":
-                        text = delta.get("text")
-                        return [Delta(text)] if text else []
-                    case "input_json_delta":
-                        index = self._tool_index.get(data.get("index", -1))
-                        partial = delta.get("partial_json") or ""
-                        if index is None or not partial:
-                            return []
-                        return [ToolCall(index=index, arguments=partial)]
-                    case "thinking_delta":
-                        thinking = delta.get("thinking")
-                        return [Reasoning(thinking)] if thinking else []
-                    case "signature_delta":
-                        signature = delta.get("signature")
-                        return [Reasoning("", signature=signature)] if signature else []
-                    case "citations_delta":
-                        citation = delta.get("citation") or {}
-                        return [
-                            Citation(
-                                url=citation.get("url"),
-                                title=citation.get("title") or citation.get("document_title"),
-                                quoted=citation.get("cited_text"),
-                            )
-                        ]
-                return []  # future delta types
-            case "content_block_start":
-                block = data.get("content_block") or {}
-                if block.get("type") == "tool_use":
-                    index = len(self._tool_index)
-                    self._tool_index[data.get("index", -1)] = index
-                    return [ToolCall(index=index, id=block.get("id"), name=block.get("name"))]
-                if block.get("type") == "text" and block.get("text"):
-                    return [Delta(content=block["text"])]
-                return []
-            case "message_start":
-                usage = (data.get("message") or {}).get("usage") or {}
-                self._usage(usage)
-                if usage.get("input_tokens") is not None and not self._output_started:
-                    prompt = self._input + self._cache_read + self._cache_write
-                    self._early = Usage(
-                        prompt_tokens=prompt,
-                        total_tokens=prompt,
-                        cached_tokens=self._cache_read,
-                        cache_write_tokens=self._cache_write,
-                        partial=True,
-                    )
-                return []
-            case "message_delta":
-                self._usage(data.get("usage") or {})
-                reason = (data.get("delta") or {}).get("stop_reason")
-                if reason and self._finish is None:
-                    self._finish = STOP_REASONS.get(reason, "stop")
-                    return [Delta(finish_reason=self._finish)]
-                return []
-            case "message_stop":
-                self.finished = True
-                events: list[StreamEvent] = []
-                if self._finish is None:
-                    self._finish = "stop"
-                    events.append(Delta(finish_reason="stop"))
-                prompt = self._input + self._cache_read + self._cache_write
-                events.append(
-                    Usage(
-                        prompt_tokens=prompt,
-                        completion_tokens=self._output,
-                        total_tokens=prompt + self._output,
-                        cached_tokens=self._cache_read,
-                        cache_write_tokens=self._cache_write,
-                    )
-                )
-                return events
-            case "error":
-                raise in_stream_error(self.provider, data.get("error"))
-        return []  # ping, content_block_stop, unknown events
-
-    def _usage(self, usage: dict[str, Any]) -> None:
-        # Counts are cumulative totals: later values overwrite (§3, message_delta).
-        if usage.get("input_tokens") is not None:
-            self._input = usage["input_tokens"]
-        if usage.get("cache_read_input_tokens") is not None:
-            self._cache_read = usage["cache_read_input_tokens"]
-        if usage.get("cache_creation_input_tokens") is not None:
-            self._cache_write = usage["cache_creation_input_tokens"]
-        if usage.get("output_tokens") is not None:
-            self._output = usage["output_tokens"]
+__all__ = ["AnthropicProvider"]
 
 
 class AnthropicProvider(HTTPProvider):
     kind = "anthropic"
     accepts = frozenset({"text", "image"})
+    path = "/v1/messages"
     config: AnthropicProviderConfig
 
     def headers(self) -> dict[str, str]:
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": "text/event-stream",
-            "anthropic-version": self.config.anthropic_version,
-        }
+        headers = super().headers()
+        headers["anthropic-version"] = self.config.anthropic_version
         if self._api_key:
             headers["x-api-key"] = self._api_key
         return headers
 
-    def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
-        return flatten(self.batches(request, model))
+    def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], EventDecoder]:
+        body = messages_body(request, model, self.config.default_max_tokens)
+        return body, EventDecoder(self.name)
 
-    async def batches(
-        self, request: ChatRequest, model: str
-    ) -> AsyncGenerator[list[StreamEvent], None]:
+    def batches(self, request: ChatRequest, model: str) -> AsyncGenerator[list[StreamEvent], None]:
         if request.token_limit == 0:
-            # The API requires max_tokens >= 1; zero tokens needs no upstream call.
-            yield [Delta(finish_reason="length"), Usage()]
-            return
-        payload = messages_body(request, model, self.config.default_max_tokens)
-        del request  # held by nothing for the stream's length
-        upstream = await self.post_stream("/v1/messages", payload, self.headers())
-        del payload
-        translator = StreamTranslator(self.name)
-        decode = SSEDecoder().decode
-        parse = self.payload
-        body = self.body(upstream)
-        clean = False
-        try:
-            while chunk := await body.read():
-                events, failure = translator.read(decode(chunk), parse)
-                if events:
-                    yield events
-                if failure is not None:
-                    raise failure
-                if translator.finished:
-                    clean = True
-                    return
-            raise UpstreamError(
-                f"provider {self.name!r} ended the stream without message_stop",
-                code="upstream_disconnect",
-            )
-        finally:
-            body.close()
-            await upstream.finish(clean)
+            return _no_tokens()  # the API requires max_tokens >= 1: no upstream call
+        return super().batches(request, model)
+
+
+async def _no_tokens() -> AsyncGenerator[list[StreamEvent], None]:
+    yield [Delta(finish_reason="length"), Usage()]

@@ -1,37 +1,13 @@
-"""What every HTTP upstream shares: one pooled client session, timeouts, error mapping.
+"""What every HTTP upstream shares: a pooled session, timeouts, the read loop feeding the
+body to the provider's decoder, and error mapping: aiohttp errors and upstream statuses
+become the most specific :mod:`nexus.errors` class here, once (``map_upstream_errors``,
+:func:`~nexus.protocol.upstream.status_error`). Raised before the first event, an error
+may send the engine to the next target; after, it becomes an error event.
 
-Foreign errors are translated once, here (``map_upstream_errors``), to the most
-specific :mod:`nexus.errors` class. Before the first byte of output an upstream
-failure is *raised* (the engine may fall back to another target, or the client
-gets an HTTP status); what is raised after becomes an error event.
-
-HTTP statuses from upstream, before output (issue "Real upstream providers"):
-
-====================  ===========================================================
-upstream              client sees
-====================  ===========================================================
-400, 404, 413, 422    the same status and the upstream's message (not retryable)
-429                   429 ``upstream_rate_limited``, ``Retry-After`` kept (retryable)
-401, 403              502 ``upstream_auth_error``: the gateway's credentials, not the
-                      client's, were refused; the upstream text is not passed on
-5xx and others        502 ``upstream_error`` (5xx retryable)
-connect failure       502 ``upstream_connect_error`` (retryable)
-timeouts              504 ``upstream_timeout`` (retryable before output)
-pool busy             503 ``upstream_pool_exhausted`` (retryable, ``Retry-After``): no
-                      connection of the pool freed up within ``pool_timeout_s``
-====================  ===========================================================
-
-The pool (``max_connections``): a stream holds its connection for its whole
-length, so a request past the limit queues for one. That wait is bounded
-(``pool_timeout_s``) and visible: each request's wait goes to the provider's
-``on_pool_wait`` callbacks (the ``nexus_upstream_pool_wait_seconds`` histogram)
-and is added to the call's :data:`POOL_WAITS` tally (``pool_wait_ms`` in the
-access line). Both are timed by one trace of aiohttp's public signals
-(``on_connection_queued_start`` / ``_end``), which only fire when a request
-actually queues.
-
-Keys are read from the environment variable named in the config; they are sent
-in headers only and never appear in logs, errors or ``repr``.
+A stream holds its pooled connection (``max_connections``) for its whole length; a
+request's wait for one goes to the provider's ``on_pool_wait`` callbacks (a histogram) and
+to the call's :data:`POOL_WAITS` (``pool_wait_ms`` in the access line). Keys go out in
+headers only, never in logs, errors or ``repr``.
 """
 
 from __future__ import annotations
@@ -39,48 +15,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import logging
-import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from abc import abstractmethod
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import Any, ClassVar
 
 import aiohttp
 import orjson
 
 from ..config import HTTPProviderConfig
 from ..errors import (
-    ConfigError,
-    GatewayError,
+    UpstreamConnectError,
+    UpstreamDisconnected,
     UpstreamError,
     UpstreamPoolExhausted,
     UpstreamTimeout,
 )
+from ..events import StreamEvent
+from ..protocol.upstream import UpstreamDecoder, error_text, status_error
+from ..request import ChatRequest
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider
 
-__all__ = [
-    "POOL_WAITS",
-    "BodyReader",
-    "HTTPProvider",
-    "PoolWaits",
-    "UpstreamStream",
-    "map_upstream_errors",
-    "resolve_api_key",
-]
-
-log = logging.getLogger("nexus.providers")
+__all__ = ["POOL_WAITS", "HTTPProvider", "PoolWaits", "map_upstream_errors"]
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
 
 
 class PoolWaits:
-    """What one call waited for free pooled upstream connections, over all its attempts.
-
-    ``seconds`` stays None while the call made no upstream HTTP request (a mock
-    provider, a cache hit, a joined stream).
-    """
+    """What one call waited for pooled upstream connections, over all its attempts; None
+    while it made no upstream HTTP request (a mock provider, a cache hit, a joined stream)."""
 
     __slots__ = ("seconds",)
 
@@ -94,21 +59,8 @@ class PoolWaits:
 POOL_WAITS: contextvars.ContextVar[PoolWaits | None] = contextvars.ContextVar(
     "nexus_pool_waits", default=None
 )
-"""The tally of the call being served (set by the server for each request; a stream's
-run task inherits it). Providers add each request's wait to it."""
-
-
-def resolve_api_key(name: str, config: HTTPProviderConfig) -> str | None:
-    """The key from ``api_key_env``; :class:`ConfigError` naming the variable if unset."""
-    if not config.api_key_env:
-        return None
-    key = os.environ.get(config.api_key_env)
-    if not key:
-        raise ConfigError(
-            f"[providers.{name}] api_key_env: the environment variable {config.api_key_env} "
-            "is not set (set it, or mark the provider optional = true)"
-        )
-    return key
+"""The tally of the call being served: set by the server per request, inherited by a
+stream's run task."""
 
 
 @contextlib.contextmanager
@@ -116,91 +68,23 @@ def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
     """Translate aiohttp and timeout errors into :mod:`nexus.errors` (``raise ... from``)."""
     try:
         yield
-    except GatewayError:
-        raise
     except TimeoutError as exc:
-        raise UpstreamTimeout(
-            f"provider {provider!r} timed out {phase}", code="upstream_timeout"
-        ) from exc
+        raise UpstreamTimeout(f"provider {provider!r} timed out {phase}") from exc
     except aiohttp.ClientConnectorError as exc:
-        raise UpstreamError(
-            f"cannot connect to provider {provider!r}: {exc.os_error.strerror or exc}",
-            code="upstream_connect_error",
+        raise UpstreamConnectError(
+            f"cannot connect to provider {provider!r}: {exc.os_error.strerror or exc}"
         ) from exc
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-        raise UpstreamError(
-            f"provider {provider!r} closed the connection {phase}", code="upstream_disconnect"
-        ) from exc
+        raise UpstreamDisconnected(f"provider {provider!r} closed the connection {phase}") from exc
     except aiohttp.ClientError as exc:
-        raise UpstreamError(
-            f"provider {provider!r} failed {phase}: {type(exc).__name__}",
-            code="upstream_error",
-        ) from exc
-
-
-def status_error(provider: str, status: int, body: bytes, headers: Any) -> GatewayError:
-    """The error for a non-2xx upstream response (see the module docstring)."""
-    message = _upstream_message(body)
-    if status in (400, 404, 413, 422):
-        error = GatewayError(
-            f"provider {provider!r}: {message}",
-            status=status,
-            code="upstream_invalid_request" if status != 404 else "upstream_not_found",
-            retryable=False,
-        )
-        error.error_type = "invalid_request_error"
-        return error
-    if status == 429:
-        kept = {k: headers[k] for k in ("Retry-After", "retry-after-ms") if k in headers}
-        error = GatewayError(
-            f"provider {provider!r} is rate limiting the gateway: {message}",
-            status=429,
-            code="upstream_rate_limited",
-            retryable=True,
-            headers=kept,
-        )
-        error.error_type = "rate_limit_error"
-        return error
-    if 300 <= status < 400:
-        return UpstreamError(
-            f"provider {provider!r} answered with a redirect ({status}); "
-            "redirects are not followed: check its base_url",
-            code="upstream_error",
-            retryable=False,
-        )
-    if status in (401, 403):
-        return UpstreamError(
-            f"provider {provider!r} refused the gateway's credentials ({status}); "
-            "check the key in its api_key_env",
-            code="upstream_auth_error",
-            retryable=False,
-        )
-    return UpstreamError(
-        f"provider {provider!r} answered {status}: {message}",
-        code="upstream_error",
-        retryable=status >= 500 or status in (408, 409),
-    )
-
-
-def _upstream_message(body: bytes) -> str:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        text = body.decode("utf-8", "replace").strip()
-        return text[:500] or "(no message)"
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if isinstance(data.get("message"), str):
-            return str(data["message"])
-    return orjson.dumps(data).decode()[:500]
+        raise UpstreamError(f"provider {provider!r} failed {phase}: {type(exc).__name__}") from exc
 
 
 class HTTPProvider(Provider):
-    """Base for providers that stream from an HTTP endpoint with SSE."""
+    """A provider streaming from an HTTP endpoint: a subclass gives ``path``, ``headers()``
+    and, in :meth:`upstream`, the body and the stream's decoder."""
+
+    path: ClassVar[str]
 
     def __init__(self, name: str, config: HTTPProviderConfig, api_key: str | None) -> None:
         super().__init__(name, models=config.models)
@@ -216,17 +100,15 @@ class HTTPProvider(Provider):
         return f"<{type(self).__name__} {self.name!r} {self.base_url}>"
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections,  # 0: no limit
-            enable_cleanup_closed=True,
-        )
         self._session = aiohttp.ClientSession(
-            connector=connector,
+            connector=aiohttp.TCPConnector(
+                limit=self.config.max_connections,  # 0: no limit
+                enable_cleanup_closed=True,
+            ),
             trace_configs=[_pool_wait_trace()],
             # sock_connect only: ``connect`` would also count the wait for a free
             # pooled connection, making a busy pool look like a slow upstream.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
-            json_serialize=lambda obj: orjson.dumps(obj).decode(),
         )
 
     async def close(self) -> None:
@@ -234,265 +116,177 @@ class HTTPProvider(Provider):
             await self._session.close()
             self._session = None
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError(f"provider {self.name!r} is not started")
-        return self._session
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
-    def payload(self, data: str) -> dict[str, Any] | None:
-        """An SSE event's JSON object (None for other JSON); not JSON is a protocol error."""
+    @abstractmethod
+    def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], UpstreamDecoder]:
+        """The upstream request's body for ``request``, and a decoder for its stream."""
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        """One list of events per upstream read, until the decoder's end; a body that
+        ends before it is :class:`~nexus.errors.UpstreamDisconnected`, never a success."""
+        payload, decoder = self.upstream(request, model)
+        del request  # held by nothing for the stream's length
+        exchange = _Exchange(self)
+        await exchange.send(orjson.dumps(payload))
+        del payload
+        clean = False
         try:
-            value = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise UpstreamError(
-                f"provider {self.name!r} sent an event that is not JSON",
-                code="upstream_protocol_error",
-            ) from None
-        return value if isinstance(value, dict) else None
+            while chunk := await exchange.read():
+                events = decoder.decode(chunk)
+                if events:
+                    yield events
+                if decoder.error is not None:
+                    raise decoder.error
+                if decoder.done:
+                    clean = True
+                    return
+            raise UpstreamDisconnected(
+                f"provider {self.name!r} ended the stream without {decoder.terminator}"
+            )
+        finally:
+            await exchange.finish(clean)
 
-    async def post_stream(
-        self, path: str, body: dict[str, Any], headers: dict[str, str]
-    ) -> UpstreamStream:
-        """POST ``body``; the response once its headers are in and its status is 2xx.
 
-        ``first_byte_timeout_s`` is one deadline from now to the first body bytes
-        (see :class:`BodyReader`); the wait for a free pooled connection does not
-        count: it has ``pool_timeout_s`` of its own, then
-        :class:`~nexus.errors.UpstreamPoolExhausted`. Redirects are not followed:
-        they would carry the key headers and the body to another host. With tracing
-        on, the request carries the attempt's W3C trace context (:mod:`nexus.telemetry`).
-        """
-        url = self.base_url + path
-        headers = upstream_headers(headers, url)  # the attempt's traceparent, when tracing
-        config = self.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.first_byte_timeout_s
-        wait = _PoolWait(config.first_byte_timeout_s, config.pool_timeout_s)
-        with map_upstream_errors(self.name, "before responding"):
+class _Exchange:
+    """One upstream request, from its wait for a pooled connection to its body's end.
+
+    ``first_byte_timeout_s`` runs from the request to the first body bytes, then each gap
+    between reads gets ``idle_timeout_s`` (the consumer's time does not count). A wait for
+    a pooled connection is the gateway's: while it lasts, the deadline is ``pool_timeout_s``
+    after the wait began (then :class:`~nexus.errors.UpstreamPoolExhausted`); it restarts in
+    full once a connection is free. No timer per read (a timer, a task lookup and a context
+    per token) nor per response (an idle stream's memory): the provider's one watchdog
+    cancels a read waiting past its deadline; :meth:`_expired` tells that from others.
+    """
+
+    __slots__ = (
+        "_cancelled",
+        "_deadline",
+        "_now",
+        "_phase",
+        "_provider",
+        "_readany",
+        "_task",
+        "_timeout",
+        "_waiting",
+        "queued_at",
+        "response",
+        "waited",
+    )
+
+    def __init__(self, provider: HTTPProvider) -> None:
+        self._provider = provider
+        self._now = asyncio.get_running_loop().time
+        self._timeout: asyncio.Timeout | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = self._waiting = False
+        self.queued_at: float | None = None  # when the current wait for a connection began
+        self.waited = 0.0
+
+    async def send(self, body: bytes) -> None:
+        """POST ``body``; the response, once its status is 2xx. Redirects are not followed:
+        they would carry the key to another host."""
+        provider, config = self._provider, self._provider.config
+        if provider._session is None:
+            raise RuntimeError(f"provider {provider.name!r} is not started")
+        url = provider.base_url + provider.path
+        with map_upstream_errors(provider.name, "before responding"):
             try:
-                async with asyncio.timeout_at(deadline) as timeout:
-                    wait.timeout = timeout
-                    response = await self.session.post(
+                async with asyncio.timeout(config.first_byte_timeout_s) as self._timeout:
+                    response = await provider._session.post(
                         url,
-                        data=orjson.dumps(body),
-                        headers=headers,
+                        data=body,
+                        headers=upstream_headers(provider.headers(), url),
                         allow_redirects=False,
-                        trace_request_ctx=wait,
+                        trace_request_ctx=self,
                     )
-                    deadline = timeout.when() or deadline
-                    if response.status >= 300:
+                    self._deadline = self._timeout.when() or self._now()
+                    if (status := response.status) >= 300:
                         try:
-                            payload = await _read_capped(response, _MAX_ERROR_BODY)
+                            text = error_text(await _read_capped(response, _MAX_ERROR_BODY))
                         finally:
                             response.close()
-                        raise status_error(self.name, response.status, payload, response.headers)
-            except TimeoutError:
-                if wait.queued_at is None:
+                        message = f"provider {provider.name!r} answered {status}: {text}"
+                        raise status_error(provider.name, status, message, response.headers)
+            except TimeoutError as exc:
+                if self.queued_at is None:
                     raise
                 raise UpstreamPoolExhausted(
-                    f"provider {self.name!r}: all {config.max_connections} connections stayed "
-                    f"busy for {config.pool_timeout_s:g}s; retry shortly",
+                    f"provider {provider.name!r}: all {config.max_connections} connections "
+                    f"stayed busy for {config.pool_timeout_s:g}s; retry shortly",
                     headers={"Retry-After": "1"},
-                ) from None
+                ) from exc
             finally:
-                self._waited(wait.seconds(loop.time()))
-        return UpstreamStream(response, deadline)
-
-    def _waited(self, seconds: float) -> None:
-        """One request's pool wait: to the metrics and to the call's tally."""
-        for observe in self.on_pool_wait:
-            observe(seconds)
-        tally = POOL_WAITS.get()
-        if tally is not None:
-            tally.add(seconds)
-
-    def body(self, upstream: UpstreamStream) -> BodyReader:
-        """The response body, read with this provider's timeouts."""
-        config = self.config
-        tick = min(config.first_byte_timeout_s, config.idle_timeout_s) / 8
-        return BodyReader(
-            self.name, upstream, config.idle_timeout_s, self._watchdog, min(tick, 1.0)
-        )
-
-
-class BodyReader:
-    """A streaming response's body, read by ``await read()`` (``b""`` at its end).
-
-    Read with the first-byte and idle timeouts: the first body bytes must arrive
-    by the deadline set when the request went out, each later gap within
-    ``idle_timeout_s``; time spent by the consumer between reads does not count.
-    The caller decides whether the end was a clean one, and calls :meth:`close`.
-    An object rather than an async generator: a stream holds its few fields, not
-    a suspended frame.
-    """
-
-    __slots__ = ("_deadline", "_idle", "_now", "_phase", "_provider", "_readany", "_timer")
-
-    def __init__(
-        self,
-        provider: str,
-        upstream: UpstreamStream,
-        idle: float,
-        watchdog: Watchdog,
-        tick: float,
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        self._provider = provider
-        self._readany = upstream.response.content.readany
-        self._now = loop.time
-        self._idle = idle
-        self._deadline = upstream.deadline
+                waited = self.waited
+                if self.queued_at is not None:
+                    waited += self._now() - self.queued_at
+                for observe in provider.on_pool_wait:
+                    observe(waited)
+                tally = POOL_WAITS.get()
+                if tally is not None:
+                    tally.add(waited)
+        self.response = response
+        self._readany = response.content.readany
         self._phase = "before the first byte"
-        self._timer = _ReadTimer(watchdog, tick)
-
-    async def read(self) -> bytes:
-        timer = self._timer
-        timer.arm(self._deadline)
-        try:
-            chunk = await self._readany()
-        except asyncio.CancelledError:
-            if not timer.expired():
-                raise
-            error: BaseException = TimeoutError()
-        except Exception as exc:
-            error = exc
-        else:
-            timer.waiting = False
-            if chunk:
-                self._deadline = self._now() + self._idle
-                self._phase = "between chunks"
-            return chunk
-        with map_upstream_errors(self._provider, self._phase):
-            raise error
-
-    def close(self) -> None:
-        self._timer.close()
-
-
-class _ReadTimer:
-    """The first-byte and idle timeouts of one response, on the provider's watchdog.
-
-    A timer per read (``asyncio.timeout`` around every ``readany()``) costs a timer,
-    a task lookup and a context per token, and a timer handle per response costs
-    each idle stream its memory (~0.5 KB on uvloop). Instead the provider's one
-    watchdog ticks for every response being read (at 1/8 of the shorter timeout, at
-    most a second apart) and cancels a read that is waiting past its deadline;
-    :meth:`expired` tells that cancellation from others. Time outside reads (the
-    consumer's) never counts.
-    """
-
-    __slots__ = ("_cancelled", "_task", "_watchdog", "deadline", "waiting")
-
-    def __init__(self, watchdog: Watchdog, tick: float) -> None:
-        self._task: asyncio.Task[Any] | None = None
-        self._cancelled = False
-        self._watchdog = watchdog
-        self.deadline = 0.0
-        self.waiting = False
-        watchdog.add(self, tick)
-
-    def arm(self, deadline: float) -> None:
-        """A read may wait from now until ``deadline``."""
-        self.deadline = deadline
-        self.waiting = True
-        self._task = asyncio.current_task()  # the reader: the one to cancel
-
-    def check(self, now: float) -> None:
-        task = self._task
-        if self.waiting and now >= self.deadline and not self._cancelled and task is not None:
-            self._cancelled = True
-            task.cancel()
-
-    def expired(self) -> bool:
-        """Whether the cancellation being handled is this timer's alone (then: a timeout)."""
-        if not self._cancelled or self._task is None:
-            return False
-        self._cancelled = False
-        self.waiting = False
-        return self._task.uncancel() == 0
-
-    def close(self) -> None:
-        self.waiting = False
-        self._watchdog.discard(self)
-
-
-class _PoolWait:
-    """One request's wait for a pooled connection, and the deadline it runs under.
-
-    With every connection of the pool in use (streams hold theirs for their
-    whole length), a request queues. That wait is the gateway's, not the
-    upstream's slowness: while it lasts, the request's one timeout is moved from
-    the first-byte deadline to ``pool_timeout_s`` after the wait began (so
-    re-queueing, which aiohttp may do, never extends it), and restarts in full
-    for the first byte once a connection is free. The timeout firing while
-    ``queued_at`` is set means the pool stayed full.
-    """
-
-    __slots__ = ("first_byte", "limit", "queued_at", "timeout", "waited")
-
-    def __init__(self, first_byte: float, limit: float) -> None:
-        self.first_byte = first_byte
-        self.limit = limit
-        self.timeout: asyncio.Timeout | None = None
-        self.queued_at: float | None = None
-        """Loop time the current wait began; None while not waiting."""
-        self.waited = 0.0
+        tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
+        provider._watchdog.add(self, tick)
 
     def queued(self, now: float) -> None:
         if self.queued_at is None:
             self.queued_at = now
-        if self.timeout is not None:
-            self.timeout.reschedule(now - self.waited + self.limit)
+        if self._timeout is not None:
+            self._timeout.reschedule(now - self.waited + self._provider.config.pool_timeout_s)
 
     def dequeued(self, now: float) -> None:
         if self.queued_at is not None:
             self.waited += now - self.queued_at
             self.queued_at = None
-        if self.timeout is not None:
-            self.timeout.reschedule(now + self.first_byte)
+        if self._timeout is not None:
+            self._timeout.reschedule(now + self._provider.config.first_byte_timeout_s)
 
-    def seconds(self, now: float) -> float:
-        """The whole wait so far (a wait cut short counts until ``now``)."""
-        if self.queued_at is None:
-            return self.waited
-        return self.waited + now - self.queued_at
+    async def read(self) -> bytes:
+        """The next bytes of the body; ``b""`` at its end."""
+        self._waiting = True
+        self._task = asyncio.current_task()  # the reader: the one to cancel
+        try:
+            chunk = await self._readany()
+        except asyncio.CancelledError:
+            if not self._expired():
+                raise
+            error: BaseException = TimeoutError()
+        except Exception as exc:
+            error = exc
+        else:
+            self._waiting = False
+            if chunk:
+                self._deadline = self._now() + self._provider.config.idle_timeout_s
+                self._phase = "between chunks"
+            return chunk
+        with map_upstream_errors(self._provider.name, self._phase):
+            raise error
 
+    def check(self, now: float) -> None:
+        """The watchdog's tick: cancel the read waiting past its deadline."""
+        if self._waiting and now >= self._deadline and not self._cancelled and self._task:
+            self._cancelled = True
+            self._task.cancel()
 
-def _pool_wait_trace() -> aiohttp.TraceConfig:
-    trace = aiohttp.TraceConfig()
-
-    async def queued(session: object, context: Any, params: object) -> None:
-        wait = context.trace_request_ctx
-        if isinstance(wait, _PoolWait):
-            wait.queued(asyncio.get_running_loop().time())
-
-    async def dequeued(session: object, context: Any, params: object) -> None:
-        wait = context.trace_request_ctx
-        if isinstance(wait, _PoolWait):
-            wait.dequeued(asyncio.get_running_loop().time())
-
-    trace.on_connection_queued_start.append(queued)
-    trace.on_connection_queued_end.append(dequeued)
-    return trace
-
-
-class UpstreamStream:
-    """A streaming upstream response and its first-byte deadline."""
-
-    __slots__ = ("deadline", "response")
-
-    def __init__(self, response: aiohttp.ClientResponse, deadline: float) -> None:
-        self.response = response
-        self.deadline = deadline
+    def _expired(self) -> bool:
+        """Whether the cancellation being handled is the watchdog's alone (a timeout)."""
+        if not self._cancelled or self._task is None:
+            return False
+        self._cancelled = self._waiting = False
+        return self._task.uncancel() == 0
 
     async def finish(self, clean: bool) -> None:
-        """Give the connection back to the pool after a clean end, else drop it.
-
-        After the protocol's last event only the body's end is left to read;
-        reading it (briefly) keeps the keep-alive connection. Dropping it on
-        cancellation is what makes the upstream see the client leave at once.
-        """
+        """Give the connection back to the pool after a clean end (reading, briefly, the
+        rest of the body keeps it alive), else drop it: the upstream sees the client leave."""
+        self._waiting = False
+        self._provider._watchdog.discard(self)
         response = self.response
         if clean:
             try:
@@ -506,14 +300,25 @@ class UpstreamStream:
         response.close()
 
 
+def _pool_wait_trace() -> aiohttp.TraceConfig:
+    """aiohttp's public signals of a request queueing for a pooled connection, to its
+    :class:`_Exchange` (they fire only when a request actually queues)."""
+
+    async def queued(session: object, context: Any, params: object) -> None:
+        context.trace_request_ctx.queued(asyncio.get_running_loop().time())
+
+    async def dequeued(session: object, context: Any, params: object) -> None:
+        context.trace_request_ctx.dequeued(asyncio.get_running_loop().time())
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_queued_start.append(queued)
+    trace.on_connection_queued_end.append(dequeued)
+    return trace
+
+
 async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
     """The body up to ``limit`` bytes, however many reads it takes."""
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await response.content.read(limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
+    body = b""
+    while len(body) < limit and (chunk := await response.content.read(limit - len(body))):
+        body += chunk
+    return body

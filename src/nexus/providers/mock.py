@@ -1,26 +1,14 @@
-"""The built-in deterministic provider: the default of ``config.toml``.
+"""The built-in deterministic provider: the default of ``config.toml`` (README, "Mock provider").
 
-Without a script it echoes the last user message, one word-sized delta at a
-time (a word keeps the whitespace before it). Non-text parts of that message
-are echoed as ``[image <mime_type> <N> bytes]`` / ``[audio <format> <N> bytes]``
-(``N`` = decoded bytes; ``[image <url>]`` for a linked image).
-
-A ``mock`` object in the request body scripts it (README, "Mock provider"):
-``content``, ``reasoning``, ``tool_calls``, ``delay_ms``, ``fail_after``, ``usage``.
-
-Order of output: reasoning words, content words, then each tool call (an opening
-fragment with id and name, then the arguments in 8-character fragments), then
-a finish delta and a usage event. Every one of those data events is one
-"chunk" and one completion token:
-
-- ``max_tokens`` / ``max_completion_tokens`` stops after that many chunks, with
-  ``finish_reason: "length"``;
-- ``stop`` cuts the content before the earliest stop sequence (``"stop"``);
-- ``fail_after: N`` raises an upstream error after N chunks (or before the
-  finish, if the script has fewer);
-- usage: ``prompt_tokens`` = whitespace-separated words in the text of all
-  messages, ``completion_tokens`` = chunks emitted, ``reasoning_tokens`` = the
-  reasoning chunks (when there is reasoning); ``mock.usage`` overrides any of them.
+Unscripted, it echoes the last user message in word-sized deltas (a word keeps the
+whitespace before it); an image or audio part as ``[image <mime_type> <N> bytes]`` /
+``[audio <format> <N> bytes]`` (``N`` decoded bytes; ``[image <url>]`` for a link). A
+``mock`` object in the request scripts ``content``, ``reasoning``, ``tool_calls``,
+``delay_ms``, ``fail_after`` and ``usage``. Reasoning words, content words and tool-call
+fragments (the arguments 8 characters at a time) are one chunk and one completion token
+each: ``max_tokens`` stops after that many (``length``), ``fail_after: N`` fails after N
+(or before the finish); ``stop`` cuts the content at the earliest stop sequence. Usage
+counts the words of all messages as the prompt, unless ``mock.usage`` says otherwise.
 """
 
 from __future__ import annotations
@@ -41,6 +29,7 @@ from ..request import (
     ChatRequest,
     ImagePart,
     MockScript,
+    MockUsage,
     TextPart,
     UserMessage,
     message_text,
@@ -70,34 +59,30 @@ class MockProvider(Provider):
         self, request: ChatRequest, model: str
     ) -> AsyncGenerator[list[StreamEvent], None]:
         script = request.mock or _NO_SCRIPT
-        delay = script.delay_ms / 1000
-        limit = request.token_limit
-        fail_after = script.fail_after
-        emitted = 0
-        reasoning_chunks = 0
+        delay, limit, fail_after = script.delay_ms / 1000, request.token_limit, script.fail_after
+        emitted = reasoning_chunks = 0
         finish = "stop"
-
         content = script.content if script.content is not None else echo(request)
         cuts = [i for i in (content.find(s) for s in request.stop_sequences) if i != -1]
-        if cuts:
-            content = content[: min(cuts)]
+        content = content[: min(cuts, default=len(content))]
 
-        for kind, event in _script_events(request, script, content):
+        for event in _script_events(request, script, content):
             if fail_after is not None and emitted >= fail_after:
-                raise _scripted_failure(emitted)
+                break
             if limit is not None and emitted >= limit:
                 finish = "length"
                 break
             if delay and emitted:
                 await asyncio.sleep(delay)
-            if kind == "reasoning":
+            if type(event) is Reasoning:
                 reasoning_chunks += 1
-            elif kind == "tool":
+            elif type(event) is ToolCall:
                 finish = "tool_calls"
             emitted += 1
             yield [event]
         if fail_after is not None and finish != "length":
-            raise _scripted_failure(emitted)
+            message = f"mock provider failed after {emitted} chunks, as scripted by mock.fail_after"
+            raise UpstreamError(message)
         if delay and emitted:
             await asyncio.sleep(delay)
         yield [Delta(finish_reason=finish)]
@@ -107,36 +92,18 @@ class MockProvider(Provider):
 _NO_SCRIPT = MockScript()
 
 
-def _scripted_failure(emitted: int) -> UpstreamError:
-    return UpstreamError(
-        f"mock provider failed after {emitted} chunks, as scripted by mock.fail_after",
-        code="upstream_error",
-    )
-
-
-def _script_events(
-    request: ChatRequest, script: MockScript, content: str
-) -> Iterator[tuple[str, StreamEvent]]:
-    if script.reasoning:
-        for piece in words(script.reasoning):
-            yield "reasoning", Reasoning(piece)
-    for piece in words(content):
-        yield "content", Delta(content=piece)
+def _script_events(request: ChatRequest, script: MockScript, content: str) -> Iterator[StreamEvent]:
+    yield from map(Reasoning, words(script.reasoning or ""))
+    yield from map(Delta, words(content))
     for index, call in enumerate(script.tool_calls or ()):
-        arguments = (
-            call.arguments
-            if isinstance(call.arguments, str)
-            else orjson.dumps(call.arguments).decode()
-        )
-        digest = hashlib.sha256(
-            f"{len(request.messages)}:{index}:{call.name}:{arguments}".encode()
-        ).hexdigest()[:24]
-        yield "tool", ToolCall(index=index, id=f"call_{digest}", name=call.name, arguments="")
+        arguments = call.arguments
+        if not isinstance(arguments, str):
+            arguments = orjson.dumps(arguments).decode()
+        seed = f"{len(request.messages)}:{index}:{call.name}:{arguments}"
+        digest = hashlib.sha256(seed.encode()).hexdigest()[:24]
+        yield ToolCall(index=index, id=f"call_{digest}", name=call.name)
         for start in range(0, len(arguments), ARGUMENT_FRAGMENT):
-            yield (
-                "tool",
-                ToolCall(index=index, arguments=arguments[start : start + ARGUMENT_FRAGMENT]),
-            )
+            yield ToolCall(index=index, arguments=arguments[start : start + ARGUMENT_FRAGMENT])
 
 
 def echo(request: ChatRequest) -> str:
@@ -176,27 +143,19 @@ def _decoded_size(data: str, field: str) -> int:
 
 
 def _usage(request: ChatRequest, script: MockScript, emitted: int, reasoning: int) -> Usage:
-    prompt = sum(len(_COUNT.findall(message_text(m))) for m in request.messages)
-    override = script.usage
-    if override is None:
-        return Usage(
-            prompt_tokens=prompt,
-            completion_tokens=emitted,
-            total_tokens=prompt + emitted,
-            reasoning_tokens=reasoning if script.reasoning else None,
-        )
-    prompt = override.prompt_tokens if override.prompt_tokens is not None else prompt
-    completion = override.completion_tokens if override.completion_tokens is not None else emitted
+    given = script.usage or MockUsage()
+    prompt = given.prompt_tokens
+    if prompt is None:
+        prompt = sum(len(_COUNT.findall(message_text(m))) for m in request.messages)
+    completion = emitted if given.completion_tokens is None else given.completion_tokens
+    if given.reasoning_tokens is not None:
+        reasoning_tokens: int | None = given.reasoning_tokens
+    else:
+        reasoning_tokens = reasoning if script.reasoning else None
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=(
-            override.total_tokens if override.total_tokens is not None else prompt + completion
-        ),
-        cached_tokens=override.cached_tokens,
-        reasoning_tokens=(
-            override.reasoning_tokens
-            if override.reasoning_tokens is not None
-            else (reasoning if script.reasoning else None)
-        ),
+        total_tokens=prompt + completion if given.total_tokens is None else given.total_tokens,
+        cached_tokens=given.cached_tokens,
+        reasoning_tokens=reasoning_tokens,
     )

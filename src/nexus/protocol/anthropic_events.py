@@ -1,0 +1,281 @@
+"""The upstream side of the Anthropic Messages API (docs/protocols.md §3). Sans-I/O.
+
+:func:`messages_body` writes the request (one role's consecutive messages merged: the API
+wants them alternating; ``max_tokens``, required, defaults to ``default_max_tokens``).
+:class:`EventDecoder` reads the stream; usage in OpenAI terms: ``prompt_tokens`` = input +
+cache read + cache creation, ``cached_tokens`` = cache read. ``message_start``'s input
+counts go out as a partial :class:`~nexus.events.Usage` leading the first read with
+output (``/v1/messages`` puts them in its own ``message_start``), not before: a failure
+before any output stays one before the first event (an HTTP status, or the next target).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+
+from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
+from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..request import (
+    AssistantMessage,
+    ChatRequest,
+    ImagePart,
+    NamedToolChoice,
+    SystemMessage,
+    TextPart,
+    ToolMessage,
+    UserMessage,
+    message_text,
+)
+from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
+from .sse import SSEDecoder
+from .upstream import in_stream_error
+
+__all__ = ["EventDecoder", "messages_body"]
+
+_FINISH_REASONS = {  # others (end_turn, stop_sequence, pause_turn): stop
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+
+
+def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> dict[str, Any]:
+    """The Anthropic Messages request for ``request``."""
+    system: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"].extend(blocks)
+        else:
+            turns.append({"role": role, "content": blocks})
+
+    for message in request.messages:
+        if isinstance(message, SystemMessage):
+            if isinstance(message.content, str):
+                system.append({"type": "text", "text": message.content})
+            else:
+                system.extend(_text_block(part) for part in message.content)
+        elif isinstance(message, UserMessage):
+            add("user", _user_blocks(message))
+        elif isinstance(message, AssistantMessage):
+            blocks: list[dict[str, Any]] = list(
+                (message.model_extra or {}).get("thinking_blocks") or ()
+            )
+            text = message_text(message)
+            if text:
+                blocks.append({"type": "text", "text": text})
+            for call in message.tool_calls or ():
+                use = {"type": "tool_use", "id": call.id, "name": call.function.name}
+                blocks.append({**use, "input": _arguments(call.function.arguments)})
+            if blocks:
+                add("assistant", blocks)
+        elif isinstance(message, ToolMessage):
+            result = {"type": "tool_result", "tool_use_id": message.tool_call_id}
+            add("user", [{**result, "content": message_text(message)}])
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": turns,
+        "max_tokens": request.token_limit or default_max_tokens,
+        "stream": True,
+    }
+    if system:  # a string unless a block carries a cache mark
+        marked = any("cache_control" in block for block in system)
+        body["system"] = system if marked else "\n\n".join(block["text"] for block in system)
+    if request.temperature is not None:
+        body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0-1
+    if request.top_p is not None:
+        body["top_p"] = request.top_p
+    if request.stop_sequences:
+        body["stop_sequences"] = request.stop_sequences
+    if request.user:
+        body["metadata"] = {"user_id": request.user}
+    if request.tools:
+        body["tools"] = [
+            {
+                "name": tool.function.name,
+                "description": tool.function.description or "",
+                "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
+                **_extra(tool, "cache_control"),
+            }
+            for tool in request.tools
+        ]
+    choice = _tool_choice(request)
+    if choice is not None:
+        body["tool_choice"] = choice
+    extra = request.model_extra or {}
+    for key in ("thinking", "top_k"):
+        if key in extra:
+            body[key] = extra[key]
+    return body
+
+
+def _extra(model: Any, key: str) -> dict[str, Any]:
+    value = (model.model_extra or {}).get(key)
+    return {key: value} if value is not None else {}
+
+
+def _text_block(part: TextPart) -> dict[str, Any]:
+    """A text block; a ``cache_control`` from the client marks a prompt-cache breakpoint."""
+    return {"type": "text", "text": part.text, **_extra(part, "cache_control")}
+
+
+def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"type": "text", "text": message.content}]
+    blocks: list[dict[str, Any]] = []
+    for part in message.content:
+        if isinstance(part, TextPart):
+            blocks.append(_text_block(part))
+        elif isinstance(part, ImagePart):
+            url = part.image_url.url
+            source = {"type": "url", "url": url}
+            if url.startswith("data:"):
+                header, _, data = url.partition(",")
+                media_type = header[5:].split(";", 1)[0]
+                source = {"type": "base64", "media_type": media_type, "data": data}
+            blocks.append({"type": "image", "source": source})
+    return blocks
+
+
+def _arguments(arguments: str) -> Any:
+    """An assistant tool call's arguments (a JSON string) as the object Anthropic wants.
+    Being a string, it escaped the body's depth check: too deep is refused here, else the
+    upstream body could not be written (orjson stops at 254 levels): a 500."""
+    try:
+        value = orjson.loads(arguments) if arguments else {}
+    except orjson.JSONDecodeError:
+        message = "an assistant tool call's arguments are not valid JSON"
+        raise InvalidRequest(message, param="messages") from None
+    if deeper_than(value, MAX_JSON_DEPTH):
+        raise too_deep("messages", MAX_JSON_DEPTH)
+    return value
+
+
+def _tool_choice(request: ChatRequest) -> dict[str, Any] | None:
+    choice = request.tool_choice
+    out: dict[str, Any] | None
+    if choice is None:
+        out = {"type": "auto"} if request.tools and request.parallel_tool_calls is False else None
+    elif isinstance(choice, NamedToolChoice):
+        out = {"type": "tool", "name": choice.function.name}
+    else:
+        out = {"type": {"auto": "auto", "required": "any", "none": "none"}[choice]}
+    if out is not None and request.parallel_tool_calls is False and out["type"] != "none":
+        out["disable_parallel_tool_use"] = True
+    return out
+
+
+class EventDecoder:
+    """One stream's body to events (:class:`~nexus.protocol.upstream.UpstreamDecoder`:
+    ``message_stop`` sets ``done``)."""
+
+    terminator: ClassVar[str] = "message_stop"
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider
+        self.done = False
+        self.error: UpstreamError | None = None
+        self._sse = SSEDecoder().decode
+        self._tool_index: dict[int, int] = {}
+        self._counts = dict.fromkeys(_COUNTS, 0)
+        self._finish: str | None = None
+        self._early: Usage | None = None  # message_start's counts, until output goes out
+        self._started = False  # output went out
+
+    def decode(self, chunk: bytes) -> list[StreamEvent]:
+        out: list[StreamEvent] = []
+        for sse in self._sse(chunk):
+            try:
+                data = orjson.loads(sse.data)
+            except orjson.JSONDecodeError:
+                self.error = UpstreamProtocolError(
+                    f"provider {self.provider!r} sent an event that is not JSON"
+                )
+                break
+            if type(data) is dict:
+                out += self._event(sse.event if sse.event != "message" else data.get("type"), data)
+                if self.done or self.error:
+                    break
+        if out and not self._started:
+            self._started = True
+            if self._early is not None:
+                out.insert(0, self._early)
+        return out
+
+    def _event(self, kind: object, data: dict[str, Any]) -> list[StreamEvent]:
+        match kind:
+            case "content_block_delta":
+                delta = data.get("delta") or {}
+                match delta.get("type"):
+                    case "text_delta":
+                        text = delta.get("text")
+                        return [Delta(text)] if text else []
+                    case "input_json_delta":
+                        index = self._tool_index.get(data.get("index", -1))
+                        partial = delta.get("partial_json")
+                        if index is None or not partial:
+                            return []
+                        return [ToolCall(index, arguments=partial)]
+                    case "thinking_delta":
+                        thinking = delta.get("thinking")
+                        return [Reasoning(thinking)] if thinking else []
+                    case "signature_delta":
+                        signature = delta.get("signature")
+                        return [Reasoning("", signature=signature)] if signature else []
+                    case "citations_delta":
+                        citation = delta.get("citation") or {}
+                        title = citation.get("title") or citation.get("document_title")
+                        return [Citation(citation.get("url"), title, citation.get("cited_text"))]
+                return []  # future delta types
+            case "content_block_start":
+                block = data.get("content_block") or {}
+                if block.get("type") == "tool_use":
+                    index = self._tool_index[data.get("index", -1)] = len(self._tool_index)
+                    return [ToolCall(index=index, id=block.get("id"), name=block.get("name"))]
+                if block.get("type") == "text" and block.get("text"):
+                    return [Delta(content=block["text"])]
+            case "message_start":
+                usage = (data.get("message") or {}).get("usage") or {}
+                self._count(usage)
+                if usage.get("input_tokens") is not None and not self._started:
+                    self._early = self._usage(partial=True)
+            case "message_delta":
+                self._count(data.get("usage") or {})
+                reason = (data.get("delta") or {}).get("stop_reason")
+                if reason and self._finish is None:
+                    self._finish = _FINISH_REASONS.get(reason, "stop")
+                    return [Delta(finish_reason=self._finish)]
+            case "message_stop":
+                self.done = True
+                if self._finish is None:
+                    self._finish = "stop"
+                    return [Delta(finish_reason="stop"), self._usage()]
+                return [self._usage()]
+            case "error":
+                self.error = in_stream_error(self.provider, data.get("error"))
+        return []  # ping, content_block_stop, unknown events
+
+    def _count(self, usage: dict[str, Any]) -> None:
+        # Counts are cumulative totals: later values overwrite (§3, message_delta).
+        for key, value in usage.items():
+            if key in self._counts and value is not None:
+                self._counts[key] = value
+
+    def _usage(self, partial: bool = False) -> Usage:
+        counts = self._counts
+        cached, written = counts["cache_read_input_tokens"], counts["cache_creation_input_tokens"]
+        prompt = counts["input_tokens"] + cached + written
+        output = 0 if partial else counts["output_tokens"]
+        return Usage(prompt, output, prompt + output, cached, written, partial=partial)
+
+
+_COUNTS = (
+    "input_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "output_tokens",
+)

@@ -1,0 +1,109 @@
+"""What the upstream codecs share: the decoders' shape, and the map from an upstream's
+error (a status, or an error object in the stream) to the most specific class."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+import orjson
+
+from ..errors import (
+    UpstreamAuthError,
+    UpstreamError,
+    UpstreamInvalidRequest,
+    UpstreamOverloaded,
+    UpstreamRateLimited,
+    UpstreamServerError,
+)
+from ..events import StreamEvent
+
+__all__ = ["UpstreamDecoder", "error_text", "in_stream_error", "status_error"]
+
+
+class UpstreamDecoder(Protocol):
+    """A stream's body, read by read: ``decode(chunk)`` gives the events the bytes completed;
+    then ``error``, if set, is to be raised once they are out (an error object in the
+    stream, data that is not JSON), and ``done`` says ``terminator`` came. Nothing after
+    either is read."""
+
+    terminator: ClassVar[str]
+    done: bool
+    error: UpstreamError | None
+
+    def decode(self, chunk: bytes) -> list[StreamEvent]: ...
+
+
+def status_error(
+    provider: str,
+    status: int,
+    message: str,
+    headers: Mapping[str, str] | None = None,
+    *,
+    code: str | None = None,
+    error_type: str | None = None,
+) -> UpstreamError:
+    """The error for an upstream's non-2xx ``status`` (``message`` quoting its text):
+    400/404/413/422 keep their status; 401/403 drop the text, which may quote the key;
+    429 keeps ``Retry-After``; redirects are not followed (they would carry the key)."""
+    if status in (401, 403):
+        return UpstreamAuthError(provider, f" ({status})")
+    if status in (400, 404, 413, 422):
+        code = code or ("upstream_not_found" if status == 404 else None)
+        return UpstreamInvalidRequest(message, status=status, code=code, error_type=error_type)
+    if status == 429:
+        headers = headers or {}
+        kept = {k: headers[k] for k in ("Retry-After", "retry-after-ms") if k in headers}
+        return UpstreamRateLimited(message, code=code, error_type=error_type, headers=kept)
+    if status in (503, 529):
+        return UpstreamOverloaded(message, code=code, error_type=error_type)
+    if status >= 500:
+        return UpstreamServerError(message, code=code, error_type=error_type)
+    if 300 <= status < 400:
+        message = f"provider {provider!r} answered {status}, a redirect: check its base_url"
+    return UpstreamError(message, code=code, retryable=status in (408, 409))
+
+
+def error_text(body: bytes) -> str:
+    """The message of an upstream's error body: ``error.message``, ``error`` or ``message``
+    of a JSON object, else the start of the text."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace").strip()[:500] or "(no message)"
+    if isinstance(data, dict):
+        error = data.get("error")
+        for text in (
+            error.get("message") if isinstance(error, dict) else error,
+            data.get("message"),
+        ):
+            if isinstance(text, str):
+                return text
+    return orjson.dumps(data).decode()[:500]
+
+
+_STATUS_OF_TYPE = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "rate_limit_error": 429,
+    "overloaded_error": 529,
+}
+
+
+def in_stream_error(provider: str, error: Any) -> UpstreamError:
+    """The error for an error object inside the stream (docs/protocols.md §2, §3): its
+    ``type`` stands for a status (:func:`status_error`); the type and the code
+    (``upstream_error`` if none) reach the client as they came."""
+    if not isinstance(error, dict):
+        error = {"message": str(error)}
+    kind, code = error.get("type"), error.get("code")
+    kind = kind if isinstance(kind, str) and kind else None
+    return status_error(
+        provider,
+        _STATUS_OF_TYPE.get(kind or "", 500),
+        f"provider {provider!r}: {error.get('message') or 'error inside the stream'}",
+        code=code if isinstance(code, str) and code else "upstream_error",
+        error_type=kind,
+    )

@@ -1,0 +1,253 @@
+"""Upstream failures to error classes, mapped once: a status (``status_error``), an error
+object in the stream (``in_stream_error``), a foreign exception (``map_upstream_errors``);
+then what the client sees, and which of them send the engine to the next target."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+
+from nexus import Engine
+from nexus.config import parse_config
+from nexus.errors import (
+    GatewayError,
+    InvalidRequest,
+    UpstreamAuthError,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamInvalidRequest,
+    UpstreamOverloaded,
+    UpstreamRateLimited,
+    UpstreamServerError,
+    UpstreamTimeout,
+)
+from nexus.events import Delta
+from nexus.protocol.upstream import error_text, in_stream_error, status_error
+from nexus.providers.http import map_upstream_errors
+from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_error_body
+
+KEY_ENV = "NEXUS_TEST_UPSTREAM_ERRORS_KEY"
+SECRET = "sk-upstream-errors-0123456789"
+
+
+@pytest.mark.parametrize(
+    ("status", "cls", "client_status", "code", "error_type", "retryable"),
+    [
+        (400, UpstreamInvalidRequest, 400, "upstream_invalid_request", "invalid_request_error", 0),
+        (404, UpstreamInvalidRequest, 404, "upstream_not_found", "invalid_request_error", 0),
+        (413, UpstreamInvalidRequest, 413, "upstream_invalid_request", "invalid_request_error", 0),
+        (422, UpstreamInvalidRequest, 422, "upstream_invalid_request", "invalid_request_error", 0),
+        (401, UpstreamAuthError, 502, "upstream_auth_error", "upstream_error", 0),
+        (403, UpstreamAuthError, 502, "upstream_auth_error", "upstream_error", 0),
+        (429, UpstreamRateLimited, 429, "upstream_rate_limited", "rate_limit_error", 1),
+        (500, UpstreamServerError, 502, "upstream_error", "upstream_error", 1),
+        (502, UpstreamServerError, 502, "upstream_error", "upstream_error", 1),
+        (503, UpstreamOverloaded, 502, "upstream_error", "upstream_error", 1),
+        (529, UpstreamOverloaded, 502, "upstream_error", "upstream_error", 1),
+        (301, UpstreamError, 502, "upstream_error", "upstream_error", 0),
+        (408, UpstreamError, 502, "upstream_error", "upstream_error", 1),
+        (409, UpstreamError, 502, "upstream_error", "upstream_error", 1),
+        (418, UpstreamError, 502, "upstream_error", "upstream_error", 0),
+    ],
+)
+def test_status_to_class(
+    status: int, cls: type, client_status: int, code: str, error_type: str, retryable: int
+) -> None:
+    headers = {"Retry-After": "7", "retry-after-ms": "6500", "X-Other": "x"}
+    error = status_error("up", status, f"provider 'up' answered {status}: {SECRET}", headers)
+    assert type(error) is cls and isinstance(error, UpstreamError)
+    assert (error.status, error.code, error.error_type) == (client_status, code, error_type)
+    assert error.retryable is bool(retryable)
+    body = error.openai_body()["error"]
+    assert (body["code"], body["type"]) == (code, error_type)
+    if status == 429:
+        assert error.headers == {"Retry-After": "7", "retry-after-ms": "6500"}
+    else:
+        assert error.headers == {}
+    if status in (401, 403, 301):
+        assert SECRET not in error.message  # the upstream's text may quote the key
+    else:
+        assert SECRET in error.message
+
+
+@pytest.mark.parametrize(
+    ("error", "cls", "status", "code", "error_type", "retryable"),
+    [
+        (
+            {"type": "invalid_request_error", "message": "bad"},
+            UpstreamInvalidRequest,
+            400,
+            "upstream_error",
+            "invalid_request_error",
+            False,
+        ),
+        (
+            {"type": "not_found_error", "message": "gone", "code": "model_gone"},
+            UpstreamInvalidRequest,
+            404,
+            "model_gone",
+            "not_found_error",
+            False,
+        ),
+        (
+            {"type": "rate_limit_error", "message": "slow"},
+            UpstreamRateLimited,
+            429,
+            "upstream_error",
+            "rate_limit_error",
+            True,
+        ),
+        (
+            {"type": "overloaded_error", "message": "busy"},
+            UpstreamOverloaded,
+            502,
+            "upstream_error",
+            "overloaded_error",
+            True,
+        ),
+        (
+            {"type": "authentication_error", "message": f"bad key {SECRET}"},
+            UpstreamAuthError,
+            502,
+            "upstream_auth_error",
+            "upstream_error",
+            False,
+        ),
+        (
+            {"type": "server_error", "message": "boom", "code": "internal"},
+            UpstreamServerError,
+            502,
+            "internal",
+            "server_error",
+            True,
+        ),
+        (
+            {"message": "no type"},
+            UpstreamServerError,
+            502,
+            "upstream_error",
+            "upstream_error",
+            True,
+        ),
+        ("a bare string", UpstreamServerError, 502, "upstream_error", "upstream_error", True),
+    ],
+)
+def test_in_stream_error_to_class(
+    error: Any, cls: type, status: int, code: str, error_type: str, retryable: bool
+) -> None:
+    exc = in_stream_error("up", error)
+    assert type(exc) is cls
+    assert (exc.status, exc.code, exc.error_type, exc.retryable) == (
+        status,
+        code,
+        error_type,
+        retryable,
+    )
+    assert SECRET not in exc.message
+    event = exc.to_event()
+    assert (event.error_type, event.code, event.retryable) == (error_type, code, retryable)
+
+
+@pytest.mark.parametrize(
+    ("body", "text"),
+    [
+        (b'{"error": {"message": "m1", "type": "x"}}', "m1"),
+        (b'{"type": "error", "error": {"type": "x", "message": "m2"}}', "m2"),
+        (b'{"error": "m3"}', "m3"),
+        (b'{"message": "m4"}', "m4"),
+        (b'{"detail": "m5"}', '{"detail":"m5"}'),
+        (b"  plain text  ", "plain text"),
+        (b"", "(no message)"),
+    ],
+)
+def test_error_text(body: bytes, text: str) -> None:
+    assert error_text(body) == text
+
+
+def _connector_error() -> aiohttp.ClientConnectorError:
+    key = SimpleNamespace(host="h", port=1, ssl=True)
+    return aiohttp.ClientConnectorError(key, OSError(111, "Connection refused"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("foreign", "cls", "code"),
+    [
+        (TimeoutError(), UpstreamTimeout, "upstream_timeout"),
+        (_connector_error(), UpstreamConnectError, "upstream_connect_error"),
+        (aiohttp.ServerDisconnectedError(), UpstreamDisconnected, "upstream_disconnect"),
+        (aiohttp.ClientPayloadError("cut"), UpstreamDisconnected, "upstream_disconnect"),
+        (aiohttp.ClientOSError(), UpstreamError, "upstream_error"),
+    ],
+)
+def test_foreign_errors_are_mapped_with_their_cause(
+    foreign: BaseException, cls: type, code: str
+) -> None:
+    with pytest.raises(UpstreamError) as info, map_upstream_errors("up", "between chunks"):
+        raise foreign
+    assert type(info.value) is cls and info.value.code == code
+    assert info.value.__cause__ is foreign and info.value.retryable
+
+
+def test_gateway_errors_pass_the_edge_as_they_are() -> None:
+    original = InvalidRequest("bad")
+    with pytest.raises(GatewayError) as info, map_upstream_errors("up", "before responding"):
+        raise original
+    assert info.value is original
+
+
+# --- through the engine: which failures fall back to the next target ----------------
+
+
+def _config(bad: FakeUpstream, good: FakeUpstream, kind: str = "openai") -> dict[str, Any]:
+    base = bad.url if kind == "anthropic" else bad.url + "/v1"
+    return {
+        "providers": {
+            "bad": {"kind": kind, "base_url": base, "api_key_env": KEY_ENV},
+            "good": {"kind": "openai", "base_url": good.url + "/v1", "api_key_env": KEY_ENV},
+        },
+        "models": {"fast": {"targets": ["bad/m1", "good/m2"]}},
+    }
+
+
+GOOD = [openai_chunk(content="from good"), openai_chunk(finish_reason="stop"), DONE]
+
+
+@pytest.mark.parametrize(("kind", "status"), [("openai", 429), ("openai", 500), ("anthropic", 529)])
+async def test_rate_limits_and_server_errors_fall_back(
+    monkeypatch: pytest.MonkeyPatch, kind: str, status: int
+) -> None:
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    async with FakeUpstream() as bad, FakeUpstream() as good:
+        bad.add(Reply.json(status, openai_error_body("busy", "server_error")))
+        good.add(Reply.stream(GOOD))
+        async with Engine.from_config(parse_config(_config(bad, good, kind))) as engine:
+            stream = engine.complete_stream({"model": "fast", "messages": [_HI]})
+            events = [e async for e in stream]
+        assert stream.meta.provider == "good"
+        assert events[0] == Delta("from good")
+        assert len(bad.requests) == len(good.requests) == 1
+
+
+@pytest.mark.parametrize("status", [401, 400])
+async def test_auth_and_request_errors_do_not_fall_back(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    async with FakeUpstream() as bad, FakeUpstream() as good:
+        bad.add(Reply.json(status, openai_error_body(f"refused {SECRET}, says the upstream")))
+        good.add(Reply.stream(GOOD))
+        client = await make_client(_config(bad, good))
+        resp = await client.post("/v1/chat/completions", json={"model": "fast", "messages": [_HI]})
+        text = await asyncio.wait_for(resp.text(), 10)
+        assert resp.status == (502 if status == 401 else 400)
+        assert ("says the upstream" in text) is (status == 400)  # a 401's may quote the key
+        assert good.requests == []
+
+
+_HI = {"role": "user", "content": "Hi"}

@@ -5,7 +5,8 @@ Definitions (the README repeats them):
 * **chunks/s**: content chunks received by all streams / wall time from the first
   connect to the last stream's end.
 * **CPU µs/chunk**: CPU time of the gateway's process tree (every thread, from
-  /proc schedstat) over the run / chunks delivered. Direct has no gateway.
+  /proc schedstat) over the run / chunks delivered. Direct has no gateway. For
+  ``nexus-redis``, Redis's own CPU is apart: **store CPU µs/chunk**.
 * **TTFB / TTFC**: from the moment the stream's connection is opened (the request
   goes out right after) to the first byte of the response / the first content chunk.
 * **delay**: per chunk, its arrival at the load generator minus the send time the
@@ -221,6 +222,8 @@ def aggregate(
     fig["all_ok"] = fig["streams"] > 0 and fig["ok"] == fig["streams"]
     fig["steal_s"] = sum(sum(r.get("steal_s", {}).values()) for r in runs)
     fig["cpu_us_per_chunk"] = _median([r["cpu_us_per_chunk"] for r in runs])
+    if any("store_cpu_us_per_chunk" in r for r in runs):
+        fig["store_cpu_us_per_chunk"] = _median([r.get("store_cpu_us_per_chunk") for r in runs])
     if scenario.name == "saturation":
         fig["chunks_per_s"] = _median([r["chunks_per_s"] for r in runs])
     elif scenario.name == "realistic":

@@ -194,3 +194,29 @@ def test_a_lost_round_fails_every_stream_completes() -> None:
                 if c["target"].startswith("every stream completes")
             ]
             assert check["pass"] is expected, (scenario, fig)
+
+
+def test_the_frames_for_comparison_are_asked_for_by_name(tmp_path: Path) -> None:
+    proc = _bench_run(
+        "--smoke",
+        "--systems",
+        "direct,rawproxy",
+        "--scenario",
+        "saturation",
+        "--frames",
+        "synthetic",
+        "--obfuscation",
+        "off",
+        "--no-chart",
+        "--out",
+        str(tmp_path),
+        env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "- upstream frames: synthetic, OpenAI obfuscation off" in proc.stdout
+    (path,) = tmp_path.glob("*.json")
+    run = json.loads(path.read_text())
+    assert (run["args"]["frames"], run["args"]["obfuscation"]) == ("synthetic", "off")
+    assert all(fig["all_ok"] for fig in run["figures"]["saturation"].values())
+    wrong = _bench_run("--frames", "identical", env=dict(os.environ))
+    assert wrong.returncode == 2 and "invalid choice: 'identical'" in wrong.stderr

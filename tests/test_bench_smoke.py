@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("saturation", "realistic", "idle", "ttfb", "ws_abort")
@@ -220,3 +221,42 @@ def test_the_frames_for_comparison_are_asked_for_by_name(tmp_path: Path) -> None
     assert all(fig["all_ok"] for fig in run["figures"]["saturation"].values())
     wrong = _bench_run("--frames", "identical", env=dict(os.environ))
     assert wrong.returncode == 2 and "invalid choice: 'identical'" in wrong.stderr
+
+
+def test_the_redis_store_is_held_to_the_memory_store_of_the_same_run() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.report import add_ratios, targets
+    finally:
+        sys.path.remove(str(ROOT))
+
+    def row(cpu: float, rss: float | None = None) -> dict[str, Any]:
+        fig = {"ok": 10, "streams": 10, "all_ok": True, "rounds": 1, "peak_open": 10}
+        return {**fig, "cpu_us_per_chunk": cpu, "rss_per_stream_kb": rss}
+
+    def verdicts(figures: dict[str, dict[str, dict[str, Any]]]) -> dict[tuple[str, str], Any]:
+        add_ratios(figures)
+        return {
+            (c["scenario"], c["target"]): c["pass"]
+            for c in targets(figures)
+            if c["system"] == "nexus-redis (openai-sse)" and "nexus (openai-sse)" in c["target"]
+        }
+
+    got = verdicts(
+        {
+            "saturation": {"nexus (openai-sse)": row(2.0), "nexus-redis (openai-sse)": row(2.5)},
+            "realistic": {"nexus (openai-sse)": row(40), "nexus-redis (openai-sse)": row(60)},
+            "idle": {
+                "nexus (openai-sse)": row(60, 30.0),
+                "nexus-redis (openai-sse)": row(70, 46.0),
+            },
+        }
+    )
+    assert got == {
+        ("saturation", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): True,
+        ("realistic", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): False,
+        ("idle", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): True,
+        ("idle", "RSS per stream ≤ 1.5x nexus (openai-sse)"): False,
+    }
+    alone = verdicts({"saturation": {"nexus-redis (openai-sse)": row(2.5)}})
+    assert alone == {("saturation", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): None}

@@ -25,12 +25,16 @@ Definitions (the README repeats them):
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from .systems import Variant
 
 __all__ = ["FULL", "SMOKE", "Scenario", "aggregate", "percentile", "run_figures"]
+
+_REQUEST_ID = re.compile(r',?"request_id": ?"[^"]*"')
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,9 @@ def run_figures(
     streams = result["streams"]
     chunks = sum(s["chunks"] for s in streams)
     wall = result.get("wall_s")
-    errors = sorted({s["error"] for s in streams if s["error"]})
+    # The same error of many streams once, with its count; request ids told apart nothing.
+    kinds = Counter(_REQUEST_ID.sub("", s["error"]) for s in streams if s["error"])
+    errors = [f"{n} x {error}" for error, n in kinds.most_common()]
     run: dict[str, Any] = {
         "streams": len(streams),
         "ok": sum(1 for s in streams if s["ok"]),

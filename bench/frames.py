@@ -9,8 +9,8 @@ Pure: bytes out, no I/O. :func:`frames` gives one stream's frames; the upstream
   ``model``, ``service_tier``, ``system_fingerprint``, ``choices`` (with ``logprobs``),
   ``"usage": null`` when the request set ``stream_options.include_usage``, and a random
   ``obfuscation`` string of 1-16 characters unless it set
-  ``stream_options.include_obfuscation: false``. So no two content frames of a stream
-  have the same bytes around their text.
+  ``stream_options.include_obfuscation: false``. So the bytes around the text change
+  from one content frame to the next.
 * Anthropic: ``message_start``, ``content_block_start``, ``ping``, one
   ``content_block_delta`` (``text_delta``) per token, ``content_block_stop``,
   ``message_delta`` (stop reason, usage), ``message_stop``; each ``event: X`` then

@@ -8,7 +8,8 @@ then measured alone (``--smoke`` reuses the processes across scenarios to finish
 seconds; its RSS figures then mean little).
 
 Processes: the fake upstream (one for the whole run; the harness sets N and the
-delay before each scenario), the load generator (one, fed jobs on stdin), and the
+delay before each scenario, and its frames for the whole run), the load generator
+(one, fed jobs on stdin), the Redis of ``nexus-redis`` (one, when it runs), and the
 systems under test. See :mod:`bench.systems` for the pinning.
 """
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from . import report
+from .frames import FRAMES
 from .loadgen import Job
 from .procfs import cpu_seconds, pin, raise_nofile, rss_bytes, steal_seconds
 from .scenarios import FULL, SMOKE, Scenario, aggregate, run_figures
@@ -41,6 +43,7 @@ from .systems import (
     ROOT,
     SYSTEMS,
     Pinning,
+    RedisServer,
     Running,
     StartError,
     Variant,
@@ -50,10 +53,11 @@ from .systems import (
     plan_pinning,
     start,
 )
+from .upstream import OBFUSCATION
 
 __all__ = ["EXIT_FAILED", "EXIT_MISSED", "exit_status", "main"]
 
-DEFAULT_SYSTEMS = "direct,rawproxy,nexus,nexus-w2,litellm"
+DEFAULT_SYSTEMS = "direct,rawproxy,nexus,nexus-w2,nexus-redis,nexus-anthropic-up,litellm"
 EXIT_FAILED = 1
 """A system under test could not be started or measured (its row says why)."""
 EXIT_MISSED = 3
@@ -67,9 +71,11 @@ def log(message: str) -> None:
 
 
 class Upstream:
-    """The fake upstream's process (``bench.upstream``) and its control endpoint."""
+    """The fake upstream's process (``bench.upstream``) and its control endpoint.
+    ``frames``: its settings for the whole run (``frames``, ``obfuscation``)."""
 
-    def __init__(self, cpus: set[int] | None) -> None:
+    def __init__(self, cpus: set[int] | None, frames: dict[str, str] | None = None) -> None:
+        self.frames = frames or {}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.upstream"],
             stdout=subprocess.PIPE,
@@ -87,7 +93,9 @@ class Upstream:
 
     def configure(self, settings: dict[str, Any]) -> None:
         request = urllib.request.Request(
-            self.url + "/_bench/config", data=json.dumps(settings).encode(), method="POST"
+            self.url + "/_bench/config",
+            data=json.dumps({**settings, **self.frames}).encode(),
+            method="POST",
         )
         with urllib.request.urlopen(request, timeout=10) as resp:
             resp.read()
@@ -167,8 +175,10 @@ class Fleet:
         workdir: Path,
         pinning: Pinning,
         reuse: bool,
+        redis: RedisServer | None = None,
     ) -> None:
         self.upstream = upstream
+        self.redis = redis
         self.loadgen = loadgen
         self.workdir = workdir
         self.pinning = pinning
@@ -184,7 +194,7 @@ class Fleet:
             if variant in self.live or variant in self.broken:
                 continue
             try:
-                fresh[variant] = start(variant, self.upstream.url, self.workdir)
+                fresh[variant] = start(variant, self.upstream.url, self.workdir, self.redis)
             except StartError as exc:
                 self.broken[variant] = str(exc)
         for variant, running in fresh.items():
@@ -258,9 +268,11 @@ def measure(
     loadgen: Loadgen,
     upstream: Upstream,
     pinning: Pinning,
+    redis: RedisServer | None = None,
 ) -> dict[str, Any]:
     """One run: the load generator's job, the gateway's CPU and RSS around it, the load
-    side's CPU (to show when it, not the gateway, was the limit) and the CPU time the
+    side's CPU (to show when it, not the gateway, was the limit), Redis's CPU for
+    ``nexus-redis`` (the store's work, not in the gateway's figure) and the CPU time the
     hypervisor stole meanwhile (to show a run the machine disturbed)."""
     job = _job(
         running, scenario.chunks, scenario.streams, scenario.timeout_s, scenario, upstream.url
@@ -268,6 +280,10 @@ def measure(
     gateway_cpus = pinning.multi if running.variant.multi_process else pinning.gateway
     load_pids = [upstream.proc.pid, loadgen.proc.pid]
     load_before = cpu_seconds(load_pids)
+    store_pids = (
+        redis.pids() if redis is not None and running.variant.system == "nexus-redis" else []
+    )
+    store_before = cpu_seconds(store_pids)
     steal_before = steal_seconds(gateway_cpus), steal_seconds(pinning.load)
     pids = running.pids()
     cpu_before = cpu_seconds(pids) if pids else None
@@ -287,6 +303,12 @@ def measure(
     cpu = cpu_seconds(pids) - cpu_before if cpu_before is not None else None
     figures = run_figures(result, cpu, rss_before, peak)
     figures["load_cpu_s"] = cpu_seconds(load_pids) - load_before
+    if store_pids:
+        store_cpu = cpu_seconds(store_pids) - store_before
+        figures["store_cpu_s"] = store_cpu
+        figures["store_cpu_us_per_chunk"] = (
+            store_cpu / figures["chunks"] * 1e6 if figures["chunks"] else None
+        )
     figures["steal_s"] = {
         "gateway_cpus": steal_seconds(gateway_cpus) - steal_before[0],
         "load_cpus": steal_seconds(pinning.load) - steal_before[1],
@@ -414,6 +436,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         help=f"run only these (repeat or comma-separate): {', '.join(FULL)}",
     )
+    parser.add_argument(
+        "--frames",
+        choices=FRAMES,
+        default="realistic",
+        help="the upstream's frames: today's provider wire (default), or the old identical "
+        "OpenAI chunks, for comparison",
+    )
+    parser.add_argument(
+        "--obfuscation",
+        choices=OBFUSCATION,
+        default="default",
+        help="OpenAI's obfuscation field: as OpenAI does (default: on unless the request "
+        "turns it off), or off whatever the request says",
+    )
     parser.add_argument("--rounds", type=int, help="rounds per scenario (default 3; smoke 1)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: seconds")
     parser.add_argument(
@@ -470,11 +506,16 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     failures: dict[str, dict[str, list[str]]] = {}  # scenario -> variant -> "round N: why"
-    upstream = Upstream(pinning.upstream)
+    upstream = Upstream(pinning.upstream, {"frames": args.frames, "obfuscation": args.obfuscation})
     loadgen = Loadgen(pinning.load)
+    redis: RedisServer | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="nexus-bench-") as tmp:
-            fleet = Fleet(upstream, loadgen, Path(tmp), pinning, reuse=args.smoke)
+            if any(v.system == "nexus-redis" for v in variants):
+                redis = RedisServer(Path(tmp))
+                # With the load side: the store's work is measured apart from the gateway's.
+                pin(redis.pids(), pinning.upstream)
+            fleet = Fleet(upstream, loadgen, Path(tmp), pinning, reuse=args.smoke, redis=redis)
             loops = fleet.loops
             try:
                 for scenario in args.scenarios:
@@ -492,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
                                     f"round {round_no}: {fleet.broken[variant]}"
                                 )
                                 continue
-                            fig = measure(fleet.live[variant], scenario, loadgen, upstream, pinning)
+                            fig = measure(
+                                fleet.live[variant], scenario, loadgen, upstream, pinning, redis
+                            )
                             fig["round"] = round_no
                             fleet.release(variant)
                             log("  " + _progress(scenario, variant, fig))
@@ -504,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
                                 runs[scenario.name][variant.label].append(fig)
             finally:
                 fleet.close()
+                if redis is not None:
+                    redis.stop()
     finally:
         loadgen.stop()
         upstream.stop()
@@ -569,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         "(A B C, A B C, ...); each figure (percentiles too) is the median of its per-round "
         "values",
         f"- CPU time stolen by the hypervisor during the measured runs: {stolen:.1f} s",
+        f"- upstream frames: {args.frames}"
+        + (", OpenAI obfuscation off" if args.obfuscation == "off" else "")
+        + " (bench/frames.py)",
     ]
     text = report.markdown(header, args.scenarios, figures, not_applicable, checks, notes)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -581,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
             "formats": args.formats,
             "rounds": args.rounds,
             "smoke": args.smoke,
+            "frames": args.frames,
+            "obfuscation": args.obfuscation,
             "scenarios": {s.name: asdict(s) for s in args.scenarios},
         },
         "pinning": {
@@ -605,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"results: {base}.json, {base}.md" + (f", {base}.png" if charted else ""))
     status = exit_status(figures, checks, check=args.check)
     if status == EXIT_FAILED:
-        failed = sorted(
+        unmeasured = sorted(
             {
                 label
                 for rows in figures.values()
@@ -613,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "error" in fig or "failed_rounds" in fig
             }
         )
-        log(f"bench: not every round of {', '.join(failed)} could be measured (see the notes)")
+        log(f"bench: not every round of {', '.join(unmeasured)} could be measured (see the notes)")
     elif status == EXIT_MISSED:
         log(f"bench: {sum(c['pass'] is False for c in checks)} target check(s) failed (--check)")
     if args.check:

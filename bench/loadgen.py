@@ -282,7 +282,7 @@ class _HTTPConnection(asyncio.Protocol):
             self._headers(self.head[:end], rec, now)
             data, self.head, self.in_body = self.head[end + 4 :], b"", True
             if rec.status != 200:
-                rec.error = f"HTTP {rec.status}"
+                rec.error = f"HTTP {rec.status}: "
         if self.dechunker is not None:
             body = self.dechunker.feed(data)
         elif self.length is not None:
@@ -291,6 +291,8 @@ class _HTTPConnection(asyncio.Protocol):
         else:
             body = data
         rec.bytes += len(body)
+        if rec.status != 200 and rec.error is not None and len(rec.error) < 200:
+            rec.error += body[:200].decode(errors="replace")  # what the system said
         self.scanner.feed(rec, body, now)
         if (self.dechunker is not None and self.dechunker.done) or self.length == 0:
             self._complete(now)

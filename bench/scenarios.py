@@ -5,7 +5,8 @@ Definitions (the README repeats them):
 * **chunks/s**: content chunks received by all streams / wall time from the first
   connect to the last stream's end.
 * **CPU µs/chunk**: CPU time of the gateway's process tree (every thread, from
-  /proc schedstat) over the run / chunks delivered. Direct has no gateway.
+  /proc schedstat) over the run / chunks delivered. Direct has no gateway. For
+  ``nexus-redis``, Redis's own CPU is apart: **store CPU µs/chunk**.
 * **TTFB / TTFC**: from the moment the stream's connection is opened (the request
   goes out right after) to the first byte of the response / the first content chunk.
 * **delay**: per chunk, its arrival at the load generator minus the send time the
@@ -24,12 +25,16 @@ Definitions (the README repeats them):
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from .systems import Variant
 
 __all__ = ["FULL", "SMOKE", "Scenario", "aggregate", "percentile", "run_figures"]
+
+_REQUEST_ID = re.compile(r',?"request_id": ?"[^"]*"')
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,9 @@ def run_figures(
     streams = result["streams"]
     chunks = sum(s["chunks"] for s in streams)
     wall = result.get("wall_s")
-    errors = sorted({s["error"] for s in streams if s["error"]})
+    # The same error of many streams once, with its count; request ids told apart nothing.
+    kinds = Counter(_REQUEST_ID.sub("", s["error"]) for s in streams if s["error"])
+    errors = [f"{n} x {error}" for error, n in kinds.most_common()]
     run: dict[str, Any] = {
         "streams": len(streams),
         "ok": sum(1 for s in streams if s["ok"]),
@@ -221,6 +228,8 @@ def aggregate(
     fig["all_ok"] = fig["streams"] > 0 and fig["ok"] == fig["streams"]
     fig["steal_s"] = sum(sum(r.get("steal_s", {}).values()) for r in runs)
     fig["cpu_us_per_chunk"] = _median([r["cpu_us_per_chunk"] for r in runs])
+    if any("store_cpu_us_per_chunk" in r for r in runs):
+        fig["store_cpu_us_per_chunk"] = _median([r.get("store_cpu_us_per_chunk") for r in runs])
     if scenario.name == "saturation":
         fig["chunks_per_s"] = _median([r["chunks_per_s"] for r in runs])
     elif scenario.name == "realistic":

@@ -1,16 +1,20 @@
 """The systems under test, and how each is started, pinned, measured and stopped.
 
-=============  ==============================================================  ======
-system         what runs                                                       format
-=============  ==============================================================  ======
-direct         nothing: the load generator talks to the fake upstream          sse
-rawproxy       ``python -m bench.rawproxy`` (bytes copied, nothing parsed)     sse
-nexus          ``nexus serve`` with an openai-kind provider on the upstream    each
-nexus-w2       the same with ``--workers 2``                                   sse
-nexus-asyncio  the same on asyncio's own loop (``[server] uvloop = false``;    sse
-               opt-in: the default picks uvloop where it is installed)
-litellm        the LiteLLM proxy from ``bench/litellm`` (when installed)       sse
-=============  ==============================================================  ======
+==================  ===============================================================  ======
+system              what runs                                                        format
+==================  ===============================================================  ======
+direct              nothing: the load generator talks to the fake upstream           sse
+rawproxy            ``python -m bench.rawproxy`` (bytes copied, nothing parsed)      sse
+nexus               ``nexus serve`` with an openai-kind provider on the upstream     each
+nexus-w2            the same with ``--workers 2``                                    sse
+nexus-asyncio       the same on asyncio's own loop (``[server] uvloop = false``;     sse
+                    opt-in: the default picks uvloop where it is installed)
+nexus-redis         the same with ``[store] kind = "redis"``, on a ``redis-server``  sse
+                    of the run's own (:class:`RedisServer`)
+nexus-anthropic-up  the same with an anthropic-kind provider: Anthropic's frames     sse
+                    in (``POST /v1/messages``), OpenAI SSE out
+litellm             the LiteLLM proxy from ``bench/litellm`` (when installed)        sse
+==================  ===============================================================  ======
 
 A *variant* is a system and the output format its clients ask for; each Nexus format
 is a variant of its own (one row in the tables). Every variant runs in a fresh
@@ -28,6 +32,7 @@ import contextlib
 import importlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +48,7 @@ from .procfs import pin, tree
 __all__ = [
     "FORMAT_LABELS",
     "Pinning",
+    "RedisServer",
     "Running",
     "StartError",
     "Variant",
@@ -61,7 +67,7 @@ FORMAT_LABELS = {
     "responses": "responses-sse",
     "ws": "websocket",
 }
-NEXUS_SYSTEMS = ("nexus", "nexus-w2", "nexus-asyncio")
+NEXUS_SYSTEMS = ("nexus", "nexus-w2", "nexus-asyncio", "nexus-redis", "nexus-anthropic-up")
 SYSTEMS = ("direct", "rawproxy", *NEXUS_SYSTEMS, "litellm")
 
 
@@ -219,8 +225,15 @@ def litellm_module() -> ModuleType | None:
         return None
 
 
-def _nexus_config(upstream: str, port: int, asyncio_loop: bool) -> str:
-    loop = "uvloop = false\n" if asyncio_loop else ""
+def _nexus_config(system: str, upstream: str, port: int, redis_url: str | None) -> str:
+    loop = "uvloop = false\n" if system == "nexus-asyncio" else ""
+    store = ""
+    if system == "nexus-redis":
+        # A key prefix per process: runs that share one Redis never see each other's streams.
+        store = f'[store]\nkind = "redis"\nurl = "{redis_url}"\nprefix = "bench{port}"\n'
+    provider = f'kind = "openai"\nbase_url = "{upstream}/v1"'
+    if system == "nexus-anthropic-up":
+        provider = f'kind = "anthropic"\nbase_url = "{upstream}"'
     return f"""\
 # Written by bench/systems.py for one benchmark run.
 [server]
@@ -232,11 +245,53 @@ max_concurrent_streams = 1000000
 
 [logging]
 access_log = false
-
+{store}
 [providers.bench]
-kind = "openai"
-base_url = "{upstream}/v1"
+{provider}
 """
+
+
+class RedisServer:
+    """The Redis of ``nexus-redis``: a ``redis-server`` of the run's own, on a free port, with
+    nothing saved to disk, so that runs are isolated; or, without ``redis-server`` on the
+    ``PATH``, the one ``$NEXUS_BENCH_REDIS_URL`` names (then not measured)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url: str | None = os.environ.get("NEXUS_BENCH_REDIS_URL")
+        self.error = ""
+        exe = shutil.which("redis-server")
+        if exe is None:
+            if self.url is None:
+                self.error = "redis-server is not on the PATH (or set NEXUS_BENCH_REDIS_URL)"
+            return
+        port = free_port()
+        argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
+        self.proc = subprocess.Popen(
+            [*argv, "no", "--dir", str(workdir)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                return
+            time.sleep(0.02)
+        self.error = f"redis-server did not start on port {port}"
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc is not None and self.proc.poll() is None else []
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def child_env() -> dict[str, str]:
@@ -246,8 +301,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start(variant: Variant, upstream: str, workdir: Path) -> Running:
-    """Start ``variant``'s process (not waiting for it); see :meth:`Running.wait_ready`."""
+def start(
+    variant: Variant, upstream: str, workdir: Path, redis: RedisServer | None = None
+) -> Running:
+    """Start ``variant``'s process (not waiting for it); see :meth:`Running.wait_ready`.
+    ``redis``: the store of ``nexus-redis``."""
     system = variant.system
     if system == "direct":
         return Running(variant, upstream, "bench", "sk-bench")
@@ -260,8 +318,13 @@ def start(variant: Variant, upstream: str, workdir: Path) -> Running:
         argv = [sys.executable, "-m", "bench.rawproxy", "--upstream", upstream, "--port", str(port)]
         running = Running(variant, base, "bench", "sk-bench", ready_path="/_bench/stats")
     elif system in NEXUS_SYSTEMS:
+        redis_url = None
+        if system == "nexus-redis":
+            if redis is None or redis.error or redis.url is None:
+                raise StartError(f"nexus-redis: {redis.error if redis else 'no Redis'}")
+            redis_url = redis.url
         config = workdir / f"{name}-{port}.toml"
-        config.write_text(_nexus_config(upstream, port, asyncio_loop=system == "nexus-asyncio"))
+        config.write_text(_nexus_config(system, upstream, port, redis_url))
         argv = [sys.executable, "-m", "nexus.cli", "serve", "--config", str(config)]
         if system == "nexus-w2":
             argv += ["--workers", "2"]

@@ -1,23 +1,30 @@
-"""A fake OpenAI-compatible upstream for the benchmarks, in its own process.
+"""A fake LLM upstream for the benchmarks, in its own process: OpenAI and Anthropic.
 
-``POST …/chat/completions`` with ``"stream": true`` answers with the SSE stream of
-an OpenAI server: a role chunk, N ``chat.completion.chunk`` content frames, a finish
-chunk, a usage chunk when ``stream_options.include_usage`` is set, ``data: [DONE]``.
-The first content frame goes out at once, the next ones every ``delay_ms``.
+``POST …/chat/completions`` with ``"stream": true`` answers with the SSE stream of an
+OpenAI server; ``POST …/v1/messages`` with that of Anthropic's Messages API. The frames
+are the providers' own (``bench/frames.py``): by default today's realistic wire (OpenAI's
+random ``obfuscation`` per chunk unless the request sends
+``"stream_options": {"include_obfuscation": false}``), or, as an explicit option for
+comparison, the old synthetic OpenAI frames. The first content frame goes out at once,
+the next ones every ``delay_ms``.
 
 It is raw asyncio (a ``Protocol``, hand-parsed HTTP/1.1 with keep-alive) rather than
-aiohttp so that it is never the bottleneck: without a delay the whole body is
-pre-encoded, chunked framing included, and written ``batch`` frames per ``write()``
-for as long as the socket takes it.
+aiohttp so that it is never the bottleneck: frames come from pools built once per
+setting, and without a delay or stamp the whole body is pre-encoded, chunked framing
+included, and written ``batch`` frames per ``write()`` for as long as the socket takes it.
 
 N and the delay are *not* taken from the request: gateways rewrite the model name
 and may drop unknown headers or fields. The harness sets them per scenario on a
 control endpoint, which it calls directly, never through a gateway::
 
-    POST /_bench/config   {"chunks": N, "delay_ms": D, "stamp": false, "batch": 1}
+    POST /_bench/config   {"chunks": N, "delay_ms": D, "stamp": false, "batch": 1,
+                           "frames": "realistic", "obfuscation": "default"}
     GET  /_bench/closed?after=T   {"closed": [t, ...]}  streams whose client left
                                   before their end, at t >= T
     GET  /_bench/stats    {"started": …, "completed": …, "closed_early": …}
+
+``obfuscation``: ``default`` (OpenAI's: on unless the request turns it off) or ``off``
+(never, whatever the request says: what a gateway that turns it off would get).
 
 With ``stamp``, each content delta is a space and the send time as 16 digits of
 microseconds of ``time.monotonic()``. On Linux that clock is ``CLOCK_MONOTONIC``,
@@ -35,31 +42,21 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import cast
 from urllib.parse import parse_qs, urlsplit
 
+from .frames import FRAMES, VARIANTS, Frames, Shape, frames
 from .procfs import new_loop, raise_nofile
 
 __all__ = ["Settings", "main"]
 
-_HEAD = (
-    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
-    b'"model":"bench","choices":'
-)
-_ROLE = _HEAD + b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
-_CONTENT_HEAD = _HEAD + b'[{"index":0,"delta":{"content":"'
-_CONTENT_TAIL = b'"},"finish_reason":null}]}\n\n'
-_FINISH = _HEAD + b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
-_DONE = b"data: [DONE]\n\n"
-_TOKENS = tuple(b" " + w for w in (b"alpha", b"bravo", b"delta", b"gamma", b"hotel", b"india"))
-"""Content tokens, in turn: a stream of one repeated token is what LiteLLM's loop check
-(100 identical chunks in a row) ends with an error."""
 _STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
 )
 _LAST_CHUNK = b"0\r\n\r\n"
+OBFUSCATION = ("default", "off")
 
 
 def _chunked(data: bytes) -> bytes:
@@ -67,18 +64,9 @@ def _chunked(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-def _usage(chunks: int) -> bytes:
-    usage = b'{"prompt_tokens":8,"completion_tokens":%d,"total_tokens":%d}' % (chunks, chunks + 8)
-    return _HEAD + b'[],"usage":' + usage + b"}\n\n"
-
-
-def _content(i: int) -> bytes:
-    return _CONTENT_HEAD + _TOKENS[i % len(_TOKENS)] + _CONTENT_TAIL
-
-
-def stamped_frame() -> bytes:
-    """A content frame whose text is the send time (µs of CLOCK_MONOTONIC, 16 digits)."""
-    return _CONTENT_HEAD + b" %016d" % (time.monotonic_ns() // 1000) + _CONTENT_TAIL
+def stamp() -> bytes:
+    """A content text that is the send time (µs of CLOCK_MONOTONIC, 16 digits)."""
+    return b" %016d" % (time.monotonic_ns() // 1000)
 
 
 @dataclass(frozen=True)
@@ -89,29 +77,70 @@ class Settings:
     delay_ms: float = 0.0
     stamp: bool = False
     batch: int = 1
-    pieces: tuple[bytes, ...] = field(default=(), compare=False)
-    """Without delay or stamp: the whole body up to the finish chunk, pre-framed."""
+    frames: str = "realistic"
+    obfuscation: str = "default"
 
     @classmethod
-    def build(cls, chunks: int, delay_ms: float, stamp: bool, batch: int) -> Settings:
-        pieces: tuple[bytes, ...] = ()
-        if delay_ms <= 0 and not stamp:
-            frames = [_ROLE, *(_content(i) for i in range(chunks)), _FINISH]
-            step = max(1, batch)
-            pieces = tuple(
-                _chunked(b"".join(frames[i : i + step])) for i in range(0, len(frames), step)
-            )
-        return cls(chunks, delay_ms, stamp, max(1, batch), pieces)
+    def parse(cls, conf: dict[str, object]) -> Settings:
+        """From the control endpoint's JSON; ValueError for what it cannot take."""
+        settings = cls(
+            int(cast(int, conf.get("chunks", 20))),
+            float(cast(float, conf.get("delay_ms", 0.0))),
+            bool(conf.get("stamp", False)),
+            max(1, int(cast(int, conf.get("batch", 1)))),
+            str(conf.get("frames", "realistic")),
+            str(conf.get("obfuscation", "default")),
+        )
+        if settings.frames not in FRAMES:
+            raise ValueError(f"frames: {settings.frames!r} is not one of {FRAMES}")
+        if settings.obfuscation not in OBFUSCATION:
+            raise ValueError(f"obfuscation: {settings.obfuscation!r} is not one of {OBFUSCATION}")
+        return settings
+
+    @property
+    def pre_encoded(self) -> bool:
+        """Whether a stream's whole body is built once and written as fast as taken."""
+        return self.delay_ms <= 0 and not self.stamp
 
 
 class Upstream:
-    """Shared state of the server: the settings and what happened to the streams."""
+    """Shared state of the server: the settings, the frames built for them, and what
+    happened to the streams."""
 
     def __init__(self) -> None:
-        self.settings = Settings.build(20, 0.0, False, 1)
+        self.settings = Settings()
         self.closed: list[float] = []
         self.started = 0
         self.completed = 0
+        self._frames: dict[tuple[Shape, int], Frames] = {}
+        self._bodies: dict[tuple[Shape, int], tuple[bytes, ...]] = {}
+
+    def configure(self, settings: Settings) -> None:
+        self.settings = settings
+        self._bodies.clear()
+
+    def frames(self, shape: Shape) -> Frames:
+        """The frames of the next stream: the ``VARIANTS`` streams of a shape in turn."""
+        key = (shape, self.started % VARIANTS)
+        found = self._frames.get(key)
+        if found is None:
+            found = self._frames[key] = frames(*key)
+        return found
+
+    def body(self, f: Frames) -> tuple[bytes, ...]:
+        """The pre-encoded body of a stream of ``f``: HTTP chunks of ``batch`` frames each,
+        through the last chunk."""
+        key = (f.shape, f.seed)
+        found = self._bodies.get(key)
+        if found is None:
+            s = self.settings
+            every = [*f.opening, *(f.content(i) for i in range(s.chunks)), *f.closing(s.chunks)]
+            step = s.batch
+            found = self._bodies[key] = (
+                *(_chunked(b"".join(every[i : i + step])) for i in range(0, len(every), step)),
+                _LAST_CHUNK,
+            )
+        return found
 
 
 class Connection(asyncio.Protocol):
@@ -171,8 +200,16 @@ class Connection(asyncio.Protocol):
         self.buffer = self.buffer[used:]
         keep_alive = headers.get("connection", "").lower() != "close"
         path = urlsplit(target).path
-        if method == "POST" and path.endswith("/chat/completions"):
-            self.task = asyncio.get_running_loop().create_task(self._chat(body, keep_alive))
+        provider = (
+            "openai"
+            if path.endswith("/chat/completions")
+            else "anthropic"
+            if path.endswith("/v1/messages")
+            else None
+        )
+        if method == "POST" and provider is not None:
+            chat = self._chat(provider, body, keep_alive)
+            self.task = asyncio.get_running_loop().create_task(chat)
             self.task.add_done_callback(self._request_done)
         else:
             status, payload = self._control(method, target, body)
@@ -204,17 +241,10 @@ class Connection(asyncio.Protocol):
         up = self.upstream
         if url.path == "/_bench/config" and method == "POST":
             try:
-                conf = json.loads(body or b"{}")
-                up.settings = Settings.build(
-                    int(conf.get("chunks", 20)),
-                    float(conf.get("delay_ms", 0.0)),
-                    bool(conf.get("stamp", False)),
-                    int(conf.get("batch", 1)),
-                )
+                up.configure(Settings.parse(json.loads(body or b"{}")))
             except (ValueError, TypeError, AttributeError) as exc:
                 return 400, {"error": str(exc)}
-            s = up.settings
-            return 200, {"chunks": s.chunks, "delay_ms": s.delay_ms, "stamp": s.stamp}
+            return 200, asdict(up.settings)
         if url.path == "/_bench/closed":
             after = float(parse_qs(url.query).get("after", ["0"])[0])
             return 200, {"closed": [t for t in up.closed if t >= after]}
@@ -228,56 +258,73 @@ class Connection(asyncio.Protocol):
             return 200, {"object": "list", "data": [{"id": "bench", "object": "model"}]}
         return 404, {"error": {"message": f"no route {method} {url.path}", "type": "not_found"}}
 
-    async def _chat(self, body: bytes, keep_alive: bool) -> None:
+    async def _chat(self, provider: str, body: bytes, keep_alive: bool) -> None:
         try:
             request = json.loads(body or b"{}")
         except ValueError:
             request = {}
         if not isinstance(request, dict) or not request.get("stream"):
-            self._respond(200, _completion(self.upstream.settings.chunks), keep_alive)
+            self._respond(200, _completion(provider, self.upstream.settings.chunks), keep_alive)
             return
-        options = request.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        options = request.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        settings = self.upstream.settings
+        shape = Shape(
+            provider,
+            settings.frames,
+            include_usage=bool(options.get("include_usage")),
+            obfuscation=settings.obfuscation == "default"
+            and options.get("include_obfuscation") is not False,
+        )
+        f = self.upstream.frames(shape)
         self.streaming = True
         self.upstream.started += 1
         try:
-            await self._stream(self.upstream.settings, include_usage)
+            await self._stream(settings, f)
         finally:
             self.streaming = False
         self.upstream.completed += 1
         if not keep_alive and self.transport is not None:
             self.transport.close()
 
-    async def _stream(self, s: Settings, include_usage: bool) -> None:
+    async def _stream(self, s: Settings, f: Frames) -> None:
         transport = self.transport
         assert transport is not None
         write, writable = transport.write, self.writable
         write(_STREAM_HEAD)
-        if s.pieces:
-            for piece in s.pieces:
+        if s.pre_encoded:
+            for piece in self.upstream.body(f):
                 write(piece)
                 if not writable.is_set():
                     await writable.wait()
-        else:
-            loop = asyncio.get_running_loop()
-            write(_chunked(_ROLE))
-            fixed = [_chunked(_content(i)) for i in range(len(_TOKENS))]
-            start = loop.time()
-            delay = s.delay_ms / 1000
-            for i in range(s.chunks):
-                if i and delay > 0:
-                    # An absolute schedule: sleep jitter does not add up over the stream.
-                    await asyncio.sleep(max(0.0, start + i * delay - loop.time()))
-                write(_chunked(stamped_frame()) if s.stamp else fixed[i % len(fixed)])
-                if not writable.is_set():
-                    await writable.wait()
-            write(_chunked(_FINISH))
-        tail = _usage(s.chunks) + _DONE if include_usage else _DONE
-        write(_chunked(tail) + _LAST_CHUNK)
+            return
+        loop = asyncio.get_running_loop()
+        write(_chunked(b"".join(f.opening)))
+        start = loop.time()
+        delay = s.delay_ms / 1000
+        for i in range(s.chunks):
+            if i and delay > 0:
+                # An absolute schedule: sleep jitter does not add up over the stream.
+                await asyncio.sleep(max(0.0, start + i * delay - loop.time()))
+            write(_chunked(f.content(i, stamp() if s.stamp else None)))
+            if not writable.is_set():
+                await writable.wait()
+        write(_chunked(b"".join(f.closing(s.chunks))) + _LAST_CHUNK)
 
 
-def _completion(chunks: int) -> dict[str, object]:
+def _completion(provider: str, chunks: int) -> dict[str, object]:
     """The non-streaming answer (health checks of some gateways send one)."""
+    if provider == "anthropic":
+        return {
+            "id": "msg_01bench",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-sonnet-4-5-20250929",
+            "content": [{"type": "text", "text": "hello"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 8, "output_tokens": chunks},
+        }
     return {
         "id": "chatcmpl-bench",
         "object": "chat.completion",

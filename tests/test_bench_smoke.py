@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("saturation", "realistic", "idle", "ttfb", "ws_abort")
@@ -21,11 +22,20 @@ NEXUS = (
     "nexus (responses-sse)",
     "nexus (websocket)",
     "nexus-w2 (openai-sse)",
+    "nexus-redis (openai-sse)",
+    "nexus-anthropic-up (openai-sse)",
 )
 WS = ("nexus (websocket)",)
 FIGURES = {
     "saturation": ("chunks_per_s", "cpu_us_per_chunk", "cpu_vs_rawproxy"),
-    "realistic": ("ttfc_p50_ms", "ttfc_p99_ms", "delay_p50_ms", "added_p50_ms", "added_p99_ms"),
+    "realistic": (
+        "ttfc_p50_ms",
+        "ttfc_p99_ms",
+        "delay_p50_ms",
+        "added_p50_ms",
+        "added_p99_ms",
+        "cpu_vs_rawproxy",
+    ),
     "idle": ("peak_open", "rss_per_stream_kb", "rss_vs_rawproxy"),
     "ttfb": ("ttfb_p50_ms", "ttfb_p99_ms", "ttfc_p50_ms", "ttfc_p99_ms"),
     "ws_abort": ("abort_closed_p50_ms", "abort_closed_p99_ms", "abort_ack_p50_ms"),
@@ -51,7 +61,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     proc = _bench_run(
         "--smoke",
         "--systems",
-        "direct,rawproxy,nexus,nexus-w2,litellm",
+        "direct,rawproxy,nexus,nexus-w2,nexus-redis,nexus-anthropic-up,litellm",
         "--out",
         str(tmp_path),
         env=env,
@@ -85,6 +95,20 @@ def test_bench_smoke(tmp_path: Path) -> None:
                 assert fig[key] is not None, (scenario, label, key)
     for target in run["targets"]:
         assert {"scenario", "target", "system", "value", "limit", "pass"} <= set(target)
+    assert run["args"]["frames"] == "realistic"  # the default, --check included
+    # Redis's own CPU is measured apart, and the Redis store is held to the memory store.
+    for scenario in ("saturation", "realistic", "idle"):
+        assert figures[scenario]["nexus-redis (openai-sse)"]["store_cpu_us_per_chunk"] > 0
+    twin = {
+        (t["scenario"], t["target"])
+        for t in run["targets"]
+        if t["system"] == "nexus-redis (openai-sse)" and t["pass"] is not None
+    }
+    assert {
+        ("saturation", "CPU per chunk ≤ 1.3x nexus (openai-sse)"),
+        ("realistic", "CPU per chunk ≤ 1.3x nexus (openai-sse)"),
+        ("idle", "RSS per stream ≤ 1.5x nexus (openai-sse)"),
+    } <= twin
 
 
 def test_bench_run_finds_its_interpreter_or_says_what_to_do(tmp_path: Path) -> None:
@@ -171,3 +195,68 @@ def test_a_lost_round_fails_every_stream_completes() -> None:
                 if c["target"].startswith("every stream completes")
             ]
             assert check["pass"] is expected, (scenario, fig)
+
+
+def test_the_frames_for_comparison_are_asked_for_by_name(tmp_path: Path) -> None:
+    proc = _bench_run(
+        "--smoke",
+        "--systems",
+        "direct,rawproxy",
+        "--scenario",
+        "saturation",
+        "--frames",
+        "synthetic",
+        "--obfuscation",
+        "off",
+        "--no-chart",
+        "--out",
+        str(tmp_path),
+        env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "- upstream frames: synthetic, OpenAI obfuscation off" in proc.stdout
+    (path,) = tmp_path.glob("*.json")
+    run = json.loads(path.read_text())
+    assert (run["args"]["frames"], run["args"]["obfuscation"]) == ("synthetic", "off")
+    assert all(fig["all_ok"] for fig in run["figures"]["saturation"].values())
+    wrong = _bench_run("--frames", "identical", env=dict(os.environ))
+    assert wrong.returncode == 2 and "invalid choice: 'identical'" in wrong.stderr
+
+
+def test_the_redis_store_is_held_to_the_memory_store_of_the_same_run() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.report import add_ratios, targets
+    finally:
+        sys.path.remove(str(ROOT))
+
+    def row(cpu: float, rss: float | None = None) -> dict[str, Any]:
+        fig = {"ok": 10, "streams": 10, "all_ok": True, "rounds": 1, "peak_open": 10}
+        return {**fig, "cpu_us_per_chunk": cpu, "rss_per_stream_kb": rss}
+
+    def verdicts(figures: dict[str, dict[str, dict[str, Any]]]) -> dict[tuple[str, str], Any]:
+        add_ratios(figures)
+        return {
+            (c["scenario"], c["target"]): c["pass"]
+            for c in targets(figures)
+            if c["system"] == "nexus-redis (openai-sse)" and "nexus (openai-sse)" in c["target"]
+        }
+
+    got = verdicts(
+        {
+            "saturation": {"nexus (openai-sse)": row(2.0), "nexus-redis (openai-sse)": row(2.5)},
+            "realistic": {"nexus (openai-sse)": row(40), "nexus-redis (openai-sse)": row(60)},
+            "idle": {
+                "nexus (openai-sse)": row(60, 30.0),
+                "nexus-redis (openai-sse)": row(70, 46.0),
+            },
+        }
+    )
+    assert got == {
+        ("saturation", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): True,
+        ("realistic", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): False,
+        ("idle", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): True,
+        ("idle", "RSS per stream ≤ 1.5x nexus (openai-sse)"): False,
+    }
+    alone = verdicts({"saturation": {"nexus-redis (openai-sse)": row(2.5)}})
+    assert alone == {("saturation", "CPU per chunk ≤ 1.3x nexus (openai-sse)"): None}

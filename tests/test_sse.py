@@ -383,14 +383,18 @@ def test_fast_path_decodes_as_the_general_rules(data: st.DataObject, stream: byt
     fast, reference, payloads = SSEDecoder(), _GeneralOnly(), SSEDecoder()
     expected = [e for chunk in chunks for e in reference.decode(chunk)]
     assert [e for chunk in chunks for e in fast.decode(chunk)] == expected
-    assert [d for chunk in chunks for d in payloads.decode_data(chunk)] == [
+    assert [d for chunk in chunks for d in payloads.data_of(payloads.text(chunk))] == [
         e.data for e in expected
     ]
     assert fast.last_event_id == reference.last_event_id
 
 
-def test_decode_data_gives_payloads_of_whole_and_split_events() -> None:
+def test_data_of_gives_payloads_of_whole_and_split_events() -> None:
     decoder = SSEDecoder()
-    assert decoder.decode_data(b'data: {"a":1}\n\ndata: {"b"') == ['{"a":1}']
-    assert decoder.decode_data(b":2}\n\ndata: [DONE]\n\n") == ['{"b":2}', "[DONE]"]
-    assert decoder.decode_data(b"event: x\ndata: y\n\n: ping\n\n") == ["y"]
+
+    def data(chunk: bytes) -> list[str]:
+        return decoder.data_of(decoder.text(chunk))
+
+    assert data(b'data: {"a":1}\n\ndata: {"b"') == ['{"a":1}']
+    assert data(b":2}\n\ndata: [DONE]\n\n") == ['{"b":2}', "[DONE]"]
+    assert data(b"event: x\ndata: y\n\n: ping\n\n") == ["y"]

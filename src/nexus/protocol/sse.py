@@ -26,11 +26,8 @@ def frame(
     id: str | None = None,
     retry: int | None = None,
 ) -> bytes:
-    """One SSE event as bytes: optional ``event:``/``id:``/``retry:``, then ``data:`` lines.
-
-    A payload holding line breaks (CR, LF or CRLF) is split over several
-    ``data:`` lines, which a decoder joins back with LF.
-    """
+    """One SSE event as bytes: optional ``event:``/``id:``/``retry:``, then ``data:`` lines
+    (one per line of the payload; a decoder joins them back with LF)."""
     if isinstance(data, bytes):
         data = data.decode("utf-8")
     out = []
@@ -93,34 +90,18 @@ class SSEDecoder:
     def decode(self, chunk: bytes) -> list[ServerSentEvent]:
         """Feed bytes; return the events completed by them."""
         text = self._text.decode(chunk)
-        if not text:
-            return []
-        if self._plain():
-            payloads = self._data_blocks(text)
-            if payloads is not None:
-                last_id = self._last_id
-                events = [ServerSentEvent(data, "message", last_id) for data in payloads[0]]
-                if payloads[1]:
-                    events += self._decode_text(payloads[1])
-                return events
-        return self._decode_text(text)
-
-    def decode_data(self, chunk: bytes) -> list[str]:
-        """:meth:`decode`, giving only each event's data: for upstreams whose events are
-        told apart by their JSON, not their ``event:`` names (OpenAI).
-
-        Most reads are whole ``data: {...}`` events, one line each: those are cut
-        with one ``str`` split and no per-event object.
-        """
-        return self.data_of(self.text(chunk))
+        return self._decode_text(text) if text else []
 
     def text(self, chunk: bytes) -> str:
         """The text of ``chunk`` (UTF-8, a sequence cut at its end kept for the next),
-        for :meth:`data_of` or a caller's own fast path (see :attr:`between_events`)."""
+        for :meth:`data_of` or a caller's own fast path (see :meth:`lead`)."""
         return self._text.decode(chunk)
 
     def data_of(self, text: str) -> list[str]:
-        """:meth:`decode_data` for text from :meth:`text`."""
+        """The data of the events completed by ``text`` (from :meth:`text`): for upstreams
+        whose events are told apart by their JSON, not their names (OpenAI). Whole
+        single-line ``data:`` events, most reads, are cut with one split."""
+
         if not text:
             return []
         if self._plain():
@@ -133,10 +114,9 @@ class SSEDecoder:
         return [event.data for event in self._decode_text(text)]
 
     def lead(self, text: str) -> str | None:
-        """``text`` with the partial line pending before it (taken), for a caller's own
-        fast path, which gives :meth:`data_of` whatever it does not take; None (and
-        nothing taken) when part of an event is pending, or ``text`` does not end the
-        pending line (a long line in many reads is kept in pieces, not copied per read)."""
+        """``text`` with the pending partial line before it (taken), for a caller's own
+        fast path that gives :meth:`data_of` what it does not take; None (nothing taken)
+        when part of an event is pending or ``text`` does not end the pending line."""
         if not self._plain():
             return None
         if self._pending:
@@ -199,11 +179,9 @@ class SSEDecoder:
         return events
 
     def _decode_lf(self, text: str) -> list[ServerSentEvent]:
-        """:meth:`decode` for text whose lines all end in LF: what servers send.
+        """The same rules for text whose lines all end in LF (what servers send), on
+        ``str.split`` rather than a regex: the per-event cost of every upstream."""
 
-        The same rules, on ``str.split`` rather than a regex, with the usual
-        ``data: `` line handled inline: the per-event cost of every upstream.
-        """
         lines = text.split("\n")
         tail = lines.pop()  # after the last LF: a line still arriving ("" if none)
         events: list[ServerSentEvent] = []

@@ -1,11 +1,8 @@
 """Anthropic Messages wire shapes for ``POST /v1/messages`` (docs/protocols.md §3). Sans-I/O.
 
-Request bytes in, the engine's :class:`~nexus.request.ChatRequest` out (so any
-provider can serve it); merged completion in, a ``message`` object out; and
-the Anthropic error body. The translation keeps what the engine understands:
-system text, text and image blocks, tool use and tool results, tools and
-tool_choice, stop sequences, sampling, ``thinking`` and ``top_k`` (passed on to
-Anthropic upstreams), ``metadata.user_id``.
+Request bytes in, the engine's :class:`~nexus.request.ChatRequest` out (so any provider
+can serve it); merged completion in, a ``message`` object out; and the error body.
+``thinking``, ``top_k`` and ``cache_control`` pass through for Anthropic upstreams.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ __all__ = [
     "MessagesRequest",
     "anthropic_error_body",
     "error_body",
-    "error_type_for",
     "message_body",
     "parse_messages_request",
 ]
@@ -123,8 +119,8 @@ class MessagesRequest(OpenModel):
     stream: bool = False
     background: bool = False
     stream_options: StreamOptions | None = None
-    """Nexus: ``{"resumable": true}`` asks for a resumable stream (as on
-    ``/v1/chat/completions``); its other options are not read here."""
+    """Nexus: only ``resumable`` is read."""
+
     mock: MockScript | None = None
 
 
@@ -342,10 +338,6 @@ _ERROR_TYPES = {
 }
 
 
-def error_type_for(status: int) -> str:
-    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
 ANTHROPIC_ERROR_TYPES = frozenset({*_ERROR_TYPES.values(), "api_error"})
 
 
@@ -354,16 +346,15 @@ def anthropic_error_type(error_type: str, status: int) -> str:
     else the one Anthropic uses for the status."""
     if error_type in ANTHROPIC_ERROR_TYPES and error_type != "invalid_request_error":
         return error_type
-    return error_type_for(status)
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 def error_body(kind: str, message: str, code: str | None, request_id: str | None) -> dict[str, Any]:
     """Anthropic's error shape: ``{"type":"error","error":{"type","message","details":
-    {"error_code"}},"request_id"}``. ``details.error_code`` is where the Anthropic API
-    puts the stable code of an error (its SDK reads it into ``APIStatusError.error_code``
-    and treats a code it does not know as the bare ``type``); ``request_id`` is at the
-    top level, as in the API's error responses (the SDK's ``ErrorResponse``). Each is
-    left out when unknown."""
+    {"error_code"}},"request_id"}``. ``details.error_code`` is where the API puts an
+    error's stable code (the SDK's ``APIStatusError.error_code``); each is left out
+    when unknown."""
+
     error: dict[str, Any] = {"type": kind, "message": message}
     if code:
         error["details"] = {"error_code": code}

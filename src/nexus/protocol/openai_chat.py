@@ -25,12 +25,8 @@ __all__ = [
 
 
 def parse_chat_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
-    """Validate a request body.
-
-    Raises :class:`InvalidRequest` with code ``invalid_json`` for bytes that are
-    not a JSON object, and code ``invalid_request`` naming the field otherwise
-    (or for JSON nested deeper than ``max_depth``).
-    """
+    """Validate a request body. Raises :class:`InvalidRequest` (see :func:`parse_json_object`
+    and :func:`validation_error`)."""
     data = parse_json_object(body, max_depth=max_depth)
     try:
         return ChatRequest.model_validate(data)
@@ -76,11 +72,8 @@ def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:
 
 
 def field_path(loc: tuple[int | str, ...], data: Any) -> str:
-    """``('messages', 0, 'user', 'content')`` -> ``messages[0].content``.
-
-    Pydantic puts union and discriminator tags into ``loc``; they are told apart
-    from real fields by walking the input along the path.
-    """
+    """``('messages', 0, 'user', 'content')`` -> ``messages[0].content``: union tags in
+    ``loc`` are told from real fields by walking the input along the path."""
     out = ""
     node = data
     last = len(loc) - 1
@@ -97,10 +90,9 @@ def field_path(loc: tuple[int | str, ...], data: Any) -> str:
 
 
 def chunk_prefix(meta: StreamMeta) -> bytes:
-    """The bytes every chunk of a stream starts with, up to ``"choices":``.
+    """The bytes every chunk of a stream starts with, up to ``"choices":`` (serialised
+    once per stream)."""
 
-    Serialised once per stream so that each chunk only serialises its choice.
-    """
     head = orjson.dumps(
         {
             "id": meta.id,

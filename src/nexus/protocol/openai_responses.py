@@ -56,13 +56,8 @@ _STR_OR_OBJECT = _by_shape("an object")
 # --- content parts ---------------------------------------------------------
 
 
-class InputText(OpenModel):
-    type: Literal["input_text"]
-    text: str
-
-
-class OutputText(OpenModel):
-    type: Literal["output_text"]
+class TextPart(OpenModel):
+    type: Literal["input_text", "output_text"]
     text: str
 
 
@@ -86,9 +81,7 @@ class InputFile(OpenModel):
     file_url: str | None = None
 
 
-Part = Annotated[
-    InputText | OutputText | Refusal | InputImage | InputFile, Field(discriminator="type")
-]
+Part = Annotated[TextPart | Refusal | InputImage | InputFile, Field(discriminator="type")]
 Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[Part], Tag("list")], _STR_OR_LIST]
 
 
@@ -342,7 +335,7 @@ def _message(item: MessageItem, where: str) -> dict[str, Any]:
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(item.content):
         at = f"{where}.content[{j}]"
-        if isinstance(part, InputText | OutputText):
+        if isinstance(part, TextPart):
             parts.append({"type": "text", "text": part.text})
         elif role == "assistant" and isinstance(part, Refusal):
             parts.append({"type": "refusal", "refusal": part.refusal})
@@ -360,7 +353,7 @@ def _text_content(content: str | list[Any], where: str, what: str) -> str | list
         return content
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, InputText | OutputText):
+        if not isinstance(part, TextPart):
             raise _wrong_part(f"{where}[{j}]", part.type, what)
         parts.append({"type": "text", "text": part.text})
     return parts

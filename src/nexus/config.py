@@ -320,8 +320,8 @@ class Config(_Table):
         for alias, cfg in self.models.items():
             where = f'[models."{alias}"]'
             given = (cfg.input_usd_per_mtok, cfg.output_usd_per_mtok)
-            if (None in given and given != (None, None)) or (
-                cfg.cached_input_usd_per_mtok is not None and None in given
+            if None in given and (
+                given != (None, None) or cfg.cached_input_usd_per_mtok is not None
             ):
                 raise ValueError(
                     f"{where}: prices need both input_usd_per_mtok and output_usd_per_mtok"

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from ..errors import GatewayError, InvalidRequest
 from ..request import ChatRequest, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
 from .json_depth import MAX_JSON_DEPTH, deeper_than
-from .openai_chat import parse_json_object, validation_error
+from .openai_chat import parse_json_object, validated
 
 __all__ = [
     "MessagesRequest",
@@ -127,12 +127,7 @@ class MessagesRequest(OpenModel):
 def parse_messages_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
     """Validate a Messages request and translate it. Raises :class:`InvalidRequest`
     (also for JSON nested deeper than ``max_depth``)."""
-    data = parse_json_object(body, max_depth=max_depth)
-    try:
-        request = MessagesRequest.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc, data) from None
-    return to_chat_request(request)
+    return to_chat_request(validated(MessagesRequest, parse_json_object(body, max_depth=max_depth)))
 
 
 def to_chat_request(request: MessagesRequest) -> ChatRequest:
@@ -194,10 +189,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
             chat["parallel_tool_calls"] = False
     if request.mock is not None:
         chat["mock"] = request.mock.model_dump(exclude_none=True)
-    try:
-        return ChatRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise validation_error(exc, chat) from None
+    return validated(ChatRequest, chat)
 
 
 def _cache_control(block: BaseModel) -> dict[str, Any]:

@@ -6,32 +6,25 @@ Request bytes in, :class:`~nexus.request.ChatRequest` out; merged completion in,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import InvalidRequest
 from ..request import ChatRequest
 from ..types import Completion, StreamMeta
 from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
 
-__all__ = [
-    "chunk_prefix",
-    "completion_body",
-    "parse_chat_request",
-    "validation_error",
-]
+__all__ = ["chunk_prefix", "completion_body", "parse_chat_request", "validated", "validation_error"]
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def parse_chat_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
     """Validate a request body. Raises :class:`InvalidRequest` (see :func:`parse_json_object`
     and :func:`validation_error`)."""
-    data = parse_json_object(body, max_depth=max_depth)
-    try:
-        return ChatRequest.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc, data) from None
+    return validated(ChatRequest, parse_json_object(body, max_depth=max_depth))
 
 
 def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
@@ -51,6 +44,14 @@ def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[s
     if field is not None:
         raise too_deep(field, max_depth)
     return data
+
+
+def validated(model: type[M], data: dict[str, Any]) -> M:
+    """``data`` as a ``model``; :class:`InvalidRequest` naming the first field that is not."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, data) from None
 
 
 def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:

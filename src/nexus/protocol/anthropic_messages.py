@@ -16,7 +16,7 @@ from ..errors import GatewayError, InvalidRequest
 from ..request import ChatRequest, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
 from .json_depth import MAX_JSON_DEPTH, deeper_than
-from .openai_chat import parse_json_object, validated
+from .openai_chat import parse_json_object, tool_call, validated
 
 __all__ = [
     "MessagesRequest",
@@ -227,16 +227,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
             )
             parts.append({"type": "image_url", "image_url": {"url": url}})
         elif isinstance(block, ToolUseBlock):
-            calls.append(
-                {
-                    "id": block.id,
-                    "type": "function",
-                    "function": {
-                        "name": block.name,
-                        "arguments": orjson.dumps(block.input).decode(),
-                    },
-                }
-            )
+            calls.append(tool_call(block.id, block.name, orjson.dumps(block.input).decode()))
         elif isinstance(block, ThinkingBlock):
             if message.role == "assistant":
                 thinking.append(block.model_dump())

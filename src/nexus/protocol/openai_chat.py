@@ -16,7 +16,15 @@ from ..request import ChatRequest
 from ..types import Completion, StreamMeta
 from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
 
-__all__ = ["chunk_prefix", "completion_body", "parse_chat_request", "validated", "validation_error"]
+__all__ = [
+    "chunk_prefix",
+    "completion_body",
+    "parse_chat_request",
+    "tool_call",
+    "validated",
+    "validation_error",
+]
+
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -90,6 +98,11 @@ def field_path(loc: tuple[int | str, ...], data: Any) -> str:
     return out
 
 
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A ``tool_calls`` entry of a chat message (``arguments``: JSON text)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def chunk_prefix(meta: StreamMeta) -> bytes:
     """The bytes every chunk of a stream starts with, up to ``"choices":`` (serialised
     once per stream)."""
@@ -123,12 +136,7 @@ def completion_body(completion: Completion) -> dict[str, Any]:
         message["reasoning_content"] = completion.reasoning
     if completion.tool_calls:
         message["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in completion.tool_calls
+            tool_call(call.id, call.name, call.arguments) for call in completion.tool_calls
         ]
     usage = completion.usage
     return {

@@ -17,16 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 
 from ..errors import InvalidRequest
-from ..request import (
-    ChatRequest,
-    FunctionDef,
-    MockScript,
-    OpenModel,
-    StreamOptions,
-    StrictModel,
-)
+from ..request import ChatRequest, FunctionDef, MockScript, OpenModel, StreamOptions, StrictModel
 from .json_depth import MAX_JSON_DEPTH
-from .openai_chat import field_path, parse_json_object, validation_error
+from .openai_chat import field_path, parse_json_object, tool_call, validation_error
 from .openai_responses_output import response_body
 
 __all__ = ["ResponsesRequest", "parse_responses_request", "response_body", "to_chat_request"]
@@ -250,11 +243,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
         if isinstance(item, MessageItem):
             add(_message(item, where), where)
         elif isinstance(item, FunctionCallItem):
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
+            call = tool_call(item.call_id, item.name, item.arguments)
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:

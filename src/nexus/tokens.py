@@ -20,13 +20,7 @@ from collections.abc import Mapping
 
 from .errors import ConfigError
 
-__all__ = [
-    "MIN_SECRET_CHARS",
-    "READ",
-    "StreamTokens",
-    "new_secret",
-    "secret_from_env",
-]
+__all__ = ["MIN_SECRET_CHARS", "READ", "StreamTokens", "new_secret", "secret_from_env"]
 
 READ = "read"
 """The only scope: read one stream (GET, with resume)."""

@@ -167,14 +167,11 @@ class ConnectionRegistry:
         self.paused.pop(conn, None)
 
     def lost(self, conn: Tracked) -> None:
-        self.paused.pop(conn, None)
         if conn.phase is Phase.REJECTED:
             self.lingering.pop(conn, None)
+            conn.phase = Phase.CLOSED
         elif conn.phase is not Phase.CLOSED:
-            self.heads.pop(conn, None)
-            self.idle.pop(conn, None)
-            self.open -= 1
-        conn.phase = Phase.CLOSED
+            self._forget(conn)
 
     # Deadlines --------------------------------------------------------------
 
@@ -203,12 +200,16 @@ class ConnectionRegistry:
                 transport.close()
 
     def _close(self, conn: Tracked, reason: str) -> None:
+        self._forget(conn)
+        conn.expire(reason)
+
+    def _forget(self, conn: Tracked) -> None:
+        """An admitted connection is closed: out of every table and the count."""
         self.heads.pop(conn, None)
         self.idle.pop(conn, None)
         self.paused.pop(conn, None)
         conn.phase = Phase.CLOSED
         self.open -= 1
-        conn.expire(reason)
 
     def start(self) -> None:
         """Start checking (in the running loop)."""

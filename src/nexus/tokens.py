@@ -3,10 +3,10 @@
 A browser's ``EventSource`` sends no ``Authorization``, so a background request's
 ``202`` carries a token that alone authorises ``GET /v1/streams/{id}?token=...``.
 A token is ``<expires>.<mac>``: a Unix time in whole seconds, and the base64url
-HMAC-SHA256 of the scope, the stream id (the URL's, not the token's) and ``expires``
-under the token secret, compared in constant time. The secret comes from the variable
-``[auth] token_secret_env`` names, the same on every replica; without one each process
-makes its own, and its tokens work on it alone.
+HMAC-SHA256 of the scope, the stream id (from the URL; the token does not carry it)
+and ``expires`` under the token secret, compared in constant time. The secret is in the
+variable ``[auth] token_secret_env`` names, the same on every replica; without one each
+process makes its own, and its tokens work on it alone.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``config.toml``: pydantic models of every table, and :func:`load_config`.
 
-Every key has a default (the README's config reference lists them with their
+Every key has a default (docs/configuration.md lists them with their
 meaning); an unknown key is an error, so a typo is never silently ignored.
 Errors name the file, the key and what is wrong::
 
@@ -397,7 +397,7 @@ def _describe(error: Any) -> str:
         loc = [*loc, "kind"]
         message = f"unknown kind {ctx.get('tag')!r} (expected {ctx.get('expected_tags')})"
     if error["type"] == "extra_forbidden":
-        message = "unknown key (check the spelling against the README's config reference)"
+        message = "unknown key (check the spelling against docs/configuration.md)"
     elif error["type"] == "missing":
         message = "required key is missing"
     elif message.startswith("Value error, "):

@@ -146,19 +146,18 @@ def test_config_is_frozen() -> None:
         pytest.param(
             "[server]\nheartbeat_interval = 5\n",
             "[server] heartbeat_interval: unknown key "
-            "(check the spelling against the README's config reference)",
+            "(check the spelling against docs/configuration.md)",
             id="unknown-key-server",
         ),
         pytest.param(
             "[limits]\nmax_streams = 5\n",
-            "[limits] max_streams: unknown key "
-            "(check the spelling against the README's config reference)",
+            "[limits] max_streams: unknown key (check the spelling against docs/configuration.md)",
             id="unknown-key-limits",
         ),
         pytest.param(
             '[providers.mock]\nkind = "mock"\nmodel = ["x"]\n',
             "[providers.mock] model: unknown key "
-            "(check the spelling against the README's config reference)",
+            "(check the spelling against docs/configuration.md)",
             id="unknown-key-provider",
         ),
         pytest.param(

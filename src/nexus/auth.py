@@ -1,10 +1,7 @@
 """API keys and per-key rate limits. Sans-I/O: strings and numbers in, decisions out.
 
-Keys are stored as SHA-256 hashes (``nexus hash-key`` prints one); a presented
-key is hashed and compared with every stored hash in constant time, so neither
-the answer nor its timing says which key, or how much of one, matched.
-Credentials come from ``Authorization: Bearer <key>``, ``x-api-key: <key>``,
-or, for browsers' WebSockets, the subprotocol ``nexus-key.<key>``.
+Keys are stored as SHA-256 hashes; a presented key is compared with every stored hash
+in constant time, so neither the answer nor its timing says which key matched.
 """
 
 from __future__ import annotations
@@ -55,7 +52,6 @@ def hash_key(key: str) -> str:
 
 
 def new_key() -> str:
-    """A new random key (256 bits)."""
     return "nx-" + secrets.token_urlsafe(32)
 
 
@@ -70,7 +66,9 @@ def is_loopback(host: str) -> bool:
 
 
 def credential(headers: Mapping[str, str], subprotocols: Sequence[str] = ()) -> str | None:
-    """The key a request presents, or None."""
+    """The key a request presents (``Authorization: Bearer``, ``x-api-key`` or, for a
+    browser's WebSocket, the subprotocol ``nexus-key.<key>``), or None."""
+
     value = headers.get("Authorization")
     if value is not None:
         scheme, _, token = value.strip().partition(" ")
@@ -140,15 +138,13 @@ class KeyRing:
         """The caller's key; None when auth is off. Raises :class:`Unauthorized`."""
         if not self.enabled:
             return None
-        if presented is None:
-            raise Unauthorized(
-                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
-                headers={"WWW-Authenticate": 'Bearer realm="nexus"'},
-            )
-        key = self.lookup(presented)
+        key = None if presented is None else self.lookup(presented)
         if key is None:
             raise Unauthorized(
-                "Invalid API key.", headers={"WWW-Authenticate": 'Bearer realm="nexus"'}
+                "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
+                if presented is None
+                else "Invalid API key.",
+                headers={"WWW-Authenticate": 'Bearer realm="nexus"'},
             )
         return key
 

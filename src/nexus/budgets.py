@@ -1,9 +1,8 @@
-"""Budget periods: which window a moment falls in, and when that window ends. Sans-I/O.
+"""Budget periods: which window a moment falls in, and when it ends. Sans-I/O.
 
-A key's spend is kept per window (``[[auth.keys]] budget_period``): a UTC calendar
-day (``"2026-11-25"``), a UTC calendar month (``"2026-11"``), or ``"total"``, which
-never ends. A new window starts from nothing: the old one's spend stays in the
-store until a day past its end (for ``nexus keys`` and late charges), then expires.
+A key's spend is kept per window: a UTC day (``"2026-11-25"``), a UTC month
+(``"2026-11"``) or ``"total"``, which never ends. A window's spend stays in the store
+until a day past its end (for ``nexus keys`` and late charges), then expires.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ _KEEP_AFTER_END_S = 86_400.0
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """One budget window: its id (part of the store's key) and its end (epoch seconds;
-    None for ``total``)."""
+    """A budget window: its id (part of the store's key) and its end (epoch seconds)."""
 
     id: str
     resets_at: float | None
@@ -49,8 +47,8 @@ class Window:
 
 
 def window(period: str, now: float) -> Window:
-    """The window of ``period`` (``day``, ``month``, ``total``) that ``now`` (epoch
-    seconds) falls in. Raises ``ValueError`` for another period."""
+    """The window of ``period`` that ``now`` falls in. Raises ``ValueError`` for another."""
+
     if period == "total":
         return Window("total", None)
     moment = dt.datetime.fromtimestamp(now, dt.UTC)

@@ -1,6 +1,4 @@
-"""The ``nexus`` command: ``nexus serve [--config PATH] [--host H] [--port P]
-[--workers N|auto] [--loop auto|uvloop|asyncio]``, ``nexus hash-key`` and
-``nexus keys [--config PATH]``."""
+"""The ``nexus`` command: ``nexus serve``, ``nexus hash-key`` and ``nexus keys``."""
 
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ from .telemetry import check_installed
 log = logging.getLogger("nexus")
 
 GC_THRESHOLD = 10_000
-"""The collector's first threshold in a gateway process (see :func:`_serve_one`)."""
+"""The collector's first threshold in a gateway process."""
 
 DEFAULT_CONFIG = "config.toml"
 
@@ -81,30 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "hash-key":
         return _hash_key(args.stdin, args.name)
-    if args.command == "keys":
-        try:
-            config, _ = _load(args.config)
-        except ConfigError as exc:
-            print(f"nexus: config error: {exc}", file=sys.stderr)
-            return 2
-        return asyncio.run(_keys(config))
-
     try:
         config, source = _load(args.config)
-        server = config.server
-        updates = {}
+        if args.command == "keys":
+            return asyncio.run(_keys(config))
+        server: dict[str, Any] = {}
         if args.host is not None:
-            updates["host"] = args.host
+            server["host"] = args.host
         if args.port is not None:
             if not 0 <= args.port <= 65535:
                 raise ConfigError(f"--port: {args.port} is not a port number (0-65535)")
-            updates["port"] = args.port
+            server["port"] = args.port
         if args.workers is not None:
-            updates["workers"] = args.workers
+            server["workers"] = args.workers
         if args.loop is not None:
-            updates["uvloop"] = {"auto": "auto", "uvloop": True, "asyncio": False}[args.loop]
-        if updates:
-            config = config.model_copy(update={"server": server.model_copy(update=updates)})
+            server["uvloop"] = {"auto": "auto", "uvloop": True, "asyncio": False}[args.loop]
+        if server:
+            config = config.model_copy(update={"server": config.server.model_copy(update=server)})
         _setup_logging(args.log_level.upper(), config.logging.format)
         _check_exposure(config, source)
         check_installed(config.telemetry)  # once, before any worker starts
@@ -242,13 +233,9 @@ def _serve(config: Config, source: str) -> int:
 
 
 def _open_files_for(connections: int) -> None:
-    """Let each process hold ``[server] max_connections``: raise the soft open-file limit
-    (``ulimit -n``, often 1024) towards the hard one, which only root could raise.
-
-    A client connection is one file, a stream's upstream connection another: the
-    target is twice the cap and a margin. Below the cap itself, accept() would fail
-    (EMFILE) before the cap's 503 could be sent: that is worth a warning.
-    """
+    """Raise the soft open-file limit (``ulimit -n``) towards the hard one, to twice
+    ``[server] max_connections`` and a margin (a client and its upstream connection are
+    a file each); below the cap itself accept() fails before the cap's 503, so warn."""
     try:
         import resource
     except ImportError:  # not on a Unix
@@ -277,9 +264,8 @@ def _serve_one(
 ) -> int:
     """One gateway process: the whole server, or worker ``worker`` of several."""
     _install_loop(config.server.uvloop, source)
-    # Each token leaves an event in a log and a few short-lived containers: at the
-    # default threshold (700) the collector runs every few hundred tokens, for ~20% of
-    # the CPU at saturation (bench/README.md). The gateway process only, not importers.
+    # Each token leaves a few short-lived containers: at the default threshold (700) the
+    # collector took ~20% of the CPU at saturation (bench/README.md). This process only.
     gc.set_threshold(GC_THRESHOLD, 20, 20)
     try:
         asyncio.run(_run(config, source, worker, ready))

@@ -1,8 +1,8 @@
 """``config.toml``: pydantic models of every table, and :func:`load_config`.
 
-Every key has a default (the README's reference lists them); a key the loader
-does not know is an error, so a typo is never silently ignored. Errors name
-the file, the key and what is wrong::
+Every key has a default (docs/configuration.md lists them with their
+meaning); an unknown key is an error, so a typo is never silently ignored.
+Errors name the file, the key and what is wrong::
 
     config.toml: [server] heartbeat_interval_s: Input should be greater than 0
 """
@@ -13,7 +13,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 from .pricing import Price, PriceTable
@@ -49,6 +57,18 @@ class _Table(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def _int_to_float(value: object) -> object:
+    # Strict mode takes no int for a float, but TOML writes 5 for 5.0.
+    return float(value) if type(value) is int else value
+
+
+USD = Annotated[
+    float | None, BeforeValidator(_int_to_float), Field(default=None, ge=0, allow_inf_nan=False)
+]
+"""An optional amount of dollars (or dollars per million tokens)."""
+_URL = r"^https?://\S+$"
+
+
 class ServerConfig(_Table):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
@@ -57,22 +77,12 @@ class ServerConfig(_Table):
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     write_timeout_s: float = Field(default=30.0, gt=0)
     uvloop: bool | Literal["auto"] = "auto"
-    """``auto``: uvloop when it is installed; ``true``: required; ``false``: asyncio's loop."""
     backlog: int = Field(default=2048, ge=1)
-    """Connections the kernel queues before the gateway accepts them (capped by somaxconn)."""
     workers: int | Literal["auto"] = Field(default=1)
-    """Worker processes on the port (``auto``: one per core); see :mod:`nexus.supervisor`."""
     header_timeout_s: float = Field(default=10.0, gt=0)
-    """A connection must deliver a complete request head this long after it connects
-    (or after the first byte of a next request on a keep-alive connection); else it is
-    closed. See :mod:`nexus.server.connection`."""
     body_timeout_s: float = Field(default=30.0, gt=0)
-    """A request whose body takes no byte for this long (between two reads) is answered
-    ``408 request_timeout`` and its connection closed."""
     keepalive_timeout_s: float = Field(default=75.0, gt=0)
-    """An idle keep-alive connection (no byte since its last response) is closed after this."""
     max_connections: int = Field(default=20_000, ge=1)
-    """Open connections per process (per worker with ``workers``); one more gets a 503."""
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -87,48 +97,27 @@ class LimitsConfig(_Table):
     max_concurrent_streams: int = Field(default=10_000, ge=1)
     max_concurrent_streams_per_key: int = Field(default=100, ge=1)
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
-    """Sustained rate per API key (bursts up to one second's worth); 0 turns it off."""
     max_stream_duration_s: float = Field(default=900.0, gt=0)
     stream_lease_s: float = Field(default=10.0, gt=0)
-    """With ``[store] kind = "redis"``: how long a concurrent-stream slot stays counted
-    after its replica stopped renewing it (a replica that died); renewed every third of
-    that while the stream runs."""
     max_json_depth: int = Field(default=64, ge=1, le=200)
-    """How deep a request body's JSON may nest (objects and arrays); deeper: 400. At most
-    200: the gateway nests a request a level or two further when it stores or forwards
-    it, and the JSON encoder stops at 254."""
+    """At most 200: the gateway nests a request a level or two further when it stores or
+    forwards it, and the JSON encoder stops at 254."""
 
 
 class AuthKeyConfig(_Table):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@:-]+$")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    """The SHA-256 of the key, hex (``nexus hash-key`` prints it); never the key itself."""
     models: list[str] | None = None
-    """Model ids this key may call (``*`` wildcards: ``"mock/*"``); unset: every model."""
-    budget_usd: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    """What the key may spend per ``budget_period`` (the requests' ``cost_usd``, estimates
-    included); past it, requests get ``429 budget_exceeded``. Unset: no budget."""
+    budget_usd: USD
     budget_period: Literal["day", "month", "total"] = "month"
-    """The budget's window: a UTC calendar day or month, or the key's whole life."""
-
-    @field_validator("budget_usd", mode="before")
-    @classmethod
-    def _usd(cls, value: object) -> object:
-        # TOML writes 5 for 5.0: a whole number of dollars is a budget too.
-        return float(value) if type(value) is int else value
 
 
 class AuthConfig(_Table):
     keys: list[AuthKeyConfig] = Field(default_factory=list)
     allow_unauthenticated: bool = False
-    """Serving without keys is meant: on a non-loopback interface (refused otherwise), and
-    to any ``Host`` name (otherwise a keyless gateway answers loopback names only)."""
     token_secret_env: str = Field(
         default="NEXUS_TOKEN_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128
     )
-    """The NAME of the environment variable holding the secret that signs read tokens
-    (see :mod:`nexus.tokens`); the same value on every replica. Unset or empty: each
-    process makes its own (``nexus serve --workers N`` makes one for all its workers)."""
 
     @field_validator("keys")
     @classmethod
@@ -137,15 +126,13 @@ class AuthConfig(_Table):
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"key name {name!r} is used twice")
-        hashes = [key.sha256 for key in value]
-        if len(set(hashes)) != len(hashes):
+        if len({key.sha256 for key in value}) != len(value):
             raise ValueError("two keys have the same sha256")
         return value
 
 
 class CorsConfig(_Table):
     allow_origins: list[str] = Field(default_factory=list)
-    """Origins whose pages may call the API (``"*"``: any); empty: same origin only."""
     max_age_s: int = Field(default=600, ge=0)
 
 
@@ -159,29 +146,21 @@ class PluginConfig(_Table):
 
 class LoggingConfig(_Table):
     format: Literal["text", "json"] = "text"
-    """``json``: one JSON object per line, with the request id."""
     access_log: bool = True
-    """One line per request: method, path, endpoint, status, outcome, model asked and served,
-    key name, client address, TTFB, TTFT, duration, events and bytes of a written stream,
-    tokens and cost (see :mod:`nexus.server.access`)."""
 
 
 class MetricsConfig(_Table):
     enabled: bool = True
-    """Prometheus text format at ``GET /metrics``."""
 
 
 class TelemetryConfig(_Table):
     """OpenTelemetry traces (:mod:`nexus.telemetry`; needs ``nexus-gateway[otel]``)."""
 
-    otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://\S+$", max_length=2048)
-    """The collector's OTLP/HTTP address (``http://127.0.0.1:4318``: spans go to its
-    ``/v1/traces``). Unset: no tracing at all."""
+    otlp_endpoint: str | None = Field(default=None, pattern=_URL, max_length=2048)
+    """The collector's OTLP/HTTP address (spans go to its ``/v1/traces``); unset: no tracing."""
     service_name: str = Field(default="nexus", min_length=1, max_length=256)
-    """The ``service.name`` of the spans' resource."""
     sample_ratio: float = Field(default=1.0, ge=0, le=1)
-    """The share of new traces recorded; a request that comes with a ``traceparent``
-    follows its caller's decision (parent-based sampling)."""
+    """The share of new traces recorded; a request with a ``traceparent`` follows its caller."""
 
     @field_validator("otlp_endpoint")
     @classmethod
@@ -195,20 +174,12 @@ class TelemetryConfig(_Table):
 
 
 class StreamsConfig(_Table):
-    """Stream resources: how long they outlive their connections."""
-
     detach_timeout_s: float = Field(default=15.0, ge=0)
-    """With no client attached, a resumable stream (background, or asked for) runs this
-    long, then is cancelled; any other stream is cancelled as its last client leaves."""
     resume_ttl_s: float = Field(default=300.0, gt=0)
-    """A finished stream stays replayable (``GET /v1/streams/{id}``) this long."""
     max_log_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
-    """A stream whose log grows past this ends with ``stream_too_large``."""
 
 
 class CacheConfig(_Table):
-    """Record-and-replay of whole streams, keyed by the canonical request."""
-
     enabled: bool = False
     ttl_s: float = Field(default=600.0, gt=0)
     max_frames: int = Field(default=4096, ge=1)
@@ -216,33 +187,22 @@ class CacheConfig(_Table):
     mode: Literal["burst", "paced", "fast_forward"] = "burst"
     ff_divisor: float = Field(default=4.0, gt=0)
     share_across_keys: bool = False
-    """Replay one key's recordings to, and join its in-flight streams with, another key's
-    identical requests. Off: each API key has its own cache (a shared one tells a key what
-    another asked, and hands it the other's answer and usage)."""
+    """Off: each API key has its own cache (a shared one tells a key what another asked,
+    and hands it the other's answer and usage)."""
 
 
 class MemoryStoreConfig(_Table):
     kind: Literal["memory"] = "memory"
     max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
-    """Finished stream logs and recordings past this are evicted, oldest first."""
 
 
 class RedisStoreConfig(_Table):
     kind: Literal["redis"]
     url: str = Field(default="redis://127.0.0.1:6379/0", pattern=r"^(redis|rediss|unix)://\S+$")
     prefix: str = Field(default="nexus", min_length=1)
-    """Key prefix: replicas that share streams share it."""
     max_connections: int = Field(default=128, ge=1)
-    """Connections to Redis from this process. Commands hold one for a round trip; a
-    client following a stream that runs on another replica holds one while its read
-    blocks (up to 1.5 s at a time)."""
     pool_timeout_s: float = Field(default=5.0, gt=0)
-    """How long a request may wait for a free connection, then 503 ``store_unavailable``."""
     required: bool = True
-    """Whether a new stream needs Redis. True: one that cannot be begun there is refused
-    (503 ``store_unavailable``). False: it runs on this replica only (``X-Nexus-Store:
-    unavailable``): not cached, not joined, resumable elsewhere only once its mirror caught
-    up. Streams already running keep streaming to their clients either way."""
 
 
 StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminator="kind")]
@@ -261,35 +221,28 @@ class MockProviderConfig(_Table):
 class HTTPProviderConfig(_Table):
     """What the HTTP provider kinds share."""
 
-    base_url: str = Field(pattern=r"^https?://\S+$")
+    base_url: str = Field(pattern=_URL)
     api_key_env: str | None = None
     models: list[str] = Field(default_factory=list)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
     idle_timeout_s: float = Field(default=60.0, gt=0)
     max_connections: int = Field(default=10_000, ge=0)
-    """Upstream connections at once (0: no limit): a stream holds one for its whole
-    length, so this is also the most streams in flight to this provider. The default is
-    ``[limits] max_concurrent_streams``' default, so the gateway's own limit is the one
-    met first; a lower one protects an upstream with a limit of its own."""
+    """The default is ``[limits] max_concurrent_streams``', so the gateway's own limit is met
+    first (a stream holds a connection for its whole length)."""
     pool_timeout_s: float = Field(default=10.0, ge=0)
-    """How long a request may wait for a free connection of the pool, then 503
-    ``upstream_pool_exhausted`` (the next target of an alias is tried). Not part of
-    ``first_byte_timeout_s``."""
     optional: bool = False
 
 
 class OpenAIProviderConfig(HTTPProviderConfig):
     kind: Literal["openai"]
-    base_url: str = Field(default="https://api.openai.com/v1", pattern=r"^https?://\S+$")
+    base_url: str = Field(default="https://api.openai.com/v1", pattern=_URL)
     token_limit_field: Literal["max_tokens", "max_completion_tokens"] | None = None
-    """Send the token limit under this name (OpenAI's reasoning models refuse max_tokens);
-    unset: as the request has it."""
 
 
 class AnthropicProviderConfig(HTTPProviderConfig):
     kind: Literal["anthropic"]
-    base_url: str = Field(default="https://api.anthropic.com", pattern=r"^https?://\S+$")
+    base_url: str = Field(default="https://api.anthropic.com", pattern=_URL)
     anthropic_version: str = "2023-06-01"
     default_max_tokens: int = Field(default=4096, ge=1)
 
@@ -306,19 +259,10 @@ class ModelAliasConfig(_Table):
     has one. Prices are USD per million tokens (see :mod:`nexus.pricing`)."""
 
     targets: list[str] | None = None
-    input_usd_per_mtok: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    output_usd_per_mtok: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    cached_input_usd_per_mtok: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    input_usd_per_mtok: USD
+    output_usd_per_mtok: USD
+    cached_input_usd_per_mtok: USD
     """Unset: the input price."""
-
-    @field_validator(
-        "input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok", mode="before"
-    )
-    @classmethod
-    def _number(cls, value: object) -> object:
-        if type(value) is int:  # strict mode takes no int for a float: ``= 3`` is meant
-            return float(value)
-        return value
 
     @property
     def priced(self) -> bool:
@@ -376,8 +320,8 @@ class Config(_Table):
         for alias, cfg in self.models.items():
             where = f'[models."{alias}"]'
             given = (cfg.input_usd_per_mtok, cfg.output_usd_per_mtok)
-            if (None in given and given != (None, None)) or (
-                cfg.cached_input_usd_per_mtok is not None and None in given
+            if None in given and (
+                given != (None, None) or cfg.cached_input_usd_per_mtok is not None
             ):
                 raise ValueError(
                     f"{where}: prices need both input_usd_per_mtok and output_usd_per_mtok"
@@ -453,7 +397,7 @@ def _describe(error: Any) -> str:
         loc = [*loc, "kind"]
         message = f"unknown kind {ctx.get('tag')!r} (expected {ctx.get('expected_tags')})"
     if error["type"] == "extra_forbidden":
-        message = "unknown key (check the spelling against the README's config reference)"
+        message = "unknown key (check the spelling against docs/configuration.md)"
     elif error["type"] == "missing":
         message = "required key is missing"
     elif message.startswith("Value error, "):

@@ -1,27 +1,16 @@
 """What a stream spent: its tokens and their cost in USD. Sans-I/O.
 
-Prices come from ``[models."<name>"]`` (USD per million tokens): ``<name>`` is
-an alias (a table with ``targets``) or a ``<provider>/<model>`` id (a table of
-prices only). The price of a stream is its *served* target's (the
-``provider/model`` that answered, after fallbacks), else its alias's own, else
-none (the cost is then unknown: ``cost_usd`` is None).
-
-The cost is computed from the usage the upstream reported, never guessed::
+A stream's price (``[models."<name>"]``, USD per million tokens) is its served target's
+(``provider/model``), else its alias's, else none (``cost_usd`` is None). The cost is
+computed from the usage the upstream reported, never guessed::
 
     (prompt - cached) * input + cached * cached_input + completion * output
 
-per million tokens; ``completion`` includes reasoning tokens, as OpenAI counts
-them. ``cached_input_usd_per_mtok`` defaults to the input price. Tokens written
-to a provider's prompt cache (Anthropic's ``cache_creation_input_tokens``) are
-part of ``prompt`` and cost the input price here.
-
-A stream that ended without a final usage (it failed, was cancelled, or the
-upstream gave none) reports what it can, marked ``estimated``: the prompt and
-cached tokens of the last usage seen (an upstream that reports its input first,
-as Anthropic's ``message_start`` does), and as completion tokens the larger of
-that usage's and the number of output events seen (content, reasoning and tool
-call deltas: one token each, which is how streaming upstreams deliver them and
-how the mock provider counts).
+``completion`` includes reasoning tokens, as OpenAI counts them; tokens written to a
+prompt cache are part of ``prompt``. A stream that ended without a final usage reports
+what it saw, marked ``estimated``: the last usage's prompt and cached tokens, and as
+completion tokens the larger of that usage's and the output events seen (one token
+each, as streaming upstreams and the mock deliver them).
 """
 
 from __future__ import annotations
@@ -46,17 +35,11 @@ __all__ = [
 ]
 
 PER_TOKENS = 1_000_000
-"""Prices are per this many tokens."""
 
 
 @dataclass(frozen=True, slots=True)
 class Spend:
-    """What one stream spent upstream.
-
-    ``cost_usd`` is None when no price applies. ``estimated``: the stream ended
-    without the upstream's final usage, and the figures are what the gateway
-    saw (see the module docstring). A cache hit spends nothing (all zero).
-    """
+    """What one stream spent upstream (``cost_usd`` None: no price applies)."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -83,7 +66,7 @@ class Price:
 
 
 class PriceTable:
-    """Prices by model name (alias or ``provider/model``); see the module docstring."""
+    """Prices by model name (alias or ``provider/model``)."""
 
     __slots__ = ("prices",)
 
@@ -139,8 +122,7 @@ class Tally:
 
 
 def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:
-    """A :class:`Tally` of ``events`` (a finished log, once at its end). A complete
-    stream's final usage is looked for from the end, and nothing is counted if found."""
+    """A :class:`Tally` of a finished log (a complete one's final usage, if it has one)."""
     if complete:
         for event in reversed(events):
             if type(event) is Usage:
@@ -153,8 +135,8 @@ def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:
 
 
 def spend_of(tallied: Tally, price: Price | None, *, complete: bool) -> Spend:
-    """The :class:`Spend` of a stream. ``complete``: it ended normally, so a usage seen
-    is the upstream's final count (exact); otherwise output seen after it is counted."""
+    """The :class:`Spend` of a stream; ``complete``: its last usage is the final count."""
+
     usage = tallied.usage
     if usage is not None:
         prompt = usage.prompt_tokens

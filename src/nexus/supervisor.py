@@ -1,20 +1,12 @@
 """Several worker processes on one port: ``nexus serve --workers N``.
 
-A Python process runs on one core. The supervisor forks N workers, each a
-whole gateway with its own event loop, listening on the same port with
-``SO_REUSEPORT`` so that the kernel spreads connections across them. The
-supervisor itself serves nothing: it keeps the port reserved (bound, not
-listening, so the kernel never queues a connection for it), restarts a worker
-that dies, and on SIGTERM or SIGINT passes SIGTERM on to every worker and waits
-for them to end their streams gracefully (``[server] shutdown_grace_s``).
-
-What the workers do not share: with the in-memory store each has its own
-stream logs and cache (resume needs one worker, or sticky routing); with the
-Redis store a stream started on one worker resumes on any other. What they do
-share: the secret of the read tokens (:mod:`nexus.tokens`). Without one in the
-environment the supervisor makes one and puts it there, so every worker it forks
-inherits it (:func:`shared_token_secret`): a token one worker issued is good on
-any other.
+The supervisor forks N workers, each a whole gateway with its own event loop, on the
+same port with ``SO_REUSEPORT`` (the kernel spreads connections). It serves nothing
+itself: it keeps the port reserved (bound, not listening), restarts a worker that
+dies, and on SIGTERM or SIGINT passes SIGTERM on and waits ``[server]
+shutdown_grace_s`` for the streams to end. Workers share no memory (the in-memory
+store is per worker; Redis is shared) but do share the read tokens' secret
+(:func:`shared_token_secret`), so a token one worker issued is good on any other.
 """
 
 from __future__ import annotations
@@ -42,10 +34,9 @@ __all__ = ["Supervisor", "cpu_count", "reserve_port", "shared_token_secret"]
 log = logging.getLogger("nexus")
 
 QUICK_DEATH_S = 2.0
-"""A worker that dies sooner than this after its start counts towards a crash loop."""
 MAX_QUICK_DEATHS = 5
-"""Quick deaths in a row after which the supervisor gives up (a config or a bug,
-not bad luck: restarting would only spin)."""
+"""Workers dying within :data:`QUICK_DEATH_S` of their start this many times in a row:
+the supervisor gives up, as restarting would only spin."""
 KILL_AFTER_S = 10.0
 """How long past the grace period a worker may take to stop before it is killed."""
 
@@ -65,12 +56,9 @@ def cpu_count() -> int:
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, never listening.
-
-    It resolves port 0 to a real port that every worker then binds, and it
-    keeps the port while workers come and go. A socket that does not listen
-    gets no connections, so none wait on it.
-    """
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, never listening (so no
+    connection waits on it): it resolves port 0 and holds the port while workers come
+    and go."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -90,8 +78,8 @@ def shared_token_secret(
     config: Config, environ: MutableMapping[str, str] | None = None
 ) -> Iterator[None]:
     """While in the block, ``[auth] token_secret_env`` names a secret in ``environ``
-    (``os.environ``): the configured one, else one made here, which the workers forked
-    in the block inherit. Raises :class:`~nexus.errors.ConfigError` for a short one."""
+    (``os.environ``): the configured one, else one made here for the workers forked in
+    the block. Raises :class:`~nexus.errors.ConfigError` for a short one."""
     env = os.environ if environ is None else environ
     name = config.auth.token_secret_env
     if secret_from_env(name, env) is not None:

@@ -1,43 +1,21 @@
 """OpenTelemetry traces: a span per request, a child span per upstream attempt.
 
-Optional: the ``nexus-gateway[otel]`` extra brings the OpenTelemetry API, SDK and
-OTLP/HTTP exporter, and ``[telemetry] otlp_endpoint`` turns tracing on. Without the
-endpoint nothing here imports OpenTelemetry and every call is a ``None`` check: the
-server holds no :class:`Telemetry`, the engine's ``telemetry`` is None, and the
-context variables below stay unset. With the endpoint but without the packages,
-:meth:`Telemetry.from_config` refuses to start (a :class:`~nexus.errors.ConfigError`
-naming the extra): tracing asked for and silently absent would go unnoticed.
+Optional: the ``nexus-gateway[otel]`` extra and ``[telemetry] otlp_endpoint`` turn it
+on. Without the endpoint nothing imports OpenTelemetry and every call is a ``None``
+check; with it but without the packages, :meth:`Telemetry.from_config` refuses to
+start (:class:`~nexus.errors.ConfigError`): tracing asked for must not go missing.
 
-One request, as a trace::
+The request span (:class:`RequestSpan`, opened by the access middleware) is current
+while the handler runs, so a stream's run (a task that copies the handler's context)
+and the engine's :class:`Attempt` spans are its children; a background request's span
+ends with its run (:func:`end_with`), not its ``202``. An incoming ``traceparent``
+makes it a child of the caller's span, and :func:`upstream_headers` sends the
+attempt's upstream. Sampling is parent-based, ``sample_ratio`` deciding for new traces.
 
-    POST /v1/chat/completions      SERVER   http.*, gen_ai.request.model (as asked)
-    ├── chat gpt-4o                CLIENT   failed before output: status ERROR,
-    │                                       error.type = "upstream_error"
-    └── chat claude-sonnet-4-5     CLIENT   event gen_ai.first_token,
-                                            gen_ai.usage.*, finish_reasons
-
-The request span (:class:`RequestSpan`, opened by the access middleware) is the
-current span while the handler runs, so a stream's run (a task started by the
-handler, which copies its context) and the engine's attempts under it are its
-children. A streaming response is pumped inside the handler, so the span ends
-with the stream; a background request's span ends when its run does
-(:func:`end_with`), not with its ``202``. A client's ``traceparent`` and
-``tracestate`` (W3C Trace Context) make the request span a child of the caller's;
-the engine's :class:`Attempt` span is what goes upstream (:func:`upstream_headers`,
-called by the HTTP providers). Sampling is parent-based: a caller's sampled
-trace stays sampled, an unsampled one stays unsampled, and ``sample_ratio``
-decides for requests that come without one.
-
-Attribute names follow the OpenTelemetry GenAI semantic conventions as they stand
-(``gen_ai.provider.name``, which replaced ``gen_ai.system``; the latter is not
-sent). The conventions name no event for the first token; they define the span
-attribute ``gen_ai.response.time_to_first_chunk`` (seconds from the request),
-which is set, and the moment is also marked by one event, ``gen_ai.first_token``,
-so that it shows on a timeline. Nothing is done per chunk: attributes are set when
-an attempt starts and ends, and the first output is one event.
-
-Traces carry no prompt, no completion, no key and no upstream error message:
-models, token counts, finish reasons, error codes, the route and the path.
+Attributes follow the OpenTelemetry GenAI semantic conventions (``gen_ai.provider.name``,
+not the replaced ``gen_ai.system``); the first output sets
+``gen_ai.response.time_to_first_chunk`` and one ``gen_ai.first_token`` event. Nothing
+is done per chunk. Traces carry no prompt, completion, key or upstream error message.
 """
 
 from __future__ import annotations
@@ -75,9 +53,8 @@ __all__ = [
 INSTALL_HINT = "pip install 'nexus-gateway[otel]'"
 
 PROVIDER_NAMES = {"openai": "openai", "anthropic": "anthropic", "mock": "nexus.mock"}
-"""``gen_ai.provider.name`` by provider kind: the conventions' well-known values, and
-a custom one for the built-in mock. An OpenAI-compatible server of any vendor is
-``openai``: the wire the gateway speaks (``server.address`` tells the host)."""
+"""``gen_ai.provider.name`` by provider kind: any OpenAI-compatible server is ``openai``
+(the wire spoken; ``server.address`` tells the host)."""
 
 _HTTP_METHODS = frozenset(
     {"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE"}
@@ -94,12 +71,7 @@ _REQUEST: contextvars.ContextVar[RequestSpan | None] = contextvars.ContextVar(
 
 
 class Telemetry:
-    """A tracer and the W3C propagator; one per app (the engine holds it too).
-
-    ``provider`` is an SDK ``TracerProvider``; :meth:`shutdown` flushes and stops it.
-    Built by :meth:`from_config`, or by hand around any provider (tests use an
-    in-memory exporter).
-    """
+    """A tracer and the W3C propagator around an SDK ``TracerProvider``; one per app."""
 
     def __init__(self, provider: TracerProvider) -> None:
         from opentelemetry import context, trace
@@ -115,12 +87,9 @@ class Telemetry:
     def from_config(
         cls, config: TelemetryConfig, *, exporter: SpanExporter | None = None
     ) -> Telemetry | None:
-        """The tracing ``[telemetry]`` describes; None when ``otlp_endpoint`` is unset
-        (and no ``exporter`` is given: then spans go to it, one by one, instead).
-
-        Raises :class:`~nexus.errors.ConfigError` when the OpenTelemetry packages are
-        not installed.
-        """
+        """The tracing ``[telemetry]`` describes (spans to ``exporter`` instead, when
+        given); None when ``otlp_endpoint`` is unset. Raises
+        :class:`~nexus.errors.ConfigError` when the OpenTelemetry packages are missing."""
         if config.otlp_endpoint is None and exporter is None:
             return None
         _require(_SDK if exporter is not None else (*_SDK, _EXPORTER))
@@ -158,13 +127,9 @@ class Telemetry:
         scheme: str,
         request_id: str,
     ) -> RequestSpan:
-        """Open the SERVER span of one HTTP request and make it current in this task.
-
-        ``route`` is the matched route's pattern (None: no route matched); the span is
-        named ``"{method} {route}"`` (HTTP semantic conventions), an unknown method
-        being ``_OTHER``. ``headers`` may carry the caller's ``traceparent``. Close it
-        with :meth:`RequestSpan.close` in the same task.
-        """
+        """Open the SERVER span of one HTTP request, current in this task until
+        :meth:`RequestSpan.close`. ``route`` is the matched pattern (None: none matched);
+        ``headers`` may carry the caller's ``traceparent``."""
         known = method if method in _HTTP_METHODS else "_OTHER"
         name = "HTTP" if known == "_OTHER" else known
         if route is not None:
@@ -187,9 +152,8 @@ class Telemetry:
     def attempt(
         self, provider: str, kind: str, model: str, request: ChatRequest, index: int
     ) -> Attempt:
-        """Open the CLIENT span of one upstream attempt (a child of the current span):
-        ``provider`` (its name in the config) of ``kind``, upstream ``model``. It is
-        the span that :func:`upstream_headers` sends upstream from this task."""
+        """Open the CLIENT span of one upstream attempt (a child of the current span),
+        the one :func:`upstream_headers` sends upstream from this task."""
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": PROVIDER_NAMES.get(kind, kind),
@@ -270,8 +234,8 @@ class Attempt:
         self.span.add_event("gen_ai.first_token", timestamp=now)
 
     def answered(self, *tail: list[StreamEvent] | None) -> None:
-        """The upstream ended its stream well. ``tail``: its last reads, where the
-        finish reason and the usage are (the end of a stream; read once, from the end)."""
+        """The upstream ended its stream well; ``tail``, its last reads, holds the
+        finish reason and the usage."""
         span = self.span
         span.set_attribute("gen_ai.response.model", self.model)
         usage, finish = _outcome(tail)
@@ -302,8 +266,8 @@ class Attempt:
             _ATTEMPT.set(None)
 
     def outgoing(self, headers: dict[str, str], url: str) -> dict[str, str]:
-        """``headers`` with this attempt's ``traceparent`` (and ``tracestate``); the
-        upstream's address on the span."""
+        """A copy of ``headers`` with this attempt's trace context; the upstream's address
+        goes on the span."""
         parts = urlsplit(url)
         if parts.hostname:
             self.span.set_attribute("server.address", parts.hostname)
@@ -317,8 +281,8 @@ class Attempt:
 
 
 def upstream_headers(headers: dict[str, str], url: str) -> dict[str, str]:
-    """The headers of an upstream request to ``url``: as given without tracing; with
-    it, a copy that carries the current attempt's trace context (W3C)."""
+    """``headers`` for an upstream request to ``url``, with the current attempt's trace
+    context when there is one."""
     attempt = _ATTEMPT.get()
     if attempt is None:
         return headers
@@ -326,8 +290,7 @@ def upstream_headers(headers: dict[str, str], url: str) -> dict[str, str]:
 
 
 def request_model(model: str) -> None:
-    """Note on the current request span the model the client asked for (an alias
-    stays an alias; the attempts name the upstream models)."""
+    """Note the model the client asked for on the current request span."""
     request = _REQUEST.get()
     if request is not None:
         request.span.set_attribute("gen_ai.operation.name", "chat")
@@ -335,26 +298,19 @@ def request_model(model: str) -> None:
 
 
 def end_with(until: asyncio.Future[Any]) -> None:
-    """Have the current request span end when ``until`` is done (a background
-    request's run) rather than with its response."""
+    """Have the current request span end when ``until`` (a background run) is done."""
     request = _REQUEST.get()
     if request is not None:
         request.until = until
 
 
-_SDK = (
-    "opentelemetry.trace",
-    "opentelemetry.trace.propagation.tracecontext",
-    "opentelemetry.sdk.resources",
-    "opentelemetry.sdk.trace",
-    "opentelemetry.sdk.trace.sampling",
-)
+_SDK = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.sdk.trace.sampling")
 _EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 
 
 def check_installed(config: TelemetryConfig) -> None:
-    """Raise :class:`~nexus.errors.ConfigError` if ``config`` turns tracing on and the
-    ``otel`` extra is not installed (``nexus serve`` asks before it starts any worker)."""
+    """Raise :class:`~nexus.errors.ConfigError` if ``config`` turns tracing on without
+    the ``otel`` extra (``nexus serve`` asks before it starts any worker)."""
     if config.otlp_endpoint is not None:
         _require((*_SDK, _EXPORTER))
 
@@ -371,8 +327,7 @@ def _require(modules: tuple[str, ...]) -> None:
 
 
 def traces_url(endpoint: str) -> str:
-    """The OTLP/HTTP traces URL of a collector address (``/v1/traces`` added unless
-    it is there)."""
+    """The OTLP/HTTP traces URL of a collector address."""
     endpoint = endpoint.rstrip("/")
     return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
 

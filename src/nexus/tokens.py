@@ -1,23 +1,12 @@
 """Read tokens: signed, expiring, read-only capabilities for one stream. Sans-I/O.
 
-A browser's ``EventSource`` cannot send an ``Authorization`` header, so the
-``202`` of a background request carries a *read token* for its stream, and
-``GET /v1/streams/{id}?token=<token>`` is authorised by it alone. A token is::
-
-    <expires>.<mac>
-
-``expires`` is a Unix time in whole seconds (decimal); ``mac`` is the
-HMAC-SHA256, base64url without padding, of the scope (``read``), the stream id
-and ``expires``, under the gateway's token secret. The stream id is not in the
-token: it is the URL's, and a token made for another stream does not verify.
-Nothing else (no DELETE, no POST, no other stream) accepts a token. The MAC is
-compared with :func:`hmac.compare_digest`, so the time a check takes does not
-say how much of a forged MAC was right.
-
-The secret comes from the environment variable ``[auth] token_secret_env``
-names (:func:`secret_from_env`), the same on every replica and worker that
-serves the same streams; without one, each process makes its own
-(:func:`new_secret`) and its tokens work on it alone.
+A browser's ``EventSource`` sends no ``Authorization``, so a background request's
+``202`` carries a token that alone authorises ``GET /v1/streams/{id}?token=...``.
+A token is ``<expires>.<mac>``: a Unix time in whole seconds, and the base64url
+HMAC-SHA256 of the scope, the stream id (from the URL; the token does not carry it)
+and ``expires`` under the token secret, compared in constant time. The secret is in the
+variable ``[auth] token_secret_env`` names, the same on every replica; without one each
+process makes its own, and its tokens work on it alone.
 """
 
 from __future__ import annotations
@@ -31,20 +20,11 @@ from collections.abc import Mapping
 
 from .errors import ConfigError
 
-__all__ = [
-    "MIN_SECRET_CHARS",
-    "READ",
-    "StreamTokens",
-    "new_secret",
-    "secret_from_env",
-]
+__all__ = ["MIN_SECRET_CHARS", "READ", "StreamTokens", "new_secret", "secret_from_env"]
 
 READ = "read"
-"""The only scope there is: read one stream (GET, with resume)."""
-
+"""The only scope: read one stream (GET, with resume)."""
 MIN_SECRET_CHARS = 32
-"""A configured secret shorter than this is refused: a token's MAC is only as strong
-as the secret an attacker would have to guess."""
 
 _MAX_TOKEN_CHARS = 64
 _MAC_CHARS = 43  # 32 bytes, base64url without padding
@@ -57,12 +37,8 @@ def new_secret() -> str:
 
 
 def secret_from_env(name: str, environ: Mapping[str, str]) -> str | None:
-    """The secret in ``environ[name]``; None when it is absent or empty.
-
-    Raises :class:`ConfigError` for a secret shorter than :data:`MIN_SECRET_CHARS`
-    (leading and trailing blanks do not count): better no start than tokens an
-    attacker can forge.
-    """
+    """The secret in ``environ[name]``, or None. Raises :class:`ConfigError` for one
+    shorter than :data:`MIN_SECRET_CHARS` (blanks aside): no start beats forgeable tokens."""
     value = environ.get(name, "").strip()
     if not value:
         return None
@@ -76,7 +52,7 @@ def secret_from_env(name: str, environ: Mapping[str, str]) -> str | None:
 
 
 class StreamTokens:
-    """Makes and checks the read tokens of one secret. See the module docstring."""
+    """Makes and checks the read tokens of one secret."""
 
     def __init__(self, secret: str) -> None:
         if not secret:

@@ -18,11 +18,8 @@ def new_stream_id(prefix: str = "chatcmpl-") -> str:
 
 @dataclass(frozen=True, slots=True)
 class StreamMeta:
-    """What every frame of one stream shares.
-
-    ``model`` is the model name the client asked for (an alias stays an alias);
-    ``provider`` and ``upstream_model`` say where it was routed.
-    """
+    """What every frame of one stream shares. ``model`` is the name the client asked for
+    (an alias stays one); ``provider`` and ``upstream_model`` say where it was routed."""
 
     id: str
     model: str

@@ -1,12 +1,9 @@
 """One task for the timers of every response in flight.
 
-A stream's response needs two timers: a heartbeat after ``heartbeat_interval_s``
-without a write, and an abort when a write has not finished after
-``write_timeout_s`` (a client that stopped reading). A task per response for
-them cost each idle stream a task, a future and a timer handle (about 2 KB of
-its ~45). Here one task ticks for all of them, at a quarter of the shortest
-interval registered, and asks each response to :meth:`Watched.check` itself;
-a response starts a task only to write a heartbeat that is due.
+A task per response for its heartbeat and write timeout cost each idle stream a task,
+a future and a timer handle (about 2 KB of its ~45). Here one task ticks for all, at a
+quarter of the shortest interval registered, and asks each to :meth:`Watched.check`
+itself; a response starts a task only to write a heartbeat that is due.
 """
 
 from __future__ import annotations

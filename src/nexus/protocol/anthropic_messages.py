@@ -1,11 +1,8 @@
 """Anthropic Messages wire shapes for ``POST /v1/messages`` (docs/protocols.md §3). Sans-I/O.
 
-Request bytes in, the engine's :class:`~nexus.request.ChatRequest` out (so any
-provider can serve it); merged completion in, a ``message`` object out; and
-the Anthropic error body. The translation keeps what the engine understands:
-system text, text and image blocks, tool use and tool results, tools and
-tool_choice, stop sequences, sampling, ``thinking`` and ``top_k`` (passed on to
-Anthropic upstreams), ``metadata.user_id``.
+Request bytes in, the engine's :class:`~nexus.request.ChatRequest` out (so any provider
+can serve it); merged completion in, a ``message`` object out; and the error body.
+``thinking``, ``top_k`` and ``cache_control`` pass through for Anthropic upstreams.
 """
 
 from __future__ import annotations
@@ -13,19 +10,18 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from ..errors import GatewayError, InvalidRequest
 from ..request import ChatRequest, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
 from .json_depth import MAX_JSON_DEPTH, deeper_than
-from .openai_chat import parse_json_object, validation_error
+from .openai_chat import parse_json_object, tool_call, validated
 
 __all__ = [
     "MessagesRequest",
     "anthropic_error_body",
     "error_body",
-    "error_type_for",
     "message_body",
     "parse_messages_request",
 ]
@@ -123,20 +119,15 @@ class MessagesRequest(OpenModel):
     stream: bool = False
     background: bool = False
     stream_options: StreamOptions | None = None
-    """Nexus: ``{"resumable": true}`` asks for a resumable stream (as on
-    ``/v1/chat/completions``); its other options are not read here."""
+    """Nexus: only ``resumable`` is read."""
+
     mock: MockScript | None = None
 
 
 def parse_messages_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
     """Validate a Messages request and translate it. Raises :class:`InvalidRequest`
     (also for JSON nested deeper than ``max_depth``)."""
-    data = parse_json_object(body, max_depth=max_depth)
-    try:
-        request = MessagesRequest.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc, data) from None
-    return to_chat_request(request)
+    return to_chat_request(validated(MessagesRequest, parse_json_object(body, max_depth=max_depth)))
 
 
 def to_chat_request(request: MessagesRequest) -> ChatRequest:
@@ -198,10 +189,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
             chat["parallel_tool_calls"] = False
     if request.mock is not None:
         chat["mock"] = request.mock.model_dump(exclude_none=True)
-    try:
-        return ChatRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise validation_error(exc, chat) from None
+    return validated(ChatRequest, chat)
 
 
 def _cache_control(block: BaseModel) -> dict[str, Any]:
@@ -239,16 +227,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
             )
             parts.append({"type": "image_url", "image_url": {"url": url}})
         elif isinstance(block, ToolUseBlock):
-            calls.append(
-                {
-                    "id": block.id,
-                    "type": "function",
-                    "function": {
-                        "name": block.name,
-                        "arguments": orjson.dumps(block.input).decode(),
-                    },
-                }
-            )
+            calls.append(tool_call(block.id, block.name, orjson.dumps(block.input).decode()))
         elif isinstance(block, ThinkingBlock):
             if message.role == "assistant":
                 thinking.append(block.model_dump())
@@ -342,10 +321,6 @@ _ERROR_TYPES = {
 }
 
 
-def error_type_for(status: int) -> str:
-    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
 ANTHROPIC_ERROR_TYPES = frozenset({*_ERROR_TYPES.values(), "api_error"})
 
 
@@ -354,16 +329,15 @@ def anthropic_error_type(error_type: str, status: int) -> str:
     else the one Anthropic uses for the status."""
     if error_type in ANTHROPIC_ERROR_TYPES and error_type != "invalid_request_error":
         return error_type
-    return error_type_for(status)
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 def error_body(kind: str, message: str, code: str | None, request_id: str | None) -> dict[str, Any]:
     """Anthropic's error shape: ``{"type":"error","error":{"type","message","details":
-    {"error_code"}},"request_id"}``. ``details.error_code`` is where the Anthropic API
-    puts the stable code of an error (its SDK reads it into ``APIStatusError.error_code``
-    and treats a code it does not know as the bare ``type``); ``request_id`` is at the
-    top level, as in the API's error responses (the SDK's ``ErrorResponse``). Each is
-    left out when unknown."""
+    {"error_code"}},"request_id"}``. ``details.error_code`` is where the API puts an
+    error's stable code (the SDK's ``APIStatusError.error_code``); each is left out
+    when unknown."""
+
     error: dict[str, Any] = {"type": kind, "message": message}
     if code:
         error["details"] = {"error_code": code}

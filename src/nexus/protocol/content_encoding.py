@@ -1,19 +1,14 @@
 """Request bodies sent with a ``Content-Encoding``: which codings are taken, and how
 gzip and deflate are inflated without letting a small body become a large one. Sans-I/O.
 
-A few bytes of gzip can inflate to a gigabyte. The server turns aiohttp's own
-decompression off (``auto_decompress=False``: nothing is inflated before a route has
-checked the key), and the route feeds the compressed bytes it reads to an
-:class:`Inflater`, which hands back the body in pieces of at most ``piece_bytes``
-and stops with :class:`~nexus.errors.RequestTooLarge` as soon as the inflated total
-passes the limit. The route yields to the event loop between pieces, so a bomb costs
-the limit's worth of inflating, spread out, and never one large allocation.
+aiohttp's own decompression is off (``auto_decompress=False``): a route checks the key,
+then feeds the compressed bytes to an :class:`Inflater`, which yields the body in pieces
+and raises :class:`~nexus.errors.RequestTooLarge` as soon as the total passes the limit,
+so a gzip bomb costs the limit's worth of inflating and never one large allocation.
 
-Taken: ``gzip`` (and its old name ``x-gzip``) and ``deflate`` (RFC 9110 §8.4.1;
-``deflate`` is the zlib format, RFC 1950, but raw deflate data, which some clients
-send, is taken too, as browsers and aiohttp do). ``identity`` is no coding. Anything
-else (``br``, ``zstd``, ``compress``, an unknown name, or two codings stacked) is
-refused with 415 ``unsupported_media_type`` before a byte of the body is read.
+Taken: ``gzip`` (``x-gzip``) and ``deflate`` (RFC 9110 §8.4.1: zlib format, raw deflate
+taken too, as browsers do); ``identity`` is no coding. Anything else, or two codings
+stacked, is 415 ``unsupported_media_type`` before a byte of the body is read.
 """
 
 from __future__ import annotations
@@ -33,10 +28,7 @@ _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate":
 
 def content_coding(values: Iterable[str]) -> str | None:
     """The coding to undo (``"gzip"`` or ``"deflate"``) from the ``Content-Encoding``
-    header values, or None for a body sent as it is.
-
-    Raises :class:`UnsupportedMediaType` for any other coding, and for more than one.
-    """
+    values, or None. Raises :class:`UnsupportedMediaType` for another, or for two."""
     codings = [
         token.strip().lower() for value in values for token in value.split(",") if token.strip()
     ]
@@ -60,13 +52,10 @@ def too_large(limit: int) -> RequestTooLarge:
 class Inflater:
     """One body's gzip or deflate data, inflated in bounded pieces under a limit.
 
-    :meth:`decode` takes the compressed bytes as they arrive and returns an iterator
-    of inflated pieces, each at most ``piece_bytes``, produced one at a time as the
-    caller asks: the caller may pause between them. :meth:`flush` says the body has
-    ended. Both raise :class:`RequestTooLarge` once the inflated size (or the
-    compressed one) passes ``limit``, and :class:`InvalidRequest` for data that is
-    not what the coding says, truncated, or followed by bytes of something else.
-    A gzip body may hold several members, one after the other (RFC 1952 §2.2).
+    :meth:`decode` returns a lazy iterator of pieces of at most ``piece_bytes``;
+    :meth:`flush` ends the body. Both raise :class:`RequestTooLarge` once the inflated
+    (or compressed) size passes ``limit``, and :class:`InvalidRequest` for bad,
+    truncated or trailing data. Several gzip members may follow each other (RFC 1952).
     """
 
     def __init__(self, coding: str, *, limit: int, piece_bytes: int = PIECE_BYTES) -> None:
@@ -75,10 +64,9 @@ class Inflater:
         self.coding = coding
         self.limit = limit
         self.piece_bytes = piece_bytes
-        self.size = 0
-        """Inflated bytes so far."""
+        self.size = 0  # inflated bytes so far
         self.compressed = 0
-        """Compressed bytes so far."""
+
         self._inflate: zlib._Decompress | None = None
         self._ended = False
 

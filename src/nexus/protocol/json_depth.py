@@ -1,12 +1,9 @@
 """How deep a request's JSON may nest, and the walk that checks it. Sans-I/O.
 
-A body of a few kilobytes can nest arrays a thousand levels deep. Parsing it is cheap
-(orjson stops at 1024 levels), but every later step that walks the request again
-recurses: validation, the cache key, the body sent upstream (orjson's encoder stops at
-254 levels, with an error that would surface as a 500). So a request is refused at the
-edge, once, right after it is parsed, when it nests deeper than ``[limits]
-max_json_depth`` (64 by default: a chat request with tool schemas needs a dozen or two).
-A body past orjson's own limit is not JSON it can parse: ``invalid_json``, also a 400.
+A few kilobytes can nest a thousand levels; orjson parses that, but every later walk
+recurses (validation, the cache key, the upstream body, whose encoder fails past 254
+levels). So a request is refused once, right after parsing, when it nests deeper than
+``[limits] max_json_depth``.
 """
 
 from __future__ import annotations
@@ -22,12 +19,9 @@ MAX_JSON_DEPTH = 64
 
 
 def deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` (parsed JSON: dicts, lists, scalars) nests objects and arrays
-    more than ``limit`` levels deep. ``{}`` and ``[]`` are one level, a scalar none.
+    """Whether parsed JSON nests objects and arrays more than ``limit`` levels deep
+    (``{}`` is one level, a scalar none). Iterative: no recursion to overflow."""
 
-    Iterative (no recursion to overflow), each container looked at once, and it
-    stops at the first one past the limit.
-    """
     if not isinstance(value, dict | list):
         return False
     stack: list[tuple[Any, int]] = [(value, 1)]

@@ -1,19 +1,12 @@
 """Choosing a stream format for a request. A pure function over strings.
 
-Precedence: ``?stream_format=``, then ``X-Nexus-Stream-Format``, then
-``Accept``, then the endpoint's default. An ``Accept`` that picks the media type
-the endpoint's default is *sent as* (``text/event-stream`` for the Anthropic
-and Responses formats) picks the default. A name in the query or header must be
-a registered media type or alias (case-insensitive), or the request fails with
-``unsupported_stream_format``. ``Accept`` is a preference, never a failure: a
-header that names no stream format (the official SDKs send
-``Accept: application/json`` on streaming calls) yields the default.
-
-``Accept`` follows RFC 9110 §12.5.1: each registered media type takes the
-quality of the *most specific* range that matches it (``type/subtype`` over
-``type/*`` over ``*/*``); parameters other than ``q`` are ignored; ``q=0``
-excludes. The best quality wins; ties go to the more specific range, then the
-range written first, then the endpoint default, then registration order.
+Precedence: ``?stream_format=``, ``X-Nexus-Stream-Format``, ``Accept``, the endpoint's
+default. A name in the query or header must be a registered media type or alias
+(case-insensitive), else ``unsupported_stream_format``. ``Accept`` never fails (SDKs
+send ``application/json`` on streaming calls): each registered type takes the quality
+of the most specific matching range (RFC 9110 §12.5.1), ``q=0`` excludes, and ties go
+to the more specific range, the one written first, the default, then registration
+order. An ``Accept`` of the media type the default is sent as picks the default.
 """
 
 from __future__ import annotations
@@ -65,11 +58,8 @@ class AcceptRange:
 
 
 def parse_accept(header: str) -> list[AcceptRange]:
-    """Parse an ``Accept`` header leniently.
-
-    A malformed media range is skipped; a ``q`` that is not a finite number
-    counts as 0 (the range is excluded, not promoted).
-    """
+    """Parse an ``Accept`` header leniently: a malformed range is skipped, a ``q`` that
+    is not a finite number counts as 0."""
     ranges = []
     for position, item in enumerate(header.split(",")):
         parts = [p.strip() for p in item.split(";")]
@@ -97,11 +87,9 @@ def select_format(
     default: str,
     formats: FormatTable,
 ) -> str:
-    """Return the media type to stream in.
+    """The media type to stream in (a ``None`` source is absent). Raises
+    :class:`UnsupportedStreamFormat` when ``query`` or ``header`` names no format."""
 
-    Raises :class:`UnsupportedStreamFormat` when ``query`` or ``header`` names
-    no registered format. ``None`` means the source was absent.
-    """
     for source, name in (("stream_format", query), ("X-Nexus-Stream-Format", header)):
         if name is None:
             continue

@@ -6,10 +6,10 @@ Request bytes in, :class:`~nexus.request.ChatRequest` out; merged completion in,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import InvalidRequest
 from ..request import ChatRequest
@@ -20,22 +20,19 @@ __all__ = [
     "chunk_prefix",
     "completion_body",
     "parse_chat_request",
+    "tool_call",
+    "validated",
     "validation_error",
 ]
 
 
-def parse_chat_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
-    """Validate a request body.
+M = TypeVar("M", bound=BaseModel)
 
-    Raises :class:`InvalidRequest` with code ``invalid_json`` for bytes that are
-    not a JSON object, and code ``invalid_request`` naming the field otherwise
-    (or for JSON nested deeper than ``max_depth``).
-    """
-    data = parse_json_object(body, max_depth=max_depth)
-    try:
-        return ChatRequest.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc, data) from None
+
+def parse_chat_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
+    """Validate a request body. Raises :class:`InvalidRequest` (see :func:`parse_json_object`
+    and :func:`validation_error`)."""
+    return validated(ChatRequest, parse_json_object(body, max_depth=max_depth))
 
 
 def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
@@ -57,6 +54,14 @@ def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[s
     return data
 
 
+def validated(model: type[M], data: dict[str, Any]) -> M:
+    """``data`` as a ``model``; :class:`InvalidRequest` naming the first field that is not."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc, data) from None
+
+
 def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:
     """The first validation failure as an :class:`InvalidRequest` naming its field."""
     first = exc.errors(include_url=False)[0]
@@ -76,11 +81,8 @@ def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:
 
 
 def field_path(loc: tuple[int | str, ...], data: Any) -> str:
-    """``('messages', 0, 'user', 'content')`` -> ``messages[0].content``.
-
-    Pydantic puts union and discriminator tags into ``loc``; they are told apart
-    from real fields by walking the input along the path.
-    """
+    """``('messages', 0, 'user', 'content')`` -> ``messages[0].content``: union tags in
+    ``loc`` are told from real fields by walking the input along the path."""
     out = ""
     node = data
     last = len(loc) - 1
@@ -96,11 +98,15 @@ def field_path(loc: tuple[int | str, ...], data: Any) -> str:
     return out
 
 
-def chunk_prefix(meta: StreamMeta) -> bytes:
-    """The bytes every chunk of a stream starts with, up to ``"choices":``.
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A ``tool_calls`` entry of a chat message (``arguments``: JSON text)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
-    Serialised once per stream so that each chunk only serialises its choice.
-    """
+
+def chunk_prefix(meta: StreamMeta) -> bytes:
+    """The bytes every chunk of a stream starts with, up to ``"choices":`` (serialised
+    once per stream)."""
+
     head = orjson.dumps(
         {
             "id": meta.id,
@@ -130,12 +136,7 @@ def completion_body(completion: Completion) -> dict[str, Any]:
         message["reasoning_content"] = completion.reasoning
     if completion.tool_calls:
         message["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in completion.tool_calls
+            tool_call(call.id, call.name, call.arguments) for call in completion.tool_calls
         ]
     usage = completion.usage
     return {

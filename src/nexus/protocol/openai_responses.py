@@ -1,40 +1,25 @@
 """OpenAI Responses API wire shapes (docs/protocols.md §4). Sans-I/O.
 
-Request bytes in, :class:`~nexus.request.ChatRequest` out: the Responses body is
-validated here and translated into the engine's one request model, so every
-provider serves ``/v1/responses`` without knowing it exists. Merged completion
-in, ``response`` object out (:func:`response_body`, built in
-:mod:`.openai_responses_output` with the same builders the SSE encoder uses).
-
-Translation: ``instructions`` becomes a system message first; a string
-``input`` one user message; message items keep their role (``developer``
-included); ``function_call`` items become the tool calls of an assistant
-message (joined to the assistant message just before them, as one turn);
-``function_call_output`` items tool messages; ``reasoning`` items are dropped
-(Nexus sends no reasoning upstream); ``max_output_tokens`` is ``max_tokens``;
-``text.format`` is ``response_format``; ``reasoning.effort`` is
-``reasoning_effort``. Other fields of the Responses API that Chat Completions
-lacks are accepted and not forwarded. Nexus stores nothing, so
-``previous_response_id`` and ``conversation`` are refused.
+Request bytes in, :class:`~nexus.request.ChatRequest` out, so every provider serves
+``/v1/responses`` without knowing it exists; merged completion in, ``response`` object
+out (:mod:`.openai_responses_output`). ``instructions`` becomes a leading system
+message; ``function_call`` items join the assistant message before them as its tool
+calls; ``reasoning`` items are dropped; ``max_output_tokens``, ``text.format`` and
+``reasoning.effort`` become ``max_tokens``, ``response_format`` and
+``reasoning_effort``. Fields Chat Completions lacks are accepted and not forwarded;
+``previous_response_id`` and ``conversation`` are refused (Nexus stores nothing).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NoReturn
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
 
 from ..errors import InvalidRequest
-from ..request import (
-    ChatRequest,
-    FunctionDef,
-    MockScript,
-    OpenModel,
-    StreamOptions,
-    StrictModel,
-)
+from ..request import ChatRequest, FunctionDef, MockScript, OpenModel, StreamOptions, StrictModel
 from .json_depth import MAX_JSON_DEPTH
-from .openai_chat import field_path, parse_json_object, validation_error
+from .openai_chat import field_path, parse_json_object, tool_call, validation_error
 from .openai_responses_output import response_body
 
 __all__ = ["ResponsesRequest", "parse_responses_request", "response_body", "to_chat_request"]
@@ -51,8 +36,8 @@ def _shape(value: Any) -> str | None:
 
 
 def _by_shape(other: str) -> Discriminator:
-    """A union of a string and ``other`` chosen by the input's shape, so that an error
-    names the branch the client meant instead of "Input should be a valid string"."""
+    """A string-or-``other`` union chosen by the input's shape, so that an error names
+    the branch the client meant."""
     message = f"Input should be a string or {other}"
     return Discriminator(_shape, custom_error_type="shape", custom_error_message=message)
 
@@ -64,13 +49,8 @@ _STR_OR_OBJECT = _by_shape("an object")
 # --- content parts ---------------------------------------------------------
 
 
-class InputText(OpenModel):
-    type: Literal["input_text"]
-    text: str
-
-
-class OutputText(OpenModel):
-    type: Literal["output_text"]
+class TextPart(OpenModel):
+    type: Literal["input_text", "output_text"]
     text: str
 
 
@@ -94,9 +74,7 @@ class InputFile(OpenModel):
     file_url: str | None = None
 
 
-Part = Annotated[
-    InputText | OutputText | Refusal | InputImage | InputFile, Field(discriminator="type")
-]
+Part = Annotated[TextPart | Refusal | InputImage | InputFile, Field(discriminator="type")]
 Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[Part], Tag("list")], _STR_OR_LIST]
 
 
@@ -196,7 +174,8 @@ class ResponsesRequest(OpenModel):
     stream: bool = False
     background: bool = False
     stream_options: StreamOptions | None = None
-    """Of OpenAI's options only Nexus's ``resumable`` is read (see ``ChatRequest``)."""
+    """Only Nexus's ``resumable`` is read."""
+
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -211,13 +190,8 @@ _TAG_ERRORS = ("union_tag_invalid", "union_tag_not_found")
 
 
 def parse_responses_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
-    """Validate a ``/v1/responses`` body and translate it into a :class:`ChatRequest`.
-
-    Raises :class:`InvalidRequest`: code ``invalid_json`` for bytes that are not
-    a JSON object, else code ``invalid_request`` with ``param`` naming the field
-    of the Responses request (``input[2].call_id``, ``max_output_tokens``), or for
-    JSON nested deeper than ``max_depth``.
-    """
+    """Validate a ``/v1/responses`` body and translate it. Raises :class:`InvalidRequest`
+    (``invalid_json``, or ``invalid_request`` with ``param`` naming the Responses field)."""
     data = parse_json_object(body, max_depth=max_depth)
     for name in _STATEFUL:
         if data.get(name) is not None:
@@ -251,10 +225,6 @@ def _error(param: str, message: str) -> InvalidRequest:
     return InvalidRequest(f"{param}: {message}", param=param)
 
 
-def _fail(param: str, message: str) -> NoReturn:
-    raise _error(param, message)
-
-
 def to_chat_request(request: ResponsesRequest) -> ChatRequest:
     """The engine's request for a validated Responses request (see the module docstring)."""
     messages: list[dict[str, Any]] = []
@@ -273,11 +243,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
         if isinstance(item, MessageItem):
             add(_message(item, where), where)
         elif isinstance(item, FunctionCallItem):
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
+            call = tool_call(item.call_id, item.name, item.arguments)
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -286,7 +252,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
             content = _text_content(item.output, f"{where}.output", "function_call_output")
             add({"role": "tool", "tool_call_id": item.call_id, "content": content}, where)
     if not messages:
-        _fail("input", "Field required")
+        raise _error("input", "Field required")
 
     chat: dict[str, Any] = {
         "model": request.model,
@@ -358,7 +324,7 @@ def _message(item: MessageItem, where: str) -> dict[str, Any]:
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(item.content):
         at = f"{where}.content[{j}]"
-        if isinstance(part, InputText | OutputText):
+        if isinstance(part, TextPart):
             parts.append({"type": "text", "text": part.text})
         elif role == "assistant" and isinstance(part, Refusal):
             parts.append({"type": "refusal", "refusal": part.refusal})
@@ -376,7 +342,7 @@ def _text_content(content: str | list[Any], where: str, what: str) -> str | list
         return content
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, InputText | OutputText):
+        if not isinstance(part, TextPart):
             raise _wrong_part(f"{where}[{j}]", part.type, what)
         parts.append({"type": "text", "text": part.text})
     return parts
@@ -389,12 +355,12 @@ def _wrong_part(at: str, kind: str, what: str) -> InvalidRequest:
 def _image(part: InputImage, at: str) -> dict[str, Any]:
     if part.image_url is None:
         if part.file_id is not None:
-            _fail(
+            raise _error(
                 f"{at}.file_id",
                 "file ids are not supported (Nexus has no file store); "
                 "send image_url as a URL or a data: URL",
             )
-        _fail(f"{at}.image_url", "Field required")
+        raise _error(f"{at}.image_url", "Field required")
     image: dict[str, Any] = {"url": part.image_url}
     if part.detail is not None:
         # Chat Completions has no "original"; "high" is the nearest detail level.
@@ -404,10 +370,10 @@ def _image(part: InputImage, at: str) -> dict[str, Any]:
 
 def _file(part: InputFile, at: str) -> dict[str, Any]:
     if part.file_url is not None:
-        _fail(f"{at}.file_url", "file URLs are not supported; send file_data")
+        raise _error(f"{at}.file_url", "file URLs are not supported; send file_data")
     file = part.model_dump(include={"file_data", "file_id", "filename"}, exclude_none=True)
     if "file_data" not in file and "file_id" not in file:
-        _fail(f"{at}.file_data", "Field required")
+        raise _error(f"{at}.file_data", "Field required")
     return {"type": "file", "file": file}
 
 
@@ -418,11 +384,11 @@ def _tool_choice(request: ResponsesRequest, chat: dict[str, Any]) -> None:
     names = {tool.name for tool in request.tools or ()}
     if isinstance(choice, ToolChoiceFunction):
         if choice.name not in names:
-            _fail("tool_choice.name", f"{choice.name!r} is not among the request's tools")
+            raise _error("tool_choice.name", f"{choice.name!r} is not among the request's tools")
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         return
     if choice == "required" and not names:
-        _fail("tool_choice", "'required' needs at least one tool")
+        raise _error("tool_choice", "'required' needs at least one tool")
     chat["tool_choice"] = choice
 
 
@@ -430,7 +396,7 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
     if fmt.type == "json_object":
         return {"type": "json_object"}
     if fmt.name is None:
-        _fail("text.format.name", "Field required")
+        raise _error("text.format.name", "Field required")
     schema = fmt.model_dump(exclude_none=True, by_alias=True, include=_SCHEMA_FIELDS)
     return {"type": "json_schema", "json_schema": schema}
 

@@ -1,10 +1,8 @@
 """The Responses API ``response`` object and its output items (docs/protocols.md §4). Sans-I/O.
 
-One set of builders for both forms of a response: :func:`response_body` turns
-a merged :class:`~nexus.types.Completion` into the non-streaming object, and
-:mod:`nexus.encoders.responses_sse` builds the items of a stream (and the
-object its ``response.completed`` carries) from the same functions, so the
-openai SDK's ``get_final_response()`` and ``responses.create()`` see one shape.
+:func:`response_body` (non-streaming) and :mod:`nexus.encoders.responses_sse` build
+items from the same functions, so the SDK's ``get_final_response()`` and
+``responses.create()`` see one shape.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ __all__ = [
 
 
 def response_ids(stream_id: str) -> tuple[str, str]:
-    """``(response id, item id stem)`` for a stream: ``resp_<hex>`` and ``<hex>``.
-
-    Item ids are ``<prefix>_<stem>_<output_index>`` (``msg_``, ``rs_``, ``fc_``),
-    so the streamed and the non-streamed form of a response name items alike.
-    """
+    """``(resp_<hex>, <hex>)`` for a stream; item ids are ``<prefix>_<hex>_<output_index>``
+    (``msg_``, ``rs_``, ``fc_``) in both forms of a response."""
     stem = stream_id.rpartition("-")[2] or stream_id
     return "resp_" + stem, stem
 
@@ -112,11 +107,8 @@ def response_object(
     error: dict[str, Any] | None = None,
     incomplete: str | None = None,
 ) -> dict[str, Any]:
-    """A ``response`` object (docs/protocols.md §4) with the fields the SDK's type requires.
-
-    Nexus keeps no copy of the request here, so the echoed request fields
-    (``tools``, ``tool_choice``, ``temperature``...) are their defaults.
-    """
+    """A ``response`` object with the fields the SDK's type requires; the echoed request
+    fields (``tools``, ``temperature``...) are their defaults (no copy is kept)."""
     return {
         "id": response_id,
         "object": "response",
@@ -139,13 +131,10 @@ def response_object(
 
 
 def response_body(completion: Completion) -> dict[str, Any]:
-    """The non-streaming ``response`` object for a merged completion.
+    """The non-streaming ``response`` object for a merged completion: reasoning, message
+    (text, refusal), then function calls, as providers stream them; an incomplete
+    response's last item is incomplete too."""
 
-    Output order is the order the mock and most providers stream in: a
-    reasoning item, a message item (text, then any refusal), one
-    ``function_call`` item per tool call. When the response is incomplete
-    (``finish_reason`` ``length`` or ``content_filter``), its last item is too.
-    """
     response_id, stem = response_ids(completion.id)
     reason = incomplete_reason(completion.finish_reason)
     output: list[dict[str, Any]] = []

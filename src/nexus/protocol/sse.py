@@ -24,11 +24,8 @@ def frame(
     id: str | None = None,
     retry: int | None = None,
 ) -> bytes:
-    """One SSE event as bytes: optional ``event:``/``id:``/``retry:``, then ``data:`` lines.
-
-    A payload holding line breaks (CR, LF or CRLF) is split over several
-    ``data:`` lines, which a decoder joins back with LF.
-    """
+    """One SSE event as bytes: optional ``event:``/``id:``/``retry:``, then ``data:`` lines
+    (one per line of the payload; a decoder joins them back with LF)."""
     if isinstance(data, bytes):
         data = data.decode("utf-8")
     out = []
@@ -174,11 +171,9 @@ class SSEDecoder:
         return events
 
     def _decode_lf(self, text: str) -> list[ServerSentEvent]:
-        """:meth:`decode` for text whose lines all end in LF: what servers send.
+        """The same rules for text whose lines all end in LF (what servers send), on
+        ``str.split`` rather than a regex: the per-event cost of every upstream."""
 
-        The same rules, on ``str.split`` rather than a regex, with the usual
-        ``data: `` line handled inline: the per-event cost of every upstream.
-        """
         lines = text.split("\n")
         tail = lines.pop()  # after the last LF: a line still arriving ("" if none)
         events: list[ServerSentEvent] = []

@@ -1,16 +1,9 @@
 """WebSocket frame headers, read without reading frames: the client-masking check.
 
-RFC 6455 §5.1: "a client MUST mask all frames that it sends to the server",
-and "a server MUST close the connection upon receiving a frame that is not
-masked"; the status code for that is 1002, protocol error (§7.4.1). aiohttp's
-reader unmasks what is masked but takes an unmasked frame as it is, so the
-connection layer (:mod:`nexus.server.connection`) runs the client's bytes
-through a :class:`MaskScanner` before the reader gets them.
-
-The scanner looks at frame headers only (§5.2: two bytes, an extended length of
-2 or 8 bytes, the 4-byte masking key) and skips each payload by its length, so
-a chunk that lies inside a payload costs one comparison. Sans-I/O: bytes in, a
-verdict out.
+RFC 6455 §5.1: a server must close the connection (1002, §7.4.1) on a client frame
+that is not masked; aiohttp's reader takes one as it is, so the connection layer runs
+the client's bytes through a :class:`MaskScanner` first. It reads frame headers only
+(§5.2) and skips payloads by their length. Sans-I/O: bytes in, a verdict out.
 """
 
 from __future__ import annotations
@@ -23,11 +16,7 @@ _MASKED = 0x80
 
 
 class MaskScanner:
-    """Follows the frame boundaries of a client's byte stream; see the module docstring.
-
-    :meth:`feed` takes the bytes in the order they arrived and says whether every
-    frame header seen so far was masked. Once it has said no, it keeps saying no.
-    """
+    """Follows the frame boundaries of a client's byte stream."""
 
     __slots__ = ("failed", "head", "skip")
 
@@ -76,10 +65,8 @@ class MaskScanner:
 
 
 def close_frame(code: int, reason: str = "") -> bytes:
-    """A server's close frame (unmasked, §5.5.1): the status code, then the reason in UTF-8.
+    """A server's close frame (unmasked, §5.5.1); ``reason`` is 123 bytes of UTF-8 at most."""
 
-    ``reason`` must fit a control frame with the code (123 bytes of UTF-8).
-    """
     payload = struct.pack("!H", code) + reason.encode()
     if len(payload) > 125:
         raise ValueError("a close frame's reason is at most 123 bytes")

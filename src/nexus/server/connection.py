@@ -1,56 +1,30 @@
 """The connection layer of ``nexus serve``: slow and idle clients, a connection cap,
 parser errors that reveal nothing, masked WebSocket frames.
 
-aiohttp's :class:`~aiohttp.web.RequestHandler` (the protocol object of one
-connection) has no deadline for a request head and none for a fresh connection
-before a long default, no cap on connections, and answers a malformed request
-with the parser's excerpt of the raw bytes. :class:`Connection` is a documented
-subclass of it that overrides public methods only, each calling ``super()``;
-:class:`ConnectionSite` listens with it (a :class:`~aiohttp.web.BaseSite`, as
-``TCPSite`` is); a :class:`~nexus.server.connection_registry.ConnectionRegistry`
-counts the connections and keeps their deadlines.
-
-A connection is always in one phase::
+:class:`Connection` subclasses aiohttp's :class:`~aiohttp.web.RequestHandler` (one per
+connection) through public methods only, each calling ``super()``;
+:class:`ConnectionSite` listens with it, as ``TCPSite`` does; a
+:class:`~nexus.server.connection_registry.ConnectionRegistry` counts the connections
+and keeps their deadlines, with one watchdog tick for all of them. A connection is
+always in one phase::
 
     connect ──> HEAD ──(request head complete: the handler starts)──> BUSY
                  ^                                                     │
                  └──(first byte of the next request)── IDLE <──(response written)
     BUSY ──(WebSocket upgrade)──> UPGRADED        past max_connections ──> REJECTED
 
-* **HEAD** lasts at most ``[server] header_timeout_s`` from the connect (or from
-  the first byte of a next request on a keep-alive connection): an idle or
-  slow-header client is closed then.
-* **IDLE** (keep-alive, no byte since the last response) lasts at most
-  ``[server] keepalive_timeout_s``.
-* **BUSY** and **UPGRADED** are not timed here: a request body has its own
-  timeout where it is read, a stream its write timeout, heartbeat and maximum
-  duration, a WebSocket its ping / pong. A stream that runs for minutes is
-  never cut by this layer.
-* Whatever the phase but UPGRADED, writes that stay paused (the client reads
-  nothing) with no byte leaving the buffer for three times ``[server]
-  write_timeout_s`` close the connection: the net under answers that the
-  stream pump does not write and time (a JSON body, an error, the answers to
-  pipelined requests).
-* **REJECTED**: the connection past ``[server] max_connections`` (in this
-  process: each worker of ``--workers N`` has its own cap) gets a 503
-  ``too_many_connections`` with ``Retry-After`` and ``Connection: close`` at
-  once, without the app; its write side is shut, what it sends is discarded,
-  and it is closed at its EOF or a second later.
+HEAD lasts at most ``[server] header_timeout_s``, IDLE ``keepalive_timeout_s``; BUSY
+and UPGRADED are timed where the body, the stream or the WebSocket is handled, so a
+long stream is never cut here. Writes that stay paused with no byte leaving the buffer
+for three times ``write_timeout_s`` close the connection: the net under answers the
+stream pump does not time. A REJECTED connection gets a 503 ``too_many_connections``
+at once, without the app, and is closed at its EOF or a second later. "The handler
+starts" is :func:`connection_middleware`; "the response is written" is aiohttp's
+``log_access`` call.
 
-"The handler starts" is the :func:`connection_middleware` (``create_app``
-installs it first); "the response is written" is aiohttp's ``log_access``
-call, made after every response. No timer and no task per connection (one
-watchdog tick for all of them: see :mod:`nexus.server.connection_registry`).
-
-After a WebSocket upgrade, the client's bytes pass a
-:class:`~nexus.protocol.websocket_frames.MaskScanner` before aiohttp's frame
-reader: an unmasked frame (RFC 6455 §5.1) gets a close frame with 1002 and the
-connection is closed.
-
-A parser error (bad header character, over-long line, duplicate
-Content-Length, ...) is answered 400 ``invalid_request`` in JSON whose message
-is the parser's reason without its excerpt, and logged as one line, the same;
-:mod:`nexus.server.redaction` covers whatever else aiohttp logs.
+After an upgrade, an unmasked client frame (RFC 6455 §5.1) gets a 1002 close. A parser
+error is answered 400 ``invalid_request`` with the parser's reason but not its excerpt
+of the raw bytes; :mod:`nexus.server.redaction` covers whatever else aiohttp logs.
 """
 
 from __future__ import annotations
@@ -85,10 +59,8 @@ __all__ = [
 ]
 
 HANDLER_ARGS: dict[str, Any] = {"auto_decompress": False}
-"""What every request handler of the gateway is built with, by ``create_app``'s
-application and by :class:`ConnectionSite` alike: request bodies are inflated by
-the routes, after the key, in bounded pieces (``read_body`` in routes/common.py);
-aiohttp's own decompression would start as the bytes arrive."""
+"""What every request handler is built with (``create_app``'s and :class:`ConnectionSite`'s):
+the routes inflate bodies after the key check, in bounded pieces."""
 
 log = logging.getLogger("nexus.server")
 
@@ -107,8 +79,7 @@ def _json_response(error: GatewayError) -> web.Response:
 
 
 class _MaskCheckedReader:
-    """aiohttp's WebSocket frame reader behind a :class:`MaskScanner` (what ``set_parser``
-    is given instead of the reader; the protocol calls ``feed_data`` and ``feed_eof``)."""
+    """aiohttp's WebSocket frame reader behind a :class:`MaskScanner`."""
 
     __slots__ = ("connection", "reader", "scanner")
 
@@ -128,26 +99,15 @@ class _MaskCheckedReader:
 
 
 class Connection(web.RequestHandler):
-    """aiohttp's request handler (one per connection), tracked by a :class:`ConnectionRegistry`.
-
-    Made by :class:`ConnectionSite` with the keyword arguments aiohttp's own
-    would get. Overrides ``connection_made`` (the cap), ``data_received`` (the
-    start of a next request), ``connection_lost``, ``set_parser`` (the upgrade,
-    and the mask check), ``log_access`` (the end of a response),
-    ``pause_writing`` / ``resume_writing`` (a client that reads nothing) and
-    ``handle_error`` (JSON, without the raw request).
-    """
+    """aiohttp's request handler (one per connection), tracked by a :class:`ConnectionRegistry`."""
 
     __slots__ = ("phase", "registry", "timed_elsewhere", "wire")
 
     phase: Phase
     timed_elsewhere: bool
-    """A stream pump times this connection's writes itself (``write_timeout_s``, with
-    its own accounting): the registry's net for stalled writes leaves it alone."""
+    """A stream pump times this connection's writes: the registry's stall net skips it."""
     wire: asyncio.Transport | None
-    """The connection's transport, kept after aiohttp lets go of it (``force_close``
-    forgets it while a close may still wait to write to a client that reads nothing):
-    an expired connection is aborted through it."""
+    """The transport, kept after ``force_close`` forgets it, to abort an expired one."""
 
     def __init__(self, manager: web.Server, registry: ConnectionRegistry, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -262,17 +222,11 @@ _DESCRIPTIONS: tuple[tuple[type[HttpProcessingError], str], ...] = (
     (bad.ContentLengthError, "body shorter than its Content-Length"),
     (bad.PayloadEncodingError, "invalid body encoding"),
 )
-"""The parser errors whose message is (or may be) the raw bytes themselves (the pure-Python
-parser's ``InvalidURLError(path)``, ``InvalidHeader(line)``...): described by their class."""
+"""Parser errors whose message may quote the raw bytes: described by their class."""
 
 
 def parse_error_description(exc: HttpProcessingError) -> str:
-    """What a parser error says is wrong, never what the client sent.
-
-    By its class where its message may quote the request; otherwise (llhttp's
-    reasons, ``"Invalid header value char:\\n\\n  b'...'"``) the message's reason,
-    without the excerpt (:func:`~nexus.server.redaction.parse_error_reason`).
-    """
+    """What a parser error says is wrong, never what the client sent."""
     for kind, description in _DESCRIPTIONS:
         if isinstance(exc, kind):
             return description
@@ -281,12 +235,7 @@ def parse_error_description(exc: HttpProcessingError) -> str:
 
 @web.middleware
 async def connection_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Marks the request's connection BUSY: its head is complete, the app handles it.
-
-    The first middleware (``create_app`` puts it there); nothing for a request
-    that did not come through a :class:`Connection` (a test client, an embedding
-    application's own site).
-    """
+    """Marks the request's :class:`Connection` BUSY (the first middleware of the app)."""
     protocol = request.protocol
     if isinstance(protocol, Connection):
         protocol.request_started()
@@ -294,23 +243,8 @@ async def connection_middleware(request: web.Request, handler: Handler) -> web.S
 
 
 class ConnectionSite(web.BaseSite):
-    """A TCP listener whose connections are :class:`Connection` objects; ``TCPSite``'s
-    place in an ``AppRunner`` (``runner.cleanup()`` stops it).
-
-    ``handler_args`` are the keyword arguments aiohttp's ``RequestHandler`` takes
-    (those given to the ``AppRunner``, e.g. ``access_log``).
-    """
-
-    __slots__ = (
-        "backlog_size",
-        "handler_args",
-        "host",
-        "listener",
-        "port",
-        "registry",
-        "reuse_port",
-        "runner",
-    )
+    """A TCP listener of :class:`Connection` objects, in ``TCPSite``'s place in an
+    ``AppRunner``; ``handler_args`` go to each ``RequestHandler`` (``access_log``...)."""
 
     def __init__(
         self,

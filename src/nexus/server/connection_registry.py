@@ -1,25 +1,13 @@
-"""The open connections of one process: how many, and when each one's current phase ends.
+"""The open connections of one process: how many, and when each one's phase ends.
 
-:mod:`nexus.server.connection` describes the phases (HEAD, BUSY, IDLE, UPGRADED,
-REJECTED) and who moves a connection between them; this module keeps the
-books. No timer and no task per connection: all HEAD deadlines have the same
-length (``[server] header_timeout_s``), as have all IDLE ones, so a dict per
-phase, in insertion order (a connection is re-inserted when it enters the
-phase), is also in deadline order, and a tick closes the expired connections
-at the front of each and stops at the first that is not. The tick is a
-:class:`~nexus.watchdog.Watchdog`'s, at a quarter of the shorter timeout.
-
-A connection whose writes are paused (its client reads nothing; the transport's
-buffer is full) is closed once no byte has left that buffer for three times
-``[server] write_timeout_s``, whatever its phase but UPGRADED, unless a stream pump times
-its writes (``timed_elsewhere``). The stream pump and the realtime socket drop
-such a client after ``write_timeout_s`` themselves, with their own accounting
-(and their own view of a slow reader); this is the net under every other answer (a JSON body, an
-error, the answers to pipelined requests), which nothing else times: without
-it, a client that sends requests and reads nothing holds its connection for
-ever. Only paused connections are looked at, at each tick.
-
-Sans-I/O but for the watchdog: every transition takes ``now`` (the loop's time).
+:mod:`nexus.server.connection` describes the phases and who moves a connection between
+them; this module keeps the books. All HEAD deadlines have the same length, as have all
+IDLE ones, so a dict per phase in insertion order (a connection is re-inserted as it
+enters the phase) is in deadline order: a :class:`~nexus.watchdog.Watchdog` tick closes
+the expired ones at the front and stops at the first that is not. Only paused
+connections are checked for stalled writes (no byte left the buffer for three times
+``write_timeout_s``); those a stream pump times itself (``timed_elsewhere``) are left
+to it. Sans-I/O but for the watchdog: every transition takes ``now``.
 """
 
 from __future__ import annotations
@@ -56,7 +44,6 @@ class Tracked(Protocol):
 
     phase: Phase
     timed_elsewhere: bool
-    """Its writes are timed by their writer (a stream pump): not by the stall check."""
 
     def expire(self, reason: str) -> None:
         """Close at once, dropping what the client has not read: a deadline passed."""
@@ -86,12 +73,7 @@ def _rejection(max_connections: int) -> bytes:
 
 
 class ConnectionRegistry:
-    """The open connections of one process: their count and their phase deadlines.
-
-    Sans-I/O but for :meth:`start` / :meth:`stop` (its watchdog) and the clock:
-    every transition takes ``now`` (the loop's time); :meth:`check` closes the
-    connections whose deadline has passed.
-    """
+    """The open connections of one process: their count and their phase deadlines."""
 
     def __init__(
         self,
@@ -108,13 +90,11 @@ class ConnectionRegistry:
         self.max_connections = max_connections
         self.open = 0
         """Connections admitted and not yet lost (rejected ones are not counted)."""
-        self.heads: dict[Tracked, float] = {}
-        """HEAD connections -> deadline, in deadline order (see the module docstring)."""
+        self.heads: dict[Tracked, float] = {}  # connection -> deadline, in deadline order
         self.idle: dict[Tracked, float] = {}
         self.lingering: dict[Tracked, tuple[float, asyncio.BaseTransport]] = {}
         self.paused: dict[Tracked, tuple[float, int]] = {}
-        """Connections whose writes wait for the client -> (since when no byte has left
-        the buffer, its size then)."""
+        """Connections whose writes wait -> (since when no byte left the buffer, its size)."""
         self.rejection = _rejection(max_connections)
         self.tick = (
             min(header_timeout_s, keepalive_timeout_s, self.stall_timeout_s, REJECT_LINGER_S * 4)
@@ -187,14 +167,11 @@ class ConnectionRegistry:
         self.paused.pop(conn, None)
 
     def lost(self, conn: Tracked) -> None:
-        self.paused.pop(conn, None)
         if conn.phase is Phase.REJECTED:
             self.lingering.pop(conn, None)
+            conn.phase = Phase.CLOSED
         elif conn.phase is not Phase.CLOSED:
-            self.heads.pop(conn, None)
-            self.idle.pop(conn, None)
-            self.open -= 1
-        conn.phase = Phase.CLOSED
+            self._forget(conn)
 
     # Deadlines --------------------------------------------------------------
 
@@ -205,11 +182,7 @@ class ConnectionRegistry:
             (self.idle, f"idle for {self.keepalive_timeout_s:g}s"),
         ):
             for conn in _expired(table, now):
-                del table[conn]
-                self.paused.pop(conn, None)
-                conn.phase = Phase.CLOSED
-                self.open -= 1
-                conn.expire(reason)
+                self._close(conn, reason)
         for conn, (since, size) in list(self.paused.items()):
             buffered = conn.write_buffer_size()
             # Its writer (a stream pump) drops it, with its own accounting; or bytes
@@ -219,17 +192,24 @@ class ConnectionRegistry:
             elif now - since < self.stall_timeout_s:
                 self.paused[conn] = (since, buffered)  # more queued is no progress
             else:
-                del self.paused[conn]
-                self.heads.pop(conn, None)
-                self.idle.pop(conn, None)
-                conn.phase = Phase.CLOSED
-                self.open -= 1
-                conn.expire(f"the client read nothing for {self.stall_timeout_s:g}s")
+                self._close(conn, f"the client read nothing for {self.stall_timeout_s:g}s")
         if self.lingering:
             late = [c for c, (deadline, _) in self.lingering.items() if deadline <= now]
             for conn in late:
                 _, transport = self.lingering.pop(conn)
                 transport.close()
+
+    def _close(self, conn: Tracked, reason: str) -> None:
+        self._forget(conn)
+        conn.expire(reason)
+
+    def _forget(self, conn: Tracked) -> None:
+        """An admitted connection is closed: out of every table and the count."""
+        self.heads.pop(conn, None)
+        self.idle.pop(conn, None)
+        self.paused.pop(conn, None)
+        conn.phase = Phase.CLOSED
+        self.open -= 1
 
     def start(self) -> None:
         """Start checking (in the running loop)."""

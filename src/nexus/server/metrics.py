@@ -1,41 +1,20 @@
 """Prometheus metrics, one registry per app (``GET /metrics``).
 
-Counted at the edges, never per event in a hot loop: the access middleware
-counts requests and times them, the pump adds events and bytes once per write
-(what upstream delivered together), the hub's hooks see streams start and end.
+Counted at the edges, never per event: the access middleware counts and times
+requests, the pump adds events and bytes once per write, the hub's hooks see streams
+start and end (spend is counted once per stream, estimated for one cut short), and
+the providers, the store and the hub report pool waits, store errors and mirror
+states through callbacks (:meth:`Metrics.watch`).
 
-Several workers (``nexus serve --workers N``): each worker calls
-:func:`enable_multiprocess` right after the fork, before it builds its app.
-From then on every value lives in a small file per worker in one shared
-directory (prometheus_client's multiprocess mode), and ``/metrics``, on any
-worker, adds up the files of all of them: counters and histograms count the
-whole server, dead workers' work included; ``nexus_active_streams`` is a
-``livesum`` gauge, the streams running in the workers alive (the supervisor
-calls :func:`mark_worker_dead` for each worker that ends). No ``_created``
-samples in either mode (:func:`prometheus_client.disable_created_metrics`).
+Labels stay few and never empty: ``model`` is an alias or advertised model as asked,
+``<provider>/*`` for any other model of a provider, else ``unknown``; ``key`` is the
+key's name (``anonymous`` without keys); error codes are labels for the first
+:data:`MAX_CODES` seen, ``other`` after them.
 
-Spend: ``nexus_tokens_total{model,key,kind}`` and ``nexus_cost_usd_total{model,key}``
-are counted once per stream, when it ends (through the hooks, whoever reads it:
-background streams, streams joined by several requests), estimated for a stream
-cut before its final usage. ``model`` is the model asked for when it is an alias
-or an advertised model, ``<provider>/*`` for any other model of a provider (clients
-choose the name; labels must stay few), ``unknown`` otherwise; ``key`` is the key's
-name, ``anonymous`` without keys. Error codes (in ``outcome`` and ``code``) are labels
-for the first :data:`MAX_CODES` seen, ``other`` after them. No label is ever empty.
-
-Two more are fed by callbacks of the objects they time, once per request, never per
-event: ``nexus_upstream_pool_wait_seconds{provider}``, each upstream request's wait for
-a free connection of its provider's pool (0 when it did not wait; see
-:mod:`nexus.providers.http`), and ``nexus_store_errors_total{op}``, the store operations
-that failed (Redis unreachable, or its pool busy past ``[store] pool_timeout_s``), and
-``nexus_store_mirror_total{state}``, once per stream whose mirror into the shared store
-fell ``behind`` (it cannot be resumed elsewhere meanwhile), ``caught_up`` or was
-``abandoned`` (see :mod:`nexus.cache.hub`).
-
-Two values are read from other objects rather than counted here, so that they
-stay right whichever worker is scraped: the hub's running streams (one process:
-read at scrape time; several: the gauge set whenever ``hub.live`` changes) and
-the hooks' errors (counted as each happens, in both modes).
+Several workers (``nexus serve --workers N``): each calls :func:`enable_multiprocess`
+after the fork, and ``/metrics`` on any worker adds up every worker's files
+(prometheus_client's multiprocess mode); ``nexus_active_streams`` is a ``livesum``
+gauge over the workers alive (the supervisor calls :func:`mark_worker_dead`).
 """
 
 from __future__ import annotations
@@ -86,31 +65,24 @@ CANCEL_CAUSES = {
 """Error codes that end a stream on purpose, and the cancellation cause each counts as."""
 
 LEFT_BY_CLIENTS = "client_disconnect"
-"""The code of a stream cancelled because its last client left (it was not resumable):
-counted once, as ``cause="client_disconnect"``, by the response that left
-(:mod:`nexus.server.access`), not again here; nor is it an upstream error."""
+"""A stream cancelled as its last client left: counted by the response that left
+(:mod:`nexus.server.access`), not again here, and not an upstream error."""
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _POOL_WAIT = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _DURATION = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
+# No ``*_created`` series (they doubled the page; multiprocess mode has none). Process-wide.
 disable_created_metrics()  # type: ignore[no-untyped-call]
-# No ``nexus_*_created`` series: a timestamp per series that doubled the page and that
-# the multiprocess mode (several workers) never exports anyway. Process-wide, as
-# prometheus_client has it; set here, before any metric is made.
 
 MAX_CODES = 64
-"""Most error codes that are label values of their own (per process); later ones are
-``other``. Codes come from upstreams too (the ``code`` of an error inside a stream),
-so they are not a closed set: without a bound, an upstream minting codes (an id in
-each) would grow ``/metrics`` without end."""
+"""Most error codes that are label values of their own (per process): upstreams mint
+codes too, and without a bound ``/metrics`` could grow without end."""
 OTHER = "other"
 _CODE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 ANONYMOUS = "anonymous"
-"""The ``key`` label of requests made without a key (auth off)."""
 UNKNOWN = "unknown"
-"""A label whose value is not known (never empty, never ``-``)."""
 
 _shared_dir: str | None = None
 """The multiprocess directory once :func:`enable_multiprocess` ran (None: one process)."""
@@ -119,11 +91,9 @@ _shared_dir: str | None = None
 def enable_multiprocess(directory: str) -> None:
     """Make this process one of several workers whose metrics ``/metrics`` adds up.
 
-    Call it in each worker right after the fork, before ``create_app``: the
-    metrics made afterwards keep their values in ``directory`` (which must
-    exist: the supervisor makes it, shares it and removes it), and ``/metrics``
-    renders every worker's files. Metrics made before the call are not
-    affected. Raises :class:`ValueError` when ``directory`` is not a directory.
+    Call it in each worker after the fork, before ``create_app``: metrics made from then
+    on keep their values in ``directory`` (the supervisor's). Raises :class:`ValueError`
+    when ``directory`` is not a directory.
     """
     global _shared_dir
     if not os.path.isdir(directory):
@@ -137,57 +107,54 @@ def enable_multiprocess(directory: str) -> None:
 
 
 def mark_worker_dead(directory: str, pid: int) -> None:
-    """Forget the live gauges of the worker ``pid``, which ended (the supervisor calls it).
-
-    Its counters and histograms stay: what it did still counts.
-    """
+    """Forget the live gauges of the ended worker ``pid`` (its counters still count)."""
     multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
 
 
 class Metrics:
-    """The gateway's metrics. Labels hold names only, never keys or contents.
-
-    :meth:`watch` connects the values read from the hub and the hooks.
-    """
+    """The gateway's metrics. Labels hold names only, never keys or contents."""
 
     def __init__(self) -> None:
         self.shared_dir = _shared_dir
         """The multiprocess directory, or None (this process alone)."""
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.models: frozenset[str] = frozenset()
-        """Model ids that are labels as they are (aliases, advertised models); see
-        :meth:`model_label`."""
+        """Model ids that are labels as they are (aliases, advertised models)."""
         self.providers: frozenset[str] = frozenset()
         """Provider names (``<provider>/*`` labels)."""
-        self._codes: set[str] = set()
-        """The error codes that are labels of their own (see :meth:`code_label`)."""
-        self.requests = Counter(
+        self._codes: set[str] = set()  # the error codes that are labels of their own
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def histogram(
+            name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+        ) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+        self.requests = counter(
             "nexus_requests",
             "HTTP requests by endpoint, model asked for and outcome (ok, error:<code>, "
             "cancelled:<reason>, mid_stream_error:<code>).",
             ("endpoint", "model", "outcome"),
-            registry=registry,
         )
-        self.tokens = Counter(
+        self.tokens = counter(
             "nexus_tokens",
             "Tokens spent upstream by model asked for, key name and kind (prompt, completion, "
             "cached, reasoning); estimated for streams cut before their final usage.",
             ("model", "key", "kind"),
-            registry=registry,
         )
-        self.cost = Counter(
+        self.cost = counter(
             "nexus_cost_usd",
             "What streams cost upstream, in USD, by model asked for and key name (models "
             "with a price only).",
             ("model", "key"),
-            registry=registry,
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "nexus_time_to_first_token_seconds",
             "From the request to the first event of its stream, by model asked for.",
             ("model",),
-            buckets=_LATENCY,
-            registry=registry,
+            _LATENCY,
         )
         self.active = Gauge(
             "nexus_active_streams",
@@ -197,75 +164,53 @@ class Metrics:
             registry=registry,
             multiprocess_mode="livesum",  # several workers: the sum over those alive
         )
-        self.ttfb = Histogram(
+        self.ttfb = histogram(
             "nexus_time_to_first_byte_seconds",
             "From the request to the first byte of a stream's body.",
             ("endpoint", "format"),
-            buckets=_LATENCY,
-            registry=registry,
+            _LATENCY,
         )
-        self.duration = Histogram(
+        self.duration = histogram(
             "nexus_stream_duration_seconds",
             "From the request to the end of a stream's body, by model asked for.",
             ("model",),
-            buckets=_DURATION,
-            registry=registry,
+            _DURATION,
         )
-        self.events = Counter(
-            "nexus_events_out", "Stream events written to clients.", ("format",), registry=registry
-        )
-        self.bytes = Counter(
-            "nexus_bytes_out", "Stream bytes written to clients.", ("format",), registry=registry
-        )
-        self.upstream_errors = Counter(
+        self.events = counter("nexus_events_out", "Stream events written to clients.", ("format",))
+        self.bytes = counter("nexus_bytes_out", "Stream bytes written to clients.", ("format",))
+        self.upstream_errors = counter(
             "nexus_upstream_errors",
             "Streams that failed upstream, by provider and error code.",
             ("provider", "code"),
-            registry=registry,
         )
-        self.cancellations = Counter(
-            "nexus_cancellations",
-            "Streams or responses ended early, by cause.",
-            ("cause",),
-            registry=registry,
+        self.cancellations = counter(
+            "nexus_cancellations", "Streams or responses ended early, by cause.", ("cause",)
         )
-        self.cache = Counter(
-            "nexus_cache", "Stream cache lookups by result.", ("result",), registry=registry
-        )
-        self.resumes = Counter(
-            "nexus_resumes", "Attaches that resumed after a Last-Event-ID.", registry=registry
-        )
-        self.hook_errors = Counter(
-            "nexus_hook_errors", "Plugin hooks that raised.", ("hook",), registry=registry
-        )
-        self.pool_wait = Histogram(
+        self.cache = counter("nexus_cache", "Stream cache lookups by result.", ("result",))
+        self.resumes = counter("nexus_resumes", "Attaches that resumed after a Last-Event-ID.")
+        self.hook_errors = counter("nexus_hook_errors", "Plugin hooks that raised.", ("hook",))
+        self.pool_wait = histogram(
             "nexus_upstream_pool_wait_seconds",
             "Each upstream request's wait for a free connection of its provider's pool "
             "(max_connections); 0 when one was free.",
             ("provider",),
-            buckets=_POOL_WAIT,
-            registry=registry,
+            _POOL_WAIT,
         )
-        self.store_errors = Counter(
+        self.store_errors = counter(
             "nexus_store_errors",
             "Store operations that failed (Redis unreachable, or no pooled connection "
             "within [store] pool_timeout_s), by operation.",
             ("op",),
-            registry=registry,
         )
-        self.store_mirror = Counter(
+        self.store_mirror = counter(
             "nexus_store_mirror",
             "Streams whose log mirror into the shared store fell behind (behind: it cannot "
             "be resumed elsewhere meanwhile), caught up, or was given up (abandoned).",
             ("state",),
-            registry=registry,
         )
 
     def model_label(self, model: str | None) -> str:
-        """The ``model`` label of ``model``: itself when it is an alias or an advertised
-        model, ``<provider>/*`` for any other model of a provider (the client chooses
-        the name: labels must stay few), ``unknown`` when the request named none that
-        routes."""
+        """The ``model`` label of ``model`` (see the module docstring)."""
         if model is None:
             return UNKNOWN
         if model in self.models:
@@ -274,8 +219,7 @@ class Metrics:
         return f"{provider}/*" if slash and provider in self.providers else UNKNOWN
 
     def code_label(self, code: str) -> str:
-        """The label of an error code: itself for the first :data:`MAX_CODES` codes seen
-        (of a sane shape), ``other`` after them."""
+        """An error code's label: itself for the first :data:`MAX_CODES` sane codes seen."""
         codes = self._codes
         if code in codes:
             return code
@@ -311,10 +255,8 @@ class Metrics:
         """Follow the hub's running streams, the hooks' errors, the HTTP providers' pool
         waits and the store's errors (once, before the app starts).
 
-        One process: ``nexus_active_streams`` reads ``len(hub.live)`` at scrape
-        time. Several: the hub sets it on every change, as a scrape on another
-        worker reads the value this one wrote. Hook errors are counted as they
-        happen (those before this call too).
+        One process: ``nexus_active_streams`` reads ``len(hub.live)`` at scrape time;
+        several: the hub sets it on every change, for scrapes on other workers.
         """
         if self.shared_dir is None:
             self.active.set_function(lambda: len(hub.live))

@@ -1,20 +1,12 @@
 """Which web pages and which ``Host`` names the gateway answers. Pure functions.
 
-A browser lets any page the developer opens send requests to ``127.0.0.1``: a
-``text/plain`` POST or a WebSocket needs no CORS preflight, and a keyless gateway on
-loopback would run the turn (and a WebSocket's page reads the reply). Browsers name
-the page in ``Origin``; :func:`origin_allowed` takes a request whose ``Origin`` is the
-gateway's own (the scheme, host and port of the request itself, from its ``Host``) or
-one listed in ``[cors] allow_origins``. ``Origin: null`` (sandboxed frames, ``file:``
-pages) is never the gateway's own and is taken only when listed as ``"null"``, not
-by ``"*"``. Clients that are not browsers send no ``Origin`` and are not concerned.
-
-DNS rebinding gets around that: a page at ``evil.example`` whose name is then made to
-resolve to ``127.0.0.1`` is the same origin as the gateway, as far as the browser
-knows. Its requests still carry ``Host: evil.example``, so a gateway without keys
-answers only :func:`loopback_host` names (``localhost``, ``*.localhost``, 127.0.0.0/8,
-``[::1]``). With keys a page has no key to send; with ``[auth] allow_unauthenticated``
-the operator serves the gateway to whoever reaches it, by any name.
+Any page a developer opens may send requests to ``127.0.0.1`` (a ``text/plain`` POST
+or a WebSocket needs no preflight). :func:`origin_allowed` takes a request whose
+``Origin`` is the gateway's own (from the request's ``Host``) or listed in ``[cors]
+allow_origins``; ``Origin: null`` only when listed as ``"null"``, never by ``"*"``.
+Against DNS rebinding (a page's own name made to resolve to loopback), a gateway
+without keys answers only :func:`loopback_host` names unless ``[auth]
+allow_unauthenticated`` says otherwise.
 """
 
 from __future__ import annotations
@@ -31,8 +23,8 @@ _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 
 def split_host(value: str, scheme: str) -> tuple[str, int] | None:
-    """``"Example.COM:8080"`` -> ``("example.com", 8080)``; the scheme's port when none
-    is given; ``[::1]`` keeps its brackets. None for anything that is not a host and port."""
+    """``"Example.COM:8080"`` -> ``("example.com", 8080)`` (the scheme's port by default;
+    ``[::1]`` keeps its brackets); None for anything else."""
     match = _HOST.fullmatch(value.strip())
     if match is None:
         return None
@@ -44,9 +36,8 @@ def split_host(value: str, scheme: str) -> tuple[str, int] | None:
 
 
 def origin_allowed(origin: str, allowed: list[str], *, scheme: str, host: str | None) -> bool:
-    """Whether a request from a page at ``origin`` may be served: the request's own
-    origin (``scheme`` and its ``Host`` header, ``host``), or one in ``allowed``
-    (``"*"``: any, but ``null``)."""
+    """Whether a page at ``origin`` may be served: the request's own origin (``scheme``
+    and its ``Host``, ``host``), or one in ``allowed``."""
     if origin in allowed or ("*" in allowed and origin != "null"):
         return True
     match = _ORIGIN.fullmatch(origin)
@@ -61,9 +52,9 @@ def origin_allowed(origin: str, allowed: list[str], *, scheme: str, host: str | 
 
 @functools.lru_cache(maxsize=64)  # asked on every request of a keyless gateway: few names
 def loopback_host(host: str) -> bool:
-    """Whether a ``Host`` header names this machine: ``localhost`` or a name under it
-    (RFC 6761 §6.3: they resolve to loopback, never to a rebound address), an address in
-    127.0.0.0/8 or ``[::1]``, with any port."""
+    """Whether a ``Host`` names this machine: ``localhost`` or a name under it (RFC 6761
+    §6.3), 127.0.0.0/8 or ``[::1]``, with any port."""
+
     parts = split_host(host, "http")
     if parts is None:
         return False

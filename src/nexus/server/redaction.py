@@ -1,27 +1,15 @@
 """Credentials out of log lines: :func:`redact`, and the :class:`RedactingFilter` that applies it.
 
-A malformed request is reported by aiohttp's HTTP parser with the raw bytes
-around the fault: ``Invalid header value char: b'Authorization: Bearer
-<key>\\x7f'``. That text reached the log (message and traceback) and the 400
-body. The connection layer (:mod:`nexus.server.connection`) no longer logs or
-sends it; this module is the net under everything else that logs for aiohttp:
-``nexus serve`` installs the filter on aiohttp's loggers (and asyncio's), and an
-embedding application can do the same with :func:`install`.
-
-What :func:`redact` removes (a value is replaced by ``[redacted]``):
-
-* the value of an ``Authorization``, ``Proxy-Authorization``, ``x-api-key``,
-  ``Cookie`` or ``Set-Cookie`` header, to the end of its line (a real line
-  break or an escaped ``\\r`` / ``\\n`` in a bytes repr);
-* a ``Bearer`` or ``Basic`` credential wherever it stands (a header line cut
-  short, or without its name);
-* the key in a ``nexus-key.<key>`` WebSocket subprotocol;
-* a Nexus key (``nx-`` and 16 or more URL-safe characters, what
-  ``nexus hash-key`` makes), even glued to other text;
-* a bytes literal (``b'...'``): in a log line, that is raw wire data, such as
-  the parser's excerpt of a folded header line, which has no name to go by.
-
-Sans-I/O: text in, text out; it over-redacts rather than under-redacts.
+aiohttp's HTTP parser reports a malformed request with the raw bytes around the fault
+(``Invalid header value char: b'Authorization: Bearer <key>\\x7f'``). The connection
+layer no longer logs or sends that; this is the net under whatever else logs for
+aiohttp: ``nexus serve`` installs the filter on aiohttp's and asyncio's loggers
+(:func:`install`). It replaces with ``[redacted]``: the value of a credential header
+(``Authorization``, ``Proxy-Authorization``, ``x-api-key``, ``Cookie``, ``Set-Cookie``)
+to the end of its line; a ``Bearer`` or ``Basic`` credential anywhere; the key of a
+``nexus-key.<key>`` subprotocol; a Nexus key (``nx-`` and 16+ URL-safe characters);
+and any bytes literal (``b'...'``), raw wire data with no name to go by. Sans-I/O; it
+over-redacts rather than under-redacts.
 """
 
 from __future__ import annotations
@@ -41,9 +29,7 @@ AIOHTTP_LOGGERS = (
     "aiohttp.websocket",
     "asyncio",
 )
-"""The loggers :func:`install` covers by default: aiohttp's (a filter on a logger
-applies to its own records only, not its children's) and asyncio's, which reports
-exceptions raised in protocol callbacks."""
+"""Each named: a logger's filter does not see its children's records."""
 
 REDACTED = "[redacted]"
 
@@ -79,26 +65,17 @@ _EXCERPT = re.compile(r"""(?:\s*:\s*|\s+)b?['"].*$""")
 
 
 def parse_error_reason(message: str) -> str:
-    """What an HTTP parser error says, without the excerpt it quotes.
-
-    ``"Invalid header value char:\\n\\n  b'...'\\n  ^"`` -> ``"Invalid header
-    value char"``; ``"Got more than 8190 bytes when reading: b'...'."`` ->
-    ``"Got more than 8190 bytes when reading"``. The first line, cut where a
-    quoted excerpt starts, redacted, at most 120 characters.
-    """
+    """What an HTTP parser error says, without the excerpt it quotes: its first line,
+    cut where a quoted excerpt starts, redacted, at most 120 characters."""
     first = message.strip().split("\n", 1)[0]
     first = _EXCERPT.sub("", first).rstrip(" :.")
     return redact(first)[:120] or "malformed request"
 
 
 class RedactingFilter(logging.Filter):
-    """Applies :func:`redact` to a record's message (with its arguments), its exception
-    text and its stack text. Never drops a record.
-
-    The exception is formatted here, redacted, and kept as ``exc_text`` with
-    ``exc_info`` cleared, so no formatter down the line can format the raw one
-    again (:class:`logging.Formatter` prints ``exc_text`` when it is set).
-    """
+    """Applies :func:`redact` to a record's message, exception and stack text; never drops
+    one. The exception is kept formatted (``exc_text``, ``exc_info`` cleared), so no
+    formatter down the line can format the raw one again."""
 
     formatter = logging.Formatter()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "nexus"
+SRC = Path(__file__).resolve().parents[2] / "src" / "nexus"
 
 # Names an aiohttp object has in src/ (its requests, protocols, transports, responses,
 # sockets, writers), then a private attribute: ``request.protocol._x``, ``ws._x``...

@@ -1,4 +1,5 @@
-"""Regressions found in the providers review: each test is named for what broke."""
+"""Upstream edge cases of the HTTP providers: each test is named for what it keeps from
+breaking."""
 
 from __future__ import annotations
 

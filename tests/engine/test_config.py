@@ -17,7 +17,7 @@ from nexus.config import (
 )
 from nexus.errors import ConfigError
 
-REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.toml"
+REPO_CONFIG = Path(__file__).resolve().parents[2] / "config.toml"
 
 
 def write(tmp_path: Path, text: str | bytes) -> Path:

@@ -1,4 +1,4 @@
-"""Accounting under an adversarial tenant and a hostile upstream: what review found.
+"""Accounting under an adversarial tenant and a hostile upstream.
 
 Each test reproduces a way the numbers an operator relies on could be escaped or
 blown up, on a real ``nexus serve`` where it needs one."""

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("saturation", "realistic", "idle", "ttfb", "ws_abort")
 NEXUS = (
     "nexus (openai-sse)",

@@ -1,6 +1,6 @@
 """SIGTERM on a real ``nexus serve`` process while streams run in several formats at once.
 
-``tests/test_cli.py`` already checks, one at a time, that a lone OpenAI SSE stream
+``tests/cli/test_cli.py`` already checks, one at a time, that a lone OpenAI SSE stream
 ends with ``server_shutting_down`` and ``[DONE]``, that a lone WebSocket turn is
 closed with 1001 and that the process exits 0. This file checks what happens to
 all of them together, and what those tests do not look at: that the listener

@@ -27,7 +27,7 @@ NATIVE = "application/vnd.nexus.events+sse"
 @pytest.fixture
 def custom_module(monkeypatch: pytest.MonkeyPatch) -> type[Encoder]:
     """Make ``tests/custom_encoder.py`` importable as ``custom_encoder``."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))
     import custom_encoder
 
     return custom_encoder.CustomEncoder

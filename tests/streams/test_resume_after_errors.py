@@ -1,4 +1,4 @@
-"""Review: a resume of a stream whose client already got 200 must not turn into an HTTP error.
+"""A resume of a stream whose client already got 200 must not turn into an HTTP error.
 
 The origin waited ``heartbeat_interval_s`` for output, sent its headers and the
 first frame (``id: <stream>.0``), then the provider failed (in-band). A client

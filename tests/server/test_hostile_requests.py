@@ -1,4 +1,4 @@
-"""Holes found by a security review: against a real ``nexus serve`` where a client can
+"""Hostile requests: against a real ``nexus serve`` where a client can
 show them, in-process where only the gateway's own steps can.
 
 * JSON nested too deep inside a *string* (a tool call's ``arguments``) slipped past

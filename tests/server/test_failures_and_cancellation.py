@@ -1,4 +1,5 @@
-"""Regressions found in review: each test is named for what broke."""
+"""Failures, cancellation and shutdown at the edges of a stream: each test is named for
+what it keeps from breaking."""
 
 from __future__ import annotations
 

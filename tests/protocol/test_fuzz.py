@@ -44,7 +44,7 @@ from nexus.protocol.sse import ServerSentEvent, SSEDecoder, frame
 from nexus.request import ChatRequest
 from support import MakeClient
 
-# NEXUS_FUZZ_SCALE=50 pytest tests/test_fuzz.py: fifty times the examples, for a long hunt.
+# NEXUS_FUZZ_SCALE=50 pytest tests/protocol/test_fuzz.py: fifty times the examples, for a long hunt.
 SCALE = int(os.environ.get("NEXUS_FUZZ_SCALE", "1"))
 SANS_IO = settings(max_examples=300 * SCALE, deadline=None)
 HTTP = settings(

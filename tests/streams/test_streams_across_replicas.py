@@ -1,4 +1,4 @@
-"""Two replicas on one Redis, in the races the review found.
+"""Two replicas on one Redis, in their races.
 
 ``SlowBegin`` stands for a Redis a few milliseconds away: a stream must be
 visible to every replica (begun in the store) before anyone is told its id.

@@ -1,5 +1,5 @@
 """The benchmark upstream's frames (bench/frames.py): the providers' wire shapes, byte-checked
-here without a gateway; the smoke run (tests/test_bench_smoke.py) reads them through Nexus."""
+here without a gateway; the smoke run (tests/bench/test_bench_smoke.py) reads them through Nexus."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.frames import POOL, TOKENS, Frames, Shape, frames
 from bench.upstream import Settings, Upstream
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from nexus import config as c
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 TABLES: dict[str, tuple[type[BaseModel], ...]] = {
     "[server]": (c.ServerConfig,),

@@ -1,4 +1,4 @@
-"""Review: readers that leave an idle stream must not leave their waiters behind.
+"""Readers that leave an idle stream must not leave their waiters behind.
 
 ``RunReader.__anext__`` appends a future to ``StreamRun._waiters`` and awaits it;
 when the pump is cancelled (the client left) the cancelled future stays in the

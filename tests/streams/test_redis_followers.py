@@ -122,3 +122,48 @@ async def test_a_new_follower_interrupts_the_blocked_read(prefix: str) -> None:
         assert errors == []
     finally:
         await store.close()
+
+
+async def test_a_reader_behind_another_on_the_same_log_reads_it_whole(prefix: str) -> None:
+    """Two readers of one log on one replica, one slower (its client reads slowly): the
+    slow one asks for entries the blocked read of the fast one starts past. It must get
+    them, not the fast one's later entries (a false hole: StreamIncomplete)."""
+    owner = RedisStore(REDIS_URL, prefix)
+    follower = RedisStore(REDIS_URL, prefix, block_s=5)
+    await owner.start()
+    await follower.start()
+    try:
+        info = make_info()
+        await owner.begin(info, 60)
+        log: list[StreamEvent] = []
+
+        async def add(n: int) -> None:
+            added = [Delta(content=f"{n}.{i} ") for i in range(2)]
+            assert await owner.append(info.id, len(log), added)
+            log.extend(added)
+
+        await add(0)
+        slow = follower.read(info.id)
+        got_slow = list(await slow.__anext__())  # caught up, then its client stalls
+
+        async def fast_reader() -> list[StreamEvent]:
+            return [event async for batch in follower.read(info.id) for event in batch]
+
+        fast = asyncio.create_task(fast_reader())
+        await asyncio.sleep(0.2)
+        await add(1)  # the fast reader reads it; the slow one does not yet
+        await asyncio.sleep(0.2)  # the fast reader blocks again, past entry 1
+        more = asyncio.create_task(slow.__anext__())  # the slow one asks for entry 1 on
+        await asyncio.sleep(0.2)
+        await add(2)
+        async with asyncio.timeout(3):
+            while len(got_slow) < len(log):
+                got_slow += await more
+                if len(got_slow) < len(log):
+                    more = asyncio.create_task(slow.__anext__())
+        assert got_slow == log
+        await slow.aclose()
+        fast.cancel()
+    finally:
+        await follower.close()
+        await owner.close()

@@ -180,14 +180,20 @@ class _Read:
         self.woken = asyncio.Event()
         self.blocked = False
         self.unblocking: asyncio.Task[Any] | None = None
+        self.reading: dict[bytes, int] = {}
+        """The read under way: key -> the index it reads past."""
         self.id: int | None = None
         self.task = asyncio.get_running_loop().create_task(self._loop())
 
     def add(self, key: bytes, waiter: Waiter) -> None:
         if key in self.waiting:
             self.waiting[key].append(waiter)
-            return
-        self.waiting[key] = [waiter]
+            if waiter[0] >= self.reading.get(key, waiter[0]):
+                return
+            # Behind the read under way on its key (a slower reader of the same log):
+            # that read starts past what this one wants, so it must include it afresh.
+        else:
+            self.waiting[key] = [waiter]
         self.woken.set()
         if self.blocked and self.unblocking is None and self.id is not None:
             # The read under way lacks this key: end it (it ends at its block time anyway).
@@ -216,10 +222,10 @@ class _Read:
             try:
                 if self.id is None:
                     self.id = int(await self.client.client_id())
-                streams = {
-                    key: f"0-{min(after for after, _ in waiters) + 1}"
-                    for key, waiters in self.waiting.items()
+                self.reading = {
+                    key: min(after for after, _ in waiters) for key, waiters in self.waiting.items()
                 }
+                streams = {key: f"0-{after + 1}" for key, after in self.reading.items()}
                 self.blocked = True
                 try:
                     reply: Any = await self.client.xread(
@@ -239,11 +245,16 @@ class _Read:
             if isinstance(reply, dict):  # RESP3; RESP2 is [[key, entries], ...]
                 reply = [(key, value[0]) for key, value in reply.items()]
             for key, entries in reply or ():
+                behind = []  # came while it blocked, wanting entries before its start
                 for after, future in self.waiting.pop(key, ()):
-                    if not future.done():
+                    if after < self.reading[key]:
+                        behind.append((after, future))
+                    elif not future.done():
                         future.set_result(
                             [e for e in entries if int(e[0].partition(b"-")[2]) > after + 1]
                         )
+                if behind:
+                    self.waiting[key] = behind
 
 
 class Followers:

@@ -91,6 +91,7 @@ class Pipeliner:
 
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
+        sent: list[tuple[asyncio.Future[list[Any]], int]] = []
         try:
             while self._queue:
                 groups, self._queue = self._queue, []
@@ -117,10 +118,17 @@ class Pipeliner:
                     else:
                         future.set_result(replies[at : at + count])
                     at += count
+            sent = []
         finally:
             self._task = None
-            for _, future, _ in self._queue:  # cancelled: nobody is left to send them
-                future.cancel()
+            # Closed (or broken) with groups sent or queued: each caller gets an error it
+            # handles (StoreUnavailable), never a wait without end or a CancelledError
+            # that is not its own.
+            stopped = RedisError("the store's pipeline stopped")
+            for future in [f for f, _ in sent] + [f for _, f, _ in self._queue]:
+                if not future.done():
+                    future.set_exception(stopped)
+            self._queue = []
 
     async def _send(self, commands: list[Command]) -> list[Any]:
         """One pipeline on one connection of the pool; a connection that broke since its

@@ -190,6 +190,8 @@ class _Read:
         self.unblocking: asyncio.Task[Any] | None = None
         self.reading: dict[bytes, int] = {}
         """The read under way: key -> the index it reads past."""
+        self.missed = 0  # CLIENT UNBLOCKs that found the read under way not blocked yet
+        self.refresh = False  # ask the connection's id again before the next read
         self.id: int | None = None
         self.task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -203,16 +205,41 @@ class _Read:
         else:
             self.waiting[key] = [waiter]
         self.woken.set()
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        """End the read under way if it lacks a waiter's key or position (it ends at its
+        block time anyway)."""
         if self.blocked and self.unblocking is None and self.id is not None:
-            # The read under way lacks this key: end it (it ends at its block time anyway).
             command = ("CLIENT", "UNBLOCK", self.id)
             self.unblocking = asyncio.ensure_future(self.owner.call("unblock", command))
             self.unblocking.add_done_callback(self._unblocked)
 
+    def _stale(self) -> bool:
+        """Whether the read under way lacks a waiter's key or starts past its position."""
+        reading = self.reading
+        return any(
+            key not in reading or min(after for after, _ in waiters) < reading[key]
+            for key, waiters in self.waiting.items()
+        )
+
     def _unblocked(self, task: asyncio.Task[Any]) -> None:
         self.unblocking = None
-        if not task.cancelled():
-            task.exception()  # counted by the call: retrieved, not raised
+        if task.cancelled() or task.exception() is not None:
+            return  # (an error is counted by the call: retrieved, not raised)
+        if task.result() == [0]:
+            # Nobody was blocked: the XREAD, sent on another connection, was still on
+            # its way and is blocking now without the new key. Again, shortly (5 ms,
+            # doubling up to 100 ms, while the read lasts). Missed thrice, the id may be
+            # stale (redis-py's retry reconnected): asked again before the next read.
+            self.missed += 1
+            self.refresh = self.refresh or self.missed >= 3
+            delay = min(0.005 * 2 ** (self.missed - 1), 0.1)
+            asyncio.get_running_loop().call_later(delay, self._again)
+
+    def _again(self) -> None:
+        if self.blocked and self._stale():
+            self._interrupt()
 
     def remove(self, key: bytes, waiter: Waiter) -> None:
         waiters = self.waiting.get(key, [])
@@ -228,12 +255,14 @@ class _Read:
                 await self.woken.wait()
                 continue
             try:
-                if self.id is None:
+                if self.id is None or self.refresh:
+                    self.refresh = False
                     self.id = int(await self.client.client_id())
                 self.reading = {
                     key: min(after for after, _ in waiters) for key, waiters in self.waiting.items()
                 }
                 streams = {key: f"0-{after + 1}" for key, after in self.reading.items()}
+                self.missed = 0
                 self.blocked = True
                 try:
                     reply: Any = await self.client.xread(

@@ -815,3 +815,32 @@ def test_a_subclass_that_overrides_encode_is_called_for_content_deltas() -> None
 
     data, _ = render(Redacting, PLAIN_META, [Delta(content="my secret"), Done()])
     assert b"secret" not in data and b"my ******" in data
+
+
+class _UnterminatedSSE(Encoder):
+    """An integrator's SSE encoder whose frames lack the closing blank line."""
+
+    media_type = "text/event-stream"
+
+    def encode(self, event: StreamEvent) -> bytes:
+        return b"event: " + type(event).type.encode() + b"\ndata: {}"
+
+
+def test_a_frame_without_its_blank_line_does_not_hang_the_renderer() -> None:
+    """A plugin's frame that does not end in a newline is rendered (with its id), not
+    scanned for ever: that loop would hold the event loop and every stream with it."""
+    import signal
+
+    def hung(signum: int, frame: Any) -> None:
+        raise TimeoutError("Renderer.feed did not return")
+
+    meta = StreamMeta.new("m", include_usage=False, provider="mock", upstream_model="m")
+    renderer = Renderer(_UnterminatedSSE(meta), meta.id, ids=True)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(2)
+    try:
+        out = renderer.feed([Delta(content="hi")])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert out == b"id: " + meta.id.encode() + b".1\nevent: delta\ndata: {}"

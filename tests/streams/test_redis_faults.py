@@ -133,3 +133,18 @@ async def test_a_local_only_stream_is_mirrored_whole_once_redis_is_back(
     followed = await asyncio.wait_for(follower.read(), 10)
     assert texts(seen) == texts(followed) == "before0 before1 after0 after1 "
     assert followed.endswith(b'event: done\ndata: {"type":"done"}\n\n')
+
+
+async def test_a_json_request_does_not_need_redis_when_nothing_is_cached(
+    make_client: MakeClient, redis_server: RedisServer
+) -> None:
+    """A non-streaming request with the cache off has nothing to share: nobody can learn
+    its stream's id, join it or resume it. It was served without the store; a Redis
+    outage must not turn it into 503 store_unavailable."""
+    client = await make_client(config(redis_server))
+    ok = await client.post("/v1/chat/completions", json=chat())
+    assert ok.status == 200, await ok.text()
+    redis_server.stop()
+    resp = await client.post("/v1/chat/completions", json=chat())
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["choices"][0]["message"]["content"] == "Hello there world"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -120,5 +121,92 @@ async def test_a_new_follower_interrupts_the_blocked_read(prefix: str) -> None:
         assert len(store.followers) == 1
         reading.cancel()
         assert errors == []
+    finally:
+        await store.close()
+
+
+async def test_a_reader_behind_another_on_the_same_log_reads_it_whole(prefix: str) -> None:
+    """Two readers of one log on one replica, one slower (its client reads slowly): the
+    slow one asks for entries the blocked read of the fast one starts past. It must get
+    them, not the fast one's later entries (a false hole: StreamIncomplete)."""
+    owner = RedisStore(REDIS_URL, prefix)
+    follower = RedisStore(REDIS_URL, prefix, block_s=5)
+    await owner.start()
+    await follower.start()
+    try:
+        info = make_info()
+        await owner.begin(info, 60)
+        log: list[StreamEvent] = []
+
+        async def add(n: int) -> None:
+            added = [Delta(content=f"{n}.{i} ") for i in range(2)]
+            assert await owner.append(info.id, len(log), added)
+            log.extend(added)
+
+        await add(0)
+        slow = follower.read(info.id)
+        got_slow = list(await slow.__anext__())  # caught up, then its client stalls
+
+        async def fast_reader() -> list[StreamEvent]:
+            return [event async for batch in follower.read(info.id) for event in batch]
+
+        fast = asyncio.create_task(fast_reader())
+        await asyncio.sleep(0.2)
+        await add(1)  # the fast reader reads it; the slow one does not yet
+        await asyncio.sleep(0.2)  # the fast reader blocks again, past entry 1
+        more = asyncio.create_task(slow.__anext__())  # the slow one asks for entry 1 on
+        await asyncio.sleep(0.2)
+        await add(2)
+        async with asyncio.timeout(3):
+            while len(got_slow) < len(log):
+                got_slow += await more
+                if len(got_slow) < len(log):
+                    more = asyncio.create_task(slow.__anext__())
+        assert got_slow == log
+        await slow.aclose()
+        fast.cancel()
+    finally:
+        await follower.close()
+        await owner.close()
+
+
+async def test_an_unblock_that_reaches_redis_before_the_read_is_sent_again(prefix: str) -> None:
+    """CLIENT UNBLOCK goes on another connection than the XREAD it ends: sent while that
+    XREAD is still on its way (the loop marks it blocked, then sends it), it reaches Redis
+    first and unblocks nothing. The new follower must not wait for the whole block."""
+    store = RedisStore(REDIS_URL, prefix, block_s=10)
+    await store.start()
+    try:
+        first, second = make_info(), make_info()
+        for info in (first, second):
+            await store.begin(info, 60)
+
+        async def follow(info: StreamInfo) -> list[StreamEvent]:
+            return [event async for batch in store.read(info.id) for event in batch]
+
+        reading = asyncio.create_task(follow(first))
+        await asyncio.sleep(0.3)  # blocked in XREAD on the first key alone
+        (read,) = store.followers._reads
+        xread = read.client.xread
+        sent = asyncio.Event()
+
+        async def slow_xread(*args: Any, **kwargs: Any) -> Any:
+            sent.set()
+            await asyncio.sleep(0.2)  # on its way to Redis (a slow network, a busy loop)
+            return await xread(*args, **kwargs)
+
+        read.client.xread = slow_xread  # type: ignore[method-assign]
+        await store.append(first.id, 0, [Delta(content="a")])  # the read returns; the next one
+        await asyncio.wait_for(sent.wait(), 2)  # ... is marked blocked, not yet at Redis
+        joining = asyncio.create_task(follow(second))  # its UNBLOCK overtakes the XREAD
+        await asyncio.sleep(0.5)
+        second.status = "completed"
+        started = asyncio.get_running_loop().time()
+        await store.end(second, [Delta(content="hi"), Done()], 0, 60)
+        async with asyncio.timeout(12):
+            assert await joining == [Delta(content="hi"), Done()]
+        waited = asyncio.get_running_loop().time() - started
+        assert waited < 2.0, f"the new follower waited {waited:.1f}s, the read's block"
+        reading.cancel()
     finally:
         await store.close()

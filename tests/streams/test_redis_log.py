@@ -64,3 +64,19 @@ def test_pack_is_what_redis_py_sends(pairs: list[tuple[str, list[Any]]]) -> None
     connection = aioredis.Connection()
     expected = b"".join(connection.pack_commands([tuple(c) for c in commands]))
     assert _pack([tuple(c) for c in commands]) == expected
+
+
+def test_the_declared_redis_floor_has_get_connection_without_arguments() -> None:
+    """The Pipeliner takes its connection with ``pool.get_connection()``, no command name:
+    redis-py made the argument optional in 5.3 (before, it is required: every store
+    command would fail with a TypeError). The dependency must not allow an older one."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if re.match(r"redis\b", d)]
+    floor = re.search(r">=\s*([0-9.]+)", spec)
+    assert floor is not None, spec
+    assert tuple(int(p) for p in floor.group(1).split(".")) >= (5, 3), spec

@@ -425,3 +425,18 @@ async def test_close_is_idempotent(prefix: str) -> None:
     await store.close()
     with pytest.raises(RuntimeError, match="before start"):
         await store.info("x")
+
+
+async def test_close_fails_the_commands_its_pipeline_was_sending(prefix: str) -> None:
+    """A command in flight when the store closes (shutdown) gets an answer: the store's
+    error, not a wait that never ends."""
+    from nexus.errors import StoreUnavailable
+
+    store = RedisStore(REDIS_URL, prefix)
+    await store.start()
+    in_flight = asyncio.create_task(store.call("test", ("BLPOP", f"{prefix}:none", 1)))
+    await asyncio.sleep(0.2)  # sent: its reply is awaited
+    await store.close()
+    with pytest.raises((StoreUnavailable, asyncio.CancelledError)):
+        async with asyncio.timeout(3):
+            await in_flight

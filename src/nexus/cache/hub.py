@@ -132,8 +132,13 @@ class StreamHub:
         background: bool = False,
         resumable: bool = False,
         ctx: CallContext | None = None,
+        private: bool = False,
     ) -> Opened:
         """A stream for ``request``: replayed, joined or new (see the module docstring).
+
+        ``private``: nobody else learns its id (a JSON answer): with the cache off it
+        needs no store, so one that cannot be reached runs it here alone even when
+        ``[store] required``.
 
         ``resumable``: it outlives its clients for ``[streams] detach_timeout_s``
         (a ``background`` stream always does); otherwise the last reader to leave
@@ -150,7 +155,9 @@ class StreamHub:
         resumable = background or resumable
         if not self.cache.enabled:
             stream = await self._open(request, ctx)
-            return await self._launch(stream, format, owner, background, resumable, ctx)
+            return await self._launch(
+                stream, format, owner, background, resumable, ctx, private=private
+            )
         key = cache_key(request, owner, shared=self.cache.share_across_keys)
         try:
             recording = await self.store.get_recording(key)
@@ -263,6 +270,7 @@ class StreamHub:
         ctx: CallContext,
         *,
         replayed: bool = False,
+        private: bool = False,
     ) -> Opened:
         """Begin ``source`` in a shared store, then run it (not recorded)."""
         info = StreamInfo(source.meta, format, owner, resumable=resumable)
@@ -270,7 +278,7 @@ class StreamHub:
             try:
                 await self.store.begin(info, self.streams.resume_ttl_s)
             except StoreUnavailable:
-                if self.store_required:
+                if self.store_required and not private:
                     await source.close()  # the store cannot be reached: nothing may run unseen
                     raise
                 return self._unstored(info, source, background, ctx, replayed=replayed)

@@ -91,6 +91,7 @@ class Pipeliner:
 
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
+        sent: list[tuple[asyncio.Future[list[Any]], int]] = []
         try:
             while self._queue:
                 groups, self._queue = self._queue, []
@@ -117,10 +118,17 @@ class Pipeliner:
                     else:
                         future.set_result(replies[at : at + count])
                     at += count
+            sent = []
         finally:
             self._task = None
-            for _, future, _ in self._queue:  # cancelled: nobody is left to send them
-                future.cancel()
+            # Closed (or broken) with groups sent or queued: each caller gets an error it
+            # handles (StoreUnavailable), never a wait without end or a CancelledError
+            # that is not its own.
+            stopped = RedisError("the store's pipeline stopped")
+            for future in [f for f, _ in sent] + [f for _, f, _ in self._queue]:
+                if not future.done():
+                    future.set_exception(stopped)
+            self._queue = []
 
     async def _send(self, commands: list[Command]) -> list[Any]:
         """One pipeline on one connection of the pool; a connection that broke since its
@@ -180,25 +188,58 @@ class _Read:
         self.woken = asyncio.Event()
         self.blocked = False
         self.unblocking: asyncio.Task[Any] | None = None
+        self.reading: dict[bytes, int] = {}
+        """The read under way: key -> the index it reads past."""
+        self.missed = 0  # CLIENT UNBLOCKs that found the read under way not blocked yet
+        self.refresh = False  # ask the connection's id again before the next read
         self.id: int | None = None
         self.task = asyncio.get_running_loop().create_task(self._loop())
 
     def add(self, key: bytes, waiter: Waiter) -> None:
         if key in self.waiting:
             self.waiting[key].append(waiter)
-            return
-        self.waiting[key] = [waiter]
+            if waiter[0] >= self.reading.get(key, waiter[0]):
+                return
+            # Behind the read under way on its key (a slower reader of the same log):
+            # that read starts past what this one wants, so it must include it afresh.
+        else:
+            self.waiting[key] = [waiter]
         self.woken.set()
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        """End the read under way if it lacks a waiter's key or position (it ends at its
+        block time anyway)."""
         if self.blocked and self.unblocking is None and self.id is not None:
-            # The read under way lacks this key: end it (it ends at its block time anyway).
             command = ("CLIENT", "UNBLOCK", self.id)
             self.unblocking = asyncio.ensure_future(self.owner.call("unblock", command))
             self.unblocking.add_done_callback(self._unblocked)
 
+    def _stale(self) -> bool:
+        """Whether the read under way lacks a waiter's key or starts past its position."""
+        reading = self.reading
+        return any(
+            key not in reading or min(after for after, _ in waiters) < reading[key]
+            for key, waiters in self.waiting.items()
+        )
+
     def _unblocked(self, task: asyncio.Task[Any]) -> None:
         self.unblocking = None
-        if not task.cancelled():
-            task.exception()  # counted by the call: retrieved, not raised
+        if task.cancelled() or task.exception() is not None:
+            return  # (an error is counted by the call: retrieved, not raised)
+        if task.result() == [0]:
+            # Nobody was blocked: the XREAD, sent on another connection, was still on
+            # its way and is blocking now without the new key. Again, shortly (5 ms,
+            # doubling up to 100 ms, while the read lasts). Missed thrice, the id may be
+            # stale (redis-py's retry reconnected): asked again before the next read.
+            self.missed += 1
+            self.refresh = self.refresh or self.missed >= 3
+            delay = min(0.005 * 2 ** (self.missed - 1), 0.1)
+            asyncio.get_running_loop().call_later(delay, self._again)
+
+    def _again(self) -> None:
+        if self.blocked and self._stale():
+            self._interrupt()
 
     def remove(self, key: bytes, waiter: Waiter) -> None:
         waiters = self.waiting.get(key, [])
@@ -214,12 +255,14 @@ class _Read:
                 await self.woken.wait()
                 continue
             try:
-                if self.id is None:
+                if self.id is None or self.refresh:
+                    self.refresh = False
                     self.id = int(await self.client.client_id())
-                streams = {
-                    key: f"0-{min(after for after, _ in waiters) + 1}"
-                    for key, waiters in self.waiting.items()
+                self.reading = {
+                    key: min(after for after, _ in waiters) for key, waiters in self.waiting.items()
                 }
+                streams = {key: f"0-{after + 1}" for key, after in self.reading.items()}
+                self.missed = 0
                 self.blocked = True
                 try:
                     reply: Any = await self.client.xread(
@@ -239,11 +282,16 @@ class _Read:
             if isinstance(reply, dict):  # RESP3; RESP2 is [[key, entries], ...]
                 reply = [(key, value[0]) for key, value in reply.items()]
             for key, entries in reply or ():
+                behind = []  # came while it blocked, wanting entries before its start
                 for after, future in self.waiting.pop(key, ()):
-                    if not future.done():
+                    if after < self.reading[key]:
+                        behind.append((after, future))
+                    elif not future.done():
                         future.set_result(
                             [e for e in entries if int(e[0].partition(b"-")[2]) > after + 1]
                         )
+                if behind:
+                    self.waiting[key] = behind
 
 
 class Followers:

@@ -191,7 +191,7 @@ def _several(data: bytes) -> bool:
     ``memchr``; a frame has a line or two)."""
     end = len(data) - 2
     at = data.find(b"\n")
-    while at < end:
+    while 0 <= at < end:  # (-1: no newline left)
         if data[at + 1] == 10:
             return True
         at = data.find(b"\n", at + 1)

@@ -236,6 +236,7 @@ async def complete(
             resumable=streaming and (chat.resumable or asked),
             owner=owner,
             ctx=ctx,
+            private=not streaming,
         )
     _count_cache(request, opened.cache)
     ex.cache = opened.cache

@@ -212,7 +212,8 @@ class MockUsage(StrictModel):
 
 
 class MockScript(StrictModel):
-    """What the mock provider should produce instead of echoing (docs/providers.md: "The mock provider")."""
+    """What the mock provider should produce instead of echoing (docs/providers.md: "The mock
+    provider")."""
 
     content: str | None = None
     reasoning: str | None = None

@@ -1,4 +1,5 @@
-"""The built-in deterministic provider: the default of ``config.toml`` (docs/providers.md, "The mock provider").
+"""The built-in deterministic provider: the default of ``config.toml``
+(docs/providers.md, "The mock provider").
 
 Unscripted, it echoes the last user message in word-sized deltas (a word keeps the
 whitespace before it); an image or audio part as ``[image <mime_type> <N> bytes]`` /

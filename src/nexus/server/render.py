@@ -15,7 +15,8 @@ A client that saw ``<stream>.7`` resumes at step 8; one that saw ``<stream>.7.0`
 gets step 7's frames after the first. Encoders keep state (Anthropic's block
 indices, the Responses sequence numbers), so a resumed rendering runs the
 encoder over the skipped steps too and throws their bytes away: output after
-the resume point is byte-for-byte what the first rendering wrote. Formats
+the resume point is byte-for-byte what the first rendering wrote (a resume is never
+padded with ``include_obfuscation``: that option is the first request's). Formats
 without ids (NDJSON) resume by count: ``last_event_id=7`` is "seven event
 lines received".
 """

@@ -52,6 +52,8 @@ from .procfs import pin, tree
 
 __all__ = [
     "FORMAT_LABELS",
+    "REDIS_SYSTEMS",
+    "SCALEOUT_SYSTEMS",
     "Pinning",
     "RedisServer",
     "Running",
@@ -87,6 +89,8 @@ NEXUS_SYSTEMS = (
     "nexus-anthropic-up",
 )
 SYSTEMS = ("direct", "rawproxy", *NEXUS_SYSTEMS, "litellm")
+SCALEOUT_SYSTEMS = ("nexus", "nexus-w2", "nexus-w4", *REDIS_SYSTEMS)
+"""What the ``scaleout`` scenario runs (OpenAI SSE), each against its one-worker twin."""
 
 
 @dataclass(frozen=True)

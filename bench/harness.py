@@ -37,7 +37,7 @@ from typing import Any
 from . import report
 from .frames import FRAMES
 from .loadgen import Job
-from .procfs import cpu_seconds, pin, raise_nofile, rss_bytes, steal_seconds
+from .procfs import busy_seconds, cpu_seconds, pin, raise_nofile, rss_bytes, steal_seconds
 from .scenarios import FULL, OPT_IN, SMOKE, Scenario, aggregate, run_figures
 from .systems import (
     REDIS_SYSTEMS,
@@ -290,6 +290,7 @@ def measure(
     )
     store_before = cpu_seconds(store_pids)
     steal_before = steal_seconds(gateway_cpus), steal_seconds(pinning.load)
+    host_before = busy_seconds()
     pids = running.pids()
     cpu_before = cpu_seconds(pids) if pids else None
     rss_before = rss_bytes(pids) if pids else None
@@ -317,7 +318,10 @@ def measure(
         figures["store_cpu_us_per_chunk"] = store_cpu / chunks * 1e6 if chunks else None
     if cpu is not None and wall:
         figures["gateway_cores"] = cpu / wall
-        figures["cores_busy"] = (cpu + load_cpu + store_cpu) / wall
+        figures["load_cores"] = (load_cpu + store_cpu) / wall
+        # The host's busy time less the run's own: other jobs on a shared machine.
+        others = busy_seconds() - host_before - cpu - load_cpu - store_cpu
+        figures["other_cores"] = max(0.0, others) / wall
     figures["steal_s"] = {
         "gateway_cpus": steal_seconds(gateway_cpus) - steal_before[0],
         "load_cpus": steal_seconds(pinning.load) - steal_before[1],
@@ -343,8 +347,9 @@ def _progress(scenario: Scenario, variant: Variant, fig: dict[str, Any]) -> str:
         parts.append(f"{fig['chunks_per_s']:,.0f} chunks/s")
     if fig.get("cpu_us_per_chunk") is not None and scenario.name in ("saturation", "scaleout"):
         parts.append(f"{fig['cpu_us_per_chunk']:.2f} µs/chunk")
-    if fig.get("cores_busy") is not None and scenario.name == "scaleout":
-        parts.append(f"{fig['cores_busy']:.2f} cores busy")
+    if fig.get("load_cores") is not None and scenario.name == "scaleout":
+        cores = fig["gateway_cores"], fig["load_cores"], fig["other_cores"]
+        parts.append("cores: gateway {:.2f}, load + Redis {:.2f}, other jobs {:.2f}".format(*cores))
     if fig.get("rss_per_stream") is not None and scenario.name == "idle":
         parts.append(
             f"{fig['rss_per_stream'] / 1024:.1f} KB/stream, peak open {fig['peak_open']}, "

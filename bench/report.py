@@ -246,7 +246,8 @@ _COLUMNS: dict[str, list[tuple[str, str, Callable[[Any], str]]]] = {
         ("vs one process", "cpu_vs_one", _num("{:.2f}x")),
         ("load CPU µs/chunk", "load_cpu_us_per_chunk", _num("{:.2f}")),
         ("gateway cores", "gateway_cores", _num("{:.2f}")),
-        ("cores busy", "cores_busy", _num("{:.2f}")),
+        ("load + Redis cores", "load_cores", _num("{:.2f}")),
+        ("other jobs' cores", "other_cores", _num("{:.2f}")),
     ],
 }
 

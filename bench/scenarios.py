@@ -10,9 +10,9 @@ Definitions (the README repeats them):
   the load side's (upstream and load generator) is **load CPU µs/chunk**.
 * **scaling** (``scaleout``): chunks/s of a system / chunks/s of its one-process twin
   (``nexus`` for the memory store, ``nexus-redis`` for Redis) in the same round.
-* **cores busy**: CPU seconds over the run / wall seconds, of the gateway, and of
-  everything measured (gateway, load side, Redis): near the host's CPU count, the
-  host, not the gateway, is the limit.
+* **cores** (``scaleout``): CPU seconds over the run / wall seconds, of the gateway, of
+  the load side with Redis (on 2 CPUs they share one: near 1.0, it is the limit), and of
+  other jobs (the host's busy time from /proc/stat, less the run's own).
 * **TTFB / TTFC**: from the moment the stream's connection is opened (the request
   goes out right after) to the first byte of the response / the first content chunk.
 * **delay**: per chunk, its arrival at the load generator minus the send time the
@@ -266,7 +266,8 @@ def aggregate(
     if scenario.name == "scaleout":
         fig["load_cpu_us_per_chunk"] = _median([r.get("load_cpu_us_per_chunk") for r in runs])
         fig["gateway_cores"] = _median([r.get("gateway_cores") for r in runs])
-        fig["cores_busy"] = _median([r.get("cores_busy") for r in runs])
+        fig["load_cores"] = _median([r.get("load_cores") for r in runs])
+        fig["other_cores"] = _median([r.get("other_cores") for r in runs])
         fig["_rounds"] = {r["round"]: r["chunks_per_s"] for r in runs if "round" in r}
     elif scenario.name == "realistic":
         fig["ttfc_p50_ms"] = per_round("_ttfc", 50)

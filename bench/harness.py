@@ -612,8 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     if "scaleout" in runs and pinning.multi is None:
         notes.append(
             f"scaleout: on {len(cpus)} CPU(s) the multi-process gateways share the cores with "
-            "the load generator, the upstream and Redis; one process has a core of its own. "
-            "Their chunks/s measure this host; CPU per chunk is the figure that carries over."
+            "the load generator, the upstream and Redis (one process is pinned to a core of "
+            "its own), and every gateway with other jobs: their chunks/s and scaling measure "
+            "this host; CPU per chunk is the figure that carries over."
         )
     m, v = info["machine"], info["versions"]
     caps = [

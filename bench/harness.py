@@ -439,8 +439,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--systems",
-        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}, "
-        f"and with --scenario scaleout {','.join(SCALEOUT_SYSTEMS)})",
+        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}; "
+        f"for --scenario scaleout, {','.join(SCALEOUT_SYSTEMS)} too)",
     )
     parser.add_argument(
         "--formats",
@@ -480,12 +480,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     names = [n.strip() for item in (args.scenario or []) for n in item.split(",") if n.strip()]
-    systems = args.systems
-    if systems is None:
-        systems = DEFAULT_SYSTEMS
+    if args.systems is None:
+        only_opt_in = bool(names) and set(names) <= set(OPT_IN)
+        args.systems = [] if only_opt_in else DEFAULT_SYSTEMS.split(",")
         if "scaleout" in names:
-            systems += "," + ",".join(s for s in SCALEOUT_SYSTEMS if s not in systems.split(","))
-    args.systems = [s.strip() for s in systems.split(",") if s.strip()]
+            args.systems += [s for s in SCALEOUT_SYSTEMS if s not in args.systems]
+    else:
+        args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for system in args.systems:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r} (known: {', '.join(SYSTEMS)})")

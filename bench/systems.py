@@ -126,7 +126,7 @@ def plan_pinning(cpus: list[int]) -> Pinning:
     Two CPUs: the gateway on the second, the load generator, the upstream and the
     harness on the first; a multi-worker gateway is left on both (pinning its
     workers to one core would measure nothing). Four or more: the upstream gets a
-    core of its own and a multi-worker gateway two.
+    core of its own and a gateway of several processes every core from the gateway's up.
     """
     if len(cpus) < 2:
         return Pinning(None, None, None, None, "one CPU: nothing pinned")
@@ -153,9 +153,9 @@ def plan_pinning(cpus: list[int]) -> Pinning:
         {c[0]},
         {c[1]},
         {c[2]},
-        {c[2], c[3]},
+        set(c[2:]),
         f"load generator and harness on CPU {c[0]}, upstream on CPU {c[1]}, gateway on "
-        f"CPU {c[2]} (multi-worker: CPUs {c[2]},{c[3]})",
+        f"CPU {c[2]} (multi-worker: CPUs {','.join(map(str, c[2:]))})",
     )
 
 

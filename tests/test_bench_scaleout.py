@@ -171,3 +171,13 @@ def test_a_tiny_scaleout_through_workers_and_two_processes_on_redis(tmp_path: Pa
             assert fig[key] > 0, (label, key)
         assert ("store_cpu_us_per_chunk" in fig) == ("redis" in label), label
     assert rows["nexus (openai-sse)"]["scaling"] == rows["nexus-redis (openai-sse)"]["scaling"] == 1
+
+
+def test_a_gateway_of_several_processes_gets_every_core_the_load_side_leaves() -> None:
+    from bench.systems import plan_pinning
+
+    assert plan_pinning([0, 1]).multi is None  # both CPUs, shared with the load side
+    assert plan_pinning([0, 1, 2, 3]).multi == {2, 3}
+    eight = plan_pinning(list(range(8)))
+    assert (eight.load, eight.upstream, eight.gateway) == ({0}, {1}, {2})
+    assert eight.multi == {2, 3, 4, 5, 6, 7}

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -65,21 +67,31 @@ def test_scaleout_runs_its_systems_in_openai_sse_only() -> None:
     assert Variant("nexus-redis-2p").multi_process
 
 
-def test_two_processes_share_one_key_prefix_of_their_own(tmp_path: Path) -> None:
-    from bench.systems import Running, Variant, _nexus_config
+def test_two_processes_share_one_key_prefix_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import systems
 
-    text = _nexus_config("nexus-redis-2p", "http://up", 8001, "redis://r:1/0", "bench8001")
-    assert 'kind = "redis"' in text and 'prefix = "bench8001"' in text
-    assert "[store]" not in _nexus_config("nexus-w4", "http://up", 8002, None, "bench8002")
+    launched: list[list[str]] = []
 
-    first = Running(Variant("nexus-redis-2p"), "http://127.0.0.1:1", "m", "k")
-    first.peers = [Running(Variant("nexus-redis-2p"), "http://127.0.0.1:2", "m", "k")]
-    assert first.urls == [
-        "http://127.0.0.1:1/v1/chat/completions",
-        "http://127.0.0.1:2/v1/chat/completions",
-    ]
-    assert first.pids() == []  # nothing started: nothing measured, nothing to stop
-    first.stop()
+    def launch(running: Any, argv: list[str], *rest: Any) -> Any:
+        launched.append(argv)
+        return running
+
+    monkeypatch.setattr(systems, "_launch", launch)
+    redis = cast(systems.RedisServer, SimpleNamespace(url="redis://127.0.0.1:1/0", error=""))
+    pair = systems.start(systems.Variant("nexus-redis-2p"), "http://up", tmp_path, redis)
+    other = systems.start(systems.Variant("nexus-redis-w2"), "http://up", tmp_path, redis)
+
+    assert len(pair.peers) == 1 and len(set(pair.urls)) == 2
+    configs = [Path(argv[argv.index("--config") + 1]).read_text() for argv in launched]
+    prefixes = [re.findall(r'prefix = "(\w+)"', text) for text in configs]
+    assert prefixes[0] == prefixes[1] != prefixes[2]  # the pair's, then the other system's
+    assert all('url = "redis://127.0.0.1:1/0"' in text for text in configs)
+    assert launched[2][-2:] == ["--workers", "2"] and "--workers" not in launched[0]
+    assert other.urls == [other.url]
+    assert pair.pids() == []  # nothing started: nothing measured, nothing to stop
+    pair.stop()
 
 
 async def _sse_server(served: Counter[int]) -> asyncio.Server:

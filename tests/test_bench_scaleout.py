@@ -193,3 +193,30 @@ def test_a_gateway_of_several_processes_gets_every_core_the_load_side_leaves() -
     eight = plan_pinning(list(range(8)))
     assert (eight.load, eight.upstream, eight.gateway) == ({0}, {1}, {2})
     assert eight.multi == {2, 3, 4, 5, 6, 7}
+
+
+def test_the_redis_workers_and_the_pair_are_held_to_their_memory_twins() -> None:
+    from bench.report import add_ratios, targets
+
+    def row(cpu: float) -> dict[str, Any]:
+        return {"ok": 1, "streams": 1, "all_ok": True, "rounds": 1, "cpu_us_per_chunk": cpu}
+
+    figures = {
+        "saturation": {
+            "nexus-w2 (openai-sse)": row(4.0),
+            "nexus-redis-w2 (openai-sse)": row(5.0),
+            "nexus-redis-2p (openai-sse)": row(6.0),
+            "nexus-redis-w4 (openai-sse)": row(5.0),
+        }
+    }
+    add_ratios(figures)
+    got = {
+        (c["system"], c["target"]): c["pass"]
+        for c in targets(figures)
+        if "≤ 1.3x nexus" in c["target"]
+    }
+    assert got == {
+        ("nexus-redis-w2 (openai-sse)", "CPU per chunk ≤ 1.3x nexus-w2 (openai-sse)"): True,
+        ("nexus-redis-2p (openai-sse)", "CPU per chunk ≤ 1.3x nexus-w2 (openai-sse)"): False,
+        ("nexus-redis-w4 (openai-sse)", "CPU per chunk ≤ 1.3x nexus-w4 (openai-sse)"): None,
+    }

@@ -9,8 +9,8 @@ seconds; its RSS figures then mean little).
 
 Processes: the fake upstream (one for the whole run; the harness sets N and the
 delay before each scenario, and its frames for the whole run), the load generator
-(one, fed jobs on stdin), the Redis of ``nexus-redis`` (one, when it runs), and the
-systems under test. See :mod:`bench.systems` for the pinning.
+(one, fed jobs on stdin), the Redis of the ``nexus-redis*`` systems (one, when one runs),
+and the systems under test. See :mod:`bench.systems` for the pinning.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ from typing import Any
 from . import report
 from .frames import FRAMES
 from .loadgen import Job
-from .procfs import cpu_seconds, pin, raise_nofile, rss_bytes, steal_seconds
-from .scenarios import FULL, SMOKE, Scenario, aggregate, run_figures
+from .procfs import busy_seconds, cpu_seconds, pin, raise_nofile, rss_bytes, steal_seconds
+from .scenarios import FULL, OPT_IN, SMOKE, Scenario, aggregate, run_figures
 from .systems import (
+    REDIS_SYSTEMS,
     ROOT,
+    SCALEOUT_SYSTEMS,
     SYSTEMS,
     Pinning,
     RedisServer,
@@ -212,7 +214,9 @@ class Fleet:
         for variant, running in fresh.items():
             if variant not in self.live:
                 continue
-            job = _job(running, WARMUP["chunks"], streams=2, timeout=60)
+            # Two streams a process at least: most workers of a multi-worker gateway get one.
+            streams = 8 if variant.multi_process else 2
+            job = _job(running, WARMUP["chunks"], streams=streams, timeout=60)
             result = self.loadgen.run(job, lambda: None, 90)
             bad = result.get("error") or next(
                 (s["error"] or "incomplete" for s in result["streams"] if not s["ok"]), None
@@ -246,6 +250,7 @@ def _job(
 ) -> Job:
     job = Job(
         url=running.url,
+        urls=running.urls if running.peers else [],
         format=running.variant.format,
         model=running.model,
         api_key=running.api_key,
@@ -271,9 +276,9 @@ def measure(
     redis: RedisServer | None = None,
 ) -> dict[str, Any]:
     """One run: the load generator's job, the gateway's CPU and RSS around it, the load
-    side's CPU (to show when it, not the gateway, was the limit), Redis's CPU for
-    ``nexus-redis`` (the store's work, not in the gateway's figure) and the CPU time the
-    hypervisor stole meanwhile (to show a run the machine disturbed)."""
+    side's CPU (to show when it, not the gateway, was the limit), Redis's CPU for the
+    ``nexus-redis*`` systems (the store's work, not in the gateway's figure) and the CPU time
+    the hypervisor stole meanwhile (to show a run the machine disturbed)."""
     job = _job(
         running, scenario.chunks, scenario.streams, scenario.timeout_s, scenario, upstream.url
     )
@@ -281,10 +286,11 @@ def measure(
     load_pids = [upstream.proc.pid, loadgen.proc.pid]
     load_before = cpu_seconds(load_pids)
     store_pids = (
-        redis.pids() if redis is not None and running.variant.system == "nexus-redis" else []
+        redis.pids() if redis is not None and running.variant.system in REDIS_SYSTEMS else []
     )
     store_before = cpu_seconds(store_pids)
     steal_before = steal_seconds(gateway_cpus), steal_seconds(pinning.load)
+    host_before = busy_seconds()
     pids = running.pids()
     cpu_before = cpu_seconds(pids) if pids else None
     rss_before = rss_bytes(pids) if pids else None
@@ -302,13 +308,20 @@ def measure(
         return {"error": result["error"]}
     cpu = cpu_seconds(pids) - cpu_before if cpu_before is not None else None
     figures = run_figures(result, cpu, rss_before, peak)
-    figures["load_cpu_s"] = cpu_seconds(load_pids) - load_before
+    load_cpu = cpu_seconds(load_pids) - load_before
+    store_cpu = cpu_seconds(store_pids) - store_before
+    chunks, wall = figures["chunks"], figures["wall_s"]
+    figures["load_cpu_s"] = load_cpu
+    figures["load_cpu_us_per_chunk"] = load_cpu / chunks * 1e6 if chunks else None
     if store_pids:
-        store_cpu = cpu_seconds(store_pids) - store_before
         figures["store_cpu_s"] = store_cpu
-        figures["store_cpu_us_per_chunk"] = (
-            store_cpu / figures["chunks"] * 1e6 if figures["chunks"] else None
-        )
+        figures["store_cpu_us_per_chunk"] = store_cpu / chunks * 1e6 if chunks else None
+    if cpu is not None and wall:
+        figures["gateway_cores"] = cpu / wall
+        figures["load_cores"] = (load_cpu + store_cpu) / wall
+        # The host's busy time less the run's own: other jobs on a shared machine.
+        others = busy_seconds() - host_before - cpu - load_cpu - store_cpu
+        figures["other_cores"] = max(0.0, others) / wall
     figures["steal_s"] = {
         "gateway_cpus": steal_seconds(gateway_cpus) - steal_before[0],
         "load_cpus": steal_seconds(pinning.load) - steal_before[1],
@@ -330,10 +343,13 @@ def _progress(scenario: Scenario, variant: Variant, fig: dict[str, Any]) -> str:
     if "error" in fig:
         return f"{variant.label}: error: {fig['error']}"
     parts = [f"{fig['ok']}/{fig['streams']} ok"]
-    if fig.get("chunks_per_s") and scenario.name == "saturation":
+    if fig.get("chunks_per_s") and scenario.name in ("saturation", "scaleout"):
         parts.append(f"{fig['chunks_per_s']:,.0f} chunks/s")
-    if fig.get("cpu_us_per_chunk") is not None and scenario.name == "saturation":
+    if fig.get("cpu_us_per_chunk") is not None and scenario.name in ("saturation", "scaleout"):
         parts.append(f"{fig['cpu_us_per_chunk']:.2f} µs/chunk")
+    if fig.get("load_cores") is not None and scenario.name == "scaleout":
+        cores = fig["gateway_cores"], fig["load_cores"], fig["other_cores"]
+        parts.append("cores: gateway {:.2f}, load + Redis {:.2f}, other jobs {:.2f}".format(*cores))
     if fig.get("rss_per_stream") is not None and scenario.name == "idle":
         parts.append(
             f"{fig['rss_per_stream'] / 1024:.1f} KB/stream, peak open {fig['peak_open']}, "
@@ -423,8 +439,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--systems",
-        default=DEFAULT_SYSTEMS,
-        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS})",
+        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}; "
+        f"for --scenario scaleout, {','.join(SCALEOUT_SYSTEMS)} too)",
     )
     parser.add_argument(
         "--formats",
@@ -434,7 +450,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--scenario",
         action="append",
-        help=f"run only these (repeat or comma-separate): {', '.join(FULL)}",
+        help=f"run only these (repeat or comma-separate): {', '.join(FULL)} (default: "
+        f"all but {', '.join(OPT_IN)})",
     )
     parser.add_argument(
         "--frames",
@@ -462,7 +479,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"exit {EXIT_MISSED} when a target check fails (default: report it, exit 0)",
     )
     args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    names = [n.strip() for item in (args.scenario or []) for n in item.split(",") if n.strip()]
+    if args.systems is None:
+        only_opt_in = bool(names) and set(names) <= set(OPT_IN)
+        args.systems = [] if only_opt_in else DEFAULT_SYSTEMS.split(",")
+        if "scaleout" in names:
+            args.systems += [s for s in SCALEOUT_SYSTEMS if s not in args.systems]
+    else:
+        args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for system in args.systems:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r} (known: {', '.join(SYSTEMS)})")
@@ -470,12 +494,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for fmt in args.formats:
         if fmt not in FORMATS:
             parser.error(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
-    names = [n.strip() for item in (args.scenario or []) for n in item.split(",") if n.strip()]
     for name in names:
         if name not in FULL:
             parser.error(f"unknown scenario {name!r} (known: {', '.join(FULL)})")
     table = SMOKE if args.smoke else FULL
-    args.scenarios = [table[n] for n in (names or list(table))]
+    args.scenarios = [table[n] for n in (names or [n for n in table if n not in OPT_IN])]
     if args.rounds is None:
         args.rounds = 1 if args.smoke else 3
     return args
@@ -511,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     redis: RedisServer | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="nexus-bench-") as tmp:
-            if any(v.system == "nexus-redis" for v in variants):
+            if any(v.system in REDIS_SYSTEMS for v in variants):
                 redis = RedisServer(Path(tmp))
                 # With the load side: the store's work is measured apart from the gateway's.
                 pin(redis.pids(), pinning.upstream)
@@ -520,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for scenario in args.scenarios:
                     chosen = [v for v in variants if scenario.applies(v)]
+                    if scenario.systems is not None:  # in the scenario's order
+                        chosen.sort(key=lambda v: scenario.systems.index(v.system))
                     runs[scenario.name] = {v.label: [] for v in chosen}
                     rounds = min(args.rounds, scenario.max_rounds or args.rounds)
                     for round_no in range(1, rounds + 1):
@@ -579,10 +604,18 @@ def main(argv: list[str] | None = None) -> int:
             if not any(s.applies(w) for w in variants if w.system == v.system)
         ]
         for s in args.scenarios
+        if s.ws_only
     }
     if any(not_applicable.values()):
         notes.append(
             "ws_abort runs on the WebSocket surface, which only Nexus has: n/a for the others."
+        )
+    if "scaleout" in runs and pinning.multi is None:
+        notes.append(
+            f"scaleout: on {len(cpus)} CPU(s) the multi-process gateways share the cores with "
+            "the load generator, the upstream and Redis (one process is pinned to a core of "
+            "its own), and every gateway with other jobs: their chunks/s and scaling measure "
+            "this host; CPU per chunk is the figure that carries over."
         )
     m, v = info["machine"], info["versions"]
     caps = [

@@ -108,6 +108,9 @@ class Job:
     on one keep-alive connection) or ``ws_abort`` (C trials of start, first chunk, abort)."""
 
     url: str
+    urls: list[str] = field(default_factory=list)
+    """Every process of a system of several ports: stream i goes to ``urls[i % len(urls)]``
+    (HTTP and WebSocket streams; the sequential modes use ``url``). Empty: ``url`` alone."""
     format: str = "sse"
     model: str = "bench"
     streams: int = 1
@@ -332,8 +335,8 @@ class _HTTPConnection(asyncio.Protocol):
                 self.done.set_result(None)
 
 
-def _request_bytes(job: Job) -> tuple[str, int, bytes]:
-    url = urlsplit(job.url)
+def _request_bytes(job: Job, target: str | None = None) -> tuple[str, int, bytes]:
+    url = urlsplit(target or job.url)
     wire = WIRES[job.format]
     path = wire.path or url.path or "/"
     query = "&".join(filter(None, [url.query, wire.query]))
@@ -439,8 +442,8 @@ async def _http_sequential(run: _Run, recs: list[StreamRecord]) -> None:
         conn.transport.close()
 
 
-def _ws_url(job: Job) -> str:
-    url = urlsplit(job.url)
+def _ws_url(job: Job, target: str | None = None) -> str:
+    url = urlsplit(target or job.url)
     return f"ws://{url.hostname}:{url.port}/v1/realtime"
 
 
@@ -489,7 +492,7 @@ async def _ws_turn(ws: Any, rec: StreamRecord, job: Job, start: str) -> None:
     rec.finish(time.monotonic(), job.expect)
 
 
-async def _ws_stream(run: _Run, session: Any, rec: StreamRecord) -> None:
+async def _ws_stream(run: _Run, session: Any, rec: StreamRecord, target: str) -> None:
     job = run.job
     holding = False
     try:
@@ -497,7 +500,7 @@ async def _ws_stream(run: _Run, session: Any, rec: StreamRecord) -> None:
             await run.ramp.acquire()
             holding = True
             rec.t0 = time.monotonic()
-            async with session.ws_connect(_ws_url(job), autoping=True) as ws:
+            async with session.ws_connect(_ws_url(job, target), autoping=True) as ws:
                 rec.status = 101
                 run.ramp.release()
                 holding = False
@@ -596,12 +599,18 @@ async def run_job(job: Job) -> dict[str, Any]:
             elif job.mode == "sequential":
                 await _ws_sequential(run, session, recs)
             else:
-                await _staggered(job, [_ws_stream(run, session, rec) for rec in recs])
+                urls = job.urls or [job.url]
+                streams = [
+                    _ws_stream(run, session, rec, urls[i % len(urls)]) for i, rec in enumerate(recs)
+                ]
+                await _staggered(job, streams)
     elif job.mode == "sequential":
         await _http_sequential(run, recs)
     else:
-        target = _request_bytes(job)
-        await _staggered(job, [_http_stream(run, rec, target) for rec in recs])
+        targets = [_request_bytes(job, url) for url in job.urls or [job.url]]
+        await _staggered(
+            job, [_http_stream(run, rec, targets[i % len(targets)]) for i, rec in enumerate(recs)]
+        )
     ends = [rec.t0 + rec.total for rec in recs if rec.total is not None]
     first = min((rec.t0 for rec in recs if rec.t0), default=started)
     opened = [rec.opened for rec in recs if rec.opened is not None]

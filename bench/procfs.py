@@ -14,7 +14,16 @@ import os
 import resource
 from pathlib import Path
 
-__all__ = ["cpu_seconds", "new_loop", "pin", "raise_nofile", "rss_bytes", "steal_seconds", "tree"]
+__all__ = [
+    "busy_seconds",
+    "cpu_seconds",
+    "new_loop",
+    "pin",
+    "raise_nofile",
+    "rss_bytes",
+    "steal_seconds",
+    "tree",
+]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -78,6 +87,19 @@ def steal_seconds(cpus: set[int] | None) -> float:
                 continue
             if cpus is None or int(name[3:]) in cpus:
                 total += int(fields[7])
+    return total / _TICK
+
+
+def busy_seconds() -> float:
+    """CPU time the whole host spent on anything but idling (or waiting for I/O), every CPU,
+    from /proc/stat: what a run's own processes took subtracted, what other jobs took."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu" and len(fields) >= 8:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+                total += user + nice + system + irq + softirq + steal
     return total / _TICK
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .scenarios import Scenario
+from .scenarios import Scenario, percentile
 
 __all__ = ["add_ratios", "chart", "markdown", "targets", "write_json"]
 
@@ -20,22 +20,43 @@ Figures = dict[str, dict[str, dict[str, Any]]]
 
 RAW = "rawproxy"
 PEER = "litellm"
-REDIS = "nexus-redis"
-"""Compared with the same format of ``nexus`` (the memory store), as well as with the raw proxy."""
+MEMORY_TWIN = {
+    "nexus-redis": "nexus",
+    "nexus-redis-w2": "nexus-w2",
+    "nexus-redis-w4": "nexus-w4",
+    "nexus-redis-2p": "nexus-w2",
+}
+"""Each Redis system is compared with the same format of its memory-store twin (two
+processes: two workers), as well as with the raw proxy."""
+ONE_PROCESS = {"nexus": "nexus", "nexus-w2": "nexus", "nexus-w4": "nexus"}
+"""``scaleout``: each system against the one-process system of its store."""
+ONE_PROCESS |= {redis: "nexus-redis" for redis in MEMORY_TWIN}
 
 
 def _is_nexus(label: str) -> bool:
     return label.startswith("nexus")
 
 
+def _twin(label: str, twins: dict[str, str]) -> str | None:
+    """``nexus-redis (f)`` → ``nexus (f)`` with :data:`MEMORY_TWIN`; None for a system
+    that has no twin there."""
+    system, _, fmt = label.partition(" ")
+    return f"{twins[system]} {fmt}" if system in twins and fmt else None
+
+
 def _memory_twin(label: str) -> str | None:
-    """``nexus-redis (f)`` → ``nexus (f)``; None for any other label."""
-    return "nexus" + label.removeprefix(REDIS) if label.startswith(REDIS + " ") else None
+    return _twin(label, MEMORY_TWIN)
+
+
+def _median(values: list[float]) -> float | None:
+    return percentile(values, 50)
 
 
 def add_ratios(figures: Figures) -> None:
-    """Figures relative to the raw proxy's, and ``nexus-redis``'s relative to ``nexus``'s
-    (``*_vs_nexus``), added to each variant's figures."""
+    """Figures relative to the raw proxy's, the Redis systems' relative to their memory
+    twin's (``*_vs_nexus``), and in ``scaleout`` each system's relative to its store's one
+    process (``scaling``: chunks/s, the median of the per-round ratios; ``cpu_vs_one``),
+    added to each variant's figures."""
     for scenario, key, name in (
         ("saturation", "cpu_us_per_chunk", "cpu_vs_rawproxy"),
         ("realistic", "cpu_us_per_chunk", "cpu_vs_rawproxy"),
@@ -58,6 +79,16 @@ def add_ratios(figures: Figures) -> None:
             if twin is not None:
                 value, base = fig.get(key), rows.get(twin, {}).get(key)
                 fig[name] = value / base if value is not None and base else None
+    rows = figures.get("scaleout", {})
+    for label, fig in rows.items():
+        one = rows.get(_twin(label, ONE_PROCESS) or "", {})
+        if "error" in fig or "error" in one:
+            continue
+        cpu, base_cpu = fig.get("cpu_us_per_chunk"), one.get("cpu_us_per_chunk")
+        fig["cpu_vs_one"] = cpu / base_cpu if cpu is not None and base_cpu else None
+        pairs = fig.get("_rounds", {}), one.get("_rounds", {})
+        ratios = [pairs[0][r] / pairs[1][r] for r in pairs[0] if pairs[1].get(r)]
+        fig["scaling"] = _median(ratios)
     rows = figures.get("realistic", {})
     base = rows.get(RAW, {}).get("ttfc_p50_ms")
     for fig in rows.values():
@@ -208,11 +239,21 @@ _COLUMNS: dict[str, list[tuple[str, str, Callable[[Any], str]]]] = {
         ("p99 ms", "abort_closed_p99_ms", _num("{:.2f}")),
         ("abort → `done` p50 ms", "abort_ack_p50_ms", _num("{:.2f}")),
     ],
+    "scaleout": [
+        ("chunks/s", "chunks_per_s", _num("{:,.0f}")),
+        ("scaling", "scaling", _num("{:.2f}x")),
+        ("gateway CPU µs/chunk", "cpu_us_per_chunk", _num("{:.2f}")),
+        ("vs one process", "cpu_vs_one", _num("{:.2f}x")),
+        ("load CPU µs/chunk", "load_cpu_us_per_chunk", _num("{:.2f}")),
+        ("gateway cores", "gateway_cores", _num("{:.2f}")),
+        ("load + Redis cores", "load_cores", _num("{:.2f}")),
+        ("other jobs' cores", "other_cores", _num("{:.2f}")),
+    ],
 }
 
 
 _STORE = ("store CPU µs/chunk", "store_cpu_us_per_chunk", _num("{:.2f}"))
-"""Redis's CPU for ``nexus-redis``: a column of the tables it has a figure in."""
+"""Redis's CPU for the Redis systems: a column of the tables it has a figure in."""
 
 
 def _table(scenario: Scenario, rows: dict[str, dict[str, Any]], not_applicable: list[str]) -> str:
@@ -306,6 +347,11 @@ _CHART: dict[str, tuple[str, list[tuple[str, str]], str]] = {
         [("p50", "abort_closed_p50_ms"), ("p99", "abort_closed_p99_ms")],
         "linear",
     ),
+    "scaleout": (
+        "chunks/s (label: gateway CPU µs/chunk)",
+        [("chunks/s", "chunks_per_s")],
+        "linear",
+    ),
 }
 
 
@@ -331,7 +377,7 @@ def chart(path: Path, scenarios: list[Scenario], figures: Figures, title: str) -
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
             values = [rows[label].get(key) or 0 for label in labels]
             bars = ax.bar(xs, values, width, label=name)
-            if scenario.name == "saturation":
+            if scenario.name in ("saturation", "scaleout"):
                 for bar, label in zip(bars, labels, strict=True):
                     cpu = rows[label].get("cpu_us_per_chunk")
                     if cpu is not None:

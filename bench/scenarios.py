@@ -1,4 +1,4 @@
-"""The five benchmark scenarios (bench/README.md): their sizes, and the figures drawn from each run.
+"""The benchmark scenarios (bench/README.md): their sizes, and the figures drawn from each run.
 
 Definitions (the README repeats them):
 
@@ -6,7 +6,13 @@ Definitions (the README repeats them):
   connect to the last stream's end.
 * **CPU µs/chunk**: CPU time of the gateway's process tree (every thread, from
   /proc schedstat) over the run / chunks delivered. Direct has no gateway. For
-  ``nexus-redis``, Redis's own CPU is apart: **store CPU µs/chunk**.
+  the ``nexus-redis*`` systems, Redis's own CPU is apart: **store CPU µs/chunk**;
+  the load side's (upstream and load generator) is **load CPU µs/chunk**.
+* **scaling** (``scaleout``): chunks/s of a system / chunks/s of its one-process twin
+  (``nexus`` for the memory store, ``nexus-redis`` for Redis) in the same round.
+* **cores** (``scaleout``): CPU seconds over the run / wall seconds, of the gateway, of
+  the load side with Redis (on 2 CPUs they share one: near 1.0, it is the limit), and of
+  other jobs (the host's busy time from /proc/stat, less the run's own).
 * **TTFB / TTFC**: from the moment the stream's connection is opened (the request
   goes out right after) to the first byte of the response / the first content chunk.
 * **delay**: per chunk, its arrival at the load generator minus the send time the
@@ -30,9 +36,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from .systems import Variant
+from .systems import SCALEOUT_SYSTEMS, Variant
 
-__all__ = ["FULL", "SMOKE", "Scenario", "aggregate", "percentile", "run_figures"]
+__all__ = ["FULL", "OPT_IN", "SMOKE", "Scenario", "aggregate", "percentile", "run_figures"]
 
 _REQUEST_ID = re.compile(r',?"request_id": ?"[^"]*"')
 
@@ -53,8 +59,12 @@ class Scenario:
     max_rounds: int | None = None
     """Cap on ``--rounds`` for a scenario whose runs are long and whose figure (RSS) is
     not one that timing noise moves."""
+    systems: tuple[str, ...] | None = None
+    """The only systems it runs, in OpenAI SSE (None: every system, every format)."""
 
     def applies(self, variant: Variant) -> bool:
+        if self.systems is not None:
+            return variant.system in self.systems and variant.format == "sse"
         return variant.format == "ws" if self.ws_only else True
 
     def upstream_config(self) -> dict[str, Any]:
@@ -115,6 +125,15 @@ FULL = _scenarios(
         ws_only=True,
         timeout_s=30,
     ),
+    Scenario(
+        "scaleout",
+        "100 streams x 2,000 chunks, no delay, through 1, 2 and 4 workers and two processes",
+        streams=100,
+        chunks=2000,
+        delay_ms=0,
+        batch=16,
+        systems=SCALEOUT_SYSTEMS,
+    ),
 )
 
 SMOKE = _scenarios(
@@ -141,7 +160,19 @@ SMOKE = _scenarios(
         ws_only=True,
         timeout_s=30,
     ),
+    Scenario(
+        "scaleout",
+        "smoke: 8 streams x 20 chunks",
+        8,
+        20,
+        0,
+        batch=16,
+        timeout_s=30,
+        systems=SCALEOUT_SYSTEMS,
+    ),
 )
+OPT_IN = ("scaleout",)
+"""Run only when named (``--scenario``): not part of the default run."""
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -230,8 +261,14 @@ def aggregate(
     fig["cpu_us_per_chunk"] = _median([r["cpu_us_per_chunk"] for r in runs])
     if any("store_cpu_us_per_chunk" in r for r in runs):
         fig["store_cpu_us_per_chunk"] = _median([r.get("store_cpu_us_per_chunk") for r in runs])
-    if scenario.name == "saturation":
+    if scenario.name in ("saturation", "scaleout"):
         fig["chunks_per_s"] = _median([r["chunks_per_s"] for r in runs])
+    if scenario.name == "scaleout":
+        fig["load_cpu_us_per_chunk"] = _median([r.get("load_cpu_us_per_chunk") for r in runs])
+        fig["gateway_cores"] = _median([r.get("gateway_cores") for r in runs])
+        fig["load_cores"] = _median([r.get("load_cores") for r in runs])
+        fig["other_cores"] = _median([r.get("other_cores") for r in runs])
+        fig["_rounds"] = {r["round"]: r["chunks_per_s"] for r in runs if "round" in r}
     elif scenario.name == "realistic":
         fig["ttfc_p50_ms"] = per_round("_ttfc", 50)
         fig["ttfc_p99_ms"] = per_round("_ttfc", 99)

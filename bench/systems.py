@@ -9,8 +9,13 @@ nexus               ``nexus serve`` with an openai-kind provider on the upstream
 nexus-w2            the same with ``--workers 2``                                    sse
 nexus-asyncio       the same on asyncio's own loop (``[server] uvloop = false``;     sse
                     opt-in: the default picks uvloop where it is installed)
+nexus-w4            the same with ``--workers 4`` (opt-in)                           sse
 nexus-redis         the same with ``[store] kind = "redis"``, on a ``redis-server``  sse
                     of the run's own (:class:`RedisServer`)
+nexus-redis-w2      ``nexus-redis`` with ``--workers 2`` (opt-in, as the next two)   sse
+nexus-redis-w4      ``nexus-redis`` with ``--workers 4``                             sse
+nexus-redis-2p      two ``nexus-redis`` processes on two ports, one key prefix: the  sse
+                    load generator sends every other stream to the second
 nexus-anthropic-up  the same with an anthropic-kind provider: Anthropic's frames     sse
                     in (``POST /v1/messages``), OpenAI SSE out
 litellm             the LiteLLM proxy from ``bench/litellm`` (when installed)        sse
@@ -47,6 +52,8 @@ from .procfs import pin, tree
 
 __all__ = [
     "FORMAT_LABELS",
+    "REDIS_SYSTEMS",
+    "SCALEOUT_SYSTEMS",
     "Pinning",
     "RedisServer",
     "Running",
@@ -67,8 +74,23 @@ FORMAT_LABELS = {
     "responses": "responses-sse",
     "ws": "websocket",
 }
-NEXUS_SYSTEMS = ("nexus", "nexus-w2", "nexus-asyncio", "nexus-redis", "nexus-anthropic-up")
+REDIS_SYSTEMS = ("nexus-redis", "nexus-redis-w2", "nexus-redis-w4", "nexus-redis-2p")
+"""On the Redis store; Redis's CPU is measured apart for each."""
+WORKERS = {"nexus-w2": 2, "nexus-w4": 4, "nexus-redis-w2": 2, "nexus-redis-w4": 4}
+"""``nexus serve --workers N``: one port, the kernel spreads the connections (SO_REUSEPORT)."""
+PROCESSES = {"nexus-redis-2p": 2}
+"""Separate ``nexus serve`` processes, each on its own port, sharing one Redis."""
+NEXUS_SYSTEMS = (
+    "nexus",
+    "nexus-w2",
+    "nexus-w4",
+    "nexus-asyncio",
+    *REDIS_SYSTEMS,
+    "nexus-anthropic-up",
+)
 SYSTEMS = ("direct", "rawproxy", *NEXUS_SYSTEMS, "litellm")
+SCALEOUT_SYSTEMS = ("nexus", "nexus-w2", "nexus-w4", *REDIS_SYSTEMS)
+"""What the ``scaleout`` scenario runs (OpenAI SSE), each against its one-worker twin."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +106,7 @@ class Variant:
 
     @property
     def multi_process(self) -> bool:
-        return self.system == "nexus-w2"
+        return self.system in WORKERS or self.system in PROCESSES
 
 
 @dataclass(frozen=True)
@@ -104,7 +126,7 @@ def plan_pinning(cpus: list[int]) -> Pinning:
     Two CPUs: the gateway on the second, the load generator, the upstream and the
     harness on the first; a multi-worker gateway is left on both (pinning its
     workers to one core would measure nothing). Four or more: the upstream gets a
-    core of its own and a multi-worker gateway two.
+    core of its own and a gateway of several processes every core from the gateway's up.
     """
     if len(cpus) < 2:
         return Pinning(None, None, None, None, "one CPU: nothing pinned")
@@ -131,9 +153,9 @@ def plan_pinning(cpus: list[int]) -> Pinning:
         {c[0]},
         {c[1]},
         {c[2]},
-        {c[2], c[3]},
+        set(c[2:]),
         f"load generator and harness on CPU {c[0]}, upstream on CPU {c[1]}, gateway on "
-        f"CPU {c[2]} (multi-worker: CPUs {c[2]},{c[3]})",
+        f"CPU {c[2]} (multi-worker: CPUs {','.join(map(str, c[2:]))})",
     )
 
 
@@ -143,7 +165,9 @@ class StartError(RuntimeError):
 
 @dataclass
 class Running:
-    """A system under test: where to send requests, and its process (None for direct)."""
+    """A system under test: where to send requests, and its process (None for direct).
+    ``peers``: the other processes of a system of several (``nexus-redis-2p``), each with
+    its own port; :attr:`urls` lists them all, and the load generator spreads the streams."""
 
     variant: Variant
     base_url: str
@@ -153,15 +177,20 @@ class Running:
     log: Path | None = None
     ready_path: str = "/"
     started_at: float = field(default_factory=time.monotonic)
+    peers: list[Running] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return self.base_url + CHAT_PATH
 
+    @property
+    def urls(self) -> list[str]:
+        return [self.url, *(peer.url for peer in self.peers)]
+
     def pids(self) -> list[int]:
-        if self.proc is None or self.proc.poll() is not None:
-            return []
-        return tree(self.proc.pid)
+        """Every process of the system: each process's tree (a supervisor and its workers)."""
+        mine = [] if self.proc is None or self.proc.poll() is not None else tree(self.proc.pid)
+        return mine + [pid for peer in self.peers for pid in peer.pids()]
 
     def event_loop(self) -> str | None:
         """The event loop the system says it runs on (``event loop: uvloop`` in its log)."""
@@ -178,6 +207,8 @@ class Running:
     def wait_ready(self, timeout: float) -> None:
         """Poll ``ready_path`` until it answers 200; :class:`StartError` if the process
         exits or the time runs out."""
+        for peer in self.peers:
+            peer.wait_ready(timeout)
         if self.proc is None:
             return
         deadline = time.monotonic() + timeout
@@ -195,9 +226,11 @@ class Running:
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM (a supervisor passes it to its workers), then SIGKILL to what is left."""
+        for peer in self.peers:
+            peer.stop(grace)
         if self.proc is None or self.proc.poll() is not None:
             return
-        pids = self.pids()
+        pids = tree(self.proc.pid)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=grace)
@@ -225,12 +258,11 @@ def litellm_module() -> ModuleType | None:
         return None
 
 
-def _nexus_config(system: str, upstream: str, port: int, redis_url: str | None) -> str:
+def _nexus_config(system: str, upstream: str, port: int, redis_url: str | None, prefix: str) -> str:
     loop = "uvloop = false\n" if system == "nexus-asyncio" else ""
     store = ""
-    if system == "nexus-redis":
-        # A key prefix per process: runs that share one Redis never see each other's streams.
-        store = f'[store]\nkind = "redis"\nurl = "{redis_url}"\nprefix = "bench{port}"\n'
+    if redis_url is not None:
+        store = f'[store]\nkind = "redis"\nurl = "{redis_url}"\nprefix = "{prefix}"\n'
     provider = f'kind = "openai"\nbase_url = "{upstream}/v1"'
     if system == "nexus-anthropic-up":
         provider = f'kind = "anthropic"\nbase_url = "{upstream}"'
@@ -304,11 +336,13 @@ def child_env() -> dict[str, str]:
 def start(
     variant: Variant, upstream: str, workdir: Path, redis: RedisServer | None = None
 ) -> Running:
-    """Start ``variant``'s process (not waiting for it); see :meth:`Running.wait_ready`.
-    ``redis``: the store of ``nexus-redis``."""
+    """Start ``variant``'s processes (not waiting for them); see :meth:`Running.wait_ready`.
+    ``redis``: the store of the ``nexus-redis*`` systems."""
     system = variant.system
     if system == "direct":
         return Running(variant, upstream, "bench", "sk-bench")
+    if system in NEXUS_SYSTEMS:
+        return _start_nexus(variant, upstream, workdir, redis)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     name = variant.label.replace(" ", "_").replace("(", "").replace(")", "")
@@ -317,18 +351,6 @@ def start(
     if system == "rawproxy":
         argv = [sys.executable, "-m", "bench.rawproxy", "--upstream", upstream, "--port", str(port)]
         running = Running(variant, base, "bench", "sk-bench", ready_path="/_bench/stats")
-    elif system in NEXUS_SYSTEMS:
-        redis_url = None
-        if system == "nexus-redis":
-            if redis is None or redis.error or redis.url is None:
-                raise StartError(f"nexus-redis: {redis.error if redis else 'no Redis'}")
-            redis_url = redis.url
-        config = workdir / f"{name}-{port}.toml"
-        config.write_text(_nexus_config(system, upstream, port, redis_url))
-        argv = [sys.executable, "-m", "nexus.cli", "serve", "--config", str(config)]
-        if system == "nexus-w2":
-            argv += ["--workers", "2"]
-        running = Running(variant, base, "bench/bench", "sk-bench", ready_path="/healthz")
     elif system == "litellm":
         module = litellm_module()
         if module is None:
@@ -343,6 +365,43 @@ def start(
         )
     else:
         raise StartError(f"unknown system {system!r}")
+    return _launch(running, argv, env, workdir, log)
+
+
+def _start_nexus(
+    variant: Variant, upstream: str, workdir: Path, redis: RedisServer | None
+) -> Running:
+    system = variant.system
+    redis_url = None
+    if system in REDIS_SYSTEMS:
+        if redis is None or redis.error or redis.url is None:
+            raise StartError(f"{system}: {redis.error if redis else 'no Redis'}")
+        redis_url = redis.url
+    ports: set[int] = set()
+    while len(ports) < PROCESSES.get(system, 1):
+        ports.add(free_port())
+    # One key prefix per system under test: its processes share it (a stream started on one
+    # resumes on the other), and runs that share one Redis never see each other's streams.
+    prefix = f"bench{min(ports)}"
+    name = variant.label.replace(" ", "_").replace("(", "").replace(")", "")
+    started = []
+    for port in sorted(ports):
+        config = workdir / f"{name}-{port}.toml"
+        config.write_text(_nexus_config(system, upstream, port, redis_url, prefix))
+        argv = [sys.executable, "-m", "nexus.cli", "serve", "--config", str(config)]
+        if system in WORKERS:
+            argv += ["--workers", str(WORKERS[system])]
+        base = f"http://127.0.0.1:{port}"
+        running = Running(variant, base, "bench/bench", "sk-bench", ready_path="/healthz")
+        started.append(_launch(running, argv, child_env(), workdir, workdir / f"{name}-{port}.log"))
+    first, *others = started
+    first.peers = others
+    return first
+
+
+def _launch(
+    running: Running, argv: list[str], env: dict[str, str], workdir: Path, log: Path
+) -> Running:
     with log.open("wb") as out:
         running.proc = subprocess.Popen(
             argv,

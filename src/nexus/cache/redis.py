@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
@@ -46,8 +46,8 @@ from redis.retry import Retry
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
 from .codec import dump_event, dumps_events, load_event
-from .redis_log import Followers, Pipeliner, decode
-from .store import OWNER_TTL_S, Recording, Store, StreamInfo
+from .redis_log import Command, Followers, Pipeliner, decode
+from .store import OWNER_TTL_S, Recording, Store, StreamInfo, Write
 
 log = logging.getLogger("nexus.store")
 
@@ -224,29 +224,33 @@ class RedisStore(Store):
 
     # Logs.
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
-        ttl_ms = _ms(ttl_s)
-        self._live[info.id] = [ttl_ms, 0]
         try:
-            await self.call(
-                "begin",
-                ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
-                ("SET", self._key(info.id, "info"), orjson.dumps(info.to_json()), "PX", ttl_ms),
-                # Also here, not only on the heartbeat: after a restart that lost it, this
-                # replica's streams, begun again, must not look orphaned until the next beat.
-                ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
-            )
+            await self.call("begin", *self._begin(info, _ms(ttl_s)))
         except StoreUnavailable:
             self._live.pop(info.id, None)  # not begun: nothing of it to renew
             raise
 
-    async def keep_alive(self, stream_id: str) -> None:
-        """Renew the live log's TTL: an idle stream must not expire while it runs."""
-        if stream_id in self._live:
-            ttl_ms = self._live[stream_id][0]
-            parts = ("info", "log", "owner")
-            await self.call(
-                "keep_alive", *(("PEXPIRE", self._key(stream_id, p), ttl_ms) for p in parts)
-            )
+    def _begin(self, info: StreamInfo, ttl_ms: int) -> list[Command]:
+        self._live[info.id] = [ttl_ms, 0]
+        return [
+            ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
+            ("SET", self._key(info.id, "info"), orjson.dumps(info.to_json()), "PX", ttl_ms),
+            # Also here, not only on the heartbeat: after a restart that lost it, this
+            # replica's streams, begun again, must not look orphaned until the next beat.
+            ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
+        ]
+
+    async def keep_alive(self, stream_ids: Iterable[str]) -> None:
+        """Renew the live logs' TTLs, in one round trip: an idle stream must not expire
+        while it runs."""
+        commands = [
+            ("PEXPIRE", self._key(stream_id, part), self._live[stream_id][0])
+            for stream_id in stream_ids
+            if stream_id in self._live
+            for part in ("info", "log", "owner")
+        ]
+        if commands:
+            await self.call("keep_alive", *commands)
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
@@ -276,7 +280,10 @@ class RedisStore(Store):
         """
         if stream_id not in self._live:
             raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
-        return not events or await self._write("append", stream_id, start, events, None, 0)
+        if not events:
+            return True
+        commands = self._log(stream_id, start, events, None, 0)
+        return await self._sent("append", commands, [(0, start)]) == [True]
 
     async def end(
         self,
@@ -286,30 +293,54 @@ class RedisStore(Store):
         ttl_s: float,
         size: int | None = None,
     ) -> None:
-        try:
-            if not await self._write("end", info.id, start, events[start:], info, _ms(ttl_s)):
-                self._live[info.id][1] = 0
-                await self._write("end", info.id, 0, events, info, _ms(ttl_s))  # lost: all again
-        finally:
-            self._live.pop(info.id, None)
+        write = Write(info, events[start:], start, end=True)
+        if not (await self.mirror([write], ttl_s))[0]:
+            await self.mirror([Write(info, events, 0, end=True)], ttl_s)  # lost: all again
 
-    async def _write(
+    async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        ttl_ms = _ms(ttl_s)
+        commands: list[Command] = []
+        checks: list[tuple[int, int]] = []
+        for write in writes:
+            info = write.info
+            if write.begin:
+                commands += self._begin(info, ttl_ms)
+            checks.append((len(commands), write.start if write.events else 0))
+            commands += self._log(
+                info.id, write.start, write.events, info if write.end else None, ttl_ms
+            )
+        try:
+            return await self._sent("mirror", commands, checks)
+        finally:
+            for write in writes:
+                if write.end:
+                    self._live.pop(write.info.id, None)
+
+    async def _sent(
+        self, op: str, commands: list[Command], checks: list[tuple[int, int]]
+    ) -> list[bool]:
+        """``commands`` sent; for each (index of a first XADD, its start): whether it was
+        written (an XADD with ``NOMKSTREAM`` is not when the log is gone)."""
+        # "The ID specified in XADD is equal or smaller than the target stream top item"
+        replies = await self.call(op, *commands, allow="equal or smaller")
+        return [start == 0 or replies[at] is not None for at, start in checks]
+
+    def _log(
         self,
-        op: str,
         stream_id: str,
         start: int,
         events: Sequence[StreamEvent],
         info: StreamInfo | None,
         ttl_ms: int,
-    ) -> bool:
+    ) -> list[Command]:
         """XADD ``events`` from log index ``start``; with ``info`` (the end), then write
         it, set the TTLs (``ttl_ms``) and drop the owner, in one group: a reader that sees
         the finished info has the whole log. The first append sets the live TTLs too.
-        False when ``start`` > 0 and the log is gone (``NOMKSTREAM``: nothing added)."""
+        Appends after the first carry ``NOMKSTREAM`` (nothing added to a log that is gone)."""
         log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
-        commands: list[tuple[Any, ...]] = []
+        commands: list[Command] = []
         live = self._live.setdefault(stream_id, [ttl_ms, 0])
-        ttl_ms, size, limit = ttl_ms or live[0], live[1], self.max_log_bytes
+        ttl_ms, size, limit = ttl_ms if info is not None else live[0], live[1], self.max_log_bytes
         for at in range(0, len(events), _ENTRY):
             payload = dumps_events(events[at : at + _ENTRY])
             end = start + min(at + _ENTRY, len(events))
@@ -327,9 +358,7 @@ class RedisStore(Store):
             commands += [("PEXPIRE", log, ttl_ms), ("PEXPIRE", info_key, ttl_ms)]
         if info is not None:
             commands.append(("DEL", self._key(stream_id, "owner")))
-        # "The ID specified in XADD is equal or smaller than the target stream top item"
-        replies = await self.call(op, *commands, allow="equal or smaller")
-        return not (start > 0 and events and replies[0] is None)
+        return commands
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         (raw,) = await self.call("info", ("GET", self._key(stream_id, "info")))

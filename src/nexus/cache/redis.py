@@ -71,6 +71,34 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
 """
+# Log entries: per log in KEYS, 4 ARGV ("1" if the log must exist already, else ""; the
+# MINID to trim to, or ""; the entry's ID; its payload). Adding an entry again is refused
+# (its ID is not above the top one), which is fine. Returns the positions in KEYS of the
+# entries not added because their log is gone.
+_APPEND = """
+local lost = {}
+for i, key in ipairs(KEYS) do
+  local at = 4 * i - 3
+  local command = {'XADD', key}
+  if ARGV[at] ~= '' then table.insert(command, 'NOMKSTREAM') end
+  if ARGV[at + 1] ~= '' then
+    table.insert(command, 'MINID')
+    table.insert(command, '~')
+    table.insert(command, ARGV[at + 1])
+  end
+  table.insert(command, ARGV[at + 2])
+  table.insert(command, 'e')
+  table.insert(command, ARGV[at + 3])
+  local added = redis.pcall(unpack(command))
+  if added == false then
+    table.insert(lost, i)
+  elseif type(added) == 'table' and added.err
+      and not string.find(added.err, 'equal or smaller', 1, true) then
+    return redis.error_reply(added.err)
+  end
+end
+return lost
+"""
 # Whether the replica a stream's owner key names still has its keep-alive.
 _ALIVE = """
 local owner = redis.call('GET', KEYS[1])
@@ -280,10 +308,7 @@ class RedisStore(Store):
         """
         if stream_id not in self._live:
             raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
-        if not events:
-            return True
-        commands = self._log(stream_id, start, events, None, 0)
-        return await self._sent("append", commands, [(0, start)]) == [True]
+        return await self._write("append", [(stream_id, start, events, None)], 0) == [True]
 
     async def end(
         self,
@@ -299,66 +324,69 @@ class RedisStore(Store):
 
     async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
         ttl_ms = _ms(ttl_s)
-        commands: list[Command] = []
-        checks: list[tuple[int, int]] = []
+        begun: list[Command] = []
         for write in writes:
-            info = write.info
             if write.begin:
-                commands += self._begin(info, ttl_ms)
-            checks.append((len(commands), write.start if write.events else 0))
-            commands += self._log(
-                info.id, write.start, write.events, info if write.end else None, ttl_ms
-            )
+                begun += self._begin(write.info, ttl_ms)
+        logs = [(w.info.id, w.start, w.events, w.info if w.end else None) for w in writes]
         try:
-            return await self._sent("mirror", commands, checks)
+            return await self._write("mirror", logs, ttl_ms, begun)
         finally:
             for write in writes:
                 if write.end:
                     self._live.pop(write.info.id, None)
 
-    async def _sent(
-        self, op: str, commands: list[Command], checks: list[tuple[int, int]]
-    ) -> list[bool]:
-        """``commands`` sent; for each (index of a first XADD, its start): whether it was
-        written (an XADD with ``NOMKSTREAM`` is not when the log is gone)."""
-        # "The ID specified in XADD is equal or smaller than the target stream top item"
-        replies = await self.call(op, *commands, allow="equal or smaller")
-        return [start == 0 or replies[at] is not None for at, start in checks]
-
-    def _log(
+    async def _write(
         self,
-        stream_id: str,
-        start: int,
-        events: Sequence[StreamEvent],
-        info: StreamInfo | None,
+        op: str,
+        logs: Sequence[tuple[str, int, Sequence[StreamEvent], StreamInfo | None]],
         ttl_ms: int,
-    ) -> list[Command]:
-        """XADD ``events`` from log index ``start``; with ``info`` (the end), then write
-        it, set the TTLs (``ttl_ms``) and drop the owner, in one group: a reader that sees
-        the finished info has the whole log. The first append sets the live TTLs too.
-        Appends after the first carry ``NOMKSTREAM`` (nothing added to a log that is gone)."""
-        log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
-        commands: list[Command] = []
-        live = self._live.setdefault(stream_id, [ttl_ms, 0])
-        ttl_ms, size, limit = ttl_ms if info is not None else live[0], live[1], self.max_log_bytes
-        for at in range(0, len(events), _ENTRY):
-            payload = dumps_events(events[at : at + _ENTRY])
-            end = start + min(at + _ENTRY, len(events))
-            size += len(payload)
-            trim: tuple[Any, ...] = ()
-            if limit is not None and size > limit:
-                # Keep as many entries as fit, at the log's mean entry size.
-                trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
-            exists = ("NOMKSTREAM",) if start > 0 else ()
-            commands.append(("XADD", log, *exists, *trim, f"0-{end}", "e", payload))
-        live[1] = size
-        if info is not None:
-            commands.append(("SET", info_key, orjson.dumps(info.to_json()), "PX", ttl_ms))
-        if info is not None or start == 0:
-            commands += [("PEXPIRE", log, ttl_ms), ("PEXPIRE", info_key, ttl_ms)]
-        if info is not None:
-            commands.append(("DEL", self._key(stream_id, "owner")))
-        return commands
+        begun: Sequence[Command] = (),
+    ) -> list[bool]:
+        """Per log (id, start, events, info): XADD ``events`` from log index ``start``
+        (all logs' entries in one script, :data:`_APPEND`: one reply); with ``info`` (the
+        end), then write it, set the TTLs (``ttl_ms``) and drop the owner, after the
+        entries: a reader that sees the finished info has the whole log. The first append
+        sets the live TTLs too. Per log, False when ``start`` > 0 and it is gone
+        (``NOMKSTREAM``: nothing added)."""
+        keys: list[str] = []
+        args: list[Any] = []
+        after: list[Command] = []
+        owners: list[int] = []
+        limit = self.max_log_bytes
+        for at, (stream_id, start, events, info) in enumerate(logs):
+            log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
+            live = self._live.setdefault(stream_id, [ttl_ms, 0])
+            ttl, size = ttl_ms if info is not None else live[0], live[1]
+            exists = b"1" if start > 0 else b""
+            for first in range(0, len(events), _ENTRY):
+                payload = dumps_events(events[first : first + _ENTRY])
+                end = start + min(first + _ENTRY, len(events))
+                size += len(payload)
+                trim: Any = b""
+                if limit is not None and size > limit:
+                    # Keep as many entries as fit, at the log's mean entry size.
+                    trim = f"0-{end - end * limit // size + 1}"
+                keys.append(log)
+                args += (exists, trim, f"0-{end}", payload)
+                owners.append(at)
+            live[1] = size
+            if info is not None:
+                after.append(("SET", info_key, orjson.dumps(info.to_json()), "PX", ttl))
+            if info is not None or start == 0:
+                after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
+            if info is not None:
+                after.append(("DEL", self._key(stream_id, "owner")))
+        if not keys:
+            if begun or after:
+                await self.call(op, *begun, *after)
+            return [True] * len(logs)
+        append = ("EVAL", _APPEND, len(keys), *keys, *args)
+        lost = (await self.call(op, *begun, append, *after))[len(begun)]
+        written = [True] * len(logs)
+        for entry in lost:
+            written[owners[entry - 1]] = False
+        return written
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         (raw,) = await self.call("info", ("GET", self._key(stream_id, "info")))

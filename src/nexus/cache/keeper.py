@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
-from functools import partial
 from typing import Any
 
 from ..config import CacheConfig, StreamsConfig
@@ -65,10 +64,14 @@ def status_of(terminal: StreamEvent) -> Status:
 class _Kept:
     """A run in the mirror: ``written`` entries are in the store (if ``begun``)."""
 
-    __slots__ = ("begun", "behind", "give_up", "record", "run", "written")
+    __slots__ = ("begun", "behind", "give_up", "record", "run", "woke", "written")
 
-    def __init__(self, run: StreamRun, record: str | None, begun: bool) -> None:
+    def __init__(
+        self, run: StreamRun, record: str | None, begun: bool, mark: Callable[[_Kept], None]
+    ) -> None:
         self.run = run
+        self.woke = lambda _: mark(self)
+        """Its run's waiter's callback: made once, not at every turn."""
         self.record = record
         self.begun = begun
         self.written = 0
@@ -110,7 +113,7 @@ class Keeper:
         if not self.store.shared:
             run.on_finish = lambda run: self._track(self._end(run, record))
             return
-        kept = self._kept[run.id] = _Kept(run, record, stored)
+        kept = self._kept[run.id] = _Kept(run, record, stored, self._mark)
         if stored:
             self._arm(kept)
         else:
@@ -130,10 +133,7 @@ class Keeper:
         if run.finished or len(run.events) > kept.written:
             self._mark(kept)
         else:
-            run._waiter().add_done_callback(partial(self._woke, kept))
-
-    def _woke(self, kept: _Kept, _: object) -> None:
-        self._mark(kept)
+            run._waiter().add_done_callback(kept.woke)
 
     def _mark(self, kept: _Kept) -> None:
         self._dirty[kept.run.id] = kept
@@ -234,7 +234,7 @@ class Keeper:
                 self._state(kept, "behind")
             if not run.finished:
                 if self.closing.is_set():
-                    run.done.add_done_callback(partial(self._woke, kept))  # last try
+                    run.done.add_done_callback(kept.woke)  # last try
                 else:
                     self._mark(kept)
                 continue

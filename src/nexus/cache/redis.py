@@ -2,7 +2,7 @@
 
 Keys, all under ``{prefix}:``, each with a TTL::
 
-    stream:{id}:info    string   JSON of StreamInfo.to_json()      live: begin's ttl_s,
+    stream:{id}:info    string   JSON of the StreamInfo           live: begin's ttl_s,
     stream:{id}:log     stream   the log (nexus.cache.redis_log)   renewed by keep_alive;
     stream:{id}:owner   string   the replica running it             finished: the resume TTL
     stream:{id}:lease   string   a client on another replica follows it
@@ -262,7 +262,7 @@ class RedisStore(Store):
         self._live[info.id] = [ttl_ms, 0]
         return [
             ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
-            ("SET", self._key(info.id, "info"), orjson.dumps(info.to_json()), "PX", ttl_ms),
+            ("SET", self._key(info.id, "info"), orjson.dumps(info), "PX", ttl_ms),
             # Also here, not only on the heartbeat: after a restart that lost it, this
             # replica's streams, begun again, must not look orphaned until the next beat.
             ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
@@ -372,7 +372,7 @@ class RedisStore(Store):
                 owners.append(at)
             live[1] = size
             if info is not None:
-                after.append(("SET", info_key, orjson.dumps(info.to_json()), "PX", ttl))
+                after.append(("SET", info_key, orjson.dumps(info), "PX", ttl))
             if info is not None or start == 0:
                 after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
             if info is not None:

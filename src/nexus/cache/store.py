@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from ..events import StreamEvent
@@ -45,9 +45,6 @@ class StreamInfo:
     @property
     def id(self) -> str:
         return self.meta.id
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StreamInfo:

@@ -16,7 +16,7 @@ dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive la
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
 trims the oldest with ``XADD MINID ~``), or lost (Redis restarted without persistence).
 Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
-(:meth:`RedisStore.append` returns False: the keeper begins again from entry 0), never
+(:meth:`RedisStore.mirror` says so: the keeper begins it again from entry 0), never
 re-created without its start; :meth:`RedisStore.end` rewrites it whole itself. A reader
 that meets a gap raises :class:`~nexus.errors.StreamIncomplete`, never serves a hole.
 
@@ -71,31 +71,20 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
 """
-# Log entries: per log in KEYS, 4 ARGV ("1" if the log must exist already, else ""; the
-# MINID to trim to, or ""; the entry's ID; its payload). Adding an entry again is refused
-# (its ID is not above the top one), which is fine. Returns the positions in KEYS of the
-# entries not added because their log is gone.
+# Log entries: per log in KEYS, in ARGV the count of its XADD arguments, then them. An
+# entry added again is refused (its ID is not above the top one), which is fine. Returns
+# the positions in KEYS of the entries not added because their log is gone (NOMKSTREAM).
 _APPEND = """
-local lost = {}
+local lost, at = {}, 1
 for i, key in ipairs(KEYS) do
-  local at = 4 * i - 3
-  local command = {'XADD', key}
-  if ARGV[at] ~= '' then table.insert(command, 'NOMKSTREAM') end
-  if ARGV[at + 1] ~= '' then
-    table.insert(command, 'MINID')
-    table.insert(command, '~')
-    table.insert(command, ARGV[at + 1])
-  end
-  table.insert(command, ARGV[at + 2])
-  table.insert(command, 'e')
-  table.insert(command, ARGV[at + 3])
-  local added = redis.pcall(unpack(command))
-  if added == false then
+  local n = tonumber(ARGV[at])
+  local added = redis.pcall('XADD', key, unpack(ARGV, at + 1, at + n))
+  if not added then
     table.insert(lost, i)
-  elseif type(added) == 'table' and added.err
-      and not string.find(added.err, 'equal or smaller', 1, true) then
-    return redis.error_reply(added.err)
+  elseif added.err and not string.find(added.err, 'equal or smaller', 1, true) then
+    return added
   end
+  at = at + n + 1
 end
 return lost
 """
@@ -318,16 +307,12 @@ class RedisStore(Store):
         ttl_s: float,
         size: int | None = None,
     ) -> None:
-        write = Write(info, events[start:], start, end=True)
-        if not (await self.mirror([write], ttl_s))[0]:
+        if not (await self.mirror([Write(info, events[start:], start, end=True)], ttl_s))[0]:
             await self.mirror([Write(info, events, 0, end=True)], ttl_s)  # lost: all again
 
     async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
         ttl_ms = _ms(ttl_s)
-        begun: list[Command] = []
-        for write in writes:
-            if write.begin:
-                begun += self._begin(write.info, ttl_ms)
+        begun = [command for w in writes if w.begin for command in self._begin(w.info, ttl_ms)]
         logs = [(w.info.id, w.start, w.events, w.info if w.end else None) for w in writes]
         try:
             return await self._write("mirror", logs, ttl_ms, begun)
@@ -358,17 +343,17 @@ class RedisStore(Store):
             log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
             live = self._live.setdefault(stream_id, [ttl_ms, 0])
             ttl, size = ttl_ms if info is not None else live[0], live[1]
-            exists = b"1" if start > 0 else b""
+            exists = ("NOMKSTREAM",) if start > 0 else ()
             for first in range(0, len(events), _ENTRY):
                 payload = dumps_events(events[first : first + _ENTRY])
                 end = start + min(first + _ENTRY, len(events))
                 size += len(payload)
-                trim: Any = b""
+                trim: tuple[Any, ...] = ()
                 if limit is not None and size > limit:
                     # Keep as many entries as fit, at the log's mean entry size.
-                    trim = f"0-{end - end * limit // size + 1}"
+                    trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
                 keys.append(log)
-                args += (exists, trim, f"0-{end}", payload)
+                args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
                 owners.append(at)
             live[1] = size
             if info is not None:

@@ -104,12 +104,6 @@ class Store(ABC):
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         """A live stream starts (shared stores only)."""
 
-    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
-        """Log entries ``start``, ``start + 1``, ... of a live stream (shared stores only).
-        False when the entries before ``start`` are gone from the store (lost while it was
-        unreachable): the caller calls :meth:`begin` again and appends from 0."""
-        return True
-
     async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
         """Shared stores: ``writes``, together (one round trip). Per write, False when
         ``start`` > 0 and the log is gone from the store: nothing of it was written (the

@@ -1,24 +1,20 @@
 """The keeper of the hub's logs: mirrored into a shared store as they grow, handed to
 the store when they end, recorded, their claims released.
 
-With a shared store, one task (the mirror) keeps every run of the process: a run that
-grows wakes it through a waiter on its log (no task or timer per stream); it then waits
-:data:`MIRROR_INTERVAL_S`, so that the runs that grew meanwhile go together, and writes
-each one's new entries, and the ends of those that finished, in one round trip
-(:meth:`Store.mirror <nexus.cache.store.Store.mirror>`). Every third of
-``resume_ttl_s`` (60 s at most) it renews the live logs' TTLs, in one round trip too.
-It stops when no run is left. Without a shared store, a task starts when a run finishes
-(an idle stream holds no task of the hub's).
+With a shared store, one task (the mirror) serves every run of the process: a run that
+grows marks itself through a waiter on its log (no task or timer per stream); the mirror
+waits :data:`MIRROR_INTERVAL_S` so that the runs growing meanwhile join, then writes all
+their new entries and ends in one round trip (:meth:`~nexus.cache.store.Store.mirror`),
+and renews the live logs' TTLs in one round trip every third of ``resume_ttl_s`` (60 s
+at most). It stops when no run is left. Otherwise a task starts when a run finishes.
 
-The store may fail (Redis restarted or unreachable). A running stream does not
-notice: its producer never awaits the store, so its clients read on to the end.
-What lapses is its mirror, hence resuming it elsewhere: the keeper warns once per
-stream and lapse, tells ``on_mirror`` (``behind``), and retries after :data:`RETRY_S`,
-doubling up to :data:`RETRY_MAX_S` (thousands of streams do not hammer a store that is
-down), from the last entry it mirrored; a log the store lost meanwhile is begun again
-and written from entry 0 (``caught_up``). A stream's end is retried so for up to
-``resume_ttl_s``, then given up (``abandoned``: a reader elsewhere gets an error, not
-a hole; see :mod:`nexus.cache.redis`); the stream stops counting as running meanwhile.
+The store may fail (Redis restarted or unreachable). A running stream does not notice:
+its producer never awaits the store. What lapses is resuming it elsewhere: the keeper
+warns once per stream and lapse, tells ``on_mirror`` (``behind``), and retries after
+:data:`RETRY_S`, doubling up to :data:`RETRY_MAX_S`, from the last entry written; a log
+the store lost meanwhile is written again from entry 0 (``caught_up``). An end is
+retried for up to ``resume_ttl_s``, then given up (``abandoned``: a reader elsewhere
+gets an error, not a hole); the stream stops counting as running meanwhile.
 """
 
 from __future__ import annotations
@@ -42,12 +38,10 @@ __all__ = ["MIRROR_INTERVAL_S", "RETRY_MAX_S", "RETRY_S", "Keeper", "status_of"]
 log = logging.getLogger("nexus.streams")
 
 MIRROR_INTERVAL_S = 0.01
-"""The mirror writes at most this often: a round trip for every run that grew meanwhile,
-not one per upstream read (also how late a reader on another replica may be)."""
+"""Writes are at most this often (also how late a reader on another replica may be)."""
 RETRY_S = 1.0
-"""After the store failed, the mirror's next try comes at least this much later..."""
+"""After the store failed, the next try comes this much later, doubling up to..."""
 RETRY_MAX_S = 8.0
-"""...doubling after each failure up to this."""
 
 _CANCELLED = ("stream_detached", "stream_cancelled", "client_disconnect")
 """Error codes of a stream ended on purpose (its status is ``cancelled``, not ``failed``)."""
@@ -70,14 +64,12 @@ class _Kept:
         self, run: StreamRun, record: str | None, begun: bool, mark: Callable[[_Kept], None]
     ) -> None:
         self.run = run
-        self.woke = lambda _: mark(self)
-        """Its run's waiter's callback: made once, not at every turn."""
+        self.woke = lambda _: mark(self)  # its waiters' callback, made once
         self.record = record
         self.begun = begun
         self.written = 0
         self.behind = False
-        self.give_up = 0.0
-        """When its end is given up, once it finished and the store failed."""
+        self.give_up = 0.0  # once its end failed: when it is given up
 
 
 class Keeper:

@@ -288,17 +288,6 @@ class RedisStore(Store):
             except StoreUnavailable as exc:
                 log.warning("renewing this replica's keep-alive failed: %s", exc.__cause__)
 
-    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
-        """Entries ``start``... as one entry of the log, in the pipeline of the moment.
-
-        False when the log is gone (see the module docstring): nothing was written.
-        Raises ``RuntimeError`` if :meth:`begin` was not called here: the log would
-        otherwise be written without a TTL and never expire.
-        """
-        if stream_id not in self._live:
-            raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
-        return await self._write("append", [(stream_id, start, events, None)], 0) == [True]
-
     async def end(
         self,
         info: StreamInfo,
@@ -311,38 +300,23 @@ class RedisStore(Store):
             await self.mirror([Write(info, events, 0, end=True)], ttl_s)  # lost: all again
 
     async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        """Per write: XADD its events from log index ``start``, all writes' entries in one
+        script (:data:`_APPEND`: one reply); at its end, then its info, TTLs and the owner
+        dropped, after the entries: a reader that sees the finished info has the whole
+        log. The first entries set the live TTLs too."""
         ttl_ms = _ms(ttl_s)
         begun = [command for w in writes if w.begin for command in self._begin(w.info, ttl_ms)]
-        logs = [(w.info.id, w.start, w.events, w.info if w.end else None) for w in writes]
-        try:
-            return await self._write("mirror", logs, ttl_ms, begun)
-        finally:
-            for write in writes:
-                if write.end:
-                    self._live.pop(write.info.id, None)
-
-    async def _write(
-        self,
-        op: str,
-        logs: Sequence[tuple[str, int, Sequence[StreamEvent], StreamInfo | None]],
-        ttl_ms: int,
-        begun: Sequence[Command] = (),
-    ) -> list[bool]:
-        """Per log (id, start, events, info): XADD ``events`` from log index ``start``
-        (all logs' entries in one script, :data:`_APPEND`: one reply); with ``info`` (the
-        end), then write it, set the TTLs (``ttl_ms``) and drop the owner, after the
-        entries: a reader that sees the finished info has the whole log. The first append
-        sets the live TTLs too. Per log, False when ``start`` > 0 and it is gone
-        (``NOMKSTREAM``: nothing added)."""
         keys: list[str] = []
         args: list[Any] = []
         after: list[Command] = []
         owners: list[int] = []
         limit = self.max_log_bytes
-        for at, (stream_id, start, events, info) in enumerate(logs):
+        for at, write in enumerate(writes):
+            stream_id, start, events = write.info.id, write.start, write.events
             log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
-            live = self._live.setdefault(stream_id, [ttl_ms, 0])
-            ttl, size = ttl_ms if info is not None else live[0], live[1]
+            live = self._live.pop(stream_id, None) if write.end else self._live.get(stream_id)
+            ttl, size = live or (ttl_ms, 0)
+            ttl = ttl_ms if write.end else ttl
             exists = ("NOMKSTREAM",) if start > 0 else ()
             for first in range(0, len(events), _ENTRY):
                 payload = dumps_events(events[first : first + _ENTRY])
@@ -355,20 +329,21 @@ class RedisStore(Store):
                 keys.append(log)
                 args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
                 owners.append(at)
-            live[1] = size
-            if info is not None:
-                after.append(("SET", info_key, orjson.dumps(info), "PX", ttl))
-            if info is not None or start == 0:
+            if not write.end:
+                self._live[stream_id] = [ttl, size]
+            else:
+                after.append(("SET", info_key, orjson.dumps(write.info), "PX", ttl))
+            if write.end or start == 0:
                 after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
-            if info is not None:
+            if write.end:
                 after.append(("DEL", self._key(stream_id, "owner")))
         if not keys:
             if begun or after:
-                await self.call(op, *begun, *after)
-            return [True] * len(logs)
+                await self.call("mirror", *begun, *after)
+            return [True] * len(writes)
         append = ("EVAL", _APPEND, len(keys), *keys, *args)
-        lost = (await self.call(op, *begun, append, *after))[len(begun)]
-        written = [True] * len(logs)
+        lost = (await self.call("mirror", *begun, append, *after))[len(begun)]
+        written = [True] * len(writes)
         for entry in lost:
             written[owners[entry - 1]] = False
         return written

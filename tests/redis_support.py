@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from nexus.cache.redis import RedisStore
+from nexus.cache.store import StreamInfo, Write
+from nexus.events import StreamEvent
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -35,3 +40,12 @@ async def drop_keys(client: aioredis.Redis, prefix: str) -> None:
     keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
     for i in range(0, len(keys), 500):
         await client.delete(*keys[i : i + 500])
+
+
+async def append(
+    store: RedisStore, info: StreamInfo, start: int, events: Sequence[StreamEvent]
+) -> bool:
+    """Log entries ``start``... of a live stream, as the keeper's mirror writes them; False
+    when the log is gone from the store (nothing written)."""
+    (written,) = await store.mirror([Write(info, events, start)], 30)
+    return written

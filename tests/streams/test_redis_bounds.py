@@ -17,7 +17,7 @@ from nexus.cache.store import StreamInfo
 from nexus.errors import StreamIncomplete
 from nexus.events import Delta, Done, StreamEvent
 from nexus.types import StreamMeta
-from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL, append, connect_or_skip, drop_keys, new_prefix
 from support import MakeClient, chat
 
 
@@ -55,7 +55,7 @@ async def test_a_log_past_max_log_bytes_is_trimmed_and_not_served_from_its_start
         await store.begin(info, 60)
         events: list[StreamEvent] = [Delta(content=f"token {i:05d} ") for i in range(3000)]
         for at in range(0, len(events), 100):
-            assert await store.append(info.id, at, events[at : at + 100])
+            assert await append(store, info, at, events[at : at + 100])
         key = f"{prefix}:stream:{info.id}:log"
         kept = await redis_client.xlen(key)
         assert kept < 1000  # about 20 kB of ~40-byte entries, trimmed by whole nodes
@@ -79,9 +79,9 @@ async def test_a_log_lost_in_a_restart_is_noticed_and_written_again_whole(
         info = make_info()
         await store.begin(info, 60)
         events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
-        assert await store.append(info.id, 0, events[:3])
+        assert await append(store, info, 0, events[:3])
         await redis_client.delete(f"{prefix}:stream:{info.id}:log")  # a restart, say
-        assert not await store.append(info.id, 3, events[3:])  # not written with a hole
+        assert not await append(store, info, 3, events[3:])  # not written with a hole
         assert not await redis_client.exists(f"{prefix}:stream:{info.id}:log")
         info.status = "completed"
         await store.end(info, [*events, Done()], 3, 60)  # rewrites it from entry 0
@@ -99,8 +99,8 @@ async def test_a_log_with_a_hole_is_an_error_for_its_reader(
         info = make_info()
         await store.begin(info, 60)
         events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
-        assert await store.append(info.id, 0, events[:2])
-        assert await store.append(info.id, 4, events[4:])  # 2 and 3 missing (a stale restore)
+        assert await append(store, info, 0, events[:2])
+        assert await append(store, info, 4, events[4:])  # 2 and 3 missing (a stale restore)
         info.status = "completed"
         await store.end(info, [*events, Done()], 6, 60)
         with pytest.raises(StreamIncomplete):

@@ -18,7 +18,7 @@ from nexus.cache.redis_log import KEYS_PER_READ
 from nexus.cache.store import StreamInfo
 from nexus.events import Delta, Done, StreamEvent
 from nexus.types import StreamMeta
-from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL, append, connect_or_skip, drop_keys, new_prefix
 
 STREAMS = 500
 ROUNDS = 4
@@ -72,7 +72,7 @@ async def test_many_followed_streams_share_a_few_connections(
             async def grow(info: StreamInfo, n: int = n) -> None:
                 log = logs[info.id]
                 added = [Delta(content=f"{info.id[-4:]} {n}.{i} ") for i in range(n + 1)]
-                assert await owner.append(info.id, len(log), added)
+                assert await append(owner, info, len(log), added)
                 log += added
 
             await asyncio.gather(*(grow(info) for info in infos))

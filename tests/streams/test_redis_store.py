@@ -28,7 +28,7 @@ from nexus.events import (
     Usage,
 )
 from nexus.types import StreamMeta
-from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL, append, connect_or_skip, drop_keys, new_prefix
 
 MakeStore = Callable[..., Awaitable[RedisStore]]
 
@@ -133,8 +133,8 @@ async def test_begin_append_end_roundtrip(
     events = [*BODY, terminal]
     await store.begin(info, ttl_s=30)
     assert await store.info(info.id) == info
-    await store.append(info.id, 0, events[:5])
-    await store.append(info.id, 5, events[5:9])
+    await append(store, info, 0, events[:5])
+    await append(store, info, 5, events[5:9])
     done = finished(info, "failed" if terminal is ERROR else "completed")
     await store.end(done, events, 9, ttl_s=20)
 
@@ -190,7 +190,7 @@ async def test_read_follows_a_live_stream(make_store: MakeStore) -> None:
     info = make_info()
     events = [*BODY, Done()]
     await store.begin(info, ttl_s=30)
-    await store.append(info.id, 0, events[:2])
+    await append(store, info, 0, events[:2])
 
     received: asyncio.Queue[tuple[float, list[StreamEvent]]] = asyncio.Queue()
 
@@ -205,7 +205,7 @@ async def test_read_follows_a_live_stream(make_store: MakeStore) -> None:
 
         await asyncio.sleep(0.2)  # the reader is now blocked in XREAD
         sent = time.monotonic()
-        await store.append(info.id, 2, events[2:6])
+        await append(store, info, 2, events[2:6])
         got: list[StreamEvent] = []
         while len(got) < 4:
             arrived, batch = await received.get()
@@ -237,7 +237,7 @@ async def test_a_followed_stream_that_ends_without_terminal_stops_the_reader(
 ) -> None:
     info = make_info()
     await store.begin(info, ttl_s=30)
-    await store.append(info.id, 0, BODY[:1])
+    await append(store, info, 0, BODY[:1])
     reader = asyncio.create_task(read_all(store, info.id))
     await asyncio.sleep(0.3)
     await store.end(finished(info, "cancelled"), BODY[:2], 1, ttl_s=30)
@@ -266,7 +266,7 @@ async def test_live_log_expiring_while_followed(store: RedisStore) -> None:
     """The owner stopped appending (it died): the follower gets StreamNotFound, not a hang."""
     info = make_info()
     await store.begin(info, ttl_s=0.3)
-    await store.append(info.id, 0, BODY[:2])
+    await append(store, info, 0, BODY[:2])
     batches: list[list[StreamEvent]] = []
     with pytest.raises(StreamNotFound):
         async with asyncio.timeout(3):
@@ -280,7 +280,7 @@ async def test_ttls(store: RedisStore, redis_client: aioredis.Redis, prefix: str
     keys = [f"{prefix}:stream:{info.id}:info", f"{prefix}:stream:{info.id}:log"]
     await store.begin(info, ttl_s=1.0)
     await asyncio.sleep(0.5)
-    await store.append(info.id, 0, BODY[:1])  # renews both to begin's TTL
+    await append(store, info, 0, BODY[:1])  # renews both to begin's TTL
     for key in keys:
         assert 900 < await redis_client.pttl(key) <= 1000
     await store.end(finished(info), [*BODY[:1], Done()], 1, ttl_s=60)
@@ -292,16 +292,19 @@ async def test_append_is_safe_to_replay(store: RedisStore) -> None:
     """A retried pipeline re-sends entries Redis already has: they are skipped, not doubled."""
     info = make_info()
     await store.begin(info, ttl_s=30)
-    await store.append(info.id, 0, BODY[:2])
-    await store.append(info.id, 0, BODY[:2])
-    await store.append(info.id, 1, BODY[1:4])
+    await append(store, info, 0, BODY[:2])
+    await append(store, info, 0, BODY[:2])
+    await append(store, info, 1, BODY[1:4])
     await store.end(finished(info), [*BODY[:4], Done()], 4, ttl_s=30)
     assert flat(await read_all(store, info.id)) == [*BODY[:4], Done()]
 
 
-async def test_append_before_begin_is_an_error(store: RedisStore) -> None:
-    with pytest.raises(RuntimeError, match="before begin"):
-        await store.append("never-begun", 0, BODY[:1])
+async def test_a_log_written_before_begin_still_expires(
+    store: RedisStore, redis_client: aioredis.Redis, prefix: str
+) -> None:
+    info = make_info()
+    assert await append(store, info, 0, BODY[:1])  # not begun here: the TTL given
+    assert 0 < await redis_client.pttl(f"{prefix}:stream:{info.id}:log") <= 30_000
 
 
 async def test_a_cancelled_blocked_read_leaves_the_connection_usable(
@@ -320,7 +323,7 @@ async def test_a_cancelled_blocked_read_leaves_the_connection_usable(
         with pytest.raises(asyncio.CancelledError):
             await reader
 
-        await store.append(info.id, 0, BODY[:3])
+        await append(store, info, 0, BODY[:3])
         assert await store.info(info.id) == info
         await store.end(finished(info), [*BODY[:3], Done()], 3, ttl_s=30)
         assert flat(await read_all(store, info.id)) == [*BODY[:3], Done()]

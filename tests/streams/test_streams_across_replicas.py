@@ -23,7 +23,7 @@ from nexus.events import Delta, StreamEvent
 from nexus.request import ChatRequest
 from nexus.server.app import create_app
 from nexus.types import StreamMeta
-from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL, append, connect_or_skip, drop_keys, new_prefix
 from support import GatedProvider, chat
 
 
@@ -116,7 +116,7 @@ async def test_a_crashed_replicas_stream_is_not_joined(aiohttp_client: Any, pref
     try:
         info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
         await dead.begin(info, 300)
-        await dead.append(info.id, 0, [Delta(content="hel")])
+        await append(dead, info, 0, [Delta(content="hel")])
         await dead.claim(cache_key(ChatRequest.model_validate(body)), info.id, 300)
     finally:
         await dead.close()

@@ -1,23 +1,26 @@
-"""The keeper of a run's log: mirrored into a shared store as it grows, handed to the
-store when it ends, recorded, its claim released.
+"""The keeper of the hub's logs: mirrored into a shared store as they grow, handed to
+the store when they end, recorded, their claims released.
 
-With a shared store the keeper is a task for the run's whole length; otherwise a task
-started when the run finishes (an idle stream holds no task of the hub's).
+With a shared store, one task (the mirror) serves every run of the process: a run that
+grows marks itself through a waiter on its log (no task or timer per stream); the mirror
+waits :data:`MIRROR_INTERVAL_S` so that the runs growing meanwhile join, then writes all
+their new entries and ends in one round trip (:meth:`~nexus.cache.store.Store.mirror`),
+and renews the live logs' TTLs in one round trip every third of ``resume_ttl_s`` (60 s
+at most). It stops when no run is left. Otherwise a task starts when a run finishes.
 
-The store may fail (Redis restarted or unreachable). A running stream does not
-notice: its producer never awaits the store, so its clients read on to the end.
-What lapses is its mirror, hence resuming it elsewhere: the keeper warns once for
-the stream, tells ``on_mirror`` (``behind``), and retries from the last entry it
-mirrored at the stream's next growth, at most every second or so
-(:mod:`nexus.cache.mirror`); a log the store lost meanwhile is begun again and
-written from entry 0 (``caught_up``). Its end is retried the same way for up to
-``resume_ttl_s``, then given up (``abandoned``: a reader elsewhere gets an error,
-not a hole; see :mod:`nexus.cache.redis`).
+The store may fail (Redis restarted or unreachable). A running stream does not notice:
+its producer never awaits the store. What lapses is resuming it elsewhere: the keeper
+warns once per stream and lapse, tells ``on_mirror`` (``behind``), and retries after
+:data:`RETRY_S`, doubling up to :data:`RETRY_MAX_S`, from the last entry written; a log
+the store lost meanwhile is written again from entry 0 (``caught_up``). An end is
+retried for up to ``resume_ttl_s``, then given up (``abandoned``: a reader elsewhere
+gets an error, not a hole); the stream stops counting as running meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -26,14 +29,19 @@ from ..config import CacheConfig, StreamsConfig
 from ..errors import StoreUnavailable
 from ..events import Done, Error, StreamEvent
 from .codec import event_size
-from .mirror import Mirror
 from .recording import record
 from .run import StreamRun
-from .store import Status, Store
+from .store import Status, Store, Write
 
-__all__ = ["Keeper", "status_of"]
+__all__ = ["MIRROR_INTERVAL_S", "RETRY_MAX_S", "RETRY_S", "Keeper", "status_of"]
 
 log = logging.getLogger("nexus.streams")
+
+MIRROR_INTERVAL_S = 0.01
+"""Writes are at most this often (also how late a reader on another replica may be)."""
+RETRY_S = 1.0
+"""After the store failed, the next try comes this much later, doubling up to..."""
+RETRY_MAX_S = 8.0
 
 _CANCELLED = ("stream_detached", "stream_cancelled", "client_disconnect")
 """Error codes of a stream ended on purpose (its status is ``cancelled``, not ``failed``)."""
@@ -45,6 +53,23 @@ def status_of(terminal: StreamEvent) -> Status:
     if type(terminal) is Done and terminal.aborted:
         return "cancelled"
     return "completed"
+
+
+class _Kept:
+    """A run in the mirror: ``written`` entries are in the store (if ``begun``)."""
+
+    __slots__ = ("begun", "behind", "give_up", "record", "run", "woke", "written")
+
+    def __init__(
+        self, run: StreamRun, record: str | None, begun: bool, mark: Callable[[_Kept], None]
+    ) -> None:
+        self.run = run
+        self.woke = lambda _: mark(self)  # its waiters' callback, made once
+        self.record = record
+        self.begun = begun
+        self.written = 0
+        self.behind = False
+        self.give_up = 0.0  # once its end failed: when it is given up
 
 
 class Keeper:
@@ -62,116 +87,180 @@ class Keeper:
         self.streams = streams
         self.cache = cache
         self.tasks: set[asyncio.Task[None]] = set()
+        """The mirror, and the ends and recordings under way."""
         self.closing = asyncio.Event()
-        """Set at shutdown: a keeper retrying a store that is down makes one last try."""
+        """Set at shutdown: a mirror waiting to retry a store that is down makes one last try."""
         self.on_mirror: Callable[[str], None] | None = None
         """Told ``behind``, ``caught_up`` or ``abandoned`` as a stream's mirror into a
         shared store lapses, recovers, or is given up (metrics)."""
         self._gone = gone
+        self._kept: dict[str, _Kept] = {}
+        self._dirty: dict[str, _Kept] = {}
+        self._woken = asyncio.Event()
+        self._mirror: asyncio.Task[None] | None = None
 
     def keep(self, run: StreamRun, record: str | None, stored: bool) -> None:
-        """Look after ``run``'s log; ``record``: the cache key to record it under."""
-        if self.store.shared:
-            self._track(self._keep(run, record, stored))
+        """Look after ``run``'s log; ``record``: the cache key to record it under;
+        ``stored``: :meth:`Store.begin` was called (else the mirror begins it)."""
+        if not self.store.shared:
+            run.on_finish = lambda run: self._track(self._end(run, record))
+            return
+        kept = self._kept[run.id] = _Kept(run, record, stored, self._mark)
+        if stored:
+            self._arm(kept)
         else:
-            run.on_finish = lambda run: self._track(self._end(run, record, 0))
+            self._mark(kept)
+        if self._mirror is None:
+            self._mirror = self._track(self._run())
 
-    def _track(self, keeper: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(keeper)
+    def _track(self, job: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(job)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
-    async def _keep(self, run: StreamRun, record: str | None, stored: bool) -> None:
-        """A shared store's keeper: the log mirrored as it grows, then :meth:`_end`.
+    def _arm(self, kept: _Kept) -> None:
+        """Marked now if its run grew since it was written, else when it grows or finishes."""
+        run = kept.run
+        if run.finished or len(run.events) > kept.written:
+            self._mark(kept)
+        else:
+            run._waiter().add_done_callback(kept.woke)
 
-        ``written`` entries are in the store; while it fails, the keeper retries from
-        there. ``stored`` False: the stream was not begun in the store, which it is
-        first, once the store answers.
-        """
-        store = self.store
-        written = 0
-        begun = stored
-        mirror = Mirror(run, self.on_mirror, self.closing)
+    def _mark(self, kept: _Kept) -> None:
+        self._dirty[kept.run.id] = kept
+        self._woken.set()
+
+    def _state(self, kept: _Kept, state: str) -> None:
+        kept.behind = state == "behind"
+        if self.on_mirror is not None:
+            self.on_mirror(state)
+
+    async def _run(self) -> None:
+        """The mirror (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        every = min(self.streams.resume_ttl_s / 3, 60.0)
+        renew_at = loop.time() + every
+        delay = RETRY_S
         try:
-            alive = asyncio.get_running_loop().create_task(self._keep_alive(run))
-            try:
-                while not run.finished:
-                    end = len(run.events)  # no terminal yet: that goes with end()
-                    if begun and end <= written:
-                        await run.changed()
-                        continue
-                    try:
-                        if not begun:
-                            await store.begin(run.info, self.streams.resume_ttl_s)
-                            begun, written = True, 0
-                        if end > written:
-                            if not await store.append(run.id, written, run.events[written:end]):
-                                begun = False  # the store lost the log: again, from entry 0
-                                continue
-                            written = end
-                        mirror.ok()
-                    except StoreUnavailable:
-                        mirror.failed()
-                        if self.closing.is_set():
-                            break  # shutting down: its end gets one last try
-                        await mirror.pause()
-            except Exception:
-                log.exception("mirroring stream %s to the store failed", run.id)
-            await run.wait()
-            alive.cancel()
-        except BaseException:
-            self._gone(run)
-            raise
-        # Not begun (the store lost it, or never had it): end() writes it whole.
-        await self._end(run, record, written if begun else 0, mirror)
+            while self._kept:
+                if not self._dirty:
+                    self._woken.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout_at(renew_at):
+                            await self._woken.wait()
+                if not self.closing.is_set():
+                    await asyncio.sleep(MIRROR_INTERVAL_S)  # the runs that grow meanwhile join
+                if loop.time() >= renew_at:
+                    renew_at = loop.time() + every
+                    await self._renew()
+                dirty, self._dirty = self._dirty, {}
+                if dirty and not await self._write(list(dirty.values())):
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await self.closing.wait()
+                    delay = min(delay * 2, RETRY_MAX_S)
+                else:
+                    delay = RETRY_S
+        finally:
+            self._mirror = None
 
-    async def _end(
-        self, run: StreamRun, key: str | None, written: int, mirror: Mirror | None = None
-    ) -> None:
-        """The finished log handed to the store (``written`` entries are there), recorded.
-
-        With a shared store that fails, retried (``mirror``) for up to ``resume_ttl_s``;
-        the run stops counting as running meanwhile."""
-        store = self.store
-        ttl = self.streams.resume_ttl_s
+    async def _renew(self) -> None:
+        ids = [kept.run.id for kept in self._kept.values() if kept.begun]
         try:
-            run.info.status = status_of(run.events[-1])
-            size = run.size + event_size(run.events[-1])
-            loop = asyncio.get_running_loop()
-            give_up = loop.time() + ttl
-            while True:
-                try:
-                    await store.end(run.info, run.events, written, ttl, size)
-                    if mirror is not None:
-                        mirror.ok()
-                    break
-                except StoreUnavailable:
-                    if mirror is None:
-                        log.warning(
-                            "keeping the log of stream %s failed: store unreachable", run.id
-                        )
-                        break
-                    self._gone(run)  # ended: it must not hold a stream slot while this retries
-                    mirror.failed()
-                    if self.closing.is_set() or loop.time() >= give_up:
-                        mirror.abandon()
-                        return
-                    await mirror.pause()
-                except Exception:
-                    log.exception("keeping the log of stream %s failed", run.id)
-                    break
-            if key is not None:
-                await record(store, self.cache, run, key)
+            await self.store.keep_alive(ids)
+        except StoreUnavailable:
+            pass  # counted; a stream's mirror warns when it fails
+        except Exception:
+            log.exception("renewing the live streams in the store failed")
+
+    async def _write(self, batch: list[_Kept]) -> bool:
+        """Each run's new entries, or its end, in one round trip; False if it failed."""
+        writes = []
+        for kept in batch:
+            run = kept.run
+            if run.finished:
+                run.info.status = status_of(run.events[-1])
+            start = kept.written if kept.begun else 0
+            begin = not (kept.begun or run.finished)
+            writes.append(Write(run.info, run.events[start:], start, begin, run.finished))
+        try:
+            results = await self.store.mirror(writes, self.streams.resume_ttl_s)
+        except Exception as exc:
+            if not isinstance(exc, StoreUnavailable):
+                log.exception("mirroring %d streams to the store failed", len(batch))
+            self._failed(batch)
+            return False
+        for kept, write, ok in zip(batch, writes, results, strict=True):
+            if kept.behind:
+                log.info("stream %s: its log in the store is caught up", kept.run.id)
+                self._state(kept, "caught_up")
+            if not ok:  # the store lost the log: again, from entry 0
+                kept.begun = False
+                self._mark(kept)
+            elif write.end:
+                del self._kept[kept.run.id]
+                if kept.record is not None:
+                    self._track(self._recorded(kept.run, kept.record))
+                else:
+                    self._gone(kept.run)
+            else:
+                kept.begun = True
+                kept.written = len(write.events) + write.start
+                self._arm(kept)
+        return True
+
+    def _failed(self, batch: list[_Kept]) -> None:
+        """The store failed: each stream warned and counted once per lapse, retried after
+        a pause (at shutdown, only its end, once); an end until it is given up."""
+        now = asyncio.get_running_loop().time()
+        for kept in batch:
+            run = kept.run
+            if not kept.behind:
+                log.warning(
+                    "the stream store cannot be reached: stream %s streams on to its "
+                    "clients here, but cannot be resumed on another replica until its log "
+                    "is caught up",
+                    run.id,
+                )
+                self._state(kept, "behind")
+            if not run.finished:
+                if self.closing.is_set():
+                    run.done.add_done_callback(kept.woke)  # last try
+                else:
+                    self._mark(kept)
+                continue
+            self._gone(run)  # ended: it must not hold a stream slot while this retries
+            if not kept.give_up:
+                kept.give_up = now + self.streams.resume_ttl_s
+            if self.closing.is_set() or now >= kept.give_up:
+                log.warning(
+                    "stream %s: its log could not be kept in the store; readers elsewhere "
+                    "get an error, not a partial stream",
+                    run.id,
+                )
+                self._state(kept, "abandoned")
+                del self._kept[run.id]
+            else:
+                self._mark(kept)
+
+    async def _recorded(self, run: StreamRun, key: str) -> None:
+        try:
+            await record(self.store, self.cache, run, key)
         finally:
             self._gone(run)
 
-    async def _keep_alive(self, run: StreamRun) -> None:
-        """Keep a long, quiet stream's live log from expiring while it runs."""
-        while True:
-            await asyncio.sleep(min(self.streams.resume_ttl_s / 3, 60.0))
+    async def _end(self, run: StreamRun, key: str | None) -> None:
+        """A finished run's log handed to a store that is not shared, then recorded."""
+        try:
+            run.info.status = status_of(run.events[-1])
+            size = run.size + event_size(run.events[-1])
+            ttl = self.streams.resume_ttl_s
             try:
-                await self.store.keep_alive(run.id)
-            except StoreUnavailable:
-                pass  # counted; the keeper warns once for the stream
+                await self.store.end(run.info, run.events, 0, ttl, size)
             except Exception:
-                log.exception("renewing stream %s in the store failed", run.id)
+                log.exception("keeping the log of stream %s failed", run.id)
+            if key is not None:
+                await record(self.store, self.cache, run, key)
+        finally:
+            self._gone(run)

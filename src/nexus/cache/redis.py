@@ -2,7 +2,7 @@
 
 Keys, all under ``{prefix}:``, each with a TTL::
 
-    stream:{id}:info    string   JSON of StreamInfo.to_json()      live: begin's ttl_s,
+    stream:{id}:info    string   JSON of the StreamInfo           live: begin's ttl_s,
     stream:{id}:log     stream   the log (nexus.cache.redis_log)   renewed by keep_alive;
     stream:{id}:owner   string   the replica running it             finished: the resume TTL
     stream:{id}:lease   string   a client on another replica follows it
@@ -16,7 +16,7 @@ dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive la
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
 trims the oldest with ``XADD MINID ~``), or lost (Redis restarted without persistence).
 Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
-(:meth:`RedisStore.append` returns False: the keeper begins again from entry 0), never
+(:meth:`RedisStore.mirror` says so: the keeper begins it again from entry 0), never
 re-created without its start; :meth:`RedisStore.end` rewrites it whole itself. A reader
 that meets a gap raises :class:`~nexus.errors.StreamIncomplete`, never serves a hole.
 
@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
@@ -46,8 +46,8 @@ from redis.retry import Retry
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
 from .codec import dump_event, dumps_events, load_event
-from .redis_log import Followers, Pipeliner, decode
-from .store import OWNER_TTL_S, Recording, Store, StreamInfo
+from .redis_log import Command, Followers, Pipeliner, decode
+from .store import OWNER_TTL_S, Recording, Store, StreamInfo, Write
 
 log = logging.getLogger("nexus.store")
 
@@ -70,6 +70,23 @@ return false
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
+"""
+# Log entries: per log in KEYS, in ARGV the count of its XADD arguments, then them. An
+# entry added again is refused (its ID is not above the top one), which is fine. Returns
+# the positions in KEYS of the entries not added because their log is gone (NOMKSTREAM).
+_APPEND = """
+local lost, at = {}, 1
+for i, key in ipairs(KEYS) do
+  local n = tonumber(ARGV[at])
+  local added = redis.pcall('XADD', key, unpack(ARGV, at + 1, at + n))
+  if not added then
+    table.insert(lost, i)
+  elseif added.err and not string.find(added.err, 'equal or smaller', 1, true) then
+    return added
+  end
+  at = at + n + 1
+end
+return lost
 """
 # Whether the replica a stream's owner key names still has its keep-alive.
 _ALIVE = """
@@ -224,29 +241,33 @@ class RedisStore(Store):
 
     # Logs.
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
-        ttl_ms = _ms(ttl_s)
-        self._live[info.id] = [ttl_ms, 0]
         try:
-            await self.call(
-                "begin",
-                ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
-                ("SET", self._key(info.id, "info"), orjson.dumps(info.to_json()), "PX", ttl_ms),
-                # Also here, not only on the heartbeat: after a restart that lost it, this
-                # replica's streams, begun again, must not look orphaned until the next beat.
-                ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
-            )
+            await self.call("begin", *self._begin(info, _ms(ttl_s)))
         except StoreUnavailable:
             self._live.pop(info.id, None)  # not begun: nothing of it to renew
             raise
 
-    async def keep_alive(self, stream_id: str) -> None:
-        """Renew the live log's TTL: an idle stream must not expire while it runs."""
-        if stream_id in self._live:
-            ttl_ms = self._live[stream_id][0]
-            parts = ("info", "log", "owner")
-            await self.call(
-                "keep_alive", *(("PEXPIRE", self._key(stream_id, p), ttl_ms) for p in parts)
-            )
+    def _begin(self, info: StreamInfo, ttl_ms: int) -> list[Command]:
+        self._live[info.id] = [ttl_ms, 0]
+        return [
+            ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
+            ("SET", self._key(info.id, "info"), orjson.dumps(info), "PX", ttl_ms),
+            # Also here, not only on the heartbeat: after a restart that lost it, this
+            # replica's streams, begun again, must not look orphaned until the next beat.
+            ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
+        ]
+
+    async def keep_alive(self, stream_ids: Iterable[str]) -> None:
+        """Renew the live logs' TTLs, in one round trip: an idle stream must not expire
+        while it runs."""
+        commands = [
+            ("PEXPIRE", self._key(stream_id, part), self._live[stream_id][0])
+            for stream_id in stream_ids
+            if stream_id in self._live
+            for part in ("info", "log", "owner")
+        ]
+        if commands:
+            await self.call("keep_alive", *commands)
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
@@ -267,17 +288,6 @@ class RedisStore(Store):
             except StoreUnavailable as exc:
                 log.warning("renewing this replica's keep-alive failed: %s", exc.__cause__)
 
-    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
-        """Entries ``start``... as one entry of the log, in the pipeline of the moment.
-
-        False when the log is gone (see the module docstring): nothing was written.
-        Raises ``RuntimeError`` if :meth:`begin` was not called here: the log would
-        otherwise be written without a TTL and never expire.
-        """
-        if stream_id not in self._live:
-            raise RuntimeError(f"append() to stream {stream_id!r} before begin()")
-        return not events or await self._write("append", stream_id, start, events, None, 0)
-
     async def end(
         self,
         info: StreamInfo,
@@ -286,50 +296,57 @@ class RedisStore(Store):
         ttl_s: float,
         size: int | None = None,
     ) -> None:
-        try:
-            if not await self._write("end", info.id, start, events[start:], info, _ms(ttl_s)):
-                self._live[info.id][1] = 0
-                await self._write("end", info.id, 0, events, info, _ms(ttl_s))  # lost: all again
-        finally:
-            self._live.pop(info.id, None)
+        if not (await self.mirror([Write(info, events[start:], start, end=True)], ttl_s))[0]:
+            await self.mirror([Write(info, events, 0, end=True)], ttl_s)  # lost: all again
 
-    async def _write(
-        self,
-        op: str,
-        stream_id: str,
-        start: int,
-        events: Sequence[StreamEvent],
-        info: StreamInfo | None,
-        ttl_ms: int,
-    ) -> bool:
-        """XADD ``events`` from log index ``start``; with ``info`` (the end), then write
-        it, set the TTLs (``ttl_ms``) and drop the owner, in one group: a reader that sees
-        the finished info has the whole log. The first append sets the live TTLs too.
-        False when ``start`` > 0 and the log is gone (``NOMKSTREAM``: nothing added)."""
-        log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
-        commands: list[tuple[Any, ...]] = []
-        live = self._live.setdefault(stream_id, [ttl_ms, 0])
-        ttl_ms, size, limit = ttl_ms or live[0], live[1], self.max_log_bytes
-        for at in range(0, len(events), _ENTRY):
-            payload = dumps_events(events[at : at + _ENTRY])
-            end = start + min(at + _ENTRY, len(events))
-            size += len(payload)
-            trim: tuple[Any, ...] = ()
-            if limit is not None and size > limit:
-                # Keep as many entries as fit, at the log's mean entry size.
-                trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
+    async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        """Per write: XADD its events from log index ``start``, all writes' entries in one
+        script (:data:`_APPEND`: one reply); at its end, then its info, TTLs and the owner
+        dropped, after the entries: a reader that sees the finished info has the whole
+        log. The first entries set the live TTLs too."""
+        ttl_ms = _ms(ttl_s)
+        begun = [command for w in writes if w.begin for command in self._begin(w.info, ttl_ms)]
+        keys: list[str] = []
+        args: list[Any] = []
+        after: list[Command] = []
+        owners: list[int] = []
+        limit = self.max_log_bytes
+        for at, write in enumerate(writes):
+            stream_id, start, events = write.info.id, write.start, write.events
+            log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
+            live = self._live.pop(stream_id, None) if write.end else self._live.get(stream_id)
+            ttl, size = live or (ttl_ms, 0)
+            ttl = ttl_ms if write.end else ttl
             exists = ("NOMKSTREAM",) if start > 0 else ()
-            commands.append(("XADD", log, *exists, *trim, f"0-{end}", "e", payload))
-        live[1] = size
-        if info is not None:
-            commands.append(("SET", info_key, orjson.dumps(info.to_json()), "PX", ttl_ms))
-        if info is not None or start == 0:
-            commands += [("PEXPIRE", log, ttl_ms), ("PEXPIRE", info_key, ttl_ms)]
-        if info is not None:
-            commands.append(("DEL", self._key(stream_id, "owner")))
-        # "The ID specified in XADD is equal or smaller than the target stream top item"
-        replies = await self.call(op, *commands, allow="equal or smaller")
-        return not (start > 0 and events and replies[0] is None)
+            for first in range(0, len(events), _ENTRY):
+                payload = dumps_events(events[first : first + _ENTRY])
+                end = start + min(first + _ENTRY, len(events))
+                size += len(payload)
+                trim: tuple[Any, ...] = ()
+                if limit is not None and size > limit:
+                    # Keep as many entries as fit, at the log's mean entry size.
+                    trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
+                keys.append(log)
+                args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
+                owners.append(at)
+            if not write.end:
+                self._live[stream_id] = [ttl, size]
+            else:
+                after.append(("SET", info_key, orjson.dumps(write.info), "PX", ttl))
+            if write.end or start == 0:
+                after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
+            if write.end:
+                after.append(("DEL", self._key(stream_id, "owner")))
+        if not keys:
+            if begun or after:
+                await self.call("mirror", *begun, *after)
+            return [True] * len(writes)
+        append = ("EVAL", _APPEND, len(keys), *keys, *args)
+        lost = (await self.call("mirror", *begun, append, *after))[len(begun)]
+        written = [True] * len(writes)
+        for entry in lost:
+            written[owners[entry - 1]] = False
+        return written
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         (raw,) = await self.call("info", ("GET", self._key(stream_id, "info")))

@@ -32,7 +32,7 @@ from ..errors import StreamIncomplete
 from ..events import Done, Error, StreamEvent
 from .codec import loads_events
 
-__all__ = ["KEYS_PER_READ", "Followers", "Pipeliner", "decode"]
+__all__ = ["KEYS_PER_READ", "Command", "Followers", "Pipeliner", "decode"]
 
 KEYS_PER_READ = 250
 """Logs one blocking XREAD follows: past it, a reader's key goes to another connection."""

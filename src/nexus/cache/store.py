@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from ..events import StreamEvent
 from ..types import StreamMeta
 
-__all__ = ["OWNER_TTL_S", "Recording", "Status", "Store", "StreamInfo"]
+__all__ = ["OWNER_TTL_S", "Recording", "Status", "Store", "StreamInfo", "Write"]
 
 OWNER_TTL_S = 10.0
 """A replica that has not renewed its keep-alive for this long is presumed dead, and so are
@@ -46,9 +46,6 @@ class StreamInfo:
     def id(self) -> str:
         return self.meta.id
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StreamInfo:
         return cls(
@@ -59,6 +56,21 @@ class StreamInfo:
             created_at=data["created_at"],
             resumable=data.get("resumable", False),
         )
+
+
+@dataclass(slots=True)
+class Write:
+    """One step of a live log's mirror into a shared store (:meth:`Store.mirror`)."""
+
+    info: StreamInfo
+    events: Sequence[StreamEvent]
+    """The log's entries from ``start`` on (with ``end``, through its terminal)."""
+    start: int
+    """Entries the store has already: 0 writes the log from its start."""
+    begin: bool = False
+    """Begin the stream first (it was not, or the store lost it)."""
+    end: bool = False
+    """The stream finished (``info`` says how): kept for the TTL, no longer live."""
 
 
 @dataclass(slots=True)
@@ -92,11 +104,11 @@ class Store(ABC):
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         """A live stream starts (shared stores only)."""
 
-    async def append(self, stream_id: str, start: int, events: Sequence[StreamEvent]) -> bool:
-        """Log entries ``start``, ``start + 1``, ... of a live stream (shared stores only).
-        False when the entries before ``start`` are gone from the store (lost while it was
-        unreachable): the caller calls :meth:`begin` again and appends from 0."""
-        return True
+    async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        """Shared stores: ``writes``, together (one round trip). Per write, False when
+        ``start`` > 0 and the log is gone from the store: nothing of it was written (the
+        caller writes it again from 0). ``ttl_s``: what :meth:`begin` and :meth:`end` take."""
+        return [True] * len(writes)
 
     @abstractmethod
     async def end(
@@ -121,8 +133,8 @@ class Store(ABC):
         Raises :class:`~nexus.errors.StreamNotFound` if the log is unknown or expired
         (also when it expires while being followed)."""
 
-    async def keep_alive(self, stream_id: str) -> None:
-        """``stream_id`` still runs: renew its live log's TTL (shared stores)."""
+    async def keep_alive(self, stream_ids: Iterable[str]) -> None:
+        """These streams still run: renew their live logs' TTLs (shared stores)."""
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica running a live ``stream_id`` is still alive."""

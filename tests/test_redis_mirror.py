@@ -1,0 +1,101 @@
+"""The mirror of live logs into Redis: one task for every stream of the process, their
+growth written together, their TTLs renewed together; nothing per stream in between.
+
+Runs against the real Redis at 127.0.0.1:6379 (skipped with the reason when there is
+none, failed under ``CI=true``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from nexus.cache.store import Write
+from nexus.server.state import HUB
+from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from support import GatedProvider, MakeClient, chat
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis]:
+    client = await connect_or_skip()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
+    name = new_prefix()
+    try:
+        yield name
+    finally:
+        await drop_keys(redis_client, name)
+
+
+def redis_config(prefix: str, **tables: Any) -> dict[str, Any]:
+    return {"store": {"kind": "redis", "url": REDIS_URL, "prefix": prefix}, **tables}
+
+
+async def test_streams_are_mirrored_together_by_one_task(
+    make_client: MakeClient, prefix: str
+) -> None:
+    gated = GatedProvider(before=2, after=3)
+    client = await make_client(redis_config(prefix), providers=[gated])
+    hub = client.app[HUB]
+    store = hub.store
+    batches: list[list[str]] = []
+    mirror = store.mirror
+
+    async def counted(writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        batches.append([write.info.id for write in writes])
+        return await mirror(writes, ttl_s)
+
+    store.mirror = counted  # type: ignore[method-assign]
+    responses = [
+        await client.post(
+            "/v1/chat/completions?stream_format=nexus", json=chat(model="gated/m", stream=True)
+        )
+        for _ in range(10)
+    ]
+    for resp in responses:
+        seen = b""
+        while seen.count(b"event: delta") < 2:
+            seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    assert len(hub.live) == 10
+    assert len(hub.keeper.tasks) == 1  # the mirror: no task per stream
+
+    batches.clear()
+    gated.gate.set()  # every stream grows at once, then ends
+    for resp in responses:
+        assert (await asyncio.wait_for(resp.read(), 10)).endswith(b'data: {"type":"done"}\n\n')
+    await hub.drain()
+    assert hub.live == {} and hub.keeper.tasks == set()  # the mirror stops with no stream left
+    # Their growth went together: a round trip per turn, not one per stream and read.
+    assert max(len(batch) for batch in batches) >= 5
+    assert len(batches) < 10 * 5
+
+
+async def test_a_quiet_stream_is_renewed_until_it_ends(
+    make_client: MakeClient, prefix: str, redis_client: aioredis.Redis
+) -> None:
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(redis_config(prefix, streams={"resume_ttl_s": 0.6}), [gated])
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=nexus", json=chat(model="gated/m", stream=True)
+    )
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    await asyncio.wait_for(resp.content.readuntil(b"event: delta"), 5)
+    await asyncio.sleep(1.5)  # quiet for more than twice its TTL: renewed every 0.2 s
+    for part in ("info", "log", "owner"):
+        assert 0 < await redis_client.pttl(f"{prefix}:stream:{stream_id}:{part}") <= 600
+    gated.gate.set()
+    await asyncio.wait_for(resp.read(), 5)
+    await client.app[HUB].drain()
+    assert await redis_client.exists(f"{prefix}:stream:{stream_id}:owner") == 0
+    assert 0 < await redis_client.pttl(f"{prefix}:stream:{stream_id}:log") <= 600

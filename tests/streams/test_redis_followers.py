@@ -140,7 +140,7 @@ async def test_a_reader_behind_another_on_the_same_log_reads_it_whole(prefix: st
 
         async def add(n: int) -> None:
             added = [Delta(content=f"{n}.{i} ") for i in range(2)]
-            assert await owner.append(info.id, len(log), added)
+            assert await append(owner, info, len(log), added)
             log.extend(added)
 
         await add(0)
@@ -196,7 +196,7 @@ async def test_an_unblock_that_reaches_redis_before_the_read_is_sent_again(prefi
             return await xread(*args, **kwargs)
 
         read.client.xread = slow_xread  # type: ignore[method-assign]
-        await store.append(first.id, 0, [Delta(content="a")])  # the read returns; the next one
+        await append(store, first, 0, [Delta(content="a")])  # the read returns; the next one
         await asyncio.wait_for(sent.wait(), 2)  # ... is marked blocked, not yet at Redis
         joining = asyncio.create_task(follow(second))  # its UNBLOCK overtakes the XREAD
         await asyncio.sleep(0.5)

@@ -12,9 +12,10 @@ to generate for nobody). With a shared store, another replica's lease keeps eith
 running (checked every ``LEASE_POLL_S``). A log past ``max_log_bytes`` ends with
 ``stream_too_large``; :meth:`StreamRun.cancel` ends it with the entry given.
 
-A run fires no hooks: they watch its source (:meth:`~nexus.hooks.StreamObserver.watch`),
-so the end hooks have run when the source is closed, before the terminal entry is
-appended. A run that ends its source early tells the ``observer`` why.
+A run drives its ``observer`` (:class:`~nexus.hooks.StreamObserver`) itself, with no
+layer between its source and its log: the chunk hooks see each read before it is
+logged, and the end hooks (given the spend and the merge of the log) have run before
+the terminal entry is appended.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
 from ..hooks import StreamObserver
 from ..pricing import NOTHING, PriceTable, Spend, tally, terminal_ok
-from ..stream import Stream
+from ..stream import Stream, merge_events
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
@@ -189,10 +190,8 @@ class StreamRun:
         observer = self._observer
         if self.finished or self._task is None or self._cancel_with is not None:
             return  # once: a second cancel must not cut the end hooks the first one runs
-        if observer is not None:
-            if observer.settled:
-                return  # the end is decided: its hooks run
-            observer.ending = terminal
+        if observer is not None and observer.settled:
+            return  # the end is decided: its hooks run
         self._cancel_with = terminal
         if self._running:
             self._task.cancel()
@@ -242,6 +241,8 @@ class StreamRun:
         unyielded = 0
         ended = False
         read = source.read_batch
+        observer = self._observer
+        chunks = observer is not None and observer.chunks
         try:
             if self._cancel_with is not None:
                 raise asyncio.CancelledError
@@ -249,6 +250,8 @@ class StreamRun:
             if source.meta is not self.info.meta:  # a fallback target answered
                 self.info.meta = source.meta
             while batch:
+                if chunks:
+                    await observer.chunks_of(batch)  # type: ignore[union-attr]
                 added = _size(batch)
                 if added < 0:
                     batch, error, added = _without_terminals(batch)
@@ -269,8 +272,6 @@ class StreamRun:
                         f"The stream passed the gateway's limit of {limit} bytes "
                         "([streams] max_log_bytes) and was ended.",
                     )
-                    if self._observer is not None:
-                        self._observer.ending = terminal
                     break
                 unyielded += len(batch)
                 if unyielded >= 256:
@@ -295,13 +296,23 @@ class StreamRun:
             )
         self.size = size
         self._running = False  # the end is decided: cancel() must not cut the end hooks
+        if observer is not None:
+            observer.settled = True
         try:
-            await source.close()  # the end hooks run here
+            await source.close()
         except Exception:
             log.exception("closing the source of stream %s failed", self.id)
         finally:
             self.spend = self._spent(terminal)
-            self._finish(terminal, now() - start)
+            try:
+                if observer is not None:
+                    meta = observer.meta = self.info.meta
+                    log_events = self.events
+                    await observer.end(
+                        terminal, now() - start, lambda: merge_events(log_events, meta), self.spend
+                    )
+            finally:
+                self._finish(terminal, now() - start)
 
     def _spent(self, terminal: StreamEvent) -> Spend:
         """The stream's spend, from its log (once, at its end)."""

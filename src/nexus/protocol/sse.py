@@ -79,6 +79,7 @@ class SSEDecoder:
         self._event = ""
         self._last_id = ""
         self._retry: int | None = None
+        self._clean = False  # see _text_of
 
     @property
     def last_event_id(self) -> str:
@@ -86,61 +87,65 @@ class SSEDecoder:
 
     def decode(self, chunk: bytes) -> list[ServerSentEvent]:
         """Feed bytes; return the events completed by them."""
-        text = self._text.decode(chunk)
-        if not text:
-            return []
-        if self._plain():
-            payloads = self._data_blocks(text)
-            if payloads is not None:
-                last_id = self._last_id
-                events = [ServerSentEvent(data, "message", last_id) for data in payloads[0]]
-                if payloads[1]:
-                    events += self._decode_text(payloads[1])
-                return events
-        return self._decode_text(text)
+        payloads = self._whole_data(chunk)
+        if payloads is not None:
+            last_id = self._last_id
+            return [ServerSentEvent(data, "message", last_id) for data in payloads]
+        return self._decode_text(self._text_of(chunk))
 
     def decode_data(self, chunk: bytes) -> list[str]:
         """:meth:`decode`, giving only each event's data: for upstreams whose events are
-        told apart by their JSON, not their ``event:`` names (OpenAI).
+        told apart by their JSON, not their ``event:`` names (OpenAI)."""
+        payloads = self._whole_data(chunk)
+        if payloads is not None:
+            return payloads
+        return [event.data for event in self._decode_text(self._text_of(chunk))]
 
-        Most reads are whole ``data: {...}`` events, one line each: those are cut
-        with one ``str`` split and no per-event object.
-        """
+    def _text_of(self, chunk: bytes) -> str:
         text = self._text.decode(chunk)
-        if not text:
-            return []
-        if self._plain():
-            payloads = self._data_blocks(text)
-            if payloads is not None:
-                data, rest = payloads
-                if rest:
-                    data += [event.data for event in self._decode_text(rest)]
-                return data
-        return [event.data for event in self._decode_text(text)]
+        # After an ASCII byte the text decoder holds nothing back (and its BOM check is done).
+        self._clean = bool(chunk) and chunk[-1] < 0x80
+        return text
 
     def _plain(self) -> bool:
-        """No event half-read but perhaps a partial line: where the fast path may start."""
-        return not self._data and not self._event and self._retry is None and not self._skip_lf
+        """No event nor line half-read, nothing held in the text decoder: where a read of
+        whole ``data:`` events may skip the line rules."""
+        return (
+            self._clean
+            and not self._pending
+            and not self._data
+            and not self._event
+            and self._retry is None
+            and not self._skip_lf
+        )
 
-    def _data_blocks(self, text: str) -> tuple[list[str], str] | None:
-        """The data of the whole events at the start of ``text`` if each is a single
-        ``data: `` line (else None: the general path), and the text after them."""
-        if self._pending:
-            if "\n" not in text:
-                return None  # inside the pending line: the general path keeps it in pieces
-            text = "".join(self._pending) + text
-        cut = text.rfind("\n\n")
-        if cut < 0 or "\r" in text or not text.startswith("data: "):
+    def _whole_data(self, chunk: bytes) -> list[str] | None:
+        """The data of the whole events at the start of ``chunk`` if each is a single
+        ``data: `` line ending in LF (else None: the general path), its rest read on.
+
+        Most reads of every upstream are such events, often one: they are cut on bytes,
+        with one ``split`` and no text decoder, line loop or per-event object.
+        """
+        first = chunk.find(b"\n")
+        if first < 0 or not chunk.startswith(b"data: ") or b"\r" in chunk or not self._plain():
             return None
-        # "data: A\n\ndata: B" -> ["A", "B"]: whole single-line data events when the
-        # only LFs are the two after each event.
-        data = text[6:cut].split("\n\ndata: ")
-        if text.count("\n", 0, cut + 2) != 2 * len(data):
+        if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read
+            return [chunk[6:first].decode("utf-8", "replace")]
+        cut = chunk.rfind(b"\n\n")
+        if cut < 0:
             return None
-        self._pending = []
-        return data, text[cut + 2 :]
+        # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after each.
+        data = chunk[6:cut].split(b"\n\ndata: ")
+        if chunk.count(b"\n", 0, cut + 2) != 2 * len(data):
+            return None
+        if cut + 2 < len(chunk):
+            # A partial event: it holds no blank line, so it dispatches nothing yet.
+            self._decode_text(self._text_of(chunk[cut + 2 :]))
+        return [payload.decode("utf-8", "replace") for payload in data]
 
     def _decode_text(self, text: str) -> list[ServerSentEvent]:
+        if not text:
+            return []
         if self._skip_lf:
             self._skip_lf = False
             if text[0] == "\n":

@@ -179,6 +179,9 @@ class StreamPump(Writer):
                     await self._end(renderer.fail(event))
             return self.response
         finally:
+            if self._events is not None and self._bytes is not None:
+                self._events.inc(self.exchange.events)  # once a stream, not a write
+                self._bytes.inc(self.exchange.bytes)
             self._settle()
             self._watch(False)
             if self._active is not None:
@@ -248,8 +251,6 @@ class StreamPump(Writer):
 
     def _count(self, events: int) -> None:
         self.exchange.events += events
-        if self._events is not None:
-            self._events.inc(events)
 
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
@@ -279,8 +280,13 @@ class StreamPump(Writer):
             if not last:
                 return
             data = b""
-        await self._timed(response.write_eof(data) if last else response.write(data))
-        self._sent(len(data))
+        self._writing += 1  # Writer._timed, inlined: one coroutine less a write
+        try:
+            await (response.write_eof(data) if last else response.write(data))
+        finally:
+            self._writing -= 1
+        self._wrote()
+        self.exchange.bytes += len(data)
 
     async def _write_sliced(self, data: bytes) -> None:
         """Write a large output in slices: the transport never holds more than about one
@@ -296,8 +302,6 @@ class StreamPump(Writer):
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size
-        if self._bytes is not None:
-            self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
         """Write the last bytes and the end of the body; nothing goes after them."""

@@ -16,7 +16,7 @@ from ..errors import GatewayError
 from ..events import Done, StreamEvent
 from ..pricing import Spend
 from ..types import StreamMeta
-from .run import MAX_BATCH, LogReader, RunReader, StreamRun
+from .run import MAX_BATCH, LogReader, Push, RunReader, StreamRun
 from .store import Store, StreamInfo
 
 __all__ = ["StoreReader", "leave", "with_usage"]
@@ -31,6 +31,7 @@ class StoreReader:
 
     failure: GatewayError | None = None
     spend: Spend | None = None  # counted where the stream ran
+    sink: Push | None = None  # not pushed: read in the reader's task
 
     def __init__(self, store: Store, info: StreamInfo, start: int, detach_timeout_s: float):
         self.meta = info.meta

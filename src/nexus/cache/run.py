@@ -36,7 +36,7 @@ from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
-__all__ = ["LEASE_POLL_S", "LogReader", "RunReader", "StreamRun", "too_long"]
+__all__ = ["LEASE_POLL_S", "LogReader", "Push", "RunReader", "StreamRun", "too_long"]
 
 log = logging.getLogger("nexus.streams")
 
@@ -45,11 +45,19 @@ LEASE_POLL_S = 1.0
 whether another replica's reader still holds a lease on it (leases last at least 2 s)."""
 
 
+Push = Callable[[list[StreamEvent]], bool]
+"""Takes a batch as it is logged, in the producer's task: True when it took it (a
+reader's sink renders and writes it then), False to leave it to the reader's task."""
+
+
 class LogReader(Protocol):
     """What the pump reads: a log's entries in batches, from where it was opened.
-    ``failure``: the error a local source raised before any event (an HTTP status)."""
+    ``failure``: the error a local source raised before any event (an HTTP status).
+    ``sink``: where a caught-up reader of a local run has each new batch pushed (see
+    :class:`RunReader`); readers that cannot push ignore it."""
 
     meta: StreamMeta
+    sink: Push | None
 
     @property
     def failure(self) -> GatewayError | None: ...
@@ -155,7 +163,7 @@ class StreamRun:
         self.on_finish: Callable[[StreamRun], object] | None = None
         """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[tuple[asyncio.Future[None], Push | None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._lease_check: asyncio.Task[None] | None = None
         self._cancel_with: StreamEvent | None = None
@@ -216,17 +224,19 @@ class StreamRun:
                 self._drop(waiter)
                 raise
 
-    def _waiter(self) -> asyncio.Future[None]:
+    def _waiter(self, push: Push | None = None) -> asyncio.Future[None]:
         """A future done at the next entry, for the caller to await itself (an idle
-        reader then holds no frame of this run's); :meth:`_drop` it if cancelled."""
+        reader then holds no frame of this run's); :meth:`_drop` it if cancelled.
+
+        ``push``: offered each new batch first; while it takes them (returns True),
+        the future stays pending (see :class:`RunReader`)."""
         waiter = self._loop.create_future()
-        self._waiters.append(waiter)
+        self._waiters.append((waiter, push))
         return waiter
 
     def _drop(self, waiter: asyncio.Future[None]) -> None:
         """A reader that leaves an idle stream must not leave its waiter behind."""
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+        self._waiters = [entry for entry in self._waiters if entry[0] is not waiter]
 
     async def _produce(self) -> None:
         source = self._source
@@ -263,7 +273,7 @@ class StreamRun:
                 if offsets is not None:
                     offsets += [now() - start] * len(batch)
                 if self._waiters:
-                    self._wake()
+                    self._wake(batch)
                 if ended:
                     break
                 if size > limit:
@@ -335,11 +345,17 @@ class StreamRun:
         if self.on_finish is not None:
             self.on_finish(self)
 
-    def _wake(self) -> None:
+    def _wake(self, batch: list[StreamEvent] | None = None) -> None:
+        """Hand ``batch`` (just logged) to the readers that take it, wake the others."""
         waiters = self._waiters
-        self._waiters = []
-        for waiter in waiters:
-            if not waiter.done():
+        self._waiters = kept = []
+        for entry in waiters:
+            waiter, push = entry
+            if waiter.done():
+                continue
+            if push is not None and batch is not None and push(batch):
+                kept.append(entry)
+            else:
                 waiter.set_result(None)
 
     # Attachment.
@@ -424,15 +440,24 @@ slices of this many, so that a connection renders and holds a slice, not a log."
 
 
 class RunReader:
-    """Follows a local run's log from ``start``; attached until :meth:`close`."""
+    """Follows a local run's log from ``start``; attached until :meth:`close`.
 
-    __slots__ = ("_closed", "_index", "_run", "meta")
+    With a ``sink``, a reader waiting at the end of the log has each new batch handed
+    to it by the producer, in the producer's task: while the sink takes them, the
+    reader's own task sleeps on (one task woken per upstream read, not two). What
+    the sink leaves (False) wakes the reader, which returns it; what it raised is
+    raised by the reader's next read instead.
+    """
+
+    __slots__ = ("_closed", "_error", "_index", "_run", "meta", "sink")
 
     def __init__(self, run: StreamRun, start: int = 0) -> None:
         self._run = run
         self._index = start
         self._closed = False
+        self._error: Exception | None = None
         self.meta = run.info.meta
+        self.sink: Push | None = None
         run._attach()
 
     @property
@@ -466,6 +491,9 @@ class RunReader:
     async def __anext__(self) -> list[StreamEvent]:
         run = self._run
         while True:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
             events = run.events
             index = self._index
             if index < len(events):
@@ -474,12 +502,26 @@ class RunReader:
                 return events[index:end]
             if run.finished:
                 raise StopAsyncIteration
-            waiter = run._waiter()
+            waiter = run._waiter(None if self.sink is None else self._push)
             try:
                 await waiter
             except asyncio.CancelledError:
                 run._drop(waiter)
                 raise
+
+    def _push(self, batch: list[StreamEvent]) -> bool:
+        end = len(self._run.events)
+        if self._index + len(batch) != end or self.sink is None:
+            return False
+        try:
+            taken = self.sink(batch)
+        except Exception as exc:
+            self._index = end  # rendered: its failure is what the reader returns next
+            self._error = exc
+            return False
+        if taken:
+            self._index = end
+        return taken
 
     async def close(self) -> None:
         if not self._closed:

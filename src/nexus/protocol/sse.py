@@ -79,7 +79,7 @@ class SSEDecoder:
         self._event = ""
         self._last_id = ""
         self._retry: int | None = None
-        self._clean = False  # see _text_of
+        self._clean = False  # see _general
 
     @property
     def last_event_id(self) -> str:
@@ -87,29 +87,62 @@ class SSEDecoder:
 
     def decode(self, chunk: bytes) -> list[ServerSentEvent]:
         """Feed bytes; return the events completed by them."""
-        payloads = self._whole_data(chunk)
-        if payloads is not None:
+        events, payloads = self._read(chunk)
+        if payloads:
             last_id = self._last_id
-            return [ServerSentEvent(data, "message", last_id) for data in payloads]
-        return self._decode_text(self._text_of(chunk))
+            events += [ServerSentEvent(data, "message", last_id) for data in payloads]
+        return events
 
     def decode_data(self, chunk: bytes) -> list[str]:
         """:meth:`decode`, giving only each event's data: for upstreams whose events are
         told apart by their JSON, not their ``event:`` names (OpenAI)."""
-        payloads = self._whole_data(chunk)
-        if payloads is not None:
-            return payloads
-        return [event.data for event in self._decode_text(self._text_of(chunk))]
+        events, payloads = self._read(chunk)
+        if events:
+            return [event.data for event in events] + payloads
+        return payloads
 
-    def _text_of(self, chunk: bytes) -> str:
+    def _read(self, chunk: bytes) -> tuple[list[ServerSentEvent], list[str]]:
+        """The events ``chunk`` completes: those read by the line rules, then the data of
+        whole events cut on bytes.
+
+        Most reads of every upstream are whole events of one ``data: `` line each, often
+        one: from a plain state (:meth:`_plain`) they are cut with a ``find`` or a
+        ``split``, with no text decoder, line loop or per-event object. An event that
+        was half-read ends by the rules first.
+        """
+        events: list[ServerSentEvent] = []
+        if not self._plain():
+            end = chunk.find(b"\n\n") if self._clean and not self._skip_lf else -1
+            if end < 0:
+                return self._general(chunk), []
+            events = self._general(chunk[: end + 2])
+            chunk = chunk[end + 2 :]
+            if not self._plain():
+                return events + self._general(chunk), []
+        first = chunk.find(b"\n")
+        if first < 0 or not chunk.startswith(b"data: ") or b"\r" in chunk:
+            return events + self._general(chunk), []
+        if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read
+            return events, [chunk[6:first].decode("utf-8", "replace")]
+        # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after each.
+        cut = chunk.rfind(b"\n\n")
+        data = chunk[6:cut].split(b"\n\ndata: ")
+        if cut < 0 or chunk.count(b"\n", 0, cut + 2) != 2 * len(data):
+            return events + self._general(chunk), []
+        if cut + 2 < len(chunk):
+            self._general(chunk[cut + 2 :])  # a partial event: no blank line, nothing dispatched
+        return events, [payload.decode("utf-8", "replace") for payload in data]
+
+    def _general(self, chunk: bytes) -> list[ServerSentEvent]:
         text = self._text.decode(chunk)
-        # After an ASCII byte the text decoder holds nothing back (and its BOM check is done).
-        self._clean = bool(chunk) and chunk[-1] < 0x80
-        return text
+        if chunk:
+            # After an ASCII byte the text decoder holds nothing back (and its BOM check
+            # is done).
+            self._clean = chunk[-1] < 0x80
+        return self._decode_text(text)
 
     def _plain(self) -> bool:
-        """No event nor line half-read, nothing held in the text decoder: where a read of
-        whole ``data:`` events may skip the line rules."""
+        """No event nor line half-read, nothing held in the text decoder."""
         return (
             self._clean
             and not self._pending
@@ -118,30 +151,6 @@ class SSEDecoder:
             and self._retry is None
             and not self._skip_lf
         )
-
-    def _whole_data(self, chunk: bytes) -> list[str] | None:
-        """The data of the whole events at the start of ``chunk`` if each is a single
-        ``data: `` line ending in LF (else None: the general path), its rest read on.
-
-        Most reads of every upstream are such events, often one: they are cut on bytes,
-        with one ``split`` and no text decoder, line loop or per-event object.
-        """
-        first = chunk.find(b"\n")
-        if first < 0 or not chunk.startswith(b"data: ") or b"\r" in chunk or not self._plain():
-            return None
-        if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read
-            return [chunk[6:first].decode("utf-8", "replace")]
-        cut = chunk.rfind(b"\n\n")
-        if cut < 0:
-            return None
-        # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after each.
-        data = chunk[6:cut].split(b"\n\ndata: ")
-        if chunk.count(b"\n", 0, cut + 2) != 2 * len(data):
-            return None
-        if cut + 2 < len(chunk):
-            # A partial event: it holds no blank line, so it dispatches nothing yet.
-            self._decode_text(self._text_of(chunk[cut + 2 :]))
-        return [payload.decode("utf-8", "replace") for payload in data]
 
     def _decode_text(self, text: str) -> list[ServerSentEvent]:
         if not text:

@@ -134,6 +134,7 @@ class StreamPump(Writer):
                 return await self._end(self._begin() + data)  # type: ignore[operator]
             await self._write(self._begin() + data)  # type: ignore[operator]
             data = b""  # an idle stream does not keep its first output
+            self.reader.sink = self._push
             async for batch in batches:
                 data = renderer.feed(batch)
                 self._count(len(batch))
@@ -299,6 +300,35 @@ class StreamPump(Writer):
             await write(piece)
             self._wrote()  # each slice is timed on its own: a slow reader takes them
             self._sent(len(piece))
+
+    def _push(self, batch: list[StreamEvent]) -> bool:
+        """The reader's sink (:class:`~nexus.cache.run.RunReader`): render and write
+        ``batch`` in the producer's task, when nothing else is being written and the
+        socket takes more; else False, and this pump's task reads it.
+
+        The write cannot wait there: with writing not paused, aiohttp's ``write()``
+        returns at once. Should the socket fill with these very bytes, they are with
+        the transport already; the wait for it to drain is left to the next write,
+        which this task makes (a paused socket is never pushed to).
+        """
+        response = self.response
+        if self._writing or self._ended or response is None or self.request.transport is None:
+            return False
+        if self.request.protocol.writing_paused:
+            return False
+        data = self.renderer.feed(batch)
+        self._count(len(batch))
+        if data:
+            write = response.write(data)
+            try:
+                write.send(None)
+            except StopIteration:
+                pass
+            else:
+                write.close()
+            self._wrote()
+            self.exchange.bytes += len(data)
+        return True
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size

@@ -103,6 +103,7 @@ class StreamPump(Writer):
         self._shutting_down = False
         self._ended = False
         self._last: StreamEvent | None = None  # the last event of the first output
+        self._protocol = request.protocol
 
     def shutdown(self) -> None:
         """Cancel this stream for server shutdown (see the module docstring)."""
@@ -312,10 +313,11 @@ class StreamPump(Writer):
         which this task makes (a paused socket is never pushed to).
         """
         response = self.response
-        if self._writing or self._ended or response is None or self.request.transport is None:
+        protocol = self._protocol
+        if self._writing or self._ended or response is None or protocol.writing_paused:
             return False
-        if self.request.protocol.writing_paused:
-            return False
+        if protocol.transport is None:
+            return False  # the client left: this pump's task finds out
         data = self.renderer.feed(batch)
         self._count(len(batch))
         if data:

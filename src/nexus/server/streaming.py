@@ -11,7 +11,11 @@ heartbeat, disconnect and shutdown:
   interval passes first, the headers go out with a heartbeat, and failures
   travel in the stream from then on.
 * **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`)
-  reads the provider; the pump follows the log. When its client leaves, the
+  reads the provider; the pump follows the log. Once caught up, the pump has
+  each new batch pushed to it (:meth:`StreamPump._push`): rendered and written
+  in the producer's task while the socket takes it, so that an upstream read
+  wakes one task, as in a byte-copying proxy; a batch it leaves (a write under
+  way, a full socket) wakes the pump's task instead. When its client leaves, the
   reader detaches: the last reader of a stream that is not resumable cancels
   it at once; a resumable one runs on for ``[streams] detach_timeout_s``.
 * **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's

@@ -7,7 +7,8 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from nexus.cache.run import RunReader, StreamRun
+from nexus.cache.readers import RunReader
+from nexus.cache.run import StreamRun
 from nexus.cache.store import StreamInfo
 from nexus.events import Delta, Done, StreamEvent
 from nexus.stream import Stream

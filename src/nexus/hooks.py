@@ -325,7 +325,7 @@ class StreamObserver:
     :meth:`watch` for a stream read from Python.
     """
 
-    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "meta", "settled", "wants_final")
+    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "meta", "wants_final")
 
     def __init__(self, hooks: Hooks, ctx: CallContext, meta: StreamMeta) -> None:
         self._hooks = hooks
@@ -335,8 +335,6 @@ class StreamObserver:
         self.chunks = bool(hooks._chunk)
         """Some plugin watches chunks: else a read costs the observer nothing."""
         self.wants_final = hooks._final
-        self.settled = False
-        """The stream's end is decided and its end hooks run: a cancel must not cut them."""
 
     def watch(self, stream: Stream) -> Stream:
         """``stream`` with the hooks firing as it is read; closed before its end (or
@@ -439,7 +437,6 @@ async def _observe(
         raise
     finally:
         link.clear()
-        observer.settled = True
         try:
             await source.close()
         finally:

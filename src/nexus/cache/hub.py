@@ -40,9 +40,9 @@ from ..watchdog import Watchdog
 from .admission import Admission
 from .keeper import Keeper
 from .limits import KeyLimits
-from .readers import StoreReader
+from .readers import RunReader, StoreReader
 from .recording import cache_key, replay
-from .run import RunReader, StreamRun
+from .run import StreamRun
 from .store import Store, StreamInfo
 
 __all__ = ["Opened", "StreamHub"]

@@ -2,8 +2,8 @@
 
 :class:`StreamRun` reads its source (the engine's stream, or a replayed recording)
 in a task of its own into ``events``, whose last entry is terminal (:class:`Done`
-or an :class:`Error`). A :class:`RunReader` follows the log from any index and gets
-all that arrived since its last read as one batch.
+or an :class:`Error`). A :class:`~nexus.cache.readers.RunReader` follows the log from
+any index and gets all that arrived since its last read as one batch.
 
 When the last reader leaves, a *resumable* stream (``info.resumable``) runs on for
 ``detach_timeout_s``, then ends with ``stream_detached`` if nobody came back; any
@@ -21,10 +21,9 @@ the terminal entry is appended.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
@@ -36,7 +35,10 @@ from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
-__all__ = ["LEASE_POLL_S", "LogReader", "Push", "RunReader", "StreamRun", "too_long"]
+__all__ = ["LEASE_POLL_S", "MAX_BATCH", "LogReader", "Push", "StreamRun", "too_long"]
+
+if TYPE_CHECKING:
+    from .readers import RunReader
 
 log = logging.getLogger("nexus.streams")
 
@@ -53,8 +55,7 @@ reader's sink renders and writes it then), False to leave it to the reader's tas
 class LogReader(Protocol):
     """What the pump reads: a log's entries in batches, from where it was opened.
     ``failure``: the error a local source raised before any event (an HTTP status).
-    ``sink``: where a caught-up reader of a local run has each new batch pushed (see
-    :class:`RunReader`); readers that cannot push ignore it."""
+    ``sink``: see :class:`~nexus.cache.readers.RunReader` (others ignore it)."""
 
     meta: StreamMeta
     sink: Push | None
@@ -63,12 +64,10 @@ class LogReader(Protocol):
     def failure(self) -> GatewayError | None: ...
 
     @property
-    def spend(self) -> Spend | None:
-        """What the stream spent, once it ended here (None: not yet, or elsewhere)."""
+    def spend(self) -> Spend | None: ...  # once it ended here (None: not yet, or elsewhere)
 
     @property
-    def served(self) -> StreamMeta:
-        """The stream's meta now (after a fallback, the target that answered)."""
+    def served(self) -> StreamMeta: ...  # the meta now (after a fallback: who answered)
 
     async def settled_spend(self, wait_s: float) -> Spend | None:
         """:attr:`spend`, after up to ``wait_s`` for a stream being cancelled (its last
@@ -169,6 +168,7 @@ class StreamRun:
         self._cancel_with: StreamEvent | None = None
         self._task: asyncio.Task[None] | None = None
         self._running = False
+        self._settled = False
         self._finished = self._loop.create_future()
 
     def start(self, *, detached: bool = False) -> None:
@@ -191,15 +191,14 @@ class StreamRun:
             self.cancel(too_long(self._max_duration_s))
 
     def reader(self, start: int = 0) -> RunReader:
+        from .readers import RunReader  # which imports this module
+
         return RunReader(self, start)
 
     def cancel(self, terminal: StreamEvent) -> None:
         """End the stream now; ``terminal`` closes the log (unless it already ended)."""
-        observer = self._observer
-        if self.finished or self._task is None or self._cancel_with is not None:
-            return  # once: a second cancel must not cut the end hooks the first one runs
-        if observer is not None and observer.settled:
-            return  # the end is decided: its hooks run
+        if self.finished or self._task is None or self._cancel_with is not None or self._settled:
+            return  # once, and never once the end is decided: its end hooks run
         self._cancel_with = terminal
         if self._running:
             self._task.cancel()
@@ -225,11 +224,9 @@ class StreamRun:
                 raise
 
     def _waiter(self, push: Push | None = None) -> asyncio.Future[None]:
-        """A future done at the next entry, for the caller to await itself (an idle
-        reader then holds no frame of this run's); :meth:`_drop` it if cancelled.
-
-        ``push``: offered each new batch first; while it takes them (returns True),
-        the future stays pending (see :class:`RunReader`)."""
+        """A future done at the next entry (or batch ``push`` did not take), for the
+        caller to await itself (an idle reader then holds no frame of this run's);
+        :meth:`_drop` it if cancelled."""
         waiter = self._loop.create_future()
         self._waiters.append((waiter, push))
         return waiter
@@ -305,9 +302,8 @@ class StreamRun:
                 retryable=True,
             )
         self.size = size
-        self._running = False  # the end is decided: cancel() must not cut the end hooks
-        if observer is not None:
-            observer.settled = True
+        self._running = False
+        self._settled = True  # the end is decided: cancel() must not cut the end hooks
         try:
             await source.close()
         except Exception:
@@ -437,93 +433,3 @@ MAX_BATCH = 256
 """Most events a reader returns at once. Live batches are what upstream delivered
 together and are smaller; a backlog (a late attach, a resume, a replay) comes in
 slices of this many, so that a connection renders and holds a slice, not a log."""
-
-
-class RunReader:
-    """Follows a local run's log from ``start``; attached until :meth:`close`.
-
-    With a ``sink``, a reader waiting at the end of the log has each new batch handed
-    to it by the producer, in the producer's task: while the sink takes them, the
-    reader's own task sleeps on (one task woken per upstream read, not two). What
-    the sink leaves (False) wakes the reader, which returns it; what it raised is
-    raised by the reader's next read instead.
-    """
-
-    __slots__ = ("_closed", "_error", "_index", "_run", "meta", "sink")
-
-    def __init__(self, run: StreamRun, start: int = 0) -> None:
-        self._run = run
-        self._index = start
-        self._closed = False
-        self._error: Exception | None = None
-        self.meta = run.info.meta
-        self.sink: Push | None = None
-        run._attach()
-
-    @property
-    def failure(self) -> GatewayError | None:
-        return self._run.failure
-
-    @property
-    def attached(self) -> bool:
-        """Not closed yet: it counts among its run's readers."""
-        return not self._closed
-
-    @property
-    def spend(self) -> Spend | None:
-        return self._run.spend
-
-    @property
-    def served(self) -> StreamMeta:
-        return self._run.info.meta
-
-    async def settled_spend(self, wait_s: float) -> Spend | None:
-        run = self._run
-        if not run.finished and not run.attached and not run.info.resumable:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await run.wait()
-        return run.spend
-
-    def __aiter__(self) -> RunReader:
-        return self
-
-    async def __anext__(self) -> list[StreamEvent]:
-        run = self._run
-        while True:
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error
-            events = run.events
-            index = self._index
-            if index < len(events):
-                end = min(len(events), index + MAX_BATCH)
-                self._index = end
-                return events[index:end]
-            if run.finished:
-                raise StopAsyncIteration
-            waiter = run._waiter(None if self.sink is None else self._push)
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                run._drop(waiter)
-                raise
-
-    def _push(self, batch: list[StreamEvent]) -> bool:
-        end = len(self._run.events)
-        if self._index + len(batch) != end or self.sink is None:
-            return False
-        try:
-            taken = self.sink(batch)
-        except Exception as exc:
-            self._index = end  # rendered: its failure is what the reader returns next
-            self._error = exc
-            return False
-        if taken:
-            self._index = end
-        return taken
-
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._run._detach()

@@ -307,7 +307,7 @@ class StreamPump(Writer):
             self._sent(len(piece))
 
     def _push(self, batch: list[StreamEvent]) -> bool:
-        """The reader's sink (:class:`~nexus.cache.run.RunReader`): render and write
+        """The reader's sink (:class:`~nexus.cache.readers.RunReader`): render and write
         ``batch`` in the producer's task, when nothing else is being written and the
         socket takes more; else False, and this pump's task reads it.
 

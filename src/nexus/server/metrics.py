@@ -1,8 +1,8 @@
 """Prometheus metrics, one registry per app (``GET /metrics``).
 
 Counted at the edges, never per event: the access middleware counts and times
-requests, the pump adds events and bytes once per stream (at its end), the hub's hooks
-see streams start and end (spend is counted once per stream, estimated for one cut short), and
+requests, the pump adds events and bytes once per write, the hub's hooks see streams
+start and end (spend is counted once per stream, estimated for one cut short), and
 the providers, the store and the hub report pool waits, store errors and mirror
 states through callbacks (:meth:`Metrics.watch`).
 

@@ -185,9 +185,6 @@ class StreamPump(Writer):
                     await self._end(renderer.fail(event))
             return self.response
         finally:
-            if self._events is not None and self._bytes is not None:
-                self._events.inc(self.exchange.events)  # once a stream, not a write
-                self._bytes.inc(self.exchange.bytes)
             self._settle()
             self._watch(False)
             if self._active is not None:
@@ -257,6 +254,8 @@ class StreamPump(Writer):
 
     def _count(self, events: int) -> None:
         self.exchange.events += events
+        if self._events is not None:
+            self._events.inc(events)
 
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
@@ -292,7 +291,7 @@ class StreamPump(Writer):
         finally:
             self._writing -= 1
         self._wrote()
-        self.exchange.bytes += len(data)
+        self._sent(len(data))
 
     async def _write_sliced(self, data: bytes) -> None:
         """Write a large output in slices: the transport never holds more than about one
@@ -333,11 +332,13 @@ class StreamPump(Writer):
             else:
                 write.close()
             self._wrote()
-            self.exchange.bytes += len(data)
+            self._sent(len(data))
         return True
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size
+        if self._bytes is not None:
+            self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
         """Write the last bytes and the end of the body; nothing goes after them."""

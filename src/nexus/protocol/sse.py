@@ -87,23 +87,22 @@ class SSEDecoder:
 
     def decode(self, chunk: bytes) -> list[ServerSentEvent]:
         """Feed bytes; return the events completed by them."""
-        events, payloads = self._read(chunk)
+        events, payloads, last_id = self._read(chunk)
         if payloads:
-            last_id = self._last_id
             events += [ServerSentEvent(data, "message", last_id) for data in payloads]
         return events
 
     def decode_data(self, chunk: bytes) -> list[str]:
         """:meth:`decode`, giving only each event's data: for upstreams whose events are
         told apart by their JSON, not their ``event:`` names (OpenAI)."""
-        events, payloads = self._read(chunk)
+        events, payloads, _ = self._read(chunk)
         if events:
             return [event.data for event in events] + payloads
         return payloads
 
-    def _read(self, chunk: bytes) -> tuple[list[ServerSentEvent], list[str]]:
+    def _read(self, chunk: bytes) -> tuple[list[ServerSentEvent], list[str], str]:
         """The events ``chunk`` completes: those read by the line rules, then the data of
-        whole events cut on bytes.
+        whole events cut on bytes, and the last event id in force for those.
 
         Most reads of every upstream are whole events of one ``data: `` line each, often
         one: from a plain state (:meth:`_plain`) they are cut with a ``find`` or a
@@ -114,24 +113,26 @@ class SSEDecoder:
         if not self._plain():
             end = chunk.find(b"\n\n") if self._clean and not self._skip_lf else -1
             if end < 0:
-                return self._general(chunk), []
+                return self._general(chunk), [], ""
             events = self._general(chunk[: end + 2])
             chunk = chunk[end + 2 :]
             if not self._plain():
-                return events + self._general(chunk), []
+                return events + self._general(chunk), [], ""
         first = chunk.find(b"\n")
         if first < 0 or not chunk.startswith(b"data: ") or b"\r" in chunk:
-            return events + self._general(chunk), []
+            return events + self._general(chunk), [], ""
+        last_id = self._last_id
         if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read
-            return events, [chunk[6:first].decode("utf-8", "replace")]
+            return events, [chunk[6:first].decode("utf-8", "replace")], last_id
         # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after each.
         cut = chunk.rfind(b"\n\n")
         data = chunk[6:cut].split(b"\n\ndata: ")
         if cut < 0 or chunk.count(b"\n", 0, cut + 2) != 2 * len(data):
-            return events + self._general(chunk), []
+            return events + self._general(chunk), [], ""
         if cut + 2 < len(chunk):
-            self._general(chunk[cut + 2 :])  # a partial event: no blank line, nothing dispatched
-        return events, [payload.decode("utf-8", "replace") for payload in data]
+            # A partial event: no blank line, nothing dispatched (its id: line is the next's).
+            self._general(chunk[cut + 2 :])
+        return events, [payload.decode("utf-8", "replace") for payload in data], last_id
 
     def _general(self, chunk: bytes) -> list[ServerSentEvent]:
         text = self._text.decode(chunk)

@@ -399,3 +399,11 @@ def test_decode_data_gives_payloads_of_whole_and_split_events() -> None:
     assert decoder.decode_data(b'data: {"a":1}\n\ndata: {"b"') == ['{"a":1}']
     assert decoder.decode_data(b":2}\n\ndata: [DONE]\n\n") == ['{"b":2}', "[DONE]"]
     assert decoder.decode_data(b"event: x\ndata: y\n\n: ping\n\n") == ["y"]
+
+
+def test_whole_events_keep_the_id_in_force_before_a_partial_event_after_them() -> None:
+    decoder = SSEDecoder()
+    decoder.decode(b": start\n\n")
+    assert decoder.decode(b"data: a\n\nid: 7\n") == [Ev(data="a")]  # id 7 is the next event's
+    assert decoder.decode(b"data: b\n\n") == [Ev(data="b", id="7")]
+    assert decoder.decode(b"data: c\n\n") == [Ev(data="c", id="7")]

@@ -63,7 +63,7 @@ import orjson
 
 from .errors import ConfigError, GatewayError, RegistryFrozen
 from .events import Done, Error, StreamEvent
-from .pricing import NOTHING, UNKNOWN, PriceTable, Spend, Tally, terminal_ok
+from .pricing import UNKNOWN, PriceTable, Spend, Tally, terminal_ok
 from .request import ChatRequest
 from .stream import Merger, Stream
 from .types import Completion, StreamMeta
@@ -320,11 +320,12 @@ class Hooks:
 class StreamObserver:
     """One stream's hook calls: its chunk count, its end. Made by :meth:`Hooks.observe`.
 
-    :meth:`watch` is where they fire, for every caller (the engine's Python API and
-    the hub's runs alike): :meth:`chunk` for each data event, :meth:`end` once.
+    Its driver calls :meth:`chunks_of` for each read (when :attr:`chunks`) and
+    :meth:`end` once: a hub's run (:class:`~nexus.cache.run.StreamRun`), or
+    :meth:`watch` for a stream read from Python.
     """
 
-    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "ending", "meta", "settled", "wants_final")
+    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "meta", "wants_final")
 
     def __init__(self, hooks: Hooks, ctx: CallContext, meta: StreamMeta) -> None:
         self._hooks = hooks
@@ -332,24 +333,25 @@ class StreamObserver:
         self.ctx = ctx
         self.meta = meta
         self.chunks = bool(hooks._chunk)
+        """Some plugin watches chunks: else a read costs the observer nothing."""
         self.wants_final = hooks._final
-        self.ending: StreamEvent | None = None
-        """Why the reader closes the stream early (a run's cancel, its size limit): the
-        end hooks get it instead of ``stream_cancelled``."""
-        self.settled = False
-        """The stream's end is decided and its end hooks run: a cancel must not cut them."""
 
-    def watch(self, stream: Stream, *, free: bool = False) -> Stream:
+    def watch(self, stream: Stream) -> Stream:
         """``stream`` with the hooks firing as it is read; closed before its end (or
-        cancelled) it ends with :attr:`ending`, else ``stream_cancelled``. ``free``: it
-        spends nothing (a replayed recording)."""
+        cancelled) it ends with ``stream_cancelled``."""
         link: list[Stream] = []  # the outer stream, until its meta is settled
-        outer = Stream.of_batches(_observe(stream, self, link, free), stream.meta)
+        outer = Stream.of_batches(_observe(stream, self, link), stream.meta)
         link.append(outer)
         return outer
 
-    async def chunk(self, event: StreamEvent) -> None:
-        """Count a data event; call the chunk hooks whose turn it is."""
+    async def chunks_of(self, batch: list[StreamEvent]) -> None:
+        """Count the data events of one read; call the chunk hooks whose turn it is."""
+        for event in batch:
+            cls = type(event)
+            if cls is not Error and cls is not Done:
+                await self._chunk(event)
+
+    async def _chunk(self, event: StreamEvent) -> None:
         self._seen = seen = self._seen + 1
         size = -1
         for name, hook, every in self._hooks._chunk:
@@ -400,7 +402,7 @@ class StreamObserver:
 
 
 async def _observe(
-    source: Stream, observer: StreamObserver, link: list[Stream], free: bool
+    source: Stream, observer: StreamObserver, link: list[Stream]
 ) -> AsyncGenerator[list[StreamEvent], None]:
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -411,14 +413,14 @@ async def _observe(
     count = tallied.add
     try:
         while batch := await source.read_batch():
+            if chunks:
+                await observer.chunks_of(batch)
             for event in batch:
                 cls = type(event)
                 if cls is Error:
                     terminal = event
                 elif cls is not Done:
                     count(event)
-                    if chunks:
-                        await observer.chunk(event)
                     if merger is not None:
                         merger.add(event)
             if link:
@@ -431,20 +433,16 @@ async def _observe(
         terminal = terminal or _BROKEN
         raise
     except BaseException:  # closed before the end (GeneratorExit), or cancelled
-        terminal = terminal or observer.ending or _CLOSED
+        terminal = terminal or _CLOSED
         raise
     finally:
         link.clear()
-        observer.settled = True
         try:
             await source.close()
         finally:
-            end = terminal or observer.ending or Done()
+            end = terminal or Done()
             meta = observer.meta = source.meta
-            complete = terminal_ok(end)
-            spend = (
-                NOTHING if free else observer._hooks.prices.spend(tallied, meta, complete=complete)
-            )
+            spend = observer._hooks.prices.spend(tallied, meta, complete=terminal_ok(end))
             await observer.end(
                 end,
                 loop.time() - start,

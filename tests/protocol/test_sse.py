@@ -377,6 +377,11 @@ def data_heavy_streams(draw: st.DrawFn) -> bytes:
 @settings(max_examples=400, database=None, deadline=None)
 @given(data=st.data(), stream=data_heavy_streams())
 def test_fast_path_decodes_as_the_general_rules(data: st.DataObject, stream: bytes) -> None:
+    # A leading BOM, or a byte that is not UTF-8, must read the same either way.
+    stream = data.draw(st.sampled_from([b"", b"\xef\xbb\xbf", b"\xef\xbb"])) + stream
+    if stream and data.draw(st.booleans()):
+        at = data.draw(st.integers(min_value=0, max_value=len(stream)))
+        stream = stream[:at] + b"\xff" + stream[at:]
     cuts = data.draw(st.lists(st.integers(min_value=0, max_value=len(stream)), max_size=8))
     bounds = [0, *sorted(cuts), len(stream)]
     chunks = [stream[a:b] for a, b in itertools.pairwise(bounds)]
@@ -394,3 +399,11 @@ def test_decode_data_gives_payloads_of_whole_and_split_events() -> None:
     assert decoder.decode_data(b'data: {"a":1}\n\ndata: {"b"') == ['{"a":1}']
     assert decoder.decode_data(b":2}\n\ndata: [DONE]\n\n") == ['{"b":2}', "[DONE]"]
     assert decoder.decode_data(b"event: x\ndata: y\n\n: ping\n\n") == ["y"]
+
+
+def test_whole_events_keep_the_id_in_force_before_a_partial_event_after_them() -> None:
+    decoder = SSEDecoder()
+    decoder.decode(b": start\n\n")
+    assert decoder.decode(b"data: a\n\nid: 7\n") == [Ev(data="a")]  # id 7 is the next event's
+    assert decoder.decode(b"data: b\n\n") == [Ev(data="b", id="7")]
+    assert decoder.decode(b"data: c\n\n") == [Ev(data="c", id="7")]

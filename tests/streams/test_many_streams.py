@@ -31,7 +31,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from nexus.cache.run import RunReader, StreamRun
+from nexus.cache.readers import RunReader
+from nexus.cache.run import StreamRun
 from nexus.protocol.sse import SSEDecoder
 from nexus.server.routes.realtime import RealtimeConnection
 from nexus.server.state import HUB, RUNTIME

@@ -40,9 +40,9 @@ from ..watchdog import Watchdog
 from .admission import Admission
 from .keeper import Keeper
 from .limits import KeyLimits
-from .readers import StoreReader
+from .readers import RunReader, StoreReader
 from .recording import cache_key, replay
-from .run import RunReader, StreamRun
+from .run import StreamRun
 from .store import Store, StreamInfo
 
 __all__ = ["Opened", "StreamHub"]
@@ -323,9 +323,6 @@ class StreamHub:
     ) -> StreamRun:
         """Run it, watched by the hooks (``store.begin`` done, unless not ``stored``);
         the keeper looks after its log."""
-        observer = self.engine.hooks.observe(ctx, info.meta)
-        if observer is not None:
-            source = observer.watch(source, free=replayed)
         run = StreamRun(
             info,
             source,
@@ -333,7 +330,7 @@ class StreamHub:
             max_log_bytes=self.streams.max_log_bytes,
             leased=(lambda: self.store.leased(info.id)) if self.store.shared else None,
             max_duration_s=self.max_duration_s,
-            observer=observer,
+            observer=self.engine.hooks.observe(ctx, info.meta),
             timed=record is not None,
             watchdog=self.watchdog,
             prices=self.engine.prices,

@@ -1,8 +1,7 @@
-"""Reading a stream from its log: a store's log (:class:`StoreReader`), and the
-helpers every reader's owner uses (:func:`leave`, :func:`with_usage`).
-
-A local run's log is read by :class:`~nexus.cache.run.RunReader`; both are
-:class:`~nexus.cache.run.LogReader`\\ s, iterated asynchronously in batches.
+"""Reading a stream from its log: a local run's (:class:`RunReader`), a store's
+(:class:`StoreReader`), and the helpers every reader's owner uses (:func:`leave`,
+:func:`with_usage`). Both are :class:`~nexus.cache.run.LogReader`\\ s, iterated
+asynchronously in batches.
 """
 
 from __future__ import annotations
@@ -16,10 +15,98 @@ from ..errors import GatewayError
 from ..events import Done, StreamEvent
 from ..pricing import Spend
 from ..types import StreamMeta
-from .run import MAX_BATCH, LogReader, RunReader, StreamRun
+from .run import MAX_BATCH, LogReader, Push, StreamRun
 from .store import Store, StreamInfo
 
-__all__ = ["StoreReader", "leave", "with_usage"]
+__all__ = ["RunReader", "StoreReader", "leave", "with_usage"]
+
+
+class RunReader:
+    """Follows a local run's log from ``start``; attached until :meth:`close`.
+
+    With a ``sink``, a reader waiting at the end of the log has each new batch pushed
+    to it in the producer's task; its own task sleeps on (one task woken per upstream
+    read, not two). A batch the sink leaves wakes the reader, which returns it; what
+    the sink raised, the reader's next read raises."""
+
+    __slots__ = ("_closed", "_error", "_index", "_run", "meta", "sink")
+
+    def __init__(self, run: StreamRun, start: int = 0) -> None:
+        self._run = run
+        self._index = start
+        self._closed = False
+        self._error: Exception | None = None
+        self.meta = run.info.meta
+        self.sink: Push | None = None
+        run._attach()
+
+    @property
+    def failure(self) -> GatewayError | None:
+        return self._run.failure
+
+    @property
+    def attached(self) -> bool:
+        """Not closed yet: it counts among its run's readers."""
+        return not self._closed
+
+    @property
+    def spend(self) -> Spend | None:
+        return self._run.spend
+
+    @property
+    def served(self) -> StreamMeta:
+        return self._run.info.meta
+
+    async def settled_spend(self, wait_s: float) -> Spend | None:
+        run = self._run
+        if not run.finished and not run.attached and not run.info.resumable:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await run.wait()
+        return run.spend
+
+    def __aiter__(self) -> RunReader:
+        return self
+
+    async def __anext__(self) -> list[StreamEvent]:
+        run = self._run
+        while True:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            events = run.events
+            index = self._index
+            if index < len(events):
+                end = min(len(events), index + MAX_BATCH)
+                self._index = end
+                return events[index:end]
+            if run.finished:
+                raise StopAsyncIteration
+            waiter = run._waiter(None if self.sink is None else self._push)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                run._drop(waiter)
+                raise
+
+    def _push(self, batch: list[StreamEvent]) -> bool:
+        end = len(self._run.events)
+        if self._index + len(batch) != end or self.sink is None:
+            return False
+        try:
+            taken = self.sink(batch)
+        except Exception as exc:
+            self._index = end  # rendered: its failure is what the reader returns next
+            self._error = exc
+            return False
+        if taken:
+            self._index = end
+        return taken
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._run._detach()
 
 
 class StoreReader:
@@ -31,6 +118,7 @@ class StoreReader:
 
     failure: GatewayError | None = None
     spend: Spend | None = None  # counted where the stream ran
+    sink: Push | None = None  # not pushed: read in the reader's task
 
     def __init__(self, store: Store, info: StreamInfo, start: int, detach_timeout_s: float):
         self.meta = info.meta

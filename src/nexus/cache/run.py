@@ -2,8 +2,8 @@
 
 :class:`StreamRun` reads its source (the engine's stream, or a replayed recording)
 in a task of its own into ``events``, whose last entry is terminal (:class:`Done`
-or an :class:`Error`). A :class:`RunReader` follows the log from any index and gets
-all that arrived since its last read as one batch.
+or an :class:`Error`). A :class:`~nexus.cache.readers.RunReader` follows the log from
+any index and gets all that arrived since its last read as one batch.
 
 When the last reader leaves, a *resumable* stream (``info.resumable``) runs on for
 ``detach_timeout_s``, then ends with ``stream_detached`` if nobody came back; any
@@ -12,30 +12,33 @@ to generate for nobody). With a shared store, another replica's lease keeps eith
 running (checked every ``LEASE_POLL_S``). A log past ``max_log_bytes`` ends with
 ``stream_too_large``; :meth:`StreamRun.cancel` ends it with the entry given.
 
-A run fires no hooks: they watch its source (:meth:`~nexus.hooks.StreamObserver.watch`),
-so the end hooks have run when the source is closed, before the terminal entry is
-appended. A run that ends its source early tells the ``observer`` why.
+A run drives its ``observer`` (:class:`~nexus.hooks.StreamObserver`) itself, with no
+layer between its source and its log: the chunk hooks see each read before it is
+logged, and the end hooks (given the spend and the merge of the log) have run before
+the terminal entry is appended.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
 from ..hooks import StreamObserver
 from ..pricing import NOTHING, PriceTable, Spend, tally, terminal_ok
-from ..stream import Stream
+from ..stream import Stream, merge_events
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
-__all__ = ["LEASE_POLL_S", "LogReader", "RunReader", "StreamRun", "too_long"]
+__all__ = ["LEASE_POLL_S", "MAX_BATCH", "LogReader", "Push", "StreamRun", "too_long"]
+
+if TYPE_CHECKING:
+    from .readers import RunReader
 
 log = logging.getLogger("nexus.streams")
 
@@ -44,22 +47,27 @@ LEASE_POLL_S = 1.0
 whether another replica's reader still holds a lease on it (leases last at least 2 s)."""
 
 
+Push = Callable[[list[StreamEvent]], bool]
+"""Takes a batch as it is logged, in the producer's task: True when it took it (a
+reader's sink renders and writes it then), False to leave it to the reader's task."""
+
+
 class LogReader(Protocol):
     """What the pump reads: a log's entries in batches, from where it was opened.
-    ``failure``: the error a local source raised before any event (an HTTP status)."""
+    ``failure``: the error a local source raised before any event (an HTTP status).
+    ``sink``: see :class:`~nexus.cache.readers.RunReader` (others ignore it)."""
 
     meta: StreamMeta
+    sink: Push | None
 
     @property
     def failure(self) -> GatewayError | None: ...
 
     @property
-    def spend(self) -> Spend | None:
-        """What the stream spent, once it ended here (None: not yet, or elsewhere)."""
+    def spend(self) -> Spend | None: ...  # once it ended here (None: not yet, or elsewhere)
 
     @property
-    def served(self) -> StreamMeta:
-        """The stream's meta now (after a fallback, the target that answered)."""
+    def served(self) -> StreamMeta: ...  # the meta now (after a fallback: who answered)
 
     async def settled_spend(self, wait_s: float) -> Spend | None:
         """:attr:`spend`, after up to ``wait_s`` for a stream being cancelled (its last
@@ -154,12 +162,13 @@ class StreamRun:
         self.on_finish: Callable[[StreamRun], object] | None = None
         """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[tuple[asyncio.Future[None], Push | None]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._lease_check: asyncio.Task[None] | None = None
         self._cancel_with: StreamEvent | None = None
         self._task: asyncio.Task[None] | None = None
         self._running = False
+        self._settled = False
         self._finished = self._loop.create_future()
 
     def start(self, *, detached: bool = False) -> None:
@@ -182,17 +191,14 @@ class StreamRun:
             self.cancel(too_long(self._max_duration_s))
 
     def reader(self, start: int = 0) -> RunReader:
+        from .readers import RunReader  # which imports this module
+
         return RunReader(self, start)
 
     def cancel(self, terminal: StreamEvent) -> None:
         """End the stream now; ``terminal`` closes the log (unless it already ended)."""
-        observer = self._observer
-        if self.finished or self._task is None or self._cancel_with is not None:
-            return  # once: a second cancel must not cut the end hooks the first one runs
-        if observer is not None:
-            if observer.settled:
-                return  # the end is decided: its hooks run
-            observer.ending = terminal
+        if self.finished or self._task is None or self._cancel_with is not None or self._settled:
+            return  # once, and never once the end is decided: its end hooks run
         self._cancel_with = terminal
         if self._running:
             self._task.cancel()
@@ -217,17 +223,17 @@ class StreamRun:
                 self._drop(waiter)
                 raise
 
-    def _waiter(self) -> asyncio.Future[None]:
-        """A future done at the next entry, for the caller to await itself (an idle
-        reader then holds no frame of this run's); :meth:`_drop` it if cancelled."""
+    def _waiter(self, push: Push | None = None) -> asyncio.Future[None]:
+        """A future done at the next entry (or batch ``push`` did not take), for the
+        caller to await itself (an idle reader then holds no frame of this run's);
+        :meth:`_drop` it if cancelled."""
         waiter = self._loop.create_future()
-        self._waiters.append(waiter)
+        self._waiters.append((waiter, push))
         return waiter
 
     def _drop(self, waiter: asyncio.Future[None]) -> None:
         """A reader that leaves an idle stream must not leave its waiter behind."""
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+        self._waiters = [entry for entry in self._waiters if entry[0] is not waiter]
 
     async def _produce(self) -> None:
         source = self._source
@@ -242,6 +248,8 @@ class StreamRun:
         unyielded = 0
         ended = False
         read = source.read_batch
+        observer = self._observer
+        chunks = observer is not None and observer.chunks
         try:
             if self._cancel_with is not None:
                 raise asyncio.CancelledError
@@ -249,6 +257,8 @@ class StreamRun:
             if source.meta is not self.info.meta:  # a fallback target answered
                 self.info.meta = source.meta
             while batch:
+                if chunks:
+                    await observer.chunks_of(batch)  # type: ignore[union-attr]
                 added = _size(batch)
                 if added < 0:
                     batch, error, added = _without_terminals(batch)
@@ -260,7 +270,7 @@ class StreamRun:
                 if offsets is not None:
                     offsets += [now() - start] * len(batch)
                 if self._waiters:
-                    self._wake()
+                    self._wake(batch)
                 if ended:
                     break
                 if size > limit:
@@ -269,8 +279,6 @@ class StreamRun:
                         f"The stream passed the gateway's limit of {limit} bytes "
                         "([streams] max_log_bytes) and was ended.",
                     )
-                    if self._observer is not None:
-                        self._observer.ending = terminal
                     break
                 unyielded += len(batch)
                 if unyielded >= 256:
@@ -294,14 +302,23 @@ class StreamRun:
                 retryable=True,
             )
         self.size = size
-        self._running = False  # the end is decided: cancel() must not cut the end hooks
+        self._running = False
+        self._settled = True  # the end is decided: cancel() must not cut the end hooks
         try:
-            await source.close()  # the end hooks run here
+            await source.close()
         except Exception:
             log.exception("closing the source of stream %s failed", self.id)
         finally:
             self.spend = self._spent(terminal)
-            self._finish(terminal, now() - start)
+            try:
+                if observer is not None:
+                    meta = observer.meta = self.info.meta
+                    log_events = self.events
+                    await observer.end(
+                        terminal, now() - start, lambda: merge_events(log_events, meta), self.spend
+                    )
+            finally:
+                self._finish(terminal, now() - start)
 
     def _spent(self, terminal: StreamEvent) -> Spend:
         """The stream's spend, from its log (once, at its end)."""
@@ -324,11 +341,17 @@ class StreamRun:
         if self.on_finish is not None:
             self.on_finish(self)
 
-    def _wake(self) -> None:
+    def _wake(self, batch: list[StreamEvent] | None = None) -> None:
+        """Hand ``batch`` (just logged) to the readers that take it, wake the others."""
         waiters = self._waiters
-        self._waiters = []
-        for waiter in waiters:
-            if not waiter.done():
+        self._waiters = kept = []
+        for entry in waiters:
+            waiter, push = entry
+            if waiter.done():
+                continue
+            if push is not None and batch is not None and push(batch):
+                kept.append(entry)
+            else:
                 waiter.set_result(None)
 
     # Attachment.
@@ -410,67 +433,3 @@ MAX_BATCH = 256
 """Most events a reader returns at once. Live batches are what upstream delivered
 together and are smaller; a backlog (a late attach, a resume, a replay) comes in
 slices of this many, so that a connection renders and holds a slice, not a log."""
-
-
-class RunReader:
-    """Follows a local run's log from ``start``; attached until :meth:`close`."""
-
-    __slots__ = ("_closed", "_index", "_run", "meta")
-
-    def __init__(self, run: StreamRun, start: int = 0) -> None:
-        self._run = run
-        self._index = start
-        self._closed = False
-        self.meta = run.info.meta
-        run._attach()
-
-    @property
-    def failure(self) -> GatewayError | None:
-        return self._run.failure
-
-    @property
-    def attached(self) -> bool:
-        """Not closed yet: it counts among its run's readers."""
-        return not self._closed
-
-    @property
-    def spend(self) -> Spend | None:
-        return self._run.spend
-
-    @property
-    def served(self) -> StreamMeta:
-        return self._run.info.meta
-
-    async def settled_spend(self, wait_s: float) -> Spend | None:
-        run = self._run
-        if not run.finished and not run.attached and not run.info.resumable:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await run.wait()
-        return run.spend
-
-    def __aiter__(self) -> RunReader:
-        return self
-
-    async def __anext__(self) -> list[StreamEvent]:
-        run = self._run
-        while True:
-            events = run.events
-            index = self._index
-            if index < len(events):
-                end = min(len(events), index + MAX_BATCH)
-                self._index = end
-                return events[index:end]
-            if run.finished:
-                raise StopAsyncIteration
-            waiter = run._waiter()
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                run._drop(waiter)
-                raise
-
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._run._detach()

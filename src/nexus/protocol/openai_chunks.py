@@ -57,7 +57,9 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
         if choice.get("index", 0) != 0:
             continue
         delta = choice.get("delta")
-        if delta:
+        if delta and len(delta) == 1 and (content := delta.get("content")):
+            events.append(Delta(content))  # the commonest chunk: one token of text
+        elif delta:
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if reasoning:
                 events.append(Reasoning(reasoning))

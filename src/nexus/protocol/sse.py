@@ -79,6 +79,7 @@ class SSEDecoder:
         self._event = ""
         self._last_id = ""
         self._retry: int | None = None
+        self._clean = False  # see _general
 
     @property
     def last_event_id(self) -> str:
@@ -86,61 +87,75 @@ class SSEDecoder:
 
     def decode(self, chunk: bytes) -> list[ServerSentEvent]:
         """Feed bytes; return the events completed by them."""
-        text = self._text.decode(chunk)
-        if not text:
-            return []
-        if self._plain():
-            payloads = self._data_blocks(text)
-            if payloads is not None:
-                last_id = self._last_id
-                events = [ServerSentEvent(data, "message", last_id) for data in payloads[0]]
-                if payloads[1]:
-                    events += self._decode_text(payloads[1])
-                return events
-        return self._decode_text(text)
+        events, payloads, last_id = self._read(chunk)
+        if payloads:
+            events += [ServerSentEvent(data, "message", last_id) for data in payloads]
+        return events
 
     def decode_data(self, chunk: bytes) -> list[str]:
         """:meth:`decode`, giving only each event's data: for upstreams whose events are
-        told apart by their JSON, not their ``event:`` names (OpenAI).
+        told apart by their JSON, not their ``event:`` names (OpenAI)."""
+        events, payloads, _ = self._read(chunk)
+        if events:
+            return [event.data for event in events] + payloads
+        return payloads
 
-        Most reads are whole ``data: {...}`` events, one line each: those are cut
-        with one ``str`` split and no per-event object.
+    def _read(self, chunk: bytes) -> tuple[list[ServerSentEvent], list[str], str]:
+        """The events ``chunk`` completes: those read by the line rules, then the data of
+        whole events cut on bytes, and the last event id in force for those.
+
+        Most reads of every upstream are whole events of one ``data: `` line each, often
+        one: from a plain state (:meth:`_plain`) they are cut with a ``find`` or a
+        ``split``, with no text decoder, line loop or per-event object. An event that
+        was half-read ends by the rules first.
         """
+        events: list[ServerSentEvent] = []
+        if not self._plain():
+            end = chunk.find(b"\n\n") if self._clean and not self._skip_lf else -1
+            if end < 0:
+                return self._general(chunk), [], ""
+            events = self._general(chunk[: end + 2])
+            chunk = chunk[end + 2 :]
+            if not self._plain():
+                return events + self._general(chunk), [], ""
+        first = chunk.find(b"\n")
+        if first < 0 or not chunk.startswith(b"data: ") or b"\r" in chunk:
+            return events + self._general(chunk), [], ""
+        last_id = self._last_id
+        if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read
+            return events, [chunk[6:first].decode("utf-8", "replace")], last_id
+        # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after each.
+        cut = chunk.rfind(b"\n\n")
+        data = chunk[6:cut].split(b"\n\ndata: ")
+        if cut < 0 or chunk.count(b"\n", 0, cut + 2) != 2 * len(data):
+            return events + self._general(chunk), [], ""
+        if cut + 2 < len(chunk):
+            # A partial event: no blank line, nothing dispatched (its id: line is the next's).
+            self._general(chunk[cut + 2 :])
+        return events, [payload.decode("utf-8", "replace") for payload in data], last_id
+
+    def _general(self, chunk: bytes) -> list[ServerSentEvent]:
         text = self._text.decode(chunk)
-        if not text:
-            return []
-        if self._plain():
-            payloads = self._data_blocks(text)
-            if payloads is not None:
-                data, rest = payloads
-                if rest:
-                    data += [event.data for event in self._decode_text(rest)]
-                return data
-        return [event.data for event in self._decode_text(text)]
+        if chunk:
+            # After an ASCII byte the text decoder holds nothing back (and its BOM check
+            # is done).
+            self._clean = chunk[-1] < 0x80
+        return self._decode_text(text)
 
     def _plain(self) -> bool:
-        """No event half-read but perhaps a partial line: where the fast path may start."""
-        return not self._data and not self._event and self._retry is None and not self._skip_lf
-
-    def _data_blocks(self, text: str) -> tuple[list[str], str] | None:
-        """The data of the whole events at the start of ``text`` if each is a single
-        ``data: `` line (else None: the general path), and the text after them."""
-        if self._pending:
-            if "\n" not in text:
-                return None  # inside the pending line: the general path keeps it in pieces
-            text = "".join(self._pending) + text
-        cut = text.rfind("\n\n")
-        if cut < 0 or "\r" in text or not text.startswith("data: "):
-            return None
-        # "data: A\n\ndata: B" -> ["A", "B"]: whole single-line data events when the
-        # only LFs are the two after each event.
-        data = text[6:cut].split("\n\ndata: ")
-        if text.count("\n", 0, cut + 2) != 2 * len(data):
-            return None
-        self._pending = []
-        return data, text[cut + 2 :]
+        """No event nor line half-read, nothing held in the text decoder."""
+        return (
+            self._clean
+            and not self._pending
+            and not self._data
+            and not self._event
+            and self._retry is None
+            and not self._skip_lf
+        )
 
     def _decode_text(self, text: str) -> list[ServerSentEvent]:
+        if not text:
+            return []
         if self._skip_lf:
             self._skip_lf = False
             if text[0] == "\n":

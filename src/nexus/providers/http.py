@@ -160,17 +160,15 @@ class _Exchange:
     after the wait began (then :class:`~nexus.errors.UpstreamPoolExhausted`); it restarts in
     full once a connection is free. No timer per read (a timer, a task lookup and a context
     per token) nor per response (an idle stream's memory): the provider's one watchdog
-    cancels a read waiting past its deadline; :meth:`_expired` tells that from others.
+    ends a read waiting past its deadline with a timeout.
     """
 
     __slots__ = (
-        "_cancelled",
         "_deadline",
         "_now",
         "_phase",
         "_provider",
         "_readany",
-        "_task",
         "_timeout",
         "_waiting",
         "queued_at",
@@ -182,8 +180,7 @@ class _Exchange:
         self._provider = provider
         self._now = asyncio.get_running_loop().time
         self._timeout: asyncio.Timeout | None = None
-        self._task: asyncio.Task[Any] | None = None
-        self._cancelled = self._waiting = False
+        self._waiting = False
         self.queued_at: float | None = None  # when the current wait for a connection began
         self.waited = 0.0
 
@@ -251,13 +248,8 @@ class _Exchange:
     async def read(self) -> bytes:
         """The next bytes of the body; ``b""`` at its end."""
         self._waiting = True
-        self._task = asyncio.current_task()  # the reader: the one to cancel
         try:
             chunk = await self._readany()
-        except asyncio.CancelledError:
-            if not self._expired():
-                raise
-            error: BaseException = TimeoutError()
         except Exception as exc:
             error = exc
         else:
@@ -270,17 +262,11 @@ class _Exchange:
             raise error
 
     def check(self, now: float) -> None:
-        """The watchdog's tick: cancel the read waiting past its deadline."""
-        if self._waiting and now >= self._deadline and not self._cancelled and self._task:
-            self._cancelled = True
-            self._task.cancel()
-
-    def _expired(self) -> bool:
-        """Whether the cancellation being handled is the watchdog's alone (a timeout)."""
-        if not self._cancelled or self._task is None:
-            return False
-        self._cancelled = self._waiting = False
-        return self._task.uncancel() == 0
+        """The watchdog's tick: end a read waiting past its deadline with a timeout (the
+        body's reader raises it to whichever task reads)."""
+        if self._waiting and now >= self._deadline:
+            self._waiting = False
+            self.response.content.set_exception(TimeoutError())
 
     async def finish(self, clean: bool) -> None:
         """Give the connection back to the pool after a clean end (reading, briefly, the

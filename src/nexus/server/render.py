@@ -101,7 +101,6 @@ class Renderer:
         """The bytes for the next entries of the log."""
         encoder = self._encoder
         encode = encoder.encode
-        out = self._out
         ids = self._ids
         prefix = self._prefix
         parts: list[bytes] = []
@@ -112,20 +111,23 @@ class Renderer:
             if cls is Error:
                 # Two steps: the error, then the terminator (an NDJSON client that
                 # counted the error line still gets the done line).
-                parts.append(out(step, encoder.error(event)))  # type: ignore[arg-type]
+                parts.append(self._out(step, encoder.error(event)))  # type: ignore[arg-type]
                 step += 1
             if cls is Error or cls is Done:
-                parts.append(out(step, encoder.end()))
+                parts.append(self._out(step, encoder.end()))
                 self.done = True
                 break
             data = encode(event)
-            if self._after is not None or (ids and _several(data)):
-                data = out(step, data)
+            if self._after is not None:
+                data = self._out(step, data)
             elif ids and data:
-                data = prefix + b"%d\n" % step + data  # one frame: the commonest case
+                if _several(data):
+                    data = self._number(step, _frames(data), 0)
+                else:
+                    data = prefix + b"%d\n" % step + data  # one frame: the commonest case
             parts.append(data)
         self.step = step
-        joined = b"".join(parts)
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
         if joined:
             self.wrote = True
         return joined

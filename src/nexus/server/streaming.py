@@ -11,7 +11,11 @@ heartbeat, disconnect and shutdown:
   interval passes first, the headers go out with a heartbeat, and failures
   travel in the stream from then on.
 * **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`)
-  reads the provider; the pump follows the log. When its client leaves, the
+  reads the provider; the pump follows the log. Once caught up, the pump has
+  each new batch pushed to it (:meth:`StreamPump._push`): rendered and written
+  in the producer's task while the socket takes it, so that an upstream read
+  wakes one task, as in a byte-copying proxy; a batch it leaves (a write under
+  way, a full socket) wakes the pump's task instead. When its client leaves, the
   reader detaches: the last reader of a stream that is not resumable cancels
   it at once; a resumable one runs on for ``[streams] detach_timeout_s``.
 * **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's
@@ -103,6 +107,7 @@ class StreamPump(Writer):
         self._shutting_down = False
         self._ended = False
         self._last: StreamEvent | None = None  # the last event of the first output
+        self._protocol = request.protocol
 
     def shutdown(self) -> None:
         """Cancel this stream for server shutdown (see the module docstring)."""
@@ -134,6 +139,7 @@ class StreamPump(Writer):
                 return await self._end(self._begin() + data)  # type: ignore[operator]
             await self._write(self._begin() + data)  # type: ignore[operator]
             data = b""  # an idle stream does not keep its first output
+            self.reader.sink = self._push
             async for batch in batches:
                 data = renderer.feed(batch)
                 self._count(len(batch))
@@ -279,7 +285,12 @@ class StreamPump(Writer):
             if not last:
                 return
             data = b""
-        await self._timed(response.write_eof(data) if last else response.write(data))
+        self._writing += 1  # Writer._timed, inlined: one coroutine less a write
+        try:
+            await (response.write_eof(data) if last else response.write(data))
+        finally:
+            self._writing -= 1
+        self._wrote()
         self._sent(len(data))
 
     async def _write_sliced(self, data: bytes) -> None:
@@ -293,6 +304,36 @@ class StreamPump(Writer):
             await write(piece)
             self._wrote()  # each slice is timed on its own: a slow reader takes them
             self._sent(len(piece))
+
+    def _push(self, batch: list[StreamEvent]) -> bool:
+        """The reader's sink (:class:`~nexus.cache.readers.RunReader`): render and write
+        ``batch`` in the producer's task, when nothing else is being written and the
+        socket takes more; else False, and this pump's task reads it.
+
+        The write cannot wait there: with writing not paused, aiohttp's ``write()``
+        returns at once. Should the socket fill with these very bytes, they are with
+        the transport already; the wait for it to drain is left to the next write,
+        which this task makes (a paused socket is never pushed to).
+        """
+        response = self.response
+        protocol = self._protocol
+        if self._writing or self._ended or response is None or protocol.writing_paused:
+            return False
+        if protocol.transport is None:
+            return False  # the client left: this pump's task finds out
+        data = self.renderer.feed(batch)
+        self._count(len(batch))
+        if data:
+            write = response.write(data)
+            try:
+                write.send(None)
+            except StopIteration:
+                pass
+            else:
+                write.close()
+            self._wrote()
+            self._sent(len(data))
+        return True
 
     def _sent(self, size: int) -> None:
         self.exchange.bytes += size

@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nexus.cache.readers import RunReader
 from nexus.cache.run import StreamRun
@@ -114,3 +116,49 @@ async def test_a_reader_behind_the_log_is_not_pushed_to() -> None:
     assert not reader._push([Delta("x")])  # not at the end of the log: refused
     await gate.put(None)
     await reader.close()
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    batches=st.lists(st.lists(st.sampled_from("abcxyz"), min_size=1, max_size=4), max_size=12),
+    takes=st.lists(st.booleans(), min_size=12, max_size=12),
+    pauses=st.lists(st.booleans(), min_size=12, max_size=12),
+)
+def test_pushed_and_read_batches_together_are_the_log_in_order(
+    batches: list[list[str]], takes: list[bool], pauses: list[bool]
+) -> None:
+    """The push is a fast path beside the reader's own reads: whatever the sink takes or
+    declines, and however the reader's task is scheduled, one reader sees every entry of
+    the log once, in order, exactly as a reader without a sink does."""
+
+    async def scenario() -> list[StreamEvent]:
+        gate: asyncio.Queue[list[StreamEvent] | None] = asyncio.Queue()
+        run = gated_run(gate)
+        reader = RunReader(run)
+        seen: list[StreamEvent] = []
+        decisions = iter(takes)
+
+        def sink(batch: list[StreamEvent]) -> bool:
+            if next(decisions, True):
+                seen.extend(batch)
+                return True
+            return False
+
+        reader.sink = sink
+
+        async def consume() -> None:
+            async for batch in reader:
+                seen.extend(batch)
+
+        consumer = asyncio.ensure_future(consume())
+        for texts, pause in zip(batches, pauses, strict=False):
+            await gate.put([Delta(text) for text in texts])
+            if pause:
+                await settle()
+        await gate.put(None)
+        await asyncio.wait_for(consumer, 2)
+        await reader.close()
+        return seen
+
+    expected = [Delta(text) for texts in batches for text in texts] + [Done()]
+    assert asyncio.run(scenario()) == expected

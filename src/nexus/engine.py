@@ -22,13 +22,11 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from .errors import GatewayError, ModelNotFound, UnsupportedInput
 from .events import Error, StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
 from .pricing import Price, PriceTable, cost_usd
-from .protocol.openai_chat import validation_error
+from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
 from .stream import Stream, accumulate
@@ -390,12 +388,7 @@ class Engine:
 
 def _validated(request: ChatRequest | Mapping[str, Any]) -> ChatRequest:
     """``request`` as a :class:`ChatRequest`. Raises :class:`~nexus.errors.InvalidRequest`."""
-    if isinstance(request, ChatRequest):
-        return request
-    try:
-        return ChatRequest.model_validate(request)
-    except ValidationError as exc:
-        raise validation_error(exc, request) from None
+    return request if isinstance(request, ChatRequest) else validated(ChatRequest, request)
 
 
 def _priced(usage: Usage, price: Price) -> Usage:

@@ -336,8 +336,6 @@ async def admit_stream(
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, request id, access fields."""
 
-    converter = time.gmtime
-
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
@@ -356,3 +354,6 @@ class JsonFormatter(logging.Formatter):
         elif record.exc_text:  # formatted (and redacted) by a filter: see server/redaction.py
             out["error"] = record.exc_text
         return orjson.dumps(out).decode()
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

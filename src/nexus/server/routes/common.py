@@ -177,7 +177,8 @@ def _resumable(yes: bool) -> dict[str, str]:
     return {RESUMABLE_HEADER: "true" if yes else "false"}
 
 
-def _check_open(request: web.Request) -> None:
+def check_open(request: web.Request) -> None:
+    """Raises :class:`ServerShuttingDown` once the server is stopping."""
     if request.app[state.RUNTIME].shutting_down:
         raise ServerShuttingDown("The server is shutting down; retry the request.")
 
@@ -195,7 +196,7 @@ async def complete(
     format is refused whatever the body holds. With ``Last-Event-ID`` the
     request resumes the stream it names (the body is not used).
     """
-    _check_open(request)
+    check_open(request)
     app = request.app
     key = authenticate(request)
     encoder = negotiate(request, default_format)

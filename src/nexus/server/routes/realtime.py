@@ -45,6 +45,7 @@ from ...protocol.realtime import (
 from .. import state
 from ..access import admit_stream, authenticate, exchange
 from ..writer import Writer
+from .common import check_open
 
 __all__ = ["RealtimeConnection", "Turn", "handle"]
 
@@ -347,8 +348,7 @@ _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    if request.app[state.RUNTIME].shutting_down:
-        raise ServerShuttingDown("The server is shutting down; retry the request.")
+    check_open(request)
     offered = tuple(
         p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()
     )

@@ -360,8 +360,4 @@ async def handle(request: web.Request) -> web.StreamResponse:
 def _chosen(offered: tuple[str, ...]) -> tuple[str, ...]:
     """The subprotocol to answer with: a browser fails the handshake if none of the ones it
     offered comes back. ``nexus.v1`` when offered, else the key's own (it is the client's)."""
-    if not offered:
-        return ()
-    if PROTOCOL in offered:
-        return (PROTOCOL,)
-    return (offered[0],)
+    return (PROTOCOL,) if PROTOCOL in offered else offered[:1]

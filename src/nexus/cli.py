@@ -83,17 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         config, source = _load(args.config)
         if args.command == "keys":
             return asyncio.run(_keys(config))
-        server: dict[str, Any] = {}
-        if args.host is not None:
-            server["host"] = args.host
-        if args.port is not None:
-            if not 0 <= args.port <= 65535:
-                raise ConfigError(f"--port: {args.port} is not a port number (0-65535)")
-            server["port"] = args.port
-        if args.workers is not None:
-            server["workers"] = args.workers
-        if args.loop is not None:
-            server["uvloop"] = {"auto": "auto", "uvloop": True, "asyncio": False}[args.loop]
+        if args.port is not None and not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port: {args.port} is not a port number (0-65535)")
+        uvloop = {"auto": "auto", "uvloop": True, "asyncio": False}.get(args.loop)
+        given = {"host": args.host, "port": args.port, "workers": args.workers, "uvloop": uvloop}
+        server = {name: value for name, value in given.items() if value is not None}
         if server:
             config = config.model_copy(update={"server": config.server.model_copy(update=server)})
         _setup_logging(args.log_level.upper(), config.logging.format)

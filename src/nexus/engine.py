@@ -22,13 +22,11 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from .errors import GatewayError, ModelNotFound, UnsupportedInput
 from .events import Error, StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
 from .pricing import Price, PriceTable, cost_usd
-from .protocol.openai_chat import validation_error
+from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
 from .stream import Stream, accumulate
@@ -92,7 +90,10 @@ class Engine:
         """A span per upstream attempt when set (:mod:`nexus.telemetry`; the app sets it)."""
         for alias, targets in self.aliases.items():
             for target in targets:
-                self._split(target, f"models.{alias}")
+                if self._split(target) is None:
+                    raise ValueError(
+                        f"models.{alias}: target {target!r} names no configured provider"
+                    )
 
     @classmethod
     def from_config(cls, config: Any, source: str | None = None) -> Engine:
@@ -152,28 +153,24 @@ class Engine:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _split(self, model: str, where: str) -> Target:
+    def _split(self, model: str) -> Target | None:
+        """``<provider>/<model>`` as a target; None when it names no provider."""
         name, slash, upstream = model.partition("/")
         provider = self.providers.get(name) if slash and upstream else None
-        if provider is None:
-            raise ValueError(f"{where}: target {model!r} names no configured provider")
-        return provider, upstream
+        return None if provider is None else (provider, upstream)
 
     def route(self, model: str) -> list[Target]:
         """The targets for ``model`` in fallback order. Raises :class:`ModelNotFound`."""
-        targets = self.aliases.get(model)
-        if targets is not None:
-            return [self._split(t, f"models.{model}") for t in targets]
-        name, slash, upstream = model.partition("/")
-        provider = self.providers.get(name)
-        if not slash or not upstream or provider is None:
+        routed = [self._split(t) for t in self.aliases.get(model, [model])]
+        targets = [t for t in routed if t is not None]
+        if len(targets) < len(routed):
             raise ModelNotFound(
                 f"The model {model!r} does not exist. Use '<provider>/<model>' with one of "
                 f"the providers {sorted(self.providers)} or one of the aliases "
                 f"{sorted(self.aliases)}.",
                 param="model",
             )
-        return [(provider, upstream)]
+        return targets
 
     def priced(self, model: str) -> bool:
         """Whether every target of ``model`` has a price, so that any stream it serves,
@@ -390,12 +387,7 @@ class Engine:
 
 def _validated(request: ChatRequest | Mapping[str, Any]) -> ChatRequest:
     """``request`` as a :class:`ChatRequest`. Raises :class:`~nexus.errors.InvalidRequest`."""
-    if isinstance(request, ChatRequest):
-        return request
-    try:
-        return ChatRequest.model_validate(request)
-    except ValidationError as exc:
-        raise validation_error(exc, request) from None
+    return request if isinstance(request, ChatRequest) else validated(ChatRequest, request)
 
 
 def _priced(usage: Usage, price: Price) -> Usage:

@@ -107,8 +107,6 @@ class Tally:
     usage: Usage | None = None
     produced: int = 0
     """Content, reasoning and tool call deltas seen."""
-    ended: bool = False
-    """The stream ended normally (a :class:`Done`, not an :class:`Error`)."""
 
     def add(self, event: StreamEvent) -> None:
         cls = type(event)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from ..auth import ApiKey
@@ -34,9 +35,9 @@ class Admission:
 
     def __init__(self) -> None:
         self.live = 0
-        self._owned: dict[str, int] = {}  # live runs per owner
+        self._owned: Counter[str] = Counter()  # live runs per owner
         self._opening = 0  # admitted requests with no live run (yet, or at all)
-        self._opening_owned: dict[str, int] = {}
+        self._opening_owned: Counter[str] = Counter()
         self._slots: dict[str, Slot] = {}  # run id -> the key's slot it holds
         self.limits: KeyLimits = LocalLimits(0.0, None, self.running)
         """Per-key rates, streams and budgets (the app sets the configured ones)."""
@@ -46,7 +47,7 @@ class Admission:
         without a live run (being opened, or answered without one)."""
         if owner is None:
             return self.live + self._opening
-        return self._owned.get(owner, 0) + self._opening_owned.get(owner, 0)
+        return self._owned[owner] + self._opening_owned[owner]
 
     @contextlib.asynccontextmanager
     async def admit(self, key: ApiKey | None, limit: int) -> AsyncIterator[None]:
@@ -68,7 +69,7 @@ class Admission:
             if key is not None:
                 slot = await self.limits.admit(key, stream=True)
                 owner = key.name
-                self._opening_owned[owner] = self._opening_owned.get(owner, 0) + 1
+                self._opening_owned[owner] += 1
             admitted = _ADMITTED.set(slot)
             try:
                 yield
@@ -89,7 +90,7 @@ class Admission:
             slot.taken = True  # the run holds it now, until ended()
             self._slots[run_id] = slot
         if owner is not None:
-            self._owned[owner] = self._owned.get(owner, 0) + 1
+            self._owned[owner] += 1
 
     def ended(self, run_id: str, owner: str | None) -> None:
         """A run :meth:`started` ended (called once)."""
@@ -101,10 +102,8 @@ class Admission:
             self.limits.release(slot)
 
 
-def _discount(counts: dict[str, int], owner: str) -> None:
-    """One less for ``owner``; none left, no entry (the dict holds active keys only)."""
-    left = counts.get(owner, 0) - 1
-    if left > 0:
-        counts[owner] = left
-    else:
-        counts.pop(owner, None)
+def _discount(counts: Counter[str], owner: str) -> None:
+    """One less for ``owner``; none left, no entry (the counter holds active keys only)."""
+    counts[owner] -= 1
+    if counts[owner] <= 0:
+        del counts[owner]

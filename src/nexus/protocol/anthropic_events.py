@@ -58,7 +58,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
             if isinstance(message.content, str):
                 system.append({"type": "text", "text": message.content})
             else:
-                system.extend(_text_block(part) for part in message.content)
+                system.extend(text_block(part) for part in message.content)
         elif isinstance(message, UserMessage):
             add("user", _user_blocks(message))
         elif isinstance(message, AssistantMessage):
@@ -99,7 +99,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
                 "name": tool.function.name,
                 "description": tool.function.description or "",
                 "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
-                **_extra(tool, "cache_control"),
+                **cache_control(tool),
             }
             for tool in request.tools
         ]
@@ -113,14 +113,15 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     return body
 
 
-def _extra(model: Any, key: str) -> dict[str, Any]:
-    value = (model.model_extra or {}).get(key)
-    return {key: value} if value is not None else {}
+def cache_control(model: Any) -> dict[str, Any]:
+    """A client's ``cache_control`` on ``model``, kept: it marks a prompt-cache breakpoint."""
+    value = (model.model_extra or {}).get("cache_control")
+    return {"cache_control": value} if value is not None else {}
 
 
-def _text_block(part: TextPart) -> dict[str, Any]:
-    """A text block; a ``cache_control`` from the client marks a prompt-cache breakpoint."""
-    return {"type": "text", "text": part.text, **_extra(part, "cache_control")}
+def text_block(part: Any) -> dict[str, Any]:
+    """A text block (of a ``text`` part or block), its ``cache_control`` kept."""
+    return {"type": "text", "text": part.text, **cache_control(part)}
 
 
 def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
@@ -129,7 +130,7 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     for part in message.content:
         if isinstance(part, TextPart):
-            blocks.append(_text_block(part))
+            blocks.append(text_block(part))
         elif isinstance(part, ImagePart):
             url = part.image_url.url
             source = {"type": "url", "url": url}

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from ..errors import GatewayError, InvalidRequest
 from ..request import ChatRequest, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
+from .anthropic_events import cache_control, text_block
 from .json_depth import MAX_JSON_DEPTH, deeper_than
 from .openai_chat import parse_json_object, tool_call, validated
+from .upstream import ERROR_TYPES
 
 __all__ = [
     "MessagesRequest",
@@ -137,7 +139,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
         if isinstance(system, str):
             messages.append({"role": "system", "content": system})
         else:  # text blocks keep their cache_control
-            messages.append({"role": "system", "content": [_text_part(b) for b in system]})
+            messages.append({"role": "system", "content": [text_block(b) for b in system]})
     for index, message in enumerate(request.messages):
         messages.extend(_translate(message, index))
     chat: dict[str, Any] = {
@@ -171,7 +173,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
                     "description": tool.description,
                     "parameters": tool.input_schema,
                 },
-                **_cache_control(tool),
+                **cache_control(tool),
             }
             for tool in request.tools
         ]
@@ -192,16 +194,6 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
     return validated(ChatRequest, chat)
 
 
-def _cache_control(block: BaseModel) -> dict[str, Any]:
-    """A block's ``cache_control``, kept so that Anthropic upstreams still cache the prefix."""
-    value = (block.model_extra or {}).get("cache_control")
-    return {"cache_control": value} if value is not None else {}
-
-
-def _text_part(block: TextBlock) -> dict[str, Any]:
-    return {"type": "text", "text": block.text, **_cache_control(block)}
-
-
 def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages (tool results become ``tool`` messages)."""
     if isinstance(message.content, str):
@@ -212,7 +204,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     thinking: list[dict[str, Any]] = []
     for block in message.content:
         if isinstance(block, TextBlock):
-            parts.append(_text_part(block))
+            parts.append(text_block(block))
         elif isinstance(block, ImageBlock):
             if message.role != "user":
                 raise InvalidRequest(
@@ -308,20 +300,7 @@ def usage_body(usage: Any) -> dict[str, Any]:
     return out
 
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-
-
-ANTHROPIC_ERROR_TYPES = frozenset({*_ERROR_TYPES.values(), "api_error"})
+ANTHROPIC_ERROR_TYPES = frozenset({*ERROR_TYPES.values(), "api_error"})
 
 
 def anthropic_error_type(error_type: str, status: int) -> str:
@@ -329,7 +308,7 @@ def anthropic_error_type(error_type: str, status: int) -> str:
     else the one Anthropic uses for the status."""
     if error_type in ANTHROPIC_ERROR_TYPES and error_type != "invalid_request_error":
         return error_type
-    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 def error_body(kind: str, message: str, code: str | None, request_id: str | None) -> dict[str, Any]:

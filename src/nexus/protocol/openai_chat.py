@@ -6,6 +6,7 @@ Request bytes in, :class:`~nexus.request.ChatRequest` out; merged completion in,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -54,7 +55,7 @@ def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[s
     return data
 
 
-def validated(model: type[M], data: dict[str, Any]) -> M:
+def validated(model: type[M], data: Mapping[str, Any]) -> M:
     """``data`` as a ``model``; :class:`InvalidRequest` naming the first field that is not."""
     try:
         return model.model_validate(data)

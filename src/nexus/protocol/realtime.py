@@ -283,27 +283,16 @@ class RealtimeSession:
     def _add_image(self, envelope: ImageEnvelope) -> list[Action]:
         if (envelope.b64 is None) == (envelope.url is None):
             return [self._error("invalid_envelope", "image: give exactly one of b64 and url")]
-        if envelope.b64 is not None:
-            decoded = self._take(envelope.b64)
-            if isinstance(decoded, Send):
-                return [decoded]
-            url = f"data:{envelope.mime_type};base64,{envelope.b64}"
-        else:
-            assert envelope.url is not None
-            url = envelope.url
-            header, comma, data = url.partition(",")
-            if url.startswith("data:"):
-                # Inline data counts against the pending limit like b64 does.
-                if not comma:
-                    return [self._error("invalid_envelope", "url: a data URL needs a ','")]
-                if header.endswith(";base64"):
-                    decoded = self._take(data)
-                    if isinstance(decoded, Send):
-                        return [decoded]
-                else:
-                    counted = self._count(len(data.encode()))
-                    if counted is not None:
-                        return [counted]
+        url = envelope.url or f"data:{envelope.mime_type};base64,{envelope.b64}"
+        header, comma, data = url.partition(",")
+        if url.startswith("data:"):
+            # Inline data counts against the pending limit, whether sent as b64 or a URL.
+            if not comma:
+                return [self._error("invalid_envelope", "url: a data URL needs a ','")]
+            encoded = header.endswith(";base64")
+            refused = self._take(data) if encoded else self._count(len(data.encode()))
+            if isinstance(refused, Send):
+                return [refused]
         self._pending.append(
             ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
         )

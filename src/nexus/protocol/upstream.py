@@ -18,7 +18,7 @@ from ..errors import (
 )
 from ..events import StreamEvent
 
-__all__ = ["UpstreamDecoder", "error_text", "in_stream_error", "status_error"]
+__all__ = ["ERROR_TYPES", "UpstreamDecoder", "error_text", "in_stream_error", "status_error"]
 
 
 class UpstreamDecoder(Protocol):
@@ -82,14 +82,19 @@ def error_text(body: bytes) -> str:
     return orjson.dumps(data).decode()[:500]
 
 
-_STATUS_OF_TYPE = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "permission_error": 403,
-    "not_found_error": 404,
-    "rate_limit_error": 429,
-    "overloaded_error": 529,
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
 }
+"""An HTTP status's error ``type`` as Anthropic names it (OpenAI shares the names it has)."""
+_STATUS_OF_TYPE = {kind: status for status, kind in ERROR_TYPES.items()}  # overloaded: 529
 
 
 def in_stream_error(provider: str, error: Any) -> UpstreamError:

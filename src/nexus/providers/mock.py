@@ -149,10 +149,9 @@ def _usage(request: ChatRequest, script: MockScript, emitted: int, reasoning: in
     if prompt is None:
         prompt = sum(len(_COUNT.findall(message_text(m))) for m in request.messages)
     completion = emitted if given.completion_tokens is None else given.completion_tokens
-    if given.reasoning_tokens is not None:
-        reasoning_tokens: int | None = given.reasoning_tokens
-    else:
-        reasoning_tokens = reasoning if script.reasoning else None
+    reasoning_tokens = given.reasoning_tokens
+    if reasoning_tokens is None and script.reasoning:
+        reasoning_tokens = reasoning
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,

@@ -39,7 +39,7 @@ from ..providers.http import POOL_WAITS
 from ..telemetry import Telemetry
 from .errors import Handler, error_response
 from .metrics import Metrics
-from .origins import loopback_host, origin_allowed
+from .origins import listed, loopback_host, origin_allowed
 from .state import CONFIG as _CONFIG
 from .state import EXCHANGE, Exchange, exchange, new_request_id
 from .state import HUB as _HUB
@@ -101,7 +101,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             return await _close_if_unread(request, refused)
         finally:
             _account(app, ex, refused.status)
-    if origin is not None and _cors_origin(origin, config.cors.allow_origins):
+    if origin is not None and listed(origin, config.cors.allow_origins):
         ex.headers["Access-Control-Allow-Origin"] = origin
         ex.headers["Vary"] = "Origin"
         ex.headers["Access-Control-Expose-Headers"] = _EXPOSED
@@ -149,11 +149,6 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         if span is not None:
             span.close(status, ex.stream_id, ex.cancelled)
         _account(app, ex, status)
-
-
-def _cors_origin(origin: str, allowed: list[str]) -> bool:
-    """Whether responses to ``origin`` carry CORS headers: it is listed (or ``"*"`` is)."""
-    return origin in allowed or ("*" in allowed and origin != "null")
 
 
 def _refusal(request: web.Request, origin: str | None) -> GatewayError | None:

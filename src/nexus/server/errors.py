@@ -28,22 +28,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ErrorBody = Callable[[GatewayError, str | None], dict[str, Any]]
 
 
-def _openai_body(error: GatewayError, request_id: str | None) -> dict[str, Any]:
-    return error.openai_body(request_id)
-
-
 def error_response(request: web.Request, error: GatewayError) -> web.Response:
     exchange = request.get(EXCHANGE)
     if exchange is not None:
         exchange.error = error.code  # the access line's outcome: error:<code>
     handler = getattr(request.match_info, "handler", None)
-    body: ErrorBody = getattr(handler, "error_body", _openai_body)
-    headers = dict(error.headers)
+    body: ErrorBody = getattr(handler, "error_body", GatewayError.openai_body)
     return web.Response(
         status=error.status,
         body=orjson.dumps(body(error, _known_request_id(request))),
         content_type="application/json",
-        headers=headers,
+        headers=dict(error.headers),
     )
 
 
@@ -54,10 +49,6 @@ def _known_request_id(request: web.Request) -> str | None:
     """The id the access middleware gave the request; None without it."""
     request_id = getattr(request.get(EXCHANGE), "request_id", None)
     return request_id if isinstance(request_id, str) and request_id else None
-
-
-def _request_id(request: web.Request) -> str:
-    return _known_request_id(request) or new_request_id()
 
 
 @web.middleware
@@ -76,13 +67,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         else:
             message = exc.reason
         error = GatewayError(
-            message, status=exc.status, code=_HTTP_CODES.get(exc.status, "http_error")
+            message,
+            status=exc.status,
+            code=_HTTP_CODES.get(exc.status, "http_error"),
+            error_type="invalid_request_error",
+            headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
         )
-        error.error_type = "invalid_request_error"
-        error.headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         response = error_response(request, error)
     except Exception:
-        request_id = _request_id(request)
+        request_id = _known_request_id(request) or new_request_id()
         log.exception("unhandled error in %s %s (%s)", request.method, request.path, request_id)
         error = GatewayError(f"Internal server error (request {request_id}).")
         response = error_response(request, error)

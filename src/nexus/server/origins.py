@@ -15,7 +15,7 @@ import functools
 import ipaddress
 import re
 
-__all__ = ["loopback_host", "origin_allowed", "split_host"]
+__all__ = ["listed", "loopback_host", "origin_allowed", "split_host"]
 
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::([0-9]{1,5}))?")
 _ORIGIN = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.+)")
@@ -35,10 +35,15 @@ def split_host(value: str, scheme: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+def listed(origin: str, allowed: list[str]) -> bool:
+    """Whether ``origin`` is in ``allowed``, or ``"*"`` is (which never covers ``null``)."""
+    return origin in allowed or ("*" in allowed and origin != "null")
+
+
 def origin_allowed(origin: str, allowed: list[str], *, scheme: str, host: str | None) -> bool:
     """Whether a page at ``origin`` may be served: the request's own origin (``scheme``
     and its ``Host``, ``host``), or one in ``allowed``."""
-    if origin in allowed or ("*" in allowed and origin != "null"):
+    if listed(origin, allowed):
         return True
     match = _ORIGIN.fullmatch(origin)
     if match is None or host is None:

@@ -152,9 +152,7 @@ def negotiate(request: web.Request, default_format: str) -> type[Encoder]:
 
 def last_event_id(request: web.Request) -> Cursor | None:
     """The resume point: the ``Last-Event-ID`` header, else ``?last_event_id=``."""
-    value = request.headers.get("Last-Event-ID")
-    if value is None:
-        value = request.query.get("last_event_id")
+    value = request.headers.get("Last-Event-ID", request.query.get("last_event_id"))
     if value is None or not value.strip():
         return None
     return parse_cursor(value)
@@ -163,21 +161,15 @@ def last_event_id(request: web.Request) -> Cursor | None:
 def resumable_header(value: str | None) -> bool:
     """What ``X-Nexus-Resumable`` asks: ``true`` or ``false`` in any case (absent:
     false). Raises :class:`InvalidRequest` for anything else."""
-    if value is None:
-        return False
-    match value.strip().lower():
-        case "true":
-            return True
-        case "false":
-            return False
-    raise InvalidRequest(f"{RESUMABLE_HEADER}: must be 'true' or 'false'.", param=RESUMABLE_HEADER)
+    answer = "false" if value is None else value.strip().lower()
+    if answer not in ("true", "false"):
+        message = f"{RESUMABLE_HEADER}: must be 'true' or 'false'."
+        raise InvalidRequest(message, param=RESUMABLE_HEADER)
+    return answer == "true"
 
 
-def _resumable(yes: bool) -> dict[str, str]:
-    return {RESUMABLE_HEADER: "true" if yes else "false"}
-
-
-def _check_open(request: web.Request) -> None:
+def check_open(request: web.Request) -> None:
+    """Raises :class:`ServerShuttingDown` once the server is stopping."""
     if request.app[state.RUNTIME].shutting_down:
         raise ServerShuttingDown("The server is shutting down; retry the request.")
 
@@ -195,7 +187,7 @@ async def complete(
     format is refused whatever the body holds. With ``Last-Event-ID`` the
     request resumes the stream it names (the body is not used).
     """
-    _check_open(request)
+    check_open(request)
     app = request.app
     key = authenticate(request)
     encoder = negotiate(request, default_format)
@@ -238,7 +230,9 @@ async def complete(
             ctx=ctx,
             private=not streaming,
         )
-    _count_cache(request, opened.cache)
+    metrics = app.get(METRICS)
+    if metrics is not None and opened.cache is not None:
+        metrics.cache.labels(opened.cache).inc()
     ex.cache = opened.cache
     headers = {STORE_HEADER: "unavailable"} if not opened.stored else {}
     if not streaming:
@@ -248,7 +242,7 @@ async def complete(
         return json_response(_body(render, completion, chat.include_cost), headers=headers)
     if opened.cache:
         headers["X-Nexus-Cache"] = opened.cache
-    headers.update(_resumable(opened.info.resumable))
+    headers[RESUMABLE_HEADER] = str(opened.info.resumable).lower()
     if chat.background:
         if opened.run is not None:
             end_with(opened.run.done)  # the request's span covers its run, not just the 202
@@ -335,7 +329,7 @@ async def resume(
         reader,
         encoder,
         cursor,
-        _resumable(info.resumable),
+        {RESUMABLE_HEADER: str(info.resumable).lower()},
         first_wait_s=ATTACH_WAIT_S,
         origin=False,
     )
@@ -416,12 +410,6 @@ def _reader(request: web.Request, stream_id: str, read_token: bool) -> str | Non
 
 def _same_owner(owner: str | None, name: str) -> bool:
     return owner is not None and hmac.compare_digest(owner.encode(), name.encode())
-
-
-def _count_cache(request: web.Request, result: str | None) -> None:
-    metrics = request.app.get(METRICS)
-    if metrics is not None and result is not None:
-        metrics.cache.labels(result).inc()
 
 
 def _pump(

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import orjson
 from aiohttp import web
 
-from ...errors import GatewayError
 from .. import state
 from ..access import admit, authenticate
+from .common import check_open, json_response
 
 
 def _model(model_id: str, owner: str) -> dict[str, Any]:
@@ -27,9 +26,7 @@ async def list_models(request: web.Request) -> web.Response:
     engine = request.app[state.ENGINE]
     key = authenticate(request)
     data = [_model(m, _owner(engine, m)) for m in engine.models() if key is None or key.allows(m)]
-    return web.Response(
-        body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
-    )
+    return json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -38,23 +35,16 @@ async def get_model(request: web.Request) -> web.Response:
     key = authenticate(request)
     engine.route(model_id)  # raises ModelNotFound
     await admit(request, key, model_id)
-    return web.Response(
-        body=orjson.dumps(_model(model_id, _owner(engine, model_id))),
-        content_type="application/json",
-    )
+    return json_response(_model(model_id, _owner(engine, model_id)))
 
 
 async def healthz(request: web.Request) -> web.Response:
+    check_open(request)
     runtime = request.app[state.RUNTIME]
-    if runtime.shutting_down:
-        raise GatewayError("shutting down", status=503, code="server_shutting_down")
     body = {
         "status": "ok",
         "streams": len(request.app[state.HUB].live),
         "clients": len(runtime.active) + len(runtime.sockets),
         "pid": os.getpid(),  # which worker answered, with `nexus serve --workers N`
     }
-    return web.Response(
-        body=orjson.dumps(body),
-        content_type="application/json",
-    )
+    return json_response(body)

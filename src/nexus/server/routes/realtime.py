@@ -45,6 +45,7 @@ from ...protocol.realtime import (
 from .. import state
 from ..access import admit_stream, authenticate, exchange
 from ..writer import Writer
+from .common import check_open
 
 __all__ = ["RealtimeConnection", "Turn", "handle"]
 
@@ -347,8 +348,7 @@ _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    if request.app[state.RUNTIME].shutting_down:
-        raise ServerShuttingDown("The server is shutting down; retry the request.")
+    check_open(request)
     offered = tuple(
         p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()
     )
@@ -360,8 +360,4 @@ async def handle(request: web.Request) -> web.StreamResponse:
 def _chosen(offered: tuple[str, ...]) -> tuple[str, ...]:
     """The subprotocol to answer with: a browser fails the handshake if none of the ones it
     offered comes back. ``nexus.v1`` when offered, else the key's own (it is the client's)."""
-    if not offered:
-        return ()
-    if PROTOCOL in offered:
-        return (PROTOCOL,)
-    return (offered[0],)
+    return (PROTOCOL,) if PROTOCOL in offered else offered[:1]

@@ -150,3 +150,38 @@ async def test_a_thousand_streams_leave_no_key_behind_after_their_ttls(
     left = [key async for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000)]
     # Only this replica's keep-alive (renewed while it runs, deleted when it stops).
     assert [key.split(b":")[1] for key in left] == [b"replica"]
+
+
+async def test_a_mirror_write_that_failed_does_not_count_toward_the_trim(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """The keeper retries a failed write from the same entry: the bytes of the attempts
+    that never reached Redis must not count as the log's size, or a log well under
+    max_log_bytes is trimmed and a reader from its start gets StreamIncomplete."""
+    from nexus.errors import StoreUnavailable
+
+    store = RedisStore(REDIS_URL, prefix, max_log_bytes=20_000)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"token {i:05d} ") for i in range(400)]
+        for at in range(200):  # one entry each: trimming works on whole nodes of entries
+            assert await append(store, info, at, events[at : at + 1])
+        real_call = store.call
+
+        async def down(op: str, *commands: object, allow: str = "") -> list[object]:
+            raise StoreUnavailable("Redis is down")
+
+        store.call = down  # type: ignore[method-assign]
+        for _ in range(4):  # the keeper's retries while Redis is down
+            with pytest.raises(StoreUnavailable):
+                await append(store, info, 200, events[200:])
+        store.call = real_call  # type: ignore[method-assign]
+        assert await append(store, info, 200, events[200:])
+        info.status = "completed"
+        await store.end(info, [*events, Done()], len(events), 60)
+        # About 16 kB were written in all: under the limit, nothing may be trimmed.
+        assert await read_all(store, info.id) == [*events, Done()]
+    finally:
+        await store.close()

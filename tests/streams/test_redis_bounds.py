@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from nexus.cache.redis import RedisStore
-from nexus.cache.store import StreamInfo
+from nexus.cache.store import StreamInfo, Write
 from nexus.errors import StreamIncomplete
 from nexus.events import Delta, Done, StreamEvent
 from nexus.types import StreamMeta
@@ -182,6 +182,33 @@ async def test_a_mirror_write_that_failed_does_not_count_toward_the_trim(
         info.status = "completed"
         await store.end(info, [*events, Done()], len(events), 60)
         # About 16 kB were written in all: under the limit, nothing may be trimmed.
+        assert await read_all(store, info.id) == [*events, Done()]
+    finally:
+        await store.close()
+
+
+async def test_the_end_of_a_log_lost_in_a_restart_is_not_written_without_its_entries(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """An end whose entries were refused (the log vanished: NOMKSTREAM) must not mark the
+    stream finished nor drop its owner: a reader elsewhere would take the missing log for
+    an ended one (stream_incomplete) in the turn before the keeper rewrites it from 0."""
+    store = RedisStore(REDIS_URL, prefix)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
+        assert await append(store, info, 0, events[:3])
+        await redis_client.delete(f"{prefix}:stream:{info.id}:log")  # a restart, say
+        info.status = "completed"
+        (written,) = await store.mirror([Write(info, [*events[3:], Done()], 3, end=True)], 60)
+        assert not written
+        stored = await store.info(info.id)
+        assert stored is not None and stored.status == "in_progress"
+        assert await redis_client.exists(f"{prefix}:stream:{info.id}:owner")
+        # The keeper's next turn writes it whole, and its end with it.
+        await store.mirror([Write(info, [*events, Done()], 0, end=True)], 60)
         assert await read_all(store, info.id) == [*events, Done()]
     finally:
         await store.close()

@@ -88,6 +88,16 @@ for i, key in ipairs(KEYS) do
 end
 return lost
 """
+# The end of a log appended to (NOMKSTREAM), after its entries: only if the log is there
+# (else they were refused, and the keeper writes it again from entry 0, its end with it).
+_FINISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[3])
+return 1
+"""
 # Whether the replica a stream's owner key names still has its keep-alive.
 _ALIVE = """
 local owner = redis.call('GET', KEYS[1])
@@ -332,12 +342,19 @@ class RedisStore(Store):
                 owners.append(at)
             if not write.end:
                 sizes[stream_id] = [ttl, size]
+                if start == 0:
+                    after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
+            elif exists and events:
+                owner = self._key(stream_id, "owner")
+                info = orjson.dumps(write.info)
+                after.append(("EVAL", _FINISH, 3, log, info_key, owner, info, ttl))
             else:
-                after.append(("SET", info_key, orjson.dumps(write.info), "PX", ttl))
-            if write.end or start == 0:
-                after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
-            if write.end:
-                after.append(("DEL", self._key(stream_id, "owner")))
+                after += [
+                    ("SET", info_key, orjson.dumps(write.info), "PX", ttl),
+                    ("PEXPIRE", log, ttl),
+                    ("PEXPIRE", info_key, ttl),
+                    ("DEL", self._key(stream_id, "owner")),
+                ]
         if not keys:
             if begun or after:
                 await self.call("mirror", *begun, *after)

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from nexus.cache.redis import RedisStore
-from nexus.cache.store import StreamInfo
+from nexus.cache.store import StreamInfo, Write
 from nexus.errors import StreamIncomplete
 from nexus.events import Delta, Done, StreamEvent
 from nexus.types import StreamMeta
@@ -150,3 +150,65 @@ async def test_a_thousand_streams_leave_no_key_behind_after_their_ttls(
     left = [key async for key in redis_client.scan_iter(match=f"{prefix}:*", count=1000)]
     # Only this replica's keep-alive (renewed while it runs, deleted when it stops).
     assert [key.split(b":")[1] for key in left] == [b"replica"]
+
+
+async def test_a_mirror_write_that_failed_does_not_count_toward_the_trim(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """The keeper retries a failed write from the same entry: the bytes of the attempts
+    that never reached Redis must not count as the log's size, or a log well under
+    max_log_bytes is trimmed and a reader from its start gets StreamIncomplete."""
+    from nexus.errors import StoreUnavailable
+
+    store = RedisStore(REDIS_URL, prefix, max_log_bytes=20_000)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"token {i:05d} ") for i in range(400)]
+        for at in range(200):  # one entry each: trimming works on whole nodes of entries
+            assert await append(store, info, at, events[at : at + 1])
+        real_call = store.call
+
+        async def down(op: str, *commands: object, allow: str = "") -> list[object]:
+            raise StoreUnavailable("Redis is down")
+
+        store.call = down  # type: ignore[method-assign]
+        for _ in range(4):  # the keeper's retries while Redis is down
+            with pytest.raises(StoreUnavailable):
+                await append(store, info, 200, events[200:])
+        store.call = real_call  # type: ignore[method-assign]
+        assert await append(store, info, 200, events[200:])
+        info.status = "completed"
+        await store.end(info, [*events, Done()], len(events), 60)
+        # About 16 kB were written in all: under the limit, nothing may be trimmed.
+        assert await read_all(store, info.id) == [*events, Done()]
+    finally:
+        await store.close()
+
+
+async def test_the_end_of_a_log_lost_in_a_restart_is_not_written_without_its_entries(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """An end whose entries were refused (the log vanished: NOMKSTREAM) must not mark the
+    stream finished nor drop its owner: a reader elsewhere would take the missing log for
+    an ended one (stream_incomplete) in the turn before the keeper rewrites it from 0."""
+    store = RedisStore(REDIS_URL, prefix)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
+        assert await append(store, info, 0, events[:3])
+        await redis_client.delete(f"{prefix}:stream:{info.id}:log")  # a restart, say
+        info.status = "completed"
+        (written,) = await store.mirror([Write(info, [*events[3:], Done()], 3, end=True)], 60)
+        assert not written
+        stored = await store.info(info.id)
+        assert stored is not None and stored.status == "in_progress"
+        assert await redis_client.exists(f"{prefix}:stream:{info.id}:owner")
+        # The keeper's next turn writes it whole, and its end with it.
+        await store.mirror([Write(info, [*events, Done()], 0, end=True)], 60)
+        assert await read_all(store, info.id) == [*events, Done()]
+    finally:
+        await store.close()

@@ -88,6 +88,16 @@ for i, key in ipairs(KEYS) do
 end
 return lost
 """
+# The end of a log appended to (NOMKSTREAM), after its entries: only if the log is there
+# (else they were refused, and the keeper writes it again from entry 0, its end with it).
+_FINISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[3])
+return 1
+"""
 # Whether the replica a stream's owner key names still has its keep-alive.
 _ALIVE = """
 local owner = redis.call('GET', KEYS[1])
@@ -310,11 +320,12 @@ class RedisStore(Store):
         args: list[Any] = []
         after: list[Command] = []
         owners: list[int] = []
+        sizes: dict[str, list[int]] = {}  # the live logs' sizes, once the write went through
         limit = self.max_log_bytes
         for at, write in enumerate(writes):
             stream_id, start, events = write.info.id, write.start, write.events
             log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
-            live = self._live.pop(stream_id, None) if write.end else self._live.get(stream_id)
+            live = self._live.get(stream_id)
             ttl, size = live or (ttl_ms, 0)
             ttl = ttl_ms if write.end else ttl
             exists = ("NOMKSTREAM",) if start > 0 else ()
@@ -330,19 +341,33 @@ class RedisStore(Store):
                 args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
                 owners.append(at)
             if not write.end:
-                self._live[stream_id] = [ttl, size]
+                sizes[stream_id] = [ttl, size]
+                if start == 0:
+                    after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
+            elif exists and events:
+                owner = self._key(stream_id, "owner")
+                info = orjson.dumps(write.info)
+                after.append(("EVAL", _FINISH, 3, log, info_key, owner, info, ttl))
             else:
-                after.append(("SET", info_key, orjson.dumps(write.info), "PX", ttl))
-            if write.end or start == 0:
-                after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
-            if write.end:
-                after.append(("DEL", self._key(stream_id, "owner")))
+                after += [
+                    ("SET", info_key, orjson.dumps(write.info), "PX", ttl),
+                    ("PEXPIRE", log, ttl),
+                    ("PEXPIRE", info_key, ttl),
+                    ("DEL", self._key(stream_id, "owner")),
+                ]
         if not keys:
             if begun or after:
                 await self.call("mirror", *begun, *after)
-            return [True] * len(writes)
-        append = ("EVAL", _APPEND, len(keys), *keys, *args)
-        lost = (await self.call("mirror", *begun, append, *after))[len(begun)]
+            lost = []
+        else:
+            append = ("EVAL", _APPEND, len(keys), *keys, *args)
+            lost = (await self.call("mirror", *begun, append, *after))[len(begun)]
+        # Only now: a write that failed is retried from the same entry, and must not count
+        # its bytes twice (a log counted past max_log_bytes is trimmed).
+        self._live.update(sizes)
+        for write in writes:
+            if write.end:
+                self._live.pop(write.info.id, None)
         written = [True] * len(writes)
         for entry in lost:
             written[owners[entry - 1]] = False

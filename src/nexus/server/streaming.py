@@ -326,11 +326,15 @@ class StreamPump(Writer):
         if data:
             write = response.write(data)
             try:
-                write.send(None)
+                waited = write.send(None)
             except StopIteration:
                 pass
             else:
                 write.close()
+                # aiohttp's drain future, left with the protocol: when the client resets
+                # meanwhile it gets an error that nobody awaits ("never retrieved").
+                if isinstance(waited, asyncio.Future):
+                    waited.add_done_callback(_retrieved)
             self._wrote()
             self._sent(len(data))
         return True
@@ -364,6 +368,11 @@ class StreamPump(Writer):
         super()._abort(why)
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class _Response(web.Response):

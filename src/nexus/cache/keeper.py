@@ -103,7 +103,12 @@ class Keeper:
         """Look after ``run``'s log; ``record``: the cache key to record it under;
         ``stored``: :meth:`Store.begin` was called (else the mirror begins it)."""
         if not self.store.shared:
-            run.on_finish = lambda run: self._track(self._end(run, record))
+            # Unrecorded (the common case): a bound method, not a closure per stream.
+            run.on_finish = (
+                self._finished
+                if record is None
+                else lambda run: self._track(self._end(run, record))
+            )
             return
         kept = self._kept[run.id] = _Kept(run, record, stored, self._mark)
         if stored:
@@ -112,6 +117,9 @@ class Keeper:
             self._mark(kept)
         if self._mirror is None:
             self._mirror = self._track(self._run())
+
+    def _finished(self, run: StreamRun) -> None:
+        self._track(self._end(run, None))
 
     def _track(self, job: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(job)

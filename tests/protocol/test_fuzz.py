@@ -1,5 +1,4 @@
-"""Property-based fuzzing (issue 7, "Reliability tests"): never a 500, never a hang, always a
-clear error.
+"""Property-based fuzzing: never a 500, never a hang, always a clear error.
 
 The sans-I/O layers first, with many examples: request validation of the three endpoints
 (arbitrary bytes, arbitrary JSON, and objects built from the endpoints' own keys with wrong

@@ -1,5 +1,5 @@
-"""1,000 concurrent streams with random client disconnects and aborts (issue 7, "Reliability
-tests"): afterwards no leaked tasks, streams, pumps, sockets, connections, descriptors or memory.
+"""1,000 concurrent streams with random client disconnects and aborts: afterwards no leaked
+tasks, streams, pumps, sockets, connections, descriptors or memory.
 
 One gateway app, one client session with no connection limit, and a thousand clients at once
 in every format and surface: readers that read to the end (and check every word arrived once,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 
 from aiohttp import web
@@ -23,7 +24,7 @@ __all__ = ["Writer"]
 log = logging.getLogger("nexus.server")
 
 
-class Writer:
+class Writer(ABC):
     """Writes to one client, timed by the watchdog (see the module docstring).
 
     Writes go through :meth:`_timed`. At each tick (:meth:`check`), a socket full
@@ -119,8 +120,9 @@ class Writer:
         finally:
             self._beat = None
 
+    @abstractmethod
     async def _heartbeat(self) -> None:
-        raise NotImplementedError
+        """Write this connection's keepalive (an SSE comment, a WebSocket ping)."""
 
     def _abort(self, why: str) -> None:
         """Drop the client (abort: a close could not reach a peer that does not read)."""

@@ -96,6 +96,7 @@ class StreamPump(Writer):
         fmt = self.exchange.format or "unknown"
         self._events = metrics.events.labels(fmt) if metrics is not None else None
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
+        self._metered = (self.exchange.events, self.exchange.bytes)  # in the counters so far
         self.reader = reader
         self.name = f"stream {reader.meta.id}"
         self.renderer = renderer
@@ -142,7 +143,7 @@ class StreamPump(Writer):
             self.reader.sink = self._push
             async for batch in batches:
                 data = renderer.feed(batch)
-                self._count(len(batch))
+                self.exchange.events += len(batch)
                 if renderer.done:
                     self.exchange.ended_with(batch[-1])
                     return await self._end(data)
@@ -187,6 +188,7 @@ class StreamPump(Writer):
         finally:
             self._settle()
             self._watch(False)
+            self._meter()
             if self._active is not None:
                 self._active.discard(self)
             await self.reader.close()
@@ -248,14 +250,25 @@ class StreamPump(Writer):
                 failure = self.reader.failure
                 raise failure if failure is not None else StreamError(events[0])
             out += renderer.feed(events)
-            self._count(len(events))
+            self.exchange.events += len(events)
             if out or renderer.done:
                 return out
 
-    def _count(self, events: int) -> None:
-        self.exchange.events += events
-        if self._events is not None:
-            self._events.inc(events)
+    def _meter(self) -> None:
+        """Add the events and bytes written since the last call to the format's counters:
+        at each watchdog tick (a stream still open counts what it wrote) and at the end,
+        not at each write."""
+        ex = self.exchange
+        events, size = self._metered
+        self._metered = (ex.events, ex.bytes)
+        if self._events is not None and ex.events != events:
+            self._events.inc(ex.events - events)
+        if self._bytes is not None and ex.bytes != size:
+            self._bytes.inc(ex.bytes - size)
+
+    def check(self, now: float) -> None:
+        self._meter()
+        super().check(now)
 
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
@@ -291,7 +304,7 @@ class StreamPump(Writer):
         finally:
             self._writing -= 1
         self._wrote()
-        self._sent(len(data))
+        self.exchange.bytes += len(data)
 
     async def _write_sliced(self, data: bytes) -> None:
         """Write a large output in slices: the transport never holds more than about one
@@ -303,7 +316,7 @@ class StreamPump(Writer):
             piece = view[start : start + WRITE_SLICE]
             await write(piece)
             self._wrote()  # each slice is timed on its own: a slow reader takes them
-            self._sent(len(piece))
+            self.exchange.bytes += len(piece)
 
     def _push(self, batch: list[StreamEvent]) -> bool:
         """The reader's sink (:class:`~nexus.cache.readers.RunReader`): render and write
@@ -322,7 +335,7 @@ class StreamPump(Writer):
         if protocol.transport is None:
             return False  # the client left: this pump's task finds out
         data = self.renderer.feed(batch)
-        self._count(len(batch))
+        self.exchange.events += len(batch)
         if data:
             write = response.write(data)
             try:
@@ -336,13 +349,8 @@ class StreamPump(Writer):
                 if isinstance(waited, asyncio.Future):
                     waited.add_done_callback(_retrieved)
             self._wrote()
-            self._sent(len(data))
+            self.exchange.bytes += len(data)
         return True
-
-    def _sent(self, size: int) -> None:
-        self.exchange.bytes += size
-        if self._bytes is not None:
-            self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
         """Write the last bytes and the end of the body; nothing goes after them."""
@@ -362,7 +370,7 @@ class StreamPump(Writer):
         # The frame reaches the transport before this task first waits: it cannot
         # follow the terminator, nor go between two slices of a frame.
         await self._timed(response.write(heartbeat))
-        self._sent(len(heartbeat))
+        self.exchange.bytes += len(heartbeat)
 
     def _abort(self, why: str) -> None:
         super()._abort(why)

@@ -310,6 +310,9 @@ class _Exchange:
         self._readany = None
         self._provider._watchdog.discard(self)
         response = self.response
+        if clean and response.content.at_eof():
+            response.release()  # the body's end came with its last event: no wait
+            return
         if clean:
             try:
                 async with asyncio.timeout(_DRAIN_TIMEOUT_S):

@@ -53,7 +53,7 @@ from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
 from .writer import Writer
 
-__all__ = ["StreamPump", "pump"]
+__all__ = ["StreamPump", "chunk", "pump"]
 
 log = logging.getLogger("nexus.server")
 
@@ -323,31 +323,23 @@ class StreamPump(Writer):
         ``batch`` in the producer's task, when nothing else is being written and the
         socket takes more; else False, and this pump's task reads it.
 
-        The write cannot wait there: with writing not paused, aiohttp's ``write()``
-        returns at once. Should the socket fill with these very bytes, they are with
-        the transport already; the wait for it to drain is left to the next write,
-        which this task makes (a paused socket is never pushed to).
+        The write cannot wait there, and need not: it is one HTTP chunk handed to the
+        transport (:func:`chunk`, the framing aiohttp's chunked writer gives the same
+        bytes), as a byte-copying proxy's would be. The headers went out with the first
+        write, nothing else is being written, and the body is never compressed. Should
+        the socket fill with these very bytes, they are with the transport already; the
+        wait for it to drain is left to the next write, which this task makes through
+        aiohttp (a paused socket is never pushed to).
         """
-        response = self.response
-        protocol = self._protocol
-        if self._writing or self._ended or response is None or protocol.writing_paused:
+        transport = self._protocol.transport
+        if self._writing or self._ended or self.response is None or self._protocol.writing_paused:
             return False
-        if protocol.transport is None:
+        if transport is None or transport.is_closing():
             return False  # the client left: this pump's task finds out
         data = self.renderer.feed(batch)
         self.exchange.events += len(batch)
         if data:
-            write = response.write(data)
-            try:
-                waited = write.send(None)
-            except StopIteration:
-                pass
-            else:
-                write.close()
-                # aiohttp's drain future, left with the protocol: when the client resets
-                # meanwhile it gets an error that nobody awaits ("never retrieved").
-                if isinstance(waited, asyncio.Future):
-                    waited.add_done_callback(_retrieved)
+            transport.write(chunk(data))
             self._wrote()
             self.exchange.bytes += len(data)
         return True
@@ -378,9 +370,9 @@ class StreamPump(Writer):
             self._task.cancel()
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
+def chunk(data: bytes) -> bytes:
+    """``data`` as one HTTP/1.1 chunk (RFC 9112 §7.1; ``data`` not empty)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 class _Response(web.Response):

@@ -29,11 +29,11 @@ from .pricing import Price, PriceTable, cost_usd
 from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
-from .stream import Stream, accumulate
+from .stream import Batches, Stream, accumulate
 from .types import Completion, StreamMeta
 
 if TYPE_CHECKING:
-    from .telemetry import Telemetry
+    from .telemetry import Attempt, Telemetry
 
 __all__ = ["Engine"]
 
@@ -252,7 +252,7 @@ class Engine:
             # A fallback answered: the stream's meta names it from its first event on.
             stream.meta = replace(meta, provider=provider.name, upstream_model=model)
 
-        stream = Stream.of_batches(self._run(targets, request, served), meta)
+        stream = Stream.of_batches(_Run(self, targets, request, served), meta)
         return stream
 
     async def open_stream(
@@ -306,69 +306,86 @@ class Engine:
         """
         return await accumulate(await self.open_stream(request, ctx))
 
-    async def _run(
+
+class _Run:
+    """The routed call's :class:`~nexus.stream.Batches`: the targets in fallback order,
+    then the one that answered, read through (its ``__anext__`` a plain coroutine: no
+    generator layer per read). See the module docstring for what it raises."""
+
+    __slots__ = (
+        "_attempt",
+        "_batches",
+        "_before",
+        "_engine",
+        "_latest",
+        "_price",
+        "_request",
+        "_served",
+        "_span",
+        "_targets",
+    )
+
+    def __init__(
         self,
+        engine: Engine,
         targets: list[Target],
         request: ChatRequest,
         served: Callable[[Provider, str], None],
-    ) -> AsyncGenerator[list[StreamEvent], None]:
-        last = len(targets) - 1
-        asked = request.model
-        telemetry = self.telemetry
-        for attempt, (provider, model) in enumerate(targets):
-            price = self.prices.price(f"{provider.name}/{model}", asked)
-            span = (
-                telemetry.attempt(provider.name, provider.kind, model, request, attempt)
-                if telemetry is not None
-                else None
-            )
-            batches = provider.batches(request, model)
-            started = False
-            # The last two reads: where a stream's finish reason and usage are (for the span).
-            before: list[StreamEvent] | None = None
-            latest: list[StreamEvent] | None = None
+    ) -> None:
+        self._engine = engine
+        self._targets = targets
+        self._request: ChatRequest | None = request  # until a target answers
+        self._served = served
+        self._attempt = -1
+        self._batches: Batches | None = None  # the target's, while it is read
+        self._span: Attempt | None = None
+        self._price: Price | None = None
+        # The last two reads: where a stream's finish reason and usage are (for the span).
+        self._before: list[StreamEvent] | None = None
+        self._latest: list[StreamEvent] | None = None
+
+    def __aiter__(self) -> _Run:
+        return self
+
+    async def __anext__(self) -> list[StreamEvent]:
+        while True:
+            batches = self._batches
+            if batches is None:
+                batches = await self._next_target()
             try:
-                async for batch in batches:
-                    if batch:
-                        if price is not None and type(batch[-1]) is Usage:
-                            # A provider's usage ends the read it came in: one check a read.
-                            batch[-1] = _priced(batch[-1], price)
-                        if not started:
-                            started = True
-                            if span is not None:
-                                span.first_output()
-                            # No other target will be tried: the request need not stay
-                            # alive for the stream's length in this frame.
-                            del request
-                            if attempt:
-                                served(provider, model)
-                        before, latest = latest, batch
-                        yield batch
-                if span is not None:
-                    span.answered(before, latest)
-                return
+                batch = await batches.__anext__()
+            except StopAsyncIteration:
+                if self._span is not None:
+                    self._span.answered(self._before, self._latest)
+                await self._end(len(self._targets))
+                raise
             except GatewayError as exc:
-                if span is not None:
-                    span.failed(exc.code)
-                if started:
-                    yield [exc.to_event()]
-                    return
-                if exc.retryable and attempt < last:
+                if self._span is not None:
+                    self._span.failed(exc.code)
+                if self._request is None:  # started
+                    await self._end(len(self._targets))
+                    return [exc.to_event()]
+                attempt, provider = self._attempt, self._targets[self._attempt][0]
+                if exc.retryable and attempt < len(self._targets) - 1:
                     log.warning(
                         "provider %s failed before output (%s); trying the next target",
                         provider.name,
                         exc.code,
                     )
                     await asyncio.sleep(FALLBACK_BACKOFF_S * 2**attempt)
+                    await self._end(attempt + 1)
                     continue
+                await self._end(len(self._targets))
                 raise
             except Exception:
+                provider = self._targets[self._attempt][0]
                 log.exception("provider %s raised", provider.name)
-                if span is not None:
-                    span.failed("internal_error")
-                if not started:
+                if self._span is not None:
+                    self._span.failed("internal_error")
+                await self._end(len(self._targets))
+                if self._request is not None:
                     raise
-                yield [
+                return [
                     Error(
                         error_type="server_error",
                         message=f"provider {provider.name!r} failed unexpectedly",
@@ -376,13 +393,55 @@ class Engine:
                         retryable=True,
                     )
                 ]
-                return
-            finally:
-                try:
-                    await batches.aclose()
-                finally:
-                    if span is not None:
-                        span.end()
+            if batch:
+                price = self._price
+                if price is not None and type(batch[-1]) is Usage:
+                    # A provider's usage ends the read it came in: one check a read.
+                    batch[-1] = _priced(batch[-1], price)
+                if self._request is not None:
+                    self._first_output()
+                self._before, self._latest = self._latest, batch
+                return batch
+
+    async def _next_target(self) -> Batches:
+        """The next target's batches (its span begun); StopAsyncIteration when none is left
+        (all tried, or closed)."""
+        attempt = self._attempt = self._attempt + 1
+        request = self._request
+        if request is None or attempt >= len(self._targets):
+            raise StopAsyncIteration
+        provider, model = self._targets[attempt]
+        engine = self._engine
+        self._price = engine.prices.price(f"{provider.name}/{model}", request.model)
+        telemetry = engine.telemetry
+        if telemetry is not None:
+            self._span = telemetry.attempt(provider.name, provider.kind, model, request, attempt)
+        self._batches = provider.batches(request, model)
+        return self._batches
+
+    def _first_output(self) -> None:
+        if self._span is not None:
+            self._span.first_output()
+        # No other target will be tried: the request need not stay alive for the
+        # stream's length.
+        self._request = None
+        if self._attempt:
+            self._served(*self._targets[self._attempt])
+
+    async def _end(self, attempt: int) -> None:
+        """Close the current target's batches and end its span; go on at ``attempt``."""
+        batches, span = self._batches, self._span
+        self._batches = self._span = None
+        self._attempt = attempt - 1
+        try:
+            if batches is not None:
+                await batches.aclose()
+        finally:
+            if span is not None:
+                span.end()
+
+    async def aclose(self) -> None:
+        await self._end(len(self._targets))
 
 
 def _validated(request: ChatRequest | Mapping[str, Any]) -> ChatRequest:

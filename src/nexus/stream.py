@@ -25,15 +25,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import StreamError
 from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
 from .types import CompletedToolCall, Completion, StreamMeta
 
-__all__ = ["Channel", "EndOfStream", "Merger", "Stream", "accumulate", "merge_events"]
+__all__ = ["Batches", "Channel", "EndOfStream", "Merger", "Stream", "accumulate", "merge_events"]
+
+
+class Batches(Protocol):
+    """What :meth:`Stream.of_batches` reads: lists of events, one per upstream read. An
+    async generator is one; an object whose ``__anext__`` is a plain coroutine is cheaper
+    per step (no generator layer to resume). ``aclose()`` releases what it holds."""
+
+    def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
+
+    def __anext__(self) -> Awaitable[list[StreamEvent]]: ...
+
+    def aclose(self) -> Awaitable[object]: ...
 
 
 class EndOfStream(Exception):
@@ -44,7 +56,7 @@ class Stream:
     """One completion's events, in order. Single reader; not restartable.
 
     Made from an async generator of events, or (:meth:`of_batches`) of lists of
-    events, one per upstream read: :meth:`read_batch` hands such a list over in
+    events, one per upstream read (:class:`Batches`): :meth:`read_batch` hands such a list over in
     one step, which is how the gateway reads (one step per read, not per token).
     """
 
@@ -61,7 +73,7 @@ class Stream:
     )
 
     def __init__(self, events: AsyncGenerator[StreamEvent, None], meta: StreamMeta) -> None:
-        self._events: AsyncGenerator[Any, None] = events
+        self._events: AsyncGenerator[Any, None] | Batches = events
         self._batched = False
         self._batch: list[StreamEvent] = []
         self._at = 0
@@ -72,9 +84,7 @@ class Stream:
         self.meta = meta
 
     @classmethod
-    def of_batches(
-        cls, batches: AsyncGenerator[list[StreamEvent], None], meta: StreamMeta
-    ) -> Stream:
+    def of_batches(cls, batches: Batches, meta: StreamMeta) -> Stream:
         """A stream read from lists of events (empty lists are skipped)."""
         stream = cls(batches, meta)  # type: ignore[arg-type]
         stream._batched = True
@@ -107,7 +117,7 @@ class Stream:
         events = self._events
         try:
             while True:
-                item = await events.__anext__()
+                item: Any = await events.__anext__()
                 if not self._batched:
                     return [item]
                 if item:
@@ -118,6 +128,7 @@ class Stream:
             if not self._closed_under_reader():
                 raise
         finally:
+            self._reader = None  # no read under way
             if self._read_done is not None and not self._read_done.done():
                 self._read_done.set_result(None)
         return []  # close() from another task ended this read (the stream ends)
@@ -153,9 +164,8 @@ class Stream:
         self._batch = []
         self._at = 0
         events = self._events
-        reader = self._reader
-        running = getattr(events, "ag_running", False)
-        if running and reader is not None and reader is not asyncio.current_task():
+        reader = self._reader  # a read under way
+        if reader is not None and reader is not asyncio.current_task():
             self._read_done = asyncio.get_running_loop().create_future()
             self._close_cancels += 1
             reader.cancel()

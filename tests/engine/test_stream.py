@@ -160,6 +160,41 @@ async def test_close_while_provider_sleeps_returns_quickly_and_runs_finally() ->
         await asyncio.gather(reader, return_exceptions=True)
 
 
+class Reads:
+    """Batches that are not a generator: a coroutine ``__anext__`` waiting on a future."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.gate: asyncio.Future[list[StreamEvent]] | None = None
+
+    def __aiter__(self) -> Reads:
+        return self
+
+    async def __anext__(self) -> list[StreamEvent]:
+        self.gate = asyncio.get_running_loop().create_future()
+        self.log.append("reading")
+        return await self.gate
+
+    async def aclose(self) -> None:
+        self.log.append("closed")
+
+
+async def test_a_stream_of_batches_that_is_no_generator_reads_and_closes() -> None:
+    source = Reads()
+    stream = Stream.of_batches(source, StreamMeta.new("test/model"))
+    reader = asyncio.create_task(stream.read_batch())
+    await settle()
+    assert source.gate is not None
+    source.gate.set_result(EVENTS[:2])
+    assert await reader == EVENTS[:2]
+    # Closed from another task while a read waits: the read ends the stream.
+    reader = asyncio.create_task(stream.read_batch())
+    await settle()
+    await stream.close()
+    assert await reader == []
+    assert source.log == ["reading", "reading", "closed"]
+
+
 # --- Channel -----------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from ..config import AnthropicProviderConfig
 from ..events import Delta, StreamEvent, Usage
 from ..protocol.anthropic_events import EventDecoder, messages_body
 from ..request import ChatRequest
+from ..stream import Batches
 from .http import HTTPProvider
 
 __all__ = ["AnthropicProvider"]
@@ -32,7 +33,7 @@ class AnthropicProvider(HTTPProvider):
         body = messages_body(request, model, self.config.default_max_tokens)
         return body, EventDecoder(self.name)
 
-    def batches(self, request: ChatRequest, model: str) -> AsyncGenerator[list[StreamEvent], None]:
+    def batches(self, request: ChatRequest, model: str) -> Batches:
         if request.token_limit == 0:
             return _no_tokens()  # the API requires max_tokens >= 1: no upstream call
         return super().batches(request, model)

@@ -1,12 +1,14 @@
 """The provider interface: the outbound edge. A provider turns a request into events.
 
-A provider implements one primitive, :meth:`Provider.batches`: an async generator of
-non-empty lists of :class:`~nexus.events.StreamEvent`, one list per upstream read
-(what the engine reads: one step per read, not per token). Before its first event
-it *raises* :class:`~nexus.errors.GatewayError` (so the engine can fall back to
-another target or answer with an HTTP status); after that it may also raise, and
-the engine turns the exception into an error event. Closing the generator
-(``aclose()`` or cancellation) must release the upstream at once: put the cleanup
+A provider implements one primitive, :meth:`Provider.batches`: an async iterator
+(:class:`~nexus.stream.Batches`: an async generator, or an object with a coroutine
+``__anext__`` and ``aclose``) of non-empty lists of :class:`~nexus.events.StreamEvent`,
+one list per upstream read (what the engine reads: one step per read, not per token).
+Nothing runs before its first step. Before its first event it *raises*
+:class:`~nexus.errors.GatewayError` (so the engine can fall back to another target or
+answer with an HTTP status); after that it may also raise, and the engine turns the
+exception into an error event. ``aclose()`` (which the engine always calls, after a
+cancellation too) must release the upstream at once: in a generator, put the cleanup
 in ``finally``. :meth:`Provider.stream` is derived: the same events one by one.
 """
 
@@ -18,6 +20,7 @@ from typing import ClassVar
 
 from ..events import StreamEvent
 from ..request import ChatRequest
+from ..stream import Batches
 
 __all__ = ["Provider", "flatten"]
 
@@ -42,7 +45,7 @@ class Provider(ABC):
         return list(self._models)
 
     @abstractmethod
-    def batches(self, request: ChatRequest, model: str) -> AsyncGenerator[list[StreamEvent], None]:
+    def batches(self, request: ChatRequest, model: str) -> Batches:
         """Stream a completion of ``request`` from upstream ``model``, a list per read."""
 
     def stream(self, request: ChatRequest, model: str) -> AsyncGenerator[StreamEvent, None]:
@@ -50,9 +53,7 @@ class Provider(ABC):
         return flatten(self.batches(request, model))
 
 
-async def flatten(
-    batches: AsyncGenerator[list[StreamEvent], None],
-) -> AsyncGenerator[StreamEvent, None]:
+async def flatten(batches: Batches) -> AsyncGenerator[StreamEvent, None]:
     """The events of ``batches`` one by one; closing it closes ``batches``."""
     try:
         async for batch in batches:

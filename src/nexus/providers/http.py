@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 from abc import abstractmethod
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar
 
 import aiohttp
@@ -33,6 +33,7 @@ from ..errors import (
 from ..events import StreamEvent
 from ..protocol.upstream import UpstreamDecoder, error_text, status_error
 from ..request import ChatRequest
+from ..stream import Batches
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider
@@ -123,68 +124,106 @@ class HTTPProvider(Provider):
     def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], UpstreamDecoder]:
         """The upstream request's body for ``request``, and a decoder for its stream."""
 
-    async def batches(
-        self, request: ChatRequest, model: str
-    ) -> AsyncGenerator[list[StreamEvent], None]:
+    def batches(self, request: ChatRequest, model: str) -> Batches:
         """One list of events per upstream read, until the decoder's end; a body that
         ends before it is :class:`~nexus.errors.UpstreamDisconnected`, never a success."""
-        payload, decoder = self.upstream(request, model)
-        del request  # held by nothing for the stream's length
-        exchange = _Exchange(self)
-        await exchange.send(orjson.dumps(payload))
-        del payload
-        clean = False
-        try:
-            while chunk := await exchange.read():
-                events = decoder.decode(chunk)
-                if events:
-                    yield events
-                if decoder.error is not None:
-                    raise decoder.error
-                if decoder.done:
-                    clean = True
-                    return
-            raise UpstreamDisconnected(
-                f"provider {self.name!r} ended the stream without {decoder.terminator}"
-            )
-        finally:
-            await exchange.finish(clean)
+        return _Exchange(self, request, model)
 
 
 class _Exchange:
-    """One upstream request, from its wait for a pooled connection to its body's end.
+    """One upstream request, from its wait for a pooled connection to its body's end: the
+    provider's :class:`~nexus.stream.Batches`, its ``__anext__`` a plain coroutine (one
+    frame a read, no generator to resume). The request goes out at the first step.
 
     ``first_byte_timeout_s`` runs from the request to the first body bytes, then each gap
     between reads gets ``idle_timeout_s`` (the consumer's time does not count). A wait for
     a pooled connection is the gateway's: while it lasts, the deadline is ``pool_timeout_s``
     after the wait began (then :class:`~nexus.errors.UpstreamPoolExhausted`); it restarts in
-    full once a connection is free. No timer per read (a timer, a task lookup and a context
-    per token) nor per response (an idle stream's memory): the provider's one watchdog
-    ends a read waiting past its deadline with a timeout.
+    full once a connection is free. No timer nor clock per read: the provider's one
+    watchdog sees the body's byte count move at its ticks (the idle deadline then starts
+    afresh, at most a tick late) and ends a read waiting past its deadline with a timeout.
     """
 
     __slots__ = (
         "_deadline",
+        "_decoder",
+        "_end",
         "_now",
-        "_phase",
         "_provider",
         "_readany",
+        "_request",
+        "_seen",
         "_timeout",
         "_waiting",
+        "model",
         "queued_at",
         "response",
         "waited",
     )
 
-    def __init__(self, provider: HTTPProvider) -> None:
+    def __init__(self, provider: HTTPProvider, request: ChatRequest, model: str) -> None:
         self._provider = provider
-        self._now = asyncio.get_running_loop().time
+        self._request: ChatRequest | None = request  # until the request goes out
+        self.model = model
         self._timeout: asyncio.Timeout | None = None
+        self._readany: Callable[[], Awaitable[bytes]] | None = None  # once responding
+        self._decoder: UpstreamDecoder | None = None
+        self._end = False  # the decoder ended (its error, or its end, is the next step)
         self._waiting = False
+        self._seen = 0  # the body's bytes at the last tick
         self.queued_at: float | None = None  # when the current wait for a connection began
         self.waited = 0.0
 
-    async def send(self, body: bytes) -> None:
+    def __aiter__(self) -> _Exchange:
+        return self
+
+    async def __anext__(self) -> list[StreamEvent]:
+        readany = self._readany
+        if readany is None:
+            readany = await self._open()
+        decoder = self._decoder
+        assert decoder is not None
+        while not self._end:
+            self._waiting = True
+            try:
+                chunk = await readany()
+            except Exception as exc:
+                error = exc
+            else:
+                self._waiting = False
+                if chunk:
+                    events = decoder.decode(chunk)
+                    self._end = decoder.error is not None or decoder.done
+                    if events:
+                        return events
+                    continue
+                await self.aclose()
+                raise UpstreamDisconnected(
+                    f"provider {self._provider.name!r} ended the stream without "
+                    f"{decoder.terminator}"
+                )
+            phase = self._phase()
+            await self.aclose()
+            with map_upstream_errors(self._provider.name, phase):
+                raise error
+        await self._finish(decoder.error is None)
+        if decoder.error is not None:
+            raise decoder.error
+        raise StopAsyncIteration
+
+    def _phase(self) -> str:
+        return "between chunks" if self.response.content.total_bytes else "before the first byte"
+
+    async def _open(self) -> Callable[[], Awaitable[bytes]]:
+        if self._request is None:
+            raise StopAsyncIteration  # closed before its first step
+        self._now = asyncio.get_running_loop().time
+        payload, self._decoder = self._provider.upstream(self._request, self.model)
+        self._request = None  # held by nothing for the stream's length
+        await self._send(orjson.dumps(payload))
+        return self._readany  # type: ignore[return-value]
+
+    async def _send(self, body: bytes) -> None:
         """POST ``body``; the response, once its status is 2xx. Redirects are not followed:
         they would carry the key to another host."""
         provider, config = self._provider, self._provider.config
@@ -228,7 +267,6 @@ class _Exchange:
                     tally.add(waited)
         self.response = response
         self._readany = response.content.readany
-        self._phase = "before the first byte"
         tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
         provider._watchdog.add(self, tick)
 
@@ -245,35 +283,36 @@ class _Exchange:
         if self._timeout is not None:
             self._timeout.reschedule(now + self._provider.config.first_byte_timeout_s)
 
-    async def read(self) -> bytes:
-        """The next bytes of the body; ``b""`` at its end."""
-        self._waiting = True
-        try:
-            chunk = await self._readany()
-        except Exception as exc:
-            error = exc
-        else:
-            self._waiting = False
-            if chunk:
-                self._deadline = self._now() + self._provider.config.idle_timeout_s
-                self._phase = "between chunks"
-            return chunk
-        with map_upstream_errors(self._provider.name, self._phase):
-            raise error
-
     def check(self, now: float) -> None:
-        """The watchdog's tick: end a read waiting past its deadline with a timeout (the
-        body's reader raises it to whichever task reads)."""
-        if self._waiting and now >= self._deadline:
+        """The watchdog's tick: bytes came since the last one, the idle deadline starts
+        afresh; else end a read waiting past its deadline with a timeout (the body's reader
+        raises it to whichever task reads)."""
+        content = self.response.content
+        if content.total_bytes != self._seen:
+            self._seen = content.total_bytes
+            self._deadline = now + self._provider.config.idle_timeout_s
+        elif self._waiting and now >= self._deadline:
             self._waiting = False
-            self.response.content.set_exception(TimeoutError())
+            content.set_exception(TimeoutError())
 
-    async def finish(self, clean: bool) -> None:
+    async def aclose(self) -> None:
+        """Drop the connection (the upstream sees the client leave); idempotent."""
+        await self._finish(False)
+
+    async def _finish(self, clean: bool) -> None:
         """Give the connection back to the pool after a clean end (reading, briefly, the
-        rest of the body keeps it alive), else drop it: the upstream sees the client leave."""
+        rest of the body keeps it alive), else drop it."""
+        self._request = None
+        self._end = True
         self._waiting = False
+        if self._readany is None:
+            return  # not responding (or finished already)
+        self._readany = None
         self._provider._watchdog.discard(self)
         response = self.response
+        if clean and response.content.at_eof():
+            response.release()  # the body's end came with its last event: no wait
+            return
         if clean:
             try:
                 async with asyncio.timeout(_DRAIN_TIMEOUT_S):

@@ -53,7 +53,7 @@ from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
 from .writer import Writer
 
-__all__ = ["StreamPump", "pump"]
+__all__ = ["StreamPump", "chunk", "pump"]
 
 log = logging.getLogger("nexus.server")
 
@@ -96,6 +96,7 @@ class StreamPump(Writer):
         fmt = self.exchange.format or "unknown"
         self._events = metrics.events.labels(fmt) if metrics is not None else None
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
+        self._metered = (self.exchange.events, self.exchange.bytes)  # in the counters so far
         self.reader = reader
         self.name = f"stream {reader.meta.id}"
         self.renderer = renderer
@@ -142,7 +143,7 @@ class StreamPump(Writer):
             self.reader.sink = self._push
             async for batch in batches:
                 data = renderer.feed(batch)
-                self._count(len(batch))
+                self.exchange.events += len(batch)
                 if renderer.done:
                     self.exchange.ended_with(batch[-1])
                     return await self._end(data)
@@ -187,6 +188,7 @@ class StreamPump(Writer):
         finally:
             self._settle()
             self._watch(False)
+            self._meter()
             if self._active is not None:
                 self._active.discard(self)
             await self.reader.close()
@@ -248,14 +250,25 @@ class StreamPump(Writer):
                 failure = self.reader.failure
                 raise failure if failure is not None else StreamError(events[0])
             out += renderer.feed(events)
-            self._count(len(events))
+            self.exchange.events += len(events)
             if out or renderer.done:
                 return out
 
-    def _count(self, events: int) -> None:
-        self.exchange.events += events
-        if self._events is not None:
-            self._events.inc(events)
+    def _meter(self) -> None:
+        """Add the events and bytes written since the last call to the format's counters:
+        at each watchdog tick (a stream still open counts what it wrote) and at the end,
+        not at each write."""
+        ex = self.exchange
+        events, size = self._metered
+        self._metered = (ex.events, ex.bytes)
+        if self._events is not None and ex.events != events:
+            self._events.inc(ex.events - events)
+        if self._bytes is not None and ex.bytes != size:
+            self._bytes.inc(ex.bytes - size)
+
+    def check(self, now: float) -> None:
+        self._meter()
+        super().check(now)
 
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
@@ -291,7 +304,7 @@ class StreamPump(Writer):
         finally:
             self._writing -= 1
         self._wrote()
-        self._sent(len(data))
+        self.exchange.bytes += len(data)
 
     async def _write_sliced(self, data: bytes) -> None:
         """Write a large output in slices: the transport never holds more than about one
@@ -303,46 +316,33 @@ class StreamPump(Writer):
             piece = view[start : start + WRITE_SLICE]
             await write(piece)
             self._wrote()  # each slice is timed on its own: a slow reader takes them
-            self._sent(len(piece))
+            self.exchange.bytes += len(piece)
 
     def _push(self, batch: list[StreamEvent]) -> bool:
         """The reader's sink (:class:`~nexus.cache.readers.RunReader`): render and write
         ``batch`` in the producer's task, when nothing else is being written and the
         socket takes more; else False, and this pump's task reads it.
 
-        The write cannot wait there: with writing not paused, aiohttp's ``write()``
-        returns at once. Should the socket fill with these very bytes, they are with
-        the transport already; the wait for it to drain is left to the next write,
-        which this task makes (a paused socket is never pushed to).
+        The write cannot wait there, and need not: it is one HTTP chunk handed to the
+        transport (:func:`chunk`, the framing aiohttp's chunked writer gives the same
+        bytes), as a byte-copying proxy's would be. The headers went out with the first
+        write, nothing else is being written, and the body is never compressed. Should
+        the socket fill with these very bytes, they are with the transport already; the
+        wait for it to drain is left to the next write, which this task makes through
+        aiohttp (a paused socket is never pushed to).
         """
-        response = self.response
-        protocol = self._protocol
-        if self._writing or self._ended or response is None or protocol.writing_paused:
+        transport = self._protocol.transport
+        if self._writing or self._ended or self.response is None or self._protocol.writing_paused:
             return False
-        if protocol.transport is None:
+        if transport is None or transport.is_closing():
             return False  # the client left: this pump's task finds out
         data = self.renderer.feed(batch)
-        self._count(len(batch))
+        self.exchange.events += len(batch)
         if data:
-            write = response.write(data)
-            try:
-                waited = write.send(None)
-            except StopIteration:
-                pass
-            else:
-                write.close()
-                # aiohttp's drain future, left with the protocol: when the client resets
-                # meanwhile it gets an error that nobody awaits ("never retrieved").
-                if isinstance(waited, asyncio.Future):
-                    waited.add_done_callback(_retrieved)
+            transport.write(chunk(data))
             self._wrote()
-            self._sent(len(data))
+            self.exchange.bytes += len(data)
         return True
-
-    def _sent(self, size: int) -> None:
-        self.exchange.bytes += size
-        if self._bytes is not None:
-            self._bytes.inc(size)
 
     async def _end(self, data: bytes) -> web.StreamResponse:
         """Write the last bytes and the end of the body; nothing goes after them."""
@@ -362,7 +362,7 @@ class StreamPump(Writer):
         # The frame reaches the transport before this task first waits: it cannot
         # follow the terminator, nor go between two slices of a frame.
         await self._timed(response.write(heartbeat))
-        self._sent(len(heartbeat))
+        self.exchange.bytes += len(heartbeat)
 
     def _abort(self, why: str) -> None:
         super()._abort(why)
@@ -370,9 +370,9 @@ class StreamPump(Writer):
             self._task.cancel()
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
+def chunk(data: bytes) -> bytes:
+    """``data`` as one HTTP/1.1 chunk (RFC 9112 §7.1; ``data`` not empty)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 class _Response(web.Response):

@@ -49,7 +49,9 @@ class Writer(ABC):
         self._watchdog = watchdog if watchdog is not None else Watchdog()
         self._watched = False
         self._loop = asyncio.get_running_loop()
-        self._last_write = self._loop.time()
+        self._last_write = self._loop.time()  # as of the tick that saw the last write
+        self._writes = 0  # writes done (no clock per write: the tick reads the count)
+        self._writes_seen = 0
         self._writing = 0  # writes under way (a frame's slices count as one)
         self._beat: asyncio.Task[None] | None = None
         self._stalled = 0.0  # since when the full socket has taken no byte (0: not full)
@@ -81,12 +83,18 @@ class Writer(ABC):
         self._wrote()
 
     def _wrote(self) -> None:
-        """A write is done: the socket took what it had, a new wait is timed afresh."""
-        self._last_write = self._loop.time()
-        self._stalled = 0.0
+        """A write is done: the socket took what it had, a new wait is timed afresh (from
+        the next tick, which sees the count move)."""
+        self._writes += 1
 
     def check(self, now: float) -> None:
-        """The watchdog's tick: abort a client that does not read, start a heartbeat due."""
+        """The watchdog's tick: abort a client that does not read, start a heartbeat due.
+        A write since the last tick counts as made now: a heartbeat is never earlier, and
+        at most a tick later, than after the write itself."""
+        if self._writes != self._writes_seen:
+            self._writes_seen = self._writes
+            self._last_write = now
+            self._stalled = 0.0
         stalled = self._stalled_for(now)
         if stalled >= self.write_timeout_s:
             self._abort(f"a write stalled for {stalled:.1f}s")

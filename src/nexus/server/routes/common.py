@@ -121,6 +121,8 @@ async def read_body(request: web.Request) -> bytes:
 async def _read_some(content: StreamReader, stall_s: float) -> bytes:
     """The body's next bytes (b"" at its end). Raises :class:`RequestTimeout` when
     none come for ``stall_s`` ([server] body_timeout_s)."""
+    if content.is_eof():  # all of it is in (a small body came with its head): no timer
+        return content.read_nowait()
     try:
         async with asyncio.timeout(stall_s):
             return await content.readany()

@@ -217,11 +217,13 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
         if ex.cancelled is not None:
             metrics.cancellations.labels(ex.cancelled).inc()
     if app[_CONFIG].logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
+        level = logging.WARNING if status >= 400 or outcome != "ok" else logging.INFO
+        if not access_log.isEnabledFor(level):
+            return  # (the line is not built for a logger that drops it)
         fields = _fields(ex, status, outcome, elapsed)
         text = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
-        failed = status >= 400 or outcome != "ok"
         access_log.log(
-            logging.WARNING if failed else logging.INFO,
+            level,
             "%s %s",
             ex.request_id,
             text,
@@ -279,7 +281,8 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
 
 def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:
     """The caller's key (None with auth off). Raises 401 ``invalid_api_key``."""
-    key = request.app[KEYS].authenticate(credential(request.headers, subprotocols))
+    keys = request.app[KEYS]
+    key = keys.authenticate(credential(request.headers, subprotocols)) if keys.enabled else None
     exchange(request).key = key
     return key
 

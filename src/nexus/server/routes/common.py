@@ -99,6 +99,11 @@ async def read_body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     content = request.content
+    if coding is None and content.is_eof():  # all in (a small body comes with its head)
+        body = content.read_nowait()
+        if len(body) > limit:
+            raise too_large(limit)
+        return body
     stall_s = request.app[state.CONFIG].server.body_timeout_s
     chunks: list[bytes] = []
     if coding is None:

@@ -95,9 +95,7 @@ _ACCEPT = st.lists(
     st.sampled_from([SSE, NDJSON]),
     st.lists(st.sampled_from([SSE, NDJSON, NATIVE]), min_size=1, unique=True),
 )
-def test_a_cached_accept_ranks_as_it_is_parsed(
-    accept: str, default: str, types: list[str]
-) -> None:
+def test_a_cached_accept_ranks_as_it_is_parsed(accept: str, default: str, types: list[str]) -> None:
     table = _Table(types)
     ranked = _best_accepted(parse_accept(accept), default, types) if accept else None
     expected = default if ranked is None else ranked
@@ -124,7 +122,6 @@ def test_a_cached_child_is_prometheus_own_and_counts() -> None:
     )
     page = metrics.render().decode()
     assert (
-        'nexus_requests_total{endpoint="/v1/chat/completions",model="m",outcome="ok"} 1.0'
-        in page
+        'nexus_requests_total{endpoint="/v1/chat/completions",model="m",outcome="ok"} 1.0' in page
     )
     assert 'nexus_time_to_first_byte_seconds_count{endpoint="/v1/chat/completions"' in page

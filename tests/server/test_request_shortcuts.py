@@ -125,3 +125,11 @@ def test_a_cached_child_is_prometheus_own_and_counts() -> None:
         'nexus_requests_total{endpoint="/v1/chat/completions",model="m",outcome="ok"} 1.0' in page
     )
     assert 'nexus_time_to_first_byte_seconds_count{endpoint="/v1/chat/completions"' in page
+
+
+def test_a_long_accept_is_ranked_uncached_and_alike() -> None:
+    accept = ", ".join(["application/json;q=0.1"] * 40 + [f"{NDJSON};q=0.9"])
+    assert len(accept) > 256
+    table = _Table([SSE, NDJSON])
+    assert _best_accepted(parse_accept(accept), SSE, [SSE, NDJSON]) == NDJSON
+    assert select_format(None, None, accept, SSE, table) == NDJSON

@@ -103,7 +103,12 @@ def select_format(
             )
         return media_type
     if accept:
-        chosen = _accepted(accept, default, tuple(formats.media_types()))
+        types = tuple(formats.media_types())
+        chosen = (
+            _accepted(accept, default, types)
+            if len(accept) <= _CACHED_ACCEPT
+            else _best_accepted(parse_accept(accept), default, types)
+        )
         if chosen is not None:
             # ``Accept: text/event-stream`` on an endpoint whose own format is sent as
             # text/event-stream (Anthropic, Responses) means that format, not OpenAI's.
@@ -111,6 +116,10 @@ def select_format(
                 return default
             return chosen
     return default
+
+
+_CACHED_ACCEPT = 256
+"""Longer ``Accept`` headers are ranked every time: the cache holds 64 KB of them at most."""
 
 
 @functools.lru_cache(maxsize=256)

@@ -12,16 +12,14 @@ else when the block does.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from collections import Counter
-from collections.abc import AsyncIterator
 
 from ..auth import ApiKey
 from ..errors import TooManyStreams
 from .limits import KeyLimits, LocalLimits, Slot
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "Admitted"]
 
 _ADMITTED: contextvars.ContextVar[Slot | None] = contextvars.ContextVar(
     "nexus_admitted", default=None
@@ -49,38 +47,13 @@ class Admission:
             return self.live + self._opening
         return self._owned[owner] + self._opening_owned[owner]
 
-    @contextlib.asynccontextmanager
-    async def admit(self, key: ApiKey | None, limit: int) -> AsyncIterator[None]:
-        """Admit a request for the block (see the module docstring).
+    def admit(self, key: ApiKey | None, limit: int) -> Admitted:
+        """Admit a request for the block (``async with``; see the module docstring).
 
         Raises :class:`TooManyStreams` past ``limit`` streams in this process, and
         what :meth:`KeyLimits.admit` raises.
         """
-        if self.running() >= limit:
-            raise TooManyStreams(
-                f"The gateway is at its limit of {limit} concurrent streams "
-                "([limits] max_concurrent_streams); retry shortly.",
-                headers={"Retry-After": "1"},
-            )
-        self._opening += 1
-        try:
-            slot = None
-            owner = None
-            if key is not None:
-                slot = await self.limits.admit(key, stream=True)
-                owner = key.name
-                self._opening_owned[owner] += 1
-            admitted = _ADMITTED.set(slot)
-            try:
-                yield
-            finally:
-                _ADMITTED.reset(admitted)
-                if owner is not None:
-                    _discount(self._opening_owned, owner)
-                if slot is not None and not slot.taken:
-                    self.limits.release(slot)
-        finally:
-            self._opening -= 1
+        return Admitted(self, key, limit)
 
     def started(self, run_id: str, owner: str | None) -> None:
         """A run started: it counts, and holds the slot admitted for this task."""
@@ -100,6 +73,51 @@ class Admission:
         slot = self._slots.pop(run_id, None)
         if slot is not None:
             self.limits.release(slot)
+
+
+class Admitted:
+    """The block of :meth:`Admission.admit`: an object with ``__aenter__`` and
+    ``__aexit__``, not a generator's context manager (a generator, its wrapper and two
+    more steps a request)."""
+
+    __slots__ = ("_admission", "_key", "_limit", "_slot", "_token")
+
+    def __init__(self, admission: Admission, key: ApiKey | None, limit: int) -> None:
+        self._admission = admission
+        self._key = key
+        self._limit = limit
+        self._slot: Slot | None = None
+        self._token: contextvars.Token[Slot | None] | None = None
+
+    async def __aenter__(self) -> None:
+        admission, key, limit = self._admission, self._key, self._limit
+        if admission.running() >= limit:
+            raise TooManyStreams(
+                f"The gateway is at its limit of {limit} concurrent streams "
+                "([limits] max_concurrent_streams); retry shortly.",
+                headers={"Retry-After": "1"},
+            )
+        admission._opening += 1
+        if key is not None:
+            try:
+                self._slot = await admission.limits.admit(key, stream=True)
+            except BaseException:
+                admission._opening -= 1
+                raise
+            admission._opening_owned[key.name] += 1
+        self._token = _ADMITTED.set(self._slot)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        admission, key, slot = self._admission, self._key, self._slot
+        try:
+            if self._token is not None:
+                _ADMITTED.reset(self._token)
+            if key is not None:
+                _discount(admission._opening_owned, key.name)
+            if slot is not None and not slot.taken:
+                admission.limits.release(slot)
+        finally:
+            admission._opening -= 1
 
 
 def _discount(counts: Counter[str], owner: str) -> None:

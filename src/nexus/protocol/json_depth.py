@@ -39,6 +39,8 @@ def deeper_than(value: Any, limit: int) -> bool:
 def deep_field(obj: dict[str, Any], limit: int) -> str | None:
     """The first field of ``obj`` whose value makes ``obj`` nest more than ``limit``
     levels deep, or None: which part of a request to name in the error."""
+    if not deeper_than(obj, limit):  # one walk for the whole object (the common case)
+        return None
     for name, value in obj.items():
         if deeper_than(value, limit - 1):
             return name

@@ -27,7 +27,6 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -136,6 +135,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         if not response.prepared:
             for name, value in ex.headers.items():
                 response.headers.setdefault(name, value)
+        if request.content.is_eof():  # (the common case: no coroutine for it)
+            return response
         return await _close_if_unread(request, response)
     except BaseException as exc:
         ex.cancelled = ex.cancelled or "client_disconnect"
@@ -216,11 +217,13 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
         if ex.cancelled is not None:
             metrics.cancellations.labels(ex.cancelled).inc()
     if app[_CONFIG].logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
+        level = logging.WARNING if status >= 400 or outcome != "ok" else logging.INFO
+        if not access_log.isEnabledFor(level):
+            return  # (the line is not built for a logger that drops it)
         fields = _fields(ex, status, outcome, elapsed)
         text = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
-        failed = status >= 400 or outcome != "ok"
         access_log.log(
-            logging.WARNING if failed else logging.INFO,
+            level,
             "%s %s",
             ex.request_id,
             text,
@@ -278,7 +281,8 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
 
 def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:
     """The caller's key (None with auth off). Raises 401 ``invalid_api_key``."""
-    key = request.app[KEYS].authenticate(credential(request.headers, subprotocols))
+    keys = request.app[KEYS]
+    key = keys.authenticate(credential(request.headers, subprotocols)) if keys.enabled else None
     exchange(request).key = key
     return key
 
@@ -300,16 +304,17 @@ def _check_model(key: ApiKey, model: str | None, param: str) -> None:
         raise Forbidden(f"The API key {key.name!r} may not use the model {model!r}.", param=param)
 
 
-@contextlib.asynccontextmanager
-async def admit_stream(
+def admit_stream(
     request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
-) -> AsyncIterator[None]:
-    """For the block that opens the stream: the model checks, then a place among the
-    streams running here and the key's (:mod:`nexus.cache.admission`).
+) -> contextlib.AbstractAsyncContextManager[None]:
+    """For the block that opens the stream (``async with admit_stream(...)``): the model
+    checks, then a place among the streams running here and the key's
+    (:mod:`nexus.cache.admission`).
 
     Raises what :func:`admit` raises, 403 ``model_not_priced`` (a key with a budget, a
     model a target of which has no price), 429 ``too_many_streams`` and
     ``budget_exceeded``, and 503 ``store_unavailable`` (Redis down, a budget to check).
+    The model checks raise when it is called, the rest when the block is entered.
     """
     hub = request.app[_HUB]
     if key is not None:
@@ -323,9 +328,7 @@ async def admit_stream(
                 code="model_not_priced",
                 param=param,
             )
-    limits = request.app[_CONFIG].limits
-    async with hub.admit(key, limits.max_concurrent_streams):
-        yield
+    return hub.admit(key, request.app[_CONFIG].limits.max_concurrent_streams)
 
 
 class JsonFormatter(logging.Formatter):

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import prometheus_client
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Gauge,
-    Histogram,
     disable_created_metrics,
     generate_latest,
     multiprocess,
@@ -109,6 +108,41 @@ def enable_multiprocess(directory: str) -> None:
 def mark_worker_dead(directory: str, pid: int) -> None:
     """Forget the live gauges of the ended worker ``pid`` (its counters still count)."""
     multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+class Counter(prometheus_client.Counter):
+    """A counter whose :meth:`labels` finds a label set's child in one dict lookup, once
+    prometheus_client made it (its own ``labels()`` checks, stringifies and locks every
+    call: several microseconds, several times per request). Children are never removed
+    here, so the cache stays true."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._children: dict[tuple[object, ...], Counter] = {}
+
+    def labels(self, *values: object, **named: object) -> Counter:
+        if named:
+            return super().labels(*values, **named)
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = super().labels(*values)
+        return child
+
+
+class Histogram(prometheus_client.Histogram):
+    """A histogram whose :meth:`labels` is cached, as :class:`Counter`'s."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._children: dict[tuple[object, ...], Histogram] = {}
+
+    def labels(self, *values: object, **named: object) -> Histogram:
+        if named:
+            return super().labels(*values, **named)
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = super().labels(*values)
+        return child
 
 
 class Metrics:

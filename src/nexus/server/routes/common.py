@@ -99,6 +99,11 @@ async def read_body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     content = request.content
+    if coding is None and content.is_eof():  # all in (a small body comes with its head)
+        body = content.read_nowait()
+        if len(body) > limit:
+            raise too_large(limit)
+        return body
     stall_s = request.app[state.CONFIG].server.body_timeout_s
     chunks: list[bytes] = []
     if coding is None:
@@ -121,6 +126,8 @@ async def read_body(request: web.Request) -> bytes:
 async def _read_some(content: StreamReader, stall_s: float) -> bytes:
     """The body's next bytes (b"" at its end). Raises :class:`RequestTimeout` when
     none come for ``stall_s`` ([server] body_timeout_s)."""
+    if content.is_eof():  # all of it is in (a small body came with its head): no timer
+        return content.read_nowait()
     try:
         async with asyncio.timeout(stall_s):
             return await content.readany()

@@ -231,7 +231,8 @@ class StreamPump(Writer):
                         await self._write(self._begin() + out + beat)
                         out = b""
                 # From the headers on, the watchdog writes the heartbeats.
-                await asyncio.wait((task,))
+                if not task.done():
+                    await asyncio.wait((task,))
                 batch = task.result()
             finally:
                 if not task.done():

@@ -111,8 +111,9 @@ class SSEDecoder:
 
         Most reads of every upstream are whole events of one ``data: `` line each, often
         one: from a plain state (:meth:`_plain`) they are cut with a ``find`` or a
-        ``split``, with no text decoder, line loop or per-event object. An event that
-        was half-read ends by the rules first.
+        ``split``, with no text decoder, line loop or per-event object; so is a read of
+        one ``event:`` line and one ``data:`` line. An event that was half-read ends by
+        the rules first.
         """
         events: list[ServerSentEvent] = []
         if not self._plain():
@@ -124,7 +125,20 @@ class SSEDecoder:
             if not self._plain():
                 return events + self._general(chunk), [], ""
         first = chunk.find(b"\n")
-        if first < 0 or not chunk.startswith(b"data: ") or b"\r" in chunk:
+        if first < 0 or b"\r" in chunk:
+            return events + self._general(chunk), [], ""
+        if not chunk.startswith(b"data: "):
+            line = chunk.find(b"\n", first + 1)  # b"event: NAME\ndata: DATA\n\n" (Anthropic)
+            if (
+                line == len(chunk) - 2
+                and chunk[-1] == 10
+                and chunk.startswith(b"event: ")
+                and chunk.startswith(b"data: ", first + 1)
+            ):
+                name = chunk[7:first].decode("utf-8", "replace") or "message"
+                text = chunk[first + 7 : line].decode("utf-8", "replace")
+                events.append(ServerSentEvent(text, name, self._last_id))
+                return events, [], ""
             return events + self._general(chunk), [], ""
         last_id = self._last_id
         if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read

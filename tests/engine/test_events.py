@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nexus.events import (
     Audio,
@@ -19,6 +21,7 @@ from nexus.events import (
     StreamEvent,
     ToolCall,
     Usage,
+    content_delta,
 )
 
 FIRST = ToolCall(index=0, id="call_1", name="get_weather")
@@ -387,3 +390,15 @@ def test_events_compare_and_hash_by_value() -> None:
     assert Delta(content="a") != Delta(content="b")
     assert len({Done(), Done(), Done(aborted=True)}) == 2
     assert hash(ToolCall(index=0, id="x")) == hash(ToolCall(index=0, id="x"))
+
+
+@given(st.text())
+def test_content_delta_is_the_delta_of_its_content(text: str) -> None:
+    # The commonest event's fast constructor makes the very object Delta(content) does.
+    fast, made = content_delta(text), Delta(text)
+    assert type(fast) is Delta and fast == made and hash(fast) == hash(made)
+    assert repr(fast) == repr(made) and dataclasses.astuple(fast) == dataclasses.astuple(made)
+    assert dataclasses.replace(fast, role="assistant") == Delta(text, role="assistant")
+    assert not hasattr(fast, "__dict__")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.content = "x"  # type: ignore[misc]

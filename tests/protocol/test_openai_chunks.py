@@ -16,6 +16,7 @@ from nexus.errors import UpstreamError, UpstreamProtocolError, UpstreamServerErr
 from nexus.events import Delta, Reasoning, ToolCall, Usage
 from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events, upstream_body
 from nexus.protocol.sse import SSEDecoder
+from nexus.protocol.upstream import in_stream_error
 from nexus.request import ChatRequest
 
 _TEXT = st.one_of(st.none(), st.just(""), st.text(max_size=5))
@@ -252,3 +253,114 @@ def test_the_clients_stream_options_stay_home(obfuscation: bool) -> None:
         }
     )
     assert upstream_body(request, "m")["stream_options"] == {"include_usage": True}
+
+
+# Any JSON value, to put where a chunk's field has another type.
+_JUNK = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**63), max_value=2**63 - 1),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=3),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=2), st.dictionaries(st.text(max_size=2), inner, max_size=2)
+    ),
+    max_leaves=4,
+)
+
+
+def _either(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly a field's own type, sometimes any JSON."""
+    return st.integers(min_value=0, max_value=7).flatmap(lambda n: strategy if n else _JUNK)
+
+
+_ANY_CALL = _either(
+    st.fixed_dictionaries(
+        {"index": _either(st.integers(min_value=0, max_value=2))},
+        optional={
+            "id": _either(st.text(max_size=3)),
+            "function": _either(
+                st.fixed_dictionaries({}, optional={"name": _TEXT, "arguments": _either(_TEXT)})
+            ),
+        },
+    )
+)
+_ANY_DELTA = _either(
+    st.fixed_dictionaries(
+        {"content": _either(st.text(max_size=3))},
+        optional={
+            **{
+                key: _either(_TEXT) for key in ("role", "reasoning_content", "reasoning", "refusal")
+            },
+            "tool_calls": _either(st.one_of(st.none(), st.lists(_ANY_CALL, max_size=2))),
+        },
+    )
+)
+_ANY_CHOICE = _either(
+    st.fixed_dictionaries(
+        {"index": _either(st.sampled_from([0, 0, 1])), "delta": _ANY_DELTA},
+        optional={
+            "finish_reason": _either(st.sampled_from([None, "", "stop"])),
+            "logprobs": _JUNK,
+        },
+    )
+)
+_ANY_CHUNK = _either(
+    st.fixed_dictionaries(
+        {
+            "id": st.just("chatcmpl-1"),
+            "choices": _either(st.one_of(st.none(), st.lists(_ANY_CHOICE, max_size=2))),
+        },
+        optional={
+            "usage": _either(
+                st.fixed_dictionaries(
+                    {"total_tokens": st.integers(0, 9)},
+                    optional={
+                        "prompt_tokens": _either(st.integers(0, 9)),
+                        "prompt_tokens_details": _either(
+                            st.fixed_dictionaries({"cached_tokens": _either(st.integers(0, 9))})
+                        ),
+                        "completion_tokens_details": _JUNK,
+                    },
+                )
+            ),
+            "error": _either(st.just({"message": "m", "type": "overloaded_error"})),
+            "obfuscation": st.text(max_size=3),
+        },
+    )
+)
+
+
+def _by_the_rules(payload: bytes) -> tuple[Any, UpstreamError | None]:
+    """What a payload gives by orjson and chunk_events() alone: the events (or the
+    exception's type), and the in-stream error."""
+    value = orjson.loads(payload)
+    if type(value) is not dict:
+        return [], None
+    if value.get("error"):
+        return [], in_stream_error("up", value["error"])
+    events: list[Any] = []
+    try:
+        chunk_events(value, events)
+    except Exception as exc:
+        return type(exc), None
+    return events, None
+
+
+@settings(max_examples=1500, database=None, deadline=None)
+@given(chunk=_ANY_CHUNK)
+def test_typed_chunks_give_what_the_rules_give(chunk: Any) -> None:
+    # The typed decoding (msgspec) is a fast path: any chunk, with any field of any type,
+    # gives the events (or the exception) of orjson and chunk_events().
+    payload = orjson.dumps(chunk)
+    expected, error = _by_the_rules(payload)
+    decoder = ChunkDecoder("up")
+    try:
+        events: Any = decoder.decode(b"data: " + payload + b"\n\n")
+    except Exception as exc:
+        events = type(exc)
+    assert events == expected
+    assert type(decoder.error) is type(error) and str(decoder.error) == str(error)
+    assert not decoder.done

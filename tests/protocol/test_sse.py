@@ -388,17 +388,17 @@ def test_fast_path_decodes_as_the_general_rules(data: st.DataObject, stream: byt
     fast, reference, payloads = SSEDecoder(), _GeneralOnly(), SSEDecoder()
     expected = [e for chunk in chunks for e in reference.decode(chunk)]
     assert [e for chunk in chunks for e in fast.decode(chunk)] == expected
-    assert [d for chunk in chunks for d in payloads.decode_data(chunk)] == [
-        e.data for e in expected
-    ]
+    data = [d for chunk in chunks for d in payloads.decode_data(chunk)]
+    assert [d.decode("utf-8", "replace") for d in data] == [e.data for e in expected]
     assert fast.last_event_id == reference.last_event_id
 
 
 def test_decode_data_gives_payloads_of_whole_and_split_events() -> None:
     decoder = SSEDecoder()
-    assert decoder.decode_data(b'data: {"a":1}\n\ndata: {"b"') == ['{"a":1}']
-    assert decoder.decode_data(b":2}\n\ndata: [DONE]\n\n") == ['{"b":2}', "[DONE]"]
-    assert decoder.decode_data(b"event: x\ndata: y\n\n: ping\n\n") == ["y"]
+    assert decoder.decode_data(b'data: {"a":1}\n\ndata: {"b"') == [b'{"a":1}']
+    assert decoder.decode_data(b":2}\n\ndata: [DONE]\n\n") == [b'{"b":2}', b"[DONE]"]
+    assert decoder.decode_data(b"event: x\ndata: y\n\n: ping\n\n") == [b"y"]
+    assert decoder.decode_data("data: é\n\n".encode()) == ["é".encode()]
 
 
 def test_whole_events_keep_the_id_in_force_before_a_partial_event_after_them() -> None:
@@ -407,3 +407,32 @@ def test_whole_events_keep_the_id_in_force_before_a_partial_event_after_them() -
     assert decoder.decode(b"data: a\n\nid: 7\n") == [Ev(data="a")]  # id 7 is the next event's
     assert decoder.decode(b"data: b\n\n") == [Ev(data="b", id="7")]
     assert decoder.decode(b"data: c\n\n") == [Ev(data="c", id="7")]
+
+
+_NAMED = st.lists(
+    st.tuples(
+        st.sampled_from(["event: ", "event:", "event:  ", "data: ", "id: ", ": "]),
+        _TEXT,
+        st.sampled_from(["data: ", "data:", "event: "]),
+        _TEXT,
+        st.sampled_from(["\n\n", "\n\n", "\n\n", "\n", "\r\n\r\n", "\n\n\n"]),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=400, database=None, deadline=None)
+@given(data=st.data(), events=_NAMED)
+def test_named_events_read_whole_decode_as_the_general_rules(
+    data: st.DataObject, events: list[tuple[str, str, str, str, str]]
+) -> None:
+    # Anthropic's reads: one "event: NAME" line and one "data: DATA" line each, cut
+    # whole (the fast path), among reads that are not quite that.
+    chunks = [f"{a}{name}\n{b}{value}{end}".encode() for a, name, b, value, end in events]
+    if chunks and data.draw(st.booleans()):
+        at = data.draw(st.integers(min_value=0, max_value=len(chunks) - 1))
+        chunks[at] = chunks[at].replace(b"e", b"\xff", 1)
+    fast, reference = SSEDecoder(), _GeneralOnly()
+    expected = [e for chunk in chunks for e in reference.decode(chunk)]
+    assert [e for chunk in chunks for e in fast.decode(chunk)] == expected
+    assert fast.last_event_id == reference.last_event_id

@@ -64,6 +64,7 @@ class AnthropicSSEEncoder(Encoder):
         super().__init__(meta)
         self._index = -1  # index of the open content block, -1 when none is open
         self._open: str | None = None  # "text", "thinking" or "tool_use"
+        self._text_head: bytes | None = None  # a text block's delta frame, while it is open
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
         self._stop_reason: str | None = None
         self._usage: Usage | None = None
@@ -104,13 +105,14 @@ class AnthropicSSEEncoder(Encoder):
     def _close(self) -> bytes:
         if self._open is None:
             return b""
-        self._open = None
+        self._open = self._text_head = None
         return self._frame("content_block_stop", index=self._index)
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
         self._index += 1
         self._open = kind
+        self._text_head = _TEXT_DELTA % self._index if kind == "text" else None
         return out + self._frame("content_block_start", index=self._index, content_block=block)
 
     def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
@@ -126,9 +128,10 @@ class AnthropicSSEEncoder(Encoder):
         return self._in_text() + self._delta(self._index, {"type": "text_delta", "text": text})
 
     def encode(self, event: StreamEvent) -> bytes:
-        if self._open == "text" and (content := plain_content(event)):
+        head = self._text_head
+        if head is not None and (content := plain_content(event)):
             # The commonest frame, around one dumps() of the text.
-            return _TEXT_DELTA % self._index + _dumps(content) + b"}}\n\n"
+            return head + _dumps(content) + b"}}\n\n"
         if not self._started:
             early = event if type(event) is Usage and event.partial else None
             return self._message_start(early) + self.encode(event)

@@ -59,6 +59,8 @@ class OpenAISSEEncoder(Encoder):
         self._head = b"data: " + chunk_prefix(meta)  # the chunk up to its choices
         self._content_head = self._head + _CONTENT_OPEN
         self._obfuscated = meta.include_obfuscation
+        # The content chunk's end, unless each one ends with its own obfuscation.
+        self._content_end = None if self._obfuscated else _CONTENT_CLOSE + b"}\n\n"
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
@@ -83,6 +85,8 @@ class OpenAISSEEncoder(Encoder):
     def encode(self, event: StreamEvent) -> bytes:
         content = plain_content(event)
         if content is not None:  # the commonest chunk, around one dumps() of the text
+            if (end := self._content_end) is not None:
+                return self._content_head + _dumps(content) + end
             return self._content_head + _dumps(content) + _CONTENT_CLOSE + self._tail()
         match event:
             case Delta(content=content, role=None, refusal=None, tool_calls=None):

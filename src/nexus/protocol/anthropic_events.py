@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import orjson
 
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
-from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import (
     AssistantMessage,
     ChatRequest,
@@ -214,7 +214,7 @@ class EventDecoder:
                 match delta.get("type"):
                     case "text_delta":
                         text = delta.get("text")
-                        return [Delta(text)] if text else []
+                        return [content_delta(text)] if text else []
                     case "input_json_delta":
                         index = self._tool_index.get(data.get("index", -1))
                         partial = delta.get("partial_json")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import msgspec
 import orjson
 
 from ..errors import UpstreamError, UpstreamProtocolError
-from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
 from .sse import SSEDecoder
 from .upstream import in_stream_error
@@ -58,31 +59,43 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
             continue
         delta = choice.get("delta")
         if delta and len(delta) == 1 and (content := delta.get("content")):
-            events.append(Delta(content))  # the commonest chunk: one token of text
+            events.append(content_delta(content))  # the commonest chunk: one token of text
         elif delta:
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                events.append(Reasoning(reasoning))
-            content = delta.get("content")
-            refusal = delta.get("refusal")
-            if refusal:
-                events.append(Delta(content=content or None, refusal=refusal))
-            elif content:
-                events.append(Delta(content))
-            for call in delta.get("tool_calls") or ():
-                function = call.get("function") or {}
-                events.append(
-                    ToolCall(
-                        index=call.get("index", 0),
-                        id=call.get("id"),
-                        name=function.get("name"),
-                        arguments=function.get("arguments") or "",
-                    )
-                )
+            _delta_events(
+                delta.get("reasoning_content") or delta.get("reasoning"),
+                delta.get("content"),
+                delta.get("refusal"),
+                delta.get("tool_calls"),
+                events,
+            )
         finish = choice.get("finish_reason")
         if finish:
             events.append(Delta(finish_reason=finish))
-    usage = chunk.get("usage")
+    _usage_events(chunk.get("usage"), events)
+
+
+def _delta_events(
+    reasoning: Any, content: Any, refusal: Any, calls: Any, events: list[StreamEvent]
+) -> None:
+    if reasoning:
+        events.append(Reasoning(reasoning))
+    if refusal:
+        events.append(Delta(content=content or None, refusal=refusal))
+    elif content:
+        events.append(Delta(content))
+    for call in calls or ():
+        function = call.get("function") or {}
+        events.append(
+            ToolCall(
+                index=call.get("index", 0),
+                id=call.get("id"),
+                name=function.get("name"),
+                arguments=function.get("arguments") or "",
+            )
+        )
+
+
+def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
     if usage:
         prompt_details = usage.get("prompt_tokens_details") or {}
         completion_details = usage.get("completion_tokens_details") or {}
@@ -95,6 +108,54 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
                 reasoning_tokens=completion_details.get("reasoning_tokens"),
             )
         )
+
+
+# The fields chunk_events() reads, typed as it needs them: msgspec skips the others
+# (id, model, logprobs, obfuscation...) in C and builds no dict. A chunk whose fields
+# have other types (or that is not an object, or not JSON) fails to decode and is read
+# by chunk_events() after orjson, as before: the same events, or the same error.
+class _Delta(msgspec.Struct, gc=False):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    tool_calls: Any = None  # rare: read as chunk_events() reads it
+
+
+class _Choice(msgspec.Struct, gc=False):
+    index: int = 0
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct, gc=False):
+    choices: list[_Choice] | None = None
+    usage: dict[str, Any] | None = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_NOT_TYPED = (msgspec.DecodeError, RecursionError)  # RecursionError: too deep for msgspec
+
+
+def _typed_events(chunk: _Chunk, events: list[StreamEvent]) -> None:
+    """:func:`chunk_events` of a typed chunk."""
+    for choice in chunk.choices or ():
+        if choice.index:
+            continue
+        delta = choice.delta
+        if delta is not None:
+            content = delta.content
+            reasoning = delta.reasoning_content or delta.reasoning
+            if not reasoning and not delta.refusal and delta.tool_calls is None:
+                if content:
+                    events.append(content_delta(content))  # the commonest: one token of text
+            else:
+                _delta_events(reasoning, content, delta.refusal, delta.tool_calls, events)
+        if choice.finish_reason:
+            events.append(Delta(finish_reason=choice.finish_reason))
+    if chunk.usage:
+        _usage_events(chunk.usage, events)
 
 
 class ChunkDecoder:
@@ -114,18 +175,32 @@ class ChunkDecoder:
         events: list[StreamEvent] = []
         for data in self._payloads(chunk):
             try:
-                value = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                if data.startswith("[DONE]"):
-                    self.done = True
-                else:
-                    self.error = UpstreamProtocolError(
-                        f"provider {self.provider!r} sent an event that is not JSON"
-                    )
-                return events
-            if type(value) is dict:
-                if value.get("error"):
-                    self.error = in_stream_error(self.provider, value["error"])
+                typed = _decode_chunk(data)
+            except _NOT_TYPED:
+                if not self._general(data, events):
                     return events
-                chunk_events(value, events)
+                continue
+            if typed.error:
+                self.error = in_stream_error(self.provider, typed.error)
+                return events
+            _typed_events(typed, events)
         return events
+
+    def _general(self, data: bytes, events: list[StreamEvent]) -> bool:
+        """One payload by :func:`chunk_events`; False if the stream ends there."""
+        try:
+            value = orjson.loads(data.decode("utf-8", "replace"))
+        except orjson.JSONDecodeError:
+            if data.startswith(b"[DONE]"):
+                self.done = True
+            else:
+                self.error = UpstreamProtocolError(
+                    f"provider {self.provider!r} sent an event that is not JSON"
+                )
+            return False
+        if type(value) is dict:
+            if value.get("error"):
+                self.error = in_stream_error(self.provider, value["error"])
+                return False
+            chunk_events(value, events)
+        return True

@@ -89,25 +89,31 @@ class SSEDecoder:
         """Feed bytes; return the events completed by them."""
         events, payloads, last_id = self._read(chunk)
         if payloads:
-            events += [ServerSentEvent(data, "message", last_id) for data in payloads]
+            events += [
+                ServerSentEvent(data.decode("utf-8", "replace"), "message", last_id)
+                for data in payloads
+            ]
         return events
 
-    def decode_data(self, chunk: bytes) -> list[str]:
-        """:meth:`decode`, giving only each event's data: for upstreams whose events are
-        told apart by their JSON, not their ``event:`` names (OpenAI)."""
+    def decode_data(self, chunk: bytes) -> list[bytes]:
+        """:meth:`decode`, giving only each event's data, as bytes (decoded with
+        ``errors="replace"``, :meth:`decode`'s text): for upstreams whose events are told
+        apart by their JSON, not their ``event:`` names (OpenAI), read by a JSON parser
+        of bytes."""
         events, payloads, _ = self._read(chunk)
         if events:
-            return [event.data for event in events] + payloads
+            return [event.data.encode() for event in events] + payloads
         return payloads
 
-    def _read(self, chunk: bytes) -> tuple[list[ServerSentEvent], list[str], str]:
+    def _read(self, chunk: bytes) -> tuple[list[ServerSentEvent], list[bytes], str]:
         """The events ``chunk`` completes: those read by the line rules, then the data of
         whole events cut on bytes, and the last event id in force for those.
 
         Most reads of every upstream are whole events of one ``data: `` line each, often
         one: from a plain state (:meth:`_plain`) they are cut with a ``find`` or a
-        ``split``, with no text decoder, line loop or per-event object. An event that
-        was half-read ends by the rules first.
+        ``split``, with no text decoder, line loop or per-event object; so is a read of
+        one ``event:`` line and one ``data:`` line. An event that was half-read ends by
+        the rules first.
         """
         events: list[ServerSentEvent] = []
         if not self._plain():
@@ -119,11 +125,24 @@ class SSEDecoder:
             if not self._plain():
                 return events + self._general(chunk), [], ""
         first = chunk.find(b"\n")
-        if first < 0 or not chunk.startswith(b"data: ") or b"\r" in chunk:
+        if first < 0 or b"\r" in chunk:
+            return events + self._general(chunk), [], ""
+        if not chunk.startswith(b"data: "):
+            line = chunk.find(b"\n", first + 1)  # b"event: NAME\ndata: DATA\n\n" (Anthropic)
+            if (
+                line == len(chunk) - 2
+                and chunk[-1] == 10
+                and chunk.startswith(b"event: ")
+                and chunk.startswith(b"data: ", first + 1)
+            ):
+                name = chunk[7:first].decode("utf-8", "replace") or "message"
+                text = chunk[first + 7 : line].decode("utf-8", "replace")
+                events.append(ServerSentEvent(text, name, self._last_id))
+                return events, [], ""
             return events + self._general(chunk), [], ""
         last_id = self._last_id
         if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read
-            return events, [chunk[6:first].decode("utf-8", "replace")], last_id
+            return events, [chunk[6:first]], last_id
         # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after each.
         cut = chunk.rfind(b"\n\n")
         data = chunk[6:cut].split(b"\n\ndata: ")
@@ -132,7 +151,7 @@ class SSEDecoder:
         if cut + 2 < len(chunk):
             # A partial event: no blank line, nothing dispatched (its id: line is the next's).
             self._general(chunk[cut + 2 :])
-        return events, [payload.decode("utf-8", "replace") for payload in data], last_id
+        return events, data, last_id
 
     def _general(self, chunk: bytes) -> list[ServerSentEvent]:
         text = self._text.decode(chunk)

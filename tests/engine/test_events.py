@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nexus import events
 from nexus.events import (
     Audio,
     Citation,
@@ -402,3 +403,15 @@ def test_content_delta_is_the_delta_of_its_content(text: str) -> None:
     assert not hasattr(fast, "__dict__")
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.content = "x"  # type: ignore[misc]
+
+
+def test_a_short_content_delta_is_shared_and_the_table_stays_bounded() -> None:
+    # Logs hold every event: a token repeated across streams is one object, not one each.
+    assert content_delta(" the") is content_delta(" the")
+    long = "x" * (events.SHARED_LEN + 1)
+    assert content_delta(long) is not content_delta(long)
+    assert content_delta(long) == Delta(long)
+    for i in range(events.SHARED_MAX * 2):
+        content_delta(f" w{i}")
+    assert len(events._SHARED) <= events.SHARED_MAX
+    assert content_delta(" the") == Delta(" the")

@@ -27,6 +27,7 @@ from ..events import (
     StreamEvent,
     ToolCall,
     Usage,
+    content_delta,
 )
 
 __all__ = ["dump_event", "dumps_events", "event_size", "load_event", "loads_events"]
@@ -37,6 +38,7 @@ _CLASSES: dict[str, type[Any]] = {
 }
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
 _CALLS = _FIELDS[Delta].index("tool_calls")
+_TOKEN_TAIL = [None] * (len(_FIELDS[Delta]) - 1)  # a content delta's fields past its text
 _ADDED: dict[type[Any], int] = {Usage: 2}  # partial, cost_usd
 """Per class, how many of its last fields came after the first stored format."""
 _DEFAULTS = {
@@ -66,6 +68,8 @@ def load_event(data: Sequence[Any]) -> StreamEvent:
     """The event :func:`dump_event` gave ``data`` for. Raises ``ValueError`` on bad input."""
     try:
         cls = _CLASSES[data[0]]
+        if cls is Delta and data[2:] == _TOKEN_TAIL and type(data[1]) is str:
+            return content_delta(data[1])  # a token: shared, as the upstream decoders make it
         values = list(data[1:])
         missing = len(_FIELDS[cls]) - len(values)
         if missing:  # a log stored before the fields added since (or junk)

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, Iterator
 import orjson
 
 from ..errors import InvalidRequest, UpstreamError
-from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage
+from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import (
     AudioPart,
     ChatRequest,
@@ -95,7 +95,7 @@ _NO_SCRIPT = MockScript()
 
 def _script_events(request: ChatRequest, script: MockScript, content: str) -> Iterator[StreamEvent]:
     yield from map(Reasoning, words(script.reasoning or ""))
-    yield from map(Delta, words(content))
+    yield from map(content_delta, words(content))
     for index, call in enumerate(script.tool_calls or ()):
         arguments = call.arguments
         if not isinstance(arguments, str):

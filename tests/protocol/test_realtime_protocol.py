@@ -7,7 +7,10 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from nexus.protocol.json_depth import deep_field
 from nexus.protocol.realtime import AbortTurn, RealtimeSession, Send, StartTurn, error_frame
 from nexus.request import (
     AssistantMessage,
@@ -490,3 +493,53 @@ def test_a_refused_start_keeps_pending_input(session: RealtimeSession) -> None:
     assert isinstance(retry[-1], ImagePart)
     assert retry == list(first.messages[-1].content)  # type: ignore[arg-type]
     assert session.pending_bytes == 0
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "x"
+    for level in range(depth):
+        value = [value] if level % 2 else {"k": value}
+    return value
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    kind=st.sampled_from(["start", "abort", "image"]),
+    request_depth=st.integers(0, 6),
+    other_depth=st.integers(0, 7),
+    other_first=st.booleans(),
+    limit=st.integers(1, 5),
+)
+def test_the_depth_check_walks_once_and_answers_as_the_two_walks(
+    kind: str, request_depth: int, other_depth: int, other_first: bool, limit: int
+) -> None:
+    """One walk of the whole frame decides a frame within the limits; a frame past them
+    gets what checking a start's request first, then the envelope, gives."""
+    request = {"model": "m", "messages": USER, "metadata": _nested(request_depth)}
+    other = ("extra", _nested(other_depth))
+    items = [other, ("type", kind), ("request", request)]
+    data = dict(items if other_first else items[1:] + items[:1])
+    session = RealtimeSession(max_pending_input_bytes=100, max_json_depth=limit)
+
+    expected: tuple[str, str] | None = None
+    inner = deep_field(request, limit)
+    if kind == "start" and inner is not None:
+        expected = ("invalid_request", f"request.{inner}")
+    elif (field := deep_field(data, limit + 1)) is not None:
+        expected = ("invalid_envelope", field)
+    refused = session._too_deep(data)
+    if expected is None:
+        assert refused is None
+    else:
+        assert refused is not None
+        error = orjson.loads(refused.frame)["error"]
+        assert (error["code"], error["param"]) == expected
+
+
+def test_a_start_without_stream_is_the_request_with_stream_true() -> None:
+    body = {"model": "m", "messages": USER, "temperature": 0.5, "stream_options": {}}
+    session = RealtimeSession(max_pending_input_bytes=100)
+    request = started(session.receive_text(start(body)))
+    expected = ChatRequest.model_validate(body).model_copy(update={"stream": True})
+    assert request == expected
+    assert request.model_fields_set == expected.model_fields_set

@@ -199,15 +199,15 @@ class RealtimeSession:
         """A start's request is held to the limit it has over HTTP; any other frame, one
         level more (its envelope)."""
         limit = self.max_json_depth
-        request = data.get("request")
-        if data.get("type") == "start" and isinstance(request, dict):
-            field = deep_field(request, limit)
-            if field is not None:
-                error = too_deep(f"request.{field}", limit)
-                return self._error("invalid_request", error.message, param=error.param)
         field = deep_field(data, limit + 1)
         if field is None:
-            return None
+            return None  # one walk: within it, a start's request is within its own limit
+        request = data.get("request")
+        if data.get("type") == "start" and isinstance(request, dict):
+            inner = deep_field(request, limit)
+            if inner is not None:
+                error = too_deep(f"request.{inner}", limit)
+                return self._error("invalid_request", error.message, param=error.param)
         return self._error("invalid_envelope", too_deep(field, limit).message, param=field)
 
     def turn_ended(self) -> None:
@@ -218,16 +218,17 @@ class RealtimeSession:
             message = "a stream is already running on this connection; send abort first"
             return [self._error("stream_in_progress", message)]
         body = envelope.request
+        if "stream" not in body:  # validated streaming: no copy of the request after
+            body = {**body, "stream": True}
         try:
             request = ChatRequest.model_validate(body)
         except ValidationError as exc:
             error = validation_error(exc, body)
             param = f"request.{error.param}" if error.param else "request"
             return [self._error("invalid_request", error.message, param=param)]
-        if "stream" in body and not request.stream:
+        if not request.stream:
             message = "stream: the realtime surface always streams; omit stream or set it to true"
             return [self._error("invalid_request", message, param="request.stream")]
-        request = request.model_copy(update={"stream": True})
         if self._pending:
             request = _attach(request, [_to_part(p) for p in self._pending])
         self.streaming = True

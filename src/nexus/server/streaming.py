@@ -257,8 +257,9 @@ class StreamPump(Writer):
 
     def _meter(self) -> None:
         """Add the events and bytes written since the last call to the format's counters:
-        at each watchdog tick (a stream still open counts what it wrote) and at the end,
-        not at each write."""
+        after each write of the pump's task, and for the batches pushed in the producer's
+        task (one per upstream read: two counter increments less each) at the watchdog's
+        next tick and at the end, so that a stream still open counts what it wrote."""
         ex = self.exchange
         events, size = self._metered
         self._metered = (ex.events, ex.bytes)
@@ -306,6 +307,7 @@ class StreamPump(Writer):
             self._writing -= 1
         self._wrote()
         self.exchange.bytes += len(data)
+        self._meter()  # the counters at once here; a pushed batch's at the next tick
 
     async def _write_sliced(self, data: bytes) -> None:
         """Write a large output in slices: the transport never holds more than about one

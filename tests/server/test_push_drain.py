@@ -76,6 +76,7 @@ async def test_a_push_that_fills_the_socket_leaves_no_unretrieved_error_on_a_res
         watchdog=Watchdog(),
     )
     pump.response = Response()  # type: ignore[assignment]
+    pump._chunked = True  # prepared: the headers said chunked
     assert pump._push([Delta("hi")])  # taken: written, the drain left to the next write
     [one] = written  # one chunk: its size, its data, its end
     size, _, rest = one.partition(b"\r\n")

@@ -214,7 +214,9 @@ class EventDecoder:
                 match delta.get("type"):
                     case "text_delta":
                         text = delta.get("text")
-                        return [content_delta(text)] if text else []
+                        if not text:
+                            return []
+                        return [content_delta(text) if type(text) is str else Delta(text)]
                     case "input_json_delta":
                         index = self._tool_index.get(data.get("index", -1))
                         partial = delta.get("partial_json")

@@ -59,7 +59,8 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
             continue
         delta = choice.get("delta")
         if delta and len(delta) == 1 and (content := delta.get("content")):
-            events.append(content_delta(content))  # the commonest chunk: one token of text
+            # The commonest chunk: one token of text (anything else passed on as it came).
+            events.append(content_delta(content) if type(content) is str else Delta(content))
         elif delta:
             _delta_events(
                 delta.get("reasoning_content") or delta.get("reasoning"),

@@ -96,10 +96,11 @@ class SSEDecoder:
         return events
 
     def decode_data(self, chunk: bytes) -> list[bytes]:
-        """:meth:`decode`, giving only each event's data, as bytes (decoded with
-        ``errors="replace"``, :meth:`decode`'s text): for upstreams whose events are told
-        apart by their JSON, not their ``event:`` names (OpenAI), read by a JSON parser
-        of bytes."""
+        """:meth:`decode`, giving only each event's data, as bytes: for upstreams whose
+        events are told apart by their JSON, not their ``event:`` names (OpenAI), read by
+        a JSON parser of bytes. Not UTF-8 checked: an event cut on bytes keeps invalid
+        bytes that :meth:`decode`'s text has as U+FFFD (the caller decodes with
+        ``errors="replace"`` what its parser refuses)."""
         events, payloads, _ = self._read(chunk)
         if events:
             return [event.data.encode() for event in events] + payloads

@@ -322,6 +322,9 @@ class _Exchange:
                 return
             except (TimeoutError, aiohttp.ClientError):
                 pass
+            except BaseException:  # cancelled while draining: the connection goes too
+                response.close()
+                raise
         response.close()
 
 

@@ -107,6 +107,8 @@ class StreamPump(Writer):
         self._task: asyncio.Task[object] | None = None
         self._shutting_down = False
         self._ended = False
+        self._chunked = False  # the body goes out in HTTP chunks (not to HTTP/1.0, nor HEAD)
+        self._head = False  # a HEAD request: headers only, no body
         self._last: StreamEvent | None = None  # the last event of the first output
         self._protocol = request.protocol
 
@@ -139,6 +141,8 @@ class StreamPump(Writer):
                     return web.Response(status=204, headers={"Cache-Control": "no-cache"})
                 return await self._end(self._begin() + data)  # type: ignore[operator]
             await self._write(self._begin() + data)  # type: ignore[operator]
+            if self._head:
+                return await self._end(b"")
             data = b""  # an idle stream does not keep its first output
             self.reader.sink = self._push
             async for batch in batches:
@@ -275,8 +279,12 @@ class StreamPump(Writer):
     def _begin(self) -> bytes:
         """Create the response (sent with the first write)."""
         if self.response is None:
-            self.response = _Response(status=200, headers=self.headers)
-            self.response.enable_chunked_encoding()
+            self._head = self.request.method == "HEAD"
+            if self.request.version >= (1, 1):
+                self.response = _Response(status=200, headers=self.headers)
+                self.response.enable_chunked_encoding()
+            else:  # HTTP/1.0 has no chunks: the body ends with the connection
+                self.response = web.StreamResponse(status=200, headers=self.headers)
             self.headers = {}  # in the response now
         return b""
 
@@ -290,11 +298,14 @@ class StreamPump(Writer):
             await response.prepare(self.request)  # the headers go out with ``data``
             # Serialised: the headers (and the copies their serialisation cached) are not
             # kept for the stream's length.
+            self._chunked = response.headers.get("Transfer-Encoding") == "chunked"
             response.headers.clear()
             self.exchange.ttfb = self._now() - self.exchange.started
             self.exchange.status = response.status
             # From the headers on, the watchdog owns heartbeats and write stalls.
             self._watch(True)
+        if self._head:
+            data = b""
         if len(data) > WRITE_SLICE:
             await self._timed(self._write_sliced(data))
             if not last:
@@ -329,13 +340,14 @@ class StreamPump(Writer):
         The write cannot wait there, and need not: it is one HTTP chunk handed to the
         transport (:func:`chunk`, the framing aiohttp's chunked writer gives the same
         bytes), as a byte-copying proxy's would be. The headers went out with the first
-        write, nothing else is being written, and the body is never compressed. Should
-        the socket fill with these very bytes, they are with the transport already; the
-        wait for it to drain is left to the next write, which this task makes through
-        aiohttp (a paused socket is never pushed to).
+        write in chunks (else nothing is pushed: HTTP/1.0, HEAD), nothing else is being
+        written, and the body is never compressed. Should the socket fill with these
+        very bytes, they are with the transport already; the wait for it to drain is
+        left to the next write, which this task makes through aiohttp (a paused socket
+        is never pushed to).
         """
         transport = self._protocol.transport
-        if self._writing or self._ended or self.response is None or self._protocol.writing_paused:
+        if self._writing or self._ended or not self._chunked or self._protocol.writing_paused:
             return False
         if transport is None or transport.is_closing():
             return False  # the client left: this pump's task finds out
@@ -359,7 +371,7 @@ class StreamPump(Writer):
 
     async def _heartbeat(self) -> None:
         response = self.response
-        if self._ended or self._writing or response is None:
+        if self._ended or self._writing or response is None or self._head:
             return  # a write began since the tick, or the terminator went out
         heartbeat = self.renderer.heartbeat()
         # The frame reaches the transport before this task first waits: it cannot

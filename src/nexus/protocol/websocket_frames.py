@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["MaskScanner", "close_frame"]
+__all__ = ["MaskScanner", "close_frame", "text_frames"]
 
 _MASKED = 0x80
 
@@ -71,3 +71,22 @@ def close_frame(code: int, reason: str = "") -> bytes:
     if len(payload) > 125:
         raise ValueError("a close frame's reason is at most 123 bytes")
     return bytes((0x88, len(payload))) + payload
+
+
+_SHORT_HEADS = [bytes((0x81, size)) for size in range(126)]  # final, text, unmasked (§5.2)
+
+
+def text_frames(payloads: list[bytes]) -> bytes:
+    """One server text frame per payload (UTF-8), final, unmasked and uncompressed
+    (§5.2), back to back: what aiohttp's writer gives for each, in one piece."""
+    out = []
+    for payload in payloads:
+        size = len(payload)
+        if size < 126:
+            out.append(_SHORT_HEADS[size])
+        elif size < 65536:
+            out.append(b"\x81\x7e" + size.to_bytes(2, "big"))
+        else:
+            out.append(b"\x81\x7f" + size.to_bytes(8, "big"))
+        out.append(payload)
+    return b"".join(out)

@@ -33,7 +33,7 @@ from ...cache.readers import leave, with_usage
 from ...cache.run import LogReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
-from ...events import Done, Error
+from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
 from ...protocol.realtime import (
     AbortTurn,
@@ -42,6 +42,7 @@ from ...protocol.realtime import (
     StartTurn,
     gateway_error_frame,
 )
+from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import admit_stream, authenticate, exchange
 from ..writer import Writer
@@ -227,6 +228,29 @@ class RealtimeConnection(Writer):
         """One text frame per payload, timed by the watchdog."""
         await self._timed(self._send_texts(payloads))
 
+    @property
+    def writable(self) -> bool:
+        """:meth:`write_now` may write: nothing else is being written, the socket takes
+        more, the connection is open and does not compress (aiohttp's writer then holds
+        the deflate context), the client is there."""
+        transport = self.request.transport
+        return not (
+            self._writing
+            or self.ws.compress
+            or self.ws.closed
+            or transport is None
+            or transport.is_closing()
+            or self.request.protocol.writing_paused
+        )
+
+    def write_now(self, payloads: list[bytes]) -> None:
+        """One text frame per payload, handed to the transport in one write (when
+        :attr:`writable`): nothing waits, as in the HTTP pump's push. Should these bytes
+        fill the socket, the wait is left to the next write, which the turn's task makes
+        through aiohttp (a paused socket is never written to here)."""
+        self.request.transport.write(text_frames(payloads))  # type: ignore[union-attr]
+        self._wrote()
+
     async def _send_texts(self, payloads: list[bytes]) -> None:
         send = self.ws.send_frame
         for payload in payloads:
@@ -257,7 +281,8 @@ class RealtimeConnection(Writer):
 
 
 class Turn:
-    """One turn's writer: each event of its log as a text frame, then its end, in a task."""
+    """One turn's writer: each event of its log as a text frame, then its end, in a task
+    (or, once caught up, each new batch pushed to it: :meth:`_push`)."""
 
     __slots__ = ("conn", "encoder", "over", "reader", "run", "started", "task", "terminated")
 
@@ -271,7 +296,25 @@ class Turn:
         self.over = False
         self.encoder = NDJSONEncoder(reader.meta)  # a frame is a line, without its newline
         self.encoder.request_id = conn.request_id
+        reader.sink = self._push
         self.task = asyncio.get_running_loop().create_task(self._follow())
+
+    def _push(self, batch: list[StreamEvent]) -> bool:
+        """The reader's sink: ``batch`` written in the producer's task once the turn has
+        caught up with its log, so that an upstream read wakes one task (as the HTTP
+        pump's push); False (nothing encoded) leaves it to the turn's task: a write under
+        way, a full socket, a compressing connection, the turn's end."""
+        conn = self.conn
+        if self.terminated or not conn.writable:
+            return False
+        for event in batch:
+            cls = type(event)
+            if cls is Done or cls is Error:
+                return False
+        encode = self.encoder.encode
+        conn.write_now([encode(event)[:-1] for event in batch])
+        self.started = True
+        return True
 
     async def _follow(self) -> None:
         """Write the log's events as they come, then the end; waiting for the socket."""
@@ -325,6 +368,7 @@ class Turn:
 
     async def stop(self) -> None:
         """End the turn now (an abort, the socket gone, shutdown); its stream with it."""
+        self.reader.sink = None  # nothing more from the producer's task (an abort answers)
         task = self.task
         if task is not asyncio.current_task():
             task.cancel()

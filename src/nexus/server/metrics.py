@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import prometheus_client
 from prometheus_client import (
@@ -110,39 +110,32 @@ def mark_worker_dead(directory: str, pid: int) -> None:
     multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
 
 
-class Counter(prometheus_client.Counter):
-    """A counter whose :meth:`labels` finds a label set's child in one dict lookup, once
-    prometheus_client made it (its own ``labels()`` checks, stringifies and locks every
-    call: several microseconds, several times per request). Children are never removed
-    here, so the cache stays true."""
+class _CachedLabels:
+    """:meth:`labels` finding a label set's child in one dict lookup, once prometheus_client
+    made it (its own ``labels()`` checks, stringifies and locks every call: several
+    microseconds, several times per request). Children are never removed here, so the
+    cache stays true."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._children: dict[tuple[object, ...], Counter] = {}
+        self._children: dict[tuple[object, ...], Self] = {}
 
-    def labels(self, *values: object, **named: object) -> Counter:
+    def labels(self, *values: object, **named: object) -> Self:
         if named:
-            return super().labels(*values, **named)
+            return super().labels(*values, **named)  # type: ignore[misc, no-any-return]
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = super().labels(*values)
+            made: Self = super().labels(*values)  # type: ignore[misc]
+            child = self._children[values] = made
         return child
 
 
-class Histogram(prometheus_client.Histogram):
-    """A histogram whose :meth:`labels` is cached, as :class:`Counter`'s."""
+class Counter(_CachedLabels, prometheus_client.Counter):
+    """A counter with cached label children (:class:`_CachedLabels`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._children: dict[tuple[object, ...], Histogram] = {}
 
-    def labels(self, *values: object, **named: object) -> Histogram:
-        if named:
-            return super().labels(*values, **named)
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = super().labels(*values)
-        return child
+class Histogram(_CachedLabels, prometheus_client.Histogram):
+    """A histogram with cached label children (:class:`_CachedLabels`)."""
 
 
 class Metrics:

@@ -4,8 +4,9 @@ would: held to the general path, a compressing connection's, which is never push
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 
 import orjson
 import websockets
@@ -62,6 +63,24 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+@contextlib.contextmanager
+def counting_pushes() -> Iterator[list[int]]:
+    """Counts the batches written from the producer's task (``RealtimeConnection.write_now``)
+    while it lasts: ``[n]``."""
+    pushed = [0]
+    write_now = RealtimeConnection.write_now
+
+    def counted(self: RealtimeConnection, payloads: list[bytes]) -> None:
+        write_now(self, payloads)
+        pushed[0] += 1
+
+    RealtimeConnection.write_now = counted  # type: ignore[method-assign]
+    try:
+        yield pushed
+    finally:
+        RealtimeConnection.write_now = write_now  # type: ignore[method-assign]
+
+
 async def frames_of(
     batches: list[list[str]], pauses: list[bool], compression: str | None
 ) -> tuple[list[object], int]:
@@ -69,16 +88,7 @@ async def frames_of(
     next), and how many batches were written from the producer's task."""
     provider = FedProvider()
     app = create_app(parse_config({}), engine=Engine([provider]), registry=default_registry.copy())
-    pushed = 0
-    write_now = RealtimeConnection.write_now
-
-    def counted(self: RealtimeConnection, payloads: list[bytes]) -> None:
-        nonlocal pushed
-        write_now(self, payloads)
-        pushed += 1
-
-    RealtimeConnection.write_now = counted  # type: ignore[method-assign]
-    try:
+    with counting_pushes() as pushed:
         async with TestServer(app) as server:
             url = f"ws://{server.host}:{server.port}/v1/realtime"
             async with websockets.connect(url, compression=compression) as ws:
@@ -91,9 +101,7 @@ async def frames_of(
                 provider.queue.put_nowait([Delta(finish_reason="stop")])
                 provider.queue.put_nowait(None)
                 frames: list[object] = await turn(ws)
-    finally:
-        RealtimeConnection.write_now = write_now  # type: ignore[method-assign]
-    return frames, pushed
+    return frames, pushed[0]
 
 
 @settings(max_examples=25, deadline=None, database=None)
@@ -128,16 +136,7 @@ def test_a_pushed_batch_larger_than_the_socket_arrives_whole_and_in_order() -> N
         app = create_app(
             parse_config({}), engine=Engine([provider]), registry=default_registry.copy()
         )
-        pushed = 0
-        write_now = RealtimeConnection.write_now
-
-        def counted(self: RealtimeConnection, payloads: list[bytes]) -> None:
-            nonlocal pushed
-            write_now(self, payloads)
-            pushed += 1
-
-        RealtimeConnection.write_now = counted  # type: ignore[method-assign]
-        try:
+        with counting_pushes() as pushed:
             async with TestServer(app) as server:
                 sock = socket.socket()
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -158,9 +157,7 @@ def test_a_pushed_batch_larger_than_the_socket_arrives_whole_and_in_order() -> N
                     provider.queue.put_nowait([Delta(finish_reason="stop")])
                     provider.queue.put_nowait(None)
                     frames: list[object] = await turn(ws)
-        finally:
-            RealtimeConnection.write_now = write_now  # type: ignore[method-assign]
-        return frames, pushed
+        return frames, pushed[0]
 
     frames, pushed = asyncio.run(scenario())
     contents = [f["delta"]["content"] for f in frames if f["type"] == "delta" and f["delta"]]  # type: ignore[index]

@@ -263,6 +263,9 @@ class ModelAliasConfig(_Table):
     output_usd_per_mtok: USD
     cached_input_usd_per_mtok: USD
     """Unset: the input price."""
+    cache_write_usd_per_mtok: USD
+    """Prompt tokens written to a prompt cache (Anthropic bills 1.25x the input price for
+    five-minute writes). Unset: the input price."""
 
     @property
     def priced(self) -> bool:
@@ -274,7 +277,12 @@ class ModelAliasConfig(_Table):
             return None
         given = self.input_usd_per_mtok or 0.0
         cached = self.cached_input_usd_per_mtok
-        return Price(given, self.output_usd_per_mtok or 0.0, given if cached is None else cached)
+        return Price(
+            given,
+            self.output_usd_per_mtok or 0.0,
+            given if cached is None else cached,
+            self.cache_write_usd_per_mtok,
+        )
 
 
 def _default_providers() -> dict[str, ProviderConfig]:
@@ -321,7 +329,9 @@ class Config(_Table):
             where = f'[models."{alias}"]'
             given = (cfg.input_usd_per_mtok, cfg.output_usd_per_mtok)
             if None in given and (
-                given != (None, None) or cfg.cached_input_usd_per_mtok is not None
+                given != (None, None)
+                or cfg.cached_input_usd_per_mtok is not None
+                or cfg.cache_write_usd_per_mtok is not None
             ):
                 raise ValueError(
                     f"{where}: prices need both input_usd_per_mtok and output_usd_per_mtok"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import GatewayError, ModelNotFound, UnsupportedInput
 from .events import Error, StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
-from .pricing import Price, PriceTable, cost_usd
+from .pricing import Price, PriceTable, cost_usd, prompt_estimate
 from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
@@ -210,6 +210,7 @@ class Engine:
             provider=target[0].name,
             upstream_model=target[1],
             retry_ms=self.retry_ms,
+            prompt_estimate=prompt_estimate(request),
         )
 
     def complete_stream(
@@ -451,7 +452,13 @@ def _validated(request: ChatRequest | Mapping[str, Any]) -> ChatRequest:
 
 def _priced(usage: Usage, price: Price) -> Usage:
     """``usage`` with its cost at ``price``."""
-    cost = cost_usd(price, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens or 0)
+    cost = cost_usd(
+        price,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        usage.cached_tokens or 0,
+        usage.cache_write_tokens or 0,
+    )
     return replace(usage, cost_usd=cost)
 
 

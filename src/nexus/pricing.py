@@ -2,15 +2,20 @@
 
 A stream's price (``[models."<name>"]``, USD per million tokens) is its served target's
 (``provider/model``), else its alias's, else none (``cost_usd`` is None). The cost is
-computed from the usage the upstream reported, never guessed::
+computed from the usage the upstream reported::
 
-    (prompt - cached) * input + cached * cached_input + completion * output
+    (prompt - cached - written) * input + cached * cached_input
+        + written * cache_write + completion * output
 
-``completion`` includes reasoning tokens, as OpenAI counts them; tokens written to a
-prompt cache are part of ``prompt``. A stream that ended without a final usage reports
-what it saw, marked ``estimated``: the last usage's prompt and cached tokens, and as
-completion tokens the larger of that usage's and the output events seen (one token
-each, as streaming upstreams and the mock deliver them).
+``completion`` includes reasoning tokens, as OpenAI counts them; ``cached`` are prompt
+tokens read from a prompt cache, ``written`` those written to one (Anthropic bills them
+above the input price), both part of ``prompt``. A stream that ended without a final
+usage reports what it saw, marked ``estimated``: the last usage's prompt, cached and
+written tokens, and as completion tokens the larger of that usage's and the output
+events seen (one token each, as streaming upstreams and the mock deliver them). One cut
+after the upstream answered but before it reported any usage (OpenAI reports usage last)
+is charged :func:`prompt_estimate` as its prompt: without it, a client could send a long
+prompt and leave at the first token having spent almost nothing of its budget.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import orjson
+
 from .events import Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
+from .request import ChatRequest, RefusalPart, TextPart
 from .types import StreamMeta
 
 __all__ = [
@@ -29,6 +37,7 @@ __all__ = [
     "Spend",
     "Tally",
     "cost_usd",
+    "prompt_estimate",
     "spend_of",
     "tally",
     "terminal_ok",
@@ -47,6 +56,7 @@ class Spend:
     reasoning_tokens: int
     cost_usd: float | None
     estimated: bool
+    cache_write_tokens: int = 0
 
 
 NOTHING = Spend(0, 0, 0, 0, 0.0, False)
@@ -58,11 +68,12 @@ UNKNOWN = Spend(0, 0, 0, 0, None, True)
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """USD per million tokens."""
+    """USD per million tokens (``cache_write_usd_per_mtok`` None: the input price)."""
 
     input_usd_per_mtok: float
     output_usd_per_mtok: float
     cached_input_usd_per_mtok: float
+    cache_write_usd_per_mtok: float | None = None
 
 
 class PriceTable:
@@ -84,20 +95,78 @@ class PriceTable:
     def spend(self, tallied: Tally, meta: StreamMeta, *, complete: bool) -> Spend:
         """The spend of the stream ``meta`` names (served by ``meta.provider``)."""
         served = f"{meta.provider}/{meta.upstream_model}"
-        return spend_of(tallied, self.price(served, meta.model), complete=complete)
+        price = self.price(served, meta.model)
+        return spend_of(tallied, price, complete=complete, prompt_estimate=meta.prompt_estimate)
 
 
-def cost_usd(price: Price, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> float:
-    """The cost of these tokens at ``price``. Cached tokens beyond the prompt count as
-    prompt tokens (an upstream that reports more cached than prompt is not trusted)."""
-    cached = min(max(cached_tokens, 0), max(prompt_tokens, 0))
-    uncached = max(prompt_tokens, 0) - cached
+def cost_usd(
+    price: Price,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    cache_write_tokens: int = 0,
+) -> float:
+    """The cost of these tokens at ``price``. Cached and written tokens beyond the prompt
+    count as plain prompt tokens (an upstream that reports more of them than prompt
+    tokens is not trusted)."""
+    prompt = max(prompt_tokens, 0)
+    cached = min(max(cached_tokens, 0), prompt)
+    written = min(max(cache_write_tokens, 0), prompt - cached)
+    write_price = price.cache_write_usd_per_mtok
     micro = (
-        uncached * price.input_usd_per_mtok
+        (prompt - cached - written) * price.input_usd_per_mtok
         + cached * price.cached_input_usd_per_mtok
+        + written * (price.input_usd_per_mtok if write_price is None else write_price)
         + max(completion_tokens, 0) * price.output_usd_per_mtok
     )
     return micro / PER_TOKENS
+
+
+CHARS_PER_TOKEN = 4
+"""UTF-8 bytes per token in :func:`prompt_estimate` (English text runs at about four)."""
+MESSAGE_TOKENS = 4
+"""A message's role and separators, as OpenAI's chat format counts them (3 to 4)."""
+MEDIA_TOKENS = 85
+"""An image, audio or file part: the least a provider bills for one (OpenAI's image
+at low detail)."""
+
+
+def prompt_estimate(request: ChatRequest) -> int:
+    """The tokens ``request``'s prompt is estimated at, for a stream cut before the
+    upstream reported its usage: a token per :data:`CHARS_PER_TOKEN` UTF-8 bytes of every
+    text the model reads (contents, names, tool calls, tool definitions, the response
+    schema), :data:`MESSAGE_TOKENS` per message and :data:`MEDIA_TOKENS` per media part.
+
+    A tokenizer would be closer, but there is none for every provider, and one would
+    cost more per request than the estimate is worth: it is charged only to streams the
+    client cut short, marked ``estimated``.
+    """
+    size = 0
+    parts = 0
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, str):
+            size += len(content.encode())
+        elif content is not None:
+            for part in content:
+                if isinstance(part, TextPart):
+                    size += len(part.text.encode())
+                elif isinstance(part, RefusalPart):
+                    size += len(part.refusal.encode())
+                else:
+                    parts += 1
+        name = getattr(message, "name", None)
+        if name:
+            size += len(name)
+        for call in getattr(message, "tool_calls", None) or ():
+            size += len(call.function.name) + len(call.function.arguments.encode())
+    for tool in request.tools or ():
+        size += len(orjson.dumps(tool.function.model_dump(exclude_none=True)))
+    response_format = request.response_format
+    if response_format is not None and response_format.json_schema is not None:
+        size += len(orjson.dumps(response_format.json_schema.model_dump(exclude_none=True)))
+    tokens = -(-size // CHARS_PER_TOKEN)  # rounded up
+    return tokens + MESSAGE_TOKENS * len(request.messages) + MEDIA_TOKENS * parts
 
 
 @dataclass(slots=True)
@@ -107,8 +176,11 @@ class Tally:
     usage: Usage | None = None
     produced: int = 0
     """Content, reasoning and tool call deltas seen."""
+    answered: bool = False
+    """The upstream sent an event (it accepted the request: its prompt is billed)."""
 
     def add(self, event: StreamEvent) -> None:
+        self.answered = True
         cls = type(event)
         if cls is Usage:
             self.usage = event  # type: ignore[assignment]
@@ -132,24 +204,30 @@ def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:
     return result
 
 
-def spend_of(tallied: Tally, price: Price | None, *, complete: bool) -> Spend:
-    """The :class:`Spend` of a stream; ``complete``: its last usage is the final count."""
+def spend_of(
+    tallied: Tally, price: Price | None, *, complete: bool, prompt_estimate: int = 0
+) -> Spend:
+    """The :class:`Spend` of a stream; ``complete``: its last usage is the final count.
+    ``prompt_estimate``: the prompt of a stream the upstream answered without a usage."""
 
     usage = tallied.usage
     if usage is not None:
         prompt = usage.prompt_tokens
         completion = usage.completion_tokens
         cached = usage.cached_tokens or 0
+        written = usage.cache_write_tokens or 0
         reasoning = usage.reasoning_tokens or 0
         estimated = False
         if not complete and tallied.produced > completion:
             completion, estimated = tallied.produced, True
     else:
-        prompt = cached = reasoning = 0
+        # Answered (an event came) but cut before a usage: the upstream bills the prompt.
+        prompt = prompt_estimate if tallied.answered else 0
+        cached = written = reasoning = 0
         completion = tallied.produced
         estimated = True
-    cost = None if price is None else cost_usd(price, prompt, completion, cached)
-    return Spend(prompt, completion, cached, reasoning, cost, estimated)
+    cost = None if price is None else cost_usd(price, prompt, completion, cached, written)
+    return Spend(prompt, completion, cached, reasoning, cost, estimated, written)
 
 
 def terminal_ok(event: StreamEvent) -> bool:

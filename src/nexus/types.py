@@ -32,6 +32,9 @@ class StreamMeta:
     """The listener asked for ``usage.cost`` (``stream_options.include_cost``)."""
     include_obfuscation: bool = False
     """The listener asked for padded chunks (``stream_options.include_obfuscation``)."""
+    prompt_estimate: int = 0
+    """The request's prompt in tokens, estimated (:func:`nexus.pricing.prompt_estimate`):
+    charged to a stream cut after the upstream answered but before it reported a usage."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

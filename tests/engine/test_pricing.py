@@ -14,10 +14,12 @@ from nexus.pricing import (
     Spend,
     Tally,
     cost_usd,
+    prompt_estimate,
     spend_of,
     tally,
     terminal_ok,
 )
+from nexus.request import ChatRequest
 from nexus.types import StreamMeta
 
 PRICE = Price(input_usd_per_mtok=2.5, output_usd_per_mtok=10.0, cached_input_usd_per_mtok=1.25)
@@ -53,6 +55,28 @@ def test_one_token_more_costs_exactly_one_token_more() -> None:
     assert cost_usd(PRICE, 1235, 567, 89) - base == pytest.approx(2.5e-6, rel=1e-9)
     assert cost_usd(PRICE, 1234, 568, 89) - base == pytest.approx(10e-6, rel=1e-9)
     assert cost_usd(PRICE, 1234, 567, 90) - base == pytest.approx(-1.25e-6, rel=1e-9)
+
+
+def test_cache_writes_cost_their_own_price_and_the_input_price_by_default() -> None:
+    # Anthropic: 1000 prompt tokens = 100 uncached + 300 read from the cache + 600 written.
+    written = Price(3.0, 15.0, 0.3, cache_write_usd_per_mtok=3.75)
+    cost = cost_usd(written, 1000, 50, cached_tokens=300, cache_write_tokens=600)
+    assert cost == pytest.approx((100 * 3.0 + 300 * 0.3 + 600 * 3.75 + 50 * 15.0) / 1e6)
+    unpriced = Price(3.0, 15.0, 0.3)  # no write price: writes cost the input price
+    assert cost_usd(unpriced, 1000, 50, 300, 600) == cost_usd(unpriced, 1000, 50, 300, 0)
+    # Writes beyond what the prompt leaves after the reads are not trusted: plain prompt.
+    assert cost_usd(written, 100, 0, 80, 500) == pytest.approx((80 * 0.3 + 20 * 3.75) / 1e6)
+    assert cost_usd(written, 100, 0, 0, -7) == pytest.approx(100 * 3.0 / 1e6)
+
+
+def test_a_stream_s_cache_writes_are_in_its_spend() -> None:
+    usage = Usage(
+        prompt_tokens=1000, completion_tokens=50, total_tokens=1050, cached_tokens=300,
+        cache_write_tokens=600,
+    )  # fmt: skip
+    written = Price(3.0, 15.0, 0.3, cache_write_usd_per_mtok=3.75)
+    spend = spend_of(tally([Delta(content="a"), usage], complete=True), written, complete=True)
+    assert spend == Spend(1000, 50, 300, 0, cost_usd(written, 1000, 50, 300, 600), False, 600)
 
 
 def meta(model: str = "fast", provider: str = "up", upstream: str = "m") -> StreamMeta:
@@ -111,6 +135,76 @@ def test_a_failed_stream_keeps_the_usage_billed_before_the_failure() -> None:
     # A usage that already counts all the output seen is the upstream's word: not estimated.
     final = spend_of(tally([Delta(content="a"), USAGE], complete=False), PRICE, complete=False)
     assert final == Spend(1000, 500, 400, 200, cost_usd(PRICE, 1000, 500, 400), False)
+
+
+def test_a_stream_cut_before_any_usage_is_charged_its_prompt_s_estimate() -> None:
+    # An OpenAI-style stream reports its usage last: cut after two tokens, it has none.
+    events: list[StreamEvent] = [Delta(role="assistant"), Delta(content="a"), Delta(content="b")]
+    spend = spend_of(tally(events, complete=False), PRICE, complete=False, prompt_estimate=900)
+    assert spend == Spend(900, 2, 0, 0, cost_usd(PRICE, 900, 2, 0), True)
+    # Through the price table, from the stream's meta.
+    table = PriceTable({"up/m": PRICE})
+    cut = StreamMeta(id="s", model="fast", created=0, provider="up", upstream_model="m",
+                     prompt_estimate=900)  # fmt: skip
+    assert table.spend(tally(events, complete=False), cut, complete=False) == spend
+    # The upstream never answered (a refused request, a failed connection): nothing billed.
+    assert spend_of(tally([], complete=False), PRICE, complete=False, prompt_estimate=900) == (
+        Spend(0, 0, 0, 0, 0.0, True)
+    )
+    # A usage the upstream reported is its word: the estimate is not used.
+    early = Usage(prompt_tokens=300, completion_tokens=1, total_tokens=301)
+    reported = spend_of(tally([early, *events], complete=False), PRICE, complete=False,
+                        prompt_estimate=900)  # fmt: skip
+    assert reported.prompt_tokens == 300
+
+
+def chat_request(**body: object) -> ChatRequest:
+    return ChatRequest.model_validate({"model": "m", **body})
+
+
+def test_a_prompt_is_estimated_at_a_token_per_four_bytes_and_four_per_message() -> None:
+    one = chat_request(messages=[{"role": "user", "content": "x" * 400}])
+    assert prompt_estimate(one) == 100 + 4
+    # Rounded up; bytes, not characters (a CJK character is three bytes).
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": "abcde"}])) == 2 + 4
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": "日本"}])) == 2 + 4
+    # Every text the model reads counts: parts, names, tool calls, tools, the schema.
+    call = {"id": "c1", "type": "function", "function": {"name": "f" * 4, "arguments": "a" * 36}}
+    image = {"url": "data:image/png;base64," + "A" * 9000}
+    schema_format = {"name": "out", "schema": {"type": "object"}}
+    rich = chat_request(
+        messages=[
+            {"role": "system", "content": [{"type": "text", "text": "s" * 40}]},
+            {
+                "role": "user",
+                "name": "n" * 8,
+                "content": [
+                    {"type": "text", "text": "t" * 40},
+                    {"type": "image_url", "image_url": image},
+                ],
+            },
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r" * 40},
+        ],
+        tools=[
+            {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+        ],
+        response_format={"type": "json_schema", "json_schema": schema_format},
+    )
+    tool = len(b'{"name":"lookup","parameters":{"type":"object"}}')
+    schema = len(b'{"name":"out","schema":{"type":"object"}}')
+    texts = 40 + 8 + 40 + 4 + 36 + 40 + tool + schema
+    # The image is 85 tokens, whatever its size: its base64 is not text the model reads.
+    assert prompt_estimate(rich) == -(-texts // 4) + 4 * 4 + 85
+
+
+def test_the_engine_puts_the_prompt_s_estimate_in_the_stream_s_meta() -> None:
+    from nexus.engine import Engine
+
+    engine = Engine.from_config(parse_config({"providers": PROVIDERS}))
+    request = chat_request(model="up/echo", messages=[{"role": "user", "content": "x" * 40}])
+    stream = engine.complete_stream(request)
+    assert stream.meta.prompt_estimate == 10 + 4
 
 
 def test_a_complete_stream_without_usage_is_estimated() -> None:
@@ -188,6 +282,20 @@ def test_prices_of_aliases_and_provider_models() -> None:
             '[models."up/m"]: prices need both input_usd_per_mtok and output_usd_per_mtok',
         ),
         (
+            {"up/m": {"cache_write_usd_per_mtok": 1.0}},
+            '[models."up/m"]: prices need both input_usd_per_mtok and output_usd_per_mtok',
+        ),
+        (
+            {
+                "up/m": {
+                    "input_usd_per_mtok": 1,
+                    "output_usd_per_mtok": 1,
+                    "cache_write_usd_per_mtok": -1,
+                }
+            },
+            '[models."up/m"] cache_write_usd_per_mtok: Input should be greater than or equal to 0',
+        ),
+        (
             {"up/m": {"input_usd_per_mtok": -1.0, "output_usd_per_mtok": 1.0}},
             '[models."up/m"] input_usd_per_mtok: Input should be greater than or equal to 0',
         ),
@@ -216,3 +324,10 @@ def test_a_price_entry_is_not_an_alias() -> None:
     assert engine.aliases == {}
     assert engine.prices.prices == {"up/m": Price(1.0, 2.0, 1.0)}
     assert engine.hooks.prices is engine.prices
+
+
+def test_a_cache_write_price_comes_from_the_config() -> None:
+    prices = {"input_usd_per_mtok": 3.0, "output_usd_per_mtok": 15.0,
+              "cache_write_usd_per_mtok": 3.75}  # fmt: skip
+    table = price_table(parse_config({"providers": PROVIDERS, "models": {"up/m": prices}}))
+    assert table.prices == {"up/m": Price(3.0, 15.0, 3.0, 3.75)}

@@ -72,6 +72,7 @@ cached_input_usd_per_mtok = 1.25
 input_usd_per_mtok = 15
 output_usd_per_mtok = 75
 cached_input_usd_per_mtok = 1.5
+cache_write_usd_per_mtok = 18.75
 
 [models."mock/echo"]
 input_usd_per_mtok = 1
@@ -217,14 +218,15 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
     assert oai_line["events"] > 0 and oai_line["bytes"] > 0
 
     claude_line = lines["r-claude"]
-    # Anthropic: prompt = input + cache reads + cache writes; cache writes at the input price.
+    # Anthropic: prompt = input + cache reads + cache writes; cache writes at their own price.
     expected_claude = {
         "outcome": "ok",
         "served": "claude/opus",
         "prompt_tokens": 160,
         "completion_tokens": 20,
         "cached_tokens": 50,
-        "cost_usd": round((110 * 15 + 50 * 1.5 + 20 * 75) / 1e6, 10),
+        "cache_write_tokens": 10,
+        "cost_usd": round((100 * 15 + 50 * 1.5 + 10 * 18.75 + 20 * 75) / 1e6, 10),
     }
     assert {k: claude_line.get(k) for k in expected_claude} == expected_claude
 
@@ -246,9 +248,11 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
     gone = lines["r-gone"]
     assert gone["level"] == "warning"
     assert gone["outcome"] == "cancelled:client_disconnect"
-    # Its stream ended with it (not resumable): the line has what it spent so far.
+    # Its stream ended with it (not resumable): the line has what it spent so far, and
+    # the prompt the upstream billed, estimated ("a b c d e f g h": 15 bytes, 4 + 4 tokens).
     assert gone["estimated"] is True
     assert gone["completion_tokens"] >= 1
+    assert gone["prompt_tokens"] == 8
 
     samples = {
         (s.name, frozenset(s.labels.items())): s.value
@@ -278,7 +282,9 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
     assert value(tokens, kind="reasoning", **oai_key) == 120
     assert value("nexus_cost_usd_total", **oai_key) == pytest.approx(0.00475)
     claude_key = {"model": "claude/opus", "key": "team-a"}
-    assert value("nexus_cost_usd_total", **claude_key) == pytest.approx(0.003225)
+    assert value(tokens, kind="cached", **claude_key) == 50
+    assert value(tokens, kind="cache_write", **claude_key) == 10
+    assert value("nexus_cost_usd_total", **claude_key) == pytest.approx(0.0032625)
     assert value("nexus_upstream_errors_total", provider="mock", code="upstream_error") == 1
     assert "_created" not in metrics
     assert '="-"' not in metrics and '=""' not in metrics

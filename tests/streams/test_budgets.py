@@ -3,6 +3,7 @@ endpoint's shape, spend kept per window, and ``nexus keys``."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import os
 import subprocess
@@ -326,3 +327,32 @@ async def test_every_way_in_is_charged_and_a_cache_hit_is_free(make_client: Make
         while orjson.loads(await ws.recv())["type"] != "done":
             pass
     assert await limits.spent(alpha) == pytest.approx(7)
+
+
+async def test_a_long_prompt_left_at_its_first_token_is_charged_its_prompt(
+    make_client: MakeClient,
+) -> None:
+    # The mock, like OpenAI, reports usage last: a client that leaves at the first token
+    # would otherwise have spent nothing of its budget on a prompt the upstream bills.
+    prices = {"mock/echo": {"input_usd_per_mtok": 1_000_000, "output_usd_per_mtok": 0}}
+    client = await make_client(keyed(1000, "total", models=prices))
+    limits = client.app[HUB].limits
+    alpha = ApiKey("alpha", budget_usd=1000, budget_period="total")
+    prompt = [{"role": "user", "content": "w " * 200}]  # 400 bytes: 100 tokens, and 4
+    body = {**CHAT, "messages": prompt, "stream": True}
+    slow = {**body, "mock": {"content": "a b c d e f", "delay_ms": 200}}
+    resp = await client.post("/v1/chat/completions", json=slow, headers=BEARER)
+    await resp.content.readuntil(b"\n\n")
+    resp.close()
+    for _ in range(200):
+        if await limits.spent(alpha):
+            break
+        await asyncio.sleep(0.01)
+    assert await limits.spent(alpha) == pytest.approx(104)  # $1 a prompt token
+    # Refused before any output: the upstream billed nothing, nor does the budget.
+    refused = {**body, "mock": {"fail_after": 0}}
+    resp = await client.post("/v1/chat/completions", json=refused, headers=BEARER)
+    assert resp.status == 502
+    await resp.read()
+    await asyncio.sleep(0.05)
+    assert await limits.spent(alpha) == pytest.approx(104)

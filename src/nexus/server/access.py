@@ -273,6 +273,7 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         fields["prompt_tokens"] = spend.prompt_tokens
         fields["completion_tokens"] = spend.completion_tokens
         fields["cached_tokens"] = spend.cached_tokens
+        fields["cache_write_tokens"] = spend.cache_write_tokens or None
         fields["reasoning_tokens"] = spend.reasoning_tokens
         fields["cost_usd"] = None if spend.cost_usd is None else round(spend.cost_usd, 10)
         fields["estimated"] = True if spend.estimated else None

@@ -168,7 +168,8 @@ class Metrics:
         self.tokens = counter(
             "nexus_tokens",
             "Tokens spent upstream by model asked for, key name and kind (prompt, completion, "
-            "cached, reasoning); estimated for streams cut before their final usage.",
+            "cached, cache_write, reasoning); estimated for streams cut before their final "
+            "usage.",
             ("model", "key", "kind"),
         )
         self.cost = counter(
@@ -271,6 +272,7 @@ class Metrics:
             ("prompt", spend.prompt_tokens),
             ("completion", spend.completion_tokens),
             ("cached", spend.cached_tokens),
+            ("cache_write", spend.cache_write_tokens),
             ("reasoning", spend.reasoning_tokens),
         ):
             if count > 0:

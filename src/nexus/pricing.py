@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import orjson
 
 from .events import Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
-from .request import ChatRequest, RefusalPart, TextPart
+from .request import AssistantMessage, ChatRequest, RefusalPart, TextPart, ToolMessage
 from .types import StreamMeta
 
 __all__ = [
@@ -155,16 +155,22 @@ def prompt_estimate(request: ChatRequest) -> int:
                     size += len(part.refusal.encode())
                 else:
                     parts += 1
-        name = getattr(message, "name", None)
-        if name:
-            size += len(name)
-        for call in getattr(message, "tool_calls", None) or ():
-            size += len(call.function.name) + len(call.function.arguments.encode())
+        if not isinstance(message, ToolMessage):  # (a missing attribute costs pydantic µs)
+            size += len(message.name or "")
+        if isinstance(message, AssistantMessage):
+            for call in message.tool_calls or ():
+                size += len(call.function.name) + len(call.function.arguments.encode())
     for tool in request.tools or ():
-        size += len(orjson.dumps(tool.function.model_dump(exclude_none=True)))
+        function = tool.function  # its parts, not a model_dump: per request, dozens of tools
+        size += len(function.name) + len((function.description or "").encode())
+        if function.parameters is not None:
+            size += len(orjson.dumps(function.parameters))
     response_format = request.response_format
-    if response_format is not None and response_format.json_schema is not None:
-        size += len(orjson.dumps(response_format.json_schema.model_dump(exclude_none=True)))
+    schema = response_format.json_schema if response_format is not None else None
+    if schema is not None:
+        size += len(schema.name.encode()) + len((schema.description or "").encode())
+        if schema.schema_ is not None:
+            size += len(orjson.dumps(schema.schema_))
     tokens = -(-size // CHARS_PER_TOKEN)  # rounded up
     return tokens + MESSAGE_TOKENS * len(request.messages) + MEDIA_TOKENS * parts
 

@@ -191,8 +191,8 @@ def test_a_prompt_is_estimated_at_a_token_per_four_bytes_and_four_per_message() 
         ],
         response_format={"type": "json_schema", "json_schema": schema_format},
     )
-    tool = len(b'{"name":"lookup","parameters":{"type":"object"}}')
-    schema = len(b'{"name":"out","schema":{"type":"object"}}')
+    tool = len("lookup") + len(b'{"type":"object"}')
+    schema = len("out") + len(b'{"type":"object"}')
     texts = 40 + 8 + 40 + 4 + 36 + 40 + tool + schema
     # The image is 85 tokens, whatever its size: its base64 is not text the model reads.
     assert prompt_estimate(rich) == -(-texts // 4) + 4 * 4 + 85

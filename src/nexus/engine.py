@@ -88,6 +88,10 @@ class Engine:
         self.hooks.prices = self.prices
         self.telemetry: Telemetry | None = None
         """A span per upstream attempt when set (:mod:`nexus.telemetry`; the app sets it)."""
+        self.on_upstream_error: Callable[[str, str], None] | None = None
+        """Called with the provider and the error code of every failed upstream attempt,
+        those a fallback recovered from and those after output included (the app counts
+        them in ``/metrics``)."""
         for alias, targets in self.aliases.items():
             for target in targets:
                 if self._split(target) is None:
@@ -361,8 +365,7 @@ class _Run:
                 await self._end(len(self._targets))
                 raise
             except GatewayError as exc:
-                if self._span is not None:
-                    self._span.failed(exc.code)
+                self._failed(exc.code)
                 if self._request is None:  # started
                     await self._end(len(self._targets))
                     return [exc.to_event()]
@@ -381,8 +384,7 @@ class _Run:
             except Exception:
                 provider = self._targets[self._attempt][0]
                 log.exception("provider %s raised", provider.name)
-                if self._span is not None:
-                    self._span.failed("internal_error")
+                self._failed("internal_error")
                 await self._end(len(self._targets))
                 if self._request is not None:
                     raise
@@ -419,6 +421,14 @@ class _Run:
             self._span = telemetry.attempt(provider.name, provider.kind, model, request, attempt)
         self._batches = provider.batches(request, model)
         return self._batches
+
+    def _failed(self, code: str) -> None:
+        """The current attempt failed with ``code``: its span and the error counter."""
+        if self._span is not None:
+            self._span.failed(code)
+        counted = self._engine.on_upstream_error
+        if counted is not None:
+            counted(self._targets[self._attempt][0].name, code)
 
     def _first_output(self) -> None:
         if self._span is not None:

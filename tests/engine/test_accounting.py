@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from nexus import (
     CallContext,
@@ -205,6 +206,35 @@ async def test_server_fallback_names_the_target_that_answered(
     info = await hub.info(stream_id)
     assert info is not None
     assert (info.meta.provider, info.meta.upstream_model) == ("b", "m2")
+
+
+async def test_upstream_errors_are_counted_per_attempt_under_the_provider_tried(
+    make_client: MakeClient, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    """A fallback that recovers still shows the failing provider in /metrics, and a stream
+    that fails on its second target names the second, not the alias's first."""
+    first, second = upstreams
+    first.add(UNAVAILABLE)
+    second.add(Reply.stream(ANSWER))  # recovered: the stream completes
+    first.add(UNAVAILABLE)
+    second.add(Reply.json(429, {"error": {"message": "slow down", "type": "rate_limit_error"}}))
+    client = await make_client(two_targets(first, second))
+    body = {"model": "smart", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    await resp.read()
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 429
+    await resp.read()
+    metrics = await (await client.get("/metrics")).text()
+    errors = {
+        (sample.labels["provider"], sample.labels["code"]): sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "nexus_upstream_errors"
+        for sample in family.samples
+        if sample.name == "nexus_upstream_errors_total"
+    }
+    assert errors == {("a", "upstream_error"): 2, ("b", "upstream_rate_limited"): 1}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "json"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -97,7 +97,7 @@ def create_app(
         metrics.watch(hub, engine.hooks)
         metrics.models = frozenset(engine.models())
         metrics.providers = frozenset(engine.providers)
-        engine.hooks.add(MetricsPlugin(metrics, _provider_of(engine)), name="metrics")
+        engine.hooks.add(MetricsPlugin(metrics), name="metrics")
         app.router.add_get("/metrics", metrics_endpoint)
     if telemetry is not None:
         app[TELEMETRY] = telemetry
@@ -139,18 +139,6 @@ def create_app(
     app.router.add_get("/healthz", models.healthz)
     web_console.add_routes(app)
     return app
-
-
-def _provider_of(engine: Engine) -> Callable[[str], str]:
-    """The provider a model routes to first (the label of its upstream errors)."""
-
-    def provider_of(model: str) -> str:
-        try:
-            return engine.route(model)[0][0].name
-        except Exception:
-            return "unknown"
-
-    return provider_of
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:

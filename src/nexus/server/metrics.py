@@ -41,8 +41,6 @@ from ..providers.http import HTTPProvider
 from ..types import Completion
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ..cache.hub import StreamHub
 
 __all__ = [
@@ -61,11 +59,9 @@ CANCEL_CAUSES = {
     "server_shutting_down": "shutdown",
     "stream_too_large": "too_large",
 }
-"""Error codes that end a stream on purpose, and the cancellation cause each counts as."""
-
-LEFT_BY_CLIENTS = "client_disconnect"
-"""A stream cancelled as its last client left: counted by the response that left
-(:mod:`nexus.server.access`), not again here, and not an upstream error."""
+"""Error codes that end a stream on purpose, and the cancellation cause each counts as
+(``client_disconnect`` is not one: the response the client left counts it,
+:mod:`nexus.server.access`)."""
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _POOL_WAIT = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -208,7 +204,8 @@ class Metrics:
         self.bytes = counter("nexus_bytes_out", "Stream bytes written to clients.", ("format",))
         self.upstream_errors = counter(
             "nexus_upstream_errors",
-            "Streams that failed upstream, by provider and error code.",
+            "Failed upstream attempts, by the provider tried and the error code (those a "
+            "fallback recovered from included).",
             ("provider", "code"),
         )
         self.cancellations = counter(
@@ -304,6 +301,10 @@ class Metrics:
         hub.store.on_error.append(lambda op: store_errors.labels(op).inc())
         store_mirror = self.store_mirror
         hub.on_mirror = lambda state: store_mirror.labels(state).inc()
+        upstream_errors, code_label = self.upstream_errors, self.code_label
+        hub.engine.on_upstream_error = lambda provider, code: upstream_errors.labels(
+            provider, code_label(code)
+        ).inc()
 
     def render(self) -> bytes:
         """The Prometheus text format: this app's registry, or every worker's files."""
@@ -319,9 +320,8 @@ class MetricsPlugin:
 
     wants_final = False  # the spend is all it reads of a completed stream
 
-    def __init__(self, metrics: Metrics, provider_of: Callable[[str], str]) -> None:
+    def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.provider_of = provider_of
 
     async def on_stream_completed(
         self,
@@ -340,12 +340,7 @@ class MetricsPlugin:
         self, ctx: CallContext, request_id: str, model: str, error: Error, *, spend: Spend
     ) -> None:
         self.metrics.spent(model, ctx.key, spend)
-        code = error.code or error.error_type
-        if code == LEFT_BY_CLIENTS:
-            return
-        cause = CANCEL_CAUSES.get(code)
+        # Upstream errors are counted per attempt, as they happen (Engine.on_upstream_error).
+        cause = CANCEL_CAUSES.get(error.code or error.error_type)
         if cause is not None:
             self.metrics.cancellations.labels(cause).inc()
-        else:
-            metrics = self.metrics
-            metrics.upstream_errors.labels(self.provider_of(model), metrics.code_label(code)).inc()

@@ -212,6 +212,9 @@ async def test_a_busy_store_pool_is_a_503_never_a_500(tmp_path: Path) -> None:
                             resp.headers.get("Retry-After"),
                         )
 
+                # Alone, a request has the connection to itself; in a burst of 60, which
+                # ones find it busy is up to the scheduler (at times every one of them).
+                alone = await one(-1)
                 answers = await asyncio.gather(*(one(i) for i in range(60)))
                 found = await metrics(session, url)
     finally:
@@ -223,7 +226,7 @@ async def test_a_busy_store_pool_is_a_503_never_a_500(tmp_path: Path) -> None:
     refused = [a for a in answers if a[0] == 503]
     assert refused, "the burst never found the one connection busy"
     assert all(code == "store_unavailable" and retry == "1" for _, code, retry in refused)
-    assert any(status == 200 for status, _, _ in answers)
+    assert alone == (200, None, None)
     begin = found.get(("nexus_store_errors_total", frozenset({("op", "begin")})), 0.0)
     assert begin == len(refused)
     requests = sum(

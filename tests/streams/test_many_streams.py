@@ -40,7 +40,7 @@ from nexus.server.streaming import StreamPump
 from support import MakeClient
 
 STREAMS = 1000
-WORDS = 50
+WORDS = 30
 CONTENT = " ".join(f"w{i}" for i in range(WORDS))
 ROUND_TIMEOUT_S = 60.0
 SETTLE_S = 10.0

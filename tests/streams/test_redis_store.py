@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
@@ -146,6 +147,19 @@ async def test_begin_append_end_roundtrip(
     assert [entry_id for entry_id, _ in entries] == [b"0-5", b"0-9", f"0-{len(events)}".encode()]
     assert all(fields is not None and list(fields) == [b"e"] for _, fields in entries)
     assert loads_events(entries[1][1][b"e"]) == events[5:9]
+
+
+async def test_an_info_written_by_a_newer_replica_still_reads(
+    store: RedisStore, redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """Mid rolling upgrade, a newer replica's meta may carry a field this one lacks."""
+    info = make_info()
+    await store.begin(info, ttl_s=30)
+    key = f"{prefix}:stream:{info.id}:info"
+    stored = orjson.loads(await redis_client.get(key) or b"{}")
+    stored["meta"]["a_field_from_the_future"] = 1
+    await redis_client.set(key, orjson.dumps(stored), ex=30)
+    assert await store.info(info.id) == info
 
 
 async def test_end_without_begin_writes_everything(store: RedisStore) -> None:

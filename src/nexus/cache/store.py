@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from ..events import StreamEvent
@@ -26,6 +26,9 @@ OWNER_TTL_S = 10.0
 its live streams."""
 
 Status = Literal["in_progress", "completed", "failed", "cancelled"]
+
+
+_META_FIELDS = frozenset(f.name for f in fields(StreamMeta))
 
 
 @dataclass(slots=True)
@@ -48,8 +51,13 @@ class StreamInfo:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StreamInfo:
+        """Read back a stored info. A field of the meta this version does not know (written
+        by a newer replica, mid rolling upgrade) is left out rather than failing the read."""
+        meta = data["meta"]
+        if not _META_FIELDS.issuperset(meta):
+            meta = {name: value for name, value in meta.items() if name in _META_FIELDS}
         return cls(
-            meta=StreamMeta(**data["meta"]),
+            meta=StreamMeta(**meta),
             format=data["format"],
             owner=data.get("owner"),
             status=data["status"],

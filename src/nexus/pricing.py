@@ -12,10 +12,11 @@ tokens read from a prompt cache, ``written`` those written to one (Anthropic bil
 above the input price), both part of ``prompt``. A stream that ended without a final
 usage reports what it saw, marked ``estimated``: the last usage's prompt, cached and
 written tokens, and as completion tokens the larger of that usage's and the output
-events seen (one token each, as streaming upstreams and the mock deliver them). One cut
-after the upstream answered but before it reported any usage (OpenAI reports usage last)
-is charged :func:`prompt_estimate` as its prompt: without it, a client could send a long
-prompt and leave at the first token having spent almost nothing of its budget.
+events seen (one token each, as streaming upstreams and the mock deliver them). One the
+upstream answered without reporting any usage (cut before it: OpenAI reports usage last;
+or from an upstream that reports none) is charged :func:`prompt_estimate` as its prompt:
+without it, a client could send a long prompt and leave at the first token having spent
+almost nothing of its budget.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from dataclasses import dataclass
 import orjson
 
 from .events import Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
-from .request import AssistantMessage, ChatRequest, RefusalPart, TextPart, ToolMessage
+from .request import (
+    AssistantMessage,
+    AudioPart,
+    ChatRequest,
+    FilePart,
+    ImagePart,
+    RefusalPart,
+    TextPart,
+    ToolMessage,
+)
 from .types import StreamMeta
 
 __all__ = [
@@ -123,26 +133,34 @@ def cost_usd(
 
 
 CHARS_PER_TOKEN = 4
-"""UTF-8 bytes per token in :func:`prompt_estimate` (English text runs at about four)."""
+"""UTF-8 bytes per token in :func:`prompt_estimate` (English text runs at about four); a
+document's bytes count as its text's."""
 MESSAGE_TOKENS = 4
 """A message's role and separators, as OpenAI's chat format counts them (3 to 4)."""
-MEDIA_TOKENS = 85
-"""An image, audio or file part: the least a provider bills for one (OpenAI's image
-at low detail)."""
+IMAGE_TOKENS = 85
+"""An image at ``detail: low`` (OpenAI bills 85)."""
+IMAGE_DETAIL_TOKENS = 765
+"""An image at ``auto`` or ``high`` detail: what OpenAI bills a 1024x1024 one (85, and
+170 for each of its four tiles)."""
+AUDIO_BYTES_PER_TOKEN = 1000
+"""Audio: about 32 tokens a second of 16 kHz 16-bit speech."""
+UNSEEN_TOKENS = 85
+"""A file sent by id: its size is the upstream's to know."""
 
 
 def prompt_estimate(request: ChatRequest) -> int:
-    """The tokens ``request``'s prompt is estimated at, for a stream cut before the
-    upstream reported its usage: a token per :data:`CHARS_PER_TOKEN` UTF-8 bytes of every
-    text the model reads (contents, names, tool calls, tool definitions, the response
-    schema), :data:`MESSAGE_TOKENS` per message and :data:`MEDIA_TOKENS` per media part.
+    """The tokens ``request``'s prompt is estimated at, for a stream without a usage from
+    its upstream: a token per :data:`CHARS_PER_TOKEN` UTF-8 bytes of every text the model
+    reads (contents, refusals, names, tool calls, fields Nexus passes on unread, tool
+    definitions, the response schema) and of inline documents, :data:`MESSAGE_TOKENS` per
+    message, images by their detail, audio by its length.
 
     A tokenizer would be closer, but there is none for every provider, and one would
-    cost more per request than the estimate is worth: it is charged only to streams the
-    client cut short, marked ``estimated``.
+    cost more per request than the estimate is worth: it is charged only to streams
+    whose upstream reported no usage (cut before it, mostly), marked ``estimated``.
     """
     size = 0
-    parts = 0
+    tokens = MESSAGE_TOKENS * len(request.messages)
     for message in request.messages:
         content = message.content
         if isinstance(content, str):
@@ -154,12 +172,17 @@ def prompt_estimate(request: ChatRequest) -> int:
                 elif isinstance(part, RefusalPart):
                     size += len(part.refusal.encode())
                 else:
-                    parts += 1
+                    tokens += _media_tokens(part)
         if not isinstance(message, ToolMessage):  # (a missing attribute costs pydantic µs)
-            size += len(message.name or "")
+            size += len((message.name or "").encode())
         if isinstance(message, AssistantMessage):
+            size += len((message.refusal or "").encode())
             for call in message.tool_calls or ():
-                size += len(call.function.name) + len(call.function.arguments.encode())
+                called = call.function
+                size += len(called.name.encode()) + len(called.arguments.encode())
+        extra = message.model_extra  # passed on upstream as they came
+        if extra:
+            size += len(orjson.dumps(extra))
     for tool in request.tools or ():
         function = tool.function  # its parts, not a model_dump: per request, dozens of tools
         size += len(function.name) + len((function.description or "").encode())
@@ -171,8 +194,20 @@ def prompt_estimate(request: ChatRequest) -> int:
         size += len(schema.name.encode()) + len((schema.description or "").encode())
         if schema.schema_ is not None:
             size += len(orjson.dumps(schema.schema_))
-    tokens = -(-size // CHARS_PER_TOKEN)  # rounded up
-    return tokens + MESSAGE_TOKENS * len(request.messages) + MEDIA_TOKENS * parts
+    return tokens + -(-size // CHARS_PER_TOKEN)  # rounded up
+
+
+def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:
+    """An image by its detail, audio by its length, a document by its size."""
+    if isinstance(part, ImagePart):
+        return IMAGE_TOKENS if part.image_url.detail == "low" else IMAGE_DETAIL_TOKENS
+    if isinstance(part, AudioPart):
+        return 1 + len(part.input_audio.data) * 3 // 4 // AUDIO_BYTES_PER_TOKEN  # base64
+    data = part.file.get("file_data")
+    if not isinstance(data, str):
+        return UNSEEN_TOKENS
+    encoded = len(data) - (data.find(",") + 1 if data.startswith("data:") else 0)
+    return 1 + encoded * 3 // 4 // CHARS_PER_TOKEN
 
 
 @dataclass(slots=True)

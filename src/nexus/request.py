@@ -16,6 +16,7 @@ __all__ = [
     "AudioPart",
     "ChatRequest",
     "ContentPart",
+    "FilePart",
     "ImagePart",
     "Message",
     "MockScript",

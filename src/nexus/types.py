@@ -34,7 +34,8 @@ class StreamMeta:
     """The listener asked for padded chunks (``stream_options.include_obfuscation``)."""
     prompt_estimate: int = 0
     """The request's prompt in tokens, estimated (:func:`nexus.pricing.prompt_estimate`):
-    charged to a stream cut after the upstream answered but before it reported a usage."""
+    charged to a stream its upstream answered without reporting a usage (cut before it).
+    Not kept in a shared store: the replica that runs the stream charges it."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

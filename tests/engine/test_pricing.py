@@ -194,8 +194,34 @@ def test_a_prompt_is_estimated_at_a_token_per_four_bytes_and_four_per_message() 
     tool = len("lookup") + len(b'{"type":"object"}')
     schema = len("out") + len(b'{"type":"object"}')
     texts = 40 + 8 + 40 + 4 + 36 + 40 + tool + schema
-    # The image is 85 tokens, whatever its size: its base64 is not text the model reads.
-    assert prompt_estimate(rich) == -(-texts // 4) + 4 * 4 + 85
+    # The image by its detail (auto: 765), whatever its size: its base64 is not text.
+    assert prompt_estimate(rich) == -(-texts // 4) + 4 * 4 + 765
+
+
+def test_a_long_prompt_cannot_hide_where_the_estimate_does_not_look() -> None:
+    """Whatever goes upstream as text counts, however it is sent."""
+    long = "L" * 400_000  # 100,000 tokens
+    as_content = prompt_estimate(chat_request(messages=[{"role": "user", "content": long}]))
+    assert as_content == 100_000 + 4
+    refusal = chat_request(messages=[{"role": "assistant", "refusal": long}])
+    assert prompt_estimate(refusal) == as_content
+    # A field Nexus does not know is passed on upstream: it counts, JSON and all.
+    extra = chat_request(messages=[{"role": "user", "content": "", "reasoning_content": long}])
+    assert prompt_estimate(extra) == as_content + len(b'{"reasoning_content":""}') // 4
+    # An inline document counts as its text; audio by its length; an image by its detail.
+    document = "data:application/pdf;base64," + "QUFB" * 100_000  # 300,000 bytes
+    pdf = {"type": "file", "file": {"filename": "a.pdf", "file_data": document}}
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [pdf]}])) == (
+        4 + 1 + 300_000 // 4
+    )
+    by_id = {"type": "file", "file": {"file_id": "file-abc"}}  # its size is the upstream's
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [by_id]}])) == 4 + 85
+    audio = {"type": "input_audio", "input_audio": {"data": "QUFB" * 40_000, "format": "wav"}}
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [audio]}])) == (
+        4 + 1 + 120_000 // 1000
+    )
+    low = {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "low"}}
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [low]}])) == 4 + 85
 
 
 def test_the_engine_puts_the_prompt_s_estimate_in_the_stream_s_meta() -> None:

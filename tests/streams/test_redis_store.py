@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -160,6 +161,19 @@ async def test_an_info_written_by_a_newer_replica_still_reads(
     stored["meta"]["a_field_from_the_future"] = 1
     await redis_client.set(key, orjson.dumps(stored), ex=30)
     assert await store.info(info.id) == info
+
+
+async def test_the_prompt_s_estimate_stays_with_the_replica_that_runs_the_stream(
+    store: RedisStore, redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """Only the owner charges it; replicas from before it was added refuse a meta with it."""
+    info = make_info()
+    info.meta = replace(info.meta, prompt_estimate=1234)
+    await store.begin(info, ttl_s=30)
+    stored = orjson.loads(await redis_client.get(f"{prefix}:stream:{info.id}:info") or b"{}")
+    assert "prompt_estimate" not in stored["meta"]
+    assert stored["meta"]["model"] == info.meta.model
+    assert await store.info(info.id) == replace(info, meta=replace(info.meta, prompt_estimate=0))
 
 
 async def test_end_without_begin_writes_everything(store: RedisStore) -> None:

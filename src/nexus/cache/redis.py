@@ -261,7 +261,7 @@ class RedisStore(Store):
         self._live[info.id] = [ttl_ms, 0]
         return [
             ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
-            ("SET", self._key(info.id, "info"), orjson.dumps(info), "PX", ttl_ms),
+            ("SET", self._key(info.id, "info"), info.to_json(), "PX", ttl_ms),
             # Also here, not only on the heartbeat: after a restart that lost it, this
             # replica's streams, begun again, must not look orphaned until the next beat.
             ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
@@ -346,11 +346,11 @@ class RedisStore(Store):
                     after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
             elif exists and events:
                 owner = self._key(stream_id, "owner")
-                info = orjson.dumps(write.info)
+                info = write.info.to_json()
                 after.append(("EVAL", _FINISH, 3, log, info_key, owner, info, ttl))
             else:
                 after += [
-                    ("SET", info_key, orjson.dumps(write.info), "PX", ttl),
+                    ("SET", info_key, write.info.to_json(), "PX", ttl),
                     ("PEXPIRE", log, ttl),
                     ("PEXPIRE", info_key, ttl),
                     ("DEL", self._key(stream_id, "owner")),

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
+import orjson
+
 from ..events import StreamEvent
 from ..types import StreamMeta
 
@@ -29,6 +31,9 @@ Status = Literal["in_progress", "completed", "failed", "cancelled"]
 
 
 _META_FIELDS = frozenset(f.name for f in fields(StreamMeta))
+_STORED_META = tuple(name for name in sorted(_META_FIELDS) if name != "prompt_estimate")
+"""What a shared store keeps of a meta: not the prompt's estimate, which only the replica
+that runs the stream charges (and replicas from before it refuse)."""
 
 
 @dataclass(slots=True)
@@ -48,6 +53,20 @@ class StreamInfo:
     @property
     def id(self) -> str:
         return self.meta.id
+
+    def to_json(self) -> bytes:
+        """What a shared store keeps of it (read back with :meth:`from_json`)."""
+        meta = self.meta
+        return orjson.dumps(
+            {
+                "meta": {name: getattr(meta, name) for name in _STORED_META},
+                "format": self.format,
+                "owner": self.owner,
+                "status": self.status,
+                "created_at": self.created_at,
+                "resumable": self.resumable,
+            }
+        )
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StreamInfo:

@@ -91,6 +91,8 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
     from nexus.types import StreamMeta
 
     class Reader:
+        cancel_safe = True  # a queue's get
+
         def __init__(self, meta: StreamMeta) -> None:
             self.meta, self.failure = meta, None
             self.served, self.spend = meta, None

@@ -31,6 +31,8 @@ class RunReader:
 
     __slots__ = ("_closed", "_error", "_index", "_run", "meta", "sink")
 
+    cancel_safe = True  # a read waits on a future; cancelled, it leaves the log as it was
+
     def __init__(self, run: StreamRun, start: int = 0) -> None:
         self._run = run
         self._index = start
@@ -119,6 +121,7 @@ class StoreReader:
     failure: GatewayError | None = None
     spend: Spend | None = None  # counted where the stream ran
     sink: Push | None = None  # not pushed: read in the reader's task
+    cancel_safe = False  # a read cancelled inside the store's generator would end it
 
     def __init__(self, store: Store, info: StreamInfo, start: int, detach_timeout_s: float):
         self.meta = info.meta

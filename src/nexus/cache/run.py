@@ -55,10 +55,13 @@ reader's sink renders and writes it then), False to leave it to the reader's tas
 class LogReader(Protocol):
     """What the pump reads: a log's entries in batches, from where it was opened.
     ``failure``: the error a local source raised before any event (an HTTP status).
-    ``sink``: see :class:`~nexus.cache.readers.RunReader` (others ignore it)."""
+    ``sink``: see :class:`~nexus.cache.readers.RunReader` (others ignore it).
+    ``cancel_safe``: a read may be cancelled and made again without loss (so a deadline
+    may be put on it directly, without a task to read in)."""
 
     meta: StreamMeta
     sink: Push | None
+    cancel_safe: bool
 
     @property
     def failure(self) -> GatewayError | None: ...

@@ -58,6 +58,7 @@ __all__ = ["StreamPump", "chunk", "pump"]
 log = logging.getLogger("nexus.server")
 
 _END = object()
+_UNREAD = object()
 
 WRITE_SLICE = 64 * 1024
 """Most bytes given to the transport at once (see :meth:`StreamPump._write_sliced`)."""
@@ -202,6 +203,32 @@ class StreamPump(Writer):
                 # cancelled now; the access line waits (briefly) for what it spent.
                 ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
 
+    async def _read_in_task(self, batches: AsyncIterator[list[StreamEvent]], out: bytes) -> object:
+        """The next batch, read in a task of its own: a read that must not be cancelled (a
+        store's) outlives the wait for the first output, past which the headers go out."""
+        task: asyncio.Future[object] = asyncio.ensure_future(anext(batches, _END))
+        try:
+            if self.response is None:
+                done, _ = await asyncio.wait((task,), timeout=self.first_wait_s)
+                if not done:
+                    await self._headers_early(out)
+            # From the headers on, the watchdog writes the heartbeats.
+            if not task.done():
+                await asyncio.wait((task,))
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+
+    async def _headers_early(self, out: bytes) -> bytes:
+        """No first output within ``first_wait_s``: the headers go out with what is ready
+        (and a heartbeat, after a heartbeat interval); what is left to write (nothing)."""
+        idle = self.first_wait_s >= self.heartbeat_s
+        beat = self.renderer.heartbeat() if idle else b""
+        await self._write(self._begin() + out + beat)
+        return b""
+
     def _settle(self) -> None:
         """The access line's view of the written stream: the target that answered and,
         for the request that made it, what it spent (nothing for a cache hit)."""
@@ -225,23 +252,22 @@ class StreamPump(Writer):
         renderer = self.renderer
         out = head
         while True:
-            task: asyncio.Future[object] = asyncio.ensure_future(anext(batches, _END))
-            try:
+            if self.reader.cancel_safe:
+                # Read here, under a deadline: no task of its own, which under load would
+                # cost the first byte two turns of the event loop.
+                batch: object = _UNREAD
                 if self.response is None:
-                    done, _ = await asyncio.wait((task,), timeout=self.first_wait_s)
-                    if not done:
-                        idle = self.first_wait_s >= self.heartbeat_s
-                        beat = renderer.heartbeat() if idle else b""
-                        await self._write(self._begin() + out + beat)
-                        out = b""
-                # From the headers on, the watchdog writes the heartbeats.
-                if not task.done():
-                    await asyncio.wait((task,))
-                batch = task.result()
-            finally:
-                if not task.done():
-                    task.cancel()
-                    await asyncio.wait((task,))
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.first_wait_s):
+                            batch = await anext(batches, _END)
+                if batch is _UNREAD:
+                    if self.response is None:
+                        out = await self._headers_early(out)
+                    batch = await anext(batches, _END)
+            else:
+                batch = await self._read_in_task(batches, out)
+                if self.response is not None:
+                    out = b""
             if batch is _END:
                 return _END
             events: list[StreamEvent] = batch  # type: ignore[assignment]

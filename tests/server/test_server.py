@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
+import random
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
 import pytest
 
+from nexus import ChatRequest, Delta, Provider, StreamEvent
 from nexus.protocol.sse import SSEDecoder
 from support import EndlessProvider, GatedProvider, MakeClient, chat, parse_sse
 
@@ -482,6 +485,52 @@ async def test_slow_first_event_sends_headers_and_heartbeats(make_client: MakeCl
     rest = await resp.read()
     # The read the deadline cut was made again: the event it waited for is not lost.
     assert b"after0" in rest and rest.endswith(b"data: [DONE]\n\n")
+
+
+class LateFirstProvider(Provider):
+    """Its first event comes about when the first-output deadline falls, by a random margin
+    either side: the deadline's cancellation and the event race."""
+
+    kind = "late"
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        await asyncio.sleep(random.uniform(0.0, 0.02))
+        for word in WORDS:
+            yield [Delta(content=word)]
+        yield [Delta(finish_reason="stop")]
+
+
+WORDS = [f"w{i} " for i in range(5)]
+
+
+async def test_a_first_event_racing_the_first_output_deadline_is_never_lost(
+    make_client: MakeClient,
+) -> None:
+    # The deadline (the heartbeat interval, 10 ms) cuts the handler's read of the run's
+    # log about half the time, at any point of it; the read made again must find it all.
+    late = LateFirstProvider("late")
+    client = await make_client({"server": {"heartbeat_interval_s": 0.01}}, providers=[late])
+
+    async def one() -> bytes:
+        resp = await client.post("/v1/chat/completions", json=chat(model="late/m", stream=True))
+        assert resp.status == 200
+        return await resp.read()
+
+    bodies = await asyncio.gather(*(one() for _ in range(100)))
+    early = 0
+    for body in bodies:
+        early += b": ping" in body and body.index(b": ping") < body.index(b"w0")
+        text = "".join(
+            choice["delta"].get("content") or ""
+            for event in SSEDecoder().decode(body)
+            if event.data.startswith("{")
+            for choice in orjson.loads(event.data)["choices"]
+        )
+        assert text == "".join(WORDS), body
+        assert body.endswith(b"data: [DONE]\n\n")
+    assert early, "no stream's headers went out before its first event"
 
 
 async def test_client_disconnect_closes_provider_at_once(make_client: MakeClient) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, ClassVar
 
 from nexus.server import state
@@ -173,3 +174,56 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
     start = body.index(b'"content":"xxxx')
     assert b": ping" not in body[start : body.index(b"\n\n", start)], "inside the frame"
     assert body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_reader_draining_the_kernel_s_queue_is_not_stalled() -> None:
+    """A slow reader drains the kernel's send queue first; the transport's buffer moves only
+    once that queue has room. Its progress there is progress: the write is not stalled."""
+    import socket
+
+    from nexus.server.writer import Writer, kernel_queued
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(listener.getsockname())
+    receiver, _ = listener.accept()
+    listener.close()
+    sender.setblocking(False)
+    try:
+        with contextlib.suppress(BlockingIOError):
+            while True:  # fill the kernel's queue: the peer reads nothing yet
+                sender.send(b"x" * 65536)
+        queued = kernel_queued(FakeTransport(sender))
+        assert queued > 65536
+
+        class Request:
+            transport = FakeTransport(sender)
+            protocol = type("Paused", (), {"writing_paused": True})()
+
+        class Pump(Writer):
+            async def _heartbeat(self) -> None:
+                pass
+
+        pump = Pump(Request(), heartbeat_s=15, write_timeout_s=1, watchdog=Watchdog())  # type: ignore[arg-type]
+        assert pump._stalled_for(100.0) == 0.0  # full from now on
+        assert pump._stalled_for(100.5) == 0.5  # nothing taken
+        receiver.recv(32768)  # the reader takes some: the queue shrinks, the buffer does not
+        await asyncio.sleep(0.05)  # the peer's window opens, the kernel sends on
+        assert kernel_queued(Request.transport) < queued
+        assert pump._stalled_for(101.5) == 0.0, "progress in the kernel's queue is progress"
+        assert pump._stalled_for(102.5) == 1.0  # and nothing since
+    finally:
+        sender.close()
+        receiver.close()
+
+
+class FakeTransport:
+    """A transport whose own buffer never moves, over a real socket."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+
+    def get_write_buffer_size(self) -> int:
+        return 65536
+
+    def get_extra_info(self, name: str) -> Any:
+        return self.sock if name == "socket" else None

@@ -9,7 +9,10 @@ the same write timeout, the same heartbeat timer, one tick of
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import struct
+import termios
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 
@@ -19,7 +22,7 @@ from ..watchdog import Watchdog
 from .access import exchange
 from .connection import Connection
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "kernel_queued"]
 
 log = logging.getLogger("nexus.server")
 
@@ -103,14 +106,19 @@ class Writer(ABC):
 
     def _stalled_for(self, now: float) -> float:
         """How long the socket has been full without taking a byte (0.0: not full),
-        from the first tick that saw it full. Progress (a smaller buffer at a tick, the
-        end of a write's wait) starts the clock again; a growing buffer is none."""
+        from the first tick that saw it full. Progress (less waiting at a tick, the end of
+        a write's wait) starts the clock again; more waiting is none.
+
+        What waits is the transport's buffer and, where the system tells, the kernel's
+        send queue: a slow reader drains the kernel's queue first, and the transport's
+        buffer moves only once that queue has room for more (on loopback, seconds later
+        for a reader taking 100 KB a second)."""
         transport = self.request.transport
         protocol = self.request.protocol
         if transport is None or not protocol.writing_paused:
             self._stalled = 0.0
             return 0.0
-        size = transport.get_write_buffer_size()
+        size = transport.get_write_buffer_size() + kernel_queued(transport)
         if not self._stalled or size < self._buffered:
             self._stalled = now
         self._buffered = size
@@ -139,3 +147,16 @@ class Writer(ABC):
         transport = self.request.transport
         if transport is not None:
             transport.abort()
+
+
+def kernel_queued(transport: asyncio.BaseTransport) -> int:
+    """Bytes the kernel still holds for the peer of ``transport``'s socket (Linux's
+    ``SIOCOUTQ``: sent but not acknowledged, and not sent); 0 where it cannot tell."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", queued)[0])

@@ -181,7 +181,8 @@ async def test_a_reader_draining_the_kernel_s_queue_is_not_stalled() -> None:
     once that queue has room. Its progress there is progress: the write is not stalled."""
     import socket
 
-    from nexus.server.writer import Writer, kernel_queued
+    from nexus.server.connection import kernel_queued
+    from nexus.server.writer import Writer
 
     listener = socket.create_server(("127.0.0.1", 0))
     sender = socket.create_connection(listener.getsockname())

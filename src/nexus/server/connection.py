@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
+import sys
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, cast
 
@@ -56,6 +58,7 @@ __all__ = [
     "ConnectionSite",
     "Phase",
     "connection_middleware",
+    "kernel_queued",
 ]
 
 HANDLER_ARGS: dict[str, Any] = {"auto_decompress": False}
@@ -169,7 +172,9 @@ class Connection(web.RequestHandler):
         self.force_close()
 
     def write_buffer_size(self) -> int:
-        return self.wire.get_write_buffer_size() if self.wire is not None else 0
+        """What waits for the client: the transport's buffer and the kernel's queue."""
+        wire = self.wire
+        return 0 if wire is None else wire.get_write_buffer_size() + kernel_queued(wire)
 
     def pause_writing(self) -> None:
         """The transport's buffer is full: timed by the registry until it drains."""
@@ -308,3 +313,26 @@ class ConnectionSite(web.BaseSite):
             self.listener = None
         self.registry.stop()
         await super().stop()
+
+
+if sys.platform != "win32":
+    from fcntl import ioctl
+    from termios import TIOCOUTQ
+
+    def kernel_queued(transport: asyncio.BaseTransport) -> int:
+        """Bytes the kernel still holds for the peer of ``transport``'s socket (Linux's
+        ``SIOCOUTQ``: sent but not acknowledged, and not sent); 0 where it cannot tell."""
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return 0
+        try:
+            queued = ioctl(sock.fileno(), TIOCOUTQ, b"\0\0\0\0")
+        except (OSError, ValueError):
+            return 0
+        return int(struct.unpack("i", queued)[0])
+
+else:
+
+    def kernel_queued(transport: asyncio.BaseTransport) -> int:
+        """0: Windows does not tell what its kernel holds for a socket's peer."""
+        return 0

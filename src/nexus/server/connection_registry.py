@@ -5,9 +5,9 @@ them; this module keeps the books. All HEAD deadlines have the same length, as h
 IDLE ones, so a dict per phase in insertion order (a connection is re-inserted as it
 enters the phase) is in deadline order: a :class:`~nexus.watchdog.Watchdog` tick closes
 the expired ones at the front and stops at the first that is not. Only paused
-connections are checked for stalled writes (no byte left the buffer for three times
-``write_timeout_s``); those a stream pump times itself (``timed_elsewhere``) are left
-to it. Sans-I/O but for the watchdog: every transition takes ``now``.
+connections are checked for stalled writes (no byte left the buffer, the transport's
+and the kernel's, for three times ``write_timeout_s``); those a stream pump times itself
+(``timed_elsewhere``) are left to it. Sans-I/O but for the watchdog: every transition takes ``now``.
 """
 
 from __future__ import annotations

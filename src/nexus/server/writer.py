@@ -9,10 +9,7 @@ the same write timeout, the same heartbeat timer, one tick of
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
-import struct
-import termios
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 
@@ -20,9 +17,9 @@ from aiohttp import web
 
 from ..watchdog import Watchdog
 from .access import exchange
-from .connection import Connection
+from .connection import Connection, kernel_queued
 
-__all__ = ["Writer", "kernel_queued"]
+__all__ = ["Writer"]
 
 log = logging.getLogger("nexus.server")
 
@@ -147,16 +144,3 @@ class Writer(ABC):
         transport = self.request.transport
         if transport is not None:
             transport.abort()
-
-
-def kernel_queued(transport: asyncio.BaseTransport) -> int:
-    """Bytes the kernel still holds for the peer of ``transport``'s socket (Linux's
-    ``SIOCOUTQ``: sent but not acknowledged, and not sent); 0 where it cannot tell."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return 0
-    try:
-        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-    except (OSError, ValueError):
-        return 0
-    return int(struct.unpack("i", queued)[0])

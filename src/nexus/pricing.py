@@ -182,7 +182,10 @@ def prompt_estimate(request: ChatRequest) -> int:
                 size += len(called.name.encode()) + len(called.arguments.encode())
         extra = message.model_extra  # passed on upstream as they came
         if extra:
-            size += len(orjson.dumps(extra))
+            try:
+                size += len(orjson.dumps(extra))
+            except TypeError:  # (an integer past 64 bits, from Python callers)
+                size += len(repr(extra))
     for tool in request.tools or ():
         function = tool.function  # its parts, not a model_dump: per request, dozens of tools
         size += len(function.name) + len((function.description or "").encode())

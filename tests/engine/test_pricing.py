@@ -220,6 +220,9 @@ def test_a_long_prompt_cannot_hide_where_the_estimate_does_not_look() -> None:
     assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [audio]}])) == (
         4 + 1 + 120_000 // 1000
     )
+    # A Python caller's field orjson cannot write (an integer past 64 bits) still counts.
+    huge = chat_request(messages=[{"role": "user", "content": "", "seed_big": 2**70}])
+    assert prompt_estimate(huge) == 4 + -(-len(repr({"seed_big": 2**70})) // 4)
     low = {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "low"}}
     assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [low]}])) == 4 + 85
 

@@ -212,6 +212,16 @@ async def test_a_reader_draining_the_kernel_s_queue_is_not_stalled() -> None:
         assert kernel_queued(Request.transport) < queued
         assert pump._stalled_for(101.5) == 0.0, "progress in the kernel's queue is progress"
         assert pump._stalled_for(102.5) == 1.0  # and nothing since
+        # The connections no pump times are judged on the same sum.
+        from nexus.server.connection import Connection
+
+        conn = Connection.__new__(Connection)
+        conn.wire = Request.transport  # type: ignore[assignment]
+        before = conn.write_buffer_size()
+        assert before == 65536 + kernel_queued(Request.transport)
+        receiver.recv(32768)
+        await asyncio.sleep(0.05)
+        assert conn.write_buffer_size() < before
     finally:
         sender.close()
         receiver.close()

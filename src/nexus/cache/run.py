@@ -165,7 +165,9 @@ class StreamRun:
         self.on_finish: Callable[[StreamRun], object] | None = None
         """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()
-        self._waiters: list[tuple[asyncio.Future[None], Push | None]] = []
+        self._waiters: dict[asyncio.Future[None], Push | None] = {}
+        """Readers waiting at the end of the log, in arrival order (a dict: a reader that
+        leaves is dropped at once, however many wait)."""
         self._timer: asyncio.TimerHandle | None = None
         self._lease_check: asyncio.Task[None] | None = None
         self._cancel_with: StreamEvent | None = None
@@ -231,12 +233,12 @@ class StreamRun:
         caller to await itself (an idle reader then holds no frame of this run's);
         :meth:`_drop` it if cancelled."""
         waiter = self._loop.create_future()
-        self._waiters.append((waiter, push))
+        self._waiters[waiter] = push
         return waiter
 
     def _drop(self, waiter: asyncio.Future[None]) -> None:
         """A reader that leaves an idle stream must not leave its waiter behind."""
-        self._waiters = [entry for entry in self._waiters if entry[0] is not waiter]
+        self._waiters.pop(waiter, None)
 
     async def _produce(self) -> None:
         source = self._source
@@ -347,13 +349,12 @@ class StreamRun:
     def _wake(self, batch: list[StreamEvent] | None = None) -> None:
         """Hand ``batch`` (just logged) to the readers that take it, wake the others."""
         waiters = self._waiters
-        self._waiters = kept = []
-        for entry in waiters:
-            waiter, push = entry
+        self._waiters = kept = {}
+        for waiter, push in waiters.items():
             if waiter.done():
                 continue
             if push is not None and batch is not None and push(batch):
-                kept.append(entry)
+                kept[waiter] = push
             else:
                 waiter.set_result(None)
 

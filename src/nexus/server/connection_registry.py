@@ -184,10 +184,11 @@ class ConnectionRegistry:
             for conn in _expired(table, now):
                 self._close(conn, reason)
         for conn, (since, size) in list(self.paused.items()):
+            if conn.timed_elsewhere:  # its writer (a stream pump) drops it, its own way
+                self.paused[conn] = (now, size)
+                continue
             buffered = conn.write_buffer_size()
-            # Its writer (a stream pump) drops it, with its own accounting; or bytes
-            # left the buffer: slow, not stalled.
-            if conn.timed_elsewhere or buffered < size:
+            if buffered < size:  # bytes left the buffer: slow, not stalled
                 self.paused[conn] = (now, buffered)
             elif now - since < self.stall_timeout_s:
                 self.paused[conn] = (since, buffered)  # more queued is no progress

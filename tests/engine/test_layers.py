@@ -111,3 +111,16 @@ def test_the_graph_is_read() -> None:
     assert "nexus.cache.hub" in GRAPH["nexus.server.app"]
     assert "nexus.engine" in GRAPH["nexus.cache.hub"]
     assert "nexus.stream" in GRAPH["nexus.engine"]
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """A module past 500 lines holds more than one thing: split it by what it holds."""
+    long = {
+        str(path.relative_to(SRC)): lines
+        for path in SRC.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}

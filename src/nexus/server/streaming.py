@@ -134,7 +134,7 @@ class StreamPump(Writer):
                 return await self._end(renderer.fail(exc.to_event()))
             if data is _END:
                 # The log ended without its terminal entry (a store that lost it).
-                return await self._end(self._begin() + renderer.fail(_lost_event()))
+                return await self._end(self._begin() + renderer.fail(_LOST))
             if renderer.done:
                 self.exchange.ended_with(self._last)
                 if self.response is None and not renderer.wrote:
@@ -155,8 +155,8 @@ class StreamPump(Writer):
                 if data:
                     await self._write(data)
             # The log ended without its terminal entry (a store that lost it).
-            self.exchange.ended_with(_lost_event())
-            return await self._end(renderer.fail(_lost_event()))
+            self.exchange.ended_with(_LOST)
+            return await self._end(renderer.fail(_LOST))
         except asyncio.CancelledError:
             if not self._shutting_down or self._ended:
                 if not self._ended and self.exchange.cancelled is None:
@@ -169,7 +169,7 @@ class StreamPump(Writer):
                 ) from None
             # Shutdown: a retryable error, the terminator and a clean end of the body.
             with contextlib.suppress(Exception):
-                await self._end(renderer.fail(_shutdown_event()))
+                await self._end(renderer.fail(_SHUTDOWN))
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
@@ -186,7 +186,7 @@ class StreamPump(Writer):
             else:
                 log.exception("stream %s failed", self.reader.meta.id)
             if not self._ended:
-                event = exc.to_event() if isinstance(exc, GatewayError) else _internal_event()
+                event = exc.to_event() if isinstance(exc, GatewayError) else _INTERNAL
                 with contextlib.suppress(Exception):
                     await self._end(renderer.fail(event))
             return self.response
@@ -434,16 +434,10 @@ def _error(code: str, why: str) -> Error:
     return Error(error_type="server_error", message=message, code=code, retryable=True)
 
 
-def _shutdown_event() -> Error:
-    return ServerShuttingDown("The server is shutting down; retry the request.").to_event()
-
-
-def _internal_event() -> Error:
-    return _error("internal_error", "The gateway failed while streaming")
-
-
-def _lost_event() -> Error:
-    return _error("stream_incomplete", "The stream's log ended without its last event")
+# The gateway's own ends of a stream (events are immutable: one of each serves all).
+_SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
+_INTERNAL = _error("internal_error", "The gateway failed while streaming")
+_LOST = _error("stream_incomplete", "The stream's log ended without its last event")
 
 
 def pump(

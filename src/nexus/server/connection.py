@@ -315,7 +315,7 @@ class ConnectionSite(web.BaseSite):
         await super().stop()
 
 
-if sys.platform != "win32":
+if sys.platform == "linux":  # where TIOCOUTQ on a TCP socket is SIOCOUTQ (tcp(7))
     from fcntl import ioctl
     from termios import TIOCOUTQ
 
@@ -334,5 +334,5 @@ if sys.platform != "win32":
 else:
 
     def kernel_queued(transport: asyncio.BaseTransport) -> int:
-        """0: Windows does not tell what its kernel holds for a socket's peer."""
+        """0: not known here (what the kernel holds is asked of Linux only)."""
         return 0

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+import orjson
 from aiohttp.test_utils import TestClient
 
 from nexus import Encoder, Provider
@@ -107,3 +108,13 @@ class PlainTextEncoder(Encoder):
 
     def end(self) -> bytes:
         return b"\n"
+
+
+async def turn(ws: Any) -> list[dict[str, Any]]:
+    """A realtime WebSocket's frames until (and including) the turn's done or error."""
+    frames = []
+    while True:
+        frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        frames.append(frame)
+        if frame["type"] in ("done", "error"):
+            return frames

@@ -19,7 +19,7 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from nexus.auth import hash_key
-from support import GatedProvider, MakeClient, chat, parse_sse
+from support import GatedProvider, MakeClient, chat, parse_sse, turn
 
 KEY_A = "nx-alpha-0123456789-secret"
 KEY_B = "nx-beta-9876543210-secret"
@@ -67,15 +67,6 @@ def ws_url(client: TestClient[Any, Any]) -> str:
 def start_frame(model: str = "mock/echo", content: str = "hello socket") -> str:
     request = {"model": model, "messages": [{"role": "user", "content": content}]}
     return orjson.dumps({"type": "start", "request": request}).decode()
-
-
-async def turn(ws: Any) -> list[dict[str, Any]]:
-    frames = []
-    while True:
-        frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
-        frames.append(frame)
-        if frame["type"] in ("done", "error"):
-            return frames
 
 
 # --- auth off -------------------------------------------------------------------------

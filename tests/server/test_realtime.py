@@ -14,7 +14,7 @@ import pytest
 import websockets
 
 from nexus.server.state import RUNTIME
-from support import GatedProvider, MakeClient
+from support import GatedProvider, MakeClient, turn
 from upstreams import FakeUpstream, Reply, openai_chunk
 
 
@@ -35,16 +35,6 @@ def start(content: str = "hello realtime world", **extra: Any) -> str:
     }
     request.update(extra)
     return orjson.dumps({"type": "start", "request": request}).decode()
-
-
-async def turn(ws: Any) -> list[dict[str, Any]]:
-    """Frames until (and including) the turn's done or error."""
-    frames = []
-    while True:
-        frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
-        frames.append(frame)
-        if frame["type"] in ("done", "error"):
-            return frames
 
 
 async def test_full_turn(make_client: MakeClient) -> None:

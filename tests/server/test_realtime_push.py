@@ -26,6 +26,7 @@ from nexus.request import ChatRequest
 from nexus.server.app import create_app
 from nexus.server.routes.realtime import RealtimeConnection
 from nexus.server.state import RUNTIME
+from support import turn
 
 
 class FedProvider(Provider):
@@ -47,15 +48,6 @@ class FedProvider(Provider):
 def start(model: str) -> str:
     request = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
     return orjson.dumps({"type": "start", "request": request}).decode()
-
-
-async def turn(ws: websockets.ClientConnection) -> list[object]:
-    frames = []
-    while True:
-        frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
-        frames.append(frame)
-        if frame["type"] in ("done", "error"):
-            return frames
 
 
 async def settle() -> None:

@@ -6,6 +6,7 @@
   stream that ends (completed, or its client gone) gives its slot back at once.
 * A replica killed (SIGKILL) mid-stream stops renewing its slot, which expires
   within ``[limits] stream_lease_s``: the other replica admits the key again.
+* An admission whose reply was lost gives its slot back at once (in process).
 """
 
 from __future__ import annotations
@@ -191,4 +192,40 @@ async def test_redis_down_fails_open_to_this_process_except_for_budgets() -> Non
         assert sum(usd for _, _, usd, _ in limits._unsent.values()) == 0.5
     finally:
         await limits.close()
+        await client.aclose()
+
+
+async def test_a_slot_whose_admission_reply_was_lost_is_given_back() -> None:
+    """The admission script ran in Redis (the slot is taken) but its reply never came:
+    the request is admitted by this process, and the slot leaves Redis at once, not at
+    the end of its lease, so the key's other replicas are not refused for it."""
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    class ReplyLost(RedisStore):
+        async def call(self, op: str, *commands: Any, allow: str = "") -> list[Any]:
+            replies = await super().call(op, *commands, allow=allow)
+            if op == "admit":
+                raise self._unavailable(op)
+            return replies
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    store = ReplyLost(prefix=prefix, client=client)
+    limits = RedisLimits(
+        store, rate=0, per_key=1, lease_s=60, fallback=LocalLimits(0, 1, lambda name: 0)
+    )
+    slots = f"{prefix}:limits:streams:lost"
+    await limits.start()
+    try:
+        assert await limits.admit(ApiKey("lost"), stream=True) is None  # admitted here
+        deadline = time.monotonic() + 2
+        while await client.zcard(slots) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert await client.zcard(slots) == 0, "the lost admission's slot stayed for its lease"
+    finally:
+        await limits.close()
+        await drop_keys(client, prefix)
         await client.aclose()

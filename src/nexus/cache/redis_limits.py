@@ -12,7 +12,8 @@ on Redis's clock) and slot at once, atomically: two replicas cannot both take th
 one. A slot's score is its lease deadline: this process renews all its slots on one
 tick (every third of ``[limits] stream_lease_s``, one pipeline); a slot goes when its
 stream ends (the ends of one loop turn in one pipeline), or, for a replica that died,
-at the next admission past its lease.
+at the next admission past its lease. An admission whose reply was lost (the script may
+have taken the slot) removes its slot too, rather than hold it for a lease.
 
 Redis failing is never a 500: rate and concurrency fail open to this process
 (:class:`~nexus.cache.limits.LocalLimits`, a warning a minute at most); a key with a
@@ -207,6 +208,8 @@ class RedisLimits(KeyLimits):
                 ),
             )
         except StoreUnavailable as exc:
+            if slot is not None:  # the script may have run, its reply lost: give it back
+                self._release_later(name, slot.id)
             if budget is not None:
                 raise StoreUnavailable(
                     f"The spend of the API key {name!r} cannot be checked: the store is "
@@ -235,8 +238,12 @@ class RedisLimits(KeyLimits):
         held.discard(slot.id)
         if not held:
             del self._held[slot.key]
+        self._release_later(slot.key, slot.id)
+
+    def _release_later(self, name: str, slot_id: str) -> None:
+        """Remove a slot from Redis in the background; if that fails, its lease runs out."""
         task = asyncio.get_running_loop().create_task(
-            self._send("release", [self._zrem(slot.key, slot.id)])  # their leases run out
+            self._send("release", [self._zrem(name, slot_id)])
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

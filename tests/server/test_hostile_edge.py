@@ -3,15 +3,19 @@
 Pages of other sites (``Origin``) and DNS-rebound ``Host`` names are refused before a
 route runs, the WebSocket handshake included; compressed bodies are inflated after the
 key, in pieces, under ``[limits] max_body_bytes`` (a gzip bomb costs neither memory nor
-the event loop); other codings get 415; JSON nested too deep gets 400, and an error
-frame on the realtime socket, which stays usable.
+the event loop); other codings get 415; a deflate bomb on the realtime socket is refused
+uninflated unless compression is on, and then inflates no further than the message limit;
+JSON nested too deep gets 400, and an error frame on the realtime socket, which stays
+usable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import itertools
+import os
 import socket
 import time
 import zlib
@@ -386,6 +390,96 @@ async def test_corrupt_and_unsupported_compressed_bodies(keyed: Server) -> None:
                 assert error["type"] == "invalid_request_error"
             else:
                 assert error["code"] == code
+
+
+# --- compressed WebSocket messages ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deflating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A gateway that accepts permessage-deflate, with a 1 MiB message limit."""
+    text = "[realtime]\ncompression = true\nmax_message_bytes = 1048576\n"
+    yield from _serve(tmp_path_factory.mktemp("deflating"), "deflating", text)
+
+
+def deflated_zeros(mib: int) -> bytes:
+    """A permessage-deflate payload (raw deflate, its trailing ``00 00 ff ff`` cut: RFC
+    7692 7.2.1) that inflates to ``mib`` MiB of zeros, about a thousandth of that sent."""
+    deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    data = deflate.compress(bytes(mib << 20)) + deflate.flush(zlib.Z_SYNC_FLUSH)
+    assert data.endswith(b"\x00\x00\xff\xff")
+    return data[:-4]
+
+
+def masked_frame(first_byte: int, payload: bytes) -> bytes:
+    """A client's frame: FIN, RSV and opcode in ``first_byte``, the payload masked."""
+    mask = os.urandom(4)
+    size = len(payload)
+    if size < 126:
+        head = bytes([first_byte, 0x80 | size])
+    elif size < 1 << 16:
+        head = bytes([first_byte, 0x80 | 126]) + size.to_bytes(2, "big")
+    else:
+        head = bytes([first_byte, 0x80 | 127]) + size.to_bytes(8, "big")
+    key = int.from_bytes((mask * (size // 4 + 1))[:size], "big")
+    masked = (int.from_bytes(payload, "big") ^ key).to_bytes(size, "big")
+    return head + mask + masked
+
+
+async def close_code_after(server: Server, frame: bytes, *, negotiated: bool) -> int:
+    """Open ``/v1/realtime`` with a raw socket offering permessage-deflate (accepted, or
+    not, as ``negotiated`` says), send ``frame``, and return the code of the close frame
+    the gateway answers with."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            (
+                "GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                "Sec-WebSocket-Extensions: permessage-deflate\r\n\r\n"
+            ).encode()
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        assert (b"permessage-deflate" in head.lower()) == negotiated, head
+        writer.write(frame)
+        while True:
+            first, second = await asyncio.wait_for(reader.readexactly(2), 5)
+            size = second & 0x7F
+            if size == 126:
+                size = int.from_bytes(await reader.readexactly(2), "big")
+            elif size == 127:
+                size = int.from_bytes(await reader.readexactly(8), "big")
+            payload = await reader.readexactly(size)
+            if first & 0x0F == 0x8:
+                return int.from_bytes(payload[:2], "big")
+    finally:
+        writer.close()
+
+
+async def test_a_deflate_bomb_on_the_socket_is_refused_uninflated_by_default(
+    keyed: Server,
+) -> None:
+    # The gateway does not accept the client's offer of compression, so a frame sent
+    # compressed anyway (RSV1) is a protocol error, closed without inflating a byte:
+    # 16 KiB that would have held the event loop while they grew to 16 MiB.
+    bomb = masked_frame(0xC1, deflated_zeros(16))  # FIN, RSV1, text
+    assert len(bomb) < 20_000
+    async with HealthProbe(keyed) as probe:
+        assert await close_code_after(keyed, bomb, negotiated=False) == 1002
+    assert probe.latencies and probe.worst < 0.1, probe.latencies
+
+
+async def test_with_compression_on_a_message_inflating_past_the_limit_closes_1009(
+    deflating: Server,
+) -> None:
+    # aiohttp stops inflating at the limit (1 MiB here), whatever the message would grow to.
+    bomb = masked_frame(0xC1, deflated_zeros(64))
+    async with HealthProbe(deflating) as probe:
+        assert await close_code_after(deflating, bomb, negotiated=True) == 1009
+    assert probe.latencies and probe.worst < 0.1, probe.latencies
 
 
 # --- JSON nested too deep -------------------------------------------------------------

@@ -288,7 +288,9 @@ async def test_server_pings_are_bare_control_frames_and_a_pong_keeps_the_peer(
 ) -> None:
     # Check the bytes aiohttp writes for the gateway's pings. With compression
     # negotiated too, a control frame has RSV1 clear and is never compressed.
-    client = await make_client({"server": {"heartbeat_interval_s": 0.1}})
+    client = await make_client(
+        {"server": {"heartbeat_interval_s": 0.1}, "realtime": {"compression": bool(extensions)}}
+    )
     reader, writer = await _raw_socket(client, extensions)
     pong = bytes([0x8A, 0x80]) + os.urandom(4)  # masked, no payload
     for _ in range(4):  # four intervals: 0.4 s, far past one pong's deadline (0.05 s)
@@ -361,9 +363,14 @@ async def test_a_batch_of_tokens_goes_out_one_text_frame_each(
     body += openai_chunk(finish_reason="stop") + b"data: [DONE]\n\n"
     async with FakeUpstream(Reply.stream([body])) as upstream:
         provider = {"kind": "openai", "base_url": upstream.url + "/v1"}
-        client = await make_client({"providers": {"up": provider}})
+        client = await make_client(
+            {"providers": {"up": provider}, "realtime": {"compression": compression is not None}}
+        )
         url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
         async with websockets.connect(url, max_size=None, compression=compression) as ws:
+            assert (ws.response.headers.get("Sec-WebSocket-Extensions") is not None) == (
+                compression is not None
+            )
             await ws.send(start(model="up/m"))
             frames = await turn(ws)
     contents = [f["delta"]["content"] for f in frames if f["type"] == "delta" and f["delta"]]

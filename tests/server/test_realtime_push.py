@@ -79,7 +79,8 @@ async def frames_of(
     """The frames of one turn fed ``batches`` (a pause: the turn catches up before the
     next), and how many batches were written from the producer's task."""
     provider = FedProvider()
-    app = create_app(parse_config({}), engine=Engine([provider]), registry=default_registry.copy())
+    config = parse_config({"realtime": {"compression": compression is not None}})
+    app = create_app(config, engine=Engine([provider]), registry=default_registry.copy())
     with counting_pushes() as pushed:
         async with TestServer(app) as server:
             url = f"ws://{server.host}:{server.port}/v1/realtime"

@@ -88,6 +88,7 @@ class RealtimeConnection(Writer):
             autoping=False,
             max_msg_size=config.realtime.max_message_bytes,
             protocols=protocols,
+            compress=config.realtime.compression,
         )
         self._last_seen = 0.0  # when the client last sent a frame
         self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline

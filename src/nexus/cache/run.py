@@ -218,16 +218,6 @@ class StreamRun:
         """Done when the log is finished (do not cancel it: :meth:`wait` is for waiting)."""
         return self._finished
 
-    async def changed(self) -> None:
-        """Until the next entry (returns at once when finished)."""
-        if not self.finished:
-            waiter = self._waiter()
-            try:
-                await waiter
-            except asyncio.CancelledError:
-                self._drop(waiter)
-                raise
-
     def _waiter(self, push: Push | None = None) -> asyncio.Future[None]:
         """A future done at the next entry (or batch ``push`` did not take), for the
         caller to await itself (an idle reader then holds no frame of this run's);

@@ -13,7 +13,7 @@ import orjson
 from pydantic import Field
 
 from ..errors import GatewayError, InvalidRequest
-from ..request import ChatRequest, MockScript, OpenModel, StreamOptions, StrictModel
+from ..request import ChatRequest, Items, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
 from .anthropic_events import cache_control, text_block
 from .json_depth import MAX_JSON_DEPTH, deeper_than
@@ -68,7 +68,7 @@ class ToolUseBlock(OpenModel):
 class ToolResultBlock(OpenModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock] = ""
+    content: str | Items[TextBlock | ImageBlock] = ""
     is_error: bool | None = None
 
 
@@ -84,7 +84,7 @@ Block = Annotated[
 
 class InputMessage(StrictModel):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | Items[Block]
 
 
 class ToolDef(OpenModel):
@@ -106,11 +106,11 @@ class Metadata(OpenModel):
 class MessagesRequest(OpenModel):
     model: str = Field(min_length=1)
     max_tokens: int = Field(ge=1)
-    messages: list[InputMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[ToolDef] | None = None
+    messages: Items[InputMessage] = Field(min_length=1)
+    system: str | Items[TextBlock] | None = None
+    tools: Items[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
-    stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(
+    stop_sequences: Items[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, max_length=4
     )
     temperature: float | None = Field(default=None, ge=0, le=1)

@@ -14,10 +14,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, field_validator
 
 from ..errors import InvalidRequest
-from ..request import ChatRequest, FunctionDef, MockScript, OpenModel, StreamOptions, StrictModel
+from ..request import (
+    ChatRequest,
+    FunctionDef,
+    Items,
+    MockScript,
+    OpenModel,
+    StreamOptions,
+    StrictModel,
+)
 from .json_depth import MAX_JSON_DEPTH
 from .openai_chat import field_path, parse_json_object, tool_call, validation_error
 from .openai_responses_output import response_body
@@ -75,7 +83,7 @@ class InputFile(OpenModel):
 
 
 Part = Annotated[TextPart | Refusal | InputImage | InputFile, Field(discriminator="type")]
-Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[Part], Tag("list")], _STR_OR_LIST]
+Content = Annotated[Annotated[str, Tag("text")] | Annotated[Items[Part], Tag("list")], _STR_OR_LIST]
 
 
 # --- input items -----------------------------------------------------------
@@ -118,7 +126,7 @@ Item = Annotated[
     | Annotated[ReasoningInputItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
-Input = Annotated[Annotated[str, Tag("text")] | Annotated[list[Item], Tag("list")], _STR_OR_LIST]
+Input = Annotated[Annotated[str, Tag("text")] | Annotated[Items[Item], Tag("list")], _STR_OR_LIST]
 
 
 # --- tools, formats, the request -------------------------------------------
@@ -166,7 +174,7 @@ class ResponsesRequest(OpenModel):
     model: str = Field(min_length=1)
     input: Input | None = None
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: Items[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -183,6 +191,15 @@ class ResponsesRequest(OpenModel):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     mock: MockScript | None = None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _at_most_16_pairs(cls, value: Any) -> Any:
+        """OpenAI's limit, checked before the values: a map of thousands of bad values
+        would be an error each (see :data:`nexus.request.Items`)."""
+        if isinstance(value, dict) and len(value) > 16:
+            raise ValueError("at most 16 key-value pairs")
+        return value
 
 
 _STATEFUL = ("previous_response_id", "conversation")

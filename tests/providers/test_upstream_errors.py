@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from nexus import Engine
@@ -251,3 +252,60 @@ async def test_auth_and_request_errors_do_not_fall_back(
 
 
 _HI = {"role": "user", "content": "Hi"}
+
+
+# --- upstream text reaches every tenant: no secret in it -------------------------------
+
+PLAIN_KEY = "plainkey-without-a-shape-42"  # a self-hosted upstream's key: no sk- to spot
+LEAKY = (
+    f"echo: Authorization: Bearer {PLAIN_KEY}; x-api-key {SECRET}; your key {PLAIN_KEY} "
+    "in organization org-AbCdEfGhIjKlMnOpQrStUvWx (Used 29500)"
+)
+
+
+@pytest.mark.parametrize("status", [400, 404, 422, 429, 500, 503])
+async def test_an_upstream_error_quoting_keys_reaches_the_client_without_them(
+    make_client: MakeClient,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+) -> None:
+    monkeypatch.setenv(KEY_ENV, PLAIN_KEY)
+    async with FakeUpstream() as up:
+        up.add(Reply.json(status, openai_error_body(LEAKY, "server_error")))
+        provider = {"kind": "openai", "base_url": up.url + "/v1", "api_key_env": KEY_ENV}
+        client = await make_client({"providers": {"up": provider}})
+        with caplog.at_level("WARNING", logger="nexus"):
+            resp = await client.post(
+                "/v1/chat/completions", json={"model": "up/m", "messages": [_HI]}
+            )
+            text = await asyncio.wait_for(resp.text(), 10)
+    assert resp.status >= 400
+    for secret in (PLAIN_KEY, SECRET, "org-AbCdEfGhIjKlMnOpQrStUvWx"):
+        assert secret not in text
+        assert secret not in caplog.text
+    if status < 500:  # the client's own trouble: it reads why, redacted
+        assert "[redacted]" in text and "Used 29500" in text
+    else:  # the upstream's: the operator reads it, in the log
+        assert "Used 29500" not in text
+        assert "Used 29500" in caplog.text and "[redacted]" in caplog.text
+
+
+async def test_an_error_inside_the_stream_quoting_keys_is_redacted(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, PLAIN_KEY)
+    error = (
+        b'data: {"error": ' + orjson.dumps({"message": LEAKY, "type": "server_error"}) + b"}\n\n"
+    )
+    async with FakeUpstream() as up:
+        up.add(Reply.stream([openai_chunk(content="partial"), error]))
+        provider = {"kind": "openai", "base_url": up.url + "/v1", "api_key_env": KEY_ENV}
+        client = await make_client({"providers": {"up": provider}})
+        resp = await client.post(
+            "/v1/chat/completions", json={"model": "up/m", "messages": [_HI], "stream": True}
+        )
+        text = await asyncio.wait_for(resp.text(), 10)
+    assert "partial" in text and "[redacted]" in text
+    for secret in (PLAIN_KEY, SECRET, "org-AbCdEfGhIjKlMnOpQrStUvWx"):
+        assert secret not in text

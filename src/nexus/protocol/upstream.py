@@ -1,8 +1,14 @@
 """What the upstream codecs share: the decoders' shape, and the map from an upstream's
-error (a status, or an error object in the stream) to the most specific class."""
+error (a status, or an error object in the stream) to the most specific class.
+
+An upstream's error text reaches clients, every tenant's: it is :func:`redacted` first
+(the providers' own keys, and anything shaped like a credential or an organisation id),
+since upstreams and the proxies in front of them quote headers and accounts in errors.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
@@ -18,7 +24,38 @@ from ..errors import (
 )
 from ..events import StreamEvent
 
-__all__ = ["ERROR_TYPES", "UpstreamDecoder", "error_text", "in_stream_error", "status_error"]
+__all__ = [
+    "ERROR_TYPES",
+    "UpstreamDecoder",
+    "error_text",
+    "in_stream_error",
+    "keep_secret",
+    "redacted",
+    "status_error",
+]
+
+_CREDENTIAL_SHAPES = re.compile(
+    r"(?i)\bbearer\s+[^\s\"',;]+"  # an Authorization header, quoted back
+    r"|\b(?:sk|rk|pk)-[A-Za-z0-9_\-]{16,}"  # OpenAI and Anthropic keys (sk-..., sk-ant-...)
+    r"|\borg-[A-Za-z0-9]{16,}"  # an OpenAI organisation: the operator's account
+)
+_SECRETS: set[str] = set()
+_MIN_SECRET = 8  # shorter, a key would redact ordinary words
+
+
+def keep_secret(secret: str | None) -> None:
+    """Redact ``secret`` (a provider's key, whatever its shape) from upstream text from
+    now on, in this process."""
+    if secret is not None and len(secret) >= _MIN_SECRET:
+        _SECRETS.add(secret)
+
+
+def redacted(text: str) -> str:
+    """``text`` without the keys :func:`keep_secret` was given, nor credential shapes."""
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, "[redacted]")
+    return _CREDENTIAL_SHAPES.sub("[redacted]", text)
 
 
 class UpstreamDecoder(Protocol):
@@ -65,8 +102,12 @@ def status_error(
 
 
 def error_text(body: bytes) -> str:
-    """The message of an upstream's error body: ``error.message``, ``error`` or ``message``
-    of a JSON object, else the start of the text."""
+    """The message of an upstream's error body, :func:`redacted`: ``error.message``,
+    ``error`` or ``message`` of a JSON object, else the start of the text."""
+    return redacted(_error_text(body))
+
+
+def _error_text(body: bytes) -> str:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -104,11 +145,12 @@ def in_stream_error(provider: str, error: Any) -> UpstreamError:
     if not isinstance(error, dict):
         error = {"message": str(error)}
     kind, code = error.get("type"), error.get("code")
+    text = redacted(str(error.get("message") or "error inside the stream"))
     kind = kind if isinstance(kind, str) and kind else None
     return status_error(
         provider,
         _STATUS_OF_TYPE.get(kind or "", 500),
-        f"provider {provider!r}: {error.get('message') or 'error inside the stream'}",
+        f"provider {provider!r}: {text}",
         code=code if isinstance(code, str) and code else "upstream_error",
         error_type=kind,
     )

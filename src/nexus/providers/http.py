@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar
@@ -31,7 +32,7 @@ from ..errors import (
     UpstreamTimeout,
 )
 from ..events import StreamEvent
-from ..protocol.upstream import UpstreamDecoder, error_text, status_error
+from ..protocol.upstream import UpstreamDecoder, error_text, keep_secret, status_error
 from ..request import ChatRequest
 from ..stream import Batches
 from ..telemetry import upstream_headers
@@ -39,6 +40,8 @@ from ..watchdog import Watchdog
 from .base import Provider
 
 __all__ = ["POOL_WAITS", "HTTPProvider", "PoolWaits", "map_upstream_errors"]
+
+log = logging.getLogger("nexus.providers")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
@@ -92,6 +95,7 @@ class HTTPProvider(Provider):
         self.config = config
         self.base_url = config.base_url.rstrip("/")
         self._api_key = api_key
+        keep_secret(api_key)  # never quoted back from an upstream's error text
         self._session: aiohttp.ClientSession | None = None
         self._watchdog = Watchdog()  # the read timeouts of every response
         self.on_pool_wait: list[Callable[[float], None]] = []
@@ -246,7 +250,11 @@ class _Exchange:
                             text = error_text(await _read_capped(response, _MAX_ERROR_BODY))
                         finally:
                             response.close()
-                        message = f"provider {provider.name!r} answered {status}: {text}"
+                        message = f"provider {provider.name!r} answered {status}"
+                        if status < 500:
+                            message += f": {text}"
+                        else:  # the upstream's trouble: its text is the operator's
+                            log.warning("%s: %s", message, text)
                         raise status_error(provider.name, status, message, response.headers)
             except TimeoutError as exc:
                 if self.queued_at is None:

@@ -425,6 +425,28 @@ async def test_requests_per_second_per_key(make_client: MakeClient) -> None:
         assert resp.status == 200
 
 
+async def test_reading_and_cancelling_streams_take_a_token_of_the_keys_rate(
+    make_client: MakeClient,
+) -> None:
+    # A key's GET or DELETE of a stream is a request of that key like any other (a reader
+    # that polls a shared store costs the gateway); a read token's GET is the stream's.
+    client = await make_client(keyed(limits={"requests_per_second_per_key": 2}))
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(background=True), headers=bearer(KEY_A)
+    )
+    assert resp.status == 202
+    made = await resp.json()
+    statuses = []
+    for method in ("GET", "DELETE", "GET"):
+        answer = await client.request(method, made["url"].split("?")[0], headers=bearer(KEY_A))
+        await answer.read()
+        statuses.append(answer.status)
+    assert statuses[-1] == 429 and 429 in statuses[:2]
+    by_token = await client.get(made["url"])  # ?token=: no key, no key's rate
+    await by_token.read()
+    assert by_token.status == 200
+
+
 async def test_rate_limit_recovers(make_client: MakeClient) -> None:
     client = await make_client(keyed(limits={"requests_per_second_per_key": 20}))
 

@@ -7,6 +7,7 @@
 * A replica killed (SIGKILL) mid-stream stops renewing its slot, which expires
   within ``[limits] stream_lease_s``: the other replica admits the key again.
 * An admission whose reply was lost gives its slot back at once (in process).
+* A slot Redis lost while its stream runs comes back at the next renewal (in process).
 """
 
 from __future__ import annotations
@@ -227,5 +228,45 @@ async def test_a_slot_whose_admission_reply_was_lost_is_given_back() -> None:
         assert await client.zcard(slots) == 0, "the lost admission's slot stayed for its lease"
     finally:
         await limits.close()
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
+async def test_a_slot_redis_lost_comes_back_at_the_next_renewal() -> None:
+    """Redis lost the key's slots (a restart without persistence, an outage past the set's
+    TTL) while this process's stream still runs: the renewal puts the slot back, so the
+    key's other replicas are refused again, rather than admitted past the limit until
+    the stream ends."""
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    here, there = (
+        RedisLimits(
+            RedisStore(prefix=prefix, client=client),
+            rate=0,
+            per_key=1,
+            lease_s=LEASE_S,
+            fallback=LocalLimits(0, 1, lambda name: 0),
+        )
+        for _ in range(2)
+    )
+    key = ApiKey("kept")
+    await here.start()
+    try:
+        assert await here.admit(key, stream=True) is not None  # its stream runs on
+        with pytest.raises(Exception) as refused:
+            await there.admit(key, stream=True)
+        assert getattr(refused.value, "code", None) == "too_many_streams"
+        await client.delete(f"{prefix}:limits:streams:kept")  # Redis forgot it
+        await asyncio.sleep(LEASE_S / 3 + 0.2)  # one renewal
+        with pytest.raises(Exception) as refused:
+            await there.admit(key, stream=True)
+        assert getattr(refused.value, "code", None) == "too_many_streams"
+    finally:
+        await here.close()
         await drop_keys(client, prefix)
         await client.aclose()

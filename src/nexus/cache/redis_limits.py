@@ -88,12 +88,14 @@ return {0, ''}
 """
 
 # KEYS: a key's stream slots. ARGV: lease ms, then the ids of the slots held here.
-# XX: a slot dropped as stale (this process stalled past its lease) does not come back.
+# Not XX: a slot Redis lost (it restarted, or was unreachable past the set's TTL, or this
+# process stalled past the lease) comes back, since its stream still runs; until those
+# streams end the key may be over its limit, which then refuses it, never the reverse.
 _RENEW = """
 local t = redis.call('TIME')
 local lease = tonumber(ARGV[1])
 local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + lease
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', deadline, ARGV[i]) end
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], deadline, ARGV[i]) end
 redis.call('PEXPIRE', KEYS[1], lease * 2)
 return 0
 """

@@ -208,7 +208,6 @@ async def complete(
                 "event ('<stream id>.<step>'), not a count.",
                 param="last_event_id",
             )
-        await admit(request, key, None)
         info = await find_stream(request, cursor.stream_id)
         return await resume(request, info, encoder, cursor)
     chat = parse(body, max_depth=app[state.CONFIG].limits.max_json_depth)
@@ -348,12 +347,15 @@ async def find_stream(
     """The stream ``stream_id``, if the caller may use it (see the module docstring).
 
     With ``read_token`` (a GET), a ``?token=`` query parameter authorises the
-    request instead of a key. Raises :class:`~nexus.auth.Unauthorized` (401
-    ``invalid_api_key``) and :func:`stream_not_found` (404, also for another key's
-    stream).
+    request instead of a key. A key's request takes a token of its rate first, as every
+    request of a key does. Raises :class:`~nexus.auth.Unauthorized` (401
+    ``invalid_api_key``), 429 ``rate_limited`` and :func:`stream_not_found` (404, also
+    for another key's stream).
     """
     app = request.app
     owner = _reader(request, stream_id, read_token)
+    if owner is not None:
+        await admit(request, exchange(request).key, None)
     hub = app[state.HUB]
     info = await hub.info(stream_id)
     if info is not None and owner is not None and not _same_owner(info.owner, owner):

@@ -19,6 +19,9 @@ advertised MSS of 1000 bytes, which also keeps the server's send buffer from
 autotuning to megabytes): on loopback the kernel otherwise absorbs 4-6 MB of a
 stream, which would hide what the gateway itself does with a reader that is
 slow or stalled. With them the kernel holds about 100 KB.
+
+One scenario is the opposite, in process: a reader as fast as the socket (curl) catching
+up on a long log, which must not keep the event loop from the gateway's other tasks.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -499,3 +503,58 @@ async def test_a_slow_but_alive_reader_gets_the_whole_stream(
     growth = sampler.peak - baseline
     print(f"{len(raw)} bytes in {elapsed:.1f}s; RSS {baseline / MiB:.1f} MiB +{growth / MiB:.1f}")
     assert growth <= 32 * MiB, f"RSS grew by {growth / MiB:.1f} MiB"
+
+
+async def test_a_reader_catching_up_on_a_long_log_lets_other_connections_run(
+    make_client: Any,
+) -> None:
+    """A backlog is read without waiting, and a socket read as fast as it is written takes
+    all of it: without a pause the pump held the event loop for the whole log (0.3 s for
+    60 MB, every other stream stalled). Counted as the bytes written between two turns of
+    a task that wants the loop all along: at most about ``YIELD_EVERY``."""
+    from nexus.server.streaming import YIELD_EVERY, StreamPump
+
+    client = await make_client(
+        {"providers": {"mock": {"kind": "mock"}}, "streams": {"detach_timeout_s": 30}}
+    )
+    body = orjson.loads(tool_call_body(MiB // 2))
+    body["background"] = True
+    made = await client.post("/v1/chat/completions", json=body)
+    assert made.status == 202
+    url = (await made.json())["url"]
+    runs: list[int] = [0]  # bytes written since the other task last ran
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            runs.append(0)
+            turns += 1
+            await asyncio.sleep(0)
+
+    write = StreamPump._write
+
+    async def counted(self: StreamPump, data: bytes, *, last: bool = False) -> None:
+        runs[-1] += len(data)
+        await write(self, data, last=last)
+
+    StreamPump._write = counted  # type: ignore[method-assign]
+    ticker = asyncio.create_task(other())
+    try:  # a reader in another process, as fast as the socket: curl
+        curl = await asyncio.create_subprocess_exec(
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code} %{size_download}",
+            f"http://{client.server.host}:{client.server.port}{url}",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(curl.communicate(), 60)
+    finally:
+        ticker.cancel()
+        StreamPump._write = write  # type: ignore[method-assign]
+    status, received = out.decode().split()
+    assert status == "200" and int(received) > 16 * MiB, out
+    assert max(runs) <= 2 * YIELD_EVERY, (max(runs), turns)

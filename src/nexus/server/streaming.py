@@ -1,34 +1,31 @@
 """The one pump: a stream's log and an encoder in, an HTTP response out.
 
-Route handlers call :func:`pump`. It reads the log (a
-:class:`~nexus.cache.run.LogReader`) in batches, renders each with a
-:class:`~nexus.server.render.Renderer` and writes it at once: what upstream
-delivered together goes out in one write. The race between producer,
+Route handlers call :func:`pump`. It reads the log (a :class:`~nexus.cache.run.LogReader`)
+in batches, renders each with a :class:`~nexus.server.render.Renderer` and writes it at
+once: what upstream delivered together goes out in one write (a backlog, in pieces that
+let other connections have the loop: ``YIELD_EVERY``). The race between producer,
 heartbeat, disconnect and shutdown:
 
-* **Before the headers.** The first batch is awaited for up to one heartbeat
-  interval. A failure there becomes an HTTP status with a JSON body; if the
-  interval passes first, the headers go out with a heartbeat, and failures
-  travel in the stream from then on.
-* **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`)
-  reads the provider; the pump follows the log. Once caught up, the pump has
-  each new batch pushed to it (:meth:`StreamPump._push`): rendered and written
-  in the producer's task while the socket takes it, so that an upstream read
-  wakes one task, as in a byte-copying proxy; a batch it leaves (a write under
-  way, a full socket) wakes the pump's task instead. When its client leaves, the
-  reader detaches: the last reader of a stream that is not resumable cancels
-  it at once; a resumable one runs on for ``[streams] detach_timeout_s``.
-* **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's
-  timers (:class:`~nexus.server.writer.Writer`, as the WebSocket connections'): a heartbeat
-  after ``heartbeat_interval_s`` without a write; the connection aborted when
-  its socket stays full without taking a byte for ``write_timeout_s``.
-* **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler
-  when the peer goes away; ``finally`` detaches the reader. A failed write
-  ends the pump the same way.
-* **Shutdown.** After the grace period the app cancels the streams (their logs
-  end with a retryable ``server_shutting_down`` error, written with the
-  format's terminator), then :meth:`StreamPump.shutdown` the pumps still
-  running (those following another replica's stream).
+* **Before the headers.** The first batch is awaited for up to one heartbeat interval. A
+  failure there becomes an HTTP status with a JSON body; if the interval passes first, the
+  headers go out with a heartbeat, and failures travel in the stream from then on.
+* **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`) reads the
+  provider; the pump follows the log. Once caught up, the pump has each new batch pushed to
+  it (:meth:`StreamPump._push`): rendered and written in the producer's task while the
+  socket takes it, so that an upstream read wakes one task, as in a byte-copying proxy; a
+  batch it leaves (a write under way, a full socket) wakes the pump's task instead. When
+  its client leaves, the reader detaches: the last reader of a stream that is not
+  resumable cancels it at once; a resumable one runs on for ``[streams] detach_timeout_s``.
+* **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's timers
+  (:class:`~nexus.server.writer.Writer`, as the WebSocket connections'): a heartbeat after
+  ``heartbeat_interval_s`` without a write; the connection aborted when its socket stays
+  full without taking a byte for ``write_timeout_s``.
+* **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler when the peer
+  goes away; ``finally`` detaches the reader. A failed write ends the pump the same way.
+* **Shutdown.** After the grace period the app cancels the streams (their logs end with a
+  retryable ``server_shutting_down`` error, written with the format's terminator), then
+  :meth:`StreamPump.shutdown` the pumps still running (those following another replica's
+  stream).
 """
 
 from __future__ import annotations
@@ -62,8 +59,7 @@ _UNREAD = object()
 
 WRITE_SLICE = 64 * 1024
 """Most bytes given to the transport at once (see :meth:`StreamPump._write_sliced`)."""
-
-
+YIELD_EVERY = 256 * 1024  # written without a wait, then the loop runs others (a backlog)
 SETTLE_WAIT_S = 1.0
 """How long the access line of a request whose client left waits for its stream's spend."""
 
@@ -146,6 +142,7 @@ class StreamPump(Writer):
                 return await self._end(b"")
             data = b""  # an idle stream does not keep its first output
             self.reader.sink = self._push
+            unyielded = 0
             async for batch in batches:
                 data = renderer.feed(batch)
                 self.exchange.events += len(batch)
@@ -154,6 +151,10 @@ class StreamPump(Writer):
                     return await self._end(data)
                 if data:
                     await self._write(data)
+                    unyielded += len(data)
+                    if unyielded >= YIELD_EVERY:  # a 60 MB log held the loop 0.3 s
+                        unyielded = 0
+                        await asyncio.sleep(0)
             # The log ended without its terminal entry (a store that lost it).
             self.exchange.ended_with(_LOST)
             return await self._end(renderer.fail(_LOST))
@@ -244,11 +245,9 @@ class StreamPump(Writer):
     async def _first_output(self, batches: AsyncIterator[list[StreamEvent]], head: bytes) -> object:
         """The first bytes to write: ``head`` and the log rendered so far; ``_END`` if none.
 
-        The first batch is awaited before anything is written, so that a stream
-        failing before any output raises (an HTTP status); batches that render
-        nothing (a resume) are read on. Past ``first_wait_s`` the headers go out
-        with what is ready (and a heartbeat, after a heartbeat interval).
-        """
+        The first batch is awaited before anything is written, so that a stream failing
+        before any output raises (an HTTP status); batches that render nothing (a resume)
+        are read on. Past ``first_wait_s`` the headers go out with what is ready."""
         renderer = self.renderer
         out = head
         while True:

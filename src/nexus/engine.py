@@ -253,9 +253,12 @@ class Engine:
         """The routed call itself: the end of the middleware chain."""
         meta = self._meta(request, targets[0])
 
-        def served(provider: Provider, model: str) -> None:
-            # A fallback answered: the stream's meta names it from its first event on.
-            stream.meta = replace(meta, provider=provider.name, upstream_model=model)
+        def served(provider: Provider, model: str, *, accepted: bool = False) -> None:
+            # A fallback answered: the stream's meta names it from its first event on;
+            # or a target took the request and the stream ends before any event came.
+            stream.meta = replace(
+                meta, provider=provider.name, upstream_model=model, upstream_accepted=accepted
+            )
 
         stream = Stream.of_batches(_Run(self, targets, request, served), meta)
         return stream
@@ -335,7 +338,7 @@ class _Run:
         engine: Engine,
         targets: list[Target],
         request: ChatRequest,
-        served: Callable[[Provider, str], None],
+        served: Callable[..., None],
     ) -> None:
         self._engine = engine
         self._targets = targets
@@ -443,6 +446,9 @@ class _Run:
         """Close the current target's batches and end its span; go on at ``attempt``."""
         batches, span = self._batches, self._span
         self._batches = self._span = None
+        if self._request is not None and getattr(batches, "accepted", False):
+            # Taken but left before its first event (or failed then): its prompt is billed.
+            self._served(*self._targets[self._attempt], accepted=True)
         self._attempt = attempt - 1
         try:
             if batches is not None:

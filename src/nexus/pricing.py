@@ -106,7 +106,13 @@ class PriceTable:
         """The spend of the stream ``meta`` names (served by ``meta.provider``)."""
         served = f"{meta.provider}/{meta.upstream_model}"
         price = self.price(served, meta.model)
-        return spend_of(tallied, price, complete=complete, prompt_estimate=meta.prompt_estimate)
+        return spend_of(
+            tallied,
+            price,
+            complete=complete,
+            prompt_estimate=meta.prompt_estimate,
+            accepted=meta.upstream_accepted,
+        )
 
 
 def cost_usd(
@@ -249,10 +255,16 @@ def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:
 
 
 def spend_of(
-    tallied: Tally, price: Price | None, *, complete: bool, prompt_estimate: int = 0
+    tallied: Tally,
+    price: Price | None,
+    *,
+    complete: bool,
+    prompt_estimate: int = 0,
+    accepted: bool = False,
 ) -> Spend:
     """The :class:`Spend` of a stream; ``complete``: its last usage is the final count.
-    ``prompt_estimate``: the prompt of a stream the upstream answered without a usage."""
+    ``prompt_estimate``: the prompt of a stream the upstream answered without a usage;
+    ``accepted``: an upstream took the request, though no event came from it."""
 
     usage = tallied.usage
     if usage is not None:
@@ -265,8 +277,8 @@ def spend_of(
         if not complete and tallied.produced > completion:
             completion, estimated = tallied.produced, True
     else:
-        # Answered (an event came) but cut before a usage: the upstream bills the prompt.
-        prompt = prompt_estimate if tallied.answered else 0
+        # Accepted (an event came, or a 2xx) but cut before a usage: the prompt is billed.
+        prompt = prompt_estimate if tallied.answered or accepted else 0
         cached = written = reasoning = 0
         completion = tallied.produced
         estimated = True

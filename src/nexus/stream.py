@@ -39,7 +39,10 @@ __all__ = ["Batches", "Channel", "EndOfStream", "Merger", "Stream", "accumulate"
 class Batches(Protocol):
     """What :meth:`Stream.of_batches` reads: lists of events, one per upstream read. An
     async generator is one; an object whose ``__anext__`` is a plain coroutine is cheaper
-    per step (no generator layer to resume). ``aclose()`` releases what it holds."""
+    per step (no generator layer to resume). ``aclose()`` releases what it holds.
+
+    A provider's may say ``accepted`` (true once the upstream took the request): a stream
+    closed before its first event is then charged its prompt's estimate."""
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 

@@ -36,6 +36,10 @@ class StreamMeta:
     """The request's prompt in tokens, estimated (:func:`nexus.pricing.prompt_estimate`):
     charged to a stream its upstream answered without reporting a usage (cut before it).
     Not kept in a shared store: the replica that runs the stream charges it."""
+    upstream_accepted: bool = False
+    """An upstream took the request (it answered 2xx), so bills its prompt, though the
+    stream ended before any event came (a client that left during a long prefill or
+    reasoning): the prompt's estimate is charged. Set when such a stream ends."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nexus.config import parse_config, price_table
@@ -150,6 +152,11 @@ def test_a_stream_cut_before_any_usage_is_charged_its_prompt_s_estimate() -> Non
     # The upstream never answered (a refused request, a failed connection): nothing billed.
     assert spend_of(tally([], complete=False), PRICE, complete=False, prompt_estimate=900) == (
         Spend(0, 0, 0, 0, 0.0, True)
+    )
+    # It took the request (a 2xx) and the stream ended before any event: the prompt.
+    taken = replace(cut, upstream_accepted=True)
+    assert table.spend(tally([], complete=False), taken, complete=False) == (
+        Spend(900, 0, 0, 0, cost_usd(PRICE, 900, 0, 0), True)
     )
     # A usage the upstream reported is its word: the estimate is not used.
     early = Usage(prompt_tokens=300, completion_tokens=1, total_tokens=301)

@@ -4,6 +4,7 @@ endpoint's shape, spend kept per window, and ``nexus keys``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import subprocess
@@ -356,3 +357,43 @@ async def test_a_long_prompt_left_at_its_first_token_is_charged_its_prompt(
     await resp.read()
     await asyncio.sleep(0.05)
     assert await limits.spent(alpha) == pytest.approx(104)
+
+
+@pytest.mark.parametrize(
+    ("reply", "charged"),
+    [
+        ("accepted", 104),  # 2xx, then a long prefill (or reasoning): the prompt is billed
+        ("unanswered", 0),  # the client left before the upstream answered at all
+        ("refused", 0),  # a 5xx: nothing billed upstream
+    ],
+)
+async def test_a_stream_left_before_its_first_event_is_charged_as_its_upstream_bills(
+    make_client: MakeClient, reply: str, charged: int
+) -> None:
+    from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_error_body
+
+    prices = {"up/m": {"input_usd_per_mtok": 1_000_000, "output_usd_per_mtok": 0}}
+    prompt = [{"role": "user", "content": "w " * 200}]  # 400 bytes: 100 tokens, and 4
+    body = {"model": "up/m", "messages": prompt, "stream": True}
+    chunks = [openai_chunk(content="late"), openai_chunk(finish_reason="stop"), DONE]
+    async with FakeUpstream() as up:
+        if reply == "accepted":
+            up.add(Reply.stream(chunks, delay=[5.0, 0.0, 0.0]))
+        elif reply == "unanswered":
+            up.add(Reply.stream(chunks, headers_delay=5.0))
+        else:
+            up.add(Reply.json(500, openai_error_body("down", "server_error")))
+        provider = {"kind": "openai", "base_url": up.url + "/v1"}
+        client = await make_client(keyed(1000, "total", models=prices, providers={"up": provider}))
+        limits = client.app[HUB].limits
+        alpha = ApiKey("alpha", budget_usd=1000, budget_period="total")
+        request = client.post("/v1/chat/completions", json=body, headers=BEARER)
+        with contextlib.suppress(TimeoutError):
+            resp = await asyncio.wait_for(request, 0.5)  # the client gives up
+            await resp.read()
+        for _ in range(300):
+            if await limits.spent(alpha) or not client.app[HUB].live:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert await limits.spent(alpha) == pytest.approx(charged)

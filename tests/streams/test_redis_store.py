@@ -168,12 +168,14 @@ async def test_the_prompt_s_estimate_stays_with_the_replica_that_runs_the_stream
 ) -> None:
     """Only the owner charges it; replicas from before it was added refuse a meta with it."""
     info = make_info()
-    info.meta = replace(info.meta, prompt_estimate=1234)
+    info.meta = replace(info.meta, prompt_estimate=1234, upstream_accepted=True)
     await store.begin(info, ttl_s=30)
     stored = orjson.loads(await redis_client.get(f"{prefix}:stream:{info.id}:info") or b"{}")
     assert "prompt_estimate" not in stored["meta"]
+    assert "upstream_accepted" not in stored["meta"]
     assert stored["meta"]["model"] == info.meta.model
-    assert await store.info(info.id) == replace(info, meta=replace(info.meta, prompt_estimate=0))
+    unstored = replace(info.meta, prompt_estimate=0, upstream_accepted=False)
+    assert await store.info(info.id) == replace(info, meta=unstored)
 
 
 async def test_end_without_begin_writes_everything(store: RedisStore) -> None:

@@ -304,6 +304,8 @@ class StreamRun:
         except Exception:
             log.exception("closing the source of stream %s failed", self.id)
         finally:
+            if source.meta is not self.info.meta:  # a target took it, then no event came
+                self.info.meta = source.meta
             self.spend = self._spent(terminal)
             try:
                 if observer is not None:

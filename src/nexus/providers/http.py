@@ -159,6 +159,7 @@ class _Exchange:
         "_seen",
         "_timeout",
         "_waiting",
+        "accepted",
         "model",
         "queued_at",
         "response",
@@ -177,6 +178,7 @@ class _Exchange:
         self._seen = 0  # the body's bytes at the last tick
         self.queued_at: float | None = None  # when the current wait for a connection began
         self.waited = 0.0
+        self.accepted = False  # the upstream answered 2xx: it bills the prompt
 
     def __aiter__(self) -> _Exchange:
         return self
@@ -274,6 +276,7 @@ class _Exchange:
                 if tally is not None:
                     tally.add(waited)
         self.response = response
+        self.accepted = True
         self._readany = response.content.readany
         tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
         provider._watchdog.add(self, tick)

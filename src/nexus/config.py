@@ -102,6 +102,8 @@ class LimitsConfig(_Table):
     max_json_depth: int = Field(default=64, ge=1, le=200)
     """At most 200: the gateway nests a request a level or two further when it stores or
     forwards it, and the JSON encoder stops at 254."""
+    max_json_items: int = Field(default=100_000, ge=1)
+    """Values a request's objects and arrays may hold (see :mod:`nexus.protocol.json_depth`)."""
 
 
 class AuthKeyConfig(_Table):

@@ -1,4 +1,4 @@
-"""The JSON depth walk and the parsers that use it (sans-I/O)."""
+"""The JSON shape walk (depth, and how many values) and the parsers that use it (sans-I/O)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import orjson
 import pytest
 
 from nexus.config import parse_config
-from nexus.errors import ConfigError, InvalidRequest
+from nexus.errors import ConfigError, InvalidRequest, RequestTooLarge
 from nexus.protocol.anthropic_messages import parse_messages_request
-from nexus.protocol.json_depth import deep_field, deeper_than
+from nexus.protocol.json_depth import deep_field, deeper_than, more_items_than
 from nexus.protocol.openai_chat import parse_chat_request
 from nexus.protocol.openai_responses import parse_responses_request
 from nexus.protocol.realtime import RealtimeSession, Send, StartTurn
@@ -136,3 +136,65 @@ def test_the_config_key_and_its_bounds() -> None:
     for bad in (0, 201):  # past 200 the gateway's own encoding (254 levels) could fail
         with pytest.raises(ConfigError, match="max_json_depth"):
             parse_config({"limits": {"max_json_depth": bad}})
+
+
+# --- how many values ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "items"),
+    [
+        (1, 0),
+        ({}, 0),
+        ([1, "a", None], 3),
+        ({"a": [1, 2]}, 3),  # the member, and its two elements
+        ({"a": {"b": {"c": []}}, "d": 1}, 4),
+        ([[1, 2], [3, [4, 5]]], 8),
+    ],
+)
+def test_values_are_the_members_and_elements_of_every_object_and_array(
+    value: Any, items: int
+) -> None:
+    assert not more_items_than(value, items)
+    if items:
+        assert more_items_than(value, items - 1)
+
+
+def many(messages: int) -> bytes:
+    """A body of ``messages`` messages in both ``messages`` and ``input``: each endpoint
+    reads its own and passes the other on."""
+    user = {"role": "user", "content": "hi"}
+    return orjson.dumps(
+        {"model": "m", "max_tokens": 1, "messages": [user] * messages, "input": [user] * messages}
+    )
+
+
+@pytest.mark.parametrize("parse", PARSERS)
+def test_parsers_refuse_bodies_of_too_many_values_as_too_large(parse: Any) -> None:
+    # 4 top-level members, 2 lists of 30 messages, of 2 members each: 184 values.
+    with pytest.raises(RequestTooLarge) as refused:
+        parse(many(30), max_items=183)
+    assert refused.value.status == 413 and refused.value.code == "request_too_large"
+    assert "limit of 183 JSON values" in refused.value.message
+    assert parse(many(30), max_items=184).model == "m"  # at the limit: taken
+    with pytest.raises(RequestTooLarge):  # the default: 100,000
+        parse(many(20_000))
+
+
+def test_a_start_of_too_many_values_gets_an_error_and_the_session_goes_on() -> None:
+    session = RealtimeSession(max_pending_input_bytes=1000, max_json_items=50)
+    user = {"role": "user", "content": "hi"}
+    big = {"type": "start", "request": {"model": "m", "messages": [user] * 30}}
+    [refused] = session.receive_text(orjson.dumps(big).decode())
+    assert isinstance(refused, Send)
+    assert orjson.loads(refused.frame)["error"]["code"] == "request_too_large"
+    assert not session.streaming
+    [action] = session.receive_text(start(2))
+    assert isinstance(action, StartTurn)
+
+
+def test_the_items_config_key() -> None:
+    assert parse_config({}).limits.max_json_items == 100_000
+    assert parse_config({"limits": {"max_json_items": 50}}).limits.max_json_items == 50
+    with pytest.raises(ConfigError, match="max_json_items"):
+        parse_config({"limits": {"max_json_items": 0}})

@@ -225,3 +225,22 @@ async def test_another_keys_live_stream_takes_the_lookup_a_missing_one_takes(
     finally:
         await drop_keys(client, prefix)
         await client.aclose()
+
+
+async def test_a_body_of_too_many_values_is_413_on_every_endpoint(make_client: MakeClient) -> None:
+    client = await make_client({"limits": {"max_json_items": 50}})
+    user = {"role": "user", "content": "hi"}
+    bodies = {
+        "/v1/chat/completions": {"model": "mock/echo", "messages": [user] * 30},
+        "/v1/messages": {"model": "mock/echo", "max_tokens": 5, "messages": [user] * 30},
+        "/v1/responses": {"model": "mock/echo", "input": [user] * 30},
+    }
+    for path, body in bodies.items():
+        resp = await client.post(path, json=body)
+        assert resp.status == 413, (path, await resp.text())
+        error = (await resp.json())["error"]
+        assert "max_json_items" in error["message"]
+        small = {**body, "messages" if "messages" in body else "input": [user]}
+        resp = await client.post(path, json=small)
+        assert resp.status == 200, (path, await resp.text())
+        await resp.read()

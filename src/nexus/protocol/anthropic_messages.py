@@ -16,7 +16,7 @@ from ..errors import GatewayError, InvalidRequest
 from ..request import ChatRequest, Items, MockScript, OpenModel, StreamOptions, StrictModel
 from ..types import Completion
 from .anthropic_events import cache_control, text_block
-from .json_depth import MAX_JSON_DEPTH, deeper_than
+from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, deeper_than
 from .openai_chat import parse_json_object, tool_call, validated
 from .upstream import ERROR_TYPES
 
@@ -126,10 +126,13 @@ class MessagesRequest(OpenModel):
     mock: MockScript | None = None
 
 
-def parse_messages_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
+def parse_messages_request(
+    body: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
+) -> ChatRequest:
     """Validate a Messages request and translate it. Raises :class:`InvalidRequest`
-    (also for JSON nested deeper than ``max_depth``)."""
-    return to_chat_request(validated(MessagesRequest, parse_json_object(body, max_depth=max_depth)))
+    (also for JSON nested deeper than ``max_depth``), and 413 past ``max_items``."""
+    data = parse_json_object(body, max_depth=max_depth, max_items=max_items)
+    return to_chat_request(validated(MessagesRequest, data))
 
 
 def to_chat_request(request: MessagesRequest) -> ChatRequest:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from ..errors import InvalidRequest
 from ..request import ChatRequest
 from ..types import Completion, StreamMeta
-from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
+from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, shape_error
 
 __all__ = [
     "chunk_prefix",
@@ -30,17 +30,22 @@ __all__ = [
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_chat_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
+def parse_chat_request(
+    body: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
+) -> ChatRequest:
     """Validate a request body. Raises :class:`InvalidRequest` (see :func:`parse_json_object`
     and :func:`validation_error`)."""
-    return validated(ChatRequest, parse_json_object(body, max_depth=max_depth))
+    return validated(ChatRequest, parse_json_object(body, max_depth=max_depth, max_items=max_items))
 
 
-def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+def parse_json_object(
+    body: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
+) -> dict[str, Any]:
     """A request body as a JSON object. Raises :class:`InvalidRequest`: ``invalid_json``
     for bytes that are not one (orjson parses 1024 levels at most), ``invalid_request``
-    naming the field for one nested deeper than ``max_depth``
-    (see :mod:`nexus.protocol.json_depth`)."""
+    naming the field for one nested deeper than ``max_depth``; and 413
+    ``request_too_large`` for one of more than ``max_items`` values (see
+    :mod:`nexus.protocol.json_depth`)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -49,9 +54,9 @@ def parse_json_object(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[s
         ) from None
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    field = deep_field(data, max_depth)
-    if field is not None:
-        raise too_deep(field, max_depth)
+    error = shape_error(data, max_depth, max_items)
+    if error is not None:
+        raise error
     return data
 
 

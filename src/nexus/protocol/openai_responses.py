@@ -26,7 +26,7 @@ from ..request import (
     StreamOptions,
     StrictModel,
 )
-from .json_depth import MAX_JSON_DEPTH
+from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS
 from .openai_chat import field_path, parse_json_object, tool_call, validation_error
 from .openai_responses_output import response_body
 
@@ -206,10 +206,12 @@ _STATEFUL = ("previous_response_id", "conversation")
 _TAG_ERRORS = ("union_tag_invalid", "union_tag_not_found")
 
 
-def parse_responses_request(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
+def parse_responses_request(
+    body: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
+) -> ChatRequest:
     """Validate a ``/v1/responses`` body and translate it. Raises :class:`InvalidRequest`
     (``invalid_json``, or ``invalid_request`` with ``param`` naming the Responses field)."""
-    data = parse_json_object(body, max_depth=max_depth)
+    data = parse_json_object(body, max_depth=max_depth, max_items=max_items)
     for name in _STATEFUL:
         if data.get(name) is not None:
             raise InvalidRequest(

@@ -48,7 +48,14 @@ from ..request import (
     TextPart,
     UserMessage,
 )
-from .json_depth import MAX_JSON_DEPTH, deep_field, too_deep
+from .json_depth import (
+    MAX_JSON_DEPTH,
+    MAX_JSON_ITEMS,
+    deep_field,
+    more_items_than,
+    too_deep,
+    too_many_items,
+)
 from .openai_chat import validation_error
 
 __all__ = [
@@ -147,10 +154,12 @@ class RealtimeSession:
         *,
         max_pending_input_bytes: int,
         max_json_depth: int = MAX_JSON_DEPTH,
+        max_json_items: int = MAX_JSON_ITEMS,
         request_id: str | None = None,
     ) -> None:
         self.max_pending_input_bytes = max_pending_input_bytes
         self.max_json_depth = max_json_depth
+        self.max_json_items = max_json_items
         self.request_id = request_id
         """The ``X-Request-Id`` of the connection's handshake: every error frame has it."""
         self.streaming = False
@@ -196,8 +205,11 @@ class RealtimeSession:
         raise AssertionError(envelope)  # pragma: no cover - the union is exhaustive
 
     def _too_deep(self, data: dict[str, Any]) -> Send | None:
-        """A start's request is held to the limit it has over HTTP; any other frame, one
-        level more (its envelope)."""
+        """A start's request is held to the limits it has over HTTP; any other frame, one
+        level more (its envelope) and a few values more."""
+        if more_items_than(data, self.max_json_items + 8):
+            message = too_many_items(self.max_json_items).message
+            return self._error("request_too_large", message)
         limit = self.max_json_depth
         field = deep_field(data, limit + 1)
         if field is None:

@@ -79,9 +79,9 @@ ATTACH_WAIT_S = 0.05
 
 class ParseBody(Protocol):
     """An endpoint's request parser: body bytes to a :class:`ChatRequest`, refusing JSON
-    nested deeper than ``max_depth``."""
+    nested deeper than ``max_depth`` or of more than ``max_items`` values."""
 
-    def __call__(self, body: bytes, /, *, max_depth: int) -> ChatRequest: ...
+    def __call__(self, body: bytes, /, *, max_depth: int, max_items: int) -> ChatRequest: ...
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -210,7 +210,8 @@ async def complete(
             )
         info = await find_stream(request, cursor.stream_id)
         return await resume(request, info, encoder, cursor)
-    chat = parse(body, max_depth=app[state.CONFIG].limits.max_json_depth)
+    limits = app[state.CONFIG].limits
+    chat = parse(body, max_depth=limits.max_json_depth, max_items=limits.max_json_items)
     request_model(chat.model)  # on the request's span, when tracing
     owner = key.name if key is not None else None
     hub = app[state.HUB]

@@ -98,6 +98,7 @@ class RealtimeConnection(Writer):
         self.session = RealtimeSession(
             max_pending_input_bytes=config.realtime.max_pending_input_bytes,
             max_json_depth=config.limits.max_json_depth,
+            max_json_items=config.limits.max_json_items,
             request_id=self.request_id,
         )
         self.turn: Turn | None = None

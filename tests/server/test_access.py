@@ -425,7 +425,7 @@ async def test_requests_per_second_per_key(make_client: MakeClient) -> None:
         assert resp.status == 200
 
 
-async def test_reading_and_cancelling_streams_take_a_token_of_the_keys_rate(
+async def test_reading_cancelling_and_listing_take_a_token_of_the_keys_rate(
     make_client: MakeClient,
 ) -> None:
     # A key's GET or DELETE of a stream is a request of that key like any other (a reader
@@ -442,6 +442,8 @@ async def test_reading_and_cancelling_streams_take_a_token_of_the_keys_rate(
         await answer.read()
         statuses.append(answer.status)
     assert statuses[-1] == 429 and 429 in statuses[:2]
+    listed = await client.get("/v1/models", headers=bearer(KEY_A))  # so does a listing
+    assert listed.status == 429
     by_token = await client.get(made["url"])  # ?token=: no key, no key's rate
     await by_token.read()
     assert by_token.status == 200
@@ -711,3 +713,22 @@ async def test_request_id_generated(make_client: MakeClient) -> None:
     resp = await client.post("/v1/chat/completions", json={})
     assert resp.status == 400
     assert GENERATED.fullmatch(resp.headers["X-Request-Id"])
+
+
+async def test_a_key_past_its_rate_is_refused_before_its_body_is_read(
+    make_client: MakeClient,
+) -> None:
+    # Refused first, whatever it sent: the gateway neither reads nor parses the body of a
+    # key that may not run anything now (a flood of bad or huge bodies costs it nothing).
+    client = await make_client(keyed(limits={"requests_per_second_per_key": 1}))
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert resp.status == 200
+    await resp.read()
+    for body in (b"{not json", orjson.dumps({"model": "not/allowed"}), b"[" * 5000):
+        resp = await client.post(
+            "/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json"} | bearer(KEY_A),
+        )
+        assert resp.status == 429, await resp.text()
+        assert (await resp.json())["error"]["code"] == "rate_limited"

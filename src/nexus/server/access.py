@@ -54,6 +54,7 @@ __all__ = [
     "admit",
     "admit_stream",
     "authenticate",
+    "check_stream_model",
     "exchange",
 ]
 
@@ -306,30 +307,39 @@ def _check_model(key: ApiKey, model: str | None, param: str) -> None:
 
 
 def admit_stream(
-    request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
+    request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
 ) -> contextlib.AbstractAsyncContextManager[None]:
     """For the block that opens the stream (``async with admit_stream(...)``): the model
-    checks, then a place among the streams running here and the key's
+    checks (:func:`check_stream_model`, unless ``model`` is None: the caller makes them
+    in the block, once it has read the request), then a token of the key's rate, its
+    budget, a place among the streams running here and the key's
     (:mod:`nexus.cache.admission`).
 
-    Raises what :func:`admit` raises, 403 ``model_not_priced`` (a key with a budget, a
-    model a target of which has no price), 429 ``too_many_streams`` and
-    ``budget_exceeded``, and 503 ``store_unavailable`` (Redis down, a budget to check).
-    The model checks raise when it is called, the rest when the block is entered.
+    Raises 429 ``rate_limited``, ``too_many_streams`` and ``budget_exceeded``, and 503
+    ``store_unavailable`` (Redis down, a budget to check) when the block is entered.
     """
-    hub = request.app[_HUB]
-    if key is not None:
-        _check_model(key, model, param)
-        if key.budget_usd is not None and not hub.engine.priced(model):
-            # Without a price a stream costs nothing and is never charged: the budget
-            # would not hold. Refused, as a budget that cannot be checked is.
-            raise Forbidden(
-                f"The API key {key.name!r} has a budget and the model {model!r} has no "
-                'price ([models."<name>"] input_usd_per_mtok, output_usd_per_mtok).',
-                code="model_not_priced",
-                param=param,
-            )
-    return hub.admit(key, request.app[_CONFIG].limits.max_concurrent_streams)
+    if model is not None:
+        check_stream_model(request, key, model, param=param)
+    return request.app[_HUB].admit(key, request.app[_CONFIG].limits.max_concurrent_streams)
+
+
+def check_stream_model(
+    request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
+) -> None:
+    """Whether ``key`` may run ``model``: 403 ``model_not_allowed``, or ``model_not_priced``
+    (a key with a budget, a model a target of which has no price)."""
+    if key is None:
+        return
+    _check_model(key, model, param)
+    if key.budget_usd is not None and not request.app[_HUB].engine.priced(model):
+        # Without a price a stream costs nothing and is never charged: the budget would
+        # not hold. Refused, as a budget that cannot be checked is.
+        raise Forbidden(
+            f"The API key {key.name!r} has a budget and the model {model!r} has no "
+            'price ([models."<name>"] input_usd_per_mtok, output_usd_per_mtok).',
+            code="model_not_priced",
+            param=param,
+        )
 
 
 class JsonFormatter(logging.Formatter):

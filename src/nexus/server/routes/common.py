@@ -52,7 +52,16 @@ from ...stream import Stream, accumulate
 from ...telemetry import end_with, request_model
 from ...types import Completion, StreamMeta
 from .. import state
-from ..access import KEYS, METRICS, Exchange, admit, admit_stream, authenticate, exchange
+from ..access import (
+    KEYS,
+    METRICS,
+    Exchange,
+    admit,
+    admit_stream,
+    authenticate,
+    check_stream_model,
+    exchange,
+)
 from ..render import Cursor, parse_cursor
 from ..streaming import SETTLE_WAIT_S, pump
 
@@ -191,15 +200,16 @@ async def complete(
     """Serve one completion request in the endpoint's shapes.
 
     The stream format is negotiated before the body is read, so an unknown
-    format is refused whatever the body holds. With ``Last-Event-ID`` the
-    request resumes the stream it names (the body is not used).
+    format is refused whatever the body holds, and the key's limits (rate, budget,
+    streams) are taken before it too: a key past one is refused without the gateway
+    reading, parsing or validating what it sent. With ``Last-Event-ID`` the request
+    resumes the stream it names (the body is not used).
     """
     check_open(request)
     app = request.app
     key = authenticate(request)
     encoder = negotiate(request, default_format)
     asked = resumable_header(request.headers.get(RESUMABLE_HEADER))
-    body = await read_body(request)
     cursor = last_event_id(request)
     if cursor is not None:
         if cursor.stream_id is None:
@@ -208,26 +218,29 @@ async def complete(
                 "event ('<stream id>.<step>'), not a count.",
                 param="last_event_id",
             )
-        info = await find_stream(request, cursor.stream_id)
+        info = await find_stream(request, cursor.stream_id)  # the key's rate token
+        await read_body(request)  # unused, but read within its limits
         return await resume(request, info, encoder, cursor)
-    limits = app[state.CONFIG].limits
-    chat = parse(body, max_depth=limits.max_json_depth, max_items=limits.max_json_items)
-    request_model(chat.model)  # on the request's span, when tracing
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)
-    ex.model = chat.model
-    streaming = chat.stream or chat.background
-    ctx = CallContext(
-        request_id=ex.request_id,
-        key=owner,
-        endpoint=ex.endpoint,
-        format=encoder.media_type if streaming else "application/json",
-    )
-    if not streaming:
-        ex.format = "application/json"
+    limits = app[state.CONFIG].limits
     # A JSON answer is counted among the streams running like a streaming one: as its run.
-    async with admit_stream(request, key, chat.model):
+    async with admit_stream(request, key, None):
+        body = await read_body(request)
+        chat = parse(body, max_depth=limits.max_json_depth, max_items=limits.max_json_items)
+        request_model(chat.model)  # on the request's span, when tracing
+        ex.model = chat.model
+        check_stream_model(request, key, chat.model)
+        streaming = chat.stream or chat.background
+        ctx = CallContext(
+            request_id=ex.request_id,
+            key=owner,
+            endpoint=ex.endpoint,
+            format=encoder.media_type if streaming else "application/json",
+        )
+        if not streaming:
+            ex.format = "application/json"
         opened = await hub.open(
             chat,
             format=default_format,

@@ -25,6 +25,7 @@ def _owner(engine: Any, model_id: str) -> str:
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[state.ENGINE]
     key = authenticate(request)
+    await admit(request, key, None)
     data = [_model(m, _owner(engine, m)) for m in engine.models() if key is None or key.allows(m)]
     return json_response({"object": "list", "data": data})
 

@@ -370,7 +370,7 @@ class _Run:
             except GatewayError as exc:
                 self._failed(exc.code)
                 if self._request is None:  # started
-                    await self._end(len(self._targets))
+                    await self._end(len(self._targets), failed=True)
                     return [exc.to_event()]
                 attempt, provider = self._attempt, self._targets[self._attempt][0]
                 if exc.retryable and attempt < len(self._targets) - 1:
@@ -380,15 +380,15 @@ class _Run:
                         exc.code,
                     )
                     await asyncio.sleep(FALLBACK_BACKOFF_S * 2**attempt)
-                    await self._end(attempt + 1)
+                    await self._end(attempt + 1, failed=True)
                     continue
-                await self._end(len(self._targets))
+                await self._end(len(self._targets), failed=True)
                 raise
             except Exception:
                 provider = self._targets[self._attempt][0]
                 log.exception("provider %s raised", provider.name)
                 self._failed("internal_error")
-                await self._end(len(self._targets))
+                await self._end(len(self._targets), failed=True)
                 if self._request is not None:
                     raise
                 return [
@@ -442,12 +442,14 @@ class _Run:
         if self._attempt:
             self._served(*self._targets[self._attempt])
 
-    async def _end(self, attempt: int) -> None:
-        """Close the current target's batches and end its span; go on at ``attempt``."""
+    async def _end(self, attempt: int, *, failed: bool = False) -> None:
+        """Close the current target's batches and end its span; go on at ``attempt``.
+        ``failed``: the target failed (a stream that fails is charged nothing)."""
         batches, span = self._batches, self._span
         self._batches = self._span = None
-        if self._request is not None and getattr(batches, "accepted", False):
-            # Taken but left before its first event (or failed then): its prompt is billed.
+        if not failed and self._request is not None and getattr(batches, "accepted", False):
+            # Taken, then closed before its first event (the client left): its prompt is
+            # billed upstream.
             self._served(*self._targets[self._attempt], accepted=True)
         self._attempt = attempt - 1
         try:

@@ -365,6 +365,7 @@ async def test_a_long_prompt_left_at_its_first_token_is_charged_its_prompt(
         ("accepted", 104),  # 2xx, then a long prefill (or reasoning): the prompt is billed
         ("unanswered", 0),  # the client left before the upstream answered at all
         ("refused", 0),  # a 5xx: nothing billed upstream
+        ("failed", 0),  # a 2xx, then an error before any event: a failed stream, uncharged
     ],
 )
 async def test_a_stream_left_before_its_first_event_is_charged_as_its_upstream_bills(
@@ -381,6 +382,9 @@ async def test_a_stream_left_before_its_first_event_is_charged_as_its_upstream_b
             up.add(Reply.stream(chunks, delay=[5.0, 0.0, 0.0]))
         elif reply == "unanswered":
             up.add(Reply.stream(chunks, headers_delay=5.0))
+        elif reply == "failed":
+            error = {"error": {"message": "overloaded", "type": "server_error"}}
+            up.add(Reply.stream([b"data: " + orjson.dumps(error) + b"\n\n"]))
         else:
             up.add(Reply.json(500, openai_error_body("down", "server_error")))
         provider = {"kind": "openai", "base_url": up.url + "/v1"}

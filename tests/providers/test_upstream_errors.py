@@ -28,7 +28,7 @@ from nexus.errors import (
     UpstreamTimeout,
 )
 from nexus.events import Delta
-from nexus.protocol.upstream import error_text, in_stream_error, status_error
+from nexus.protocol.upstream import error_text, in_stream_error, keep_secret, redacted, status_error
 from nexus.providers.http import map_upstream_errors
 from support import MakeClient
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_error_body
@@ -309,3 +309,29 @@ async def test_an_error_inside_the_stream_quoting_keys_is_redacted(
     assert "partial" in text and "[redacted]" in text
     for secret in (PLAIN_KEY, SECRET, "org-AbCdEfGhIjKlMnOpQrStUvWx"):
         assert secret not in text
+
+
+@pytest.mark.parametrize(
+    ("text", "kept"),
+    [
+        ("Authorization: Bearer abcdefghijklmnopqrstuv", "Authorization: [redacted]"),
+        ("Basic dXNlcjpwYXNzd29yZA==", "[redacted]"),
+        ("key sk-ant-api03-abcdefghijklmnop", "key [redacted]"),
+        ("google AIzaSyA1234567890abcdefghijklmnopqrstu", "google [redacted]"),
+        ("aws AKIAABCDEFGHIJKLMNOP", "aws [redacted]"),
+        ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl", "jwt [redacted]"),
+        ("in organization org-AbCdEfGhIjKlMnOpQrStUvWx", "in organization [redacted]"),
+        # What only looks like one stays: a message must still say what went wrong.
+        ("The bearer token is missing", "The bearer token is missing"),
+        ("send 'Bearer <token>'", "send 'Bearer <token>'"),
+        ("org-level limits apply", "org-level limits apply"),
+    ],
+)
+def test_credential_shapes_are_redacted_and_words_are_not(text: str, kept: str) -> None:
+    assert redacted(text) == kept
+
+
+def test_a_long_error_is_redacted_before_it_is_cut() -> None:
+    keep_secret(PLAIN_KEY)
+    text = error_text(b"x" * 480 + b" echo: " + PLAIN_KEY.encode())
+    assert PLAIN_KEY[:8] not in text and text.endswith("[redacted]")

@@ -2,8 +2,9 @@
 error (a status, or an error object in the stream) to the most specific class.
 
 An upstream's error text reaches clients, every tenant's: it is :func:`redacted` first
-(the providers' own keys, and anything shaped like a credential or an organisation id),
-since upstreams and the proxies in front of them quote headers and accounts in errors.
+(the providers' own keys, and the common shapes of credentials and of an OpenAI
+organisation id), since upstreams and the proxies in front of them quote headers and
+accounts in errors.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ __all__ = [
 ]
 
 _CREDENTIAL_SHAPES = re.compile(
-    r"(?i)\bbearer\s+[^\s\"',;]+"  # an Authorization header, quoted back
+    r"(?i:\b(?:bearer|basic)\s+[\"']?)[A-Za-z0-9._~+/=\-]{12,}"  # an Authorization header
     r"|\b(?:sk|rk|pk)-[A-Za-z0-9_\-]{16,}"  # OpenAI and Anthropic keys (sk-..., sk-ant-...)
     r"|\borg-[A-Za-z0-9]{16,}"  # an OpenAI organisation: the operator's account
+    r"|\bAIza[0-9A-Za-z_\-]{30,}"  # a Google API key
+    r"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"  # an AWS access key id
+    r"|\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]*"  # a JWT
 )
 _SECRETS: set[str] = set()
 _MIN_SECRET = 8  # shorter, a key would redact ordinary words
@@ -102,16 +106,13 @@ def status_error(
 
 
 def error_text(body: bytes) -> str:
-    """The message of an upstream's error body, :func:`redacted`: ``error.message``,
-    ``error`` or ``message`` of a JSON object, else the start of the text."""
-    return redacted(_error_text(body))
-
-
-def _error_text(body: bytes) -> str:
+    """The message of an upstream's error body, :func:`redacted` (then cut, so that no key
+    is cut in two first): ``error.message``, ``error`` or ``message`` of a JSON object,
+    else the start of the text."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return body.decode("utf-8", "replace").strip()[:500] or "(no message)"
+        return redacted(body.decode("utf-8", "replace").strip())[:500] or "(no message)"
     if isinstance(data, dict):
         error = data.get("error")
         for text in (
@@ -119,8 +120,8 @@ def _error_text(body: bytes) -> str:
             data.get("message"),
         ):
             if isinstance(text, str):
-                return text
-    return orjson.dumps(data).decode()[:500]
+                return redacted(text)
+    return redacted(orjson.dumps(data).decode())[:500]
 
 
 ERROR_TYPES = {

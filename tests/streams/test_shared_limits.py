@@ -270,3 +270,34 @@ async def test_a_slot_redis_lost_comes_back_at_the_next_renewal() -> None:
         await here.close()
         await drop_keys(client, prefix)
         await client.aclose()
+
+
+async def test_a_stream_whose_rate_token_was_taken_before_its_body_takes_no_second() -> None:
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    limits = RedisLimits(
+        RedisStore(prefix=prefix, client=client),
+        rate=1,
+        per_key=5,
+        lease_s=LEASE_S,
+        fallback=LocalLimits(1, 5, lambda name: 0),
+    )
+    key = ApiKey("once")
+    await limits.start()
+    try:
+        assert await limits.admit(key, stream=False) is None  # the token, before the body
+        slot = await limits.admit(key, stream=True, rate=False)  # then the place only
+        assert slot is not None
+        with pytest.raises(Exception) as refused:  # the bucket held one: it is spent
+            await limits.admit(key, stream=False)
+        assert getattr(refused.value, "code", None) == "rate_limited"
+        limits.release(slot)
+    finally:
+        await limits.close()
+        await drop_keys(client, prefix)
+        await client.aclose()

@@ -47,13 +47,14 @@ class Admission:
             return self.live + self._opening
         return self._owned[owner] + self._opening_owned[owner]
 
-    def admit(self, key: ApiKey | None, limit: int) -> Admitted:
-        """Admit a request for the block (``async with``; see the module docstring).
+    def admit(self, key: ApiKey | None, limit: int, *, rate_taken: bool = False) -> Admitted:
+        """Admit a request for the block (``async with``; see the module docstring);
+        ``rate_taken``: its key's rate token was taken already.
 
         Raises :class:`TooManyStreams` past ``limit`` streams in this process, and
         what :meth:`KeyLimits.admit` raises.
         """
-        return Admitted(self, key, limit)
+        return Admitted(self, key, limit, rate_taken)
 
     def started(self, run_id: str, owner: str | None) -> None:
         """A run started: it counts, and holds the slot admitted for this task."""
@@ -80,12 +81,15 @@ class Admitted:
     ``__aexit__``, not a generator's context manager (a generator, its wrapper and two
     more steps a request)."""
 
-    __slots__ = ("_admission", "_key", "_limit", "_slot", "_token")
+    __slots__ = ("_admission", "_key", "_limit", "_rate", "_slot", "_token")
 
-    def __init__(self, admission: Admission, key: ApiKey | None, limit: int) -> None:
+    def __init__(
+        self, admission: Admission, key: ApiKey | None, limit: int, rate_taken: bool
+    ) -> None:
         self._admission = admission
         self._key = key
         self._limit = limit
+        self._rate = not rate_taken
         self._slot: Slot | None = None
         self._token: contextvars.Token[Slot | None] | None = None
 
@@ -100,7 +104,7 @@ class Admitted:
         admission._opening += 1
         if key is not None:
             try:
-                self._slot = await admission.limits.admit(key, stream=True)
+                self._slot = await admission.limits.admit(key, stream=True, rate=self._rate)
             except BaseException:
                 admission._opening -= 1
                 raise

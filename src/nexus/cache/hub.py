@@ -119,9 +119,11 @@ class StreamHub:
         """:meth:`Admission.running <nexus.cache.admission.Admission.running>`."""
         return self.admission.running(owner)
 
-    def admit(self, key: ApiKey | None, limit: int) -> contextlib.AbstractAsyncContextManager[None]:
+    def admit(
+        self, key: ApiKey | None, limit: int, *, rate_taken: bool = False
+    ) -> contextlib.AbstractAsyncContextManager[None]:
         """:meth:`Admission.admit <nexus.cache.admission.Admission.admit>`."""
-        return self.admission.admit(key, limit)
+        return self.admission.admit(key, limit, rate_taken=rate_taken)
 
     async def open(
         self,

@@ -105,11 +105,11 @@ class KeyLimits(ABC):
         """Called when the app stops (before the store's close)."""
 
     @abstractmethod
-    async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
-        """One request of ``key``: a token of its rate and, with ``stream`` (a request
-        that runs a model), its budget and a place among its concurrent streams; the
-        :class:`Slot` to :meth:`release` when the stream ends (None when there is
-        nothing to release).
+    async def admit(self, key: ApiKey, *, stream: bool, rate: bool = True) -> Slot | None:
+        """One request of ``key``: a token of its rate (unless ``rate`` is False: taken
+        before) and, with ``stream`` (a request that runs a model), its budget and a place
+        among its concurrent streams; the :class:`Slot` to :meth:`release` when the
+        stream ends (None when there is nothing to release).
 
         Raises :class:`BudgetExceeded`, 429 ``rate_limited``, :class:`TooManyStreams`
         and (shared backend) :class:`StoreUnavailable`.
@@ -141,18 +141,18 @@ class LocalLimits(KeyLimits):
         self._spend: dict[str, tuple[str, float]] = {}
         """Key name -> (window id, spend): a new window replaces the old one."""
 
-    async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
-        self.check(key, stream=stream)
+    async def admit(self, key: ApiKey, *, stream: bool, rate: bool = True) -> Slot | None:
+        self.check(key, stream=stream, rate=rate)
         return None
 
-    def check(self, key: ApiKey, *, stream: bool, budget: bool = True) -> None:
+    def check(self, key: ApiKey, *, stream: bool, budget: bool = True, rate: bool = True) -> None:
         """:meth:`admit`, without a wait: what it raises, or nothing."""
         if budget and stream and key.budget_usd is not None:
             now = time.time()
             spent = self._current(key, now)
             if spent >= key.budget_usd:
                 raise budget_exceeded(key, spent, now)
-        wait = self._buckets.acquire(key.name, time.monotonic())
+        wait = self._buckets.acquire(key.name, time.monotonic()) if rate else 0
         if wait > 0:
             raise rate_limited(key.name, self.rate, wait)
         per_key = self.per_key

@@ -182,13 +182,14 @@ class RedisLimits(KeyLimits):
     def _zrem(self, name: str, *ids: str) -> tuple[Any, ...]:
         return ("ZREM", self._key("limits", "streams", name), *ids)
 
-    async def admit(self, key: ApiKey, *, stream: bool) -> Slot | None:
+    async def admit(self, key: ApiKey, *, stream: bool, rate: bool = True) -> Slot | None:
         name = key.name
         slot = None
         if stream and self.per_key is not None:
             slot = Slot(name, f"{self.store.replica_id}-{next(self._ids)}")
         budget = key.budget_usd if stream else None
-        if slot is None and budget is None and self.rate <= 0:
+        per_second = self.rate if rate else 0.0
+        if slot is None and budget is None and per_second <= 0:
             return None  # nothing to count: no round trip
         win_id = window(key.budget_period, time.time()).id if budget is not None else ""
         try:
@@ -201,7 +202,7 @@ class RedisLimits(KeyLimits):
                     self._key("limits", "rate", name),
                     self._key("limits", "streams", name),
                     self._key("spend", name, win_id),
-                    repr(self.rate),
+                    repr(per_second),
                     repr(self.capacity),
                     self.per_key if slot is not None and self.per_key is not None else 0,
                     slot.id if slot is not None else "",
@@ -219,7 +220,7 @@ class RedisLimits(KeyLimits):
                     headers={"Retry-After": "1"},
                 ) from None
             self._warn(exc.__cause__ or exc)
-            self.fallback.check(key, stream=stream, budget=False)
+            self.fallback.check(key, stream=stream, budget=False, rate=rate)
             return None
         code = int(code)
         if code == 1:

@@ -307,20 +307,25 @@ def _check_model(key: ApiKey, model: str | None, param: str) -> None:
 
 
 def admit_stream(
-    request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
+    request: web.Request,
+    key: ApiKey | None,
+    model: str,
+    *,
+    param: str = "model",
+    rate_taken: bool = False,
 ) -> contextlib.AbstractAsyncContextManager[None]:
     """For the block that opens the stream (``async with admit_stream(...)``): the model
-    checks (:func:`check_stream_model`, unless ``model`` is None: the caller makes them
-    in the block, once it has read the request), then a token of the key's rate, its
-    budget, a place among the streams running here and the key's
-    (:mod:`nexus.cache.admission`).
+    checks (:func:`check_stream_model`), then a token of the key's rate (unless
+    ``rate_taken``: :func:`admit` took it), its budget, a place among the streams running
+    here and the key's (:mod:`nexus.cache.admission`).
 
-    Raises 429 ``rate_limited``, ``too_many_streams`` and ``budget_exceeded``, and 503
+    Raises what :func:`check_stream_model` raises when it is called; 429
+    ``rate_limited``, ``too_many_streams`` and ``budget_exceeded``, and 503
     ``store_unavailable`` (Redis down, a budget to check) when the block is entered.
     """
-    if model is not None:
-        check_stream_model(request, key, model, param=param)
-    return request.app[_HUB].admit(key, request.app[_CONFIG].limits.max_concurrent_streams)
+    check_stream_model(request, key, model, param=param)
+    limit = request.app[_CONFIG].limits.max_concurrent_streams
+    return request.app[_HUB].admit(key, limit, rate_taken=rate_taken)
 
 
 def check_stream_model(

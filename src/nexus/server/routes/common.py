@@ -59,7 +59,6 @@ from ..access import (
     admit,
     admit_stream,
     authenticate,
-    check_stream_model,
     exchange,
 )
 from ..render import Cursor, parse_cursor
@@ -200,10 +199,11 @@ async def complete(
     """Serve one completion request in the endpoint's shapes.
 
     The stream format is negotiated before the body is read, so an unknown
-    format is refused whatever the body holds, and the key's limits (rate, budget,
-    streams) are taken before it too: a key past one is refused without the gateway
-    reading, parsing or validating what it sent. With ``Last-Event-ID`` the request
-    resumes the stream it names (the body is not used).
+    format is refused whatever the body holds, and a token of the key's rate is taken
+    before it too: a key past its rate is refused without the gateway reading, parsing
+    or validating what it sent. Its budget and its place among the streams are taken
+    once the body is in. With ``Last-Event-ID`` the request resumes the stream it names
+    (the body is not used).
     """
     check_open(request)
     app = request.app
@@ -221,26 +221,27 @@ async def complete(
         info = await find_stream(request, cursor.stream_id)  # the key's rate token
         await read_body(request)  # unused, but read within its limits
         return await resume(request, info, encoder, cursor)
+    await admit(request, key, None)  # its rate's token before its body: a refusal reads none
+    body = await read_body(request)
+    limits = app[state.CONFIG].limits
+    chat = parse(body, max_depth=limits.max_json_depth, max_items=limits.max_json_items)
+    request_model(chat.model)  # on the request's span, when tracing
     owner = key.name if key is not None else None
     hub = app[state.HUB]
     ex = exchange(request)
-    limits = app[state.CONFIG].limits
+    ex.model = chat.model
+    streaming = chat.stream or chat.background
+    ctx = CallContext(
+        request_id=ex.request_id,
+        key=owner,
+        endpoint=ex.endpoint,
+        format=encoder.media_type if streaming else "application/json",
+    )
+    if not streaming:
+        ex.format = "application/json"
     # A JSON answer is counted among the streams running like a streaming one: as its run.
-    async with admit_stream(request, key, None):
-        body = await read_body(request)
-        chat = parse(body, max_depth=limits.max_json_depth, max_items=limits.max_json_items)
-        request_model(chat.model)  # on the request's span, when tracing
-        ex.model = chat.model
-        check_stream_model(request, key, chat.model)
-        streaming = chat.stream or chat.background
-        ctx = CallContext(
-            request_id=ex.request_id,
-            key=owner,
-            endpoint=ex.endpoint,
-            format=encoder.media_type if streaming else "application/json",
-        )
-        if not streaming:
-            ex.format = "application/json"
+    # Taken once the body is in: an upload, however slow, holds no place among them.
+    async with admit_stream(request, key, chat.model, rate_taken=True):
         opened = await hub.open(
             chat,
             format=default_format,
@@ -356,19 +357,19 @@ async def resume(
 
 
 async def find_stream(
-    request: web.Request, stream_id: str, *, read_token: bool = False
+    request: web.Request, stream_id: str, *, read_token: bool = False, rated: bool = True
 ) -> StreamInfo:
     """The stream ``stream_id``, if the caller may use it (see the module docstring).
 
     With ``read_token`` (a GET), a ``?token=`` query parameter authorises the
-    request instead of a key. A key's request takes a token of its rate first, as every
-    request of a key does. Raises :class:`~nexus.auth.Unauthorized` (401
+    request instead of a key. A key's request takes a token of its rate first, unless not
+    ``rated`` (a cancel: a key past its rate may still stop what spends it). Raises :class:`~nexus.auth.Unauthorized` (401
     ``invalid_api_key``), 429 ``rate_limited`` and :func:`stream_not_found` (404, also
     for another key's stream).
     """
     app = request.app
     owner = _reader(request, stream_id, read_token)
-    if owner is not None:
+    if owner is not None and rated:
         await admit(request, exchange(request).key, None)
     hub = app[state.HUB]
     info = await hub.info(stream_id)

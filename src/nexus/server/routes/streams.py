@@ -35,7 +35,7 @@ async def get(request: web.Request) -> web.StreamResponse:
 
 
 async def cancel(request: web.Request) -> web.StreamResponse:
-    info = await find_stream(request, request.match_info["id"])
+    info = await find_stream(request, request.match_info["id"], rated=False)
     stream_id = info.id
     run = request.app[state.HUB].live.get(stream_id)
     if run is not None:

@@ -743,7 +743,7 @@ async def test_a_body_still_uploading_holds_no_place_among_the_streams(
     # but no place: the key's one stream and the gateway's one stream stay free meanwhile.
     limits = {"max_concurrent_streams": 1, "max_concurrent_streams_per_key": 1}
     client = await make_client(keyed(limits=limits))
-    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    _, writer = await asyncio.open_connection(client.server.host, client.server.port)
     try:
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

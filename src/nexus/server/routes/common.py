@@ -361,11 +361,11 @@ async def find_stream(
 ) -> StreamInfo:
     """The stream ``stream_id``, if the caller may use it (see the module docstring).
 
-    With ``read_token`` (a GET), a ``?token=`` query parameter authorises the
-    request instead of a key. A key's request takes a token of its rate first, unless not
-    ``rated`` (a cancel: a key past its rate may still stop what spends it). Raises :class:`~nexus.auth.Unauthorized` (401
-    ``invalid_api_key``), 429 ``rate_limited`` and :func:`stream_not_found` (404, also
-    for another key's stream).
+    With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
+    instead of a key. A key's request takes a token of its rate first, unless not
+    ``rated`` (a cancel: a key past its rate may still stop what spends it). Raises
+    :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited`` and
+    :func:`stream_not_found` (404, also for another key's stream).
     """
     app = request.app
     owner = _reader(request, stream_id, read_token)

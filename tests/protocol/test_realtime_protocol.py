@@ -11,7 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nexus.protocol.json_depth import deep_field
-from nexus.protocol.realtime import AbortTurn, RealtimeSession, Send, StartTurn, error_frame
+from nexus.protocol.realtime import (
+    PENDING_ITEM_BYTES as ITEM,
+)
+from nexus.protocol.realtime import (
+    AbortTurn,
+    RealtimeSession,
+    Send,
+    StartTurn,
+    error_frame,
+)
 from nexus.request import (
     AssistantMessage,
     AudioPart,
@@ -154,7 +163,7 @@ def test_invalid_request_names_the_field(
 def test_invalid_request_keeps_pending_input(session: RealtimeSession) -> None:
     session.receive_text(audio(b"abc"))
     session.receive_text(start({"model": "m"}))
-    assert session.pending_bytes == 3
+    assert session.pending_bytes == 3 + ITEM
     assert [audio_bytes(p) for p in attached(session)[1:]] == [b"abc"]
 
 
@@ -335,7 +344,7 @@ def test_no_user_message_gets_a_new_one(session: RealtimeSession) -> None:
 
 def test_pending_input_is_cleared_by_start(session: RealtimeSession) -> None:
     session.receive_text(audio(b"abcd"))
-    assert session.pending_bytes == 4
+    assert session.pending_bytes == 4 + ITEM
     assert len(attached(session)) == 2
     assert session.pending_bytes == 0
     session.turn_ended()
@@ -348,7 +357,7 @@ def test_input_sent_while_streaming_waits_for_the_next_start(session: RealtimeSe
     assert session.receive_text(audio(b"xyz")) == []
     assert session.receive_text(image(url="https://x/1.png")) == []
     error_of(session.receive_text(start()))  # refused: stream_in_progress
-    assert session.pending_bytes == 3
+    assert session.pending_bytes == 3 + len("https://x/1.png") + 2 * ITEM
     session.turn_ended()
     _, sound, img = attached(session)
     assert audio_bytes(sound) == b"xyz"
@@ -358,12 +367,17 @@ def test_input_sent_while_streaming_waits_for_the_next_start(session: RealtimeSe
 # --- limits ----------------------------------------------------------------
 
 
+PNG_URL = f"data:image/png;base64,{PNG}"
+
+
 def test_pending_input_up_to_the_limit_is_accepted() -> None:
-    session = RealtimeSession(max_pending_input_bytes=10)
+    # Audio counts as decoded, an image as the URL it is held as, each item ITEM more.
+    limit = 6 + len(PNG_URL) + 2 * ITEM
+    session = RealtimeSession(max_pending_input_bytes=limit)
     assert session.receive_text(audio(b"123456")) == []
-    assert session.pending_bytes == 6
+    assert session.pending_bytes == 6 + ITEM
     assert session.receive_text(image(b64=PNG)) == []
-    assert session.pending_bytes == 10
+    assert session.pending_bytes == limit
     _, sound, img = attached(session)
     assert audio_bytes(sound) == b"123456"
     assert img.image_url.url == f"data:image/png;base64,{PNG}"
@@ -375,27 +389,52 @@ def test_pending_input_up_to_the_limit_is_accepted() -> None:
     [pytest.param(audio(b"12345"), id="audio"), pytest.param(image(b64=PNG), id="image")],
 )
 def test_the_chunk_over_the_limit_is_dropped(over: str) -> None:
-    session = RealtimeSession(max_pending_input_bytes=10)
+    session = RealtimeSession(max_pending_input_bytes=10 + ITEM)
     session.receive_text(audio(b"1234567"))
     error = error_of(session.receive_text(over))
     assert error["code"] == "input_too_large"
-    assert "over the limit of 10" in error["message"]
-    assert session.pending_bytes == 7
-    assert session.receive_text(audio(b"890")) == []
-    assert session.pending_bytes == 10
+    assert f"over the limit of {10 + ITEM}" in error["message"]
+    assert session.pending_bytes == 7 + ITEM
+    assert session.receive_text(audio(b"890")) == []  # joined to the audio: no new item
+    assert session.pending_bytes == 10 + ITEM
     parts = attached(session)
     assert len(parts) == 2
     assert audio_bytes(parts[1]) == b"1234567890"
 
 
 def test_the_limit_applies_again_after_start() -> None:
-    session = RealtimeSession(max_pending_input_bytes=10)
+    session = RealtimeSession(max_pending_input_bytes=10 + ITEM)
     session.receive_text(audio(b"0123456789"))
     session.receive_text(start())
     session.start_accepted()
     session.turn_ended()
     assert session.receive_text(audio(b"0123456789")) == []
-    assert session.pending_bytes == 10
+    assert session.pending_bytes == 10 + ITEM
+
+
+def test_every_item_counts_however_small_and_however_long_its_url() -> None:
+    # Empty images cost nothing by their data, and a long https URL has none: each counts
+    # what it is held as, plus ITEM, so neither piles up past the limit.
+    session = RealtimeSession(max_pending_input_bytes=100 * ITEM)
+    empty = frame({"type": "image", "mime_type": "image/png", "b64": ""})
+    refusals = [a for _ in range(150) for a in session.receive_text(empty)]
+    each = len("data:image/png;base64,") + ITEM
+    assert len(refusals) == 150 - 100 * ITEM // each
+    assert session.pending_bytes == 100 * ITEM // each * each
+    assert {orjson.loads(a.frame)["error"]["code"] for a in refusals} == {"input_too_large"}
+    session = RealtimeSession(max_pending_input_bytes=1 << 20)
+    long_url = image(url="https://x/" + "a" * (1 << 20))
+    assert error_of(session.receive_text(long_url))["code"] == "input_too_large"
+    assert session.pending_bytes == 0
+
+
+def test_pending_items_are_at_most_a_quarter_of_max_json_items() -> None:
+    session = RealtimeSession(max_pending_input_bytes=1 << 30, max_json_items=40)
+    url = image(url="https://x/1.png")
+    sent = [a for _ in range(12) for a in session.receive_text(url)]
+    assert len(sent) == 2  # 10 held
+    assert "items" in error_of(sent[:1])["message"]
+    assert len(attached(session)) == 11  # the text, then the 10 images
 
 
 # --- the error frame -------------------------------------------------------
@@ -467,15 +506,16 @@ def test_stream_false_is_refused_and_stream_true_accepted() -> None:
 
 
 def test_data_url_images_count_against_the_pending_limit() -> None:
-    session = RealtimeSession(max_pending_input_bytes=10)
     small = base64.b64encode(b"12345678").decode()
     envelope = {"type": "image", "mime_type": "image/png", "url": f"data:image/png;base64,{small}"}
+    held = len(envelope["url"]) + ITEM
+    session = RealtimeSession(max_pending_input_bytes=held)
     assert session.receive_text(orjson.dumps(envelope).decode()) == []
-    assert session.pending_bytes == 8
+    assert session.pending_bytes == held
     [refused] = session.receive_text(orjson.dumps(envelope).decode())
     assert isinstance(refused, Send)
     assert orjson.loads(refused.frame)["error"]["code"] == "input_too_large"
-    assert session.pending_bytes == 8
+    assert session.pending_bytes == held
     bad = {**envelope, "url": "data:image/png;base64,%%%"}
     [invalid] = session.receive_text(orjson.dumps(bad).decode())
     assert isinstance(invalid, Send)
@@ -488,7 +528,7 @@ def test_a_refused_start_keeps_pending_input(session: RealtimeSession) -> None:
     assert session.streaming
     session.start_refused()  # e.g. the model does not exist
     assert not session.streaming
-    assert session.pending_bytes == 4
+    assert session.pending_bytes == len("data:image/png;base64,cG5nIQ==") + ITEM
     retry = attached(session)
     assert isinstance(retry[-1], ImagePart)
     assert retry == list(first.messages[-1].content)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import orjson
 import pytest
 import websockets
 
+from nexus.protocol.realtime import PENDING_ITEM_BYTES
 from nexus.server.state import RUNTIME
 from support import GatedProvider, MakeClient, turn
 from upstreams import FakeUpstream, Reply, openai_chunk
@@ -230,7 +231,9 @@ async def test_message_over_the_limit_closes_1009(make_client: MakeClient) -> No
 
 
 async def test_pending_input_over_the_limit(make_client: MakeClient) -> None:
-    _, ws = await connect(make_client, {"realtime": {"max_pending_input_bytes": 64}})
+    # The first chunk and what an item counts for fit; the second is a second item.
+    limit = 40 + PENDING_ITEM_BYTES + 20
+    _, ws = await connect(make_client, {"realtime": {"max_pending_input_bytes": limit}})
     async with ws:
         chunk = base64.b64encode(os.urandom(40)).decode()
         await ws.send(orjson.dumps({"type": "audio_chunk", "format": "wav", "b64": chunk}).decode())

@@ -19,8 +19,9 @@ States: *idle* (no turn) and *streaming* (one turn in flight). ``start``
 while streaming is refused with ``stream_in_progress`` and ``abort`` while idle
 with ``nothing_to_abort``; both leave the turn and the connection as they are.
 ``audio_chunk`` and ``image`` are held as pending input (at most
-``max_pending_input_bytes`` decoded bytes, else ``input_too_large``) and
-attached to the last user message of the next ``start``. Consecutive
+``max_pending_input_bytes``: audio decoded, an image as its URL, and
+``PENDING_ITEM_BYTES`` an item; at most ``max_json_items / 4`` items; else
+``input_too_large``) and attached to the last user message of the next ``start``. Consecutive
 ``pcm16`` chunks of one sample rate are joined into one audio part.
 Malformed frames get ``invalid_envelope``; an invalid request
 ``invalid_request`` naming the field, as does a request nested deeper than
@@ -139,6 +140,11 @@ def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> S
     return Send(orjson.dumps(body).decode())
 
 
+PENDING_ITEM_BYTES = 1024
+"""What a pending item counts for beyond its data: about what it costs in memory, so
+that empty images or tiny chunks cannot pile up uncounted."""
+
+
 @dataclass(slots=True)
 class _PendingAudio:
     format: str
@@ -255,16 +261,27 @@ class RealtimeSession:
         """The engine refused the request (unknown model, unsupported input): keep the input."""
         self.streaming = False
 
-    def _take(self, b64: str) -> bytes | Send:
-        """Decode one chunk of input and count it against the pending limit."""
+    def _take(self, b64: str, *, new_item: bool) -> bytes | Send:
+        """Decode one chunk of input and count it against the pending limits."""
         try:
             decoded = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
             return self._error("invalid_envelope", "b64: not valid base64", param="b64")
-        refused = self._count(len(decoded))
+        refused = self._count(len(decoded), new_item=new_item)
         return decoded if refused is None else refused
 
-    def _count(self, size: int) -> Send | None:
+    def _count(self, size: int, *, new_item: bool = False) -> Send | None:
+        """Count ``size`` bytes (and, for a new item, what an item costs) against the
+        pending limits; the refusal, if over one."""
+        if new_item:
+            if len(self._pending) >= self.max_json_items // 4:  # each is a part of ~4 values
+                message = (
+                    f"pending input would be more than {self.max_json_items // 4} items "
+                    "([limits] max_json_items / 4); this chunk was dropped, the earlier input "
+                    "is kept"
+                )
+                return self._error("input_too_large", message)
+            size += PENDING_ITEM_BYTES
         total = self._pending_bytes + size
         if total > self.max_pending_input_bytes:
             message = (
@@ -276,17 +293,18 @@ class RealtimeSession:
         return None
 
     def _add_audio(self, envelope: AudioChunkEnvelope) -> list[Action]:
-        decoded = self._take(envelope.b64)
-        if isinstance(decoded, Send):
-            return [decoded]
         last = self._pending[-1] if self._pending else None
-        if (
+        merged = (
             envelope.format == "pcm16"
             and isinstance(last, _PendingAudio)
             and last.format == "pcm16"
             and last.sample_rate == envelope.sample_rate
-        ):
-            last.data += decoded
+        )
+        decoded = self._take(envelope.b64, new_item=not merged)
+        if isinstance(decoded, Send):
+            return [decoded]
+        if merged:
+            last.data += decoded  # type: ignore[union-attr]
         else:
             self._pending.append(
                 _PendingAudio(envelope.format, envelope.sample_rate, bytearray(decoded))
@@ -299,13 +317,17 @@ class RealtimeSession:
         url = envelope.url or f"data:{envelope.mime_type};base64,{envelope.b64}"
         header, comma, data = url.partition(",")
         if url.startswith("data:"):
-            # Inline data counts against the pending limit, whether sent as b64 or a URL.
             if not comma:
                 return [self._error("invalid_envelope", "url: a data URL needs a ','")]
-            encoded = header.endswith(";base64")
-            refused = self._take(data) if encoded else self._count(len(data.encode()))
-            if isinstance(refused, Send):
-                return [refused]
+            if header.endswith(";base64"):
+                try:
+                    base64.b64decode(data, validate=True)
+                except (binascii.Error, ValueError):
+                    return [self._error("invalid_envelope", "b64: not valid base64", param="b64")]
+        # Held as its URL, inline data or not: that is what it costs until the start.
+        refused = self._count(len(url), new_item=True)
+        if refused is not None:
+            return [refused]
         self._pending.append(
             ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
         )

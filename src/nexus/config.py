@@ -9,6 +9,7 @@ Errors name the file, the key and what is wrong::
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -224,6 +225,9 @@ class MockProviderConfig(_Table):
     models: list[str] = Field(default_factory=list)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 class HTTPProviderConfig(_Table):
     """What the HTTP provider kinds share."""
 
@@ -238,6 +242,17 @@ class HTTPProviderConfig(_Table):
     first (a stream holds a connection for its whole length)."""
     pool_timeout_s: float = Field(default=10.0, ge=0)
     optional: bool = False
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _names_a_variable(cls, value: str | None) -> str | None:
+        """The variable's name; never repeated when it is not one: it may be the key."""
+        if value is not None and not _ENV_NAME.fullmatch(value):
+            raise ValueError(
+                "must name an environment variable (letters, digits and _), not hold the "
+                "key itself; the value is not repeated here"
+            )
+        return value
 
 
 class OpenAIProviderConfig(HTTPProviderConfig):

@@ -14,6 +14,7 @@ from nexus.config import (
     ModelAliasConfig,
     ServerConfig,
     load_config,
+    parse_config,
 )
 from nexus.errors import ConfigError
 
@@ -303,3 +304,16 @@ def test_directory_instead_of_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path)
     assert str(info.value) == f"{tmp_path}: cannot read the config file: Is a directory"
+
+
+def test_an_api_key_env_that_is_not_a_variable_name_is_refused_without_repeating_it() -> None:
+    # The likeliest mistake is the key itself in the place of its variable's name: the
+    # error must not put it in a log or a terminal's scrollback.
+    provider = {"kind": "openai", "base_url": "https://api.openai.com/v1"}
+    for value in ("sk-proj-Abc123Secret456", "my key", "1ST"):
+        with pytest.raises(ConfigError) as refused:
+            parse_config({"providers": {"o": {**provider, "api_key_env": value}}})
+        assert value not in str(refused.value)
+        assert "api_key_env" in str(refused.value)
+    named = parse_config({"providers": {"o": {**provider, "api_key_env": "OPENAI_API_KEY_2"}}})
+    assert named.providers["o"].api_key_env == "OPENAI_API_KEY_2"  # type: ignore[union-attr]

@@ -213,6 +213,16 @@ async def test_open_endpoints_need_no_key(make_client: MakeClient) -> None:
     assert (await client.get("/")).status == 200
 
 
+async def test_the_console_may_not_be_framed_by_another_page(make_client: MakeClient) -> None:
+    # It keeps a key in the browser: a hostile page must not frame it (clickjacking).
+    client = await make_client(keyed())
+    for path in ("/", "/web/app.js"):
+        resp = await client.get(path)
+        assert resp.status == 200
+        assert "frame-ancestors 'none'" in resp.headers["Content-Security-Policy"]
+        assert resp.headers["X-Frame-Options"] == "DENY"
+
+
 # --- per-key models -------------------------------------------------------------------
 
 

@@ -33,8 +33,10 @@ _HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Content-Security-Policy": (
         "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:; "
-        "media-src 'self' data: blob:; style-src 'self'; script-src 'self'"
+        "media-src 'self' data: blob:; style-src 'self'; script-src 'self'; "
+        "frame-ancestors 'none'"  # it holds a key: no other page may frame it (clickjacking)
     ),
+    "X-Frame-Options": "DENY",  # the same, for browsers without CSP level 2
 }
 
 

@@ -214,6 +214,8 @@ StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminato
 class RealtimeConfig(_Table):
     max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     max_pending_input_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_pending_bytes_per_key: int = Field(default=256 * 1024 * 1024, gt=0)
+    """Pending input of all a key's connections together: what it can pin in memory."""
     compression: bool = False
     """Accept permessage-deflate. Off by default: aiohttp inflates a message in one go,
     so a few KiB of deflated zeros would hold the event loop for every tenant while it

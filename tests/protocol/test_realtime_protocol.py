@@ -16,6 +16,7 @@ from nexus.protocol.realtime import (
 )
 from nexus.protocol.realtime import (
     AbortTurn,
+    PendingLedger,
     RealtimeSession,
     Send,
     StartTurn,
@@ -583,3 +584,27 @@ def test_a_start_without_stream_is_the_request_with_stream_true() -> None:
     expected = ChatRequest.model_validate(body).model_copy(update={"stream": True})
     assert request == expected
     assert request.model_fields_set == expected.model_fields_set
+
+
+def test_a_keys_connections_share_one_pending_allowance() -> None:
+    # Each socket alone is within its own limit; together they may hold the key's only.
+    ledger = PendingLedger(3 * (100 + ITEM))
+    sessions = [
+        RealtimeSession(max_pending_input_bytes=1 << 20, ledger=ledger, owner="alpha")
+        for _ in range(4)
+    ]
+    other = RealtimeSession(max_pending_input_bytes=1 << 20, ledger=ledger, owner="beta")
+    chunk = audio(b"x" * 100)
+    assert [session.receive_text(chunk) for session in sessions[:3]] == [[], [], []]
+    refused = error_of(sessions[3].receive_text(chunk))
+    assert refused["code"] == "input_too_large"
+    assert "max_pending_bytes_per_key" in refused["message"]
+    assert other.receive_text(chunk) == []  # another key has its own
+    sessions[0].close()  # a socket that closes lets its input go
+    assert sessions[3].receive_text(chunk) == []
+    attached(sessions[1])  # so does a start the engine took
+    assert sessions[0].receive_text(chunk) == []
+    assert ledger.held("alpha") == 3 * (100 + ITEM)
+    for session in [*sessions, other]:
+        session.close()
+    assert ledger.held("alpha") == ledger.held("beta") == 0

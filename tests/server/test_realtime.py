@@ -517,3 +517,35 @@ async def test_a_start_right_after_done_is_not_undone_by_the_ending_turn(
             "aborted": True,
         }
     await asyncio.wait_for(gated.closed.wait(), 5)
+
+
+async def test_a_closed_socket_gives_its_pending_input_back_to_the_allowance(
+    make_client: MakeClient,
+) -> None:
+    # Without keys every connection shares one allowance: room for one chunk here.
+    limit = 40 + PENDING_ITEM_BYTES
+    client, first = await connect(make_client, {"realtime": {"max_pending_bytes_per_key": limit}})
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    chunk = orjson.dumps(
+        {"type": "audio_chunk", "format": "wav", "b64": base64.b64encode(b"a" * 40).decode()}
+    ).decode()
+    async with websockets.connect(url) as second:
+        await first.send(chunk)
+        await first.send(start("sync"))  # the chunk is held once this turn has started
+        await turn(first)
+        await first.send(chunk)
+        await first.send('{"type":"abort"}')  # nothing to abort: an error frame, in order
+        await asyncio.wait_for(first.recv(), 5)
+        await second.send(chunk)
+        refused = orjson.loads(await asyncio.wait_for(second.recv(), 5))
+        assert refused["error"]["code"] == "input_too_large"
+        await first.close()
+        for _ in range(100):  # the gateway sees the close, and lets the first's input go
+            await second.send(chunk)
+            await second.send('{"type":"abort"}')
+            answer = orjson.loads(await asyncio.wait_for(second.recv(), 5))
+            if answer["error"]["code"] == "nothing_to_abort":
+                break
+            await asyncio.wait_for(second.recv(), 5)  # the abort's answer
+            await asyncio.sleep(0.02)
+        assert answer["error"]["code"] == "nothing_to_abort"  # the chunk was taken

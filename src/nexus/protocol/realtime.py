@@ -145,6 +145,33 @@ PENDING_ITEM_BYTES = 1024
 that empty images or tiny chunks cannot pile up uncounted."""
 
 
+class PendingLedger:
+    """The pending input of every connection of a process, per key: one key's sockets
+    together hold at most ``limit`` bytes (``[realtime] max_pending_bytes_per_key``), so
+    what a key can pin in memory is bounded however many sockets it opens."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    def held(self, owner: str) -> int:
+        return self._held.get(owner, 0)
+
+    def take(self, owner: str, size: int) -> bool:
+        held = self._held.get(owner, 0) + size
+        if held > self.limit:
+            return False
+        self._held[owner] = held
+        return True
+
+    def give(self, owner: str, size: int) -> None:
+        held = self._held.get(owner, 0) - size
+        if held > 0:
+            self._held[owner] = held
+        else:
+            self._held.pop(owner, None)
+
+
 @dataclass(slots=True)
 class _PendingAudio:
     format: str
@@ -162,6 +189,8 @@ class RealtimeSession:
         max_json_depth: int = MAX_JSON_DEPTH,
         max_json_items: int = MAX_JSON_ITEMS,
         request_id: str | None = None,
+        ledger: PendingLedger | None = None,
+        owner: str = "",
     ) -> None:
         self.max_pending_input_bytes = max_pending_input_bytes
         self.max_json_depth = max_json_depth
@@ -171,6 +200,8 @@ class RealtimeSession:
         self.streaming = False
         self._pending: list[ImagePart | _PendingAudio] = []
         self._pending_bytes = 0
+        self._ledger = ledger  # the key's pending input over all its connections
+        self._owner = owner
 
     def _error(self, code: str, message: str, *, param: str | None = None) -> Send:
         return error_frame(code, message, param=param, request_id=self.request_id)
@@ -254,6 +285,12 @@ class RealtimeSession:
 
     def start_accepted(self) -> None:
         """The engine took the turn's request: its pending input is used up."""
+        self.close()
+
+    def close(self) -> None:
+        """Let the pending input go (used up, or the connection closed)."""
+        if self._ledger is not None and self._pending_bytes:
+            self._ledger.give(self._owner, self._pending_bytes)
         self._pending = []
         self._pending_bytes = 0
 
@@ -287,6 +324,14 @@ class RealtimeSession:
             message = (
                 f"pending input would be {total} bytes, over the limit of "
                 f"{self.max_pending_input_bytes}; this chunk was dropped, the earlier input is kept"
+            )
+            return self._error("input_too_large", message)
+        ledger = self._ledger
+        if ledger is not None and not ledger.take(self._owner, size):
+            message = (
+                f"the key's connections hold {ledger.held(self._owner)} bytes of pending input, "
+                f"the limit is {ledger.limit} ([realtime] max_pending_bytes_per_key); this chunk "
+                "was dropped, the earlier input is kept"
             )
             return self._error("input_too_large", message)
         self._pending_bytes = total

@@ -25,6 +25,7 @@ from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from ..errors import ServerShuttingDown
 from ..events import Error
+from ..protocol.realtime import PendingLedger
 from ..telemetry import Telemetry
 from ..tokens import StreamTokens, new_secret, secret_from_env
 from .access import KEYS, METRICS, TELEMETRY, access_middleware
@@ -102,7 +103,7 @@ def create_app(
     if telemetry is not None:
         app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
-    app[RUNTIME] = Runtime()
+    app[RUNTIME] = Runtime(pending=PendingLedger(config.realtime.max_pending_bytes_per_key))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         base.freeze()

@@ -17,6 +17,7 @@ from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
 from ..events import Done, Error, StreamEvent
 from ..pricing import Spend
+from ..protocol.realtime import PendingLedger
 from ..providers.http import PoolWaits
 from ..tokens import StreamTokens
 from ..watchdog import Watchdog
@@ -59,6 +60,8 @@ class Runtime:
     sockets: set[Socket] = field(default_factory=set)
     watchdog: Watchdog = field(default_factory=Watchdog)
     """The timers of every streaming response (heartbeats, write stalls)."""
+    pending: PendingLedger = field(default_factory=lambda: PendingLedger(0))
+    """Each key's pending realtime input, over all its connections (the app sets it)."""
     shutting_down: bool = False
 
 

@@ -100,6 +100,8 @@ class RealtimeConnection(Writer):
             max_json_depth=config.limits.max_json_depth,
             max_json_items=config.limits.max_json_items,
             request_id=self.request_id,
+            ledger=self.runtime.pending,
+            owner=key.name if key is not None else "",
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
@@ -130,6 +132,7 @@ class RealtimeConnection(Writer):
         finally:
             self._watch(False)
             self.runtime.sockets.discard(self)
+            self.session.close()  # its pending input no longer counts against its key
             await self._cancel_turn()
         return ws
 

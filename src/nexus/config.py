@@ -197,6 +197,9 @@ class CacheConfig(_Table):
 class MemoryStoreConfig(_Table):
     kind: Literal["memory"] = "memory"
     max_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    max_bytes_per_key: int = Field(default=64 * 1024 * 1024, gt=0)
+    """What one API key's finished logs and recordings may hold of ``max_bytes``: past it,
+    its own oldest go first, never another key's."""
 
 
 class RedisStoreConfig(_Table):

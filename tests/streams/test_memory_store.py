@@ -384,3 +384,33 @@ async def test_replacing_one_entry_again_and_again_keeps_the_expiry_heap_small()
         await store.end(info(), sized_log(1), 0, LONG)
     assert len(store) == 1
     assert len(store._expiry) <= 2 * len(store) + 65
+
+
+async def test_one_keys_streams_push_out_its_own_oldest_never_another_keys() -> None:
+    # Each key may keep two logs' worth; the store, five. Key alpha writes ten: its own
+    # oldest go, beta's stay to their TTL, and so does what no key wrote.
+    one = log_size(sized_log(4))
+    store = MemoryStore(max_bytes=5 * one + 10, max_bytes_per_key=2 * one + 10)
+
+    def owned(stream_id: str, owner: str | None) -> StreamInfo:
+        return StreamInfo(StreamMeta(id=stream_id, model="m", created=0), "sse", owner)
+
+    await store.end(owned("chatcmpl-beta1", "beta"), sized_log(4), 0, LONG)
+    await store.end(owned("chatcmpl-anon1", None), sized_log(4), 0, LONG)
+    for n in range(10):
+        await store.end(owned(f"chatcmpl-alpha{n}", "alpha"), sized_log(4), 0, LONG)
+    kept = [f"alpha{n}" for n in range(10) if await store.info(f"chatcmpl-alpha{n}")]
+    assert kept == ["alpha8", "alpha9"]
+    assert await store.info("chatcmpl-beta1") is not None
+    assert await store.info("chatcmpl-anon1") is not None
+    # Recordings count to their key the same way.
+    recording = Recording(sized_log(4)[:-1], [0.0] * 4)
+    for n in range(3):
+        await store.put_recording(f"beta-rec{n}", recording, LONG, "beta")
+    assert await store.info("chatcmpl-beta1") is None  # beta's own oldest went
+    assert [await store.get_recording(f"beta-rec{n}") is not None for n in range(3)] == [
+        False,
+        True,
+        True,
+    ]
+    assert await store.info("chatcmpl-alpha9") is not None

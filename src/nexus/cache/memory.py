@@ -2,7 +2,10 @@
 
 Live logs stay with their :class:`~nexus.cache.run.StreamRun`; this store keeps finished
 logs (the run's own list, not a copy) and recordings until their TTL, and drops the
-oldest when the total passes ``max_bytes``. Expired entries are freed, not just hidden:
+oldest when the total passes ``max_bytes``. What one API key keeps is bounded too
+(``max_bytes_per_key``): past it, that key's own oldest go first, so that one tenant's
+streams cannot push another's logs out before their time (entries of no key, a gateway
+without keys, share the whole store). Expired entries are freed, not just hidden:
 a heap of expiry times gives those due first, dropped (with expired claims) on every put
 and every :data:`SWEEP_INTERVAL_S` while started, at O(log n) per entry dropped. A heap
 entry names its item by key and sequence number, so an item dropped early is not kept
@@ -37,14 +40,20 @@ class _Item:
     expires_at: float
     size: int
     seq: int
+    owner: str | None
 
 
 class MemoryStore(Store):
-    def __init__(self, max_bytes: int = 256 * 1024 * 1024) -> None:
+    def __init__(
+        self, max_bytes: int = 256 * 1024 * 1024, *, max_bytes_per_key: int | None = None
+    ) -> None:
         super().__init__()
         self.max_bytes = max_bytes
+        self.max_bytes_per_key = max_bytes if max_bytes_per_key is None else max_bytes_per_key
         self.size = 0
         self._items: OrderedDict[str, _Item] = OrderedDict()
+        self._owned: dict[str, tuple[OrderedDict[str, None], list[int]]] = {}
+        """Owner -> its items' keys, oldest first, and their size (a one-item list)."""
         self._expiry: list[tuple[float, int, str]] = []
         """(expires_at, seq, key) per put; stale once the key holds another item (or none)."""
         self._seq = itertools.count()
@@ -100,7 +109,7 @@ class MemoryStore(Store):
     ) -> None:
         if size is None:
             size = sum(event_size(event) for event in events)
-        self._put("log:" + info.id, (info, events), ttl_s, 256 + size)
+        self._put("log:" + info.id, (info, events), ttl_s, 256 + size, info.owner)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         item = self._get("log:" + stream_id)
@@ -119,9 +128,11 @@ class MemoryStore(Store):
         item = self._get("rec:" + key)
         return item if isinstance(item, Recording) else None
 
-    async def put_recording(self, key: str, recording: Recording, ttl_s: float) -> None:
+    async def put_recording(
+        self, key: str, recording: Recording, ttl_s: float, owner: str | None = None
+    ) -> None:
         size = 256 + sum(event_size(event) + 8 for event in recording.events)
-        self._put("rec:" + key, recording, ttl_s, size)
+        self._put("rec:" + key, recording, ttl_s, size, owner)
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
@@ -159,17 +170,24 @@ class MemoryStore(Store):
         value: tuple[StreamInfo, Sequence[StreamEvent]] | Recording,
         ttl_s: float,
         size: int,
+        owner: str | None = None,
     ) -> None:
         now = time.monotonic()
         self.sweep(now)  # expired entries go first
         if key in self._items:
             self._drop(key)
-        if size > self.max_bytes:
-            return  # larger than the whole store: not kept
-        item = _Item(value, now + ttl_s, size, next(self._seq))
+        if size > (self.max_bytes if owner is None else self.max_bytes_per_key):
+            return  # larger than what it may hold at all: not kept
+        item = _Item(value, now + ttl_s, size, next(self._seq), owner)
         self._items[key] = item
         heapq.heappush(self._expiry, (item.expires_at, item.seq, key))
         self.size += size
+        if owner is not None:
+            keys, held = self._owned.setdefault(owner, (OrderedDict(), [0]))
+            keys[key] = None
+            held[0] += size
+            while held[0] > self.max_bytes_per_key:  # its own oldest, never another's
+                self._drop(next(iter(keys)))
         while self.size > self.max_bytes:
             self._drop(next(iter(self._items)))
         if len(self._expiry) > 2 * len(self._items) + 64:
@@ -180,3 +198,9 @@ class MemoryStore(Store):
     def _drop(self, key: str) -> None:
         item = self._items.pop(key)
         self.size -= item.size
+        if item.owner is not None:
+            keys, held = self._owned[item.owner]
+            del keys[key]
+            held[0] -= item.size
+            if not keys:
+                del self._owned[item.owner]

@@ -64,7 +64,7 @@ async def record(store: Store, cache: CacheConfig, run: StreamRun, key: str) -> 
             recording = Recording(
                 _free(run.events[:-1]), run.offsets[:-1], meta.provider, meta.upstream_model
             )
-            await store.put_recording(key, recording, cache.ttl_s)
+            await store.put_recording(key, recording, cache.ttl_s, run.info.owner)
         await store.release(key, run.id)
     except Exception:
         log.exception("recording stream %s failed", run.id)

@@ -453,7 +453,9 @@ class RedisStore(Store):
             upstream_model=data["upstream_model"],
         )
 
-    async def put_recording(self, key: str, recording: Recording, ttl_s: float) -> None:
+    async def put_recording(
+        self, key: str, recording: Recording, ttl_s: float, owner: str | None = None
+    ) -> None:
         value = orjson.dumps(
             {
                 "events": [dump_event(event) for event in recording.events],

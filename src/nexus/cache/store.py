@@ -181,7 +181,11 @@ class Store(ABC):
     async def get_recording(self, key: str) -> Recording | None: ...
 
     @abstractmethod
-    async def put_recording(self, key: str, recording: Recording, ttl_s: float) -> None: ...
+    async def put_recording(
+        self, key: str, recording: Recording, ttl_s: float, owner: str | None = None
+    ) -> None:
+        """Keep ``recording`` under ``key`` for ``ttl_s``; ``owner``: the key whose stream
+        it was (a store may bound what each owner keeps)."""
 
     # In-flight claims.
     @abstractmethod

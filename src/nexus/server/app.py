@@ -180,7 +180,7 @@ def build_store(config: StoreConfig, *, max_log_bytes: int | None = None) -> Sto
     """The store ``[store]`` describes (not yet connected); a shared one trims a live
     log mirrored past ``max_log_bytes`` (``[streams] max_log_bytes``)."""
     if isinstance(config, MemoryStoreConfig):
-        return MemoryStore(config.max_bytes)
+        return MemoryStore(config.max_bytes, max_bytes_per_key=config.max_bytes_per_key)
     from ..cache.redis import RedisStore
 
     return RedisStore(

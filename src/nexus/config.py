@@ -154,6 +154,14 @@ class LoggingConfig(_Table):
 
 class MetricsConfig(_Table):
     enabled: bool = True
+    token_env: str | None = None
+    """The environment variable holding the bearer token ``/metrics`` asks for (it names
+    every key and what each spent); unset: open to whoever reaches the port."""
+
+    @field_validator("token_env")
+    @classmethod
+    def _names_a_variable(cls, value: str | None) -> str | None:
+        return _env_name(value)
 
 
 class TelemetryConfig(_Table):
@@ -233,6 +241,17 @@ class MockProviderConfig(_Table):
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def _env_name(value: str | None) -> str | None:
+    """An environment variable's name; never repeated when it is not one: it may be the
+    secret itself, put there by mistake."""
+    if value is not None and not _ENV_NAME.fullmatch(value):
+        raise ValueError(
+            "must name an environment variable (letters, digits and _), not hold the "
+            "secret itself; the value is not repeated here"
+        )
+    return value
+
+
 class HTTPProviderConfig(_Table):
     """What the HTTP provider kinds share."""
 
@@ -251,13 +270,7 @@ class HTTPProviderConfig(_Table):
     @field_validator("api_key_env")
     @classmethod
     def _names_a_variable(cls, value: str | None) -> str | None:
-        """The variable's name; never repeated when it is not one: it may be the key."""
-        if value is not None and not _ENV_NAME.fullmatch(value):
-            raise ValueError(
-                "must name an environment variable (letters, digits and _), not hold the "
-                "key itself; the value is not repeated here"
-            )
-        return value
+        return _env_name(value)
 
 
 class OpenAIProviderConfig(HTTPProviderConfig):

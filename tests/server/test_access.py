@@ -19,6 +19,7 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from nexus.auth import hash_key
+from nexus.errors import ConfigError
 from support import GatedProvider, MakeClient, chat, parse_sse, turn
 
 KEY_A = "nx-alpha-0123456789-secret"
@@ -211,6 +212,23 @@ async def test_open_endpoints_need_no_key(make_client: MakeClient) -> None:
     assert (await client.get("/healthz")).status == 200
     assert (await client.get("/metrics")).status == 200
     assert (await client.get("/")).status == 200
+
+
+async def test_metrics_behind_a_token_when_one_is_set(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /metrics names every key and what it spent: an operator can keep it from tenants.
+    monkeypatch.setenv("NEXUS_TEST_METRICS_TOKEN", "scrape-me-0123456789")
+    client = await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
+    for headers in ({}, bearer(KEY_A), bearer("scrape-me"), {"Authorization": "Basic x"}):
+        resp = await client.get("/metrics", headers=headers)
+        assert resp.status == 401
+        assert "scrape-me" not in await resp.text()
+    resp = await client.get("/metrics", headers=bearer("scrape-me-0123456789"))
+    assert resp.status == 200 and "nexus_requests_total" in await resp.text()
+    monkeypatch.delenv("NEXUS_TEST_METRICS_TOKEN")
+    with pytest.raises(ConfigError, match="NEXUS_TEST_METRICS_TOKEN is not set"):
+        await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
 
 
 async def test_the_console_may_not_be_framed_by_another_page(make_client: MakeClient) -> None:

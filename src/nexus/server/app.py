@@ -9,13 +9,14 @@ with a retryable error (see :mod:`nexus.server.streaming`).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from ..auth import KeyRing
+from ..auth import KeyRing, Unauthorized
 from ..cache.hub import StreamHub
 from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
@@ -23,7 +24,7 @@ from ..cache.store import Store
 from ..config import Config, MemoryStoreConfig, RedisStoreConfig, StoreConfig
 from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
-from ..errors import ServerShuttingDown
+from ..errors import ConfigError, ServerShuttingDown
 from ..events import Error
 from ..protocol.realtime import PendingLedger
 from ..telemetry import Telemetry
@@ -99,7 +100,7 @@ def create_app(
         metrics.models = frozenset(engine.models())
         metrics.providers = frozenset(engine.providers)
         engine.hooks.add(MetricsPlugin(metrics), name="metrics")
-        app.router.add_get("/metrics", metrics_endpoint)
+        app.router.add_get("/metrics", metrics_endpoint(_metrics_token(config)))
     if telemetry is not None:
         app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
@@ -142,10 +143,33 @@ def create_app(
     return app
 
 
-async def metrics_endpoint(request: web.Request) -> web.Response:
-    """Prometheus text format. Names and counts only: no keys, no contents."""
-    body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``GET /metrics``: Prometheus text format, names and counts only (no secrets, no
+    contents); behind ``token`` as a bearer token when there is one."""
+
+    async def serve(request: web.Request) -> web.Response:
+        if token is not None:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+                raise Unauthorized(
+                    "/metrics needs its bearer token ([metrics] token_env).",
+                    headers={"WWW-Authenticate": 'Bearer realm="nexus-metrics"'},
+                )
+        body = request.app[METRICS].render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return serve
+
+
+def _metrics_token(config: Config) -> bytes | None:
+    """The token ``[metrics] token_env`` names; a :class:`ConfigError` when it is unset."""
+    name = config.metrics.token_env
+    if name is None:
+        return None
+    value = os.environ.get(name, "")
+    if not value:
+        raise ConfigError(f"[metrics] token_env: the environment variable {name} is not set")
+    return value.encode()
 
 
 async def _leased(hub: StreamHub, stream_id: str) -> bool:

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(args.log_level.upper(), config.logging.format)
         _check_exposure(config, source)
         check_installed(config.telemetry)  # once, before any worker starts
+        from .server.app import metrics_token
+
+        metrics_token(config)  # set when named: checked before any worker starts, too
         return _serve(config, source)
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)

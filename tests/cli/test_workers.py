@@ -196,6 +196,24 @@ def test_bad_worker_counts_are_refused(config: Path) -> None:
         assert "a number of workers (1 or more) or 'auto'" in run.stderr
 
 
+def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    # Each worker builds its app: checked there alone, every worker would die and be
+    # restarted in a loop. Checked once, first, it is a config error.
+    path = tmp_path / "config.toml"
+    path.write_text('[metrics]\ntoken_env = "NEXUS_TEST_UNSET_METRICS_TOKEN"\n')
+    env = {k: v for k, v in os.environ.items() if k != "NEXUS_TEST_UNSET_METRICS_TOKEN"}
+    run = subprocess.run(
+        [NEXUS, "serve", "--config", str(path), "--workers", "2", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=env,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "NEXUS_TEST_UNSET_METRICS_TOKEN is not set" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def redis_config(tmp_path: Path, prefix: str) -> Path:
     """The mock provider and the Redis store under ``prefix``."""
     path = tmp_path / "config.toml"

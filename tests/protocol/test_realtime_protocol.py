@@ -608,3 +608,11 @@ def test_a_keys_connections_share_one_pending_allowance() -> None:
     for session in [*sessions, other]:
         session.close()
     assert ledger.held("alpha") == ledger.held("beta") == 0
+
+
+def test_an_image_url_is_printable_ascii_as_urls_are() -> None:
+    # It counts as its length: other characters would hold several times that in memory.
+    session = RealtimeSession(max_pending_input_bytes=1 << 20)
+    for url in ("https://x/\u4e2d", "https://x/\U0001f600", "https://x/a b"):
+        assert error_of(session.receive_text(image(url=url)))["code"] == "invalid_envelope"
+    assert session.receive_text(image(url="https://x/%E4%B8%AD")) == []

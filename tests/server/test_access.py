@@ -226,6 +226,16 @@ async def test_metrics_behind_a_token_when_one_is_set(
         assert "scrape-me" not in await resp.text()
     resp = await client.get("/metrics", headers=bearer("scrape-me-0123456789"))
     assert resp.status == 200 and "nexus_requests_total" in await resp.text()
+    # Bytes that are no UTF-8 in the header: a 401, not a 500.
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n\r\n")
+    assert (await reader.readline()).startswith(b"HTTP/1.1 401")
+    writer.close()
+    # A token read from a secret file ends with its newline: not a part of it.
+    monkeypatch.setenv("NEXUS_TEST_METRICS_TOKEN", "scrape-me-0123456789\n")
+    client = await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
+    resp = await client.get("/metrics", headers=bearer("scrape-me-0123456789"))
+    assert resp.status == 200
     monkeypatch.delenv("NEXUS_TEST_METRICS_TOKEN")
     with pytest.raises(ConfigError, match="NEXUS_TEST_METRICS_TOKEN is not set"):
         await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))

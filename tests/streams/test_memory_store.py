@@ -414,3 +414,27 @@ async def test_one_keys_streams_push_out_its_own_oldest_never_another_keys() -> 
         True,
     ]
     assert await store.info("chatcmpl-alpha9") is not None
+
+
+async def test_a_full_store_takes_from_the_key_that_holds_the_most() -> None:
+    # Four keys each under their quota fill the store; a fifth's log pushes out the
+    # oldest of the biggest holder, not the oldest of all (key a's).
+    one = log_size(sized_log(4))
+    store = MemoryStore(max_bytes=5 * one + 10, max_bytes_per_key=3 * one + 10)
+
+    def owned(stream_id: str, owner: str) -> StreamInfo:
+        return StreamInfo(StreamMeta(id=stream_id, model="m", created=0), "sse", owner)
+
+    await store.end(owned("chatcmpl-a0", "a"), sized_log(4), 0, LONG)
+    for n in range(3):
+        await store.end(owned(f"chatcmpl-b{n}", "b"), sized_log(4), 0, LONG)
+    await store.end(owned("chatcmpl-c0", "c"), sized_log(4), 0, LONG)
+    await store.end(owned("chatcmpl-e0", "e"), sized_log(4), 0, LONG)
+    assert await store.info("chatcmpl-a0") is not None
+    assert await store.info("chatcmpl-b0") is None  # b held the most: its oldest went
+    assert [await store.info(f"chatcmpl-{n}") is not None for n in ("b1", "b2", "c0", "e0")] == [
+        True,
+        True,
+        True,
+        True,
+    ]

@@ -3,9 +3,10 @@
 Live logs stay with their :class:`~nexus.cache.run.StreamRun`; this store keeps finished
 logs (the run's own list, not a copy) and recordings until their TTL, and drops the
 oldest when the total passes ``max_bytes``. What one API key keeps is bounded too
-(``max_bytes_per_key``): past it, that key's own oldest go first, so that one tenant's
-streams cannot push another's logs out before their time (entries of no key, a gateway
-without keys, share the whole store). Expired entries are freed, not just hidden:
+(``max_bytes_per_key``): past it, that key's own oldest go first; and when the whole store
+is full, the oldest of the key holding the most go, so that one tenant's streams push out
+its own logs before another's (entries of no key, a gateway without keys, share the
+whole store, oldest first). Expired entries are freed, not just hidden:
 a heap of expiry times gives those due first, dropped (with expired claims) on every put
 and every :data:`SWEEP_INTERVAL_S` while started, at O(log n) per entry dropped. A heap
 entry names its item by key and sequence number, so an item dropped early is not kept
@@ -188,8 +189,10 @@ class MemoryStore(Store):
             held[0] += size
             while held[0] > self.max_bytes_per_key:  # its own oldest, never another's
                 self._drop(next(iter(keys)))
-        while self.size > self.max_bytes:
-            self._drop(next(iter(self._items)))
+        while self.size > self.max_bytes:  # the oldest of the key that holds the most
+            owned = self._owned
+            biggest = max(owned, key=lambda name: owned[name][1][0]) if owned else None
+            self._drop(next(iter(owned[biggest][0] if biggest is not None else self._items)))
         if len(self._expiry) > 2 * len(self._items) + 64:
             # Entries dropped or replaced leave theirs behind: rebuild now and then.
             self._expiry = [(i.expires_at, i.seq, k) for k, i in self._items.items()]

@@ -88,7 +88,9 @@ class ImageEnvelope(StrictModel):
     type: Literal["image"]
     mime_type: str = Field(pattern=r"^image/[A-Za-z0-9.+\-]+$")
     b64: str | None = None
-    url: str | None = Field(default=None, pattern=r"^(https?://|data:).+")
+    url: str | None = Field(default=None, pattern=r"^(https?://|data:)[\x21-\x7e]+$")
+    """Printable ASCII, as URLs are (percent-encoded): a pending image counts as its length,
+    which other characters would hold several times over in memory."""
 
 
 Envelope = Annotated[

@@ -100,7 +100,7 @@ def create_app(
         metrics.models = frozenset(engine.models())
         metrics.providers = frozenset(engine.providers)
         engine.hooks.add(MetricsPlugin(metrics), name="metrics")
-        app.router.add_get("/metrics", metrics_endpoint(_metrics_token(config)))
+        app.router.add_get("/metrics", metrics_endpoint(metrics_token(config)))
     if telemetry is not None:
         app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
@@ -150,7 +150,8 @@ def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[w
     async def serve(request: web.Request) -> web.Response:
         if token is not None:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+            sent = given.strip().encode("utf-8", "surrogateescape")  # any bytes: a 401
+            if scheme.lower() != "bearer" or not hmac.compare_digest(sent, token):
                 raise Unauthorized(
                     "/metrics needs its bearer token ([metrics] token_env).",
                     headers={"WWW-Authenticate": 'Bearer realm="nexus-metrics"'},
@@ -161,12 +162,13 @@ def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[w
     return serve
 
 
-def _metrics_token(config: Config) -> bytes | None:
-    """The token ``[metrics] token_env`` names; a :class:`ConfigError` when it is unset."""
+def metrics_token(config: Config) -> bytes | None:
+    """The token ``[metrics] token_env`` names (a trailing newline, as a secret file may
+    leave, is not part of it); a :class:`ConfigError` when it is unset."""
     name = config.metrics.token_env
     if name is None:
         return None
-    value = os.environ.get(name, "")
+    value = os.environ.get(name, "").strip()
     if not value:
         raise ConfigError(f"[metrics] token_env: the environment variable {name} is not set")
     return value.encode()

@@ -253,7 +253,7 @@ class Engine:
         """The routed call itself: the end of the middleware chain."""
         meta = self._meta(request, targets[0])
 
-        def served(provider: Provider, model: str, *, accepted: bool = False) -> None:
+        def served(provider: Provider, model: str, accepted: bool) -> None:
             # A fallback answered: the stream's meta names it from its first event on;
             # or a target took the request and the stream ends before any event came.
             stream.meta = replace(
@@ -338,7 +338,7 @@ class _Run:
         engine: Engine,
         targets: list[Target],
         request: ChatRequest,
-        served: Callable[..., None],
+        served: Callable[[Provider, str, bool], None],
     ) -> None:
         self._engine = engine
         self._targets = targets
@@ -440,7 +440,7 @@ class _Run:
         # stream's length.
         self._request = None
         if self._attempt:
-            self._served(*self._targets[self._attempt])
+            self._served(*self._targets[self._attempt], False)
 
     async def _end(self, attempt: int, *, failed: bool = False) -> None:
         """Close the current target's batches and end its span; go on at ``attempt``.
@@ -450,7 +450,7 @@ class _Run:
         if not failed and self._request is not None and getattr(batches, "accepted", False):
             # Taken, then closed before its first event (the client left): its prompt is
             # billed upstream.
-            self._served(*self._targets[self._attempt], accepted=True)
+            self._served(*self._targets[self._attempt], True)
         self._attempt = attempt - 1
         try:
             if batches is not None:

@@ -44,6 +44,14 @@ class _Item:
     owner: str | None
 
 
+@dataclass(slots=True)
+class _Owned:
+    """One API key's entries: their keys, oldest first, and their size."""
+
+    keys: OrderedDict[str, None]
+    size: int = 0
+
+
 class MemoryStore(Store):
     def __init__(
         self, max_bytes: int = 256 * 1024 * 1024, *, max_bytes_per_key: int | None = None
@@ -53,8 +61,7 @@ class MemoryStore(Store):
         self.max_bytes_per_key = max_bytes if max_bytes_per_key is None else max_bytes_per_key
         self.size = 0
         self._items: OrderedDict[str, _Item] = OrderedDict()
-        self._owned: dict[str, tuple[OrderedDict[str, None], list[int]]] = {}
-        """Owner -> its items' keys, oldest first, and their size (a one-item list)."""
+        self._owned: dict[str, _Owned] = {}
         self._expiry: list[tuple[float, int, str]] = []
         """(expires_at, seq, key) per put; stale once the key holds another item (or none)."""
         self._seq = itertools.count()
@@ -184,15 +191,14 @@ class MemoryStore(Store):
         heapq.heappush(self._expiry, (item.expires_at, item.seq, key))
         self.size += size
         if owner is not None:
-            keys, held = self._owned.setdefault(owner, (OrderedDict(), [0]))
-            keys[key] = None
-            held[0] += size
-            while held[0] > self.max_bytes_per_key:  # its own oldest, never another's
-                self._drop(next(iter(keys)))
+            mine = self._owned.setdefault(owner, _Owned(OrderedDict()))
+            mine.keys[key] = None
+            mine.size += size
+            while mine.size > self.max_bytes_per_key:  # its own oldest, never another's
+                self._drop(next(iter(mine.keys)))
         while self.size > self.max_bytes:  # the oldest of the key that holds the most
-            owned = self._owned
-            biggest = max(owned, key=lambda name: owned[name][1][0]) if owned else None
-            self._drop(next(iter(owned[biggest][0] if biggest is not None else self._items)))
+            biggest = max(self._owned.values(), key=lambda owned: owned.size, default=None)
+            self._drop(next(iter(biggest.keys if biggest is not None else self._items)))
         if len(self._expiry) > 2 * len(self._items) + 64:
             # Entries dropped or replaced leave theirs behind: rebuild now and then.
             self._expiry = [(i.expires_at, i.seq, k) for k, i in self._items.items()]
@@ -202,8 +208,8 @@ class MemoryStore(Store):
         item = self._items.pop(key)
         self.size -= item.size
         if item.owner is not None:
-            keys, held = self._owned[item.owner]
-            del keys[key]
-            held[0] -= item.size
-            if not keys:
+            owned = self._owned[item.owner]
+            del owned.keys[key]
+            owned.size -= item.size
+            if not owned.keys:
                 del self._owned[item.owner]

@@ -125,6 +125,10 @@ class KeyRing:
         """Every configured key, in the config's order."""
         return [key for _, key in self._keys]
 
+    def named(self, name: str | None) -> ApiKey | None:
+        """The key called ``name`` (a stream's owner), if it is configured."""
+        return next((key for _, key in self._keys if key.name == name), None)
+
     def lookup(self, presented: str) -> ApiKey | None:
         """The key ``presented`` is, compared in constant time against every stored hash."""
         digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()

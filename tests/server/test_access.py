@@ -467,7 +467,8 @@ async def test_reading_and_listing_take_a_token_of_the_keys_rate_cancelling_none
     make_client: MakeClient,
 ) -> None:
     # A key's GET of a stream is a request of that key like any other (a reader that polls
-    # a shared store costs the gateway); a read token's GET is the stream's.
+    # a shared store costs the gateway); so is a read token's GET, of its stream's key: a
+    # token leaked in a URL cannot re-render a log unmetered.
     client = await make_client(keyed(limits={"requests_per_second_per_key": 2}))
     resp = await client.post(
         "/v1/chat/completions", json=chat(background=True), headers=bearer(KEY_A)
@@ -484,9 +485,17 @@ async def test_reading_and_listing_take_a_token_of_the_keys_rate_cancelling_none
     assert statuses == [200, 429, 200]
     listed = await client.get("/v1/models", headers=bearer(KEY_A))  # so does a listing
     assert listed.status == 429
-    by_token = await client.get(made["url"])  # ?token=: no key, no key's rate
+    by_token = await client.get(made["url"])  # ?token=: the stream's key's rate
+    assert by_token.status == 429
+    assert (await by_token.json())["error"]["code"] == "rate_limited"
+    await asyncio.sleep(1.0)  # the bucket refills (2 a second)
+    by_token = await client.get(made["url"])
     await by_token.read()
     assert by_token.status == 200
+    # Another key's bucket is not the stream's: it is not spent by the token's reads.
+    for _ in range(2):
+        other = await client.get("/v1/models", headers=bearer(KEY_B))
+        assert other.status == 200
 
 
 async def test_rate_limit_recovers(make_client: MakeClient) -> None:

@@ -345,6 +345,25 @@ async def test_one_access_line_per_request(
     assert (bad["events"], bad["bytes"]) == (None, None)
 
 
+async def test_a_model_name_cannot_split_the_text_line(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A client's model name with Unicode line boundaries (U+2028, U+2029, U+0085) or a
+    # newline: one record, one line under every reader's idea of a line.
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client()
+    forged = "x\u2028INFO nexus.access: req_f key=admin\u2029y\u0085z\nw"
+    resp = await client.post(CHAT, json=chat(model=forged), headers={"X-Request-Id": "rid-f"})
+    await resp.read()
+    await asyncio.sleep(0.05)
+    (record,) = access_records(caplog)
+    line = record.getMessage()
+    assert len(line.splitlines()) == 1
+    assert line.isascii()
+    assert '"x\\u2028INFO nexus.access: req_f key=admin\\u2029y\\u0085z\\nw"' in line
+    assert record.access["model"] == forged  # type: ignore[attr-defined]
+
+
 async def test_access_log_bytes_equal_the_body(
     make_client: MakeClient, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -240,7 +241,9 @@ def _text(value: object) -> object:
     characters (a client's model name) is JSON-quoted, so that it cannot forge fields or
     lines."""
     if isinstance(value, str) and (not _PLAIN.fullmatch(value) or '"' in value):
-        return orjson.dumps(value).decode()
+        # ASCII-escaped: orjson keeps U+2028, U+2029 and U+0085, which split a line
+        # for readers that break on every Unicode line boundary.
+        return json.dumps(value)
     return value
 
 

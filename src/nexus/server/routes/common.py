@@ -363,7 +363,8 @@ async def find_stream(
 
     With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
     instead of a key. A key's request takes a token of its rate first, unless not
-    ``rated`` (a cancel: a key past its rate may still stop what spends it). Raises
+    ``rated`` (a cancel: a key past its rate may still stop what spends it); a token's
+    takes one of its stream owner's rate once the stream is found. Raises
     :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited`` and
     :func:`stream_not_found` (404, also for another key's stream).
     """
@@ -373,6 +374,10 @@ async def find_stream(
         await admit(request, exchange(request).key, None)
     hub = app[state.HUB]
     info = await hub.info(stream_id)
+    if info is not None and owner is None and app[KEYS].enabled:
+        # A read token's request is its stream owner's: it takes a token of that key's
+        # rate (a token leaked in a URL would otherwise re-render the log unmetered).
+        await admit(request, app[KEYS].named(info.owner), None)
     if info is not None and owner is not None and not _same_owner(info.owner, owner):
         if hub.store.shared and stream_id in hub.live:
             # Found here without the store's round trip that a missing id costs: take

@@ -105,6 +105,9 @@ class LimitsConfig(_Table):
     forwards it, and the JSON encoder stops at 254."""
     max_json_items: int = Field(default=100_000, ge=1)
     """Values a request's objects and arrays may hold (see :mod:`nexus.protocol.json_depth`)."""
+    budget_max_output_tokens: int = Field(default=16_384, ge=1)
+    """The output cap a request of a key with a budget is sent with when it sets none, so
+    that its worst case, which the budget holds while it runs, is known."""
 
 
 class AuthKeyConfig(_Table):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import GatewayError, ModelNotFound, UnsupportedInput
 from .events import Error, StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
-from .pricing import Price, PriceTable, cost_usd, prompt_estimate
+from .pricing import Price, PriceTable, cost_usd, prompt_estimate, worst_cost
 from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import AudioPart, ChatRequest, ImagePart, UserMessage
@@ -180,12 +180,20 @@ class Engine:
         """Whether every target of ``model`` has a price, so that any stream it serves,
         after any fallback, has a cost to charge (a key with a budget needs one). An
         unknown model is True: routing refuses it with its own error."""
+        return None not in self._target_prices(model)
+
+    def hold_usd(self, request: ChatRequest) -> float:
+        """The most ``request`` can cost, at the dearest of its targets' prices (a budget's
+        hold: :func:`~nexus.pricing.worst_cost`); 0 for an unknown model."""
+        return worst_cost(request, self._target_prices(request.model))
+
+    def _target_prices(self, model: str) -> list[Price | None]:
         try:
             targets = self.route(model)
         except ModelNotFound:
-            return True
+            return []
         price = self.prices.price
-        return all(price(f"{p.name}/{upstream}", model) is not None for p, upstream in targets)
+        return [price(f"{p.name}/{upstream}", model) for p, upstream in targets]
 
     def models(self) -> list[str]:
         """Model ids to advertise: aliases, then each provider's models."""

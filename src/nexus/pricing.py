@@ -51,6 +51,7 @@ __all__ = [
     "spend_of",
     "tally",
     "terminal_ok",
+    "worst_cost",
 ]
 
 PER_TOKENS = 1_000_000
@@ -152,6 +153,22 @@ AUDIO_BYTES_PER_TOKEN = 1000
 """Audio: about 32 tokens a second of 16 kHz 16-bit speech."""
 UNSEEN_TOKENS = 85
 """A file sent by id: its size is the upstream's to know."""
+
+
+def worst_cost(request: ChatRequest, prices: Sequence[Price | None]) -> float:
+    """The most ``request`` can cost at the dearest of ``prices`` (None: unpriced, 0):
+    its :func:`prompt_estimate` at the dearer of the input and cache-write prices, and its
+    whole output cap (``token_limit``; none counts 0). What a budget holds for it while it
+    runs: an estimate's error (images, scripts other than Latin) is the only slack."""
+    prompt = prompt_estimate(request)
+    output = request.token_limit or 0
+    worst = 0.0
+    for price in prices:
+        if price is not None:
+            per_prompt = max(price.input_usd_per_mtok, price.cache_write_usd_per_mtok or 0.0)
+            usd = (prompt * per_prompt + output * price.output_usd_per_mtok) / PER_TOKENS
+            worst = max(worst, usd)
+    return worst
 
 
 def prompt_estimate(request: ChatRequest) -> int:

@@ -39,7 +39,7 @@ BUDGETED = f"""
 [[auth.keys]]
 name = "tenant"
 sha256 = "{hash_key(KEY)}"
-budget_usd = 0.000001
+budget_usd = 0.02                # $0.001 a token: one request, capped at 10 tokens, fits
 budget_period = "total"
 
 [providers.mock]
@@ -76,7 +76,7 @@ async def test_a_key_with_a_budget_cannot_spend_on_a_model_without_a_price(
             async with http.post("/v1/chat/completions", json=body, headers=BEARER) as r:
                 assert r.status == 404
             # The priced model is charged, and the budget then holds.
-            body = {**chat, "model": "mock/echo"}
+            body = {**chat, "model": "mock/echo", "max_tokens": 10}
             async with http.post("/v1/chat/completions", json=body, headers=BEARER) as r:
                 assert r.status == 200
             async with http.post("/v1/chat/completions", json=body, headers=BEARER) as r:

@@ -267,7 +267,9 @@ kind = "mock"
             proc, match = start_nexus(path, tmp_path / f"nexus{n}.log")
             procs.append(proc)
             urls.append(match.group(1))
-        three = {**CHAT, "mock": {"content": "one two three"}}  # $3 each
+        # $3 at most each (its cap), $3 spent.
+        three = {**CHAT, "mock": {"content": "one two three"}, "max_tokens": 3}
+        one = {**CHAT, "mock": {"content": "one"}, "max_tokens": 1}
         async with aiohttp.ClientSession(headers=BEARER) as http:
             # A streaming request on the first: $3 of $4, charged before its end is read.
             async with http.post(
@@ -275,22 +277,28 @@ kind = "mock"
             ) as resp:
                 assert resp.status == 200
                 assert b"[DONE]" in await resp.read()
-            # Under the budget still: the second runs (non-streaming), and passes it ($6).
+            # On the second, one that may cost $3 more would pass the budget: refused.
             async with http.post(urls[1] + "/v1/chat/completions", json=three) as resp:
+                assert resp.status == 429
+                error = (await resp.json())["error"]
+                assert error["code"] == "budget_exceeded"
+                assert "may cost up to $3" in error["message"]
+            # One that may cost $1 fits: it runs (non-streaming), and spends the rest.
+            async with http.post(urls[1] + "/v1/chat/completions", json=one) as resp:
                 assert resp.status == 200, await resp.text()
             # Refused on both, before anything opens.
             for url in urls:
-                async with http.post(url + "/v1/chat/completions", json=three) as resp:
+                async with http.post(url + "/v1/chat/completions", json=one) as resp:
                     assert resp.status == 429
                     error = (await resp.json())["error"]
                     assert error["code"] == "budget_exceeded"
-                    assert "$6 of its total budget of $4" in error["message"]
+                    assert "$4 of its total budget of $4" in error["message"]
         done = subprocess.run(
             [NEXUS, "keys", "--config", str(path)], capture_output=True, text=True, timeout=20
         )
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines()[1].split() == [
-            "alpha", "*", "4", "total", "6.000000", "never"
+            "alpha", "*", "4", "total", "4.000000", "never"
         ]  # fmt: skip
     finally:
         for proc in procs:
@@ -301,7 +309,15 @@ kind = "mock"
 
 async def test_every_way_in_is_charged_and_a_cache_hit_is_free(make_client: MakeClient) -> None:
     prices = {"mock/echo": {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1_000_000}}
-    client = await make_client(keyed(100, "total", models=prices, cache={"enabled": True}))
+    client = await make_client(
+        keyed(
+            100,
+            "total",
+            models=prices,
+            cache={"enabled": True},
+            limits={"budget_max_output_tokens": 10},  # $10 held a request
+        )
+    )
     limits = client.app[HUB].limits
     alpha = ApiKey("alpha", budget_usd=100, budget_period="total")
 
@@ -401,3 +417,94 @@ async def test_a_stream_left_before_its_first_event_is_charged_as_its_upstream_b
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         assert await limits.spent(alpha) == pytest.approx(charged)
+
+
+async def test_racing_streams_cannot_spend_past_the_budget(make_client: MakeClient) -> None:
+    """Each request holds its worst case while it runs: 20 streams started at once on a
+    $10 budget, each able to cost $3, admit three; the rest are refused, and told why."""
+    prices = {"mock/echo": {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1_000_000}}
+    client = await make_client(keyed(10, "total", models=prices))
+    alpha = ApiKey("alpha", budget_usd=10, budget_period="total")
+    slow = {**CHAT, "stream": True, "max_tokens": 3, "mock": {"content": "a b", "delay_ms": 300}}
+
+    async def one() -> tuple[int, str]:
+        resp = await client.post("/v1/chat/completions", json=slow, headers=BEARER)
+        return resp.status, (await resp.read()).decode()
+
+    answers = await asyncio.gather(*(one() for _ in range(20)))
+    statuses = sorted(status for status, _ in answers)
+    assert statuses == [200] * 3 + [429] * 17
+    refusal = next(text for status, text in answers if status == 429)
+    assert "may cost up to $3" in refusal and "running streams hold $" in refusal
+    spent = await client.app[HUB].limits.spent(alpha)
+    assert spent == pytest.approx(6)  # two tokens each: the holds gave back the rest
+    # Nothing is held once they ended: one more fits ($6 + $3 <= $10), then none.
+    fits = {**slow, "mock": {"content": "a b c"}}
+    resp = await client.post("/v1/chat/completions", json=fits, headers=BEARER)
+    assert resp.status == 200
+    await resp.read()
+    resp = await client.post("/v1/chat/completions", json=fits, headers=BEARER)
+    assert resp.status == 429  # $9 + $3 > $10, nothing held: a total budget, no retry
+    assert "Retry-After" not in resp.headers
+    assert "running streams hold" not in (await resp.json())["error"]["message"]
+
+
+async def test_a_request_without_a_cap_is_sent_with_the_budgets_cap(
+    make_client: MakeClient,
+) -> None:
+    """One stream without max_tokens could otherwise run a key far past its budget (200k
+    tokens on a $0.01 budget): it is sent with [limits] budget_max_output_tokens."""
+    prices = {"mock/echo": {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1_000_000}}
+    config = keyed(5, "total", models=prices, limits={"budget_max_output_tokens": 2})
+    client = await make_client(config)
+    alpha = ApiKey("alpha", budget_usd=5, budget_period="total")
+    long = {**CHAT, "mock": {"content": "a b c d e f g h"}}
+    resp = await client.post("/v1/chat/completions", json=long, headers=BEARER)
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 2
+    assert await client.app[HUB].limits.spent(alpha) == pytest.approx(2)
+    # A request's own cap is its own: one that may cost more than is left is refused.
+    resp = await client.post("/v1/chat/completions", json={**long, "max_tokens": 4}, headers=BEARER)
+    assert resp.status == 429
+    assert "may cost up to $4" in (await resp.json())["error"]["message"]
+    # A key without a budget is sent as it asked.
+    assert (await client.post("/v1/chat/completions", json=long)).status == 401
+
+
+async def test_holds_are_shared_by_replicas_and_go_with_their_slots_lease() -> None:
+    """In Redis a hold is checked and taken in the admission script, so two replicas
+    cannot both take the budget's rest; a charge replaces its stream's hold in one
+    script; a replica that dies leaves its holds only until their slots' lease ends."""
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    key = ApiKey("alpha", budget_usd=10.0, budget_period="total")
+
+    def replica() -> RedisLimits:
+        store = RedisStore(prefix=prefix, client=client)
+        return RedisLimits(store, rate=0, per_key=None, lease_s=0.5, fallback=LocalLimits(0, None))
+
+    one, two = replica(), replica()
+    try:
+        first = await one.admit(key, stream=True, hold=4.0)
+        second = await two.admit(key, stream=True, hold=4.0)
+        assert first is not None and second is not None  # $8 of $10 held
+        with pytest.raises(BudgetExceeded) as refused:
+            await one.admit(key, stream=True, hold=4.0)
+        assert "running streams hold $8" in refused.value.message
+        await two.charge(key, 1.0, second)  # its real cost, in place of its $4
+        third = await one.admit(key, stream=True, hold=4.0)  # $1 + $4 + $4 <= $10
+        assert third is not None
+        assert await one.spent(key) == pytest.approx(1.0)
+        with pytest.raises(BudgetExceeded):
+            await two.admit(key, stream=True, hold=2.0)
+        # The first replica dies with its two holds (its ticker never renews them).
+        await asyncio.sleep(0.7)
+        assert await two.admit(key, stream=True, hold=9.0) is not None
+    finally:
+        await drop_keys(client, prefix)
+        await client.aclose()

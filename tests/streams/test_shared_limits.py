@@ -190,7 +190,7 @@ async def test_redis_down_fails_open_to_this_process_except_for_budgets() -> Non
         assert refused.value.status == 503
         # A charge that cannot be sent is kept for the next tick.
         await limits.charge(ApiKey("capped", budget_usd=1.0), 0.5)
-        assert sum(usd for _, _, usd, _ in limits._unsent.values()) == 0.5
+        assert sum(entry[2] for entry in limits._unsent.values()) == 0.5
     finally:
         await limits.close()
         await client.aclose()

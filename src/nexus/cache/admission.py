@@ -47,14 +47,17 @@ class Admission:
             return self.live + self._opening
         return self._owned[owner] + self._opening_owned[owner]
 
-    def admit(self, key: ApiKey | None, limit: int, *, rate_taken: bool = False) -> Admitted:
+    def admit(
+        self, key: ApiKey | None, limit: int, *, rate_taken: bool = False, hold: float = 0.0
+    ) -> Admitted:
         """Admit a request for the block (``async with``; see the module docstring);
-        ``rate_taken``: its key's rate token was taken already.
+        ``rate_taken``: its key's rate token was taken already; ``hold``: its worst case
+        (USD), held against a budget (:mod:`nexus.cache.limits`).
 
         Raises :class:`TooManyStreams` past ``limit`` streams in this process, and
         what :meth:`KeyLimits.admit` raises.
         """
-        return Admitted(self, key, limit, rate_taken)
+        return Admitted(self, key, limit, rate_taken, hold)
 
     def started(self, run_id: str, owner: str | None) -> None:
         """A run started: it counts, and holds the slot admitted for this task."""
@@ -65,6 +68,10 @@ class Admission:
             self._slots[run_id] = slot
         if owner is not None:
             self._owned[owner] += 1
+
+    def slot_of(self, run_id: str) -> Slot | None:
+        """The key's slot the run ``run_id`` holds, if any."""
+        return self._slots.get(run_id)
 
     def ended(self, run_id: str, owner: str | None) -> None:
         """A run :meth:`started` ended (called once)."""
@@ -81,15 +88,16 @@ class Admitted:
     ``__aexit__``, not a generator's context manager (a generator, its wrapper and two
     more steps a request)."""
 
-    __slots__ = ("_admission", "_key", "_limit", "_rate", "_slot", "_token")
+    __slots__ = ("_admission", "_hold", "_key", "_limit", "_rate", "_slot", "_token")
 
     def __init__(
-        self, admission: Admission, key: ApiKey | None, limit: int, rate_taken: bool
+        self, admission: Admission, key: ApiKey | None, limit: int, rate_taken: bool, hold: float
     ) -> None:
         self._admission = admission
         self._key = key
         self._limit = limit
         self._rate = not rate_taken
+        self._hold = hold
         self._slot: Slot | None = None
         self._token: contextvars.Token[Slot | None] | None = None
 
@@ -104,7 +112,9 @@ class Admitted:
         admission._opening += 1
         if key is not None:
             try:
-                self._slot = await admission.limits.admit(key, stream=True, rate=self._rate)
+                self._slot = await admission.limits.admit(
+                    key, stream=True, rate=self._rate, hold=self._hold
+                )
             except BaseException:
                 admission._opening -= 1
                 raise

@@ -120,10 +120,10 @@ class StreamHub:
         return self.admission.running(owner)
 
     def admit(
-        self, key: ApiKey | None, limit: int, *, rate_taken: bool = False
+        self, key: ApiKey | None, limit: int, *, rate_taken: bool = False, hold: float = 0.0
     ) -> contextlib.AbstractAsyncContextManager[None]:
         """:meth:`Admission.admit <nexus.cache.admission.Admission.admit>`."""
-        return self.admission.admit(key, limit, rate_taken=rate_taken)
+        return self.admission.admit(key, limit, rate_taken=rate_taken, hold=hold)
 
     async def open(
         self,

@@ -6,6 +6,13 @@ its budget (``[[auth.keys]] budget_usd`` per ``budget_period``), one token of it
 place among its ``max_concurrent_streams_per_key`` streams (a :class:`Slot`). A
 request that ends charges its cost (:meth:`KeyLimits.charge`).
 
+A budget holds because a request of a key with one is admitted only if its worst case
+fits: the key's spend, plus what its running streams hold, plus this request's *hold*
+(its prompt, estimated, and its output cap, at the dearest of its targets' prices) must
+not pass the budget. The hold is taken with the slot and let go with it, after the
+stream's real cost is charged: running streams can never spend together more than the
+budget left when they started (the prompt estimate's error aside).
+
 * :class:`LocalLimits` (``[store] kind = "memory"``): token buckets and spend in
   this process; the streams a key runs are the hub's own count of them. N
   processes admit N times the limits.
@@ -20,6 +27,7 @@ process, and admission counts it (:mod:`nexus.cache.admission`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from abc import ABC, abstractmethod
@@ -41,6 +49,7 @@ __all__ = [
     "Slot",
     "StoreUnavailable",
     "budget_exceeded",
+    "over_budget",
     "rate_limited",
     "too_many_streams",
 ]
@@ -71,27 +80,46 @@ def too_many_streams(name: str, per_key: int) -> TooManyStreams:
     )
 
 
-def budget_exceeded(key: ApiKey, spent: float, now: float) -> BudgetExceeded:
-    """The refusal of a key whose window's spend reached its budget: the reset time in
-    the message and, for a window that ends, ``Retry-After``."""
+def budget_exceeded(
+    key: ApiKey, spent: float, now: float, held: float = 0.0, hold: float = 0.0
+) -> BudgetExceeded:
+    """The refusal of a key whose window's spend reached its budget (the reset time in
+    the message and, for a window that ends, ``Retry-After``), or whose budget left does
+    not cover ``hold``, this request's worst case, beside ``held`` by its running streams
+    (``Retry-After`` 1 while some are held: their ends give back what they did not spend)."""
     assert key.budget_usd is not None
     win = window(key.budget_period, now)
     retry = win.retry_after_s(now)
-    return BudgetExceeded(
-        budget_message(key.name, key.budget_usd, key.budget_period, spent, win),
-        headers={} if retry is None else {"Retry-After": str(retry)},
-    )
+    message = budget_message(key.name, key.budget_usd, key.budget_period, spent, win)
+    if spent < key.budget_usd:
+        message += (
+            f" This request may cost up to ${hold:.6g} (its prompt and its output cap: "
+            "max_tokens, else [limits] budget_max_output_tokens)"
+        )
+        if held > 0:
+            message += f" and its running streams hold ${held:.6g}"
+            retry = 1
+        message += "; lower max_tokens, or retry when its streams end."
+    return BudgetExceeded(message, headers={} if retry is None else {"Retry-After": str(retry)})
+
+
+def over_budget(key: ApiKey, spent: float, held: float, hold: float) -> bool:
+    """Whether a request holding ``hold`` is refused (see the module docstring)."""
+    assert key.budget_usd is not None
+    return spent >= key.budget_usd or spent + held + hold > key.budget_usd
 
 
 class Slot:
-    """A key's place among its concurrent streams in a shared count: held by the request
-    that took it, then by the run it opened (``taken``), released when that ends."""
+    """A key's place among its concurrent streams (in a shared count) and its budget's
+    ``hold`` (USD): held by the request that took it, then by the run it opened
+    (``taken``), released when that ends."""
 
-    __slots__ = ("id", "key", "taken")
+    __slots__ = ("hold", "id", "key", "taken")
 
-    def __init__(self, key: str, id: str) -> None:
+    def __init__(self, key: str, id: str, hold: float = 0.0) -> None:
         self.key = key
         self.id = id
+        self.hold = hold
         self.taken = False
 
 
@@ -105,11 +133,14 @@ class KeyLimits(ABC):
         """Called when the app stops (before the store's close)."""
 
     @abstractmethod
-    async def admit(self, key: ApiKey, *, stream: bool, rate: bool = True) -> Slot | None:
+    async def admit(
+        self, key: ApiKey, *, stream: bool, rate: bool = True, hold: float = 0.0
+    ) -> Slot | None:
         """One request of ``key``: a token of its rate (unless ``rate`` is False: taken
-        before) and, with ``stream`` (a request that runs a model), its budget and a place
-        among its concurrent streams; the :class:`Slot` to :meth:`release` when the
-        stream ends (None when there is nothing to release).
+        before) and, with ``stream`` (a request that runs a model), its budget, with
+        ``hold`` (its worst case, USD) held, and a place among its concurrent streams; the
+        :class:`Slot` to :meth:`release` when the stream ends (None when there is nothing
+        to release).
 
         Raises :class:`BudgetExceeded`, 429 ``rate_limited``, :class:`TooManyStreams`
         and (shared backend) :class:`StoreUnavailable`.
@@ -119,8 +150,10 @@ class KeyLimits(ABC):
         """The stream that held ``slot`` ended."""
 
     @abstractmethod
-    async def charge(self, key: ApiKey, usd: float) -> None:
-        """Add ``usd`` to the spend of ``key``'s current budget window."""
+    async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:
+        """Add ``usd`` to the spend of ``key``'s current budget window; the stream's real
+        cost replaces its ``slot``'s hold, in the same step (its end, then the client's
+        next request, must not find both or neither)."""
 
     @abstractmethod
     async def spent(self, key: ApiKey) -> float:
@@ -140,18 +173,42 @@ class LocalLimits(KeyLimits):
         self._running = running
         self._spend: dict[str, tuple[str, float]] = {}
         """Key name -> (window id, spend): a new window replaces the old one."""
+        self._held: dict[str, float] = {}
+        """Key name -> the holds of its running streams (USD)."""
+        self._ids = itertools.count()
 
-    async def admit(self, key: ApiKey, *, stream: bool, rate: bool = True) -> Slot | None:
-        self.check(key, stream=stream, rate=rate)
-        return None
+    async def admit(
+        self, key: ApiKey, *, stream: bool, rate: bool = True, hold: float = 0.0
+    ) -> Slot | None:
+        self.check(key, stream=stream, rate=rate, hold=hold)
+        if not (stream and hold > 0 and key.budget_usd is not None):
+            return None
+        self._held[key.name] = self._held.get(key.name, 0.0) + hold
+        return Slot(key.name, str(next(self._ids)), hold)
 
-    def check(self, key: ApiKey, *, stream: bool, budget: bool = True, rate: bool = True) -> None:
-        """:meth:`admit`, without a wait: what it raises, or nothing."""
+    def release(self, slot: Slot) -> None:
+        left = self._held.get(slot.key, 0.0) - slot.hold
+        if left > 1e-12:
+            self._held[slot.key] = left
+        else:
+            self._held.pop(slot.key, None)
+
+    def check(
+        self,
+        key: ApiKey,
+        *,
+        stream: bool,
+        budget: bool = True,
+        rate: bool = True,
+        hold: float = 0.0,
+    ) -> None:
+        """:meth:`admit`, without a wait or a hold taken: what it raises, or nothing."""
         if budget and stream and key.budget_usd is not None:
             now = time.time()
             spent = self._current(key, now)
-            if spent >= key.budget_usd:
-                raise budget_exceeded(key, spent, now)
+            held = self._held.get(key.name, 0.0)
+            if over_budget(key, spent, held, hold):
+                raise budget_exceeded(key, spent, now, held, hold)
         wait = self._buckets.acquire(key.name, time.monotonic()) if rate else 0
         if wait > 0:
             raise rate_limited(key.name, self.rate, wait)
@@ -166,9 +223,12 @@ class LocalLimits(KeyLimits):
             return 0.0
         return held[1]
 
-    async def charge(self, key: ApiKey, usd: float) -> None:
+    async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:
         now = time.time()
         self._spend[key.name] = (window(key.budget_period, now).id, self._current(key, now) + usd)
+        if slot is not None:
+            self.release(slot)
+            slot.hold = 0.0
 
     async def spent(self, key: ApiKey) -> float:
         return self._current(key, time.time())
@@ -187,9 +247,16 @@ class BudgetPlugin:
 
     wants_final = False  # the spend is all it reads: streams need not be merged for it
 
-    def __init__(self, limits: KeyLimits, keys: list[ApiKey]) -> None:
+    def __init__(
+        self,
+        limits: KeyLimits,
+        keys: list[ApiKey],
+        slot_of: Callable[[str], Slot | None] = lambda run_id: None,
+    ) -> None:
         self.limits = limits
         self.keys = {key.name: key for key in keys}
+        self.slot_of = slot_of
+        """The slot a run holds, by its id: its hold goes when its cost is charged."""
 
     async def on_stream_completed(
         self,
@@ -202,16 +269,22 @@ class BudgetPlugin:
         *,
         spend: Spend,
     ) -> None:
-        await self._charge(ctx, spend)
+        await self._charge(ctx, request_id, spend)
 
     async def on_stream_failed(
         self, ctx: CallContext, request_id: str, model: str, error: Error, *, spend: Spend
     ) -> None:
-        await self._charge(ctx, spend)
+        await self._charge(ctx, request_id, spend)
 
-    async def _charge(self, ctx: CallContext, spend: Spend) -> None:
-        """Add the stream's cost (estimated or not; none when it has no price)."""
+    async def _charge(self, ctx: CallContext, run_id: str, spend: Spend) -> None:
+        """Add the stream's cost (estimated or not; none when it has no price) in place
+        of its hold."""
         key = None if ctx.key is None else self.keys.get(ctx.key)
-        cost = spend.cost_usd
-        if key is not None and cost is not None and cost > 0:
-            await self.limits.charge(key, cost)
+        if key is None:
+            return
+        cost = spend.cost_usd or 0.0
+        slot = self.slot_of(run_id)
+        if slot is not None and (slot.key != key.name or not slot.hold):
+            slot = None
+        if cost > 0 or slot is not None:
+            await self.limits.charge(key, cost, slot)

@@ -4,15 +4,18 @@ Keys, under the store's ``{prefix}:``::
 
     limits:rate:{key}      hash    the key's token bucket: tokens "t", last refill "at" (ms)
     limits:streams:{key}   zset    one member per stream running, scored by its lease deadline
+    limits:held:{key}      hash    a running stream's budget hold (USD), by its slot's member
     spend:{key}:{window}   string  the window's spend in USD; expires a day after the window
     charged:{id}           string  a charge that was added (15 minutes): sent again, it adds nothing
 
-One Lua script (:data:`_ADMIT`) checks and takes a request's budget, token (refilled
-on Redis's clock) and slot at once, atomically: two replicas cannot both take the last
-one. A slot's score is its lease deadline: this process renews all its slots on one
-tick (every third of ``[limits] stream_lease_s``, one pipeline); a slot goes when its
-stream ends (the ends of one loop turn in one pipeline), or, for a replica that died,
-at the next admission past its lease. An admission whose reply was lost (the script may
+One Lua script (:data:`_ADMIT`) checks and takes a request's budget (with its hold),
+token (refilled on Redis's clock) and slot at once, atomically: two replicas cannot both
+take the last one. A request of a key with a budget always takes a slot, which its hold
+lives and goes with (a hold whose slot's lease ran out counts no more). A slot's score is
+its lease deadline: this process renews all its slots on one tick (every third of
+``[limits] stream_lease_s``, one pipeline); a slot goes when its stream ends (the ends of
+one loop turn in one pipeline), or, for a replica that died, at the next admission past
+its lease. An admission whose reply was lost (the script may
 have taken the slot) removes its slot too, rather than hold it for a lease.
 
 Redis failing is never a 500: rate and concurrency fail open to this process
@@ -48,17 +51,32 @@ __all__ = ["RedisLimits"]
 
 log = logging.getLogger("nexus.limits")
 
-# KEYS: the rate bucket, the stream slots, the spend.
-# ARGV: rate per second (0: none), bucket capacity, slot limit (0: no slot), slot id,
-#       lease ms, budget (negative: none).
-# Returns {0, ""} admitted; {1, wait ms} no token; {2, ""} no slot; {3, spend} budget spent.
+# KEYS: the rate bucket, the stream slots, the spend, the holds.
+# ARGV: rate per second (0: none), bucket capacity, slot limit (0: none), slot id ("": no
+#       slot), lease ms, budget (negative: none), hold USD.
+# Returns {0, ""} admitted; {1, wait ms} no token; {2, ""} no slot; {3, spend, held}
+# budget spent, or its rest held.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local slot = ARGV[4]
+if slot ~= '' then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
 local budget = tonumber(ARGV[6])
+local hold = tonumber(ARGV[7])
 if budget >= 0 then
   local spent = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
-  if spent >= budget then return {3, tostring(spent)} end
+  local held = 0
+  local holds = redis.call('HGETALL', KEYS[4])
+  for i = 1, #holds, 2 do
+    if redis.call('ZSCORE', KEYS[2], holds[i]) then
+      held = held + tonumber(holds[i + 1])
+    else
+      redis.call('HDEL', KEYS[4], holds[i])
+    end
+  end
+  if spent >= budget or spent + held + hold > budget then
+    return {3, tostring(spent), tostring(held)}
+  end
 end
 local rate = tonumber(ARGV[1])
 if rate > 0 then
@@ -76,18 +94,21 @@ if rate > 0 then
   redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate * 1000) + 1000)
   if not ok then return {1, tostring(math.ceil((1 - tokens) * 1000 / rate))} end
 end
-local limit = tonumber(ARGV[3])
-if limit > 0 then
+if slot ~= '' then
+  local limit = tonumber(ARGV[3])
   local lease = tonumber(ARGV[5])
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= limit then return {2, ''} end
-  redis.call('ZADD', KEYS[2], now + lease, ARGV[4])
+  if limit > 0 and redis.call('ZCARD', KEYS[2]) >= limit then return {2, ''} end
+  redis.call('ZADD', KEYS[2], now + lease, slot)
   redis.call('PEXPIRE', KEYS[2], lease * 2)
+  if hold > 0 then
+    redis.call('HSET', KEYS[4], slot, ARGV[7])
+    redis.call('PEXPIRE', KEYS[4], lease * 2)
+  end
 end
 return {0, ''}
 """
 
-# KEYS: a key's stream slots. ARGV: lease ms, then the ids of the slots held here.
+# KEYS: a key's stream slots, its holds. ARGV: lease ms, then the ids of the slots held here.
 # Not XX: a slot Redis lost (it restarted, or was unreachable past the set's TTL, or this
 # process stalled past the lease) comes back, since its stream still runs; until those
 # streams end the key may be over its limit, which then refuses it, never the reverse.
@@ -97,18 +118,21 @@ local lease = tonumber(ARGV[1])
 local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + lease
 for i = 2, #ARGV do redis.call('ZADD', KEYS[1], deadline, ARGV[i]) end
 redis.call('PEXPIRE', KEYS[1], lease * 2)
+redis.call('PEXPIRE', KEYS[2], lease * 2)
 return 0
 """
 
-# KEYS: the spend, the charge's marker. ARGV: USD, the spend's TTL ms (0: none), the
-# marker's TTL ms. A charge sent again (its reply was lost: redis-py and the tick retry
-# it) finds its marker and adds nothing.
+# KEYS: the spend, the charge's marker, the key's holds. ARGV: USD, the spend's TTL ms
+# (0: none), the marker's TTL ms, the slot whose hold the charge replaces ("": none). A
+# charge sent again (its reply was lost: redis-py and the tick retry it) finds its marker
+# and adds nothing.
 _CHARGE = """
 if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[3]) then
   redis.call('INCRBYFLOAT', KEYS[1], ARGV[1])
   local ttl = tonumber(ARGV[2])
   if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
 end
+if ARGV[4] ~= '' then redis.call('HDEL', KEYS[3], ARGV[4]) end
 return 0
 """
 
@@ -144,9 +168,10 @@ class RedisLimits(KeyLimits):
         self._held: dict[str, set[str]] = {}
         """Key name -> ids of the slots held here: what the tick renews."""
         self._ids = itertools.count()
-        self._unsent: dict[str, tuple[str, str, float, float | None]] = {}
-        """Charge id -> (key, window, USD, TTL) of charges not yet sent or that failed,
-        retried on the tick under the same id (counted once however often sent)."""
+        self._unsent: dict[str, tuple[str, str, float, float | None, str]] = {}
+        """Charge id -> (key, window, USD, TTL, the slot whose hold it replaces) of
+        charges not yet sent or that failed, retried on the tick under the same id
+        (counted once however often sent)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ticker: asyncio.Task[None] | None = None
         self._warned = -math.inf
@@ -167,7 +192,9 @@ class RedisLimits(KeyLimits):
         await self._flush_charges()
         # Slots still held (streams cut by the shutdown) go now, not at their lease's end.
         held, self._held = self._held, {}
-        await self._send("release", [self._zrem(name, *ids) for name, ids in held.items()])
+        await self._send(
+            "release", [cmd for name, ids in held.items() for cmd in self._freed(name, *ids)]
+        )
 
     async def _send(self, op: str, commands: list[tuple[Any, ...]]) -> bool:
         """``commands`` through the store's pipeline; a failure warned (and counted)."""
@@ -179,35 +206,43 @@ class RedisLimits(KeyLimits):
             self._warn(exc.__cause__ or exc)
             return False
 
-    def _zrem(self, name: str, *ids: str) -> tuple[Any, ...]:
-        return ("ZREM", self._key("limits", "streams", name), *ids)
+    def _freed(self, name: str, *ids: str) -> list[tuple[Any, ...]]:
+        """The commands that let slots ``ids`` of key ``name`` go, and their holds."""
+        return [
+            ("ZREM", self._key("limits", "streams", name), *ids),
+            ("HDEL", self._key("limits", "held", name), *ids),
+        ]
 
-    async def admit(self, key: ApiKey, *, stream: bool, rate: bool = True) -> Slot | None:
+    async def admit(
+        self, key: ApiKey, *, stream: bool, rate: bool = True, hold: float = 0.0
+    ) -> Slot | None:
         name = key.name
         slot = None
-        if stream and self.per_key is not None:
-            slot = Slot(name, f"{self.store.replica_id}-{next(self._ids)}")
         budget = key.budget_usd if stream else None
+        if stream and (self.per_key is not None or budget is not None):
+            slot = Slot(name, f"{self.store.replica_id}-{next(self._ids)}", hold)
         per_second = self.rate if rate else 0.0
         if slot is None and budget is None and per_second <= 0:
             return None  # nothing to count: no round trip
         win_id = window(key.budget_period, time.time()).id if budget is not None else ""
         try:
-            ((code, value),) = await self.store.call(
+            ((code, value, *held),) = await self.store.call(
                 "admit",
                 (
                     "EVAL",
                     _ADMIT,
-                    3,
+                    4,
                     self._key("limits", "rate", name),
                     self._key("limits", "streams", name),
                     self._key("spend", name, win_id),
+                    self._key("limits", "held", name),
                     repr(per_second),
                     repr(self.capacity),
                     self.per_key if slot is not None and self.per_key is not None else 0,
                     slot.id if slot is not None else "",
                     self.lease_ms,
                     repr(budget) if budget is not None else -1,
+                    repr(hold) if budget is not None else 0,
                 ),
             )
         except StoreUnavailable as exc:
@@ -229,7 +264,7 @@ class RedisLimits(KeyLimits):
             assert self.per_key is not None
             raise too_many_streams(name, self.per_key)
         if code == 3:
-            raise budget_exceeded(key, float(value), time.time())
+            raise budget_exceeded(key, float(value), time.time(), float(held[0]), hold)
         if slot is not None:
             self._held.setdefault(name, set()).add(slot.id)
         return slot
@@ -246,16 +281,19 @@ class RedisLimits(KeyLimits):
     def _release_later(self, name: str, slot_id: str) -> None:
         """Remove a slot from Redis in the background; if that fails, its lease runs out."""
         task = asyncio.get_running_loop().create_task(
-            self._send("release", [self._zrem(name, slot_id)])
+            self._send("release", self._freed(name, slot_id))
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def charge(self, key: ApiKey, usd: float) -> None:
+    async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:
         now = time.time()
         win = window(key.budget_period, now)
         charge_id = f"{self.store.replica_id}-{next(self._ids)}"
-        self._unsent[charge_id] = (key.name, win.id, usd, win.ttl_s(now))
+        held = "" if slot is None else slot.id
+        self._unsent[charge_id] = (key.name, win.id, usd, win.ttl_s(now), held)
+        if slot is not None:
+            slot.hold = 0.0
         await self._flush_charges()
 
     async def _flush_charges(self) -> None:
@@ -264,14 +302,16 @@ class RedisLimits(KeyLimits):
             (
                 "EVAL",
                 _CHARGE,
-                2,
+                3,
                 self._key("spend", name, win_id),
                 self._key("charged", charge_id),
+                self._key("limits", "held", name),
                 repr(usd),
                 0 if ttl is None else max(1, round(ttl * 1000)),
                 _CHARGE_MARK_MS,
+                held,
             )
-            for charge_id, (name, win_id, usd, ttl) in sending.items()
+            for charge_id, (name, win_id, usd, ttl, held) in sending.items()
         ]
         if not await self._send("charge", commands):
             log.warning("charging spend failed: retried on the next tick")
@@ -287,7 +327,15 @@ class RedisLimits(KeyLimits):
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
             leases = [
-                ("EVAL", _RENEW, 1, self._key("limits", "streams", name), self.lease_ms, *ids)
+                (
+                    "EVAL",
+                    _RENEW,
+                    2,
+                    self._key("limits", "streams", name),
+                    self._key("limits", "held", name),
+                    self.lease_ms,
+                    *ids,
+                )
                 for name, ids in self._held.items()
             ]
             await self._send("renew", leases)

@@ -36,6 +36,7 @@ from aiohttp import web
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..errors import GatewayError
 from ..providers.http import POOL_WAITS
+from ..request import ChatRequest
 from ..telemetry import Telemetry
 from .errors import Handler, error_response
 from .metrics import Metrics
@@ -316,11 +317,13 @@ def admit_stream(
     *,
     param: str = "model",
     rate_taken: bool = False,
+    hold: float = 0.0,
 ) -> contextlib.AbstractAsyncContextManager[None]:
     """For the block that opens the stream (``async with admit_stream(...)``): the model
     checks (:func:`check_stream_model`), then a token of the key's rate (unless
-    ``rate_taken``: :func:`admit` took it), its budget, a place among the streams running
-    here and the key's (:mod:`nexus.cache.admission`).
+    ``rate_taken``: :func:`admit` took it), its budget with ``hold`` held (see
+    :func:`budgeted`), a place among the streams running here and the key's
+    (:mod:`nexus.cache.admission`).
 
     Raises what :func:`check_stream_model` raises when it is called; 429
     ``rate_limited``, ``too_many_streams`` and ``budget_exceeded``, and 503
@@ -328,7 +331,22 @@ def admit_stream(
     """
     check_stream_model(request, key, model, param=param)
     limit = request.app[_CONFIG].limits.max_concurrent_streams
-    return request.app[_HUB].admit(key, limit, rate_taken=rate_taken)
+    return request.app[_HUB].admit(key, limit, rate_taken=rate_taken, hold=hold)
+
+
+def budgeted(
+    request: web.Request, key: ApiKey | None, chat: ChatRequest
+) -> tuple[ChatRequest, float]:
+    """``chat`` as it runs for ``key``, and what the key's budget holds for it while it
+    runs (0.0: no budget): its worst case, :meth:`~nexus.engine.Engine.hold_usd`. One
+    without an output cap is given ``[limits] budget_max_output_tokens``, sent upstream,
+    so that its worst case is known (a cap nobody set would hold the whole budget)."""
+    if key is None or key.budget_usd is None:
+        return chat, 0.0
+    if chat.token_limit is None:
+        cap = request.app[_CONFIG].limits.budget_max_output_tokens
+        chat = chat.model_copy(update={"max_completion_tokens": cap})
+    return chat, request.app[_HUB].engine.hold_usd(chat)
 
 
 def check_stream_model(

@@ -92,7 +92,8 @@ def create_app(
     app[KEYS] = keys = KeyRing(config.auth.keys)
     hub.limits = limits = build_limits(config, store, hub)
     if keys.enabled:
-        engine.hooks.add(BudgetPlugin(limits, keys.keys), name="budgets")
+        budgets = BudgetPlugin(limits, keys.keys, hub.admission.slot_of)
+        engine.hooks.add(budgets, name="budgets")
     app[TOKENS] = StreamTokens(_token_secret(config))
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()

@@ -59,6 +59,7 @@ from ..access import (
     admit,
     admit_stream,
     authenticate,
+    budgeted,
     exchange,
 )
 from ..render import Cursor, parse_cursor
@@ -241,7 +242,8 @@ async def complete(
         ex.format = "application/json"
     # A JSON answer is counted among the streams running like a streaming one: as its run.
     # Taken once the body is in: an upload, however slow, holds no place among them.
-    async with admit_stream(request, key, chat.model, rate_taken=True):
+    chat, hold = budgeted(request, key, chat)
+    async with admit_stream(request, key, chat.model, rate_taken=True, hold=hold):
         opened = await hub.open(
             chat,
             format=default_format,

@@ -44,7 +44,7 @@ from ...protocol.realtime import (
 )
 from ...protocol.websocket_frames import text_frames
 from .. import state
-from ..access import admit_stream, authenticate, exchange
+from ..access import admit_stream, authenticate, budgeted, exchange
 from ..writer import Writer
 from .common import check_open
 
@@ -186,9 +186,11 @@ class RealtimeConnection(Writer):
             case StartTurn(request=request):
                 try:
                     owner = self.key.name if self.key is not None else None
-                    # As an HTTP request: the key's model, its rate, a place among the streams.
+                    # As an HTTP request: the key's model, its rate, its budget's hold, a
+                    # place among the streams.
+                    request, hold = budgeted(self.request, self.key, request)
                     async with admit_stream(
-                        self.request, self.key, request.model, param="request.model"
+                        self.request, self.key, request.model, param="request.model", hold=hold
                     ):
                         opened = await self.hub.open(
                             request,

@@ -505,3 +505,84 @@ async def test_a_client_that_leaves_before_any_answer_is_a_499(
     (record,) = [r for r in access_records(caplog) if r.request_id == "rid-gone"]  # type: ignore[attr-defined]
     assert record.access["status"] == 499  # type: ignore[attr-defined]
     assert record.access["cancelled"] == "client_disconnect"  # type: ignore[attr-defined]
+
+
+def spend_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "nexus.spend"]
+
+
+async def until_spend_lines(caplog: pytest.LogCaptureFixture, count: int) -> list[Any]:
+    for _ in range(300):
+        if len(spend_records(caplog)) >= count:
+            break
+        await asyncio.sleep(0.01)
+    return [r.access for r in spend_records(caplog)]  # type: ignore[attr-defined]
+
+
+PRICED = {"models": {"mock/echo": {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1_000_000}}}
+
+
+async def test_a_background_streams_spend_has_a_line_of_its_own_at_its_end(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its request's access line is the 202's, written before the stream ran: the spend
+    # comes in a nexus.spend line at the stream's end, under the same request id.
+    caplog.set_level(logging.INFO, logger="nexus")
+    client = await make_client(PRICED)
+    body = chat("one two three", background=True, model="mock/echo")
+    resp = await client.post(CHAT, json=body, headers={"X-Request-Id": "rid-bg"})
+    assert resp.status == 202
+    made = await resp.json()
+    (line,) = await until_spend_lines(caplog, 1)
+    access = [r for r in access_records(caplog) if r.request_id == "rid-bg"]  # type: ignore[attr-defined]
+    assert len(access) == 1 and "cost_usd" not in access[0].access  # type: ignore[attr-defined]
+    assert spend_records(caplog)[0].request_id == "rid-bg"  # type: ignore[attr-defined]
+    assert (line["stream_id"], line["outcome"], line["served"]) == (made["id"], "ok", "mock/echo")
+    assert line["completion_tokens"] == 3 and line["cost_usd"] == pytest.approx(3)
+    assert spend_records(caplog)[0].getMessage().startswith("rid-bg endpoint=")
+
+
+async def test_each_realtime_turn_has_its_spend_line(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    import orjson
+    import websockets
+
+    caplog.set_level(logging.INFO, logger="nexus")
+    client = await make_client(PRICED)
+    url = str(client.make_url("/v1/realtime")).replace("http", "ws", 1)
+    async with websockets.connect(url) as ws:
+        for content in ("a b", "c d e"):
+            request = {"model": "mock/echo", "messages": [{"role": "user", "content": content}]}
+            await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
+            while orjson.loads(await ws.recv())["type"] != "done":
+                pass
+        lines = await until_spend_lines(caplog, 2)
+    assert [line["completion_tokens"] for line in lines] == [2, 3]
+    assert [line["cost_usd"] for line in lines] == [pytest.approx(2), pytest.approx(3)]
+    assert {(line["endpoint"], line["model"], line["outcome"]) for line in lines} == {
+        ("/v1/realtime", "mock/echo", "ok")
+    }
+    assert len({line["stream_id"] for line in lines}) == 2
+
+
+async def test_a_resumable_stream_its_client_left_has_its_spend_line_at_its_end(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus")
+    client = await make_client(PRICED)
+    body = chat("a b c d", stream=True, model="mock/echo")
+    body["mock"] = {"content": "a b c d", "delay_ms": 300}
+    body["stream_options"] = {"resumable": True}
+    resp = await client.post(f"{CHAT}?stream_format=sse", json=body)
+    await resp.content.readuntil(b"\n\n")
+    resp.close()  # it runs on without its client
+    (line,) = await until_spend_lines(caplog, 1)
+    assert line["completion_tokens"] == 4 and line["cost_usd"] == pytest.approx(4)
+    (access,) = access_records(caplog)
+    assert "cost_usd" not in access.access  # type: ignore[attr-defined]
+    # A stream that ended within its request has its spend on the access line only.
+    resp = await client.post(CHAT, json=chat("x y", model="mock/echo"))
+    await resp.read()
+    await asyncio.sleep(0.1)
+    assert len(spend_records(caplog)) == 1

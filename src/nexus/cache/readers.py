@@ -56,6 +56,10 @@ class RunReader:
         return self._run.spend
 
     @property
+    def run(self) -> StreamRun:
+        return self._run
+
+    @property
     def served(self) -> StreamMeta:
         return self._run.info.meta
 
@@ -142,6 +146,10 @@ class StoreReader:
 
     async def settled_spend(self, wait_s: float) -> Spend | None:
         return None  # counted where the stream ran
+
+    @property
+    def run(self) -> None:
+        return None  # it runs elsewhere
 
     def __aiter__(self) -> StoreReader:
         return self

@@ -72,6 +72,9 @@ class LogReader(Protocol):
     @property
     def served(self) -> StreamMeta: ...  # the meta now (after a fallback: who answered)
 
+    @property
+    def run(self) -> StreamRun | None: ...  # the local run it follows (None: elsewhere)
+
     async def settled_spend(self, wait_s: float) -> Spend | None:
         """:attr:`spend`, after up to ``wait_s`` for a stream being cancelled (its last
         reader gone) to end. Call it after :meth:`close`."""

@@ -34,7 +34,9 @@ import orjson
 from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
+from ..cache.run import StreamRun
 from ..errors import GatewayError
+from ..pricing import Spend
 from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
 from ..telemetry import Telemetry
@@ -62,6 +64,7 @@ __all__ = [
 
 log = logging.getLogger("nexus.server")
 access_log = logging.getLogger("nexus.access")
+spend_log = logging.getLogger("nexus.spend")
 
 KEYS = web.AppKey("keys", KeyRing)
 METRICS = web.AppKey("metrics", Metrics)
@@ -275,14 +278,55 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         "cancelled": ex.cancelled,
     }
     if spend is not None:
-        fields["prompt_tokens"] = spend.prompt_tokens
-        fields["completion_tokens"] = spend.completion_tokens
-        fields["cached_tokens"] = spend.cached_tokens
-        fields["cache_write_tokens"] = spend.cache_write_tokens or None
-        fields["reasoning_tokens"] = spend.reasoning_tokens
-        fields["cost_usd"] = None if spend.cost_usd is None else round(spend.cost_usd, 10)
-        fields["estimated"] = True if spend.estimated else None
+        _add_spend(fields, spend)
     return fields
+
+
+def _add_spend(fields: dict[str, Any], spend: Spend) -> None:
+    fields["prompt_tokens"] = spend.prompt_tokens
+    fields["completion_tokens"] = spend.completion_tokens
+    fields["cached_tokens"] = spend.cached_tokens
+    fields["cache_write_tokens"] = spend.cache_write_tokens or None
+    fields["reasoning_tokens"] = spend.reasoning_tokens
+    fields["cost_usd"] = None if spend.cost_usd is None else round(spend.cost_usd, 10)
+    fields["estimated"] = True if spend.estimated else None
+
+
+def account_at_end(
+    app: web.Application, ex: Exchange, run: StreamRun, model: str | None = None
+) -> None:
+    """What ``run`` spent, in a ``nexus.spend`` line of its own when it ends, for a stream
+    that outlives its request's access line: a background request's (its line is the
+    202's), a resumable one its client left, each turn of a realtime socket (``model``:
+    the turn's). Same request id; that access line has no spend, so no dollar is in two
+    lines."""
+    if app[_CONFIG].logging.access_log:
+        run.done.add_done_callback(lambda _: _spend_line(ex, run, model or ex.model))
+
+
+def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:
+    spend = run.spend
+    if spend is None or not run.events:
+        return
+    ended = Exchange(request_id=ex.request_id, started=ex.started)
+    ended.ended_with(run.events[-1])
+    outcome = ended.outcome(200)
+    level = logging.INFO if outcome == "ok" else logging.WARNING
+    if not spend_log.isEnabledFor(level):
+        return
+    meta = run.info.meta
+    fields: dict[str, Any] = {
+        "endpoint": ex.endpoint,
+        "outcome": outcome,
+        "model": model,
+        "served": f"{meta.provider}/{meta.upstream_model}" if meta.provider else None,
+        "stream_id": run.id,
+        "key": ex.key.name if ex.key is not None else None,
+    }
+    _add_spend(fields, spend)
+    text = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
+    extra = {"request_id": ex.request_id, "access": fields}
+    spend_log.log(level, "%s %s", ex.request_id, text, extra=extra)
 
 
 def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:

@@ -21,7 +21,7 @@ heartbeat, disconnect and shutdown:
   ``heartbeat_interval_s`` without a write; the connection aborted when its socket stays
   full without taking a byte for ``write_timeout_s``.
 * **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler when the peer
-  goes away; ``finally`` detaches the reader. A failed write ends the pump the same way.
+  goes away; ``finally`` detaches the reader (a failed write too).
 * **Shutdown.** After the grace period the app cancels the streams (their logs end with a
   retryable ``server_shutting_down`` error, written with the format's terminator), then
   :meth:`StreamPump.shutdown` the pumps still running (those following another replica's
@@ -45,7 +45,7 @@ from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
 from ..pricing import NOTHING
 from ..watchdog import Watchdog
-from .access import METRICS, Exchange, exchange
+from .access import METRICS, Exchange, account_at_end, exchange
 from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
 from .writer import Writer
@@ -201,8 +201,10 @@ class StreamPump(Writer):
             ex = self.exchange
             if self.origin and ex.spend is None and self.reader.failure is None:
                 # The client left before the end: its stream, unless resumable, is being
-                # cancelled now; the access line waits (briefly) for what it spent.
+                # cancelled; the access line waits (briefly) for its spend, else a line of
                 ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
+                if ex.spend is None and (run := self.reader.run) is not None:
+                    account_at_end(self.request.app, ex, run)  # its own has it at the end
 
     async def _read_in_task(self, batches: AsyncIterator[list[StreamEvent]], out: bytes) -> object:
         """The next batch, read in a task of its own: a read that must not be cancelled (a

@@ -56,6 +56,7 @@ from ..access import (
     KEYS,
     METRICS,
     Exchange,
+    account_at_end,
     admit,
     admit_stream,
     authenticate,
@@ -269,6 +270,8 @@ async def complete(
     if chat.background:
         if opened.run is not None:
             end_with(opened.run.done)  # the request's span covers its run, not just the 202
+            if not opened.joined and opened.cache != "hit":
+                account_at_end(app, ex, opened.run)  # its spend, when it ends
         # Location is the bare resource (a key reads it); the body's url carries a read token.
         headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
         config = app[state.CONFIG]

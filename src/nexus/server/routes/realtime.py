@@ -44,7 +44,7 @@ from ...protocol.realtime import (
 )
 from ...protocol.websocket_frames import text_frames
 from .. import state
-from ..access import admit_stream, authenticate, budgeted, exchange
+from ..access import account_at_end, admit_stream, authenticate, budgeted, exchange
 from ..writer import Writer
 from .common import check_open
 
@@ -213,7 +213,11 @@ class RealtimeConnection(Writer):
                     return
                 self.session.start_accepted()
                 # A joined stream is another request's: this socket may leave it, never end it.
-                self.turn = Turn(self, reader, None if opened.joined else opened.run)
+                run = None if opened.joined else opened.run
+                if run is not None and opened.cache != "hit":
+                    # The socket's access line is one for all its turns: each its own spend.
+                    account_at_end(self.request.app, exchange(self.request), run, request.model)
+                self.turn = Turn(self, reader, run)
             case AbortTurn():
                 running = self.turn
                 if running is None:

@@ -261,11 +261,15 @@ class Engine:
         """The routed call itself: the end of the middleware chain."""
         meta = self._meta(request, targets[0])
 
-        def served(provider: Provider, model: str, accepted: bool) -> None:
+        def served(provider: Provider, model: str, accepted: bool, prompt: Usage | None) -> None:
             # A fallback answered: the stream's meta names it from its first event on;
             # or a target took the request and the stream ends before any event came.
             stream.meta = replace(
-                meta, provider=provider.name, upstream_model=model, upstream_accepted=accepted
+                meta,
+                provider=provider.name,
+                upstream_model=model,
+                upstream_accepted=accepted,
+                upstream_prompt=prompt,
             )
 
         stream = Stream.of_batches(_Run(self, targets, request, served), meta)
@@ -346,7 +350,7 @@ class _Run:
         engine: Engine,
         targets: list[Target],
         request: ChatRequest,
-        served: Callable[[Provider, str, bool], None],
+        served: Callable[[Provider, str, bool, Usage | None], None],
     ) -> None:
         self._engine = engine
         self._targets = targets
@@ -448,7 +452,7 @@ class _Run:
         # stream's length.
         self._request = None
         if self._attempt:
-            self._served(*self._targets[self._attempt], False)
+            self._served(*self._targets[self._attempt], False, None)
 
     async def _end(self, attempt: int, *, failed: bool = False) -> None:
         """Close the current target's batches and end its span; go on at ``attempt``.
@@ -457,8 +461,9 @@ class _Run:
         self._batches = self._span = None
         if not failed and self._request is not None and getattr(batches, "accepted", False):
             # Taken, then closed before its first event (the client left): its prompt is
-            # billed upstream.
-            self._served(*self._targets[self._attempt], True)
+            # billed upstream (its count, if the upstream gave it).
+            prompt = getattr(batches, "prompt_usage", None)
+            self._served(*self._targets[self._attempt], True, prompt)
         self._attempt = attempt - 1
         try:
             if batches is not None:

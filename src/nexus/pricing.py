@@ -113,6 +113,7 @@ class PriceTable:
             complete=complete,
             prompt_estimate=meta.prompt_estimate,
             accepted=meta.upstream_accepted,
+            upstream_prompt=meta.upstream_prompt,
         )
 
 
@@ -278,10 +279,12 @@ def spend_of(
     complete: bool,
     prompt_estimate: int = 0,
     accepted: bool = False,
+    upstream_prompt: Usage | None = None,
 ) -> Spend:
     """The :class:`Spend` of a stream; ``complete``: its last usage is the final count.
     ``prompt_estimate``: the prompt of a stream the upstream answered without a usage;
-    ``accepted``: an upstream took the request, though no event came from it."""
+    ``accepted``: an upstream took the request, though no event came from it;
+    ``upstream_prompt``: then, the prompt's counts it gave (charged, not the estimate)."""
 
     usage = tallied.usage
     if usage is not None:
@@ -293,6 +296,11 @@ def spend_of(
         estimated = False
         if not complete and tallied.produced > completion:
             completion, estimated = tallied.produced, True
+    elif upstream_prompt is not None:
+        prompt = upstream_prompt.prompt_tokens
+        cached = upstream_prompt.cached_tokens or 0
+        written = upstream_prompt.cache_write_tokens or 0
+        reasoning, completion, estimated = 0, tallied.produced, True
     else:
         # Accepted (an event came, or a 2xx) but cut before a usage: the prompt is billed.
         prompt = prompt_estimate if tallied.answered or accepted else 0

@@ -42,7 +42,8 @@ class Batches(Protocol):
     per step (no generator layer to resume). ``aclose()`` releases what it holds.
 
     A provider's may say ``accepted`` (true once the upstream took the request): a stream
-    closed before its first event is then charged its prompt's estimate."""
+    closed before its first event is then charged its prompt's estimate, or the
+    ``prompt_usage`` (a :class:`~nexus.events.Usage`) the upstream said before any event."""
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 

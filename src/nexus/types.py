@@ -40,6 +40,10 @@ class StreamMeta:
     """An upstream took the request (it answered 2xx), so bills its prompt, though the
     stream ended before any event came (a client that left during a long prefill or
     reasoning): the prompt's estimate is charged. Set when such a stream ends."""
+    upstream_prompt: Usage | None = None
+    """The upstream's own count of the prompt, when it gave one before any event came
+    (Anthropic's ``message_start``): charged, in place of the estimate, to a stream that
+    ended then. Set when such a stream ends."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

@@ -508,3 +508,63 @@ async def test_holds_are_shared_by_replicas_and_go_with_their_slots_lease() -> N
     finally:
         await drop_keys(client, prefix)
         await client.aclose()
+
+
+async def test_an_anthropic_stream_left_during_prefill_is_charged_the_upstreams_counts(
+    make_client: MakeClient,
+) -> None:
+    """Anthropic counts the prompt in ``message_start``, before any output: a client that
+    leaves then is charged those counts (cache reads and writes at their prices), not the
+    estimate from the request's bytes."""
+    from upstreams import FakeUpstream, Reply, sse
+
+    price = {
+        "input_usd_per_mtok": 1_000_000,
+        "cached_input_usd_per_mtok": 100_000,
+        "cache_write_usd_per_mtok": 1_250_000,
+        "output_usd_per_mtok": 0,
+    }
+    usage = {
+        "input_tokens": 100,
+        "cache_read_input_tokens": 10_000,
+        "cache_creation_input_tokens": 2_000,
+        "output_tokens": 1,
+    }
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_01",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-x",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        },
+    }
+    late = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    chunks = [sse(start, "message_start"), sse(late, "content_block_start")]
+    async with FakeUpstream() as up:
+        up.add(Reply.stream(chunks, delay=[0.0, 5.0]))
+        provider = {"kind": "anthropic", "base_url": up.url}
+        config = keyed(100_000, "total", models={"up/m": price}, providers={"up": provider})
+        client = await make_client(config)
+        limits = client.app[HUB].limits
+        alpha = ApiKey("alpha", budget_usd=100_000, budget_period="total")
+        body = {**CHAT, "model": "up/m", "stream": True, "max_tokens": 10}
+        with contextlib.suppress(TimeoutError):
+            resp = await asyncio.wait_for(
+                client.post("/v1/chat/completions", json=body, headers=BEARER), 0.5
+            )
+            await asyncio.wait_for(resp.read(), 0.5)
+        for _ in range(300):
+            if await limits.spent(alpha):
+                break
+            await asyncio.sleep(0.01)
+        # 100 at $1, 10,000 at $0.10 and 2,000 at $1.25 (a token each, per the prices above).
+        assert await limits.spent(alpha) == pytest.approx(100 + 1_000 + 2_500)

@@ -187,6 +187,11 @@ class EventDecoder:
         self._early: Usage | None = None  # message_start's counts, until output goes out
         self._started = False  # output went out
 
+    @property
+    def prompt_usage(self) -> Usage | None:
+        """``message_start``'s counts while no output went out (then they go with it)."""
+        return None if self._started else self._early
+
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         out: list[StreamEvent] = []
         for sse in self._sse(chunk):

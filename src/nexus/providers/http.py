@@ -31,7 +31,7 @@ from ..errors import (
     UpstreamPoolExhausted,
     UpstreamTimeout,
 )
-from ..events import StreamEvent
+from ..events import StreamEvent, Usage
 from ..protocol.upstream import UpstreamDecoder, error_text, keep_secret, status_error
 from ..request import ChatRequest
 from ..stream import Batches
@@ -280,6 +280,11 @@ class _Exchange:
         self._readany = response.content.readany
         tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
         provider._watchdog.add(self, tick)
+
+    @property
+    def prompt_usage(self) -> Usage | None:
+        """The prompt's counts the upstream gave before any event (see :class:`Batches`)."""
+        return getattr(self._decoder, "prompt_usage", None)
 
     def queued(self, now: float) -> None:
         if self.queued_at is None:

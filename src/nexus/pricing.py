@@ -51,6 +51,7 @@ __all__ = [
     "spend_of",
     "tally",
     "terminal_ok",
+    "unpriced",
     "worst_cost",
 ]
 
@@ -154,6 +155,30 @@ AUDIO_BYTES_PER_TOKEN = 1000
 """Audio: about 32 tokens a second of 16 kHz 16-bit speech."""
 UNSEEN_TOKENS = 85
 """A file sent by id: its size is the upstream's to know."""
+
+
+_TIERS_AT_PRICE = (None, "auto", "default", "flex")
+"""``service_tier`` values billed at most at the model's listed price."""
+
+
+def unpriced(request: ChatRequest) -> tuple[str, str] | None:
+    """What in ``request`` the upstream bills beyond a :class:`Price` (audio tokens, a
+    dearer tier, per-call fees), as (``param``, why); None when nothing is. A key with a
+    budget is refused such a request: its cost could not be held nor charged right."""
+    extra = request.model_extra or {}
+    tier = extra.get("service_tier")
+    if tier not in _TIERS_AT_PRICE:
+        return "service_tier", f"the service tier {tier!r} is billed above the listed price"
+    if "web_search_options" in extra:
+        return "web_search_options", "web searches are billed per call"
+    modalities = extra.get("modalities")
+    if "audio" in extra or (isinstance(modalities, list) and "audio" in modalities):
+        return "modalities", "audio output is billed per audio token"
+    for index, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list) and any(isinstance(p, AudioPart) for p in content):
+            return f"messages[{index}]", "audio input is billed per audio token"
+    return None
 
 
 def worst_cost(request: ChatRequest, prices: Sequence[Price | None]) -> float:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,6 +19,7 @@ from nexus.auth import ApiKey, hash_key
 from nexus.cache.limits import LocalLimits
 from nexus_process import start_nexus, stop_nexus
 from redis_support import connect_or_skip, drop_keys, new_prefix
+from support import MakeClient
 from upstreams import FakeUpstream, Reply, openai_chunk, sse
 
 KEY = "nx-accounting-review-0042"
@@ -238,3 +240,59 @@ models = ["echo"]
             async with http.post("/v1/messages", json={**body, "max_tokens": 64}) as r:
                 assert r.status == 500
                 assert (await r.json())["error"]["type"] == "api_error"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"web_search_options": {}}, "web_search_options"),
+        (
+            {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+            "modalities",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "input_audio",
+                                "input_audio": {"data": "UklGRg==", "format": "wav"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0]",
+        ),
+    ],
+)
+async def test_a_budget_refuses_what_the_price_does_not_cover(
+    make_client: MakeClient, extra: dict[str, Any], param: str
+) -> None:
+    """A dearer tier, audio tokens and per-call search fees are billed above the listed
+    text price: charged at it, a budget would undercount them. Refused for a key with a
+    budget; a key without one sends them on."""
+    config = {
+        "auth": {
+            "keys": [
+                {"name": "tenant", "sha256": hash_key(KEY), "budget_usd": 100},
+                {"name": "free", "sha256": hash_key(KEY + "-free")},
+            ]
+        },
+        "models": {"mock/echo": {"input_usd_per_mtok": 1, "output_usd_per_mtok": 1}},
+    }
+    client = await make_client(config)
+    body = {"model": "mock/echo", "messages": [{"role": "user", "content": "hi"}], **extra}
+    resp = await client.post("/v1/chat/completions", json=body, headers=BEARER)
+    assert resp.status == 403
+    error = (await resp.json())["error"]
+    assert (error["code"], error["param"]) == ("model_not_priced", param)
+    plain = {"model": "mock/echo", "messages": [{"role": "user", "content": "hi"}]}
+    resp = await client.post("/v1/chat/completions", json=plain, headers=BEARER)
+    assert resp.status == 200
+    free = {"Authorization": f"Bearer {KEY}-free"}
+    resp = await client.post("/v1/chat/completions", json=body, headers=free)
+    assert resp.status != 403

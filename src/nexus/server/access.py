@@ -36,7 +36,7 @@ from aiohttp import web
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..cache.run import StreamRun
 from ..errors import GatewayError
-from ..pricing import Spend
+from ..pricing import Spend, unpriced
 from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
 from ..telemetry import Telemetry
@@ -384,9 +384,20 @@ def budgeted(
     """``chat`` as it runs for ``key``, and what the key's budget holds for it while it
     runs (0.0: no budget): its worst case, :meth:`~nexus.engine.Engine.hold_usd`. One
     without an output cap is given ``[limits] budget_max_output_tokens``, sent upstream,
-    so that its worst case is known (a cap nobody set would hold the whole budget)."""
+    so that its worst case is known (a cap nobody set would hold the whole budget).
+    Raises 403 ``model_not_priced`` for what a price does not cover
+    (:func:`~nexus.pricing.unpriced`)."""
     if key is None or key.budget_usd is None:
         return chat, 0.0
+    billed = unpriced(chat)
+    if billed is not None:
+        param, why = billed
+        raise Forbidden(
+            f"The API key {key.name!r} has a budget, and {why}: [models] prices do not "
+            "cover it, so it could not be held or charged.",
+            code="model_not_priced",
+            param=param,
+        )
     if chat.token_limit is None:
         cap = request.app[_CONFIG].limits.budget_max_output_tokens
         chat = chat.model_copy(update={"max_completion_tokens": cap})

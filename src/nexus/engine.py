@@ -183,8 +183,7 @@ class Engine:
         return None not in self._target_prices(model)
 
     def hold_usd(self, request: ChatRequest) -> float:
-        """The most ``request`` can cost, at the dearest of its targets' prices (a budget's
-        hold: :func:`~nexus.pricing.worst_cost`); 0 for an unknown model."""
+        """A budget's hold for ``request`` (:func:`~nexus.pricing.worst_cost`); 0: unknown."""
         return worst_cost(request, self._target_prices(request.model))
 
     def _target_prices(self, model: str) -> list[Price | None]:
@@ -218,7 +217,8 @@ class Engine:
     def _meta(self, request: ChatRequest, target: Target) -> StreamMeta:
         return StreamMeta.new(
             request.model,
-            include_usage=request.include_usage,
+            include_usage=request.include_usage or request.include_cost,  # (cost rides on it)
+            include_cost=request.include_cost,
             provider=target[0].name,
             upstream_model=target[1],
             retry_ms=self.retry_ms,

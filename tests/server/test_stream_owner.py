@@ -29,6 +29,7 @@ from nexus.auth import hash_key
 from nexus.events import Delta, StreamEvent, Usage
 from nexus.protocol.sse import ServerSentEvent
 from nexus.request import ChatRequest
+from nexus.server.state import HUB
 from nexus_process import NEXUS, start_nexus, stop_nexus
 from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
 from support import GatedProvider, MakeClient, chat, parse_sse
@@ -454,9 +455,15 @@ async def test_recordings_and_joins_are_per_key_unless_shared(
     first = await one.post(url, json=body, headers=bearer(KEY_A))
     assert first.headers["X-Nexus-Cache"] == "miss"
     a_head = await asyncio.wait_for(first.content.readline(), 5)
-    other = await two.post(url, json=body, headers=bearer(KEY_B))
+    # B asks for a resumable stream: joining A's, it could never find it to resume it, so
+    # it is told so, and A's stream is not made to outlive A's client for B.
+    resumable = {**bearer(KEY_B), "X-Nexus-Resumable": "true"}
+    other = await two.post(url, json=body, headers=resumable)
     same_stream = other.headers["X-Nexus-Stream-Id"] == first.headers["X-Nexus-Stream-Id"]
     assert same_stream is share
+    assert other.headers["X-Nexus-Resumable"] == ("false" if share else "true")
+    if share and store["kind"] == "memory":
+        assert one.app[HUB].live[first.headers["X-Nexus-Stream-Id"]].info.resumable is False
     assert other.headers["X-Nexus-Cache"] == ("hit" if share else "miss")
     b_head = b""
     if not share:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 import websockets
 
 from support import GatedProvider, MakeClient, chat, parse_sse
@@ -47,3 +48,45 @@ async def test_a_joined_request_is_not_silently_truncated_by_the_origins_abort(
     complete = "before0 after0 after1 after2 "
     assert text == complete or any(e.event == "error" for e in events), text
     assert json_resp.status != 200 or (body["choices"][0]["message"]["content"] == complete), body
+
+
+async def test_an_origin_leaving_while_a_joiner_is_being_joined_does_not_cut_it_short(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the join and the joiner's first read the hub waits (its own upstream stream
+    closed unread; with Redis a round trip): the joiner reads the stream from the moment
+    it joined, so the origin's client leaving then ends nothing. Widened here to 0.3 s."""
+    from nexus.stream import Stream
+
+    closing = Stream.close
+
+    async def slow_close(self: Stream) -> None:
+        await asyncio.sleep(0.3)  # the join's wait, made long
+        await closing(self)
+
+    gated = GatedProvider(before=1, after=3)
+    client = await make_client({"cache": {"enabled": True}}, providers=[gated])
+    origin = asyncio.create_task(client.post("/v1/chat/completions", json=chat(model="gated/m")))
+    await asyncio.wait_for(gated.started.wait(), 5)
+    await asyncio.sleep(0.05)
+    monkeypatch.setattr(Stream, "close", slow_close)
+    streaming = asyncio.create_task(
+        client.post("/v1/chat/completions", json=chat(model="gated/m", stream=True))
+    )
+    plain = asyncio.create_task(client.post("/v1/chat/completions", json=chat(model="gated/m")))
+    await asyncio.sleep(0.1)  # both joined, in the wait
+    origin.cancel()  # the origin's client goes away
+    await asyncio.sleep(0.05)
+    gated.gate.set()
+    sse, json_resp = await asyncio.wait_for(asyncio.gather(streaming, plain), 10)
+    assert sse.headers["X-Nexus-Cache"] == json_resp.headers["X-Nexus-Cache"] == "hit"
+    events = parse_sse(await sse.read())
+    text = "".join(
+        (orjson.loads(e.data)["choices"] or [{"delta": {}}])[0]["delta"].get("content") or ""
+        for e in events
+        if e.data.startswith("{")
+    )
+    complete = "before0 after0 after1 after2 "
+    assert text == complete
+    assert json_resp.status == 200
+    assert (await json_resp.json())["choices"][0]["message"]["content"] == complete

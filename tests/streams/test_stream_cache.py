@@ -137,6 +137,16 @@ async def test_the_key_is_the_canonical_request_not_the_wire() -> None:
         {"messages": base.model_dump()["messages"], "model": "m/x"}
     )
     assert cache_key(reordered) == cache_key(base)
+    # Each listener's own options are rendered for it; an option passed upstream (an
+    # OpenAI-compatible server's own) changes the stream: it is in the key.
+    ours = {"include_usage": True, "include_cost": True, "include_obfuscation": False}
+    mine = ChatRequest.model_validate({**chat(model="m/x"), "stream_options": ours})
+    assert cache_key(mine) == cache_key(base)
+    keys = {
+        cache_key(ChatRequest.model_validate({**chat(model="m/x"), "stream_options": options}))
+        for options in ({"continuous_usage_stats": True}, {"continuous_usage_stats": False})
+    }
+    assert len(keys) == 2 and cache_key(base) not in keys
 
 
 async def test_the_cache_is_off_by_default(make_client: MakeClient) -> None:

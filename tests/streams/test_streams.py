@@ -156,13 +156,17 @@ async def test_every_sse_frame_carries_an_id_after_the_retry_line(
     assert len(set(ids)) == len(ids)
 
 
+@pytest.mark.parametrize("options", ["include_usage", "include_cost"])
 @pytest.mark.parametrize("fmt", [*SSE_FORMATS, "ndjson"])
 async def test_resume_after_any_event_gives_exactly_the_rest(
-    make_client: MakeClient, fmt: str
+    make_client: MakeClient, fmt: str, options: str
 ) -> None:
-    """For every event a client may have seen last, GET with it returns the rest, byte for byte."""
-    client = await make_client()
-    body = {**chat(TEXT, stream=True), "stream_options": {"include_usage": True}}
+    """For every event a client may have seen last, GET with it returns the rest, byte for
+    byte: rendered with the stream options it was asked with (the cost rides on a usage
+    chunk, which ``include_cost`` alone asks for)."""
+    prices = {"mock/echo": {"input_usd_per_mtok": 1, "output_usd_per_mtok": 2}}
+    client = await make_client({"models": prices})
+    body = {**chat(TEXT, stream=True, model="mock/echo"), "stream_options": {options: True}}
     resp = await client.post(f"/v1/chat/completions?stream_format={fmt}", json=body)
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     full = await resp.read()

@@ -62,6 +62,9 @@ class Opened:
     stored: bool = True
     """False: the store could not be reached when it started (``[store] required =
     false``): it runs on this replica only, not cached, not joined."""
+    reader: RunReader | None = None
+    """A joined local stream's reader, taken as it was joined, before any wait: its
+    other readers leaving meanwhile must not end it as one nobody reads (:meth:`reader_of`)."""
 
     @property
     def id(self) -> str:
@@ -216,16 +219,25 @@ class StreamHub:
                     handed = True
                     run = self._start(info, stream, ctx, record=key, detached=background)
                     return Opened(info, run, "miss")
-                joined = await self._joinable(holder)
+                joined = await self._joinable(holder)  # (no wait for a local stream)
                 if joined is not None:
                     handed = True
-                    await stream.close()
-                    if store.shared:
-                        await store.end(replace(info, status="cancelled"), [], 0, 1.0)
                     local = self.live.get(holder)
-                    if local is not None and info.resumable:
+                    reader = None if local is None else local.reader()
+                    if joined.owner != info.owner:  # [cache] share_across_keys
+                        # Another key's stream: this client can never find it to resume.
+                        joined = replace(joined, resumable=False)
+                    elif local is not None and info.resumable:
                         local.info.resumable = True  # this client may leave and come back
-                    return Opened(joined, local, "hit", joined=True)
+                    try:
+                        await stream.close()
+                        if store.shared:
+                            await store.end(replace(info, status="cancelled"), [], 0, 1.0)
+                    except BaseException:
+                        if reader is not None:
+                            await reader.close()
+                        raise
+                    return Opened(joined, local, "hit", joined=True, reader=reader)
                 await store.release(key, holder)  # its stream is over, or its replica died
         except BaseException:
             if not handed:
@@ -366,6 +378,18 @@ class StreamHub:
             if info is None:
                 raise StreamNotFound(f"No stream {stream_id!r}: unknown, or expired.")
             reader = StoreReader(self.store, info, start, self.streams.detach_timeout_s)
+        if meta is not None:
+            reader.meta = meta
+        return reader
+
+    async def reader_of(
+        self, opened: Opened, *, meta: StreamMeta | None = None
+    ) -> RunReader | StoreReader:
+        """A reader of ``opened`` from its start: the one taken as it was joined, else
+        :meth:`attach`'s."""
+        reader, opened.reader = opened.reader, None
+        if reader is None:
+            return await self.attach(opened.id, meta=meta)
         if meta is not None:
             reader.meta = meta
         return reader

@@ -32,11 +32,15 @@ SHARED = "*"
 """The one cache every key uses with ``[cache] share_across_keys`` (never a key's name)."""
 
 _NOT_IN_KEY = {"stream", "stream_options", "background"}
+_OURS = {"include_usage", "include_cost", "include_obfuscation"}
+"""Stream options each listener gets rendered for itself; others (an upstream's own, as
+vLLM's ``continuous_usage_stats``) go upstream and change the stream: in the key."""
 
 
 def cache_key(request: ChatRequest, owner: str | None = None, *, shared: bool = False) -> str:
     """The canonical request in its owner's cache: what decides the output (model,
-    messages, parameters; not the wire format, not the stream options), and whose it is.
+    messages, parameters, stream options passed upstream; not the wire format, not the
+    options each listener gets rendered for itself), and whose it is.
 
     ``owner`` is the API key's name (None: no key, the ``anonymous`` cache); with
     ``shared`` every owner has the same key. The in-flight claim uses this key too,
@@ -44,6 +48,9 @@ def cache_key(request: ChatRequest, owner: str | None = None, *, shared: bool = 
     """
     scope = SHARED if shared else ANONYMOUS if owner is None else "key:" + owner
     body = request.model_dump(mode="json", exclude=_NOT_IN_KEY, exclude_none=True)
+    options = request.stream_options
+    if options is not None and options.model_extra:
+        body["stream_options"] = {k: v for k, v in options.model_extra.items() if k not in _OURS}
     canonical = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(scope.encode() + b"\n" + canonical).hexdigest()
 

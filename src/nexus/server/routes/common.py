@@ -268,6 +268,8 @@ async def complete(
         headers["X-Nexus-Cache"] = opened.cache
     headers[RESUMABLE_HEADER] = str(opened.info.resumable).lower()
     if chat.background:
+        if opened.reader is not None:  # a background request reads nothing: it resumes
+            await opened.reader.close()
         if opened.run is not None:
             end_with(opened.run.done)  # the request's span covers its run, not just the 202
             if not opened.joined and opened.cache != "hit":
@@ -285,7 +287,7 @@ async def complete(
     meta = with_usage(opened.info.meta, usage, chat.include_cost)
     if chat.include_obfuscation:
         meta = replace(meta, include_obfuscation=True)
-    reader = await hub.attach(opened.id, meta=meta)
+    reader = await hub.reader_of(opened, meta=meta)
     del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
     return await _pump(request, reader, encoder, None, headers)
 
@@ -293,7 +295,7 @@ async def complete(
 async def _answer(ex: Exchange, hub: StreamHub, opened: Opened) -> Completion:
     """The merged completion of a stream nobody else learnt the id of, and its spend on
     the access line. Raises the stream's failure, or :class:`StreamError`."""
-    reader = await hub.attach(opened.id, meta=with_usage(opened.info.meta, False))
+    reader = await hub.reader_of(opened, meta=with_usage(opened.info.meta, False))
     hit = opened.cache == "hit"  # a replay or a join: the tokens were another's
     run = None if opened.joined else opened.run
     try:

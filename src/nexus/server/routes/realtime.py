@@ -203,8 +203,8 @@ class RealtimeConnection(Writer):
                                 format=NDJSONEncoder.media_type,
                             ),
                         )
-                    reader = await self.hub.attach(
-                        opened.id, meta=with_usage(opened.info.meta, request.include_usage)
+                    reader = await self.hub.reader_of(
+                        opened, meta=with_usage(opened.info.meta, request.include_usage)
                     )
                 except GatewayError as exc:
                     # Refused before anything streamed: the pending input is kept.

@@ -349,6 +349,7 @@ class Merger:
                     self._merge(call)
                 if event.finish_reason is not None:
                     result.finish_reason = event.finish_reason
+                    result.stop_sequence = event.stop_sequence
             case Reasoning():
                 self._reasoning.append(event.text)
                 if event.signature is not None:

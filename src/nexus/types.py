@@ -68,6 +68,8 @@ class Completion:
     refusal: str | None = None
     tool_calls: list[CompletedToolCall] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_sequence: str | None = None
+    """The stop sequence that ended the turn, when the provider said which."""
     usage: Usage | None = None
     citations: list[Citation] = field(default_factory=list)
     audio: list[Audio] = field(default_factory=list)

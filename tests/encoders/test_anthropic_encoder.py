@@ -64,11 +64,11 @@ THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0}
 
 
-def ending(id: int, stop_reason: str, usage: dict[str, Any]) -> bytes:
+def ending(id: int, stop_reason: str, usage: dict[str, Any], sequence: str | None = None) -> bytes:
     """``message_delta`` (at ``id``) then ``message_stop``."""
     body = {
         "type": "message_delta",
-        "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+        "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
         "usage": usage,
     }
     stop = frame("message_stop", id + 1, {"type": "message_stop"})
@@ -150,6 +150,23 @@ def test_end_without_finish_or_usage_defaults_to_end_turn_and_zero_usage() -> No
         + block_delta(3, 0, text("x"))
         + block_stop(4, 0)
         + ending(5, "end_turn", ZERO_USAGE)
+    )
+
+
+@pytest.mark.parametrize(
+    ("finish", "stop_reason", "sequence"),
+    [("stop", "stop_sequence", "END"), ("length", "max_tokens", None)],
+)
+def test_a_named_stop_sequence_is_reported(
+    finish: str, stop_reason: str, sequence: str | None
+) -> None:
+    got = run(Delta(content="x"), Delta(finish_reason=finish, stop_sequence="END"))
+    assert got == (
+        MESSAGE_START
+        + block_start(2, 0, TEXT_BLOCK)
+        + block_delta(3, 0, text("x"))
+        + block_stop(4, 0)
+        + ending(5, stop_reason, ZERO_USAGE, sequence)
     )
 
 

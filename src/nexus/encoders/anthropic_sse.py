@@ -31,10 +31,10 @@ from ..events import (
     plain_content,
 )
 from ..protocol.anthropic_messages import (
-    STOP_REASONS,
     anthropic_error_type,
     error_body,
     message_id,
+    stop_fields,
     usage_body,
 )
 from ..types import StreamMeta
@@ -66,7 +66,7 @@ class AnthropicSSEEncoder(Encoder):
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._text_head: bytes | None = None  # a text block's delta frame, while it is open
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
-        self._stop_reason: str | None = None
+        self._stop: dict[str, Any] | None = None  # message_delta's stop_reason, stop_sequence
         self._usage: Usage | None = None
         self._failed = False
         self._started = False  # message_start went out
@@ -144,8 +144,8 @@ class AnthropicSSEEncoder(Encoder):
                     out += self._text(event.refusal)
                 for call in event.tool_calls or ():
                     out += self._tool(call)
-                if event.finish_reason is not None and self._stop_reason is None:
-                    self._stop_reason = STOP_REASONS.get(event.finish_reason, "end_turn")
+                if event.finish_reason is not None and self._stop is None:
+                    self._stop = stop_fields(event.finish_reason, event.stop_sequence)
                 return out
             case Reasoning(text=text, signature=signature):
                 out = b""
@@ -212,6 +212,6 @@ class AnthropicSSEEncoder(Encoder):
         if self._failed:
             return b""
         out = self._message_start(None) + self._close()
-        stop = {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None}
+        stop = self._stop or stop_fields(None, None)
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

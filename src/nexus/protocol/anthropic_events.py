@@ -248,10 +248,14 @@ class EventDecoder:
                     self._early = self._usage(partial=True)
             case "message_delta":
                 self._count(data.get("usage") or {})
-                reason = (data.get("delta") or {}).get("stop_reason")
+                delta = data.get("delta") or {}
+                reason = delta.get("stop_reason")
                 if reason and self._finish is None:
                     self._finish = _FINISH_REASONS.get(reason, "stop")
-                    return [Delta(finish_reason=self._finish)]
+                    matched = delta.get("stop_sequence") if reason == "stop_sequence" else None
+                    if type(matched) is not str:
+                        return [Delta(finish_reason=self._finish)]
+                    return [Delta(finish_reason=self._finish, stop_sequence=matched)]
             case "message_stop":
                 self.done = True
                 if self._finish is None:

@@ -26,6 +26,7 @@ __all__ = [
     "error_body",
     "message_body",
     "parse_messages_request",
+    "stop_fields",
 ]
 
 STOP_REASONS = {
@@ -35,6 +36,16 @@ STOP_REASONS = {
     "content_filter": "refusal",
 }
 """Our finish reasons in Anthropic's terms."""
+
+
+def stop_fields(finish_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a ``message`` (or its ``message_delta``):
+    ``"stop_sequence"`` and the sequence when the provider named the one it stopped on
+    (an OpenAI upstream's ``stop`` cannot tell: ``end_turn``)."""
+    if stop_sequence is not None and finish_reason == "stop":
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    reason = STOP_REASONS.get(finish_reason or "stop", "end_turn")
+    return {"stop_reason": reason, "stop_sequence": None}
 
 
 class TextBlock(OpenModel):
@@ -260,8 +271,11 @@ def message_body(completion: Completion) -> dict[str, Any]:
                 "signature": completion.reasoning_signature or "",
             }
         )
-    if completion.content:
-        content.append({"type": "text", "text": completion.content})
+    # A refusal is text, after any answer, as the stream writes it (Anthropic has no
+    # refusal block: its stop_reason says "refusal").
+    text = completion.content + (completion.refusal or "")
+    if text:
+        content.append({"type": "text", "text": text})
     for call in completion.tool_calls:
         try:
             arguments = orjson.loads(call.arguments) if call.arguments else {}
@@ -276,8 +290,7 @@ def message_body(completion: Completion) -> dict[str, Any]:
         "role": "assistant",
         "model": completion.model,
         "content": content,
-        "stop_reason": STOP_REASONS.get(completion.finish_reason or "stop", "end_turn"),
-        "stop_sequence": None,
+        **stop_fields(completion.finish_reason, completion.stop_sequence),
         "usage": usage_body(completion.usage),
     }
 

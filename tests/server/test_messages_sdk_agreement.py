@@ -1,0 +1,67 @@
+"""``/v1/messages`` streamed and not give the anthropic SDK the same message: the stop
+sequence that ended it, a refusal's text, tool calls whose arguments are not JSON, and the
+ids of tool calls the upstream left without one."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk
+
+USER = [{"role": "user", "content": "one two three four"}]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+async def both(api: Any, **request: Any) -> tuple[Any, Any]:
+    """The message of one request, streamed, then not."""
+    async with api.messages.stream(**request) as stream:
+        streamed = await stream.get_final_message()
+    return streamed, await api.messages.create(**request)
+
+
+async def sdk(make_client: MakeClient, config: dict[str, Any] | None = None) -> Any:
+    client = await make_client(config)
+    return anthropic.AsyncAnthropic(
+        base_url=str(client.make_url("")), api_key="unused", max_retries=0
+    )
+
+
+async def test_a_stop_sequence_hit_names_the_sequence(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    request = {"model": "mock/echo", "max_tokens": 50, "messages": USER}
+    for message in await both(api, **request, stop_sequences=["zzz", "three"]):
+        assert message.content[0].text == "one two "
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "three")
+    for message in await both(api, **request, stop_sequences=["absent"]):
+        assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
+    await api.close()
+
+
+async def test_a_refusal_is_text_in_both_forms(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    frames = [
+        openai_chunk(role="assistant", content=""),
+        openai_chunk(content="Well. "),
+        openai_chunk(refusal="I can't help with that."),
+        openai_chunk(finish_reason="content_filter"),
+        DONE,
+    ]
+    upstream.add(Reply.stream(frames), Reply.stream(frames))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    api = await sdk(make_client, config)
+    streamed, created = await both(api, model="up/m", max_tokens=50, messages=USER)
+    assert [b.text for b in streamed.content] == ["Well. I can't help with that."]
+    assert [b.text for b in created.content] == ["Well. I can't help with that."]
+    assert streamed.stop_reason == created.stop_reason == "refusal"
+    await api.close()

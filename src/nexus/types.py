@@ -8,12 +8,19 @@ from dataclasses import dataclass, field
 
 from .events import Audio, Citation, Image, Usage
 
-__all__ = ["CompletedToolCall", "Completion", "StreamMeta", "new_stream_id"]
+__all__ = ["CompletedToolCall", "Completion", "StreamMeta", "fallback_call_id", "new_stream_id"]
 
 
 def new_stream_id(prefix: str = "chatcmpl-") -> str:
     """An unguessable stream id: 128 random bits, hex."""
     return prefix + os.urandom(16).hex()
+
+
+def fallback_call_id(stream_id: str, index: int) -> str:
+    """The id of a tool call its upstream sent without one: ``call_<end of the stream id>_
+    <index>``, the same in every format, streamed or not, and unlike any other stream's (the
+    client sends it back with the call's result, so it must not repeat across turns)."""
+    return f"call_{stream_id[-12:]}_{index}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,3 +65,17 @@ async def test_a_refusal_is_text_in_both_forms(
     assert [b.text for b in created.content] == ["Well. I can't help with that."]
     assert streamed.stop_reason == created.stop_reason == "refusal"
     await api.close()
+
+
+@pytest.mark.parametrize("arguments", ["not json {", '{"a": 1', '{"a": 1}'])
+async def test_tool_arguments_the_sdk_can_read(make_client: MakeClient, arguments: str) -> None:
+    """Broken arguments are {"_raw": ...} in both forms (the SDK's stream raised
+    ``ValueError: Unable to parse tool parameter JSON``)."""
+    api = await sdk(make_client)
+    mock = {"tool_calls": [{"name": "f", "arguments": arguments}]}
+    streamed, created = await both(
+        api, model="mock/echo", max_tokens=50, messages=USER, extra_body={"mock": mock}
+    )
+    assert streamed.content[-1].input == created.content[-1].input
+    assert streamed.content[-1].id == created.content[-1].id
+    await api.close()

@@ -27,6 +27,8 @@ __all__ = [
     "message_body",
     "parse_messages_request",
     "stop_fields",
+    "tool_input",
+    "tool_input_json",
 ]
 
 STOP_REASONS = {
@@ -277,13 +279,8 @@ def message_body(completion: Completion) -> dict[str, Any]:
     if text:
         content.append({"type": "text", "text": text})
     for call in completion.tool_calls:
-        try:
-            arguments = orjson.loads(call.arguments) if call.arguments else {}
-        except orjson.JSONDecodeError:
-            arguments = {"_raw": call.arguments}
-        if deeper_than(arguments, MAX_JSON_DEPTH):  # orjson could not write it (254 levels)
-            arguments = {"_raw": call.arguments}
-        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": arguments})
+        use = {"type": "tool_use", "id": call.id, "name": call.name}
+        content.append({**use, "input": tool_input(call.arguments)})
     return {
         "id": message_id(completion.id),
         "type": "message",
@@ -293,6 +290,34 @@ def message_body(completion: Completion) -> dict[str, Any]:
         **stop_fields(completion.finish_reason, completion.stop_sequence),
         "usage": usage_body(completion.usage),
     }
+
+
+def _object(arguments: str) -> dict[str, Any] | None:
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return None
+    if type(value) is not dict or deeper_than(value, MAX_JSON_DEPTH):
+        return None  # too deep: orjson could not write it back (254 levels)
+    return value
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input`` for a tool call's ``arguments``: the object they
+    hold; ``{}`` for none; ``{"_raw": arguments}`` when they are not a JSON object (a model
+    may write broken JSON, and ``input`` must be an object)."""
+    if not arguments:
+        return {}
+    value = _object(arguments)
+    return {"_raw": arguments} if value is None else value
+
+
+def tool_input_json(arguments: str) -> str:
+    """:func:`tool_input` as JSON text, the streamed ``input_json_delta``: ``arguments``
+    themselves when they hold an object, so the SDK's stream and the JSON body agree."""
+    if _object(arguments) is not None:
+        return arguments
+    return orjson.dumps({"_raw": arguments}).decode()
 
 
 def message_id(stream_id: str) -> str:

@@ -79,3 +79,42 @@ async def test_tool_arguments_the_sdk_can_read(make_client: MakeClient, argument
     assert streamed.content[-1].input == created.content[-1].input
     assert streamed.content[-1].id == created.content[-1].id
     await api.close()
+
+
+def tool_turns(result: dict[str, Any]) -> list[dict[str, Any]]:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    block = {"type": "tool_result", "tool_use_id": "toolu_1", **result}
+    return [*USER, {"role": "assistant", "content": [use]}, {"role": "user", "content": [block]}]
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}
+FAILED = {"is_error": True, "content": [{"type": "text", "text": "boom"}, IMAGE]}
+
+
+async def test_an_anthropic_upstream_gets_is_error_and_images_of_a_tool_result(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([b"event: message_stop\ndata: {}\n\n"]))
+    config = {"providers": {"up": {"kind": "anthropic", "base_url": upstream.url}}}
+    api = await sdk(make_client, config)
+    await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(FAILED))
+    [result] = upstream.requests[0].body["messages"][2]["content"]
+    assert result == {"type": "tool_result", "tool_use_id": "toolu_1", **FAILED}
+    await api.close()
+
+
+async def test_an_openai_upstream_gets_is_error_as_text_and_refuses_images(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([openai_chunk(finish_reason="stop"), DONE]))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    api = await sdk(make_client, config)
+    text_only = {"is_error": True, "content": "boom"}
+    await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(text_only))
+    tool = upstream.requests[0].body["messages"][2]
+    assert tool == {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: boom"}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(FAILED))
+    assert "holds an image" in info.value.message
+    assert len(upstream.requests) == 1
+    await api.close()

@@ -240,13 +240,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
             if message.role == "assistant":
                 thinking.append(block.model_dump())
         elif isinstance(block, ToolResultBlock):
-            content = block.content
-            text = (
-                content
-                if isinstance(content, str)
-                else "".join(b.text for b in content if isinstance(b, TextBlock))
-            )
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+            out.append(_tool_result(block))
     if message.role == "assistant":
         text = "".join(p["text"] for p in parts)
         if text or calls or thinking:
@@ -260,6 +254,23 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     elif parts:
         out.append({"role": "user", "content": parts})
     return out
+
+
+def _tool_result(block: ToolResultBlock) -> dict[str, Any]:
+    """A ``tool`` message; ``is_error`` and a result's blocks when it holds an image ride
+    beside its text for an Anthropic upstream (:mod:`.anthropic_events`; an OpenAI one
+    takes ``is_error`` as a text prefix and refuses the image: :mod:`.openai_chunks`)."""
+    content = block.content
+    if isinstance(content, str):
+        text = content
+    else:
+        text = "".join(b.text for b in content if isinstance(b, TextBlock))
+    message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
+    if block.is_error:
+        message["is_error"] = True
+    if not isinstance(content, str) and any(isinstance(b, ImageBlock) for b in content):
+        message["tool_result_content"] = [b.model_dump(exclude_none=True) for b in content]
+    return message
 
 
 def message_body(completion: Completion) -> dict[str, Any]:

@@ -8,12 +8,27 @@ from dataclasses import dataclass, field
 
 from .events import Audio, Citation, Image, Usage
 
-__all__ = ["CompletedToolCall", "Completion", "StreamMeta", "fallback_call_id", "new_stream_id"]
+__all__ = [
+    "CompletedToolCall",
+    "Completion",
+    "StreamMeta",
+    "fallback_call_id",
+    "new_stream_id",
+    "stream_id_of",
+]
 
 
 def new_stream_id(prefix: str = "chatcmpl-") -> str:
     """An unguessable stream id: 128 random bits, hex."""
     return prefix + os.urandom(16).hex()
+
+
+def stream_id_of(name: str) -> str:
+    """The stream a client's id names: a Responses ``resp_<hex>`` (what a ``background``
+    response is called) is the stream ``chatcmpl-<hex>``; any other is itself."""
+    if name.startswith("resp_"):
+        return "chatcmpl-" + name[5:]
+    return name
 
 
 def fallback_call_id(stream_id: str, index: int) -> str:

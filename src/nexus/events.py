@@ -58,7 +58,12 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """An increment of the assistant message; ``finish_reason`` closes the turn."""
+    """An increment of the assistant message; ``finish_reason`` closes the turn.
+
+    ``stop_sequence``: beside ``finish_reason="stop"``, the stop sequence that ended the
+    turn, when the provider says which (Anthropic does, OpenAI does not); Anthropic's
+    format reports it as ``stop_reason: "stop_sequence"``.
+    """
 
     type: ClassVar[str] = "delta"
     content: str | None = None
@@ -66,6 +71,7 @@ class Delta:
     refusal: str | None = None
     tool_calls: tuple[ToolCall, ...] | None = None
     finish_reason: str | None = None
+    stop_sequence: str | None = None
 
     def delta_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -82,13 +88,16 @@ class Delta:
     def to_dict(self) -> dict[str, Any]:
         if self.finish_reason is None:
             return {"type": "delta", "delta": self.delta_dict()}
-        return {"type": "delta", "delta": self.delta_dict(), "finish_reason": self.finish_reason}
+        out = {"type": "delta", "delta": self.delta_dict(), "finish_reason": self.finish_reason}
+        if self.stop_sequence is not None:
+            out["stop_sequence"] = self.stop_sequence
+        return out
 
 
 _new = object.__new__
-_set_content, _set_role, _set_refusal, _set_tool_calls, _set_finish_reason = (
+_set_content, _set_role, _set_refusal, _set_tool_calls, _set_finish_reason, _set_stop = (
     Delta.__dict__[name].__set__
-    for name in ("content", "role", "refusal", "tool_calls", "finish_reason")
+    for name in ("content", "role", "refusal", "tool_calls", "finish_reason", "stop_sequence")
 )
 
 
@@ -118,6 +127,7 @@ def content_delta(content: str) -> Delta:
     _set_refusal(delta, None)
     _set_tool_calls(delta, None)
     _set_finish_reason(delta, None)
+    _set_stop(delta, None)
     if len(content) <= SHARED_LEN:
         if len(_SHARED) >= SHARED_MAX:
             _SHARED.clear()

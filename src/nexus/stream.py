@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from .errors import StreamError
 from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
-from .types import CompletedToolCall, Completion, StreamMeta
+from .types import CompletedToolCall, Completion, StreamMeta, fallback_call_id
 
 __all__ = ["Batches", "Channel", "EndOfStream", "Merger", "Stream", "accumulate", "merge_events"]
 
@@ -350,6 +350,7 @@ class Merger:
                     self._merge(call)
                 if event.finish_reason is not None:
                     result.finish_reason = event.finish_reason
+                    result.stop_sequence = event.stop_sequence
             case Reasoning():
                 self._reasoning.append(event.text)
                 if event.signature is not None:
@@ -376,7 +377,7 @@ class Merger:
         result.tool_calls = [
             CompletedToolCall(
                 index=b.index,
-                id=b.id or f"call_{meta.id[-12:]}_{b.index}",
+                id=b.id or fallback_call_id(meta.id, b.index),
                 name=b.name or "",
                 arguments="".join(b.arguments),
             )

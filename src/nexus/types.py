@@ -8,12 +8,34 @@ from dataclasses import dataclass, field
 
 from .events import Audio, Citation, Image, Usage
 
-__all__ = ["CompletedToolCall", "Completion", "StreamMeta", "new_stream_id"]
+__all__ = [
+    "CompletedToolCall",
+    "Completion",
+    "StreamMeta",
+    "fallback_call_id",
+    "new_stream_id",
+    "stream_id_of",
+]
 
 
 def new_stream_id(prefix: str = "chatcmpl-") -> str:
     """An unguessable stream id: 128 random bits, hex."""
     return prefix + os.urandom(16).hex()
+
+
+def stream_id_of(name: str) -> str:
+    """The stream a client's id names: a Responses ``resp_<hex>`` (what a ``background``
+    response is called) is the stream ``chatcmpl-<hex>``; any other is itself."""
+    if name.startswith("resp_"):
+        return "chatcmpl-" + name[5:]
+    return name
+
+
+def fallback_call_id(stream_id: str, index: int) -> str:
+    """The id of a tool call its upstream sent without one: ``call_<end of the stream id>_
+    <index>``, the same in every format, streamed or not, and unlike any other stream's (the
+    client sends it back with the call's result, so it must not repeat across turns)."""
+    return f"call_{stream_id[-12:]}_{index}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +94,8 @@ class Completion:
     refusal: str | None = None
     tool_calls: list[CompletedToolCall] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_sequence: str | None = None
+    """The stop sequence that ended the turn, when the provider said which."""
     usage: Usage | None = None
     citations: list[Citation] = field(default_factory=list)
     audio: list[Audio] = field(default_factory=list)

@@ -19,6 +19,8 @@ from anthropic.types import Message, RawMessageStreamEvent
 
 from nexus.encoders.anthropic_sse import AnthropicSSEEncoder
 from nexus.events import Citation, Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
+from nexus.protocol.anthropic_messages import message_body
+from nexus.stream import merge_events
 from nexus.types import StreamMeta
 
 META = StreamMeta(id="chatcmpl-abc123", model="mock/echo", created=1700000000, retry_ms=None)
@@ -64,11 +66,11 @@ THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
 ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0}
 
 
-def ending(id: int, stop_reason: str, usage: dict[str, Any]) -> bytes:
+def ending(id: int, stop_reason: str, usage: dict[str, Any], sequence: str | None = None) -> bytes:
     """``message_delta`` (at ``id``) then ``message_stop``."""
     body = {
         "type": "message_delta",
-        "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+        "delta": {"stop_reason": stop_reason, "stop_sequence": sequence},
         "usage": usage,
     }
     stop = frame("message_stop", id + 1, {"type": "message_stop"})
@@ -153,6 +155,23 @@ def test_end_without_finish_or_usage_defaults_to_end_turn_and_zero_usage() -> No
     )
 
 
+@pytest.mark.parametrize(
+    ("finish", "stop_reason", "sequence"),
+    [("stop", "stop_sequence", "END"), ("length", "max_tokens", None)],
+)
+def test_a_named_stop_sequence_is_reported(
+    finish: str, stop_reason: str, sequence: str | None
+) -> None:
+    got = run(Delta(content="x"), Delta(finish_reason=finish, stop_sequence="END"))
+    assert got == (
+        MESSAGE_START
+        + block_start(2, 0, TEXT_BLOCK)
+        + block_delta(3, 0, text("x"))
+        + block_stop(4, 0)
+        + ending(5, stop_reason, ZERO_USAGE, sequence)
+    )
+
+
 def test_empty_stream_is_start_then_ending() -> None:
     assert run() == MESSAGE_START + ending(2, "end_turn", ZERO_USAGE)
 
@@ -182,18 +201,50 @@ def test_two_tool_calls_open_one_tool_use_block_each() -> None:
         ToolCall(1, arguments=' "CET"}'),
         Delta(finish_reason="tool_calls"),
     )
+    # A call's arguments go out whole, as its block closes (see the next test).
     assert got == (
         MESSAGE_START
         + block_start(2, 0, tool_block("toolu_a", "get_weather"))
-        + block_delta(3, 0, partial('{"city": '))
-        + block_delta(4, 0, partial('"Paris"}'))
-        + block_stop(5, 0)
-        + block_start(6, 1, tool_block("toolu_b", "get_time"))
-        + block_delta(7, 1, partial('{"tz":'))
-        + block_delta(8, 1, partial(' "CET"}'))
-        + block_stop(9, 1)
-        + ending(10, "tool_use", ZERO_USAGE)
+        + block_delta(3, 0, partial('{"city": "Paris"}'))
+        + block_stop(4, 0)
+        + block_start(5, 1, tool_block("toolu_b", "get_time"))
+        + block_delta(6, 1, partial('{"tz": "CET"}'))
+        + block_stop(7, 1)
+        + ending(8, "tool_use", ZERO_USAGE)
     )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "partial_json"),
+    [
+        (["not json {"], '{"_raw":"not json {"}'),
+        (['{"a": ', "1"], '{"_raw":"{\\"a\\": 1"}'),  # cut short
+        (["[1, 2]"], '{"_raw":"[1, 2]"}'),  # not an object
+        (['{"a": ', "1}"], '{"a": 1}'),
+    ],
+)
+def test_tool_arguments_are_what_the_json_body_gives(
+    arguments: list[str], partial_json: str
+) -> None:
+    """The SDK parses each input_json_delta as it comes and raises on broken JSON; the
+    non-streaming body gives {"_raw": ...}: the stream gives that too."""
+    calls = [ToolCall(0, id="toolu_a", name="f", arguments=arguments[0])]
+    calls += [ToolCall(0, arguments=more) for more in arguments[1:]]
+    got = run(*calls, Delta(finish_reason="tool_calls"))
+    assert block_delta(3, 0, partial(partial_json)) in got
+    message = sdk_final_message(got)
+    body = message_body(merge_events([*calls, Delta(finish_reason="tool_calls")], META))
+    assert message.content[0].input == body["content"][0]["input"]
+
+
+def test_a_tool_call_without_an_id_gets_the_json_bodys_fallback_id() -> None:
+    """One id in both forms, unlike another stream's (a client sends it back next turn)."""
+    events = [ToolCall(1, name="f", arguments="{}"), Delta(finish_reason="tool_calls")]
+    message = sdk_final_message(run(*events))
+    body = message_body(merge_events(events, META))
+    assert message.content[0].id == body["content"][0]["id"] == "call_tcmpl-abc123_1"
+    other = StreamMeta(id="chatcmpl-def456", model="m", created=1)
+    assert sdk_final_message(run(*events, meta=other)).content[0].id == "call_tcmpl-def456_1"
 
 
 def test_text_then_tool_call_gets_the_next_block_index() -> None:

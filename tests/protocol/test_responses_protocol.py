@@ -170,8 +170,8 @@ def test_parameters_tools_and_formats() -> None:
         reasoning={"effort": "low", "summary": "auto"},
         metadata={"k": "v"},
         store=True,
-        truncation="auto",
-        include=["reasoning.encrypted_content"],
+        truncation="disabled",
+        include=[],
         mock={"content": "scripted"},
     )
     assert chat.token_limit == 20
@@ -188,7 +188,7 @@ def test_parameters_tools_and_formats() -> None:
     }
     assert chat.mock is not None and chat.mock.content == "scripted"
     # Only what Chat Completions knows goes on; the rest stays behind.
-    assert chat.model_extra == {"reasoning_effort": "low"}
+    assert chat.model_extra == {"reasoning_effort": "low", "metadata": {"k": "v"}}
 
 
 @pytest.mark.parametrize(

@@ -161,23 +161,24 @@ async def test_max_tokens_at_or_above_the_length_finishes_with_stop(engine: Engi
 
 
 @pytest.mark.parametrize(
-    ("stop", "expected"),
+    ("stop", "expected", "matched"),
     [
-        ("world", "hello "),
-        (["zzz", "lo w"], "hel"),
-        (["ll", "world"], "he"),
-        (["world", "ll"], "he"),
-        (["world", "o w"], "hell"),
-        (["o w", "world"], "hell"),
-        (["absent"], "hello world"),
+        ("world", "hello ", "world"),
+        (["zzz", "lo w"], "hel", "lo w"),
+        (["ll", "world"], "he", "ll"),
+        (["world", "ll"], "he", "ll"),
+        (["world", "o w"], "hell", "o w"),
+        (["o w", "world"], "hell", "o w"),
+        (["absent"], "hello world", None),
     ],
 )
 async def test_stop_cuts_before_the_earliest_stop_sequence(
-    engine: Engine, stop: str | list[str], expected: str
+    engine: Engine, stop: str | list[str], expected: str, matched: str | None
 ) -> None:
+    """The finishing delta names the sequence it stopped on (``/v1/messages`` reports it)."""
     result = await engine.complete(chat("hello world", stop=stop))
     assert result.content == expected
-    assert result.finish_reason == "stop"
+    assert (result.finish_reason, result.stop_sequence) == ("stop", matched)
 
 
 # --- scripts -----------------------------------------------------------------

@@ -210,6 +210,18 @@ async def test_stop_reasons(upstream: FakeUpstream, stop_reason: str, finish_rea
     assert completion.finish_reason == finish_reason
 
 
+async def test_stop_sequence_names_the_sequence(upstream: FakeUpstream) -> None:
+    stop = event(
+        "message_delta",
+        delta={"stop_reason": "stop_sequence", "stop_sequence": "three"},
+        usage={"output_tokens": 1},
+    )
+    upstream.add(Reply.stream([message_start(), *text_block(0, "x"), stop, event("message_stop")]))
+    async with Engine.from_config(parse_config(config(upstream))) as engine:
+        completion = await accumulate(engine.complete_stream(chat()))
+    assert (completion.finish_reason, completion.stop_sequence) == ("stop", "three")
+
+
 async def test_citations(upstream: FakeUpstream) -> None:
     citation = {
         "type": "web_search_result_location",

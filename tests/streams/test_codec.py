@@ -226,7 +226,7 @@ def test_round_trip_any_log(log: list[StreamEvent]) -> None:
         pytest.param([["delta"]], id="nested-type"),
         pytest.param(["delta"], id="no-fields"),
         pytest.param(["delta", "Hi"], id="too-few-fields"),
-        pytest.param(["delta", "Hi", None, None, None, None, None], id="too-many-fields"),
+        pytest.param(["delta", "Hi", None, None, None, None, None, None], id="too-many-fields"),
         pytest.param(["done"], id="done-no-field"),
         pytest.param(["done", False, True], id="done-extra-field"),
         pytest.param(["heartbeat", 1], id="heartbeat-extra-field"),

@@ -80,7 +80,8 @@ async def test_get_defaults_to_the_format_of_the_endpoint_that_made_the_stream(
     payload = {k: v for k, v in {**chat(TEXT), **body}.items() if v is not None}
     resp = await client.post(path, json={**payload, "background": True})
     assert resp.status == 202, await resp.text()
-    stream_id = (await resp.json())["id"]
+    stream_id = (await resp.json())["id"]  # a background response's resp_ id names it too
+    stream_id = stream_id.replace("resp_", "chatcmpl-")  # as its event ids do
     events = parse_sse(await (await client.get(f"/v1/streams/{stream_id}")).read())
     assert events[0].event == first_event
     assert all(event.id.startswith(stream_id + ".") for event in events)

@@ -5,8 +5,10 @@
 reason, usage) → ``message_stop``. Every frame has its ``event:`` line (the SDK
 drops frames without one); heartbeats are ``event: ping``. Reasoning goes in a
 ``thinking`` block, text in a ``text`` block, each tool call in a ``tool_use``
-block (``input_json_delta``). A mid-stream failure is an ``event: error`` frame
-in the non-streaming error shape, and the stream ends there.
+block: its arguments in one ``input_json_delta`` when the block closes, ``{"_raw": ...}``
+when they are not a JSON object, as in the JSON body (the SDK fails on broken JSON). A
+mid-stream failure is an ``event: error`` frame in the non-streaming error shape, and the
+stream ends there.
 
 ``message_start`` goes out with the first event: an upstream that reports input
 tokens before any content (Anthropic's own ``message_start``) gives a partial
@@ -31,13 +33,14 @@ from ..events import (
     plain_content,
 )
 from ..protocol.anthropic_messages import (
-    STOP_REASONS,
     anthropic_error_type,
     error_body,
     message_id,
+    stop_fields,
+    tool_input_json,
     usage_body,
 )
-from ..types import StreamMeta
+from ..types import StreamMeta, fallback_call_id
 from .base import Encoder
 
 __all__ = ["AnthropicSSEEncoder"]
@@ -66,7 +69,8 @@ class AnthropicSSEEncoder(Encoder):
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._text_head: bytes | None = None  # a text block's delta frame, while it is open
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
-        self._stop_reason: str | None = None
+        self._arguments: list[str] = []  # the open tool_use block's, sent when it closes
+        self._stop: dict[str, Any] | None = None  # message_delta's stop_reason, stop_sequence
         self._usage: Usage | None = None
         self._failed = False
         self._started = False  # message_start went out
@@ -105,8 +109,17 @@ class AnthropicSSEEncoder(Encoder):
     def _close(self) -> bytes:
         if self._open is None:
             return b""
+        out = b""
+        if self._open == "tool_use" and self._arguments:
+            # A tool call's input goes out whole, once known to be JSON: the SDK parses
+            # each input_json_delta as it comes and fails on broken JSON. Broken input is
+            # {"_raw": ...}, as in the JSON body (tool_input_json).
+            arguments = "".join(self._arguments)
+            self._arguments = []
+            partial = tool_input_json(arguments)
+            out = self._delta(self._index, {"type": "input_json_delta", "partial_json": partial})
         self._open = self._text_head = None
-        return self._frame("content_block_stop", index=self._index)
+        return out + self._frame("content_block_stop", index=self._index)
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
@@ -144,8 +157,8 @@ class AnthropicSSEEncoder(Encoder):
                     out += self._text(event.refusal)
                 for call in event.tool_calls or ():
                     out += self._tool(call)
-                if event.finish_reason is not None and self._stop_reason is None:
-                    self._stop_reason = STOP_REASONS.get(event.finish_reason, "end_turn")
+                if event.finish_reason is not None and self._stop is None:
+                    self._stop = stop_fields(event.finish_reason, event.stop_sequence)
                 return out
             case Reasoning(text=text, signature=signature):
                 out = b""
@@ -185,14 +198,18 @@ class AnthropicSSEEncoder(Encoder):
         if block is None:
             tool = {
                 "type": "tool_use",
-                "id": call.id or f"toolu_{call.index}",
+                "id": call.id or fallback_call_id(self.meta.id, call.index),
                 "name": call.name or "",
                 "input": {},
             }
             out = self._open_block("tool_use", tool)
             block = self._tool_blocks[call.index] = self._index
         if call.arguments:
-            out += self._delta(block, {"type": "input_json_delta", "partial_json": call.arguments})
+            if block == self._index and self._open == "tool_use":
+                self._arguments.append(call.arguments)  # sent when the block closes
+            else:  # more of a call whose block another closed: as it comes
+                delta = {"type": "input_json_delta", "partial_json": call.arguments}
+                out += self._delta(block, delta)
         return out
 
     def error(self, event: Error) -> bytes:
@@ -212,6 +229,6 @@ class AnthropicSSEEncoder(Encoder):
         if self._failed:
             return b""
         out = self._message_start(None) + self._close()
-        stop = {"stop_reason": self._stop_reason or "end_turn", "stop_sequence": None}
+        stop = self._stop or stop_fields(None, None)
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

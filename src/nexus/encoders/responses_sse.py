@@ -39,7 +39,7 @@ from ..protocol.openai_responses_output import (
     text_part,
     usage_body,
 )
-from ..types import StreamMeta
+from ..types import StreamMeta, fallback_call_id
 from .base import Encoder
 
 __all__ = ["ResponsesSSEEncoder"]
@@ -326,7 +326,7 @@ class ResponsesSSEEncoder(Encoder):
             item = calls.get(call.index)
         out = b""
         if item is None:
-            call_id = call.id or f"call_{self.meta.id[-12:]}_{call.index}"
+            call_id = call.id or fallback_call_id(self.meta.id, call.index)
             out, item = self._open("function_call", "fc", call_id=call_id, name=call.name or "")
             calls[call.index] = item
         elif not item.name and call.name:

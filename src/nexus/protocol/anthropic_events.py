@@ -74,8 +74,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
             if blocks:
                 add("assistant", blocks)
         elif isinstance(message, ToolMessage):
-            result = {"type": "tool_result", "tool_use_id": message.tool_call_id}
-            add("user", [{**result, "content": message_text(message)}])
+            add("user", [_tool_result(message)])
     body: dict[str, Any] = {
         "model": model,
         "messages": turns,
@@ -140,6 +139,17 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
                 source = {"type": "base64", "media_type": media_type, "data": data}
             blocks.append({"type": "image", "source": source})
     return blocks
+
+
+def _tool_result(message: ToolMessage) -> dict[str, Any]:
+    """A ``tool_result`` block: its text, or the blocks a ``/v1/messages`` client sent when
+    they hold an image; ``is_error`` kept."""
+    extra = message.model_extra or {}
+    content = extra.get("tool_result_content") or message_text(message)
+    result = {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": content}
+    if extra.get("is_error") is True:
+        result["is_error"] = True
+    return result
 
 
 def _arguments(arguments: str) -> Any:
@@ -253,10 +263,14 @@ class EventDecoder:
                     self._early = self._usage(partial=True)
             case "message_delta":
                 self._count(data.get("usage") or {})
-                reason = (data.get("delta") or {}).get("stop_reason")
+                delta = data.get("delta") or {}
+                reason = delta.get("stop_reason")
                 if reason and self._finish is None:
                     self._finish = _FINISH_REASONS.get(reason, "stop")
-                    return [Delta(finish_reason=self._finish)]
+                    matched = delta.get("stop_sequence") if reason == "stop_sequence" else None
+                    if type(matched) is not str:
+                        return [Delta(finish_reason=self._finish)]
+                    return [Delta(finish_reason=self._finish, stop_sequence=matched)]
             case "message_stop":
                 self.done = True
                 if self._finish is None:

@@ -26,6 +26,9 @@ __all__ = [
     "error_body",
     "message_body",
     "parse_messages_request",
+    "stop_fields",
+    "tool_input",
+    "tool_input_json",
 ]
 
 STOP_REASONS = {
@@ -35,6 +38,16 @@ STOP_REASONS = {
     "content_filter": "refusal",
 }
 """Our finish reasons in Anthropic's terms."""
+
+
+def stop_fields(finish_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a ``message`` (or its ``message_delta``):
+    ``"stop_sequence"`` and the sequence when the provider named the one it stopped on
+    (an OpenAI upstream's ``stop`` cannot tell: ``end_turn``)."""
+    if stop_sequence is not None and finish_reason == "stop":
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
+    reason = STOP_REASONS.get(finish_reason or "stop", "end_turn")
+    return {"stop_reason": reason, "stop_sequence": None}
 
 
 class TextBlock(OpenModel):
@@ -227,13 +240,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
             if message.role == "assistant":
                 thinking.append(block.model_dump())
         elif isinstance(block, ToolResultBlock):
-            content = block.content
-            text = (
-                content
-                if isinstance(content, str)
-                else "".join(b.text for b in content if isinstance(b, TextBlock))
-            )
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+            out.append(_tool_result(block))
     if message.role == "assistant":
         text = "".join(p["text"] for p in parts)
         if text or calls or thinking:
@@ -249,6 +256,23 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     return out
 
 
+def _tool_result(block: ToolResultBlock) -> dict[str, Any]:
+    """A ``tool`` message; ``is_error`` and a result's blocks when it holds an image ride
+    beside its text for an Anthropic upstream (:mod:`.anthropic_events`; an OpenAI one
+    takes ``is_error`` as a text prefix and refuses the image: :mod:`.openai_chunks`)."""
+    content = block.content
+    if isinstance(content, str):
+        text = content
+    else:
+        text = "".join(b.text for b in content if isinstance(b, TextBlock))
+    message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
+    if block.is_error:
+        message["is_error"] = True
+    if not isinstance(content, str) and any(isinstance(b, ImageBlock) for b in content):
+        message["tool_result_content"] = [b.model_dump(exclude_none=True) for b in content]
+    return message
+
+
 def message_body(completion: Completion) -> dict[str, Any]:
     """A non-streaming ``message`` object (docs/protocols.md §3)."""
     content: list[dict[str, Any]] = []
@@ -260,26 +284,51 @@ def message_body(completion: Completion) -> dict[str, Any]:
                 "signature": completion.reasoning_signature or "",
             }
         )
-    if completion.content:
-        content.append({"type": "text", "text": completion.content})
+    # A refusal is text, after any answer, as the stream writes it (Anthropic has no
+    # refusal block: its stop_reason says "refusal").
+    text = completion.content + (completion.refusal or "")
+    if text:
+        content.append({"type": "text", "text": text})
     for call in completion.tool_calls:
-        try:
-            arguments = orjson.loads(call.arguments) if call.arguments else {}
-        except orjson.JSONDecodeError:
-            arguments = {"_raw": call.arguments}
-        if deeper_than(arguments, MAX_JSON_DEPTH):  # orjson could not write it (254 levels)
-            arguments = {"_raw": call.arguments}
-        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": arguments})
+        use = {"type": "tool_use", "id": call.id, "name": call.name}
+        content.append({**use, "input": tool_input(call.arguments)})
     return {
         "id": message_id(completion.id),
         "type": "message",
         "role": "assistant",
         "model": completion.model,
         "content": content,
-        "stop_reason": STOP_REASONS.get(completion.finish_reason or "stop", "end_turn"),
-        "stop_sequence": None,
+        **stop_fields(completion.finish_reason, completion.stop_sequence),
         "usage": usage_body(completion.usage),
     }
+
+
+def _object(arguments: str) -> dict[str, Any] | None:
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return None
+    if type(value) is not dict or deeper_than(value, MAX_JSON_DEPTH):
+        return None  # too deep: orjson could not write it back (254 levels)
+    return value
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input`` for a tool call's ``arguments``: the object they
+    hold; ``{}`` for none; ``{"_raw": arguments}`` when they are not a JSON object (a model
+    may write broken JSON, and ``input`` must be an object)."""
+    if not arguments:
+        return {}
+    value = _object(arguments)
+    return {"_raw": arguments} if value is None else value
+
+
+def tool_input_json(arguments: str) -> str:
+    """:func:`tool_input` as JSON text, the streamed ``input_json_delta``: ``arguments``
+    themselves when they hold an object, so the SDK's stream and the JSON body agree."""
+    if _object(arguments) is not None:
+        return arguments
+    return orjson.dumps({"_raw": arguments}).decode()
 
 
 def message_id(stream_id: str) -> str:

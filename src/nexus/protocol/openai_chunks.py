@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import msgspec
 import orjson
 
-from ..errors import UpstreamError, UpstreamProtocolError
+from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
 from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
 from .sse import SSEDecoder
@@ -30,6 +30,8 @@ def upstream_body(
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
     for message in body.get("messages", ()):
         message.pop("thinking_blocks", None)  # Anthropic's signed thinking, carried for it alone
+        if message.get("role") == "tool":
+            _tool_message(message)
         content = message.get("content")
         if isinstance(content, list):
             for part in content:
@@ -48,6 +50,30 @@ def upstream_body(
         body.pop("max_completion_tokens", None)
         body[token_limit_field] = request.token_limit
     return body
+
+
+TOOL_ERROR_PREFIX = "Error: "
+"""What an Anthropic ``tool_result``'s ``is_error: true`` becomes before the text of the
+tool message an OpenAI upstream gets (Chat Completions has no such flag)."""
+
+
+def _tool_message(message: dict[str, Any]) -> None:
+    """Anthropic's fields of a tool message, in Chat Completions' terms: ``is_error`` as
+    :data:`TOOL_ERROR_PREFIX`; an image in a tool result is refused (a tool message holds
+    only text there)."""
+    if message.pop("tool_result_content", None) is not None:
+        raise InvalidRequest(
+            f"messages: the tool_result for {message.get('tool_call_id')!r} holds an image, "
+            "which this model's provider (Chat Completions) cannot take in a tool result; "
+            "send the image in the user message beside it",
+            param="messages",
+        )
+    if message.pop("is_error", None) is True:
+        content = message.get("content")
+        if isinstance(content, str):
+            message["content"] = TOOL_ERROR_PREFIX + content
+        elif isinstance(content, list):
+            message["content"] = [{"type": "text", "text": TOOL_ERROR_PREFIX}, *content]
 
 
 def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:

@@ -4,10 +4,18 @@ Request bytes in, :class:`~nexus.request.ChatRequest` out, so every provider ser
 ``/v1/responses`` without knowing it exists; merged completion in, ``response`` object
 out (:mod:`.openai_responses_output`). ``instructions`` becomes a leading system
 message; ``function_call`` items join the assistant message before them as its tool
-calls; ``reasoning`` items are dropped; ``max_output_tokens``, ``text.format`` and
-``reasoning.effort`` become ``max_tokens``, ``response_format`` and
-``reasoning_effort``. Fields Chat Completions lacks are accepted and not forwarded;
-``previous_response_id`` and ``conversation`` are refused (Nexus stores nothing).
+calls; ``reasoning`` items are dropped; ``max_output_tokens``, ``text.format``,
+``text.verbosity`` and ``reasoning.effort`` become ``max_tokens``, ``response_format``,
+``verbosity`` and ``reasoning_effort``; ``top_logprobs`` asks for ``logprobs`` too;
+``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``metadata`` and ``user`` go
+on as they are; ``store`` stays home (Nexus keeps no response whatever it says, and Chat
+Completions' ``store`` would keep the exchange upstream, which a client of the Responses
+API did not ask for). A field that changes the answer and that Nexus cannot honour is
+refused, naming it (:func:`_refuse_unsupported`): ``previous_response_id`` and
+``conversation`` (Nexus stores nothing), ``prompt`` templates, ``max_tool_calls``,
+``truncation: "auto"``, any ``include`` (Nexus produces none of its extras), a
+``reasoning.summary`` other than ``"auto"``. Other unknown fields are accepted and not
+forwarded.
 """
 
 from __future__ import annotations
@@ -162,10 +170,12 @@ class TextFormat(OpenModel):
 
 class TextConfig(OpenModel):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ReasoningConfig(OpenModel):
     effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(OpenModel):
@@ -190,6 +200,14 @@ class ResponsesRequest(OpenModel):
     store: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    include: Items[str] | None = None
+    prompt: dict[str, Any] | None = None
     mock: MockScript | None = None
 
     @field_validator("metadata", mode="before")
@@ -244,8 +262,45 @@ def _error(param: str, message: str) -> InvalidRequest:
     return InvalidRequest(f"{param}: {message}", param=param)
 
 
+def _refuse_unsupported(request: ResponsesRequest) -> None:
+    """Raise :class:`InvalidRequest` for a field that changes the answer and that Nexus
+    cannot honour: dropping it would answer another question than the one asked."""
+    if request.prompt is not None:
+        raise _error(
+            "prompt",
+            "prompt templates are not supported (Nexus stores none); "
+            "send the prompt's text in instructions and input",
+        )
+    if request.max_tool_calls is not None:
+        raise _error(
+            "max_tool_calls",
+            "not supported: Nexus runs no tools (the client "
+            "runs each call and sends its output in the next request)",
+        )
+    if request.truncation == "auto":
+        raise _error(
+            "truncation",
+            "only 'disabled' is supported: Nexus does not shorten "
+            "a conversation to fit the model's context window",
+        )
+    if request.include:
+        raise _error(
+            "include",
+            f"{request.include[0]!r} is not supported: Nexus produces "
+            "none of the extras include asks for",
+        )
+    if request.reasoning is not None and request.reasoning.summary not in (None, "auto"):
+        raise _error(
+            "reasoning.summary",
+            "only 'auto' is supported: the summary is the "
+            "reasoning the upstream streams, as long as it makes it",
+        )
+
+
 def to_chat_request(request: ResponsesRequest) -> ChatRequest:
-    """The engine's request for a validated Responses request (see the module docstring)."""
+    """The engine's request for a validated Responses request (see the module docstring).
+    Raises :class:`InvalidRequest` for a field Nexus cannot honour."""
+    _refuse_unsupported(request)
     messages: list[dict[str, Any]] = []
     sources: list[str] = []  # the Responses field each message came from, for errors
 
@@ -299,6 +354,10 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
     fmt = request.text.format if request.text is not None else None
     if fmt is not None and fmt.type != "text":
         chat["response_format"] = _response_format(fmt)
+    if request.text is not None and request.text.verbosity is not None:
+        chat["verbosity"] = request.text.verbosity
+    if request.top_logprobs is not None:
+        chat["logprobs"] = True
     if request.reasoning is not None and request.reasoning.effort is not None:
         chat["reasoning_effort"] = request.reasoning.effort
     thinking = (request.model_extra or {}).get("thinking")
@@ -321,6 +380,11 @@ _RENAMED = (
     ("top_p", "top_p"),
     ("user", "user"),
     ("mock", "mock"),
+    ("top_logprobs", "top_logprobs"),
+    ("service_tier", "service_tier"),
+    ("prompt_cache_key", "prompt_cache_key"),
+    ("safety_identifier", "safety_identifier"),
+    ("metadata", "metadata"),
 )
 
 

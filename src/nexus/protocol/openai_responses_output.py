@@ -13,6 +13,7 @@ from ..events import Usage
 from ..types import Completion
 
 __all__ = [
+    "accepted_body",
     "function_call_item",
     "incomplete_reason",
     "message_item",
@@ -128,6 +129,29 @@ def response_object(
         "top_p": None,
         "usage": usage,
     }
+
+
+def accepted_body(
+    described: dict[str, Any], stream_id: str, model: str, created: int
+) -> dict[str, Any]:
+    """The answer to ``background: true``: the ``response`` object the SDK reads (its
+    ``resp_`` id, status ``in_progress``, no output yet: ``output_text`` is ``""``), with
+    Nexus's ``url``, ``read_token``, ``resumable`` and ``stream_id`` (``described``, the 202
+    of the other endpoints) to read it from, as on every endpoint."""
+    response_id, _ = response_ids(stream_id)
+    body = response_object(
+        response_id=response_id,
+        created_at=created,
+        model=model,
+        status=described["status"],
+        output=[],
+    )
+    body["background"] = True
+    body["stream_id"] = described["id"]  # the resource's, in url and Last-Event-IDs
+    for key in ("url", "read_token", "resumable"):
+        if key in described:
+            body[key] = described[key]
+    return body
 
 
 def response_body(completion: Completion) -> dict[str, Any]:

@@ -8,8 +8,9 @@ whitespace before it); an image or audio part as ``[image <mime_type> <N> bytes]
 ``delay_ms``, ``fail_after`` and ``usage``. Reasoning words, content words and tool-call
 fragments (the arguments 8 characters at a time) are one chunk and one completion token
 each: ``max_tokens`` stops after that many (``length``), ``fail_after: N`` fails after N
-(or before the finish); ``stop`` cuts the content at the earliest stop sequence. Usage
-counts the words of all messages as the prompt, unless ``mock.usage`` says otherwise.
+(or before the finish); ``stop`` cuts the content at the earliest stop sequence (the
+finishing delta names it). Usage counts the words of all messages as the prompt, unless
+``mock.usage`` says otherwise.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class MockProvider(Provider):
         emitted = reasoning_chunks = 0
         finish = "stop"
         content = script.content if script.content is not None else echo(request)
-        cuts = [i for i in (content.find(s) for s in request.stop_sequences) if i != -1]
-        content = content[: min(cuts, default=len(content))]
+        cuts = [(at, s) for s in request.stop_sequences if (at := content.find(s)) != -1]
+        cut, matched = min(cuts, default=(len(content), None))
+        content = content[:cut]
 
         for event in _script_events(request, script, content):
             if fail_after is not None and emitted >= fail_after:
@@ -86,7 +88,8 @@ class MockProvider(Provider):
             raise UpstreamError(message)
         if delay and emitted:
             await asyncio.sleep(delay)
-        yield [Delta(finish_reason=finish)]
+        # The sequence it stopped on, as Anthropic reports it (not when it stopped otherwise).
+        yield [Delta(finish_reason=finish, stop_sequence=matched if finish == "stop" else None)]
         yield [_usage(request, script, emitted, reasoning_chunks)]
 
 

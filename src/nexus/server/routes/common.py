@@ -50,7 +50,7 @@ from ...protocol.negotiation import select_format
 from ...request import ChatRequest
 from ...stream import Stream, accumulate
 from ...telemetry import end_with, request_model
-from ...types import Completion, StreamMeta
+from ...types import Completion, StreamMeta, stream_id_of
 from .. import state
 from ..access import (
     KEYS,
@@ -197,6 +197,7 @@ async def complete(
     parse: ParseBody,
     default_format: str,
     render: Callable[[Completion], dict[str, Any]],
+    accepted: Callable[[dict[str, Any], StreamMeta], dict[str, Any]] | None = None,
 ) -> web.StreamResponse:
     """Serve one completion request in the endpoint's shapes.
 
@@ -281,7 +282,10 @@ async def complete(
         # (a browser's EventSource reconnecting late in a long stream still gets in).
         lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
         token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
-        return json_response(describe(opened.info, token), status=202, headers=headers)
+        described = describe(opened.info, token)
+        if accepted is not None:  # the endpoint's own shape (a Responses ``response``)
+            described = accepted(described, opened.info.meta)
+        return json_response(described, status=202, headers=headers)
     # include_cost asks for the usage chunk too: the cost rides on it.
     usage = chat.include_usage or chat.include_cost
     meta = with_usage(opened.info.meta, usage, chat.include_cost)
@@ -376,6 +380,7 @@ async def find_stream(
     :func:`stream_not_found` (404, also for another key's stream).
     """
     app = request.app
+    stream_id = stream_id_of(stream_id)  # a background response's resp_ id names it too
     owner = _reader(request, stream_id, read_token)
     if owner is not None and rated:
         await admit(request, exchange(request).key, None)

@@ -1,21 +1,34 @@
 """``POST /v1/responses``: the OpenAI Responses API, streaming and not.
 
 Its own stream format by default (``response.*`` events, docs/protocols.md §4);
-``stream_format`` negotiation picks any other registered one.
+``stream_format`` negotiation picks any other registered one. ``background: true`` answers
+with a ``response`` object (what the OpenAI SDK reads), which carries the stream's ``url``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from aiohttp import web
 
 from ...encoders.responses_sse import ResponsesSSEEncoder
 from ...protocol.openai_responses import parse_responses_request, response_body
+from ...protocol.openai_responses_output import accepted_body
+from ...types import StreamMeta
 from .common import complete
 
 DEFAULT_FORMAT = ResponsesSSEEncoder.media_type
 
 
+def _accepted(described: dict[str, Any], meta: StreamMeta) -> dict[str, Any]:
+    return accepted_body(described, meta.id, meta.model, meta.created)
+
+
 async def handle(request: web.Request) -> web.StreamResponse:
     return await complete(
-        request, parse=parse_responses_request, default_format=DEFAULT_FORMAT, render=response_body
+        request,
+        parse=parse_responses_request,
+        default_format=DEFAULT_FORMAT,
+        render=response_body,
+        accepted=_accepted,
     )

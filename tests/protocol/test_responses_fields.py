@@ -1,0 +1,65 @@
+"""``/v1/responses`` fields that change the answer: carried across to Chat Completions, or
+refused with a 400 naming them, never dropped in silence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from nexus.errors import InvalidRequest
+from nexus.protocol.openai_chunks import upstream_body
+from nexus.protocol.openai_responses import parse_responses_request
+
+
+def parse(**body: Any) -> dict[str, Any]:
+    """What an OpenAI upstream receives for the Responses body."""
+    request = parse_responses_request(orjson.dumps({"model": "up/m", "input": "hi", **body}))
+    return upstream_body(request, "m")
+
+
+def test_fields_with_a_chat_completions_twin_go_upstream() -> None:
+    sent = parse(
+        text={"verbosity": "low"},
+        top_logprobs=5,
+        service_tier="flex",
+        prompt_cache_key="k1",
+        safety_identifier="u1",
+        metadata={"a": "b"},
+        store=True,
+        reasoning={"effort": "low", "summary": "auto"},
+        truncation="disabled",
+        include=[],
+    )
+    assert sent["verbosity"] == "low"
+    assert (sent["logprobs"], sent["top_logprobs"]) == (True, 5)
+    assert sent["service_tier"] == "flex"
+    assert (sent["prompt_cache_key"], sent["safety_identifier"]) == ("k1", "u1")
+    assert sent["metadata"] == {"a": "b"}
+    assert sent["reasoning_effort"] == "low"
+    # store stays home: Nexus keeps nothing, and upstream it would keep the exchange.
+    for ours in ("text", "reasoning", "truncation", "include", "summary", "store"):
+        assert ours not in sent
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": {"id": "pmpt_1", "variables": {"a": "b"}}}, "prompt"),
+        ({"max_tool_calls": 1}, "max_tool_calls"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+        ({"reasoning": {"summary": "concise"}}, "reasoning.summary"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"text": {"verbosity": "loud"}}, "text.verbosity"),
+    ],
+)
+def test_fields_nexus_cannot_honour_are_refused(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse(**body)
+    assert info.value.param == param
+    assert info.value.code == "invalid_request"
+    assert info.value.message.startswith(f"{param}: ")

@@ -1,0 +1,120 @@
+"""``/v1/messages`` streamed and not give the anthropic SDK the same message: the stop
+sequence that ended it, a refusal's text, tool calls whose arguments are not JSON, and the
+ids of tool calls the upstream left without one."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk
+
+USER = [{"role": "user", "content": "one two three four"}]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+async def both(api: Any, **request: Any) -> tuple[Any, Any]:
+    """The message of one request, streamed, then not."""
+    async with api.messages.stream(**request) as stream:
+        streamed = await stream.get_final_message()
+    return streamed, await api.messages.create(**request)
+
+
+async def sdk(make_client: MakeClient, config: dict[str, Any] | None = None) -> Any:
+    client = await make_client(config)
+    return anthropic.AsyncAnthropic(
+        base_url=str(client.make_url("")), api_key="unused", max_retries=0
+    )
+
+
+async def test_a_stop_sequence_hit_names_the_sequence(make_client: MakeClient) -> None:
+    api = await sdk(make_client)
+    request = {"model": "mock/echo", "max_tokens": 50, "messages": USER}
+    for message in await both(api, **request, stop_sequences=["zzz", "three"]):
+        assert message.content[0].text == "one two "
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "three")
+    for message in await both(api, **request, stop_sequences=["absent"]):
+        assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
+    await api.close()
+
+
+async def test_a_refusal_is_text_in_both_forms(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    frames = [
+        openai_chunk(role="assistant", content=""),
+        openai_chunk(content="Well. "),
+        openai_chunk(refusal="I can't help with that."),
+        openai_chunk(finish_reason="content_filter"),
+        DONE,
+    ]
+    upstream.add(Reply.stream(frames), Reply.stream(frames))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    api = await sdk(make_client, config)
+    streamed, created = await both(api, model="up/m", max_tokens=50, messages=USER)
+    assert [b.text for b in streamed.content] == ["Well. I can't help with that."]
+    assert [b.text for b in created.content] == ["Well. I can't help with that."]
+    assert streamed.stop_reason == created.stop_reason == "refusal"
+    await api.close()
+
+
+@pytest.mark.parametrize("arguments", ["not json {", '{"a": 1', '{"a": 1}'])
+async def test_tool_arguments_the_sdk_can_read(make_client: MakeClient, arguments: str) -> None:
+    """Broken arguments are {"_raw": ...} in both forms (the SDK's stream raised
+    ``ValueError: Unable to parse tool parameter JSON``)."""
+    api = await sdk(make_client)
+    mock = {"tool_calls": [{"name": "f", "arguments": arguments}]}
+    streamed, created = await both(
+        api, model="mock/echo", max_tokens=50, messages=USER, extra_body={"mock": mock}
+    )
+    assert streamed.content[-1].input == created.content[-1].input
+    assert streamed.content[-1].id == created.content[-1].id
+    await api.close()
+
+
+def tool_turns(result: dict[str, Any]) -> list[dict[str, Any]]:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    block = {"type": "tool_result", "tool_use_id": "toolu_1", **result}
+    return [*USER, {"role": "assistant", "content": [use]}, {"role": "user", "content": [block]}]
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}
+FAILED = {"is_error": True, "content": [{"type": "text", "text": "boom"}, IMAGE]}
+
+
+async def test_an_anthropic_upstream_gets_is_error_and_images_of_a_tool_result(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([b"event: message_stop\ndata: {}\n\n"]))
+    config = {"providers": {"up": {"kind": "anthropic", "base_url": upstream.url}}}
+    api = await sdk(make_client, config)
+    await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(FAILED))
+    [result] = upstream.requests[0].body["messages"][2]["content"]
+    assert result == {"type": "tool_result", "tool_use_id": "toolu_1", **FAILED}
+    await api.close()
+
+
+async def test_an_openai_upstream_gets_is_error_as_text_and_refuses_images(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.stream([openai_chunk(finish_reason="stop"), DONE]))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    api = await sdk(make_client, config)
+    text_only = {"is_error": True, "content": "boom"}
+    await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(text_only))
+    tool = upstream.requests[0].body["messages"][2]
+    assert tool == {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: boom"}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(FAILED))
+    assert "holds an image" in info.value.message
+    assert len(upstream.requests) == 1
+    await api.close()

@@ -176,8 +176,11 @@ def unpriced(request: ChatRequest) -> tuple[str, str] | None:
         return "modalities", "audio output is billed per audio token"
     for index, message in enumerate(request.messages):
         content = message.content
-        if isinstance(content, list) and any(isinstance(p, AudioPart) for p in content):
-            return f"messages[{index}]", "audio input is billed per audio token"
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, AudioPart):
+                return f"messages[{index}]", "audio input is billed per audio token"
+            if isinstance(part, FilePart) and not isinstance(part.file.get("file_data"), str):
+                return f"messages[{index}]", "a file sent by id is counted by the upstream only"
     return None
 
 

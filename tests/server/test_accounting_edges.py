@@ -267,6 +267,15 @@ models = ["echo"]
             },
             "messages[0]",
         ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "user", "content": [{"type": "file", "file": {"file_id": "file-1"}}]},
+                ]
+            },
+            "messages[1]",
+        ),
     ],
 )
 async def test_a_budget_refuses_what_the_price_does_not_cover(

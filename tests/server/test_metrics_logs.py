@@ -586,3 +586,38 @@ async def test_a_resumable_stream_its_client_left_has_its_spend_line_at_its_end(
     await resp.read()
     await asyncio.sleep(0.1)
     assert len(spend_records(caplog)) == 1
+
+
+async def test_a_json_request_left_while_another_reads_its_stream_has_its_spend_line(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The JSON origin's client leaves while a joiner still reads the stream: the stream
+    # runs on, so the origin's access line cannot carry its spend; its spend line does.
+    from support import GatedProvider
+
+    caplog.set_level(logging.INFO, logger="nexus")
+    gated = GatedProvider(before=1, after=2)
+    client = await make_client({"cache": {"enabled": True}}, providers=[gated])
+    body = chat(model="gated/m")
+    origin = asyncio.create_task(client.post(CHAT, json=body, headers={"X-Request-Id": "rid-a"}))
+    await asyncio.wait_for(gated.started.wait(), 5)
+    await asyncio.sleep(0.05)
+    joiner = asyncio.create_task(client.post(CHAT, json={**body, "stream": True}))
+    await asyncio.sleep(0.1)
+    origin.cancel()
+    await asyncio.sleep(0.05)
+    gated.gate.set()
+    resp = await asyncio.wait_for(joiner, 5)
+    assert resp.headers["X-Nexus-Cache"] == "hit"
+    await resp.read()
+    (line,) = await until_spend_lines(caplog, 1)
+    assert spend_records(caplog)[0].request_id == "rid-a"  # type: ignore[attr-defined]
+    assert (line["outcome"], line["completion_tokens"]) == ("ok", 2)  # the upstream's count
+
+
+async def test_the_json_log_cannot_be_split_by_unicode_line_boundaries() -> None:
+    record = logging.LogRecord("nexus.access", logging.INFO, "", 0, "x", None, None)
+    record.access = {"model": "a\u2028b\u2029c\x85d"}  # type: ignore[attr-defined]
+    line = JsonFormatter().format(record)
+    assert len(line.splitlines()) == 1
+    assert json.loads(line)["model"] == "a\u2028b\u2029c\x85d"

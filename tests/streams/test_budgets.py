@@ -568,3 +568,55 @@ async def test_an_anthropic_stream_left_during_prefill_is_charged_the_upstreams_
             await asyncio.sleep(0.01)
         # 100 at $1, 10,000 at $0.10 and 2,000 at $1.25 (a token each, per the prices above).
         assert await limits.spent(alpha) == pytest.approx(100 + 1_000 + 2_500)
+
+
+async def test_the_cap_sent_upstream_is_the_one_held(make_client: MakeClient) -> None:
+    """Both cap fields sent: an upstream may obey either, so both go as the smaller, which
+    is what the budget held. Without a cap, a target's own smaller default (Anthropic's
+    default_max_tokens) is kept, not raised to [limits] budget_max_output_tokens."""
+    from upstreams import DONE, FakeUpstream, Reply, openai_chunk
+
+    price = {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1}
+    chunks = [openai_chunk(content="hi"), openai_chunk(finish_reason="stop"), DONE]
+    async with FakeUpstream(default=Reply.stream(chunks)) as oa, FakeUpstream() as an:
+        an.add(Reply.json(500, {"type": "error", "error": {"type": "api_error", "message": "x"}}))
+        providers = {
+            "oa": {"kind": "openai", "base_url": oa.url + "/v1"},
+            "an": {"kind": "anthropic", "base_url": an.url, "default_max_tokens": 4096},
+        }
+        models = {"oa/m": price, "an/m": price}
+        client = await make_client(keyed(1000, "total", models=models, providers=providers))
+        both = {**CHAT, "model": "oa/m", "max_tokens": 1_000_000, "max_completion_tokens": 5}
+        resp = await client.post("/v1/chat/completions", json=both, headers=BEARER)
+        assert resp.status == 200, await resp.text()
+        sent = oa.requests[-1].body
+        assert (sent["max_tokens"], sent["max_completion_tokens"]) == (5, 5)
+        resp = await client.post(
+            "/v1/chat/completions", json={**CHAT, "model": "oa/m"}, headers=BEARER
+        )
+        assert resp.status == 200
+        assert oa.requests[-1].body["max_completion_tokens"] == 16_384
+        resp = await client.post(
+            "/v1/chat/completions", json={**CHAT, "model": "an/m"}, headers=BEARER
+        )
+        await resp.read()
+        assert an.requests[-1].body["max_tokens"] == 4096
+
+
+@pytest.mark.parametrize(
+    ("spent", "held", "hold", "retry"),
+    [
+        (0.0, 0.0, 20.0, None),  # more than the whole budget: never, whatever the wait
+        (8.0, 1.0, 1.5, "1"),  # fits once the running stream ends
+        (8.0, 1.0, 3.0, "60"),  # fits only in the next window
+        (10.0, 0.0, 1.0, "60"),  # spent: the next window
+    ],
+)
+def test_a_budget_refusal_says_when_a_retry_can_pass(
+    monkeypatch: pytest.MonkeyPatch, spent: float, held: float, hold: float, retry: str | None
+) -> None:
+    from nexus.cache.limits import budget_exceeded
+
+    key = ApiKey("alpha", budget_usd=10.0, budget_period="day")
+    refused = budget_exceeded(key, spent, at("2026-11-25T23:59:00"), held, hold)
+    assert refused.headers.get("Retry-After") == retry

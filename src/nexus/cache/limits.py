@@ -83,23 +83,28 @@ def too_many_streams(name: str, per_key: int) -> TooManyStreams:
 def budget_exceeded(
     key: ApiKey, spent: float, now: float, held: float = 0.0, hold: float = 0.0
 ) -> BudgetExceeded:
-    """The refusal of a key whose window's spend reached its budget (the reset time in
-    the message and, for a window that ends, ``Retry-After``), or whose budget left does
-    not cover ``hold``, this request's worst case, beside ``held`` by its running streams
-    (``Retry-After`` 1 while some are held: their ends give back what they did not spend)."""
-    assert key.budget_usd is not None
+    """The refusal of a key whose window's spend reached its budget, or whose budget left
+    does not cover ``hold``, this request's worst case, beside ``held`` by its running
+    streams. ``Retry-After``: 1 when the request fits once those end (they give back what
+    they did not spend); none when it can never fit (more than the whole budget); else
+    the window's reset, when it has one."""
+    budget = key.budget_usd
+    assert budget is not None
     win = window(key.budget_period, now)
     retry = win.retry_after_s(now)
-    message = budget_message(key.name, key.budget_usd, key.budget_period, spent, win)
-    if spent < key.budget_usd:
+    message = budget_message(key.name, budget, key.budget_period, spent, win)
+    if spent < budget:
         message += (
             f" This request may cost up to ${hold:.6g} (its prompt and its output cap: "
             "max_tokens, else [limits] budget_max_output_tokens)"
         )
         if held > 0:
             message += f" and its running streams hold ${held:.6g}"
+        message += "; lower max_tokens" + (", or retry when its streams end." if held else ".")
+        if hold > budget:
+            retry = None  # no window ever holds it: retrying cannot help
+        elif held > 0 and spent + hold <= budget:
             retry = 1
-        message += "; lower max_tokens, or retry when its streams end."
     return BudgetExceeded(message, headers={} if retry is None else {"Retry-After": str(retry)})
 
 

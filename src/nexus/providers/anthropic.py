@@ -22,6 +22,10 @@ class AnthropicProvider(HTTPProvider):
     path = "/v1/messages"
     config: AnthropicProviderConfig
 
+    @property
+    def default_output_cap(self) -> int:  # type: ignore[override]
+        return self.config.default_max_tokens
+
     def headers(self) -> dict[str, str]:
         headers = super().headers()
         headers["anthropic-version"] = self.config.anthropic_version

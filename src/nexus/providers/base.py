@@ -29,6 +29,8 @@ class Provider(ABC):
     kind: ClassVar[str]
     accepts: ClassVar[frozenset[str]] = frozenset({"text"})
     """Input kinds the provider can take: ``text``, ``image``, ``audio``."""
+    default_output_cap: int | None = None
+    """The output cap it sends a request that sets none (None: the upstream's own)."""
 
     def __init__(self, name: str, models: list[str] | None = None) -> None:
         self.name = name

@@ -35,8 +35,10 @@ from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..cache.run import StreamRun
-from ..errors import GatewayError
+from ..engine import Engine
+from ..errors import GatewayError, ModelNotFound
 from ..pricing import Spend, unpriced
+from ..providers.base import Provider
 from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
 from ..telemetry import Telemetry
@@ -238,6 +240,7 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
 
 
 _PLAIN = re.compile(r"[\x21-\x7e]+")
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
 def _text(value: object) -> object:
@@ -398,10 +401,24 @@ def budgeted(
             code="model_not_priced",
             param=param,
         )
+    engine = request.app[_HUB].engine
     if chat.token_limit is None:
-        cap = request.app[_CONFIG].limits.budget_max_output_tokens
+        # Less where a target sends less by default (Anthropic's default_max_tokens).
+        caps = [provider.default_output_cap for provider, _ in _targets(engine, chat.model)]
+        cap = min([request.app[_CONFIG].limits.budget_max_output_tokens, *filter(None, caps)])
         chat = chat.model_copy(update={"max_completion_tokens": cap})
-    return chat, request.app[_HUB].engine.hold_usd(chat)
+    elif chat.max_tokens is not None and chat.max_completion_tokens is not None:
+        # Both sent: an upstream may obey either, so both get the smaller (the one held).
+        cap = min(chat.max_tokens, chat.max_completion_tokens)
+        chat = chat.model_copy(update={"max_tokens": cap, "max_completion_tokens": cap})
+    return chat, engine.hold_usd(chat)
+
+
+def _targets(engine: Engine, model: str) -> list[tuple[Provider, str]]:
+    try:
+        return engine.route(model)
+    except ModelNotFound:
+        return []  # refused when it opens, with its own error
 
 
 def check_stream_model(
@@ -443,7 +460,9 @@ class JsonFormatter(logging.Formatter):
             out["error"] = self.formatException(record.exc_info)
         elif record.exc_text:  # formatted (and redacted) by a filter: see server/redaction.py
             out["error"] = record.exc_text
-        return orjson.dumps(out).decode()
+        # orjson keeps U+2028, U+2029 and U+0085 raw: escaped, a client's string cannot
+        # split the record for a reader that breaks lines on them.
+        return orjson.dumps(out).decode().translate(_LINE_BREAKS)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

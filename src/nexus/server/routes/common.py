@@ -5,9 +5,7 @@ stream format and its JSON shape; :func:`complete` does the rest through the one
 hub and the one pump, streaming or not. :func:`resume` serves a stream that already
 exists (``GET /v1/streams/{id}``, and a POST carrying ``Last-Event-ID``).
 
-With keys configured, :func:`find_stream` finds a stream only for the key that made
-it, or (on a GET) for its read token (:mod:`nexus.tokens`); another key's stream is
-the same 404, after the same lookup, as one that does not exist.
+Who may use an existing stream is :mod:`.stream_access`'s.
 
 A stream is *resumable* when the request asks (``"background": true``,
 ``"stream_options": {"resumable": true}``, or ``X-Nexus-Resumable: true``): it then
@@ -19,7 +17,6 @@ response says which it is.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import replace
@@ -28,8 +25,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import StreamReader, web
 
-from ...auth import Unauthorized
-from ...cache.hub import Opened, StreamHub
+from ...cache.hub import Opened
 from ...cache.readers import leave, with_usage
 from ...cache.run import LogReader
 from ...cache.store import StreamInfo
@@ -50,10 +46,9 @@ from ...protocol.negotiation import select_format
 from ...request import ChatRequest
 from ...stream import Stream, accumulate
 from ...telemetry import end_with, request_model
-from ...types import Completion, StreamMeta, stream_id_of
+from ...types import Completion, StreamMeta
 from .. import state
 from ..access import (
-    KEYS,
     METRICS,
     Exchange,
     account_at_end,
@@ -65,16 +60,15 @@ from ..access import (
 )
 from ..render import Cursor, parse_cursor
 from ..streaming import SETTLE_WAIT_S, pump
+from .stream_access import describe, find_stream, stream_not_found
 
 __all__ = [
     "RESUMABLE_HEADER",
     "complete",
-    "find_stream",
     "json_response",
     "last_event_id",
     "read_body",
     "resume",
-    "stream_not_found",
 ]
 
 RESUMABLE_HEADER = "X-Nexus-Resumable"
@@ -263,7 +257,7 @@ async def complete(
     if not streaming:
         if hub.cache.enabled:
             headers["X-Nexus-Cache"] = opened.cache or "miss"
-        completion = await _answer(ex, hub, opened)
+        completion = await _answer(app, ex, opened)
         return json_response(_body(render, completion, chat.include_cost), headers=headers)
     if opened.cache:
         headers["X-Nexus-Cache"] = opened.cache
@@ -296,21 +290,23 @@ async def complete(
     return await _pump(request, reader, encoder, None, headers)
 
 
-async def _answer(ex: Exchange, hub: StreamHub, opened: Opened) -> Completion:
+async def _answer(app: web.Application, ex: Exchange, opened: Opened) -> Completion:
     """The merged completion of a stream nobody else learnt the id of, and its spend on
     the access line. Raises the stream's failure, or :class:`StreamError`."""
-    reader = await hub.reader_of(opened, meta=with_usage(opened.info.meta, False))
+    reader = await app[state.HUB].reader_of(opened, meta=with_usage(opened.info.meta, False))
     hit = opened.cache == "hit"  # a replay or a join: the tokens were another's
     run = None if opened.joined else opened.run
     try:
         completion = await accumulate(Stream(_events(reader), reader.meta))
     except BaseException:
-        # The run ends with the request (the client gone, a failure), unless it is
-        # shared; the line has what it spent until then.
+        # The run ends with the request (the client gone, a failure) unless shared: the
+        # line has what it spent until then, or, still running, a spend line at its end.
         await leave(reader, run)
         if reader.failure is None:
             so_far = NOTHING if hit else await reader.settled_spend(SETTLE_WAIT_S)
             _settle(ex, reader.served, so_far)
+            if so_far is None and run is not None:
+                account_at_end(app, ex, run)
         raise
     await leave(reader, run)
     _settle(ex, reader.served, NOTHING if hit else reader.spend)
@@ -365,92 +361,6 @@ async def resume(
         first_wait_s=ATTACH_WAIT_S,
         origin=False,
     )
-
-
-async def find_stream(
-    request: web.Request, stream_id: str, *, read_token: bool = False, rated: bool = True
-) -> StreamInfo:
-    """The stream ``stream_id``, if the caller may use it (see the module docstring).
-
-    With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
-    instead of a key. A key's request takes a token of its rate first, unless not
-    ``rated`` (a cancel: a key past its rate may still stop what spends it); a token's
-    takes one of its stream owner's rate once the stream is found. Raises
-    :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited`` and
-    :func:`stream_not_found` (404, also for another key's stream).
-    """
-    app = request.app
-    stream_id = stream_id_of(stream_id)  # a background response's resp_ id names it too
-    owner = _reader(request, stream_id, read_token)
-    if owner is not None and rated:
-        await admit(request, exchange(request).key, None)
-    hub = app[state.HUB]
-    info = await hub.info(stream_id)
-    if info is not None and owner is None and app[KEYS].enabled:
-        # A read token's request is its stream owner's: it takes a token of that key's
-        # rate (a token leaked in a URL would otherwise re-render the log unmetered).
-        await admit(request, app[KEYS].named(info.owner), None)
-    if info is not None and owner is not None and not _same_owner(info.owner, owner):
-        if hub.store.shared and stream_id in hub.live:
-            # Found here without the store's round trip that a missing id costs: take
-            # it too, so that the time does not tell another key a live stream's id.
-            await hub.store.info(stream_id)
-        info = None
-    if info is None:
-        raise stream_not_found(stream_id)
-    return info
-
-
-def describe(info: StreamInfo, read_token: str | None = None) -> dict[str, Any]:
-    """The JSON a background request answers with (and a DELETE, without a token).
-
-    With ``read_token`` (see :mod:`nexus.tokens`) it is included, and ``url`` carries
-    it as ``?token=``: a URL a browser's ``EventSource`` can read without headers.
-    """
-    body: dict[str, Any] = {
-        "id": info.id,
-        "url": f"/v1/streams/{info.id}",
-        "status": info.status,
-        "resumable": info.resumable,
-    }
-    if read_token is not None:
-        body["url"] += f"?token={read_token}"
-        body["read_token"] = read_token
-    return body
-
-
-def stream_not_found(stream_id: str) -> StreamNotFound:
-    """The one answer for a stream that is not there, or not the caller's."""
-    return StreamNotFound(
-        f"No stream {stream_id!r}: unknown, or expired (finished streams are kept for "
-        "[streams] resume_ttl_s).",
-        param="id",
-    )
-
-
-def _reader(request: web.Request, stream_id: str, read_token: bool) -> str | None:
-    """Whose streams the caller may use: a key's name; None for any (no keys, or a valid
-    read token for this stream). Raises :class:`Unauthorized`."""
-    app = request.app
-    if not app[KEYS].enabled:
-        return None
-    if read_token:
-        token = request.query.get("token")
-        if token is not None:
-            if not app[state.TOKENS].check(token, stream_id, time.time()):
-                raise Unauthorized(
-                    "Invalid read token: malformed, expired, or not this stream's.",
-                    headers={"WWW-Authenticate": 'Bearer realm="nexus"'},
-                )
-            return None
-    key = authenticate(request)
-    if key is None:  # not with keys configured; never read as "any stream"
-        raise Unauthorized("Missing API key.", headers={"WWW-Authenticate": 'Bearer realm="nexus"'})
-    return key.name
-
-
-def _same_owner(owner: str | None, name: str) -> bool:
-    return owner is not None and hmac.compare_digest(owner.encode(), name.encode())
 
 
 def _pump(

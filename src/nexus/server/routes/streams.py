@@ -11,7 +11,7 @@ running in this process and answers with its status.
 With keys configured, both need the key that made the stream; a ``GET`` may
 instead carry the stream's read token (``?token=``, from the ``202`` of a
 background request), which a ``DELETE`` does not accept. See
-:func:`~nexus.server.routes.common.find_stream`.
+:func:`~nexus.server.routes.stream_access.find_stream`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ...cache.keeper import status_of
 from ...errors import GatewayError
 from ...events import Error
 from .. import state
-from .common import describe, find_stream, json_response, last_event_id, negotiate, resume
+from .common import json_response, last_event_id, negotiate, resume
+from .stream_access import describe, find_stream
 
 __all__ = ["cancel", "get"]
 

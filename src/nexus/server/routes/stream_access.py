@@ -1,0 +1,111 @@
+"""Who may use an existing stream: :func:`find_stream`, for the stream routes and a POST
+that resumes one.
+
+With keys configured, a stream is found only for the key that made it, or (on a GET) for
+its read token (:mod:`nexus.tokens`); another key's stream is the same 404, after the same
+lookup, as one that does not exist. Every lookup takes a token of a key's rate: the
+caller's, or for a read token the stream owner's; a cancel takes none.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from aiohttp import web
+
+from ...auth import Unauthorized
+from ...cache.store import StreamInfo
+from ...errors import StreamNotFound
+from ...types import stream_id_of
+from .. import state
+from ..access import KEYS, admit, authenticate, exchange
+
+__all__ = ["describe", "find_stream", "stream_not_found"]
+
+
+async def find_stream(
+    request: web.Request, stream_id: str, *, read_token: bool = False, rated: bool = True
+) -> StreamInfo:
+    """The stream ``stream_id``, if the caller may use it (see the module docstring).
+
+    With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
+    instead of a key. A key's request takes a token of its rate first, unless not
+    ``rated`` (a cancel: a key past its rate may still stop what spends it); a token's
+    takes one of its stream owner's rate once the stream is found. Raises
+    :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited`` and
+    :func:`stream_not_found` (404, also for another key's stream).
+    """
+    app = request.app
+    stream_id = stream_id_of(stream_id)  # a background response's resp_ id names it too
+    owner = _reader(request, stream_id, read_token)
+    if owner is not None and rated:
+        await admit(request, exchange(request).key, None)
+    hub = app[state.HUB]
+    info = await hub.info(stream_id)
+    if info is not None and owner is None and app[KEYS].enabled:
+        # A read token's request is its stream owner's: it takes a token of that key's
+        # rate (a token leaked in a URL would otherwise re-render the log unmetered).
+        await admit(request, app[KEYS].named(info.owner), None)
+    if info is not None and owner is not None and not _same_owner(info.owner, owner):
+        if hub.store.shared and stream_id in hub.live:
+            # Found here without the store's round trip that a missing id costs: take
+            # it too, so that the time does not tell another key a live stream's id.
+            await hub.store.info(stream_id)
+        info = None
+    if info is None:
+        raise stream_not_found(stream_id)
+    return info
+
+
+def describe(info: StreamInfo, read_token: str | None = None) -> dict[str, Any]:
+    """The JSON a background request answers with (and a DELETE, without a token).
+
+    With ``read_token`` (see :mod:`nexus.tokens`) it is included, and ``url`` carries
+    it as ``?token=``: a URL a browser's ``EventSource`` can read without headers.
+    """
+    body: dict[str, Any] = {
+        "id": info.id,
+        "url": f"/v1/streams/{info.id}",
+        "status": info.status,
+        "resumable": info.resumable,
+    }
+    if read_token is not None:
+        body["url"] += f"?token={read_token}"
+        body["read_token"] = read_token
+    return body
+
+
+def stream_not_found(stream_id: str) -> StreamNotFound:
+    """The one answer for a stream that is not there, or not the caller's."""
+    return StreamNotFound(
+        f"No stream {stream_id!r}: unknown, or expired (finished streams are kept for "
+        "[streams] resume_ttl_s).",
+        param="id",
+    )
+
+
+def _reader(request: web.Request, stream_id: str, read_token: bool) -> str | None:
+    """Whose streams the caller may use: a key's name; None for any (no keys, or a valid
+    read token for this stream). Raises :class:`Unauthorized`."""
+    app = request.app
+    if not app[KEYS].enabled:
+        return None
+    if read_token:
+        token = request.query.get("token")
+        if token is not None:
+            if not app[state.TOKENS].check(token, stream_id, time.time()):
+                raise Unauthorized(
+                    "Invalid read token: malformed, expired, or not this stream's.",
+                    headers={"WWW-Authenticate": 'Bearer realm="nexus"'},
+                )
+            return None
+    key = authenticate(request)
+    if key is None:  # not with keys configured; never read as "any stream"
+        raise Unauthorized("Missing API key.", headers={"WWW-Authenticate": 'Bearer realm="nexus"'})
+    return key.name
+
+
+def _same_owner(owner: str | None, name: str) -> bool:
+    return owner is not None and hmac.compare_digest(owner.encode(), name.encode())

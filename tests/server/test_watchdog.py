@@ -99,7 +99,7 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
 
         def __init__(self, meta: StreamMeta) -> None:
             self.meta, self.failure = meta, None
-            self.served, self.spend = meta, None
+            self.served, self.spend, self.run = meta, None, None
             self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
         def __aiter__(self) -> Reader:

@@ -6,7 +6,8 @@
   stream that ends (completed, or its client gone) gives its slot back at once.
 * A replica killed (SIGKILL) mid-stream stops renewing its slot, which expires
   within ``[limits] stream_lease_s``: the other replica admits the key again.
-* An admission whose reply was lost gives its slot back at once (in process).
+* An admission whose reply was lost, or whose client left while it was in flight, gives
+  its slot back at once (in process).
 * A slot Redis lost while its stream runs comes back at the next renewal (in process).
 """
 
@@ -226,6 +227,49 @@ async def test_a_slot_whose_admission_reply_was_lost_is_given_back() -> None:
         while await client.zcard(slots) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert await client.zcard(slots) == 0, "the lost admission's slot stayed for its lease"
+    finally:
+        await limits.close()
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
+async def test_a_slot_whose_admission_was_cancelled_in_flight_is_given_back() -> None:
+    """The client left (its handler cancelled) while the admission script was in flight:
+    the script ran and took the slot, nobody here holds it, and it leaves Redis at once
+    rather than refuse the key for its lease."""
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    class SlowReply(RedisStore):
+        async def call(self, op: str, *commands: Any, allow: str = "") -> list[Any]:
+            replies = await super().call(op, *commands, allow=allow)
+            if op == "admit":
+                await asyncio.sleep(30)  # the reply is still on its way
+            return replies
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    store = SlowReply(prefix=prefix, client=client)
+    limits = RedisLimits(
+        store, rate=0, per_key=1, lease_s=60, fallback=LocalLimits(0, 1, lambda name: 0)
+    )
+    slots = f"{prefix}:limits:streams:gone"
+    await limits.start()
+    try:
+        admitting = asyncio.ensure_future(limits.admit(ApiKey("gone"), stream=True))
+        deadline = time.monotonic() + 2
+        while not await client.zcard(slots) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert await client.zcard(slots) == 1  # the script ran
+        admitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+        deadline = time.monotonic() + 2
+        while await client.zcard(slots) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert await client.zcard(slots) == 0, "the cancelled admission's slot stayed"
     finally:
         await limits.close()
         await drop_keys(client, prefix)

@@ -20,8 +20,9 @@ Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
 re-created without its start; :meth:`RedisStore.end` rewrites it whole itself. A reader
 that meets a gap raises :class:`~nexus.errors.StreamIncomplete`, never serves a hole.
 
-Connections: commands share pipelines on the pool (``[store] max_connections``), and
-followers share blocking reads on connections of their own (:mod:`nexus.cache.redis_log`).
+Connections: commands share pipelines on the pool (``[store] max_connections``); the
+pages of readers catching up on logs, bounded in bytes, go alone on connections of their
+own, and followers share blocking reads on theirs (:mod:`nexus.cache.redis_log`).
 A command not sent within ``[store] pool_timeout_s`` fails. Every failure to reach Redis
 is raised as :class:`~nexus.errors.StoreUnavailable` (503, ``Retry-After``) and counted
 through :attr:`Store.on_error`.
@@ -35,7 +36,6 @@ import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, cast
-from urllib.parse import parse_qs, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
@@ -46,15 +46,25 @@ from redis.retry import Retry
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
 from .codec import dump_event, dumps_events, load_event
-from .redis_log import Command, Followers, Pipeliner, decode
+from .redis_log import (
+    FIRST_PAGE,
+    FOLLOW_COUNT,
+    PAGE_CONNECTIONS,
+    Command,
+    Followers,
+    Pipeliner,
+    decode,
+    page,
+    page_count,
+    send,
+)
+from .redis_url import redact_url, scrub
 from .store import OWNER_TTL_S, Recording, Store, StreamInfo, Write
 
 log = logging.getLogger("nexus.store")
 
 __all__ = ["RedisStore", "RedisUnavailable", "redact_url"]
 
-_PAGE = 100
-"""Entries per XRANGE / XREAD reply: bounds one reply's size."""
 _ENTRY = 500
 """Events per log entry at most (a log written whole is cut into entries of this size)."""
 
@@ -110,20 +120,6 @@ class RedisUnavailable(ConnectionError):
     """Redis could not be reached at start-up. The message names the URL without credentials."""
 
 
-def redact_url(url: str) -> str:
-    """``url`` without user, password and query (which may hold ``password=``): fit for logs."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-    except ValueError:
-        return "<unparseable Redis URL>"
-    return f"{parts.scheme}://{host}{parts.path}"  # urlunsplit would drop unix:// 's slashes
-
-
 def _ms(ttl_s: float) -> int:
     """A TTL for PX / PEXPIRE, which take whole milliseconds above zero."""
     return max(1, round(ttl_s * 1000))
@@ -167,7 +163,10 @@ class RedisStore(Store):
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
         self._pipeliner: Pipeliner | None = None
-        self.followers = Followers(self._connect, self.call, self.block_ms, _PAGE)
+        self._pages: aioredis.Redis | None = None
+        """Log pages: connections of their own, never queued behind other commands or
+        ahead of them (:mod:`nexus.cache.redis_log`)."""
+        self.followers = Followers(self._connect, self.call, self.block_ms, FOLLOW_COUNT)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -203,7 +202,7 @@ class RedisStore(Store):
                 self._client = None
             where = redact_url(self.url)
             raise RedisUnavailable(
-                f"Redis not reachable at {where}: {_scrub(str(exc), self.url)}"
+                f"Redis not reachable at {where}: {scrub(str(exc), self.url)}"
             ) from None
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
@@ -218,6 +217,10 @@ class RedisStore(Store):
         if self._pipeliner is not None:
             await self._pipeliner.close()
             self._pipeliner = None
+        pages, self._pages = self._pages, None
+        if pages is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await pages.aclose()
         if self._client is not None and self._owns_client:
             await self._client.aclose()
             self._client = None
@@ -389,16 +392,19 @@ class RedisStore(Store):
         finished = await self._finished(stream_id)
         after = start - 1  # index of the last entry read
         following = False
+        count = FIRST_PAGE
         while True:
             if following:
                 try:
                     entries = await self.followers.next(log, after)
                 except (RedisError, OSError) as exc:
                     raise self._unavailable("read") from exc
+                # Behind (a slow client): pages, bounded in bytes, until caught up.
+                following = len(entries) < FOLLOW_COUNT
             else:
-                page = ("XRANGE", log, f"0-{after + 2}", "+", "COUNT", _PAGE)
-                entries = (await self.call("read", page))[0] or []
-                following = len(entries) < _PAGE
+                entries = await self._page(log, after, count)
+                following = len(entries) < count
+                count = page_count(entries)
             if entries:
                 events, after, terminal = decode(stream_id, entries, after)
                 if events:
@@ -417,6 +423,19 @@ class RedisStore(Store):
                             "ended; retry the request."
                         )
                 following = not finished
+
+    async def _page(self, log: str, after: int, count: int) -> list[Any]:
+        """Up to ``count`` entries of the log past index ``after``, on a connection for
+        pages (waiting at most ``pool_timeout_s`` for one)."""
+        if self._pages is None:
+            self._pages = self._connect(PAGE_CONNECTIONS)
+        try:
+            (entries,) = await send(self._pages, [page(log, after, count)])
+            if isinstance(entries, Exception):
+                raise entries
+        except (RedisError, OSError) as exc:
+            raise self._unavailable("read") from exc
+        return cast(list[Any], entries or [])
 
     async def _finished(self, stream_id: str) -> bool:
         """Whether the stream ended; raises StreamNotFound if neither info nor log exists."""
@@ -476,17 +495,3 @@ class RedisStore(Store):
 
     async def release(self, key: str, stream_id: str) -> None:
         await self.call("release", ("EVAL", _RELEASE, 1, f"{self.prefix}:claim:{key}", stream_id))
-
-
-def _scrub(message: str, url: str) -> str:
-    """``message`` with the URL's credentials cut out, should a driver ever echo them."""
-    try:
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        secrets = [parts.password, parts.username, *query.get("password", ())]
-    except ValueError:
-        return "(details withheld)"
-    for secret in secrets:
-        if secret:
-            message = message.replace(secret, "***")
-    return message

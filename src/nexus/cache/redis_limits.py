@@ -257,6 +257,12 @@ class RedisLimits(KeyLimits):
             self._warn(exc.__cause__ or exc)
             self.fallback.check(key, stream=stream, budget=False, rate=rate)
             return None
+        except asyncio.CancelledError:
+            # The client left while the script was in flight: it may have run and taken
+            # the slot, which nobody here holds or renews (it would stay for its lease).
+            if slot is not None:
+                self._release_later(name, slot.id)
+            raise
         code = int(code)
         if code == 1:
             raise rate_limited(name, self.rate, int(value) / 1000)

@@ -12,6 +12,12 @@ carries more events).
 in flight the next ones gather for the next. A thousand streams mirroring their logs
 cost a round trip per turn, on one connection of the pool.
 
+**Catching up** (:func:`page`): a reader pages through a log with ``XRANGE``, each page
+sized from the entries of the one before to about :data:`PAGE_BYTES` (:func:`page_count`),
+sent alone on one of :data:`PAGE_CONNECTIONS` connections of their own (:func:`send`),
+never in the commands' pipeline: sixty readers of a 30 MB log in it, 100 entries a page,
+held an admission's PING 9 s behind their pages (then 503).
+
 **Followers** (:class:`Followers`): one blocking ``XREAD`` per connection follows up to
 :data:`KEYS_PER_READ` logs for every reader of the process, and routes each reply to
 the readers of its keys; a reader that brings a new key interrupts it (``CLIENT
@@ -23,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, RedisError, ResponseError
@@ -32,12 +38,53 @@ from ..errors import StreamIncomplete
 from ..events import Done, Error, StreamEvent
 from .codec import loads_events
 
-__all__ = ["KEYS_PER_READ", "Command", "Followers", "Pipeliner", "decode"]
+__all__ = [
+    "FIRST_PAGE",
+    "FOLLOW_COUNT",
+    "KEYS_PER_READ",
+    "PAGE_CONNECTIONS",
+    "Command",
+    "Followers",
+    "Pipeliner",
+    "decode",
+    "page",
+    "page_count",
+    "send",
+]
 
 KEYS_PER_READ = 250
 """Logs one blocking XREAD follows: past it, a reader's key goes to another connection."""
+FOLLOW_COUNT = 16
+"""Entries of one log per XREAD: a follower gets more only when it fell behind, and then
+goes back to pages (which are bounded in bytes, where XREAD's COUNT is not)."""
+PAGE_BYTES = 1 << 20
+"""What one page of a catch-up aims at, in bytes of entries (an entry is never split)."""
+PAGE_ENTRIES = 100
+"""Entries per page at most: larger pages of small entries read no faster (redis-py's
+parser costs per item), and a 200,000-event resume took as long at 1,000."""
+FIRST_PAGE = 1
+"""Entries of a reader's first page (one may be a whole log): its size sets the next count."""
+PAGE_CONNECTIONS = 4
+"""Connections for pages, per process: so many pages at once, the next ones wait."""
 
 Command = tuple[Any, ...]
+
+
+def page(log: str, after: int, count: int) -> Command:
+    """XRANGE of up to ``count`` entries of the log at ``log`` past log index ``after``."""
+    return ("XRANGE", log, f"0-{after + 2}", "+", "COUNT", count)
+
+
+def page_count(entries: Sequence[Any]) -> int:
+    """The count of the page after ``entries``: as many entries as the largest of them
+    fit in :data:`PAGE_BYTES` (XRANGE's COUNT bounds entries, not bytes)."""
+    largest = max((len(_payload(fields)) for _, fields in entries), default=0)
+    return max(1, min(PAGE_ENTRIES, PAGE_BYTES // max(largest, 1)))
+
+
+def _payload(fields: Any) -> bytes:
+    """An entry's field ``e``: its fields are a map in RESP3, a list in RESP2."""
+    return cast(bytes, fields[b"e"] if type(fields) is dict else fields[1])
 
 
 def decode(
@@ -52,7 +99,7 @@ def decode(
     events: list[StreamEvent] = []
     for entry_id, fields in entries:
         end = int(entry_id.partition(b"-")[2])
-        batch = loads_events(fields[b"e"] if type(fields) is dict else fields[1])
+        batch = loads_events(_payload(fields))
         first = end - len(batch)
         if first > after + 1:
             raise StreamIncomplete(
@@ -106,7 +153,7 @@ class Pipeliner:
                         sent.append((future, len(group)))
                 failed: BaseException | None = None
                 try:
-                    replies = await self._send(commands) if commands else []
+                    replies = await send(self._client, commands) if commands else []
                 except (RedisError, OSError) as exc:
                     failed = exc
                 at = 0
@@ -130,40 +177,42 @@ class Pipeliner:
                     future.set_exception(stopped)
             self._queue = []
 
-    async def _send(self, commands: list[Command]) -> list[Any]:
-        """One pipeline on one connection of the pool; a connection that broke since its
-        last use (Redis restarted) is replaced once."""
-        pool = self._client.connection_pool
-        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-        try:
-            for retry in (True, False):
-                try:
-                    await connection.send_packed_command(_pack(commands))
-                    break
-                except (ConnectionError, OSError):
-                    await connection.disconnect()
-                    if not retry:
-                        raise
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(await connection.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
-            return replies
-        except BaseException:
-            await connection.disconnect()  # a reply may be left unread
-            raise
-        finally:
-            await pool.release(connection)
-
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait((self._task,), timeout=2.0)
 
 
-def _pack(commands: list[Command]) -> bytes:
+async def send(client: aioredis.Redis, commands: Sequence[Command]) -> list[Any]:
+    """``commands`` in one go on one connection of ``client``'s pool, each reply in order
+    (a refusal as its error); a connection that broke since its last use (Redis
+    restarted) is replaced once."""
+    pool = client.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        for retry in (True, False):
+            try:
+                await connection.send_packed_command(_pack(commands))
+                break
+            except (ConnectionError, OSError):
+                await connection.disconnect()
+                if not retry:
+                    raise
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+    except BaseException:
+        await connection.disconnect()  # a reply may be left unread
+        raise
+    finally:
+        await pool.release(connection)
+
+
+def _pack(commands: Sequence[Command]) -> bytes:
     """``commands`` in RESP: what redis-py's packing makes, at less than half its cost."""
     out = []
     for command in commands:

@@ -221,6 +221,8 @@ class Supervisor:
                     return 1
                 if quick_deaths:
                     time.sleep(min(0.1 * 2**quick_deaths, QUICK_DEATH_S))
+                if self._stopping:  # a signal came during the sleep: start nothing more
+                    continue
                 self._start(config, index)
         return 0
 

@@ -226,7 +226,20 @@ def _serve(config: Config, source: str) -> int:
     count = cpu_count() if workers == "auto" else workers
     if count == 1:
         return _serve_one(config, source)
-    return Supervisor(config, source, count, _serve_one).run()
+    try:
+        return Supervisor(config, source, count, _serve_one).run()
+    except OSError as exc:  # the port (taken, or a host not of this machine)
+        return _cannot_serve(config, exc)
+
+
+def _cannot_serve(config: Config, exc: OSError) -> int:
+    """One line on stderr for a port the gateway cannot have, and exit code 1."""
+    # asyncio's bind error repeats the address in its strerror: the errno's text alone.
+    why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+    print(
+        f"nexus: cannot serve on {config.server.host}:{config.server.port}: {why}", file=sys.stderr
+    )
+    return 1
 
 
 def _open_files_for(connections: int) -> None:
@@ -267,11 +280,7 @@ def _serve_one(
     try:
         asyncio.run(_run(config, source, worker, ready))
     except OSError as exc:
-        print(
-            f"nexus: cannot serve on {config.server.host}:{config.server.port}: {exc.strerror}",
-            file=sys.stderr,
-        )
-        return 1
+        return _cannot_serve(config, exc)
     return 0
 
 

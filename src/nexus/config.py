@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .hook_calls import HOOK_TIMEOUT_S
 from .pricing import Price, PriceTable
 
 __all__ = [
@@ -145,6 +146,9 @@ class PluginConfig(_Table):
     options: dict[str, Any] = Field(default_factory=dict)
     chunk_every: int = Field(default=1, ge=1)
     """Call ``on_chunk_received`` for every Nth chunk of a stream."""
+    timeout_s: float = Field(default=HOOK_TIMEOUT_S, gt=0)
+    """How long one of its hook calls may take; then it is abandoned (a hook error): a
+    hung end hook held the key's stream slot, and the stream's end, forever."""
 
 
 class LoggingConfig(_Table):

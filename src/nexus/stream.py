@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -33,7 +33,16 @@ from .errors import StreamError
 from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
 from .types import CompletedToolCall, Completion, StreamMeta
 
-__all__ = ["Batches", "Channel", "EndOfStream", "Merger", "Stream", "accumulate", "merge_events"]
+__all__ = [
+    "Batches",
+    "Channel",
+    "EndOfStream",
+    "Merger",
+    "Stream",
+    "accumulate",
+    "map_stream",
+    "merge_events",
+]
 
 
 class Batches(Protocol):
@@ -272,6 +281,45 @@ class Channel:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+def map_stream(stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]) -> Stream:
+    """A stream of ``fn(event)`` for each event of ``stream`` (None drops the event).
+
+    Same ``meta``; closing it closes ``stream``. For a middleware that edits
+    or filters what the client gets::
+
+        async def redact(ctx, request, call_next):
+            return map_stream(await call_next(request), scrub)
+    """
+    link: list[Stream] = []  # the outer stream, until its meta is settled
+    outer = Stream.of_batches(_mapped(stream, fn, link), stream.meta)
+    link.append(outer)
+    return outer
+
+
+async def _mapped(
+    stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None], link: list[Stream]
+) -> AsyncGenerator[list[StreamEvent], None]:
+    try:
+        while batch := await stream.read_batch():
+            if link:
+                link.pop().meta = stream.meta  # the target that answered (after fallbacks)
+            out: list[StreamEvent] = []
+            try:
+                for event in batch:
+                    mapped = fn(event)
+                    if mapped is not None:
+                        out.append(mapped)
+            except BaseException:
+                if out:
+                    yield out  # the events before the one fn failed on still go out
+                raise
+            if out:
+                yield out
+    finally:
+        link.clear()
+        await stream.close()
 
 
 class _ToolCallBuilder:

@@ -91,15 +91,17 @@ def create_app(
     app[HUB] = hub
     app[KEYS] = keys = KeyRing(config.auth.keys)
     hub.limits = limits = build_limits(config, store, hub)
+    # Budgets and metrics run before every plugin: none can keep a stream from being
+    # charged and counted (one that hangs until its timeout, or raises CancelledError).
     if keys.enabled:
-        engine.hooks.add(BudgetPlugin(limits, keys.keys), name="budgets")
+        engine.hooks.add(BudgetPlugin(limits, keys.keys), name="budgets", first=True)
     app[TOKENS] = StreamTokens(_token_secret(config))
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()
         metrics.watch(hub, engine.hooks)
         metrics.models = frozenset(engine.models())
         metrics.providers = frozenset(engine.providers)
-        engine.hooks.add(MetricsPlugin(metrics), name="metrics")
+        engine.hooks.add(MetricsPlugin(metrics), name="metrics", first=True)
         app.router.add_get("/metrics", metrics_endpoint(metrics_token(config)))
     if telemetry is not None:
         app[TELEMETRY] = telemetry

@@ -241,6 +241,26 @@ async def test_metrics_behind_a_token_when_one_is_set(
         await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
 
 
+async def test_metrics_without_a_token_answer_loopback_host_names_only(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With keys, any Host is served; /metrics too: a page the operator opened read every
+    # key's name and spend through DNS rebinding (attacker.example -> 127.0.0.1).
+    for config in (keyed(), {}):
+        client = await make_client(config)
+        resp = await client.get("/metrics", headers={"Host": "attacker.example"})
+        assert resp.status == 403
+        assert (await resp.json())["error"]["code"] == "host_not_allowed"
+        for host in ("localhost:8080", "127.0.0.1", "[::1]:9"):
+            resp = await client.get("/metrics", headers={"Host": host})
+            assert resp.status == 200 and "nexus_requests_total" in await resp.text()
+    # With its token, /metrics is for whoever holds it, under any name (a scraper's).
+    monkeypatch.setenv("NEXUS_TEST_METRICS_TOKEN", "scrape-me-0123456789")
+    client = await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
+    headers = {"Host": "gateway.internal", **bearer("scrape-me-0123456789")}
+    assert (await client.get("/metrics", headers=headers)).status == 200
+
+
 async def test_the_console_may_not_be_framed_by_another_page(make_client: MakeClient) -> None:
     # It keeps a key in the browser: a hostile page must not frame it (clickjacking).
     client = await make_client(keyed())

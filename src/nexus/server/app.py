@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from ..auth import KeyRing, Unauthorized
+from ..auth import Forbidden, KeyRing, Unauthorized
 from ..cache.hub import StreamHub
 from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
@@ -33,6 +33,7 @@ from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
+from .origins import loopback_host
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
 
@@ -147,10 +148,22 @@ def create_app(
 
 def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[web.Response]]:
     """``GET /metrics``: Prometheus text format, names and counts only (no secrets, no
-    contents); behind ``token`` as a bearer token when there is one."""
+    contents); behind ``token`` as a bearer token when there is one.
+
+    Without a token it answers loopback ``Host`` names only, keys or not: it names every
+    key and what each spent, and a page the operator opens could read it through DNS
+    rebinding (``attacker.example`` resolving to 127.0.0.1), as for a keyless gateway."""
 
     async def serve(request: web.Request) -> web.Response:
-        if token is not None:
+        if token is None:
+            host = request.headers.get("Host")
+            if host is not None and not loopback_host(host):
+                raise Forbidden(
+                    f"Host {host!r} is not served /metrics: without [metrics] token_env it "
+                    "answers loopback names only (localhost, 127.0.0.1, [::1]).",
+                    code="host_not_allowed",
+                )
+        else:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             sent = given.strip().encode("utf-8", "surrogateescape")  # any bytes: a 401
             if scheme.lower() != "bearer" or not hmac.compare_digest(sent, token):

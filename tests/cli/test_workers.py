@@ -230,7 +230,7 @@ def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Pa
         env=env,
     )
     assert run.returncode == 2, run.stderr
-    assert "NEXUS_TEST_UNSET_METRICS_TOKEN is not set" in run.stderr
+    assert "[metrics] token_env: the environment variable it names is not set" in run.stderr
     assert "Traceback" not in run.stderr
 
 

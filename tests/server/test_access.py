@@ -237,8 +237,12 @@ async def test_metrics_behind_a_token_when_one_is_set(
     resp = await client.get("/metrics", headers=bearer("scrape-me-0123456789"))
     assert resp.status == 200
     monkeypatch.delenv("NEXUS_TEST_METRICS_TOKEN")
-    with pytest.raises(ConfigError, match="NEXUS_TEST_METRICS_TOKEN is not set"):
+    with pytest.raises(ConfigError, match="token_env: the environment variable it names is not"):
         await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
+    # The name is not repeated: a token put there by mistake is a valid name too.
+    with pytest.raises(ConfigError) as refused:
+        await make_client(keyed(metrics={"token_env": "mtok_Zq81xYwV7uT6sR5q"}))
+    assert "mtok_Zq81xYwV7uT6sR5q" not in str(refused.value)
 
 
 async def test_metrics_without_a_token_answer_loopback_host_names_only(

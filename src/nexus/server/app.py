@@ -185,7 +185,8 @@ def metrics_token(config: Config) -> bytes | None:
         return None
     value = os.environ.get(name, "").strip()
     if not value:
-        raise ConfigError(f"[metrics] token_env: the environment variable {name} is not set")
+        # Its name is not repeated: a token put there by mistake looks like a name too.
+        raise ConfigError("[metrics] token_env: the environment variable it names is not set")
     return value.encode()
 
 

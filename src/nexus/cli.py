@@ -233,7 +233,13 @@ def _serve(config: Config, source: str) -> int:
 
 
 def _cannot_serve(config: Config, exc: OSError) -> int:
-    """One line on stderr for a port the gateway cannot have, and exit code 1."""
+    """One line on stderr for a port the gateway cannot have (or a store it cannot
+    reach), and exit code 1."""
+    from .cache.redis import RedisUnavailable
+
+    if isinstance(exc, RedisUnavailable):  # its message names the URL without credentials
+        print(f"nexus: cannot start: {exc}", file=sys.stderr)
+        return 1
     # asyncio's bind error repeats the address in its strerror: the errno's text alone.
     why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
     print(

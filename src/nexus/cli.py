@@ -227,9 +227,23 @@ def _serve(config: Config, source: str) -> int:
     if count == 1:
         return _serve_one(config, source)
     try:
+        if isinstance(config.store, RedisStoreConfig):
+            asyncio.run(_reach(config.store))
         return Supervisor(config, source, count, _serve_one).run()
-    except OSError as exc:  # the port (taken, or a host not of this machine)
+    except OSError as exc:  # the port (taken, or a host not of this machine), or Redis
         return _cannot_serve(config, exc)
+
+
+async def _reach(store: RedisStoreConfig) -> None:
+    """Redis answers, or :class:`~nexus.cache.redis.RedisUnavailable`: checked once
+    before the workers fork (each would fail on it, be restarted and fail again)."""
+    from .cache.redis import RedisStore
+
+    probe = RedisStore(store.url, store.prefix, max_connections=1)
+    try:
+        await probe.start()
+    finally:
+        await probe.close()
 
 
 def _cannot_serve(config: Config, exc: OSError) -> int:

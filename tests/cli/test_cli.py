@@ -289,3 +289,20 @@ def test_a_store_that_cannot_be_used_is_one_line_without_its_password(
     assert len(errors) == 1 and said in errors[0], done.stderr
     assert "Traceback" not in done.stderr and "None" not in done.stderr
     assert "s3cret-pw-0042" not in done.stderr
+
+
+def test_an_unreachable_redis_is_one_line_before_any_worker_starts(tmp_path: Path) -> None:
+    # Each worker failed on it, was restarted and failed again, after "Nexus serving on".
+    config = tmp_path / "config.toml"
+    url = f"redis://:s3cret-pw-0042@127.0.0.1:{_free_port()}/0"
+    config.write_text(f'[store]\nkind = "redis"\nurl = "{url}"\n')
+    done = subprocess.run(
+        [NEXUS, "serve", "--config", str(config), "--port", "0", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("nexus: cannot start: Redis not reachable at redis://127.0.0.1:")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "s3cret-pw-0042" not in done.stderr

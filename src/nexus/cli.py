@@ -144,8 +144,9 @@ async def _keys(config: Config) -> int:
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
-        from .cache.redis import RedisStore, redact_url
+        from .cache.redis import RedisStore
         from .cache.redis_limits import RedisLimits
+        from .cache.redis_url import redact_url
 
         client = aioredis.Redis.from_url(store.url, socket_timeout=5.0, socket_connect_timeout=5.0)
         limits = RedisLimits(

@@ -225,26 +225,9 @@ class RedisStoreConfig(_Table):
     @field_validator("url")
     @classmethod
     def _parses(cls, url: str) -> str:
-        """Parsed as the client will, now: a bad port or option (``?socket_timeout=abc``)
-        was a ValueError traceback at start. The message never holds the credentials."""
-        from urllib.parse import parse_qs, urlsplit
+        from .cache.redis_url import check_url  # (imports the client: only when used)
 
-        from redis.asyncio.connection import parse_url
-
-        try:
-            parse_url(url)
-        except ValueError as exc:
-            why = str(exc)
-            parts = urlsplit(url)
-            for secret in (
-                parts.password,
-                parts.username,
-                *parse_qs(parts.query).get("password", ()),
-            ):
-                if secret:
-                    why = why.replace(secret, "***")
-            raise ValueError(f"not a Redis URL the client can use: {why}") from None
-        return url
+        return check_url(url)
 
 
 StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminator="kind")]

@@ -35,7 +35,6 @@ import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, cast
-from urllib.parse import parse_qs, urlsplit
 
 import orjson
 import redis.asyncio as aioredis
@@ -47,6 +46,7 @@ from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
 from .codec import dump_event, dumps_events, load_event
 from .redis_log import Command, Followers, Pipeliner, decode
+from .redis_url import redact_url, scrub
 from .store import OWNER_TTL_S, Recording, Store, StreamInfo, Write
 
 log = logging.getLogger("nexus.store")
@@ -108,20 +108,6 @@ return redis.call('EXISTS', ARGV[1] .. ':replica:' .. owner)
 
 class RedisUnavailable(ConnectionError):
     """Redis could not be reached at start-up. The message names the URL without credentials."""
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user, password and query (which may hold ``password=``): fit for logs."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        if parts.port is not None:
-            host = f"{host}:{parts.port}"
-    except ValueError:
-        return "<unparseable Redis URL>"
-    return f"{parts.scheme}://{host}{parts.path}"  # urlunsplit would drop unix:// 's slashes
 
 
 def _ms(ttl_s: float) -> int:
@@ -203,7 +189,7 @@ class RedisStore(Store):
                 self._client = None
             where = redact_url(self.url)
             raise RedisUnavailable(
-                f"Redis not reachable at {where}: {_scrub(str(exc), self.url)}"
+                f"Redis not reachable at {where}: {scrub(str(exc), self.url)}"
             ) from None
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
@@ -476,17 +462,3 @@ class RedisStore(Store):
 
     async def release(self, key: str, stream_id: str) -> None:
         await self.call("release", ("EVAL", _RELEASE, 1, f"{self.prefix}:claim:{key}", stream_id))
-
-
-def _scrub(message: str, url: str) -> str:
-    """``message`` with the URL's credentials cut out, should a driver ever echo them."""
-    try:
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        secrets = [parts.password, parts.username, *query.get("password", ())]
-    except ValueError:
-        return "(details withheld)"
-    for secret in secrets:
-        if secret:
-            message = message.replace(secret, "***")
-    return message

@@ -144,8 +144,9 @@ async def _keys(config: Config) -> int:
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
-        from .cache.redis import RedisStore, redact_url
+        from .cache.redis import RedisStore
         from .cache.redis_limits import RedisLimits
+        from .cache.redis_url import redact_url
 
         client = aioredis.Redis.from_url(store.url, socket_timeout=5.0, socket_connect_timeout=5.0)
         limits = RedisLimits(
@@ -226,7 +227,40 @@ def _serve(config: Config, source: str) -> int:
     count = cpu_count() if workers == "auto" else workers
     if count == 1:
         return _serve_one(config, source)
-    return Supervisor(config, source, count, _serve_one).run()
+    try:
+        if isinstance(config.store, RedisStoreConfig):
+            asyncio.run(_reach(config.store))
+        return Supervisor(config, source, count, _serve_one).run()
+    except OSError as exc:  # the port (taken, or a host not of this machine), or Redis
+        return _cannot_serve(config, exc)
+
+
+async def _reach(store: RedisStoreConfig) -> None:
+    """Redis answers, or :class:`~nexus.cache.redis.RedisUnavailable`: checked once
+    before the workers fork (each would fail on it, be restarted and fail again)."""
+    from .cache.redis import RedisStore
+
+    probe = RedisStore(store.url, store.prefix, max_connections=1)
+    try:
+        await probe.start()
+    finally:
+        await probe.close()
+
+
+def _cannot_serve(config: Config, exc: OSError) -> int:
+    """One line on stderr for a port the gateway cannot have (or a store it cannot
+    reach), and exit code 1."""
+    from .cache.redis import RedisUnavailable
+
+    if isinstance(exc, RedisUnavailable):  # its message names the URL without credentials
+        print(f"nexus: cannot start: {exc}", file=sys.stderr)
+        return 1
+    # asyncio's bind error repeats the address in its strerror: the errno's text alone.
+    why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+    print(
+        f"nexus: cannot serve on {config.server.host}:{config.server.port}: {why}", file=sys.stderr
+    )
+    return 1
 
 
 def _open_files_for(connections: int) -> None:
@@ -267,11 +301,7 @@ def _serve_one(
     try:
         asyncio.run(_run(config, source, worker, ready))
     except OSError as exc:
-        print(
-            f"nexus: cannot serve on {config.server.host}:{config.server.port}: {exc.strerror}",
-            file=sys.stderr,
-        )
-        return 1
+        return _cannot_serve(config, exc)
     return 0
 
 

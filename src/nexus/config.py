@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .hook_calls import HOOK_TIMEOUT_S
 from .pricing import Price, PriceTable
 
 __all__ = [
@@ -148,6 +149,9 @@ class PluginConfig(_Table):
     options: dict[str, Any] = Field(default_factory=dict)
     chunk_every: int = Field(default=1, ge=1)
     """Call ``on_chunk_received`` for every Nth chunk of a stream."""
+    timeout_s: float = Field(default=HOOK_TIMEOUT_S, gt=0)
+    """How long one of its hook calls may take; then it is abandoned (a hook error): a
+    hung end hook held the key's stream slot, and the stream's end, forever."""
 
 
 class LoggingConfig(_Table):
@@ -220,6 +224,13 @@ class RedisStoreConfig(_Table):
     max_connections: int = Field(default=128, ge=1)
     pool_timeout_s: float = Field(default=5.0, gt=0)
     required: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _parses(cls, url: str) -> str:
+        from .cache.redis_url import check_url  # (imports the client: only when used)
+
+        return check_url(url)
 
 
 StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminator="kind")]

@@ -24,9 +24,11 @@ Hooks
     ``spend`` (or ``**kwargs``).
 
     Raising :class:`StreamRejected` from ``on_stream_started`` refuses the request
-    (an HTTP error, even for a background request). Any other exception from a hook
-    is logged, counted in :attr:`Hooks.errors`, and the stream goes on. Hooks run
-    inline, in registration order: a slow hook slows its stream. ``on_chunk_received``
+    (an HTTP error, even for a background request). Any other exception from a hook,
+    a call past its plugin's ``timeout_s`` or a ``CancelledError`` of its own is
+    logged, counted in :attr:`Hooks.errors`, and the stream goes on
+    (:mod:`nexus.hook_calls`). Hooks run inline, in registration order (the
+    server's own budgets and metrics first): a slow hook slows its stream. ``on_chunk_received``
     runs for every Nth data event (``chunk_every``). A stream ends with exactly one
     of ``on_stream_completed`` / ``on_stream_failed``.
 
@@ -63,9 +65,10 @@ import orjson
 
 from .errors import ConfigError, GatewayError, RegistryFrozen
 from .events import Done, Error, StreamEvent
+from .hook_calls import HOOK_TIMEOUT_S, guarded
 from .pricing import UNKNOWN, PriceTable, Spend, Tally, terminal_ok
 from .request import ChatRequest
-from .stream import Merger, Stream
+from .stream import Merger, Stream, map_stream
 from .types import Completion, StreamMeta
 
 if TYPE_CHECKING:
@@ -199,10 +202,12 @@ class Hooks:
         self.plugins: list[object] = []
         self.errors: Counter[str] = Counter()
         self.on_error: list[Callable[[str], None]] = []
-        self._started: list[tuple[str, StartedHook]] = []
-        self._chunk: list[tuple[str, ChunkHook, int]] = []
-        self._completed: list[tuple[str, CompletedHook, bool]] = []
-        self._failed: list[tuple[str, FailedHook, bool]] = []
+        # (plugin name, method, [chunk_every,] [takes spend,] timeout_s)
+        self._started: list[tuple[str, StartedHook, float | None]] = []
+        self._chunk: list[tuple[str, ChunkHook, int, float | None]] = []
+        self._completed: list[tuple[str, CompletedHook, bool, float | None]] = []
+        self._failed: list[tuple[str, FailedHook, bool, float | None]] = []
+        self._leading: Counter[str] = Counter()  # entries added with first=True, per list
         self._final = False  # a completed hook uses the merged completion
         self._frozen = False
         self.prices = PriceTable()
@@ -214,11 +219,22 @@ class Hooks:
     def __len__(self) -> int:
         return len(self.plugins)
 
-    def add(self, plugin: object, chunk_every: int = 1, *, name: str | None = None) -> None:
+    def add(
+        self,
+        plugin: object,
+        chunk_every: int = 1,
+        *,
+        name: str | None = None,
+        timeout_s: float | None = HOOK_TIMEOUT_S,
+        first: bool = False,
+    ) -> None:
         """Register ``plugin``: each of the four hook methods it has is called.
 
         ``chunk_every``: call its ``on_chunk_received`` for every Nth chunk of a
-        stream. ``name`` (for logs) defaults to its class name. Raises
+        stream. ``name`` (for logs) defaults to its class name. ``timeout_s``: how
+        long one of its calls may take (None: no bound). ``first``: its hooks run
+        before those of the plugins not added so (the server's budgets and metrics:
+        no plugin can keep a stream from being charged and counted). Raises
         :class:`TypeError` for an object with none of the hooks (or one that is
         not callable), :class:`ValueError` for ``chunk_every < 1`` and
         :class:`~nexus.errors.RegistryFrozen` once the engine started.
@@ -237,18 +253,27 @@ class Hooks:
         for hook_name, method in found.items():
             if not callable(method):
                 raise TypeError(f"plugin {label}: {hook_name} is not callable")
-        self.plugins.append(plugin)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be more than 0, not {timeout_s!r}")
+        self.plugins.insert(self._leading["plugins"] if first else len(self.plugins), plugin)
+
+        def place(hooks: list[Any], hook: str, entry: tuple[Any, ...]) -> None:
+            hooks.insert(self._leading[hook] if first else len(hooks), entry)
+            self._leading[hook] += first
+
         if "on_stream_started" in found:
-            self._started.append((label, found["on_stream_started"]))
+            place(self._started, "started", (label, found["on_stream_started"], timeout_s))
         if "on_chunk_received" in found:
-            self._chunk.append((label, found["on_chunk_received"], chunk_every))
+            entry = (label, found["on_chunk_received"], chunk_every, timeout_s)
+            place(self._chunk, "chunk", entry)
         if "on_stream_completed" in found:
             method = found["on_stream_completed"]
-            self._completed.append((label, method, _takes_spend(method)))
+            place(self._completed, "completed", (label, method, _takes_spend(method), timeout_s))
             self._final = self._final or getattr(plugin, "wants_final", True) is not False
         if "on_stream_failed" in found:
             method = found["on_stream_failed"]
-            self._failed.append((label, method, _takes_spend(method)))
+            place(self._failed, "failed", (label, method, _takes_spend(method), timeout_s))
+        self._leading["plugins"] += first
 
     def load(self, configs: Iterable[PluginConfig], source: str | None = None) -> None:
         """Add the plugins ``[[plugins]]`` describes, in order.
@@ -280,7 +305,7 @@ class Hooks:
                     f"{where}: {config.path!r} is a plugin object already; it takes no options"
                 )
             try:
-                self.add(obj, config.chunk_every, name=config.path)
+                self.add(obj, config.chunk_every, name=config.path, timeout_s=config.timeout_s)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{where}: {exc}") from None
 
@@ -288,21 +313,23 @@ class Hooks:
         """No more plugins from now on (the engine calls it when it starts)."""
         self._frozen = True
 
-    def _raised(self, plugin: str, hook: str) -> None:
-        self.errors[hook] += 1
-        for listener in self.on_error:
-            listener(hook)
-        log.exception("plugin %s raised in %s; the stream goes on", plugin, hook)
+    def _failure(self, plugin: str, hook: str) -> Callable[[str, bool], None]:
+        """What :func:`~nexus.hook_calls.guarded` tells of one failed call: counted, logged."""
+
+        def failed(what: str, trace: bool) -> None:
+            self.errors[hook] += 1
+            for listener in self.on_error:
+                listener(hook)
+            log.error("plugin %s %s in %s; the stream goes on", plugin, what, hook, exc_info=trace)
+
+        return failed
 
     async def started(self, ctx: CallContext, request_id: str, model: str, provider: str) -> None:
         """Call every ``on_stream_started``. Raises the :class:`StreamRejected` one raised."""
-        for name, hook in self._started:
-            try:
-                await hook(ctx, request_id, model, provider)
-            except StreamRejected:
-                raise
-            except Exception:
-                self._raised(name, "on_stream_started")
+        for name, hook, timeout in self._started:
+            failed = self._failure(name, "on_stream_started")
+            call = lambda: hook(ctx, request_id, model, provider)  # noqa: E731, B023
+            await guarded(call, timeout, failed, StreamRejected)
 
     def observe(self, ctx: CallContext, meta: StreamMeta) -> StreamObserver | None:
         """The observer of one stream, or None when no plugin watches streams."""
@@ -354,15 +381,14 @@ class StreamObserver:
     async def _chunk(self, event: StreamEvent) -> None:
         self._seen = seen = self._seen + 1
         size = -1
-        for name, hook, every in self._hooks._chunk:
+        for name, hook, every, timeout in self._hooks._chunk:
             if seen % every:
                 continue
             if size < 0:
                 size = len(orjson.dumps(event.to_dict()))
-            try:
-                await hook(self.ctx, self.meta.id, event.type, size)
-            except Exception:
-                self._hooks._raised(name, "on_chunk_received")
+            failed = self._hooks._failure(name, "on_chunk_received")
+            call = lambda: hook(self.ctx, self.meta.id, event.type, size)  # noqa: E731, B023
+            await guarded(call, timeout, failed)
 
     async def end(
         self,
@@ -381,24 +407,20 @@ class StreamObserver:
         elif type(terminal) is Done and terminal.aborted:
             error = _ABORTED
         if error is not None:
-            for name, failed, takes in hooks._failed:
-                try:
-                    if takes:
-                        await failed(self.ctx, meta.id, meta.model, error, spend=spend)
-                    else:
-                        await failed(self.ctx, meta.id, meta.model, error)
-                except Exception:
-                    hooks._raised(name, "on_stream_failed")
+            for name, hook, takes, timeout in hooks._failed:
+                args = (self.ctx, meta.id, meta.model, error)
+                kwargs = {"spend": spend} if takes else {}
+                call = lambda: hook(*args, **kwargs)  # noqa: E731, B023
+                await guarded(call, timeout, hooks._failure(name, "on_stream_failed"))
             return
         if not hooks._completed:
             return
         completion = final() if self.wants_final else _no_final(meta)()
-        for name, completed, takes in hooks._completed:
-            args = (self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
-            try:
-                await (completed(*args, spend=spend) if takes else completed(*args))
-            except Exception:
-                hooks._raised(name, "on_stream_completed")
+        for name, hook, takes, timeout in hooks._completed:
+            ended = (self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
+            kwargs = {"spend": spend} if takes else {}
+            call = lambda: hook(*ended, **kwargs)  # noqa: E731, B023
+            await guarded(call, timeout, hooks._failure(name, "on_stream_completed"))
 
 
 async def _observe(
@@ -453,42 +475,3 @@ async def _observe(
 
 def _no_final(meta: StreamMeta) -> Callable[[], Completion]:
     return lambda: Completion(id=meta.id, model=meta.model, created=meta.created)
-
-
-def map_stream(stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]) -> Stream:
-    """A stream of ``fn(event)`` for each event of ``stream`` (None drops the event).
-
-    Same ``meta``; closing it closes ``stream``. For a middleware that edits
-    or filters what the client gets::
-
-        async def redact(ctx, request, call_next):
-            return map_stream(await call_next(request), scrub)
-    """
-    link: list[Stream] = []  # the outer stream, until its meta is settled
-    outer = Stream.of_batches(_mapped(stream, fn, link), stream.meta)
-    link.append(outer)
-    return outer
-
-
-async def _mapped(
-    stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None], link: list[Stream]
-) -> AsyncGenerator[list[StreamEvent], None]:
-    try:
-        while batch := await stream.read_batch():
-            if link:
-                link.pop().meta = stream.meta  # the target that answered (after fallbacks)
-            out: list[StreamEvent] = []
-            try:
-                for event in batch:
-                    mapped = fn(event)
-                    if mapped is not None:
-                        out.append(mapped)
-            except BaseException:
-                if out:
-                    yield out  # the events before the one fn failed on still go out
-                raise
-            if out:
-                yield out
-    finally:
-        link.clear()
-        await stream.close()

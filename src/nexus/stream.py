@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -33,7 +34,16 @@ from .errors import StreamError
 from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
 from .types import CompletedToolCall, Completion, StreamMeta, fallback_call_id
 
-__all__ = ["Batches", "Channel", "EndOfStream", "Merger", "Stream", "accumulate", "merge_events"]
+__all__ = [
+    "Batches",
+    "Channel",
+    "EndOfStream",
+    "Merger",
+    "Stream",
+    "accumulate",
+    "map_stream",
+    "merge_events",
+]
 
 
 class Batches(Protocol):
@@ -212,21 +222,19 @@ class Channel:
             raise ValueError("buffer must be at least 1")
         self._stream = stream
         self._queue: asyncio.Queue[object] = asyncio.Queue(buffer)
-        self._failure: BaseException | None = None
+        self._failure: list[BaseException] = []  # the producer's exception, once
         self._done = False
-        self._task = asyncio.get_running_loop().create_task(self._fill())
+        # The task holds the stream and the queue, not the channel: a channel dropped
+        # without close() is collected, and its task cancelled, which closes the stream
+        # (the upstream connection goes, the end hooks run).
+        self._task = asyncio.get_running_loop().create_task(
+            _fill(stream, self._queue, self._failure)
+        )
+        weakref.finalize(self, _drop, self._task)
 
     @property
     def meta(self) -> StreamMeta:
         return self._stream.meta
-
-    async def _fill(self) -> None:
-        try:
-            async for event in self._stream:
-                await self._queue.put(event)
-        except Exception as exc:
-            self._failure = exc
-        await self._queue.put(_END)
 
     def __aiter__(self) -> Channel:
         return self
@@ -244,8 +252,8 @@ class Channel:
         item = await self._queue.get()
         if item is _END:
             self._done = True
-            if self._failure is not None:
-                raise self._failure
+            if self._failure:
+                raise self._failure[0]
             raise EndOfStream
         return item  # type: ignore[return-value]
 
@@ -273,6 +281,64 @@ class Channel:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+def map_stream(stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None]) -> Stream:
+    """A stream of ``fn(event)`` for each event of ``stream`` (None drops the event).
+
+    Same ``meta``; closing it closes ``stream``. For a middleware that edits
+    or filters what the client gets::
+
+        async def redact(ctx, request, call_next):
+            return map_stream(await call_next(request), scrub)
+    """
+    link: list[Stream] = []  # the outer stream, until its meta is settled
+    outer = Stream.of_batches(_mapped(stream, fn, link), stream.meta)
+    link.append(outer)
+    return outer
+
+
+async def _mapped(
+    stream: Stream, fn: Callable[[StreamEvent], StreamEvent | None], link: list[Stream]
+) -> AsyncGenerator[list[StreamEvent], None]:
+    try:
+        while batch := await stream.read_batch():
+            if link:
+                link.pop().meta = stream.meta  # the target that answered (after fallbacks)
+            out: list[StreamEvent] = []
+            try:
+                for event in batch:
+                    mapped = fn(event)
+                    if mapped is not None:
+                        out.append(mapped)
+            except BaseException:
+                if out:
+                    yield out  # the events before the one fn failed on still go out
+                raise
+            if out:
+                yield out
+    finally:
+        link.clear()
+        await stream.close()
+
+
+async def _fill(stream: Stream, queue: asyncio.Queue[object], failure: list[BaseException]) -> None:
+    """A :class:`Channel`'s task: ``stream`` into ``queue``, then the end marker."""
+    try:
+        async for event in stream:
+            await queue.put(event)
+    except asyncio.CancelledError:
+        await stream.close()  # closed, or its channel dropped: the provider stops now
+        raise
+    except Exception as exc:
+        failure.append(exc)
+    await queue.put(_END)
+
+
+def _drop(task: asyncio.Task[None]) -> None:
+    """A :class:`Channel` was collected: stop its task, if its loop still runs."""
+    if not task.done() and not task.get_loop().is_closed():
+        task.cancel()
 
 
 class _ToolCallBuilder:

@@ -58,10 +58,18 @@ def cpu_count() -> int:
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` with ``SO_REUSEPORT``, never listening (so no
     connection waits on it): it resolves port 0 and holds the port while workers come
-    and go."""
+    and go.
+
+    A probe without ``SO_REUSEPORT`` binds first, so a port another process holds is
+    ``EADDRINUSE`` here: with the option alone, a second ``nexus serve --workers N`` of
+    the same user would share the port with the first and split its connections."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+        address = (address[0], probe.getsockname()[1], *address[2:])  # port 0 resolved
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -221,6 +229,8 @@ class Supervisor:
                     return 1
                 if quick_deaths:
                     time.sleep(min(0.1 * 2**quick_deaths, QUICK_DEATH_S))
+                if self._stopping:  # a signal came during the sleep: start nothing more
+                    continue
                 self._start(config, index)
         return 0
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -237,7 +238,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
     assert "cannot read" in done.stderr
 
 
-def test_missing_provider_key_names_the_variable(tmp_path: Path) -> None:
+def test_missing_provider_key_names_the_config_key(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text(
         '[providers.openai]\nkind = "openai"\napi_key_env = "NEXUS_TEST_UNSET_KEY_VAR"\n'
@@ -252,4 +253,56 @@ def test_missing_provider_key_names_the_variable(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "[providers.openai] api_key_env" in done.stderr
-    assert "NEXUS_TEST_UNSET_KEY_VAR is not set" in done.stderr
+    assert "the environment variable it names is not set" in done.stderr
+    assert "NEXUS_TEST_UNSET_KEY_VAR" not in done.stderr  # it may be a key put there
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "said"),
+    [
+        # Unreachable: the message was "cannot serve on 127.0.0.1:8080: None".
+        (f"redis://:s3cret-pw-0042@127.0.0.1:{_free_port()}/0", 1, "nexus: cannot start: Redis"),
+        # Malformed: a ValueError traceback from the client's URL parser.
+        ("redis://:s3cret-pw-0042@host:notaport/0", 2, "[store] url: not a Redis URL"),
+        ("redis://:s3cret-pw-0042@h/0?socket_timeout=abc", 2, "'socket_timeout'"),
+    ],
+)
+def test_a_store_that_cannot_be_used_is_one_line_without_its_password(
+    tmp_path: Path, url: str, code: int, said: str
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f'[store]\nkind = "redis"\nurl = "{url}"\n')
+    done = subprocess.run(
+        [NEXUS, "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == code, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("nexus:")]
+    assert len(errors) == 1 and said in errors[0], done.stderr
+    assert "Traceback" not in done.stderr and "None" not in done.stderr
+    assert "s3cret-pw-0042" not in done.stderr
+
+
+def test_an_unreachable_redis_is_one_line_before_any_worker_starts(tmp_path: Path) -> None:
+    # Each worker failed on it, was restarted and failed again, after "Nexus serving on".
+    config = tmp_path / "config.toml"
+    url = f"redis://:s3cret-pw-0042@127.0.0.1:{_free_port()}/0"
+    config.write_text(f'[store]\nkind = "redis"\nurl = "{url}"\n')
+    done = subprocess.run(
+        [NEXUS, "serve", "--config", str(config), "--port", "0", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("nexus: cannot start: Redis not reachable at redis://127.0.0.1:")
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "s3cret-pw-0042" not in done.stderr

@@ -162,6 +162,26 @@ def test_sigterm_lets_running_streams_finish_then_stops_every_worker(two: Superv
     assert "died" not in log
 
 
+@pytest.mark.parametrize("workers", ["2", "1"])
+def test_a_port_another_gateway_serves_is_refused_in_one_line(
+    two: Supervised, config: Path, workers: str
+) -> None:
+    # The reserved socket has SO_REUSEPORT: without a probe, a second supervisor of the
+    # same user bound beside the first and the kernel split connections between them.
+    port = two.url.rsplit(":", 1)[1]
+    run = subprocess.run(
+        [NEXUS, "serve", "--config", str(config), "--workers", workers, "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.splitlines()[-1] == (
+        f"nexus: cannot serve on 127.0.0.1:{port}: Address already in use"
+    ), run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_workers_auto_is_one_per_core(config: Path) -> None:
     cores = len(os.sched_getaffinity(0))
     if cores == 1:
@@ -210,7 +230,7 @@ def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Pa
         env=env,
     )
     assert run.returncode == 2, run.stderr
-    assert "NEXUS_TEST_UNSET_METRICS_TOKEN is not set" in run.stderr
+    assert "[metrics] token_env: the environment variable it names is not set" in run.stderr
     assert "Traceback" not in run.stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncGenerator, Sequence
 
 import pytest
@@ -23,6 +24,7 @@ from nexus.events import (
 from nexus.request import ChatRequest
 from nexus.stream import Channel, EndOfStream, Stream, accumulate, merge_events
 from nexus.types import CompletedToolCall, StreamMeta
+from support import GatedProvider
 
 EVENTS: list[StreamEvent] = [
     Delta(role="assistant"),
@@ -459,3 +461,18 @@ def test_an_early_partial_usage_never_replaces_the_totals() -> None:
     assert merge_events([totals, early], meta).usage == totals
     # A stream cut short keeps what it knew: the input counts.
     assert merge_events([early, Delta("hi")], meta).usage == early
+
+
+async def test_a_channel_dropped_without_close_stops_its_provider() -> None:
+    """Its filling task held the channel: a dropped channel was never collected, and its
+    provider (an upstream connection) stayed open until the loop ended."""
+    gated = GatedProvider(before=3)
+    async with Engine([gated]) as engine:
+        channel = engine.complete_stream(chat("hi", model="gated/x")).channel(buffer=1)
+        await channel.next()
+        task = channel._task
+        del channel
+        gc.collect()
+        await asyncio.wait_for(gated.closed.wait(), 2)
+        await asyncio.sleep(0)
+        assert task.done()

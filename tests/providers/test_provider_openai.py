@@ -551,12 +551,21 @@ async def test_stream_close_closes_the_upstream_within_100ms(upstream: FakeUpstr
 # --- secrets --------------------------------------------------------------------------
 
 
-def test_unset_key_variable_fails_at_start_naming_it() -> None:
-    up = provider("http://127.0.0.1:9", api_key_env=UNSET_ENV)
-    with pytest.raises(ConfigError) as info:
-        create_app(parse_config({"providers": {"up": up}}), registry=default_registry.copy())
-    assert UNSET_ENV in str(info.value)
-    assert "providers.up" in str(info.value)
+MISPLACED_KEY = "gsk_Xq7LmN2pR8sT4vW9yZ1aB3cD5eF6gH0jKLMNOPQRSTUV"
+"""A provider key put in api_key_env by mistake: a valid variable name, so let through."""
+
+
+def test_unset_key_variable_fails_at_start_naming_its_config_key_not_its_value() -> None:
+    # The value may be the secret itself: the message was "the environment variable
+    # gsk_Xq7L... is not set", on the terminal and in whatever collects it.
+    for name in (UNSET_ENV, MISPLACED_KEY):
+        up = provider("http://127.0.0.1:9", api_key_env=name)
+        with pytest.raises(ConfigError) as info:
+            create_app(parse_config({"providers": {"up": up}}), registry=default_registry.copy())
+        assert "[providers.up] api_key_env: the environment variable it names is not set" in (
+            str(info.value)
+        )
+        assert name not in str(info.value)
 
 
 async def test_optional_provider_without_key_is_left_out_with_a_warning(
@@ -567,10 +576,11 @@ async def test_optional_provider_without_key_is_left_out_with_a_warning(
         make_client,
         models={"opt-only": ["opt/m"]},
         up=provider(upstream),
-        opt=provider(upstream, api_key_env=UNSET_ENV, optional=True),
+        opt=provider(upstream, api_key_env=MISPLACED_KEY, optional=True),
     )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("'opt'" in w and UNSET_ENV in w for w in warnings), warnings
+    assert any("'opt'" in w and "api_key_env" in w for w in warnings), warnings
+    assert not any(MISPLACED_KEY in w for w in warnings)
     for model in ("opt/m", "opt-only"):
         resp = await post(client, model)
         assert resp.status == 404

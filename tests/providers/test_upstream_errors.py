@@ -331,6 +331,36 @@ def test_credential_shapes_are_redacted_and_words_are_not(text: str, kept: str) 
     assert redacted(text) == kept
 
 
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        (f"c_{PLAIN_KEY}", "server_error"),  # the provider's key, in a code of plain characters
+        ("sk-proj-abcdefghijklmnop0123", "server_error"),  # a key's shape
+        ("busy 42 key=x", "server_error"),  # spaces: a forged access-log field
+        ("x" * 65, "server_error"),  # no bound on a label's length
+        ("internal", f"t_{PLAIN_KEY}"),
+        ("internal", "bad type\nlevel=ERROR"),
+        (7, ["not", "a", "string"]),
+    ],
+)
+def test_an_in_stream_errors_code_and_type_pass_only_as_plain_tokens(
+    code: object, kind: object
+) -> None:
+    """They reach the client, the access line's outcome and metric labels: they were
+    passed as they came, keys included."""
+    keep_secret(PLAIN_KEY)
+    exc = in_stream_error("up", {"message": "m", "code": code, "type": kind})
+    shown = f"{exc.code} {exc.error_type} {exc.to_event()}"
+    assert PLAIN_KEY not in shown and "sk-proj" not in shown and "key=x" not in shown
+    if code == "internal":
+        assert exc.code == "internal"  # a plain code still passes
+    else:
+        assert exc.code == "upstream_error"
+    if kind == "server_error":
+        assert exc.error_type == "server_error"
+    assert exc.status == 502 and exc.retryable  # an unknown or dropped type: a 5xx
+
+
 def test_a_long_error_is_redacted_before_it_is_cut() -> None:
     keep_secret(PLAIN_KEY)
     text = error_text(b"x" * 480 + b" echo: " + PLAIN_KEY.encode())

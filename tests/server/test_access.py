@@ -237,8 +237,32 @@ async def test_metrics_behind_a_token_when_one_is_set(
     resp = await client.get("/metrics", headers=bearer("scrape-me-0123456789"))
     assert resp.status == 200
     monkeypatch.delenv("NEXUS_TEST_METRICS_TOKEN")
-    with pytest.raises(ConfigError, match="NEXUS_TEST_METRICS_TOKEN is not set"):
+    with pytest.raises(ConfigError, match="token_env: the environment variable it names is not"):
         await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
+    # The name is not repeated: a token put there by mistake is a valid name too.
+    with pytest.raises(ConfigError) as refused:
+        await make_client(keyed(metrics={"token_env": "mtok_Zq81xYwV7uT6sR5q"}))
+    assert "mtok_Zq81xYwV7uT6sR5q" not in str(refused.value)
+
+
+async def test_metrics_without_a_token_answer_loopback_host_names_only(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With keys, any Host is served; /metrics too: a page the operator opened read every
+    # key's name and spend through DNS rebinding (attacker.example -> 127.0.0.1).
+    for config in (keyed(), {}):
+        client = await make_client(config)
+        resp = await client.get("/metrics", headers={"Host": "attacker.example"})
+        assert resp.status == 403
+        assert (await resp.json())["error"]["code"] == "host_not_allowed"
+        for host in ("localhost:8080", "127.0.0.1", "[::1]:9"):
+            resp = await client.get("/metrics", headers={"Host": host})
+            assert resp.status == 200 and "nexus_requests_total" in await resp.text()
+    # With its token, /metrics is for whoever holds it, under any name (a scraper's).
+    monkeypatch.setenv("NEXUS_TEST_METRICS_TOKEN", "scrape-me-0123456789")
+    client = await make_client(keyed(metrics={"token_env": "NEXUS_TEST_METRICS_TOKEN"}))
+    headers = {"Host": "gateway.internal", **bearer("scrape-me-0123456789")}
+    assert (await client.get("/metrics", headers=headers)).status == 200
 
 
 async def test_the_console_may_not_be_framed_by_another_page(make_client: MakeClient) -> None:

@@ -345,3 +345,34 @@ async def test_a_stream_whose_rate_token_was_taken_before_its_body_takes_no_seco
         await limits.close()
         await drop_keys(client, prefix)
         await client.aclose()
+
+
+async def test_a_charge_cut_by_its_hooks_timeout_is_sent_again_later() -> None:
+    """The budget plugin's hook call is bounded ([[plugins]] timeout_s): a charge
+    cancelled while Redis is slow stays unsent, for the next tick, not lost."""
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    limits = RedisLimits(
+        RedisStore(prefix=new_prefix()),
+        rate=0,
+        per_key=None,
+        lease_s=1,
+        fallback=LocalLimits(0, None),
+    )
+    sending = asyncio.Event()
+
+    async def slow_send(op: str, commands: list[Any]) -> bool:
+        sending.set()
+        await asyncio.sleep(3600)
+        return True
+
+    limits._send = slow_send  # type: ignore[method-assign]
+    charge = asyncio.create_task(limits.charge(ApiKey("capped", budget_usd=1.0), 0.25))
+    await sending.wait()
+    charge.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await charge
+    assert [(name, usd) for name, _, usd, _ in limits._unsent.values()] == [("capped", 0.25)]

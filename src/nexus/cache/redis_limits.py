@@ -319,7 +319,12 @@ class RedisLimits(KeyLimits):
             )
             for charge_id, (name, win_id, usd, ttl, held) in sending.items()
         ]
-        if not await self._send("charge", commands):
+        try:
+            sent = await self._send("charge", commands)
+        except BaseException:  # cancelled (a hook call past its timeout): sent again later
+            self._unsent.update(sending)
+            raise
+        if not sent:
             log.warning("charging spend failed: retried on the next tick")
             self._unsent.update(sending)
 

@@ -1,10 +1,27 @@
-"""A Redis URL fit for logs and errors: its credentials never leave the configuration."""
+"""Redis URLs: checked as the client will parse them, shown without credentials.
+
+A ``[store] url`` may hold a password (``redis://:pw@host``, ``?password=``): what
+is shown of it, in logs and errors, never does.
+"""
 
 from __future__ import annotations
 
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["redact_url", "scrub"]
+__all__ = ["check_url", "redact_url", "scrub"]
+
+
+def check_url(url: str) -> str:
+    """``url``, if the client can parse it; else a :class:`ValueError` without its
+    credentials (a port that is no number, ``?socket_timeout=abc``: a traceback at start
+    before)."""
+    from redis.asyncio.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"not a Redis URL the client can use: {scrub(str(exc), url)}") from None
+    return url
 
 
 def redact_url(url: str) -> str:

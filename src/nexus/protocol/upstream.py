@@ -31,6 +31,7 @@ __all__ = [
     "error_text",
     "in_stream_error",
     "keep_secret",
+    "plain_token",
     "redacted",
     "status_error",
 ]
@@ -139,19 +140,32 @@ ERROR_TYPES = {
 _STATUS_OF_TYPE = {kind: status for status, kind in ERROR_TYPES.items()}  # overloaded: 529
 
 
+_PLAIN_TOKEN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def plain_token(value: object) -> str | None:
+    """``value`` if it is a short plain token once :func:`redacted` (an error code or type
+    as upstreams send them: ``rate_limit_exceeded``), else None. A code reaches the
+    client, the access line and a metric label: it may carry no key, no spaces or quotes
+    (a forged log field) and no unbounded length."""
+    if not isinstance(value, str) or not _PLAIN_TOKEN.fullmatch(value):
+        return None
+    return value if redacted(value) == value else None
+
+
 def in_stream_error(provider: str, error: Any) -> UpstreamError:
     """The error for an error object inside the stream (docs/protocols.md §2, §3): its
     ``type`` stands for a status (:func:`status_error`); the type and the code
-    (``upstream_error`` if none) reach the client as they came."""
+    (``upstream_error`` if none) reach the client when each is a :func:`plain_token`
+    (else no type, and ``upstream_error``)."""
     if not isinstance(error, dict):
         error = {"message": str(error)}
-    kind, code = error.get("type"), error.get("code")
+    kind, code = plain_token(error.get("type")), plain_token(error.get("code"))
     text = redacted(str(error.get("message") or "error inside the stream"))
-    kind = kind if isinstance(kind, str) and kind else None
     return status_error(
         provider,
         _STATUS_OF_TYPE.get(kind or "", 500),
         f"provider {provider!r}: {text}",
-        code=code if isinstance(code, str) and code else "upstream_error",
+        code=code or "upstream_error",
         error_type=kind,
     )

@@ -26,13 +26,14 @@ def build_provider(
         return MockProvider(name, models=config.models)
     key = os.environ.get(config.api_key_env) if config.api_key_env else None
     if config.api_key_env and not key:
-        unset = f"the environment variable {config.api_key_env} is not set"
+        # Its name is not repeated: a key put there by mistake looks like a name too.
+        unset = "the environment variable it names is not set"
         if not config.optional:
             raise ConfigError(
                 f"[providers.{name}] api_key_env: {unset} "
                 "(set it, or mark the provider optional = true)"
             )
-        log.warning("provider %r left out: %s (optional = true)", name, unset)
+        log.warning("provider %r left out: api_key_env: %s (optional = true)", name, unset)
         return None
     kind = OpenAIProvider if isinstance(config, OpenAIProviderConfig) else AnthropicProvider
     return kind(name, config, key)

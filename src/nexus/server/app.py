@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from ..auth import KeyRing, Unauthorized
+from ..auth import Forbidden, KeyRing, Unauthorized
 from ..cache.hub import StreamHub
 from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
@@ -33,6 +33,7 @@ from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
+from .origins import loopback_host
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
 
@@ -91,16 +92,18 @@ def create_app(
     app[HUB] = hub
     app[KEYS] = keys = KeyRing(config.auth.keys)
     hub.limits = limits = build_limits(config, store, hub)
+    # Budgets and metrics run before every plugin: none can keep a stream from being
+    # charged and counted (one that hangs until its timeout, or raises CancelledError).
     if keys.enabled:
         budgets = BudgetPlugin(limits, keys.keys, hub.admission.slot_of)
-        engine.hooks.add(budgets, name="budgets")
+        engine.hooks.add(budgets, name="budgets", first=True)
     app[TOKENS] = StreamTokens(_token_secret(config))
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()
         metrics.watch(hub, engine.hooks)
         metrics.models = frozenset(engine.models())
         metrics.providers = frozenset(engine.providers)
-        engine.hooks.add(MetricsPlugin(metrics), name="metrics")
+        engine.hooks.add(MetricsPlugin(metrics), name="metrics", first=True)
         app.router.add_get("/metrics", metrics_endpoint(metrics_token(config)))
     if telemetry is not None:
         app[TELEMETRY] = telemetry
@@ -146,10 +149,22 @@ def create_app(
 
 def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[web.Response]]:
     """``GET /metrics``: Prometheus text format, names and counts only (no secrets, no
-    contents); behind ``token`` as a bearer token when there is one."""
+    contents); behind ``token`` as a bearer token when there is one.
+
+    Without a token it answers loopback ``Host`` names only, keys or not: it names every
+    key and what each spent, and a page the operator opens could read it through DNS
+    rebinding (``attacker.example`` resolving to 127.0.0.1), as for a keyless gateway."""
 
     async def serve(request: web.Request) -> web.Response:
-        if token is not None:
+        if token is None:
+            host = request.headers.get("Host")
+            if host is not None and not loopback_host(host):
+                raise Forbidden(
+                    f"Host {host!r} is not served /metrics: without [metrics] token_env it "
+                    "answers loopback names only (localhost, 127.0.0.1, [::1]).",
+                    code="host_not_allowed",
+                )
+        else:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             sent = given.strip().encode("utf-8", "surrogateescape")  # any bytes: a 401
             if scheme.lower() != "bearer" or not hmac.compare_digest(sent, token):
@@ -171,7 +186,8 @@ def metrics_token(config: Config) -> bytes | None:
         return None
     value = os.environ.get(name, "").strip()
     if not value:
-        raise ConfigError(f"[metrics] token_env: the environment variable {name} is not set")
+        # Its name is not repeated: a token put there by mistake looks like a name too.
+        raise ConfigError("[metrics] token_env: the environment variable it names is not set")
     return value.encode()
 
 

@@ -1,0 +1,97 @@
+"""A plugin cannot keep a stream from being charged and counted, nor hold its end.
+
+The server's budgets and metrics run before every plugin; a plugin's hook that
+raises ``CancelledError`` of its own, or hangs, is one hook error."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from nexus.auth import hash_key
+from support import MakeClient, chat
+
+KEY = "nx-plugin-bounds-key-0042"
+BEARER = {"Authorization": f"Bearer {KEY}"}
+
+
+class CancelInCompleted:
+    """Awaits a future some other task cancelled: a ``CancelledError`` of its own."""
+
+    async def on_stream_completed(self, *args: Any) -> None:
+        future = asyncio.get_running_loop().create_future()
+        future.cancel()
+        await future
+
+
+class HangCompleted:
+    async def on_stream_completed(self, *args: Any) -> None:
+        await asyncio.sleep(3600)
+
+
+def config(plugin: str, **limits: Any) -> dict[str, Any]:
+    return {
+        "auth": {
+            "keys": [
+                {
+                    "name": "tenant",
+                    "sha256": hash_key(KEY),
+                    "budget_usd": 0.000001,
+                    "budget_period": "total",
+                }
+            ]
+        },
+        "limits": {"requests_per_second_per_key": 0, **limits},
+        "models": {"mock/echo": {"input_usd_per_mtok": 1000, "output_usd_per_mtok": 1000}},
+        "plugins": [{"path": f"{__name__}:{plugin}", "timeout_s": 0.3}],
+    }
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+async def test_a_hook_raising_its_own_cancelled_error_leaves_billing_and_metrics(
+    make_client: MakeClient,
+) -> None:
+    """The built-ins ran after user plugins, and a ``CancelledError`` (a BaseException)
+    skipped them: the stream was never charged nor counted."""
+    client = await make_client(config("CancelInCompleted"))
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=BEARER)
+    assert resp.status == 200
+    assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    again = await client.post("/v1/chat/completions", json=chat(), headers=BEARER)
+    assert again.status == 429  # charged: the budget now holds
+    assert (await again.json())["error"]["code"] == "budget_exceeded"
+    metrics = await (await client.get("/metrics")).text()
+    cost = samples(metrics, "nexus_cost_usd_total")
+    assert cost[(("key", "tenant"), ("model", "mock/echo"))] > 0
+    errors = samples(metrics, "nexus_hook_errors_total")
+    assert errors[(("hook", "on_stream_completed"),)] == 1
+
+
+async def test_a_hung_end_hook_is_abandoned_at_its_timeout(make_client: MakeClient) -> None:
+    """Once settled, a run ignores cancel(): a hung end hook held the key's stream slot
+    and the client's response forever (max_stream_duration_s and shutdown waited too)."""
+    client = await make_client(
+        config("HangCompleted", max_concurrent_streams_per_key=1, max_stream_duration_s=600)
+    )
+    resp = await asyncio.wait_for(
+        client.post("/v1/chat/completions", json=chat(stream=True), headers=BEARER), 5
+    )
+    body = await asyncio.wait_for(resp.read(), 5)
+    assert body.endswith(b"data: [DONE]\n\n")
+    # Its slot is free, and it was charged before the plugin ran.
+    again = await client.post("/v1/chat/completions", json=chat(), headers=BEARER)
+    assert again.status == 429
+    assert (await again.json())["error"]["code"] == "budget_exceeded"
+    metrics = await (await client.get("/metrics")).text()
+    errors = samples(metrics, "nexus_hook_errors_total")
+    assert errors[(("hook", "on_stream_completed"),)] == 1

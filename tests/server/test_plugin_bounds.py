@@ -38,7 +38,7 @@ def config(plugin: str, **limits: Any) -> dict[str, Any]:
                 {
                     "name": "tenant",
                     "sha256": hash_key(KEY),
-                    "budget_usd": 0.000001,
+                    "budget_usd": 0.02,  # $0.001 a token: one request capped at 10 fits
                     "budget_period": "total",
                 }
             ]
@@ -64,10 +64,12 @@ async def test_a_hook_raising_its_own_cancelled_error_leaves_billing_and_metrics
     """The built-ins ran after user plugins, and a ``CancelledError`` (a BaseException)
     skipped them: the stream was never charged nor counted."""
     client = await make_client(config("CancelInCompleted"))
-    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=BEARER)
+    resp = await client.post(
+        "/v1/chat/completions", json=chat(stream=True, max_tokens=10), headers=BEARER
+    )
     assert resp.status == 200
     assert (await resp.read()).endswith(b"data: [DONE]\n\n")
-    again = await client.post("/v1/chat/completions", json=chat(), headers=BEARER)
+    again = await client.post("/v1/chat/completions", json=chat(max_tokens=10), headers=BEARER)
     assert again.status == 429  # charged: the budget now holds
     assert (await again.json())["error"]["code"] == "budget_exceeded"
     metrics = await (await client.get("/metrics")).text()
@@ -84,12 +86,13 @@ async def test_a_hung_end_hook_is_abandoned_at_its_timeout(make_client: MakeClie
         config("HangCompleted", max_concurrent_streams_per_key=1, max_stream_duration_s=600)
     )
     resp = await asyncio.wait_for(
-        client.post("/v1/chat/completions", json=chat(stream=True), headers=BEARER), 5
+        client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=10), headers=BEARER),
+        5,
     )
     body = await asyncio.wait_for(resp.read(), 5)
     assert body.endswith(b"data: [DONE]\n\n")
     # Its slot is free, and it was charged before the plugin ran.
-    again = await client.post("/v1/chat/completions", json=chat(), headers=BEARER)
+    again = await client.post("/v1/chat/completions", json=chat(max_tokens=10), headers=BEARER)
     assert again.status == 429
     assert (await again.json())["error"]["code"] == "budget_exceeded"
     metrics = await (await client.get("/metrics")).text()

@@ -375,4 +375,4 @@ async def test_a_charge_cut_by_its_hooks_timeout_is_sent_again_later() -> None:
     charge.cancel()
     with pytest.raises(asyncio.CancelledError):
         await charge
-    assert [(name, usd) for name, _, usd, _ in limits._unsent.values()] == [("capped", 0.25)]
+    assert [(entry[0], entry[2]) for entry in limits._unsent.values()] == [("capped", 0.25)]

@@ -157,7 +157,7 @@ UNSEEN_TOKENS = 85
 """A file sent by id: its size is the upstream's to know."""
 
 
-_TIERS_AT_PRICE = (None, "auto", "default", "flex")
+_TIERS_AT_PRICE = (None, "auto", "default", "flex", "standard_only")
 """``service_tier`` values billed at most at the model's listed price."""
 
 

@@ -240,3 +240,30 @@ async def test_sdk_sees_an_upstream_failure_mid_stream(
     assert received == ["part"]
     assert info.value.body["error"]["type"] == "api_error"  # type: ignore[index]
     await api.close()
+
+
+async def test_fields_it_does_not_carry_out_are_refused_by_name(make_client: MakeClient) -> None:
+    """Dropped, ``mcp_servers`` or ``container`` would change the answer without a word."""
+    api = await sdk(make_client)
+    for field, value in (("mcp_servers", [{"type": "url", "url": "https://x", "name": "x"}]),
+                         ("container", "c_1"), ("context_management", {})):  # fmt: skip
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            await api.messages.create(
+                model="mock/echo", max_tokens=10, messages=USER, extra_body={field: value}
+            )
+        assert field in bad.value.message
+    await api.close()
+
+
+async def test_service_tier_reaches_an_anthropic_upstream(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.add(Reply.json(400, {"type": "error", "error": {"type": "x", "message": "stop"}}))
+    provider = {"kind": "anthropic", "base_url": upstream.url}
+    api = await sdk(make_client, {"providers": {"an": provider}})
+    with pytest.raises(anthropic.BadRequestError):
+        await api.messages.create(
+            model="an/claude", max_tokens=10, messages=USER, service_tier="standard_only"
+        )
+    assert upstream.requests[-1].body["service_tier"] == "standard_only"
+    await api.close()

@@ -106,7 +106,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     if choice is not None:
         body["tool_choice"] = choice
     extra = request.model_extra or {}
-    for key in ("thinking", "top_k"):
+    for key in ("thinking", "top_k", "service_tier"):
         if key in extra:
             body[key] = extra[key]
     return body

@@ -116,7 +116,10 @@ class Metadata(OpenModel):
     user_id: str | None = None
 
 
-class MessagesRequest(OpenModel):
+class MessagesRequest(StrictModel):
+    """Fields Nexus does not carry out (``mcp_servers``, ``container``, a newer API's) are
+    refused by name: dropped, they would change the answer without a word."""
+
     model: str = Field(min_length=1)
     max_tokens: int = Field(ge=1)
     messages: Items[InputMessage] = Field(min_length=1)
@@ -131,6 +134,7 @@ class MessagesRequest(OpenModel):
     top_k: int | None = Field(default=None, ge=0)
     thinking: dict[str, Any] | None = None
     metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
     stream: bool = False
     background: bool = False
     stream_options: StreamOptions | None = None
@@ -172,7 +176,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
         options["resumable"] = True
     if options:
         chat["stream_options"] = options
-    for key in ("temperature", "top_p", "top_k", "thinking"):
+    for key in ("temperature", "top_p", "top_k", "thinking", "service_tier"):
         value = getattr(request, key)
         if value is not None:
             chat[key] = value

@@ -70,7 +70,10 @@ def test_the_padding_is_random_base64url_of_1_to_16_characters() -> None:
     paddings = [orjson.loads(encoder.encode(Delta("hi"))[6:])["obfuscation"] for _ in range(2000)]
     assert all(PADDING.fullmatch(p) for p in paddings)
     assert {len(p) for p in paddings} == set(range(1, 17))
-    assert len(set(paddings)) > 1900
+    # Random, not a few strings over again: of 16.7 million paddings of 4 characters or
+    # more, ~1,600 draws repeat one 0.08 times on average (short ones repeat by design).
+    long = [p for p in paddings if len(p) >= 4]
+    assert len(set(long)) >= len(long) - 2
     usage = orjson.loads(encoder.encode(Usage(1, 2, 3))[6:])
     assert usage["usage"]["total_tokens"] == 3
     assert PADDING.fullmatch(usage["obfuscation"])

@@ -267,3 +267,43 @@ async def test_service_tier_reaches_an_anthropic_upstream(
         )
     assert upstream.requests[-1].body["service_tier"] == "standard_only"
     await api.close()
+
+
+def tool_piece(index: int, arguments: str, id: str | None = None) -> dict[str, Any]:
+    piece: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if id is not None:
+        piece.update(id=id, type="function")
+        piece["function"]["name"] = "f" + id
+    return piece
+
+
+@pytest.mark.parametrize("order", ["interleaved", "one_after_another", "cut_short"])
+async def test_parallel_tool_calls_stream_to_the_sdk_as_the_json_body_says(
+    make_client: MakeClient, upstream: FakeUpstream, order: str
+) -> None:
+    """Each call's input goes once, whole, to its own block: pieces of two calls that
+    arrive interleaved (an OpenAI upstream may send them so) must not be cut into a
+    ``_raw`` fragment; input that never makes an object is ``_raw`` in both forms."""
+    a = [tool_piece(0, '{"a":', "a"), tool_piece(0, "1}")]
+    b = [tool_piece(1, '{"b":', "b"), tool_piece(1, "2}")]
+    pieces = {
+        "interleaved": [a[0], b[0], a[1], b[1]],
+        "one_after_another": [*a, *b],
+        "cut_short": [a[0], *b],  # the first call never closes its object
+    }[order]
+    frames = [
+        openai_chunk(role="assistant", content=None, tool_calls=[pieces[0]]),
+        *(openai_chunk(tool_calls=[piece]) for piece in pieces[1:]),
+        openai_chunk(finish_reason="tool_calls"),
+        DONE,
+    ]
+    upstream.add(Reply.stream(frames), Reply.stream(frames))
+    provider = {"kind": "openai", "base_url": upstream.url + "/v1"}
+    api = await sdk(make_client, {"providers": {"up": provider}})
+    created = await api.messages.create(model="up/m", max_tokens=50, messages=USER)
+    async with api.messages.stream(model="up/m", max_tokens=50, messages=USER) as stream:
+        streamed = await stream.get_final_message()
+    first = {"_raw": '{"a":'} if order == "cut_short" else {"a": 1}
+    assert [block.input for block in created.content] == [first, {"b": 2}]  # type: ignore[union-attr]
+    assert [block.input for block in streamed.content] == [first, {"b": 2}]  # type: ignore[union-attr]
+    await api.close()

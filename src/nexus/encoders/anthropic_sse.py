@@ -69,7 +69,8 @@ class AnthropicSSEEncoder(Encoder):
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._text_head: bytes | None = None  # a text block's delta frame, while it is open
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
-        self._arguments: list[str] = []  # the open tool_use block's, sent when it closes
+        self._arguments: dict[int, list[str]] = {}  # tool-call index -> pieces held back
+        self._tool_open: int | None = None  # the tool call whose block is open
         self._stop: dict[str, Any] | None = None  # message_delta's stop_reason, stop_sequence
         self._usage: Usage | None = None
         self._failed = False
@@ -110,16 +111,31 @@ class AnthropicSSEEncoder(Encoder):
         if self._open is None:
             return b""
         out = b""
-        if self._open == "tool_use" and self._arguments:
-            # A tool call's input goes out whole, once known to be JSON: the SDK parses
-            # each input_json_delta as it comes and fails on broken JSON. Broken input is
-            # {"_raw": ...}, as in the JSON body (tool_input_json).
-            arguments = "".join(self._arguments)
-            self._arguments = []
-            partial = tool_input_json(arguments)
-            out = self._delta(self._index, {"type": "input_json_delta", "partial_json": partial})
+        if self._tool_open is not None:
+            out = self._tool_input(self._tool_open, complete=True)
+            self._tool_open = None
         self._open = self._text_head = None
         return out + self._frame("content_block_stop", index=self._index)
+
+    def _tool_input(self, call: int, *, final: bool = False, complete: bool = False) -> bytes:
+        """A tool call's input, whole, as one ``input_json_delta`` to its block: the SDK
+        parses each piece as it comes and fails on broken JSON, so pieces are held until
+        they make a JSON object (``complete``: checked; a parallel call's more pieces may
+        still come, so incomplete ones wait) or the message ends (``final``: then broken
+        input goes as ``{"_raw": ...}``, as in the JSON body: tool_input_json)."""
+        pieces = self._arguments.get(call)
+        if not pieces:
+            return b""
+        arguments = "".join(pieces)
+        if final:
+            partial = tool_input_json(arguments)
+        elif complete and tool_input_json(arguments) is arguments:
+            partial = arguments
+        else:
+            return b""
+        del self._arguments[call]
+        delta = {"type": "input_json_delta", "partial_json": partial}
+        return self._delta(self._tool_blocks[call], delta)
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
@@ -203,13 +219,14 @@ class AnthropicSSEEncoder(Encoder):
                 "input": {},
             }
             out = self._open_block("tool_use", tool)
-            block = self._tool_blocks[call.index] = self._index
+            self._tool_blocks[call.index] = self._index
+            self._tool_open = call.index
         if call.arguments:
-            if block == self._index and self._open == "tool_use":
-                self._arguments.append(call.arguments)  # sent when the block closes
-            else:  # more of a call whose block another closed: as it comes
-                delta = {"type": "input_json_delta", "partial_json": call.arguments}
-                out += self._delta(block, delta)
+            self._arguments.setdefault(call.index, []).append(call.arguments)
+            if call.index != self._tool_open and call.arguments.rstrip().endswith("}"):
+                # More of a call whose block another closed (parallel calls, interleaved):
+                # it goes once whole.
+                out += self._tool_input(call.index, complete=True)
         return out
 
     def error(self, event: Error) -> bytes:
@@ -229,6 +246,8 @@ class AnthropicSSEEncoder(Encoder):
         if self._failed:
             return b""
         out = self._message_start(None) + self._close()
+        for call in list(self._arguments):  # calls whose input never made an object
+            out += self._tool_input(call, final=True)
         stop = self._stop or stop_fields(None, None)
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

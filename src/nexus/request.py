@@ -162,6 +162,40 @@ class ToolMessage(OpenModel):
     content: str | Items[TextPart]
     tool_call_id: str
 
+    @model_validator(mode="after")
+    def _anthropic_result(self) -> ToolMessage:
+        """``is_error`` and ``tool_result_content`` (what ``/v1/messages`` carries for an
+        Anthropic upstream) go to it as they are: only the shapes it carries, a boolean
+        and text and image blocks, never a block of any kind a client makes up (a
+        document by URL: its cost unknown to a budget)."""
+        extra = self.model_extra or {}
+        if "is_error" in extra and type(extra["is_error"]) is not bool:
+            raise ValueError("is_error must be a boolean")
+        blocks = extra.get("tool_result_content")
+        if blocks is not None and not (
+            type(blocks) is list and blocks and all(map(_result_block, blocks))
+        ):
+            raise ValueError("tool_result_content holds text and image blocks only")
+        return self
+
+
+def _result_block(block: Any) -> bool:
+    if type(block) is not dict:
+        return False
+    if block.get("type") == "text":
+        return type(block.get("text")) is str and block.keys() <= {"type", "text", "cache_control"}
+    source = block.get("source")
+    if block.get("type") != "image" or type(source) is not dict:
+        return False
+    if source.get("type") == "base64":
+        fields = (source.get("media_type"), source.get("data"))
+        return all(type(f) is str for f in fields) and source.keys() == {
+            "type",
+            "media_type",
+            "data",
+        }
+    return source.get("type") == "url" and type(source.get("url")) is str and len(source) == 2
+
 
 Message = Annotated[
     SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")

@@ -307,3 +307,37 @@ async def test_parallel_tool_calls_stream_to_the_sdk_as_the_json_body_says(
     assert [block.input for block in created.content] == [first, {"b": 2}]  # type: ignore[union-attr]
     assert [block.input for block in streamed.content] == [first, {"b": 2}]  # type: ignore[union-attr]
     await api.close()
+
+
+async def test_a_chat_client_cannot_make_up_anthropic_tool_result_blocks(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """What /v1/messages carries for an Anthropic upstream rides on the tool message; a
+    Chat Completions client sending the same field gets only the shapes it carries (a
+    document by URL would reach the upstream unpriced)."""
+    upstream.add(Reply.json(400, {"type": "error", "error": {"type": "x", "message": "stop"}}))
+    client = await make_client(
+        {"providers": {"an": {"kind": "anthropic", "base_url": upstream.url}}}
+    )
+    call = {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+
+    async def send(**extra: Any) -> Any:
+        tool = {"role": "tool", "tool_call_id": "t1", "content": "done", **extra}
+        body = {"model": "an/claude", "messages": [*history, tool]}
+        return await client.post("/v1/chat/completions", json=body)
+
+    document = {"type": "document", "source": {"type": "url", "url": "https://x/500.pdf"}}
+    for extra in ({"tool_result_content": [document]}, {"is_error": "yes"}):
+        resp = await send(**extra)
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"].startswith("messages")
+    assert not upstream.requests  # nothing went upstream
+    image = {"type": "image", "source": {"type": "url", "url": "https://x/a.png"}}
+    resp = await send(tool_result_content=[{"type": "text", "text": "ok"}, image], is_error=True)
+    await resp.read()
+    sent = upstream.requests[-1].body["messages"][-1]["content"][0]
+    assert (sent["content"][1], sent["is_error"]) == (image, True)

@@ -110,6 +110,24 @@ async def test_a_key_past_its_limit_loses_its_own_oldest_finished_entries_only(
         await store.close()
 
 
+async def test_a_growing_live_log_pushes_out_its_keys_finished_logs_never_itself(
+    server: RedisServer, client: aioredis.Redis
+) -> None:
+    store = await started(server, limit=200_000)
+    try:
+        old = [await finished(store, "alice") for _ in range(10)]
+        running = make_info("alice")
+        running.status = "in_progress"
+        await store.begin(running, 60)
+        for at in range(0, 300):  # 300 kB in 1 kB turns: counted every 64 kB (STEP)
+            assert await append(store, running, at, text(1000))
+        assert await kept(store, old) == [False] * 10  # all went, and it stays
+        assert await kept(store, [running.id]) == [True]
+        assert 230_000 < await counted(client, "alice") <= 300_256
+    finally:
+        await store.close()
+
+
 async def test_replicas_sharing_a_prefix_keep_one_count(
     server: RedisServer, client: aioredis.Redis
 ) -> None:

@@ -61,7 +61,7 @@ from .redis_log import (
     page_count,
     send,
 )
-from .redis_quota import Tally
+from .redis_quota import Quota
 from .redis_url import redact_url, scrub
 from .store import OWNER_TTL_S, Recording, Store, StreamInfo, Write
 
@@ -135,8 +135,8 @@ class RedisStore(Store):
         self._owns_client = client is None
         self.max_log_bytes = max_log_bytes
         """A live log past this many bytes (in codec form) is trimmed (``XADD MINID ~``)."""
-        self.max_bytes_per_key = max_bytes_per_key
-        """What an owner's logs and recordings may hold (None: unbounded; redis_quota)."""
+        self.quota = Quota(prefix, max_bytes_per_key, max_log_bytes)
+        """What each owner's logs and recordings hold, bounded (:mod:`.redis_quota`)."""
         self._live: dict[str, list[int]] = {}
         """Live streams begun here -> [their TTL in ms, the bytes of their log so far]."""
         self.replica_id = os.urandom(8).hex()
@@ -306,7 +306,7 @@ class RedisStore(Store):
         owners: list[int] = []
         sizes: dict[str, list[int]] = {}  # the live logs' sizes, once the write went through
         limit = self.max_log_bytes
-        tally = Tally(self.prefix, self.max_bytes_per_key, limit)  # after the writes
+        tally = self.quota.tally()  # the owners' counts, after the writes
         for at, write in enumerate(writes):
             stream_id, start, events = write.info.id, write.start, write.events
             log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
@@ -350,6 +350,7 @@ class RedisStore(Store):
             lost = (await self.call("mirror", *begun, append, *after, *tally.commands()))[
                 len(begun)
             ]
+        tally.sent()
         # Only now: a write that failed is retried from the same entry, and must not count
         # its bytes twice (a log counted past max_log_bytes is trimmed).
         self._live.update(sizes)
@@ -468,7 +469,7 @@ class RedisStore(Store):
                 "upstream_model": recording.upstream_model,
             }
         )
-        tally = Tally(self.prefix, self.max_bytes_per_key, None)
+        tally = self.quota.tally()
         tally.recording(owner, key, len(value), _ms(ttl_s))
         set_ = ("SET", f"{self.prefix}:rec:{key}", value, "PX", _ms(ttl_s))
         await self.call("put_recording", set_, *tally.commands())

@@ -20,7 +20,9 @@ counts, and an entry that expired leaves the count at the next write.
 **One command per round trip** (:class:`Tally`): the count rides on the writes that add
 bytes, after them in the same pipeline (the mirror's appends and ends, a recording's
 ``SET``), as one script for every owner in it; no command per event, no round trip of
-its own. A log is counted at its size so far (what the mirror has written, at most
+its own. A live log is counted as it starts, at every :data:`STEP` bytes and at its end,
+so what a key's running streams hold is known to within 64 kB each. A log is counted at
+its size so far (what the mirror has written, at most
 ``[streams] max_log_bytes``, which trims it), not by increments: a write retried after
 a failure, or a log written again from its start, sets the same count, never twice.
 
@@ -43,11 +45,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ENTRY_OVERHEAD", "Tally"]
+__all__ = ["ENTRY_OVERHEAD", "STEP", "Quota", "Tally"]
 
 ENTRY_OVERHEAD = 256
 """Bytes an entry costs beyond its payload (its info, the keys): counted as the memory
 store counts them."""
+STEP = 64 * 1024
+"""A live log is counted again once it grew this much: a stream of small tokens costs
+one count per 64 kB, not one per mirror turn (which took Redis 3.5x the CPU per token)."""
 
 # KEYS: per owner its sizes, live and done (see the module docstring). ARGV: the prefix,
 # the limit, then per owner the count of its entries and, per entry, its member, bytes,
@@ -124,43 +129,78 @@ return deleted
 """
 
 
-class Tally:
-    """The entries one round trip writes, by owner: :meth:`commands` counts them."""
-
-    __slots__ = ("entries", "limit", "max_log_bytes", "prefix")
+class Quota:
+    """A store's counting: :meth:`tally` gathers what one round trip writes."""
 
     def __init__(self, prefix: str, limit: int | None, max_log_bytes: int | None) -> None:
         self.prefix = prefix
         self.limit = limit
-        """The owner's bytes (``[store] max_bytes_per_key``); None counts nothing."""
+        """An owner's bytes (``[store] max_bytes_per_key``); None counts nothing."""
         self.max_log_bytes = max_log_bytes
+        self.counted: dict[str, int] = {}
+        """Live logs of this process -> the size they were last counted at."""
+
+    def tally(self) -> Tally:
+        return Tally(self)
+
+
+class Tally:
+    """The entries one round trip writes, by owner: :meth:`commands` counts them, and
+    :meth:`sent` notes them counted once the round trip went through."""
+
+    __slots__ = ("entries", "logs", "quota")
+
+    def __init__(self, quota: Quota) -> None:
+        self.quota = quota
         self.entries: dict[str, list[Any]] = {}
+        self.logs: dict[str, int] = {}
 
     def log(self, owner: str | None, stream_id: str, size: int, ttl_ms: int, end: bool) -> None:
-        """A log written to ``size`` bytes so far (trimmed past ``max_log_bytes``)."""
-        if self.max_log_bytes is not None:
-            size = min(size, self.max_log_bytes)
+        """A log written to ``size`` bytes so far (trimmed past ``max_log_bytes``). A live
+        one is counted as it starts, then every :data:`STEP` bytes, and at its end."""
+        quota = self.quota
+        if owner is None or quota.limit is None:
+            return
+        if quota.max_log_bytes is not None:
+            size = min(size, quota.max_log_bytes)
+        if not end:
+            if size - quota.counted.get(stream_id, -STEP) < STEP:
+                return
+            self.logs[stream_id] = size
+        else:
+            self.logs[stream_id] = -1
         self._add(owner, "log:" + stream_id, size, ttl_ms, end)
 
     def recording(self, owner: str | None, key: str, size: int, ttl_ms: int) -> None:
-        self._add(owner, "rec:" + key, size, ttl_ms, True)
+        if owner is not None and self.quota.limit is not None:
+            self._add(owner, "rec:" + key, size, ttl_ms, True)
 
-    def _add(self, owner: str | None, member: str, size: int, ttl_ms: int, end: bool) -> None:
-        if owner is not None and self.limit is not None:
-            entry = (member, size + ENTRY_OVERHEAD, ttl_ms, 1 if end else 0)
-            self.entries.setdefault(owner, []).append(entry)
+    def _add(self, owner: str, member: str, size: int, ttl_ms: int, end: bool) -> None:
+        entry = (member, size + ENTRY_OVERHEAD, ttl_ms, 1 if end else 0)
+        self.entries.setdefault(owner, []).append(entry)
 
     def commands(self) -> list[tuple[Any, ...]]:
         """The script that counts the entries (none when there are none), to send after
         the writes themselves, in their round trip."""
         if not self.entries:
             return []
+        prefix = self.quota.prefix
         keys: list[str] = []
-        args: list[Any] = [self.prefix, self.limit]
+        args: list[Any] = [prefix, self.quota.limit]
         for owner, entries in self.entries.items():
-            base = f"{self.prefix}:quota:{owner}:"
+            base = f"{prefix}:quota:{owner}:"
             keys += (base + "sizes", base + "live", base + "done")
             args.append(len(entries))
             for entry in entries:
                 args += entry
         return [("EVAL", _COUNT, len(keys), *keys, *args)]
+
+    def sent(self) -> None:
+        """The round trip went through: its live logs are counted at their sizes (a
+        failed one counts them again, with their next write)."""
+        counted = self.quota.counted
+        for stream_id, size in self.logs.items():
+            if size < 0:
+                counted.pop(stream_id, None)
+            else:
+                counted[stream_id] = size

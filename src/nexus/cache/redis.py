@@ -242,6 +242,7 @@ class RedisStore(Store):
 
     def _begin(self, info: StreamInfo, ttl_ms: int) -> list[Command]:
         self._live[info.id] = [ttl_ms, 0]
+        self.quota.counted.pop(info.id, None)  # (written again from its start: counted so)
         return [
             ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
             ("SET", self._key(info.id, "info"), info.to_json(), "PX", ttl_ms),

@@ -224,6 +224,9 @@ class RedisStoreConfig(_Table):
     max_connections: int = Field(default=128, ge=1)
     pool_timeout_s: float = Field(default=5.0, gt=0)
     required: bool = True
+    max_bytes_per_key: int = Field(default=64 * 1024 * 1024, gt=0)
+    """What one API key's logs and recordings may hold in Redis, counted by every replica
+    alike: past it, its own finished ones nearest their expiry go (nexus.cache.redis_quota)."""
 
     @field_validator("url")
     @classmethod

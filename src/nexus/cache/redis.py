@@ -10,7 +10,8 @@ Keys, all under ``{prefix}:``, each with a TTL::
     claim:{key}         string   the stream holding an in-flight claim
     replica:{id}        string   this replica is alive             OWNER_TTL_S, renewed
 
-(The limits' keys are in :mod:`nexus.cache.redis_limits`.) When the owner of a live log
+(The limits' keys are in :mod:`nexus.cache.redis_limits`; what each API key holds, counted
+and bounded, in :mod:`nexus.cache.redis_quota`.) When the owner of a live log
 dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive lapsed.
 
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
@@ -47,6 +48,8 @@ from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
 from .codec import dump_event, dumps_events, load_event
 from .redis_log import (
+    APPEND,
+    FINISH,
     FIRST_PAGE,
     FOLLOW_COUNT,
     PAGE_CONNECTIONS,
@@ -58,6 +61,7 @@ from .redis_log import (
     page_count,
     send,
 )
+from .redis_quota import Quota
 from .redis_url import redact_url, scrub
 from .store import OWNER_TTL_S, Recording, Store, StreamInfo, Write
 
@@ -80,33 +84,6 @@ return false
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
 return 0
-"""
-# Log entries: per log in KEYS, in ARGV the count of its XADD arguments, then them. An
-# entry added again is refused (its ID is not above the top one), which is fine. Returns
-# the positions in KEYS of the entries not added because their log is gone (NOMKSTREAM).
-_APPEND = """
-local lost, at = {}, 1
-for i, key in ipairs(KEYS) do
-  local n = tonumber(ARGV[at])
-  local added = redis.pcall('XADD', key, unpack(ARGV, at + 1, at + n))
-  if not added then
-    table.insert(lost, i)
-  elseif added.err and not string.find(added.err, 'equal or smaller', 1, true) then
-    return added
-  end
-  at = at + n + 1
-end
-return lost
-"""
-# The end of a log appended to (NOMKSTREAM), after its entries: only if the log is there
-# (else they were refused, and the keeper writes it again from entry 0, its end with it).
-_FINISH = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-redis.call('DEL', KEYS[3])
-return 1
 """
 # Whether the replica a stream's owner key names still has its keep-alive.
 _ALIVE = """
@@ -145,6 +122,7 @@ class RedisStore(Store):
         pool_timeout_s: float = 5.0,
         block_s: float = 1.0,
         max_log_bytes: int | None = None,
+        max_bytes_per_key: int | None = None,
     ) -> None:
         super().__init__()
         self.url = url
@@ -157,6 +135,8 @@ class RedisStore(Store):
         self._owns_client = client is None
         self.max_log_bytes = max_log_bytes
         """A live log past this many bytes (in codec form) is trimmed (``XADD MINID ~``)."""
+        self.quota = Quota(prefix, max_bytes_per_key, max_log_bytes)
+        """What each owner's logs and recordings hold, bounded (:mod:`.redis_quota`)."""
         self._live: dict[str, list[int]] = {}
         """Live streams begun here -> [their TTL in ms, the bytes of their log so far]."""
         self.replica_id = os.urandom(8).hex()
@@ -262,6 +242,7 @@ class RedisStore(Store):
 
     def _begin(self, info: StreamInfo, ttl_ms: int) -> list[Command]:
         self._live[info.id] = [ttl_ms, 0]
+        self.quota.counted.pop(info.id, None)  # (written again from its start: counted so)
         return [
             ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
             ("SET", self._key(info.id, "info"), info.to_json(), "PX", ttl_ms),
@@ -314,9 +295,10 @@ class RedisStore(Store):
 
     async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
         """Per write: XADD its events from log index ``start``, all writes' entries in one
-        script (:data:`_APPEND`: one reply); at its end, then its info, TTLs and the owner
-        dropped, after the entries: a reader that sees the finished info has the whole
-        log. The first entries set the live TTLs too."""
+        script (:data:`~nexus.cache.redis_log.APPEND`: one reply); at its end, then its
+        info, TTLs and the owner dropped, after the entries: a reader that sees the
+        finished info has the whole log. The first entries set the live TTLs too. Then,
+        in the same round trip, the owners' counts (:mod:`nexus.cache.redis_quota`)."""
         ttl_ms = _ms(ttl_s)
         begun = [command for w in writes if w.begin for command in self._begin(w.info, ttl_ms)]
         keys: list[str] = []
@@ -325,6 +307,7 @@ class RedisStore(Store):
         owners: list[int] = []
         sizes: dict[str, list[int]] = {}  # the live logs' sizes, once the write went through
         limit = self.max_log_bytes
+        tally = self.quota.tally()  # the owners' counts, after the writes
         for at, write in enumerate(writes):
             stream_id, start, events = write.info.id, write.start, write.events
             log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
@@ -343,6 +326,7 @@ class RedisStore(Store):
                 keys.append(log)
                 args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
                 owners.append(at)
+            tally.log(write.info.owner, stream_id, size, ttl, write.end)
             if not write.end:
                 sizes[stream_id] = [ttl, size]
                 if start == 0:
@@ -350,7 +334,7 @@ class RedisStore(Store):
             elif exists and events:
                 owner = self._key(stream_id, "owner")
                 info = write.info.to_json()
-                after.append(("EVAL", _FINISH, 3, log, info_key, owner, info, ttl))
+                after.append(("EVAL", FINISH, 3, log, info_key, owner, info, ttl))
             else:
                 after += [
                     ("SET", info_key, write.info.to_json(), "PX", ttl),
@@ -360,11 +344,14 @@ class RedisStore(Store):
                 ]
         if not keys:
             if begun or after:
-                await self.call("mirror", *begun, *after)
+                await self.call("mirror", *begun, *after, *tally.commands())
             lost = []
         else:
-            append = ("EVAL", _APPEND, len(keys), *keys, *args)
-            lost = (await self.call("mirror", *begun, append, *after))[len(begun)]
+            append = ("EVAL", APPEND, len(keys), *keys, *args)
+            lost = (await self.call("mirror", *begun, append, *after, *tally.commands()))[
+                len(begun)
+            ]
+        tally.sent()
         # Only now: a write that failed is retried from the same entry, and must not count
         # its bytes twice (a log counted past max_log_bytes is trimmed).
         self._live.update(sizes)
@@ -483,9 +470,10 @@ class RedisStore(Store):
                 "upstream_model": recording.upstream_model,
             }
         )
-        await self.call(
-            "put_recording", ("SET", f"{self.prefix}:rec:{key}", value, "PX", _ms(ttl_s))
-        )
+        tally = self.quota.tally()
+        tally.recording(owner, key, len(value), _ms(ttl_s))
+        set_ = ("SET", f"{self.prefix}:rec:{key}", value, "PX", _ms(ttl_s))
+        await self.call("put_recording", set_, *tally.commands())
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:

@@ -6,7 +6,8 @@ go, in the field ``e`` (:func:`~nexus.cache.codec.dumps_events`), and its ID is
 ``i`` is the first with an ID above ``0-{i}``: a reader resumes at any index with
 ``XRANGE``, then follows with ``XREAD``. Writing an entry again is safe: Redis refuses
 the same ID, and the reader cuts an entry that overlaps the one before it (a retry that
-carries more events).
+carries more events). The store writes entries with :data:`APPEND` (every log of a
+mirror turn in one script) and ends an appended log with :data:`FINISH`.
 
 **Commands** (:class:`Pipeliner`): every task's commands join one pipeline; while it is
 in flight the next ones gather for the next. A thousand streams mirroring their logs
@@ -39,6 +40,8 @@ from ..events import Done, Error, StreamEvent
 from .codec import loads_events
 
 __all__ = [
+    "APPEND",
+    "FINISH",
     "FIRST_PAGE",
     "FOLLOW_COUNT",
     "KEYS_PER_READ",
@@ -68,6 +71,34 @@ PAGE_CONNECTIONS = 4
 """Connections for pages, per process: so many pages at once, the next ones wait."""
 
 Command = tuple[Any, ...]
+
+# Log entries: per log in KEYS, in ARGV the count of its XADD arguments, then them. An
+# entry added again is refused (its ID is not above the top one), which is fine. Returns
+# the positions in KEYS of the entries not added because their log is gone (NOMKSTREAM).
+APPEND = """
+local lost, at = {}, 1
+for i, key in ipairs(KEYS) do
+  local n = tonumber(ARGV[at])
+  local added = redis.pcall('XADD', key, unpack(ARGV, at + 1, at + n))
+  if not added then
+    table.insert(lost, i)
+  elseif added.err and not string.find(added.err, 'equal or smaller', 1, true) then
+    return added
+  end
+  at = at + n + 1
+end
+return lost
+"""
+# The end of a log appended to (NOMKSTREAM), after its entries: only if the log is there
+# (else they were refused, and the keeper writes it again from entry 0, its end with it).
+FINISH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[3])
+return 1
+"""
 
 
 def page(log: str, after: int, count: int) -> Command:

@@ -232,6 +232,7 @@ def build_store(config: StoreConfig, *, max_log_bytes: int | None = None) -> Sto
         max_connections=config.max_connections,
         pool_timeout_s=config.pool_timeout_s,
         max_log_bytes=max_log_bytes,
+        max_bytes_per_key=config.max_bytes_per_key,
     )
 
 

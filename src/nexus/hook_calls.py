@@ -29,15 +29,17 @@ async def guarded(
     timeout_s: float | None,
     failed: Failed,
     passes: type[BaseException] | tuple[type[BaseException], ...] = (),
-) -> None:
+) -> bool:
     """Await ``call()`` for at most ``timeout_s`` (None: no bound); tell ``failed`` of a
     failure instead of raising it. ``passes``: exceptions raised as they are (a
-    :class:`~nexus.hooks.StreamRejected` from ``on_stream_started``)."""
+    :class:`~nexus.hooks.StreamRejected` from ``on_stream_started``). True when the call
+    was abandoned at its bound (a gate that could not decide in time: see
+    :meth:`~nexus.hooks.Hooks.started`)."""
     bound = None
     try:
         if timeout_s is None:
             await call()
-            return
+            return False
         async with asyncio.timeout(timeout_s) as bound:
             await call()  # called in here: a plain function's error is the hook's too
     except passes:
@@ -45,8 +47,8 @@ async def guarded(
     except TimeoutError:
         if bound is not None and bound.expired():
             failed(f"did not return within {timeout_s:g}s (abandoned)", False)
-        else:
-            failed("raised", True)
+            return True
+        failed("raised", True)
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is None or task.cancelling():
@@ -54,3 +56,4 @@ async def guarded(
         failed("raised CancelledError (its task was not cancelled)", True)
     except Exception:
         failed("raised", True)
+    return False

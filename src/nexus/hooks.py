@@ -325,11 +325,20 @@ class Hooks:
         return failed
 
     async def started(self, ctx: CallContext, request_id: str, model: str, provider: str) -> None:
-        """Call every ``on_stream_started``. Raises the :class:`StreamRejected` one raised."""
+        """Call every ``on_stream_started``. Raises the :class:`StreamRejected` one raised,
+        and 503 ``plugin_timeout`` for one that did not return in time: a gate that cannot
+        decide (its quota or moderation backend slow) must not let the request through."""
         for name, hook, timeout in self._started:
             failed = self._failure(name, "on_stream_started")
             call = lambda: hook(ctx, request_id, model, provider)  # noqa: E731, B023
-            await guarded(call, timeout, failed, StreamRejected)
+            if await guarded(call, timeout, failed, StreamRejected):
+                raise GatewayError(
+                    f"The plugin {name!r} did not decide on this request in time; retry.",
+                    code="plugin_timeout",
+                    status=503,
+                    retryable=True,
+                    headers={"Retry-After": "1"},
+                )
 
     def observe(self, ctx: CallContext, meta: StreamMeta) -> StreamObserver | None:
         """The observer of one stream, or None when no plugin watches streams."""

@@ -31,6 +31,16 @@ class HangCompleted:
         await asyncio.sleep(3600)
 
 
+class SlowGate:
+    """A quota plugin whose backend takes 0.5 s, then refuses."""
+
+    async def on_stream_started(self, *args: Any) -> None:
+        from nexus.hooks import StreamRejected
+
+        await asyncio.sleep(0.5)
+        raise StreamRejected("Over quota.", code="quota_exceeded", status=429)
+
+
 def config(plugin: str, **limits: Any) -> dict[str, Any]:
     return {
         "auth": {
@@ -98,3 +108,22 @@ async def test_a_hung_end_hook_is_abandoned_at_its_timeout(make_client: MakeClie
     metrics = await (await client.get("/metrics")).text()
     errors = samples(metrics, "nexus_hook_errors_total")
     assert errors[(("hook", "on_stream_completed"),)] == 1
+
+
+async def test_a_gate_that_cannot_decide_in_time_refuses(make_client: MakeClient) -> None:
+    """A policy hook past its timeout would otherwise let every request through whenever
+    its backend is slow: it refuses, retryable, rather than fail open."""
+    client = await make_client(config("SlowGate"))  # timeout_s = 0.3
+    resp = await client.post("/v1/chat/completions", json=chat(max_tokens=10), headers=BEARER)
+    assert resp.status == 503
+    assert resp.headers["Retry-After"] == "1"
+    assert (await resp.json())["error"]["code"] == "plugin_timeout"
+    metrics = await (await client.get("/metrics")).text()
+    errors = samples(metrics, "nexus_hook_errors_total")
+    assert errors[(("hook", "on_stream_started"),)] == 1
+    patient = await make_client(
+        {**config("SlowGate"), "plugins": [{"path": f"{__name__}:SlowGate", "timeout_s": 2}]}
+    )
+    resp = await patient.post("/v1/chat/completions", json=chat(max_tokens=10), headers=BEARER)
+    assert resp.status == 429
+    assert (await resp.json())["error"]["code"] == "quota_exceeded"

@@ -85,3 +85,28 @@ async def test_a_page_holds_about_a_mebibyte_and_a_resume_is_exact(
         assert got == [*events, Done()][start:], start
     assert pages, "no page was read on the connections for pages"
     assert max(pages) <= (1 << 20) + 200_000, f"a page of {max(pages)} bytes"
+
+
+async def test_small_entries_then_big_ones_still_come_in_pages_of_about_a_mebibyte(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page's count follows the last page's entries: after one tiny entry it may at most
+    double, or 100 entries of 512 KB each came as one reply of 50 MB."""
+    pages: list[int] = []
+    real = redis_store.send
+
+    async def counted(client: Any, commands: Any) -> list[Any]:
+        replies = await real(client, commands)
+        pages.append(sum(len(fields[1]) for _, fields in replies[0] or ()))
+        return replies
+
+    monkeypatch.setattr(redis_store, "send", counted)
+    info = StreamInfo(StreamMeta.new("mock/echo"), "application/x-ndjson")
+    await store.mirror([Write(info, [Delta(content="a")], 0, begin=True)], 60)
+    big = [Delta(content=f"{i:04d}" + "z" * (512 * 1024)) for i in range(40)]
+    for n, event in enumerate(big):
+        await store.mirror([Write(info, [event], 1 + n)], 60)
+    info.status = "completed"
+    await store.mirror([Write(info, [Done()], 41, end=True)], 60)
+    assert await read_all(store, info.id) == [Delta(content="a"), *big, Done()]
+    assert max(pages) <= (1 << 20) + 600_000, f"a page of {max(pages)} bytes"

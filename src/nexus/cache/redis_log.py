@@ -108,9 +108,11 @@ def page(log: str, after: int, count: int) -> Command:
 
 def page_count(entries: Sequence[Any]) -> int:
     """The count of the page after ``entries``: as many entries as the largest of them
-    fit in :data:`PAGE_BYTES` (XRANGE's COUNT bounds entries, not bytes)."""
+    fit in :data:`PAGE_BYTES` (XRANGE's COUNT bounds entries, not bytes), and at most
+    twice as many as these: small entries followed by big ones (a log's head, then long
+    batches) would otherwise come as one reply of up to :data:`PAGE_ENTRIES` big ones."""
     largest = max((len(_payload(fields)) for _, fields in entries), default=0)
-    return max(1, min(PAGE_ENTRIES, PAGE_BYTES // max(largest, 1)))
+    return max(1, min(PAGE_ENTRIES, 2 * len(entries), PAGE_BYTES // max(largest, 1)))
 
 
 def _payload(fields: Any) -> bytes:

@@ -95,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         check_installed(config.telemetry)  # once, before any worker starts
         from .server.app import metrics_token
 
-        metrics_token(config)  # set when named: checked before any worker starts, too
+        token = metrics_token(config)  # set when named: checked before any worker starts
+        if token is None and config.metrics.enabled and not is_loopback(config.server.host):
+            log.warning(
+                "/metrics has no [metrics] token_env: it answers loopback Host names only; "
+                "set token_env to scrape it by this host's name or address"
+            )
         return _serve(config, source)
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)

@@ -306,3 +306,19 @@ def test_an_unreachable_redis_is_one_line_before_any_worker_starts(tmp_path: Pat
     assert done.stderr.startswith("nexus: cannot start: Redis not reachable at redis://127.0.0.1:")
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert "s3cret-pw-0042" not in done.stderr
+
+
+def test_metrics_without_a_token_on_a_public_host_is_warned_of(tmp_path: Path) -> None:
+    """/metrics answers loopback Host names only without [metrics] token_env: a scraper
+    that used the host's name would get 403s; the start says so."""
+    from nexus_process import start_nexus, stop_nexus
+
+    config = tmp_path / "config.toml"
+    config.write_text('[auth]\nallow_unauthenticated = true\n[server]\nhost = "0.0.0.0"\n')
+    proc, _ = start_nexus(config, tmp_path / "nexus.log")
+    stop_nexus(proc)
+    assert "/metrics has no [metrics] token_env" in (tmp_path / "nexus.log").read_text()
+    config.write_text('[server]\nhost = "127.0.0.1"\n')
+    proc, _ = start_nexus(config, tmp_path / "quiet.log")
+    stop_nexus(proc)
+    assert "token_env" not in (tmp_path / "quiet.log").read_text()

@@ -163,7 +163,7 @@ class MetricsConfig(_Table):
     enabled: bool = True
     token_env: str | None = None
     """The environment variable holding the bearer token ``/metrics`` asks for (it names
-    every key and what each spent); unset: open to whoever reaches the port."""
+    every key and what each spent); unset: it answers loopback ``Host`` names only."""
 
     @field_validator("token_env")
     @classmethod

@@ -183,7 +183,11 @@ def _result_block(block: Any) -> bool:
     if type(block) is not dict:
         return False
     if block.get("type") == "text":
-        return type(block.get("text")) is str and block.keys() <= {"type", "text", "cache_control"}
+        return (
+            type(block.get("text")) is str
+            and block.keys() <= {"type", "text", "cache_control", "citations"}
+            and type(block.get("citations", [])) is list
+        )
     source = block.get("source")
     if block.get("type") != "image" or type(source) is not dict:
         return False

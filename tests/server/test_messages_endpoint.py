@@ -301,9 +301,14 @@ async def test_parallel_tool_calls_stream_to_the_sdk_as_the_json_body_says(
     provider = {"kind": "openai", "base_url": upstream.url + "/v1"}
     api = await sdk(make_client, {"providers": {"up": provider}})
     created = await api.messages.create(model="up/m", max_tokens=50, messages=USER)
+    at_stop = []  # what a client that runs each tool at its block's stop gets
     async with api.messages.stream(model="up/m", max_tokens=50, messages=USER) as stream:
+        async for event in stream:
+            if event.type == "content_block_stop":
+                at_stop.append(event.content_block.input)  # type: ignore[union-attr]
         streamed = await stream.get_final_message()
     first = {"_raw": '{"a":'} if order == "cut_short" else {"a": 1}
+    assert at_stop == [first, {"b": 2}]
     assert [block.input for block in created.content] == [first, {"b": 2}]  # type: ignore[union-attr]
     assert [block.input for block in streamed.content] == [first, {"b": 2}]  # type: ignore[union-attr]
     await api.close()
@@ -337,7 +342,8 @@ async def test_a_chat_client_cannot_make_up_anthropic_tool_result_blocks(
         assert (await resp.json())["error"]["param"].startswith("messages")
     assert not upstream.requests  # nothing went upstream
     image = {"type": "image", "source": {"type": "url", "url": "https://x/a.png"}}
-    resp = await send(tool_result_content=[{"type": "text", "text": "ok"}, image], is_error=True)
+    text = {"type": "text", "text": "ok", "citations": []}  # a TextBlockParam may cite
+    resp = await send(tool_result_content=[text, image], is_error=True)
     await resp.read()
     sent = upstream.requests[-1].body["messages"][-1]["content"][0]
     assert (sent["content"][1], sent["is_error"]) == (image, True)

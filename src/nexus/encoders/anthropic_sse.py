@@ -68,9 +68,9 @@ class AnthropicSSEEncoder(Encoder):
         self._index = -1  # index of the open content block, -1 when none is open
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._text_head: bytes | None = None  # a text block's delta frame, while it is open
-        self._tool_blocks: dict[int, int] = {}  # tool-call index -> block index
-        self._arguments: dict[int, list[str]] = {}  # tool-call index -> pieces held back
-        self._tool_open: int | None = None  # the tool call whose block is open
+        self._tool_blocks: dict[int, int] = {}  # tool-call index -> its block's, once out
+        self._calls: dict[int, tuple[list[str | None], list[str]]] = {}
+        """Tool calls held back, by index: ([id, name], their input's pieces)."""
         self._stop: dict[str, Any] | None = None  # message_delta's stop_reason, stop_sequence
         self._usage: Usage | None = None
         self._failed = False
@@ -110,32 +110,39 @@ class AnthropicSSEEncoder(Encoder):
     def _close(self) -> bytes:
         if self._open is None:
             return b""
-        out = b""
-        if self._tool_open is not None:
-            out = self._tool_input(self._tool_open, complete=True)
-            self._tool_open = None
         self._open = self._text_head = None
-        return out + self._frame("content_block_stop", index=self._index)
+        return self._frame("content_block_stop", index=self._index)
 
-    def _tool_input(self, call: int, *, final: bool = False, complete: bool = False) -> bytes:
-        """A tool call's input, whole, as one ``input_json_delta`` to its block: the SDK
-        parses each piece as it comes and fails on broken JSON, so pieces are held until
-        they make a JSON object (``complete``: checked; a parallel call's more pieces may
-        still come, so incomplete ones wait) or the message ends (``final``: then broken
-        input goes as ``{"_raw": ...}``, as in the JSON body: tool_input_json)."""
-        pieces = self._arguments.get(call)
-        if not pieces:
-            return b""
-        arguments = "".join(pieces)
-        if final:
-            partial = tool_input_json(arguments)
-        elif complete and tool_input_json(arguments) is arguments:
-            partial = arguments
-        else:
-            return b""
-        del self._arguments[call]
-        delta = {"type": "input_json_delta", "partial_json": partial}
-        return self._delta(self._tool_blocks[call], delta)
+    def _tool_blocks_out(self, *, final: bool = False) -> bytes:
+        """The held tool calls' blocks, each whole (start, its input in one
+        ``input_json_delta``, stop), in their order, as far as each one's pieces make a
+        JSON object; at the message's end (``final``) all of them, broken input as
+        ``{"_raw": ...}`` as in the JSON body (tool_input_json). The SDK parses each piece
+        as it comes and fails on broken JSON, and a client may run a tool at its block's
+        stop: neither may see a part, nor do parallel calls whose pieces interleave."""
+        out = b""
+        for call in sorted(self._calls):
+            (call_id, name), pieces = self._calls[call]
+            arguments = "".join(pieces)
+            partial = tool_input_json(arguments) if arguments else None
+            if not final and (partial is None or partial is not arguments):
+                break  # not an object yet: more pieces may come; later calls wait
+            del self._calls[call]
+            out += self._close()
+            self._index += 1
+            self._tool_blocks[call] = index = self._index
+            tool = {
+                "type": "tool_use",
+                "id": call_id or fallback_call_id(self.meta.id, call),
+                "name": name or "",
+                "input": {},
+            }
+            out += self._frame("content_block_start", index=index, content_block=tool)
+            if partial is not None:
+                delta = {"type": "input_json_delta", "partial_json": partial}
+                out += self._delta(index, delta)
+            out += self._frame("content_block_stop", index=index)
+        return out
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
@@ -209,25 +216,23 @@ class AnthropicSSEEncoder(Encoder):
                 return b""
 
     def _tool(self, call: ToolCall) -> bytes:
-        out = b""
         block = self._tool_blocks.get(call.index)
-        if block is None:
-            tool = {
-                "type": "tool_use",
-                "id": call.id or fallback_call_id(self.meta.id, call.index),
-                "name": call.name or "",
-                "input": {},
-            }
-            out = self._open_block("tool_use", tool)
-            self._tool_blocks[call.index] = self._index
-            self._tool_open = call.index
+        if block is not None:  # more after its block went out whole: as it comes
+            if not call.arguments or call.arguments.isspace():
+                return b""
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            return self._delta(block, delta)
+        held = self._calls.get(call.index)
+        if held is None:
+            held = self._calls[call.index] = ([call.id, call.name], [])
+        else:
+            named = held[0]
+            named[0], named[1] = named[0] or call.id, named[1] or call.name
         if call.arguments:
-            self._arguments.setdefault(call.index, []).append(call.arguments)
-            if call.index != self._tool_open and call.arguments.rstrip().endswith("}"):
-                # More of a call whose block another closed (parallel calls, interleaved):
-                # it goes once whole.
-                out += self._tool_input(call.index, complete=True)
-        return out
+            held[1].append(call.arguments)
+            if call.arguments.rstrip().endswith("}"):
+                return self._tool_blocks_out()
+        return b""
 
     def error(self, event: Error) -> bytes:
         self._failed = True
@@ -246,8 +251,7 @@ class AnthropicSSEEncoder(Encoder):
         if self._failed:
             return b""
         out = self._message_start(None) + self._close()
-        for call in list(self._arguments):  # calls whose input never made an object
-            out += self._tool_input(call, final=True)
+        out += self._tool_blocks_out(final=True)  # calls whose input never made an object
         stop = self._stop or stop_fields(None, None)
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

@@ -90,3 +90,22 @@ async def test_an_origin_leaving_while_a_joiner_is_being_joined_does_not_cut_it_
     assert text == complete
     assert json_resp.status == 200
     assert (await json_resp.json())["choices"][0]["message"]["content"] == complete
+
+
+async def test_an_identical_request_joins_a_stream_that_outlived_its_claims_first_ttl(
+    make_client: MakeClient,
+) -> None:
+    """The claim lasted resume_ttl_s (300 s) while a stream may run 900: an identical
+    request past it called the upstream again instead of joining."""
+    gated = GatedProvider(before=1, after=1)
+    config = {"cache": {"enabled": True}, "streams": {"resume_ttl_s": 0.3}}
+    client = await make_client(config, providers=[gated])
+    first = asyncio.create_task(client.post("/v1/chat/completions", json=chat(model="gated/m")))
+    await asyncio.wait_for(gated.started.wait(), 5)
+    await asyncio.sleep(0.6)  # past resume_ttl_s, the stream still running
+    second = asyncio.create_task(client.post("/v1/chat/completions", json=chat(model="gated/m")))
+    await asyncio.sleep(0.1)
+    gated.gate.set()
+    one, two = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert (one.headers["X-Nexus-Cache"], two.headers["X-Nexus-Cache"]) == ("miss", "hit")
+    assert (await one.json())["choices"] == (await two.json())["choices"]

@@ -197,6 +197,9 @@ class StreamHub:
         that holds the key's claim (``stream`` is then closed unread)."""
         store = self.store
         ttl = self.streams.resume_ttl_s
+        # A claim outlives the longest stream: one that lapsed mid-stream sent an identical
+        # request upstream again. One left by a replica that died is taken over (below).
+        lasts = ttl + (self.max_duration_s or 0.0)
         handed = False  # until then, a failure of the store closes the upstream stream
         begun = False
         try:
@@ -205,7 +208,7 @@ class StreamHub:
                     # Visible to every replica before anyone can be told its id (a 202, a claim).
                     await store.begin(info, ttl)
                     begun = True
-                holder = await store.claim(key, info.id, ttl)
+                holder = await store.claim(key, info.id, lasts)
             except StoreUnavailable:
                 if self.store_required:
                     raise
@@ -214,7 +217,7 @@ class StreamHub:
             # A claim ends with its stream; one left by a replica that died is taken over.
             for attempt in range(3):
                 if attempt:
-                    holder = await store.claim(key, info.id, ttl)
+                    holder = await store.claim(key, info.id, lasts)
                 if holder is None:
                     handed = True
                     run = self._start(info, stream, ctx, record=key, detached=background)

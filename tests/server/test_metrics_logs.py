@@ -621,3 +621,18 @@ async def test_the_json_log_cannot_be_split_by_unicode_line_boundaries() -> None
     line = JsonFormatter().format(record)
     assert len(line.splitlines()) == 1
     assert json.loads(line)["model"] == "a\u2028b\u2029c\x85d"
+
+
+async def test_entries_a_key_pushed_out_of_the_store_are_counted(make_client: MakeClient) -> None:
+    from nexus.auth import hash_key as hashed
+
+    keys = [{"name": "alpha", "sha256": hashed("nx-evict-key-000042")}]
+    client = await make_client({"auth": {"keys": keys}, "store": {"max_bytes_per_key": 60_000}})
+    bearer = {"Authorization": "Bearer nx-evict-key-000042"}
+    for n in range(6):
+        body = chat(f"answer number {n} " * 100, stream=True, stream_options={"resumable": True})
+        resp = await client.post(CHAT, json=body, headers=bearer)
+        assert resp.status == 200
+        await resp.read()
+    samples = await scrape(client)
+    assert value(samples, "nexus_store_evictions_total", reason="key_limit") >= 1

@@ -391,6 +391,8 @@ async def test_one_keys_streams_push_out_its_own_oldest_never_another_keys() -> 
     # oldest go, beta's stay to their TTL, and so does what no key wrote.
     one = log_size(sized_log(4))
     store = MemoryStore(max_bytes=5 * one + 10, max_bytes_per_key=2 * one + 10)
+    evicted: list[tuple[str, int]] = []
+    store.on_evict.append(lambda why, count: evicted.append((why, count)))
 
     def owned(stream_id: str, owner: str | None) -> StreamInfo:
         return StreamInfo(StreamMeta(id=stream_id, model="m", created=0), "sse", owner)
@@ -401,6 +403,7 @@ async def test_one_keys_streams_push_out_its_own_oldest_never_another_keys() -> 
         await store.end(owned(f"chatcmpl-alpha{n}", "alpha"), sized_log(4), 0, LONG)
     kept = [f"alpha{n}" for n in range(10) if await store.info(f"chatcmpl-alpha{n}")]
     assert kept == ["alpha8", "alpha9"]
+    assert evicted == [("key_limit", 1)] * 8  # nexus_store_evictions_total{reason}
     assert await store.info("chatcmpl-beta1") is not None
     assert await store.info("chatcmpl-anon1") is not None
     # Recordings count to their key the same way.

@@ -82,6 +82,8 @@ async def test_a_key_past_its_limit_loses_its_own_oldest_finished_entries_only(
     server: RedisServer, client: aioredis.Redis
 ) -> None:
     store = await started(server)
+    evicted: list[tuple[str, int]] = []
+    store.on_evict.append(lambda why, count: evicted.append((why, count)))
     try:
         bobs = [await finished(store, "bob") for _ in range(2)]
         nobodys = [await finished(store, None) for _ in range(8)]  # no keys: not counted
@@ -94,6 +96,8 @@ async def test_a_key_past_its_limit_loses_its_own_oldest_finished_entries_only(
         # 60 kB for alice: her running 20 kB, and of her finished 10 kB logs, the newest
         # that fit beside it and the recording (which is newer than all of them).
         assert await kept(store, alices) == [False] * 5 + [True] * 3
+        assert sum(count for _, count in evicted) == 5  # nexus_store_evictions_total
+        assert {why for why, _ in evicted} == {"key_limit"}
         assert await kept(store, bobs) == [True, True]
         assert await kept(store, nobodys) == [True] * 8
         assert await kept(store, [running.id]) == [True]

@@ -190,15 +190,21 @@ class MemoryStore(Store):
         self._items[key] = item
         heapq.heappush(self._expiry, (item.expires_at, item.seq, key))
         self.size += size
+        dropped = 0
         if owner is not None:
             mine = self._owned.setdefault(owner, _Owned(OrderedDict()))
             mine.keys[key] = None
             mine.size += size
             while mine.size > self.max_bytes_per_key:  # its own oldest, never another's
                 self._drop(next(iter(mine.keys)))
+                dropped += 1
+        self._evicted("key_limit", dropped)
+        dropped = 0
         while self.size > self.max_bytes:  # the oldest of the key that holds the most
             biggest = max(self._owned.values(), key=lambda owned: owned.size, default=None)
             self._drop(next(iter(biggest.keys if biggest is not None else self._items)))
+            dropped += 1
+        self._evicted("store_full", dropped)
         if len(self._expiry) > 2 * len(self._items) + 64:
             # Entries dropped or replaced leave theirs behind: rebuild now and then.
             self._expiry = [(i.expires_at, i.seq, k) for k, i in self._items.items()]

@@ -342,15 +342,18 @@ class RedisStore(Store):
                     ("PEXPIRE", info_key, ttl),
                     ("DEL", self._key(stream_id, "owner")),
                 ]
+        counting = tally.commands()
+        replies: list[Any] = []
         if not keys:
             if begun or after:
-                await self.call("mirror", *begun, *after, *tally.commands())
+                replies = await self.call("mirror", *begun, *after, *counting)
             lost = []
         else:
             append = ("EVAL", APPEND, len(keys), *keys, *args)
-            lost = (await self.call("mirror", *begun, append, *after, *tally.commands()))[
-                len(begun)
-            ]
+            replies = await self.call("mirror", *begun, append, *after, *counting)
+            lost = replies[len(begun)]
+        if counting:
+            self._evicted("key_limit", int(replies[-1]))  # the count's reply: its deletions
         tally.sent()
         # Only now: a write that failed is retried from the same entry, and must not count
         # its bytes twice (a log counted past max_log_bytes is trimmed).
@@ -473,7 +476,10 @@ class RedisStore(Store):
         tally = self.quota.tally()
         tally.recording(owner, key, len(value), _ms(ttl_s))
         set_ = ("SET", f"{self.prefix}:rec:{key}", value, "PX", _ms(ttl_s))
-        await self.call("put_recording", set_, *tally.commands())
+        counting = tally.commands()
+        replies = await self.call("put_recording", set_, *counting)
+        if counting:
+            self._evicted("key_limit", int(replies[-1]))
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:

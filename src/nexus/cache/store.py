@@ -121,6 +121,15 @@ class Store(ABC):
         self.on_error: list[Callable[[str], None]] = []
         """Called with the operation's name (``begin``, ``read``...) each time one fails
         because the store cannot be reached: the ``nexus_store_errors_total`` metric."""
+        self.on_evict: list[Callable[[str, int], None]] = []
+        """Called with why (``key_limit``: a key past ``[store] max_bytes_per_key``;
+        ``store_full``: past ``max_bytes``) and how many entries went before their TTL:
+        the ``nexus_store_evictions_total`` metric."""
+
+    def _evicted(self, reason: str, count: int) -> None:
+        if count:
+            for tell in self.on_evict:
+                tell(reason, count)
 
     async def start(self) -> None:
         """Connect, and start the store's own tasks; called when the app starts."""

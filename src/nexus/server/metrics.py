@@ -227,6 +227,12 @@ class Metrics:
             "within [store] pool_timeout_s), by operation.",
             ("op",),
         )
+        self.store_evictions = counter(
+            "nexus_store_evictions",
+            "Logs and recordings a store pushed out before their TTL: key_limit (a key past "
+            "[store] max_bytes_per_key, its own oldest), store_full (past max_bytes).",
+            ("reason",),
+        )
         self.store_mirror = counter(
             "nexus_store_mirror",
             "Streams whose log mirror into the shared store fell behind (behind: it cannot "
@@ -299,6 +305,8 @@ class Metrics:
                 provider.on_pool_wait.append(self.pool_wait.labels(provider.name).observe)
         store_errors = self.store_errors
         hub.store.on_error.append(lambda op: store_errors.labels(op).inc())
+        evictions = self.store_evictions
+        hub.store.on_evict.append(lambda why, count: evictions.labels(why).inc(count))
         store_mirror = self.store_mirror
         hub.on_mirror = lambda state: store_mirror.labels(state).inc()
         upstream_errors, code_label = self.upstream_errors, self.code_label

@@ -183,10 +183,13 @@ class TelemetryConfig(_Table):
     @field_validator("otlp_endpoint")
     @classmethod
     def _no_credentials(cls, value: str | None) -> str | None:
-        if value is not None and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+        if value is not None and (
+            "@" in value.split("://", 1)[1].split("/", 1)[0] or "?" in value or "#" in value
+        ):
             raise ValueError(
-                "no credentials in the URL (the exporter's log lines show it): give them in "
-                "the environment, OTEL_EXPORTER_OTLP_HEADERS"
+                "no credentials, query or fragment in the URL (the exporter's log lines show "
+                "it, and /v1/traces is added to its path): give credentials in the "
+                "environment, OTEL_EXPORTER_OTLP_HEADERS"
             )
         return value
 

@@ -47,6 +47,11 @@ error for every bad item, about 4 µs each, so an 800 KB body of them held the e
 (every tenant's streams) for one to two seconds. Every list of a request model is one."""
 
 
+MAX_MODEL_CHARS = 256
+"""A model name's longest: it reaches logs, spans, metrics and error messages (real ones
+are tens of characters)."""
+
+
 class StrictModel(BaseModel):
     """Wire models: strict types, frozen, unknown fields refused (the first one named)."""
 
@@ -307,7 +312,7 @@ class MockScript(StrictModel):
 class ChatRequest(OpenModel):
     """``POST /v1/chat/completions`` body, and the engine's request."""
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
     messages: Items[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)

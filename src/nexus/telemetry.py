@@ -94,13 +94,15 @@ class Telemetry:
             return None
         _require(_SDK if exporter is not None else (*_SDK, _EXPORTER))
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         provider = TracerProvider(
             resource=Resource.create({"service.name": config.service_name}),
             sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+            # Client-chosen strings reach attributes: bounded, whatever a caller sends.
+            span_limits=SpanLimits(max_attribute_length=1024),
         )
         if exporter is None:
             assert config.otlp_endpoint is not None

@@ -278,6 +278,8 @@ def test_the_config_is_checked() -> None:
         ({"sample_ratio": -0.1}, "sample_ratio"),
         ({"otlp_endpoint": "collector:4318"}, "otlp_endpoint"),
         ({"otlp_endpoint": "https://user:secret@collector:4318"}, "OTEL_EXPORTER_OTLP_HEADERS"),
+        ({"otlp_endpoint": "http://c:4318/?api_key=x"}, "OTEL_EXPORTER_OTLP_HEADERS"),
+        ({"otlp_endpoint": "http://c:4318/#x"}, "no credentials, query or fragment"),
         ({"service_name": ""}, "service_name"),
         ({"endpoint": "http://x"}, "unknown key"),
     ]:
@@ -362,3 +364,26 @@ def test_nexus_serve_refuses_an_endpoint_without_the_extra_before_any_worker(
     monkeypatch.setitem(sys.modules, "opentelemetry", None)
     assert cli.main(["serve", "--config", str(config), "--port", "0"]) == 2
     assert "pip install 'nexus-gateway[otel]'" in capsys.readouterr().err
+
+
+async def test_a_clients_strings_reach_a_span_bounded(
+    aiohttp_client: Any, upstreams: tuple[FakeUpstream, FakeUpstream]
+) -> None:
+    """A caller's sampled traceparent exports its span whatever sample_ratio says: its
+    path and model must not make it as large as the request (a 2 MB model name, a 7 KB
+    path reached the collector whole)."""
+    first, second = upstreams
+    exporter = InMemorySpanExporter()
+    config = fallback_config(first, second, sample_ratio=0.0)
+    client = await traced_client(aiohttp_client, config, exporter)
+    headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+    resp = await client.get("/v1/streams/" + "A" * 7000, headers=headers)
+    assert resp.status == 404
+    resp = await client.post("/v1/chat/completions", json=body("m" * 300_000), headers=headers)
+    assert resp.status == 400
+    assert "model" in (await resp.json())["error"]["param"]
+    spans = await finished(exporter, 2)
+    for span in spans:
+        for value in (span.attributes or {}).values():
+            assert len(str(value)) <= 1024, (span.name, str(value)[:80])
+    assert resp.headers["X-Content-Type-Options"] == "nosniff"

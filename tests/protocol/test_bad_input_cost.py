@@ -77,3 +77,24 @@ def test_a_body_of_many_bad_items_is_one_error_naming_the_first(
     with pytest.raises(InvalidRequest) as refused:
         parse(orjson.dumps(data))
     assert refused.value.param is not None and refused.value.param.startswith(param)
+
+
+@pytest.mark.parametrize(
+    "parse",
+    [parse_chat_request, parse_messages_request, parse_responses_request],
+)
+def test_a_model_name_is_at_most_256_characters(parse: Any) -> None:
+    """It reaches logs, spans and error messages: a 2 MB one went whole to each."""
+    body = {"model": "m" * 257, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    body["input"] = "x"
+    if parse is not parse_messages_request:
+        del body["max_tokens"]
+    if parse is parse_responses_request:
+        del body["messages"]
+    else:
+        del body["input"]
+    with pytest.raises(InvalidRequest) as refused:
+        parse(orjson.dumps(body))
+    assert refused.value.param == "model"
+    body["model"] = "m" * 256
+    assert parse(orjson.dumps(body)).model == "m" * 256

@@ -13,7 +13,15 @@ import orjson
 from pydantic import Field
 
 from ..errors import GatewayError, InvalidRequest
-from ..request import ChatRequest, Items, MockScript, OpenModel, StreamOptions, StrictModel
+from ..request import (
+    MAX_MODEL_CHARS,
+    ChatRequest,
+    Items,
+    MockScript,
+    OpenModel,
+    StreamOptions,
+    StrictModel,
+)
 from ..types import Completion
 from .anthropic_events import cache_control, text_block
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, deeper_than
@@ -120,7 +128,7 @@ class MessagesRequest(StrictModel):
     """Fields Nexus does not carry out (``mcp_servers``, ``container``, a newer API's) are
     refused by name: dropped, they would change the answer without a word."""
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
     max_tokens: int = Field(ge=1)
     messages: Items[InputMessage] = Field(min_length=1)
     system: str | Items[TextBlock] | None = None

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, fiel
 
 from ..errors import InvalidRequest
 from ..request import (
+    MAX_MODEL_CHARS,
     ChatRequest,
     FunctionDef,
     Items,
@@ -181,7 +182,7 @@ class ReasoningConfig(OpenModel):
 class ResponsesRequest(OpenModel):
     """``POST /v1/responses`` body (the fields Nexus reads)."""
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
     input: Input | None = None
     instructions: str | None = None
     tools: Items[FunctionTool] | None = None

@@ -93,9 +93,12 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     ex = Exchange(request_id, time.monotonic())
     ex.endpoint = _endpoint(request)
     ex.method = request.method
-    ex.path = request.path
+    ex.path = request.path[:MAX_PATH_CHARS]
     ex.client = request.remote
     ex.headers["X-Request-Id"] = request_id
+    # No response is to be read as anything but its type (errors quote a client's strings;
+    # the console shares the origin and keeps a key).
+    ex.headers["X-Content-Type-Options"] = "nosniff"
     request[EXCHANGE] = ex
     app = request.app
     config = app[_CONFIG]
@@ -127,7 +130,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         tracing.request_span(
             request.method,
             None if ex.endpoint == "unmatched" else ex.endpoint,
-            request.path,
+            ex.path,
             request.headers,
             scheme=request.scheme,
             request_id=request_id,
@@ -239,6 +242,8 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
         )
 
 
+MAX_PATH_CHARS = 512
+"""The URL path's longest in the access line and on the span (a client chooses it)."""
 _PLAIN = re.compile(r"[\x21-\x7e]+")
 _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 

@@ -636,3 +636,28 @@ async def test_entries_a_key_pushed_out_of_the_store_are_counted(make_client: Ma
         await resp.read()
     samples = await scrape(client)
     assert value(samples, "nexus_store_evictions_total", reason="key_limit") >= 1
+
+
+async def test_a_refused_realtime_start_is_logged(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The socket's access line is one for all its turns: a refused start has its own line.
+    import orjson
+    import websockets
+
+    caplog.set_level(logging.INFO, logger="nexus")
+    keys = [{"name": "alpha", "sha256": hash_key("nx-ws-refused-00042"), "budget_usd": 0}]
+    client = await make_client({"auth": {"keys": keys}, **PRICED})
+    url = str(client.make_url("/v1/realtime")).replace("http", "ws", 1)
+    headers = {"Authorization": "Bearer nx-ws-refused-00042"}
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        request = {"model": "mock/echo\n forged", "messages": [{"role": "user", "content": "x"}]}
+        await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
+        assert orjson.loads(await ws.recv())["error"]["code"] == "model_not_priced"
+        request["model"] = "mock/echo"
+        await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
+        assert orjson.loads(await ws.recv())["error"]["code"] == "budget_exceeded"
+    lines = [r.getMessage() for r in caplog.records if "start refused" in r.getMessage()]
+    assert len(lines) == 2
+    assert "budget_exceeded (key=alpha model=mock/echo)" in lines[1]
+    assert "\n" not in lines[0] and '"mock/echo\\n forged"' in lines[0]

@@ -57,11 +57,14 @@ __all__ = [
     "Exchange",
     "JsonFormatter",
     "access_middleware",
+    "account_at_end",
     "admit",
     "admit_stream",
     "authenticate",
+    "budgeted",
     "check_stream_model",
     "exchange",
+    "log_value",
 ]
 
 log = logging.getLogger("nexus.server")
@@ -232,7 +235,7 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
         if not access_log.isEnabledFor(level):
             return  # (the line is not built for a logger that drops it)
         fields = _fields(ex, status, outcome, elapsed)
-        text = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
+        text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
         access_log.log(
             level,
             "%s %s",
@@ -248,7 +251,7 @@ _PLAIN = re.compile(r"[\x21-\x7e]+")
 _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
-def _text(value: object) -> object:
+def log_value(value: object) -> object:
     """A value as the text line shows it: a string with spaces, quotes or control
     characters (a client's model name) is JSON-quoted, so that it cannot forge fields or
     lines."""
@@ -332,7 +335,7 @@ def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:
         "key": ex.key.name if ex.key is not None else None,
     }
     _add_spend(fields, spend)
-    text = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
+    text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
     extra = {"request_id": ex.request_id, "access": fields}
     spend_log.log(level, "%s %s", ex.request_id, text, extra=extra)
 

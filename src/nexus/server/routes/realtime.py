@@ -44,7 +44,14 @@ from ...protocol.realtime import (
 )
 from ...protocol.websocket_frames import text_frames
 from .. import state
-from ..access import account_at_end, admit_stream, authenticate, budgeted, exchange
+from ..access import (
+    account_at_end,
+    admit_stream,
+    authenticate,
+    budgeted,
+    exchange,
+    log_value,
+)
 from ..writer import Writer
 from .common import check_open
 
@@ -207,7 +214,15 @@ class RealtimeConnection(Writer):
                         opened, meta=with_usage(opened.info.meta, request.include_usage)
                     )
                 except GatewayError as exc:
-                    # Refused before anything streamed: the pending input is kept.
+                    # Refused before anything streamed: the pending input is kept. The
+                    # socket's access line is one for all its turns: this outcome's own.
+                    log.warning(
+                        "%s start refused: %s (key=%s model=%s)",
+                        self.request_id,
+                        exc.code,
+                        owner,
+                        log_value(request.model),
+                    )
                     self.session.start_refused()
                     await self.ws.send_str(gateway_error_frame(exc, self.request_id).frame)
                     return

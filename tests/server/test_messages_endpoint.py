@@ -347,3 +347,27 @@ async def test_a_chat_client_cannot_make_up_anthropic_tool_result_blocks(
     await resp.read()
     sent = upstream.requests[-1].body["messages"][-1]["content"][0]
     assert (sent["content"][1], sent["is_error"]) == (image, True)
+
+
+@pytest.mark.parametrize("finish", ["stop", "content_filter"])
+async def test_an_openai_refusal_is_stop_reason_refusal(
+    make_client: MakeClient, upstream: FakeUpstream, finish: str
+) -> None:
+    """OpenAI sends a refusal with finish_reason "stop": an Anthropic client must still be
+    told the turn was refused, streamed or not."""
+    frames = [
+        openai_chunk(role="assistant", content=None, refusal=""),
+        openai_chunk(refusal="I can't help with that."),
+        openai_chunk(finish_reason=finish),
+        DONE,
+    ]
+    upstream.add(Reply.stream(frames), Reply.stream(frames))
+    provider = {"kind": "openai", "base_url": upstream.url + "/v1"}
+    api = await sdk(make_client, {"providers": {"up": provider}})
+    created = await api.messages.create(model="up/m", max_tokens=50, messages=USER)
+    async with api.messages.stream(model="up/m", max_tokens=50, messages=USER) as stream:
+        streamed = await stream.get_final_message()
+    for message in (created, streamed):
+        assert message.stop_reason == "refusal"
+        assert [block.text for block in message.content] == ["I can't help with that."]  # type: ignore[union-attr]
+    await api.close()

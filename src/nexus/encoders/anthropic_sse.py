@@ -72,6 +72,7 @@ class AnthropicSSEEncoder(Encoder):
         self._calls: dict[int, tuple[list[str | None], list[str]]] = {}
         """Tool calls held back, by index: ([id, name], their input's pieces)."""
         self._stop: dict[str, Any] | None = None  # message_delta's stop_reason, stop_sequence
+        self._refused = False  # a refusal was written: the turn ends with stop_reason refusal
         self._usage: Usage | None = None
         self._failed = False
         self._started = False  # message_start went out
@@ -178,6 +179,7 @@ class AnthropicSSEEncoder(Encoder):
                     out += self._text(event.content)
                 if event.refusal:
                     out += self._text(event.refusal)
+                    self._refused = True
                 for call in event.tool_calls or ():
                     out += self._tool(call)
                 if event.finish_reason is not None and self._stop is None:
@@ -253,5 +255,7 @@ class AnthropicSSEEncoder(Encoder):
         out = self._message_start(None) + self._close()
         out += self._tool_blocks_out(final=True)  # calls whose input never made an object
         stop = self._stop or stop_fields(None, None)
+        if self._refused and stop["stop_reason"] == "end_turn":
+            stop = {**stop, "stop_reason": "refusal"}
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

@@ -48,13 +48,18 @@ STOP_REASONS = {
 """Our finish reasons in Anthropic's terms."""
 
 
-def stop_fields(finish_reason: str | None, stop_sequence: str | None) -> dict[str, Any]:
+def stop_fields(
+    finish_reason: str | None, stop_sequence: str | None, refused: bool = False
+) -> dict[str, Any]:
     """``stop_reason`` and ``stop_sequence`` of a ``message`` (or its ``message_delta``):
     ``"stop_sequence"`` and the sequence when the provider named the one it stopped on
-    (an OpenAI upstream's ``stop`` cannot tell: ``end_turn``)."""
+    (an OpenAI upstream's ``stop`` cannot tell: ``end_turn``); ``"refusal"`` for a turn
+    that ended on a refusal (``refused``: OpenAI sends one with ``stop``)."""
     if stop_sequence is not None and finish_reason == "stop":
         return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
     reason = STOP_REASONS.get(finish_reason or "stop", "end_turn")
+    if refused and reason == "end_turn":
+        reason = "refusal"
     return {"stop_reason": reason, "stop_sequence": None}
 
 
@@ -310,7 +315,7 @@ def message_body(completion: Completion) -> dict[str, Any]:
         "role": "assistant",
         "model": completion.model,
         "content": content,
-        **stop_fields(completion.finish_reason, completion.stop_sequence),
+        **stop_fields(completion.finish_reason, completion.stop_sequence, bool(completion.refusal)),
         "usage": usage_body(completion.usage),
     }
 

@@ -382,6 +382,7 @@ class Merger:
     def __init__(self, meta: StreamMeta) -> None:
         self.meta = meta
         self._content: list[str] = []
+        self._runs: list[tuple[int, list[str]]] = []  # (tool calls before, its pieces)
         self._reasoning: list[str] = []
         self._refusal: list[str] = []
         self._calls: dict[int, _ToolCallBuilder] = {}
@@ -408,6 +409,11 @@ class Merger:
             case Delta():
                 if event.content:
                     self._content.append(event.content)
+                    runs, calls = self._runs, len(self._calls)
+                    if runs and runs[-1][0] == calls:
+                        runs[-1][1].append(event.content)
+                    else:
+                        runs.append((calls, [event.content]))
                 if event.refusal:
                     self._refusal.append(event.refusal)
                 if event.role is not None:
@@ -438,6 +444,7 @@ class Merger:
         result = self._result
         meta = self.meta
         result.content = "".join(self._content)
+        result.text_runs = [(calls, "".join(pieces)) for calls, pieces in self._runs]
         result.reasoning = "".join(self._reasoning)
         result.refusal = "".join(self._refusal) if self._refusal else None
         result.tool_calls = [

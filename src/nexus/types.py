@@ -100,3 +100,15 @@ class Completion:
     citations: list[Citation] = field(default_factory=list)
     audio: list[Audio] = field(default_factory=list)
     images: list[Image] = field(default_factory=list)
+    text_runs: list[tuple[int, str]] = field(default_factory=list)
+    """``content`` in the runs it came in, each with the count of tool calls begun before
+    it: for the shapes that keep text and tool calls in their order (Anthropic's content
+    blocks, the Responses output items)."""
+
+
+def text_runs(completion: Completion) -> list[tuple[int, str]]:
+    """:attr:`Completion.text_runs`, or its ``content`` as one run before any tool call
+    for a completion made without them (by hand, from a stored answer)."""
+    if completion.text_runs:
+        return list(completion.text_runs)
+    return [(0, completion.content)] if completion.content else []

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from support import MakeClient, parse_sse
-from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk, sse
 
 USER = [{"role": "user", "content": "Hello from Claude's SDK"}]
 
@@ -371,3 +371,83 @@ async def test_an_openai_refusal_is_stop_reason_refusal(
         assert message.stop_reason == "refusal"
         assert [block.text for block in message.content] == ["I can't help with that."]  # type: ignore[union-attr]
     await api.close()
+
+
+def anthropic_frames() -> list[bytes]:
+    """An Anthropic stream of text, two tool calls, then more text."""
+
+    def event(kind: str, **fields: Any) -> bytes:
+        return sse({"type": kind, **fields}, event=kind)
+
+    def block(index: int, start: dict[str, Any], delta: dict[str, Any]) -> list[bytes]:
+        return [
+            event("content_block_start", index=index, content_block=start),
+            event("content_block_delta", index=index, delta=delta),
+            event("content_block_stop", index=index),
+        ]
+
+    def text(index: int, words: str) -> list[bytes]:
+        return block(index, {"type": "text", "text": ""}, {"type": "text_delta", "text": words})
+
+    def tool(index: int, id: str, arguments: str) -> list[bytes]:
+        start = {"type": "tool_use", "id": id, "name": "f", "input": {}}
+        return block(index, start, {"type": "input_json_delta", "partial_json": arguments})
+
+    message = {"id": "m", "type": "message", "role": "assistant", "model": "c", "content": []}
+    message |= {"stop_reason": None, "stop_sequence": None}
+    message["usage"] = {"input_tokens": 5, "output_tokens": 1}
+    return [
+        event("message_start", message=message),
+        *text(0, "Before."),
+        *tool(1, "toolu_A", '{"a":1}'),
+        *tool(2, "toolu_B", '{"b":2}'),
+        *text(3, " After."),
+        event("message_delta", delta={"stop_reason": "tool_use", "stop_sequence": None}),
+        event("message_stop"),
+    ]
+
+
+async def test_text_after_tool_calls_keeps_its_place_streamed_or_not(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """The JSON body held all the text in one block before the tool calls; the stream, as
+    the upstream sent it. Both now keep the upstream's order, on both endpoints."""
+    import openai
+
+    for _ in range(4):
+        upstream.add(Reply.stream(anthropic_frames()))
+    client = await make_client(
+        {"providers": {"an": {"kind": "anthropic", "base_url": upstream.url}}}
+    )
+    api = anthropic.AsyncAnthropic(base_url=str(client.make_url("")), api_key="x", max_retries=0)
+    ask: dict[str, Any] = {"model": "an/claude", "max_tokens": 100, "messages": USER}
+    created = await api.messages.create(**ask)
+    async with api.messages.stream(**ask) as stream:
+        streamed = await stream.get_final_message()
+    order = [
+        ("text", "Before."),
+        ("tool_use", "toolu_A"),
+        ("tool_use", "toolu_B"),
+        ("text", " After."),
+    ]
+    for message in (created, streamed):
+        got = [
+            (b.type, getattr(b, "text", None) or getattr(b, "id", None)) for b in message.content
+        ]
+        assert got == order
+    responses = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    made = await responses.responses.create(model="an/claude", input="hi")
+    async with responses.responses.stream(model="an/claude", input="hi") as events:
+        final = await events.get_final_response()
+    for response in (made, final):
+        items = [
+            (o.type, getattr(o, "call_id", None) or o.content[0].text) for o in response.output
+        ]  # type: ignore[union-attr]
+        assert items == [
+            ("message", "Before."),
+            ("function_call", "toolu_A"),
+            ("function_call", "toolu_B"),
+            ("message", " After."),
+        ]
+    await api.close()
+    await responses.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..events import Usage
-from ..types import Completion
+from ..types import Completion, text_runs
 
 __all__ = [
     "accepted_body",
@@ -164,14 +164,25 @@ def response_body(completion: Completion) -> dict[str, Any]:
     output: list[dict[str, Any]] = []
     if completion.reasoning:
         output.append(reasoning_item(f"rs_{stem}_{len(output)}", completion.reasoning))
-    content = [text_part(completion.content)] if completion.content else []
-    if completion.refusal:
-        content.append(refusal_part(completion.refusal))
-    if content:
-        output.append(message_item(f"msg_{stem}_{len(output)}", content, "completed"))
-    for call in completion.tool_calls:
-        item_id = f"fc_{stem}_{len(output)}"
-        output.append(function_call_item(item_id, call.id, call.name, call.arguments, "completed"))
+    # Messages and function calls in the order they came, as the stream writes them; a
+    # refusal goes in the last message.
+    calls = completion.tool_calls
+    runs = text_runs(completion) or ([(0, "")] if completion.refusal else [])
+    done = 0
+    for at, (before, text) in enumerate([*runs, (len(calls), None)]):
+        for call in calls[done:before]:
+            item_id = f"fc_{stem}_{len(output)}"
+            output.append(
+                function_call_item(item_id, call.id, call.name, call.arguments, "completed")
+            )
+        done = max(done, before)
+        if text is None:
+            continue
+        content = [text_part(text)] if text else []
+        if completion.refusal and at == len(runs) - 1:
+            content.append(refusal_part(completion.refusal))
+        if content:
+            output.append(message_item(f"msg_{stem}_{len(output)}", content, "completed"))
     if reason is not None and output and "status" in output[-1]:
         output[-1]["status"] = "incomplete"
     return response_object(

@@ -106,9 +106,21 @@ class Completion:
     blocks, the Responses output items)."""
 
 
-def text_runs(completion: Completion) -> list[tuple[int, str]]:
-    """:attr:`Completion.text_runs`, or its ``content`` as one run before any tool call
-    for a completion made without them (by hand, from a stored answer)."""
-    if completion.text_runs:
-        return list(completion.text_runs)
-    return [(0, completion.content)] if completion.content else []
+def in_order(completion: Completion) -> list[tuple[str, str | None] | CompletedToolCall]:
+    """The completion's text and tool calls in the order they came, for the shapes that
+    keep it (Anthropic's content blocks, the Responses output items): each text run as
+    (text, refusal), the refusal on the last run (one of its own before the calls when
+    there is no text). A completion made without :attr:`~Completion.text_runs` (by hand)
+    has its ``content`` as one run before its calls."""
+    runs = completion.text_runs or ([(0, completion.content)] if completion.content else [])
+    if completion.refusal and not runs:
+        runs = [(0, "")]
+    calls = completion.tool_calls
+    items: list[tuple[str, str | None] | CompletedToolCall] = []
+    done = 0
+    for at, (before, text) in enumerate(runs):
+        items += calls[done:before]
+        done = max(done, before)
+        items.append((text, completion.refusal if at == len(runs) - 1 else None))
+    items += calls[done:]
+    return items

@@ -5,8 +5,9 @@
 reason, usage) → ``message_stop``. Every frame has its ``event:`` line (the SDK
 drops frames without one); heartbeats are ``event: ping``. Reasoning goes in a
 ``thinking`` block, text in a ``text`` block, each tool call in a ``tool_use``
-block: its arguments in one ``input_json_delta`` when the block closes, ``{"_raw": ...}``
-when they are not a JSON object, as in the JSON body (the SDK fails on broken JSON). A
+block sent whole (start, its input in one ``input_json_delta``, stop) once its arguments
+make a JSON object, ``{"_raw": ...}`` at the end when they never do, as in the JSON body
+(the SDK fails on broken JSON). A
 mid-stream failure is an ``event: error`` frame in the non-streaming error shape, and the
 stream ends there.
 
@@ -66,12 +67,12 @@ class AnthropicSSEEncoder(Encoder):
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
         self._index = -1  # index of the open content block, -1 when none is open
-        self._open: str | None = None  # "text", "thinking" or "tool_use"
+        self._open: str | None = None  # "text" or "thinking" (a tool_use block goes whole)
         self._text_head: bytes | None = None  # a text block's delta frame, while it is open
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> its block's, once out
         self._calls: dict[int, tuple[list[str | None], list[str]]] = {}
         """Tool calls held back, by index: ([id, name], their input's pieces)."""
-        self._stop: dict[str, Any] | None = None  # message_delta's stop_reason, stop_sequence
+        self._finish: tuple[str, str | None] | None = None  # finish reason, stop sequence
         self._refused = False  # a refusal was written: the turn ends with stop_reason refusal
         self._usage: Usage | None = None
         self._failed = False
@@ -182,8 +183,8 @@ class AnthropicSSEEncoder(Encoder):
                     self._refused = True
                 for call in event.tool_calls or ():
                     out += self._tool(call)
-                if event.finish_reason is not None and self._stop is None:
-                    self._stop = stop_fields(event.finish_reason, event.stop_sequence)
+                if event.finish_reason is not None and self._finish is None:
+                    self._finish = (event.finish_reason, event.stop_sequence)
                 return out
             case Reasoning(text=text, signature=signature):
                 out = b""
@@ -254,8 +255,7 @@ class AnthropicSSEEncoder(Encoder):
             return b""
         out = self._message_start(None) + self._close()
         out += self._tool_blocks_out(final=True)  # calls whose input never made an object
-        stop = self._stop or stop_fields(None, None)
-        if self._refused and stop["stop_reason"] == "end_turn":
-            stop = {**stop, "stop_reason": "refusal"}
+        finish, sequence = self._finish or (None, None)
+        stop = stop_fields(finish, sequence, self._refused)
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

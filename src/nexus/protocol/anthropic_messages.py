@@ -7,7 +7,6 @@ can serve it); merged completion in, a ``message`` object out; and the error bod
 
 from __future__ import annotations
 
-import itertools
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -23,7 +22,7 @@ from ..request import (
     StreamOptions,
     StrictModel,
 )
-from ..types import Completion, text_runs
+from ..types import Completion, in_order
 from .anthropic_events import cache_control, text_block
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, deeper_than
 from .openai_chat import parse_json_object, tool_call, validated
@@ -304,22 +303,14 @@ def message_body(completion: Completion) -> dict[str, Any]:
         )
     # Text and tool calls in the order they came, as the stream writes them; a refusal is
     # text, after any answer (Anthropic has no refusal block: its stop_reason says so).
-    runs = text_runs(completion) or [(0, "")]
-    if completion.refusal:
-        runs[-1] = (runs[-1][0], runs[-1][1] + completion.refusal)
-    calls = iter(completion.tool_calls)
-    out = 0
-    for before, text in [*runs, (len(completion.tool_calls), "")]:
-        for call in itertools.islice(calls, max(before - out, 0)):
-            use = {"type": "tool_use", "id": call.id, "name": call.name}
-            content.append({**use, "input": tool_input(call.arguments)})
-            out += 1
-        if not text:
-            continue
-        if content and content[-1]["type"] == "text":
-            content[-1]["text"] += text
+    for item in in_order(completion):
+        if isinstance(item, tuple):
+            text = item[0] + (item[1] or "")
+            if text:
+                content.append({"type": "text", "text": text})
         else:
-            content.append({"type": "text", "text": text})
+            use = {"type": "tool_use", "id": item.id, "name": item.name}
+            content.append({**use, "input": tool_input(item.arguments)})
     return {
         "id": message_id(completion.id),
         "type": "message",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..events import Usage
-from ..types import Completion, text_runs
+from ..types import Completion, in_order
 
 __all__ = [
     "accepted_body",
@@ -166,23 +166,19 @@ def response_body(completion: Completion) -> dict[str, Any]:
         output.append(reasoning_item(f"rs_{stem}_{len(output)}", completion.reasoning))
     # Messages and function calls in the order they came, as the stream writes them; a
     # refusal goes in the last message.
-    calls = completion.tool_calls
-    runs = text_runs(completion) or ([(0, "")] if completion.refusal else [])
-    done = 0
-    for at, (before, text) in enumerate([*runs, (len(calls), None)]):
-        for call in calls[done:before]:
+    for item in in_order(completion):
+        if isinstance(item, tuple):
+            text, refusal = item
+            content = [text_part(text)] if text else []
+            if refusal:
+                content.append(refusal_part(refusal))
+            if content:
+                output.append(message_item(f"msg_{stem}_{len(output)}", content, "completed"))
+        else:
             item_id = f"fc_{stem}_{len(output)}"
             output.append(
-                function_call_item(item_id, call.id, call.name, call.arguments, "completed")
+                function_call_item(item_id, item.id, item.name, item.arguments, "completed")
             )
-        done = max(done, before)
-        if text is None:
-            continue
-        content = [text_part(text)] if text else []
-        if completion.refusal and at == len(runs) - 1:
-            content.append(refusal_part(completion.refusal))
-        if content:
-            output.append(message_item(f"msg_{stem}_{len(output)}", content, "completed"))
     if reason is not None and output and "status" in output[-1]:
         output[-1]["status"] = "incomplete"
     return response_object(

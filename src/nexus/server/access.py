@@ -234,15 +234,14 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
         level = logging.WARNING if status >= 400 or outcome != "ok" else logging.INFO
         if not access_log.isEnabledFor(level):
             return  # (the line is not built for a logger that drops it)
-        fields = _fields(ex, status, outcome, elapsed)
-        text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
-        access_log.log(
-            level,
-            "%s %s",
-            ex.request_id,
-            text,
-            extra={"request_id": ex.request_id, "access": fields},
-        )
+        _line(access_log, level, ex.request_id, _fields(ex, status, outcome, elapsed))
+
+
+def _line(logger: logging.Logger, level: int, request_id: str, fields: dict[str, Any]) -> None:
+    """One line of ``fields`` (None left out of the text; every one in the JSON format)."""
+    text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
+    extra = {"request_id": request_id, "access": fields}
+    logger.log(level, "%s %s", request_id, text, extra=extra)
 
 
 MAX_PATH_CHARS = 512
@@ -335,9 +334,7 @@ def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:
         "key": ex.key.name if ex.key is not None else None,
     }
     _add_spend(fields, spend)
-    text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
-    extra = {"request_id": ex.request_id, "access": fields}
-    spend_log.log(level, "%s %s", ex.request_id, text, extra=extra)
+    _line(spend_log, level, ex.request_id, fields)
 
 
 def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:

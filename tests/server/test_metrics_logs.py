@@ -588,6 +588,45 @@ async def test_a_resumable_stream_its_client_left_has_its_spend_line_at_its_end(
     assert len(spend_records(caplog)) == 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_spend_wait_cut_by_the_client_leaving_leaves_the_spend_to_a_line_of_its_own(
+    make_client: MakeClient,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+) -> None:
+    # A pump that saw its client go (a failed write) waits briefly for the stream's spend;
+    # aiohttp then cancels the handler in that wait. The dollars must still reach a line.
+    from nexus.cache.readers import RunReader
+
+    async def cancelled_wait(self: RunReader, wait_s: float) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(RunReader, "settled_spend", cancelled_wait)
+    caplog.set_level(logging.INFO, logger="nexus")
+    client = await make_client(PRICED)
+    body = chat("a b c d e f", stream=stream, model="mock/echo")
+    body["mock"] = {"content": "a b c d e f", "delay_ms": 100}
+    request = asyncio.create_task(client.post(CHAT, json=body, headers={"X-Request-Id": "rid-c"}))
+    if stream:
+        resp = await request
+        await resp.content.readuntil(b"\n\n")
+        await resp.content.readuntil(b"\n\n")
+        resp.close()
+    else:
+        await asyncio.sleep(0.25)
+        request.cancel()
+    (line,) = await until_spend_lines(caplog, 1)
+    assert spend_records(caplog)[0].request_id == "rid-c"  # type: ignore[attr-defined]
+    assert line["outcome"].startswith("cancelled") and line["cost_usd"] > 0
+    for _ in range(100):
+        if access_records(caplog):
+            break
+        await asyncio.sleep(0.02)
+    (access,) = access_records(caplog)
+    assert "cost_usd" not in access.access  # type: ignore[attr-defined]
+
+
 async def test_a_json_request_left_while_another_reads_its_stream_has_its_spend_line(
     make_client: MakeClient, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -34,7 +34,7 @@ import orjson
 from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
-from ..cache.run import StreamRun
+from ..cache.run import LogReader, StreamRun
 from ..engine import Engine
 from ..errors import GatewayError, ModelNotFound
 from ..pricing import Spend, unpriced
@@ -65,6 +65,7 @@ __all__ = [
     "check_stream_model",
     "exchange",
     "log_value",
+    "settled_spend",
 ]
 
 log = logging.getLogger("nexus.server")
@@ -312,6 +313,27 @@ def account_at_end(
     lines."""
     if app[_CONFIG].logging.access_log:
         run.done.add_done_callback(lambda _: _spend_line(ex, run, model or ex.model))
+
+
+SETTLE_WAIT_S = 1.0
+"""How long a request its client left waits for its stream's spend (its access line's)."""
+
+
+async def settled_spend(
+    app: web.Application, ex: Exchange, reader: LogReader, run: StreamRun | None
+) -> Spend | None:
+    """What the stream of a request its client left spent, for that request's access line:
+    the reader's spend once the stream settles (waited for briefly). Else (a resumable or
+    shared stream running on, a slow end) ``run``'s spend line at its end has it, and so it
+    does when the wait is cancelled: aiohttp cancels the handler of a client that is gone,
+    even while its cleanup waits here. Either way its dollars are in exactly one line."""
+    spend = None
+    try:
+        spend = await reader.settled_spend(SETTLE_WAIT_S)
+    finally:
+        if spend is None and run is not None:
+            account_at_end(app, ex, run)
+    return spend
 
 
 def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:

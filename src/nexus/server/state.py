@@ -144,9 +144,14 @@ class Exchange:
 
 EXCHANGE: Any = _request_key()
 
-_OUTCOME_CAUSES = {**CANCEL_CAUSES, "stream_cancelled": "aborted"}
+_OUTCOME_CAUSES = {
+    **CANCEL_CAUSES,
+    "stream_cancelled": "aborted",
+    "client_disconnect": "client_disconnect",
+}
 """The ``cancelled:<reason>`` of a stream that ended with one of these error codes
-(``aborted``: ``DELETE /v1/streams/{id}``, or its producer cancelled)."""
+(``aborted``: ``DELETE /v1/streams/{id}``, or its producer cancelled; ``client_disconnect``:
+the stream's one reader left, as its spend line says when it comes after the access line)."""
 
 
 def exchange(request: web.Request) -> Exchange:

@@ -45,7 +45,7 @@ from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
 from ..pricing import NOTHING
 from ..watchdog import Watchdog
-from .access import METRICS, Exchange, account_at_end, exchange
+from .access import METRICS, Exchange, exchange, settled_spend
 from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
 from .writer import Writer
@@ -60,8 +60,6 @@ _UNREAD = object()
 WRITE_SLICE = 64 * 1024
 """Most bytes given to the transport at once (see :meth:`StreamPump._write_sliced`)."""
 YIELD_EVERY = 256 * 1024  # written without a wait, then the loop runs others (a backlog)
-SETTLE_WAIT_S = 1.0
-"""How long the access line of a request whose client left waits for its stream's spend."""
 
 
 class StreamPump(Writer):
@@ -201,10 +199,8 @@ class StreamPump(Writer):
             ex = self.exchange
             if self.origin and ex.spend is None and self.reader.failure is None:
                 # The client left before the end: its stream, unless resumable, is being
-                # cancelled; the access line waits (briefly) for its spend, else a line of
-                ex.spend = await self.reader.settled_spend(SETTLE_WAIT_S)
-                if ex.spend is None and (run := self.reader.run) is not None:
-                    account_at_end(self.request.app, ex, run)  # its own has it at the end
+                # cancelled; its spend goes on the access line or on a line of its own.
+                ex.spend = await settled_spend(self.request.app, ex, self.reader, self.reader.run)
 
     async def _read_in_task(self, batches: AsyncIterator[list[StreamEvent]], out: bytes) -> object:
         """The next batch, read in a task of its own: a read that must not be cancelled (a

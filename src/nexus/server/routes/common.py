@@ -57,9 +57,10 @@ from ..access import (
     authenticate,
     budgeted,
     exchange,
+    settled_spend,
 )
 from ..render import Cursor, parse_cursor
-from ..streaming import SETTLE_WAIT_S, pump
+from ..streaming import pump
 from .stream_access import describe, find_stream, stream_not_found
 
 __all__ = [
@@ -303,10 +304,9 @@ async def _answer(app: web.Application, ex: Exchange, opened: Opened) -> Complet
         # line has what it spent until then, or, still running, a spend line at its end.
         await leave(reader, run)
         if reader.failure is None:
-            so_far = NOTHING if hit else await reader.settled_spend(SETTLE_WAIT_S)
-            _settle(ex, reader.served, so_far)
-            if so_far is None and run is not None:
-                account_at_end(app, ex, run)
+            _settle(ex, reader.served, NOTHING if hit else None)
+            if not hit:
+                ex.spend = await settled_spend(app, ex, reader, run)
         raise
     await leave(reader, run)
     _settle(ex, reader.served, NOTHING if hit else reader.spend)

@@ -14,9 +14,10 @@ take the last one. A request of a key with a budget always takes a slot, which i
 lives and goes with (a hold whose slot's lease ran out counts no more). A slot's score is
 its lease deadline: this process renews all its slots on one tick (every third of
 ``[limits] stream_lease_s``, one pipeline), each with its hold (:data:`_RENEW`); a slot
-goes when its stream ends (the ends of one loop turn in one pipeline), or, for a replica
-that died, at the next admission past its lease. An admission whose reply was lost (the
-script may have taken the slot) removes its slot too, rather than hold it for a lease.
+goes as its stream ends, before the end reaches its clients (:meth:`RedisLimits.end`),
+or, for a replica that died, at the next admission past its lease. An admission whose
+reply was lost (the script may have taken the slot) removes its slot too, rather than
+hold it for a lease.
 
 A slot and its hold come back together. A replica that stalled past its lease (a pause,
 a partition), or a Redis that lost the keys, finds its slots and holds gone, perhaps
@@ -156,6 +157,11 @@ whose reply was lost just before an outage longer than this may count twice."""
 
 _WARN_EVERY_S = 60.0
 
+_END_WAIT_S = 1.0
+"""How long a stream's end waits for its slot to leave Redis before its clients see it:
+a Redis that is slow delays ends by no more than this (the slot then goes a little later,
+or with its lease)."""
+
 
 class RedisLimits(KeyLimits):
     """:class:`KeyLimits` in the Redis of ``store`` (see the module docstring).
@@ -288,21 +294,32 @@ class RedisLimits(KeyLimits):
             self._held.setdefault(name, {})[slot.id] = slot
         return slot
 
+    async def end(self, slot: Slot) -> None:
+        if self._forget(slot):
+            await asyncio.wait((self._release_later(slot.key, slot.id),), timeout=_END_WAIT_S)
+
     def release(self, slot: Slot) -> None:
+        if self._forget(slot):
+            self._release_later(slot.key, slot.id)
+
+    def _forget(self, slot: Slot) -> bool:
+        """Stop renewing ``slot``: True if it was held here (released once, however often
+        asked)."""
         held = self._held.get(slot.key)
         if held is None or held.pop(slot.id, None) is None:
-            return
+            return False
         if not held:
             del self._held[slot.key]
-        self._release_later(slot.key, slot.id)
+        return True
 
-    def _release_later(self, name: str, slot_id: str) -> None:
+    def _release_later(self, name: str, slot_id: str) -> asyncio.Task[bool]:
         """Remove a slot from Redis in the background; if that fails, its lease runs out."""
         task = asyncio.get_running_loop().create_task(
             self._send("release", self._freed(name, slot_id))
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:
         now = time.time()

@@ -510,6 +510,60 @@ async def test_holds_are_shared_by_replicas_and_go_with_their_slots_lease() -> N
         await client.aclose()
 
 
+async def test_a_replica_back_from_a_stall_renews_its_holds_with_its_slots() -> None:
+    """A replica that stalled past its lease (a pause, a partition) finds its slots and
+    their holds dropped by another replica's admission. Its renewal put the slots back
+    but not the holds, so its streams, still running, were held by nobody: the key went
+    on being admitted and spent past its budget. Slot and hold come back together, and
+    so does a slot and hold that Redis lost."""
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    key = ApiKey("alpha", budget_usd=10.0, budget_period="total")
+    slots, holds = f"{prefix}:limits:streams:alpha", f"{prefix}:limits:held:alpha"
+
+    def replica() -> RedisLimits:
+        store = RedisStore(prefix=prefix, client=client)
+        return RedisLimits(store, rate=0, per_key=None, lease_s=60, fallback=LocalLimits(0, None))
+
+    stalled, other = replica(), replica()
+    try:
+        mine = [await stalled.admit(key, stream=True, hold=4.0) for _ in range(2)]
+        assert all(slot is not None for slot in mine)  # $8 of $10 held
+        # The stall: its leases lapse (no renewal came), and an admission elsewhere drops
+        # them with their holds.
+        await client.zadd(slots, {slot.id: 1 for slot in mine if slot is not None})
+        theirs = [await other.admit(key, stream=True, hold=4.0) for _ in range(2)]
+        assert all(slot is not None for slot in theirs)
+        assert await client.hlen(holds) == 2
+        # Back from the stall, it renews: its two streams still run, and hold again.
+        await stalled._renew()
+        assert await client.zcard(slots) == 4
+        assert await client.hlen(holds) == 4
+        with pytest.raises(BudgetExceeded) as refused:  # $16 held: nothing more is admitted
+            await other.admit(key, stream=True, hold=0.5)
+        assert "running streams hold $16" in refused.value.message
+        # A charged stream's hold is gone for good: a renewal does not bring it back.
+        first = mine[0]
+        assert first is not None
+        await stalled.charge(key, 1.0, first)
+        await stalled._renew()
+        assert await client.hlen(holds) == 3
+        # Redis lost them all (a restart without persistence): back at the next renewal.
+        await client.delete(slots, holds)
+        await stalled._renew()
+        await other._renew()
+        assert await client.hlen(holds) == 3
+        with pytest.raises(BudgetExceeded) as refused:
+            await other.admit(key, stream=True, hold=0.5)
+        assert "running streams hold $12" in refused.value.message
+    finally:
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
 async def test_an_anthropic_stream_left_during_prefill_is_charged_the_upstreams_counts(
     make_client: MakeClient,
 ) -> None:

@@ -6,8 +6,11 @@ among ``[limits] max_concurrent_streams`` in this process, and its key's place
 being opened counts as running, so that requests arriving together cannot all pass
 a limit only some of them fit in; counted, not scanned (the check is O(1)). A run
 started in the block takes the key's :class:`~nexus.cache.limits.Slot` with it
-(:meth:`Admission.started`): released when the run ends (:meth:`Admission.ended`),
-else when the block does.
+(:meth:`Admission.started`), else the block releases it when it ends. A run's slot
+leaves a shared count as the run ends, before its end is in its log
+(:meth:`Admission.ending`): a client that saw one request end and sends the next must
+not find the first still running elsewhere. The run stops counting here once its log
+is kept (:meth:`Admission.ended`, which releases the slot if that step did not).
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ class Admission:
     def slot_of(self, run_id: str) -> Slot | None:
         """The key's slot the run ``run_id`` holds, if any."""
         return self._slots.get(run_id)
+
+    async def ending(self, run_id: str) -> None:
+        """A run :meth:`started` is ending (its end hooks ran): its key's slot goes from a
+        shared count now, before its end is published (see the module docstring)."""
+        slot = self._slots.get(run_id)
+        if slot is not None:
+            await self.limits.end(slot)
 
     def ended(self, run_id: str, owner: str | None) -> None:
         """A run :meth:`started` ended (called once)."""

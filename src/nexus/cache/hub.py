@@ -355,11 +355,17 @@ class StreamHub:
         )
         self.live[run.id] = run
         self.admission.started(run.id, info.owner)
+        if self.admission.slot_of(run.id) is not None:
+            run.on_end = self._ending
         if self.on_live is not None:
             self.on_live(len(self.live))
         run.start(detached=detached)
         self.keeper.keep(run, record, stored)
         return run
+
+    async def _ending(self, run: StreamRun) -> None:
+        """``run`` ends: its key's slot leaves a shared count before the end is in its log."""
+        await self.admission.ending(run.id)
 
     def _gone(self, run: StreamRun) -> None:
         """``run`` no longer counts as running (its log is kept, or being retried)."""

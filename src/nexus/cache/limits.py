@@ -151,8 +151,14 @@ class KeyLimits(ABC):
         and (shared backend) :class:`StoreUnavailable`.
         """
 
+    async def end(self, slot: Slot) -> None:
+        """The stream that held ``slot`` is ending (its cost, if any, charged): a shared count
+        lets the slot go now, before its client can see the end, so that the client's next
+        request does not find it running. :meth:`release` follows, later, and is then a
+        no-op. Here, nothing: a process's own count of streams follows its runs."""
+
     def release(self, slot: Slot) -> None:
-        """The stream that held ``slot`` ended."""
+        """The stream that held ``slot`` ended (called once it no longer counts here)."""
 
     @abstractmethod
     async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:

@@ -13,10 +13,18 @@ token (refilled on Redis's clock) and slot at once, atomically: two replicas can
 take the last one. A request of a key with a budget always takes a slot, which its hold
 lives and goes with (a hold whose slot's lease ran out counts no more). A slot's score is
 its lease deadline: this process renews all its slots on one tick (every third of
-``[limits] stream_lease_s``, one pipeline); a slot goes when its stream ends (the ends of
-one loop turn in one pipeline), or, for a replica that died, at the next admission past
-its lease. An admission whose reply was lost (the script may
-have taken the slot) removes its slot too, rather than hold it for a lease.
+``[limits] stream_lease_s``, one pipeline), each with its hold (:data:`_RENEW`); a slot
+goes as its stream ends, before the end reaches its clients (:meth:`RedisLimits.end`),
+or, for a replica that died, at the next admission past its lease. An admission whose
+reply was lost (the script may have taken the slot) removes its slot too, rather than
+hold it for a lease.
+
+A slot and its hold come back together. A replica that stalled past its lease (a pause,
+a partition), or a Redis that lost the keys, finds its slots and holds gone, perhaps
+after another replica was admitted in their place; its next renewal puts both back, so
+that its streams, still running, count against the key's streams and budget again.
+Together they may then be past either: what runs cannot be undone, but nothing more is
+admitted until enough of them end.
 
 Redis failing is never a 500: rate and concurrency fail open to this process
 (:class:`~nexus.cache.limits.LocalLimits`, a warning a minute at most); a key with a
@@ -108,15 +116,21 @@ end
 return {0, ''}
 """
 
-# KEYS: a key's stream slots, its holds. ARGV: lease ms, then the ids of the slots held here.
+# KEYS: a key's stream slots, its holds. ARGV: lease ms, then for each slot held here its
+# id and its hold (USD; 0: none, or charged already).
 # Not XX: a slot Redis lost (it restarted, or was unreachable past the set's TTL, or this
-# process stalled past the lease) comes back, since its stream still runs; until those
-# streams end the key may be over its limit, which then refuses it, never the reverse.
+# process stalled past the lease and another admission dropped it) comes back, since its
+# stream still runs, and its hold with it: a slot back without its hold would let the key
+# spend that hold twice. Until those streams end the key may be over its limits, which
+# then refuse it, never the reverse.
 _RENEW = """
 local t = redis.call('TIME')
 local lease = tonumber(ARGV[1])
 local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + lease
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], deadline, ARGV[i]) end
+for i = 2, #ARGV, 2 do
+  redis.call('ZADD', KEYS[1], deadline, ARGV[i])
+  if tonumber(ARGV[i + 1]) > 0 then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+end
 redis.call('PEXPIRE', KEYS[1], lease * 2)
 redis.call('PEXPIRE', KEYS[2], lease * 2)
 return 0
@@ -143,6 +157,11 @@ whose reply was lost just before an outage longer than this may count twice."""
 
 _WARN_EVERY_S = 60.0
 
+_END_WAIT_S = 1.0
+"""How long a stream's end waits for its slot to leave Redis before its clients see it:
+a Redis that is slow delays ends by no more than this (the slot then goes a little later,
+or with its lease)."""
+
 
 class RedisLimits(KeyLimits):
     """:class:`KeyLimits` in the Redis of ``store`` (see the module docstring).
@@ -165,8 +184,8 @@ class RedisLimits(KeyLimits):
         self.per_key = per_key
         self.lease_ms = max(1, round(lease_s * 1000))
         self.fallback = fallback
-        self._held: dict[str, set[str]] = {}
-        """Key name -> ids of the slots held here: what the tick renews."""
+        self._held: dict[str, dict[str, Slot]] = {}
+        """Key name -> slot id -> the slots held here: what the tick renews."""
         self._ids = itertools.count()
         self._unsent: dict[str, tuple[str, str, float, float | None, str]] = {}
         """Charge id -> (key, window, USD, TTL, the slot whose hold it replaces) of
@@ -272,25 +291,35 @@ class RedisLimits(KeyLimits):
         if code == 3:
             raise budget_exceeded(key, float(value), time.time(), float(held[0]), hold)
         if slot is not None:
-            self._held.setdefault(name, set()).add(slot.id)
+            self._held.setdefault(name, {})[slot.id] = slot
         return slot
 
+    async def end(self, slot: Slot) -> None:
+        if self._forget(slot):
+            await asyncio.wait((self._release_later(slot.key, slot.id),), timeout=_END_WAIT_S)
+
     def release(self, slot: Slot) -> None:
+        if self._forget(slot):
+            self._release_later(slot.key, slot.id)
+
+    def _forget(self, slot: Slot) -> bool:
+        """Stop renewing ``slot``: True if it was held here (released once, however often
+        asked)."""
         held = self._held.get(slot.key)
-        if held is None or slot.id not in held:
-            return
-        held.discard(slot.id)
+        if held is None or held.pop(slot.id, None) is None:
+            return False
         if not held:
             del self._held[slot.key]
-        self._release_later(slot.key, slot.id)
+        return True
 
-    def _release_later(self, name: str, slot_id: str) -> None:
+    def _release_later(self, name: str, slot_id: str) -> asyncio.Task[bool]:
         """Remove a slot from Redis in the background; if that fails, its lease runs out."""
         task = asyncio.get_running_loop().create_task(
             self._send("release", self._freed(name, slot_id))
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:
         now = time.time()
@@ -337,20 +366,26 @@ class RedisLimits(KeyLimits):
         """Renew the leases of the slots held here; retry charges that failed."""
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
-            leases = [
-                (
-                    "EVAL",
-                    _RENEW,
-                    2,
-                    self._key("limits", "streams", name),
-                    self._key("limits", "held", name),
-                    self.lease_ms,
-                    *ids,
-                )
-                for name, ids in self._held.items()
-            ]
-            await self._send("renew", leases)
+            await self._renew()
             await self._flush_charges()
+
+    async def _renew(self) -> None:
+        """The leases of the slots held here, each with its hold, in one pipeline (their
+        commands queued before any charge or release that follows, which Redis then
+        carries out after them)."""
+        leases = [
+            (
+                "EVAL",
+                _RENEW,
+                2,
+                self._key("limits", "streams", name),
+                self._key("limits", "held", name),
+                self.lease_ms,
+                *itertools.chain.from_iterable((id, repr(slot.hold)) for id, slot in slots.items()),
+            )
+            for name, slots in self._held.items()
+        ]
+        await self._send("renew", leases)
 
     def _warn(self, exc: BaseException) -> None:
         now = time.monotonic()

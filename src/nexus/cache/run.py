@@ -14,8 +14,9 @@ running (checked every ``LEASE_POLL_S``). A log past ``max_log_bytes`` ends with
 
 A run drives its ``observer`` (:class:`~nexus.hooks.StreamObserver`) itself, with no
 layer between its source and its log: the chunk hooks see each read before it is
-logged, and the end hooks (given the spend and the merge of the log) have run before
-the terminal entry is appended.
+logged, and the end hooks (given the spend and the merge of the log), then ``on_end``,
+have run before the terminal entry is appended: a client that saw the end finds its
+spend charged and its key's place given back.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ class StreamRun:
         self._replayed = replayed
         self.spend: Spend | None = None
         """What it spent upstream, once finished (a replay: nothing)."""
+        self.on_end: Callable[[StreamRun], Awaitable[object]] | None = None
+        """Awaited once the end hooks ran, before the terminal entry is in: what must be
+        over before any reader can see the end (its key's place in a shared count)."""
         self.on_finish: Callable[[StreamRun], object] | None = None
         """Called with the run once its log is finished (the terminal entry is in)."""
         self._loop = asyncio.get_running_loop()
@@ -317,6 +321,8 @@ class StreamRun:
                     await observer.end(
                         terminal, now() - start, lambda: merge_events(log_events, meta), self.spend
                     )
+                if self.on_end is not None:
+                    await self.on_end(self)
             finally:
                 self._finish(terminal, now() - start)
 

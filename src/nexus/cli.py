@@ -333,6 +333,7 @@ async def _run(
 ) -> None:
     from .server.app import create_app
     from .server.connection import ConnectionRegistry, ConnectionSite
+    from .server.shutdown import stop as stop_server
 
     app = create_app(config, config_source=source)
     # nexus.access writes one line per request, with more in it.
@@ -340,10 +341,14 @@ async def _run(
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        shutdown_timeout=config.server.shutdown_grace_s + 5,
+        # What a handler still running once the streams ended may take (each of two
+        # steps): the drain (nexus.server.shutdown) has waited for the streams already.
+        shutdown_timeout=0.5,
         **handler_args,
     )
     await runner.setup()
+    site: ConnectionSite | None = None
+    stop = asyncio.Event()
     try:
         registry = ConnectionRegistry(
             header_timeout_s=config.server.header_timeout_s,
@@ -361,7 +366,6 @@ async def _run(
             handler_args=handler_args,
         )
         await site.start()
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -377,9 +381,12 @@ async def _run(
                 shown = f"[{host}]" if ":" in host else host
                 log.info("Nexus serving on http://%s:%d (config: %s)", shown, port, source)
         await stop.wait()
-        log.info("stopping: no new connections; streams get %.1fs", config.server.shutdown_grace_s)
     finally:
-        await runner.cleanup()
+        if site is not None and stop.is_set():
+            # The grace runs while every connection is still read: then aiohttp's cleanup.
+            await stop_server(runner, site.close_listener())
+        else:  # it never served (the port, say)
+            await runner.cleanup()
     log.info("stopped")
 
 

@@ -3,8 +3,8 @@
 The supervisor forks N workers, each a whole gateway with its own event loop, on the
 same port with ``SO_REUSEPORT`` (the kernel spreads connections). It serves nothing
 itself: it keeps the port reserved (bound, not listening), restarts a worker that
-dies, and on SIGTERM or SIGINT passes SIGTERM on and waits ``[server]
-shutdown_grace_s`` for the streams to end. Workers share no memory (the in-memory
+dies, and on SIGTERM or SIGINT passes SIGTERM on and waits for the workers to stop
+(:mod:`nexus.server.shutdown`). Workers share no memory (the in-memory
 store is per worker; Redis is shared) but do share the read tokens' secret
 (:func:`shared_token_secret`), so a token one worker issued is good on any other.
 """
@@ -38,7 +38,9 @@ MAX_QUICK_DEATHS = 5
 """Workers dying within :data:`QUICK_DEATH_S` of their start this many times in a row:
 the supervisor gives up, as restarting would only spin."""
 KILL_AFTER_S = 10.0
-"""How long past the grace period a worker may take to stop before it is killed."""
+"""How long past its own bound (``drain_delay_s + shutdown_grace_s +``
+:data:`~nexus.server.shutdown.CLOSE_BOUND_S`) a worker may take to stop before it is
+killed."""
 
 WorkerMain = Callable[[Config, str, int, Callable[[], None]], int]
 """Runs one worker: ``(config, config source, worker index, ready) -> exit code``; it
@@ -238,7 +240,11 @@ class Supervisor:
         """SIGTERM to every worker left, then wait; kill those past grace + a margin."""
         if self._running:
             self._on_signal(signal.SIGTERM, None)
-        deadline = time.monotonic() + config.server.shutdown_grace_s + KILL_AFTER_S
+        from .server.shutdown import CLOSE_BOUND_S
+
+        server = config.server
+        bound = server.drain_delay_s + server.shutdown_grace_s + CLOSE_BOUND_S
+        deadline = time.monotonic() + bound + KILL_AFTER_S
         for index, (process, _) in list(self._running.items()):
             process.join(max(deadline - time.monotonic(), 0))
             if process.is_alive():

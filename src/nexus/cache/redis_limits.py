@@ -182,19 +182,29 @@ class RedisLimits(KeyLimits):
     async def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
-    async def close(self) -> None:
+    async def close(self, *, deadline: float | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        stop_by = loop.time() + 10.0 if deadline is None else deadline
+
+        def left(most: float) -> float:
+            return max(min(most, stop_by - loop.time()), 0.0)
+
         ticker, self._ticker = self._ticker, None
         if ticker is not None:
             ticker.cancel()
-            await asyncio.wait((ticker,), timeout=2.0)
+            await asyncio.wait((ticker,), timeout=left(2.0))
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2.0)
-        await self._flush_charges()
-        # Slots still held (streams cut by the shutdown) go now, not at their lease's end.
-        held, self._held = self._held, {}
-        await self._send(
-            "release", [cmd for name, ids in held.items() for cmd in self._freed(name, *ids)]
-        )
+            await asyncio.wait(self._tasks, timeout=left(2.0))
+        try:
+            async with asyncio.timeout_at(stop_by):
+                await self._flush_charges()
+                # Slots still held (streams cut by the shutdown) go now, not at their
+                # lease's end.
+                held, self._held = self._held, {}
+                freed = [cmd for name, ids in held.items() for cmd in self._freed(name, *ids)]
+                await self._send("release", freed)
+        except TimeoutError:
+            log.warning("per-key limits: Redis did not answer before the shutdown deadline")
 
     async def _send(self, op: str, commands: list[tuple[Any, ...]]) -> bool:
         """``commands`` through the store's pipeline; a failure warned (and counted)."""

@@ -7,7 +7,6 @@ import asyncio
 import gc
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from .config import Config, RedisStoreConfig, load_config
 from .errors import ConfigError
 from .server import redaction
 from .server.access import JsonFormatter
-from .supervisor import Supervisor, cpu_count
+from .supervisor import STOP_SIGNALS, Supervisor, cpu_count
 from .telemetry import check_installed
 
 log = logging.getLogger("nexus")
@@ -367,7 +366,9 @@ async def _run(
         )
         await site.start()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too (its terminal closed, or `kill -HUP` meaning "reload" elsewhere):
+        # its default would end the process at once, streams cut and spend uncharged.
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         loop_name = type(loop).__module__.split(".")[0]
         if ready is not None:

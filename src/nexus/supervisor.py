@@ -3,7 +3,7 @@
 The supervisor forks N workers, each a whole gateway with its own event loop, on the
 same port with ``SO_REUSEPORT`` (the kernel spreads connections). It serves nothing
 itself: it keeps the port reserved (bound, not listening), restarts a worker that
-dies, and on SIGTERM or SIGINT passes SIGTERM on and waits for the workers to stop
+dies, and on SIGTERM, SIGINT or SIGHUP passes SIGTERM on and waits for the workers to stop
 (:mod:`nexus.server.shutdown`). Workers share no memory (the in-memory
 store is per worker; Redis is shared) but do share the read tokens' secret
 (:func:`shared_token_secret`), so a token one worker issued is good on any other.
@@ -29,7 +29,7 @@ from typing import Any
 from .config import Config
 from .tokens import new_secret, secret_from_env
 
-__all__ = ["Supervisor", "cpu_count", "reserve_port", "shared_token_secret"]
+__all__ = ["STOP_SIGNALS", "Supervisor", "cpu_count", "reserve_port", "shared_token_secret"]
 
 log = logging.getLogger("nexus")
 
@@ -37,6 +37,8 @@ QUICK_DEATH_S = 2.0
 MAX_QUICK_DEATHS = 5
 """Workers dying within :data:`QUICK_DEATH_S` of their start this many times in a row:
 the supervisor gives up, as restarting would only spin."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""What stops the gateway gracefully (a worker, or the supervisor and its workers)."""
 KILL_AFTER_S = 10.0
 """How long past its own bound (``drain_delay_s + shutdown_grace_s +``
 :data:`~nexus.server.shutdown.CLOSE_BOUND_S`) a worker may take to stop before it is
@@ -138,9 +140,7 @@ class Supervisor:
         config = self.config.model_copy(update={"server": server.model_copy(update={"port": port})})
         if config.metrics.enabled:
             self.metrics_dir = tempfile.mkdtemp(prefix="nexus-metrics-")
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
             for index in range(self.workers):
                 self._start(config, index)
@@ -272,8 +272,8 @@ def _worker(
 ) -> None:
     """A worker's first steps after the fork, then its gateway."""
     # The supervisor's handlers came along with the fork; the worker's loop sets its own.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
     _die_with_parent()
     if metrics_dir is not None:
         from .server.metrics import enable_multiprocess

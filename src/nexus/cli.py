@@ -22,7 +22,7 @@ from .config import Config, RedisStoreConfig, load_config
 from .errors import ConfigError
 from .server import redaction
 from .server.access import JsonFormatter
-from .supervisor import STOP_SIGNALS, Supervisor, cpu_count
+from .supervisor import CONFIG_ERROR, STOP_SIGNALS, Supervisor, cpu_count
 from .telemetry import check_installed
 
 log = logging.getLogger("nexus")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(config, source)
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
 
 
 def _workers_arg(value: str) -> int | str:
@@ -231,12 +231,27 @@ def _serve(config: Config, source: str) -> int:
     count = cpu_count() if workers == "auto" else workers
     if count == 1:
         return _serve_one(config, source)
+    _check_buildable(config, source)  # once here: in each worker it would be a restart loop
     try:
         if isinstance(config.store, RedisStoreConfig):
             asyncio.run(_reach(config.store))
         return Supervisor(config, source, count, _serve_one).run()
     except OSError as exc:  # the port (taken, or a host not of this machine), or Redis
         return _cannot_serve(config, exc)
+
+
+def _check_buildable(config: Config, source: str) -> None:
+    """What a worker builds from the config before it serves, built (and dropped) once
+    before any worker forks: a :class:`ConfigError` (a provider's unset ``api_key_env``,
+    an encoder that cannot be imported) is then one line, exit 2.
+    Nothing here opens a connection or starts a thread."""
+    from .encoders.registry import default_registry
+    from .engine import Engine
+    from .server.app import build_store
+
+    default_registry.copy().load_config(config.encoders, source)
+    Engine.from_config(config, source=source)
+    build_store(config.store)
 
 
 async def _reach(store: RedisStoreConfig) -> None:
@@ -306,6 +321,9 @@ def _serve_one(
         asyncio.run(_run(config, source, worker, ready))
     except OSError as exc:
         return _cannot_serve(config, exc)
+    except ConfigError as exc:  # (the supervisor checked, but not what only a worker sees)
+        print(f"nexus: config error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR
     return 0
 
 

@@ -29,7 +29,14 @@ from typing import Any
 from .config import Config
 from .tokens import new_secret, secret_from_env
 
-__all__ = ["STOP_SIGNALS", "Supervisor", "cpu_count", "reserve_port", "shared_token_secret"]
+__all__ = [
+    "CONFIG_ERROR",
+    "STOP_SIGNALS",
+    "Supervisor",
+    "cpu_count",
+    "reserve_port",
+    "shared_token_secret",
+]
 
 log = logging.getLogger("nexus")
 
@@ -37,6 +44,8 @@ QUICK_DEATH_S = 2.0
 MAX_QUICK_DEATHS = 5
 """Workers dying within :data:`QUICK_DEATH_S` of their start this many times in a row:
 the supervisor gives up, as restarting would only spin."""
+CONFIG_ERROR = 2
+"""The exit code of a config error, a worker's included (its supervisor then stops)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """What stops the gateway gracefully (a worker, or the supervisor and its workers)."""
 KILL_AFTER_S = 10.0
@@ -144,15 +153,15 @@ class Supervisor:
         try:
             for index in range(self.workers):
                 self._start(config, index)
-            self._wait_ready()
-            shown = f"[{server.host}]" if ":" in server.host else server.host
-            log.info(
-                "Nexus serving on http://%s:%d with %d workers (config: %s)",
-                shown,
-                port,
-                self.workers,
-                self.source,
-            )
+            if self._wait_ready():  # said only once it is true
+                shown = f"[{server.host}]" if ":" in server.host else server.host
+                log.info(
+                    "Nexus serving on http://%s:%d with %d workers (config: %s)",
+                    shown,
+                    port,
+                    self.workers,
+                    self.source,
+                )
             if self.workers > 1 and config.store.kind == "memory":
                 log.warning(
                     "%d workers share no memory: with the in-memory store, resuming a "
@@ -191,15 +200,19 @@ class Supervisor:
         self._ready[index] = ready
         log.debug("worker %d started (pid %s)", index, process.pid)
 
-    def _wait_ready(self) -> None:
-        """Until every worker listens (or died: the watch loop handles that)."""
+    def _wait_ready(self) -> bool:
+        """Until every worker listens: True; False if one died first (the watch loop
+        handles that) or is not listening in time."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for index, ready in list(self._ready.items()):
             process, _ = self._running[index]
-            while not ready.wait(0.05) and process.is_alive() and not self._stopping:
+            while not ready.wait(0.05):
+                if not process.is_alive() or self._stopping:
+                    return False
                 if time.monotonic() > deadline:
                     log.warning("worker %d is not listening after %.0fs", index, READY_TIMEOUT_S)
-                    return
+                    return False
+        return True
 
     def _watch(self, config: Config) -> int:
         quick_deaths = 0
@@ -213,6 +226,9 @@ class Supervisor:
                 if self._stopping:
                     log.info("worker %d (pid %s) stopped", index, process.pid)
                     continue
+                if process.exitcode == CONFIG_ERROR:  # its one line is above: no retry helps
+                    log.error("worker %d stopped on a config error: stopping", index)
+                    return CONFIG_ERROR
                 lived = time.monotonic() - started
                 log.error(
                     "worker %d (pid %s) died (exit code %s) after %.1fs; restarting it",

@@ -38,7 +38,7 @@ from .routes import chat_completions, messages, models, realtime, responses, str
 from .shutdown import closing_deadline, drain, shutdown_event
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
 
-__all__ = ["create_app"]
+__all__ = ["build_store", "create_app"]
 
 log = logging.getLogger("nexus.server")
 

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 
-from .auth import KeyRing, hash_key, is_loopback, new_key
+from .auth import ApiKey, KeyRing, hash_key, is_loopback, new_key
 from .budgets import key_table, window
 from .cache.limits import KeyLimits, LocalLimits
-from .config import Config, RedisStoreConfig, load_config
+from .config import AuthKeyConfig, Config, RedisStoreConfig, load_config
 from .errors import ConfigError
 from .server import redaction
 from .server.access import JsonFormatter
@@ -31,6 +33,7 @@ GC_THRESHOLD = 10_000
 """The collector's first threshold in a gateway process."""
 
 DEFAULT_CONFIG = "config.toml"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         help="event loop: uvloop where installed (auto), required, or asyncio's own "
         "(default: [server] uvloop, auto)",
     )
-    serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level (default: INFO)",
+    )
     hash_key = commands.add_parser(
         "hash-key",
         help="make a new API key and print it with its SHA-256 for [[auth.keys]]",
@@ -126,6 +135,15 @@ def _hash_key(from_stdin: bool, name: str) -> int:
             return 2
         print(hash_key(key))
         return 0
+    try:  # the rule [[auth.keys]] applies: the entry printed must load, and be one entry
+        AuthKeyConfig.model_validate({"name": name, "sha256": "0" * 64})
+    except ValidationError:
+        print(
+            "nexus: hash-key: --name: a key name is 1 to 64 characters of A-Z, a-z, 0-9 "
+            "and _ . @ : -",
+            file=sys.stderr,
+        )
+        return 2
     key = new_key()
     print(f"key:    {key}")
     print(f"sha256: {hash_key(key)}")
@@ -175,7 +193,7 @@ async def _keys(config: Config) -> int:
             row["period"] = key.budget_period
             row["resets_at"] = window(key.budget_period, now).resets_iso() or "never"
             if limits is not None:
-                row["spent_usd"] = f"{await limits.spent(key):.6f}"
+                row["spent_usd"] = await _spent(limits, key)
             rows.append(row)
     except errors as exc:
         assert isinstance(store, RedisStoreConfig)
@@ -191,6 +209,16 @@ async def _keys(config: Config) -> int:
     if limits is None:
         print("(spend: the memory store is in the gateway's process; not readable from here)")
     return 0
+
+
+async def _spent(limits: KeyLimits, key: ApiKey) -> str:
+    """What ``key`` spent in its period, as ``nexus keys`` shows it; a value in Redis
+    that is not a number (written by hand?) is said, not a traceback."""
+    try:
+        return f"{await limits.spent(key):.6f}"
+    except ValueError:
+        print(f"nexus: keys: the spend of {key.name!r} in Redis is not a number", file=sys.stderr)
+        return "?"
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -274,8 +302,12 @@ def _cannot_serve(config: Config, exc: OSError) -> int:
     if isinstance(exc, RedisUnavailable):  # its message names the URL without credentials
         print(f"nexus: cannot start: {exc}", file=sys.stderr)
         return 1
-    # asyncio's bind error repeats the address in its strerror: the errno's text alone.
-    why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+    # asyncio's bind error repeats the address in its strerror: the errno's text alone;
+    # a name that does not resolve has its resolver's text (its errno is no OS error's).
+    if isinstance(exc, socket.gaierror):
+        why = exc.strerror or str(exc)
+    else:
+        why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
     print(
         f"nexus: cannot serve on {config.server.host}:{config.server.port}: {why}", file=sys.stderr
     )

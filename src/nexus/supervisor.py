@@ -231,10 +231,10 @@ class Supervisor:
                     return CONFIG_ERROR
                 lived = time.monotonic() - started
                 log.error(
-                    "worker %d (pid %s) died (exit code %s) after %.1fs; restarting it",
+                    "worker %d (pid %s) died (%s) after %.1fs; restarting it",
                     index,
                     process.pid,
-                    process.exitcode,
+                    _how_it_ended(process.exitcode),
                     lived,
                 )
                 quick_deaths = quick_deaths + 1 if lived < QUICK_DEATH_S else 0
@@ -276,6 +276,16 @@ class Supervisor:
             from .server.metrics import mark_worker_dead
 
             mark_worker_dead(self.metrics_dir, process.pid)
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    """``exit code 1``, or ``killed by SIGKILL`` (multiprocessing's -9)."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _worker(

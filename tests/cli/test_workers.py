@@ -134,7 +134,7 @@ async def test_a_worker_that_dies_is_restarted(two: Supervised) -> None:
     victim = min(before)
     mark = len(two.lines)
     os.kill(victim, signal.SIGKILL)
-    two.wait_for(re.compile(rf"worker \d \(pid {victim}\) died \(exit code -9\)"), after=mark)
+    two.wait_for(re.compile(rf"worker \d \(pid {victim}\) died \(killed by SIGKILL\)"), after=mark)
     two.wait_for(re.compile(r"worker \d \(pid \d+\) ready"), after=mark)
     after = two.workers()
     assert len(after) == 2 and victim not in after

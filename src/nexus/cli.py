@@ -7,7 +7,7 @@ import asyncio
 import gc
 import logging
 import os
-import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 
-from .auth import KeyRing, hash_key, is_loopback, new_key
+from .auth import ApiKey, KeyRing, hash_key, is_loopback, new_key
 from .budgets import key_table, window
 from .cache.limits import KeyLimits, LocalLimits
-from .config import Config, RedisStoreConfig, load_config
+from .config import AuthKeyConfig, Config, RedisStoreConfig, load_config
 from .errors import ConfigError
 from .server import redaction
 from .server.access import JsonFormatter
-from .supervisor import Supervisor, cpu_count
+from .supervisor import CONFIG_ERROR, STOP_SIGNALS, Supervisor, cpu_count
 from .telemetry import check_installed
 
 log = logging.getLogger("nexus")
@@ -32,6 +33,7 @@ GC_THRESHOLD = 10_000
 """The collector's first threshold in a gateway process."""
 
 DEFAULT_CONFIG = "config.toml"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         help="event loop: uvloop where installed (auto), required, or asyncio's own "
         "(default: [server] uvloop, auto)",
     )
-    serve.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    serve.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level (default: INFO)",
+    )
     hash_key = commands.add_parser(
         "hash-key",
         help="make a new API key and print it with its SHA-256 for [[auth.keys]]",
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(config, source)
     except ConfigError as exc:
         print(f"nexus: config error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
 
 
 def _workers_arg(value: str) -> int | str:
@@ -127,6 +135,15 @@ def _hash_key(from_stdin: bool, name: str) -> int:
             return 2
         print(hash_key(key))
         return 0
+    try:  # the rule [[auth.keys]] applies: the entry printed must load, and be one entry
+        AuthKeyConfig.model_validate({"name": name, "sha256": "0" * 64})
+    except ValidationError:
+        print(
+            "nexus: hash-key: --name: a key name is 1 to 64 characters of A-Z, a-z, 0-9 "
+            "and _ . @ : -",
+            file=sys.stderr,
+        )
+        return 2
     key = new_key()
     print(f"key:    {key}")
     print(f"sha256: {hash_key(key)}")
@@ -176,7 +193,7 @@ async def _keys(config: Config) -> int:
             row["period"] = key.budget_period
             row["resets_at"] = window(key.budget_period, now).resets_iso() or "never"
             if limits is not None:
-                row["spent_usd"] = f"{await limits.spent(key):.6f}"
+                row["spent_usd"] = await _spent(limits, key)
             rows.append(row)
     except errors as exc:
         assert isinstance(store, RedisStoreConfig)
@@ -192,6 +209,16 @@ async def _keys(config: Config) -> int:
     if limits is None:
         print("(spend: the memory store is in the gateway's process; not readable from here)")
     return 0
+
+
+async def _spent(limits: KeyLimits, key: ApiKey) -> str:
+    """What ``key`` spent in its period, as ``nexus keys`` shows it; a value in Redis
+    that is not a number (written by hand?) is said, not a traceback."""
+    try:
+        return f"{await limits.spent(key):.6f}"
+    except ValueError:
+        print(f"nexus: keys: the spend of {key.name!r} in Redis is not a number", file=sys.stderr)
+        return "?"
 
 
 def _setup_logging(level: str, fmt: str) -> None:
@@ -232,12 +259,27 @@ def _serve(config: Config, source: str) -> int:
     count = cpu_count() if workers == "auto" else workers
     if count == 1:
         return _serve_one(config, source)
+    _check_buildable(config, source)  # once here: in each worker it would be a restart loop
     try:
         if isinstance(config.store, RedisStoreConfig):
             asyncio.run(_reach(config.store))
         return Supervisor(config, source, count, _serve_one).run()
     except OSError as exc:  # the port (taken, or a host not of this machine), or Redis
         return _cannot_serve(config, exc)
+
+
+def _check_buildable(config: Config, source: str) -> None:
+    """What a worker builds from the config before it serves, built (and dropped) once
+    before any worker forks: a :class:`ConfigError` (a provider's unset ``api_key_env``,
+    an encoder that cannot be imported) is then one line, exit 2.
+    Nothing here opens a connection or starts a thread."""
+    from .encoders.registry import default_registry
+    from .engine import Engine
+    from .server.app import build_store
+
+    default_registry.copy().load_config(config.encoders, source)
+    Engine.from_config(config, source=source)
+    build_store(config.store)
 
 
 async def _reach(store: RedisStoreConfig) -> None:
@@ -260,8 +302,12 @@ def _cannot_serve(config: Config, exc: OSError) -> int:
     if isinstance(exc, RedisUnavailable):  # its message names the URL without credentials
         print(f"nexus: cannot start: {exc}", file=sys.stderr)
         return 1
-    # asyncio's bind error repeats the address in its strerror: the errno's text alone.
-    why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+    # asyncio's bind error repeats the address in its strerror: the errno's text alone;
+    # a name that does not resolve has its resolver's text (its errno is no OS error's).
+    if isinstance(exc, socket.gaierror):
+        why = exc.strerror or str(exc)
+    else:
+        why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
     print(
         f"nexus: cannot serve on {config.server.host}:{config.server.port}: {why}", file=sys.stderr
     )
@@ -307,6 +353,9 @@ def _serve_one(
         asyncio.run(_run(config, source, worker, ready))
     except OSError as exc:
         return _cannot_serve(config, exc)
+    except ConfigError as exc:  # (the supervisor checked, but not what only a worker sees)
+        print(f"nexus: config error: {exc}", file=sys.stderr)
+        return CONFIG_ERROR
     return 0
 
 
@@ -333,6 +382,7 @@ async def _run(
 ) -> None:
     from .server.app import create_app
     from .server.connection import ConnectionRegistry, ConnectionSite
+    from .server.shutdown import stop as stop_server
 
     app = create_app(config, config_source=source)
     # nexus.access writes one line per request, with more in it.
@@ -340,10 +390,14 @@ async def _run(
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        shutdown_timeout=config.server.shutdown_grace_s + 5,
+        # What a handler still running once the streams ended may take (each of two
+        # steps): the drain (nexus.server.shutdown) has waited for the streams already.
+        shutdown_timeout=0.5,
         **handler_args,
     )
     await runner.setup()
+    site: ConnectionSite | None = None
+    stop = asyncio.Event()
     try:
         registry = ConnectionRegistry(
             header_timeout_s=config.server.header_timeout_s,
@@ -361,9 +415,10 @@ async def _run(
             handler_args=handler_args,
         )
         await site.start()
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too (its terminal closed, or `kill -HUP` meaning "reload" elsewhere):
+        # its default would end the process at once, streams cut and spend uncharged.
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         loop_name = type(loop).__module__.split(".")[0]
         if ready is not None:
@@ -377,9 +432,12 @@ async def _run(
                 shown = f"[{host}]" if ":" in host else host
                 log.info("Nexus serving on http://%s:%d (config: %s)", shown, port, source)
         await stop.wait()
-        log.info("stopping: no new connections; streams get %.1fs", config.server.shutdown_grace_s)
     finally:
-        await runner.cleanup()
+        if site is not None and stop.is_set():
+            # The grace runs while every connection is still read: then aiohttp's cleanup.
+            await stop_server(runner, site.close_listener())
+        else:  # it never served (the port, say)
+            await runner.cleanup()
     log.info("stopped")
 
 

@@ -77,6 +77,7 @@ class ServerConfig(_Table):
     heartbeat_interval_s: float = Field(default=15.0, gt=0)
     retry_ms: int = Field(default=3000, ge=0)
     shutdown_grace_s: float = Field(default=10.0, ge=0)
+    drain_delay_s: float = Field(default=0.0, ge=0)
     write_timeout_s: float = Field(default=30.0, gt=0)
     uvloop: bool | Literal["auto"] = "auto"
     backlog: int = Field(default=2048, ge=1)
@@ -474,11 +475,9 @@ def _describe(error: Any) -> str:
     if not loc:
         return message
     if len(loc) == 1:
-        return (
-            f"{loc[0]}: {message}"
-            if error["type"] != "extra_forbidden"
-            else (f"[{loc[0]}]: unknown table or key")
-        )
+        if error["type"] == "extra_forbidden":
+            return f"[{loc[0]}]: unknown table or key"
+        return f"{loc[0]}: {message}"
     table, rest = loc[0], loc[1:]
     if table == "plugins" and rest and rest[0].isdigit():
         where = f"[[plugins]] #{int(rest[0]) + 1}"

@@ -3,8 +3,8 @@
 The supervisor forks N workers, each a whole gateway with its own event loop, on the
 same port with ``SO_REUSEPORT`` (the kernel spreads connections). It serves nothing
 itself: it keeps the port reserved (bound, not listening), restarts a worker that
-dies, and on SIGTERM or SIGINT passes SIGTERM on and waits ``[server]
-shutdown_grace_s`` for the streams to end. Workers share no memory (the in-memory
+dies, and on SIGTERM, SIGINT or SIGHUP passes SIGTERM on and waits for the workers to stop
+(:mod:`nexus.server.shutdown`). Workers share no memory (the in-memory
 store is per worker; Redis is shared) but do share the read tokens' secret
 (:func:`shared_token_secret`), so a token one worker issued is good on any other.
 """
@@ -29,7 +29,14 @@ from typing import Any
 from .config import Config
 from .tokens import new_secret, secret_from_env
 
-__all__ = ["Supervisor", "cpu_count", "reserve_port", "shared_token_secret"]
+__all__ = [
+    "CONFIG_ERROR",
+    "STOP_SIGNALS",
+    "Supervisor",
+    "cpu_count",
+    "reserve_port",
+    "shared_token_secret",
+]
 
 log = logging.getLogger("nexus")
 
@@ -37,8 +44,14 @@ QUICK_DEATH_S = 2.0
 MAX_QUICK_DEATHS = 5
 """Workers dying within :data:`QUICK_DEATH_S` of their start this many times in a row:
 the supervisor gives up, as restarting would only spin."""
+CONFIG_ERROR = 2
+"""The exit code of a config error, a worker's included (its supervisor then stops)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""What stops the gateway gracefully (a worker, or the supervisor and its workers)."""
 KILL_AFTER_S = 10.0
-"""How long past the grace period a worker may take to stop before it is killed."""
+"""How long past its own bound (``drain_delay_s + shutdown_grace_s +``
+:data:`~nexus.server.shutdown.CLOSE_BOUND_S`) a worker may take to stop before it is
+killed."""
 
 WorkerMain = Callable[[Config, str, int, Callable[[], None]], int]
 """Runs one worker: ``(config, config source, worker index, ready) -> exit code``; it
@@ -136,21 +149,19 @@ class Supervisor:
         config = self.config.model_copy(update={"server": server.model_copy(update={"port": port})})
         if config.metrics.enabled:
             self.metrics_dir = tempfile.mkdtemp(prefix="nexus-metrics-")
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
             for index in range(self.workers):
                 self._start(config, index)
-            self._wait_ready()
-            shown = f"[{server.host}]" if ":" in server.host else server.host
-            log.info(
-                "Nexus serving on http://%s:%d with %d workers (config: %s)",
-                shown,
-                port,
-                self.workers,
-                self.source,
-            )
+            if self._wait_ready():  # said only once it is true
+                shown = f"[{server.host}]" if ":" in server.host else server.host
+                log.info(
+                    "Nexus serving on http://%s:%d with %d workers (config: %s)",
+                    shown,
+                    port,
+                    self.workers,
+                    self.source,
+                )
             if self.workers > 1 and config.store.kind == "memory":
                 log.warning(
                     "%d workers share no memory: with the in-memory store, resuming a "
@@ -189,15 +200,19 @@ class Supervisor:
         self._ready[index] = ready
         log.debug("worker %d started (pid %s)", index, process.pid)
 
-    def _wait_ready(self) -> None:
-        """Until every worker listens (or died: the watch loop handles that)."""
+    def _wait_ready(self) -> bool:
+        """Until every worker listens: True; False if one died first (the watch loop
+        handles that) or is not listening in time."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for index, ready in list(self._ready.items()):
             process, _ = self._running[index]
-            while not ready.wait(0.05) and process.is_alive() and not self._stopping:
+            while not ready.wait(0.05):
+                if not process.is_alive() or self._stopping:
+                    return False
                 if time.monotonic() > deadline:
                     log.warning("worker %d is not listening after %.0fs", index, READY_TIMEOUT_S)
-                    return
+                    return False
+        return True
 
     def _watch(self, config: Config) -> int:
         quick_deaths = 0
@@ -211,12 +226,15 @@ class Supervisor:
                 if self._stopping:
                     log.info("worker %d (pid %s) stopped", index, process.pid)
                     continue
+                if process.exitcode == CONFIG_ERROR:  # its one line is above: no retry helps
+                    log.error("worker %d stopped on a config error: stopping", index)
+                    return CONFIG_ERROR
                 lived = time.monotonic() - started
                 log.error(
-                    "worker %d (pid %s) died (exit code %s) after %.1fs; restarting it",
+                    "worker %d (pid %s) died (%s) after %.1fs; restarting it",
                     index,
                     process.pid,
-                    process.exitcode,
+                    _how_it_ended(process.exitcode),
                     lived,
                 )
                 quick_deaths = quick_deaths + 1 if lived < QUICK_DEATH_S else 0
@@ -238,7 +256,11 @@ class Supervisor:
         """SIGTERM to every worker left, then wait; kill those past grace + a margin."""
         if self._running:
             self._on_signal(signal.SIGTERM, None)
-        deadline = time.monotonic() + config.server.shutdown_grace_s + KILL_AFTER_S
+        from .server.shutdown import CLOSE_BOUND_S
+
+        server = config.server
+        bound = server.drain_delay_s + server.shutdown_grace_s + CLOSE_BOUND_S
+        deadline = time.monotonic() + bound + KILL_AFTER_S
         for index, (process, _) in list(self._running.items()):
             process.join(max(deadline - time.monotonic(), 0))
             if process.is_alive():
@@ -256,6 +278,16 @@ class Supervisor:
             mark_worker_dead(self.metrics_dir, process.pid)
 
 
+def _how_it_ended(exitcode: int | None) -> str:
+    """``exit code 1``, or ``killed by SIGKILL`` (multiprocessing's -9)."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
 def _worker(
     worker_main: WorkerMain,
     config: Config,
@@ -266,8 +298,8 @@ def _worker(
 ) -> None:
     """A worker's first steps after the fork, then its gateway."""
     # The supervisor's handlers came along with the fork; the worker's loop sets its own.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
     _die_with_parent()
     if metrics_dir is not None:
         from .server.metrics import enable_multiprocess

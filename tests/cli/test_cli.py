@@ -238,14 +238,17 @@ def test_missing_config_file(tmp_path: Path) -> None:
     assert "cannot read" in done.stderr
 
 
-def test_missing_provider_key_names_the_config_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_missing_provider_key_names_the_config_key(tmp_path: Path, workers: str) -> None:
+    """In one line, exit 2, with workers too: checked before any worker forks (each
+    worker failed on it and was restarted, five tracebacks, after "serving", exit 1)."""
     config = tmp_path / "config.toml"
     config.write_text(
         '[providers.openai]\nkind = "openai"\napi_key_env = "NEXUS_TEST_UNSET_KEY_VAR"\n'
     )
     env = {k: v for k, v in os.environ.items() if k != "NEXUS_TEST_UNSET_KEY_VAR"}
     done = subprocess.run(
-        [NEXUS, "serve", "--config", str(config), "--port", "0"],
+        [NEXUS, "serve", "--config", str(config), "--port", "0", "--workers", workers],
         capture_output=True,
         text=True,
         timeout=30,
@@ -255,6 +258,8 @@ def test_missing_provider_key_names_the_config_key(tmp_path: Path) -> None:
     assert "[providers.openai] api_key_env" in done.stderr
     assert "the environment variable it names is not set" in done.stderr
     assert "NEXUS_TEST_UNSET_KEY_VAR" not in done.stderr  # it may be a key put there
+    assert "Traceback" not in done.stderr and "serving" not in done.stderr
+    assert done.stderr.count("config error") == 1
 
 
 def _free_port() -> int:

@@ -25,9 +25,9 @@ SERVING = re.compile(r"Nexus serving on (http://\S+) with (\d+) workers")
 class Supervised:
     """A ``nexus serve --workers N`` process and its log."""
 
-    def __init__(self, config: Path, *args: str) -> None:
+    def __init__(self, config: Path, *args: str, ready: re.Pattern[str] = SERVING) -> None:
         self.log = config.parent / "nexus.log"
-        self.proc, match = start_nexus(config, self.log, *args, ready=SERVING)
+        self.proc, match = start_nexus(config, self.log, *args, ready=ready)
         self.url = match.group(1)
 
     @property
@@ -134,7 +134,7 @@ async def test_a_worker_that_dies_is_restarted(two: Supervised) -> None:
     victim = min(before)
     mark = len(two.lines)
     os.kill(victim, signal.SIGKILL)
-    two.wait_for(re.compile(rf"worker \d \(pid {victim}\) died \(exit code -9\)"), after=mark)
+    two.wait_for(re.compile(rf"worker \d \(pid {victim}\) died \(killed by SIGKILL\)"), after=mark)
     two.wait_for(re.compile(r"worker \d \(pid \d+\) ready"), after=mark)
     after = two.workers()
     assert len(after) == 2 and victim not in after
@@ -343,5 +343,37 @@ def test_sigint_stops_cleanly(config: Path) -> None:
         for pid in workers:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sighup_stops_gracefully_like_sigterm(
+    config: Path, workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGHUP's default ended a lone process at once (its streams cut, nothing charged)
+    and the supervisor alone (its metrics directory left behind)."""
+    temp = config.parent / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # where the workers' metrics directory goes
+    ready = SERVING if workers == "2" else re.compile(r"Nexus serving on (http://\S+)")
+    server = Supervised(config, "--workers", workers, ready=ready)
+    try:
+        workers_before = server.workers() if workers == "2" else set()
+        body = orjson.dumps(chat_body("a b c d e f", mock={"delay_ms": 150}))
+        curl = subprocess.Popen(
+            ["curl", "-sN", server.url + CHAT, "-H", "Content-Type: application/json", "-d", body],
+            stdout=subprocess.PIPE,
+        )
+        time.sleep(0.4)  # the stream is on its way
+        server.proc.send_signal(signal.SIGHUP)
+        out, _ = curl.communicate(timeout=15)
+        assert contents(out) == "a b c d e f"  # finished inside the grace period
+        assert server.proc.wait(15) == 0
+        for pid in workers_before:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert "stopped" in "".join(server.lines)
+        assert list(temp.iterdir()) == []
     finally:
         server.stop()

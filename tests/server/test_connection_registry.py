@@ -17,9 +17,13 @@ class Fake:
     expired: list[str] = field(default_factory=list)
     buffered: int = 0
     timed_elsewhere: bool = False
+    hung_up: bool = False
 
     def expire(self, reason: str) -> None:
         self.expired.append(reason)
+
+    def hang_up(self) -> None:
+        self.hung_up = True
 
     def write_buffer_size(self) -> int:
         return self.buffered
@@ -234,3 +238,19 @@ def test_the_config_keys() -> None:
     for bad in ({"header_timeout_s": 0}, {"keepalive_timeout_s": -1}, {"max_connections": 0}):
         with pytest.raises(ConfigError):
             parse_config({"server": bad})
+
+
+def test_when_the_server_stops_idle_connections_close_now_and_busy_ones_once_answered() -> None:
+    reg = registry()
+    idle, busy, head = Fake(), Fake(), Fake()
+    for conn in (idle, busy, head):
+        reg.admit(conn, 0.0)
+    for conn in (idle, busy):
+        reg.request_started(conn)
+    reg.response_done(idle, 0.1)
+    reg.close_idle()
+    assert (idle.hung_up, busy.hung_up, head.hung_up) == (True, False, False)
+    assert idle.phase is Phase.CLOSED and reg.open == 2
+    reg.response_done(busy, 0.2)  # answered: closed, not kept alive
+    assert busy.hung_up and busy.phase is Phase.CLOSED and reg.open == 1
+    assert idle.expired == busy.expired == []  # closed after what was written, not cut

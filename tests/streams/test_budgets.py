@@ -214,6 +214,33 @@ sha256 = "{hash_key("other")}"
         await client.aclose()
 
 
+async def test_nexus_keys_says_a_spend_in_redis_that_is_not_a_number(tmp_path: Path) -> None:
+    """(A ValueError traceback, where the other keys' lines were still to print.)"""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    try:
+        win = window("month", dt.datetime.now(dt.UTC).timestamp())
+        await client.set(f"{prefix}:spend:alpha:{win.id}", b"abc")
+        path = tmp_path / "config.toml"
+        path.write_text(
+            f'[store]\nkind = "redis"\nprefix = "{prefix}"\n\n'
+            f'[[auth.keys]]\nname = "alpha"\nsha256 = "{hash_key(KEY)}"\n\n'
+            f'[[auth.keys]]\nname = "beta"\nsha256 = "{hash_key("other")}"\n'
+        )
+        done = subprocess.run(
+            [NEXUS, "keys", "--config", str(path)], capture_output=True, text=True, timeout=20
+        )
+        assert done.returncode == 0, done.stderr
+        _, alpha_line, beta_line = done.stdout.splitlines()
+        assert alpha_line.split()[4] == "?"
+        assert beta_line.split()[4] == "0.000000"
+        assert "Traceback" not in done.stderr
+        assert "the spend of 'alpha' in Redis is not a number" in done.stderr
+    finally:
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
 def test_nexus_keys_with_the_memory_store_says_where_the_spend_is(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text(f'[[auth.keys]]\nname = "alpha"\nsha256 = "{hash_key(KEY)}"\nbudget_usd = 2\n')

@@ -409,13 +409,13 @@ class StreamHub:
             return run.info
         return await self.store.info(stream_id)
 
-    async def shutdown(self, terminal: StreamEvent) -> None:
+    async def shutdown(self, terminal: StreamEvent, timeout_s: float = 10.0) -> None:
         """Cancel every live stream with ``terminal``; wait until their logs are kept
-        (keepers retrying a store that is down make one last try)."""
+        (keepers retrying a store that is down make one last try), ``timeout_s`` at most."""
         self.keeper.closing.set()
         for run in list(self.live.values()):
             run.cancel(terminal)
-        await self.drain()
+        await self.drain(timeout_s)
 
     async def drain(self, timeout_s: float = 10.0) -> None:
         """Until every run's keeper is done (logs handed to the store); at most ``timeout_s``."""
@@ -433,7 +433,7 @@ class StreamHub:
                 await asyncio.sleep(0)
         if tasks or self.live:
             log.warning(
-                "%d streams did not finish closing in %.0fs",
+                "%d streams did not finish closing in %.1fs",
                 max(len(tasks), len(self.live)),
                 timeout_s,
             )

@@ -134,8 +134,9 @@ class KeyLimits(ABC):
     async def start(self) -> None:
         """Called when the app starts (after the store's start)."""
 
-    async def close(self) -> None:
-        """Called when the app stops (before the store's close)."""
+    async def close(self, *, deadline: float | None = None) -> None:
+        """Called when the app stops (before the store's close); a shared backend waits
+        on its store until ``deadline`` (event loop time) at most: shutdown is bounded."""
 
     @abstractmethod
     async def admit(

@@ -449,6 +449,12 @@ class RedisStore(Store):
         (found,) = await self.call("leased", ("EXISTS", self._key(stream_id, "lease")))
         return bool(found)
 
+    async def leased_among(self, stream_ids: Sequence[str]) -> set[str]:
+        if not stream_ids:
+            return set()
+        found = await self.call("leased", *(("EXISTS", self._key(i, "lease")) for i in stream_ids))
+        return {stream_id for stream_id, hit in zip(stream_ids, found, strict=True) if hit}
+
     # Recordings.
     async def get_recording(self, key: str) -> Recording | None:
         (raw,) = await self.call("get_recording", ("GET", f"{self.prefix}:rec:{key}"))

@@ -30,7 +30,9 @@ Redis failing is never a 500: rate and concurrency fail open to this process
 (:class:`~nexus.cache.limits.LocalLimits`, a warning a minute at most); a key with a
 budget fails closed (503 ``store_unavailable``: spend that cannot be checked is not
 spent); a charge that fails is retried on the tick under its id, so a charge whose reply
-was lost counts once; a release that fails is left to its lease.
+was lost counts once; a release that fails is left to its lease. At shutdown, charges
+are retried until the shutdown's deadline; any still not in Redis then is logged at
+ERROR, its key name, USD and the command that adds it, to be reconciled by hand.
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ class RedisLimits(KeyLimits):
         """Charge id -> (key, window, USD, TTL, the slot whose hold it replaces) of
         charges not yet sent or that failed, retried on the tick under the same id
         (counted once however often sent)."""
+        self._sending: dict[str, tuple[str, str, float, float | None, str]] = {}
+        """Charges being sent (out of ``_unsent`` until they fail)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ticker: asyncio.Task[None] | None = None
         self._warned = -math.inf
@@ -201,19 +205,45 @@ class RedisLimits(KeyLimits):
     async def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
-    async def close(self) -> None:
+    async def close(self, *, deadline: float | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        stop_by = loop.time() + 10.0 if deadline is None else deadline
+
+        def left(most: float) -> float:
+            return max(min(most, stop_by - loop.time()), 0.0)
+
         ticker, self._ticker = self._ticker, None
         if ticker is not None:
             ticker.cancel()
-            await asyncio.wait((ticker,), timeout=2.0)
+            await asyncio.wait((ticker,), timeout=left(2.0))
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2.0)
-        await self._flush_charges()
-        # Slots still held (streams cut by the shutdown) go now, not at their lease's end.
-        held, self._held = self._held, {}
-        await self._send(
-            "release", [cmd for name, ids in held.items() for cmd in self._freed(name, *ids)]
-        )
+            await asyncio.wait(self._tasks, timeout=left(2.0))
+        try:
+            async with asyncio.timeout_at(stop_by):
+                # Charges not yet in Redis: retried until the deadline (no tick follows).
+                while True:
+                    await self._flush_charges(closing=True)
+                    if not self._unsent and not self._sending:
+                        break
+                    await asyncio.sleep(0.2)
+                # Slots still held (streams cut by the shutdown) go now, not at their
+                # lease's end.
+                held, self._held = self._held, {}
+                freed = [cmd for name, ids in held.items() for cmd in self._freed(name, *ids)]
+                await self._send("release", freed)
+        except TimeoutError:
+            log.warning("per-key limits: Redis did not answer before the shutdown deadline")
+        # What is still not charged is lost unless someone adds it: one line each.
+        for name, win_id, usd, _, _ in [*self._sending.values(), *self._unsent.values()]:
+            log.error(
+                "spend not charged (Redis failed at shutdown): key %r, %s USD; add it with "
+                "INCRBYFLOAT %s %s",
+                name,
+                repr(usd),
+                self._key("spend", name, win_id),
+                repr(usd),
+            )
+        self._unsent.clear()
 
     async def _send(self, op: str, commands: list[tuple[Any, ...]]) -> bool:
         """``commands`` through the store's pipeline; a failure warned (and counted)."""
@@ -331,7 +361,7 @@ class RedisLimits(KeyLimits):
             slot.hold = 0.0
         await self._flush_charges()
 
-    async def _flush_charges(self) -> None:
+    async def _flush_charges(self, *, closing: bool = False) -> None:
         sending, self._unsent = self._unsent, {}
         commands = [
             (
@@ -348,13 +378,18 @@ class RedisLimits(KeyLimits):
             )
             for charge_id, (name, win_id, usd, ttl, held) in sending.items()
         ]
+        self._sending.update(sending)  # (close() reports them if they never arrive)
         try:
             sent = await self._send("charge", commands)
         except BaseException:  # cancelled (a hook call past its timeout): sent again later
             self._unsent.update(sending)
             raise
+        finally:
+            for charge_id in sending:
+                self._sending.pop(charge_id, None)
         if not sent:
-            log.warning("charging spend failed: retried on the next tick")
+            if not closing:
+                log.warning("charging spend failed: retried on the next tick")
             self._unsent.update(sending)
 
     async def spent(self, key: ApiKey) -> float:

@@ -185,6 +185,11 @@ class Store(ABC):
         """Whether a client elsewhere follows ``stream_id``."""
         return False
 
+    async def leased_among(self, stream_ids: Sequence[str]) -> set[str]:
+        """Those of ``stream_ids`` a client elsewhere follows: one question for all of
+        them, so that a caller with a deadline (shutdown) waits for one round trip."""
+        return {stream_id for stream_id in stream_ids if await self.leased(stream_id)}
+
     # Recordings.
     @abstractmethod
     async def get_recording(self, key: str) -> Recording | None: ...

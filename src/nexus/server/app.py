@@ -3,7 +3,8 @@
 ``create_app(config)`` builds it; the engine's providers start and stop with
 the app (``cleanup_ctx``); the encoder registry is frozen when it starts; on
 shutdown, streams get ``[server] shutdown_grace_s`` to finish, then are ended
-with a retryable error (see :mod:`nexus.server.streaming`).
+with a retryable error, and the closing that follows is bounded
+(:mod:`nexus.server.shutdown`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from ..cache.store import Store
 from ..config import Config, MemoryStoreConfig, RedisStoreConfig, StoreConfig
 from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
-from ..errors import ConfigError, ServerShuttingDown
-from ..events import Error
+from ..errors import ConfigError
 from ..protocol.realtime import PendingLedger
 from ..telemetry import Telemetry
 from ..tokens import StreamTokens, new_secret, secret_from_env
@@ -35,9 +35,10 @@ from .errors import error_middleware
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
 from .origins import loopback_host
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
+from .shutdown import closing_deadline, drain, shutdown_event
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
 
-__all__ = ["create_app"]
+__all__ = ["build_store", "create_app"]
 
 log = logging.getLogger("nexus.server")
 
@@ -121,18 +122,20 @@ def create_app(
             await engine.start()
             try:
                 yield
-                await hub.shutdown(_shutdown_event())
+                deadline = closing_deadline(app)
+                await hub.shutdown(shutdown_event(), timeout_s=_left(deadline, 1.0))
             finally:
                 await engine.close()
-                await limits.close()
+                # Spend not yet charged: retried until then, else logged as not charged.
+                await limits.close(deadline=closing_deadline(app) - 0.5)
         finally:
-            await store.close()
+            await _store_closed(store, closing_deadline(app))
             if telemetry is not None:
                 # Flushes the spans still queued: in a thread, the collector may be slow.
                 await asyncio.to_thread(telemetry.shutdown)
 
     app.cleanup_ctx.append(lifecycle)
-    app.on_shutdown.append(_drain_streams)
+    app.on_shutdown.append(drain)
 
     app.router.add_post("/v1/chat/completions", chat_completions.handle)
     app.router.add_post("/v1/messages", messages.handle)
@@ -191,11 +194,18 @@ def metrics_token(config: Config) -> bytes | None:
     return value.encode()
 
 
-async def _leased(hub: StreamHub, stream_id: str) -> bool:
+def _left(deadline: float, keep: float = 0.0) -> float:
+    """Seconds until ``keep`` seconds before ``deadline`` (event loop time), 0 if past."""
+    return max(deadline - keep - asyncio.get_running_loop().time(), 0.0)
+
+
+async def _store_closed(store: Store, deadline: float) -> None:
+    """Close ``store``, given up at ``deadline`` (a Redis that does not answer)."""
     try:
-        return await hub.store.leased(stream_id)
-    except Exception:
-        return False
+        async with asyncio.timeout(_left(deadline) or 0.1):
+            await store.close()
+    except TimeoutError:
+        log.warning("the store did not close in time (unreachable?): left as it is")
 
 
 def _token_secret(config: Config) -> str:
@@ -258,50 +268,3 @@ def build_limits(config: Config, store: Store, hub: StreamHub) -> KeyLimits:
         lease_s=limits.stream_lease_s,
         fallback=local,
     )
-
-
-def _shutdown_event() -> Error:
-    return ServerShuttingDown("The server is shutting down; retry the request.").to_event()
-
-
-async def _drain_streams(app: web.Application) -> None:
-    runtime = app[RUNTIME]
-    runtime.shutting_down = True
-    grace = app[CONFIG].server.shutdown_grace_s
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace
-
-    hub = app[HUB]
-
-    async def busy() -> int:
-        # Streams someone reads, here or (leased) on another replica; streams nobody
-        # reads are not waited for: they end after the grace period.
-        followed = 0
-        for run in list(hub.live.values()):
-            if run.attached or (hub.store.shared and await _leased(hub, run.id)):
-                followed += 1
-        return followed + len(runtime.active) + sum(1 for s in runtime.sockets if s.busy)
-
-    count = await busy()
-    if count:
-        log.info("waiting up to %.1fs for %d streams to finish", grace, count)
-    while count and loop.time() < deadline:
-        await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0)))
-        count = await busy()
-    if count:
-        log.warning("ending %d streams still running after the grace period", count)
-    # Sockets first: their turns end with close 1001, not with the streams' errors.
-    await asyncio.gather(*(socket.shutdown() for socket in list(runtime.sockets)))
-    # The streams end with a retryable error in their logs, which their pumps write.
-    await hub.shutdown(_shutdown_event())
-    for _ in range(20):
-        if not runtime.active:
-            break
-        await asyncio.sleep(0.01)
-    for pump in list(runtime.active):  # following another replica's stream
-        pump.shutdown()
-    # Let the cancelled pumps write their error frames and close their providers.
-    for _ in range(100):
-        if not runtime.active:
-            break
-        await asyncio.sleep(0.01)

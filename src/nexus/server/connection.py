@@ -171,6 +171,9 @@ class Connection(web.RequestHandler):
             self.wire.abort()  # close() would first wait to write what the client does not read
         self.force_close()
 
+    def hang_up(self) -> None:
+        self.force_close()  # (aiohttp's: the transport closes once its buffer is out)
+
     def write_buffer_size(self) -> int:
         """What waits for the client: the transport's buffer and the kernel's queue."""
         wire = self.wire
@@ -306,6 +309,14 @@ class ConnectionSite(web.BaseSite):
             reuse_port=self.reuse_port or None,
         )
         registry.start()
+
+    async def close_listener(self) -> None:
+        """Accept no more connections, and close the idle ones (the server stops); the
+        open ones are still read and timed until :meth:`stop`."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        self.registry.close_idle()
 
     async def stop(self) -> None:
         if self.listener is not None:

@@ -48,6 +48,9 @@ class Tracked(Protocol):
     def expire(self, reason: str) -> None:
         """Close at once, dropping what the client has not read: a deadline passed."""
 
+    def hang_up(self) -> None:
+        """Close after what is written went out: an idle connection, at shutdown."""
+
     def write_buffer_size(self) -> int:
         """The bytes its transport holds for the client."""
 
@@ -102,6 +105,8 @@ class ConnectionRegistry:
         )
         self.watchdog = Watchdog()
         self.warned_at = -1e9
+        self.closing = False
+        """The server stops: a connection is closed once idle (:meth:`close_idle`)."""
 
     # Transitions ------------------------------------------------------------
 
@@ -145,8 +150,12 @@ class ConnectionRegistry:
         conn.phase = Phase.BUSY
 
     def response_done(self, conn: Tracked, now: float) -> None:
-        """The response is written; the connection waits for its next request."""
-        if conn.phase is Phase.BUSY:
+        """The response is written; the connection waits for its next request (or,
+        once the server stops, is closed)."""
+        if conn.phase is Phase.BUSY and self.closing:
+            self._forget(conn)
+            conn.hang_up()
+        elif conn.phase is Phase.BUSY:
             conn.phase = Phase.IDLE
             self.idle[conn] = now + self.keepalive_timeout_s
 
@@ -211,6 +220,15 @@ class ConnectionRegistry:
         self.paused.pop(conn, None)
         conn.phase = Phase.CLOSED
         self.open -= 1
+
+    def close_idle(self) -> None:
+        """The server stops: close the idle connections now, and each busy one when its
+        response is written. Those still waiting for their request head are let finish
+        it (their request is refused, the connection closed after its answer)."""
+        self.closing = True
+        for conn in list(self.idle):
+            self._forget(conn)
+            conn.hang_up()
 
     def start(self) -> None:
         """Start checking (in the running loop)."""

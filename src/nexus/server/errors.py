@@ -5,7 +5,8 @@ attribute (a function of :class:`~nexus.errors.GatewayError` and the request id 
 a dict); the default is OpenAI's ``{"error": {"message", "type", "param", "code",
 "request_id"}}``. The request id is the ``X-Request-Id`` the response carries.
 Unknown routes and methods get the same JSON shape, and an unexpected
-exception a 500 whose message reveals nothing internal.
+exception a 500 whose message reveals nothing internal. A request that arrives
+while the server stops is 503 ``server_shutting_down``, its connection closed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..errors import GatewayError
-from .state import EXCHANGE, new_request_id
+from ..errors import GatewayError, ServerShuttingDown
+from .state import EXCHANGE, RUNTIME, new_request_id
 
 __all__ = ["error_middleware", "error_response"]
 
@@ -42,6 +43,8 @@ def error_response(request: web.Request, error: GatewayError) -> web.Response:
     )
 
 
+_STOPPING = "The server is shutting down; retry the request."
+_RETRY = {"Retry-After": "1"}
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -53,6 +56,13 @@ def _known_request_id(request: web.Request) -> str | None:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    runtime = request.app.get(RUNTIME)
+    if runtime is not None and runtime.shutting_down:
+        # A request on a connection still open while the server stops: answered, and
+        # the connection closed after it (the listener is gone; a retry goes elsewhere).
+        refused = error_response(request, ServerShuttingDown(_STOPPING, headers=_RETRY))
+        refused.force_close()
+        return refused
     try:
         response = await handler(request)
     except GatewayError as exc:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from ..auth import ApiKey
 from ..cache.hub import StreamHub
+from ..cache.run import LogReader
 from ..config import Config
 from ..encoders.registry import EncoderRegistry
 from ..engine import Engine
@@ -40,6 +41,8 @@ __all__ = [
 class Pump(Protocol):
     """A streaming response in flight (:class:`~nexus.server.streaming.StreamPump`)."""
 
+    reader: LogReader
+
     def shutdown(self) -> None: ...
 
 
@@ -62,7 +65,13 @@ class Runtime:
     """The timers of every streaming response (heartbeats, write stalls)."""
     pending: PendingLedger = field(default_factory=lambda: PendingLedger(0))
     """Each key's pending realtime input, over all its connections (the app sets it)."""
+    draining: bool = False
+    """``[server] drain_delay_s`` runs: ``/healthz`` answers 503, all else is served."""
     shutting_down: bool = False
+    """The listener is closed (or closing): a new request is 503 ``server_shutting_down``."""
+    stop_by: float | None = None
+    """When the shutdown must be over (event loop time), once it began
+    (:mod:`nexus.server.shutdown`)."""
 
 
 CONFIG = web.AppKey("config", Config)

@@ -186,6 +186,8 @@ class StreamPump(Writer):
                 log.exception("stream %s failed", self.reader.meta.id)
             if not self._ended:
                 event = exc.to_event() if isinstance(exc, GatewayError) else _INTERNAL
+                if not isinstance(exc, ConnectionError):  # (its outcome: not ok)
+                    self.exchange.ended_with(event)
                 with contextlib.suppress(Exception):
                     await self._end(renderer.fail(event))
             return self.response

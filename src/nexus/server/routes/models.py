@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ...errors import ServerShuttingDown
 from .. import state
 from ..access import admit, authenticate
 from .common import check_open, json_response
@@ -42,6 +43,8 @@ async def get_model(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     check_open(request)
     runtime = request.app[state.RUNTIME]
+    if runtime.draining:  # still serving, but a load balancer is to stop sending here
+        raise ServerShuttingDown("The server is shutting down; retry the request.")
     body = {
         "status": "ok",
         "streams": len(request.app[state.HUB].live),

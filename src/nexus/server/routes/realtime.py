@@ -100,6 +100,7 @@ class RealtimeConnection(Writer):
         self._last_seen = 0.0  # when the client last sent a frame
         self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline
         self._closing: asyncio.Task[object] | None = None  # the shutdown's close
+        self._handling = False  # a client frame is being carried out
         self.request_id = exchange(request).request_id
         """The handshake's ``X-Request-Id``: every error frame of the connection has it."""
         self.session = RealtimeSession(
@@ -115,7 +116,9 @@ class RealtimeConnection(Writer):
 
     @property
     def busy(self) -> bool:
-        return self.turn is not None
+        """A turn runs, or a client frame is being carried out (an abort's answer is
+        still to go out): the server's shutdown does not close it yet."""
+        return self.turn is not None or self._handling
 
     async def run(self) -> web.WebSocketResponse:
         ws = self.ws
@@ -130,8 +133,12 @@ class RealtimeConnection(Writer):
         try:
             while True:
                 message = await receive()
-                if message.type in _CLOSED or not await self._receive(message):
-                    break
+                self._handling = True
+                try:
+                    if message.type in _CLOSED or not await self._receive(message):
+                        break
+                finally:
+                    self._handling = False
                 # Not held while the socket waits for its next frame (a turn may be long).
                 del message
             if self._closing is not None:
@@ -146,7 +153,8 @@ class RealtimeConnection(Writer):
     def check(self, now: float) -> None:
         """The watchdog's tick; and no frame half an interval after a ping: the peer is
         gone, and the connection is dropped (its turn's stream with it)."""
-        if self._pong_due and now >= self._pong_due:
+        # (Not while the server stops: the grace ends the socket, its turn's frame first.)
+        if self._pong_due and now >= self._pong_due and not self.runtime.shutting_down:
             log.info("realtime client did not answer a ping: dropping the connection")
             self._drop()
         else:

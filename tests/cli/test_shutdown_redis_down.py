@@ -1,0 +1,133 @@
+"""SIGTERM while Redis does not answer (a real ``nexus serve``; Redis stopped with SIGSTOP).
+
+Every wait on the store after the signal is bounded by one deadline: the streams end
+at the grace's end (1 s) with their error, as with Redis up, and the process exits
+within the grace and ``CLOSE_BOUND_S``. It used to ask Redis, one stream at a time,
+whether another replica followed each of the streams nobody read here, each question
+waiting out Redis's timeouts before the grace was checked: a client streaming through
+the grace got the natural end of its stream instead, half a minute later, and the
+process took longer still (charges, leases and the store's close waited again).
+
+The spend of the streams ended by the shutdown cannot be charged: each is logged at
+ERROR with its key's name and dollars (it used to be a warning that it would be retried
+on the next tick, which never came).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from nexus.auth import hash_key
+from nexus.server.shutdown import CLOSE_BOUND_S
+from nexus_process import start_nexus, stop_nexus
+from redis_server import RedisServer
+
+GRACE_S = 1.0
+LOST = re.compile(
+    r"ERROR nexus.limits: spend not charged \(Redis failed at shutdown\): key 'tenant', "
+    r"(\S+) USD; add it with INCRBYFLOAT (\S+) (\S+)"
+)
+KEY = "nx-shutdown-0123456789-secret"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            server.process.send_signal(signal.SIGCONT)
+        server.stop()
+
+
+def config(redis_url: str) -> str:
+    return f"""\
+[server]
+shutdown_grace_s = {GRACE_S}
+heartbeat_interval_s = 1
+
+[limits]
+stream_lease_s = 3
+
+[[auth.keys]]
+name = "tenant"
+sha256 = "{hash_key(KEY)}"
+budget_usd = 1000.0
+
+[store]
+kind = "redis"
+url = "{redis_url}"
+prefix = "shutdown"
+
+[providers.mock]
+kind = "mock"
+models = ["echo"]
+
+[models."mock/echo"]
+input_usd_per_mtok = 1000
+output_usd_per_mtok = 1000
+"""
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    """30 s of mock stream (300 words, one every 100 ms)."""
+    return {
+        "model": "mock/echo",
+        "stream": True,
+        "max_tokens": 300,
+        "messages": [{"role": "user", "content": "word " * 300}],
+        "mock": {"delay_ms": 100},
+        **extra,
+    }
+
+
+async def test_redis_not_answering_does_not_stretch_the_shutdown(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(config(redis_server.url))
+    log = tmp_path / "nexus.log"
+    proc, match = start_nexus(path, log)
+    url = match.group(1) + "/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession(headers=HEADERS) as http:
+            for _ in range(4):  # nobody reads them: a lease check each, in the old drain
+                async with http.post(url, json=chat(background=True)) as resp:
+                    assert resp.status == 202
+            reading = await http.post(url, json=chat())
+            assert reading.status == 200
+            await reading.content.readline()
+            assert redis_server.process is not None
+            redis_server.process.send_signal(signal.SIGSTOP)
+            sigterm = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(15):
+                rest = await reading.content.read()
+            ended = time.monotonic() - sigterm
+            reading.release()
+        assert b"server_shutting_down" in rest, rest[-300:]
+        assert ended < GRACE_S + 1.5
+        exit_code = await asyncio.to_thread(proc.wait, 30)
+        exited = time.monotonic() - sigterm
+        assert exit_code == 0
+        assert exited < GRACE_S + CLOSE_BOUND_S + 2.5, log.read_text()[-3000:]
+        # The streams' spend could not be charged: a line each, to add it by hand.
+        lost = LOST.findall(log.read_text())
+        assert len(lost) == 5, log.read_text()[-3000:]
+        for usd, key, again in lost:
+            assert key.startswith("shutdown:spend:tenant:") and usd == again
+            assert float(usd) > 0
+    finally:
+        stop_nexus(proc, gently=False)

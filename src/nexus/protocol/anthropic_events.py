@@ -29,8 +29,8 @@ from ..request import (
     message_text,
 )
 from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
-from .sse import SSEDecoder
-from .upstream import in_stream_error
+from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
+from .upstream import event_too_large, in_stream_error
 
 __all__ = ["EventDecoder", "messages_body"]
 
@@ -186,11 +186,11 @@ class EventDecoder:
 
     terminator: ClassVar[str] = "message_stop"
 
-    def __init__(self, provider: str) -> None:
+    def __init__(self, provider: str, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self.provider = provider
         self.done = False
         self.error: UpstreamError | None = None
-        self._sse = SSEDecoder().decode
+        self._sse = SSEDecoder(max_event_bytes).decode
         self._tool_index: dict[int, int] = {}
         self._counts = dict.fromkeys(_COUNTS, 0)
         self._finish: str | None = None
@@ -204,7 +204,12 @@ class EventDecoder:
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         out: list[StreamEvent] = []
-        for sse in self._sse(chunk):
+        try:
+            events = self._sse(chunk)
+        except EventTooLarge as exc:
+            self.error = event_too_large(self.provider, exc)
+            return out
+        for sse in events:
             try:
                 data = orjson.loads(sse.data)
             except orjson.JSONDecodeError:

@@ -11,8 +11,8 @@ import orjson
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
 from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
-from .sse import SSEDecoder
-from .upstream import in_stream_error
+from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
+from .upstream import event_too_large, in_stream_error
 
 __all__ = ["ChunkDecoder", "chunk_events", "upstream_body"]
 
@@ -192,15 +192,20 @@ class ChunkDecoder:
     __slots__ = ("_payloads", "done", "error", "provider")
     terminator: ClassVar[str] = "[DONE]"
 
-    def __init__(self, provider: str) -> None:
+    def __init__(self, provider: str, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self.provider = provider
-        self._payloads = SSEDecoder().decode_data
+        self._payloads = SSEDecoder(max_event_bytes).decode_data
         self.done = False
         self.error: UpstreamError | None = None
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
-        for data in self._payloads(chunk):
+        try:
+            payloads = self._payloads(chunk)
+        except EventTooLarge as exc:
+            self.error = event_too_large(self.provider, exc)
+            return events
+        for data in payloads:
             try:
                 typed = _decode_chunk(data)
             except _NOT_TYPED:

@@ -20,6 +20,7 @@ from ..errors import (
     UpstreamError,
     UpstreamInvalidRequest,
     UpstreamOverloaded,
+    UpstreamProtocolError,
     UpstreamRateLimited,
     UpstreamServerError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ERROR_TYPES",
     "UpstreamDecoder",
     "error_text",
+    "event_too_large",
     "in_stream_error",
     "keep_secret",
     "plain_token",
@@ -169,3 +171,9 @@ def in_stream_error(provider: str, error: Any) -> UpstreamError:
         code=code or "upstream_error",
         error_type=kind,
     )
+
+
+def event_too_large(provider: str, exc: Exception) -> UpstreamProtocolError:
+    """The error for an upstream event past the provider's ``max_event_bytes``: the stream
+    ends there rather than hold an event no client could use."""
+    return UpstreamProtocolError(f"provider {provider!r} sent {exc}")

@@ -1,0 +1,73 @@
+"""What an upstream's stream may hold of the gateway, checked on the codecs alone: each
+test is named for what it keeps from breaking."""
+
+from __future__ import annotations
+
+import pytest
+
+from nexus.errors import UpstreamProtocolError
+from nexus.protocol.anthropic_events import EventDecoder
+from nexus.protocol.openai_chunks import ChunkDecoder
+from nexus.protocol.sse import EventTooLarge, SSEDecoder
+
+LIMIT = 4096
+
+
+def reads(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize("size", [1000, 3000])
+def test_a_line_without_an_end_is_not_held_past_the_bound(size: int) -> None:
+    """A line that never ended used to be held whole (a gigabyte took the gateway to 4 GB)."""
+    decoder = SSEDecoder(LIMIT)
+    decoder.decode(b"data: ")
+    with pytest.raises(EventTooLarge):
+        for chunk in reads(b"a" * (LIMIT * 3), size):
+            decoder.decode(chunk)
+    assert decoder.decode(b"\n\n") == []  # what it held is gone
+
+
+def test_an_event_of_many_short_lines_is_bounded() -> None:
+    decoder = SSEDecoder(LIMIT)
+    with pytest.raises(EventTooLarge):
+        for _ in range(LIMIT):
+            decoder.decode(b"data: x\n")
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+@pytest.mark.parametrize("size", [7, 100, 1000])
+def test_events_split_across_reads_never_pass_the_bound(end: bytes, size: int) -> None:
+    """The bound counts from each event's start, not over the stream."""
+    event = b"data: " + b"x" * 900 + end + b"data: y" + end + end
+    decoder = SSEDecoder(LIMIT)
+    events = [e for chunk in reads(event * 200, size) for e in decoder.decode(chunk)]
+    assert len(events) == 200
+
+
+def test_an_event_just_under_the_bound_passes() -> None:
+    data = b"data: " + b"a" * (LIMIT - 1100) + b"\n\n"
+    decoder = SSEDecoder(LIMIT)
+    events = [e for chunk in reads(data, 1000) for e in decoder.decode(chunk)]
+    assert [len(e.data) for e in events] == [LIMIT - 1100]
+
+
+def test_openai_chunks_past_the_bound_end_with_a_protocol_error() -> None:
+    decoder = ChunkDecoder("up", LIMIT)
+    assert decoder.decode(b'data: {"choices":[{"index":0,"delta":{"content":"') == []
+    for chunk in reads(b"b" * (LIMIT * 2), 1024):
+        decoder.decode(chunk)
+        if decoder.error is not None:
+            break
+    assert isinstance(decoder.error, UpstreamProtocolError)
+    assert "max_event_bytes" in str(decoder.error)
+
+
+def test_anthropic_events_past_the_bound_end_with_a_protocol_error() -> None:
+    decoder = EventDecoder("claude", LIMIT)
+    decoder.decode(b"event: content_block_delta\ndata: ")
+    for chunk in reads(b"c" * (LIMIT * 2), 1024):
+        decoder.decode(chunk)
+        if decoder.error is not None:
+            break
+    assert isinstance(decoder.error, UpstreamProtocolError)

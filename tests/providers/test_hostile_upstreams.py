@@ -3,12 +3,17 @@ is named for what it keeps from breaking (tests/upstreams.py is the fake)."""
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
 
+from nexus.events import Delta
+from nexus.protocol.openai_chunks import ChunkDecoder
+from nexus.providers.http import _Exchange
 from support import MakeClient
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk
 
@@ -66,3 +71,101 @@ async def test_an_event_past_max_event_bytes_ends_the_stream(
     assert [line["type"] for line in lines] == ["delta", "error", "done"]
     assert lines[1]["error"]["code"] == "upstream_protocol_error"
     assert "max_event_bytes" in lines[1]["error"]["message"]
+
+
+async def test_bodies_are_asked_for_uncompressed(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """aiohttp's default Accept-Encoding (gzip, deflate) invited compressed bodies."""
+    upstream.add(Reply.stream([openai_chunk(content="ok"), openai_usage_chunk(USAGE), DONE]))
+    client = await make_client(openai(upstream))
+    await ndjson(client)
+    assert upstream.requests[0].headers["Accept-Encoding"] == "identity"
+
+
+async def test_a_compressed_stream_is_refused_not_inflated(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """A gzip body used to be inflated whole in one call: 300 MB of comments from 306 KB
+    held the event loop 35 s; a 1 MB bomb took 3 GB."""
+    body = gzip.compress(openai_chunk(content="zipped") + b":\n\n" * 1000 + DONE)
+    upstream.add(
+        Reply(body=body, headers={"Content-Type": "text/event-stream", "Content-Encoding": "gzip"})
+    )
+    client = await make_client(openai(upstream))
+    resp = await client.post("/v1/chat/completions", json=chat())
+    assert resp.status == 502
+    error = (await resp.json())["error"]
+    assert error["code"] == "upstream_protocol_error"
+    assert "gzip" in error["message"]
+
+
+async def test_keepalive_comments_do_not_stand_for_a_first_event(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """Comments every 50 ms used to meet first_byte_timeout_s: a stream with no event held
+    its slot and connection until max_stream_duration_s, and the next target was never
+    tried."""
+    comments = [b": keepalive\n\n"] * 60  # 3 s of them, then an answer too late
+    late = [openai_chunk(content="late"), openai_usage_chunk(USAGE), DONE]
+    upstream.add(Reply.stream([*comments, *late], delay=0.05))
+    upstream.add(Reply.stream([openai_chunk(content="next"), openai_usage_chunk(USAGE), DONE]))
+    config = openai(upstream, first_byte_timeout_s=0.5)
+    config["models"] = {"alias": {"targets": ["up/a", "up/b"]}}
+    client = await make_client(config)
+    lines = await ndjson(client, {**chat(), "model": "alias"})
+    assert lines[0] == {"type": "delta", "delta": {"content": "next"}}
+    assert [seen.body["model"] for seen in upstream.requests] == ["a", "b"]
+
+
+async def test_a_comment_flood_lets_other_streams_run() -> None:
+    """Reads of bytes already buffered do not pause: a flood of comments (no event) used
+    to hold the event loop, every other stream included, until an event came."""
+    flood = [b":\n\n" * 20_000] * 64  # 3.75 MiB in 60 KiB reads, never an event
+    reads = iter([*flood, openai_chunk(content="end"), DONE])
+
+    async def readany() -> bytes:  # bytes already buffered: no await inside
+        return next(reads)
+
+    class Content:
+        def at_eof(self) -> bool:
+            return True
+
+    class Response:
+        content = Content()
+
+        def release(self) -> None:
+            pass
+
+    exchange: Any = _Exchange.__new__(_Exchange)
+    exchange.__init__(_Provider(), None, "m")  # type: ignore[arg-type]
+    exchange._readany, exchange._decoder, exchange.response = (
+        readany,
+        ChunkDecoder("up"),
+        Response(),
+    )
+    others = 0
+
+    async def other_stream() -> None:
+        nonlocal others
+        while True:
+            others += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_stream())
+    await asyncio.sleep(0)
+    try:
+        events = await exchange.__anext__()
+    finally:
+        task.cancel()
+    assert events == [Delta("end")]
+    assert others >= 10  # a turn per 256 KiB of the flood
+
+
+class _Provider:
+    name = "up"
+
+    class _watchdog:
+        @staticmethod
+        def discard(watched: object) -> None:
+            pass

@@ -27,7 +27,7 @@ from pydantic import (
 from .config_errors import describe
 from .errors import ConfigError
 from .hook_calls import HOOK_TIMEOUT_S
-from .pricing import Price, PriceTable
+from .pricing import MAX_USD_PER_MTOK, Price, PriceTable
 from .protocol.sse import MAX_EVENT_BYTES
 
 __all__ = [
@@ -70,6 +70,8 @@ USD = Annotated[
     float | None, BeforeValidator(_int_to_float), Field(default=None, ge=0, allow_inf_nan=False)
 ]
 """An optional amount of dollars (or dollars per million tokens)."""
+PER_MTOK = Annotated[USD, Field(le=MAX_USD_PER_MTOK)]
+"""An optional price, bounded so that no count times it is an infinite cost."""
 _URL = r"^https?://\S+$"
 
 
@@ -323,11 +325,11 @@ class ModelAliasConfig(_Table):
     has one. Prices are USD per million tokens (see :mod:`nexus.pricing`)."""
 
     targets: list[str] | None = None
-    input_usd_per_mtok: USD
-    output_usd_per_mtok: USD
-    cached_input_usd_per_mtok: USD
+    input_usd_per_mtok: PER_MTOK
+    output_usd_per_mtok: PER_MTOK
+    cached_input_usd_per_mtok: PER_MTOK
     """Unset: the input price."""
-    cache_write_usd_per_mtok: USD
+    cache_write_usd_per_mtok: PER_MTOK
     """Prompt tokens written to a prompt cache (Anthropic bills 1.25x the input price for
     five-minute writes). Unset: the input price."""
 

@@ -71,3 +71,67 @@ def test_anthropic_events_past_the_bound_end_with_a_protocol_error() -> None:
         if decoder.error is not None:
             break
     assert isinstance(decoder.error, UpstreamProtocolError)
+
+
+BAD_COUNTS = [
+    ("1e308", "prompt_tokens"),  # a float: cost_usd was inf, and the key's budget with it
+    ("1" + "0" * 400, "prompt_tokens"),  # past any float: OverflowError, a 500
+    ("1" + "0" * 30, "prompt_tokens"),  # past 64 bits: orjson refused it, a 500
+    ("-5000000", "prompt_tokens"),  # passed on to the client and the access line
+    ('"100"', "prompt_tokens"),  # a string: TypeError, a 500
+    ("10.7", "prompt_tokens"),
+    ("true", "prompt_tokens"),
+    ("1000000001", "prompt_tokens"),
+]
+
+
+@pytest.mark.parametrize(("value", "field"), BAD_COUNTS)
+def test_openai_usage_counts_must_be_token_counts(value: str, field: str) -> None:
+    usage = f'{{"{field}":{value},"completion_tokens":1,"total_tokens":1}}'
+    decoder = ChunkDecoder("up")
+    assert decoder.decode(b'data: {"choices":[],"usage":' + usage.encode() + b"}\n\n") == []
+    assert isinstance(decoder.error, UpstreamProtocolError)
+    assert f"usage {field} that is not a count of tokens" in str(decoder.error)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        b'{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":"x"}}',
+        b'{"prompt_tokens":1,"completion_tokens_details":{"reasoning_tokens":-1}}',
+        b'{"prompt_tokens":1,"prompt_tokens_details":[1]}',
+        b"[1, 2]",
+    ],
+)
+def test_openai_usage_details_are_checked_too(usage: bytes) -> None:
+    decoder = ChunkDecoder("up")
+    decoder.decode(b'data: {"choices":[],"usage":' + usage + b"}\n\n")
+    assert isinstance(decoder.error, UpstreamProtocolError)
+
+
+def test_openai_counts_within_bounds_pass() -> None:
+    usage = (
+        b'{"prompt_tokens":1000000000,"completion_tokens":0,"total_tokens":1000000000,'
+        b'"prompt_tokens_details":{"cached_tokens":null}}'
+    )
+    decoder = ChunkDecoder("up")
+    [event] = decoder.decode(b'data: {"choices":[],"usage":' + usage + b"}\n\n")
+    assert decoder.error is None
+    assert (event.prompt_tokens, event.cached_tokens) == (10**9, None)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("value", "field"), BAD_COUNTS)
+@pytest.mark.parametrize("event", ["message_start", "message_delta"])
+def test_anthropic_usage_counts_must_be_token_counts(value: str, field: str, event: str) -> None:
+    name = "output_tokens" if event == "message_delta" else "input_tokens"
+    usage = f'{{"{name}":{value}}}'.encode()
+    data = (
+        b'{"type":"message_start","message":{"usage":' + usage + b"}}"
+        if event == "message_start"
+        else b'{"type":"message_delta","delta":{},"usage":' + usage + b"}"
+    )
+    decoder = EventDecoder("claude")
+    assert decoder.decode(b"event: " + event.encode() + b"\ndata: " + data + b"\n\n") == []
+    assert isinstance(decoder.error, UpstreamProtocolError)
+    if len(value) < 400:  # (orjson, which reads Anthropic's events, refuses the longest)
+        assert f"usage {name} that is not a count of tokens" in str(decoder.error)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -169,3 +170,30 @@ class _Provider:
         @staticmethod
         def discard(watched: object) -> None:
             pass
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        b'{"prompt_tokens":1e308,"completion_tokens":1e308,"total_tokens":1}',
+        b'{"prompt_tokens":1' + b"0" * 400 + b',"completion_tokens":1,"total_tokens":1}',
+        b'{"prompt_tokens":"100","completion_tokens":"5","total_tokens":"105"}',
+        b'{"prompt_tokens":100,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":"x"}}',
+    ],
+)
+async def test_a_usage_that_is_no_count_is_a_protocol_error(
+    make_client: MakeClient, upstream: FakeUpstream, usage: bytes
+) -> None:
+    """1e308 prompt tokens used to cost inf (the key's budget spent for good, the cost
+    metric +Inf); a string or a count past 64 bits, a 500 with a traceback."""
+    usage_chunk = b'data: {"choices":[],"usage":' + usage + b"}\n\n"
+    upstream.add(Reply.stream([openai_chunk(content="hi"), usage_chunk, DONE]))
+    config = openai(upstream)
+    config["models"] = {"up/m": {"input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}}
+    client = await make_client(config)
+    resp = await client.post("/v1/chat/completions", json=chat(stream=False))
+    assert resp.status == 502
+    assert (await resp.json())["error"]["code"] == "upstream_protocol_error"
+    metrics = (await (await client.get("/metrics")).text()).splitlines()
+    costs = [line for line in metrics if line.startswith("nexus_cost_usd_total{")]
+    assert costs and all(math.isfinite(float(line.split()[-1])) for line in costs)

@@ -24,18 +24,23 @@ from ..errors import (
     UpstreamRateLimited,
     UpstreamServerError,
 )
-from ..events import StreamEvent
+from ..events import MAX_TOKENS, StreamEvent
 
 __all__ = [
     "ERROR_TYPES",
+    "Malformed",
     "UpstreamDecoder",
     "error_text",
     "event_too_large",
     "in_stream_error",
     "keep_secret",
+    "malformed",
+    "optional_count",
     "plain_token",
     "redacted",
     "status_error",
+    "text_of",
+    "token_count",
 ]
 
 _CREDENTIAL_SHAPES = re.compile(
@@ -177,3 +182,37 @@ def event_too_large(provider: str, exc: Exception) -> UpstreamProtocolError:
     """The error for an upstream event past the provider's ``max_event_bytes``: the stream
     ends there rather than hold an event no client could use."""
     return UpstreamProtocolError(f"provider {provider!r} sent {exc}")
+
+
+class Malformed(ValueError):
+    """A field of an upstream event of the wrong type, or a count out of bounds: raised by
+    the readers of the codecs, made :class:`~nexus.errors.UpstreamProtocolError` by their
+    decoders (:func:`malformed`). Checked where the field is read anyway: a string passed on
+    as it came would reach an OpenAI client as an object, a count as an infinite cost."""
+
+
+def malformed(provider: str, exc: Malformed) -> UpstreamProtocolError:
+    return UpstreamProtocolError(f"provider {provider!r} sent {exc}")
+
+
+def text_of(value: object, field: str) -> str | None:
+    """``value`` if a string or None (absent), else :class:`Malformed`."""
+    if value is None or type(value) is str:
+        return value
+    raise Malformed(f"a {field} that is not a string")
+
+
+def token_count(value: object, field: str) -> int:
+    """``value`` if a count of tokens (an integer from 0 to :data:`~nexus.events.MAX_TOKENS`;
+    None or absent: 0), else :class:`Malformed`. Not a float, a string nor a bool: no
+    upstream sends those, and a count is billed."""
+    if value is None:
+        return 0
+    if type(value) is int and 0 <= value <= MAX_TOKENS:
+        return value
+    raise Malformed(f"a usage {field} that is not a count of tokens (0 to {MAX_TOKENS})")
+
+
+def optional_count(value: object, field: str) -> int | None:
+    """:func:`token_count`, None kept: a detail the upstream did not report."""
+    return None if value is None else token_count(value, field)

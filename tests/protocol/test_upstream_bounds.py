@@ -3,12 +3,14 @@ test is named for what it keeps from breaking."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from nexus.errors import UpstreamProtocolError
 from nexus.protocol.anthropic_events import EventDecoder
 from nexus.protocol.openai_chunks import ChunkDecoder
 from nexus.protocol.sse import EventTooLarge, SSEDecoder
+from nexus.protocol.upstream import MAX_ERROR_TEXT, error_text, in_stream_error, status_error
 
 LIMIT = 4096
 
@@ -135,3 +137,61 @@ def test_anthropic_usage_counts_must_be_token_counts(value: str, field: str, eve
     assert isinstance(decoder.error, UpstreamProtocolError)
     if len(value) < 400:  # (orjson, which reads Anthropic's events, refuses the longest)
         assert f"usage {name} that is not a count of tokens" in str(decoder.error)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        orjson.dumps({"error": {"message": "bad: " + "Z" * 60000}}),  # was passed on whole
+        orjson.dumps({"message": "Y" * 60000}),
+        b"plain " * 20000,
+    ],
+)
+def test_error_text_is_cut_whatever_its_shape(body: bytes) -> None:
+    assert len(error_text(body)) == MAX_ERROR_TEXT
+
+
+def test_an_error_inside_the_stream_is_cut() -> None:
+    """A 5 MB in-stream error.message used to be forwarded whole."""
+    error = in_stream_error("up", {"message": "E" * (5 << 20), "type": "server_error"})
+    assert len(str(error)) < MAX_ERROR_TEXT + 50
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "boom\n2030-01-01 00:00:00,000 INFO nexus.access FORGED status=200",
+        "boom\r\x1b[2Jcleared\u2028next\x85",
+    ],
+)
+def test_error_text_cannot_break_a_log_line(text: str) -> None:
+    """With text logs, an upstream's 5xx body could forge lines in the operator's log."""
+    for out in (error_text(text.encode()), str(in_stream_error("up", {"message": text}))):
+        assert not any(c in out for c in "\n\r\x1b\u2028\x85")
+        assert "\\n" in out or "\\r" in out
+
+
+@pytest.mark.parametrize(
+    "secret", ["proj_abcDEF123operator", "proj_Xy12Ab34Cd56Ef78", "user-abcdefghijklmnopqrst"]
+)
+def test_openai_project_and_user_ids_are_redacted(secret: str) -> None:
+    body = orjson.dumps({"error": {"message": f"Rate limit for {secret} reached"}})
+    assert error_text(body) == "Rate limit for [redacted] reached"
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ({"Retry-After": "86400", "retry-after-ms": "86400000"}, ("60", "60000")),
+        ({"Retry-After": "3", "retry-after-ms": "2500"}, ("3", "2500")),
+        ({"Retry-After": "Wed, 21 Oct 2037 07:28:00 GMT", "retry-after-ms": "nan"}, (None, None)),
+        ({"Retry-After": "-1", "retry-after-ms": "-5"}, (None, None)),
+        ({"retry-after-ms": "1e9"}, (None, "60000")),
+    ],
+)
+def test_retry_after_passed_on_is_bounded(
+    given: dict[str, str], kept: tuple[str | None, ...]
+) -> None:
+    """An upstream's Retry-After: 86400 used to be promised to clients as it came."""
+    error = status_error("up", 429, "slow down", given)
+    assert (error.headers.get("Retry-After"), error.headers.get("retry-after-ms")) == kept

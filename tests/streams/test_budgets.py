@@ -381,7 +381,7 @@ async def test_a_long_prompt_left_at_its_first_token_is_charged_its_prompt(
         ("accepted", 104),  # 2xx, then a long prefill (or reasoning): the prompt is billed
         ("unanswered", 0),  # the client left before the upstream answered at all
         ("refused", 0),  # a 5xx: nothing billed upstream
-        ("failed", 104),  # a 2xx, then an error before any event: billed all the same
+        ("failed", 0),  # a 2xx, then an error before any event: a failed stream, uncharged
     ],
 )
 async def test_a_stream_left_before_its_first_event_is_charged_as_its_upstream_bills(

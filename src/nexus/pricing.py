@@ -74,22 +74,6 @@ class Spend:
     estimated: bool
     cache_write_tokens: int = 0
 
-    def __add__(self, other: Spend | None) -> Spend:
-        """Both spends as one (``other`` None: this one): counts added, the cost known if
-        either's is, estimated if either is."""
-        if other is None:
-            return self
-        costs = [cost for cost in (self.cost_usd, other.cost_usd) if cost is not None]
-        return Spend(
-            self.prompt_tokens + other.prompt_tokens,
-            self.completion_tokens + other.completion_tokens,
-            self.cached_tokens + other.cached_tokens,
-            self.reasoning_tokens + other.reasoning_tokens,
-            sum(costs) if costs else None,
-            self.estimated or other.estimated,
-            self.cache_write_tokens + other.cache_write_tokens,
-        )
-
 
 NOTHING = Spend(0, 0, 0, 0, 0.0, False)
 """The spend of a request that called no upstream (a cache hit)."""
@@ -130,11 +114,10 @@ class PriceTable:
         return found if found is not None else self.prices.get(asked)
 
     def spend(self, tallied: Tally, meta: StreamMeta, *, complete: bool) -> Spend:
-        """The spend of the stream ``meta`` names (served by ``meta.provider``), with that
-        of the targets that failed after taking it (``meta.failed_spend``)."""
+        """The spend of the stream ``meta`` names (served by ``meta.provider``)."""
         served = f"{meta.provider}/{meta.upstream_model}"
         price = self.price(served, meta.model)
-        spent = spend_of(
+        return spend_of(
             tallied,
             price,
             complete=complete,
@@ -142,7 +125,6 @@ class PriceTable:
             accepted=meta.upstream_accepted,
             upstream_prompt=meta.upstream_prompt,
         )
-        return spent + meta.failed_spend
 
 
 def cost_usd(

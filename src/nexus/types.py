@@ -5,12 +5,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .events import Audio, Citation, Image, Usage
-
-if TYPE_CHECKING:
-    from .pricing import Spend
 
 __all__ = [
     "CompletedToolCall",
@@ -70,11 +66,6 @@ class StreamMeta:
     """The upstream's own count of the prompt, when it gave one before any event came
     (Anthropic's ``message_start``): charged, in place of the estimate, to a stream that
     ended then. Set when such a stream ends."""
-    failed_spend: Spend | None = None
-    """What the targets that took the request (2xx) and then failed before any event
-    spent (an alias then tried its next target, or the stream failed): the upstream
-    bills their prompts, so they are charged with the stream's own spend. Not kept in a
-    shared store, like the fields above."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

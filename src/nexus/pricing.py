@@ -57,8 +57,8 @@ __all__ = [
 ]
 
 PER_TOKENS = 1_000_000
-MAX_USD_PER_MTOK = 1_000_000.0
-"""The dearest price a :class:`Price` takes (a thousand times any model's): with counts
+MAX_USD_PER_MTOK = 1_000_000_000.0
+"""The dearest price a :class:`Price` takes (millions of times any model's): with counts
 at most :data:`~nexus.events.MAX_TOKENS`, every cost is a finite number."""
 
 

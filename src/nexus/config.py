@@ -24,9 +24,11 @@ from pydantic import (
     model_validator,
 )
 
+from .config_errors import describe
 from .errors import ConfigError
 from .hook_calls import HOOK_TIMEOUT_S
-from .pricing import Price, PriceTable
+from .pricing import MAX_USD_PER_MTOK, Price, PriceTable
+from .protocol.sse import MAX_EVENT_BYTES
 
 __all__ = [
     "AnthropicProviderConfig",
@@ -68,6 +70,8 @@ USD = Annotated[
     float | None, BeforeValidator(_int_to_float), Field(default=None, ge=0, allow_inf_nan=False)
 ]
 """An optional amount of dollars (or dollars per million tokens)."""
+PER_MTOK = Annotated[USD, Field(le=MAX_USD_PER_MTOK)]
+"""An optional price, bounded so that no count times it is an infinite cost."""
 _URL = r"^https?://\S+$"
 
 
@@ -286,6 +290,9 @@ class HTTPProviderConfig(_Table):
     """The default is ``[limits] max_concurrent_streams``', so the gateway's own limit is met
     first (a stream holds a connection for its whole length)."""
     pool_timeout_s: float = Field(default=10.0, ge=0)
+    max_event_bytes: int = Field(default=MAX_EVENT_BYTES, ge=1024)
+    """The most one upstream SSE event (or line) may hold before its end: past it, the
+    stream ends with ``upstream_protocol_error`` instead of the gateway's memory growing."""
     optional: bool = False
 
     @field_validator("api_key_env")
@@ -319,11 +326,11 @@ class ModelAliasConfig(_Table):
     has one. Prices are USD per million tokens (see :mod:`nexus.pricing`)."""
 
     targets: list[str] | None = None
-    input_usd_per_mtok: USD
-    output_usd_per_mtok: USD
-    cached_input_usd_per_mtok: USD
+    input_usd_per_mtok: PER_MTOK
+    output_usd_per_mtok: PER_MTOK
+    cached_input_usd_per_mtok: PER_MTOK
     """Unset: the input price."""
-    cache_write_usd_per_mtok: USD
+    cache_write_usd_per_mtok: PER_MTOK
     """Prompt tokens written to a prompt cache (Anthropic bills 1.25x the input price for
     five-minute writes). Unset: the input price."""
 
@@ -450,50 +457,4 @@ def parse_config(data: dict[str, Any], source: str = "config") -> Config:
         return Config.model_validate(data)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
-        raise ConfigError(f"{source}: {_describe(error)}") from None
-
-
-_KINDS = ("mock", "openai", "anthropic")
-_STORE_KINDS = ("memory", "redis")
-
-
-def _describe(error: Any) -> str:
-    loc = [str(p) for p in error["loc"]]
-    message = str(error["msg"])
-    if error["type"] == "union_tag_not_found":
-        loc, message = [*loc, "kind"], "required key is missing"
-    elif error["type"] == "union_tag_invalid":
-        ctx = error.get("ctx", {})
-        loc = [*loc, "kind"]
-        message = f"unknown kind {ctx.get('tag')!r} (expected {ctx.get('expected_tags')})"
-    if error["type"] == "extra_forbidden":
-        message = "unknown key (check the spelling against docs/configuration.md)"
-    elif error["type"] == "missing":
-        message = "required key is missing"
-    elif message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    if not loc:
-        return message
-    if len(loc) == 1:
-        if error["type"] == "extra_forbidden":
-            return f"[{loc[0]}]: unknown table or key"
-        return f"{loc[0]}: {message}"
-    table, rest = loc[0], loc[1:]
-    if table == "plugins" and rest and rest[0].isdigit():
-        where = f"[[plugins]] #{int(rest[0]) + 1}"
-        return f"{where} {'.'.join(rest[1:])}: {message}" if rest[1:] else f"{where}: {message}"
-    if table == "auth" and len(rest) >= 2 and rest[0] == "keys" and rest[1].isdigit():
-        where = f"[[auth.keys]] #{int(rest[1]) + 1}"
-        return f"{where} {'.'.join(rest[2:])}: {message}" if rest[2:] else f"{where}: {message}"
-    if table == "store" and rest and rest[0] in _STORE_KINDS:
-        rest = rest[1:]  # the discriminator tag again
-        if not rest:
-            return f"[store]: {message}"
-    if table == "providers" and len(rest) >= 2 and rest[1] in _KINDS:
-        rest = [rest[0], *rest[2:]]  # drop the discriminator tag pydantic adds
-        if len(rest) == 1:
-            return f"[providers.{rest[0]}]: {message}"
-    if table in ("providers", "models") and len(rest) >= 2:
-        name = rest[0] if table == "providers" and "." not in rest[0] else f'"{rest[0]}"'
-        return f"[{table}.{name}] {'.'.join(rest[1:])}: {message}"
-    return f"[{table}] {'.'.join(rest)}: {message}"
+        raise ConfigError(f"{source}: {describe(error)}") from None

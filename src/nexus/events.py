@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = [
+    "MAX_TOKENS",
     "Audio",
     "Citation",
     "Delta",
@@ -197,6 +198,12 @@ class Citation:
             "type": "citation",
             "citation": {"url": self.url, "title": self.title, "quoted": self.quoted},
         }
+
+
+MAX_TOKENS = 10**9
+"""The most tokens one count of a :class:`Usage` holds: a thousand times the largest
+context window, and small enough that any count times any price is a finite cost. The
+upstream decoders refuse counts past it (``upstream_protocol_error``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,11 +22,11 @@ almost nothing of its budget.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import orjson
 
-from .events import Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
+from .events import MAX_TOKENS, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
 from .request import (
     AssistantMessage,
     AudioPart,
@@ -40,6 +40,7 @@ from .request import (
 from .types import StreamMeta
 
 __all__ = [
+    "MAX_USD_PER_MTOK",
     "NOTHING",
     "UNKNOWN",
     "Price",
@@ -56,6 +57,9 @@ __all__ = [
 ]
 
 PER_TOKENS = 1_000_000
+MAX_USD_PER_MTOK = 1_000_000_000.0
+"""The dearest price a :class:`Price` takes (millions of times any model's): with counts
+at most :data:`~nexus.events.MAX_TOKENS`, every cost is a finite number."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,11 @@ class Price:
     output_usd_per_mtok: float
     cached_input_usd_per_mtok: float
     cache_write_usd_per_mtok: float | None = None
+
+    def __post_init__(self) -> None:
+        for usd in astuple(self):
+            if usd is not None and not (0.0 <= usd <= MAX_USD_PER_MTOK):  # NaN fails too
+                raise ValueError(f"a price must be from 0 to {MAX_USD_PER_MTOK:g} USD: {usd}")
 
 
 class PriceTable:
@@ -125,20 +134,26 @@ def cost_usd(
     cached_tokens: int,
     cache_write_tokens: int = 0,
 ) -> float:
-    """The cost of these tokens at ``price``. Cached and written tokens beyond the prompt
-    count as plain prompt tokens (an upstream that reports more of them than prompt
-    tokens is not trusted)."""
-    prompt = max(prompt_tokens, 0)
-    cached = min(max(cached_tokens, 0), prompt)
-    written = min(max(cache_write_tokens, 0), prompt - cached)
+    """The cost of these tokens at ``price``: a finite number. Cached and written tokens
+    beyond the prompt count as plain prompt tokens (an upstream that reports more of them
+    than prompt tokens is not trusted); each count is taken between 0 and
+    :data:`~nexus.events.MAX_TOKENS` (the upstream decoders refuse others; this holds
+    for any caller)."""
+    prompt = _bounded(prompt_tokens)
+    cached = min(_bounded(cached_tokens), prompt)
+    written = min(_bounded(cache_write_tokens), prompt - cached)
     write_price = price.cache_write_usd_per_mtok
     micro = (
         (prompt - cached - written) * price.input_usd_per_mtok
         + cached * price.cached_input_usd_per_mtok
         + written * (price.input_usd_per_mtok if write_price is None else write_price)
-        + max(completion_tokens, 0) * price.output_usd_per_mtok
+        + _bounded(completion_tokens) * price.output_usd_per_mtok
     )
     return micro / PER_TOKENS
+
+
+def _bounded(tokens: int) -> int:
+    return min(max(tokens, 0), MAX_TOKENS)
 
 
 CHARS_PER_TOKEN = 4

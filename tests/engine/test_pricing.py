@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -367,3 +368,19 @@ def test_a_cache_write_price_comes_from_the_config() -> None:
               "cache_write_usd_per_mtok": 3.75}  # fmt: skip
     table = price_table(parse_config({"providers": PROVIDERS, "models": {"up/m": prices}}))
     assert table.prices == {"up/m": Price(3.0, 15.0, 3.0, 3.75)}
+
+
+@pytest.mark.parametrize("tokens", [10**30, 10**400, -(10**30)])
+def test_cost_usd_is_finite_whatever_the_counts(tokens: int) -> None:
+    """A count past float range made cost_usd inf (a key's budget spent forever) or
+    raise OverflowError."""
+    dear = Price(1_000_000.0, 1_000_000.0, 1_000_000.0, 1_000_000.0)
+    cost = cost_usd(dear, tokens, tokens, tokens, tokens)
+    assert math.isfinite(cost)
+    assert cost <= 4 * 10**9
+
+
+@pytest.mark.parametrize("usd", [math.inf, math.nan, -1.0, 1e300])
+def test_a_price_is_finite_and_bounded(usd: float) -> None:
+    with pytest.raises(ValueError, match="a price must be"):
+        Price(usd, 1.0, 1.0)

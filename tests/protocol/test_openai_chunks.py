@@ -16,7 +16,7 @@ from nexus.errors import UpstreamError, UpstreamProtocolError, UpstreamServerErr
 from nexus.events import Delta, Reasoning, ToolCall, Usage
 from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events, upstream_body
 from nexus.protocol.sse import SSEDecoder
-from nexus.protocol.upstream import in_stream_error
+from nexus.protocol.upstream import Malformed, in_stream_error, malformed
 from nexus.request import ChatRequest
 
 _TEXT = st.one_of(st.none(), st.just(""), st.text(max_size=5))
@@ -344,6 +344,8 @@ def _by_the_rules(payload: bytes) -> tuple[Any, UpstreamError | None]:
     events: list[Any] = []
     try:
         chunk_events(value, events)
+    except Malformed as exc:  # a field of another type: the stream ends there
+        return events, malformed("up", exc)
     except Exception as exc:
         return type(exc), None
     return events, None

@@ -29,8 +29,8 @@ from ..request import (
     message_text,
 )
 from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
-from .sse import SSEDecoder
-from .upstream import in_stream_error
+from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
+from .upstream import Malformed, event_too_large, in_stream_error, malformed, text_of, token_count
 
 __all__ = ["EventDecoder", "messages_body"]
 
@@ -186,11 +186,11 @@ class EventDecoder:
 
     terminator: ClassVar[str] = "message_stop"
 
-    def __init__(self, provider: str) -> None:
+    def __init__(self, provider: str, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self.provider = provider
         self.done = False
         self.error: UpstreamError | None = None
-        self._sse = SSEDecoder().decode
+        self._sse = SSEDecoder(max_event_bytes).decode
         self._tool_index: dict[int, int] = {}
         self._counts = dict.fromkeys(_COUNTS, 0)
         self._finish: str | None = None
@@ -204,7 +204,12 @@ class EventDecoder:
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         out: list[StreamEvent] = []
-        for sse in self._sse(chunk):
+        try:
+            events = self._sse(chunk)
+        except EventTooLarge as exc:
+            self.error = event_too_large(self.provider, exc)
+            return out
+        for sse in events:
             try:
                 data = orjson.loads(sse.data)
             except orjson.JSONDecodeError:
@@ -213,7 +218,11 @@ class EventDecoder:
                 )
                 break
             if type(data) is dict:
-                out += self._event(sse.event if sse.event != "message" else data.get("type"), data)
+                kind = sse.event if sse.event != "message" else data.get("type")
+                try:
+                    out += self._event(kind, data)
+                except Malformed as exc:
+                    self.error = malformed(self.provider, exc)
                 if self.done or self.error:
                     break
         if out and not self._started:
@@ -225,46 +234,50 @@ class EventDecoder:
     def _event(self, kind: object, data: dict[str, Any]) -> list[StreamEvent]:
         match kind:
             case "content_block_delta":
-                delta = data.get("delta") or {}
+                delta = _object(data.get("delta"), "delta")
                 match delta.get("type"):
                     case "text_delta":
-                        text = delta.get("text")
-                        if not text:
-                            return []
-                        return [content_delta(text) if type(text) is str else Delta(text)]
+                        text = text_of(delta.get("text"), "text")
+                        return [content_delta(text)] if text else []
                     case "input_json_delta":
                         index = self._tool_index.get(data.get("index", -1))
-                        partial = delta.get("partial_json")
+                        partial = text_of(delta.get("partial_json"), "partial_json")
                         if index is None or not partial:
                             return []
                         return [ToolCall(index, arguments=partial)]
                     case "thinking_delta":
-                        thinking = delta.get("thinking")
+                        thinking = text_of(delta.get("thinking"), "thinking")
                         return [Reasoning(thinking)] if thinking else []
                     case "signature_delta":
-                        signature = delta.get("signature")
+                        signature = text_of(delta.get("signature"), "signature")
                         return [Reasoning("", signature=signature)] if signature else []
                     case "citations_delta":
-                        citation = delta.get("citation") or {}
-                        title = citation.get("title") or citation.get("document_title")
-                        return [Citation(citation.get("url"), title, citation.get("cited_text"))]
+                        citation = _object(delta.get("citation"), "citation")
+                        title = text_of(citation.get("title"), "citation title") or text_of(
+                            citation.get("document_title"), "citation document_title"
+                        )
+                        url = text_of(citation.get("url"), "citation url")
+                        return [
+                            Citation(url, title, text_of(citation.get("cited_text"), "cited_text"))
+                        ]
                 return []  # future delta types
             case "content_block_start":
-                block = data.get("content_block") or {}
+                block = _object(data.get("content_block"), "content_block")
                 if block.get("type") == "tool_use":
                     index = self._tool_index[data.get("index", -1)] = len(self._tool_index)
-                    return [ToolCall(index=index, id=block.get("id"), name=block.get("name"))]
-                if block.get("type") == "text" and block.get("text"):
-                    return [Delta(content=block["text"])]
+                    call_id = text_of(block.get("id"), "tool_use id")
+                    return [ToolCall(index, call_id, text_of(block.get("name"), "tool_use name"))]
+                if block.get("type") == "text" and (text := text_of(block.get("text"), "text")):
+                    return [Delta(content=text)]
             case "message_start":
-                usage = (data.get("message") or {}).get("usage") or {}
+                usage = _object(_object(data.get("message"), "message").get("usage"), "usage")
                 self._count(usage)
                 if usage.get("input_tokens") is not None and not self._started:
                     self._early = self._usage(partial=True)
             case "message_delta":
-                self._count(data.get("usage") or {})
-                delta = data.get("delta") or {}
-                reason = delta.get("stop_reason")
+                self._count(_object(data.get("usage"), "usage"))
+                delta = _object(data.get("delta"), "delta")
+                reason = text_of(delta.get("stop_reason"), "stop_reason")
                 if reason and self._finish is None:
                     self._finish = _FINISH_REASONS.get(reason, "stop")
                     matched = delta.get("stop_sequence") if reason == "stop_sequence" else None
@@ -282,10 +295,11 @@ class EventDecoder:
         return []  # ping, content_block_stop, unknown events
 
     def _count(self, usage: dict[str, Any]) -> None:
-        # Counts are cumulative totals: later values overwrite (§3, message_delta).
+        # Counts are cumulative totals: later values overwrite (§3, message_delta). Each is
+        # checked (token_count): they are billed.
         for key, value in usage.items():
             if key in self._counts and value is not None:
-                self._counts[key] = value
+                self._counts[key] = token_count(value, key)
 
     def _usage(self, partial: bool = False) -> Usage:
         counts = self._counts
@@ -293,6 +307,15 @@ class EventDecoder:
         prompt = counts["input_tokens"] + cached + written
         output = 0 if partial else counts["output_tokens"]
         return Usage(prompt, output, prompt + output, cached, written, partial=partial)
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    """``value`` if an object, {} if None (absent), else :class:`Malformed`."""
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise Malformed(f"a {field} that is not an object")
+    return value
 
 
 _COUNTS = (

@@ -11,8 +11,16 @@ import orjson
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
 from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
-from .sse import SSEDecoder
-from .upstream import in_stream_error
+from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
+from .upstream import (
+    Malformed,
+    event_too_large,
+    in_stream_error,
+    malformed,
+    optional_count,
+    text_of,
+    token_count,
+)
 
 __all__ = ["ChunkDecoder", "chunk_events", "upstream_body"]
 
@@ -79,30 +87,56 @@ def _tool_message(message: dict[str, Any]) -> None:
 def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
     """Append to ``events`` those of one ``chat.completion.chunk`` (choice 0: Nexus asks for
     one): reasoning (``reasoning_content`` or ``reasoning``: DeepSeek, vLLM, OpenRouter),
-    content and refusal, tool-call fragments, the finish reason, then the usage."""
-    for choice in chunk.get("choices") or ():
+    content and refusal, tool-call fragments, the finish reason, then the usage. A field of
+    another type than the API's is :class:`~nexus.protocol.upstream.Malformed`.
+
+    The decoder's path for what its typed read refused (a field of another type, JSON
+    too deep for msgspec): rare, so every field is checked here."""
+    for choice in _list(chunk.get("choices"), "choices"):
+        if type(choice) is not dict:
+            raise Malformed("a choice that is not an object")
         if choice.get("index", 0) != 0:
             continue
         delta = choice.get("delta")
-        if delta and len(delta) == 1 and (content := delta.get("content")):
-            # The commonest chunk: one token of text (anything else passed on as it came).
-            events.append(content_delta(content) if type(content) is str else Delta(content))
-        elif delta:
+        if delta:
+            if type(delta) is not dict:
+                raise Malformed("a delta that is not an object")
             _delta_events(
-                delta.get("reasoning_content") or delta.get("reasoning"),
-                delta.get("content"),
-                delta.get("refusal"),
+                text_of(delta.get("reasoning_content"), "reasoning_content")
+                or text_of(delta.get("reasoning"), "reasoning"),
+                text_of(delta.get("content"), "content"),
+                text_of(delta.get("refusal"), "refusal"),
                 delta.get("tool_calls"),
                 events,
             )
-        finish = choice.get("finish_reason")
+        finish = text_of(choice.get("finish_reason"), "finish_reason")
         if finish:
             events.append(Delta(finish_reason=finish))
     _usage_events(chunk.get("usage"), events)
 
 
+def _list(value: Any, field: str) -> list[Any]:
+    if value is None:
+        return []
+    if type(value) is not list:
+        raise Malformed(f"{field} that is not a list")
+    return value
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise Malformed(f"a {field} that is not an object")
+    return value
+
+
 def _delta_events(
-    reasoning: Any, content: Any, refusal: Any, calls: Any, events: list[StreamEvent]
+    reasoning: str | None,
+    content: str | None,
+    refusal: str | None,
+    calls: Any,
+    events: list[StreamEvent],
 ) -> None:
     if reasoning:
         events.append(Reasoning(reasoning))
@@ -110,29 +144,38 @@ def _delta_events(
         events.append(Delta(content=content or None, refusal=refusal))
     elif content:
         events.append(Delta(content))
-    for call in calls or ():
-        function = call.get("function") or {}
+    for call in _list(calls, "tool_calls"):
+        call = _object(call, "tool call")
+        function = _object(call.get("function"), "tool call's function")
+        index = call.get("index", 0)
+        if type(index) is not int or index < 0:
+            raise Malformed("a tool call index that is not a non-negative integer")
         events.append(
             ToolCall(
-                index=call.get("index", 0),
-                id=call.get("id"),
-                name=function.get("name"),
-                arguments=function.get("arguments") or "",
+                index=index,
+                id=text_of(call.get("id"), "tool call id"),
+                name=text_of(function.get("name"), "tool call name"),
+                arguments=text_of(function.get("arguments"), "tool call arguments") or "",
             )
         )
 
 
 def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
+    """The usage, its counts checked (:func:`~nexus.protocol.upstream.token_count`): they
+    are billed, and reach the access line and the key's budget. Once a stream."""
     if usage:
-        prompt_details = usage.get("prompt_tokens_details") or {}
-        completion_details = usage.get("completion_tokens_details") or {}
+        usage = _object(usage, "usage")
+        prompt_details = _object(usage.get("prompt_tokens_details"), "prompt_tokens_details")
+        completion = _object(usage.get("completion_tokens_details"), "completion_tokens_details")
         events.append(
             Usage(
-                prompt_tokens=usage.get("prompt_tokens") or 0,
-                completion_tokens=usage.get("completion_tokens") or 0,
-                total_tokens=usage.get("total_tokens") or 0,
-                cached_tokens=prompt_details.get("cached_tokens"),
-                reasoning_tokens=completion_details.get("reasoning_tokens"),
+                prompt_tokens=token_count(usage.get("prompt_tokens"), "prompt_tokens"),
+                completion_tokens=token_count(usage.get("completion_tokens"), "completion_tokens"),
+                total_tokens=token_count(usage.get("total_tokens"), "total_tokens"),
+                cached_tokens=optional_count(prompt_details.get("cached_tokens"), "cached_tokens"),
+                reasoning_tokens=optional_count(
+                    completion.get("reasoning_tokens"), "reasoning_tokens"
+                ),
             )
         )
 
@@ -192,25 +235,33 @@ class ChunkDecoder:
     __slots__ = ("_payloads", "done", "error", "provider")
     terminator: ClassVar[str] = "[DONE]"
 
-    def __init__(self, provider: str) -> None:
+    def __init__(self, provider: str, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self.provider = provider
-        self._payloads = SSEDecoder().decode_data
+        self._payloads = SSEDecoder(max_event_bytes).decode_data
         self.done = False
         self.error: UpstreamError | None = None
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
-        for data in self._payloads(chunk):
-            try:
-                typed = _decode_chunk(data)
-            except _NOT_TYPED:
-                if not self._general(data, events):
+        try:
+            payloads = self._payloads(chunk)
+        except EventTooLarge as exc:
+            self.error = event_too_large(self.provider, exc)
+            return events
+        try:
+            for data in payloads:
+                try:
+                    typed = _decode_chunk(data)
+                except _NOT_TYPED:
+                    if not self._general(data, events):
+                        return events
+                    continue
+                if typed.error:
+                    self.error = in_stream_error(self.provider, typed.error)
                     return events
-                continue
-            if typed.error:
-                self.error = in_stream_error(self.provider, typed.error)
-                return events
-            _typed_events(typed, events)
+                _typed_events(typed, events)
+        except Malformed as exc:
+            self.error = malformed(self.provider, exc)
         return events
 
     def _general(self, data: bytes, events: list[StreamEvent]) -> bool:

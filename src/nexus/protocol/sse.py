@@ -4,6 +4,10 @@
 WHATWG rules: ``decode(chunk) -> list[ServerSentEvent]`` for each chunk as it
 arrives (split anywhere: inside a UTF-8 sequence, between CR and LF), then
 ``flush()`` at end of input.
+
+An event (or a line) held between reads is bounded: past ``max_event_bytes`` of input
+since the last blank line, :meth:`SSEDecoder.decode` raises :class:`EventTooLarge`, so a
+peer that never ends a line cannot make the decoder hold it all.
 """
 
 from __future__ import annotations
@@ -12,9 +16,17 @@ import codecs
 import re
 from dataclasses import dataclass
 
-__all__ = ["SSEDecoder", "ServerSentEvent", "comment", "frame"]
+__all__ = ["MAX_EVENT_BYTES", "EventTooLarge", "SSEDecoder", "ServerSentEvent", "comment", "frame"]
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
+
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+"""The default bound of :class:`SSEDecoder`: far above any chat event (a token, a tool
+call's fragment, a usage), below what one stream may cost the process in memory."""
+
+
+class EventTooLarge(ValueError):
+    """The input held for one event passed the decoder's ``max_event_bytes``."""
 
 
 def frame(
@@ -69,9 +81,18 @@ class ServerSentEvent:
 
 
 class SSEDecoder:
-    """Incremental WHATWG ``text/event-stream`` parser."""
+    """Incremental WHATWG ``text/event-stream`` parser.
 
-    def __init__(self) -> None:
+    ``max_event_bytes`` bounds the input held for one event between reads (its lines,
+    and a line still arriving): counted read by read from the last blank line, so that
+    the check costs one comparison a read whose end falls inside an event, and nothing
+    for the reads of whole events. A read itself is not bounded here: the caller's
+    transport bounds its reads.
+    """
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._max = max_event_bytes
+        self._held = 0  # input bytes since the last blank line, while an event is held
         self._text = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
         self._pending: list[str] = []  # the line so far, in pieces
         self._skip_lf = False
@@ -160,7 +181,22 @@ class SSEDecoder:
             # After an ASCII byte the text decoder holds nothing back (and its BOM check
             # is done).
             self._clean = chunk[-1] < 0x80
-        return self._decode_text(text)
+        events = self._decode_text(text)
+        if self._pending or self._data:
+            self._hold(chunk)
+        else:
+            self._held = 0
+        return events
+
+    def _hold(self, chunk: bytes) -> None:
+        """Count ``chunk``, which left an event or a line held, towards the bound: from
+        its last blank line (LF LF, CR CR or LF CR: every blank line has one of them,
+        bar one split between reads, which then counts in full), else in full."""
+        cut = max(chunk.rfind(b"\n\n"), chunk.rfind(b"\r\r"), chunk.rfind(b"\n\r"))
+        self._held = len(chunk) - cut - 2 if cut >= 0 else self._held + len(chunk)
+        if self._held > self._max:
+            self.flush()
+            raise EventTooLarge(f"an event of more than {self._max} bytes (max_event_bytes)")
 
     def _plain(self) -> bool:
         """No event nor line half-read, nothing held in the text decoder."""
@@ -236,6 +272,7 @@ class SSEDecoder:
     def flush(self) -> list[ServerSentEvent]:
         """End of input. An event without its closing blank line is dropped (§1, rule 6)."""
         self._text.decode(b"", final=True)
+        self._held = 0
         self._pending = []
         self._data = []
         self._event = ""

@@ -1,10 +1,14 @@
 """What the upstream codecs share: the decoders' shape, and the map from an upstream's
 error (a status, or an error object in the stream) to the most specific class.
 
-An upstream's error text reaches clients, every tenant's: it is :func:`redacted` first
-(the providers' own keys, and the common shapes of credentials and of an OpenAI
-organisation id), since upstreams and the proxies in front of them quote headers and
-accounts in errors.
+An upstream's error text reaches clients, every tenant's, and the operator's log: it is
+:func:`redacted` first (the providers' own keys, and the common shapes of credentials and
+of OpenAI organisation, project and user ids), since upstreams and the proxies in front of
+them quote headers and accounts in errors; then its control characters are escaped (a
+line break in it would forge a line of a text log), and it is cut to
+:data:`MAX_ERROR_TEXT` characters, whichever way it came (a status's body, an error
+inside the stream). A 429's ``Retry-After`` is passed on up to
+:data:`MAX_RETRY_AFTER_S`: an upstream's "a day" is not the gateway's to promise.
 """
 
 from __future__ import annotations
@@ -20,31 +24,48 @@ from ..errors import (
     UpstreamError,
     UpstreamInvalidRequest,
     UpstreamOverloaded,
+    UpstreamProtocolError,
     UpstreamRateLimited,
     UpstreamServerError,
 )
-from ..events import StreamEvent
+from ..events import MAX_TOKENS, StreamEvent
 
 __all__ = [
     "ERROR_TYPES",
+    "MAX_ERROR_TEXT",
+    "MAX_RETRY_AFTER_S",
+    "Malformed",
     "UpstreamDecoder",
     "error_text",
+    "event_too_large",
     "in_stream_error",
     "keep_secret",
+    "malformed",
+    "optional_count",
     "plain_token",
     "redacted",
     "status_error",
+    "text_of",
+    "token_count",
 ]
 
 _CREDENTIAL_SHAPES = re.compile(
     r"(?i:\b(?:bearer|basic)\s+[\"']?)[A-Za-z0-9._~+/=\-]{12,}"  # an Authorization header
     r"|\b(?:sk|rk|pk)-[A-Za-z0-9_\-]{16,}"  # OpenAI and Anthropic keys (sk-..., sk-ant-...)
     r"|\borg-[A-Za-z0-9]{16,}"  # an OpenAI organisation: the operator's account
+    r"|\bproj_[A-Za-z0-9]{8,}"  # an OpenAI project
+    r"|\buser-[A-Za-z0-9]{16,}"  # an OpenAI user id
     r"|\bAIza[0-9A-Za-z_\-]{30,}"  # a Google API key
     r"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"  # an AWS access key id
     r"|\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]*"  # a JWT
 )
 _SECRETS: set[str] = set()
+MAX_ERROR_TEXT = 500
+"""The most characters of an upstream's error text passed on."""
+_READ_TEXT = 64 * 1024  # what of a longer text is redacted at all (its start is kept)
+MAX_RETRY_AFTER_S = 60
+"""The longest ``Retry-After`` (seconds) passed on from an upstream's 429."""
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _MIN_SECRET = 8  # shorter, a key would redact ordinary words
 
 
@@ -61,6 +82,20 @@ def redacted(text: str) -> str:
         if secret in text:
             text = text.replace(secret, "[redacted]")
     return _CREDENTIAL_SHAPES.sub("[redacted]", text)
+
+
+def _passed_on(text: str) -> str:
+    """An upstream's error text as it may go out: :func:`redacted`, its control
+    characters escaped (``\\n``, ``\\u001b``: no line of a log can be forged), cut."""
+    text = redacted(text[:_READ_TEXT])
+    if _CONTROL.search(text):
+        text = _CONTROL.sub(_escape, text)
+    return text[:MAX_ERROR_TEXT]
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(char) or f"\\u{ord(char):04x}"
 
 
 class UpstreamDecoder(Protocol):
@@ -94,8 +129,7 @@ def status_error(
         code = code or ("upstream_not_found" if status == 404 else None)
         return UpstreamInvalidRequest(message, status=status, code=code, error_type=error_type)
     if status == 429:
-        headers = headers or {}
-        kept = {k: headers[k] for k in ("Retry-After", "retry-after-ms") if k in headers}
+        kept = _retry_after(headers or {})
         return UpstreamRateLimited(message, code=code, error_type=error_type, headers=kept)
     if status in (503, 529):
         return UpstreamOverloaded(message, code=code, error_type=error_type)
@@ -106,14 +140,30 @@ def status_error(
     return UpstreamError(message, code=code, retryable=status in (408, 409))
 
 
+def _retry_after(headers: Mapping[str, str]) -> dict[str, str]:
+    """A 429's ``Retry-After`` (seconds; a date is dropped) and ``retry-after-ms``, each
+    at most :data:`MAX_RETRY_AFTER_S`."""
+    kept: dict[str, str] = {}
+    seconds = headers.get("Retry-After", "").strip()
+    if seconds.isascii() and seconds.isdigit():
+        kept["Retry-After"] = str(min(int(seconds), MAX_RETRY_AFTER_S))
+    try:
+        ms = float(headers.get("retry-after-ms", ""))
+    except ValueError:
+        return kept
+    if ms >= 0:  # (NaN is not)
+        kept["retry-after-ms"] = str(int(min(ms, MAX_RETRY_AFTER_S * 1000)))
+    return kept
+
+
 def error_text(body: bytes) -> str:
-    """The message of an upstream's error body, :func:`redacted` (then cut, so that no key
-    is cut in two first): ``error.message``, ``error`` or ``message`` of a JSON object,
-    else the start of the text."""
+    """The message of an upstream's error body as it may go out (:func:`redacted`, then
+    escaped and cut, so that no key is cut in two first): ``error.message``, ``error``
+    or ``message`` of a JSON object, else the start of the text."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return redacted(body.decode("utf-8", "replace").strip())[:500] or "(no message)"
+        return _passed_on(body.decode("utf-8", "replace").strip()) or "(no message)"
     if isinstance(data, dict):
         error = data.get("error")
         for text in (
@@ -121,8 +171,8 @@ def error_text(body: bytes) -> str:
             data.get("message"),
         ):
             if isinstance(text, str):
-                return redacted(text)
-    return redacted(orjson.dumps(data).decode())[:500]
+                return _passed_on(text)
+    return _passed_on(orjson.dumps(data).decode())
 
 
 ERROR_TYPES = {
@@ -161,7 +211,7 @@ def in_stream_error(provider: str, error: Any) -> UpstreamError:
     if not isinstance(error, dict):
         error = {"message": str(error)}
     kind, code = plain_token(error.get("type")), plain_token(error.get("code"))
-    text = redacted(str(error.get("message") or "error inside the stream"))
+    text = _passed_on(str(error.get("message") or "error inside the stream"))
     return status_error(
         provider,
         _STATUS_OF_TYPE.get(kind or "", 500),
@@ -169,3 +219,43 @@ def in_stream_error(provider: str, error: Any) -> UpstreamError:
         code=code or "upstream_error",
         error_type=kind,
     )
+
+
+def event_too_large(provider: str, exc: Exception) -> UpstreamProtocolError:
+    """The error for an upstream event past the provider's ``max_event_bytes``: the stream
+    ends there rather than hold an event no client could use."""
+    return UpstreamProtocolError(f"provider {provider!r} sent {exc}")
+
+
+class Malformed(ValueError):
+    """A field of an upstream event of the wrong type, or a count out of bounds: raised by
+    the readers of the codecs, made :class:`~nexus.errors.UpstreamProtocolError` by their
+    decoders (:func:`malformed`). Checked where the field is read anyway: a string passed on
+    as it came would reach an OpenAI client as an object, a count as an infinite cost."""
+
+
+def malformed(provider: str, exc: Malformed) -> UpstreamProtocolError:
+    return UpstreamProtocolError(f"provider {provider!r} sent {exc}")
+
+
+def text_of(value: object, field: str) -> str | None:
+    """``value`` if a string or None (absent), else :class:`Malformed`."""
+    if value is None or type(value) is str:
+        return value
+    raise Malformed(f"a {field} that is not a string")
+
+
+def token_count(value: object, field: str) -> int:
+    """``value`` if a count of tokens (an integer from 0 to :data:`~nexus.events.MAX_TOKENS`;
+    None or absent: 0), else :class:`Malformed`. Not a float, a string nor a bool: no
+    upstream sends those, and a count is billed."""
+    if value is None:
+        return 0
+    if type(value) is int and 0 <= value <= MAX_TOKENS:
+        return value
+    raise Malformed(f"a usage {field} that is not a count of tokens (0 to {MAX_TOKENS})")
+
+
+def optional_count(value: object, field: str) -> int | None:
+    """:func:`token_count`, None kept: a detail the upstream did not report."""
+    return None if value is None else token_count(value, field)

@@ -35,7 +35,7 @@ class AnthropicProvider(HTTPProvider):
 
     def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], EventDecoder]:
         body = messages_body(request, model, self.config.default_max_tokens)
-        return body, EventDecoder(self.name)
+        return body, EventDecoder(self.name, self.config.max_event_bytes)
 
     def batches(self, request: ChatRequest, model: str) -> Batches:
         if request.token_limit == 0:

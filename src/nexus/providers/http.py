@@ -4,6 +4,11 @@ become the most specific :mod:`nexus.errors` class here, once (``map_upstream_er
 :func:`~nexus.protocol.upstream.status_error`). Raised before the first event, an error
 may send the engine to the next target; after, it becomes an error event.
 
+Bodies are asked for and read as sent (``Accept-Encoding: identity``, no decompression): a
+compressed body is a bomb waiting (300 MB of comments in 306 KB of gzip, inflated in one
+call, held the event loop for every tenant), so one that comes compressed all the same
+is :class:`~nexus.errors.UpstreamProtocolError`.
+
 A stream holds its pooled connection (``max_connections``) for its whole length; a
 request's wait for one goes to the provider's ``on_pool_wait`` callbacks (a histogram) and
 to the call's :data:`POOL_WAITS` (``pool_wait_ms`` in the access line). Keys go out in
@@ -29,6 +34,7 @@ from ..errors import (
     UpstreamDisconnected,
     UpstreamError,
     UpstreamPoolExhausted,
+    UpstreamProtocolError,
     UpstreamTimeout,
 )
 from ..events import StreamEvent, Usage
@@ -45,6 +51,10 @@ log = logging.getLogger("nexus.providers")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
+_QUIET_BYTES = 256 * 1024
+"""Body bytes read without an event before the read loop lets the event loop run: bytes
+already buffered are read without a pause, so a flood of comments (or of a line still
+arriving) would otherwise hold every other stream of the process."""
 
 
 class PoolWaits:
@@ -111,6 +121,7 @@ class HTTPProvider(Provider):
                 enable_cleanup_closed=True,
             ),
             trace_configs=[_pool_wait_trace()],
+            auto_decompress=False,  # see the module docstring
             # sock_connect only: ``connect`` would also count the wait for a free
             # pooled connection, making a busy pool look like a slow upstream.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
@@ -122,7 +133,11 @@ class HTTPProvider(Provider):
             self._session = None
 
     def headers(self) -> dict[str, str]:
-        return {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        return {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            "Accept-Encoding": "identity",  # see the module docstring
+        }
 
     @abstractmethod
     def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], UpstreamDecoder]:
@@ -139,13 +154,17 @@ class _Exchange:
     provider's :class:`~nexus.stream.Batches`, its ``__anext__`` a plain coroutine (one
     frame a read, no generator to resume). The request goes out at the first step.
 
-    ``first_byte_timeout_s`` runs from the request to the first body bytes, then each gap
-    between reads gets ``idle_timeout_s`` (the consumer's time does not count). A wait for
+    ``first_byte_timeout_s`` runs from the request to the first event, then each gap
+    between reads that gave events gets ``idle_timeout_s`` (the consumer's time does not
+    count). Events, not bytes: an upstream that sends only comments (keepalives) makes no
+    progress, and is timed out like a silent one (before the first event, the engine may
+    still try the next target). A wait for
     a pooled connection is the gateway's: while it lasts, the deadline is ``pool_timeout_s``
     after the wait began (then :class:`~nexus.errors.UpstreamPoolExhausted`); it restarts in
     full once a connection is free. No timer nor clock per read: the provider's one
-    watchdog sees the body's byte count move at its ticks (the idle deadline then starts
-    afresh, at most a tick late) and ends a read waiting past its deadline with a timeout.
+    watchdog sees the count of reads that gave events move at its ticks (the idle deadline
+    then starts afresh, at most a tick late) and ends a read waiting past its deadline with
+    a timeout.
     """
 
     __slots__ = (
@@ -153,7 +172,9 @@ class _Exchange:
         "_decoder",
         "_end",
         "_now",
+        "_progress",
         "_provider",
+        "_quiet",
         "_readany",
         "_request",
         "_seen",
@@ -175,7 +196,9 @@ class _Exchange:
         self._decoder: UpstreamDecoder | None = None
         self._end = False  # the decoder ended (its error, or its end, is the next step)
         self._waiting = False
-        self._seen = 0  # the body's bytes at the last tick
+        self._progress = 0  # reads that gave events
+        self._seen = 0  # _progress at the last tick
+        self._quiet = 0  # body bytes read since the last event
         self.queued_at: float | None = None  # when the current wait for a connection began
         self.waited = 0.0
         self.accepted = False  # the upstream answered 2xx: it bills the prompt
@@ -201,7 +224,13 @@ class _Exchange:
                     events = decoder.decode(chunk)
                     self._end = decoder.error is not None or decoder.done
                     if events:
+                        self._progress += 1
+                        self._quiet = 0
                         return events
+                    self._quiet += len(chunk)
+                    if self._quiet >= _QUIET_BYTES:
+                        self._quiet = 0
+                        await asyncio.sleep(0)
                     continue
                 await self.aclose()
                 raise UpstreamDisconnected(
@@ -218,7 +247,7 @@ class _Exchange:
         raise StopAsyncIteration
 
     def _phase(self) -> str:
-        return "between chunks" if self.response.content.total_bytes else "before the first byte"
+        return "between events" if self._progress else "before the first event"
 
     async def _open(self) -> Callable[[], Awaitable[bytes]]:
         if self._request is None:
@@ -247,9 +276,14 @@ class _Exchange:
                         trace_request_ctx=self,
                     )
                     self._deadline = self._timeout.when() or self._now()
+                    encoding = response.headers.get("Content-Encoding", "").lower() or "identity"
                     if (status := response.status) >= 300:
                         try:
-                            text = error_text(await _read_capped(response, _MAX_ERROR_BODY))
+                            text = (
+                                error_text(await _read_capped(response, _MAX_ERROR_BODY))
+                                if encoding == "identity"
+                                else f"(a body in {encoding!r} encoding, not read)"
+                            )
                         finally:
                             response.close()
                         message = f"provider {provider.name!r} answered {status}"
@@ -258,6 +292,12 @@ class _Exchange:
                         else:  # the upstream's trouble: its text is the operator's
                             log.warning("%s: %s", message, text)
                         raise status_error(provider.name, status, message, response.headers)
+                    if encoding != "identity":
+                        response.close()
+                        raise UpstreamProtocolError(
+                            f"provider {provider.name!r} sent its stream in {encoding!r} "
+                            "encoding, though asked for none"
+                        )
             except TimeoutError as exc:
                 if self.queued_at is None:
                     raise
@@ -300,16 +340,15 @@ class _Exchange:
             self._timeout.reschedule(now + self._provider.config.first_byte_timeout_s)
 
     def check(self, now: float) -> None:
-        """The watchdog's tick: bytes came since the last one, the idle deadline starts
-        afresh; else end a read waiting past its deadline with a timeout (the body's reader
-        raises it to whichever task reads)."""
-        content = self.response.content
-        if content.total_bytes != self._seen:
-            self._seen = content.total_bytes
+        """The watchdog's tick: a read gave events since the last one, the idle deadline
+        starts afresh; else end a read waiting past its deadline with a timeout (the body's
+        reader raises it to whichever task reads)."""
+        if self._progress != self._seen:
+            self._seen = self._progress
             self._deadline = now + self._provider.config.idle_timeout_s
         elif self._waiting and now >= self._deadline:
             self._waiting = False
-            content.set_exception(TimeoutError())
+            self.response.content.set_exception(TimeoutError())
 
     async def aclose(self) -> None:
         """Drop the connection (the upstream sees the client leave); idempotent."""

@@ -26,4 +26,5 @@ class OpenAIProvider(HTTPProvider):
         return headers
 
     def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], ChunkDecoder]:
-        return upstream_body(request, model, self.config.token_limit_field), ChunkDecoder(self.name)
+        body = upstream_body(request, model, self.config.token_limit_field)
+        return body, ChunkDecoder(self.name, self.config.max_event_bytes)

@@ -611,7 +611,7 @@ async def test_a_connection_from_the_pool_still_has_the_whole_first_byte_timeout
     connect: Connect,
 ) -> None:
     """After the wait for the pool, the upstream's own silence is timed in full."""
-    slow = Reply.stream(text_frames("a")[1:], delay=0.6)  # an event in each read
+    slow = Reply.stream(text_frames("a"), delay=0.6)
     stalled = Reply.stream([], end="stall", headers_delay=5)
     client = await connect(slow, stalled, max_connections=1, first_byte_timeout_s=0.8)
     loop = asyncio.get_running_loop()

@@ -154,17 +154,16 @@ class _Exchange:
     provider's :class:`~nexus.stream.Batches`, its ``__anext__`` a plain coroutine (one
     frame a read, no generator to resume). The request goes out at the first step.
 
-    ``first_byte_timeout_s`` runs from the request to the first event, then each gap
-    between reads that gave events gets ``idle_timeout_s`` (the consumer's time does not
-    count). Events, not bytes: an upstream that sends only comments (keepalives) makes no
-    progress, and is timed out like a silent one (before the first event, the engine may
-    still try the next target). A wait for
+    ``first_byte_timeout_s`` runs from the request to the first body bytes, then each gap
+    between reads gets ``idle_timeout_s`` (the consumer's time does not count). Bytes, not
+    events: keepalive comments (OpenRouter's while a model thinks, Anthropic's ``ping``)
+    are how a live upstream says so during a long prefill, and must not be cut as silence;
+    an upstream that sends nothing else is bounded by ``max_stream_duration_s``. A wait for
     a pooled connection is the gateway's: while it lasts, the deadline is ``pool_timeout_s``
     after the wait began (then :class:`~nexus.errors.UpstreamPoolExhausted`); it restarts in
     full once a connection is free. No timer nor clock per read: the provider's one
-    watchdog sees the count of reads that gave events move at its ticks (the idle deadline
-    then starts afresh, at most a tick late) and ends a read waiting past its deadline with
-    a timeout.
+    watchdog sees the body's byte count move at its ticks (the idle deadline then starts
+    afresh, at most a tick late) and ends a read waiting past its deadline with a timeout.
     """
 
     __slots__ = (
@@ -172,7 +171,6 @@ class _Exchange:
         "_decoder",
         "_end",
         "_now",
-        "_progress",
         "_provider",
         "_quiet",
         "_readany",
@@ -196,8 +194,7 @@ class _Exchange:
         self._decoder: UpstreamDecoder | None = None
         self._end = False  # the decoder ended (its error, or its end, is the next step)
         self._waiting = False
-        self._progress = 0  # reads that gave events
-        self._seen = 0  # _progress at the last tick
+        self._seen = 0  # the body's bytes at the last tick
         self._quiet = 0  # body bytes read since the last event
         self.queued_at: float | None = None  # when the current wait for a connection began
         self.waited = 0.0
@@ -224,7 +221,6 @@ class _Exchange:
                     events = decoder.decode(chunk)
                     self._end = decoder.error is not None or decoder.done
                     if events:
-                        self._progress += 1
                         self._quiet = 0
                         return events
                     self._quiet += len(chunk)
@@ -247,7 +243,7 @@ class _Exchange:
         raise StopAsyncIteration
 
     def _phase(self) -> str:
-        return "between events" if self._progress else "before the first event"
+        return "between chunks" if self.response.content.total_bytes else "before the first byte"
 
     async def _open(self) -> Callable[[], Awaitable[bytes]]:
         if self._request is None:
@@ -340,15 +336,16 @@ class _Exchange:
             self._timeout.reschedule(now + self._provider.config.first_byte_timeout_s)
 
     def check(self, now: float) -> None:
-        """The watchdog's tick: a read gave events since the last one, the idle deadline
-        starts afresh; else end a read waiting past its deadline with a timeout (the body's
-        reader raises it to whichever task reads)."""
-        if self._progress != self._seen:
-            self._seen = self._progress
+        """The watchdog's tick: bytes came since the last one, the idle deadline starts
+        afresh; else end a read waiting past its deadline with a timeout (the body's reader
+        raises it to whichever task reads)."""
+        content = self.response.content
+        if content.total_bytes != self._seen:
+            self._seen = content.total_bytes
             self._deadline = now + self._provider.config.idle_timeout_s
         elif self._waiting and now >= self._deadline:
             self._waiting = False
-            self.response.content.set_exception(TimeoutError())
+            content.set_exception(TimeoutError())
 
     async def aclose(self) -> None:
         """Drop the connection (the upstream sees the client leave); idempotent."""

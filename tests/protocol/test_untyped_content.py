@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from nexus.errors import UpstreamProtocolError
-from nexus.events import Delta
+from nexus.events import Delta, Reasoning
 from nexus.protocol.anthropic_events import EventDecoder
 from nexus.protocol.openai_chunks import ChunkDecoder
 
@@ -32,11 +32,43 @@ def protocol_error(decoder: ChunkDecoder | EventDecoder, field: str) -> None:
     assert f"{field} that is not" in str(decoder.error)
 
 
-@pytest.mark.parametrize("content", ODD)
+@pytest.mark.parametrize("content", [c for c in ODD if type(c) is not list])
 def test_openai_content_that_is_no_string(content: object) -> None:
     decoder = ChunkDecoder("p")
     assert openai(decoder, {"choices": [{"index": 0, "delta": {"content": content}}]}) == []
     protocol_error(decoder, "content")
+
+
+def test_openai_content_sent_as_parts_is_its_text_and_reasoning() -> None:
+    # Mistral's reasoning models send a content delta as a list of typed parts.
+    parts = [
+        {"type": "thinking", "thinking": [{"type": "text", "text": "Let me see"}]},
+        {"type": "text", "text": "Hi"},
+        {"type": "reference", "reference_ids": [1]},  # no text to pass on
+        {"type": "text", "text": " there"},
+    ]
+    decoder = ChunkDecoder("p")
+    events = openai(decoder, {"choices": [{"index": 0, "delta": {"content": parts}}]})
+    assert events == [Reasoning("Let me see"), Delta("Hi there")]
+    assert decoder.error is None
+
+
+@pytest.mark.parametrize(
+    ("parts", "field"),
+    [
+        (["x y"], "content part"),
+        ([{"type": "text", "text": 5}], "content part's text"),
+        ([{"type": "thinking", "thinking": {"text": "t"}}], "thinking"),
+        (
+            [{"type": "thinking", "thinking": [{"type": "text", "text": []}]}],
+            "thinking part's text",
+        ),
+    ],
+)
+def test_openai_content_parts_of_another_type(parts: Any, field: str) -> None:
+    decoder = ChunkDecoder("p")
+    assert openai(decoder, {"choices": [{"index": 0, "delta": {"content": parts}}]}) == []
+    protocol_error(decoder, field)
 
 
 @pytest.mark.parametrize(

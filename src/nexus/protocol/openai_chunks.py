@@ -101,10 +101,16 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
         if delta:
             if type(delta) is not dict:
                 raise Malformed("a delta that is not an object")
+            reasoning = text_of(delta.get("reasoning_content"), "reasoning_content") or text_of(
+                delta.get("reasoning"), "reasoning"
+            )
+            content = delta.get("content")
+            if type(content) is list:
+                content, thought = _parts(content)
+                reasoning = (reasoning or "") + thought or None
             _delta_events(
-                text_of(delta.get("reasoning_content"), "reasoning_content")
-                or text_of(delta.get("reasoning"), "reasoning"),
-                text_of(delta.get("content"), "content"),
+                reasoning,
+                text_of(content, "content"),
                 text_of(delta.get("refusal"), "refusal"),
                 delta.get("tool_calls"),
                 events,
@@ -113,6 +119,25 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
         if finish:
             events.append(Delta(finish_reason=finish))
     _usage_events(chunk.get("usage"), events)
+
+
+def _parts(parts: list[Any]) -> tuple[str, str]:
+    """The text and the reasoning of a content sent as a list of parts, as Mistral's
+    reasoning models send it: ``{"type": "text", "text": ...}`` and ``{"type": "thinking",
+    "thinking": [text parts]}``. Parts of other types (references, say) carry no text to
+    pass on and are skipped; a text that is not a string is :class:`Malformed`."""
+    text, thought = [], []
+    for part in parts:
+        part = _object(part, "content part")
+        kind = part.get("type")
+        if kind == "text":
+            text.append(text_of(part.get("text"), "content part's text") or "")
+        elif kind == "thinking":
+            for inner in _list(part.get("thinking"), "thinking"):
+                inner = _object(inner, "thinking part")
+                if inner.get("type") == "text":
+                    thought.append(text_of(inner.get("text"), "thinking part's text") or "")
+    return "".join(text), "".join(thought)
 
 
 def _list(value: Any, field: str) -> list[Any]:

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from .config_errors import describe
 from .errors import ConfigError
 from .hook_calls import HOOK_TIMEOUT_S
 from .pricing import Price, PriceTable
@@ -247,6 +248,15 @@ class RealtimeConfig(_Table):
     max_pending_input_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_pending_bytes_per_key: int = Field(default=256 * 1024 * 1024, gt=0)
     """Pending input of all a key's connections together: what it can pin in memory."""
+    max_frames_per_second: int = Field(default=200, ge=1)
+    """Frames (pings included) one socket may send a second, a second's worth at once; past
+    it the socket is closed 1008. Every frame costs the event loop a parse and an answer."""
+    max_bytes_per_second: int = Field(default=1024 * 1024, ge=1)
+    """Message bytes one socket may send a second, ``max_message_bytes`` at once; past it
+    the socket is closed 1008. Bounds what parsing a socket's frames costs the loop."""
+    max_invalid_frames: int = Field(default=16, ge=1)
+    """Frames in a row answered only with an error before the socket is closed 1008: each
+    answer is larger than the frame that asked for it."""
     compression: bool = False
     """Accept permessage-deflate. Off by default: aiohttp inflates a message in one go,
     so a few KiB of deflated zeros would hold the event loop for every tenant while it
@@ -449,52 +459,4 @@ def parse_config(data: dict[str, Any], source: str = "config") -> Config:
         return Config.model_validate(data)
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
-        raise ConfigError(f"{source}: {_describe(error)}") from None
-
-
-_KINDS = ("mock", "openai", "anthropic")
-_STORE_KINDS = ("memory", "redis")
-
-
-def _describe(error: Any) -> str:
-    loc = [str(p) for p in error["loc"]]
-    message = str(error["msg"])
-    if error["type"] == "union_tag_not_found":
-        loc, message = [*loc, "kind"], "required key is missing"
-    elif error["type"] == "union_tag_invalid":
-        ctx = error.get("ctx", {})
-        loc = [*loc, "kind"]
-        message = f"unknown kind {ctx.get('tag')!r} (expected {ctx.get('expected_tags')})"
-    if error["type"] == "extra_forbidden":
-        message = "unknown key (check the spelling against docs/configuration.md)"
-    elif error["type"] == "missing":
-        message = "required key is missing"
-    elif message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    if not loc:
-        return message
-    if len(loc) == 1:
-        return (
-            f"{loc[0]}: {message}"
-            if error["type"] != "extra_forbidden"
-            else (f"[{loc[0]}]: unknown table or key")
-        )
-    table, rest = loc[0], loc[1:]
-    if table == "plugins" and rest and rest[0].isdigit():
-        where = f"[[plugins]] #{int(rest[0]) + 1}"
-        return f"{where} {'.'.join(rest[1:])}: {message}" if rest[1:] else f"{where}: {message}"
-    if table == "auth" and len(rest) >= 2 and rest[0] == "keys" and rest[1].isdigit():
-        where = f"[[auth.keys]] #{int(rest[1]) + 1}"
-        return f"{where} {'.'.join(rest[2:])}: {message}" if rest[2:] else f"{where}: {message}"
-    if table == "store" and rest and rest[0] in _STORE_KINDS:
-        rest = rest[1:]  # the discriminator tag again
-        if not rest:
-            return f"[store]: {message}"
-    if table == "providers" and len(rest) >= 2 and rest[1] in _KINDS:
-        rest = [rest[0], *rest[2:]]  # drop the discriminator tag pydantic adds
-        if len(rest) == 1:
-            return f"[providers.{rest[0]}]: {message}"
-    if table in ("providers", "models") and len(rest) >= 2:
-        name = rest[0] if table == "providers" and "." not in rest[0] else f'"{rest[0]}"'
-        return f"[{table}.{name}] {'.'.join(rest[1:])}: {message}"
-    return f"[{table}] {'.'.join(rest)}: {message}"
+        raise ConfigError(f"{source}: {describe(error)}") from None

@@ -25,7 +25,11 @@ with ``nothing_to_abort``; both leave the turn and the connection as they are.
 ``pcm16`` chunks of one sample rate are joined into one audio part.
 Malformed frames get ``invalid_envelope``; an invalid request
 ``invalid_request`` naming the field, as does a request nested deeper than
-``max_json_depth`` (counted as over HTTP). None of these close the connection.
+``max_json_depth`` (counted as over HTTP). None of these close the connection,
+unless ``max_invalid_frames`` frames in a row get nothing but such an error: then
+:class:`Close` (1008) follows the last one, since every answer is larger than the
+frame that asked for it and a client could otherwise have the gateway write many
+times what it sends.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from .openai_chat import validation_error
 
 __all__ = [
     "AbortTurn",
+    "Close",
     "RealtimeSession",
     "Send",
     "StartTurn",
@@ -103,6 +108,7 @@ _ENVELOPE: TypeAdapter[Any] = TypeAdapter(Envelope)
 @dataclass(frozen=True, slots=True)
 class Send:
     frame: str  # a text frame for the client
+    code: str | None = None  # an error frame's code
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +121,30 @@ class AbortTurn:
     """Cancel the turn in flight; the route answers ``{"type":"done","aborted":true}``."""
 
 
-Action = Send | StartTurn | AbortTurn
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close the connection with ``code`` and ``reason`` (after the frames before it)."""
+
+    code: int
+    reason: str
+
+
+POLICY_VIOLATION = 1008
+"""The close code of a peer that broke the connection's rules (RFC 6455 7.4.1)."""
+
+STRIKES = frozenset(
+    {
+        "invalid_envelope",
+        "invalid_request",
+        "request_too_large",
+        "nothing_to_abort",
+        "stream_in_progress",
+    }
+)
+"""The errors that answer a malformed or ill-timed frame, which count towards
+``max_invalid_frames`` (``input_too_large`` does not: the input was well formed)."""
+
+Action = Send | StartTurn | AbortTurn | Close
 
 
 def error_frame(
@@ -128,7 +157,7 @@ def error_frame(
 ) -> Send:
     """An error frame: the error event's JSON, with the connection's request id."""
     event = Error(error_type=error_type, message=message, code=code, param=param)
-    return Send(orjson.dumps(event.to_dict(request_id)).decode())
+    return Send(orjson.dumps(event.to_dict(request_id)).decode(), code)
 
 
 def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> Send:
@@ -139,7 +168,7 @@ def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> S
     retry_after = error.headers.get("Retry-After")
     if retry_after is not None and retry_after.isdigit():
         body["error"]["retry_after_s"] = int(retry_after)
-    return Send(orjson.dumps(body).decode())
+    return Send(orjson.dumps(body).decode(), error.code)
 
 
 PENDING_ITEM_BYTES = 1024
@@ -193,6 +222,7 @@ class RealtimeSession:
         request_id: str | None = None,
         ledger: PendingLedger | None = None,
         owner: str = "",
+        max_invalid_frames: int = 16,
     ) -> None:
         self.max_pending_input_bytes = max_pending_input_bytes
         self.max_json_depth = max_json_depth
@@ -204,6 +234,8 @@ class RealtimeSession:
         self._pending_bytes = 0
         self._ledger = ledger  # the key's pending input over all its connections
         self._owner = owner
+        self.max_invalid_frames = max_invalid_frames
+        self._strikes = 0  # frames in a row answered with nothing but a STRIKES error
 
     def _error(self, code: str, message: str, *, param: str | None = None) -> Send:
         return error_frame(code, message, param=param, request_id=self.request_id)
@@ -214,9 +246,25 @@ class RealtimeSession:
 
     def receive_binary(self, data: bytes) -> list[Action]:
         message = f"binary frames are not accepted ({len(data)} bytes received); send JSON "
-        return [self._error("invalid_envelope", message + "envelopes as text frames")]
+        return self._judged([self._error("invalid_envelope", message + "envelopes as text frames")])
 
     def receive_text(self, text: str) -> list[Action]:
+        """What to do about one text frame (see the module docstring)."""
+        return self._judged(self._receive_text(text))
+
+    def _judged(self, actions: list[Action]) -> list[Action]:
+        """``actions``, and :class:`Close` when they make ``max_invalid_frames`` frames in
+        a row answered with nothing but an error of :data:`STRIKES`."""
+        if len(actions) != 1 or type(actions[0]) is not Send or actions[0].code not in STRIKES:
+            self._strikes = 0
+            return actions
+        self._strikes += 1
+        if self._strikes < self.max_invalid_frames:
+            return actions
+        reason = f"{self._strikes} invalid frames in a row"
+        return [*actions, Close(POLICY_VIOLATION, reason)]
+
+    def _receive_text(self, text: str) -> list[Action]:
         try:
             data = orjson.loads(text)
         except orjson.JSONDecodeError as exc:

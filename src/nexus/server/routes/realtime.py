@@ -2,7 +2,7 @@
 
 :class:`~nexus.protocol.realtime.RealtimeSession` holds the protocol; this
 module feeds it the client's frames and carries out its actions. A turn
-(:class:`Turn`) follows its stream's log in a task and sends each event as a
+(:class:`~.realtime_turn.Turn`) follows its stream's log in a task and sends each event as a
 text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
 
 * ``abort`` cancels the turn's stream at once, then ``{"type":"done","aborted":true}``.
@@ -15,6 +15,13 @@ text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
   in half that time drops the connection. A peer that does not read (its socket
   full, taking no byte for ``write_timeout_s``) is aborted: a ``write_timeout``.
   Both are the watchdog's checks (:class:`~nexus.server.writer.Writer`).
+* Each frame is counted against the socket's budget (``[realtime]
+  max_frames_per_second``, ``max_bytes_per_second``:
+  :class:`~nexus.protocol.realtime_budget.FrameBudget`) and the loop is yielded to
+  after it: aiohttp hands over every frame of one read without the loop turning, so a
+  client sending tiny frames as fast as it can would hold the loop for every tenant.
+  Past the budget, or after ``max_invalid_frames`` errors in a row, the socket is
+  closed with 1008.
 * A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown
   ends a running turn with a retryable ``server_shutting_down`` error frame,
   then closes with 1001.
@@ -29,19 +36,19 @@ import logging
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from ...auth import ApiKey
-from ...cache.readers import leave, with_usage
-from ...cache.run import LogReader, StreamRun
+from ...cache.readers import with_usage
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
-from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
 from ...protocol.realtime import (
     AbortTurn,
+    Close,
     RealtimeSession,
     Send,
     StartTurn,
     gateway_error_frame,
 )
+from ...protocol.realtime_budget import FrameBudget
 from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import (
@@ -54,20 +61,15 @@ from ..access import (
 )
 from ..writer import Writer
 from .common import check_open
+from .realtime_turn import Turn
 
-__all__ = ["RealtimeConnection", "Turn", "handle"]
+__all__ = ["RealtimeConnection", "handle"]
 
 log = logging.getLogger("nexus.realtime")
 
 PROTOCOL = "nexus.v1"
 """The subprotocol a browser offers beside ``nexus-key.<key>`` (the one answered)."""
 _ABORTED = '{"type":"done","aborted":true}'
-_INTERNAL = Error(
-    error_type="server_error",
-    message="The gateway failed during this turn.",
-    code="internal_error",
-    retryable=True,
-)
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 
 
@@ -109,6 +111,13 @@ class RealtimeConnection(Writer):
             request_id=self.request_id,
             ledger=self.runtime.pending,
             owner=key.name if key is not None else "",
+            max_invalid_frames=config.realtime.max_invalid_frames,
+        )
+        self.budget = FrameBudget(
+            frames_per_s=config.realtime.max_frames_per_second,
+            bytes_per_s=config.realtime.max_bytes_per_second,
+            max_message_bytes=config.realtime.max_message_bytes,
+            now=self._loop.time(),
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
@@ -127,6 +136,7 @@ class RealtimeConnection(Writer):
         self._last_seen = self._loop.time()
         self._watch(True)
         receive = ws.receive
+        pause = asyncio.sleep
         try:
             while True:
                 message = await receive()
@@ -134,6 +144,9 @@ class RealtimeConnection(Writer):
                     break
                 # Not held while the socket waits for its next frame (a turn may be long).
                 del message
+                # receive() returns without suspending while frames are queued: each frame
+                # lets the other connections run (see the module docstring).
+                await pause(0)
             if self._closing is not None:
                 await self._closing  # the shutdown's close frames, before the handler ends
         finally:
@@ -168,8 +181,13 @@ class RealtimeConnection(Writer):
 
     async def _receive(self, message: WSMessage) -> bool:
         """Carry out what a client frame asks; False when the socket is done."""
-        self._last_seen = self._loop.time()
+        now = self._last_seen = self._loop.time()
         self._pong_due = 0.0  # any frame shows the client is there
+        data = message.data
+        over = self.budget.take(len(data) if isinstance(data, str | bytes) else 0, now)
+        if over is not None:
+            await self._refuse_socket(over)
+            return False
         if message.type is WSMsgType.PING:
             with contextlib.suppress(ConnectionError):
                 await self.ws.pong(message.data)
@@ -183,8 +201,19 @@ class RealtimeConnection(Writer):
         else:  # ERROR: the reader already closed the socket (e.g. 1009)
             return False
         for action in actions:
-            await self._do(action)
+            if type(action) is Close:
+                await self._refuse_socket(action.reason)
+                return False
+            await self._do(action)  # type: ignore[arg-type]
         return True
+
+    async def _refuse_socket(self, reason: str) -> None:
+        """Close the socket with 1008 (policy violation): the peer broke its budget or
+        sent invalid frames in a row. Its turn ends with the socket."""
+        log.warning("%s realtime socket closed: %s", self.request_id, reason)
+        exchange(self.request).cancelled = "policy_violation"
+        with contextlib.suppress(ConnectionError):
+            await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason.encode())
 
     async def _do(self, action: Send | StartTurn | AbortTurn) -> None:
         match action:
@@ -304,114 +333,6 @@ class RealtimeConnection(Writer):
                 turn.terminate()
                 await self.ws.send_frame(turn.encoder.error(_SHUTDOWN)[:-1], WSMsgType.TEXT)
             await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
-
-
-class Turn:
-    """One turn's writer: each event of its log as a text frame, then its end, in a task
-    (or, once caught up, each new batch pushed to it: :meth:`_push`)."""
-
-    __slots__ = ("conn", "encoder", "over", "reader", "run", "started", "task", "terminated")
-
-    def __init__(self, conn: RealtimeConnection, reader: LogReader, run: StreamRun | None) -> None:
-        self.conn = conn
-        self.reader = reader
-        self.run = run
-        """The stream it ends when it ends early; None for one it only joined."""
-        self.started = False  # an event went out: a failure is in-band from then on
-        self.terminated = False  # its last frame went out: no aborted frame after it
-        self.over = False
-        self.encoder = NDJSONEncoder(reader.meta)  # a frame is a line, without its newline
-        self.encoder.request_id = conn.request_id
-        reader.sink = self._push
-        self.task = asyncio.get_running_loop().create_task(self._follow())
-
-    def _push(self, batch: list[StreamEvent]) -> bool:
-        """The reader's sink: ``batch`` written in the producer's task once the turn has
-        caught up with its log, so that an upstream read wakes one task (as the HTTP
-        pump's push); False (nothing encoded) leaves it to the turn's task: a write under
-        way, a full socket, a compressing connection, the turn's end."""
-        conn = self.conn
-        if self.terminated or not conn.writable:
-            return False
-        for event in batch:
-            cls = type(event)
-            if cls is Done or cls is Error:
-                return False
-        encode = self.encoder.encode
-        conn.write_now([encode(event)[:-1] for event in batch])
-        self.started = True
-        return True
-
-    async def _follow(self) -> None:
-        """Write the log's events as they come, then the end; waiting for the socket."""
-        conn = self.conn
-        encode = self.encoder.encode
-        try:
-            async for batch in self.reader:
-                payloads: list[bytes] = []
-                for event in batch:
-                    cls = type(event)
-                    if cls is Done or cls is Error:
-                        await conn.send_texts(payloads)
-                        await self._end(event)  # type: ignore[arg-type]
-                        return
-                    self.started = True
-                    payloads.append(encode(event)[:-1])
-                await conn.send_texts(payloads)
-            # The log ended without its terminal entry (a store that lost it).
-        except GatewayError as exc:
-            self.terminate()
-            with contextlib.suppress(ConnectionError):
-                if exc.status >= 500:
-                    await conn.fail(self.encoder.error(exc.to_event())[:-1])
-                else:
-                    await conn.ws.send_str(gateway_error_frame(exc, conn.request_id).frame)
-        except ConnectionError:
-            log.debug("realtime client went away mid-turn")
-        except Exception:
-            log.exception("realtime turn failed")
-            self.terminate()
-            await conn.fail(self.encoder.error(_INTERNAL)[:-1])
-        finally:
-            await self._close()
-
-    async def _end(self, event: Done | Error) -> None:
-        if type(event) is Done:
-            self.terminate()  # before the frame: the client may start again
-            await self.conn.ws.send_frame(self.encoder.encode(event)[:-1], WSMsgType.TEXT)
-            return
-        failure = self.reader.failure
-        if not self.started and failure is not None:
-            raise failure
-        self.terminate()
-        await self.conn.fail(self.encoder.error(event)[:-1])  # type: ignore[arg-type]
-
-    def terminate(self) -> None:
-        """The turn's last frame is about to go out: the session may start the next."""
-        self.terminated = True
-        if self.conn.turn is self:
-            self.conn.session.turn_ended()
-
-    async def stop(self) -> None:
-        """End the turn now (an abort, the socket gone, shutdown); its stream with it."""
-        self.reader.sink = None  # nothing more from the producer's task (an abort answers)
-        task = self.task
-        if task is not asyncio.current_task():
-            task.cancel()
-            await asyncio.wait((task,))
-        await self._close()
-
-    async def _close(self) -> None:
-        """Over: the stream let go (ended, unless shared), the connection free for the next."""
-        if self.over:
-            return
-        self.over = True
-        conn = self.conn
-        if conn.turn is self:
-            conn.turn = None
-            if not self.terminated:  # else the session already moved on: it may be streaming
-                conn.session.turn_ended()
-        await leave(self.reader, self.run)
 
 
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)

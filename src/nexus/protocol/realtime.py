@@ -45,13 +45,9 @@ from pydantic import Field, TypeAdapter, ValidationError
 from ..errors import GatewayError
 from ..events import Error
 from ..request import (
-    AudioPart,
     ChatRequest,
-    ContentPart,
     ImagePart,
     StrictModel,
-    TextPart,
-    UserMessage,
 )
 from .json_depth import (
     MAX_JSON_DEPTH,
@@ -62,10 +58,14 @@ from .json_depth import (
     too_many_items,
 )
 from .openai_chat import validation_error
+from .realtime_pending import PENDING_ITEM_BYTES, PendingAudio, PendingLedger, attach, to_part
 
 __all__ = [
+    "PENDING_ITEM_BYTES",
     "AbortTurn",
     "Close",
+    "Decoded",
+    "PendingLedger",
     "RealtimeSession",
     "Send",
     "StartTurn",
@@ -129,6 +129,18 @@ class Close:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A text frame parsed into a JSON object, before it is walked or validated."""
+
+    data: dict[str, Any]
+
+    @property
+    def start(self) -> bool:
+        """It asks for a turn (valid or not): the route takes a rate token first."""
+        return self.data.get("type") == "start"
+
+
 POLICY_VIOLATION = 1008
 """The close code of a peer that broke the connection's rules (RFC 6455 7.4.1)."""
 
@@ -171,45 +183,6 @@ def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> S
     return Send(orjson.dumps(body).decode(), error.code)
 
 
-PENDING_ITEM_BYTES = 1024
-"""What a pending item counts for beyond its data: about what it costs in memory, so
-that empty images or tiny chunks cannot pile up uncounted."""
-
-
-class PendingLedger:
-    """The pending input of every connection of a process, per key: one key's sockets
-    together hold at most ``limit`` bytes (``[realtime] max_pending_bytes_per_key``), so
-    what a key can pin in memory is bounded however many sockets it opens."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held: dict[str, int] = {}
-
-    def held(self, owner: str) -> int:
-        return self._held.get(owner, 0)
-
-    def take(self, owner: str, size: int) -> bool:
-        held = self._held.get(owner, 0) + size
-        if held > self.limit:
-            return False
-        self._held[owner] = held
-        return True
-
-    def give(self, owner: str, size: int) -> None:
-        held = self._held.get(owner, 0) - size
-        if held > 0:
-            self._held[owner] = held
-        else:
-            self._held.pop(owner, None)
-
-
-@dataclass(slots=True)
-class _PendingAudio:
-    format: str
-    sample_rate: int
-    data: bytearray
-
-
 class RealtimeSession:
     """One connection's protocol state (see the module docstring)."""
 
@@ -230,7 +203,7 @@ class RealtimeSession:
         self.request_id = request_id
         """The ``X-Request-Id`` of the connection's handshake: every error frame has it."""
         self.streaming = False
-        self._pending: list[ImagePart | _PendingAudio] = []
+        self._pending: list[ImagePart | PendingAudio] = []
         self._pending_bytes = 0
         self._ledger = ledger  # the key's pending input over all its connections
         self._owner = owner
@@ -249,8 +222,33 @@ class RealtimeSession:
         return self._judged([self._error("invalid_envelope", message + "envelopes as text frames")])
 
     def receive_text(self, text: str) -> list[Action]:
-        """What to do about one text frame (see the module docstring)."""
-        return self._judged(self._receive_text(text))
+        """What to do about one text frame (see the module docstring): :meth:`decode`,
+        then :meth:`receive_decoded`."""
+        decoded = self.decode(text)
+        if not isinstance(decoded, Decoded):
+            return decoded
+        return self.receive_decoded(decoded)
+
+    def decode(self, text: str) -> Decoded | list[Action]:
+        """A text frame parsed, not yet walked nor validated (the error to answer if it
+        is no JSON object). The costly steps come in :meth:`receive_decoded`: a route
+        takes a token of the key's rate first for a ``start`` (:attr:`Decoded.start`), so
+        that what a key can make the gateway validate is bounded by its rate."""
+        try:
+            data = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            return self._judged(
+                [self._error("invalid_envelope", f"the frame is not valid JSON: {exc}")]
+            )
+        if not isinstance(data, dict):
+            return self._judged(
+                [self._error("invalid_envelope", "an envelope must be a JSON object")]
+            )
+        return Decoded(data)
+
+    def receive_decoded(self, decoded: Decoded) -> list[Action]:
+        """What to do about a frame :meth:`decode` parsed."""
+        return self._judged(self._receive(decoded.data))
 
     def _judged(self, actions: list[Action]) -> list[Action]:
         """``actions``, and :class:`Close` when they make ``max_invalid_frames`` frames in
@@ -264,13 +262,7 @@ class RealtimeSession:
         reason = f"{self._strikes} invalid frames in a row"
         return [*actions, Close(POLICY_VIOLATION, reason)]
 
-    def _receive_text(self, text: str) -> list[Action]:
-        try:
-            data = orjson.loads(text)
-        except orjson.JSONDecodeError as exc:
-            return [self._error("invalid_envelope", f"the frame is not valid JSON: {exc}")]
-        if not isinstance(data, dict):
-            return [self._error("invalid_envelope", "an envelope must be a JSON object")]
+    def _receive(self, data: dict[str, Any]) -> list[Action]:
         refused = self._too_deep(data)
         if refused is not None:
             return [refused]
@@ -329,7 +321,7 @@ class RealtimeSession:
             message = "stream: the realtime surface always streams; omit stream or set it to true"
             return [self._error("invalid_request", message, param="request.stream")]
         if self._pending:
-            request = _attach(request, [_to_part(p) for p in self._pending])
+            request = attach(request, [to_part(p) for p in self._pending])
         self.streaming = True
         return [StartTurn(request)]
 
@@ -391,7 +383,7 @@ class RealtimeSession:
         last = self._pending[-1] if self._pending else None
         merged = (
             envelope.format == "pcm16"
-            and isinstance(last, _PendingAudio)
+            and isinstance(last, PendingAudio)
             and last.format == "pcm16"
             and last.sample_rate == envelope.sample_rate
         )
@@ -402,7 +394,7 @@ class RealtimeSession:
             last.data += decoded  # type: ignore[union-attr]
         else:
             self._pending.append(
-                _PendingAudio(envelope.format, envelope.sample_rate, bytearray(decoded))
+                PendingAudio(envelope.format, envelope.sample_rate, bytearray(decoded))
             )
         return []
 
@@ -427,32 +419,6 @@ class RealtimeSession:
             ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
         )
         return []
-
-
-def _to_part(item: ImagePart | _PendingAudio) -> ContentPart:
-    if isinstance(item, ImagePart):
-        return item
-    audio: dict[str, Any] = {"data": base64.b64encode(item.data).decode(), "format": item.format}
-    if item.format == "pcm16":
-        audio["sample_rate"] = item.sample_rate
-    return AudioPart.model_validate({"type": "input_audio", "input_audio": audio})
-
-
-def _attach(request: ChatRequest, parts: list[ContentPart]) -> ChatRequest:
-    """A copy of ``request`` whose last user message also holds ``parts``."""
-    messages = list(request.messages)
-    for i in range(len(messages) - 1, -1, -1):
-        message = messages[i]
-        if isinstance(message, UserMessage):
-            content = message.content
-            existing: list[ContentPart] = (
-                [TextPart(type="text", text=content)] if isinstance(content, str) else list(content)
-            )
-            messages[i] = message.model_copy(update={"content": existing + parts})
-            break
-    else:
-        messages.append(UserMessage(role="user", content=parts))
-    return request.model_copy(update={"messages": messages})
 
 
 def _envelope_error(exc: ValidationError, data: dict[str, Any], request_id: str | None) -> Send:

@@ -43,6 +43,7 @@ from ...hooks import CallContext
 from ...protocol.realtime import (
     AbortTurn,
     Close,
+    Decoded,
     RealtimeSession,
     Send,
     StartTurn,
@@ -53,6 +54,7 @@ from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import (
     account_at_end,
+    admit,
     admit_stream,
     authenticate,
     budgeted,
@@ -195,7 +197,13 @@ class RealtimeConnection(Writer):
         if message.type is WSMsgType.PONG:
             return True
         if message.type is WSMsgType.TEXT:
-            actions = self.session.receive_text(message.data)
+            decoded = self.session.decode(data)
+            if not isinstance(decoded, Decoded):
+                actions = decoded
+            elif decoded.start and not await self._rate_token():
+                return True
+            else:
+                actions = self.session.receive_decoded(decoded)
         elif message.type is WSMsgType.BINARY:
             actions = self.session.receive_binary(message.data)
         else:  # ERROR: the reader already closed the socket (e.g. 1009)
@@ -206,6 +214,30 @@ class RealtimeConnection(Writer):
                 return False
             await self._do(action)  # type: ignore[arg-type]
         return True
+
+    async def _rate_token(self) -> bool:
+        """A token of the key's rate for a ``start``, taken before the frame is walked or
+        validated (as HTTP takes it before reading the body); False, its refusal sent,
+        when the key is over its rate."""
+        try:
+            await admit(self.request, self.key, None)
+        except GatewayError as exc:
+            await self._refused(exc, None)
+            return False
+        return True
+
+    async def _refused(self, exc: GatewayError, model: str | None) -> None:
+        """A ``start`` refused before anything streamed: its error frame. The socket's
+        access line is one for all its turns: this outcome's own is a warning."""
+        owner = self.key.name if self.key is not None else None
+        log.warning(
+            "%s start refused: %s (key=%s model=%s)",
+            self.request_id,
+            exc.code,
+            owner,
+            log_value(model),
+        )
+        await self.ws.send_str(gateway_error_frame(exc, self.request_id).frame)
 
     async def _refuse_socket(self, reason: str) -> None:
         """Close the socket with 1008 (policy violation): the peer broke its budget or
@@ -226,7 +258,12 @@ class RealtimeConnection(Writer):
                     # place among the streams.
                     request, hold = budgeted(self.request, self.key, request)
                     async with admit_stream(
-                        self.request, self.key, request.model, param="request.model", hold=hold
+                        self.request,
+                        self.key,
+                        request.model,
+                        param="request.model",
+                        rate_taken=True,  # by the frame (_rate_token)
+                        hold=hold,
                     ):
                         opened = await self.hub.open(
                             request,
@@ -243,17 +280,8 @@ class RealtimeConnection(Writer):
                         opened, meta=with_usage(opened.info.meta, request.include_usage)
                     )
                 except GatewayError as exc:
-                    # Refused before anything streamed: the pending input is kept. The
-                    # socket's access line is one for all its turns: this outcome's own.
-                    log.warning(
-                        "%s start refused: %s (key=%s model=%s)",
-                        self.request_id,
-                        exc.code,
-                        owner,
-                        log_value(request.model),
-                    )
-                    self.session.start_refused()
-                    await self.ws.send_str(gateway_error_frame(exc, self.request_id).frame)
+                    self.session.start_refused()  # the pending input is kept
+                    await self._refused(exc, request.model)
                     return
                 self.session.start_accepted()
                 # A joined stream is another request's: this socket may leave it, never end it.

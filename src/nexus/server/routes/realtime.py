@@ -123,6 +123,7 @@ class RealtimeConnection(Writer):
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
+        self._left = False  # a frame could not be sent: the client is gone
 
     @property
     def busy(self) -> bool:
@@ -201,7 +202,7 @@ class RealtimeConnection(Writer):
             if not isinstance(decoded, Decoded):
                 actions = decoded
             elif decoded.start and not await self._rate_token():
-                return True
+                return not self._left
             else:
                 actions = self.session.receive_decoded(decoded)
         elif message.type is WSMsgType.BINARY:
@@ -213,7 +214,20 @@ class RealtimeConnection(Writer):
                 await self._refuse_socket(action.reason)
                 return False
             await self._do(action)  # type: ignore[arg-type]
+            if self._left:
+                return False
         return True
+
+    async def _send(self, text: str) -> None:
+        """One text frame. A client that is gone (reset, or closed as the frame went out)
+        has left, as a client closing does: the socket is done (:attr:`_left`), its access
+        line ``cancelled:client_disconnect``, and nothing is logged as a failure."""
+        try:
+            await self.ws.send_str(text)
+        except ConnectionError:
+            self._left = True
+            ex = exchange(self.request)
+            ex.cancelled = ex.cancelled or "client_disconnect"
 
     async def _rate_token(self) -> bool:
         """A token of the key's rate for a ``start``, taken before the frame is walked or
@@ -237,7 +251,7 @@ class RealtimeConnection(Writer):
             owner,
             log_value(model),
         )
-        await self.ws.send_str(gateway_error_frame(exc, self.request_id).frame)
+        await self._send(gateway_error_frame(exc, self.request_id).frame)
 
     async def _refuse_socket(self, reason: str) -> None:
         """Close the socket with 1008 (policy violation): the peer broke its budget or
@@ -250,7 +264,7 @@ class RealtimeConnection(Writer):
     async def _do(self, action: Send | StartTurn | AbortTurn) -> None:
         match action:
             case Send(frame=text):
-                await self.ws.send_str(text)
+                await self._send(text)
             case StartTurn(request=request):
                 try:
                     owner = self.key.name if self.key is not None else None
@@ -299,8 +313,7 @@ class RealtimeConnection(Writer):
                 # still answer. A turn that already sent its end gets nothing more.
                 if not running.terminated:
                     running.terminate()
-                    with contextlib.suppress(ConnectionError):
-                        await self.ws.send_str(_ABORTED)
+                    await self._send(_ABORTED)
 
     @property
     def paused(self) -> bool:

@@ -287,6 +287,7 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         "events": ex.events if ex.streamed else None,
         "bytes": ex.bytes if ex.streamed else None,
         "cancelled": ex.cancelled,
+        "refused": ex.refused or None,
     }
     if spend is not None:
         _add_spend(fields, spend)

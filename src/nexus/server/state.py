@@ -95,6 +95,8 @@ class Exchange:
     events: int = 0
     bytes: int = 0
     cancelled: str | None = None
+    refused: int = 0
+    """Realtime ``start`` frames the socket had refused (admission, model, input)."""
     status: int | None = None
     """The status sent, once the headers are out (a stream cut short keeps its 200)."""
     headers: dict[str, str] = field(default_factory=dict)

@@ -124,6 +124,7 @@ class RealtimeConnection(Writer):
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
         self._left = False  # a frame could not be sent: the client is gone
+        self._logged: set[str] = set()  # the refusal codes logged for this socket
 
     @property
     def busy(self) -> bool:
@@ -242,15 +243,20 @@ class RealtimeConnection(Writer):
 
     async def _refused(self, exc: GatewayError, model: str | None) -> None:
         """A ``start`` refused before anything streamed: its error frame. The socket's
-        access line is one for all its turns: this outcome's own is a warning."""
-        owner = self.key.name if self.key is not None else None
-        log.warning(
-            "%s start refused: %s (key=%s model=%s)",
-            self.request_id,
-            exc.code,
-            owner,
-            log_value(model),
-        )
+        access line is one for all its turns and counts them (``refused``); the first
+        refusal of each code on the socket is a warning of its own, the others only
+        counted, since a client retrying in a loop would otherwise write a line a frame."""
+        exchange(self.request).refused += 1
+        if exc.code not in self._logged:
+            self._logged.add(exc.code)
+            log.warning(
+                "%s start refused: %s (key=%s model=%s); more on this socket are counted "
+                "in its access line (refused=)",
+                self.request_id,
+                exc.code,
+                self.key.name if self.key is not None else None,
+                log_value(model),
+            )
         await self._send(gateway_error_frame(exc, self.request_id).frame)
 
     async def _refuse_socket(self, reason: str) -> None:

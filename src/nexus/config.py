@@ -254,6 +254,9 @@ class RealtimeConfig(_Table):
     max_bytes_per_second: int = Field(default=1024 * 1024, ge=1)
     """Message bytes one socket may send a second, ``max_message_bytes`` at once; past it
     the socket is closed 1008. Bounds what parsing a socket's frames costs the loop."""
+    max_sockets_per_key: int = Field(default=16, ge=1)
+    """Realtime sockets one key may hold open in this process: without a cap one key could
+    take every place of ``[server] max_connections`` with idle sockets."""
     max_invalid_frames: int = Field(default=16, ge=1)
     """Frames in a row answered only with an error before the socket is closed 1008: each
     answer is larger than the frame that asked for it."""

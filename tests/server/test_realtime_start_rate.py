@@ -4,20 +4,31 @@ validation, or comes while a turn runs, costs a token too; other envelopes do no
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
+import pytest
 import websockets
 
 from nexus.auth import hash_key
 from support import GatedProvider, MakeClient, turn
 
 KEY = "nx-start-rate-key-0001"
-# One token, then one more every 1000 s: nothing refills while the test runs.
+# Three tokens (a second's worth), the handshake's one of them; none come back while the
+# clock the limits read stands still.
 CONFIG = {
     "auth": {"keys": [{"name": "a", "sha256": hash_key(KEY)}]},
-    "limits": {"requests_per_second_per_key": 0.001},
+    "limits": {"requests_per_second_per_key": 3},
 }
+
+
+@pytest.fixture(autouse=True)
+def still_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        "nexus.cache.limits.time", SimpleNamespace(monotonic=lambda: 0.0, time=time.time)
+    )
 
 
 async def connect(client: Any) -> Any:
@@ -40,9 +51,10 @@ async def error_code(ws: Any) -> str:
 async def test_a_start_that_fails_validation_takes_a_rate_token(make_client: MakeClient) -> None:
     client = await make_client(CONFIG)
     async with await connect(client) as ws:
-        await ws.send(start(temperature="hot"))
-        assert await error_code(ws) == "invalid_request"
-        for _ in range(3):  # the key's one token is spent: not validated again
+        for _ in range(2):
+            await ws.send(start(temperature="hot"))
+            assert await error_code(ws) == "invalid_request"
+        for _ in range(3):  # the key's tokens are spent: not validated again
             await ws.send(start(temperature="hot"))
             assert await error_code(ws) == "rate_limited"
 
@@ -58,8 +70,8 @@ async def test_a_start_while_a_turn_runs_takes_a_token_and_other_envelopes_none(
             assert orjson.loads(await ws.recv())["error"]["code"] == "nothing_to_abort"
         await ws.send(start("gated/m"))
         assert orjson.loads(await ws.recv())["type"] == "delta"  # the one token: it runs
-        # A second start while it runs needs a token as well (it would be
-        # stream_in_progress with one): the key has none left.
+        await ws.send(start("gated/m"))  # the last token
+        assert orjson.loads(await ws.recv())["error"]["code"] == "stream_in_progress"
         await ws.send(start("gated/m"))
         assert orjson.loads(await ws.recv())["error"]["code"] == "rate_limited"
         gated.gate.set()

@@ -392,7 +392,28 @@ async def handle(request: web.Request) -> web.StreamResponse:
     )
     key = authenticate(request, offered)
     exchange(request).format = "websocket"
-    return await RealtimeConnection(request, key, _chosen(offered)).run()
+    if key is None:
+        return await RealtimeConnection(request, key, _chosen(offered)).run()
+    # As an HTTP request: a token of the key's rate; then a place among its sockets.
+    await admit(request, key, None)
+    held = request.app[state.RUNTIME].key_sockets
+    limit = request.app[state.CONFIG].realtime.max_sockets_per_key
+    if held[key.name] >= limit:
+        raise GatewayError(
+            f"The API key {key.name!r} has {limit} realtime sockets open, its limit "
+            "([realtime] max_sockets_per_key); close one first.",
+            code="too_many_sockets",
+            status=429,
+            error_type="rate_limit_error",
+            retryable=True,
+        )
+    held[key.name] += 1
+    try:
+        return await RealtimeConnection(request, key, _chosen(offered)).run()
+    finally:
+        held[key.name] -= 1
+        if held[key.name] <= 0:
+            del held[key.name]
 
 
 def _chosen(offered: tuple[str, ...]) -> tuple[str, ...]:

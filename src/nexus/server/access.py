@@ -342,7 +342,7 @@ def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:
     if spend is None or not run.events:
         return
     ended = Exchange(request_id=ex.request_id, started=ex.started)
-    ended.ended_with(run.events[-1])
+    ended.ended_with(run.events[-1], ex.cancelled)
     outcome = ended.outcome(200)
     level = logging.INFO if outcome == "ok" else logging.WARNING
     if not spend_log.isEnabledFor(level):

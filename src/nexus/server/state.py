@@ -139,12 +139,13 @@ class Exchange:
             return f"error:{self.error or status}"
         return "ok"
 
-    def ended_with(self, terminal: StreamEvent | None) -> None:
-        """Note the terminal event of the stream this request wrote."""
+    def ended_with(self, terminal: StreamEvent | None, cause: str | None = None) -> None:
+        """Note the terminal event of the stream this request wrote; ``cause``: why it was
+        ended early, if known (else its reader left: ``client_disconnect``)."""
         if type(terminal) is Error:
             self.stream_error = terminal.code or terminal.error_type
         elif type(terminal) is Done and terminal.aborted:
-            self.cancelled = self.cancelled or "client_disconnect"  # its reader left
+            self.cancelled = self.cancelled or cause or "client_disconnect"
 
 
 EXCHANGE: Any = _request_key()

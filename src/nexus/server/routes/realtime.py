@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
@@ -61,6 +62,7 @@ from ..access import (
     exchange,
     log_value,
 )
+from ..state import Exchange
 from ..writer import Writer
 from .common import check_open
 from .realtime_turn import Turn
@@ -157,7 +159,9 @@ class RealtimeConnection(Writer):
             self._watch(False)
             self.runtime.sockets.discard(self)
             self.session.close()  # its pending input no longer counts against its key
-            await self._cancel_turn()
+            # Why the socket ended, for its turn: a ping or write timeout, a policy close,
+            # the client leaving (its close frame, or its connection gone).
+            await self._cancel_turn(exchange(self.request).cancelled or "client_disconnect")
         return ws
 
     def check(self, now: float) -> None:
@@ -165,6 +169,8 @@ class RealtimeConnection(Writer):
         gone, and the connection is dropped (its turn's stream with it)."""
         if self._pong_due and now >= self._pong_due:
             log.info("realtime client did not answer a ping: dropping the connection")
+            ex = exchange(self.request)
+            ex.cancelled = ex.cancelled or "ping_timeout"
             self._drop()
         else:
             super().check(now)
@@ -272,6 +278,7 @@ class RealtimeConnection(Writer):
             case Send(frame=text):
                 await self._send(text)
             case StartTurn(request=request):
+                started = time.monotonic()
                 try:
                     owner = self.key.name if self.key is not None else None
                     # As an HTTP request: the key's model, its rate, its budget's hold, a
@@ -306,20 +313,34 @@ class RealtimeConnection(Writer):
                 self.session.start_accepted()
                 # A joined stream is another request's: this socket may leave it, never end it.
                 run = None if opened.joined else opened.run
+                record = Exchange(
+                    self.request_id,
+                    started,
+                    endpoint="/v1/realtime",
+                    format=NDJSONEncoder.media_type,
+                    key=self.key,
+                    model=request.model,
+                )
                 if run is not None and opened.cache != "hit":
                     # The socket's access line is one for all its turns: each its own spend.
-                    account_at_end(self.request.app, exchange(self.request), run, request.model)
-                self.turn = Turn(self, reader, run)
+                    account_at_end(self.request.app, record, run)
+                self.turn = Turn(self, reader, run, record)
             case AbortTurn():
                 running = self.turn
                 if running is None:
                     return
-                await running.stop()
+                await running.stop("aborted")
                 # Sent here, not by the turn: a turn stopped before it wrote anything must
                 # still answer. A turn that already sent its end gets nothing more.
                 if not running.terminated:
                     running.terminate()
                     await self._send(_ABORTED)
+
+    @property
+    def cause(self) -> str | None:
+        """Why the socket is ending, when the gateway ends it (``ping_timeout``,
+        ``write_timeout``, ``policy_violation``); None: the client's doing."""
+        return exchange(self.request).cancelled
 
     @property
     def paused(self) -> bool:
@@ -364,17 +385,17 @@ class RealtimeConnection(Writer):
             await self.ws.send_frame(payload, WSMsgType.TEXT)
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
 
-    async def _cancel_turn(self) -> None:
+    async def _cancel_turn(self, cause: str) -> None:
         turn = self.turn
         if turn is not None:
-            await turn.stop()
+            await turn.stop(cause)
 
     async def shutdown(self) -> None:
         """Server shutdown: a running turn's stream is cancelled and the turn ends with a
         retryable error frame; then the close, 1001 (going away)."""
         self._closing = asyncio.current_task()  # the handler waits for the close to be done
         turn = self.turn
-        await self._cancel_turn()
+        await self._cancel_turn("shutdown")
         with contextlib.suppress(Exception):
             if turn is not None and not turn.terminated:
                 turn.terminate()

@@ -18,6 +18,7 @@ from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError
 from ...events import Done, Error, StreamEvent
 from ...protocol.realtime import RealtimeSession, gateway_error_frame
+from ..state import Exchange
 
 __all__ = ["Turn"]
 
@@ -35,6 +36,10 @@ class Connection(Protocol):
 
     @property
     def writable(self) -> bool: ...
+
+    @property
+    def cause(self) -> str | None:
+        """Why the connection is ending, once it is (a ping or write timeout, ...)."""
 
     def write_now(self, payloads: list[bytes]) -> None: ...
 
@@ -55,13 +60,27 @@ class Turn:
     """One turn's writer: each event of its log as a text frame, then its end, in a task
     (or, once caught up, each new batch pushed to it: :meth:`_push`)."""
 
-    __slots__ = ("conn", "encoder", "over", "reader", "run", "started", "task", "terminated")
+    __slots__ = (
+        "conn",
+        "encoder",
+        "over",
+        "reader",
+        "record",
+        "run",
+        "started",
+        "task",
+        "terminated",
+    )
 
-    def __init__(self, conn: Connection, reader: LogReader, run: StreamRun | None) -> None:
+    def __init__(
+        self, conn: Connection, reader: LogReader, run: StreamRun | None, record: Exchange
+    ) -> None:
         self.conn = conn
         self.reader = reader
         self.run = run
         """The stream it ends when it ends early; None for one it only joined."""
+        self.record = record
+        """The turn as its spend line sees it: its model, and why it ended early."""
         self.started = False  # an event went out: a failure is in-band from then on
         self.terminated = False  # its last frame went out: no aborted frame after it
         self.over = False
@@ -137,8 +156,12 @@ class Turn:
         if self.conn.turn is self:
             self.conn.session.turn_ended()
 
-    async def stop(self) -> None:
-        """End the turn now (an abort, the socket gone, shutdown); its stream with it."""
+    async def stop(self, cause: str) -> None:
+        """End the turn now, its stream with it; ``cause`` is why (``aborted``,
+        ``shutdown``, ``ping_timeout``, ``client_disconnect``, ...), the ``cancelled:``
+        outcome of its spend line when it had not ended yet."""
+        if not self.terminated:
+            self.record.cancelled = self.record.cancelled or cause
         self.reader.sink = None  # nothing more from the producer's task (an abort answers)
         task = self.task
         if task is not asyncio.current_task():
@@ -152,6 +175,8 @@ class Turn:
             return
         self.over = True
         conn = self.conn
+        if not self.terminated:  # ended early on its own: its socket went (a timeout, ...)
+            self.record.cancelled = self.record.cancelled or conn.cause
         if conn.turn is self:
             conn.turn = None
             if not self.terminated:  # else the session already moved on: it may be streaming

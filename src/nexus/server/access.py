@@ -222,13 +222,9 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
     outcome = ex.outcome(status)
     metrics = app.get(METRICS)
     if metrics is not None and ex.endpoint not in ("/metrics",):
-        model = metrics.model_label(ex.model)
-        metrics.requests.labels(ex.endpoint, model, metrics.outcome_label(outcome)).inc()
+        metrics.observe(ex.endpoint, ex.model, outcome, elapsed, ex.ttft)
         if ex.ttfb is not None:
             metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
-        if ex.ttft is not None:
-            metrics.ttft.labels(model).observe(ex.ttft)
-            metrics.duration.labels(model).observe(elapsed)
         if ex.cancelled is not None:
             metrics.cancellations.labels(ex.cancelled).inc()
     if app[_CONFIG].logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):

@@ -54,6 +54,7 @@ from ...protocol.realtime_budget import FrameBudget
 from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import (
+    METRICS,
     account_at_end,
     admit,
     admit_stream,
@@ -253,6 +254,9 @@ class RealtimeConnection(Writer):
         refusal of each code on the socket is a warning of its own, the others only
         counted, since a client retrying in a loop would otherwise write a line a frame."""
         exchange(self.request).refused += 1
+        metrics = self.request.app.get(METRICS)
+        if metrics is not None:  # counted as an HTTP request refused so is
+            metrics.observe("/v1/realtime", model, f"error:{exc.code}", 0.0, None)
         if exc.code not in self._logged:
             self._logged.add(exc.code)
             log.warning(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Protocol
 
 from aiohttp import WSMsgType, web
@@ -18,6 +19,7 @@ from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError
 from ...events import Done, Error, StreamEvent
 from ...protocol.realtime import RealtimeSession, gateway_error_frame
+from ..access import METRICS
 from ..state import Exchange
 
 __all__ = ["Turn"]
@@ -30,6 +32,7 @@ class Connection(Protocol):
     (:class:`~nexus.server.routes.realtime.RealtimeConnection`, which imports this module)."""
 
     request_id: str
+    request: web.Request
     ws: web.WebSocketResponse
     session: RealtimeSession
     turn: Turn | None
@@ -68,6 +71,7 @@ class Turn:
         "record",
         "run",
         "started",
+        "status",
         "task",
         "terminated",
     )
@@ -80,7 +84,9 @@ class Turn:
         self.run = run
         """The stream it ends when it ends early; None for one it only joined."""
         self.record = record
-        """The turn as its spend line sees it: its model, and why it ended early."""
+        """The turn as its spend line and the metrics see it: its model, its first token,
+        how it ended."""
+        self.status = 200  # as HTTP would answer it: a refusal before any event, its own
         self.started = False  # an event went out: a failure is in-band from then on
         self.terminated = False  # its last frame went out: no aborted frame after it
         self.over = False
@@ -103,8 +109,15 @@ class Turn:
                 return False
         encode = self.encoder.encode
         conn.write_now([encode(event)[:-1] for event in batch])
-        self.started = True
+        if not self.started:
+            self._first()
         return True
+
+    def _first(self) -> None:
+        """Its first event went out: the turn's time to first token."""
+        self.started = True
+        record = self.record
+        record.ttft = time.monotonic() - record.started
 
     async def _follow(self) -> None:
         """Write the log's events as they come, then the end; waiting for the socket."""
@@ -119,12 +132,14 @@ class Turn:
                         await conn.send_texts(payloads)
                         await self._end(event)  # type: ignore[arg-type]
                         return
-                    self.started = True
+                    if not self.started:
+                        self._first()
                     payloads.append(encode(event)[:-1])
                 await conn.send_texts(payloads)
             # The log ended without its terminal entry (a store that lost it).
         except GatewayError as exc:
             self.terminate()
+            self.status, self.record.error = exc.status, exc.code  # before any event
             with contextlib.suppress(ConnectionError):
                 if exc.status >= 500:
                     await conn.fail(self.encoder.error(exc.to_event())[:-1])
@@ -135,18 +150,21 @@ class Turn:
         except Exception:
             log.exception("realtime turn failed")
             self.terminate()
+            self.record.stream_error = _INTERNAL.code
             await conn.fail(self.encoder.error(_INTERNAL)[:-1])
         finally:
             await self._close()
 
     async def _end(self, event: Done | Error) -> None:
         if type(event) is Done:
+            self.record.ended_with(event)
             self.terminate()  # before the frame: the client may start again
             await self.conn.ws.send_frame(self.encoder.encode(event)[:-1], WSMsgType.TEXT)
             return
         failure = self.reader.failure
         if not self.started and failure is not None:
             raise failure
+        self.record.ended_with(event)
         self.terminate()
         await self.conn.fail(self.encoder.error(event)[:-1])  # type: ignore[arg-type]
 
@@ -175,8 +193,14 @@ class Turn:
             return
         self.over = True
         conn = self.conn
+        record = self.record
         if not self.terminated:  # ended early on its own: its socket went (a timeout, ...)
-            self.record.cancelled = self.record.cancelled or conn.cause
+            record.cancelled = record.cancelled or conn.cause or "client_disconnect"
+        metrics = conn.request.app.get(METRICS)
+        if metrics is not None:  # each turn counts as an HTTP stream request does
+            outcome = record.outcome(self.status)
+            elapsed = time.monotonic() - record.started
+            metrics.observe(record.endpoint, record.model, outcome, elapsed, record.ttft)
         if conn.turn is self:
             conn.turn = None
             if not self.terminated:  # else the session already moved on: it may be streaming

@@ -41,6 +41,7 @@ from ...cache.readers import with_usage
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
 from ...hooks import CallContext
+from ...protocol.negotiation import select_subprotocol
 from ...protocol.realtime import (
     AbortTurn,
     Close,
@@ -72,8 +73,6 @@ __all__ = ["RealtimeConnection", "handle"]
 
 log = logging.getLogger("nexus.realtime")
 
-PROTOCOL = "nexus.v1"
-"""The subprotocol a browser offers beside ``nexus-key.<key>`` (the one answered)."""
 _ABORTED = '{"type":"done","aborted":true}'
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 
@@ -415,10 +414,12 @@ async def handle(request: web.Request) -> web.StreamResponse:
     offered = tuple(
         p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()
     )
+    chosen = select_subprotocol(offered)  # (before the key: it answers any caller alike)
+    protocols = () if chosen is None else (chosen,)
     key = authenticate(request, offered)
     exchange(request).format = "websocket"
     if key is None:
-        return await RealtimeConnection(request, key, _chosen(offered)).run()
+        return await RealtimeConnection(request, key, protocols).run()
     # As an HTTP request: a token of the key's rate; then a place among its sockets.
     await admit(request, key, None)
     held = request.app[state.RUNTIME].key_sockets
@@ -434,14 +435,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
         )
     held[key.name] += 1
     try:
-        return await RealtimeConnection(request, key, _chosen(offered)).run()
+        return await RealtimeConnection(request, key, protocols).run()
     finally:
         held[key.name] -= 1
         if held[key.name] <= 0:
             del held[key.name]
-
-
-def _chosen(offered: tuple[str, ...]) -> tuple[str, ...]:
-    """The subprotocol to answer with: a browser fails the handshake if none of the ones it
-    offered comes back. ``nexus.v1`` when offered, else the key's own (it is the client's)."""
-    return (PROTOCOL,) if PROTOCOL in offered else offered[:1]

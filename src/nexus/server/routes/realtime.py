@@ -7,8 +7,9 @@ text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
 
 * ``abort`` cancels the turn's stream at once, then ``{"type":"done","aborted":true}``.
 * A provider failure: the error frame, then close 1011. A request-level
-  failure (unknown model, unsupported input): the error frame; the connection
-  stays open. Each ``start`` is admitted as an HTTP request is
+  failure (unknown model, unsupported input) or a turn past its own limit (its
+  duration, its log's size): the error frame; the connection stays open. Each
+  ``start`` is admitted as an HTTP request is
   (:func:`~nexus.server.access.admit_stream`); a refusal is an error frame
   (with ``retry_after_s`` when HTTP would send ``Retry-After``).
 * Pings after ``heartbeat_interval_s`` without a frame from the peer; no answer

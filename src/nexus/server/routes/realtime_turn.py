@@ -51,6 +51,11 @@ class Connection(Protocol):
     async def fail(self, payload: bytes) -> None: ...
 
 
+_TURN_LIMITS = frozenset({"max_stream_duration", "stream_too_large"})
+"""Errors that end a turn for a limit of its own (``[limits] max_stream_duration_s``,
+``[streams] max_log_bytes``): the turn ends with the error frame, as a refused start
+does, and the socket stays open for the next; a provider failure closes it (1011)."""
+
 _INTERNAL = Error(
     error_type="server_error",
     message="The gateway failed during this turn.",
@@ -164,9 +169,14 @@ class Turn:
         failure = self.reader.failure
         if not self.started and failure is not None:
             raise failure
+        assert type(event) is Error
         self.record.ended_with(event)
         self.terminate()
-        await self.conn.fail(self.encoder.error(event)[:-1])  # type: ignore[arg-type]
+        frame = self.encoder.error(event)[:-1]
+        if event.code in _TURN_LIMITS:  # the turn's own limit: the socket is fine
+            await self.conn.ws.send_frame(frame, WSMsgType.TEXT)
+            return
+        await self.conn.fail(frame)
 
     def terminate(self) -> None:
         """The turn's last frame is about to go out: the session may start the next."""

@@ -134,3 +134,19 @@ async def test_invalid_frames_in_a_row_are_answered_a_bounded_number_of_times(
     assert errors == ["invalid_envelope"] * 4
     assert int.from_bytes(frame[1][:2], "big") == 1008
     assert frame[1][2:] == b"4 invalid frames in a row"
+
+
+async def test_a_peer_that_never_answers_the_policy_close_is_disconnected(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # aiohttp would read such a peer's frames for its whole close timeout (10 s); the
+    # gateway waits POLICY_CLOSE_WAIT_S (here 0.05 s) for the close frame, then closes.
+    monkeypatch.setattr("nexus.server.routes.realtime.POLICY_CLOSE_WAIT_S", 0.05)
+    client = await make_client({"realtime": {"max_frames_per_second": 5}})
+    reader, writer = await raw_socket(client)
+    writer.write(b"".join(masked(0x9, b"") for _ in range(50)))
+    while (await read_frame(reader))[0] != 0x8:
+        pass
+    # No close frame back: the connection ends anyway, long before aiohttp's 10 s.
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()

@@ -74,6 +74,9 @@ __all__ = ["RealtimeConnection", "handle"]
 
 log = logging.getLogger("nexus.realtime")
 
+POLICY_CLOSE_WAIT_S = 1.0
+"""How long a peer closed with 1008 has to answer the close frame before its connection is
+closed: a client answers at once; one still flooding is not read for longer."""
 _ABORTED = '{"type":"done","aborted":true}'
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 
@@ -274,8 +277,11 @@ class RealtimeConnection(Writer):
         sent invalid frames in a row. Its turn ends with the socket."""
         log.warning("%s realtime socket closed: %s", self.request_id, reason)
         exchange(self.request).cancelled = "policy_violation"
-        with contextlib.suppress(ConnectionError):
-            await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason.encode())
+        # aiohttp's close reads the peer's frames until its close frame: a peer that keeps
+        # flooding is cut off (the connection closed) after POLICY_CLOSE_WAIT_S.
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            async with asyncio.timeout(POLICY_CLOSE_WAIT_S):
+                await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason.encode())
 
     async def _do(self, action: Send | StartTurn | AbortTurn) -> None:
         match action:

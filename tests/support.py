@@ -1,8 +1,11 @@
-"""Helpers shared by the tests: request bodies, hand-steered providers, SSE parsing."""
+"""Helpers shared by the tests: request bodies, hand-steered providers, SSE parsing, raw
+WebSocket clients."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -118,3 +121,41 @@ async def turn(ws: Any) -> list[dict[str, Any]]:
         frames.append(frame)
         if frame["type"] in ("done", "error"):
             return frames
+
+
+# --- raw WebSocket clients: peers that misbehave in ways a client library will not ---
+
+
+def masked(opcode: int, payload: bytes) -> bytes:
+    """One client frame (FIN set, masked), as a raw socket sends it."""
+    mask = os.urandom(4)
+    size = len(payload)
+    if size < 126:
+        head = bytes([0x80 | opcode, 0x80 | size])
+    else:
+        head = bytes([0x80 | opcode, 0x80 | 126]) + size.to_bytes(2, "big")
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+async def raw_socket(client: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        (
+            "GET /v1/realtime HTTP/1.1\r\nHost: localhost\r\n"
+            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101")
+    return reader, writer
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One server frame: its opcode and payload."""
+    head = await asyncio.wait_for(reader.readexactly(2), 10)
+    size = head[1] & 0x7F
+    if size >= 126:
+        size = int.from_bytes(await reader.readexactly(2 if size == 126 else 8), "big")
+    return head[0] & 0x0F, await reader.readexactly(size)

@@ -252,6 +252,18 @@ class RealtimeConfig(_Table):
     max_pending_input_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_pending_bytes_per_key: int = Field(default=256 * 1024 * 1024, gt=0)
     """Pending input of all a key's connections together: what it can pin in memory."""
+    max_frames_per_second: int = Field(default=200, ge=1)
+    """Frames (pings included) one socket may send a second, a second's worth at once; past
+    it the socket is closed 1008. Every frame costs the event loop a parse and an answer."""
+    max_bytes_per_second: int = Field(default=1024 * 1024, ge=1)
+    """Message bytes one socket may send a second, ``max_message_bytes`` at once; past it
+    the socket is closed 1008. Bounds what parsing a socket's frames costs the loop."""
+    max_sockets_per_key: int = Field(default=16, ge=1)
+    """Realtime sockets one key may hold open in this process: without a cap one key could
+    take every place of ``[server] max_connections`` with idle sockets."""
+    max_invalid_frames: int = Field(default=16, ge=1)
+    """Frames in a row answered only with an error before the socket is closed 1008: each
+    answer is larger than the frame that asked for it."""
     compression: bool = False
     """Accept permessage-deflate. Off by default: aiohttp inflates a message in one go,
     so a few KiB of deflated zeros would hold the event loop for every tenant while it

@@ -1,4 +1,5 @@
-"""Choosing a stream format for a request. A pure function over strings.
+"""Choosing a stream format for a request, and a realtime socket's subprotocol. Pure
+functions over strings.
 
 Precedence: ``?stream_format=``, ``X-Nexus-Stream-Format``, ``Accept``, the endpoint's
 default. A name in the query or header must be a registered media type or alias
@@ -17,9 +18,39 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import UnsupportedStreamFormat
+from ..errors import InvalidRequest, UnsupportedStreamFormat
 
-__all__ = ["AcceptRange", "parse_accept", "select_format"]
+__all__ = [
+    "REALTIME_SUBPROTOCOL",
+    "AcceptRange",
+    "parse_accept",
+    "select_format",
+    "select_subprotocol",
+]
+
+REALTIME_SUBPROTOCOL = "nexus.v1"
+"""The one subprotocol ``/v1/realtime`` speaks (a browser offers it beside ``nexus-key.<key>``)."""
+
+
+def select_subprotocol(offered: Sequence[str]) -> str | None:
+    """The subprotocol a realtime handshake is answered with: :data:`REALTIME_SUBPROTOCOL`
+    when offered, None when nothing is. Never one of the others: ``nexus-key.<key>`` would
+    send the key back in a response header, and any other is one the gateway does not
+    speak. Yet a client that offers subprotocols must get one of them back or, per the
+    WHATWG WebSocket standard browsers follow, fail the connection (RFC 6455 4.1 lets a
+    client go on without one): so offering some but not this one raises 400
+    ``invalid_request``, an answer a browser can report, rather than an upgrade it drops.
+    The message names no offered value (one may be a key)."""
+    if REALTIME_SUBPROTOCOL in offered:
+        return REALTIME_SUBPROTOCOL
+    if not offered:
+        return None
+    raise InvalidRequest(
+        f"Sec-WebSocket-Protocol: offer {REALTIME_SUBPROTOCOL!r}, the subprotocol this "
+        "endpoint speaks (beside nexus-key.<key> when the key travels there), or no "
+        "subprotocol at all.",
+        param="Sec-WebSocket-Protocol",
+    )
 
 
 class FormatTable(Protocol):

@@ -25,7 +25,11 @@ with ``nothing_to_abort``; both leave the turn and the connection as they are.
 ``pcm16`` chunks of one sample rate are joined into one audio part.
 Malformed frames get ``invalid_envelope``; an invalid request
 ``invalid_request`` naming the field, as does a request nested deeper than
-``max_json_depth`` (counted as over HTTP). None of these close the connection.
+``max_json_depth`` (counted as over HTTP). None of these close the connection,
+unless ``max_invalid_frames`` frames in a row get nothing but such an error: then
+:class:`Close` (1008) follows the last one, since every answer is larger than the
+frame that asked for it and a client could otherwise have the gateway write many
+times what it sends.
 """
 
 from __future__ import annotations
@@ -41,13 +45,9 @@ from pydantic import Field, TypeAdapter, ValidationError
 from ..errors import GatewayError
 from ..events import Error
 from ..request import (
-    AudioPart,
     ChatRequest,
-    ContentPart,
     ImagePart,
     StrictModel,
-    TextPart,
-    UserMessage,
 )
 from .json_depth import (
     MAX_JSON_DEPTH,
@@ -58,9 +58,14 @@ from .json_depth import (
     too_many_items,
 )
 from .openai_chat import validation_error
+from .realtime_pending import PENDING_ITEM_BYTES, PendingAudio, PendingLedger, attach, to_part
 
 __all__ = [
+    "PENDING_ITEM_BYTES",
     "AbortTurn",
+    "Close",
+    "Decoded",
+    "PendingLedger",
     "RealtimeSession",
     "Send",
     "StartTurn",
@@ -103,6 +108,7 @@ _ENVELOPE: TypeAdapter[Any] = TypeAdapter(Envelope)
 @dataclass(frozen=True, slots=True)
 class Send:
     frame: str  # a text frame for the client
+    code: str | None = None  # an error frame's code
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +121,42 @@ class AbortTurn:
     """Cancel the turn in flight; the route answers ``{"type":"done","aborted":true}``."""
 
 
-Action = Send | StartTurn | AbortTurn
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close the connection with ``code`` and ``reason`` (after the frames before it)."""
+
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A text frame parsed into a JSON object, before it is walked or validated."""
+
+    data: dict[str, Any]
+
+    @property
+    def start(self) -> bool:
+        """It asks for a turn (valid or not): the route takes a rate token first."""
+        return self.data.get("type") == "start"
+
+
+POLICY_VIOLATION = 1008
+"""The close code of a peer that broke the connection's rules (RFC 6455 7.4.1)."""
+
+STRIKES = frozenset(
+    {
+        "invalid_envelope",
+        "invalid_request",
+        "request_too_large",
+        "nothing_to_abort",
+        "stream_in_progress",
+    }
+)
+"""The errors that answer a malformed or ill-timed frame, which count towards
+``max_invalid_frames`` (``input_too_large`` does not: the input was well formed)."""
+
+Action = Send | StartTurn | AbortTurn | Close
 
 
 def error_frame(
@@ -128,7 +169,7 @@ def error_frame(
 ) -> Send:
     """An error frame: the error event's JSON, with the connection's request id."""
     event = Error(error_type=error_type, message=message, code=code, param=param)
-    return Send(orjson.dumps(event.to_dict(request_id)).decode())
+    return Send(orjson.dumps(event.to_dict(request_id)).decode(), code)
 
 
 def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> Send:
@@ -139,46 +180,7 @@ def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> S
     retry_after = error.headers.get("Retry-After")
     if retry_after is not None and retry_after.isdigit():
         body["error"]["retry_after_s"] = int(retry_after)
-    return Send(orjson.dumps(body).decode())
-
-
-PENDING_ITEM_BYTES = 1024
-"""What a pending item counts for beyond its data: about what it costs in memory, so
-that empty images or tiny chunks cannot pile up uncounted."""
-
-
-class PendingLedger:
-    """The pending input of every connection of a process, per key: one key's sockets
-    together hold at most ``limit`` bytes (``[realtime] max_pending_bytes_per_key``), so
-    what a key can pin in memory is bounded however many sockets it opens."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held: dict[str, int] = {}
-
-    def held(self, owner: str) -> int:
-        return self._held.get(owner, 0)
-
-    def take(self, owner: str, size: int) -> bool:
-        held = self._held.get(owner, 0) + size
-        if held > self.limit:
-            return False
-        self._held[owner] = held
-        return True
-
-    def give(self, owner: str, size: int) -> None:
-        held = self._held.get(owner, 0) - size
-        if held > 0:
-            self._held[owner] = held
-        else:
-            self._held.pop(owner, None)
-
-
-@dataclass(slots=True)
-class _PendingAudio:
-    format: str
-    sample_rate: int
-    data: bytearray
+    return Send(orjson.dumps(body).decode(), error.code)
 
 
 class RealtimeSession:
@@ -193,6 +195,7 @@ class RealtimeSession:
         request_id: str | None = None,
         ledger: PendingLedger | None = None,
         owner: str = "",
+        max_invalid_frames: int = 16,
     ) -> None:
         self.max_pending_input_bytes = max_pending_input_bytes
         self.max_json_depth = max_json_depth
@@ -200,10 +203,12 @@ class RealtimeSession:
         self.request_id = request_id
         """The ``X-Request-Id`` of the connection's handshake: every error frame has it."""
         self.streaming = False
-        self._pending: list[ImagePart | _PendingAudio] = []
+        self._pending: list[ImagePart | PendingAudio] = []
         self._pending_bytes = 0
         self._ledger = ledger  # the key's pending input over all its connections
         self._owner = owner
+        self.max_invalid_frames = max_invalid_frames
+        self._strikes = 0  # frames in a row answered with nothing but a STRIKES error
 
     def _error(self, code: str, message: str, *, param: str | None = None) -> Send:
         return error_frame(code, message, param=param, request_id=self.request_id)
@@ -214,15 +219,50 @@ class RealtimeSession:
 
     def receive_binary(self, data: bytes) -> list[Action]:
         message = f"binary frames are not accepted ({len(data)} bytes received); send JSON "
-        return [self._error("invalid_envelope", message + "envelopes as text frames")]
+        return self._judged([self._error("invalid_envelope", message + "envelopes as text frames")])
 
     def receive_text(self, text: str) -> list[Action]:
+        """What to do about one text frame (see the module docstring): :meth:`decode`,
+        then :meth:`receive_decoded`."""
+        decoded = self.decode(text)
+        if not isinstance(decoded, Decoded):
+            return decoded
+        return self.receive_decoded(decoded)
+
+    def decode(self, text: str) -> Decoded | list[Action]:
+        """A text frame parsed, not yet walked nor validated (the error to answer if it
+        is no JSON object). The costly steps come in :meth:`receive_decoded`: a route
+        takes a token of the key's rate first for a ``start`` (:attr:`Decoded.start`), so
+        that what a key can make the gateway validate is bounded by its rate."""
         try:
             data = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
-            return [self._error("invalid_envelope", f"the frame is not valid JSON: {exc}")]
+            return self._judged(
+                [self._error("invalid_envelope", f"the frame is not valid JSON: {exc}")]
+            )
         if not isinstance(data, dict):
-            return [self._error("invalid_envelope", "an envelope must be a JSON object")]
+            return self._judged(
+                [self._error("invalid_envelope", "an envelope must be a JSON object")]
+            )
+        return Decoded(data)
+
+    def receive_decoded(self, decoded: Decoded) -> list[Action]:
+        """What to do about a frame :meth:`decode` parsed."""
+        return self._judged(self._receive(decoded.data))
+
+    def _judged(self, actions: list[Action]) -> list[Action]:
+        """``actions``, and :class:`Close` when they make ``max_invalid_frames`` frames in
+        a row answered with nothing but an error of :data:`STRIKES`."""
+        if len(actions) != 1 or type(actions[0]) is not Send or actions[0].code not in STRIKES:
+            self._strikes = 0
+            return actions
+        self._strikes += 1
+        if self._strikes < self.max_invalid_frames:
+            return actions
+        reason = f"{self._strikes} invalid frames in a row"
+        return [*actions, Close(POLICY_VIOLATION, reason)]
+
+    def _receive(self, data: dict[str, Any]) -> list[Action]:
         refused = self._too_deep(data)
         if refused is not None:
             return [refused]
@@ -281,7 +321,7 @@ class RealtimeSession:
             message = "stream: the realtime surface always streams; omit stream or set it to true"
             return [self._error("invalid_request", message, param="request.stream")]
         if self._pending:
-            request = _attach(request, [_to_part(p) for p in self._pending])
+            request = attach(request, [to_part(p) for p in self._pending])
         self.streaming = True
         return [StartTurn(request)]
 
@@ -343,7 +383,7 @@ class RealtimeSession:
         last = self._pending[-1] if self._pending else None
         merged = (
             envelope.format == "pcm16"
-            and isinstance(last, _PendingAudio)
+            and isinstance(last, PendingAudio)
             and last.format == "pcm16"
             and last.sample_rate == envelope.sample_rate
         )
@@ -354,7 +394,7 @@ class RealtimeSession:
             last.data += decoded  # type: ignore[union-attr]
         else:
             self._pending.append(
-                _PendingAudio(envelope.format, envelope.sample_rate, bytearray(decoded))
+                PendingAudio(envelope.format, envelope.sample_rate, bytearray(decoded))
             )
         return []
 
@@ -379,32 +419,6 @@ class RealtimeSession:
             ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
         )
         return []
-
-
-def _to_part(item: ImagePart | _PendingAudio) -> ContentPart:
-    if isinstance(item, ImagePart):
-        return item
-    audio: dict[str, Any] = {"data": base64.b64encode(item.data).decode(), "format": item.format}
-    if item.format == "pcm16":
-        audio["sample_rate"] = item.sample_rate
-    return AudioPart.model_validate({"type": "input_audio", "input_audio": audio})
-
-
-def _attach(request: ChatRequest, parts: list[ContentPart]) -> ChatRequest:
-    """A copy of ``request`` whose last user message also holds ``parts``."""
-    messages = list(request.messages)
-    for i in range(len(messages) - 1, -1, -1):
-        message = messages[i]
-        if isinstance(message, UserMessage):
-            content = message.content
-            existing: list[ContentPart] = (
-                [TextPart(type="text", text=content)] if isinstance(content, str) else list(content)
-            )
-            messages[i] = message.model_copy(update={"content": existing + parts})
-            break
-    else:
-        messages.append(UserMessage(role="user", content=parts))
-    return request.model_copy(update={"messages": messages})
 
 
 def _envelope_error(exc: ValidationError, data: dict[str, Any], request_id: str | None) -> Send:

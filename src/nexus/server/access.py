@@ -222,13 +222,9 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
     outcome = ex.outcome(status)
     metrics = app.get(METRICS)
     if metrics is not None and ex.endpoint not in ("/metrics",):
-        model = metrics.model_label(ex.model)
-        metrics.requests.labels(ex.endpoint, model, metrics.outcome_label(outcome)).inc()
+        metrics.observe(ex.endpoint, ex.model, outcome, elapsed, ex.ttft)
         if ex.ttfb is not None:
             metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
-        if ex.ttft is not None:
-            metrics.ttft.labels(model).observe(ex.ttft)
-            metrics.duration.labels(model).observe(elapsed)
         if ex.cancelled is not None:
             metrics.cancellations.labels(ex.cancelled).inc()
     if app[_CONFIG].logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
@@ -287,6 +283,7 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         "events": ex.events if ex.streamed else None,
         "bytes": ex.bytes if ex.streamed else None,
         "cancelled": ex.cancelled,
+        "refused": ex.refused or None,
     }
     if spend is not None:
         _add_spend(fields, spend)
@@ -341,7 +338,7 @@ def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:
     if spend is None or not run.events:
         return
     ended = Exchange(request_id=ex.request_id, started=ex.started)
-    ended.ended_with(run.events[-1])
+    ended.ended_with(run.events[-1], ex.cancelled)
     outcome = ended.outcome(200)
     level = logging.INFO if outcome == "ok" else logging.WARNING
     if not spend_log.isEnabledFor(level):

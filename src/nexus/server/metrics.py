@@ -249,6 +249,17 @@ class Metrics:
         provider, slash, _ = model.partition("/")
         return f"{provider}/*" if slash and provider in self.providers else UNKNOWN
 
+    def observe(
+        self, endpoint: str, model: str | None, outcome: str, elapsed: float, ttft: float | None
+    ) -> None:
+        """Count one request, or one realtime turn, by its model and outcome; a stream's
+        (``ttft`` known) time to first token and duration too."""
+        label = self.model_label(model)
+        self.requests.labels(endpoint, label, self.outcome_label(outcome)).inc()
+        if ttft is not None:
+            self.ttft.labels(label).observe(ttft)
+            self.duration.labels(label).observe(elapsed)
+
     def code_label(self, code: str) -> str:
         """An error code's label: itself for the first :data:`MAX_CODES` sane codes seen."""
         codes = self._codes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,6 +64,8 @@ class Runtime:
     sockets: set[Socket] = field(default_factory=set)
     watchdog: Watchdog = field(default_factory=Watchdog)
     """The timers of every streaming response (heartbeats, write stalls)."""
+    key_sockets: Counter[str] = field(default_factory=Counter)
+    """Realtime sockets open per key name (``[realtime] max_sockets_per_key``)."""
     pending: PendingLedger = field(default_factory=lambda: PendingLedger(0))
     """Each key's pending realtime input, over all its connections (the app sets it)."""
     draining: bool = False
@@ -104,6 +107,8 @@ class Exchange:
     events: int = 0
     bytes: int = 0
     cancelled: str | None = None
+    refused: int = 0
+    """Realtime ``start`` frames the socket had refused (admission, model, input)."""
     status: int | None = None
     """The status sent, once the headers are out (a stream cut short keeps its 200)."""
     headers: dict[str, str] = field(default_factory=dict)
@@ -143,12 +148,13 @@ class Exchange:
             return f"error:{self.error or status}"
         return "ok"
 
-    def ended_with(self, terminal: StreamEvent | None) -> None:
-        """Note the terminal event of the stream this request wrote."""
+    def ended_with(self, terminal: StreamEvent | None, cause: str | None = None) -> None:
+        """Note the terminal event of the stream this request wrote; ``cause``: why it was
+        ended early, if known (else its reader left: ``client_disconnect``)."""
         if type(terminal) is Error:
             self.stream_error = terminal.code or terminal.error_type
         elif type(terminal) is Done and terminal.aborted:
-            self.cancelled = self.cancelled or "client_disconnect"  # its reader left
+            self.cancelled = self.cancelled or cause or "client_disconnect"
 
 
 EXCHANGE: Any = _request_key()

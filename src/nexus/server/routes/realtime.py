@@ -2,19 +2,27 @@
 
 :class:`~nexus.protocol.realtime.RealtimeSession` holds the protocol; this
 module feeds it the client's frames and carries out its actions. A turn
-(:class:`Turn`) follows its stream's log in a task and sends each event as a
+(:class:`~.realtime_turn.Turn`) follows its stream's log in a task and sends each event as a
 text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
 
 * ``abort`` cancels the turn's stream at once, then ``{"type":"done","aborted":true}``.
 * A provider failure: the error frame, then close 1011. A request-level
-  failure (unknown model, unsupported input): the error frame; the connection
-  stays open. Each ``start`` is admitted as an HTTP request is
+  failure (unknown model, unsupported input) or a turn past its own limit (its
+  duration, its log's size): the error frame; the connection stays open. Each
+  ``start`` is admitted as an HTTP request is
   (:func:`~nexus.server.access.admit_stream`); a refusal is an error frame
   (with ``retry_after_s`` when HTTP would send ``Retry-After``).
 * Pings after ``heartbeat_interval_s`` without a frame from the peer; no answer
   in half that time drops the connection. A peer that does not read (its socket
   full, taking no byte for ``write_timeout_s``) is aborted: a ``write_timeout``.
   Both are the watchdog's checks (:class:`~nexus.server.writer.Writer`).
+* Each frame is counted against the socket's budget (``[realtime]
+  max_frames_per_second``, ``max_bytes_per_second``:
+  :class:`~nexus.protocol.realtime_budget.FrameBudget`) and the loop is yielded to
+  after it: aiohttp hands over every frame of one read without the loop turning, so a
+  client sending tiny frames as fast as it can would hold the loop for every tenant.
+  Past the budget, or after ``max_invalid_frames`` errors in a row, the socket is
+  closed with 1008.
 * A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown
   ends a running turn with a retryable ``server_shutting_down`` error frame,
   then closes with 1001.
@@ -25,49 +33,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from ...auth import ApiKey
-from ...cache.readers import leave, with_usage
-from ...cache.run import LogReader, StreamRun
+from ...cache.readers import with_usage
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
-from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
+from ...protocol.negotiation import select_subprotocol
 from ...protocol.realtime import (
     AbortTurn,
+    Close,
+    Decoded,
     RealtimeSession,
     Send,
     StartTurn,
     gateway_error_frame,
 )
+from ...protocol.realtime_budget import FrameBudget
 from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import (
+    METRICS,
     account_at_end,
+    admit,
     admit_stream,
     authenticate,
     budgeted,
     exchange,
     log_value,
 )
+from ..state import Exchange
 from ..writer import Writer
 from .common import check_open
+from .realtime_turn import Turn
 
-__all__ = ["RealtimeConnection", "Turn", "handle"]
+__all__ = ["RealtimeConnection", "handle"]
 
 log = logging.getLogger("nexus.realtime")
 
-PROTOCOL = "nexus.v1"
-"""The subprotocol a browser offers beside ``nexus-key.<key>`` (the one answered)."""
+POLICY_CLOSE_WAIT_S = 1.0
+"""How long a peer closed with 1008 has to answer the close frame before its connection is
+closed: a client answers at once; one still flooding is not read for longer."""
 _ABORTED = '{"type":"done","aborted":true}'
-_INTERNAL = Error(
-    error_type="server_error",
-    message="The gateway failed during this turn.",
-    code="internal_error",
-    retryable=True,
-)
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 
 
@@ -110,9 +120,18 @@ class RealtimeConnection(Writer):
             request_id=self.request_id,
             ledger=self.runtime.pending,
             owner=key.name if key is not None else "",
+            max_invalid_frames=config.realtime.max_invalid_frames,
+        )
+        self.budget = FrameBudget(
+            frames_per_s=config.realtime.max_frames_per_second,
+            bytes_per_s=config.realtime.max_bytes_per_second,
+            max_message_bytes=config.realtime.max_message_bytes,
+            now=self._loop.time(),
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
+        self._left = False  # a frame could not be sent: the client is gone
+        self._logged: set[str] = set()  # the refusal codes logged for this socket
 
     @property
     def busy(self) -> bool:
@@ -130,6 +149,7 @@ class RealtimeConnection(Writer):
         self._last_seen = self._loop.time()
         self._watch(True)
         receive = ws.receive
+        pause = asyncio.sleep
         try:
             while True:
                 message = await receive()
@@ -141,13 +161,18 @@ class RealtimeConnection(Writer):
                     self._handling = False
                 # Not held while the socket waits for its next frame (a turn may be long).
                 del message
+                # receive() returns without suspending while frames are queued: each frame
+                # lets the other connections run (see the module docstring).
+                await pause(0)
             if self._closing is not None:
                 await self._closing  # the shutdown's close frames, before the handler ends
         finally:
             self._watch(False)
             self.runtime.sockets.discard(self)
             self.session.close()  # its pending input no longer counts against its key
-            await self._cancel_turn()
+            # Why the socket ended, for its turn: a ping or write timeout, a policy close,
+            # the client leaving (its close frame, or its connection gone).
+            await self._cancel_turn(exchange(self.request).cancelled or "client_disconnect")
         return ws
 
     def check(self, now: float) -> None:
@@ -156,6 +181,8 @@ class RealtimeConnection(Writer):
         # (Not while the server stops: the grace ends the socket, its turn's frame first.)
         if self._pong_due and now >= self._pong_due and not self.runtime.shutting_down:
             log.info("realtime client did not answer a ping: dropping the connection")
+            ex = exchange(self.request)
+            ex.cancelled = ex.cancelled or "ping_timeout"
             self._drop()
         else:
             super().check(now)
@@ -176,8 +203,13 @@ class RealtimeConnection(Writer):
 
     async def _receive(self, message: WSMessage) -> bool:
         """Carry out what a client frame asks; False when the socket is done."""
-        self._last_seen = self._loop.time()
+        now = self._last_seen = self._loop.time()
         self._pong_due = 0.0  # any frame shows the client is there
+        data = message.data
+        over = self.budget.take(len(data) if isinstance(data, str | bytes) else 0, now)
+        if over is not None:
+            await self._refuse_socket(over)
+            return False
         if message.type is WSMsgType.PING:
             with contextlib.suppress(ConnectionError):
                 await self.ws.pong(message.data)
@@ -185,27 +217,98 @@ class RealtimeConnection(Writer):
         if message.type is WSMsgType.PONG:
             return True
         if message.type is WSMsgType.TEXT:
-            actions = self.session.receive_text(message.data)
+            decoded = self.session.decode(data)
+            if not isinstance(decoded, Decoded):
+                actions = decoded
+            elif decoded.start and not await self._rate_token():
+                return not self._left
+            else:
+                actions = self.session.receive_decoded(decoded)
         elif message.type is WSMsgType.BINARY:
             actions = self.session.receive_binary(message.data)
         else:  # ERROR: the reader already closed the socket (e.g. 1009)
             return False
         for action in actions:
-            await self._do(action)
+            if type(action) is Close:
+                await self._refuse_socket(action.reason)
+                return False
+            await self._do(action)  # type: ignore[arg-type]
+            if self._left:
+                return False
         return True
+
+    async def _send(self, text: str) -> None:
+        """One text frame. A client that is gone (reset, or closed as the frame went out)
+        has left, as a client closing does: the socket is done (:attr:`_left`), its access
+        line ``cancelled:client_disconnect``, and nothing is logged as a failure."""
+        try:
+            await self.ws.send_str(text)
+        except ConnectionError:
+            self._left = True
+            ex = exchange(self.request)
+            ex.cancelled = ex.cancelled or "client_disconnect"
+
+    async def _rate_token(self) -> bool:
+        """A token of the key's rate for a ``start``, taken before the frame is walked or
+        validated (as HTTP takes it before reading the body); False, its refusal sent,
+        when the key is over its rate."""
+        try:
+            await admit(self.request, self.key, None)
+        except GatewayError as exc:
+            await self._refused(exc, None)
+            return False
+        return True
+
+    async def _refused(self, exc: GatewayError, model: str | None) -> None:
+        """A ``start`` refused before anything streamed: its error frame. The socket's
+        access line is one for all its turns and counts them (``refused``); the first
+        refusal of each code on the socket is a warning of its own, the others only
+        counted, since a client retrying in a loop would otherwise write a line a frame."""
+        exchange(self.request).refused += 1
+        metrics = self.request.app.get(METRICS)
+        if metrics is not None:  # counted as an HTTP request refused so is
+            metrics.observe("/v1/realtime", model, f"error:{exc.code}", 0.0, None)
+        if exc.code not in self._logged:
+            self._logged.add(exc.code)
+            log.warning(
+                "%s start refused: %s (key=%s model=%s); more on this socket are counted "
+                "in its access line (refused=)",
+                self.request_id,
+                exc.code,
+                self.key.name if self.key is not None else None,
+                log_value(model),
+            )
+        await self._send(gateway_error_frame(exc, self.request_id).frame)
+
+    async def _refuse_socket(self, reason: str) -> None:
+        """Close the socket with 1008 (policy violation): the peer broke its budget or
+        sent invalid frames in a row. Its turn ends with the socket."""
+        log.warning("%s realtime socket closed: %s", self.request_id, reason)
+        exchange(self.request).cancelled = "policy_violation"
+        # aiohttp's close reads the peer's frames until its close frame: a peer that keeps
+        # flooding is cut off (the connection closed) after POLICY_CLOSE_WAIT_S.
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            async with asyncio.timeout(POLICY_CLOSE_WAIT_S):
+                await self.ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason.encode())
 
     async def _do(self, action: Send | StartTurn | AbortTurn) -> None:
         match action:
             case Send(frame=text):
-                await self.ws.send_str(text)
+                await self._send(text)
             case StartTurn(request=request):
+                started = time.monotonic()
                 try:
                     owner = self.key.name if self.key is not None else None
                     # As an HTTP request: the key's model, its rate, its budget's hold, a
                     # place among the streams.
                     request, hold = budgeted(self.request, self.key, request)
                     async with admit_stream(
-                        self.request, self.key, request.model, param="request.model", hold=hold
+                        self.request,
+                        self.key,
+                        request.model,
+                        param="request.model",
+                        rate_taken=True,  # by the frame (_rate_token)
+                        hold=hold,
                     ):
                         opened = await self.hub.open(
                             request,
@@ -222,36 +325,40 @@ class RealtimeConnection(Writer):
                         opened, meta=with_usage(opened.info.meta, request.include_usage)
                     )
                 except GatewayError as exc:
-                    # Refused before anything streamed: the pending input is kept. The
-                    # socket's access line is one for all its turns: this outcome's own.
-                    log.warning(
-                        "%s start refused: %s (key=%s model=%s)",
-                        self.request_id,
-                        exc.code,
-                        owner,
-                        log_value(request.model),
-                    )
-                    self.session.start_refused()
-                    await self.ws.send_str(gateway_error_frame(exc, self.request_id).frame)
+                    self.session.start_refused()  # the pending input is kept
+                    await self._refused(exc, request.model)
                     return
                 self.session.start_accepted()
                 # A joined stream is another request's: this socket may leave it, never end it.
                 run = None if opened.joined else opened.run
+                record = Exchange(
+                    self.request_id,
+                    started,
+                    endpoint="/v1/realtime",
+                    format=NDJSONEncoder.media_type,
+                    key=self.key,
+                    model=request.model,
+                )
                 if run is not None and opened.cache != "hit":
                     # The socket's access line is one for all its turns: each its own spend.
-                    account_at_end(self.request.app, exchange(self.request), run, request.model)
-                self.turn = Turn(self, reader, run)
+                    account_at_end(self.request.app, record, run)
+                self.turn = Turn(self, reader, run, record)
             case AbortTurn():
                 running = self.turn
                 if running is None:
                     return
-                await running.stop()
+                await running.stop("aborted")
                 # Sent here, not by the turn: a turn stopped before it wrote anything must
                 # still answer. A turn that already sent its end gets nothing more.
                 if not running.terminated:
                     running.terminate()
-                    with contextlib.suppress(ConnectionError):
-                        await self.ws.send_str(_ABORTED)
+                    await self._send(_ABORTED)
+
+    @property
+    def cause(self) -> str | None:
+        """Why the socket is ending, when the gateway ends it (``ping_timeout``,
+        ``write_timeout``, ``policy_violation``); None: the client's doing."""
+        return exchange(self.request).cancelled
 
     @property
     def paused(self) -> bool:
@@ -296,130 +403,22 @@ class RealtimeConnection(Writer):
             await self.ws.send_frame(payload, WSMsgType.TEXT)
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
 
-    async def _cancel_turn(self) -> None:
+    async def _cancel_turn(self, cause: str) -> None:
         turn = self.turn
         if turn is not None:
-            await turn.stop()
+            await turn.stop(cause)
 
     async def shutdown(self) -> None:
         """Server shutdown: a running turn's stream is cancelled and the turn ends with a
         retryable error frame; then the close, 1001 (going away)."""
         self._closing = asyncio.current_task()  # the handler waits for the close to be done
         turn = self.turn
-        await self._cancel_turn()
+        await self._cancel_turn("shutdown")
         with contextlib.suppress(Exception):
             if turn is not None and not turn.terminated:
                 turn.terminate()
                 await self.ws.send_frame(turn.encoder.error(_SHUTDOWN)[:-1], WSMsgType.TEXT)
             await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
-
-
-class Turn:
-    """One turn's writer: each event of its log as a text frame, then its end, in a task
-    (or, once caught up, each new batch pushed to it: :meth:`_push`)."""
-
-    __slots__ = ("conn", "encoder", "over", "reader", "run", "started", "task", "terminated")
-
-    def __init__(self, conn: RealtimeConnection, reader: LogReader, run: StreamRun | None) -> None:
-        self.conn = conn
-        self.reader = reader
-        self.run = run
-        """The stream it ends when it ends early; None for one it only joined."""
-        self.started = False  # an event went out: a failure is in-band from then on
-        self.terminated = False  # its last frame went out: no aborted frame after it
-        self.over = False
-        self.encoder = NDJSONEncoder(reader.meta)  # a frame is a line, without its newline
-        self.encoder.request_id = conn.request_id
-        reader.sink = self._push
-        self.task = asyncio.get_running_loop().create_task(self._follow())
-
-    def _push(self, batch: list[StreamEvent]) -> bool:
-        """The reader's sink: ``batch`` written in the producer's task once the turn has
-        caught up with its log, so that an upstream read wakes one task (as the HTTP
-        pump's push); False (nothing encoded) leaves it to the turn's task: a write under
-        way, a full socket, a compressing connection, the turn's end."""
-        conn = self.conn
-        if self.terminated or not conn.writable:
-            return False
-        for event in batch:
-            cls = type(event)
-            if cls is Done or cls is Error:
-                return False
-        encode = self.encoder.encode
-        conn.write_now([encode(event)[:-1] for event in batch])
-        self.started = True
-        return True
-
-    async def _follow(self) -> None:
-        """Write the log's events as they come, then the end; waiting for the socket."""
-        conn = self.conn
-        encode = self.encoder.encode
-        try:
-            async for batch in self.reader:
-                payloads: list[bytes] = []
-                for event in batch:
-                    cls = type(event)
-                    if cls is Done or cls is Error:
-                        await conn.send_texts(payloads)
-                        await self._end(event)  # type: ignore[arg-type]
-                        return
-                    self.started = True
-                    payloads.append(encode(event)[:-1])
-                await conn.send_texts(payloads)
-            # The log ended without its terminal entry (a store that lost it).
-        except GatewayError as exc:
-            self.terminate()
-            with contextlib.suppress(ConnectionError):
-                if exc.status >= 500:
-                    await conn.fail(self.encoder.error(exc.to_event())[:-1])
-                else:
-                    await conn.ws.send_str(gateway_error_frame(exc, conn.request_id).frame)
-        except ConnectionError:
-            log.debug("realtime client went away mid-turn")
-        except Exception:
-            log.exception("realtime turn failed")
-            self.terminate()
-            await conn.fail(self.encoder.error(_INTERNAL)[:-1])
-        finally:
-            await self._close()
-
-    async def _end(self, event: Done | Error) -> None:
-        if type(event) is Done:
-            self.terminate()  # before the frame: the client may start again
-            await self.conn.ws.send_frame(self.encoder.encode(event)[:-1], WSMsgType.TEXT)
-            return
-        failure = self.reader.failure
-        if not self.started and failure is not None:
-            raise failure
-        self.terminate()
-        await self.conn.fail(self.encoder.error(event)[:-1])  # type: ignore[arg-type]
-
-    def terminate(self) -> None:
-        """The turn's last frame is about to go out: the session may start the next."""
-        self.terminated = True
-        if self.conn.turn is self:
-            self.conn.session.turn_ended()
-
-    async def stop(self) -> None:
-        """End the turn now (an abort, the socket gone, shutdown); its stream with it."""
-        self.reader.sink = None  # nothing more from the producer's task (an abort answers)
-        task = self.task
-        if task is not asyncio.current_task():
-            task.cancel()
-            await asyncio.wait((task,))
-        await self._close()
-
-    async def _close(self) -> None:
-        """Over: the stream let go (ended, unless shared), the connection free for the next."""
-        if self.over:
-            return
-        self.over = True
-        conn = self.conn
-        if conn.turn is self:
-            conn.turn = None
-            if not self.terminated:  # else the session already moved on: it may be streaming
-                conn.session.turn_ended()
-        await leave(self.reader, self.run)
 
 
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
@@ -430,12 +429,29 @@ async def handle(request: web.Request) -> web.StreamResponse:
     offered = tuple(
         p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()
     )
+    chosen = select_subprotocol(offered)  # (before the key: it answers any caller alike)
+    protocols = () if chosen is None else (chosen,)
     key = authenticate(request, offered)
     exchange(request).format = "websocket"
-    return await RealtimeConnection(request, key, _chosen(offered)).run()
-
-
-def _chosen(offered: tuple[str, ...]) -> tuple[str, ...]:
-    """The subprotocol to answer with: a browser fails the handshake if none of the ones it
-    offered comes back. ``nexus.v1`` when offered, else the key's own (it is the client's)."""
-    return (PROTOCOL,) if PROTOCOL in offered else offered[:1]
+    if key is None:
+        return await RealtimeConnection(request, key, protocols).run()
+    # As an HTTP request: a token of the key's rate; then a place among its sockets.
+    await admit(request, key, None)
+    held = request.app[state.RUNTIME].key_sockets
+    limit = request.app[state.CONFIG].realtime.max_sockets_per_key
+    if held[key.name] >= limit:
+        raise GatewayError(
+            f"The API key {key.name!r} has {limit} realtime sockets open, its limit "
+            "([realtime] max_sockets_per_key); close one first.",
+            code="too_many_sockets",
+            status=429,
+            error_type="rate_limit_error",
+            retryable=True,
+        )
+    held[key.name] += 1
+    try:
+        return await RealtimeConnection(request, key, protocols).run()
+    finally:
+        held[key.name] -= 1
+        if held[key.name] <= 0:
+            del held[key.name]

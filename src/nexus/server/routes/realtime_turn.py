@@ -1,0 +1,218 @@
+"""A realtime socket's turn: its stream's log followed to the socket, one text frame an
+event. Kept apart from the connection (:mod:`.realtime`), which reads the client's
+frames: a turn only writes, in a task of its own, until its stream ends or is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Protocol
+
+from aiohttp import WSMsgType, web
+
+from ...cache.readers import leave
+from ...cache.run import LogReader, StreamRun
+from ...encoders.ndjson import NDJSONEncoder
+from ...errors import GatewayError
+from ...events import Done, Error, StreamEvent
+from ...protocol.realtime import RealtimeSession, gateway_error_frame
+from ..access import METRICS
+from ..state import Exchange
+
+__all__ = ["Turn"]
+
+log = logging.getLogger("nexus.realtime")
+
+
+class Connection(Protocol):
+    """What a turn uses of its connection
+    (:class:`~nexus.server.routes.realtime.RealtimeConnection`, which imports this module)."""
+
+    request_id: str
+    request: web.Request
+    ws: web.WebSocketResponse
+    session: RealtimeSession
+    turn: Turn | None
+
+    @property
+    def writable(self) -> bool: ...
+
+    @property
+    def cause(self) -> str | None:
+        """Why the connection is ending, once it is (a ping or write timeout, ...)."""
+
+    def write_now(self, payloads: list[bytes]) -> None: ...
+
+    async def send_texts(self, payloads: list[bytes]) -> None: ...
+
+    async def fail(self, payload: bytes) -> None: ...
+
+
+_TURN_LIMITS = frozenset({"max_stream_duration", "stream_too_large"})
+"""Errors that end a turn for a limit of its own (``[limits] max_stream_duration_s``,
+``[streams] max_log_bytes``): the turn ends with the error frame, as a refused start
+does, and the socket stays open for the next; a provider failure closes it (1011)."""
+
+_INTERNAL = Error(
+    error_type="server_error",
+    message="The gateway failed during this turn.",
+    code="internal_error",
+    retryable=True,
+)
+
+
+class Turn:
+    """One turn's writer: each event of its log as a text frame, then its end, in a task
+    (or, once caught up, each new batch pushed to it: :meth:`_push`)."""
+
+    __slots__ = (
+        "conn",
+        "encoder",
+        "over",
+        "reader",
+        "record",
+        "run",
+        "started",
+        "status",
+        "task",
+        "terminated",
+    )
+
+    def __init__(
+        self, conn: Connection, reader: LogReader, run: StreamRun | None, record: Exchange
+    ) -> None:
+        self.conn = conn
+        self.reader = reader
+        self.run = run
+        """The stream it ends when it ends early; None for one it only joined."""
+        self.record = record
+        """The turn as its spend line and the metrics see it: its model, its first token,
+        how it ended."""
+        self.status = 200  # as HTTP would answer it: a refusal before any event, its own
+        self.started = False  # an event went out: a failure is in-band from then on
+        self.terminated = False  # its last frame went out: no aborted frame after it
+        self.over = False
+        self.encoder = NDJSONEncoder(reader.meta)  # a frame is a line, without its newline
+        self.encoder.request_id = conn.request_id
+        reader.sink = self._push
+        self.task = asyncio.get_running_loop().create_task(self._follow())
+
+    def _push(self, batch: list[StreamEvent]) -> bool:
+        """The reader's sink: ``batch`` written in the producer's task once the turn has
+        caught up with its log, so that an upstream read wakes one task (as the HTTP
+        pump's push); False (nothing encoded) leaves it to the turn's task: a write under
+        way, a full socket, a compressing connection, the turn's end."""
+        conn = self.conn
+        if self.terminated or not conn.writable:
+            return False
+        for event in batch:
+            cls = type(event)
+            if cls is Done or cls is Error:
+                return False
+        encode = self.encoder.encode
+        conn.write_now([encode(event)[:-1] for event in batch])
+        if not self.started:
+            self._first()
+        return True
+
+    def _first(self) -> None:
+        """Its first event went out: the turn's time to first token."""
+        self.started = True
+        record = self.record
+        record.ttft = time.monotonic() - record.started
+
+    async def _follow(self) -> None:
+        """Write the log's events as they come, then the end; waiting for the socket."""
+        conn = self.conn
+        encode = self.encoder.encode
+        try:
+            async for batch in self.reader:
+                payloads: list[bytes] = []
+                for event in batch:
+                    cls = type(event)
+                    if cls is Done or cls is Error:
+                        await conn.send_texts(payloads)
+                        await self._end(event)  # type: ignore[arg-type]
+                        return
+                    if not self.started:
+                        self._first()
+                    payloads.append(encode(event)[:-1])
+                await conn.send_texts(payloads)
+            # The log ended without its terminal entry (a store that lost it).
+        except GatewayError as exc:
+            self.terminate()
+            self.status, self.record.error = exc.status, exc.code  # before any event
+            with contextlib.suppress(ConnectionError):
+                if exc.status >= 500:
+                    await conn.fail(self.encoder.error(exc.to_event())[:-1])
+                else:
+                    await conn.ws.send_str(gateway_error_frame(exc, conn.request_id).frame)
+        except ConnectionError:
+            log.debug("realtime client went away mid-turn")
+        except Exception:
+            log.exception("realtime turn failed")
+            self.terminate()
+            self.record.stream_error = _INTERNAL.code
+            await conn.fail(self.encoder.error(_INTERNAL)[:-1])
+        finally:
+            await self._close()
+
+    async def _end(self, event: Done | Error) -> None:
+        if type(event) is Done:
+            self.record.ended_with(event)
+            self.terminate()  # before the frame: the client may start again
+            await self.conn.ws.send_frame(self.encoder.encode(event)[:-1], WSMsgType.TEXT)
+            return
+        failure = self.reader.failure
+        if not self.started and failure is not None:
+            raise failure
+        assert type(event) is Error
+        self.record.ended_with(event)
+        self.terminate()
+        frame = self.encoder.error(event)[:-1]
+        if event.code in _TURN_LIMITS:  # the turn's own limit: the socket is fine
+            await self.conn.ws.send_frame(frame, WSMsgType.TEXT)
+            return
+        await self.conn.fail(frame)
+
+    def terminate(self) -> None:
+        """The turn's last frame is about to go out: the session may start the next."""
+        self.terminated = True
+        if self.conn.turn is self:
+            self.conn.session.turn_ended()
+
+    async def stop(self, cause: str) -> None:
+        """End the turn now, its stream with it; ``cause`` is why (``aborted``,
+        ``shutdown``, ``ping_timeout``, ``client_disconnect``, ...), the ``cancelled:``
+        outcome of its spend line when it had not ended yet."""
+        if not self.terminated:
+            self.record.cancelled = self.record.cancelled or cause
+        self.reader.sink = None  # nothing more from the producer's task (an abort answers)
+        task = self.task
+        if task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.wait((task,))
+        await self._close()
+
+    async def _close(self) -> None:
+        """Over: the stream let go (ended, unless shared), the connection free for the next."""
+        if self.over:
+            return
+        self.over = True
+        conn = self.conn
+        record = self.record
+        if not self.terminated:  # ended early on its own: its socket went (a timeout, ...)
+            record.cancelled = record.cancelled or conn.cause or "client_disconnect"
+        metrics = conn.request.app.get(METRICS)
+        if metrics is not None:  # each turn counts as an HTTP stream request does
+            outcome = record.outcome(self.status)
+            elapsed = time.monotonic() - record.started
+            metrics.observe(record.endpoint, record.model, outcome, elapsed, record.ttft)
+        if conn.turn is self:
+            conn.turn = None
+            if not self.terminated:  # else the session already moved on: it may be streaming
+                conn.session.turn_ended()
+        await leave(self.reader, self.run)

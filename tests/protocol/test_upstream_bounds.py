@@ -47,6 +47,17 @@ def test_events_split_across_reads_never_pass_the_bound(end: bytes, size: int) -
     assert len(events) == 200
 
 
+@pytest.mark.parametrize("end", [b"\n", b"\r\n", b"\r"])
+def test_blank_lines_split_between_reads_end_each_events_count(end: bytes) -> None:
+    """A server that writes each event's closing line end apart: every read but the first
+    starts with the blank line that ends the event before. The count used to run on over
+    the stream (68 events of 59 bytes made 4 KB)."""
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}' + end
+    decoder = SSEDecoder(LIMIT)
+    events = [e for _ in range(1000) for e in decoder.decode(end + event)]
+    assert len(events) == 999
+
+
 def test_an_event_just_under_the_bound_passes() -> None:
     data = b"data: " + b"a" * (LIMIT - 1100) + b"\n\n"
     decoder = SSEDecoder(LIMIT)
@@ -120,6 +131,16 @@ def test_openai_counts_within_bounds_pass() -> None:
     [event] = decoder.decode(b'data: {"choices":[],"usage":' + usage + b"}\n\n")
     assert decoder.error is None
     assert (event.prompt_tokens, event.cached_tokens) == (10**9, None)  # type: ignore[union-attr]
+
+
+def test_counts_written_as_whole_floats_are_counts() -> None:
+    # Some compatible servers write counts as 10.0: the answer was whole, and its usage good.
+    usage = b'{"prompt_tokens":10.0,"completion_tokens":3.0,"total_tokens":13.0}'
+    decoder = ChunkDecoder("up")
+    [event] = decoder.decode(b'data: {"choices":[],"usage":' + usage + b"}\n\n")
+    assert decoder.error is None
+    assert (event.prompt_tokens, event.completion_tokens) == (10, 3)  # type: ignore[union-attr]
+    assert type(event.prompt_tokens) is int  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(("value", "field"), BAD_COUNTS)

@@ -93,6 +93,7 @@ class SSEDecoder:
     def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._max = max_event_bytes
         self._held = 0  # input bytes since the last blank line, while an event is held
+        self._last_byte = 0  # the last byte read (a line's end: the next may end a blank line)
         self._text = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
         self._pending: list[str] = []  # the line so far, in pieces
         self._skip_lf = False
@@ -186,14 +187,25 @@ class SSEDecoder:
             self._hold(chunk)
         else:
             self._held = 0
+        if chunk:
+            self._last_byte = chunk[-1]
         return events
 
     def _hold(self, chunk: bytes) -> None:
         """Count ``chunk``, which left an event or a line held, towards the bound: from
-        its last blank line (LF LF, CR CR or LF CR: every blank line has one of them,
-        bar one split between reads, which then counts in full), else in full."""
+        its last blank line (LF LF, CR CR or LF CR: every blank line has one of them); or
+        from its start, when a blank line is split between the last read and this one (the
+        last ended a line and this one starts with another end: a server that writes each
+        event's closing LF apart); else in full."""
         cut = max(chunk.rfind(b"\n\n"), chunk.rfind(b"\r\r"), chunk.rfind(b"\n\r"))
-        self._held = len(chunk) - cut - 2 if cut >= 0 else self._held + len(chunk)
+        last = self._last_byte
+        first = 1 if last == 13 and chunk[:1] == b"\n" else 0  # the LF of a split CRLF
+        if cut >= 0:
+            self._held = len(chunk) - cut - 2
+        elif last in (10, 13) and chunk[first : first + 1] in (b"\n", b"\r"):
+            self._held = len(chunk) - first - 1
+        else:
+            self._held += len(chunk)
         if self._held > self._max:
             self.flush()
             raise EventTooLarge(f"an event of more than {self._max} bytes (max_event_bytes)")

@@ -246,13 +246,16 @@ def text_of(value: object, field: str) -> str | None:
 
 
 def token_count(value: object, field: str) -> int:
-    """``value`` if a count of tokens (an integer from 0 to :data:`~nexus.events.MAX_TOKENS`;
-    None or absent: 0), else :class:`Malformed`. Not a float, a string nor a bool: no
-    upstream sends those, and a count is billed."""
+    """``value`` if a count of tokens (an integer from 0 to :data:`~nexus.events.MAX_TOKENS`,
+    or a float of a whole number in that range, as some compatible servers write counts;
+    None or absent: 0), else :class:`Malformed`. Not a fraction, a string nor a bool: a
+    count is billed."""
     if value is None:
         return 0
     if type(value) is int and 0 <= value <= MAX_TOKENS:
         return value
+    if type(value) is float and value.is_integer() and 0 <= value <= MAX_TOKENS:
+        return int(value)
     raise Malformed(f"a usage {field} that is not a count of tokens (0 to {MAX_TOKENS})")
 
 

@@ -30,7 +30,15 @@ from ..request import (
 )
 from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
-from .upstream import Malformed, event_too_large, in_stream_error, malformed, text_of, token_count
+from .upstream import (
+    Malformed,
+    event_too_large,
+    in_stream_error,
+    malformed,
+    object_of,
+    text_of,
+    token_count,
+)
 
 __all__ = ["EventDecoder", "messages_body"]
 
@@ -234,7 +242,7 @@ class EventDecoder:
     def _event(self, kind: object, data: dict[str, Any]) -> list[StreamEvent]:
         match kind:
             case "content_block_delta":
-                delta = _object(data.get("delta"), "delta")
+                delta = object_of(data.get("delta"), "delta")
                 match delta.get("type"):
                     case "text_delta":
                         text = text_of(delta.get("text"), "text")
@@ -252,7 +260,7 @@ class EventDecoder:
                         signature = text_of(delta.get("signature"), "signature")
                         return [Reasoning("", signature=signature)] if signature else []
                     case "citations_delta":
-                        citation = _object(delta.get("citation"), "citation")
+                        citation = object_of(delta.get("citation"), "citation")
                         title = text_of(citation.get("title"), "citation title") or text_of(
                             citation.get("document_title"), "citation document_title"
                         )
@@ -262,7 +270,7 @@ class EventDecoder:
                         ]
                 return []  # future delta types
             case "content_block_start":
-                block = _object(data.get("content_block"), "content_block")
+                block = object_of(data.get("content_block"), "content_block")
                 if block.get("type") == "tool_use":
                     index = self._tool_index[data.get("index", -1)] = len(self._tool_index)
                     call_id = text_of(block.get("id"), "tool_use id")
@@ -270,13 +278,13 @@ class EventDecoder:
                 if block.get("type") == "text" and (text := text_of(block.get("text"), "text")):
                     return [Delta(content=text)]
             case "message_start":
-                usage = _object(_object(data.get("message"), "message").get("usage"), "usage")
+                usage = object_of(object_of(data.get("message"), "message").get("usage"), "usage")
                 self._count(usage)
                 if usage.get("input_tokens") is not None and not self._started:
                     self._early = self._usage(partial=True)
             case "message_delta":
-                self._count(_object(data.get("usage"), "usage"))
-                delta = _object(data.get("delta"), "delta")
+                self._count(object_of(data.get("usage"), "usage"))
+                delta = object_of(data.get("delta"), "delta")
                 reason = text_of(delta.get("stop_reason"), "stop_reason")
                 if reason and self._finish is None:
                     self._finish = _FINISH_REASONS.get(reason, "stop")
@@ -307,15 +315,6 @@ class EventDecoder:
         prompt = counts["input_tokens"] + cached + written
         output = 0 if partial else counts["output_tokens"]
         return Usage(prompt, output, prompt + output, cached, written, partial=partial)
-
-
-def _object(value: Any, field: str) -> dict[str, Any]:
-    """``value`` if an object, {} if None (absent), else :class:`Malformed`."""
-    if value is None:
-        return {}
-    if type(value) is not dict:
-        raise Malformed(f"a {field} that is not an object")
-    return value
 
 
 _COUNTS = (

@@ -17,6 +17,7 @@ from .upstream import (
     event_too_large,
     in_stream_error,
     malformed,
+    object_of,
     optional_count,
     text_of,
     token_count,
@@ -128,13 +129,13 @@ def _parts(parts: list[Any]) -> tuple[str, str]:
     pass on and are skipped; a text that is not a string is :class:`Malformed`."""
     text, thought = [], []
     for part in parts:
-        part = _object(part, "content part")
+        part = object_of(part, "content part")
         kind = part.get("type")
         if kind == "text":
             text.append(text_of(part.get("text"), "content part's text") or "")
         elif kind == "thinking":
             for inner in _list(part.get("thinking"), "thinking"):
-                inner = _object(inner, "thinking part")
+                inner = object_of(inner, "thinking part")
                 if inner.get("type") == "text":
                     thought.append(text_of(inner.get("text"), "thinking part's text") or "")
     return "".join(text), "".join(thought)
@@ -145,14 +146,6 @@ def _list(value: Any, field: str) -> list[Any]:
         return []
     if type(value) is not list:
         raise Malformed(f"{field} that is not a list")
-    return value
-
-
-def _object(value: Any, field: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if type(value) is not dict:
-        raise Malformed(f"a {field} that is not an object")
     return value
 
 
@@ -170,8 +163,8 @@ def _delta_events(
     elif content:
         events.append(Delta(content))
     for call in _list(calls, "tool_calls"):
-        call = _object(call, "tool call")
-        function = _object(call.get("function"), "tool call's function")
+        call = object_of(call, "tool call")
+        function = object_of(call.get("function"), "tool call's function")
         index = call.get("index", 0)
         if type(index) is not int or index < 0:
             raise Malformed("a tool call index that is not a non-negative integer")
@@ -189,9 +182,9 @@ def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
     """The usage, its counts checked (:func:`~nexus.protocol.upstream.token_count`): they
     are billed, and reach the access line and the key's budget. Once a stream."""
     if usage:
-        usage = _object(usage, "usage")
-        prompt_details = _object(usage.get("prompt_tokens_details"), "prompt_tokens_details")
-        completion = _object(usage.get("completion_tokens_details"), "completion_tokens_details")
+        usage = object_of(usage, "usage")
+        prompt_details = object_of(usage.get("prompt_tokens_details"), "prompt_tokens_details")
+        completion = object_of(usage.get("completion_tokens_details"), "completion_tokens_details")
         events.append(
             Usage(
                 prompt_tokens=token_count(usage.get("prompt_tokens"), "prompt_tokens"),

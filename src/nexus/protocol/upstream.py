@@ -41,6 +41,7 @@ __all__ = [
     "in_stream_error",
     "keep_secret",
     "malformed",
+    "object_of",
     "optional_count",
     "plain_token",
     "redacted",
@@ -243,6 +244,15 @@ def text_of(value: object, field: str) -> str | None:
     if value is None or type(value) is str:
         return value
     raise Malformed(f"a {field} that is not a string")
+
+
+def object_of(value: Any, field: str) -> dict[str, Any]:
+    """``value`` if an object, {} if None (absent), else :class:`Malformed`."""
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise Malformed(f"a {field} that is not an object")
+    return value
 
 
 def token_count(value: object, field: str) -> int:

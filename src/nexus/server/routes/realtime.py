@@ -126,6 +126,7 @@ class RealtimeConnection(Writer):
             frames_per_s=config.realtime.max_frames_per_second,
             bytes_per_s=config.realtime.max_bytes_per_second,
             max_message_bytes=config.realtime.max_message_bytes,
+            max_pending_input_bytes=config.realtime.max_pending_input_bytes,
             now=self._loop.time(),
         )
         self.turn: Turn | None = None

@@ -207,7 +207,7 @@ class RealtimeConnection(Writer):
         now = self._last_seen = self._loop.time()
         self._pong_due = 0.0  # any frame shows the client is there
         data = message.data
-        over = self.budget.take(len(data) if isinstance(data, str | bytes) else 0, now)
+        over = self.budget.take(_size(data), now)
         if over is not None:
             await self._refuse_socket(over)
             return False
@@ -423,6 +423,14 @@ class RealtimeConnection(Writer):
 
 
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
+
+
+def _size(data: object) -> int:
+    """A frame's payload in bytes, as its budget counts it: a text frame's UTF-8 length
+    (aiohttp hands over the decoded text; its characters would count a 4-byte emoji once)."""
+    if isinstance(data, str):
+        return len(data) if data.isascii() else len(data.encode())
+    return len(data) if isinstance(data, bytes) else 0
 
 
 async def handle(request: web.Request) -> web.StreamResponse:

@@ -25,7 +25,8 @@ text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
   closed with 1008.
 * A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown
   ends a running turn with a retryable ``server_shutting_down`` error frame,
-  then closes with 1001.
+  then closes with 1001; a ``start`` during its grace is refused so (no turn, no
+  rate token), and closes with 1001 unless a turn still runs.
 """
 
 from __future__ import annotations
@@ -221,6 +222,8 @@ class RealtimeConnection(Writer):
             decoded = self.session.decode(data)
             if not isinstance(decoded, Decoded):
                 actions = decoded
+            elif decoded.start and self.runtime.shutting_down:
+                return await self._start_while_stopping()
             elif decoded.start and not await self._rate_token():
                 return not self._left
             else:
@@ -248,6 +251,23 @@ class RealtimeConnection(Writer):
             self._left = True
             ex = exchange(self.request)
             ex.cancelled = ex.cancelled or "client_disconnect"
+
+    async def _start_while_stopping(self) -> bool:
+        """A ``start`` during the shutdown's grace (a voice client's barge-in: ``abort``,
+        then ``start``): no turn and no rate token, a retryable ``server_shutting_down``;
+        with no turn left to finish the socket is done, closed 1001 at once. False when
+        the socket is done."""
+        await self._refused(ServerShuttingDown(_SHUTDOWN.message), None)
+        if self.turn is not None or self._left:
+            return not self._left
+        exchange(self.request).cancelled = "shutdown"
+        await self._going_away()
+        return False
+
+    async def _going_away(self) -> None:
+        """The shutdown's close: 1001 (going away)."""
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
     async def _rate_token(self) -> bool:
         """A token of the key's rate for a ``start``, taken before the frame is walked or
@@ -419,7 +439,7 @@ class RealtimeConnection(Writer):
             if turn is not None and not turn.terminated:
                 turn.terminate()
                 await self.ws.send_frame(turn.encoder.error(_SHUTDOWN)[:-1], WSMsgType.TEXT)
-            await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+        await self._going_away()
 
 
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import orjson
 import pytest
 import websockets
 
+from nexus.config import parse_config
+from nexus.encoders.registry import default_registry
+from nexus.server.app import create_app
 from nexus.server.state import RUNTIME
 from support import MakeClient
 
@@ -54,4 +58,28 @@ async def test_a_barge_in_during_the_grace_is_refused_and_the_socket_closes_1001
     spends = [r for r in caplog.records if r.name == "nexus.spend"]
     assert len(spends) == 1  # the aborted turn's only: no second turn was started
     access = [r.access for r in caplog.records if r.name == "nexus.access"]  # type: ignore[attr-defined]
+    assert access[0]["outcome"] == "cancelled:shutdown"
+
+
+async def test_a_socket_the_shutdown_closes_is_logged_as_shutdown(
+    aiohttp_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As `nexus serve` runs: the peer's close cancels the handler while it waits for the
+    # shutdown's close, which must not make the socket's line a client_disconnect.
+    caplog.set_level(logging.INFO, logger="nexus")
+    app = create_app(parse_config({}), registry=default_registry.copy())
+    client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    async with websockets.connect(url) as ws:
+        await ws.send('{"type":"abort"}')  # the socket is up
+        assert orjson.loads(await ws.recv())["error"]["code"] == "nothing_to_abort"
+        for conn in list(app[RUNTIME].sockets):  # as the app's shutdown does: a task
+            await asyncio.create_task(conn.shutdown())
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
+    for _ in range(500):
+        access = [r.access for r in caplog.records if r.name == "nexus.access"]  # type: ignore[attr-defined]
+        if access:
+            break
+        await asyncio.sleep(0.01)
     assert access[0]["outcome"] == "cancelled:shutdown"

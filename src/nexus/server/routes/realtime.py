@@ -433,6 +433,10 @@ class RealtimeConnection(Writer):
         """Server shutdown: a running turn's stream is cancelled and the turn ends with a
         retryable error frame; then the close, 1001 (going away)."""
         self._closing = asyncio.current_task()  # the handler waits for the close to be done
+        # Its access line: the peer's answer to the close may cancel the handler (with
+        # handler_cancellation) as it waits, which would otherwise read as the client's.
+        ex = exchange(self.request)
+        ex.cancelled = ex.cancelled or "shutdown"
         turn = self.turn
         await self._cancel_turn("shutdown")
         with contextlib.suppress(Exception):

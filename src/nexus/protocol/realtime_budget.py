@@ -19,7 +19,15 @@ reads one.
 
 from __future__ import annotations
 
-__all__ = ["FrameBudget"]
+__all__ = ["FrameBudget", "frame_size"]
+
+
+def frame_size(data: object) -> int:
+    """A frame's payload in bytes, as the budget counts it: a text frame's UTF-8 length
+    (aiohttp hands over decoded text, whose characters would count a 4-byte emoji once)."""
+    if isinstance(data, str):
+        return len(data) if data.isascii() else len(data.encode())
+    return len(data) if isinstance(data, bytes) else 0
 
 
 class FrameBudget:

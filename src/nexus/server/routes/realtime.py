@@ -53,7 +53,7 @@ from ...protocol.realtime import (
     StartTurn,
     gateway_error_frame,
 )
-from ...protocol.realtime_budget import FrameBudget
+from ...protocol.realtime_budget import FrameBudget, frame_size
 from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import (
@@ -88,7 +88,12 @@ class RealtimeConnection(Writer):
     name = "a realtime connection"
 
     def __init__(
-        self, request: web.Request, key: ApiKey | None = None, protocols: tuple[str, ...] = ()
+        self,
+        request: web.Request,
+        key: ApiKey | None = None,
+        protocols: tuple[str, ...] = (),
+        *,
+        token: bool = False,
     ) -> None:
         app = request.app
         config = app[state.CONFIG]
@@ -134,6 +139,7 @@ class RealtimeConnection(Writer):
         """The running turn, until it is over (its stream let go)."""
         self._left = False  # a frame could not be sent: the client is gone
         self._logged: set[str] = set()  # the refusal codes logged for this socket
+        self._token = token  # the handshake's rate token, which the first start uses
 
     @property
     def busy(self) -> bool:
@@ -208,7 +214,7 @@ class RealtimeConnection(Writer):
         now = self._last_seen = self._loop.time()
         self._pong_due = 0.0  # any frame shows the client is there
         data = message.data
-        over = self.budget.take(_size(data), now)
+        over = self.budget.take(frame_size(data), now)
         if over is not None:
             await self._refuse_socket(over)
             return False
@@ -272,7 +278,12 @@ class RealtimeConnection(Writer):
     async def _rate_token(self) -> bool:
         """A token of the key's rate for a ``start``, taken before the frame is walked or
         validated (as HTTP takes it before reading the body); False, its refusal sent,
-        when the key is over its rate."""
+        when the key is over its rate. The first ``start`` uses the handshake's token: a
+        socket and its first turn cost one (a key allowed one request a second can open a
+        socket and start at once)."""
+        if self._token:
+            self._token = False
+            return True
         try:
             await admit(self.request, self.key, None)
         except GatewayError as exc:
@@ -449,14 +460,6 @@ class RealtimeConnection(Writer):
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 
 
-def _size(data: object) -> int:
-    """A frame's payload in bytes, as its budget counts it: a text frame's UTF-8 length
-    (aiohttp hands over the decoded text; its characters would count a 4-byte emoji once)."""
-    if isinstance(data, str):
-        return len(data) if data.isascii() else len(data.encode())
-    return len(data) if isinstance(data, bytes) else 0
-
-
 async def handle(request: web.Request) -> web.StreamResponse:
     check_open(request)
     offered = tuple(
@@ -483,7 +486,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         )
     held[key.name] += 1
     try:
-        return await RealtimeConnection(request, key, protocols).run()
+        return await RealtimeConnection(request, key, protocols, token=True).run()
     finally:
         held[key.name] -= 1
         if held[key.name] <= 0:

@@ -69,6 +69,7 @@ from ..access import (
 from ..state import Exchange
 from ..writer import Writer
 from .common import check_open
+from .realtime_keys import key_socket
 from .realtime_turn import Turn
 
 __all__ = ["RealtimeConnection", "handle"]
@@ -137,7 +138,7 @@ class RealtimeConnection(Writer):
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
-        self._left = False  # a frame could not be sent: the client is gone
+        self._left = False  # the socket is done: the client is gone, or closed 1008
         self._logged: set[str] = set()  # the refusal codes logged for this socket
         self._token = token  # the handshake's rate token, which the first start uses
 
@@ -234,6 +235,9 @@ class RealtimeConnection(Writer):
                 return not self._left
             else:
                 actions = self.session.receive_decoded(decoded)
+                first = actions[0] if decoded.start else None  # (a start has an answer)
+                if type(first) is Send and first.code:  # invalid, or while a turn runs
+                    self._count_refusal(first.code, None)
         elif message.type is WSMsgType.BINARY:
             actions = self.session.receive_binary(message.data)
         else:  # ERROR: the reader already closed the socket (e.g. 1009)
@@ -292,25 +296,36 @@ class RealtimeConnection(Writer):
         return True
 
     async def _refused(self, exc: GatewayError, model: str | None) -> None:
-        """A ``start`` refused before anything streamed: its error frame. The socket's
-        access line is one for all its turns and counts them (``refused``); the first
-        refusal of each code on the socket is a warning of its own, the others only
-        counted, since a client retrying in a loop would otherwise write a line a frame."""
+        """A ``start`` refused before anything streamed (its rate, its admission): its
+        error frame, counted, and a strike towards ``max_invalid_frames`` (a client
+        retrying at once would otherwise get an error frame for each small one)."""
+        self._count_refusal(exc.code, model)
+        for action in self.session.refused(gateway_error_frame(exc, self.request_id)):
+            if type(action) is Close:
+                await self._refuse_socket(action.reason)
+                self._left = True  # the socket is done
+            else:
+                await self._send(action.frame)  # type: ignore[union-attr]
+
+    def _count_refusal(self, code: str, model: str | None) -> None:
+        """A refused ``start``: the socket's access line is one for all its turns and
+        counts them (``refused``); the first refusal of each code on the socket is a
+        warning of its own, the others only counted, since a client retrying in a loop
+        would otherwise write a line a frame."""
         exchange(self.request).refused += 1
         metrics = self.request.app.get(METRICS)
         if metrics is not None:  # counted as an HTTP request refused so is
-            metrics.observe("/v1/realtime", model, f"error:{exc.code}", 0.0, None)
-        if exc.code not in self._logged:
-            self._logged.add(exc.code)
+            metrics.observe("/v1/realtime", model, f"error:{code}", 0.0, None)
+        if code not in self._logged:
+            self._logged.add(code)
             log.warning(
                 "%s start refused: %s (key=%s model=%s); more on this socket are counted "
                 "in its access line (refused=)",
                 self.request_id,
-                exc.code,
+                code,
                 self.key.name if self.key is not None else None,
                 log_value(model),
             )
-        await self._send(gateway_error_frame(exc, self.request_id).frame)
 
     async def _refuse_socket(self, reason: str) -> None:
         """Close the socket with 1008 (policy violation): the peer broke its budget or
@@ -471,23 +486,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     exchange(request).format = "websocket"
     if key is None:
         return await RealtimeConnection(request, key, protocols).run()
-    # As an HTTP request: a token of the key's rate; then a place among its sockets.
+    # As an HTTP request: a token of the key's rate (its first start's); then a place
+    # among its sockets.
     await admit(request, key, None)
-    held = request.app[state.RUNTIME].key_sockets
-    limit = request.app[state.CONFIG].realtime.max_sockets_per_key
-    if held[key.name] >= limit:
-        raise GatewayError(
-            f"The API key {key.name!r} has {limit} realtime sockets open, its limit "
-            "([realtime] max_sockets_per_key); close one first.",
-            code="too_many_sockets",
-            status=429,
-            error_type="rate_limit_error",
-            retryable=True,
-        )
-    held[key.name] += 1
-    try:
+    with key_socket(request, key):
         return await RealtimeConnection(request, key, protocols, token=True).run()
-    finally:
-        held[key.name] -= 1
-        if held[key.name] <= 0:
-            del held[key.name]

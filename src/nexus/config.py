@@ -256,8 +256,9 @@ class RealtimeConfig(_Table):
     """Frames (pings included) one socket may send a second, a second's worth at once; past
     it the socket is closed 1008. Every frame costs the event loop a parse and an answer."""
     max_bytes_per_second: int = Field(default=1024 * 1024, ge=1)
-    """Message bytes one socket may send a second, ``max_message_bytes`` at once; past it
-    the socket is closed 1008. Bounds what parsing a socket's frames costs the loop."""
+    """Message bytes one socket may send a second, sustained; at once, up to the larger of
+    ``max_message_bytes`` and ``max_pending_input_bytes`` (all a socket may hold pending).
+    Past it the socket is closed 1008. Bounds what parsing a socket's frames costs the loop."""
     max_sockets_per_key: int = Field(default=16, ge=1)
     """Realtime sockets one key may hold open in this process: without a cap one key could
     take every place of ``[server] max_connections`` with idle sockets."""

@@ -33,3 +33,11 @@ def test_an_idle_socket_refills_no_further_than_its_burst() -> None:
     b = budget(frames=2)
     assert b.take(0, 1000.0) is None and b.take(0, 1000.0) is None
     assert b.take(0, 1000.0) is not None
+
+
+def test_the_byte_bucket_holds_all_the_input_a_socket_may_hold_pending() -> None:
+    b = FrameBudget(
+        frames_per_s=100, bytes_per_s=10, max_message_bytes=50, max_pending_input_bytes=200, now=0.0
+    )
+    assert [b.take(50, 0.0) for _ in range(4)] == [None] * 4  # four largest messages at once
+    assert b.take(1, 0.0) == "over 10 bytes per second"

@@ -35,6 +35,7 @@ def test_a_frame_that_is_taken_starts_the_count_again() -> None:
     assert s.receive_text(AUDIO) == []
     assert codes(s.receive_text("{}")) == ["invalid_envelope"]
     assert isinstance(s.receive_text(START)[0], StartTurn)
+    s.start_accepted()  # the engine took it (a refused one would be a strike: refused())
     assert codes(s.receive_text(START)) == ["stream_in_progress"]
     assert s.receive_text('{"type":"abort"}') == [AbortTurn()]
     s.turn_ended()
@@ -47,3 +48,18 @@ def test_input_over_the_limit_is_no_strike() -> None:
     s = RealtimeSession(max_pending_input_bytes=1, max_invalid_frames=2)
     for _ in range(5):
         assert codes(s.receive_text(AUDIO)) == ["input_too_large"]
+
+
+def test_starts_the_route_refuses_are_strikes_until_one_is_accepted() -> None:
+    s = RealtimeSession(max_pending_input_bytes=1 << 20, max_invalid_frames=3)
+    frame = Send("{}", "rate_limited")
+    assert s.refused(frame) == [frame]
+    assert isinstance(s.receive_text(START)[0], StartTurn)  # not yet judged
+    s.start_refused()
+    assert s.refused(frame) == [frame]  # the admission refused it: the second strike
+    assert s.refused(frame) == [frame, Close(1008, "3 invalid frames in a row")]
+    s = RealtimeSession(max_pending_input_bytes=1 << 20, max_invalid_frames=2)
+    assert s.refused(frame) == [frame]
+    s.receive_text(START)
+    s.start_accepted()
+    assert s.refused(frame) == [frame]  # the count began again

@@ -98,9 +98,16 @@ async def test_a_socket_over_its_frame_budget_is_closed_1008(
 
 
 async def test_a_socket_over_its_byte_budget_is_closed_1008(make_client: MakeClient) -> None:
-    # Any one message of max_message_bytes fits an idle socket; the next ones do not.
+    # Any one message of max_message_bytes (or all the input a socket may hold pending)
+    # fits an idle socket; the next ones do not.
     client = await make_client(
-        {"realtime": {"max_bytes_per_second": 1000, "max_message_bytes": 4000}}
+        {
+            "realtime": {
+                "max_bytes_per_second": 1000,
+                "max_message_bytes": 4000,
+                "max_pending_input_bytes": 4000,
+            }
+        }
     )
     url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
     async with websockets.connect(url, max_size=None) as ws:

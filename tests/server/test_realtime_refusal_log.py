@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from types import SimpleNamespace
 
 import orjson
 import pytest
 import websockets
 
+from nexus.auth import hash_key
 from support import MakeClient, turn
 
 USER = [{"role": "user", "content": "x"}]
@@ -26,7 +29,7 @@ async def test_refused_starts_are_logged_once_per_code_and_counted(
     client = await make_client()
     url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
     async with websockets.connect(url) as ws:
-        for _ in range(40):
+        for _ in range(10):  # (fewer than max_invalid_frames: a refusal is a strike)
             await ws.send(start("nope/x"))
             assert (await turn(ws))[-1]["error"]["code"] == "model_not_found"
         await ws.send(start("mock/echo"))
@@ -39,5 +42,60 @@ async def test_refused_starts_are_logged_once_per_code_and_counted(
     warnings = [r for r in caplog.records if r.name == "nexus.realtime"]
     assert len(warnings) == 1
     assert "start refused: model_not_found" in warnings[0].getMessage()
-    assert lines[0].access["refused"] == 40  # type: ignore[attr-defined]
-    assert "refused=40" in lines[0].getMessage()
+    assert lines[0].access["refused"] == 10  # type: ignore[attr-defined]
+    assert "refused=10" in lines[0].getMessage()
+
+
+async def test_starts_the_session_refuses_are_counted_too(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    client = await make_client()
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    invalid = orjson.dumps(
+        {"type": "start", "request": {"model": "mock/echo", "messages": "x"}}
+    ).decode()
+    async with websockets.connect(url) as ws:
+        for _ in range(2):
+            await ws.send(invalid)
+            assert (await turn(ws))[-1]["error"]["code"] == "invalid_request"
+        await ws.send(start("mock/echo"))
+        assert (await turn(ws))[-1]["type"] == "done"
+    for _ in range(1000):
+        lines = [r for r in caplog.records if r.name == "nexus.access"]
+        if lines:
+            break
+        await asyncio.sleep(0.01)
+    assert lines[0].access["refused"] == 2  # type: ignore[attr-defined]
+
+
+async def test_rate_limited_starts_count_towards_max_invalid_frames(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A still clock: the key's one token (the handshake's, the first start's) never
+    # comes back; every start after it is rate_limited, and the fourth closes the socket.
+    monkeypatch.setattr(
+        "nexus.cache.limits.time", SimpleNamespace(monotonic=lambda: 0.0, time=time.time)
+    )
+    key = "nx-refusal-strike-key-01"
+    client = await make_client(
+        {
+            "auth": {"keys": [{"name": "a", "sha256": hash_key(key)}]},
+            "limits": {"requests_per_second_per_key": 1},
+            "realtime": {"max_invalid_frames": 4},
+        }
+    )
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    headers = {"Authorization": f"Bearer {key}"}
+    codes = []
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        await ws.send(start("mock/echo"))
+        assert (await turn(ws))[-1]["type"] == "done"
+        for _ in range(50):
+            await ws.send(start("mock/echo"))
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                codes.append(orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"])
+    assert codes == ["rate_limited"] * 4
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    assert closed.value.rcvd.reason == "4 invalid frames in a row"

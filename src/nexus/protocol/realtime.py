@@ -29,7 +29,8 @@ Malformed frames get ``invalid_envelope``; an invalid request
 unless ``max_invalid_frames`` frames in a row get nothing but such an error: then
 :class:`Close` (1008) follows the last one, since every answer is larger than the
 frame that asked for it and a client could otherwise have the gateway write many
-times what it sends.
+times what it sends. A ``start`` the route refuses (its key's rate, its admission:
+:meth:`RealtimeSession.refused`) is such a frame too.
 """
 
 from __future__ import annotations
@@ -253,14 +254,22 @@ class RealtimeSession:
     def _judged(self, actions: list[Action]) -> list[Action]:
         """``actions``, and :class:`Close` when they make ``max_invalid_frames`` frames in
         a row answered with nothing but an error of :data:`STRIKES`."""
+        if len(actions) == 1 and type(actions[0]) is StartTurn:
+            return actions  # judged once the engine takes it or not (start_accepted, refused)
         if len(actions) != 1 or type(actions[0]) is not Send or actions[0].code not in STRIKES:
             self._strikes = 0
             return actions
+        return self.refused(actions[0])
+
+    def refused(self, frame: Send) -> list[Action]:
+        """A ``start`` refused by the route (its key's rate, its admission) with ``frame``:
+        a strike as an invalid frame is, since a client retrying at once would otherwise get
+        an error frame for each of its small ones; :class:`Close` after the last."""
         self._strikes += 1
         if self._strikes < self.max_invalid_frames:
-            return actions
+            return [frame]
         reason = f"{self._strikes} invalid frames in a row"
-        return [*actions, Close(POLICY_VIOLATION, reason)]
+        return [frame, Close(POLICY_VIOLATION, reason)]
 
     def _receive(self, data: dict[str, Any]) -> list[Action]:
         refused = self._too_deep(data)
@@ -327,6 +336,7 @@ class RealtimeSession:
 
     def start_accepted(self) -> None:
         """The engine took the turn's request: its pending input is used up."""
+        self._strikes = 0
         self.close()
 
     def close(self) -> None:

@@ -8,16 +8,26 @@ the loop after each frame; this budget bounds how many frames, and how many byte
 them, one socket may cost in all.
 
 Two token buckets, refilled continuously: ``frames_per_s`` frames (holding one
-second's worth), and ``bytes_per_s`` bytes (holding one second's worth or one largest
-message, whichever is more, so that an idle socket may always send one message of
-``[realtime] max_message_bytes``). A frame that finds a bucket short is over the
+second's worth), and ``bytes_per_s`` bytes. The byte bucket holds the most of one
+second's worth, one largest message (``[realtime] max_message_bytes``) and the input a
+socket may hold pending (``max_pending_input_bytes``): a quiet socket may send at once
+all it may hold before a ``start`` (a few images back to back), and only a client that
+keeps sending past that is held to the rate. A frame that finds a bucket short is over the
 budget: the route closes the socket (1008). The caller passes the clock: nothing here
 reads one.
 """
 
 from __future__ import annotations
 
-__all__ = ["FrameBudget"]
+__all__ = ["FrameBudget", "frame_size"]
+
+
+def frame_size(data: object) -> int:
+    """A frame's payload in bytes, as the budget counts it: a text frame's UTF-8 length
+    (aiohttp hands over decoded text, whose characters would count a 4-byte emoji once)."""
+    if isinstance(data, str):
+        return len(data) if data.isascii() else len(data.encode())
+    return len(data) if isinstance(data, bytes) else 0
 
 
 class FrameBudget:
@@ -26,11 +36,17 @@ class FrameBudget:
     __slots__ = ("_bytes", "_frames", "_last", "byte_burst", "bytes_per_s", "frames_per_s")
 
     def __init__(
-        self, *, frames_per_s: int, bytes_per_s: int, max_message_bytes: int, now: float
+        self,
+        *,
+        frames_per_s: int,
+        bytes_per_s: int,
+        max_message_bytes: int,
+        now: float,
+        max_pending_input_bytes: int = 0,
     ) -> None:
         self.frames_per_s = frames_per_s
         self.bytes_per_s = bytes_per_s
-        self.byte_burst = max(bytes_per_s, max_message_bytes)
+        self.byte_burst = max(bytes_per_s, max_message_bytes, max_pending_input_bytes)
         self._frames = float(frames_per_s)
         self._bytes = float(self.byte_burst)
         self._last = now

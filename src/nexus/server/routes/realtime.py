@@ -25,7 +25,8 @@ text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
   closed with 1008.
 * A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown
   ends a running turn with a retryable ``server_shutting_down`` error frame,
-  then closes with 1001.
+  then closes with 1001; a ``start`` during its grace is refused so (no turn, no
+  rate token), and closes with 1001 unless a turn still runs.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from ...protocol.realtime import (
     StartTurn,
     gateway_error_frame,
 )
-from ...protocol.realtime_budget import FrameBudget
+from ...protocol.realtime_budget import FrameBudget, frame_size
 from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import (
@@ -68,6 +69,7 @@ from ..access import (
 from ..state import Exchange
 from ..writer import Writer
 from .common import check_open
+from .realtime_keys import key_socket
 from .realtime_turn import Turn
 
 __all__ = ["RealtimeConnection", "handle"]
@@ -87,7 +89,12 @@ class RealtimeConnection(Writer):
     name = "a realtime connection"
 
     def __init__(
-        self, request: web.Request, key: ApiKey | None = None, protocols: tuple[str, ...] = ()
+        self,
+        request: web.Request,
+        key: ApiKey | None = None,
+        protocols: tuple[str, ...] = (),
+        *,
+        token: bool = False,
     ) -> None:
         app = request.app
         config = app[state.CONFIG]
@@ -126,12 +133,14 @@ class RealtimeConnection(Writer):
             frames_per_s=config.realtime.max_frames_per_second,
             bytes_per_s=config.realtime.max_bytes_per_second,
             max_message_bytes=config.realtime.max_message_bytes,
+            max_pending_input_bytes=config.realtime.max_pending_input_bytes,
             now=self._loop.time(),
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
-        self._left = False  # a frame could not be sent: the client is gone
+        self._left = False  # the socket is done: the client is gone, or closed 1008
         self._logged: set[str] = set()  # the refusal codes logged for this socket
+        self._token = token  # the handshake's rate token, which the first start uses
 
     @property
     def busy(self) -> bool:
@@ -206,7 +215,7 @@ class RealtimeConnection(Writer):
         now = self._last_seen = self._loop.time()
         self._pong_due = 0.0  # any frame shows the client is there
         data = message.data
-        over = self.budget.take(len(data) if isinstance(data, str | bytes) else 0, now)
+        over = self.budget.take(frame_size(data), now)
         if over is not None:
             await self._refuse_socket(over)
             return False
@@ -220,10 +229,15 @@ class RealtimeConnection(Writer):
             decoded = self.session.decode(data)
             if not isinstance(decoded, Decoded):
                 actions = decoded
+            elif decoded.start and self.runtime.shutting_down:
+                return await self._start_while_stopping()
             elif decoded.start and not await self._rate_token():
                 return not self._left
             else:
                 actions = self.session.receive_decoded(decoded)
+                first = actions[0] if decoded.start else None  # (a start has an answer)
+                if type(first) is Send and first.code:  # invalid, or while a turn runs
+                    self._count_refusal(first.code, None)
         elif message.type is WSMsgType.BINARY:
             actions = self.session.receive_binary(message.data)
         else:  # ERROR: the reader already closed the socket (e.g. 1009)
@@ -248,10 +262,32 @@ class RealtimeConnection(Writer):
             ex = exchange(self.request)
             ex.cancelled = ex.cancelled or "client_disconnect"
 
+    async def _start_while_stopping(self) -> bool:
+        """A ``start`` during the shutdown's grace (a voice client's barge-in: ``abort``,
+        then ``start``): no turn and no rate token, a retryable ``server_shutting_down``;
+        with no turn left to finish the socket is done, closed 1001 at once. False when
+        the socket is done."""
+        await self._refused(ServerShuttingDown(_SHUTDOWN.message), None)
+        if self.turn is not None or self._left:
+            return not self._left
+        exchange(self.request).cancelled = "shutdown"
+        await self._going_away()
+        return False
+
+    async def _going_away(self) -> None:
+        """The shutdown's close: 1001 (going away)."""
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+
     async def _rate_token(self) -> bool:
         """A token of the key's rate for a ``start``, taken before the frame is walked or
         validated (as HTTP takes it before reading the body); False, its refusal sent,
-        when the key is over its rate."""
+        when the key is over its rate. The first ``start`` uses the handshake's token: a
+        socket and its first turn cost one (a key allowed one request a second can open a
+        socket and start at once)."""
+        if self._token:
+            self._token = False
+            return True
         try:
             await admit(self.request, self.key, None)
         except GatewayError as exc:
@@ -260,25 +296,36 @@ class RealtimeConnection(Writer):
         return True
 
     async def _refused(self, exc: GatewayError, model: str | None) -> None:
-        """A ``start`` refused before anything streamed: its error frame. The socket's
-        access line is one for all its turns and counts them (``refused``); the first
-        refusal of each code on the socket is a warning of its own, the others only
-        counted, since a client retrying in a loop would otherwise write a line a frame."""
+        """A ``start`` refused before anything streamed (its rate, its admission): its
+        error frame, counted, and a strike towards ``max_invalid_frames`` (a client
+        retrying at once would otherwise get an error frame for each small one)."""
+        self._count_refusal(exc.code, model)
+        for action in self.session.refused(gateway_error_frame(exc, self.request_id)):
+            if type(action) is Close:
+                await self._refuse_socket(action.reason)
+                self._left = True  # the socket is done
+            else:
+                await self._send(action.frame)  # type: ignore[union-attr]
+
+    def _count_refusal(self, code: str, model: str | None) -> None:
+        """A refused ``start``: the socket's access line is one for all its turns and
+        counts them (``refused``); the first refusal of each code on the socket is a
+        warning of its own, the others only counted, since a client retrying in a loop
+        would otherwise write a line a frame."""
         exchange(self.request).refused += 1
         metrics = self.request.app.get(METRICS)
         if metrics is not None:  # counted as an HTTP request refused so is
-            metrics.observe("/v1/realtime", model, f"error:{exc.code}", 0.0, None)
-        if exc.code not in self._logged:
-            self._logged.add(exc.code)
+            metrics.observe("/v1/realtime", model, f"error:{code}", 0.0, None)
+        if code not in self._logged:
+            self._logged.add(code)
             log.warning(
                 "%s start refused: %s (key=%s model=%s); more on this socket are counted "
                 "in its access line (refused=)",
                 self.request_id,
-                exc.code,
+                code,
                 self.key.name if self.key is not None else None,
                 log_value(model),
             )
-        await self._send(gateway_error_frame(exc, self.request_id).frame)
 
     async def _refuse_socket(self, reason: str) -> None:
         """Close the socket with 1008 (policy violation): the peer broke its budget or
@@ -412,13 +459,17 @@ class RealtimeConnection(Writer):
         """Server shutdown: a running turn's stream is cancelled and the turn ends with a
         retryable error frame; then the close, 1001 (going away)."""
         self._closing = asyncio.current_task()  # the handler waits for the close to be done
+        # Its access line: the peer's answer to the close may cancel the handler (with
+        # handler_cancellation) as it waits, which would otherwise read as the client's.
+        ex = exchange(self.request)
+        ex.cancelled = ex.cancelled or "shutdown"
         turn = self.turn
         await self._cancel_turn("shutdown")
         with contextlib.suppress(Exception):
             if turn is not None and not turn.terminated:
                 turn.terminate()
                 await self.ws.send_frame(turn.encoder.error(_SHUTDOWN)[:-1], WSMsgType.TEXT)
-            await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
+        await self._going_away()
 
 
 _CLOSED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
@@ -435,23 +486,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     exchange(request).format = "websocket"
     if key is None:
         return await RealtimeConnection(request, key, protocols).run()
-    # As an HTTP request: a token of the key's rate; then a place among its sockets.
+    # As an HTTP request: a token of the key's rate (its first start's); then a place
+    # among its sockets.
     await admit(request, key, None)
-    held = request.app[state.RUNTIME].key_sockets
-    limit = request.app[state.CONFIG].realtime.max_sockets_per_key
-    if held[key.name] >= limit:
-        raise GatewayError(
-            f"The API key {key.name!r} has {limit} realtime sockets open, its limit "
-            "([realtime] max_sockets_per_key); close one first.",
-            code="too_many_sockets",
-            status=429,
-            error_type="rate_limit_error",
-            retryable=True,
-        )
-    held[key.name] += 1
-    try:
-        return await RealtimeConnection(request, key, protocols).run()
-    finally:
-        held[key.name] -= 1
-        if held[key.name] <= 0:
-            del held[key.name]
+    with key_socket(request, key):
+        return await RealtimeConnection(request, key, protocols, token=True).run()

@@ -16,6 +16,7 @@ on the next tick, which never came).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from nexus.auth import hash_key
 from nexus.server.shutdown import CLOSE_BOUND_S
@@ -34,7 +36,7 @@ from redis_server import RedisServer
 GRACE_S = 1.0
 LOST = re.compile(
     r"ERROR nexus.limits: spend not charged \(Redis failed at shutdown\): key 'tenant', "
-    r"(\S+) USD; add it with INCRBYFLOAT (\S+) (\S+)"
+    r"(\S+) USD; add it once with: EVAL (\"[^\"]+\") 2 (\S+) (\S+) (\S+)"
 )
 KEY = "nx-shutdown-0123456789-secret"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -126,8 +128,21 @@ async def test_redis_not_answering_does_not_stretch_the_shutdown(
         # The streams' spend could not be charged: a line each, to add it by hand.
         lost = LOST.findall(log.read_text())
         assert len(lost) == 5, log.read_text()[-3000:]
-        for usd, key, again in lost:
+        for usd, _, key, marker, again in lost:
             assert key.startswith("shutdown:spend:tenant:") and usd == again
-            assert float(usd) > 0
+            assert marker.startswith("shutdown:charged:") and float(usd) > 0
+        # Redis back (a charge sent before it stopped may land now): each line's command
+        # adds its charge once, however often it is run, so the key's spend is exactly
+        # what the streams cost (nothing was charged before the signal: they all ran).
+        redis_server.process.send_signal(signal.SIGCONT)
+        client = aioredis.from_url(redis_server.url)
+        try:
+            for _ in range(2):
+                for _usd, script, key, marker, usd in lost:
+                    await client.eval(json.loads(script), 2, key, marker, usd)
+            spent = float(await client.get(lost[0][2]) or 0)
+        finally:
+            await client.aclose()
+        assert spent == pytest.approx(sum(float(line[0]) for line in lost))
     finally:
         stop_nexus(proc, gently=False)

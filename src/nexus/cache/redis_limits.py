@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import time
@@ -152,6 +153,13 @@ if ARGV[4] ~= '' then redis.call('HDEL', KEYS[3], ARGV[4]) end
 return 0
 """
 
+_RECONCILE = (
+    "if redis.call('SET', KEYS[2], '1', 'NX', 'PX', 86400000) then "
+    "return redis.call('INCRBYFLOAT', KEYS[1], ARGV[1]) end"
+)
+"""A lost charge added by hand (its ERROR line's command): once, under the charge's marker,
+whether or not the charge itself landed after all (within :data:`_CHARGE_MARK_MS`)."""
+
 _CHARGE_MARK_MS = 900_000
 """How long a charge's marker outlives it: longer than its retries, short enough that the
 markers of a busy gateway stay small (100 charges a second: ~90,000 keys). A charge
@@ -233,14 +241,19 @@ class RedisLimits(KeyLimits):
                 await self._send("release", freed)
         except TimeoutError:
             log.warning("per-key limits: Redis did not answer before the shutdown deadline")
-        # What is still not charged is lost unless someone adds it: one line each.
-        for name, win_id, usd, _, _ in [*self._sending.values(), *self._unsent.values()]:
+        # What is still not charged is lost unless someone adds it: one line each, with a
+        # command that adds it once, under its charge's own marker: one sent before Redis
+        # stalled may still land when it resumes, and then the command adds nothing.
+        charges = {**self._sending, **self._unsent}
+        for charge_id, (name, win_id, usd, _, _) in charges.items():
             log.error(
-                "spend not charged (Redis failed at shutdown): key %r, %s USD; add it with "
-                "INCRBYFLOAT %s %s",
+                "spend not charged (Redis failed at shutdown): key %r, %s USD; add it once "
+                "with: EVAL %s 2 %s %s %s",
                 name,
                 repr(usd),
+                json.dumps(_RECONCILE),
                 self._key("spend", name, win_id),
+                self._key("charged", charge_id),
                 repr(usd),
             )
         self._unsent.clear()

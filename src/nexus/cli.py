@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         token = metrics_token(config)  # set when named: checked before any worker starts
         if token is None and config.metrics.enabled and not is_loopback(config.server.host):
             log.warning(
-                "/metrics has no [metrics] token_env: it answers loopback Host names only; "
-                "set token_env to scrape it by this host's name or address"
+                "/metrics has no [metrics] token_env: it answers clients on this machine "
+                "only (by a loopback name); set token_env to scrape it from elsewhere"
             )
         return _serve(config, source)
     except ConfigError as exc:

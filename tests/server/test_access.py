@@ -18,7 +18,7 @@ import websockets
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
-from nexus.auth import hash_key
+from nexus.auth import Forbidden, hash_key
 from nexus.errors import ConfigError
 from support import GatedProvider, MakeClient, chat, parse_sse, turn
 
@@ -265,6 +265,28 @@ async def test_metrics_without_a_token_answer_loopback_host_names_only(
     assert (await client.get("/metrics", headers=headers)).status == 200
 
 
+async def test_metrics_without_a_token_answer_no_client_beyond_this_machine() -> None:
+    # On a public interface anyone could send "Host: localhost": the peer must be local too.
+    from unittest import mock
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from nexus.server.app import metrics_endpoint
+
+    serve = metrics_endpoint(None)
+    for peer in (("203.0.113.9", 40000), ("192.168.1.20", 40000), ("::ffff:10.0.0.1", 1, 0, 0)):
+        transport = mock.Mock()
+        transport.get_extra_info.side_effect = lambda name, default=None, p=peer: (
+            p if name == "peername" else default
+        )
+        request = make_mocked_request(
+            "GET", "/metrics", headers={"Host": "localhost"}, transport=transport
+        )
+        with pytest.raises(Forbidden) as refused:
+            await serve(request)
+        assert refused.value.code == "host_not_allowed", peer
+
+
 async def test_the_console_may_not_be_framed_by_another_page(make_client: MakeClient) -> None:
     # It keeps a key in the browser: a hostile page must not frame it (clickjacking).
     client = await make_client(keyed())
@@ -305,6 +327,10 @@ async def test_per_key_models(make_client: MakeClient) -> None:
     assert (await client.get("/v1/models/mock/echo", headers=beta)).status == 200
     resp = await client.get("/v1/models/mock/other", headers=beta)
     assert resp.status == 403
+    # Whether a model it may not use exists is not told: 403 alike (a 404 listed the rest).
+    resp = await client.get("/v1/models/nosuch/model", headers=beta)
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "model_not_allowed"
     # The other key may use both.
     resp = await client.post(
         "/v1/chat/completions", json=chat(model="mock/other"), headers=bearer(KEY_A)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -154,17 +155,18 @@ def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[w
     """``GET /metrics``: Prometheus text format, names and counts only (no secrets, no
     contents); behind ``token`` as a bearer token when there is one.
 
-    Without a token it answers loopback ``Host`` names only, keys or not: it names every
-    key and what each spent, and a page the operator opens could read it through DNS
-    rebinding (``attacker.example`` resolving to 127.0.0.1), as for a keyless gateway."""
+    Without a token it answers this machine only, keys or not: it names every key and what
+    each spent. A loopback peer, since on a public interface anyone could send ``Host:
+    localhost``; and a loopback ``Host`` name, since a page the operator opens could read
+    it through DNS rebinding (``attacker.example`` resolving to 127.0.0.1)."""
 
     async def serve(request: web.Request) -> web.Response:
         if token is None:
             host = request.headers.get("Host")
-            if host is not None and not loopback_host(host):
+            if not _loopback_peer(request.remote) or (host is not None and not loopback_host(host)):
                 raise Forbidden(
-                    f"Host {host!r} is not served /metrics: without [metrics] token_env it "
-                    "answers loopback names only (localhost, 127.0.0.1, [::1]).",
+                    "/metrics without [metrics] token_env answers this machine only: a "
+                    "loopback client, by a loopback name (localhost, 127.0.0.1, [::1]).",
                     code="host_not_allowed",
                 )
         else:
@@ -179,6 +181,16 @@ def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[w
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return serve
+
+
+def _loopback_peer(remote: str | None) -> bool:
+    """Whether the client's address is this machine's (a Unix socket's has none)."""
+    if not remote:
+        return True
+    try:
+        return ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
 
 
 def metrics_token(config: Config) -> bytes | None:

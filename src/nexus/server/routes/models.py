@@ -35,8 +35,10 @@ async def get_model(request: web.Request) -> web.Response:
     engine = request.app[state.ENGINE]
     model_id = request.match_info["model"]
     key = authenticate(request)
-    engine.route(model_id)  # raises ModelNotFound
+    # The key's allow-list first: a model it may not use is 403 whether it exists or not,
+    # as on the POST endpoints (a 404 for the others only would list them).
     await admit(request, key, model_id)
+    engine.route(model_id)  # raises ModelNotFound
     return json_response(_model(model_id, _owner(engine, model_id)))
 
 

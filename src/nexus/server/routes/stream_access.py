@@ -4,49 +4,72 @@ that resumes one.
 With keys configured, a stream is found only for the key that made it, or (on a GET) for
 its read token (:mod:`nexus.tokens`); another key's stream is the same 404, after the same
 lookup, as one that does not exist. Every lookup takes a token of a key's rate: the
-caller's, or for a read token the stream owner's; a cancel takes none.
+caller's, or for a read token the stream owner's. A cancel of the caller's own stream
+running here takes none (a key past its rate must still be able to stop what spends its
+budget); any other cancel takes one before its lookup, so that ids that are not the
+caller's cannot be probed at the store unmetered.
+
+A reader (a GET, a resume) also takes a place among its key's readers
+(:mod:`.key_readers`) before its lookup: the caller's, or for a read token the stream
+owner's, once the lookup has named it.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from aiohttp import web
 
 from ...auth import Unauthorized
+from ...cache.run import StreamRun
 from ...cache.store import StreamInfo
 from ...errors import StreamNotFound
 from ...types import stream_id_of
 from .. import state
 from ..access import KEYS, admit, authenticate, exchange
+from .key_readers import key_reader
 
 __all__ = ["describe", "find_stream", "stream_not_found"]
 
 
 async def find_stream(
-    request: web.Request, stream_id: str, *, read_token: bool = False, rated: bool = True
+    request: web.Request,
+    stream_id: str,
+    *,
+    read_token: bool = False,
+    rated: bool = True,
+    reading: ExitStack | None = None,
 ) -> StreamInfo:
     """The stream ``stream_id``, if the caller may use it (see the module docstring).
 
     With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
     instead of a key. A key's request takes a token of its rate first, unless not
-    ``rated`` (a cancel: a key past its rate may still stop what spends it); a token's
-    takes one of its stream owner's rate once the stream is found. Raises
-    :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited`` and
-    :func:`stream_not_found` (404, also for another key's stream).
+    ``rated`` and the stream is the key's own, running here (a cancel); a token's takes
+    one of its stream owner's rate once the stream is found. With ``reading``, the
+    request is a reader: its place among its key's readers is entered on that stack (the
+    caller holds it while it writes the stream). Raises
+    :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited``,
+    429 ``too_many_readers`` and :func:`stream_not_found` (404, also for another key's
+    stream).
     """
     app = request.app
     stream_id = stream_id_of(stream_id)  # a background response's resp_ id names it too
     owner = _reader(request, stream_id, read_token)
-    if owner is not None and rated:
-        await admit(request, exchange(request).key, None)
     hub = app[state.HUB]
+    if owner is not None and reading is not None:
+        reading.enter_context(key_reader(request, owner))  # before any lookup
+    if owner is not None and (rated or not _own_live(hub.live.get(stream_id), owner)):
+        await admit(request, exchange(request).key, None)
     info = await hub.info(stream_id)
     if info is not None and owner is None and app[KEYS].enabled:
-        # A read token's request is its stream owner's: it takes a token of that key's
-        # rate (a token leaked in a URL would otherwise re-render the log unmetered).
+        # A read token's request is its stream owner's: it takes a place among that key's
+        # readers and a token of its rate (a token leaked in a URL would otherwise
+        # re-render the log unmetered).
+        if reading is not None:
+            reading.enter_context(key_reader(request, info.owner))
         await admit(request, app[KEYS].named(info.owner), None)
     if info is not None and owner is not None and not _same_owner(info.owner, owner):
         if hub.store.shared and stream_id in hub.live:
@@ -105,6 +128,12 @@ def _reader(request: web.Request, stream_id: str, read_token: bool) -> str | Non
     if key is None:  # not with keys configured; never read as "any stream"
         raise Unauthorized("Missing API key.", headers={"WWW-Authenticate": 'Bearer realm="nexus"'})
     return key.name
+
+
+def _own_live(run: StreamRun | None, name: str) -> bool:
+    """``run`` (a live run of this process, or None) is the key ``name``'s: its cancel is
+    free. Decided from memory, before any lookup."""
+    return run is not None and _same_owner(run.info.owner, name)
 
 
 def _same_owner(owner: str | None, name: str) -> bool:

@@ -2,14 +2,15 @@
 (``[limits] max_readers_per_key``).
 
 A stream's slot (``max_concurrent_streams_per_key``) is held by its run, not by who reads
-it: a ``GET /v1/streams/{id}``, a resume (``Last-Event-ID``), a read-token read, a request
-that joins an identical stream in flight or replays a cached one, all read a log that
-another request pays the slot for. Each costs one rate token however large the log, so
-without this cap one key could render its own big log a thousand times at once (the
-event loop, shared by every key, renders them) or hold every place of ``[server]
-max_connections`` with followers. A read-token read counts against the stream owner's
-key, as its rate token does. Without keys there is no tenant to keep apart from another:
-nothing is counted (``[server] max_connections`` still bounds the connections).
+it: a ``GET /v1/streams/{id}``, a resume (``Last-Event-ID``), a read-token read and a
+request that joins an identical stream in flight all read a log whose slot another
+request holds (a cached replay is a run of its own, with its own slot). Each costs one
+rate token however large the log, so without this cap one key could render its own big
+log a thousand times at once (the event loop, shared by every key, renders them) or hold
+every place of ``[server] max_connections`` with followers. A read-token read counts
+against the stream owner's key, as its rate token does. Without keys there is no tenant
+to keep apart from another: nothing is counted (``[server] max_connections`` still
+bounds the connections).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ that resumes one.
 With keys configured, a stream is found only for the key that made it, or (on a GET) for
 its read token (:mod:`nexus.tokens`); another key's stream is the same 404, after the same
 lookup, as one that does not exist. Every lookup takes a token of a key's rate: the
-caller's, or for a read token the stream owner's. A cancel of the caller's own stream
-running here takes none (a key past its rate must still be able to stop what spends its
-budget); any other cancel takes one before its lookup, so that ids that are not the
-caller's cannot be probed at the store unmetered.
+caller's, or for a read token the stream owner's. A cancel that finds the caller's own
+stream takes none (a key past its rate must still be able to stop what spends its
+budget); one that finds nothing of the caller's takes one after its lookup, so that ids
+that are not the caller's cannot be probed at the store unmetered.
 
 A reader (a GET, a resume) also takes a place among its key's readers
 (:mod:`.key_readers`) before its lookup: the caller's, or for a read token the stream
@@ -24,7 +24,6 @@ from typing import Any
 from aiohttp import web
 
 from ...auth import Unauthorized
-from ...cache.run import StreamRun
 from ...cache.store import StreamInfo
 from ...errors import StreamNotFound
 from ...types import stream_id_of
@@ -47,7 +46,7 @@ async def find_stream(
 
     With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
     instead of a key. A key's request takes a token of its rate first, unless not
-    ``rated`` and the stream is the key's own, running here (a cancel); a token's takes
+    ``rated`` (a cancel: then only a 404 takes one, after its lookup); a token's takes
     one of its stream owner's rate once the stream is found. With ``reading``, the
     request is a reader: its place among its key's readers is entered on that stack (the
     caller holds it while it writes the stream). Raises
@@ -61,7 +60,7 @@ async def find_stream(
     hub = app[state.HUB]
     if owner is not None and reading is not None:
         reading.enter_context(key_reader(request, owner))  # before any lookup
-    if owner is not None and (rated or not _own_live(hub.live.get(stream_id), owner)):
+    if owner is not None and rated:
         await admit(request, exchange(request).key, None)
     info = await hub.info(stream_id)
     if info is not None and owner is None and app[KEYS].enabled:
@@ -78,6 +77,8 @@ async def find_stream(
             await hub.store.info(stream_id)
         info = None
     if info is None:
+        if owner is not None and not rated:  # a probe of ids not the key's is metered
+            await admit(request, exchange(request).key, None)
         raise stream_not_found(stream_id)
     return info
 
@@ -128,12 +129,6 @@ def _reader(request: web.Request, stream_id: str, read_token: bool) -> str | Non
     if key is None:  # not with keys configured; never read as "any stream"
         raise Unauthorized("Missing API key.", headers={"WWW-Authenticate": 'Bearer realm="nexus"'})
     return key.name
-
-
-def _own_live(run: StreamRun | None, name: str) -> bool:
-    """``run`` (a live run of this process, or None) is the key ``name``'s: its cancel is
-    free. Decided from memory, before any lookup."""
-    return run is not None and _same_owner(run.info.owner, name)
 
 
 def _same_owner(owner: str | None, name: str) -> bool:

@@ -103,6 +103,9 @@ class LimitsConfig(_Table):
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_concurrent_streams: int = Field(default=10_000, ge=1)
     max_concurrent_streams_per_key: int = Field(default=100, ge=1)
+    max_readers_per_key: int = Field(default=32, ge=1)
+    """HTTP readers holding no stream slot (followers, resumes, joins) one key may run at
+    once in this process (see :mod:`nexus.server.routes.key_readers`)."""
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
     max_stream_duration_s: float = Field(default=900.0, gt=0)
     stream_lease_s: float = Field(default=10.0, gt=0)

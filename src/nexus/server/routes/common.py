@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import StreamReader, web
 
+from ...auth import ApiKey
 from ...cache.hub import Opened
 from ...cache.readers import leave, with_usage
 from ...cache.run import LogReader
@@ -61,6 +63,7 @@ from ..access import (
 )
 from ..render import Cursor, parse_cursor
 from ..streaming import pump
+from .key_readers import key_reader
 from .stream_access import describe, find_stream, stream_not_found
 
 __all__ = [
@@ -216,9 +219,10 @@ async def complete(
                 "event ('<stream id>.<step>'), not a count.",
                 param="last_event_id",
             )
-        info = await find_stream(request, cursor.stream_id)  # the key's rate token
-        await read_body(request)  # unused, but read within its limits
-        return await resume(request, info, encoder, cursor)
+        with ExitStack() as reading:  # a reader's place, and the key's rate token
+            info = await find_stream(request, cursor.stream_id, reading=reading)
+            await read_body(request)  # unused, but read within its limits
+            return await resume(request, info, encoder, cursor)
     await admit(request, key, None)  # its rate's token before its body: a refusal reads none
     body = await read_body(request)
     limits = app[state.CONFIG].limits
@@ -250,45 +254,64 @@ async def complete(
             ctx=ctx,
             private=not streaming,
         )
-    metrics = app.get(METRICS)
-    if metrics is not None and opened.cache is not None:
-        metrics.cache.labels(opened.cache).inc()
-    ex.cache = opened.cache
-    headers = {STORE_HEADER: "unavailable"} if not opened.stored else {}
-    if not streaming:
-        if hub.cache.enabled:
-            headers["X-Nexus-Cache"] = opened.cache or "miss"
-        completion = await _answer(app, ex, opened)
-        return json_response(_body(render, completion, chat.include_cost), headers=headers)
-    if opened.cache:
-        headers["X-Nexus-Cache"] = opened.cache
-    headers[RESUMABLE_HEADER] = str(opened.info.resumable).lower()
-    if chat.background:
-        if opened.reader is not None:  # a background request reads nothing: it resumes
-            await opened.reader.close()
-        if opened.run is not None:
-            end_with(opened.run.done)  # the request's span covers its run, not just the 202
-            if not opened.joined and opened.cache != "hit":
-                account_at_end(app, ex, opened.run)  # its spend, when it ends
-        # Location is the bare resource (a key reads it); the body's url carries a read token.
-        headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
-        config = app[state.CONFIG]
-        # Good for as long as the stream can be read: while it may run, then resume_ttl_s
-        # (a browser's EventSource reconnecting late in a long stream still gets in).
-        lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
-        token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
-        described = describe(opened.info, token)
-        if accepted is not None:  # the endpoint's own shape (a Responses ``response``)
-            described = accepted(described, opened.info.meta)
-        return json_response(described, status=202, headers=headers)
-    # include_cost asks for the usage chunk too: the cost rides on it.
-    usage = chat.include_usage or chat.include_cost
-    meta = with_usage(opened.info.meta, usage, chat.include_cost)
-    if chat.include_obfuscation:
-        meta = replace(meta, include_obfuscation=True)
-    reader = await hub.reader_of(opened, meta=meta)
-    del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
-    return await _pump(request, reader, encoder, None, headers)
+    # A join reads a run another request holds the slot of: it is one of the key's readers.
+    with await _joined(request, key, opened, chat.background):
+        metrics = app.get(METRICS)
+        if metrics is not None and opened.cache is not None:
+            metrics.cache.labels(opened.cache).inc()
+        ex.cache = opened.cache
+        headers = {STORE_HEADER: "unavailable"} if not opened.stored else {}
+        if not streaming:
+            if hub.cache.enabled:
+                headers["X-Nexus-Cache"] = opened.cache or "miss"
+            completion = await _answer(app, ex, opened)
+            return json_response(_body(render, completion, chat.include_cost), headers=headers)
+        if opened.cache:
+            headers["X-Nexus-Cache"] = opened.cache
+        headers[RESUMABLE_HEADER] = str(opened.info.resumable).lower()
+        if chat.background:
+            if opened.reader is not None:  # a background request reads nothing: it resumes
+                await opened.reader.close()
+            if opened.run is not None:
+                end_with(opened.run.done)  # the request's span covers its run, not just the 202
+                if not opened.joined and opened.cache != "hit":
+                    account_at_end(app, ex, opened.run)  # its spend, when it ends
+            # Location is the bare resource (a key reads it); the body's url carries a read token.
+            headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
+            config = app[state.CONFIG]
+            # Good for as long as the stream can be read: while it may run, then resume_ttl_s
+            # (a browser's EventSource reconnecting late in a long stream still gets in).
+            lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
+            token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
+            described = describe(opened.info, token)
+            if accepted is not None:  # the endpoint's own shape (a Responses ``response``)
+                described = accepted(described, opened.info.meta)
+            return json_response(described, status=202, headers=headers)
+        # include_cost asks for the usage chunk too: the cost rides on it.
+        usage = chat.include_usage or chat.include_cost
+        meta = with_usage(opened.info.meta, usage, chat.include_cost)
+        if chat.include_obfuscation:
+            meta = replace(meta, include_obfuscation=True)
+        reader = await hub.reader_of(opened, meta=meta)
+        del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
+        return await _pump(request, reader, encoder, None, headers)
+
+
+async def _joined(
+    request: web.Request, key: ApiKey | None, opened: Opened, background: bool
+) -> ExitStack:
+    """The place among ``key``'s readers of a request that joined a stream in flight (its
+    admission gave its slot back: the run is another's), held while it reads; or 429
+    ``too_many_readers``, its joined reader closed. A background join reads nothing."""
+    reading = ExitStack()
+    if opened.joined and not background and key is not None:
+        try:
+            reading.enter_context(key_reader(request, key.name))
+        except BaseException:
+            if opened.reader is not None:
+                await opened.reader.close()
+            raise
+    return reading
 
 
 async def _answer(app: web.Application, ex: Exchange, opened: Opened) -> Completion:

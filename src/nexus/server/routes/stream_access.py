@@ -4,13 +4,21 @@ that resumes one.
 With keys configured, a stream is found only for the key that made it, or (on a GET) for
 its read token (:mod:`nexus.tokens`); another key's stream is the same 404, after the same
 lookup, as one that does not exist. Every lookup takes a token of a key's rate: the
-caller's, or for a read token the stream owner's; a cancel takes none.
+caller's, or for a read token the stream owner's. A cancel that finds the caller's own
+stream takes none (a key past its rate must still be able to stop what spends its
+budget); one that finds nothing of the caller's takes one after its lookup, so that ids
+that are not the caller's cannot be probed at the store unmetered.
+
+A reader (a GET, a resume) also takes a place among its key's readers
+(:mod:`.key_readers`) before its lookup: the caller's, or for a read token the stream
+owner's, once the lookup has named it.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from aiohttp import web
@@ -21,32 +29,46 @@ from ...errors import StreamNotFound
 from ...types import stream_id_of
 from .. import state
 from ..access import KEYS, admit, authenticate, exchange
+from .key_readers import key_reader
 
 __all__ = ["describe", "find_stream", "stream_not_found"]
 
 
 async def find_stream(
-    request: web.Request, stream_id: str, *, read_token: bool = False, rated: bool = True
+    request: web.Request,
+    stream_id: str,
+    *,
+    read_token: bool = False,
+    rated: bool = True,
+    reading: ExitStack | None = None,
 ) -> StreamInfo:
     """The stream ``stream_id``, if the caller may use it (see the module docstring).
 
     With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
     instead of a key. A key's request takes a token of its rate first, unless not
-    ``rated`` (a cancel: a key past its rate may still stop what spends it); a token's
-    takes one of its stream owner's rate once the stream is found. Raises
-    :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited`` and
-    :func:`stream_not_found` (404, also for another key's stream).
+    ``rated`` (a cancel: then only a 404 takes one, after its lookup); a token's takes
+    one of its stream owner's rate once the stream is found. With ``reading``, the
+    request is a reader: its place among its key's readers is entered on that stack (the
+    caller holds it while it writes the stream). Raises
+    :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited``,
+    429 ``too_many_readers`` and :func:`stream_not_found` (404, also for another key's
+    stream).
     """
     app = request.app
     stream_id = stream_id_of(stream_id)  # a background response's resp_ id names it too
     owner = _reader(request, stream_id, read_token)
+    hub = app[state.HUB]
+    if owner is not None and reading is not None:
+        reading.enter_context(key_reader(request, owner))  # before any lookup
     if owner is not None and rated:
         await admit(request, exchange(request).key, None)
-    hub = app[state.HUB]
     info = await hub.info(stream_id)
     if info is not None and owner is None and app[KEYS].enabled:
-        # A read token's request is its stream owner's: it takes a token of that key's
-        # rate (a token leaked in a URL would otherwise re-render the log unmetered).
+        # A read token's request is its stream owner's: it takes a place among that key's
+        # readers and a token of its rate (a token leaked in a URL would otherwise
+        # re-render the log unmetered).
+        if reading is not None:
+            reading.enter_context(key_reader(request, info.owner))
         await admit(request, app[KEYS].named(info.owner), None)
     if info is not None and owner is not None and not _same_owner(info.owner, owner):
         if hub.store.shared and stream_id in hub.live:
@@ -55,6 +77,8 @@ async def find_stream(
             await hub.store.info(stream_id)
         info = None
     if info is None:
+        if owner is not None and not rated:  # a probe of ids not the key's is metered
+            await admit(request, exchange(request).key, None)
         raise stream_not_found(stream_id)
     return info
 

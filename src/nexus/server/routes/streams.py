@@ -10,11 +10,14 @@ running in this process and answers with its status.
 
 With keys configured, both need the key that made the stream; a ``GET`` may
 instead carry the stream's read token (``?token=``, from the ``202`` of a
-background request), which a ``DELETE`` does not accept. See
+background request), which a ``DELETE`` does not accept. A ``GET`` holds a place among
+its key's readers while it writes (``[limits] max_readers_per_key``). See
 :func:`~nexus.server.routes.stream_access.find_stream`.
 """
 
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 from aiohttp import web
 
@@ -29,10 +32,13 @@ __all__ = ["cancel", "get"]
 
 
 async def get(request: web.Request) -> web.StreamResponse:
-    info = await find_stream(request, request.match_info["id"], read_token=True)
-    cursor = last_event_id(request)
-    encoder = negotiate(request, info.format)
-    return await resume(request, info, encoder, cursor)
+    with ExitStack() as reading:  # its place among the key's readers, while it writes
+        info = await find_stream(
+            request, request.match_info["id"], read_token=True, reading=reading
+        )
+        cursor = last_event_id(request)
+        encoder = negotiate(request, info.format)
+        return await resume(request, info, encoder, cursor)
 
 
 async def cancel(request: web.Request) -> web.StreamResponse:

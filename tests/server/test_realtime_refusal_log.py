@@ -73,7 +73,8 @@ async def test_rate_limited_starts_count_towards_max_invalid_frames(
     make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A still clock: the key's one token (the handshake's, the first start's) never
-    # comes back; every start after it is rate_limited, and the fourth closes the socket.
+    # comes back; every start after it is rate_limited, and the fifth (the fourth sent
+    # before the last refusal's retry_after_s) closes the socket.
     monkeypatch.setattr(
         "nexus.cache.limits.time", SimpleNamespace(monotonic=lambda: 0.0, time=time.time)
     )
@@ -96,6 +97,42 @@ async def test_rate_limited_starts_count_towards_max_invalid_frames(
         with pytest.raises(websockets.ConnectionClosed) as closed:
             while True:
                 codes.append(orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"])
-    assert codes == ["rate_limited"] * 4
+    assert codes == ["rate_limited"] * 5  # the first refusal is no strike: nothing was early
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
     assert closed.value.rcvd.reason == "4 invalid frames in a row"
+
+
+async def test_a_client_that_waits_as_told_is_never_closed_for_its_refused_starts(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The key's bucket never refills (a still clock): every start is rate_limited with
+    # retry_after_s 1. A client that waits that long before each retry gets its refusal
+    # each time, however many (a polite client waiting for a slot used to be closed 1008
+    # after max_invalid_frames of them); the same client retrying at once is closed.
+    monkeypatch.setattr(
+        "nexus.cache.limits.time", SimpleNamespace(monotonic=lambda: 0.0, time=time.time)
+    )
+    key = "nx-refusal-polite-key-01"
+    client = await make_client(
+        {
+            "auth": {"keys": [{"name": "a", "sha256": hash_key(key)}]},
+            "limits": {"requests_per_second_per_key": 1},
+            "realtime": {"max_invalid_frames": 2},
+        }
+    )
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    headers = {"Authorization": f"Bearer {key}"}
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        await ws.send(start("mock/echo"))  # the handshake's token
+        assert (await turn(ws))[-1]["type"] == "done"
+        for _ in range(3):
+            await ws.send(start("mock/echo"))
+            error = orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]
+            assert error["code"] == "rate_limited"
+            await asyncio.sleep(error["retry_after_s"] + 0.05)
+        for _ in range(3):  # now at once: the first waited, the two after it did not
+            await ws.send(start("mock/echo"))
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await asyncio.wait_for(ws.recv(), 10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008

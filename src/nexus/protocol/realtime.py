@@ -261,10 +261,14 @@ class RealtimeSession:
             return actions
         return self.refused(actions[0])
 
-    def refused(self, frame: Send) -> list[Action]:
+    def refused(self, frame: Send, strike: bool = True) -> list[Action]:
         """A ``start`` refused by the route (its key's rate, its admission) with ``frame``:
-        a strike as an invalid frame is, since a client retrying at once would otherwise get
-        an error frame for each of its small ones; :class:`Close` after the last."""
+        a strike as an invalid frame is (``strike``: the route's call), since a client
+        retrying at once would otherwise get an error frame for each of its small ones;
+        :class:`Close` after the last. One that is no strike (a client that waited as it
+        was told) neither counts nor clears the count."""
+        if not strike:
+            return [frame]
         self._strikes += 1
         if self._strikes < self.max_invalid_frames:
             return [frame]

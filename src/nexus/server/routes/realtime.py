@@ -23,10 +23,9 @@ text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
   client sending tiny frames as fast as it can would hold the loop for every tenant.
   Past the budget, or after ``max_invalid_frames`` errors in a row, the socket is
   closed with 1008.
-* A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown
-  ends a running turn with a retryable ``server_shutting_down`` error frame,
-  then closes with 1001; a ``start`` during its grace is refused so (no turn, no
-  rate token), and closes with 1001 unless a turn still runs.
+* A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown ends a
+  running turn with a retryable ``server_shutting_down`` error frame, then closes with
+  1001; a ``start`` during its grace is refused so, and closes 1001 unless a turn runs.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
@@ -141,6 +141,7 @@ class RealtimeConnection(Writer):
         self._left = False  # the socket is done: the client is gone, or closed 1008
         self._logged: set[str] = set()  # the refusal codes logged for this socket
         self._token = token  # the handshake's rate token, which the first start uses
+        self._retry_at = -math.inf  # until when the last refusal told the client to wait
 
     @property
     def busy(self) -> bool:
@@ -297,10 +298,16 @@ class RealtimeConnection(Writer):
 
     async def _refused(self, exc: GatewayError, model: str | None) -> None:
         """A ``start`` refused before anything streamed (its rate, its admission): its
-        error frame, counted, and a strike towards ``max_invalid_frames`` (a client
-        retrying at once would otherwise get an error frame for each small one)."""
+        error frame, counted, and a strike towards ``max_invalid_frames`` if sent before the
+        last refusal's ``retry_after_s`` (or after one no wait mends): a client that waits
+        as told is never closed, one retrying at once is."""
         self._count_refusal(exc.code, model)
-        for action in self.session.refused(gateway_error_frame(exc, self.request_id)):
+        now = asyncio.get_running_loop().time()
+        strike = not exc.retryable or now < self._retry_at
+        wait = exc.headers.get("Retry-After", "")
+        self._retry_at = now + (int(wait) if wait.isdigit() else 1)
+        frame = gateway_error_frame(exc, self.request_id)
+        for action in self.session.refused(frame, strike):
             if type(action) is Close:
                 await self._refuse_socket(action.reason)
                 self._left = True  # the socket is done

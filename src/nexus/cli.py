@@ -383,6 +383,7 @@ async def _run(
     from .server.app import create_app
     from .server.connection import ConnectionRegistry, ConnectionSite
     from .server.shutdown import stop as stop_server
+    from .server.state import RUNTIME
 
     app = create_app(config, config_source=source)
     # nexus.access writes one line per request, with more in it.
@@ -418,8 +419,16 @@ async def _run(
         loop = asyncio.get_running_loop()
         # SIGHUP too (its terminal closed, or `kill -HUP` meaning "reload" elsewhere):
         # its default would end the process at once, streams cut and spend uncharged.
+        runtime = runner.app[RUNTIME]
+
+        def on_signal() -> None:
+            if stop.is_set():  # a second one: no more drain delay nor grace
+                log.warning("stopping now: the drain delay and the grace are cut short")
+                runtime.hurry.set()
+            stop.set()
+
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         loop_name = type(loop).__module__.split(".")[0]
         if ready is not None:
             ready()

@@ -80,8 +80,8 @@ class ServerConfig(_Table):
     port: int = Field(default=8080, ge=0, le=65535)
     heartbeat_interval_s: float = Field(default=15.0, gt=0)
     retry_ms: int = Field(default=3000, ge=0)
-    shutdown_grace_s: float = Field(default=10.0, ge=0)
-    drain_delay_s: float = Field(default=0.0, ge=0)
+    shutdown_grace_s: float = Field(default=10.0, ge=0, le=86400, allow_inf_nan=False)
+    drain_delay_s: float = Field(default=0.0, ge=0, le=86400, allow_inf_nan=False)
     write_timeout_s: float = Field(default=30.0, gt=0)
     uvloop: bool | Literal["auto"] = "auto"
     backlog: int = Field(default=2048, ge=1)

@@ -317,3 +317,12 @@ def test_an_api_key_env_that_is_not_a_variable_name_is_refused_without_repeating
         assert "api_key_env" in str(refused.value)
     named = parse_config({"providers": {"o": {**provider, "api_key_env": "OPENAI_API_KEY_2"}}})
     assert named.providers["o"].api_key_env == "OPENAI_API_KEY_2"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("key", ["drain_delay_s", "shutdown_grace_s"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 86401.0])
+def test_the_shutdown_waits_are_finite(key: str, value: float) -> None:
+    # drain_delay_s = 1e309 was taken: the process then served on "for infs", deaf to signals.
+    with pytest.raises(ConfigError) as refused:
+        parse_config({"server": {key: value}})
+    assert f"[server] {key}" in str(refused.value)

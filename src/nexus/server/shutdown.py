@@ -23,7 +23,8 @@ The grace is the streams': they end when it ends, whatever the store does. Every
 on the store after the signal is bounded by the one deadline, ``grace's end +
 CLOSE_BOUND_S`` (a lease check that does not answer counts as "nobody follows"), so
 with Redis unreachable the process still exits within ``drain_delay_s +
-shutdown_grace_s + CLOSE_BOUND_S`` of the signal (and a second or so of exit).
+shutdown_grace_s + CLOSE_BOUND_S`` of the signal (and a second or so of exit). A second
+signal (Ctrl-C again) cuts the drain delay and the grace short: what runs is ended at once.
 
 aiohttp's own ``runner.cleanup()`` stops reading every connection before it runs the
 app's shutdown hooks, so :func:`stop` runs the grace before it. An app run another way
@@ -34,6 +35,7 @@ hook: the same grace and deadline, in aiohttp's order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable
 
@@ -79,7 +81,8 @@ async def stop(runner: web.AppRunner, close_listener: Awaitable[None]) -> None:
     if server.drain_delay_s > 0:
         runtime.draining = True
         log.info("draining: /healthz answers 503; serving on for %.1fs", server.drain_delay_s)
-        await asyncio.sleep(server.drain_delay_s)
+        with contextlib.suppress(TimeoutError):  # a second signal cuts it short
+            await asyncio.wait_for(runtime.hurry.wait(), server.drain_delay_s)
     runtime.shutting_down = True  # before the listener goes: a request from now on is refused
     await close_listener
     log.info("stopping: no new connections; streams get %.1fs", server.shutdown_grace_s)
@@ -114,7 +117,7 @@ async def drain(app: web.Application) -> None:
     count = await _busy(app, runtime, grace_end)
     if count:
         log.info("waiting up to %.1fs for %d streams to finish", grace, count)
-    while count and loop.time() < grace_end:
+    while count and loop.time() < grace_end and not runtime.hurry.is_set():
         await asyncio.sleep(min(0.05, max(grace_end - loop.time(), 0)))
         close_idle_sockets()
         count = await _busy(app, runtime, grace_end)

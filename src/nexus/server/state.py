@@ -3,6 +3,7 @@ their own: routes, middlewares and the pump import it; it imports none of them."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections import Counter
@@ -77,6 +78,8 @@ class Runtime:
     stop_by: float | None = None
     """When the shutdown must be over (event loop time), once it began
     (:mod:`nexus.server.shutdown`)."""
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by a second stop signal: the drain delay and the grace are cut short."""
 
 
 CONFIG = web.AppKey("config", Config)

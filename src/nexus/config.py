@@ -258,7 +258,7 @@ class RealtimeConfig(_Table):
     max_frames_per_second: int = Field(default=200, ge=1)
     """Frames (pings included) one socket may send a second, a second's worth at once; past
     it the socket is closed 1008. Every frame costs the event loop a parse and an answer."""
-    max_bytes_per_second: int = Field(default=1024 * 1024, ge=1)
+    max_bytes_per_second: int = Field(default=8 * 1024 * 1024, ge=1)
     """Message bytes one socket may send a second, sustained; at once, up to the larger of
     ``max_message_bytes`` and ``max_pending_input_bytes`` (all a socket may hold pending).
     Past it the socket is closed 1008. Bounds what parsing a socket's frames costs the loop."""

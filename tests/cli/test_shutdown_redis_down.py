@@ -146,3 +146,34 @@ async def test_redis_not_answering_does_not_stretch_the_shutdown(
         assert spent == pytest.approx(sum(float(line[0]) for line in lost))
     finally:
         stop_nexus(proc, gently=False)
+
+
+async def test_a_second_signal_ends_a_long_grace_at_once_with_redis_not_answering(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # The second signal must cut the grace's bounds too, not only its wait: with Redis not
+    # answering, the closing would otherwise run to the long grace's own deadline.
+    path = tmp_path / "config.toml"
+    path.write_text(config(redis_server.url).replace(f"= {GRACE_S}", "= 120", 1))
+    log = tmp_path / "nexus.log"
+    proc, match = start_nexus(path, log)
+    url = match.group(1) + "/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession(headers=HEADERS) as http:
+            reading = await http.post(url, json=chat())
+            assert reading.status == 200
+            await reading.content.readline()
+            assert redis_server.process is not None
+            redis_server.process.send_signal(signal.SIGSTOP)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            again = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(15):
+                rest = await reading.content.read()
+            reading.release()
+        assert b"server_shutting_down" in rest, rest[-300:]
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert time.monotonic() - again < CLOSE_BOUND_S + 6, log.read_text()[-3000:]
+    finally:
+        stop_nexus(proc, gently=False)

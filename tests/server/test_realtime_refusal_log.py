@@ -136,3 +136,45 @@ async def test_a_client_that_waits_as_told_is_never_closed_for_its_refused_start
             while True:
                 await asyncio.wait_for(ws.recv(), 10)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+
+
+async def test_a_client_that_waits_out_a_budget_held_by_running_streams_is_not_closed(
+    make_client: MakeClient,
+) -> None:
+    # budget_exceeded is not retryable, yet while the key's running streams hold the rest
+    # of its budget it comes with retry_after_s 1: a client waiting that long each time is
+    # no flooder (it used to be closed after max_invalid_frames waits).
+    key = "nx-budget-polite-key-0001"
+    client = await make_client(
+        {
+            "auth": {
+                "keys": [
+                    {"name": "a", "sha256": hash_key(key), "budget_usd": 1.0},
+                ]
+            },
+            "models": {"mock/echo": {"input_usd_per_mtok": 0, "output_usd_per_mtok": 600_000}},
+            "realtime": {"max_invalid_frames": 2},
+        }
+    )
+    headers = {"Authorization": f"Bearer {key}"}
+    hold = {
+        "model": "mock/echo",
+        "stream": True,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hold"}],
+        "mock": {"content": "a b", "delay_ms": 30000},
+    }
+    holder = await client.post("/v1/chat/completions", json=hold, headers=headers)
+    await holder.content.readline()  # running: $0.6 of the $1 held
+    request = {"model": "mock/echo", "max_tokens": 1, "messages": USER}
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    try:
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            for _ in range(3):
+                await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
+                error = orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]
+                assert (error["code"], error["retry_after_s"]) == ("budget_exceeded", 1)
+                await asyncio.sleep(error["retry_after_s"] + 0.05)
+            await ws.ping()  # still open
+    finally:
+        holder.close()

@@ -121,6 +121,9 @@ async def drain(app: web.Application) -> None:
         await asyncio.sleep(min(0.05, max(grace_end - loop.time(), 0)))
         close_idle_sockets()
         count = await _busy(app, runtime, grace_end)
+    if runtime.hurry.is_set():  # a second signal: the grace ends now, and so do its bounds
+        grace_end = min(grace_end, loop.time())
+        runtime.stop_by = grace_end + CLOSE_BOUND_S
     if count:
         log.warning("ending %d streams still running after the grace period", count)
     ending_by = grace_end + _ENDING_S

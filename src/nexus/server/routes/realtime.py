@@ -302,9 +302,8 @@ class RealtimeConnection(Writer):
         last refusal's ``retry_after_s`` (or after one no wait mends): a client that waits
         as told is never closed, one retrying at once is."""
         self._count_refusal(exc.code, model)
-        now = asyncio.get_running_loop().time()
-        strike = not exc.retryable or now < self._retry_at
-        wait = exc.headers.get("Retry-After", "")
+        now, wait = asyncio.get_running_loop().time(), exc.headers.get("Retry-After", "")
+        strike = now < self._retry_at or (not exc.retryable and not wait)  # (no wait mends it)
         self._retry_at = now + (int(wait) if wait.isdigit() else 1)
         frame = gateway_error_frame(exc, self.request_id)
         for action in self.session.refused(frame, strike):

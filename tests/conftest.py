@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from nexus import Engine, MockProvider, Provider
 from nexus.config import Config, parse_config, price_table
 from nexus.encoders.registry import default_registry
 from nexus.server.app import create_app
+from redis_support import connect_or_skip, drop_keys, new_prefix
 from support import MakeClient
 
 
@@ -38,3 +40,16 @@ def make_client(aiohttp_client: Any) -> MakeClient:
         return await aiohttp_client(app)
 
     return factory
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    """A key prefix of its own in the test Redis (the test skipped without one, failed
+    under CI), its keys dropped after the test."""
+    client = await connect_or_skip()
+    name = new_prefix()
+    try:
+        yield name
+    finally:
+        await drop_keys(client, name)
+        await client.aclose()

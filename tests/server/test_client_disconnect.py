@@ -32,7 +32,7 @@ from nexus.cache.run import LEASE_POLL_S
 from nexus.request import ChatRequest
 from nexus.server.state import HUB
 from nexus_process import start_nexus, stop_nexus
-from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL
 from support import GatedProvider, MakeClient, parse_sse
 from support import chat as support_chat
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk
@@ -440,17 +440,6 @@ def test_resumable_is_neither_in_the_cache_key_nor_in_a_dump() -> None:
 
 
 # --- with a shared store: another replica's reader holds a lease ---------------------------
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    redis = await connect_or_skip()
-    name = new_prefix()
-    try:
-        yield name
-    finally:
-        await drop_keys(redis, name)
-        await redis.aclose()
 
 
 async def test_a_reader_on_another_replica_keeps_a_plain_stream_until_its_lease_lapses(

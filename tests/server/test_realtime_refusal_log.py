@@ -69,12 +69,11 @@ async def test_starts_the_session_refuses_are_counted_too(
     assert lines[0].access["refused"] == 2  # type: ignore[attr-defined]
 
 
-async def test_rate_limited_starts_count_towards_max_invalid_frames(
-    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A still clock: the key's one token (the handshake's, the first start's) never
-    # comes back; every start after it is rate_limited, and the fifth (the fourth sent
-    # before the last refusal's retry_after_s) closes the socket.
+async def one_token_only(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch, *, max_invalid_frames: int
+) -> tuple[str, dict[str, str]]:
+    """A gateway whose one key's bucket never refills (a still clock): its one token (the
+    handshake's, which the first start uses) never comes back. Its socket URL and headers."""
     monkeypatch.setattr(
         "nexus.cache.limits.time", SimpleNamespace(monotonic=lambda: 0.0, time=time.time)
     )
@@ -83,11 +82,19 @@ async def test_rate_limited_starts_count_towards_max_invalid_frames(
         {
             "auth": {"keys": [{"name": "a", "sha256": hash_key(key)}]},
             "limits": {"requests_per_second_per_key": 1},
-            "realtime": {"max_invalid_frames": 4},
+            "realtime": {"max_invalid_frames": max_invalid_frames},
         }
     )
     url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
-    headers = {"Authorization": f"Bearer {key}"}
+    return url, {"Authorization": f"Bearer {key}"}
+
+
+async def test_rate_limited_starts_count_towards_max_invalid_frames(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every start after the first is rate_limited, and the fifth (the fourth sent before
+    # the last refusal's retry_after_s) closes the socket.
+    url, headers = await one_token_only(make_client, monkeypatch, max_invalid_frames=4)
     codes = []
     async with websockets.connect(url, additional_headers=headers) as ws:
         await ws.send(start("mock/echo"))
@@ -105,23 +112,11 @@ async def test_rate_limited_starts_count_towards_max_invalid_frames(
 async def test_a_client_that_waits_as_told_is_never_closed_for_its_refused_starts(
     make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The key's bucket never refills (a still clock): every start is rate_limited with
-    # retry_after_s 1. A client that waits that long before each retry gets its refusal
-    # each time, however many (a polite client waiting for a slot used to be closed 1008
-    # after max_invalid_frames of them); the same client retrying at once is closed.
-    monkeypatch.setattr(
-        "nexus.cache.limits.time", SimpleNamespace(monotonic=lambda: 0.0, time=time.time)
-    )
-    key = "nx-refusal-polite-key-01"
-    client = await make_client(
-        {
-            "auth": {"keys": [{"name": "a", "sha256": hash_key(key)}]},
-            "limits": {"requests_per_second_per_key": 1},
-            "realtime": {"max_invalid_frames": 2},
-        }
-    )
-    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
-    headers = {"Authorization": f"Bearer {key}"}
+    # Every start after the first is rate_limited with retry_after_s 1. A client that waits
+    # that long before each retry gets its refusal each time, however many (a polite client
+    # waiting for a slot used to be closed 1008 after max_invalid_frames of them); the same
+    # client retrying at once is closed.
+    url, headers = await one_token_only(make_client, monkeypatch, max_invalid_frames=2)
     async with websockets.connect(url, additional_headers=headers) as ws:
         await ws.send(start("mock/echo"))  # the handshake's token
         assert (await turn(ws))[-1]["type"] == "done"

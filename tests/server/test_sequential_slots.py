@@ -11,7 +11,6 @@ the client can see the end.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -19,23 +18,12 @@ import pytest
 import websockets
 
 from nexus.auth import hash_key
-from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL
 from support import MakeClient, turn
 
 KEY = "nx-sequential-0123456789-secret"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 ROUNDS = 25
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    client = await connect_or_skip()
-    name = new_prefix()
-    try:
-        yield name
-    finally:
-        await drop_keys(client, name)
-        await client.aclose()
 
 
 def config(prefix: str) -> dict[str, Any]:

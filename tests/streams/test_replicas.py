@@ -7,26 +7,13 @@ there is none, failed under ``CI=true``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import pytest
 
 from nexus.server.state import HUB
-from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL
 from support import GatedProvider, MakeClient, chat, parse_sse
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    client = await connect_or_skip()
-    name = new_prefix()
-    try:
-        yield name
-    finally:
-        await drop_keys(client, name)
-        await client.aclose()
 
 
 def redis_config(prefix: str, **tables: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ visible to every replica (begun in the store) before anyone is told its id.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
@@ -23,19 +23,8 @@ from nexus.events import Delta, StreamEvent
 from nexus.request import ChatRequest
 from nexus.server.app import create_app
 from nexus.types import StreamMeta
-from redis_support import REDIS_URL, append, connect_or_skip, drop_keys, new_prefix
+from redis_support import REDIS_URL, append
 from support import GatedProvider, chat
-
-
-@pytest.fixture
-async def prefix() -> AsyncIterator[str]:
-    client = await connect_or_skip()
-    name = new_prefix()
-    try:
-        yield name
-    finally:
-        await drop_keys(client, name)
-        await client.aclose()
 
 
 class SlowBegin(RedisStore):

@@ -80,6 +80,7 @@
   const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 
   function setStatus(state, text) {
+    delete els.status.dataset.models; // set again by loadModels when its failure is the status
     els.status.dataset.state = state;
     els.status.textContent = text;
   }
@@ -550,10 +551,7 @@
   async function send(e) {
     e.preventDefault();
     if (run && !run.finished) return;
-    if (!els.model.value) {
-      setStatus("error", "pick a model first");
-      return;
-    }
+    if (!els.model.value && !(await loadModels())) return; // its status says why
     let body;
     try {
       body = buildBody();
@@ -596,11 +594,26 @@
     finish(r, "aborted", "aborted");
   }
 
+  // The model list. A failed load (no key yet, a wrong one, the key's rate) leaves the
+  // select empty and says why; a refusal with Retry-After is tried again once it has passed,
+  // and Send with no model loaded tries the load again first.
+  let modelsRetry = null;
   async function loadModels() {
+    clearTimeout(modelsRetry);
     try {
       const resp = await fetch("/v1/models", { headers: authHeaders({}) });
-      if (!resp.ok) throw new Error(await httpErrorMessage(resp));
+      if (!resp.ok) {
+        const message = await httpErrorMessage(resp);
+        const wait = Number(resp.headers.get("Retry-After"));
+        if (resp.status === 429 && wait > 0) {
+          const seconds = Math.min(Math.ceil(wait), 60);
+          modelsRetry = setTimeout(loadModels, seconds * 1000);
+          throw new Error(`${message}; trying again in ${plural(seconds, "second")}`);
+        }
+        throw new Error(message);
+      }
       const ids = (await resp.json()).data.map((m) => m.id);
+      if (!ids.length) throw new Error("the gateway lists no models");
       els.model.replaceChildren(
         ...ids.map((id) => {
           const option = document.createElement("option");
@@ -608,14 +621,18 @@
           return option;
         }),
       );
-      if (!ids.length) throw new Error("the gateway lists no models");
       els.model.dataset.loaded = "true";
+      if (els.status.dataset.models === "error") setStatus("idle", "idle");
+      return true;
     } catch (err) {
       const option = document.createElement("option");
       option.value = "";
       option.textContent = "no models";
       els.model.replaceChildren(option);
+      delete els.model.dataset.loaded;
       setStatus("error", `could not load models: ${err.message}`);
+      els.status.dataset.models = "error";
+      return false;
     }
   }
 

@@ -70,8 +70,10 @@ async def page(chromium: Browser) -> AsyncIterator[Page]:
     page.on("pageerror", lambda error: errors.append(str(error)))
 
     def on_console(message: ConsoleMessage) -> None:
-        # CSP violations and failed loads land here; the cut connections are expected.
-        if message.type == "error" and "net::ERR_" not in message.text:
+        # CSP violations and failed loads land here; the cut connections, and the refusals
+        # the tests of refused model loads ask for, are expected.
+        refused = "status of 401" in message.text or "status of 429" in message.text
+        if message.type == "error" and "net::ERR_" not in message.text and not refused:
             errors.append(message.text)
 
     page.on("console", on_console)
@@ -287,3 +289,45 @@ async def test_a_keyed_background_stream_is_aborted_with_the_key(
             lines = [json.loads(line) for line in (await resp.text()).splitlines()]
     assert lines[-1]["type"] == "done"
     assert sum("content" in line.get("delta", {}) for line in lines) < len(words(TEXT))
+
+
+async def test_a_key_typed_after_a_refused_model_load_loads_the_models_and_clears_the_error(
+    keyed_gateway: TestServer, page: Page
+) -> None:
+    await page.goto(f"http://127.0.0.1:{port_of(keyed_gateway)}/")
+    await expect(page.locator("#status")).to_contain_text("could not load models: HTTP 401")
+    await page.fill("#api-key", CONSOLE_KEY)
+    await page.locator("#api-key").dispatch_event("change")
+    await expect(page.locator("#model")).to_have_attribute("data-loaded", "true")
+    await expect(page.locator("#status")).to_have_text("idle")
+    await send(page, "ndjson", TEXT)
+    await expect(page.locator("#status")).to_have_attribute("data-state", "done")
+    assert await output_of(page) == TEXT
+
+
+async def test_a_model_load_refused_by_the_key_rate_is_tried_again_after_retry_after(
+    page: Page,
+) -> None:
+    """At one request a second, the page's model list may find the key's bucket empty: the
+    console waits out the Retry-After and loads it, instead of leaving an empty list."""
+    config = parse_config(
+        {
+            "auth": {"keys": [{"name": "console", "sha256": hash_key(CONSOLE_KEY)}]},
+            "limits": {"requests_per_second_per_key": 1},
+        }
+    )
+    server = TestServer(create_app(config, registry=default_registry.copy()), host="127.0.0.1")
+    await server.start_server()
+    try:
+        await with_key(page)
+        async with aiohttp.ClientSession() as session:  # the bucket's one token, spent
+            headers = {"Authorization": f"Bearer {CONSOLE_KEY}"}
+            async with session.get(server.make_url("/v1/models"), headers=headers) as resp:
+                assert resp.status == 200
+        await page.goto(f"http://127.0.0.1:{port_of(server)}/")
+        await expect(page.locator("#status")).to_contain_text("HTTP 429")
+        await expect(page.locator("#status")).to_contain_text("trying again in 1 second")
+        await expect(page.locator("#model")).to_have_attribute("data-loaded", "true")
+        await expect(page.locator("#status")).to_have_text("idle")
+    finally:
+        await server.close()

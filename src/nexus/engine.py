@@ -28,7 +28,7 @@ from .hooks import CallContext, Hooks, Middleware, Next
 from .pricing import Price, PriceTable, cost_usd, prompt_estimate, worst_cost
 from .protocol.openai_chat import validated
 from .providers.base import Provider
-from .request import AudioPart, ChatRequest, ImagePart, UserMessage
+from .request import ChatRequest, input_kinds
 from .stream import Batches, Stream, accumulate
 from .types import Completion, StreamMeta
 
@@ -43,19 +43,6 @@ Target = tuple[Provider, str]
 
 FALLBACK_BACKOFF_S = 0.05
 """Pause before the next target: 50 ms, then 100, 200, ... (bounded by the number of targets)."""
-
-
-def input_kinds(request: ChatRequest) -> set[str]:
-    """The non-text inputs a request carries: ``image``, ``audio``."""
-    kinds: set[str] = set()
-    for message in request.messages:
-        if isinstance(message, UserMessage) and not isinstance(message.content, str):
-            for part in message.content:
-                if isinstance(part, ImagePart):
-                    kinds.add("image")
-                elif isinstance(part, AudioPart):
-                    kinds.add("audio")
-    return kinds
 
 
 class Engine:
@@ -202,17 +189,20 @@ class Engine:
         return ids
 
     def _targets(self, request: ChatRequest) -> list[Target]:
-        """The targets that can take ``request``. Raises :class:`ModelNotFound` and
-        :class:`UnsupportedInput`."""
+        """The targets that can take ``request``: its input, and every field that changes
+        the answer (:meth:`Provider.refusal`). Raises :class:`ModelNotFound`,
+        :class:`UnsupportedInput`, and the first target's refusal when none is left."""
         targets = self.route(request.model)
         needs = input_kinds(request)
-        if needs:
-            targets = [t for t in targets if needs <= t[0].accepts]
-            if not targets:
-                raise UnsupportedInput(
-                    f"The model {request.model!r} cannot take {' and '.join(sorted(needs))} input.",
-                )
-        return targets
+        if needs and not (targets := [t for t in targets if needs <= t[0].accepts]):
+            raise UnsupportedInput(
+                f"The model {request.model!r} cannot take {' and '.join(sorted(needs))} input."
+            )
+        refusals = [provider.refusal(request) for provider, _ in targets]
+        able = [t for t, refused in zip(targets, refusals, strict=True) if refused is None]
+        if not able:
+            raise next(refused for refused in refusals if refused is not None)
+        return able
 
     def _meta(self, request: ChatRequest, target: Target) -> StreamMeta:
         return StreamMeta.new(

@@ -36,6 +36,7 @@ __all__ = [
     "TextPart",
     "ToolMessage",
     "UserMessage",
+    "input_kinds",
 ]
 
 
@@ -221,6 +222,20 @@ def message_text(message: SystemMessage | UserMessage | AssistantMessage | ToolM
     return " ".join(part.text for part in content if isinstance(part, TextPart))
 
 
+def input_kinds(request: ChatRequest) -> set[str]:
+    """The non-text inputs a request carries: ``image``, ``audio`` (a target whose
+    provider cannot take one of them is skipped)."""
+    kinds: set[str] = set()
+    for message in request.messages:
+        if isinstance(message, UserMessage) and not isinstance(message.content, str):
+            for part in message.content:
+                if isinstance(part, ImagePart):
+                    kinds.add("image")
+                elif isinstance(part, AudioPart):
+                    kinds.add("audio")
+    return kinds
+
+
 # --- tools and formats -----------------------------------------------------
 
 
@@ -332,6 +347,8 @@ class ChatRequest(OpenModel):
     n: int = Field(default=1, ge=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     mock: MockScript | None = None
 
     @field_validator("stop")
@@ -351,6 +368,18 @@ class ChatRequest(OpenModel):
     def _single_choice(cls, value: int) -> int:
         if value != 1:
             raise ValueError("only n=1 is supported: Nexus streams one choice per request")
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        """Nexus's events carry no log probabilities: forwarded, the ask had the upstream
+        compute them for nothing and the client got ``logprobs: null`` without a word."""
+        if value is True or (info.field_name == "top_logprobs" and value is not None):
+            raise ValueError(
+                "not supported: Nexus's answers carry no log probabilities "
+                "(choices[].logprobs is always null)"
+            )
         return value
 
     @field_validator("tool_choice")

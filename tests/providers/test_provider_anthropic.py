@@ -11,9 +11,9 @@ import pytest
 
 from nexus import Engine, accumulate
 from nexus.config import parse_config
-from nexus.errors import UpstreamOverloaded
+from nexus.errors import InvalidRequest, UpstreamOverloaded
 from nexus.events import Delta, Usage
-from nexus.protocol.anthropic_events import EventDecoder, messages_body
+from nexus.protocol.anthropic_events import EventDecoder, messages_body, refusal
 from nexus.request import ChatRequest
 from support import MakeClient, parse_sse
 from upstreams import FakeUpstream, Reply, sse
@@ -351,6 +351,72 @@ def test_default_max_tokens_and_named_tool_choice() -> None:
     assert body["max_tokens"] == 1234
     assert body["tool_choice"] == {"type": "tool", "name": "f"}
     assert body["tools"][0]["input_schema"] == {"type": "object", "properties": {}}
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_response_format_is_anthropics_output_format() -> None:
+    """Anthropic's structured outputs (``output_config.format``, the anthropic SDK's
+    ``JSONOutputFormatParam``): the schema as sent; name and strict have no place there."""
+    json_schema = {"name": "weather", "strict": True, "schema": SCHEMA}
+    request = ChatRequest.model_validate(
+        chat(response_format={"type": "json_schema", "json_schema": json_schema})
+    )
+    body = messages_body(request, "m", 100)
+    assert body["output_config"] == {"format": {"type": "json_schema", "schema": SCHEMA}}
+    plain = ChatRequest.model_validate(chat(response_format={"type": "text"}))
+    assert "output_config" not in messages_body(plain, "m", 100)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+            "response_format",
+        ),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"web_search_options": {}}, "web_search_options"),
+    ],
+)
+def test_fields_the_messages_api_cannot_carry_are_refused(
+    extra: dict[str, Any], param: str
+) -> None:
+    request = ChatRequest.model_validate(chat(**extra))
+    error = refusal(request)
+    assert error is not None
+    assert (error.code, error.param, error.status) == ("invalid_request", param, 400)
+    assert error.message.startswith(f"{param}: ")
+    assert "cannot honour" in error.message
+    with pytest.raises(InvalidRequest):  # nor can the provider be called with it
+        messages_body(request, "m", 100)
+
+
+def test_fields_that_only_tune_sampling_are_dropped() -> None:
+    request = ChatRequest.model_validate(
+        chat(
+            seed=7,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            logit_bias={},
+            modalities=["text"],
+            response_format={"type": "text"},
+            prediction={"type": "content", "content": "x"},
+        )
+    )
+    assert refusal(request) is None
+    body = messages_body(request, "m", 100)
+    assert set(body) == {"model", "messages", "max_tokens", "stream"}
 
 
 async def test_max_tokens_zero_needs_no_upstream_call(

@@ -10,6 +10,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk
 
 USER = [{"role": "user", "content": "Hello from the SDK"}]
 
@@ -160,3 +161,36 @@ async def test_non_streaming_and_http_errors(make_client: MakeClient) -> None:
 
         models = await api.models.list()
         assert [m.id for m in models.data] == ["mock/echo"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_are_refused_not_dropped(make_client: MakeClient, stream: bool) -> None:
+    """Nexus's answers carry no log probabilities: asked for, they were computed upstream
+    and the client got ``logprobs: null`` without a word. Now a 400 naming the field,
+    before any upstream call; ``logprobs: false`` asks nothing and goes on."""
+    async with FakeUpstream() as fake:
+        fake.add(
+            Reply.stream([openai_chunk(content="Hi"), openai_chunk(finish_reason="stop"), DONE])
+        )
+        config = {"providers": {"up": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+        async with await sdk(make_client, config) as api:
+            asks: list[tuple[dict[str, Any], str]] = [
+                ({"logprobs": True}, "logprobs"),
+                ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                ({"top_logprobs": 2}, "top_logprobs"),
+            ]
+            for asked, param in asks:
+                with pytest.raises(openai.BadRequestError) as info:
+                    await api.chat.completions.create(
+                        model="up/m", messages=USER, stream=stream, **asked
+                    )
+                assert (info.value.code, info.value.param) == ("invalid_request", param)
+            with pytest.raises(openai.BadRequestError) as info:
+                await api.responses.create(model="up/m", input="hi", top_logprobs=2, stream=stream)
+            assert (info.value.code, info.value.param) == ("invalid_request", "top_logprobs")
+            assert fake.requests == []
+            completion = await api.chat.completions.create(
+                model="up/m", messages=USER, logprobs=False
+            )
+        assert completion.choices[0].message.content == "Hi"
+        assert fake.requests[0].body["logprobs"] is False

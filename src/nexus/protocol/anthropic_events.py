@@ -1,7 +1,12 @@
 """The upstream side of the Anthropic Messages API (docs/protocols.md §3). Sans-I/O.
 
 :func:`messages_body` writes the request (one role's consecutive messages merged: the API
-wants them alternating; ``max_tokens``, required, defaults to ``default_max_tokens``).
+wants them alternating; ``max_tokens``, required, defaults to ``default_max_tokens``; a
+``json_schema`` response format as ``output_config.format``, Anthropic's structured
+outputs). :func:`refusal` names the first chat field that changes the answer and that
+the Messages API has no place for; fields that only tune sampling (``seed``,
+``presence_penalty``, ``frequency_penalty``) or serve OpenAI alone (``store``,
+``prediction``, ``prompt_cache_key``, ...) are dropped.
 :class:`EventDecoder` reads the stream; usage in OpenAI terms: ``prompt_tokens`` = input +
 cache read + cache creation, ``cached_tokens`` = cache read. ``message_start``'s input
 counts go out as a partial :class:`~nexus.events.Usage` leading the first read with
@@ -11,6 +16,7 @@ before any output stays one before the first event (an HTTP status, or the next 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import orjson
@@ -40,7 +46,7 @@ from .upstream import (
     token_count,
 )
 
-__all__ = ["EventDecoder", "messages_body"]
+__all__ = ["EventDecoder", "messages_body", "refusal"]
 
 _FINISH_REASONS = {  # others (end_turn, stop_sequence, pause_turn): stop
     "max_tokens": "length",
@@ -51,7 +57,10 @@ _FINISH_REASONS = {  # others (end_turn, stop_sequence, pause_turn): stop
 
 
 def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> dict[str, Any]:
-    """The Anthropic Messages request for ``request``."""
+    """The Anthropic Messages request for ``request``. Raises :func:`refusal`'s error."""
+    refused = refusal(request)
+    if refused is not None:
+        raise refused
     system: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
 
@@ -113,11 +122,67 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     choice = _tool_choice(request)
     if choice is not None:
         body["tool_choice"] = choice
+    schema = _schema(request)
+    if schema is not None:
+        body["output_config"] = {"format": {"type": "json_schema", "schema": schema}}
     extra = request.model_extra or {}
     for key in ("thinking", "top_k", "service_tier"):
         if key in extra:
             body[key] = extra[key]
     return body
+
+
+def refusal(request: ChatRequest) -> InvalidRequest | None:
+    """The 400 for the first field of ``request`` that changes the answer and that the
+    Messages API has no place for (None: all of it can be carried or dropped): sending the
+    request without it would answer another question than the one asked. A
+    ``json_schema`` response format is carried (:func:`_schema`); ``json_object`` is not:
+    Anthropic's structured outputs need a schema, and one for "any object" would hold
+    the answer to ``{}`` (the API closes every object to properties it does not list)."""
+    fmt = request.response_format
+    if fmt is not None and fmt.type != "text" and _schema(request) is None:
+        what = (
+            "type 'json_object' (a JSON object of any shape)"
+            if fmt.type == "json_object"
+            else "type 'json_schema' without a schema"
+        )
+        return _cannot("response_format", what, "send type 'json_schema' with a schema")
+    extra = request.model_extra
+    if extra:
+        for name, (asks, what) in _UNCARRIED.items():
+            if name in extra and asks(extra[name]):
+                return _cannot(name, what, "send it to a model of an OpenAI-compatible provider")
+    return None
+
+
+def _cannot(param: str, what: str, instead: str) -> InvalidRequest:
+    message = (
+        f"{param}: {what}, which this model's provider (Anthropic Messages) cannot honour; "
+        f"{instead}"
+    )
+    return InvalidRequest(message, param=param)
+
+
+_UNCARRIED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # name: (whether the value asks for something, what it asks for)
+    "logit_bias": (bool, "token biases (a bias of -100 bans a token)"),
+    "functions": (bool, "functions (the tools of the legacy API)"),
+    "modalities": (
+        lambda value: type(value) is list and any(m != "text" for m in value),
+        "output other than text",
+    ),
+    "audio": (lambda value: value is not None, "audio output"),
+    "web_search_options": (lambda value: value is not None, "a web search"),
+}
+
+
+def _schema(request: ChatRequest) -> dict[str, Any] | None:
+    """The JSON schema a ``json_schema`` response format holds (its name, description and
+    ``strict`` have no place in Anthropic's format, which is always enforced)."""
+    fmt = request.response_format
+    if fmt is None or fmt.json_schema is None or fmt.type != "json_schema":
+        return None
+    return fmt.json_schema.schema_
 
 
 def cache_control(model: Any) -> dict[str, Any]:

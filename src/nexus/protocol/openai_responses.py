@@ -6,16 +6,16 @@ out (:mod:`.openai_responses_output`). ``instructions`` becomes a leading system
 message; ``function_call`` items join the assistant message before them as its tool
 calls; ``reasoning`` items are dropped; ``max_output_tokens``, ``text.format``,
 ``text.verbosity`` and ``reasoning.effort`` become ``max_tokens``, ``response_format``,
-``verbosity`` and ``reasoning_effort``; ``top_logprobs`` asks for ``logprobs`` too;
-``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ``metadata`` and ``user`` go
-on as they are; ``store`` stays home (Nexus keeps no response whatever it says, and Chat
-Completions' ``store`` would keep the exchange upstream, which a client of the Responses
-API did not ask for). A field that changes the answer and that Nexus cannot honour is
-refused, naming it (:func:`_refuse_unsupported`): ``previous_response_id`` and
-``conversation`` (Nexus stores nothing), ``prompt`` templates, ``max_tool_calls``,
-``truncation: "auto"``, any ``include`` (Nexus produces none of its extras), a
-``reasoning.summary`` other than ``"auto"``. Other unknown fields are accepted and not
-forwarded.
+``verbosity`` and ``reasoning_effort``; ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``, ``metadata`` and ``user`` go on as they are; ``store`` stays home
+(Nexus keeps no response whatever it says, and Chat Completions' ``store`` would keep the
+exchange upstream, which a client of the Responses API did not ask for). A field that
+changes the answer and that Nexus cannot honour is refused, naming it
+(:func:`_refuse_unsupported`): ``previous_response_id`` and ``conversation`` (Nexus stores
+nothing), ``prompt`` templates, ``max_tool_calls``, ``truncation: "auto"``, any
+``include`` (Nexus produces none of its extras), ``top_logprobs`` (no log probabilities),
+a ``reasoning.summary`` other than ``"auto"``. Other unknown fields are
+accepted and not forwarded.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..request import (
 )
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS
 from .openai_chat import field_path, parse_json_object, tool_call, validation_error
-from .openai_responses_output import response_body
+from .openai_responses_output import CHAT_NAMES, response_body
 
 __all__ = ["ResponsesRequest", "parse_responses_request", "response_body", "to_chat_request"]
 
@@ -290,6 +290,8 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
             f"{request.include[0]!r} is not supported: Nexus produces "
             "none of the extras include asks for",
         )
+    if request.top_logprobs is not None:
+        raise _error("top_logprobs", "not supported: Nexus's answers carry no log probabilities")
     if request.reasoning is not None and request.reasoning.summary not in (None, "auto"):
         raise _error(
             "reasoning.summary",
@@ -357,8 +359,6 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
         chat["response_format"] = _response_format(fmt)
     if request.text is not None and request.text.verbosity is not None:
         chat["verbosity"] = request.text.verbosity
-    if request.top_logprobs is not None:
-        chat["logprobs"] = True
     if request.reasoning is not None and request.reasoning.effort is not None:
         chat["reasoning_effort"] = request.reasoning.effort
     thinking = (request.model_extra or {}).get("thinking")
@@ -381,7 +381,6 @@ _RENAMED = (
     ("top_p", "top_p"),
     ("user", "user"),
     ("mock", "mock"),
-    ("top_logprobs", "top_logprobs"),
     ("service_tier", "service_tier"),
     ("prompt_cache_key", "prompt_cache_key"),
     ("safety_identifier", "safety_identifier"),
@@ -395,7 +394,7 @@ def _responses_param(param: str, sources: list[str]) -> str:
     name, _, index = head.partition("[")
     if name == "messages" and index[:-1].isdigit() and int(index[:-1]) < len(sources):
         return sources[int(index[:-1])]
-    return {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(name, name)
+    return CHAT_NAMES.get(name, name)
 
 
 def _message(item: MessageItem, where: str) -> dict[str, Any]:

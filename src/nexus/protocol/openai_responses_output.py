@@ -2,17 +2,20 @@
 
 :func:`response_body` (non-streaming) and :mod:`nexus.encoders.responses_sse` build
 items from the same functions, so the SDK's ``get_final_response()`` and
-``responses.create()`` see one shape.
+``responses.create()`` see one shape. :func:`responses_error` names the fields of an
+error the way the Responses API does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..errors import InvalidRequest
 from ..events import Usage
 from ..types import Completion, in_order
 
 __all__ = [
+    "CHAT_NAMES",
     "accepted_body",
     "function_call_item",
     "incomplete_reason",
@@ -22,6 +25,7 @@ __all__ = [
     "response_body",
     "response_ids",
     "response_object",
+    "responses_error",
     "text_part",
     "usage_body",
 ]
@@ -190,3 +194,18 @@ def response_body(completion: Completion) -> dict[str, Any]:
         usage=usage_body(completion.usage),
         incomplete=reason,
     )
+
+
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+"""The chat fields whose Responses twins have another name."""
+
+
+def responses_error(error: InvalidRequest) -> InvalidRequest:
+    """``error`` naming its chat field (``response_format: ...``) as the Responses API does
+    (``text.format: ...``); as it is when it names no field with another name there."""
+    param = error.param
+    name = CHAT_NAMES.get(param) if param is not None else None
+    if param is None or name is None:
+        return error
+    message = name + error.message.removeprefix(param)
+    return type(error)(message, param=name, code=error.code, status=error.status)

@@ -7,8 +7,9 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from ..config import AnthropicProviderConfig
+from ..errors import InvalidRequest
 from ..events import Delta, StreamEvent, Usage
-from ..protocol.anthropic_events import EventDecoder, messages_body
+from ..protocol.anthropic_events import EventDecoder, messages_body, refusal
 from ..request import ChatRequest
 from ..stream import Batches
 from .http import HTTPProvider
@@ -32,6 +33,9 @@ class AnthropicProvider(HTTPProvider):
         if self._api_key:
             headers["x-api-key"] = self._api_key
         return headers
+
+    def refusal(self, request: ChatRequest) -> InvalidRequest | None:
+        return refusal(request)
 
     def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], EventDecoder]:
         body = messages_body(request, model, self.config.default_max_tokens)

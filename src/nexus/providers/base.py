@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
 from typing import ClassVar
 
+from ..errors import InvalidRequest
 from ..events import StreamEvent
 from ..request import ChatRequest
 from ..stream import Batches
@@ -41,6 +42,13 @@ class Provider(ABC):
 
     async def close(self) -> None:
         """Release what :meth:`start` acquired."""
+
+    def refusal(self, request: ChatRequest) -> InvalidRequest | None:
+        """The 400 for a request this provider cannot honour: one with a field that
+        changes the answer and that its API has no place for (None: it can). The engine
+        skips such a target, and refuses the request with the first target's error when
+        no target is left. Called once per target and request, before any upstream call."""
+        return None
 
     def advertised_models(self) -> list[str]:
         """Upstream model names listed by ``GET /v1/models`` (without the provider prefix)."""

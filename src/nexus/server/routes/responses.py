@@ -12,8 +12,9 @@ from typing import Any
 from aiohttp import web
 
 from ...encoders.responses_sse import ResponsesSSEEncoder
+from ...errors import InvalidRequest
 from ...protocol.openai_responses import parse_responses_request, response_body
-from ...protocol.openai_responses_output import accepted_body
+from ...protocol.openai_responses_output import accepted_body, responses_error
 from ...types import StreamMeta
 from .common import complete
 
@@ -25,10 +26,13 @@ def _accepted(described: dict[str, Any], meta: StreamMeta) -> dict[str, Any]:
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
-    return await complete(
-        request,
-        parse=parse_responses_request,
-        default_format=DEFAULT_FORMAT,
-        render=response_body,
-        accepted=_accepted,
-    )
+    try:
+        return await complete(
+            request,
+            parse=parse_responses_request,
+            default_format=DEFAULT_FORMAT,
+            render=response_body,
+            accepted=_accepted,
+        )
+    except InvalidRequest as exc:  # the engine's names a chat field (no target honours it)
+        raise responses_error(exc) from None

@@ -19,6 +19,18 @@ class CustomEncoder(Encoder):
         return b"~\n"
 
 
+class OtherEncoder(CustomEncoder):
+    """The same frames under another media type (its aliases inherited)."""
+
+    media_type = "application/x-other"
+
+
+class NDJSONReplacement(CustomEncoder):
+    """An integrator's encoder for a built-in media type."""
+
+    media_type = "application/x-ndjson"
+
+
 class Holder:
     """For a dotted ``module:Outer.Inner`` spec."""
 

@@ -3,7 +3,7 @@
 The public API for integrators; everything else is internal.
 """
 
-from .config import Config, load_config
+from .config import AnthropicProviderConfig, Config, OpenAIProviderConfig, load_config
 from .encoders import Encoder, EncoderRegistry, register
 from .engine import Engine
 from .errors import (
@@ -30,8 +30,9 @@ from .events import (
     ToolCall,
     Usage,
 )
-from .hooks import CallContext, Hooks, Middleware, StreamRejected, map_stream
-from .providers import MockProvider, Provider
+from .hooks import CallContext, Hooks, Middleware, Next, StreamRejected, map_stream
+from .pricing import Price, PriceTable, Spend
+from .providers import AnthropicProvider, MockProvider, OpenAIProvider, Provider
 from .request import ChatRequest
 from .stream import Channel, EndOfStream, Stream, accumulate
 from .types import CompletedToolCall, Completion, StreamMeta
@@ -39,6 +40,8 @@ from .types import CompletedToolCall, Completion, StreamMeta
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnthropicProvider",
+    "AnthropicProviderConfig",
     "Audio",
     "CallContext",
     "Channel",
@@ -63,10 +66,16 @@ __all__ = [
     "Middleware",
     "MockProvider",
     "ModelNotFound",
+    "Next",
     "NexusError",
+    "OpenAIProvider",
+    "OpenAIProviderConfig",
+    "Price",
+    "PriceTable",
     "Provider",
     "Reasoning",
     "RegistryFrozen",
+    "Spend",
     "Stream",
     "StreamError",
     "StreamEvent",

@@ -318,13 +318,13 @@ class HTTPProviderConfig(_Table):
 
 
 class OpenAIProviderConfig(HTTPProviderConfig):
-    kind: Literal["openai"]
+    kind: Literal["openai"] = "openai"  # (required in a config file's table)
     base_url: str = Field(default="https://api.openai.com/v1", pattern=_URL)
     token_limit_field: Literal["max_tokens", "max_completion_tokens"] | None = None
 
 
 class AnthropicProviderConfig(HTTPProviderConfig):
-    kind: Literal["anthropic"]
+    kind: Literal["anthropic"] = "anthropic"
     base_url: str = Field(default="https://api.anthropic.com", pattern=_URL)
     anthropic_version: str = "2023-06-01"
     default_max_tokens: int = Field(default=4096, ge=1)

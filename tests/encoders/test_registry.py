@@ -17,7 +17,7 @@ from nexus.encoders import (
 )
 from nexus.encoders.registry import EncoderRegistry, _defaults, default_registry, register
 from nexus.errors import ConfigError, RegistryFrozen
-from nexus.events import Delta, Done, Error
+from nexus.events import Delta, Done, Error, StreamEvent
 from nexus.types import StreamMeta
 
 CUSTOM = "application/x-custom"
@@ -76,7 +76,9 @@ def test_register_with_argument_aliases_replaces_class_aliases(
     assert registry.aliases_of(CUSTOM) == ["mine"]
     assert registry.resolve("mine") == CUSTOM
     assert registry.resolve("custom") is None
-    registry.register("application/x-other", custom_module, aliases=[])
+    import custom_encoder
+
+    registry.register("application/x-other", custom_encoder.OtherEncoder, aliases=[])
     assert registry.aliases_of("application/x-other") == []
     assert registry.describe() == "application/x-custom (mine), application/x-other"
 
@@ -114,9 +116,12 @@ def test_media_type_is_stored_lowercase(custom_module: type[Encoder]) -> None:
 def test_register_again_replaces_the_encoder_and_keeps_its_aliases(
     custom_module: type[Encoder],
 ) -> None:
+    import custom_encoder
+
+    replacement = custom_encoder.NDJSONReplacement
     registry = _defaults()
-    registry.register("application/x-ndjson", custom_module, aliases=["ndjson"])
-    assert registry.get("application/x-ndjson") is custom_module
+    registry.register("application/x-ndjson", replacement, aliases=["ndjson"])
+    assert registry.get("application/x-ndjson") is replacement
     assert registry.resolve("jsonl") == "application/x-ndjson"
     assert registry.media_types()[2] == "application/x-ndjson"  # keeps its place
 
@@ -164,6 +169,68 @@ def test_non_encoder_raises(obj: object) -> None:
         registry.register(CUSTOM, obj)  # type: ignore[arg-type]
     assert str(info.value) == f"{obj!r} is not a subclass of nexus.Encoder"
     assert registry.media_types() == []
+
+
+class _Abstract(Encoder):
+    media_type = CUSTOM  # and no encode()
+
+
+class _NoMediaType(Encoder):
+    def encode(self, event: StreamEvent) -> bytes:
+        return b"x"
+
+
+@pytest.mark.parametrize(
+    ("encoder", "problem"),
+    [
+        (_Abstract, "_Abstract is abstract: it does not implement encode()"),
+        (_NoMediaType, "_NoMediaType has no media_type (a class attribute)"),
+    ],
+)
+def test_a_class_that_cannot_serve_is_refused_at_register(
+    encoder: type[Encoder], problem: str
+) -> None:
+    registry = EncoderRegistry()
+    with pytest.raises(ValueError) as info:
+        registry.register(CUSTOM, encoder)
+    assert str(info.value) == problem
+    assert registry.media_types() == []
+
+
+def test_an_encoder_is_registered_under_its_own_media_type_only(
+    custom_module: type[Encoder],
+) -> None:
+    """The registered name is the one announced (the class's): they cannot differ."""
+    registry = EncoderRegistry()
+    with pytest.raises(ValueError) as info:
+        registry.register("application/x-other", custom_module, aliases=["other"])
+    assert str(info.value) == (
+        "CustomEncoder has media_type 'application/x-custom', not 'application/x-other': an "
+        "encoder is registered under its own media type (subclass it to serve it under another)"
+    )
+    assert registry.resolve("other") is None
+    registry.register(" Application/X-Custom", custom_module)  # its own, in any case
+    assert registry.get(CUSTOM) is custom_module
+
+
+def test_load_config_names_the_key_of_an_encoder_that_cannot_serve(
+    custom_module: type[Encoder],
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        EncoderRegistry().load_config({"text/plain": "custom_encoder:CustomEncoder"}, "n.toml")
+    assert str(info.value).startswith(
+        "n.toml: [encoders] 'text/plain': CustomEncoder has media_type 'application/x-custom'"
+    )
+
+
+def test_a_registry_with_builtins_starts_with_every_built_in_format() -> None:
+    registry = EncoderRegistry(builtins=True)
+    assert registry.describe() == _defaults().describe()
+    assert [registry.get(m) for m in registry.media_types()] == [
+        registry_module.default_registry.get(m) for m in registry.media_types()
+    ]
+    assert registry.frozen is False
+    assert EncoderRegistry().media_types() == []
 
 
 def test_encoder_instance_is_not_a_class(custom_module: type[Encoder]) -> None:
@@ -297,15 +364,14 @@ def test_load_config_default_source_is_config_toml(custom_module: type[Encoder])
 
 def test_load_config_alias_conflict_names_the_key(custom_module: type[Encoder]) -> None:
     registry = _defaults()
-    registry.load_config({"application/x-one": "custom_encoder:CustomEncoder"}, "nexus.toml")
+    registry.load_config({CUSTOM: "custom_encoder:CustomEncoder"}, "nexus.toml")
     with pytest.raises(ConfigError) as info:
-        registry.load_config({"application/x-two": "custom_encoder:CustomEncoder"}, "nexus.toml")
+        registry.load_config({"application/x-other": "custom_encoder:OtherEncoder"}, "nexus.toml")
     assert str(info.value) == (
-        "nexus.toml: [encoders] 'application/x-two': "
-        "alias 'custom' already names 'application/x-one'"
+        f"nexus.toml: [encoders] 'application/x-other': alias 'custom' already names {CUSTOM!r}"
     )
-    assert registry.resolve("application/x-two") is None
-    assert registry.resolve("cust") == "application/x-one"
+    assert registry.resolve("application/x-other") is None
+    assert registry.resolve("cust") == CUSTOM
 
 
 def test_load_config_on_a_frozen_registry_raises_registry_frozen(

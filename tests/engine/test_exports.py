@@ -21,6 +21,8 @@ PUBLIC = {
     "StreamError", "StreamEvent", "StreamMeta", "ToolCall", "UpstreamError", "UpstreamTimeout",
     "Usage", "accumulate", "create_app", "load_config", "register",
     "CallContext", "Hooks", "Middleware", "StreamRejected", "map_stream",
+    "Next", "Price", "PriceTable", "Spend",
+    "AnthropicProvider", "AnthropicProviderConfig", "OpenAIProvider", "OpenAIProviderConfig",
 }  # fmt: skip
 
 

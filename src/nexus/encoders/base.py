@@ -5,7 +5,11 @@ stream's :class:`~nexus.types.StreamMeta` and writes, in order: ``start()``,
 ``encode(event)`` for each event (``error(event)`` for an error event, which
 ends the stream), ``heartbeat()`` whenever the stream is idle for the
 configured interval, and ``end()`` last. An empty ``bytes`` means "write
-nothing". Encoders may keep per-stream state; they are never shared.
+nothing". Encoders may keep per-stream state; they are never shared. The defaults
+of ``error()``, ``heartbeat()`` and ``end()`` call ``encode()`` with an
+:class:`~nexus.events.Error`, :class:`~nexus.events.Heartbeat` and
+:class:`~nexus.events.Done`: an encoder that overrides none of them handles every
+event type in ``encode()``.
 
 An encoder writes one response: the pump sets :attr:`Encoder.request_id` to that
 response's ``X-Request-Id`` before ``start()``, and error frames carry it (a stream
@@ -27,7 +31,8 @@ class Encoder(ABC):
     """Base class for stream encoders; subclass, implement :meth:`encode` and
     :func:`nexus.register` it.
 
-    Class attributes: ``media_type`` (what negotiation matches), ``content_type``
+    Class attributes: ``media_type`` (required: what negotiation matches and the
+    response announces; the class is registered under it), ``content_type``
     (the ``Content-Type`` header; defaults to ``media_type``) and ``aliases``
     (short names for ``?stream_format=``). ``event_ids``: whether the pump adds an
     ``id:`` line to each frame for resume (``None``: when the content type is
@@ -52,16 +57,23 @@ class Encoder(ABC):
 
     @abstractmethod
     def encode(self, event: StreamEvent) -> bytes:
-        """The frame for one event (never called with :class:`Error`)."""
+        """The frame for one event. The pump calls it for the stream's events and
+        :meth:`error` for a mid-stream failure; but the defaults of :meth:`error`,
+        :meth:`heartbeat` and :meth:`end` call it with an :class:`Error`,
+        :class:`Heartbeat` and :class:`Done`, so it must handle those too unless
+        they are overridden."""
 
     def error(self, event: Error) -> bytes:
-        """The frame for a mid-stream failure; ``end()`` follows it."""
+        """The frame for a mid-stream failure; ``end()`` follows it. By default,
+        ``encode(event)``."""
         return self.encode(event)
 
     def heartbeat(self) -> bytes:
-        """The keepalive frame written when the stream has been idle."""
+        """The keepalive frame written when the stream has been idle. By default,
+        ``encode(Heartbeat())``."""
         return self.encode(Heartbeat())
 
     def end(self) -> bytes:
-        """The terminal frame, after the last event (and after an error)."""
+        """The terminal frame, after the last event (and after an error). By default,
+        ``encode(Done())``."""
         return self.encode(Done())

@@ -8,6 +8,7 @@ running server negotiates never changes under it.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterable, Sequence
 
 from ..errors import ConfigError, RegistryFrozen
@@ -17,10 +18,19 @@ __all__ = ["EncoderRegistry", "default_registry", "load_object", "register"]
 
 
 class EncoderRegistry:
-    def __init__(self) -> None:
+    """Media types (and aliases) to encoder classes.
+
+    ``EncoderRegistry(builtins=True)`` starts with the built-in formats (those every
+    endpoint answers in by default); ``EncoderRegistry()`` starts empty.
+    """
+
+    def __init__(self, *, builtins: bool = False) -> None:
         self._encoders: dict[str, type[Encoder]] = {}
         self._aliases: dict[str, str] = {}
         self._frozen = False
+        if builtins:
+            for encoder in _builtins():
+                self.register(encoder.media_type, encoder)
 
     def register(
         self,
@@ -30,10 +40,13 @@ class EncoderRegistry:
     ) -> None:
         """Add ``encoder`` for ``media_type`` (replacing any encoder already there).
 
+        ``media_type`` must be the class's own ``media_type``: it is the name the
+        format is negotiated by and announced under (``X-Nexus-Stream-Format``),
+        so one class cannot answer to two; subclass it to serve it under another.
         ``aliases`` default to ``encoder.aliases``. Raises ``ValueError`` for a
-        malformed media type, a class that is not an :class:`Encoder`, or an
-        alias that already names another media type; :class:`RegistryFrozen`
-        once an app has started on this registry.
+        malformed media type, a class that is not a concrete :class:`Encoder` of
+        that media type, or an alias that already names another media type;
+        :class:`RegistryFrozen` once an app has started on this registry.
         """
         if self._frozen:
             raise RegistryFrozen(
@@ -44,8 +57,7 @@ class EncoderRegistry:
         main, slash, sub = key.partition("/")
         if not slash or not main or not sub or "*" in key or ";" in key or " " in key:
             raise ValueError(f"{media_type!r} is not a media type like 'type/subtype'")
-        if not (isinstance(encoder, type) and issubclass(encoder, Encoder)):
-            raise ValueError(f"{encoder!r} is not a subclass of nexus.Encoder")
+        _check_encoder(encoder, key)
         names = [a.strip().lower() for a in (encoder.aliases if aliases is None else aliases)]
         for alias in names:
             if not alias or "/" in alias:
@@ -116,6 +128,23 @@ class EncoderRegistry:
                 raise ConfigError(f"{where}: {exc}") from None
 
 
+def _check_encoder(encoder: object, media_type: str) -> None:
+    """Refuse, at registration, a class that would fail every request in its format."""
+    if not (isinstance(encoder, type) and issubclass(encoder, Encoder)):
+        raise ValueError(f"{encoder!r} is not a subclass of nexus.Encoder")
+    if inspect.isabstract(encoder):
+        missing = ", ".join(f"{name}()" for name in sorted(encoder.__abstractmethods__))
+        raise ValueError(f"{encoder.__qualname__} is abstract: it does not implement {missing}")
+    own = getattr(encoder, "media_type", None)
+    if not isinstance(own, str):
+        raise ValueError(f"{encoder.__qualname__} has no media_type (a class attribute)")
+    if own.strip().lower() != media_type:
+        raise ValueError(
+            f"{encoder.__qualname__} has media_type {own!r}, not {media_type!r}: an encoder is "
+            "registered under its own media type (subclass it to serve it under another)"
+        )
+
+
 def load_object(spec: str, where: str) -> object:
     """Import ``"module:attr"``; a :class:`ConfigError` naming ``where`` if it fails."""
     module_name, colon, attr = spec.partition(":")
@@ -136,23 +165,25 @@ def load_object(spec: str, where: str) -> object:
     return obj
 
 
-def _defaults() -> EncoderRegistry:
+def _builtins() -> tuple[type[Encoder], ...]:
+    """The built-in encoders, in the order ``describe()`` lists them."""
     from .anthropic_sse import AnthropicSSEEncoder
     from .native_sse import NativeSSEEncoder
     from .ndjson import NDJSONEncoder
     from .openai_sse import OpenAISSEEncoder
     from .responses_sse import ResponsesSSEEncoder
 
-    registry = EncoderRegistry()
-    for encoder in (
+    return (
         OpenAISSEEncoder,
         NativeSSEEncoder,
         NDJSONEncoder,
         AnthropicSSEEncoder,
         ResponsesSSEEncoder,
-    ):
-        registry.register(encoder.media_type, encoder)
-    return registry
+    )
+
+
+def _defaults() -> EncoderRegistry:
+    return EncoderRegistry(builtins=True)
 
 
 default_registry = _defaults()

@@ -35,5 +35,6 @@ def build_provider(
             )
         log.warning("provider %r left out: api_key_env: %s (optional = true)", name, unset)
         return None
-    kind = OpenAIProvider if isinstance(config, OpenAIProviderConfig) else AnthropicProvider
-    return kind(name, config, key)
+    if isinstance(config, OpenAIProviderConfig):
+        return OpenAIProvider(name, config, key)
+    return AnthropicProvider(name, config, key)

@@ -23,6 +23,11 @@ class AnthropicProvider(HTTPProvider):
     path = "/v1/messages"
     config: AnthropicProviderConfig
 
+    def __init__(
+        self, name: str, config: AnthropicProviderConfig, api_key: str | None = None
+    ) -> None:
+        super().__init__(name, config, api_key)
+
     @property
     def default_output_cap(self) -> int:  # type: ignore[override]
         return self.config.default_max_tokens

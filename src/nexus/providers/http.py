@@ -100,7 +100,7 @@ class HTTPProvider(Provider):
 
     path: ClassVar[str]
 
-    def __init__(self, name: str, config: HTTPProviderConfig, api_key: str | None) -> None:
+    def __init__(self, name: str, config: HTTPProviderConfig, api_key: str | None = None) -> None:
         super().__init__(name, models=config.models)
         self.config = config
         self.base_url = config.base_url.rstrip("/")

@@ -19,6 +19,9 @@ class OpenAIProvider(HTTPProvider):
     path = "/chat/completions"
     config: OpenAIProviderConfig
 
+    def __init__(self, name: str, config: OpenAIProviderConfig, api_key: str | None = None) -> None:
+        super().__init__(name, config, api_key)
+
     def headers(self) -> dict[str, str]:
         headers = super().headers()
         if self._api_key:

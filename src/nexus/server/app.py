@@ -14,7 +14,7 @@ import hmac
 import ipaddress
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -24,9 +24,11 @@ from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
 from ..cache.store import Store
 from ..config import Config, MemoryStoreConfig, RedisStoreConfig, StoreConfig
+from ..encoders.ndjson import NDJSONEncoder
 from ..encoders.registry import EncoderRegistry, default_registry
 from ..engine import Engine
 from ..errors import ConfigError
+from ..hooks import Middleware
 from ..protocol.realtime import PendingLedger
 from ..telemetry import Telemetry
 from ..tokens import StreamTokens, new_secret, secret_from_env
@@ -43,6 +45,15 @@ __all__ = ["build_store", "create_app"]
 
 log = logging.getLogger("nexus.server")
 
+DEFAULT_FORMATS = {
+    "/v1/chat/completions": chat_completions.DEFAULT_FORMAT,
+    "/v1/messages": messages.DEFAULT_FORMAT,
+    "/v1/responses": responses.DEFAULT_FORMAT,
+    "/v1/realtime": NDJSONEncoder.media_type,  # its streams, read at /v1/streams/{id}
+}
+"""The format each endpoint answers in when the client asks for none: the app's registry
+must have them all."""
+
 
 def create_app(
     config: Config | None = None,
@@ -52,14 +63,17 @@ def create_app(
     store: Store | None = None,
     config_source: str = "config.toml",
     telemetry: Telemetry | None = None,
+    middleware: Sequence[Middleware] = (),
 ) -> web.Application:
     """Build the gateway app.
 
     ``registry`` defaults to the process-wide one that :func:`nexus.register`
     fills; it is frozen when the app starts. ``[encoders]`` from the config are
     added to the app's own copy (a :class:`~nexus.errors.ConfigError` if one
-    cannot be imported). ``engine`` defaults to one built from ``config``, and
-    ``store`` to the one ``[store]`` names (connected when the app starts).
+    cannot be imported, or if the registry lacks an endpoint's default format).
+    ``engine`` defaults to one built from ``config`` with ``middleware`` (to give
+    both is a ``ValueError``), and ``store`` to the one ``[store]`` names
+    (connected when the app starts).
     ``telemetry`` (traces) defaults to what ``[telemetry]`` describes (none without an
     ``otlp_endpoint``; a :class:`~nexus.errors.ConfigError` when it is set and the
     ``otel`` extra is not installed); the app shuts it down when it stops.
@@ -68,9 +82,13 @@ def create_app(
     base = registry if registry is not None else default_registry
     # Fail now on a bad [encoders] entry; the app's registry is filled at start-up,
     # so that encoders registered between create_app() and the start are included.
-    base.copy().load_config(config.encoders, config_source)
+    _check_formats(base, config.encoders, config_source)
     formats = EncoderRegistry()
-    engine = engine or Engine.from_config(config, source=config_source)
+    if engine is None:
+        engine = Engine.from_config(config, source=config_source)
+        engine.middleware = tuple(middleware)
+    elif middleware:
+        raise ValueError("create_app: give the middleware to the Engine passed as engine=")
     store = store or build_store(config.store, max_log_bytes=config.streams.max_log_bytes)
     if telemetry is None:
         telemetry = Telemetry.from_config(config.telemetry)
@@ -149,6 +167,21 @@ def create_app(
     app.router.add_get("/healthz", models.healthz)
     web_console.add_routes(app)
     return app
+
+
+def _check_formats(base: EncoderRegistry, encoders: dict[str, str], source: str) -> None:
+    """Fail now on a bad ``[encoders]`` entry, or on a registry that lacks an endpoint's
+    default format (every request there would fail). Registering can only add formats,
+    so what holds now holds when the app starts."""
+    registry = base.copy()
+    registry.load_config(encoders, source)
+    for endpoint, media_type in DEFAULT_FORMATS.items():
+        if registry.resolve(media_type) is None:
+            raise ConfigError(
+                f"the encoder registry has no {media_type!r}, the default format of "
+                f"{endpoint}: start it from the built-in formats, "
+                "EncoderRegistry(builtins=True)"
+            )
 
 
 def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[web.Response]]:

@@ -12,12 +12,14 @@ from ...protocol.anthropic_messages import (
 )
 from .common import complete
 
+DEFAULT_FORMAT = AnthropicSSEEncoder.media_type
+
 
 async def handle(request: web.Request) -> web.StreamResponse:
     return await complete(
         request,
         parse=parse_messages_request,
-        default_format=AnthropicSSEEncoder.media_type,
+        default_format=DEFAULT_FORMAT,
         render=message_body,
     )
 

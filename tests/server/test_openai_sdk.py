@@ -10,6 +10,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk
 
 USER = [{"role": "user", "content": "Hello from the SDK"}]
 
@@ -160,3 +161,21 @@ async def test_non_streaming_and_http_errors(make_client: MakeClient) -> None:
 
         models = await api.models.list()
         assert [m.id for m in models.data] == ["mock/echo"]
+
+
+async def test_a_refusal_has_null_content(make_client: MakeClient) -> None:
+    """OpenAI sends ``content: null`` beside a refusal: a client that checks ``content is
+    not None`` would show an empty answer."""
+    frames = [
+        openai_chunk(role="assistant", content=None, refusal=""),
+        openai_chunk(refusal="I can't help."),
+        openai_chunk(finish_reason="stop"),
+        DONE,
+    ]
+    async with FakeUpstream(Reply.stream(frames)) as upstream:
+        config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+        api = await sdk(make_client, config)
+        completion = await api.chat.completions.create(model="up/m", messages=USER)  # type: ignore[arg-type]
+    message = completion.choices[0].message
+    assert (message.content, message.refusal) == (None, "I can't help.")
+    await api.close()

@@ -34,7 +34,7 @@ from .hooks import CallContext, Hooks, Middleware, StreamRejected, map_stream
 from .providers import MockProvider, Provider
 from .request import ChatRequest
 from .stream import Channel, EndOfStream, Stream, accumulate
-from .types import CompletedToolCall, Completion, StreamMeta
+from .types import CompletedToolCall, Completion, ReasoningBlock, StreamMeta
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "NexusError",
     "Provider",
     "Reasoning",
+    "ReasoningBlock",
     "RegistryFrozen",
     "Stream",
     "StreamError",

@@ -306,3 +306,51 @@ def openai_error_body(
 ) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}`` (docs/protocols.md §5)."""
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def anthropic_event(name: str, **fields: Any) -> bytes:
+    """An Anthropic Messages SSE frame: ``event: NAME`` and ``type`` first in its data."""
+    return sse({"type": name, **fields}, event=name)
+
+
+def anthropic_stream(blocks: list[dict[str, Any]], stop_reason: str = "end_turn") -> list[bytes]:
+    """The stream Anthropic sends for a message of these whole content blocks
+    (docs/protocols.md §3): each block opened in its initial form and filled by its deltas
+    (text, thinking then its signature, a tool's input as JSON: ``""`` for an empty one);
+    a ``redacted_thinking`` block comes whole."""
+    message = {
+        "id": "msg_01",
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": "claude-x",
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 10, "output_tokens": 1},
+    }
+    frames = [anthropic_event("message_start", message=message)]
+    for index, block in enumerate(blocks):
+        kind = block["type"]
+        deltas: list[dict[str, Any]] = []
+        start = block
+        if kind == "text":
+            start = {"type": "text", "text": ""}
+            deltas = [{"type": "text_delta", "text": block["text"]}]
+        elif kind == "thinking":
+            start = {"type": "thinking", "thinking": "", "signature": ""}
+            deltas = [
+                {"type": "thinking_delta", "thinking": block["thinking"]},
+                {"type": "signature_delta", "signature": block["signature"]},
+            ]
+        elif kind == "tool_use":
+            start = {**block, "input": {}}
+            partial = orjson.dumps(block["input"]).decode() if block["input"] else ""
+            deltas = [{"type": "input_json_delta", "partial_json": partial}]
+        frames.append(anthropic_event("content_block_start", index=index, content_block=start))
+        for delta in deltas:
+            frames.append(anthropic_event("content_block_delta", index=index, delta=delta))
+        frames.append(anthropic_event("content_block_stop", index=index))
+    delta = {"stop_reason": stop_reason, "stop_sequence": None}
+    frames.append(anthropic_event("message_delta", delta=delta, usage={"output_tokens": 5}))
+    frames.append(anthropic_event("message_stop"))
+    return frames

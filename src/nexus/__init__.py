@@ -35,7 +35,7 @@ from .pricing import Price, PriceTable, Spend
 from .providers import AnthropicProvider, MockProvider, OpenAIProvider, Provider
 from .request import ChatRequest
 from .stream import Channel, EndOfStream, Stream, accumulate
-from .types import CompletedToolCall, Completion, StreamMeta
+from .types import CompletedToolCall, Completion, ReasoningBlock, StreamMeta
 
 __version__ = "0.1.0"
 
@@ -74,6 +74,7 @@ __all__ = [
     "PriceTable",
     "Provider",
     "Reasoning",
+    "ReasoningBlock",
     "RegistryFrozen",
     "Spend",
     "Stream",

@@ -140,16 +140,23 @@ def content_delta(content: str) -> Delta:
 class Reasoning:
     """Reasoning ("thinking") text, kept apart from the answer. ``signature``: the
     provider's seal over it (Anthropic's ``signature_delta``, sent back in a later
-    turn), usually alone, with empty ``text``."""
+    turn), usually alone, with empty ``text``; it ends its block: reasoning after it is
+    another block. ``redacted``: a block of its own whose thinking the provider encrypted
+    (Anthropic's ``redacted_thinking`` ``data``), with empty ``text``: opaque, it goes back
+    unmodified in a later turn."""
 
     type: ClassVar[str] = "reasoning"
     text: str
     signature: str | None = None
+    redacted: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        if self.signature is None:
-            return {"type": "reasoning", "delta": {"reasoning": self.text}}
-        return {"type": "reasoning", "delta": {"reasoning": self.text, "signature": self.signature}}
+        delta: dict[str, Any] = {"reasoning": self.text}
+        if self.signature is not None:
+            delta["signature"] = self.signature
+        if self.redacted is not None:
+            delta["redacted"] = self.redacted
+        return {"type": "reasoning", "delta": delta}
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,6 +162,31 @@ class AssistantMessage(OpenModel):
     refusal: str | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _anthropic_thinking(self) -> AssistantMessage:
+        """``thinking_blocks`` (signed and redacted thinking, carried for an Anthropic
+        upstream) hold those blocks only; ``thinking_after_calls`` places each among the
+        tool calls: how many come before it."""
+        extra = self.model_extra or {}
+        blocks = extra.get("thinking_blocks")
+        if blocks is not None and not (type(blocks) is list and all(map(_thinking, blocks))):
+            raise ValueError("thinking_blocks holds thinking and redacted_thinking blocks only")
+        after = extra.get("thinking_after_calls")
+        calls = len(self.tool_calls or ())
+        if after is not None and not (
+            type(after) is list
+            and len(after) == len(blocks or ())
+            and all(type(n) is int and 0 <= n <= calls for n in after)
+            and after == sorted(after)
+        ):
+            message = "thinking_after_calls: one count of tool calls per thinking block, in order"
+            raise ValueError(message)
+        return self
+
+
+def _thinking(block: Any) -> bool:
+    return type(block) is dict and block.get("type") in ("thinking", "redacted_thinking")
+
 
 class ToolMessage(OpenModel):
     role: Literal["tool"]

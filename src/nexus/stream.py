@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, Protocol
 
 from .errors import StreamError
-from .events import Audio, Citation, Delta, Error, Image, Reasoning, StreamEvent, ToolCall, Usage
-from .types import CompletedToolCall, Completion, StreamMeta, fallback_call_id
+from .events import Error, StreamEvent
+from .merger import Merger, merge_events
+from .types import Completion, StreamMeta
 
 __all__ = [
     "Batches",
@@ -341,21 +342,13 @@ def _drop(task: asyncio.Task[None]) -> None:
         task.cancel()
 
 
-class _ToolCallBuilder:
-    __slots__ = ("arguments", "id", "index", "name")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.id: str | None = None
-        self.name: str | None = None
-        self.arguments: list[str] = []
-
-
 async def accumulate(stream: Stream | Channel) -> Completion:
     """Read ``stream`` to its end and merge it into one :class:`~nexus.types.Completion`.
 
-    Content and reasoning are concatenated, tool calls merged by index (and by
-    id when a fragment repeats one), usage is taken from the last usage event.
+    Content and reasoning are concatenated (and kept block by block, each with its
+    signature, in ``reasoning_blocks``), tool calls merged by index (and by id when a
+    fragment repeats one; a fragment with a new id for an index whose call has another
+    begins a call of its own), usage is taken from the last usage event.
     The stream is closed afterwards. Raises :class:`~nexus.errors.StreamError`
     when the stream carries an :class:`~nexus.events.Error` event.
     """
@@ -366,94 +359,3 @@ async def accumulate(stream: Stream | Channel) -> Completion:
                 raise StreamError(event)
             merger.add(event)
     return merger.result()
-
-
-def merge_events(events: Iterable[StreamEvent], meta: StreamMeta) -> Completion:
-    """:func:`accumulate` for events already at hand (an :class:`Error` among them is skipped)."""
-    merger = Merger(meta)
-    for event in events:
-        merger.add(event)
-    return merger.result()
-
-
-class Merger:
-    """Folds events into a :class:`~nexus.types.Completion`, one :meth:`add` at a time."""
-
-    def __init__(self, meta: StreamMeta) -> None:
-        self.meta = meta
-        self._content: list[str] = []
-        self._runs: list[tuple[int, list[str]]] = []  # (tool calls before, its pieces)
-        self._reasoning: list[str] = []
-        self._refusal: list[str] = []
-        self._calls: dict[int, _ToolCallBuilder] = {}
-        self._by_id: dict[str, _ToolCallBuilder] = {}
-        self._result = Completion(id=meta.id, model=meta.model, created=meta.created)
-
-    def _merge(self, call: ToolCall) -> None:
-        builder = self._by_id.get(call.id) if call.id is not None else None
-        if builder is None:
-            builder = self._calls.get(call.index)
-            if builder is None:
-                builder = self._calls[call.index] = _ToolCallBuilder(call.index)
-        if call.id is not None and builder.id is None:
-            builder.id = call.id
-            self._by_id[call.id] = builder
-        if call.name is not None and builder.name is None:
-            builder.name = call.name
-        if call.arguments:
-            builder.arguments.append(call.arguments)
-
-    def add(self, event: StreamEvent) -> None:
-        result = self._result
-        match event:
-            case Delta():
-                if event.content:
-                    self._content.append(event.content)
-                    runs, calls = self._runs, len(self._calls)
-                    if runs and runs[-1][0] == calls:
-                        runs[-1][1].append(event.content)
-                    else:
-                        runs.append((calls, [event.content]))
-                if event.refusal:
-                    self._refusal.append(event.refusal)
-                if event.role is not None:
-                    result.role = event.role
-                for call in event.tool_calls or ():
-                    self._merge(call)
-                if event.finish_reason is not None:
-                    result.finish_reason = event.finish_reason
-                    result.stop_sequence = event.stop_sequence
-            case Reasoning():
-                self._reasoning.append(event.text)
-                if event.signature is not None:
-                    result.reasoning_signature = event.signature
-            case ToolCall():
-                self._merge(event)
-            case Usage():
-                # The totals come last; an early partial count never replaces them.
-                if not event.partial or result.usage is None or result.usage.partial:
-                    result.usage = event
-            case Citation():
-                result.citations.append(event)
-            case Audio():
-                result.audio.append(event)
-            case Image():
-                result.images.append(event)
-
-    def result(self) -> Completion:
-        result = self._result
-        meta = self.meta
-        result.content = "".join(self._content)
-        result.text_runs = [(calls, "".join(pieces)) for calls, pieces in self._runs]
-        result.reasoning = "".join(self._reasoning)
-        result.refusal = "".join(self._refusal) if self._refusal else None
-        result.tool_calls = [
-            CompletedToolCall(
-                index=b.index,
-                id=b.id or fallback_call_id(meta.id, b.index),
-                name=b.name or "",
-                arguments="".join(b.arguments),
-            )
-            for b in sorted(self._calls.values(), key=lambda b: b.index)
-        ]
-        return result

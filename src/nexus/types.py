@@ -11,6 +11,7 @@ from .events import Audio, Citation, Image, Usage
 __all__ = [
     "CompletedToolCall",
     "Completion",
+    "ReasoningBlock",
     "StreamMeta",
     "fallback_call_id",
     "new_stream_id",
@@ -81,6 +82,20 @@ class CompletedToolCall:
 
 
 @dataclass(slots=True)
+class ReasoningBlock:
+    """One block of reasoning as the provider gave it (an Anthropic ``thinking`` or
+    ``redacted_thinking`` block): its ``text`` and the ``signature`` that seals it, or the
+    encrypted ``redacted`` data of a block without text. A provider checks each against its
+    seal when it comes back in a later turn, so blocks are kept apart, never merged.
+    ``after``: how many text runs and tool calls came before it."""
+
+    text: str = ""
+    signature: str | None = None
+    redacted: str | None = None
+    after: int = 0
+
+
+@dataclass(slots=True)
 class Completion:
     """The merged result of a stream (what :func:`nexus.accumulate` returns)."""
 
@@ -104,23 +119,37 @@ class Completion:
     """``content`` in the runs it came in, each with the count of tool calls begun before
     it: for the shapes that keep text and tool calls in their order (Anthropic's content
     blocks, the Responses output items)."""
+    reasoning_blocks: list[ReasoningBlock] = field(default_factory=list)
+    """The reasoning block by block, each with its own signature, placed among the text
+    runs and tool calls (``reasoning`` is their text joined, ``reasoning_signature`` the
+    last signature)."""
 
 
-def in_order(completion: Completion) -> list[tuple[str, str | None] | CompletedToolCall]:
-    """The completion's text and tool calls in the order they came, for the shapes that
-    keep it (Anthropic's content blocks, the Responses output items): each text run as
-    (text, refusal), the refusal on the last run (one of its own before the calls when
-    there is no text). A completion made without :attr:`~Completion.text_runs` (by hand)
-    has its ``content`` as one run before its calls."""
+Item = tuple[str, str | None] | CompletedToolCall | ReasoningBlock
+"""What :func:`in_order` lists."""
+
+
+def in_order(completion: Completion) -> list[Item]:
+    """The completion's reasoning blocks, text and tool calls in the order they came, for
+    the shapes that keep it (Anthropic's content blocks, the Responses output items): each
+    text run as (text, refusal), the refusal on the last run (one of its own before the
+    calls when there is no text). A completion made without :attr:`~Completion.text_runs`
+    (by hand) has its ``content`` as one run before its calls, and without
+    :attr:`~Completion.reasoning_blocks` its ``reasoning`` as one block before all."""
     runs = completion.text_runs or ([(0, completion.content)] if completion.content else [])
     if completion.refusal and not runs:
         runs = [(0, "")]
     calls = completion.tool_calls
-    items: list[tuple[str, str | None] | CompletedToolCall] = []
+    items: list[Item] = []
     done = 0
     for at, (before, text) in enumerate(runs):
         items += calls[done:before]
         done = max(done, before)
         items.append((text, completion.refusal if at == len(runs) - 1 else None))
     items += calls[done:]
+    blocks = completion.reasoning_blocks
+    if not blocks and completion.reasoning:
+        blocks = [ReasoningBlock(completion.reasoning, completion.reasoning_signature)]
+    for placed, block in enumerate(blocks):  # each after the items that came before it
+        items.insert(min(block.after + placed, len(items)), block)
     return items

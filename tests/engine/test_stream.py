@@ -23,7 +23,7 @@ from nexus.events import (
 )
 from nexus.request import ChatRequest
 from nexus.stream import Channel, EndOfStream, Stream, accumulate, merge_events
-from nexus.types import CompletedToolCall, StreamMeta
+from nexus.types import CompletedToolCall, ReasoningBlock, StreamMeta
 from support import GatedProvider
 
 EVENTS: list[StreamEvent] = [
@@ -365,6 +365,54 @@ async def test_accumulate_merges_a_repeated_id_by_id() -> None:
     assert result.tool_calls == [
         CompletedToolCall(index=0, id="call_x", name="f", arguments='{"a":1}')
     ]
+
+
+@pytest.mark.parametrize("index", [0, 2])
+async def test_accumulate_keeps_apart_calls_that_share_an_index(index: int) -> None:
+    """Some upstreams give every call the same index (or none, read as 0): a new id for an
+    index whose call has another begins a call of its own, and the fragments after it
+    (no id) are its."""
+    rec = Recorder(
+        [
+            ToolCall(index=index, id="call_A", name="fa", arguments='{"x":1}'),
+            Delta(content="between"),
+            ToolCall(index=index, id="call_B", name="fb", arguments='{"y":'),
+            ToolCall(index=index, arguments="2}"),
+        ]
+    )
+    result = await accumulate(rec.stream())
+    assert result.tool_calls == [
+        CompletedToolCall(index=index, id="call_A", name="fa", arguments='{"x":1}'),
+        CompletedToolCall(index=index + 1, id="call_B", name="fb", arguments='{"y":2}'),
+    ]
+    assert result.text_runs == [(1, "between")]
+
+
+def test_reasoning_is_kept_block_by_block_in_its_place() -> None:
+    """A signature ends its block; a redacted block stands alone; each block knows how many
+    text runs and tool calls came before it (Anthropic checks each block's signature)."""
+    meta = StreamMeta(id="chatcmpl-1", model="m", created=1)
+    events = [
+        Reasoning("A"),
+        Reasoning("."),
+        Reasoning("", signature="SIG_A"),
+        Reasoning("", redacted="BLOB"),
+        ToolCall(index=0, id="toolu_1", name="f", arguments="{}"),
+        Reasoning("B."),
+        Reasoning("", signature="SIG_B"),
+        Reasoning("C."),
+        Reasoning("", signature="SIG_C"),
+        Delta(content="Done."),
+    ]
+    result = merge_events(events, meta)
+    assert result.reasoning_blocks == [
+        ReasoningBlock("A.", "SIG_A", after=0),
+        ReasoningBlock("", redacted="BLOB", after=0),
+        ReasoningBlock("B.", "SIG_B", after=1),
+        ReasoningBlock("C.", "SIG_C", after=1),
+    ]
+    assert (result.reasoning, result.reasoning_signature) == ("A.B.C.", "SIG_C")
+    assert result.text_runs == [(1, "Done.")]
 
 
 async def test_accumulate_reads_tool_calls_inside_deltas() -> None:

@@ -12,7 +12,7 @@ import pytest
 from nexus import Engine, accumulate
 from nexus.config import parse_config
 from nexus.errors import InvalidRequest, UpstreamOverloaded
-from nexus.events import Delta, Usage
+from nexus.events import Delta, Reasoning, ToolCall, Usage
 from nexus.protocol.anthropic_events import EventDecoder, messages_body, refusal
 from nexus.request import ChatRequest
 from support import MakeClient, parse_sse
@@ -487,6 +487,34 @@ def test_the_decoder_reads_up_to_message_stop() -> None:
         Delta(finish_reason="stop"),
         Usage(10, 3, 13, cached_tokens=0, cache_write_tokens=0),
     ]
+
+
+def test_the_decoder_reads_redacted_thinking_and_tools_without_input() -> None:
+    """A redacted_thinking block is reasoning of its own, its data kept; a tool_use block
+    that closes with no input (a tool without arguments) has the arguments ``{}``."""
+    redacted = {"type": "redacted_thinking", "data": "QkxPQg=="}
+    decoder = EventDecoder("claude")
+    out = decoder.decode(
+        b"".join(
+            [
+                event("content_block_start", index=0, content_block=redacted),
+                event("content_block_stop", index=0),
+                *tool_block(1, "toolu_1", "now", ""),
+                *tool_block(2, "toolu_2", "at", '{"tz":', '"UTC"}'),
+            ]
+        )
+    )
+    assert out == [
+        Reasoning("", redacted="QkxPQg=="),
+        ToolCall(0, "toolu_1", "now"),
+        ToolCall(0, arguments="{}"),
+        ToolCall(1, "toolu_2", "at"),
+        ToolCall(1, arguments='{"tz":'),
+        ToolCall(1, arguments='"UTC"}'),
+    ]
+    assert decoder.error is None
+    decoder.decode(event("content_block_stop", index=[1]))
+    assert decoder.error is not None and "index" in decoder.error.message
 
 
 def test_early_input_counts_wait_for_the_first_output() -> None:

@@ -194,3 +194,21 @@ async def test_logprobs_are_refused_not_dropped(make_client: MakeClient, stream:
             )
         assert completion.choices[0].message.content == "Hi"
         assert fake.requests[0].body["logprobs"] is False
+
+
+async def test_a_refusal_has_null_content(make_client: MakeClient) -> None:
+    """OpenAI sends ``content: null`` beside a refusal: a client that checks ``content is
+    not None`` would show an empty answer."""
+    frames = [
+        openai_chunk(role="assistant", content=None, refusal=""),
+        openai_chunk(refusal="I can't help."),
+        openai_chunk(finish_reason="stop"),
+        DONE,
+    ]
+    async with FakeUpstream(Reply.stream(frames)) as upstream:
+        config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+        api = await sdk(make_client, config)
+        completion = await api.chat.completions.create(model="up/m", messages=USER)  # type: ignore[arg-type]
+    message = completion.choices[0].message
+    assert (message.content, message.refusal) == (None, "I can't help.")
+    await api.close()

@@ -49,6 +49,11 @@ CASES: list[Any] = [
     pytest.param(
         Reasoning("", signature="c2ln"), b'["reasoning","","c2ln"]', id="reasoning-signature"
     ),
+    pytest.param(
+        Reasoning("", redacted="QkxPQg=="),
+        b'["reasoning","",null,"QkxPQg=="]',
+        id="reasoning-redacted",
+    ),
     pytest.param(ToolCall(0), b'["tool_call",0,null,null,""]', id="tool-call-defaults"),
     pytest.param(
         FULL_CALL,
@@ -164,7 +169,7 @@ EVENTS = st.one_of(
         tool_calls=st.none() | st.lists(_CALLS, max_size=3).map(tuple),
         finish_reason=st.none() | st.sampled_from(["stop", "length", "tool_calls"]),
     ),
-    st.builds(Reasoning, _TEXT, signature=_OPT_TEXT),
+    st.builds(Reasoning, _TEXT, signature=_OPT_TEXT, redacted=_OPT_TEXT),
     _CALLS,
     st.builds(Audio, data=_OPT_TEXT, format=_OPT_TEXT, transcript=_OPT_TEXT),
     st.builds(Image, data=_OPT_TEXT, url=_OPT_TEXT, mime_type=_OPT_TEXT),

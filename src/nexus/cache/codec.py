@@ -38,8 +38,9 @@ _CLASSES: dict[str, type[Any]] = {
 }
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
 _CALLS = _FIELDS[Delta].index("tool_calls")
-_ADDED: dict[type[Any], int] = {Usage: 2, Delta: 1}  # partial, cost_usd; stop_sequence
-"""Per class, how many of its last fields came after the first stored format."""
+_ADDED: dict[type[Any], int] = {Usage: 2, Delta: 1, Reasoning: 1}
+"""Per class, how many of its last fields came after the first stored format (usage's
+partial and cost_usd, a delta's stop_sequence, reasoning's redacted)."""
 _TOKEN_TAIL = [None] * (len(_FIELDS[Delta]) - 1 - _ADDED[Delta])  # a token's stored fields
 _DEFAULTS = {
     cls: tuple(f.default for f in dataclasses.fields(cls)[len(_FIELDS[cls]) - added :])

@@ -4,7 +4,8 @@
 ``content_block_delta``* / ``content_block_stop`` → ``message_delta`` (stop
 reason, usage) → ``message_stop``. Every frame has its ``event:`` line (the SDK
 drops frames without one); heartbeats are ``event: ping``. Reasoning goes in a
-``thinking`` block, text in a ``text`` block, each tool call in a ``tool_use``
+``thinking`` block (a signature ends it), redacted reasoning in a ``redacted_thinking``
+block sent whole, text in a ``text`` block, each tool call in a ``tool_use``
 block sent whole (start, its input in one ``input_json_delta``, stop) once its arguments
 make a JSON object, ``{"_raw": ...}`` at the end when they never do, as in the JSON body
 (the SDK fails on broken JSON). A
@@ -67,7 +68,7 @@ class AnthropicSSEEncoder(Encoder):
     def __init__(self, meta: StreamMeta) -> None:
         super().__init__(meta)
         self._index = -1  # index of the open content block, -1 when none is open
-        self._open: str | None = None  # "text" or "thinking" (a tool_use block goes whole)
+        self._open: str | None = None  # "text", "thinking" or "signed" (sealed thinking)
         self._text_head: bytes | None = None  # a text block's delta frame, while it is open
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> its block's, once out
         self._calls: dict[int, tuple[list[str | None], list[str]]] = {}
@@ -186,7 +187,10 @@ class AnthropicSSEEncoder(Encoder):
                 if event.finish_reason is not None and self._finish is None:
                     self._finish = (event.finish_reason, event.stop_sequence)
                 return out
-            case Reasoning(text=text, signature=signature):
+            case Reasoning(text=text, signature=signature, redacted=redacted):
+                if redacted is not None:  # a block of its own, whole
+                    block = {"type": "redacted_thinking", "data": redacted}
+                    return self._open_block("redacted", block) + self._close()
                 out = b""
                 if self._open != "thinking":
                     block = {"type": "thinking", "thinking": "", "signature": ""}
@@ -197,6 +201,7 @@ class AnthropicSSEEncoder(Encoder):
                 if signature:
                     delta = {"type": "signature_delta", "signature": signature}
                     out += self._delta(self._index, delta)
+                    self._open = "signed"  # the block is whole: reasoning after it is another
                 return out
             case ToolCall():
                 return self._tool(event)

@@ -79,15 +79,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
         elif isinstance(message, UserMessage):
             add("user", _user_blocks(message))
         elif isinstance(message, AssistantMessage):
-            blocks: list[dict[str, Any]] = list(
-                (message.model_extra or {}).get("thinking_blocks") or ()
-            )
-            text = message_text(message)
-            if text:
-                blocks.append({"type": "text", "text": text})
-            for call in message.tool_calls or ():
-                use = {"type": "tool_use", "id": call.id, "name": call.function.name}
-                blocks.append({**use, "input": _arguments(call.function.arguments)})
+            blocks = _assistant_blocks(message)
             if blocks:
                 add("assistant", blocks)
         elif isinstance(message, ToolMessage):
@@ -185,6 +177,25 @@ def _schema(request: ChatRequest) -> dict[str, Any] | None:
     return fmt.json_schema.schema_
 
 
+def _assistant_blocks(message: AssistantMessage) -> list[dict[str, Any]]:
+    """An assistant turn's blocks: its thinking blocks as the client sent them back (signed
+    and redacted ones, which Anthropic checks), each before the tool calls that came
+    after it (``thinking_after_calls``; else all lead), then its text and tool calls."""
+    extra = message.model_extra or {}
+    thinking: list[dict[str, Any]] = extra.get("thinking_blocks") or []
+    after: list[int] = extra.get("thinking_after_calls") or [0] * len(thinking)
+    leading = after.count(0)
+    blocks = thinking[:leading]
+    text = message_text(message)
+    if text:
+        blocks.append({"type": "text", "text": text})
+    for at, call in enumerate(message.tool_calls or (), 1):
+        use = {"type": "tool_use", "id": call.id, "name": call.function.name}
+        blocks.append({**use, "input": _arguments(call.function.arguments)})
+        blocks += (block for block, calls in zip(thinking, after, strict=True) if calls == at)
+    return blocks
+
+
 def cache_control(model: Any) -> dict[str, Any]:
     """A client's ``cache_control`` on ``model``, kept: it marks a prompt-cache breakpoint."""
     value = (model.model_extra or {}).get("cache_control")
@@ -265,6 +276,7 @@ class EventDecoder:
         self.error: UpstreamError | None = None
         self._sse = SSEDecoder(max_event_bytes).decode
         self._tool_index: dict[int, int] = {}
+        self._no_input: set[int] = set()  # tool_use blocks no input_json_delta filled yet
         self._counts = dict.fromkeys(_COUNTS, 0)
         self._finish: str | None = None
         self._early: Usage | None = None  # message_start's counts, until output goes out
@@ -313,10 +325,12 @@ class EventDecoder:
                         text = text_of(delta.get("text"), "text")
                         return [content_delta(text)] if text else []
                     case "input_json_delta":
-                        index = self._tool_index.get(data.get("index", -1))
+                        block_index = _block_index(data)
+                        index = self._tool_index.get(block_index)
                         partial = text_of(delta.get("partial_json"), "partial_json")
                         if index is None or not partial:
                             return []
+                        self._no_input.discard(block_index)
                         return [ToolCall(index, arguments=partial)]
                     case "thinking_delta":
                         thinking = text_of(delta.get("thinking"), "thinking")
@@ -336,12 +350,19 @@ class EventDecoder:
                 return []  # future delta types
             case "content_block_start":
                 block = object_of(data.get("content_block"), "content_block")
-                if block.get("type") == "tool_use":
-                    index = self._tool_index[data.get("index", -1)] = len(self._tool_index)
+                block_type = block.get("type")
+                if block_type == "tool_use":
+                    block_index = _block_index(data)
+                    index = self._tool_index[block_index] = len(self._tool_index)
+                    self._no_input.add(block_index)
                     call_id = text_of(block.get("id"), "tool_use id")
                     return [ToolCall(index, call_id, text_of(block.get("name"), "tool_use name"))]
-                if block.get("type") == "text" and (text := text_of(block.get("text"), "text")):
+                if block_type == "text" and (text := text_of(block.get("text"), "text")):
                     return [Delta(content=text)]
+                if block_type == "redacted_thinking":
+                    return [Reasoning("", redacted=text_of(block.get("data"), "data") or "")]
+            case "content_block_stop":
+                return self._input_of_none(_block_index(data))
             case "message_start":
                 usage = object_of(object_of(data.get("message"), "message").get("usage"), "usage")
                 self._count(usage)
@@ -365,7 +386,16 @@ class EventDecoder:
                 return [self._usage()]
             case "error":
                 self.error = in_stream_error(self.provider, data.get("error"))
-        return []  # ping, content_block_stop, unknown events
+        return []  # ping, unknown events
+
+    def _input_of_none(self, block_index: int) -> list[StreamEvent]:
+        """A tool call whose block closed without input (a tool that takes no arguments:
+        ``input: {}`` at its start, then nothing or an empty ``partial_json``) has the
+        arguments ``{}``, as OpenAI sends them: an empty string is not JSON."""
+        if block_index not in self._no_input:
+            return []
+        self._no_input.discard(block_index)
+        return [ToolCall(self._tool_index[block_index], arguments="{}")]
 
     def _count(self, usage: dict[str, Any]) -> None:
         # Counts are cumulative totals: later values overwrite (§3, message_delta). Each is
@@ -380,6 +410,14 @@ class EventDecoder:
         prompt = counts["input_tokens"] + cached + written
         output = 0 if partial else counts["output_tokens"]
         return Usage(prompt, output, prompt + output, cached, written, partial=partial)
+
+
+def _block_index(data: dict[str, Any]) -> int:
+    """A content block event's ``index`` (-1 when absent: no block of ours)."""
+    index = data.get("index", -1)
+    if type(index) is not int:
+        raise Malformed("a content block index that is not an integer")
+    return index
 
 
 _COUNTS = (

@@ -22,7 +22,7 @@ from ..request import (
     StreamOptions,
     StrictModel,
 )
-from ..types import Completion, in_order
+from ..types import Completion, ReasoningBlock, in_order
 from .anthropic_events import cache_control, text_block
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, deeper_than
 from .openai_chat import parse_json_object, tool_call, validated
@@ -35,6 +35,7 @@ __all__ = [
     "message_body",
     "parse_messages_request",
     "stop_fields",
+    "thinking_block",
     "tool_input",
     "tool_input_json",
 ]
@@ -235,6 +236,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     thinking: list[dict[str, Any]] = []
+    thinking_at: list[int] = []  # per thinking block, the tool calls before it
     for block in message.content:
         if isinstance(block, TextBlock):
             parts.append(text_block(block))
@@ -256,6 +258,7 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
         elif isinstance(block, ThinkingBlock):
             if message.role == "assistant":
                 thinking.append(block.model_dump())
+                thinking_at.append(len(calls))
         elif isinstance(block, ToolResultBlock):
             out.append(_tool_result(block))
     if message.role == "assistant":
@@ -265,8 +268,11 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
             if calls:
                 entry["tool_calls"] = calls
             if thinking:
-                # Signed thinking must go back to Anthropic with the turn it preceded.
+                # Signed and redacted thinking must go back to Anthropic unmodified, with
+                # the turn it came in, in its place among the tool calls.
                 entry["thinking_blocks"] = thinking
+                if any(thinking_at):
+                    entry["thinking_after_calls"] = thinking_at
             out.append(entry)
     elif parts:
         out.append({"role": "user", "content": parts})
@@ -293,21 +299,17 @@ def _tool_result(block: ToolResultBlock) -> dict[str, Any]:
 def message_body(completion: Completion) -> dict[str, Any]:
     """A non-streaming ``message`` object (docs/protocols.md §3)."""
     content: list[dict[str, Any]] = []
-    if completion.reasoning:
-        content.append(
-            {
-                "type": "thinking",
-                "thinking": completion.reasoning,
-                "signature": completion.reasoning_signature or "",
-            }
-        )
-    # Text and tool calls in the order they came, as the stream writes them; a refusal is
-    # text, after any answer (Anthropic has no refusal block: its stop_reason says so).
+    # Thinking, text and tool calls in the order they came, as the stream writes them, each
+    # thinking block with its own signature (Anthropic checks each when it comes back); a
+    # refusal is text, after any answer (Anthropic has no refusal block: its stop_reason
+    # says so).
     for item in in_order(completion):
         if isinstance(item, tuple):
             text = item[0] + (item[1] or "")
             if text:
                 content.append({"type": "text", "text": text})
+        elif isinstance(item, ReasoningBlock):
+            content.append(thinking_block(item))
         else:
             use = {"type": "tool_use", "id": item.id, "name": item.name}
             content.append({**use, "input": tool_input(item.arguments)})
@@ -320,6 +322,14 @@ def message_body(completion: Completion) -> dict[str, Any]:
         **stop_fields(completion.finish_reason, completion.stop_sequence, bool(completion.refusal)),
         "usage": usage_body(completion.usage),
     }
+
+
+def thinking_block(block: ReasoningBlock) -> dict[str, Any]:
+    """A ``thinking`` block (``signature`` ``""`` when the provider sealed none), or the
+    ``redacted_thinking`` block the provider sent."""
+    if block.redacted is not None:
+        return {"type": "redacted_thinking", "data": block.redacted}
+    return {"type": "thinking", "thinking": block.text, "signature": block.signature or ""}
 
 
 def _object(arguments: str) -> dict[str, Any] | None:

@@ -126,9 +126,11 @@ def chunk_prefix(meta: StreamMeta) -> bytes:
 
 def completion_body(completion: Completion) -> dict[str, Any]:
     """A non-streaming ``chat.completion`` object (docs/protocols.md §5)."""
+    # No text beside a refusal or tool calls is null, as OpenAI sends it, not "".
+    empty = completion.refusal is not None or completion.tool_calls
     message: dict[str, Any] = {
         "role": completion.role,
-        "content": completion.content if completion.content or not completion.tool_calls else None,
+        "content": completion.content if completion.content or not empty else None,
         "refusal": completion.refusal,
         "annotations": [
             {

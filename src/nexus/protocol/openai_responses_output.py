@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import InvalidRequest
 from ..events import Usage
-from ..types import Completion, in_order
+from ..types import Completion, ReasoningBlock, in_order
 
 __all__ = [
     "CHAT_NAMES",
@@ -159,19 +159,24 @@ def accepted_body(
 
 
 def response_body(completion: Completion) -> dict[str, Any]:
-    """The non-streaming ``response`` object for a merged completion: reasoning, message
-    (text, refusal), then function calls, as providers stream them; an incomplete
-    response's last item is incomplete too."""
+    """The non-streaming ``response`` object for a merged completion: reasoning, messages
+    (text, refusal) and function calls in the order they came, as the stream writes them;
+    an incomplete response's last item is incomplete too."""
 
     response_id, stem = response_ids(completion.id)
     reason = incomplete_reason(completion.finish_reason)
     output: list[dict[str, Any]] = []
-    if completion.reasoning:
-        output.append(reasoning_item(f"rs_{stem}_{len(output)}", completion.reasoning))
-    # Messages and function calls in the order they came, as the stream writes them; a
-    # refusal goes in the last message.
+    # A refusal goes in the last message. Reasoning blocks that follow one another are one
+    # item, as streamed; a block without text (redacted, or a bare signature) has no place.
     for item in in_order(completion):
-        if isinstance(item, tuple):
+        if isinstance(item, ReasoningBlock):
+            if not item.text:
+                continue
+            if output and output[-1]["type"] == "reasoning":
+                output[-1]["summary"][0]["text"] += item.text
+            else:
+                output.append(reasoning_item(f"rs_{stem}_{len(output)}", item.text))
+        elif isinstance(item, tuple):
             text, refusal = item
             content = [text_part(text)] if text else []
             if refusal:

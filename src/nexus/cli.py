@@ -21,6 +21,7 @@ from .auth import ApiKey, KeyRing, hash_key, is_loopback, new_key
 from .budgets import key_table, window
 from .cache.limits import KeyLimits, LocalLimits
 from .config import AuthKeyConfig, Config, RedisStoreConfig, load_config
+from .config_errors import in_file
 from .errors import ConfigError
 from .server import redaction
 from .server.access import JsonFormatter
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "hash-key":
         return _hash_key(args.stdin, args.name)
+    source: str | None = None
     try:
         config, source = _load(args.config)
         if args.command == "keys":
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return _serve(config, source)
     except ConfigError as exc:
-        print(f"nexus: config error: {exc}", file=sys.stderr)
+        print(f"nexus: config error: {in_file(str(exc), source)}", file=sys.stderr)
         return CONFIG_ERROR
 
 
@@ -354,7 +356,7 @@ def _serve_one(
     except OSError as exc:
         return _cannot_serve(config, exc)
     except ConfigError as exc:  # (the supervisor checked, but not what only a worker sees)
-        print(f"nexus: config error: {exc}", file=sys.stderr)
+        print(f"nexus: config error: {in_file(str(exc), source)}", file=sys.stderr)
         return CONFIG_ERROR
     return 0
 

@@ -9,25 +9,19 @@ Errors name the file, the key and what is wrong::
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config_errors import describe
+from .config_types import PER_MTOK, PROVIDER_NAME, URL, USD, ModelName, Origin, model_name
+from .config_types import Table as _Table
+from .config_types import env_name as _env_name
 from .errors import ConfigError
 from .hook_calls import HOOK_TIMEOUT_S
-from .pricing import MAX_USD_PER_MTOK, Price, PriceTable
+from .pricing import Price, PriceTable
 from .protocol.sse import MAX_EVENT_BYTES
 
 __all__ = [
@@ -57,22 +51,12 @@ __all__ = [
 ]
 
 
-class _Table(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-def _int_to_float(value: object) -> object:
-    # Strict mode takes no int for a float, but TOML writes 5 for 5.0.
-    return float(value) if type(value) is int else value
-
-
-USD = Annotated[
-    float | None, BeforeValidator(_int_to_float), Field(default=None, ge=0, allow_inf_nan=False)
-]
-"""An optional amount of dollars (or dollars per million tokens)."""
-PER_MTOK = Annotated[USD, Field(le=MAX_USD_PER_MTOK)]
-"""An optional price, bounded so that no count times it is an infinite cost."""
-_URL = r"^https?://\S+$"
+MAX_BACKLOG = 65535
+"""The kernel takes an int (and caps it at ``net.core.somaxconn``): past 2**31 - 1 the
+listener could not even be made."""
+MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
+"""The largest ``[realtime] max_message_bytes``: aiohttp keeps it in 32 bits, and a
+message a GiB long is already far past what one socket should parse."""
 
 
 class ServerConfig(_Table):
@@ -80,11 +64,11 @@ class ServerConfig(_Table):
     port: int = Field(default=8080, ge=0, le=65535)
     heartbeat_interval_s: float = Field(default=15.0, gt=0)
     retry_ms: int = Field(default=3000, ge=0)
-    shutdown_grace_s: float = Field(default=10.0, ge=0, le=86400, allow_inf_nan=False)
-    drain_delay_s: float = Field(default=0.0, ge=0, le=86400, allow_inf_nan=False)
+    shutdown_grace_s: float = Field(default=10.0, ge=0, le=86400)
+    drain_delay_s: float = Field(default=0.0, ge=0, le=86400)
     write_timeout_s: float = Field(default=30.0, gt=0)
     uvloop: bool | Literal["auto"] = "auto"
-    backlog: int = Field(default=2048, ge=1)
+    backlog: int = Field(default=2048, ge=1, le=MAX_BACKLOG)
     workers: int | Literal["auto"] = Field(default=1)
     header_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)
@@ -97,6 +81,13 @@ class ServerConfig(_Table):
         if value == "auto" or (type(value) is int and value >= 1):
             return value
         raise ValueError(f'expected a number of workers (1 or more) or "auto", not {value!r}')
+
+    @field_validator("uvloop", mode="before")
+    @classmethod
+    def _uvloop_choice(cls, value: object) -> object:
+        if value == "auto" or type(value) is bool:
+            return value
+        raise ValueError(f'expected true, false or "auto", not {value!r}')
 
 
 class LimitsConfig(_Table):
@@ -147,7 +138,7 @@ class AuthConfig(_Table):
 
 
 class CorsConfig(_Table):
-    allow_origins: list[str] = Field(default_factory=list)
+    allow_origins: list[Origin] = Field(default_factory=list)
     max_age_s: int = Field(default=600, ge=0)
 
 
@@ -182,7 +173,7 @@ class MetricsConfig(_Table):
 class TelemetryConfig(_Table):
     """OpenTelemetry traces (:mod:`nexus.telemetry`; needs ``nexus-gateway[otel]``)."""
 
-    otlp_endpoint: str | None = Field(default=None, pattern=_URL, max_length=2048)
+    otlp_endpoint: str | None = Field(default=None, pattern=URL, max_length=2048)
     """The collector's OTLP/HTTP address (spans go to its ``/v1/traces``); unset: no tracing."""
     service_name: str = Field(default="nexus", min_length=1, max_length=256)
     sample_ratio: float = Field(default=1.0, ge=0, le=1)
@@ -251,7 +242,7 @@ StoreConfig = Annotated[MemoryStoreConfig | RedisStoreConfig, Field(discriminato
 
 
 class RealtimeConfig(_Table):
-    max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    max_message_bytes: int = Field(default=16 * 1024 * 1024, gt=0, le=MAX_MESSAGE_BYTES)
     max_pending_input_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     max_pending_bytes_per_key: int = Field(default=256 * 1024 * 1024, gt=0)
     """Pending input of all a key's connections together: what it can pin in memory."""
@@ -276,29 +267,15 @@ class RealtimeConfig(_Table):
 
 class MockProviderConfig(_Table):
     kind: Literal["mock"]
-    models: list[str] = Field(default_factory=list)
-
-
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _env_name(value: str | None) -> str | None:
-    """An environment variable's name; never repeated when it is not one: it may be the
-    secret itself, put there by mistake."""
-    if value is not None and not _ENV_NAME.fullmatch(value):
-        raise ValueError(
-            "must name an environment variable (letters, digits and _), not hold the "
-            "secret itself; the value is not repeated here"
-        )
-    return value
+    models: list[ModelName] = Field(default_factory=list)
 
 
 class HTTPProviderConfig(_Table):
     """What the HTTP provider kinds share."""
 
-    base_url: str = Field(pattern=_URL)
+    base_url: str = Field(pattern=URL)
     api_key_env: str | None = None
-    models: list[str] = Field(default_factory=list)
+    models: list[ModelName] = Field(default_factory=list)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
     idle_timeout_s: float = Field(default=60.0, gt=0)
@@ -319,14 +296,14 @@ class HTTPProviderConfig(_Table):
 
 class OpenAIProviderConfig(HTTPProviderConfig):
     kind: Literal["openai"] = "openai"  # (required in a config file's table)
-    base_url: str = Field(default="https://api.openai.com/v1", pattern=_URL)
+    base_url: str = Field(default="https://api.openai.com/v1", pattern=URL)
     token_limit_field: Literal["max_tokens", "max_completion_tokens"] | None = None
 
 
 class AnthropicProviderConfig(HTTPProviderConfig):
     kind: Literal["anthropic"] = "anthropic"
-    base_url: str = Field(default="https://api.anthropic.com", pattern=_URL)
-    anthropic_version: str = "2023-06-01"
+    base_url: str = Field(default="https://api.anthropic.com", pattern=URL)
+    anthropic_version: str = Field(default="2023-06-01", min_length=1, max_length=64)
     default_max_tokens: int = Field(default=4096, ge=1)
 
 
@@ -395,8 +372,17 @@ class Config(_Table):
         if not value:
             raise ValueError("at least one provider is required")
         for name in value:
-            if not name or "/" in name:
-                raise ValueError(f"provider name {name!r} must be non-empty and without '/'")
+            if not PROVIDER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"provider name {name!r} must be 1 to 64 letters, digits, '_', '.' or '-'"
+                )
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, value: dict[str, ModelAliasConfig]) -> dict[str, ModelAliasConfig]:
+        for name in value:
+            model_name(name)
         return value
 
     @field_validator("store", mode="before")

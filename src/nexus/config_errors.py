@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["describe"]
+__all__ = ["describe", "in_file"]
 
 _KINDS = ("mock", "openai", "anthropic")
 _STORE_KINDS = ("memory", "redis")
@@ -56,3 +56,12 @@ def describe(error: Any) -> str:
         name = rest[0] if table == "providers" and "." not in rest[0] else f'"{rest[0]}"'
         return f"[{table}.{name}] {'.'.join(rest[1:])}: {message}"
     return f"[{table}] {'.'.join(rest)}: {message}"
+
+
+def in_file(message: str, source: str | None) -> str:
+    """A config error's message naming the file ``source`` first, as every one does: those
+    raised after the file was read (an unset ``api_key_env``) name a table, ``[...]``, but
+    know no file. One that names its file already, or a command-line flag, is kept."""
+    if source is None or not message.startswith("["):
+        return message
+    return f"{source}: {message}"

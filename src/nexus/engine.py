@@ -90,13 +90,13 @@ class Engine:
     def from_config(cls, config: Any, source: str | None = None) -> Engine:
         """Build the engine a :class:`~nexus.config.Config` describes, its ``[[plugins]]`` loaded.
 
-        Raises :class:`~nexus.errors.ConfigError` for a plugin that cannot be
-        loaded (its message starts with ``source``, the config file, when given).
+        Raises :class:`~nexus.errors.ConfigError` for a plugin that cannot be loaded or an
+        unset ``api_key_env`` (the message starts with ``source``, the file, when given).
         """
         from .config import price_table
         from .providers import build_provider
 
-        built = [build_provider(name, cfg) for name, cfg in config.providers.items()]
+        built = [build_provider(name, cfg, source) for name, cfg in config.providers.items()]
         providers = [p for p in built if p is not None]
         names = {p.name for p in providers}
         models: dict[str, list[str]] = {}

@@ -213,6 +213,8 @@ def test_sigterm_closes_realtime_sockets_with_1001(
         ("[caches]\nenabled = true\n", "[caches]: unknown table or key"),
         ('[store]\nkind = "memcached"\n', "[store] kind: unknown kind 'memcached'"),
         ("[server\n", "not valid TOML"),
+        ("[server]\nbacklog = 2147483648\n", "[server] backlog: Input should be less than"),
+        ('[server]\nuvloop = "yes"\n', '[server] uvloop: expected true, false or "auto"'),
     ],
 )
 def test_config_errors_name_file_and_key(tmp_path: Path, text: str, fragment: str) -> None:
@@ -222,8 +224,9 @@ def test_config_errors_name_file_and_key(tmp_path: Path, text: str, fragment: st
         [NEXUS, "serve", "--config", str(config)], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 2
-    assert str(config) in done.stderr
+    assert done.stderr.startswith(f"nexus: config error: {config}: ")
     assert fragment in done.stderr
+    assert done.stderr.count("\n") == 1  # one line, no traceback
 
 
 def test_missing_config_file(tmp_path: Path) -> None:
@@ -255,7 +258,7 @@ def test_missing_provider_key_names_the_config_key(tmp_path: Path, workers: str)
         env=env,
     )
     assert done.returncode == 2
-    assert "[providers.openai] api_key_env" in done.stderr
+    assert f"nexus: config error: {config}: [providers.openai] api_key_env" in done.stderr
     assert "the environment variable it names is not set" in done.stderr
     assert "NEXUS_TEST_UNSET_KEY_VAR" not in done.stderr  # it may be a key put there
     assert "Traceback" not in done.stderr and "serving" not in done.stderr

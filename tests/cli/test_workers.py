@@ -230,7 +230,10 @@ def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Pa
         env=env,
     )
     assert run.returncode == 2, run.stderr
-    assert "[metrics] token_env: the environment variable it names is not set" in run.stderr
+    assert (
+        f"nexus: config error: {path}: [metrics] token_env: the environment variable it names "
+        "is not set"
+    ) in run.stderr  # the file named, as every config error names it
     assert "Traceback" not in run.stderr
 
 

@@ -16,6 +16,7 @@ from nexus.config import (
     load_config,
     parse_config,
 )
+from nexus.config_types import Table
 from nexus.errors import ConfigError
 
 REPO_CONFIG = Path(__file__).resolve().parents[2] / "config.toml"
@@ -267,8 +268,74 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             '[providers."a/b"]\nkind = "mock"\n',
-            "providers: provider name 'a/b' must be non-empty and without '/'",
+            "providers: provider name 'a/b' must be 1 to 64 letters, digits, '_', '.' or '-'",
             id="provider-name-with-slash",
+        ),
+        pytest.param(
+            '[providers."a b"]\nkind = "mock"\n',
+            "providers: provider name 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'",
+            id="provider-name-with-space",
+        ),
+        pytest.param(
+            '[providers.""]\nkind = "mock"\n',
+            "providers: provider name '' must be 1 to 64 letters, digits, '_', '.' or '-'",
+            id="provider-name-empty",
+        ),
+        pytest.param(
+            '[models.""]\ntargets = ["mock/echo"]\n',
+            "models: model name '' must be 1 to 256 characters, without spaces or control "
+            "characters",
+            id="alias-name-empty",
+        ),
+        pytest.param(
+            '[models."my alias"]\ntargets = ["mock/echo"]\n',
+            "models: model name 'my alias' must be 1 to 256 characters, without spaces or "
+            "control characters",
+            id="alias-name-with-space",
+        ),
+        pytest.param(
+            '[providers.mock]\nkind = "mock"\nmodels = ["echo", ""]\n',
+            "[providers.mock] models.1: model name '' must be 1 to 256 characters, without "
+            "spaces or control characters",
+            id="provider-model-empty",
+        ),
+        pytest.param(
+            '[cors]\nallow_origins = ["https://a.example", "not an origin"]\n',
+            "[cors] allow_origins.1: 'not an origin' is not an origin: \"*\" or "
+            'scheme://host[:port], with no path (e.g. "https://app.example.com")',
+            id="cors-origin-junk",
+        ),
+        pytest.param(
+            '[cors]\nallow_origins = [""]\n',
+            "[cors] allow_origins.0: '' is not an origin: \"*\" or "
+            'scheme://host[:port], with no path (e.g. "https://app.example.com")',
+            id="cors-origin-empty",
+        ),
+        pytest.param(
+            '[cors]\nallow_origins = ["https://app.example.com/"]\n',
+            "[cors] allow_origins.0: 'https://app.example.com/' is not an origin: \"*\" or "
+            'scheme://host[:port], with no path (e.g. "https://app.example.com")',
+            id="cors-origin-with-path",
+        ),
+        pytest.param(
+            '[providers.a]\nkind = "anthropic"\nanthropic_version = ""\n',
+            "[providers.a] anthropic_version: String should have at least 1 character",
+            id="anthropic-version-empty",
+        ),
+        pytest.param(
+            '[server]\nuvloop = "yes"\n',
+            "[server] uvloop: expected true, false or \"auto\", not 'yes'",
+            id="uvloop-not-a-choice",
+        ),
+        pytest.param(
+            "[server]\nbacklog = 2147483648\n",
+            "[server] backlog: Input should be less than or equal to 65535",
+            id="backlog-too-big",
+        ),
+        pytest.param(
+            "[realtime]\nmax_message_bytes = 4294967296\n",
+            "[realtime] max_message_bytes: Input should be less than or equal to 1073741824",
+            id="ws-message-too-big",
         ),
     ],
 )
@@ -326,3 +393,54 @@ def test_the_shutdown_waits_are_finite(key: str, value: float) -> None:
     with pytest.raises(ConfigError) as refused:
         parse_config({"server": {key: value}})
     assert f"[server] {key}" in str(refused.value)
+
+
+def _tables(cls: type[pydantic.BaseModel]) -> list[type[pydantic.BaseModel]]:
+    return [cls, *(t for sub in cls.__subclasses__() for t in _tables(sub))]
+
+
+# What each table needs besides the key under test.
+_REQUIRED: dict[str, dict[str, object]] = {
+    "AuthKeyConfig": {"name": "k", "sha256": "0" * 64},
+    "PluginConfig": {"path": "m:a"},
+    "RedisStoreConfig": {"kind": "redis"},
+    "HTTPProviderConfig": {"base_url": "https://up.example"},
+    "OpenAIProviderConfig": {"kind": "openai"},
+    "AnthropicProviderConfig": {"kind": "anthropic"},
+}
+FLOAT_KEYS = [
+    (table, key)
+    for table in _tables(Table)
+    for key, field in table.model_fields.items()
+    if "float" in str(field.annotation)
+]
+
+
+def test_the_float_keys_are_all_found() -> None:
+    # (a walk that found none would pass the check below)
+    keys = {(table.__name__, key) for table, key in FLOAT_KEYS}
+    assert {
+        ("ServerConfig", "heartbeat_interval_s"),
+        ("LimitsConfig", "requests_per_second_per_key"),
+        ("CacheConfig", "ff_divisor"),
+        ("OpenAIProviderConfig", "idle_timeout_s"),
+        ("ModelAliasConfig", "input_usd_per_mtok"),
+        ("AuthKeyConfig", "budget_usd"),
+    } <= keys
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize(
+    ("table", "key"), FLOAT_KEYS, ids=[f"{t.__name__}.{k}" for t, k in FLOAT_KEYS]
+)
+def test_every_float_key_is_finite(table: type[pydantic.BaseModel], key: str, value: float) -> None:
+    # One rule: "no limit" is what the docs give for a key (0, or unset), never inf, which
+    # reached timers and rates; and a NaN is called what it is, not "greater than 0".
+    with pytest.raises(pydantic.ValidationError) as refused:
+        table.model_validate({**_REQUIRED.get(table.__name__, {}), key: value})
+    assert [e["msg"] for e in refused.value.errors()] == ["Input should be a finite number"]
+
+
+def test_an_infinite_duration_in_the_file_names_the_key(tmp_path: Path) -> None:
+    message = load_error(tmp_path, "[streams]\nresume_ttl_s = inf\n")
+    assert message == "[streams] resume_ttl_s: Input should be a finite number"

@@ -6,6 +6,7 @@ import logging
 import os
 
 from ..config import AnthropicProviderConfig, MockProviderConfig, OpenAIProviderConfig
+from ..config_errors import in_file
 from ..errors import ConfigError
 from .anthropic import AnthropicProvider
 from .base import Provider
@@ -18,10 +19,13 @@ log = logging.getLogger("nexus.providers")
 
 
 def build_provider(
-    name: str, config: MockProviderConfig | OpenAIProviderConfig | AnthropicProviderConfig
+    name: str,
+    config: MockProviderConfig | OpenAIProviderConfig | AnthropicProviderConfig,
+    source: str | None = None,
 ) -> Provider | None:
     """The provider a config table describes, with its key from ``api_key_env``; None for
-    an optional one whose variable is unset, :class:`ConfigError` naming it for another."""
+    an optional one whose variable is unset, :class:`ConfigError` naming it (and the file,
+    ``source``, when given) for another."""
     if isinstance(config, MockProviderConfig):
         return MockProvider(name, models=config.models)
     key = os.environ.get(config.api_key_env) if config.api_key_env else None
@@ -30,8 +34,11 @@ def build_provider(
         unset = "the environment variable it names is not set"
         if not config.optional:
             raise ConfigError(
-                f"[providers.{name}] api_key_env: {unset} "
-                "(set it, or mark the provider optional = true)"
+                in_file(
+                    f"[providers.{name}] api_key_env: {unset} "
+                    "(set it, or mark the provider optional = true)",
+                    source,
+                )
             )
         log.warning("provider %r left out: api_key_env: %s (optional = true)", name, unset)
         return None

@@ -1,11 +1,11 @@
 """Who may call, from where, and what each request did: request ids, CORS, API keys,
 per-key limits, the access log.
 
-:func:`access_middleware` is the outermost layer: it gives every request an id
-(a sane ``X-Request-Id`` is kept), refuses other sites' pages and rebound ``Host``
-names before any route runs (:mod:`nexus.server.origins`), answers CORS preflights,
-and writes one access line and the metrics per request, inside its span when tracing
-(:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`admit`; the
+:func:`access_middleware` is the outermost layer: it gives every request an id (a sane
+``X-Request-Id`` is kept, unless it looks like a key), refuses other sites' pages and
+rebound ``Host`` names before any route runs (:mod:`nexus.server.origins`), answers CORS
+preflights, and writes one access line and the metrics per request, inside its span when
+tracing (:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`admit`; the
 pump fills in the request's :class:`~nexus.server.state.Exchange` as it writes.
 
 The access line's fields are :func:`_fields`'s. ``outcome`` is ``ok``,
@@ -45,6 +45,7 @@ from ..telemetry import Telemetry
 from .errors import Handler, error_response
 from .metrics import Metrics
 from .origins import listed, loopback_host, origin_allowed
+from .redaction import redact
 from .state import CONFIG as _CONFIG
 from .state import EXCHANGE, Exchange, exchange, new_request_id
 from .state import HUB as _HUB
@@ -93,7 +94,8 @@ _ALLOWED_HEADERS = (
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     incoming = request.headers.get("X-Request-Id", "")
-    request_id = incoming if _REQUEST_ID.fullmatch(incoming) else new_request_id()
+    sane = _REQUEST_ID.fullmatch(incoming) and redact(incoming) == incoming  # (not a key)
+    request_id = incoming if sane else new_request_id()
     ex = Exchange(request_id, time.monotonic())
     ex.endpoint = _endpoint(request)
     ex.method = request.method
@@ -235,8 +237,13 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
 
 
 def _line(logger: logging.Logger, level: int, request_id: str, fields: dict[str, Any]) -> None:
-    """One line of ``fields`` (None left out of the text; every one in the JSON format)."""
+    """One line of ``fields`` (None left out of the text; every one in the JSON format),
+    with :func:`~nexus.server.redaction.redact` applied: a client may put its own key in
+    what the line quotes (the path, the model). One check a line, none a chunk."""
     text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
+    if redact(text) != text:
+        fields = {k: redact(v) if isinstance(v, str) else v for k, v in fields.items()}
+        text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
     extra = {"request_id": request_id, "access": fields}
     logger.log(level, "%s %s", request_id, text, extra=extra)
 

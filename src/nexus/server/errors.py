@@ -5,18 +5,22 @@ attribute (a function of :class:`~nexus.errors.GatewayError` and the request id 
 a dict); the default is OpenAI's ``{"error": {"message", "type", "param", "code",
 "request_id"}}``. The request id is the ``X-Request-Id`` the response carries.
 Unknown routes and methods get the same JSON shape, and an unexpected
-exception a 500 whose message reveals nothing internal. A request that arrives
+exception a 500 whose message reveals nothing internal; but nothing is written
+after a response's headers went out: a WebSocket is closed 1011, another
+connection dropped. A request that arrives
 while the server stops is 503 ``server_shutting_down``, its connection closed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from ..errors import GatewayError, ServerShuttingDown
 from .state import EXCHANGE, RUNTIME, new_request_id
@@ -87,6 +91,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         request_id = _known_request_id(request) or new_request_id()
         log.exception("unhandled error in %s %s (%s)", request.method, request.path, request_id)
+        upgraded = getattr(request.get(EXCHANGE), "upgraded", None)
+        if upgraded is not None and upgraded.prepared:
+            return await _closed_1011(request, upgraded)
+        if request.writer.output_size:
+            raise  # a response is on its way: aiohttp drops the connection, writing nothing
         error = GatewayError(f"Internal server error (request {request_id}).")
         response = error_response(request, error)
     return response
+
+
+_CLOSE_WAIT_S = 1.0
+"""How long the peer of a WebSocket closed on an error has to answer the close frame."""
+
+
+async def _closed_1011(request: web.Request, ws: web.WebSocketResponse) -> web.StreamResponse:
+    """An unexpected error after a WebSocket handshake: the 101 is out and the socket
+    speaks WebSocket frames, so an HTTP answer there would be garbage to the client
+    (a bad frame header, "reserved bits must be 0"). It is closed 1011 instead."""
+    ex = request[EXCHANGE]
+    ex.status = ex.status or ws.status
+    ex.stream_error = ex.stream_error or "internal_error"
+    ws.force_close()
+    with contextlib.suppress(Exception):  # (the peer may be gone already)
+        async with asyncio.timeout(_CLOSE_WAIT_S):
+            await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error")
+    return ws

@@ -139,6 +139,9 @@ class Exchange:
     cache: str | None = None
     pool_waits: PoolWaits = field(default_factory=PoolWaits)
     """What the request waited for pooled upstream connections (the providers add to it)."""
+    upgraded: web.WebSocketResponse | None = None
+    """The request's WebSocket (a realtime handshake): once it is prepared, the socket is
+    no longer HTTP, and an unexpected error closes it 1011 instead of answering a 500."""
 
     def outcome(self, status: int) -> str:
         """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""

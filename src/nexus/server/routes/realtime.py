@@ -114,6 +114,7 @@ class RealtimeConnection(Writer):
             protocols=protocols,
             compress=config.realtime.compression,
         )
+        exchange(request).upgraded = self.ws  # (see server/errors.py: its unexpected errors)
         self._last_seen = 0.0  # when the client last sent a frame
         self._pong_due = 0.0  # when a ping went out unanswered: the pong's deadline
         self._closing: asyncio.Task[object] | None = None  # the shutdown's close
@@ -457,8 +458,7 @@ class RealtimeConnection(Writer):
             await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"provider error")
 
     async def _cancel_turn(self, cause: str) -> None:
-        turn = self.turn
-        if turn is not None:
+        if (turn := self.turn) is not None:
             await turn.stop(cause)
 
     async def shutdown(self) -> None:

@@ -1,0 +1,39 @@
+"""A client's own key, put where the access line quotes it (its request id, the URL path,
+the model), is not logged: the line gets the same redaction as aiohttp's loggers, in its
+text and in the fields the JSON format writes."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+import pytest
+
+from nexus.auth import new_key
+from nexus.server.access import JsonFormatter
+from support import MakeClient
+
+KEY = new_key()
+
+
+async def test_a_key_in_the_request_id_or_path_is_not_logged(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_client()
+    with caplog.at_level(logging.INFO, logger="nexus.access"):
+        given = await client.get("/v1/models", headers={"X-Request-Id": KEY})
+        assert given.headers["X-Request-Id"] != KEY  # a new id, not the key
+        lost = await client.get(f"/v1/streams/{KEY}")
+        assert lost.status == 404
+        answer = await client.post(
+            "/v1/chat/completions",
+            json={"model": KEY, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert answer.status == 404
+    records = [r for r in caplog.records if r.name == "nexus.access"]
+    assert len(records) == 3
+    for record in records:
+        assert KEY not in record.getMessage()
+        assert KEY not in JsonFormatter().format(record)
+    paths = [orjson.loads(JsonFormatter().format(r))["path"] for r in records]
+    assert paths[1] == "/v1/streams/nx-[redacted]"

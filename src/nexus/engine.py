@@ -84,8 +84,7 @@ class Engine:
         self.hooks = hooks if hooks is not None else Hooks()
         self.middleware: tuple[Middleware, ...] = tuple(middleware)
         self.prices = prices if prices is not None else PriceTable()
-        """What each model costs (:mod:`nexus.pricing`); the hooks' spends use it."""
-        self.hooks.prices = self.prices
+        """What each model costs (:mod:`nexus.pricing`); this engine's hook spends use it."""
         self.telemetry: Telemetry | None = None
         """A span per upstream attempt when set (:mod:`nexus.telemetry`; the app sets it)."""
         self.on_upstream_error: Callable[[str, str], None] | None = None
@@ -304,7 +303,7 @@ class Engine:
         except BaseException:
             await stream.close()
             raise
-        return self.hooks.observed(stream, ctx)
+        return self.hooks.observed(stream, ctx, self.prices)
 
     def _pipeline(self, ctx: CallContext) -> Next:
         """The middleware chain for one call, the engine at its end."""

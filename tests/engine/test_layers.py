@@ -71,7 +71,14 @@ def test_the_server_package_has_no_import_circle() -> None:
 RULES = [
     (("nexus.cache",), ("nexus.server", "nexus.encoders")),
     (
-        ("nexus.engine", "nexus.hooks", "nexus.stream", "nexus.providers", "nexus.protocol"),
+        (
+            "nexus.engine",
+            "nexus.routed",
+            "nexus.hooks",
+            "nexus.stream",
+            "nexus.providers",
+            "nexus.protocol",
+        ),
         ("nexus.cache", "nexus.server"),
     ),
     (("nexus.protocol", "nexus.encoders"), ("nexus.server", "nexus.engine", "nexus.stream")),

@@ -2,9 +2,12 @@
 
 A model id is an alias from ``[models."<alias>"]`` (its targets tried in order) or
 ``<provider>/<upstream model>``; anything else is :class:`~nexus.errors.ModelNotFound`.
-A :class:`~nexus.errors.GatewayError` a provider raises *before its first event* is
-raised to the reader (after trying the next target, when it is retryable); after
-an event, a failure becomes the stream's last event, an :class:`~nexus.events.Error`.
+The targets are tried, and the one that answered read, by :mod:`nexus.routed` (what a
+provider's failure becomes is told there).
+
+An engine serves the event loop it started on: its providers' connection pools belong
+to that loop. A call from another loop raises :class:`RuntimeError` at once (start an
+engine per loop, or per thread).
 
 Middleware and hooks (:mod:`nexus.hooks`) run for every caller:
 :meth:`Engine.open_stream` runs the middleware chain around the routed call, then
@@ -22,27 +25,23 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .errors import GatewayError, ModelNotFound, UnsupportedInput
-from .events import Error, StreamEvent, Usage
+from .errors import ModelNotFound, UnsupportedInput
+from .events import StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
-from .pricing import Price, PriceTable, cost_usd, prompt_estimate, worst_cost
+from .pricing import Price, PriceTable, prompt_estimate, worst_cost
 from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import ChatRequest, input_kinds
-from .stream import Batches, Stream, accumulate
+from .routed import RoutedRun, Target
+from .stream import Stream, accumulate
 from .types import Completion, StreamMeta
 
 if TYPE_CHECKING:
-    from .telemetry import Attempt, Telemetry
+    from .telemetry import Telemetry
 
 __all__ = ["Engine"]
 
 log = logging.getLogger("nexus.engine")
-
-Target = tuple[Provider, str]
-
-FALLBACK_BACKOFF_S = 0.05
-"""Pause before the next target: 50 ms, then 100, 200, ... (bounded by the number of targets)."""
 
 
 class Engine:
@@ -71,14 +70,14 @@ class Engine:
         self.hooks = hooks if hooks is not None else Hooks()
         self.middleware: tuple[Middleware, ...] = tuple(middleware)
         self.prices = prices if prices is not None else PriceTable()
-        """What each model costs (:mod:`nexus.pricing`); the hooks' spends use it."""
-        self.hooks.prices = self.prices
+        """What each model costs (:mod:`nexus.pricing`); this engine's hook spends use it."""
         self.telemetry: Telemetry | None = None
         """A span per upstream attempt when set (:mod:`nexus.telemetry`; the app sets it)."""
         self.on_upstream_error: Callable[[str, str], None] | None = None
         """Called with the provider and the error code of every failed upstream attempt,
         those a fallback recovered from and those after output included (the app counts
         them in ``/metrics``)."""
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it started on
         for alias, targets in self.aliases.items():
             for target in targets:
                 if self._split(target) is None:
@@ -120,6 +119,7 @@ class Engine:
 
     async def start(self) -> None:
         self.hooks.freeze()
+        self._loop = asyncio.get_running_loop()
         started: list[Provider] = []
         try:
             for provider in self.providers.values():
@@ -262,7 +262,7 @@ class Engine:
                 upstream_prompt=prompt,
             )
 
-        stream = Stream.of_batches(_Run(self, targets, request, served), meta)
+        stream = Stream.of_batches(RoutedRun(self, targets, request, served), meta)
         return stream
 
     async def open_stream(
@@ -280,8 +280,10 @@ class Engine:
         :class:`~nexus.hooks.CallContext`. ``observe=False`` skips the hooks
         (the stream hub has them watch its runs). Raises
         :class:`~nexus.errors.InvalidRequest`, :class:`~nexus.errors.ModelNotFound`, a
-        middleware's refusal, and a plugin's :class:`~nexus.hooks.StreamRejected`.
+        middleware's refusal, and a plugin's :class:`~nexus.hooks.StreamRejected`;
+        :class:`RuntimeError` on another event loop than the one it started on.
         """
+        self._on_its_loop()
         request = _validated(request)
         if ctx is None:
             ctx = CallContext()
@@ -294,7 +296,18 @@ class Engine:
         except BaseException:
             await stream.close()
             raise
-        return self.hooks.observed(stream, ctx)
+        return self.hooks.observed(stream, ctx, self.prices)
+
+    def _on_its_loop(self) -> None:
+        """Raise a clear error for a call from another event loop than the engine's: its
+        providers' connections belong to that loop (they fail there with a bare "Event
+        loop is closed", or worse, in a loop still running)."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError(
+                "This Engine was started on another event loop. An engine serves only the "
+                "event loop it started on (its providers' connections belong to it): start "
+                "an engine in each loop, or thread, that uses one."
+            )
 
     def _pipeline(self, ctx: CallContext) -> Next:
         """The middleware chain for one call, the engine at its end."""
@@ -317,170 +330,9 @@ class Engine:
         return await accumulate(await self.open_stream(request, ctx))
 
 
-class _Run:
-    """The routed call's :class:`~nexus.stream.Batches`: the targets in fallback order,
-    then the one that answered, read through (its ``__anext__`` a plain coroutine: no
-    generator layer per read). See the module docstring for what it raises."""
-
-    __slots__ = (
-        "_attempt",
-        "_batches",
-        "_before",
-        "_engine",
-        "_latest",
-        "_price",
-        "_request",
-        "_served",
-        "_span",
-        "_targets",
-    )
-
-    def __init__(
-        self,
-        engine: Engine,
-        targets: list[Target],
-        request: ChatRequest,
-        served: Callable[[Provider, str, bool, Usage | None], None],
-    ) -> None:
-        self._engine = engine
-        self._targets = targets
-        self._request: ChatRequest | None = request  # until a target answers
-        self._served = served
-        self._attempt = -1
-        self._batches: Batches | None = None  # the target's, while it is read
-        self._span: Attempt | None = None
-        self._price: Price | None = None
-        # The last two reads: where a stream's finish reason and usage are (for the span).
-        self._before: list[StreamEvent] | None = None
-        self._latest: list[StreamEvent] | None = None
-
-    def __aiter__(self) -> _Run:
-        return self
-
-    async def __anext__(self) -> list[StreamEvent]:
-        while True:
-            batches = self._batches
-            if batches is None:
-                batches = await self._next_target()
-            try:
-                batch = await batches.__anext__()
-            except StopAsyncIteration:
-                if self._span is not None:
-                    self._span.answered(self._before, self._latest)
-                await self._end(len(self._targets))
-                raise
-            except GatewayError as exc:
-                self._failed(exc.code)
-                if self._request is None:  # started
-                    await self._end(len(self._targets), failed=True)
-                    return [exc.to_event()]
-                attempt, provider = self._attempt, self._targets[self._attempt][0]
-                if exc.retryable and attempt < len(self._targets) - 1:
-                    log.warning(
-                        "provider %s failed before output (%s); trying the next target",
-                        provider.name,
-                        exc.code,
-                    )
-                    await asyncio.sleep(FALLBACK_BACKOFF_S * 2**attempt)
-                    await self._end(attempt + 1, failed=True)
-                    continue
-                await self._end(len(self._targets), failed=True)
-                raise
-            except Exception:
-                provider = self._targets[self._attempt][0]
-                log.exception("provider %s raised", provider.name)
-                self._failed("internal_error")
-                await self._end(len(self._targets), failed=True)
-                if self._request is not None:
-                    raise
-                return [
-                    Error(
-                        error_type="server_error",
-                        message=f"provider {provider.name!r} failed unexpectedly",
-                        code="internal_error",
-                        retryable=True,
-                    )
-                ]
-            if batch:
-                price = self._price
-                if price is not None and type(batch[-1]) is Usage:
-                    # A provider's usage ends the read it came in: one check a read.
-                    batch[-1] = _priced(batch[-1], price)
-                if self._request is not None:
-                    self._first_output()
-                self._before, self._latest = self._latest, batch
-                return batch
-
-    async def _next_target(self) -> Batches:
-        """The next target's batches (its span begun); StopAsyncIteration when none is left
-        (all tried, or closed)."""
-        attempt = self._attempt = self._attempt + 1
-        request = self._request
-        if request is None or attempt >= len(self._targets):
-            raise StopAsyncIteration
-        provider, model = self._targets[attempt]
-        engine = self._engine
-        self._price = engine.prices.price(f"{provider.name}/{model}", request.model)
-        telemetry = engine.telemetry
-        if telemetry is not None:
-            self._span = telemetry.attempt(provider.name, provider.kind, model, request, attempt)
-        self._batches = provider.batches(request, model)
-        return self._batches
-
-    def _failed(self, code: str) -> None:
-        """The current attempt failed with ``code``: its span and the error counter."""
-        if self._span is not None:
-            self._span.failed(code)
-        counted = self._engine.on_upstream_error
-        if counted is not None:
-            counted(self._targets[self._attempt][0].name, code)
-
-    def _first_output(self) -> None:
-        if self._span is not None:
-            self._span.first_output()
-        # No other target will be tried: the request need not stay alive for the
-        # stream's length.
-        self._request = None
-        if self._attempt:
-            self._served(*self._targets[self._attempt], False, None)
-
-    async def _end(self, attempt: int, *, failed: bool = False) -> None:
-        """Close the current target's batches and end its span; go on at ``attempt``.
-        ``failed``: the target failed (a stream that fails is charged nothing)."""
-        batches, span = self._batches, self._span
-        self._batches = self._span = None
-        if not failed and self._request is not None and getattr(batches, "accepted", False):
-            # Taken, then closed before its first event (the client left): its prompt is
-            # billed upstream (its count, if the upstream gave it).
-            prompt = getattr(batches, "prompt_usage", None)
-            self._served(*self._targets[self._attempt], True, prompt)
-        self._attempt = attempt - 1
-        try:
-            if batches is not None:
-                await batches.aclose()
-        finally:
-            if span is not None:
-                span.end()
-
-    async def aclose(self) -> None:
-        await self._end(len(self._targets))
-
-
 def _validated(request: ChatRequest | Mapping[str, Any]) -> ChatRequest:
     """``request`` as a :class:`ChatRequest`. Raises :class:`~nexus.errors.InvalidRequest`."""
     return request if isinstance(request, ChatRequest) else validated(ChatRequest, request)
-
-
-def _priced(usage: Usage, price: Price) -> Usage:
-    """``usage`` with its cost at ``price``."""
-    cost = cost_usd(
-        price,
-        usage.prompt_tokens,
-        usage.completion_tokens,
-        usage.cached_tokens or 0,
-        usage.cache_write_tokens or 0,
-    )
-    return replace(usage, cost_usd=cost)
 
 
 def _link(middleware: Middleware, ctx: CallContext, call_next: Next) -> Next:

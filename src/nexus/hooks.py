@@ -24,10 +24,12 @@ Hooks
     ``spend`` (or ``**kwargs``).
 
     Raising :class:`StreamRejected` from ``on_stream_started`` refuses the request
-    (an HTTP error, even for a background request). Any other exception from a hook,
-    a call past its plugin's ``timeout_s`` or a ``CancelledError`` of its own is
-    logged, counted in :attr:`Hooks.errors`, and the stream goes on
-    (:mod:`nexus.hook_calls`). Hooks run inline, in registration order (the
+    (an HTTP error, even for a background request). Any other exception from a hook
+    (``SystemExit`` included), a call past its plugin's ``timeout_s`` or a
+    ``CancelledError`` of its own is logged, counted in :attr:`Hooks.errors`, and the
+    stream goes on (:mod:`nexus.hook_calls`), except that an ``on_stream_started`` past
+    its ``timeout_s`` refuses the request. Plain (not ``async``) methods are refused
+    when the plugin is added. Hooks run inline, in registration order (the
     server's own budgets and metrics first): a slow hook slows its stream. ``on_chunk_received``
     runs for every Nth data event (``chunk_every``). A stream ends with exactly one
     of ``on_stream_completed`` / ``on_stream_failed``.
@@ -53,7 +55,6 @@ Middleware
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 from collections import Counter
@@ -65,7 +66,7 @@ import orjson
 
 from .errors import ConfigError, GatewayError, RegistryFrozen
 from .events import Done, Error, StreamEvent
-from .hook_calls import HOOK_TIMEOUT_S, guarded
+from .hook_calls import AFTER_FAILURE, HOOK_TIMEOUT_S, guarded, is_async, takes_spend
 from .pricing import UNKNOWN, PriceTable, Spend, Tally, terminal_ok
 from .request import ChatRequest
 from .stream import Merger, Stream, map_stream
@@ -159,19 +160,6 @@ CompletedHook = Callable[..., Awaitable[object]]
 FailedHook = Callable[..., Awaitable[object]]
 
 
-def _takes_spend(method: Callable[..., object]) -> bool:
-    """Whether a hook method takes ``spend=`` (looked at once, when the plugin is added)."""
-    try:
-        parameters = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == "spend" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
-        for p in parameters
-    )
-
-
 _ABORTED = Error(
     error_type="server_error",
     message="The client aborted the stream.",
@@ -210,8 +198,6 @@ class Hooks:
         self._leading: Counter[str] = Counter()  # entries added with first=True, per list
         self._final = False  # a completed hook uses the merged completion
         self._frozen = False
-        self.prices = PriceTable()
-        """What the spends passed to the end hooks are priced with (the engine's)."""
 
     def __bool__(self) -> bool:
         return bool(self.plugins)
@@ -236,7 +222,7 @@ class Hooks:
         before those of the plugins not added so (the server's budgets and metrics:
         no plugin can keep a stream from being charged and counted). Raises
         :class:`TypeError` for an object with none of the hooks (or one that is
-        not callable), :class:`ValueError` for ``chunk_every < 1`` and
+        not callable, or not ``async``), :class:`ValueError` for ``chunk_every < 1`` and
         :class:`~nexus.errors.RegistryFrozen` once the engine started.
         """
         if self._frozen:
@@ -253,6 +239,11 @@ class Hooks:
         for hook_name, method in found.items():
             if not callable(method):
                 raise TypeError(f"plugin {label}: {hook_name} is not callable")
+            if not is_async(method):
+                raise TypeError(
+                    f"plugin {label}: {hook_name} must be a coroutine function (async def); "
+                    "hooks are awaited"
+                )
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be more than 0, not {timeout_s!r}")
         self.plugins.insert(self._leading["plugins"] if first else len(self.plugins), plugin)
@@ -268,11 +259,11 @@ class Hooks:
             place(self._chunk, "chunk", entry)
         if "on_stream_completed" in found:
             method = found["on_stream_completed"]
-            place(self._completed, "completed", (label, method, _takes_spend(method), timeout_s))
+            place(self._completed, "completed", (label, method, takes_spend(method), timeout_s))
             self._final = self._final or getattr(plugin, "wants_final", True) is not False
         if "on_stream_failed" in found:
             method = found["on_stream_failed"]
-            place(self._failed, "failed", (label, method, _takes_spend(method), timeout_s))
+            place(self._failed, "failed", (label, method, takes_spend(method), timeout_s))
         self._leading["plugins"] += first
 
     def load(self, configs: Iterable[PluginConfig], source: str | None = None) -> None:
@@ -314,13 +305,18 @@ class Hooks:
         self._frozen = True
 
     def _failure(self, plugin: str, hook: str) -> Callable[[str, bool], None]:
-        """What :func:`~nexus.hook_calls.guarded` tells of one failed call: counted, logged."""
+        """What :func:`~nexus.hook_calls.guarded` tells of one failed call: counted, logged
+        with what follows from it (an abandoned ``on_stream_started`` refuses its request:
+        :meth:`started`)."""
 
-        def failed(what: str, trace: bool) -> None:
+        def failed(what: str, abandoned: bool) -> None:
             self.errors[hook] += 1
             for listener in self.on_error:
                 listener(hook)
-            log.error("plugin %s %s in %s; the stream goes on", plugin, what, hook, exc_info=trace)
+            then = AFTER_FAILURE[hook]
+            if abandoned and hook == "on_stream_started":
+                then = "the request is refused (503 plugin_timeout)"
+            log.error("plugin %s %s in %s; %s", plugin, what, hook, then, exc_info=not abandoned)
 
         return failed
 
@@ -346,11 +342,13 @@ class Hooks:
             return StreamObserver(self, ctx, meta)
         return None
 
-    def observed(self, stream: Stream, ctx: CallContext) -> Stream:
+    def observed(self, stream: Stream, ctx: CallContext, prices: PriceTable) -> Stream:
         """``stream`` with its chunk and end hooks firing as it is read
-        (:meth:`StreamObserver.watch`); ``stream`` itself when no plugin watches streams."""
+        (:meth:`StreamObserver.watch`; its spend priced with ``prices``, those of the
+        engine that made it: one :class:`Hooks` may serve engines with different prices);
+        ``stream`` itself when no plugin watches streams."""
         observer = self.observe(ctx, stream.meta)
-        return stream if observer is None else observer.watch(stream)
+        return stream if observer is None else observer.watch(stream, prices)
 
 
 class StreamObserver:
@@ -372,11 +370,11 @@ class StreamObserver:
         """Some plugin watches chunks: else a read costs the observer nothing."""
         self.wants_final = hooks._final
 
-    def watch(self, stream: Stream) -> Stream:
-        """``stream`` with the hooks firing as it is read; closed before its end (or
-        cancelled) it ends with ``stream_cancelled``."""
+    def watch(self, stream: Stream, prices: PriceTable) -> Stream:
+        """``stream`` with the hooks firing as it is read, its spend priced with
+        ``prices``; closed before its end (or cancelled) it ends with ``stream_cancelled``."""
         link: list[Stream] = []  # the outer stream, until its meta is settled
-        outer = Stream.of_batches(_observe(stream, self, link), stream.meta)
+        outer = Stream.of_batches(_observe(stream, self, link, prices), stream.meta)
         link.append(outer)
         return outer
 
@@ -433,7 +431,7 @@ class StreamObserver:
 
 
 async def _observe(
-    source: Stream, observer: StreamObserver, link: list[Stream]
+    source: Stream, observer: StreamObserver, link: list[Stream], prices: PriceTable
 ) -> AsyncGenerator[list[StreamEvent], None]:
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -473,7 +471,7 @@ async def _observe(
         finally:
             end = terminal or Done()
             meta = observer.meta = source.meta
-            spend = observer._hooks.prices.spend(tallied, meta, complete=terminal_ok(end))
+            spend = prices.spend(tallied, meta, complete=terminal_ok(end))
             await observer.end(
                 end,
                 loop.time() - start,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -186,13 +187,17 @@ async def test_non_retryable_error_before_output_is_raised_without_fallback() ->
         await stream.next()
 
 
-async def test_foreign_exception_before_output_is_raised_without_fallback() -> None:
+async def test_foreign_exception_before_output_is_a_gateway_error_without_fallback() -> None:
+    """A provider's own bug reached the caller raw (a KeyError), not the GatewayError the
+    docs promise for a failure before the first event."""
     a = Scripted("a", fail=KeyError("oops"))
     b = Scripted("b", B_EVENTS)
     engine = Engine([a, b], models={"fast": ["a/x", "b/y"]})
     stream = engine.complete_stream(chat("fast"))
-    with pytest.raises(KeyError):
+    with pytest.raises(GatewayError) as raised:
         await stream.next()
+    assert (raised.value.code, raised.value.status) == ("internal_error", 500)
+    assert isinstance(raised.value.__cause__, KeyError)
     assert b.calls == []
 
 
@@ -354,3 +359,81 @@ def test_meta_ids_have_128_random_bits_and_differ() -> None:
     for stream_id in ids:
         assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", stream_id)
     assert len(set(ids)) == 50
+
+
+class Batched(Provider):
+    """Yields the given batches as they are; records its cleanup."""
+
+    kind = "batched"
+
+    def __init__(self, name: str, batches: Sequence[list[StreamEvent]]) -> None:
+        super().__init__(name)
+        self.script = [list(batch) for batch in batches]
+        self.closed = False
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        try:
+            for batch in self.script:
+                yield batch
+        finally:
+            self.closed = True
+
+
+REFUSED = Error(error_type="server_error", message="upstream said no", code="upstream_error")
+
+
+async def test_an_error_a_provider_yields_ends_the_stream_and_is_counted() -> None:
+    """Events a provider yielded after its Error reached the reader, though the Error is
+    the last event; and the failure never reached ``on_upstream_error``."""
+    after = Delta(content=" after the error")
+    a = Batched("a", [[Delta(content="part")], [REFUSED, after], [after]])
+    engine = Engine([a])
+    failed: list[tuple[str, str]] = []
+    engine.on_upstream_error = lambda provider, code: failed.append((provider, code))
+    stream = engine.complete_stream(chat("a/x"))
+    assert await stream.next() == Delta(content="part")
+    assert await stream.next() == REFUSED
+    assert a.closed  # at the error, not when the reader gets to the end
+    with pytest.raises(EndOfStream):
+        await stream.next()
+    assert failed == [("a", "upstream_error")]
+
+
+async def test_an_error_yielded_in_the_first_read_after_output_keeps_the_output() -> None:
+    a = Batched("a", [[Delta(content="part"), REFUSED, Delta(content="dropped")]])
+    assert await read_all(Engine([a]).complete_stream(chat("a/x"))) == [
+        Delta(content="part"),
+        REFUSED,
+    ]
+
+
+async def test_an_error_a_provider_yields_first_is_raised_after_the_fallbacks() -> None:
+    """Before any output a yielded Error is what a raised one is: the next target is
+    tried when it is retryable, and it is counted."""
+    retry = Error(error_type="server_error", message="busy", code="upstream_error", retryable=True)
+    a = Batched("a", [[retry], [Delta(content="never")]])
+    b = Batched("b", [[REFUSED]])
+    engine = Engine([a, b], models={"fast": ["a/x", "b/y"]})
+    failed: list[tuple[str, str]] = []
+    engine.on_upstream_error = lambda provider, code: failed.append((provider, code))
+    stream = engine.complete_stream(chat("fast"))
+    with pytest.raises(GatewayError) as raised:
+        await stream.next()
+    assert (raised.value.code, raised.value.message) == ("upstream_error", "upstream said no")
+    assert failed == [("a", "upstream_error"), ("b", "upstream_error")]
+    assert a.closed and b.closed
+
+
+def test_an_engine_used_on_another_event_loop_says_so() -> None:
+    """Its providers' connections belong to the loop it started on: from another, every
+    call failed with a bare ``RuntimeError: Event loop is closed``."""
+    engine = Engine([MockProvider("mock")])
+    asyncio.run(engine.start())
+
+    async def use() -> None:
+        await engine.complete(chat())
+
+    with pytest.raises(RuntimeError, match=r"started on another event loop.*each loop"):
+        asyncio.run(use())

@@ -73,6 +73,7 @@ RULES = [
     (
         (
             "nexus.engine",
+            "nexus.routed",
             "nexus.hooks",
             "nexus.stream",
             "nexus.merger",

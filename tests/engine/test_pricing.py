@@ -360,7 +360,6 @@ def test_a_price_entry_is_not_an_alias() -> None:
     engine = Engine.from_config(config)
     assert engine.aliases == {}
     assert engine.prices.prices == {"up/m": Price(1.0, 2.0, 1.0)}
-    assert engine.hooks.prices is engine.prices
 
 
 def test_a_cache_write_price_comes_from_the_config() -> None:

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from nexus.encoders.openai_sse import OpenAISSEEncoder
 from nexus.events import Delta
+from nexus.server.chunked import chunk
 from nexus.server.render import Renderer
-from nexus.server.streaming import StreamPump, chunk
+from nexus.server.streaming import StreamPump
 from nexus.types import StreamMeta
 from nexus.watchdog import Watchdog
 

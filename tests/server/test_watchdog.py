@@ -111,7 +111,7 @@ async def test_a_heartbeat_due_as_a_big_write_begins_does_not_split_its_frame() 
                 raise StopAsyncIteration
             return item
 
-        async def close(self) -> None:
+        async def close(self, failed: Any = None) -> None:
             pass
 
         async def settled_spend(self, wait_s: float) -> None:
@@ -242,3 +242,33 @@ class FakeTransport:
 
     def get_extra_info(self, name: str) -> Any:
         return self.sock if name == "socket" else None
+
+
+async def test_a_heartbeat_that_raises_is_logged_once_and_drops_its_connection(
+    caplog: Any,
+) -> None:
+    """Its task raised, unretrieved, and the next tick started another: a traceback per
+    tick, and no keepalive ever again (a WebSocket's; the HTTP pump's own: see
+    test_encoder_failures)."""
+    from nexus.server.writer import Writer
+
+    dropped: list[str] = []
+
+    class Request:
+        transport = None
+        protocol = None
+
+    class Pump(Writer):
+        async def _heartbeat(self) -> None:
+            raise RuntimeError("heartbeat bug")
+
+        def _abort(self, why: str, cause: str = "write_timeout") -> None:
+            dropped.append(cause)
+
+    pump = Pump(Request(), heartbeat_s=1, write_timeout_s=5, watchdog=Watchdog())  # type: ignore[arg-type]
+    pump.check(pump._loop.time() + 2)
+    beat = pump._beat
+    assert beat is not None
+    await beat  # contained: nothing left for "Task exception was never retrieved"
+    assert dropped == ["internal_error"]
+    assert [r.getMessage() for r in caplog.records] == ["the heartbeat of a connection failed"]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from ..errors import GatewayError
-from ..events import Done, StreamEvent
+from ..events import Done, Error, StreamEvent
 from ..pricing import Spend
 from ..types import StreamMeta
 from .run import MAX_BATCH, LogReader, Push, StreamRun
@@ -109,10 +109,10 @@ class RunReader:
             self._index = end
         return taken
 
-    async def close(self) -> None:
+    async def close(self, failed: Error | None = None) -> None:
         if not self._closed:
             self._closed = True
-            self._run._detach()
+            self._run._detach(failed)
 
 
 class StoreReader:
@@ -169,7 +169,7 @@ class StoreReader:
                 await self._store.lease(self._id, ttl)
             await asyncio.sleep(ttl / 4)
 
-    async def close(self) -> None:
+    async def close(self, failed: Error | None = None) -> None:
         if self._lease is not None:
             self._lease.cancel()
             self._lease = None

@@ -8,9 +8,11 @@ any index and gets all that arrived since its last read as one batch.
 When the last reader leaves, a *resumable* stream (``info.resumable``) runs on for
 ``detach_timeout_s``, then ends with ``stream_detached`` if nobody came back; any
 other stream is cancelled at once (``client_disconnect``: the upstream is not paid
-to generate for nobody). With a shared store, another replica's lease keeps either
-running (checked every ``LEASE_POLL_S``). A log past ``max_log_bytes`` ends with
-``stream_too_large``; :meth:`StreamRun.cancel` ends it with the entry given.
+to generate for nobody; or the error the gateway failed its last reader's response
+with, the outcome that client's access line tells). With a shared store, another
+replica's lease keeps either running (checked every ``LEASE_POLL_S``). A log past
+``max_log_bytes`` ends with ``stream_too_large``; :meth:`StreamRun.cancel` ends it
+with the entry given.
 
 A run drives its ``observer`` (:class:`~nexus.hooks.StreamObserver`) itself, with no
 layer between its source and its log: the chunk hooks see each read before it is
@@ -82,7 +84,9 @@ class LogReader(Protocol):
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 
-    async def close(self) -> None: ...
+    async def close(self, failed: Error | None = None) -> None:
+        """Stop reading. ``failed``: the gateway failed this reader's client (not the
+        client gone): a stream that ends because its last reader left ends with it."""
 
 
 def _size(batch: list[StreamEvent]) -> int:
@@ -178,6 +182,7 @@ class StreamRun:
         self._timer: asyncio.TimerHandle | None = None
         self._lease_check: asyncio.Task[None] | None = None
         self._cancel_with: StreamEvent | None = None
+        self._left_with: Error | None = None  # why the last reader left, if not its client
         self._task: asyncio.Task[None] | None = None
         self._running = False
         self._settled = False
@@ -362,11 +367,13 @@ class StreamRun:
     # Attachment.
     def _attach(self) -> None:
         self.attached += 1
+        self._left_with = None
         self._disarm()
 
-    def _detach(self) -> None:
+    def _detach(self, failed: Error | None = None) -> None:
         self.attached -= 1
         if self.attached == 0 and not self.finished:
+            self._left_with = failed
             if self.info.resumable:
                 self._arm()
             else:
@@ -423,6 +430,10 @@ class StreamRun:
                     "([streams] detach_timeout_s); the stream was cancelled.",
                 )
             )
+        elif self._left_with is not None:
+            # Its last client's response failed in the gateway (its encoder): the
+            # stream's hooks hear the error that client's access line tells.
+            self.cancel(self._left_with)
         else:
             self.cancel(
                 _error(

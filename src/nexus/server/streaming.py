@@ -46,11 +46,12 @@ from ..events import Error, StreamEvent
 from ..pricing import NOTHING
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange, settled_spend
+from .chunked import ChunkedResponse, chunk
 from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
 from .writer import Writer
 
-__all__ = ["StreamPump", "chunk", "pump"]
+__all__ = ["StreamPump", "pump"]
 
 log = logging.getLogger("nexus.server")
 
@@ -105,6 +106,8 @@ class StreamPump(Writer):
         self._chunked = False  # the body goes out in HTTP chunks (not to HTTP/1.0, nor HEAD)
         self._head = False  # a HEAD request: headers only, no body
         self._last: StreamEvent | None = None  # the last event of the first output
+        self._broken: Exception | None = None  # what the encoder's heartbeat() raised
+        self._failed_with: Error | None = None  # the gateway's error this client got
         self._protocol = request.protocol
 
     def shutdown(self) -> None:
@@ -157,6 +160,9 @@ class StreamPump(Writer):
             self.exchange.ended_with(_LOST)
             return await self._end(renderer.fail(_LOST))
         except asyncio.CancelledError:
+            task = self._task  # (cancelled by _beat_failed alone: the stream ends in-band)
+            if self._broken is not None and task and task.uncancel() == 0 and not self._ended:
+                return await self._fail(self._broken)
             if not self._shutting_down or self._ended:
                 if not self._ended and self.exchange.cancelled is None:
                     self.exchange.cancelled = "client_disconnect"
@@ -169,40 +175,48 @@ class StreamPump(Writer):
             # Shutdown: a retryable error, the terminator and a clean end of the body.
             with contextlib.suppress(Exception):
                 await self._end(renderer.fail(_SHUTDOWN))
-            task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
             return self.response
         except Exception as exc:
             if self.response is None:
+                if not isinstance(exc, GatewayError):  # (an encoder's start(): a 500)
+                    self._failed_with = _INTERNAL
                 raise
-            # After the headers nothing may escape to the middleware (it would write a
-            # second response into this body): end the stream in-band instead.
             if isinstance(exc, ConnectionError):
                 log.debug("client left stream %s: %s", self.reader.meta.id, exc)
             elif isinstance(exc, GatewayError):
                 log.warning("stream %s ended: %s", self.reader.meta.id, exc.code)
             else:
                 log.exception("stream %s failed", self.reader.meta.id)
-            if not self._ended:
-                event = exc.to_event() if isinstance(exc, GatewayError) else _INTERNAL
-                if not isinstance(exc, ConnectionError):  # (its outcome: not ok)
-                    self.exchange.ended_with(event)
-                with contextlib.suppress(Exception):
-                    await self._end(renderer.fail(event))
-            return self.response
+            return await self._fail(exc)
         finally:
             self._settle()
             self._watch(False)
             self._meter()
             if self._active is not None:
                 self._active.discard(self)
-            await self.reader.close()
+            await self.reader.close(self._failed_with)
             ex = self.exchange
             if self.origin and ex.spend is None and self.reader.failure is None:
                 # The client left before the end: its stream, unless resumable, is being
                 # cancelled; its spend goes on the access line or on a line of its own.
                 ex.spend = await settled_spend(self.request.app, ex, self.reader, self.reader.run)
+
+    async def _fail(self, exc: Exception) -> web.StreamResponse:
+        """End the stream in-band: after the headers nothing may escape to the middleware
+        (it would write a second response into this body). The gateway's failure (not the
+        client gone) is the response's outcome, and, when its client was the stream's last,
+        the stream's (its plugins hear the same)."""
+        assert self.response is not None
+        if not self._ended:
+            event = exc.to_event() if isinstance(exc, GatewayError) else _INTERNAL
+            if not isinstance(exc, ConnectionError):  # (its outcome: not ok)
+                self.exchange.ended_with(event)
+                self._failed_with = event
+            with contextlib.suppress(Exception):
+                await self._end(self.renderer.fail(event))
+        return self.response
 
     async def _read_in_task(self, batches: AsyncIterator[list[StreamEvent]], out: bytes) -> object:
         """The next batch, read in a task of its own: a read that must not be cancelled (a
@@ -306,7 +320,7 @@ class StreamPump(Writer):
         if self.response is None:
             self._head = self.request.method == "HEAD"
             if self.request.version >= (1, 1):
-                self.response = _Response(status=200, headers=self.headers)
+                self.response = ChunkedResponse(status=200, headers=self.headers)
                 self.response.enable_chunked_encoding()
             else:  # HTTP/1.0 has no chunks: the body ends with the connection
                 self.response = web.StreamResponse(status=200, headers=self.headers)
@@ -392,7 +406,13 @@ class StreamPump(Writer):
         return self.response
 
     def _beat_due(self, now: float) -> bool:
-        return not self._ended and super()._beat_due(now)
+        return not self._ended and self._broken is None and super()._beat_due(now)
+
+    def _beat_failed(self, exc: Exception) -> None:
+        """The encoder's ``heartbeat()`` raised: end the stream in-band, in this pump's task."""
+        self._broken = exc
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
 
     async def _heartbeat(self) -> None:
         response = self.response
@@ -404,28 +424,10 @@ class StreamPump(Writer):
         await self._timed(response.write(heartbeat))
         self.exchange.bytes += len(heartbeat)
 
-    def _abort(self, why: str) -> None:
-        super()._abort(why)
+    def _abort(self, why: str, cause: str = "write_timeout") -> None:
+        super()._abort(why, cause)
         if self._task is not None and not self._task.done():
             self._task.cancel()
-
-
-def chunk(data: bytes) -> bytes:
-    """``data`` as one HTTP/1.1 chunk (RFC 9112 §7.1; ``data`` not empty)."""
-    return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-class _Response(web.Response):
-    """A chunked response whose headers go out with its first bytes, and its last
-    bytes with the end of the body: one write each.
-
-    aiohttp's ``StreamResponse`` sends its headers alone on ``prepare()``; its
-    ``Response`` keeps them for the first write, but writes only a body given up
-    front at ``write_eof()``.
-    """
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        await web.StreamResponse.write_eof(self, data)
 
 
 def _error(code: str, why: str) -> Error:

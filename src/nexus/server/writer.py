@@ -30,7 +30,8 @@ class Writer(ABC):
     Writes go through :meth:`_timed`. At each tick (:meth:`check`), a socket full
     without taking a byte for ``write_timeout_s`` gets the connection aborted;
     else, when :meth:`_beat_due`, a task runs :meth:`_heartbeat` (within
-    ``write_timeout_s``)."""
+    ``write_timeout_s``). A heartbeat that fails otherwise (an encoder's bug) is logged
+    once and handed to :meth:`_beat_failed`."""
 
     name = "a connection"
     """What the log calls the client's connection when it is dropped."""
@@ -130,17 +131,27 @@ class Writer(ABC):
                 await self._heartbeat()
         except (TimeoutError, ConnectionError):
             self._abort("a heartbeat could not be written")
+        except Exception as exc:
+            # Not the client's doing: raised from this task, it would be retried, and
+            # logged unretrieved, at every tick.
+            log.exception("the heartbeat of %s failed", self.name)
+            self._beat_failed(exc)
         finally:
             self._beat = None
+
+    def _beat_failed(self, exc: Exception) -> None:
+        """A heartbeat raised ``exc`` (logged): no other comes; the connection is dropped."""
+        self._abort("its heartbeat failed", "internal_error")
 
     @abstractmethod
     async def _heartbeat(self) -> None:
         """Write this connection's keepalive (an SSE comment, a WebSocket ping)."""
 
-    def _abort(self, why: str) -> None:
-        """Drop the client (abort: a close could not reach a peer that does not read)."""
+    def _abort(self, why: str, cause: str = "write_timeout") -> None:
+        """Drop the client (abort: a close could not reach a peer that does not read);
+        ``cause``: the access line's reason."""
         log.warning("dropping client of %s: %s", self.name, why)
-        exchange(self.request).cancelled = "write_timeout"
+        exchange(self.request).cancelled = cause
         transport = self.request.transport
         if transport is not None:
             transport.abort()

@@ -7,10 +7,14 @@ there is none, failed under ``CI=true``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
 
+from nexus import Provider
+from nexus.events import Delta, StreamEvent, Usage
+from nexus.request import ChatRequest
 from nexus.server.state import HUB
 from redis_support import REDIS_URL
 from support import GatedProvider, MakeClient, chat, parse_sse
@@ -26,6 +30,29 @@ def ndjson(body: bytes) -> list[dict[str, Any]]:
 
 def text_of(lines: list[dict[str, Any]]) -> str:
     return "".join(line["delta"].get("content") or "" for line in lines if line["type"] == "delta")
+
+
+class EmojiProvider(Provider):
+    """Ten deltas of 1,500 emoji each (4 bytes of UTF-8 per character), apart: most
+    land in log entries of their own in Redis (a trim drops whole entries)."""
+
+    kind = "emoji"
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        for _ in range(10):
+            yield [Delta(content="\U0001f600" * 1500)]
+            await asyncio.sleep(0.03)
+        yield [Delta(finish_reason="stop")]
+        yield [Usage(prompt_tokens=1, completion_tokens=10, total_tokens=11)]
+
+
+async def kept(client: Any) -> None:
+    """Until the replica's runs have handed their logs to the store."""
+    async with asyncio.timeout(5):
+        while client.app[HUB].live:
+            await asyncio.sleep(0.01)
 
 
 async def test_a_stream_started_on_one_replica_resumes_on_the_other(
@@ -181,3 +208,23 @@ async def test_cancel_answers_409_on_a_replica_that_does_not_run_the_stream(
     done = await one.delete(f"/v1/streams/{stream_id}")
     assert (await done.json())["status"] == "cancelled"
     resp.close()
+
+
+async def test_a_stream_that_finished_under_max_log_bytes_resumes_whole_on_every_replica(
+    make_client: MakeClient, prefix: str
+) -> None:
+    # About 16 kB as max_log_bytes counts it (128 + characters per delta), 60 kB of UTF-8.
+    config = redis_config(prefix, streams={"max_log_bytes": 20_000})
+    one = await make_client(config, providers=[EmojiProvider("emoji")])
+    two = await make_client(config)
+    resp = await one.post(
+        "/v1/chat/completions?stream_format=ndjson", json=chat(model="emoji/m", stream=True)
+    )
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    full = await resp.read()
+    assert full.endswith(b'{"type":"done"}\n')
+    await kept(one)
+    for replica in (one, two):
+        again = await replica.get(f"/v1/streams/{stream_id}?stream_format=ndjson")
+        assert again.status == 200, await again.text()
+        assert await again.read() == full

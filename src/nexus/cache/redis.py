@@ -15,7 +15,9 @@ and bounded, in :mod:`nexus.cache.redis_quota`.) When the owner of a live log
 dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive lapsed.
 
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
-trims the oldest with ``XADD MINID ~``), or lost (Redis restarted without persistence).
+trims the oldest with ``XADD MINID ~``; counted as the run counts its log, by
+:func:`~nexus.cache.codec.logged_size`, so only a log the run ended as
+``stream_too_large`` ever is), or lost (Redis restarted without persistence).
 Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
 (:meth:`RedisStore.mirror` says so: the keeper begins it again from entry 0), never
 re-created without its start; :meth:`RedisStore.end` rewrites it whole itself. A reader
@@ -46,7 +48,7 @@ from redis.retry import Retry
 
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
-from .codec import dump_event, dumps_events, load_event
+from .codec import dump_event, dumps_events, load_event, logged_size
 from .redis_log import (
     APPEND,
     FINISH,
@@ -134,11 +136,13 @@ class RedisStore(Store):
         self._client = client
         self._owns_client = client is None
         self.max_log_bytes = max_log_bytes
-        """A live log past this many bytes (in codec form) is trimmed (``XADD MINID ~``)."""
-        self.quota = Quota(prefix, max_bytes_per_key, max_log_bytes)
+        """A live log past this size (:func:`~nexus.cache.codec.logged_size`, the measure
+        the run bounds it by: no log the run let finish) is trimmed (``XADD MINID ~``)."""
+        self.quota = Quota(prefix, max_bytes_per_key)
         """What each owner's logs and recordings hold, bounded (:mod:`.redis_quota`)."""
         self._live: dict[str, list[int]] = {}
-        """Live streams begun here -> [their TTL in ms, the bytes of their log so far]."""
+        """Live streams begun here -> [their TTL in ms, the bytes of their log so far, its
+        size as ``max_log_bytes`` counts it]."""
         self.replica_id = os.urandom(8).hex()
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
@@ -241,7 +245,7 @@ class RedisStore(Store):
             raise
 
     def _begin(self, info: StreamInfo, ttl_ms: int) -> list[Command]:
-        self._live[info.id] = [ttl_ms, 0]
+        self._live[info.id] = [ttl_ms, 0, 0]
         self.quota.counted.pop(info.id, None)  # (written again from its start: counted so)
         return [
             ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
@@ -312,23 +316,27 @@ class RedisStore(Store):
             stream_id, start, events = write.info.id, write.start, write.events
             log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
             live = self._live.get(stream_id)
-            ttl, size = live or (ttl_ms, 0)
+            ttl, size, counted = live or (ttl_ms, 0, 0)
             ttl = ttl_ms if write.end else ttl
             exists = ("NOMKSTREAM",) if start > 0 else ()
             for first in range(0, len(events), _ENTRY):
-                payload = dumps_events(events[first : first + _ENTRY])
+                chunk = events[first : first + _ENTRY]
+                payload = dumps_events(chunk)
                 end = start + min(first + _ENTRY, len(events))
                 size += len(payload)
+                counted += logged_size(chunk)
                 trim: tuple[Any, ...] = ()
-                if limit is not None and size > limit:
+                if limit is not None and counted > limit:
                     # Keep as many entries as fit, at the log's mean entry size.
-                    trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
+                    trim = ("MINID", "~", f"0-{end - end * limit // counted + 1}")
                 keys.append(log)
                 args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
                 owners.append(at)
-            tally.log(write.info.owner, stream_id, size, ttl, write.end)
+            # Its bytes in Redis: once trimmed, about the share of them the trim kept.
+            kept = size if limit is None or counted <= limit else size * limit // counted
+            tally.log(write.info.owner, stream_id, kept, ttl, write.end)
             if not write.end:
-                sizes[stream_id] = [ttl, size]
+                sizes[stream_id] = [ttl, size, counted]
                 if start == 0:
                     after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
             elif exists and events:

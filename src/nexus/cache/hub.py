@@ -26,6 +26,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from ..auth import ApiKey
 from ..config import CacheConfig, StreamsConfig
@@ -148,7 +149,7 @@ class StreamHub:
         ``resumable``: it outlives its clients for ``[streams] detach_timeout_s``
         (a ``background`` stream always does); otherwise the last reader to leave
         cancels it (:mod:`nexus.cache.run`). A resumable request that joins a stream
-        of this replica's makes that stream resumable.
+        of its key makes that stream resumable, on whichever replica it runs.
 
         ``ctx`` is what the middleware and the hooks see of the call (by default
         one with ``key=owner`` and ``format``). Raises what
@@ -224,14 +225,11 @@ class StreamHub:
                     return Opened(info, run, "miss")
                 joined = await self._joinable(holder)  # (no wait for a local stream)
                 if joined is not None:
+                    joined = await self._joined_as(joined, info, lasts)
+                if joined is not None:
                     handed = True
                     local = self.live.get(holder)
                     reader = None if local is None else local.reader()
-                    if joined.owner != info.owner:  # [cache] share_across_keys
-                        # Another key's stream: this client can never find it to resume.
-                        joined = replace(joined, resumable=False)
-                    elif local is not None and info.resumable:
-                        local.info.resumable = True  # this client may leave and come back
                     try:
                         await stream.close()
                         if store.shared:
@@ -251,6 +249,26 @@ class StreamHub:
             raise
         run = self._start(info, stream, ctx, detached=background)  # contended: not recorded
         return Opened(info, run, "miss")
+
+    async def _joined_as(
+        self, joined: StreamInfo, info: StreamInfo, lasts: float
+    ) -> StreamInfo | None:
+        """What a request (``info``) that joins ``joined`` is told of it. A resumable one
+        makes it resumable, here or through the store (None: its replica is cancelling
+        it for want of clients, and it must not be joined)."""
+        if joined.owner != info.owner:  # [cache] share_across_keys
+            # Another key's stream: this client can never find it to resume.
+            return replace(joined, resumable=False)
+        if not info.resumable:
+            return joined
+        local = self.live.get(joined.id)
+        if local is not None:
+            local.info.resumable = True  # this client may leave and come back
+            return local.info
+        # Held as by a client that left just now: resumable for detach_timeout_s from here.
+        if not await self.store.make_resumable(joined.id, lasts, self.streams.detach_timeout_s):
+            return None
+        return replace(joined, resumable=True)
 
     async def _open(self, request: ChatRequest, ctx: CallContext) -> Stream:
         """The engine's stream through its middleware, past ``on_stream_started``."""
@@ -345,7 +363,7 @@ class StreamHub:
             source,
             detach_timeout_s=self.streams.detach_timeout_s,
             max_log_bytes=self.streams.max_log_bytes,
-            leased=(lambda: self.store.leased(info.id)) if self.store.shared else None,
+            held=partial(self.store.held, info.id) if self.store.shared else None,
             max_duration_s=self.max_duration_s,
             observer=self.engine.hooks.observe(ctx, info.meta),
             timed=record is not None,

@@ -6,7 +6,9 @@ found and ended here; the jobs around it have modules of their own.
 1. With ``[cache] enabled``, a recording of the same request by the same owner
    replays as a new stream (``cache="hit"``; :mod:`nexus.cache.recording`).
 2. An identical request of the same owner still streaming, here or on a replica
-   sharing the store, is joined: one upstream call, many listeners (``"hit"``).
+   sharing the store, is joined: one upstream call, many listeners (``"hit"``). One
+   that just ended here is waited for, a round trip, to be recorded and replayed; one
+   that ended elsewhere and is not recorded yet is joined (its log is whole).
 3. Otherwise the engine's stream, through its middleware, starts in a
    :class:`StreamRun` (:mod:`nexus.cache.run`; ``"miss"``, or None with the cache
    off), which :mod:`nexus.cache.keeper` keeps in the store and records.
@@ -39,7 +41,7 @@ from ..stream import Stream
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .admission import Admission
-from .keeper import Keeper
+from .keeper import RECORDING_WAIT_S, Keeper, status_of
 from .limits import KeyLimits
 from .readers import RunReader, StoreReader
 from .recording import cache_key, replay
@@ -167,6 +169,8 @@ class StreamHub:
         key = cache_key(request, owner, shared=self.cache.share_across_keys)
         try:
             recording = await self.store.get_recording(key)
+            if recording is None and await self.keeper.recorded(key, RECORDING_WAIT_S):
+                recording = await self.store.get_recording(key)  # it just ended here
         except StoreUnavailable:
             if self.store_required:
                 raise
@@ -265,6 +269,8 @@ class StreamHub:
         if local is not None:
             local.info.resumable = True  # this client may leave and come back
             return local.info
+        if joined.status != "in_progress":
+            return replace(joined, resumable=True)  # ended: its log waits resume_ttl_s
         # Held as by a client that left just now: resumable for detach_timeout_s from here.
         if not await self.store.make_resumable(joined.id, lasts, self.streams.detach_timeout_s):
             return None
@@ -287,12 +293,19 @@ class StreamHub:
                 raise
 
     async def _joinable(self, stream_id: str) -> StreamInfo | None:
+        """The info of the stream holding a claim, if a request may join it: one still
+        running, or one that ended well and whose recording is not written yet (its
+        whole log is here, or in the store: joined, it is read from its start)."""
         run = self.live.get(stream_id)
         if run is not None:
-            return run.info if not run.ending else None
-        info = await self.store.info(stream_id)
-        if info is None or info.status != "in_progress":
+            if not run.ending or (run.finished and status_of(run.events[-1]) == "completed"):
+                return run.info
             return None
+        info = await self.store.info(stream_id)
+        if info is None or info.status not in ("in_progress", "completed"):
+            return None
+        if info.status == "completed":
+            return info
         return info if await self.store.alive(stream_id) else None
 
     async def _launch(

@@ -188,14 +188,17 @@ class StoreReader:
             await self._store.unlease(self._id, hold, resumable)
 
     async def close(self) -> None:
-        if self._lease is not None:
-            self._lease.cancel()
-            self._lease = None
-            await self._unlease()
-        closer = getattr(self._batches, "aclose", None)
-        if closer is not None:
-            with contextlib.suppress(Exception):
-                await closer()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.cancel()
+        try:
+            closer = getattr(self._batches, "aclose", None)
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer()
+        finally:
+            if lease is not None:  # (also when cancelled meanwhile: once, not renewed)
+                await self._unlease()
 
 
 def with_usage(meta: StreamMeta, include_usage: bool, include_cost: bool = False) -> StreamMeta:

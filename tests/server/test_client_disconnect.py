@@ -27,8 +27,8 @@ import openai
 import orjson
 import pytest
 
+from nexus.cache.readers import LEASE_S
 from nexus.cache.recording import cache_key
-from nexus.cache.run import LEASE_POLL_S
 from nexus.request import ChatRequest
 from nexus.server.state import HUB
 from nexus_process import start_nexus, stop_nexus
@@ -465,8 +465,8 @@ async def test_a_reader_on_another_replica_keeps_a_plain_stream_until_its_lease_
     await asyncio.sleep(0.5)
     assert not gated.closed.is_set()  # the lease of replica two's reader keeps it
     follower.close()
-    # The lease lapses (2 s) and the owner's next check (LEASE_POLL_S) cancels it.
-    await asyncio.wait_for(gated.closed.wait(), 2.0 + LEASE_POLL_S + 1.0)
+    # The follower's lease lapses (LEASE_S / 2 after it left) and the owner cancels it then.
+    await asyncio.wait_for(gated.closed.wait(), LEASE_S / 2 + 1.0)
     got = await one.get(f"/v1/streams/{stream_id}?stream_format=ndjson")
     lines = [orjson.loads(line) for line in (await got.read()).splitlines()]
     assert lines[-2]["error"]["code"] == "client_disconnect"

@@ -70,6 +70,29 @@ async def test_a_log_past_max_log_bytes_is_trimmed_and_not_served_from_its_start
         await store.close()
 
 
+async def test_a_log_under_max_log_bytes_as_the_run_counts_it_is_never_trimmed(
+    redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """The bound counts what the run counts (128 + characters per text delta), not the
+    UTF-8 bytes of the copy: text of emoji, CJK or escaped control characters takes
+    several times more bytes than characters, and a stream the run let finish must
+    resume whole."""
+    store = RedisStore(REDIS_URL, prefix, max_log_bytes=20_000)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        # 10 x 1,628 = 16,280 as counted; 10 x ~6,000 bytes of JSON in Redis.
+        events: list[StreamEvent] = [Delta(content="\U0001f600" * 1500) for _ in range(10)]
+        for at in range(len(events)):  # one entry each: trimming works on whole entries
+            assert await append(store, info, at, events[at : at + 1])
+        info.status = "completed"
+        await store.end(info, [*events, Done()], len(events), 60)
+        assert await read_all(store, info.id) == [*events, Done()]
+    finally:
+        await store.close()
+
+
 async def test_a_log_lost_in_a_restart_is_noticed_and_written_again_whole(
     redis_client: aioredis.Redis, prefix: str
 ) -> None:
@@ -160,7 +183,7 @@ async def test_a_mirror_write_that_failed_does_not_count_toward_the_trim(
     max_log_bytes is trimmed and a reader from its start gets StreamIncomplete."""
     from nexus.errors import StoreUnavailable
 
-    store = RedisStore(REDIS_URL, prefix, max_log_bytes=20_000)
+    store = RedisStore(REDIS_URL, prefix, max_log_bytes=60_000)
     await store.start()
     try:
         info = make_info()
@@ -181,7 +204,8 @@ async def test_a_mirror_write_that_failed_does_not_count_toward_the_trim(
         assert await append(store, info, 200, events[200:])
         info.status = "completed"
         await store.end(info, [*events, Done()], len(events), 60)
-        # About 16 kB were written in all: under the limit, nothing may be trimmed.
+        # 400 x (128 + 12) = 56,000 as the bound counts them: under it, nothing may be
+        # trimmed (the four failed attempts would have counted 112,000 more).
         assert await read_all(store, info.id) == [*events, Done()]
     finally:
         await store.close()

@@ -373,6 +373,37 @@ async def test_leases(store: RedisStore) -> None:
     assert await store.leased("s1") is False
 
 
+async def test_a_lease_left_by_its_reader_lapses_after_the_hold_not_its_full_ttl(
+    store: RedisStore,
+) -> None:
+    await store.lease("s1", ttl_s=60)
+    await store.unlease("s1", hold_s=0.5, resumable_hold_s=30)
+    left, made = await store.held("s1", resumable=True)
+    assert 0 < left <= 0.5 and not made
+    await store.make_resumable("s1", ttl_s=60, hold_s=0.1)  # a join elsewhere
+    await store.unlease("s1", hold_s=0.5, resumable_hold_s=30)  # now the resumable hold
+    left, made = await store.held("s1", resumable=False)
+    assert 0.5 < left <= 30 and made
+
+
+async def test_a_stream_its_owner_ends_for_want_of_clients_is_not_made_resumable(
+    store: RedisStore,
+) -> None:
+    # The owner found no lease and no join: it cancels the stream, and says so atomically.
+    assert await store.held("s1", resumable=False) == (0.0, False)
+    assert not await store.make_resumable("s1", ttl_s=60, hold_s=5)
+    assert not await store.leased("s1")
+    # Made resumable before the owner asked: the owner learns it, and waits.
+    assert await store.make_resumable("s2", ttl_s=60, hold_s=5)
+    left, made = await store.held("s2", resumable=False)
+    assert 4 < left <= 5 and made
+    info = make_info()
+    await store.begin(info, 60)
+    assert await store.make_resumable(info.id, ttl_s=60, hold_s=5)
+    found = await store.info(info.id)
+    assert found is not None and found.resumable  # every replica's readers see it
+
+
 # Recordings.
 async def test_recordings(store: RedisStore) -> None:
     recording = Recording(

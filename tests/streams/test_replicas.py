@@ -7,10 +7,14 @@ there is none, failed under ``CI=true``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
 
+from nexus import Provider
+from nexus.events import Delta, StreamEvent, Usage
+from nexus.request import ChatRequest
 from nexus.server.state import HUB
 from redis_support import REDIS_URL
 from support import GatedProvider, MakeClient, chat, parse_sse
@@ -26,6 +30,29 @@ def ndjson(body: bytes) -> list[dict[str, Any]]:
 
 def text_of(lines: list[dict[str, Any]]) -> str:
     return "".join(line["delta"].get("content") or "" for line in lines if line["type"] == "delta")
+
+
+class EmojiProvider(Provider):
+    """Ten deltas of 1,500 emoji each (4 bytes of UTF-8 per character), apart: most
+    land in log entries of their own in Redis (a trim drops whole entries)."""
+
+    kind = "emoji"
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        for _ in range(10):
+            yield [Delta(content="\U0001f600" * 1500)]
+            await asyncio.sleep(0.03)
+        yield [Delta(finish_reason="stop")]
+        yield [Usage(prompt_tokens=1, completion_tokens=10, total_tokens=11)]
+
+
+async def kept(client: Any) -> None:
+    """Until the replica's runs have handed their logs to the store."""
+    async with asyncio.timeout(5):
+        while client.app[HUB].live:
+            await asyncio.sleep(0.01)
 
 
 async def test_a_stream_started_on_one_replica_resumes_on_the_other(
@@ -181,3 +208,85 @@ async def test_cancel_answers_409_on_a_replica_that_does_not_run_the_stream(
     done = await one.delete(f"/v1/streams/{stream_id}")
     assert (await done.json())["status"] == "cancelled"
     resp.close()
+
+
+async def test_a_stream_that_finished_under_max_log_bytes_resumes_whole_on_every_replica(
+    make_client: MakeClient, prefix: str
+) -> None:
+    # About 16 kB as max_log_bytes counts it (128 + characters per delta), 60 kB of UTF-8.
+    config = redis_config(prefix, streams={"max_log_bytes": 20_000})
+    one = await make_client(config, providers=[EmojiProvider("emoji")])
+    two = await make_client(config)
+    resp = await one.post(
+        "/v1/chat/completions?stream_format=ndjson", json=chat(model="emoji/m", stream=True)
+    )
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    full = await resp.read()
+    assert full.endswith(b'{"type":"done"}\n')
+    await kept(one)
+    for replica in (one, two):
+        again = await replica.get(f"/v1/streams/{stream_id}?stream_format=ndjson")
+        assert again.status == 200, await again.text()
+        assert await again.read() == full
+
+
+async def test_a_background_request_joining_a_plain_stream_on_another_replica_makes_it_resumable(
+    make_client: MakeClient, prefix: str
+) -> None:
+    gated = GatedProvider(before=1, after=2)
+    config = redis_config(prefix, cache={"enabled": True}, streams={"detach_timeout_s": 30})
+    one = await make_client(config, providers=[gated])
+    two = await make_client(config, providers=[GatedProvider()])
+    body = chat(model="gated/m", stream=True)
+    plain = await one.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    assert plain.headers["X-Nexus-Resumable"] == "false"
+    stream_id = plain.headers["X-Nexus-Stream-Id"]
+    await asyncio.wait_for(plain.content.readline(), 5)
+    accepted = await two.post("/v1/chat/completions", json={**body, "background": True})
+    assert accepted.status == 202
+    assert accepted.headers["X-Nexus-Cache"] == "hit"
+    described = await accepted.json()
+    assert described["id"] == stream_id
+    assert described["resumable"] is True
+    plain.close()  # its only client here leaves: replica one learns it is resumable
+    run = one.app[HUB].live[stream_id]
+    async with asyncio.timeout(5):
+        while not run.info.resumable:
+            await asyncio.sleep(0.01)
+    assert not run.ending
+    gated.gate.set()
+    got = await two.get(f"{described['url']}&stream_format=ndjson")
+    lines = ndjson(await asyncio.wait_for(got.read(), 10))
+    assert text_of(lines) == "before0 after0 after1 "
+    assert lines[-1] == {"type": "done"}
+
+
+async def test_a_resumable_stream_ends_a_detach_timeout_after_its_follower_elsewhere_left(
+    make_client: MakeClient, prefix: str
+) -> None:
+    gated = GatedProvider(before=1, after=1)
+    config = redis_config(prefix, streams={"detach_timeout_s": 2})
+    one = await make_client(config, providers=[gated])
+    two = await make_client(config)
+    origin = await one.post(
+        "/v1/chat/completions?stream_format=ndjson",
+        json=chat(model="gated/m", stream=True),
+        headers={"X-Nexus-Resumable": "true"},
+    )
+    stream_id = origin.headers["X-Nexus-Stream-Id"]
+    await asyncio.wait_for(origin.content.readline(), 5)
+    follower = await two.get(f"/v1/streams/{stream_id}?stream_format=ndjson")
+    await asyncio.wait_for(follower.content.readline(), 5)
+    origin.close()
+    run = one.app[HUB].live[stream_id]
+    async with asyncio.timeout(5):
+        while run.attached:  # replica one has no client of its own left
+            await asyncio.sleep(0.01)
+    follower.close()
+    left = asyncio.get_running_loop().time()
+    await asyncio.wait_for(gated.closed.wait(), 10)
+    assert gated.closed_at is not None
+    waited = gated.closed_at - left
+    # detach_timeout_s after the last reader anywhere left: not a lease's full TTL (twice
+    # that), nor that and a whole detach_timeout_s more once the owner found the lease.
+    assert 2 - 0.05 <= waited < 2 + 1.0

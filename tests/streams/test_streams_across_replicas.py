@@ -16,12 +16,13 @@ from aiohttp.test_utils import TestClient
 from nexus import Engine, MockProvider, Provider
 from nexus.cache.recording import cache_key
 from nexus.cache.redis import RedisStore
-from nexus.cache.store import StreamInfo
+from nexus.cache.store import Recording, StreamInfo
 from nexus.config import parse_config
 from nexus.encoders.registry import default_registry
 from nexus.events import Delta, StreamEvent
 from nexus.request import ChatRequest
 from nexus.server.app import create_app
+from nexus.server.state import HUB
 from nexus.types import StreamMeta
 from redis_support import REDIS_URL, append
 from support import GatedProvider, chat
@@ -31,6 +32,20 @@ class SlowBegin(RedisStore):
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         await asyncio.sleep(0.2)
         await super().begin(info, ttl_s)
+
+
+class SlowRecording(RedisStore):
+    """A recording lands ``delay_s`` after its stream's end (a busy Redis, far away)."""
+
+    def __init__(self, *args: Any, delay_s: float = 0.3, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay_s = delay_s
+
+    async def put_recording(
+        self, key: str, recording: Recording, ttl_s: float, owner: str | None = None
+    ) -> None:
+        await asyncio.sleep(self.delay_s)
+        await super().put_recording(key, recording, ttl_s, owner)
 
 
 class Counting(GatedProvider):
@@ -139,3 +154,44 @@ async def test_a_stream_followed_from_another_replica_gets_the_shutdown_grace(
     await closing
     assert b"server_shutting_down" not in rest
     assert rest.endswith(b'{"type":"done"}\n')
+
+
+async def test_an_identical_request_right_after_one_ended_replays_it(
+    aiohttp_client: Any, prefix: str
+) -> None:
+    provider = Counting()
+    provider.gate.set()
+    store = SlowRecording(REDIS_URL, prefix, delay_s=0.3)
+    one = await replica(aiohttp_client, prefix, [provider], store, cache={"enabled": True})
+    body = chat(model="gated/m", stream=True)
+    first = await one.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    full = await first.read()
+    # Its client saw the end; its recording is not in Redis yet.
+    second = await one.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    assert second.headers["X-Nexus-Cache"] == "hit"
+    assert await second.read() == full
+    assert second.headers["X-Nexus-Stream-Id"] != first.headers["X-Nexus-Stream-Id"]  # replayed
+    assert provider.calls == 1
+
+
+async def test_an_identical_request_on_another_replica_right_after_one_ended_joins_it(
+    aiohttp_client: Any, prefix: str
+) -> None:
+    provider = Counting()
+    provider.gate.set()
+    store = SlowRecording(REDIS_URL, prefix, delay_s=2)
+    one = await replica(aiohttp_client, prefix, [provider], store, cache={"enabled": True})
+    two = await replica(aiohttp_client, prefix, [provider], cache={"enabled": True})
+    body = chat(model="gated/m", stream=True)
+    first = await one.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    full = await first.read()
+    stream_id = first.headers["X-Nexus-Stream-Id"]
+    async with asyncio.timeout(5):  # its end is in Redis, its recording not yet
+        while (info := await two.app[HUB].store.info(stream_id)) is None or (
+            info.status == "in_progress"
+        ):
+            await asyncio.sleep(0.01)
+    second = await two.post("/v1/chat/completions?stream_format=ndjson", json=body)
+    assert second.headers["X-Nexus-Cache"] == "hit"
+    assert await second.read() == full
+    assert provider.calls == 1

@@ -30,7 +30,7 @@ from ..events import (
     content_delta,
 )
 
-__all__ = ["dump_event", "dumps_events", "event_size", "load_event", "loads_events"]
+__all__ = ["dump_event", "dumps_events", "event_size", "load_event", "loads_events", "logged_size"]
 
 _CLASSES: dict[str, type[Any]] = {
     cls.type: cls
@@ -107,3 +107,16 @@ def event_size(event: StreamEvent) -> int:
     if type(event) is Delta and event.content is not None and event.tool_calls is None:
         return 128 + len(event.content)
     return 64 + len(orjson.dumps(dump_event(event)))
+
+
+def logged_size(events: Sequence[StreamEvent]) -> int:
+    """What ``events`` count toward ``[streams] max_log_bytes``: :func:`event_size` of
+    each but a terminal (:class:`Done`, :class:`Error`, a log's last entry), as the run
+    that bounds the log counts them (:mod:`nexus.cache.run`). One measure for the run and
+    for the copy a shared store keeps: a log the run let finish is never trimmed there."""
+    size = 0
+    for event in events:
+        cls = type(event)
+        if cls is not Done and cls is not Error:
+            size += event_size(event)
+    return size

@@ -6,7 +6,9 @@ found and ended here; the jobs around it have modules of their own.
 1. With ``[cache] enabled``, a recording of the same request by the same owner
    replays as a new stream (``cache="hit"``; :mod:`nexus.cache.recording`).
 2. An identical request of the same owner still streaming, here or on a replica
-   sharing the store, is joined: one upstream call, many listeners (``"hit"``).
+   sharing the store, is joined: one upstream call, many listeners (``"hit"``). One
+   that just ended here is waited for, a round trip, to be recorded and replayed; one
+   that ended elsewhere and is not recorded yet is joined (its log is whole).
 3. Otherwise the engine's stream, through its middleware, starts in a
    :class:`StreamRun` (:mod:`nexus.cache.run`; ``"miss"``, or None with the cache
    off), which :mod:`nexus.cache.keeper` keeps in the store and records.
@@ -26,6 +28,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from ..auth import ApiKey
 from ..config import CacheConfig, StreamsConfig
@@ -38,7 +41,7 @@ from ..stream import Stream
 from ..types import StreamMeta
 from ..watchdog import Watchdog
 from .admission import Admission
-from .keeper import Keeper
+from .keeper import RECORDING_WAIT_S, Keeper, status_of
 from .limits import KeyLimits
 from .readers import RunReader, StoreReader
 from .recording import cache_key, replay
@@ -148,7 +151,7 @@ class StreamHub:
         ``resumable``: it outlives its clients for ``[streams] detach_timeout_s``
         (a ``background`` stream always does); otherwise the last reader to leave
         cancels it (:mod:`nexus.cache.run`). A resumable request that joins a stream
-        of this replica's makes that stream resumable.
+        of its key makes that stream resumable, on whichever replica it runs.
 
         ``ctx`` is what the middleware and the hooks see of the call (by default
         one with ``key=owner`` and ``format``). Raises what
@@ -166,6 +169,8 @@ class StreamHub:
         key = cache_key(request, owner, shared=self.cache.share_across_keys)
         try:
             recording = await self.store.get_recording(key)
+            if recording is None and await self.keeper.recorded(key, RECORDING_WAIT_S):
+                recording = await self.store.get_recording(key)  # it just ended here
         except StoreUnavailable:
             if self.store_required:
                 raise
@@ -224,14 +229,11 @@ class StreamHub:
                     return Opened(info, run, "miss")
                 joined = await self._joinable(holder)  # (no wait for a local stream)
                 if joined is not None:
+                    joined = await self._joined_as(joined, info, lasts)
+                if joined is not None:
                     handed = True
                     local = self.live.get(holder)
                     reader = None if local is None else local.reader()
-                    if joined.owner != info.owner:  # [cache] share_across_keys
-                        # Another key's stream: this client can never find it to resume.
-                        joined = replace(joined, resumable=False)
-                    elif local is not None and info.resumable:
-                        local.info.resumable = True  # this client may leave and come back
                     try:
                         await stream.close()
                         if store.shared:
@@ -252,6 +254,28 @@ class StreamHub:
         run = self._start(info, stream, ctx, detached=background)  # contended: not recorded
         return Opened(info, run, "miss")
 
+    async def _joined_as(
+        self, joined: StreamInfo, info: StreamInfo, lasts: float
+    ) -> StreamInfo | None:
+        """What a request (``info``) that joins ``joined`` is told of it. A resumable one
+        makes it resumable, here or through the store (None: its replica is cancelling
+        it for want of clients, and it must not be joined)."""
+        if joined.owner != info.owner:  # [cache] share_across_keys
+            # Another key's stream: this client can never find it to resume.
+            return replace(joined, resumable=False)
+        if not info.resumable:
+            return joined
+        local = self.live.get(joined.id)
+        if local is not None:
+            local.info.resumable = True  # this client may leave and come back
+            return local.info
+        if joined.status != "in_progress":
+            return replace(joined, resumable=True)  # ended: its log waits resume_ttl_s
+        # Held as by a client that left just now: resumable for detach_timeout_s from here.
+        if not await self.store.make_resumable(joined.id, lasts, self.streams.detach_timeout_s):
+            return None
+        return replace(joined, resumable=True)
+
     async def _open(self, request: ChatRequest, ctx: CallContext) -> Stream:
         """The engine's stream through its middleware, past ``on_stream_started``."""
         stream = await self.engine.open_stream(request, ctx, observe=False)
@@ -269,12 +293,19 @@ class StreamHub:
                 raise
 
     async def _joinable(self, stream_id: str) -> StreamInfo | None:
+        """The info of the stream holding a claim, if a request may join it: one still
+        running, or one that ended well and whose recording is not written yet (its
+        whole log is here, or in the store: joined, it is read from its start)."""
         run = self.live.get(stream_id)
         if run is not None:
-            return run.info if not run.ending else None
-        info = await self.store.info(stream_id)
-        if info is None or info.status != "in_progress":
+            if not run.ending or (run.finished and status_of(run.events[-1]) == "completed"):
+                return run.info
             return None
+        info = await self.store.info(stream_id)
+        if info is None or info.status not in ("in_progress", "completed"):
+            return None
+        if info.status == "completed":
+            return info
         return info if await self.store.alive(stream_id) else None
 
     async def _launch(
@@ -345,7 +376,7 @@ class StreamHub:
             source,
             detach_timeout_s=self.streams.detach_timeout_s,
             max_log_bytes=self.streams.max_log_bytes,
-            leased=(lambda: self.store.leased(info.id)) if self.store.shared else None,
+            held=partial(self.store.held, info.id) if self.store.shared else None,
             max_duration_s=self.max_duration_s,
             observer=self.engine.hooks.observe(ctx, info.meta),
             timed=record is not None,

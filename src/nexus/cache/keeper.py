@@ -33,7 +33,14 @@ from .recording import record
 from .run import StreamRun
 from .store import Status, Store, Write
 
-__all__ = ["MIRROR_INTERVAL_S", "RETRY_MAX_S", "RETRY_S", "Keeper", "status_of"]
+__all__ = [
+    "MIRROR_INTERVAL_S",
+    "RECORDING_WAIT_S",
+    "RETRY_MAX_S",
+    "RETRY_S",
+    "Keeper",
+    "status_of",
+]
 
 log = logging.getLogger("nexus.streams")
 
@@ -42,6 +49,10 @@ MIRROR_INTERVAL_S = 0.01
 RETRY_S = 1.0
 """After the store failed, the next try comes this much later, doubling up to..."""
 RETRY_MAX_S = 8.0
+RECORDING_WAIT_S = 1.0
+"""How long an identical request waits for the recording of a stream that just ended here
+(a round trip or two: the mirror hands its end over, then records it) rather than call
+upstream again (:meth:`Keeper.recorded`)."""
 
 _CANCELLED = ("stream_detached", "stream_cancelled", "client_disconnect")
 """Error codes of a stream ended on purpose (its status is ``cancelled``, not ``failed``)."""
@@ -94,6 +105,9 @@ class Keeper:
         """Told ``behind``, ``caught_up`` or ``abandoned`` as a stream's mirror into a
         shared store lapses, recovers, or is given up (metrics)."""
         self._gone = gone
+        self._recording: dict[str, tuple[StreamRun, asyncio.Future[None]]] = {}
+        """Cache keys whose run here is to be recorded -> it, and a future done once its
+        recording was written (or will not be)."""
         self._kept: dict[str, _Kept] = {}
         self._dirty: dict[str, _Kept] = {}
         self._woken = asyncio.Event()
@@ -102,6 +116,8 @@ class Keeper:
     def keep(self, run: StreamRun, record: str | None, stored: bool) -> None:
         """Look after ``run``'s log; ``record``: the cache key to record it under;
         ``stored``: :meth:`Store.begin` was called (else the mirror begins it)."""
+        if record is not None:
+            self._recording[record] = (run, asyncio.get_running_loop().create_future())
         if not self.store.shared:
             # Unrecorded (the common case): a bound method, not a closure per stream.
             run.on_finish = (
@@ -117,6 +133,27 @@ class Keeper:
             self._mark(kept)
         if self._mirror is None:
             self._mirror = self._track(self._run())
+
+    async def recorded(self, key: str, wait_s: float) -> bool:
+        """When a run of ``key`` ended here and its recording is being written: wait for
+        it (``wait_s`` at most) and say True. Back to back, an identical request replays
+        it rather than call upstream again; nothing waits on the store per chunk."""
+        pending = self._recording.get(key)
+        if pending is None or not pending[0].finished:
+            return False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(pending[1])
+        return True
+
+    def _settled(self, run: StreamRun, key: str | None) -> None:
+        """``run``'s recording under ``key`` is written, or will not be."""
+        if key is None:
+            return
+        pending = self._recording.get(key)
+        if pending is not None and pending[0] is run:
+            del self._recording[key]
+            pending[1].set_result(None)
 
     def _finished(self, run: StreamRun) -> None:
         self._track(self._end(run, None))
@@ -249,6 +286,7 @@ class Keeper:
                 )
                 self._state(kept, "abandoned")
                 del self._kept[run.id]
+                self._settled(run, kept.record)
             else:
                 self._mark(kept)
 
@@ -256,6 +294,7 @@ class Keeper:
         try:
             await record(self.store, self.cache, run, key)
         finally:
+            self._settled(run, key)
             self._gone(run)
 
     async def _end(self, run: StreamRun, key: str | None) -> None:
@@ -271,4 +310,5 @@ class Keeper:
             if key is not None:
                 await record(self.store, self.cache, run, key)
         finally:
+            self._settled(run, key)
             self._gone(run)

@@ -18,7 +18,7 @@ from ..types import StreamMeta
 from .run import MAX_BATCH, LogReader, Push, StreamRun
 from .store import Store, StreamInfo
 
-__all__ = ["RunReader", "StoreReader", "leave", "with_usage"]
+__all__ = ["LEASE_S", "RunReader", "StoreReader", "leave", "with_usage"]
 
 
 class RunReader:
@@ -115,11 +115,18 @@ class RunReader:
             self._run._detach(failed)
 
 
+LEASE_S = 2.0
+"""A lease outlasts its last renewal by this (renewed every quarter of its TTL); a reader
+that leaves leaves it this long at least (others following renew it sooner)."""
+
+
 class StoreReader:
     """Follows a log kept in the store (finished, or live on another replica).
 
-    While it reads, it renews a lease so the owning replica does not cancel the
-    stream as detached (``detach_timeout_s``: the owner's wait for a resumable one).
+    While it reads, it renews a lease so the owning replica does not cancel the stream.
+    As it leaves, the lease is set to lapse when the stream may end for its sake: at once
+    (within ``LEASE_S / 2``) for a plain stream, ``detach_timeout_s`` later for a resumable
+    one, the owner's wait for a client of its own (:mod:`nexus.cache.redis_holds`).
     """
 
     failure: GatewayError | None = None
@@ -134,10 +141,12 @@ class StoreReader:
         self._batches: AsyncIterator[list[StreamEvent]] = store.read(info.id, start)
         self._pending: list[StreamEvent] = []
         self._lease: asyncio.Task[None] | None = None
+        self._detach_timeout_s = detach_timeout_s
+        self._resumable = info.resumable
         if info.status == "in_progress" and store.shared:
-            # A stream that is not resumable is cancelled once the last lease lapses:
-            # short, so that the owner stops paying soon after this reader leaves.
-            ttl = max(detach_timeout_s * 2 if info.resumable else 0.0, 2.0)
+            # Lapses detach_timeout_s (resumable) after this reader was last seen, however
+            # it went (its replica may die): the owner stops paying soon after that.
+            ttl = (detach_timeout_s if info.resumable else 0.0) + LEASE_S
             self._lease = asyncio.get_running_loop().create_task(self._renew(ttl))
 
     @property
@@ -169,14 +178,27 @@ class StoreReader:
                 await self._store.lease(self._id, ttl)
             await asyncio.sleep(ttl / 4)
 
+    async def _unlease(self) -> None:
+        """Gone: the lease lapses when the stream may end for this reader's sake, not
+        when its last renewal would have (up to ``LEASE_S`` late, or early)."""
+        least = LEASE_S / 2  # longer than a renewal takes to come: others still reading
+        resumable = max(self._detach_timeout_s, least)
+        hold = resumable if self._resumable else least
+        with contextlib.suppress(Exception):
+            await self._store.unlease(self._id, hold, resumable)
+
     async def close(self, failed: Error | None = None) -> None:
-        if self._lease is not None:
-            self._lease.cancel()
-            self._lease = None
-        closer = getattr(self._batches, "aclose", None)
-        if closer is not None:
-            with contextlib.suppress(Exception):
-                await closer()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.cancel()
+        try:
+            closer = getattr(self._batches, "aclose", None)
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer()
+        finally:
+            if lease is not None:  # (also when cancelled meanwhile: once, not renewed)
+                await self._unlease()
 
 
 def with_usage(meta: StreamMeta, include_usage: bool, include_cost: bool = False) -> StreamMeta:

@@ -5,17 +5,22 @@ Keys, all under ``{prefix}:``, each with a TTL::
     stream:{id}:info    string   JSON of the StreamInfo           live: begin's ttl_s,
     stream:{id}:log     stream   the log (nexus.cache.redis_log)   renewed by keep_alive;
     stream:{id}:owner   string   the replica running it             finished: the resume TTL
-    stream:{id}:lease   string   a client on another replica follows it
+    stream:{id}:lease   string   clients on other replicas follow it  (redis_holds)
+    stream:{id}:resumable  string  a join elsewhere made it resumable (1), or its owner
+                                   ends it for want of clients (0)  live, renewed
     rec:{key}           string   JSON of a Recording               [cache] ttl_s
     claim:{key}         string   the stream holding an in-flight claim
     replica:{id}        string   this replica is alive             OWNER_TTL_S, renewed
 
 (The limits' keys are in :mod:`nexus.cache.redis_limits`; what each API key holds, counted
-and bounded, in :mod:`nexus.cache.redis_quota`.) When the owner of a live log
+and bounded, in :mod:`nexus.cache.redis_quota`; leases, resumable flags and claims in
+:mod:`nexus.cache.redis_holds`.) When the owner of a live log
 dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive lapsed.
 
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
-trims the oldest with ``XADD MINID ~``), or lost (Redis restarted without persistence).
+trims the oldest with ``XADD MINID ~``; counted as the run counts its log, by
+:func:`~nexus.cache.codec.logged_size`, so only a log the run ended as
+``stream_too_large`` ever is), or lost (Redis restarted without persistence).
 Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
 (:meth:`RedisStore.mirror` says so: the keeper begins it again from entry 0), never
 re-created without its start; :meth:`RedisStore.end` rewrites it whole itself. A reader
@@ -46,7 +51,8 @@ from redis.retry import Retry
 
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
-from .codec import dump_event, dumps_events, load_event
+from .codec import dump_event, dumps_events, load_event, logged_size
+from .redis_holds import RedisHolds, ms
 from .redis_log import (
     APPEND,
     FINISH,
@@ -63,7 +69,7 @@ from .redis_log import (
 )
 from .redis_quota import Quota
 from .redis_url import redact_url, scrub
-from .store import OWNER_TTL_S, Recording, Store, StreamInfo, Write
+from .store import OWNER_TTL_S, Recording, StreamInfo, Write
 
 log = logging.getLogger("nexus.store")
 
@@ -72,19 +78,6 @@ __all__ = ["RedisStore", "RedisUnavailable", "redact_url"]
 _ENTRY = 500
 """Events per log entry at most (a log written whole is cut into entries of this size)."""
 
-# Scripts (EVAL: Redis keeps them compiled). A claim is atomic, so no window between "it
-# is taken" and "by whom"; its holder claiming again renews it, as in MemoryStore.
-_CLAIM = """
-local held = redis.call('GET', KEYS[1])
-if held and held ~= ARGV[1] then return held end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return false
-"""
-# Deleted only if still ours: it may have expired and been taken since.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 0
-"""
 # Whether the replica a stream's owner key names still has its keep-alive.
 _ALIVE = """
 local owner = redis.call('GET', KEYS[1])
@@ -97,12 +90,7 @@ class RedisUnavailable(ConnectionError):
     """Redis could not be reached at start-up. The message names the URL without credentials."""
 
 
-def _ms(ttl_s: float) -> int:
-    """A TTL for PX / PEXPIRE, which take whole milliseconds above zero."""
-    return max(1, round(ttl_s * 1000))
-
-
-class RedisStore(Store):
+class RedisStore(RedisHolds):
     """A :class:`Store` in Redis. See the module docstring for the key layout.
 
     ``client``, if given, is used instead of connecting to ``url``; it must
@@ -129,16 +117,18 @@ class RedisStore(Store):
         self.prefix = prefix
         self.max_connections = max_connections
         self.pool_timeout_s = pool_timeout_s
-        self.block_ms = _ms(block_s)
+        self.block_ms = ms(block_s)
         """How long one XREAD blocks: also how soon a follower notices its log expired."""
         self._client = client
         self._owns_client = client is None
         self.max_log_bytes = max_log_bytes
-        """A live log past this many bytes (in codec form) is trimmed (``XADD MINID ~``)."""
-        self.quota = Quota(prefix, max_bytes_per_key, max_log_bytes)
+        """A live log past this size (:func:`~nexus.cache.codec.logged_size`, the measure
+        the run bounds it by: no log the run let finish) is trimmed (``XADD MINID ~``)."""
+        self.quota = Quota(prefix, max_bytes_per_key)
         """What each owner's logs and recordings hold, bounded (:mod:`.redis_quota`)."""
         self._live: dict[str, list[int]] = {}
-        """Live streams begun here -> [their TTL in ms, the bytes of their log so far]."""
+        """Live streams begun here -> [their TTL in ms, the bytes of their log so far, its
+        size as ``max_log_bytes`` counts it]."""
         self.replica_id = os.urandom(8).hex()
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
@@ -175,7 +165,7 @@ class RedisStore(Store):
             self._client = self._connect(self.max_connections)
         try:
             await self._client.ping()
-            await self._client.set(self._replica_key(self.replica_id), b"1", px=_ms(OWNER_TTL_S))
+            await self._client.set(self._replica_key(self.replica_id), b"1", px=ms(OWNER_TTL_S))
         except (RedisError, OSError) as exc:
             if self._owns_client:
                 await self._client.aclose()
@@ -228,27 +218,23 @@ class RedisStore(Store):
             headers={"Retry-After": "1"},
         )
 
-    # Keys.
-    def _key(self, stream_id: str, part: str) -> str:
-        return f"{self.prefix}:stream:{stream_id}:{part}"
-
     # Logs.
     async def begin(self, info: StreamInfo, ttl_s: float) -> None:
         try:
-            await self.call("begin", *self._begin(info, _ms(ttl_s)))
+            await self.call("begin", *self._begin(info, ms(ttl_s)))
         except StoreUnavailable:
             self._live.pop(info.id, None)  # not begun: nothing of it to renew
             raise
 
     def _begin(self, info: StreamInfo, ttl_ms: int) -> list[Command]:
-        self._live[info.id] = [ttl_ms, 0]
+        self._live[info.id] = [ttl_ms, 0, 0]
         self.quota.counted.pop(info.id, None)  # (written again from its start: counted so)
         return [
             ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
             ("SET", self._key(info.id, "info"), info.to_json(), "PX", ttl_ms),
             # Also here, not only on the heartbeat: after a restart that lost it, this
             # replica's streams, begun again, must not look orphaned until the next beat.
-            ("SET", self._replica_key(self.replica_id), b"1", "PX", _ms(OWNER_TTL_S)),
+            ("SET", self._replica_key(self.replica_id), b"1", "PX", ms(OWNER_TTL_S)),
         ]
 
     async def keep_alive(self, stream_ids: Iterable[str]) -> None:
@@ -258,7 +244,7 @@ class RedisStore(Store):
             ("PEXPIRE", self._key(stream_id, part), self._live[stream_id][0])
             for stream_id in stream_ids
             if stream_id in self._live
-            for part in ("info", "log", "owner")
+            for part in ("info", "log", "owner", "resumable")
         ]
         if commands:
             await self.call("keep_alive", *commands)
@@ -274,7 +260,7 @@ class RedisStore(Store):
 
     async def _beat(self) -> None:
         """This replica is alive: one key for all its streams, renewed every third of its TTL."""
-        key, ttl_ms = self._replica_key(self.replica_id), _ms(OWNER_TTL_S)
+        key, ttl_ms = self._replica_key(self.replica_id), ms(OWNER_TTL_S)
         while True:
             await asyncio.sleep(OWNER_TTL_S / 3)  # (start() set it)
             try:
@@ -299,7 +285,7 @@ class RedisStore(Store):
         info, TTLs and the owner dropped, after the entries: a reader that sees the
         finished info has the whole log. The first entries set the live TTLs too. Then,
         in the same round trip, the owners' counts (:mod:`nexus.cache.redis_quota`)."""
-        ttl_ms = _ms(ttl_s)
+        ttl_ms = ms(ttl_s)
         begun = [command for w in writes if w.begin for command in self._begin(w.info, ttl_ms)]
         keys: list[str] = []
         args: list[Any] = []
@@ -312,23 +298,27 @@ class RedisStore(Store):
             stream_id, start, events = write.info.id, write.start, write.events
             log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
             live = self._live.get(stream_id)
-            ttl, size = live or (ttl_ms, 0)
+            ttl, size, counted = live or (ttl_ms, 0, 0)
             ttl = ttl_ms if write.end else ttl
             exists = ("NOMKSTREAM",) if start > 0 else ()
             for first in range(0, len(events), _ENTRY):
-                payload = dumps_events(events[first : first + _ENTRY])
+                chunk = events[first : first + _ENTRY]
+                payload = dumps_events(chunk)
                 end = start + min(first + _ENTRY, len(events))
                 size += len(payload)
+                counted += logged_size(chunk)
                 trim: tuple[Any, ...] = ()
-                if limit is not None and size > limit:
+                if limit is not None and counted > limit:
                     # Keep as many entries as fit, at the log's mean entry size.
-                    trim = ("MINID", "~", f"0-{end - end * limit // size + 1}")
+                    trim = ("MINID", "~", f"0-{end - end * limit // counted + 1}")
                 keys.append(log)
                 args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
                 owners.append(at)
-            tally.log(write.info.owner, stream_id, size, ttl, write.end)
+            # Its bytes in Redis: once trimmed, about the share of them the trim kept.
+            kept = size if limit is None or counted <= limit else size * limit // counted
+            tally.log(write.info.owner, stream_id, kept, ttl, write.end)
             if not write.end:
-                sizes[stream_id] = [ttl, size]
+                sizes[stream_id] = [ttl, size, counted]
                 if start == 0:
                     after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
             elif exists and events:
@@ -367,8 +357,18 @@ class RedisStore(Store):
         return written
 
     async def info(self, stream_id: str) -> StreamInfo | None:
-        (raw,) = await self.call("info", ("GET", self._key(stream_id, "info")))
-        return None if raw is None else StreamInfo.from_json(orjson.loads(raw))
+        """Its info; resumable too once a join on another replica made it so."""
+        raw, made = await self.call(
+            "info",
+            ("GET", self._key(stream_id, "info")),
+            ("GET", self._key(stream_id, "resumable")),
+        )
+        if raw is None:
+            return None
+        info = StreamInfo.from_json(orjson.loads(raw))
+        if made == b"1":
+            info.resumable = True
+        return info
 
     async def read(self, stream_id: str, start: int = 0) -> AsyncIterator[list[StreamEvent]]:
         """Catch up with XRANGE, then follow with the shared XREADs until the terminal entry,
@@ -441,20 +441,6 @@ class RedisStore(Store):
         status = orjson.loads(raw)["status"]
         return bool(status != "in_progress")
 
-    # Leases.
-    async def lease(self, stream_id: str, ttl_s: float) -> None:
-        await self.call("lease", ("SET", self._key(stream_id, "lease"), b"1", "PX", _ms(ttl_s)))
-
-    async def leased(self, stream_id: str) -> bool:
-        (found,) = await self.call("leased", ("EXISTS", self._key(stream_id, "lease")))
-        return bool(found)
-
-    async def leased_among(self, stream_ids: Sequence[str]) -> set[str]:
-        if not stream_ids:
-            return set()
-        found = await self.call("leased", *(("EXISTS", self._key(i, "lease")) for i in stream_ids))
-        return {stream_id for stream_id, hit in zip(stream_ids, found, strict=True) if hit}
-
     # Recordings.
     async def get_recording(self, key: str) -> Recording | None:
         (raw,) = await self.call("get_recording", ("GET", f"{self.prefix}:rec:{key}"))
@@ -480,18 +466,9 @@ class RedisStore(Store):
             }
         )
         tally = self.quota.tally()
-        tally.recording(owner, key, len(value), _ms(ttl_s))
-        set_ = ("SET", f"{self.prefix}:rec:{key}", value, "PX", _ms(ttl_s))
+        tally.recording(owner, key, len(value), ms(ttl_s))
+        set_ = ("SET", f"{self.prefix}:rec:{key}", value, "PX", ms(ttl_s))
         counting = tally.commands()
         replies = await self.call("put_recording", set_, *counting)
         if counting:
             self._evicted("key_limit", int(replies[-1]))
-
-    # In-flight claims.
-    async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
-        claim = f"{self.prefix}:claim:{key}"
-        (held,) = await self.call("claim", ("EVAL", _CLAIM, 1, claim, stream_id, _ms(ttl_s)))
-        return None if held is None else cast(bytes, held).decode()
-
-    async def release(self, key: str, stream_id: str) -> None:
-        await self.call("release", ("EVAL", _RELEASE, 1, f"{self.prefix}:claim:{key}", stream_id))

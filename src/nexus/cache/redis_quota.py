@@ -22,9 +22,9 @@ bytes, after them in the same pipeline (the mirror's appends and ends, a recordi
 ``SET``), as one script for every owner in it; no command per event, no round trip of
 its own. A live log is counted as it starts, at every :data:`STEP` bytes and at its end,
 so what a key's running streams hold is known to within 64 kB each. A log is counted at
-its size so far (what the mirror has written, at most
-``[streams] max_log_bytes``, which trims it), not by increments: a write retried after
-a failure, or a log written again from its start, sets the same count, never twice.
+its size so far (the bytes the mirror has written; of a log trimmed past ``[streams]
+max_log_bytes``, about those the trim kept), not by increments: a write retried after a
+failure, or a log written again from its start, sets the same count, never twice.
 
 **Who goes.** Past the limit, the owner's finished logs and recordings, those nearest
 their expiry first (for entries of one kind, the oldest), are deleted; never another
@@ -132,11 +132,10 @@ return deleted
 class Quota:
     """A store's counting: :meth:`tally` gathers what one round trip writes."""
 
-    def __init__(self, prefix: str, limit: int | None, max_log_bytes: int | None) -> None:
+    def __init__(self, prefix: str, limit: int | None) -> None:
         self.prefix = prefix
         self.limit = limit
         """An owner's bytes (``[store] max_bytes_per_key``); None counts nothing."""
-        self.max_log_bytes = max_log_bytes
         self.counted: dict[str, int] = {}
         """Live logs of this process -> the size they were last counted at."""
 
@@ -156,13 +155,11 @@ class Tally:
         self.logs: dict[str, int] = {}
 
     def log(self, owner: str | None, stream_id: str, size: int, ttl_ms: int, end: bool) -> None:
-        """A log written to ``size`` bytes so far (trimmed past ``max_log_bytes``). A live
-        one is counted as it starts, then every :data:`STEP` bytes, and at its end."""
+        """A log that holds ``size`` bytes so far. A live one is counted as it starts,
+        then every :data:`STEP` bytes, and at its end."""
         quota = self.quota
         if owner is None or quota.limit is None:
             return
-        if quota.max_log_bytes is not None:
-            size = min(size, quota.max_log_bytes)
         if not end:
             if size - quota.counted.get(stream_id, -STEP) < STEP:
                 return

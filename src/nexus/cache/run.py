@@ -9,8 +9,10 @@ When the last reader leaves, a *resumable* stream (``info.resumable``) runs on f
 ``detach_timeout_s``, then ends with ``stream_detached`` if nobody came back; any
 other stream is cancelled at once (``client_disconnect``: the upstream is not paid
 to generate for nobody; or the error the gateway failed its last reader's response
-with, the outcome that client's access line tells). With a shared store, another
-replica's lease keeps either running (checked every ``LEASE_POLL_S``). A log past
+with, the outcome that client's access line tells). With a shared store, the leases of
+readers on other replicas keep either running until the last lapses (asked when the last
+reader here leaves, then when the lease would lapse: :meth:`~nexus.cache.store.Store.held`),
+and a resumable request there that joined a plain stream makes it resumable. A log past
 ``max_log_bytes`` ends with ``stream_too_large``; :meth:`StreamRun.cancel` ends it
 with the entry given.
 
@@ -38,16 +40,17 @@ from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
-__all__ = ["LEASE_POLL_S", "MAX_BATCH", "LogReader", "Push", "StreamRun", "too_long"]
+__all__ = ["MAX_BATCH", "Held", "LogReader", "Push", "StreamRun", "too_long"]
 
 if TYPE_CHECKING:
     from .readers import RunReader
 
 log = logging.getLogger("nexus.streams")
 
-LEASE_POLL_S = 1.0
-"""How often a stream that is not resumable, left by its last local reader, checks
-whether another replica's reader still holds a lease on it (leases last at least 2 s)."""
+Held = Callable[[bool], Awaitable[tuple[float, bool]]]
+"""Asked (with whether the run is resumable) once its last reader here left: how long
+readers elsewhere still hold it, and whether a join elsewhere made it resumable
+(:meth:`~nexus.cache.store.Store.held`)."""
 
 
 Push = Callable[[list[StreamEvent]], bool]
@@ -140,7 +143,7 @@ class StreamRun:
         *,
         detach_timeout_s: float,
         max_log_bytes: int,
-        leased: Callable[[], Awaitable[bool]] | None = None,
+        held: Held | None = None,
         watchdog: Watchdog,
         max_duration_s: float | None = None,
         observer: StreamObserver | None = None,
@@ -161,7 +164,7 @@ class StreamRun:
         self._source = source
         self._detach_timeout_s = detach_timeout_s
         self._max_log_bytes = max_log_bytes
-        self._leased = leased
+        self._held = held
         self._max_duration_s = max_duration_s
         self._observer = observer
         self._watchdog = watchdog
@@ -384,9 +387,12 @@ class StreamRun:
         """Finished, or being cancelled: no new request should join it."""
         return self.finished or self._cancel_with is not None
 
-    def _arm(self) -> None:
+    def _arm(self, wait: float | None = None) -> None:
+        """Expire in ``wait`` seconds (by default, a resumable stream's wait for its
+        readers)."""
         self._disarm()
-        wait = self._detach_timeout_s if self.info.resumable else LEASE_POLL_S
+        if wait is None:
+            wait = self._detach_timeout_s
         if wait <= 0:
             self._expire()
         else:
@@ -401,22 +407,28 @@ class StreamRun:
         self._timer = None
         if self.attached or self.finished:
             return
-        if self._leased is None:
+        if self._held is None:
             self._abandon()
         else:
-            self._lease_check = self._loop.create_task(self._check_lease())
+            self._lease_check = self._loop.create_task(self._check_lease(self._held))
 
-    async def _check_lease(self) -> None:
+    async def _check_lease(self, held: Held) -> None:
+        """Readers elsewhere hold it: expire again when their lease would lapse (a reader
+        that leaves there sets it to lapse when the stream may end for its sake)."""
         try:
-            leased = await self._leased()  # type: ignore[misc]
+            left, made_resumable = await held(self.info.resumable)
         except Exception:
             log.exception("checking the lease of stream %s failed", self.id)
-            leased = False
+            left, made_resumable = 0.0, False
         # A reader that came (and maybe left, arming a new timer) meanwhile decides instead.
         if self.attached or self.finished or self._timer is not None:
             return
-        if leased:
-            self._arm()
+        if made_resumable and not self.info.resumable:
+            # A resumable request elsewhere joined it: its last reader here just left.
+            self.info.resumable = True
+            left = max(left, self._detach_timeout_s)
+        if left > 0:
+            self._arm(left)
         else:
             self._abandon()
 

@@ -181,8 +181,29 @@ class Store(ABC):
     async def lease(self, stream_id: str, ttl_s: float) -> None:
         """A client here follows ``stream_id`` (owned elsewhere) for the next ``ttl_s``."""
 
+    async def unlease(self, stream_id: str, hold_s: float, resumable_hold_s: float) -> None:
+        """A client here stopped following ``stream_id``: the lease now lapses ``hold_s``
+        from now (``resumable_hold_s`` once the stream was made resumable elsewhere,
+        :meth:`make_resumable`), however long it had left. Others still following renew it
+        sooner than that."""
+
     async def leased(self, stream_id: str) -> bool:
         """Whether a client elsewhere follows ``stream_id``."""
+        return False
+
+    async def held(self, stream_id: str, resumable: bool) -> tuple[float, bool]:
+        """Asked by the owner of ``stream_id`` once its last client here left: the seconds
+        until the leases of clients elsewhere lapse (0: none left), and whether a resumable
+        request elsewhere joined it (it is resumable from now on). When nothing holds it
+        (no lease, and ``resumable`` or not made resumable), it is marked as ending, in the
+        same step: :meth:`make_resumable` refuses it from then on."""
+        return 0.0, False
+
+    async def make_resumable(self, stream_id: str, ttl_s: float, hold_s: float) -> bool:
+        """A resumable request here joined ``stream_id``, which runs elsewhere: make it
+        resumable (its owner learns it from :meth:`held`, :meth:`info` says it for
+        ``ttl_s``) and hold it ``hold_s`` as a client that left just now. False when its
+        owner already decided to end it for want of clients: it must not be joined."""
         return False
 
     async def leased_among(self, stream_ids: Sequence[str]) -> set[str]:

@@ -1,0 +1,131 @@
+"""Who holds a live stream in the Redis store, and who may start one: the leases of
+clients that follow a stream from another replica, the flag a resumable join on another
+replica sets, and in-flight claims. :class:`~nexus.cache.redis.RedisStore` is one.
+
+A lease is one key per stream for all its followers: each renews it while it reads
+(``SET PX``), and one that leaves sets it to lapse when the stream may end for its sake
+(:meth:`RedisHolds.unlease`): at once (1 s) for a plain stream, ``detach_timeout_s`` for a
+resumable one. Those still reading renew it sooner than that, so the key lapses when the
+last client elsewhere has been gone as long as it may be; the owner asks once its own last
+client left (:meth:`RedisHolds.held`) and again when the lease would lapse.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any, cast
+
+from .store import OWNER_TTL_S, Store
+
+__all__ = ["RedisHolds", "ms"]
+
+
+def ms(ttl_s: float) -> int:
+    """A TTL for PX / PEXPIRE, which take whole milliseconds above zero."""
+    return max(1, round(ttl_s * 1000))
+
+
+# Scripts (EVAL: Redis keeps them compiled). A claim is atomic, so no window between "it
+# is taken" and "by whom"; its holder claiming again renews it, as in MemoryStore.
+_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return held end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false
+"""
+# Deleted only if still ours: it may have expired and been taken since.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# The owner's question once its last local client left (KEYS: lease, resumable flag; ARGV:
+# 1 if its run is resumable, the flag's TTL): the lease's ms left and whether a join elsewhere
+# made it resumable; held by nothing, it is marked as ending in the same step, so that no
+# join elsewhere can make it resumable after the owner decided to cancel it.
+_HELD = """
+local left = redis.call('PTTL', KEYS[1])
+if left < 0 then left = 0 end
+local made = redis.call('GET', KEYS[2]) == '1'
+if left == 0 and (ARGV[1] == '1' or not made) then
+  redis.call('SET', KEYS[2], '0', 'PX', ARGV[2])
+end
+if made then return {left, 1} end
+return {left, 0}
+"""
+# A resumable join from another replica (KEYS: resumable flag, lease; ARGV: the flag's TTL,
+# the hold): refused once the owner decided to end the stream; else the flag, and the lease
+# lasts the hold at least.
+_MAKE_RESUMABLE = """
+if redis.call('GET', KEYS[1]) == '0' then return 0 end
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[2]) then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+end
+return 1
+"""
+# A client elsewhere left (KEYS: lease, resumable flag; ARGV: its hold, its hold once resumable).
+_UNLEASE = """
+local hold = ARGV[1]
+if redis.call('GET', KEYS[2]) == '1' then hold = ARGV[2] end
+redis.call('PEXPIRE', KEYS[1], hold)
+return 0
+"""
+
+
+class RedisHolds(Store):
+    """Leases, resumable flags and claims, for :class:`~nexus.cache.redis.RedisStore`
+    (see the module docstring)."""
+
+    prefix: str
+    _live: dict[str, list[int]]
+    """Live streams begun here -> [their TTL in ms, ...]."""
+
+    @abstractmethod
+    async def call(self, op: str, *commands: tuple[Any, ...], allow: str = "") -> list[Any]:
+        """The replies to ``commands``, sent together (the store's pipeline)."""
+
+    def _key(self, stream_id: str, part: str) -> str:
+        return f"{self.prefix}:stream:{stream_id}:{part}"
+
+    # Leases.
+    async def lease(self, stream_id: str, ttl_s: float) -> None:
+        await self.call("lease", ("SET", self._key(stream_id, "lease"), b"1", "PX", ms(ttl_s)))
+
+    async def unlease(self, stream_id: str, hold_s: float, resumable_hold_s: float) -> None:
+        keys = (self._key(stream_id, "lease"), self._key(stream_id, "resumable"))
+        await self.call("lease", ("EVAL", _UNLEASE, 2, *keys, ms(hold_s), ms(resumable_hold_s)))
+
+    async def leased(self, stream_id: str) -> bool:
+        (found,) = await self.call("leased", ("EXISTS", self._key(stream_id, "lease")))
+        return bool(found)
+
+    async def held(self, stream_id: str, resumable: bool) -> tuple[float, bool]:
+        keys = (self._key(stream_id, "lease"), self._key(stream_id, "resumable"))
+        ttl = self._live.get(stream_id, (ms(OWNER_TTL_S),))[0]
+        ((left, made),) = await self.call(
+            "leased", ("EVAL", _HELD, 2, *keys, 1 if resumable else 0, ttl)
+        )
+        return int(left) / 1000, bool(made)
+
+    async def make_resumable(self, stream_id: str, ttl_s: float, hold_s: float) -> bool:
+        keys = (self._key(stream_id, "resumable"), self._key(stream_id, "lease"))
+        (made,) = await self.call(
+            "lease", ("EVAL", _MAKE_RESUMABLE, 2, *keys, ms(ttl_s), ms(hold_s))
+        )
+        return bool(made)
+
+    async def leased_among(self, stream_ids: Sequence[str]) -> set[str]:
+        if not stream_ids:
+            return set()
+        found = await self.call("leased", *(("EXISTS", self._key(i, "lease")) for i in stream_ids))
+        return {stream_id for stream_id, hit in zip(stream_ids, found, strict=True) if hit}
+
+    # In-flight claims.
+    async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
+        claim = f"{self.prefix}:claim:{key}"
+        (held,) = await self.call("claim", ("EVAL", _CLAIM, 1, claim, stream_id, ms(ttl_s)))
+        return None if held is None else cast(bytes, held).decode()
+
+    async def release(self, key: str, stream_id: str) -> None:
+        await self.call("release", ("EVAL", _RELEASE, 1, f"{self.prefix}:claim:{key}", stream_id))

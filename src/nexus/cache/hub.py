@@ -148,7 +148,8 @@ class StreamHub:
         ``resumable``: it outlives its clients for ``[streams] detach_timeout_s``
         (a ``background`` stream always does); otherwise the last reader to leave
         cancels it (:mod:`nexus.cache.run`). A resumable request that joins a stream
-        of this replica's makes that stream resumable.
+        of this replica's makes that stream resumable; one of another key
+        (``share_across_keys``) only when ``background``, whose read token finds it.
 
         ``ctx`` is what the middleware and the hooks see of the call (by default
         one with ``key=owner`` and ``format``). Raises what
@@ -227,8 +228,9 @@ class StreamHub:
                     handed = True
                     local = self.live.get(holder)
                     reader = None if local is None else local.reader()
-                    if joined.owner != info.owner:  # [cache] share_across_keys
-                        # Another key's stream: this client can never find it to resume.
+                    if joined.owner != info.owner and not background:  # share_across_keys
+                        # Another key's stream: this client can never find it to resume (a
+                        # background one can: its 202's read token, its reads its own key's).
                         joined = replace(joined, resumable=False)
                     elif local is not None and info.resumable:
                         local.info.resumable = True  # this client may leave and come back

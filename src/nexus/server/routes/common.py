@@ -282,7 +282,8 @@ async def complete(
             # Good for as long as the stream can be read: while it may run, then resume_ttl_s
             # (a browser's EventSource reconnecting late in a long stream still gets in).
             lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
-            token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
+            # Its reads are this key's, also on another key's stream it joined (shared cache).
+            token = app[state.TOKENS].issue(opened.id, time.time(), lifetime, key=owner)
             described = describe(opened.info, token)
             if accepted is not None:  # the endpoint's own shape (a Responses ``response``)
                 described = accepted(described, opened.info.meta)

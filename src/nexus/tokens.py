@@ -2,9 +2,12 @@
 
 A browser's ``EventSource`` sends no ``Authorization``, so a background request's
 ``202`` carries a token that alone authorises ``GET /v1/streams/{id}?token=...``.
-A token is ``<expires>.<mac>``: a Unix time in whole seconds, and the base64url
-HMAC-SHA256 of the scope, the stream id (from the URL; the token does not carry it)
-and ``expires`` under the token secret, compared in constant time. The secret is in the
+A token is ``<expires>.<mac>.<key>``: a Unix time in whole seconds, the base64url
+HMAC-SHA256 of the scope, the stream id (from the URL; the token does not carry it),
+``expires`` and the key under the token secret, compared in constant time, and the name of
+the API key the token was issued to, whose reader places and rate its reads take (with
+``[cache] share_across_keys`` that may be another key than the stream's owner). Without
+keys there is no ``.<key>``. The secret is in the
 variable ``[auth] token_secret_env`` names, the same on every replica; without one each
 process makes its own, and its tokens work on it alone.
 """
@@ -15,18 +18,21 @@ import base64
 import hashlib
 import hmac
 import math
+import re
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["MIN_SECRET_CHARS", "READ", "StreamTokens", "new_secret", "secret_from_env"]
+__all__ = ["MIN_SECRET_CHARS", "READ", "Grant", "StreamTokens", "new_secret", "secret_from_env"]
 
 READ = "read"
 """The only scope: read one stream (GET, with resume)."""
 MIN_SECRET_CHARS = 32
 
-_MAX_TOKEN_CHARS = 64
+_MAX_TOKEN_CHARS = 128
+_KEY_NAME = re.compile(r"[A-Za-z0-9_.@:-]{1,64}")  # as [[auth.keys]] name allows
 _MAC_CHARS = 43  # 32 bytes, base64url without padding
 _MAX_EXPIRES_DIGITS = 12
 
@@ -51,6 +57,14 @@ def secret_from_env(name: str, environ: Mapping[str, str]) -> str | None:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What a valid token grants: reading its stream, charged to ``key`` (None: a token
+    without a key, made without keys or by an older version: the stream owner's)."""
+
+    key: str | None
+
+
 class StreamTokens:
     """Makes and checks the read tokens of one secret."""
 
@@ -59,34 +73,41 @@ class StreamTokens:
             raise ValueError("a token secret must not be empty")
         self._key = hashlib.sha256(b"nexus read token\x00" + secret.encode()).digest()
 
-    def issue(self, stream_id: str, now: float, ttl_s: float) -> str:
-        """A token that reads ``stream_id`` until ``now + ttl_s`` (rounded up to a second)."""
+    def issue(self, stream_id: str, now: float, ttl_s: float, key: str | None = None) -> str:
+        """A token that reads ``stream_id`` until ``now + ttl_s`` (rounded up to a second),
+        its reads charged to the API key named ``key``."""
         expires = math.ceil(now + ttl_s)
-        return f"{expires}.{self._mac(READ, stream_id, expires)}"
+        token = f"{expires}.{self._mac(READ, stream_id, expires, key)}"
+        return token if key is None else f"{token}.{key}"
 
-    def check(self, token: str, stream_id: str, now: float) -> bool:
-        """Whether ``token`` reads ``stream_id`` at ``now``: well formed, this stream's,
-        made with this secret, unexpired."""
+    def check(self, token: str, stream_id: str, now: float) -> Grant | None:
+        """What ``token`` grants on ``stream_id`` at ``now``: None unless well formed, this
+        stream's, made with this secret (the key it names included), unexpired."""
         if len(token) > _MAX_TOKEN_CHARS:
-            return False
-        expires_text, dot, mac = token.partition(".")
+            return None
+        expires_text, dot, rest = token.partition(".")
+        mac, named, key = rest.partition(".")
         if (
             not dot
             or len(mac) != _MAC_CHARS
             or not expires_text.isascii()
             or not expires_text.isdigit()
             or len(expires_text) > _MAX_EXPIRES_DIGITS
+            or (named and not _KEY_NAME.fullmatch(key))
         ):
-            return False
+            return None
         expires = int(expires_text)
         if str(expires) != expires_text:  # one spelling per token: no leading zeros
-            return False
-        expected = self._mac(READ, stream_id, expires)
+            return None
+        expected = self._mac(READ, stream_id, expires, key if named else None)
         if not hmac.compare_digest(expected.encode(), mac.encode("ascii", "replace")):
-            return False
-        return now < expires
+            return None
+        return Grant(key if named else None) if now < expires else None
 
-    def _mac(self, scope: str, stream_id: str, expires: int) -> str:
-        message = f"{scope}\x00{stream_id}\x00{expires}".encode("utf-8", "surrogateescape")
+    def _mac(self, scope: str, stream_id: str, expires: int, key: str | None) -> str:
+        text = f"{scope}\x00{stream_id}\x00{expires}"
+        if key is not None:  # (the ids and names signed have no NUL: no two read alike)
+            text += f"\x00{key}"
+        message = text.encode("utf-8", "surrogateescape")
         digest = hmac.new(self._key, message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")

@@ -110,3 +110,17 @@ def test_token_secret_env_is_an_environment_variable_name() -> None:
         parse_config({"auth": {"token_secret_env": "not a name"}})
     with pytest.raises(ConfigError, match=r"\[auth\] token_secret_env"):
         parse_config({"auth": {"token_secret_env": ""}})
+
+
+def test_a_token_names_the_key_it_was_issued_to_and_cannot_be_moved() -> None:
+    """Its reads are charged to that key: another name in it does not verify."""
+    tokens = StreamTokens(SECRET)
+    token = tokens.issue(STREAM, NOW, 300, key="beta.team@x:1")
+    assert token.endswith(".beta.team@x:1")
+    grant = tokens.check(token, STREAM, NOW)
+    assert grant is not None and grant.key == "beta.team@x:1"
+    head = token[: -len(".beta.team@x:1")]
+    for bad in (head + ".alpha", head, head + ".", head + ".beta team", token + "x" * 60):
+        assert tokens.check(bad, STREAM, NOW) is None, bad
+    plain = tokens.check(tokens.issue(STREAM, NOW, 300), STREAM, NOW)
+    assert plain is not None and plain.key is None

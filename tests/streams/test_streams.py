@@ -455,3 +455,44 @@ async def _curl(url: str, *args: str) -> bytes:
     out, _ = await asyncio.wait_for(proc.communicate(), 10)
     assert proc.returncode == 0
     return out
+
+
+async def test_an_id_past_what_a_live_stream_has_sent_is_204_at_once(
+    make_client: MakeClient,
+) -> None:
+    """No client was sent it: answered like an id past a finished stream's end, rather than
+    attached until the stream ends (a reader held, a plain stream kept running, no byte)."""
+    gated = GatedProvider(before=2, after=2)
+    client = await make_client(providers=[gated])
+    resp = await client.post("/v1/chat/completions", json=chat(model="gated/m", stream=True))
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    seen = b""
+    while seen.count(b"before") < 2:
+        seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    last = parse_sse(seen)[-1].id
+    step = int(last.rsplit(".", 1)[1])
+    try:
+        for beyond in (
+            f"{stream_id}.{step + 1}",
+            f"{stream_id}.999999",
+            f"{stream_id}.{step + 1}.0",
+        ):
+            headers = {"Last-Event-ID": beyond}
+            answer = await asyncio.wait_for(
+                client.get(f"/v1/streams/{stream_id}", headers=headers), 5
+            )
+            assert answer.status == 204, beyond  # (its headers come, at once, either way)
+            assert await answer.read() == b""
+            posted = client.post("/v1/chat/completions", json=chat(stream=True), headers=headers)
+            assert (await asyncio.wait_for(posted, 5)).status == 204
+        for count in (str(step + 1), "999999"):  # a count past the log (NDJSON)
+            url = f"/v1/streams/{stream_id}?stream_format=ndjson&last_event_id={count}"
+            assert (await asyncio.wait_for(client.get(url), 5)).status == 204
+        # The last id it sent still attaches, and gets the rest.
+        headers = {"Last-Event-ID": last}
+        resumed = await asyncio.wait_for(client.get(f"/v1/streams/{stream_id}", headers=headers), 5)
+        assert resumed.status == 200
+    finally:
+        gated.gate.set()  # (without the rule, a hold until the end: the test ends)
+    assert content(parse_sse(await resumed.read())) == "after0 after1 "
+    assert content(parse_sse(seen + await resp.read())) == "before0 before1 after0 after1 "

@@ -151,7 +151,8 @@ class StreamHub:
         ``resumable``: it outlives its clients for ``[streams] detach_timeout_s``
         (a ``background`` stream always does); otherwise the last reader to leave
         cancels it (:mod:`nexus.cache.run`). A resumable request that joins a stream
-        of its key makes that stream resumable, on whichever replica it runs.
+        of its key makes that stream resumable, on whichever replica it runs; one of another
+        key (``share_across_keys``) only when ``background``, whose read token finds it.
 
         ``ctx`` is what the middleware and the hooks see of the call (by default
         one with ``key=owner`` and ``format``). Raises what
@@ -229,7 +230,7 @@ class StreamHub:
                     return Opened(info, run, "miss")
                 joined = await self._joinable(holder)  # (no wait for a local stream)
                 if joined is not None:
-                    joined = await self._joined_as(joined, info, lasts)
+                    joined = await self._joined_as(joined, info, lasts, background)
                 if joined is not None:
                     handed = True
                     local = self.live.get(holder)
@@ -255,13 +256,14 @@ class StreamHub:
         return Opened(info, run, "miss")
 
     async def _joined_as(
-        self, joined: StreamInfo, info: StreamInfo, lasts: float
+        self, joined: StreamInfo, info: StreamInfo, lasts: float, background: bool
     ) -> StreamInfo | None:
         """What a request (``info``) that joins ``joined`` is told of it. A resumable one
         makes it resumable, here or through the store (None: its replica is cancelling
         it for want of clients, and it must not be joined)."""
-        if joined.owner != info.owner:  # [cache] share_across_keys
-            # Another key's stream: this client can never find it to resume.
+        if joined.owner != info.owner and not background:  # [cache] share_across_keys
+            # Another key's stream: this client can never find it to resume (a background
+            # one can: its 202's read token, whose reads are its own key's).
             return replace(joined, resumable=False)
         if not info.resumable:
             return joined

@@ -80,10 +80,12 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 _UNTRACED = ("/healthz", "/metrics")
 
 
+ANTHROPIC_ENDPOINTS = frozenset({"/v1/messages"})
+"""Endpoints in Anthropic's shape: their responses carry the id as ``request-id`` too."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
     "X-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, Location, Retry-After, "
-    "X-Nexus-Resumable, X-Nexus-Store"
+    "X-Nexus-Resumable, X-Nexus-Store, request-id, x-should-retry"
 )
 _ALLOWED_HEADERS = (
     "Authorization, Content-Type, X-Api-Key, X-Nexus-Stream-Format, Last-Event-ID, "
@@ -102,6 +104,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     ex.path = request.path[:MAX_PATH_CHARS]
     ex.client = request.remote
     ex.headers["X-Request-Id"] = request_id
+    if ex.endpoint in ANTHROPIC_ENDPOINTS:
+        ex.headers["request-id"] = request_id  # where Anthropic's API, and its SDK, have it
     # No response is to be read as anything but its type (errors quote a client's strings;
     # the console shares the origin and keeps a key).
     ex.headers["X-Content-Type-Options"] = "nosniff"

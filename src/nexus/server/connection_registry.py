@@ -70,6 +70,7 @@ def _rejection(max_connections: int) -> bytes:
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n"
         "Retry-After: 1\r\n"
+        "x-should-retry: true\r\n"
         "Connection: close\r\n\r\n"
     )
     return head.encode() + body

@@ -4,6 +4,8 @@ The body's shape is the endpoint's: a handler may carry an ``error_body``
 attribute (a function of :class:`~nexus.errors.GatewayError` and the request id to
 a dict); the default is OpenAI's ``{"error": {"message", "type", "param", "code",
 "request_id"}}``. The request id is the ``X-Request-Id`` the response carries.
+Each error response also says whether the SDKs should retry it (``x-should-retry``:
+:func:`retry_advice`).
 Unknown routes and methods get the same JSON shape, and an unexpected
 exception a 500 whose message reveals nothing internal; but nothing is written
 after a response's headers went out: a WebSocket is closed 1011, another
@@ -25,7 +27,7 @@ from aiohttp import WSCloseCode, web
 from ..errors import GatewayError, ServerShuttingDown
 from .state import EXCHANGE, RUNTIME, new_request_id
 
-__all__ = ["error_middleware", "error_response"]
+__all__ = ["SHOULD_RETRY", "error_middleware", "error_response", "retry_advice"]
 
 log = logging.getLogger("nexus.server")
 
@@ -33,18 +35,46 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ErrorBody = Callable[[GatewayError, str | None], dict[str, Any]]
 
 
-def error_response(request: web.Request, error: GatewayError) -> web.Response:
+SHOULD_RETRY = "x-should-retry"
+"""The header the OpenAI and Anthropic SDKs obey before their own rules (which retry every
+408, 409, 429 and 5xx): ``true`` or ``false``."""
+SDK_RETRY_AFTER_MAX_S = 60
+"""The longest ``Retry-After`` the SDKs wait out; past it they give up or ignore it."""
+
+
+def error_response(
+    request: web.Request, error: GatewayError, *, advise: bool = True
+) -> web.Response:
+    """``error`` as the endpoint's JSON; with ``advise`` (not for a failure the gateway did
+    not foresee), its :func:`retry_advice` in ``x-should-retry``."""
     exchange = request.get(EXCHANGE)
     if exchange is not None:
         exchange.error = error.code  # the access line's outcome: error:<code>
     handler = getattr(request.match_info, "handler", None)
     body: ErrorBody = getattr(handler, "error_body", GatewayError.openai_body)
+    headers = dict(error.headers)
+    if advise:
+        headers[SHOULD_RETRY] = "true" if retry_advice(error) else "false"
     return web.Response(
         status=error.status,
         body=orjson.dumps(body(error, _known_request_id(request))),
         content_type="application/json",
-        headers=dict(error.headers),
+        headers=headers,
     )
+
+
+def retry_advice(error: GatewayError) -> bool:
+    """Whether an SDK's automatic retry (within seconds, a minute at most) may succeed.
+
+    A ``Retry-After`` in seconds decides: within :data:`SDK_RETRY_AFTER_MAX_S`, yes (a
+    budget whose running streams will give back their holds); longer, no (a budget window
+    that resets tomorrow: the client waits itself, or not). Without one, the error's
+    ``retryable``: an upstream's refusal of the gateway's own key, a request whose worst
+    case is over the whole budget, a bad request are answered the same way every time."""
+    retry_after = error.headers.get("Retry-After", "")
+    if retry_after.isascii() and retry_after.isdigit():
+        return int(retry_after) <= SDK_RETRY_AFTER_MAX_S
+    return error.retryable
 
 
 _STOPPING = "The server is shutting down; retry the request."
@@ -97,7 +127,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if request.writer.output_size:
             raise  # a response is on its way: aiohttp drops the connection, writing nothing
         error = GatewayError(f"Internal server error (request {request_id}).")
-        response = error_response(request, error)
+        response = error_response(request, error, advise=False)  # the SDKs' own rules
     return response
 
 

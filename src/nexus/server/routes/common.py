@@ -282,7 +282,8 @@ async def complete(
             # Good for as long as the stream can be read: while it may run, then resume_ttl_s
             # (a browser's EventSource reconnecting late in a long stream still gets in).
             lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
-            token = app[state.TOKENS].issue(opened.id, time.time(), lifetime)
+            # Its reads are this key's, also on another key's stream it joined (shared cache).
+            token = app[state.TOKENS].issue(opened.id, time.time(), lifetime, key=owner)
             described = describe(opened.info, token)
             if accepted is not None:  # the endpoint's own shape (a Responses ``response``)
                 described = accepted(described, opened.info.meta)
@@ -367,6 +368,9 @@ async def resume(
             f"Last-Event-ID {str(cursor)!r} belongs to another stream than {stream_id!r}.",
             param="last_event_id",
         )
+    if cursor is not None and _beyond(request, stream_id, cursor):
+        exchange(request).stream_id = stream_id
+        return web.Response(status=204, headers={"Cache-Control": "no-cache"})
     try:
         reader = await request.app[state.HUB].attach(stream_id)
     except StreamNotFound:  # expired since it was found
@@ -384,6 +388,17 @@ async def resume(
         first_wait_s=ATTACH_WAIT_S,
         origin=False,
     )
+
+
+def _beyond(request: web.Request, stream_id: str, cursor: Cursor) -> bool:
+    """Whether ``cursor`` is past every step a stream running here has rendered so far
+    (step *i* is log entry *i - 1*): no client was sent it, and what the stream sends next
+    is not after it. Answered at once, as an id past a finished stream's end is, rather
+    than attached (a reader's place held, a plain stream kept running, nothing written).
+    A stream followed through the store is not judged: its copy may trail what the
+    replica running it already sent."""
+    run = request.app[state.HUB].live.get(stream_id)
+    return run is not None and cursor.step > len(run.events)
 
 
 def _pump(

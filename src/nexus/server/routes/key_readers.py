@@ -8,7 +8,8 @@ request holds (a cached replay is a run of its own, with its own slot). Each cos
 rate token however large the log, so without this cap one key could render its own big
 log a thousand times at once (the event loop, shared by every key, renders them) or hold
 every place of ``[server] max_connections`` with followers. A read-token read counts
-against the stream owner's key, as its rate token does. Without keys there is no tenant
+against the key the token was issued to, as its rate token does (with
+``[cache] share_across_keys``, possibly not the stream's owner). Without keys there is no tenant
 to keep apart from another: nothing is counted (``[server] max_connections`` still
 bounds the connections).
 """

@@ -4,14 +4,16 @@ that resumes one.
 With keys configured, a stream is found only for the key that made it, or (on a GET) for
 its read token (:mod:`nexus.tokens`); another key's stream is the same 404, after the same
 lookup, as one that does not exist. Every lookup takes a token of a key's rate: the
-caller's, or for a read token the stream owner's. A cancel that finds the caller's own
-stream takes none (a key past its rate must still be able to stop what spends its
-budget); one that finds nothing of the caller's takes one after its lookup, so that ids
+caller's, or for a read token the key it was issued to (with ``[cache] share_across_keys``
+a background request that joined another key's stream gets one: its reads are its own
+key's, never charged to the owner it could otherwise lock out). A cancel that finds the
+caller's own stream takes none (a key past its rate must still be able to stop what spends
+its budget); one that finds nothing of the caller's takes one after its lookup, so that ids
 that are not the caller's cannot be probed at the store unmetered.
 
 A reader (a GET, a resume) also takes a place among its key's readers
-(:mod:`.key_readers`) before its lookup: the caller's, or for a read token the stream
-owner's, once the lookup has named it.
+(:mod:`.key_readers`) before its lookup: the caller's, or the read token's key (for a
+token that names none, the stream owner's, once the lookup has named it).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ async def find_stream(
     With ``read_token`` (a GET), a ``?token=`` query parameter authorises the request
     instead of a key. A key's request takes a token of its rate first, unless not
     ``rated`` (a cancel: then only a 404 takes one, after its lookup); a token's takes
-    one of its stream owner's rate once the stream is found. With ``reading``, the
+    one of the rate of the key it names (of its stream owner's, once the stream is found,
+    for a token that names none). With ``reading``, the
     request is a reader: its place among its key's readers is entered on that stack (the
     caller holds it while it writes the stream). Raises
     :class:`~nexus.auth.Unauthorized` (401 ``invalid_api_key``), 429 ``rate_limited``,
@@ -56,16 +59,16 @@ async def find_stream(
     """
     app = request.app
     stream_id = stream_id_of(stream_id)  # a background response's resp_ id names it too
-    owner = _reader(request, stream_id, read_token)
+    owner, reader = _reader(request, stream_id, read_token)
     hub = app[state.HUB]
-    if owner is not None and reading is not None:
-        reading.enter_context(key_reader(request, owner))  # before any lookup
-    if owner is not None and rated:
+    if reader is not None and reading is not None:
+        reading.enter_context(key_reader(request, reader))  # before any lookup
+    if reader is not None and rated:
         await admit(request, exchange(request).key, None)
     info = await hub.info(stream_id)
-    if info is not None and owner is None and app[KEYS].enabled:
-        # A read token's request is its stream owner's: it takes a place among that key's
-        # readers and a token of its rate (a token leaked in a URL would otherwise
+    if info is not None and reader is None and app[KEYS].enabled:
+        # A read token that names no key reads as its stream owner: a place among that
+        # key's readers and a token of its rate (a token leaked in a URL would otherwise
         # re-render the log unmetered).
         if reading is not None:
             reading.enter_context(key_reader(request, info.owner))
@@ -110,25 +113,33 @@ def stream_not_found(stream_id: str) -> StreamNotFound:
     )
 
 
-def _reader(request: web.Request, stream_id: str, read_token: bool) -> str | None:
-    """Whose streams the caller may use: a key's name; None for any (no keys, or a valid
-    read token for this stream). Raises :class:`Unauthorized`."""
+def _reader(
+    request: web.Request, stream_id: str, read_token: bool
+) -> tuple[str | None, str | None]:
+    """Whose streams the caller may use (a key's name; None for any: no keys, or a valid
+    read token for this stream), and which key its reading is charged to (the caller's, a
+    token's; None: no keys, or a token that names no key). Raises :class:`Unauthorized`."""
     app = request.app
-    if not app[KEYS].enabled:
-        return None
+    keys = app[KEYS]
+    if not keys.enabled:
+        return None, None
     if read_token:
         token = request.query.get("token")
         if token is not None:
-            if not app[state.TOKENS].check(token, stream_id, time.time()):
+            grant = app[state.TOKENS].check(token, stream_id, time.time())
+            holder = None if grant is None or grant.key is None else keys.named(grant.key)
+            if grant is None or (grant.key is not None and holder is None):
                 raise Unauthorized(
-                    "Invalid read token: malformed, expired, or not this stream's.",
+                    "Invalid read token: malformed, expired, not this stream's, or of a key "
+                    "no longer configured.",
                     headers={"WWW-Authenticate": 'Bearer realm="nexus"'},
                 )
-            return None
+            exchange(request).key = holder  # the access line's key: who reads
+            return None, None if holder is None else holder.name
     key = authenticate(request)
     if key is None:  # not with keys configured; never read as "any stream"
         raise Unauthorized("Missing API key.", headers={"WWW-Authenticate": 'Bearer realm="nexus"'})
-    return key.name
+    return key.name, key.name
 
 
 def _same_owner(owner: str | None, name: str) -> bool:

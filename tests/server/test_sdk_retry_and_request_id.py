@@ -1,0 +1,143 @@
+"""What the official SDKs read off an error: whether to retry it (``x-should-retry``), and
+the request id (``x-request-id`` for openai, ``request-id`` for anthropic).
+
+Both SDKs retry every 408, 409, 429 and 5xx unless the header says otherwise. An upstream
+refusing the gateway's own key, or a request whose worst case is over its key's whole
+budget, fails the same way every time: one attempt, not three (three upstream calls with
+a refused key). A refusal that waiting fixes is still retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import httpx2
+import openai
+import pytest
+
+from nexus.auth import hash_key
+from nexus.errors import GatewayError
+from nexus.server.errors import retry_advice
+from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_error_body
+
+USER = [{"role": "user", "content": "hi"}]
+KEY = "nx-retry-advice-0123456789"
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+class Attempts:
+    """The SDK's HTTP client, counting the requests it sends."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.client = httpx2.AsyncClient(event_hooks={"request": [self._seen]})
+
+    async def _seen(self, request: httpx2.Request) -> None:
+        self.count += 1
+
+
+def upstream_config(upstream: FakeUpstream, **extra: Any) -> dict[str, Any]:
+    return {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}, **extra}
+
+
+async def sdks(make_client: MakeClient, config: dict[str, Any], key: str = "unused") -> Any:
+    client = await make_client(config)
+    base = str(client.make_url(""))
+    attempts = Attempts()
+    oa = openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, http_client=attempts.client)
+    an = anthropic.AsyncAnthropic(base_url=base, api_key=key, http_client=attempts.client)
+    return oa, an, attempts
+
+
+async def test_an_upstream_refusing_the_gateways_key_is_tried_once(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    upstream.default = Reply.json(401, openai_error_body("bad key", code="invalid_api_key"))
+    oa, an, attempts = await sdks(make_client, upstream_config(upstream))
+    with pytest.raises(openai.InternalServerError) as chat_error:
+        await oa.chat.completions.create(model="up/m", messages=USER)
+    assert chat_error.value.code == "upstream_auth_error"
+    assert chat_error.value.response.headers["x-should-retry"] == "false"
+    assert (attempts.count, len(upstream.requests)) == (1, 1)
+    with pytest.raises(anthropic.InternalServerError) as message_error:
+        await an.messages.create(model="up/m", max_tokens=5, messages=USER)
+    assert (attempts.count, len(upstream.requests)) == (2, 2)
+    # The request id each SDK reports is the response's.
+    response = message_error.value.response
+    assert message_error.value.request_id == response.headers["x-request-id"]
+    assert chat_error.value.request_id == chat_error.value.response.headers["x-request-id"]
+    await attempts.client.aclose()
+
+
+async def test_a_request_over_the_whole_budget_is_tried_once(make_client: MakeClient) -> None:
+    config = {
+        "auth": {"keys": [{"name": "t", "sha256": hash_key(KEY), "budget_usd": 0.01}]},
+        "models": {"mock/echo": {"input_usd_per_mtok": 1000, "output_usd_per_mtok": 1000}},
+    }
+    oa, an, attempts = await sdks(make_client, config, key=KEY)
+    with pytest.raises(openai.RateLimitError) as chat_error:
+        await oa.chat.completions.create(model="mock/echo", messages=USER, max_tokens=20_000)
+    assert chat_error.value.code == "budget_exceeded"
+    assert attempts.count == 1
+    with pytest.raises(anthropic.RateLimitError):
+        await an.messages.create(model="mock/echo", max_tokens=20_000, messages=USER)
+    assert attempts.count == 2
+    await attempts.client.aclose()
+
+
+async def test_what_waiting_may_fix_is_still_retried(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    limited = Reply.json(429, openai_error_body("slow down"), headers={"Retry-After": "0"})
+    answer = [openai_chunk(role="assistant", content="fine"), openai_chunk(finish_reason="stop")]
+    upstream.add(limited, Reply.stream([*answer, DONE]), limited, Reply.stream([*answer, DONE]))
+    oa, an, attempts = await sdks(make_client, upstream_config(upstream))
+    completion = await oa.with_options(max_retries=1).chat.completions.create(
+        model="up/m", messages=USER
+    )
+    assert completion.choices[0].message.content == "fine"
+    assert (attempts.count, len(upstream.requests)) == (2, 2)
+    message = await an.with_options(max_retries=1).messages.create(
+        model="up/m", max_tokens=5, messages=USER
+    )
+    assert message.content[0].text == "fine"  # type: ignore[union-attr]
+    assert (attempts.count, len(upstream.requests)) == (4, 4)
+    assert message._request_id is not None and message._request_id.startswith("req_")
+    await attempts.client.aclose()
+
+
+async def test_messages_responses_carry_the_id_as_request_id_too(make_client: MakeClient) -> None:
+    """Success and error, streamed and not; the other endpoints keep X-Request-Id only."""
+    client = await make_client()
+    body = {"model": "mock/echo", "max_tokens": 5, "messages": USER}
+    for extra in ({}, {"stream": True}, {"model": "nope/x"}, {"max_tokens": "x"}):
+        resp = await client.post("/v1/messages", json=body | extra)
+        await resp.read()
+        assert resp.headers["request-id"] == resp.headers["X-Request-Id"], extra
+    resp = await client.post("/v1/chat/completions", json={"model": "mock/echo", "messages": USER})
+    assert "request-id" not in resp.headers
+
+
+@pytest.mark.parametrize(
+    ("headers", "retryable", "advice"),
+    [
+        ({}, False, False),
+        ({}, True, True),
+        ({"Retry-After": "1"}, False, True),  # a budget its running streams will free
+        ({"Retry-After": "60"}, True, True),
+        ({"Retry-After": "3600"}, False, False),  # a budget window that resets in an hour
+        ({"Retry-After": "3600"}, True, False),
+        ({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, True, True),
+    ],
+)
+def test_retry_advice(headers: dict[str, str], retryable: bool, advice: bool) -> None:
+    error = GatewayError("x", status=429, retryable=retryable, headers=headers)
+    assert retry_advice(error) is advice

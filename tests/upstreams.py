@@ -24,6 +24,7 @@ named events)::
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import socket
 from collections import deque
@@ -36,11 +37,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 __all__ = [
+    "AUDIO_EXPIRES",
+    "AUDIO_ID",
     "DONE",
     "FakeUpstream",
     "Reply",
     "Seen",
     "closed_port",
+    "openai_audio_stream",
     "openai_chunk",
     "openai_error_body",
     "openai_usage_chunk",
@@ -354,3 +358,45 @@ def anthropic_stream(blocks: list[dict[str, Any]], stop_reason: str = "end_turn"
     frames.append(anthropic_event("message_delta", delta=delta, usage={"output_tokens": 5}))
     frames.append(anthropic_event("message_stop"))
     return frames
+
+
+AUDIO_ID = "audio_672960c3a3e48190aed70377a7d6c941"
+AUDIO_EXPIRES = 1730768595
+
+
+def openai_audio_stream(
+    transcript: Sequence[str], pcm: Sequence[bytes], audio_tokens: int = 9
+) -> list[bytes]:
+    """A streamed answer with ``modalities: ["text", "audio"]``, as OpenAI sends it: the
+    role, the transcript pieces (the first with the audio's ``id``), the audio pieces (the
+    first with the ``id`` again and a repeated role), each piece of audio base64 on its
+    own (padded), the expiry alone, the finish, the usage with its audio tokens, [DONE]."""
+    chunks = [openai_chunk(role="assistant", refusal=None)]
+    for n, piece in enumerate(transcript):
+        first = {"id": AUDIO_ID} if n == 0 else {}
+        extra = {"content": None} if n == 0 else {}
+        chunks.append(openai_chunk(**extra, audio={**first, "transcript": piece}))
+    for n, raw in enumerate(pcm):
+        data = base64.b64encode(raw).decode()
+        if n == 0:
+            audio = {"id": AUDIO_ID, "data": data}
+            chunks.append(openai_chunk(role="assistant", content=None, refusal=None, audio=audio))
+        else:
+            chunks.append(openai_chunk(audio={"data": data}))
+    chunks.append(openai_chunk(audio={"expires_at": AUDIO_EXPIRES}))
+    chunks.append(openai_chunk(finish_reason="stop"))
+    text_tokens = len(transcript)
+    usage = {
+        "prompt_tokens": 17,
+        "completion_tokens": audio_tokens + text_tokens,
+        "total_tokens": 17 + audio_tokens + text_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": audio_tokens,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+            "text_tokens": text_tokens,
+        },
+    }
+    return [*chunks, openai_usage_chunk(usage), DONE]

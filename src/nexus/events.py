@@ -161,18 +161,46 @@ class Reasoning:
 
 @dataclass(frozen=True, slots=True)
 class Audio:
-    """A chunk of audio output: base64 ``data`` and/or its ``transcript``."""
+    """A piece of audio output: base64 ``data`` and/or a piece of its ``transcript``.
+
+    ``id``: the upstream's name for the whole audio answer (OpenAI's ``audio_...``), on
+    the piece that carried it; a client sends it back in the next turn's assistant
+    message (``audio: {"id": ...}``) instead of the audio itself. ``expires_at``: when
+    the upstream forgets it (Unix seconds), on the piece that said so."""
 
     type: ClassVar[str] = "audio"
     data: str | None = None
     format: str | None = None
     transcript: str | None = None
+    id: str | None = None
+    expires_at: int | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """OpenAI's ``delta.audio``: the fields this piece carries, no nulls."""
+        out: dict[str, Any] = {}
+        if self.id is not None:
+            out["id"] = self.id
+        if self.data is not None:
+            out["data"] = self.data
+        if self.format is not None:
+            out["format"] = self.format
+        if self.transcript is not None:
+            out["transcript"] = self.transcript
+        if self.expires_at is not None:
+            out["expires_at"] = self.expires_at
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": "audio",
-            "audio": {"data": self.data, "format": self.format, "transcript": self.transcript},
+        audio: dict[str, Any] = {
+            "data": self.data,
+            "format": self.format,
+            "transcript": self.transcript,
         }
+        if self.id is not None:
+            audio["id"] = self.id
+        if self.expires_at is not None:
+            audio["expires_at"] = self.expires_at
+        return {"type": "audio", "audio": audio}
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +262,12 @@ class Usage:
     cost_usd: float | None = None
     """What they cost (:mod:`nexus.pricing`), when priced; not in :meth:`wire` (a client
     asks for it with ``stream_options.include_cost``)."""
+    prompt_audio_tokens: int | None = None
+    """Of ``prompt_tokens``, those of audio input (OpenAI's ``prompt_tokens_details``)."""
+    completion_audio_tokens: int | None = None
+    """Of ``completion_tokens``, those of audio output, counted within them as OpenAI
+    counts them (``completion_tokens_details``); billed at audio prices a
+    :class:`~nexus.pricing.Price` does not hold."""
 
     def wire(self) -> dict[str, Any]:
         """The OpenAI ``usage`` object (without the cost)."""
@@ -247,8 +281,14 @@ class Usage:
         if self.cache_write_tokens:
             details = out.setdefault("prompt_tokens_details", {})
             details["cache_write_tokens"] = self.cache_write_tokens
+        if self.prompt_audio_tokens is not None:
+            details = out.setdefault("prompt_tokens_details", {})
+            details["audio_tokens"] = self.prompt_audio_tokens
         if self.reasoning_tokens is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        if self.completion_audio_tokens is not None:
+            details = out.setdefault("completion_tokens_details", {})
+            details["audio_tokens"] = self.completion_audio_tokens
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ computed from the usage the upstream reported::
     (prompt - cached - written) * input + cached * cached_input
         + written * cache_write + completion * output
 
-``completion`` includes reasoning tokens, as OpenAI counts them; ``cached`` are prompt
+``completion`` includes reasoning and audio tokens, as OpenAI counts them (audio tokens at
+the listed text prices: OpenAI bills them dearer, which is why a key with a budget is
+refused a request for audio, :func:`unpriced`); ``cached`` are prompt
 tokens read from a prompt cache, ``written`` those written to one (Anthropic bills them
 above the input price), both part of ``prompt``. A stream that ended without a final
 usage reports what it saw, marked ``estimated``: the last usage's prompt, cached and
@@ -26,7 +28,7 @@ from dataclasses import astuple, dataclass
 
 import orjson
 
-from .events import MAX_TOKENS, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
+from .events import MAX_TOKENS, Audio, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
 from .request import (
     AssistantMessage,
     AudioPart,
@@ -36,6 +38,7 @@ from .request import (
     RefusalPart,
     TextPart,
     ToolMessage,
+    audio_reference,
 )
 from .types import StreamMeta
 
@@ -190,6 +193,8 @@ def unpriced(request: ChatRequest) -> tuple[str, str] | None:
     if "audio" in extra or (isinstance(modalities, list) and "audio" in modalities):
         return "modalities", "audio output is billed per audio token"
     for index, message in enumerate(request.messages):
+        if isinstance(message, AssistantMessage) and audio_reference(message):
+            return f"messages[{index}].audio", "audio input is billed per audio token"
         content = message.content
         for part in content if isinstance(content, list) else ():
             if isinstance(part, AudioPart):
@@ -286,7 +291,7 @@ class Tally:
 
     usage: Usage | None = None
     produced: int = 0
-    """Content, reasoning and tool call deltas seen."""
+    """Content, reasoning, tool call and audio deltas seen."""
     answered: bool = False
     """The upstream sent an event (it accepted the request: its prompt is billed)."""
 
@@ -298,7 +303,7 @@ class Tally:
         elif cls is Delta:
             if event.content or event.tool_calls or event.refusal:  # type: ignore[union-attr]
                 self.produced += 1
-        elif cls is Reasoning or cls is ToolCall:
+        elif cls is Reasoning or cls is ToolCall or cls is Audio:
             self.produced += 1
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "TextPart",
     "ToolMessage",
     "UserMessage",
+    "audio_reference",
     "input_kinds",
 ]
 
@@ -249,16 +250,26 @@ def message_text(message: SystemMessage | UserMessage | AssistantMessage | ToolM
 
 def input_kinds(request: ChatRequest) -> set[str]:
     """The non-text inputs a request carries: ``image``, ``audio`` (a target whose
-    provider cannot take one of them is skipped)."""
+    provider cannot take one of them is skipped). An assistant turn that names an earlier
+    audio answer (:func:`audio_reference`) is audio: the upstream reads that audio."""
     kinds: set[str] = set()
     for message in request.messages:
-        if isinstance(message, UserMessage) and not isinstance(message.content, str):
+        if isinstance(message, AssistantMessage) and audio_reference(message):
+            kinds.add("audio")
+        elif isinstance(message, UserMessage) and not isinstance(message.content, str):
             for part in message.content:
                 if isinstance(part, ImagePart):
                     kinds.add("image")
                 elif isinstance(part, AudioPart):
                     kinds.add("audio")
     return kinds
+
+
+def audio_reference(message: AssistantMessage) -> bool:
+    """Whether an assistant turn names an audio answer of the upstream's by its id
+    (OpenAI's ``audio: {"id": ...}``), passed on as it came."""
+    extra = message.model_extra
+    return extra is not None and extra.get("audio") is not None
 
 
 # --- tools and formats -----------------------------------------------------

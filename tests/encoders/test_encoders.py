@@ -90,10 +90,17 @@ OPENAI_CHOICES = [
     ),
     (
         Audio(data="UklG", format="pcm16", transcript="hi"),
-        b'{"audio":{"data":"UklG","transcript":"hi","format":"pcm16"}}',
+        b'{"audio":{"data":"UklG","format":"pcm16","transcript":"hi"}}',
         b"null",
     ),
-    (Audio(transcript="hi"), b'{"audio":{"data":null,"transcript":"hi"}}', b"null"),
+    # As OpenAI streams them: only the fields a piece carries.
+    (
+        Audio(transcript="hi", id="audio_1"),
+        b'{"audio":{"id":"audio_1","transcript":"hi"}}',
+        b"null",
+    ),
+    (Audio(data="AAA="), b'{"audio":{"data":"AAA="}}', b"null"),
+    (Audio(expires_at=1730768595), b'{"audio":{"expires_at":1730768595}}', b"null"),
     (
         Image(data="iVBO", mime_type="image/jpeg"),
         IMG + b'data:image/jpeg;base64,iVBO"}}]}',
@@ -399,7 +406,7 @@ def openai_payloads(meta: StreamMeta, failed: bool) -> list[Any]:
         choice({"tool_calls": [FIRST.wire()]}),
         choice({"tool_calls": [LATER.wire()]}),
         choice({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
-        choice({"audio": {"data": None, "transcript": "hi"}}),
+        choice({"audio": {"transcript": "hi"}}),
         choice({"images": [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]}),
         choice({"annotations": [{"type": "url_citation", "url_citation": CITED}]}),
         choice({}, "tool_calls"),

@@ -9,7 +9,7 @@ import pytest
 
 from nexus.config import parse_config, price_table
 from nexus.errors import ConfigError
-from nexus.events import Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
+from nexus.events import Audio, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
 from nexus.pricing import (
     NOTHING,
     Price,
@@ -122,11 +122,12 @@ def test_a_failed_stream_without_usage_counts_its_output_events() -> None:
         ToolCall(index=0, id="c", name="f", arguments="{}"),
         Delta(content=""),  # no output
         Delta(content="b"),
+        Audio(data="AAAA", id="audio_1"),
     ]
     tallied = tally(events, complete=False)
-    assert tallied.produced == 4
+    assert tallied.produced == 5
     spend = spend_of(tallied, PRICE, complete=False)
-    assert spend == Spend(0, 4, 0, 0, 4 * 10.0 / 1_000_000, True)
+    assert spend == Spend(0, 5, 0, 0, 5 * 10.0 / 1_000_000, True)
 
 
 def test_a_failed_stream_keeps_the_usage_billed_before_the_failure() -> None:

@@ -295,6 +295,15 @@ _ANY_DELTA = _either(
                 key: _either(_TEXT) for key in ("role", "reasoning_content", "reasoning", "refusal")
             },
             "tool_calls": _either(st.one_of(st.none(), st.lists(_ANY_CALL, max_size=2))),
+            "audio": _either(
+                st.fixed_dictionaries(
+                    {},
+                    optional={
+                        **{key: _either(_TEXT) for key in ("id", "data", "transcript")},
+                        "expires_at": _either(st.integers(0, 2**40)),
+                    },
+                )
+            ),
         },
     )
 )
@@ -320,9 +329,14 @@ _ANY_CHUNK = _either(
                     optional={
                         "prompt_tokens": _either(st.integers(0, 9)),
                         "prompt_tokens_details": _either(
-                            st.fixed_dictionaries({"cached_tokens": _either(st.integers(0, 9))})
+                            st.fixed_dictionaries(
+                                {"cached_tokens": _either(st.integers(0, 9))},
+                                optional={"audio_tokens": _either(st.integers(0, 9))},
+                            )
                         ),
-                        "completion_tokens_details": _JUNK,
+                        "completion_tokens_details": _either(
+                            st.fixed_dictionaries({}, optional={"audio_tokens": _JUNK})
+                        ),
                     },
                 )
             ),

@@ -276,6 +276,16 @@ models = ["echo"]
             },
             "messages[1]",
         ),
+        (  # an earlier audio answer, named by its id: the upstream reads it as audio input
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "audio": {"id": "audio_1"}},
+                    {"role": "user", "content": "again"},
+                ]
+            },
+            "messages[1].audio",
+        ),
     ],
 )
 async def test_a_budget_refuses_what_the_price_does_not_cover(

@@ -64,6 +64,16 @@ CASES: list[Any] = [
     pytest.param(
         Audio(data="AAAA", format="pcm16", transcript="hi"),
         b'["audio","AAAA","pcm16","hi"]',
+        id="audio-before-its-id",
+    ),
+    pytest.param(
+        Audio(transcript="hi", id="audio_1"),
+        b'["audio",null,null,"hi","audio_1"]',
+        id="audio-id",
+    ),
+    pytest.param(
+        Audio(data="AAAA", format="pcm16", transcript="hi", id="audio_1", expires_at=1730768595),
+        b'["audio","AAAA","pcm16","hi","audio_1",1730768595]',
         id="audio-all-fields",
     ),
     pytest.param(Image(), b'["image",null,null,null]', id="image-defaults"),
@@ -90,6 +100,11 @@ CASES: list[Any] = [
         Usage(41, 0, 41, cached_tokens=0, cache_write_tokens=0, partial=True),
         b'["usage",41,0,41,0,0,null,true]',
         id="usage-partial",
+    ),
+    pytest.param(
+        Usage(17, 11, 28, 0, None, 0, prompt_audio_tokens=0, completion_audio_tokens=9),
+        b'["usage",17,11,28,0,null,0,false,null,0,9]',
+        id="usage-audio-tokens",
     ),
     pytest.param(
         Error("upstream_error", "boom"),
@@ -237,7 +252,7 @@ def test_round_trip_any_log(log: list[StreamEvent]) -> None:
         pytest.param(["heartbeat", 1], id="heartbeat-extra-field"),
         pytest.param(["error", "t"], id="error-short"),
         pytest.param(["usage", 1, 2, 3, None, None], id="usage-short"),
-        pytest.param(["usage", 1, 2, 3, None, None, None, True, 1, 2], id="usage-long"),
+        pytest.param(["usage", 1, 2, 3, None, None, None, True, 1, 2, 3, 4], id="usage-long"),
         pytest.param("delta", id="bare-string"),
     ],
 )
@@ -319,6 +334,10 @@ def test_event_size_counts_more_for_more_tool_calls() -> None:
 def test_a_usage_stored_without_the_partial_flag_loads_as_totals() -> None:
     assert load_event(["usage", 5, 3, 8, None, None, None]) == Usage(5, 3, 8)
     assert load_event(["usage", 5, 3, 8, None, None, None, False]) == Usage(5, 3, 8)
+
+
+def test_an_audio_piece_stored_before_its_id_loads_without_one() -> None:
+    assert load_event(["audio", "AAAA", None, "hi"]) == Audio(data="AAAA", transcript="hi")
 
 
 def test_a_usage_stored_before_its_cost_still_loads() -> None:

@@ -109,10 +109,7 @@ class OpenAISSEEncoder(Encoder):
                     usage["cost"] = event.cost_usd  # OpenRouter's field, USD
                 return self._head + b'[],"usage":' + _dumps(usage) + self._tail()
             case Audio():
-                audio = {"data": event.data, "transcript": event.transcript}
-                if event.format is not None:
-                    audio["format"] = event.format
-                return self._chunk({"audio": audio})
+                return self._chunk({"audio": event.wire()})  # as OpenAI streams it
             case Image():
                 url = event.url or f"data:{event.mime_type or 'image/png'};base64,{event.data}"
                 return self._chunk({"images": [{"type": "image_url", "image_url": {"url": url}}]})

@@ -6,13 +6,16 @@ Request bytes in, :class:`~nexus.request.ChatRequest` out; merged completion in,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import base64
+import binascii
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
 from ..errors import InvalidRequest
+from ..events import Audio
 from ..request import ChatRequest
 from ..types import Completion, StreamMeta
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, shape_error
@@ -20,6 +23,8 @@ from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, shape_error
 __all__ = [
     "chunk_prefix",
     "completion_body",
+    "joined_base64",
+    "message_audio",
     "parse_chat_request",
     "tool_call",
     "validated",
@@ -126,8 +131,8 @@ def chunk_prefix(meta: StreamMeta) -> bytes:
 
 def completion_body(completion: Completion) -> dict[str, Any]:
     """A non-streaming ``chat.completion`` object (docs/protocols.md §5)."""
-    # No text beside a refusal or tool calls is null, as OpenAI sends it, not "".
-    empty = completion.refusal is not None or completion.tool_calls
+    # No text beside a refusal, tool calls or audio is null, as OpenAI sends it, not "".
+    empty = completion.refusal is not None or completion.tool_calls or completion.audio
     message: dict[str, Any] = {
         "role": completion.role,
         "content": completion.content if completion.content or not empty else None,
@@ -146,6 +151,8 @@ def completion_body(completion: Completion) -> dict[str, Any]:
         message["tool_calls"] = [
             tool_call(call.id, call.name, call.arguments) for call in completion.tool_calls
         ]
+    if completion.audio:
+        message["audio"] = message_audio(completion.audio)
     usage = completion.usage
     return {
         "id": completion.id,
@@ -164,3 +171,32 @@ def completion_body(completion: Completion) -> dict[str, Any]:
         if usage is not None
         else {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
+
+
+def message_audio(pieces: Sequence[Audio]) -> dict[str, Any]:
+    """A non-streaming message's ``audio`` (OpenAI's ``ChatCompletionAudio``) from the
+    streamed pieces: the first ``id`` and the last ``expires_at`` given, the transcript
+    pieces joined, the data as :func:`joined_base64` of its pieces."""
+    audio_id = next((piece.id for piece in pieces if piece.id is not None), None)
+    expires = [piece.expires_at for piece in pieces if piece.expires_at is not None]
+    return {
+        "id": audio_id,
+        "data": joined_base64([piece.data for piece in pieces if piece.data]),
+        "expires_at": expires[-1] if expires else None,
+        "transcript": "".join(piece.transcript for piece in pieces if piece.transcript),
+    }
+
+
+def joined_base64(pieces: Sequence[str]) -> str:
+    """One base64 text for the bytes of ``pieces``. OpenAI encodes each streamed piece on
+    its own (each a whole base64 text, padded with ``=`` where its bytes end off a
+    3-byte boundary), so the texts joined would not decode past the first padding: the
+    pieces are decoded, their bytes joined and encoded again. Pieces that are not each
+    valid base64 are taken as one text cut anywhere, and joined as text."""
+    if len(pieces) == 1:
+        return pieces[0]
+    try:
+        raw = b"".join(base64.b64decode(piece, validate=True) for piece in pieces)
+    except binascii.Error:
+        return "".join(pieces)
+    return base64.b64encode(raw).decode("ascii")

@@ -9,7 +9,7 @@ import msgspec
 import orjson
 
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
-from ..events import Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
+from ..events import Audio, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
 from .upstream import (
@@ -88,7 +88,7 @@ def _tool_message(message: dict[str, Any]) -> None:
 def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
     """Append to ``events`` those of one ``chat.completion.chunk`` (choice 0: Nexus asks for
     one): reasoning (``reasoning_content`` or ``reasoning``: DeepSeek, vLLM, OpenRouter),
-    content and refusal, tool-call fragments, the finish reason, then the usage. A field of
+    content and refusal, tool-call fragments, audio, the finish reason, then the usage. A field of
     another type than the API's is :class:`~nexus.protocol.upstream.Malformed`.
 
     The decoder's path for what its typed read refused (a field of another type, JSON
@@ -116,6 +116,16 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
                 delta.get("tool_calls"),
                 events,
             )
+            audio = delta.get("audio")
+            if audio is not None:
+                audio = object_of(audio, "audio")
+                _audio_event(
+                    text_of(audio.get("id"), "audio id"),
+                    text_of(audio.get("data"), "audio data"),
+                    text_of(audio.get("transcript"), "audio transcript"),
+                    _expiry(audio.get("expires_at")),
+                    events,
+                )
         finish = text_of(choice.get("finish_reason"), "finish_reason")
         if finish:
             events.append(Delta(finish_reason=finish))
@@ -178,6 +188,27 @@ def _delta_events(
         )
 
 
+def _audio_event(
+    audio_id: str | None,
+    data: str | None,
+    transcript: str | None,
+    expires_at: int | None,
+    events: list[StreamEvent],
+) -> None:
+    """A ``delta.audio`` piece as an :class:`~nexus.events.Audio`, its ``id`` and
+    ``expires_at`` kept (the client names the audio by its id in the next turn); one
+    with none of the four fields carries nothing and makes no event."""
+    if audio_id is None and data is None and transcript is None and expires_at is None:
+        return
+    events.append(Audio(data=data, transcript=transcript, id=audio_id, expires_at=expires_at))
+
+
+def _expiry(value: Any) -> int | None:
+    if value is None or type(value) is int:
+        return value
+    raise Malformed("an audio expires_at that is not an integer")
+
+
 def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
     """The usage, its counts checked (:func:`~nexus.protocol.upstream.token_count`): they
     are billed, and reach the access line and the key's budget. Once a stream."""
@@ -194,6 +225,12 @@ def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
                 reasoning_tokens=optional_count(
                     completion.get("reasoning_tokens"), "reasoning_tokens"
                 ),
+                prompt_audio_tokens=optional_count(
+                    prompt_details.get("audio_tokens"), "audio_tokens"
+                ),
+                completion_audio_tokens=optional_count(
+                    completion.get("audio_tokens"), "audio_tokens"
+                ),
             )
         )
 
@@ -202,12 +239,20 @@ def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
 # (id, model, logprobs, obfuscation...) in C and builds no dict. A chunk whose fields
 # have other types (or that is not an object, or not JSON) fails to decode and is read
 # by chunk_events() after orjson, as before: the same events, or the same error.
+class _Audio(msgspec.Struct, gc=False):
+    id: str | None = None
+    data: str | None = None
+    transcript: str | None = None
+    expires_at: int | None = None
+
+
 class _Delta(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
     refusal: str | None = None
     tool_calls: Any = None  # rare: read as chunk_events() reads it
+    audio: _Audio | None = None
 
 
 class _Choice(msgspec.Struct, gc=False):
@@ -235,11 +280,14 @@ def _typed_events(chunk: _Chunk, events: list[StreamEvent]) -> None:
         if delta is not None:
             content = delta.content
             reasoning = delta.reasoning_content or delta.reasoning
-            if not reasoning and not delta.refusal and delta.tool_calls is None:
+            audio = delta.audio
+            if not reasoning and not delta.refusal and delta.tool_calls is None and audio is None:
                 if content:
                     events.append(content_delta(content))  # the commonest: one token of text
             else:
                 _delta_events(reasoning, content, delta.refusal, delta.tool_calls, events)
+                if audio is not None:
+                    _audio_event(audio.id, audio.data, audio.transcript, audio.expires_at, events)
         if choice.finish_reason:
             events.append(Delta(finish_reason=choice.finish_reason))
     if chunk.usage:

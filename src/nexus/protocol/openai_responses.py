@@ -14,7 +14,8 @@ changes the answer and that Nexus cannot honour is refused, naming it
 (:func:`_refuse_unsupported`): ``previous_response_id`` and ``conversation`` (Nexus stores
 nothing), ``prompt`` templates, ``max_tool_calls``, ``truncation: "auto"``, any
 ``include`` (Nexus produces none of its extras), ``top_logprobs`` (no log probabilities),
-a ``reasoning.summary`` other than ``"auto"``. Other unknown fields are
+a ``reasoning.summary`` other than ``"auto"``, Chat Completions' ``modalities`` (other than
+text) and ``audio`` (audio output has no place in a response). Other unknown fields are
 accepted and not forwarded.
 """
 
@@ -298,6 +299,16 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
             "only 'auto' is supported: the summary is the "
             "reasoning the upstream streams, as long as it makes it",
         )
+    # Chat Completions' ask for audio output: a response has no item for it (dropped,
+    # the client would get text with no word that its ask went unheard).
+    extra = request.model_extra or {}
+    modalities = extra.get("modalities")
+    for name, asks in (
+        ("modalities", type(modalities) is list and any(m != "text" for m in modalities)),
+        ("audio", extra.get("audio") is not None),
+    ):
+        if asks:
+            raise _error(name, "audio output has no place in a response; ask chat completions")
 
 
 def to_chat_request(request: ResponsesRequest) -> ChatRequest:

@@ -24,7 +24,7 @@ from .config import AuthKeyConfig, Config, RedisStoreConfig, load_config
 from .config_errors import in_file
 from .errors import ConfigError
 from .server import redaction
-from .server.access import JsonFormatter
+from .server.log_lines import JsonFormatter
 from .supervisor import CONFIG_ERROR, STOP_SIGNALS, Supervisor, cpu_count
 from .telemetry import check_installed
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from nexus.auth import new_key
-from nexus.server.access import JsonFormatter
+from nexus.server.log_lines import JsonFormatter
 from support import MakeClient
 
 KEY = new_key()

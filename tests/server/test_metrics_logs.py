@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import hash_key
-from nexus.server.access import JsonFormatter
+from nexus.server.log_lines import JsonFormatter
 from support import GatedProvider, MakeClient, chat, parse_sse
 
 SSE = "text/event-stream"

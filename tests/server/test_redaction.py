@@ -96,7 +96,7 @@ def test_filter_redacts_message_args_and_exception() -> None:
 
 
 def _json_formatter() -> logging.Formatter:
-    from nexus.server.access import JsonFormatter
+    from nexus.server.log_lines import JsonFormatter
 
     return JsonFormatter()
 

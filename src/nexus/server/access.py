@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
@@ -43,6 +41,7 @@ from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
 from ..telemetry import Telemetry
 from .errors import Handler, error_response
+from .log_lines import line as _line
 from .metrics import Metrics
 from .origins import listed, loopback_host, origin_allowed
 from .redaction import redact
@@ -56,7 +55,6 @@ __all__ = [
     "METRICS",
     "TELEMETRY",
     "Exchange",
-    "JsonFormatter",
     "access_middleware",
     "account_at_end",
     "admit",
@@ -65,7 +63,6 @@ __all__ = [
     "budgeted",
     "check_stream_model",
     "exchange",
-    "log_value",
     "settled_spend",
 ]
 
@@ -240,33 +237,8 @@ def _account(app: web.Application, ex: Exchange, status: int) -> None:
         _line(access_log, level, ex.request_id, _fields(ex, status, outcome, elapsed))
 
 
-def _line(logger: logging.Logger, level: int, request_id: str, fields: dict[str, Any]) -> None:
-    """One line of ``fields`` (None left out of the text; every one in the JSON format),
-    with :func:`~nexus.server.redaction.redact` applied: a client may put its own key in
-    what the line quotes (the path, the model). One check a line, none a chunk."""
-    text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
-    if redact(text) != text:
-        fields = {k: redact(v) if isinstance(v, str) else v for k, v in fields.items()}
-        text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
-    extra = {"request_id": request_id, "access": fields}
-    logger.log(level, "%s %s", request_id, text, extra=extra)
-
-
 MAX_PATH_CHARS = 512
 """The URL path's longest in the access line and on the span (a client chooses it)."""
-_PLAIN = re.compile(r"[\x21-\x7e]+")
-_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
-
-
-def log_value(value: object) -> object:
-    """A value as the text line shows it: a string with spaces, quotes or control
-    characters (a client's model name) is JSON-quoted, so that it cannot forge fields or
-    lines."""
-    if isinstance(value, str) and (not _PLAIN.fullmatch(value) or '"' in value):
-        # ASCII-escaped: orjson keeps U+2028, U+2029 and U+0085, which split a line
-        # for readers that break on every Unicode line boundary.
-        return json.dumps(value)
-    return value
 
 
 def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str, Any]:
@@ -473,31 +445,3 @@ def check_stream_model(
             code="model_not_priced",
             param=param,
         )
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, request id, access fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        request_id = getattr(record, "request_id", None)
-        if request_id is not None:
-            out["request_id"] = request_id
-        access = getattr(record, "access", None)
-        if access is not None:
-            out.update(access)
-        if record.exc_info:
-            out["error"] = self.formatException(record.exc_info)
-        elif record.exc_text:  # formatted (and redacted) by a filter: see server/redaction.py
-            out["error"] = record.exc_text
-        # orjson keeps U+2028, U+2029 and U+0085 raw: escaped, a client's string cannot
-        # split the record for a reader that breaks lines on them.
-        return orjson.dumps(out).decode().translate(_LINE_BREAKS)
-
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        return time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

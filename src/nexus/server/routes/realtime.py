@@ -64,8 +64,8 @@ from ..access import (
     authenticate,
     budgeted,
     exchange,
-    log_value,
 )
+from ..log_lines import log_value
 from ..state import Exchange
 from ..writer import Writer
 from .common import check_open

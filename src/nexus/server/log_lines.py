@@ -1,0 +1,72 @@
+"""How a log line of Nexus's own is written: text fields that a client's strings cannot
+forge (:func:`log_value`), keys redacted once a line (:func:`line`), and the JSON format
+(:class:`JsonFormatter`, ``[logging] format = "json"``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from typing import Any
+
+import orjson
+
+from .redaction import redact
+
+__all__ = ["JsonFormatter", "line", "log_value"]
+
+
+def line(logger: logging.Logger, level: int, request_id: str, fields: dict[str, Any]) -> None:
+    """One line of ``fields`` (None left out of the text; every one in the JSON format),
+    with :func:`~nexus.server.redaction.redact` applied: a client may put its own key in
+    what the line quotes (the path, the model). One check a line, none a chunk."""
+    text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
+    if redact(text) != text:
+        fields = {k: redact(v) if isinstance(v, str) else v for k, v in fields.items()}
+        text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
+    extra = {"request_id": request_id, "access": fields}
+    logger.log(level, "%s %s", request_id, text, extra=extra)
+
+
+_PLAIN = re.compile(r"[\x21-\x7e]+")
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def log_value(value: object) -> object:
+    """A value as the text line shows it: a string with spaces, quotes or control
+    characters (a client's model name) is JSON-quoted, so that it cannot forge fields or
+    lines."""
+    if isinstance(value, str) and (not _PLAIN.fullmatch(value) or '"' in value):
+        # ASCII-escaped: orjson keeps U+2028, U+2029 and U+0085, which split a line
+        # for readers that break on every Unicode line boundary.
+        return json.dumps(value)
+    return value
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id, access fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None)
+        if request_id is not None:
+            out["request_id"] = request_id
+        access = getattr(record, "access", None)
+        if access is not None:
+            out.update(access)
+        if record.exc_info:
+            out["error"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # formatted (and redacted) by a filter: see server/redaction.py
+            out["error"] = record.exc_text
+        # orjson keeps U+2028, U+2029 and U+0085 raw: escaped, a client's string cannot
+        # split the record for a reader that breaks lines on them.
+        return orjson.dumps(out).decode().translate(_LINE_BREAKS)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))

@@ -374,7 +374,8 @@ class Config(_Table):
         for name in value:
             if not PROVIDER_NAME.fullmatch(name):
                 raise ValueError(
-                    f"provider name {name!r} must be 1 to 64 letters, digits, '_', '.' or '-'"
+                    f"provider name {name!r} must be 1 to 64 characters, without '/', '*', "
+                    "spaces or control characters"
                 )
         return value
 

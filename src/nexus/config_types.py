@@ -45,7 +45,7 @@ PER_MTOK = Annotated[USD, Field(le=MAX_USD_PER_MTOK)]
 """An optional price, bounded so that no count times it is an infinite cost."""
 URL = r"^https?://\S+$"
 
-PROVIDER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+PROVIDER_NAME = re.compile(r"[^/*\s\x00-\x1f\x7f]{1,64}")
 """A provider's name, the prefix of its model ids: letters, digits, ``_``, ``.``, ``-``."""
 _MODEL_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,256}")
 
@@ -62,18 +62,37 @@ def model_name(value: str) -> str:
 
 ModelName = Annotated[str, AfterValidator(model_name)]
 
-_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]+")
+_ORIGIN = re.compile(
+    r"([a-z][a-z0-9+.-]*)://(\[[0-9a-f:.]+\]|[a-z0-9_-]+(?:\.[a-z0-9_-]+)*)(?::([0-9]{1,5}))?"
+)
+_DEFAULT_PORTS = {"http": "80", "https": "443", "ws": "80", "wss": "443"}
 
 
 def _an_origin(value: str) -> str:
-    """``"*"`` or what a browser sends as ``Origin``: ``scheme://host[:port]``, no path
-    (``https://app.example.com/`` would never match one, so it is refused)."""
-    if value != "*" and not _ORIGIN.fullmatch(value):
-        raise ValueError(
-            f'{value!r} is not an origin: "*" or scheme://host[:port], with no path '
-            '(e.g. "https://app.example.com")'
-        )
-    return value
+    """``"*"``, ``"null"`` (listed by name only), or an origin exactly as a browser sends
+    it in ``Origin``: ``scheme://host[:port]``, lower case, without the scheme's default
+    port, a path or a wildcard. Origins are compared as strings, so any other spelling
+    (``https://App.example.com``, ``https://app.example.com:443``, a trailing ``/``) would
+    never match a browser's, and is refused with the spelling that would."""
+    if value in ("*", "null"):
+        return value
+    match = _ORIGIN.fullmatch(value)
+    port = None if match is None else match.group(3)
+    if match is not None and (
+        port is None or (port != _DEFAULT_PORTS.get(match.group(1)) and 0 < int(port) < 65536)
+    ):
+        return value
+    hint = 'e.g. "https://app.example.com"'
+    spelled = value.strip().lower().rstrip("/")
+    scheme = spelled.partition("://")[0]
+    if scheme in _DEFAULT_PORTS:
+        spelled = spelled.removesuffix(":" + _DEFAULT_PORTS[scheme])
+    if spelled != value and _ORIGIN.fullmatch(spelled):
+        hint = f"a browser sends it as {spelled!r}"
+    raise ValueError(
+        f'{value!r} is not an origin as a browser sends it: "*", "null" or '
+        f"scheme://host[:port] in lower case, without a default port, path or wildcard ({hint})"
+    )
 
 
 Origin = Annotated[str, AfterValidator(_an_origin)]

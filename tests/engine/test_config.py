@@ -268,17 +268,20 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             '[providers."a/b"]\nkind = "mock"\n',
-            "providers: provider name 'a/b' must be 1 to 64 letters, digits, '_', '.' or '-'",
+            "providers: provider name 'a/b' must be 1 to 64 characters, without '/', '*', "
+            "spaces or control characters",
             id="provider-name-with-slash",
         ),
         pytest.param(
             '[providers."a b"]\nkind = "mock"\n',
-            "providers: provider name 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'",
+            "providers: provider name 'a b' must be 1 to 64 characters, without '/', '*', "
+            "spaces or control characters",
             id="provider-name-with-space",
         ),
         pytest.param(
             '[providers.""]\nkind = "mock"\n',
-            "providers: provider name '' must be 1 to 64 letters, digits, '_', '.' or '-'",
+            "providers: provider name '' must be 1 to 64 characters, without '/', '*', "
+            "spaces or control characters",
             id="provider-name-empty",
         ),
         pytest.param(
@@ -301,21 +304,38 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             '[cors]\nallow_origins = ["https://a.example", "not an origin"]\n',
-            "[cors] allow_origins.1: 'not an origin' is not an origin: \"*\" or "
-            'scheme://host[:port], with no path (e.g. "https://app.example.com")',
+            "[cors] allow_origins.1: 'not an origin' is not an origin as a browser sends it: "
+            '"*", "null" or scheme://host[:port] in lower case, without a default port, path '
+            'or wildcard (e.g. "https://app.example.com")',
             id="cors-origin-junk",
         ),
         pytest.param(
             '[cors]\nallow_origins = [""]\n',
-            "[cors] allow_origins.0: '' is not an origin: \"*\" or "
-            'scheme://host[:port], with no path (e.g. "https://app.example.com")',
+            "[cors] allow_origins.0: '' is not an origin as a browser sends it: "
+            '"*", "null" or scheme://host[:port] in lower case, without a default port, path '
+            'or wildcard (e.g. "https://app.example.com")',
             id="cors-origin-empty",
         ),
         pytest.param(
             '[cors]\nallow_origins = ["https://app.example.com/"]\n',
-            "[cors] allow_origins.0: 'https://app.example.com/' is not an origin: \"*\" or "
-            'scheme://host[:port], with no path (e.g. "https://app.example.com")',
+            "[cors] allow_origins.0: 'https://app.example.com/' is not an origin as a browser "
+            'sends it: "*", "null" or scheme://host[:port] in lower case, without a default '
+            "port, path or wildcard (a browser sends it as 'https://app.example.com')",
             id="cors-origin-with-path",
+        ),
+        pytest.param(
+            '[cors]\nallow_origins = ["https://App.Example.com:443"]\n',
+            "[cors] allow_origins.0: 'https://App.Example.com:443' is not an origin as a "
+            'browser sends it: "*", "null" or scheme://host[:port] in lower case, without a '
+            "default port, path or wildcard (a browser sends it as 'https://app.example.com')",
+            id="cors-origin-never-sent-so",
+        ),
+        pytest.param(
+            '[cors]\nallow_origins = ["https://*.example.com"]\n',
+            "[cors] allow_origins.0: 'https://*.example.com' is not an origin as a browser "
+            'sends it: "*", "null" or scheme://host[:port] in lower case, without a default '
+            'port, path or wildcard (e.g. "https://app.example.com")',
+            id="cors-origin-wildcard",
         ),
         pytest.param(
             '[providers.a]\nkind = "anthropic"\nanthropic_version = ""\n',
@@ -444,3 +464,26 @@ def test_every_float_key_is_finite(table: type[pydantic.BaseModel], key: str, va
 def test_an_infinite_duration_in_the_file_names_the_key(tmp_path: Path) -> None:
     message = load_error(tmp_path, "[streams]\nresume_ttl_s = inf\n")
     assert message == "[streams] resume_ttl_s: Input should be a finite number"
+
+
+def test_provider_names_people_use_are_accepted() -> None:
+    names = ["azure:east", "a+b", "vllm.local", "openai-2", "gpt@home", "ünï"]
+    providers = {name: {"kind": "mock"} for name in names}
+    assert list(parse_config({"providers": providers}).providers) == names
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "*",
+        "null",
+        "https://app.example.com",
+        "http://localhost:3000",
+        "http://127.0.0.1:5173",
+        "http://[::1]:8080",
+        "chrome-extension://abcdefghijklmnop",
+        "https://xn--bcher-kva.example",
+    ],
+)
+def test_an_origin_as_a_browser_sends_it_is_accepted(origin: str) -> None:
+    assert parse_config({"cors": {"allow_origins": [origin]}}).cors.allow_origins == [origin]

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from nexus.auth import new_key
-from nexus.server.log_lines import JsonFormatter
+from nexus.server.log_lines import JsonFormatter, line
 from support import MakeClient
 
 KEY = new_key()
@@ -37,3 +37,35 @@ async def test_a_key_in_the_request_id_or_path_is_not_logged(
         assert KEY not in JsonFormatter().format(record)
     paths = [orjson.loads(JsonFormatter().format(r))["path"] for r in records]
     assert paths[1] == "/v1/streams/nx-[redacted]"
+
+
+async def test_a_key_sent_as_a_realtime_model_is_not_logged(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    client = await make_client()
+    async with client.ws_connect("/v1/realtime") as ws:
+        request = {"model": KEY, "messages": [{"role": "user", "content": "x"}]}
+        await ws.send_json({"type": "start", "request": request})
+        refused = await ws.receive_json()
+        assert refused["error"]["code"] == "model_not_found"
+    warnings = [r.getMessage() for r in caplog.records if "start refused" in r.getMessage()]
+    assert len(warnings) == 1
+    assert KEY not in warnings[0] and "nx-[redacted]" in warnings[0]
+
+
+def test_a_credential_a_quote_would_hide_is_redacted_in_both_formats() -> None:
+    """Quoted for the text line, ``"\\nBearer <token>"`` loses the word boundary the
+    patterns need; the check runs on the values as they are."""
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger("nexus.test.redaction")
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        line(logger, logging.WARNING, "req_1", {"path": "/v1/x\nBearer sk-live-SECRET", "n": 1})
+    finally:
+        logger.removeHandler(handler)
+    (record,) = records
+    assert "SECRET" not in record.getMessage()
+    assert "SECRET" not in JsonFormatter().format(record)

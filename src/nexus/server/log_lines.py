@@ -14,17 +14,19 @@ import orjson
 
 from .redaction import redact
 
-__all__ = ["JsonFormatter", "line", "log_value"]
+__all__ = ["JsonFormatter", "line", "log_value", "quoted"]
 
 
 def line(logger: logging.Logger, level: int, request_id: str, fields: dict[str, Any]) -> None:
     """One line of ``fields`` (None left out of the text; every one in the JSON format),
     with :func:`~nexus.server.redaction.redact` applied: a client may put its own key in
-    what the line quotes (the path, the model). One check a line, none a chunk."""
-    text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
-    if redact(text) != text:
+    what the line quotes (the path, the model). One check a line, none a chunk, on the
+    values as they are (quoted, ``"\nBearer <key>"`` would hide its credential from the
+    patterns, and the JSON format writes the raw value)."""
+    raw = "\n".join(v for v in fields.values() if isinstance(v, str))
+    if redact(raw) != raw:
         fields = {k: redact(v) if isinstance(v, str) else v for k, v in fields.items()}
-        text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
+    text = " ".join(f"{k}={log_value(v)}" for k, v in fields.items() if v is not None)
     extra = {"request_id": request_id, "access": fields}
     logger.log(level, "%s %s", request_id, text, extra=extra)
 
@@ -36,12 +38,19 @@ _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": 
 def log_value(value: object) -> object:
     """A value as the text line shows it: a string with spaces, quotes or control
     characters (a client's model name) is JSON-quoted, so that it cannot forge fields or
-    lines."""
+    lines. Not redacted: :func:`line` redacts its fields; another caller quoting a client's
+    string redacts it first."""
     if isinstance(value, str) and (not _PLAIN.fullmatch(value) or '"' in value):
         # ASCII-escaped: orjson keeps U+2028, U+2029 and U+0085, which split a line
         # for readers that break on every Unicode line boundary.
         return json.dumps(value)
     return value
+
+
+def quoted(value: str | None) -> object:
+    """A client's string (a model name) for a log line other than :func:`line`'s: its
+    credentials redacted, then quoted as :func:`log_value` does."""
+    return log_value(None if value is None else redact(value))
 
 
 class JsonFormatter(logging.Formatter):

@@ -65,7 +65,7 @@ from ..access import (
     budgeted,
     exchange,
 )
-from ..log_lines import log_value
+from ..log_lines import quoted
 from ..state import Exchange
 from ..writer import Writer
 from .common import check_open
@@ -331,7 +331,7 @@ class RealtimeConnection(Writer):
                 self.request_id,
                 code,
                 self.key.name if self.key is not None else None,
-                log_value(model),
+                quoted(model),
             )
 
     async def _refuse_socket(self, reason: str) -> None:

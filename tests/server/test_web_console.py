@@ -331,3 +331,27 @@ async def test_a_model_load_refused_by_the_key_rate_is_tried_again_after_retry_a
         await expect(page.locator("#status")).to_have_text("idle")
     finally:
         await server.close()
+
+
+async def test_at_one_request_a_second_a_send_streams_over_event_source(page: Page) -> None:
+    """The SSE transport is two requests (the background POST, then the EventSource's GET
+    milliseconds later): the POST's rate token pays for the GET, so a key at one request a
+    second streams instead of seeing its EventSource refused."""
+    config = parse_config(
+        {
+            "auth": {"keys": [{"name": "console", "sha256": hash_key(CONSOLE_KEY)}]},
+            "limits": {"requests_per_second_per_key": 1},
+        }
+    )
+    server = TestServer(create_app(config, registry=default_registry.copy()), host="127.0.0.1")
+    await server.start_server()
+    try:
+        await with_key(page)
+        await open_console(page, port_of(server))
+        await asyncio.sleep(1.1)  # the model list's token is back: the bucket holds one
+        await send(page, "sse", "one user action")
+        await expect(page.locator("#status")).to_have_attribute("data-state", "done")
+        assert await output_of(page) == "one user action"
+        await expect(page.locator("#log")).to_contain_text("EventSource")
+    finally:
+        await server.close()

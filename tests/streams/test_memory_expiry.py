@@ -108,6 +108,20 @@ async def test_expired_claims_are_swept() -> None:
         await store.close()
 
 
+async def test_prepaid_reads_are_swept_taken_or_not() -> None:
+    store = MemoryStore()
+    for n in range(100):
+        await store.prepay_read(f"chatcmpl-{n}", "alpha", SHORT)
+    await store.prepay_read("chatcmpl-held", "alpha", LONG)
+    assert await store.take_prepaid_read("chatcmpl-0", "alpha")
+    store.sweep(time.monotonic() + 1.0)
+    assert list(store._prepaid) == [("chatcmpl-held", "alpha")]
+    assert len(store._prepaid_expiry) == 1
+    assert not await store.take_prepaid_read("chatcmpl-1", "alpha")
+    assert await store.take_prepaid_read("chatcmpl-held", "alpha")
+    assert not await store.take_prepaid_read("chatcmpl-held", "alpha")  # one read per 202
+
+
 async def test_released_claims_do_not_pile_up_in_the_expiry_heap() -> None:
     store = MemoryStore()
     for n in range(1000):

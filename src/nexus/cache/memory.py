@@ -6,8 +6,8 @@ oldest when the total passes ``max_bytes``. What one API key keeps is bounded to
 (``max_bytes_per_key``): past it, that key's own oldest go first; and when the whole store
 is full, the oldest of the key holding the most go, so that one tenant's streams push out
 its own logs before another's (entries of no key, a gateway without keys, share the
-whole store, oldest first). Expired entries are freed, not just hidden:
-a heap of expiry times gives those due first, dropped (with expired claims) on every put
+whole store, oldest first). Expired entries are freed, not just hidden: a heap of expiry
+times gives those due first, dropped (with expired claims and prepaid reads) on every put
 and every :data:`SWEEP_INTERVAL_S` while started, at O(log n) per entry dropped. A heap
 entry names its item by key and sequence number, so an item dropped early is not kept
 alive by the heap.
@@ -68,6 +68,10 @@ class MemoryStore(Store):
         self._claims: dict[str, tuple[str, float]] = {}
         self._claim_expiry: list[tuple[float, str, str]] = []
         """(expires_at, key, stream_id) per claim; stale once released or claimed again."""
+        self._prepaid: dict[tuple[str, str], float] = {}
+        """(stream id, key name) -> when its prepaid read lapses."""
+        self._prepaid_expiry: list[tuple[float, str, str]] = []
+        """(expires_at, stream_id, key) per prepaid read; stale once taken or paid again."""
         self._ticker: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -105,6 +109,11 @@ class MemoryStore(Store):
             expires_at, key, stream_id = heapq.heappop(claim_expiry)
             if claims.get(key) == (stream_id, expires_at):
                 del claims[key]
+        prepaid, prepaid_expiry = self._prepaid, self._prepaid_expiry
+        while prepaid_expiry and prepaid_expiry[0][0] <= now:
+            expires_at, stream_id, key = heapq.heappop(prepaid_expiry)
+            if prepaid.get((stream_id, key)) == expires_at:
+                del prepaid[(stream_id, key)]
 
     # Logs.
     async def end(
@@ -130,6 +139,16 @@ class MemoryStore(Store):
         events = item[1]  # type: ignore[index]
         if start < len(events):
             yield list(events[start:])
+
+    # Prepaid reads.
+    async def prepay_read(self, stream_id: str, key: str, ttl_s: float) -> None:
+        expires_at = time.monotonic() + ttl_s
+        self._prepaid[(stream_id, key)] = expires_at
+        heapq.heappush(self._prepaid_expiry, (expires_at, stream_id, key))
+
+    async def take_prepaid_read(self, stream_id: str, key: str) -> bool:
+        expires_at = self._prepaid.pop((stream_id, key), None)  # (no await: one caller)
+        return expires_at is not None and time.monotonic() < expires_at
 
     # Recordings.
     async def get_recording(self, key: str) -> Recording | None:

@@ -10,11 +10,12 @@ Keys, all under ``{prefix}:``, each with a TTL::
                                    ends it for want of clients (0)  live, renewed
     rec:{key}           string   JSON of a Recording               [cache] ttl_s
     claim:{key}         string   the stream holding an in-flight claim
+    prepaid:{name}/{id}  string  a read of it the 202 of API key {name} paid for  (redis_holds)
     replica:{id}        string   this replica is alive             OWNER_TTL_S, renewed
 
 (The limits' keys are in :mod:`nexus.cache.redis_limits`; what each API key holds, counted
-and bounded, in :mod:`nexus.cache.redis_quota`; leases, resumable flags and claims in
-:mod:`nexus.cache.redis_holds`.) When the owner of a live log
+and bounded, in :mod:`nexus.cache.redis_quota`; leases, resumable flags, prepaid reads and
+claims in :mod:`nexus.cache.redis_holds`.) When the owner of a live log
 dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive lapsed.
 
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append

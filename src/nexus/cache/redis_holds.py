@@ -1,6 +1,7 @@
 """Who holds a live stream in the Redis store, and who may start one: the leases of
 clients that follow a stream from another replica, the flag a resumable join on another
-replica sets, and in-flight claims. :class:`~nexus.cache.redis.RedisStore` is one.
+replica sets, prepaid reads, and in-flight claims. :class:`~nexus.cache.redis.RedisStore`
+is one.
 
 A lease is one key per stream for all its followers: each renews it while it reads
 (``SET PX``), and one that leaves sets it to lapse when the stream may end for its sake
@@ -8,6 +9,9 @@ A lease is one key per stream for all its followers: each renews it while it rea
 resumable one. Those still reading renew it sooner than that, so the key lapses when the
 last client elsewhere has been gone as long as it may be; the owner asks once its own last
 client left (:meth:`RedisHolds.held`) and again when the lease would lapse.
+
+A prepaid read is one key per stream and API key (``SET PX`` as the ``202`` is sent), taken
+with ``DEL``: Redis deletes a key once, so of concurrent reads on any replicas, one gets it.
 """
 
 from __future__ import annotations
@@ -120,6 +124,18 @@ class RedisHolds(Store):
             return set()
         found = await self.call("leased", *(("EXISTS", self._key(i, "lease")) for i in stream_ids))
         return {stream_id for stream_id, hit in zip(stream_ids, found, strict=True) if hit}
+
+    # Prepaid reads.
+    def _prepaid(self, stream_id: str, key: str) -> str:
+        # The key's name first: it has no "/", so no id a client sends names another's.
+        return f"{self.prefix}:prepaid:{key}/{stream_id}"
+
+    async def prepay_read(self, stream_id: str, key: str, ttl_s: float) -> None:
+        await self.call("prepay", ("SET", self._prepaid(stream_id, key), b"1", "PX", ms(ttl_s)))
+
+    async def take_prepaid_read(self, stream_id: str, key: str) -> bool:
+        (taken,) = await self.call("prepay", ("DEL", self._prepaid(stream_id, key)))
+        return bool(taken)
 
     # In-flight claims.
     async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:

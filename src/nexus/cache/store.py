@@ -4,8 +4,9 @@ A stream runs in one process (its :class:`~nexus.cache.run.StreamRun`); the stor
 what outlives it and what other processes see: logs (a *shared* store mirrors a live
 one as it grows, so another replica can follow it; every store keeps a finished one for
 ``resume_ttl_s``), leases (a replica following another's live stream keeps it from being
-cancelled as detached), recordings (whole streams that ended well, by canonical
-request) and in-flight claims (identical concurrent requests join one upstream call).
+cancelled as detached), prepaid reads (the first read of a stream after its background
+request's ``202``), recordings (whole streams that ended well, by canonical request) and
+in-flight claims (identical concurrent requests join one upstream call).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class Recording:
 
 
 class Store(ABC):
-    """Keeps stream logs, leases, recordings and in-flight claims. See the module docstring."""
+    """Keeps stream logs, leases, prepaid reads, recordings and in-flight claims. See the
+    module docstring."""
 
     shared: ClassVar[bool] = False
     """Whether other processes see this store (live logs are then mirrored into it)."""
@@ -210,6 +212,18 @@ class Store(ABC):
         """Those of ``stream_ids`` a client elsewhere follows: one question for all of
         them, so that a caller with a deadline (shutdown) waits for one round trip."""
         return {stream_id for stream_id in stream_ids if await self.leased(stream_id)}
+
+    # Prepaid reads.
+    @abstractmethod
+    async def prepay_read(self, stream_id: str, key: str, ttl_s: float) -> None:
+        """A background request of the API key named ``key`` was answered ``202`` for
+        ``stream_id``: its rate token pays for one read of it by that key within ``ttl_s``
+        (:func:`~nexus.server.routes.stream_access.prepay_first_read`)."""
+
+    @abstractmethod
+    async def take_prepaid_read(self, stream_id: str, key: str) -> bool:
+        """Whether a read of ``stream_id`` by ``key`` was paid for (:meth:`prepay_read`,
+        within its TTL), taking it in the same step: of concurrent callers, one gets True."""
 
     # Recordings.
     @abstractmethod

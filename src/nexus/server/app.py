@@ -89,7 +89,8 @@ def create_app(
         engine.middleware = tuple(middleware)
     elif middleware:
         raise ValueError("create_app: give the middleware to the Engine passed as engine=")
-    store = store or build_store(config.store, max_log_bytes=config.streams.max_log_bytes)
+    if store is None:  # (not "store or": an empty MemoryStore is falsy, it has a len)
+        store = build_store(config.store, max_log_bytes=config.streams.max_log_bytes)
     if telemetry is None:
         telemetry = Telemetry.from_config(config.telemetry)
     engine.telemetry = telemetry

@@ -64,7 +64,7 @@ from ..access import (
 from ..render import Cursor, parse_cursor
 from ..streaming import pump
 from .key_readers import key_reader
-from .stream_access import describe, find_stream, stream_not_found
+from .stream_access import describe, find_stream, prepay_first_read, stream_not_found
 
 __all__ = [
     "RESUMABLE_HEADER",
@@ -284,6 +284,7 @@ async def complete(
             lifetime = config.limits.max_stream_duration_s + config.streams.resume_ttl_s
             # Its reads are this key's, also on another key's stream it joined (shared cache).
             token = app[state.TOKENS].issue(opened.id, time.time(), lifetime, key=owner)
+            await prepay_first_read(request, opened.id, key)  # one action, one rate token
             described = describe(opened.info, token)
             if accepted is not None:  # the endpoint's own shape (a Responses ``response``)
                 described = accepted(described, opened.info.meta)

@@ -147,6 +147,7 @@ class RequestTimeout(GatewayError):
     status = 408
     code = "request_timeout"
     error_type = "invalid_request_error"
+    retryable = True  # the body stalled: a new attempt may well go through
 
 
 class RequestTooLarge(GatewayError):

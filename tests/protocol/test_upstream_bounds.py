@@ -203,16 +203,22 @@ def test_openai_project_and_user_ids_are_redacted(secret: str) -> None:
 @pytest.mark.parametrize(
     ("given", "kept"),
     [
-        ({"Retry-After": "86400", "retry-after-ms": "86400000"}, ("60", "60000")),
+        ({"Retry-After": "86400", "retry-after-ms": "86400000"}, (None, None)),
+        ({"Retry-After": "60", "retry-after-ms": "60000"}, ("60", "60000")),
         ({"Retry-After": "3", "retry-after-ms": "2500"}, ("3", "2500")),
         ({"Retry-After": "Wed, 21 Oct 2037 07:28:00 GMT", "retry-after-ms": "nan"}, (None, None)),
         ({"Retry-After": "-1", "retry-after-ms": "-5"}, (None, None)),
-        ({"retry-after-ms": "1e9"}, (None, "60000")),
+        ({"retry-after-ms": "1e9"}, (None, None)),
     ],
 )
 def test_retry_after_passed_on_is_bounded(
     given: dict[str, str], kept: tuple[str | None, ...]
 ) -> None:
-    """An upstream's Retry-After: 86400 used to be promised to clients as it came."""
+    """An upstream's Retry-After: 86400 used to be promised to clients as it came; a wait
+    past the bound is named in the message, with a word not to retry, and passed on as no
+    Retry-After (the error stays retryable for an alias's next target)."""
     error = status_error("up", 429, "slow down", given)
     assert (error.headers.get("Retry-After"), error.headers.get("retry-after-ms")) == kept
+    assert error.retryable
+    too_long = "x-should-retry" in error.headers
+    assert too_long == ("longer than 60 s" in error.message)

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from nexus.auth import hash_key
-from nexus.errors import GatewayError
+from nexus.errors import GatewayError, RequestTimeout
 from nexus.server.errors import retry_advice
 from support import MakeClient
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_error_body
@@ -114,6 +114,25 @@ async def test_what_waiting_may_fix_is_still_retried(
     await attempts.client.aclose()
 
 
+async def test_an_upstream_wait_too_long_to_pass_on_is_tried_once(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """An upstream's "come back in an hour" was passed on as ``Retry-After: 60`` with
+    ``x-should-retry: true``: each SDK came back twice, to the same refusal."""
+    hour = Reply.json(429, openai_error_body("quota"), headers={"Retry-After": "3600"})
+    upstream.add(hour, hour)
+    oa, an, attempts = await sdks(make_client, upstream_config(upstream))
+    with pytest.raises(openai.RateLimitError) as chat_error:
+        await oa.chat.completions.create(model="up/m", messages=USER)
+    headers = chat_error.value.response.headers
+    assert (headers["x-should-retry"], headers.get("Retry-After")) == ("false", None)
+    assert "wait longer than 60 s" in chat_error.value.message
+    with pytest.raises(anthropic.RateLimitError):
+        await an.messages.create(model="up/m", max_tokens=5, messages=USER)
+    assert (attempts.count, len(upstream.requests)) == (2, 2)
+    await attempts.client.aclose()
+
+
 async def test_messages_responses_carry_the_id_as_request_id_too(make_client: MakeClient) -> None:
     """Success and error, streamed and not; the other endpoints keep X-Request-Id only."""
     client = await make_client()
@@ -136,8 +155,14 @@ async def test_messages_responses_carry_the_id_as_request_id_too(make_client: Ma
         ({"Retry-After": "3600"}, False, False),  # a budget window that resets in an hour
         ({"Retry-After": "3600"}, True, False),
         ({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, True, True),
+        ({"x-should-retry": "false"}, True, False),  # an upstream's wait too long to pass on
     ],
 )
 def test_retry_advice(headers: dict[str, str], retryable: bool, advice: bool) -> None:
     error = GatewayError("x", status=429, retryable=retryable, headers=headers)
     assert retry_advice(error) is advice
+
+
+def test_a_stalled_upload_is_worth_retrying() -> None:
+    """A 408 (the body stopped coming) says what the SDKs' own rule does for a 408."""
+    assert retry_advice(RequestTimeout("the body stalled")) is True

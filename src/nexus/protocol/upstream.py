@@ -8,7 +8,8 @@ them quote headers and accounts in errors; then its control characters are escap
 line break in it would forge a line of a text log), and it is cut to
 :data:`MAX_ERROR_TEXT` characters, whichever way it came (a status's body, an error
 inside the stream). A 429's ``Retry-After`` is passed on up to
-:data:`MAX_RETRY_AFTER_S`: an upstream's "a day" is not the gateway's to promise.
+:data:`MAX_RETRY_AFTER_S`: an upstream's "a day" is not the gateway's to promise (a
+longer one is named in the message, and the error is not retryable).
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ def status_error(
         return UpstreamInvalidRequest(message, status=status, code=code, error_type=error_type)
     if status == 429:
         kept = _retry_after(headers or {})
+        if kept is None:  # a wait longer than the gateway passes on: the client's to plan
+            message = f"{message} (the provider asks to wait longer than {MAX_RETRY_AFTER_S} s)"
+            # Still retryable here (an alias's next target may answer), not by the SDKs,
+            # which would only come back to the same refusal within seconds.
+            kept = {"x-should-retry": "false"}
         return UpstreamRateLimited(message, code=code, error_type=error_type, headers=kept)
     if status in (503, 529):
         return UpstreamOverloaded(message, code=code, error_type=error_type)
@@ -141,19 +147,25 @@ def status_error(
     return UpstreamError(message, code=code, retryable=status in (408, 409))
 
 
-def _retry_after(headers: Mapping[str, str]) -> dict[str, str]:
-    """A 429's ``Retry-After`` (seconds; a date is dropped) and ``retry-after-ms``, each
-    at most :data:`MAX_RETRY_AFTER_S`."""
+def _retry_after(headers: Mapping[str, str]) -> dict[str, str] | None:
+    """A 429's ``Retry-After`` (seconds; a date is dropped) and ``retry-after-ms``; None
+    when the upstream asks for longer than :data:`MAX_RETRY_AFTER_S` (then neither is
+    passed on, and the client is told not to retry: told "60", it would only come back to
+    the same refusal)."""
     kept: dict[str, str] = {}
     seconds = headers.get("Retry-After", "").strip()
     if seconds.isascii() and seconds.isdigit():
-        kept["Retry-After"] = str(min(int(seconds), MAX_RETRY_AFTER_S))
+        if int(seconds) > MAX_RETRY_AFTER_S:
+            return None
+        kept["Retry-After"] = str(int(seconds))
     try:
         ms = float(headers.get("retry-after-ms", ""))
     except ValueError:
         return kept
     if ms >= 0:  # (NaN is not)
-        kept["retry-after-ms"] = str(int(min(ms, MAX_RETRY_AFTER_S * 1000)))
+        if ms > MAX_RETRY_AFTER_S * 1000:
+            return None
+        kept["retry-after-ms"] = str(int(ms))
     return kept
 
 

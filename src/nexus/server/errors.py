@@ -71,6 +71,9 @@ def retry_advice(error: GatewayError) -> bool:
     that resets tomorrow: the client waits itself, or not). Without one, the error's
     ``retryable``: an upstream's refusal of the gateway's own key, a request whose worst
     case is over the whole budget, a bad request are answered the same way every time."""
+    told = error.headers.get(SHOULD_RETRY)
+    if told is not None:  # the error knows better (an upstream's wait too long to pass on)
+        return told == "true"
     retry_after = error.headers.get("Retry-After", "")
     if retry_after.isascii() and retry_after.isdigit():
         return int(retry_after) <= SDK_RETRY_AFTER_MAX_S

@@ -164,29 +164,45 @@ class AssistantMessage(OpenModel):
     name: str | None = None
 
     @model_validator(mode="after")
-    def _anthropic_thinking(self) -> AssistantMessage:
-        """``thinking_blocks`` (signed and redacted thinking, carried for an Anthropic
-        upstream) hold those blocks only; ``thinking_after_calls`` places each among the
-        tool calls: how many come before it."""
-        extra = self.model_extra or {}
-        blocks = extra.get("thinking_blocks")
-        if blocks is not None and not (type(blocks) is list and all(map(_thinking, blocks))):
-            raise ValueError("thinking_blocks holds thinking and redacted_thinking blocks only")
-        after = extra.get("thinking_after_calls")
-        calls = len(self.tool_calls or ())
-        if after is not None and not (
-            type(after) is list
-            and len(after) == len(blocks or ())
-            and all(type(n) is int and 0 <= n <= calls for n in after)
-            and after == sorted(after)
-        ):
-            message = "thinking_after_calls: one count of tool calls per thinking block, in order"
+    def _anthropic_content(self) -> AssistantMessage:
+        """``anthropic_content`` (the turn's blocks as a ``/v1/messages`` client sent them,
+        which an Anthropic upstream gets as they are, in their order: signed thinking, cache
+        marks) holds thinking, redacted thinking, text and tool_use blocks only, and the
+        message's own text and tool calls: any target gets the same turn."""
+        blocks = (self.model_extra or {}).get("anthropic_content")
+        if blocks is None:
+            return self
+        if not (type(blocks) is list and all(map(_assistant_block, blocks))):
+            message = (
+                "anthropic_content holds thinking, redacted_thinking, text and tool_use blocks"
+            )
             raise ValueError(message)
+        text = "".join(block["text"] for block in blocks if block["type"] == "text")
+        ids = [block["id"] for block in blocks if block["type"] == "tool_use"]
+        content = self.content
+        own = (
+            content
+            if isinstance(content, str)
+            else "".join(part.text for part in content or () if isinstance(part, TextPart))
+        )
+        if text != own or ids != [call.id for call in self.tool_calls or ()]:
+            raise ValueError("anthropic_content: the message's own text and tool calls, in order")
         return self
 
 
-def _thinking(block: Any) -> bool:
-    return type(block) is dict and block.get("type") in ("thinking", "redacted_thinking")
+_BLOCK_FIELDS: dict[str, dict[str, type]] = {
+    "thinking": {"thinking": str, "signature": str},
+    "redacted_thinking": {"data": str},
+    "text": {"text": str},
+    "tool_use": {"id": str, "name": str, "input": dict},
+}
+
+
+def _assistant_block(block: Any) -> bool:
+    if type(block) is not dict:
+        return False
+    fields = _BLOCK_FIELDS.get(str(block.get("type")))
+    return fields is not None and all(type(block.get(k)) is t for k, t in fields.items())
 
 
 class ToolMessage(OpenModel):

@@ -453,26 +453,34 @@ async def test_text_after_tool_calls_keeps_its_place_streamed_or_not(
     await responses.close()
 
 
-async def test_a_chat_client_cannot_make_up_anthropic_thinking_blocks(
+async def test_a_chat_client_cannot_make_up_anthropic_content(
     make_client: MakeClient, upstream: FakeUpstream
 ) -> None:
-    """``thinking_blocks`` (what /v1/messages carries back for an Anthropic upstream) hold
-    thinking and redacted thinking only, placed among the turn's tool calls in order."""
+    """``anthropic_content`` (what /v1/messages carries back for an Anthropic upstream)
+    holds thinking, redacted thinking, text and tool_use blocks only, with the message's
+    own text and tool calls in order."""
     client = await make_client(
         {"providers": {"an": {"kind": "anthropic", "base_url": upstream.url}}}
     )
     call = {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     thinking = {"type": "thinking", "thinking": "Hm", "signature": "sig"}
+    use = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
     document = {"type": "document", "source": {"type": "url", "url": "https://x/500.pdf"}}
-    for extra in (
-        {"thinking_blocks": [document]},
-        {"thinking_blocks": "no"},
-        {"thinking_blocks": [thinking], "thinking_after_calls": [2]},
-        {"thinking_blocks": [thinking, thinking], "thinking_after_calls": [1, 0]},
+    for blocks in (
+        [document, use],
+        "no",
+        [thinking],  # its tool call missing
+        [thinking, use, {"type": "text", "text": "more"}],  # text the message lacks
+        [{"type": "thinking", "thinking": "Hm"}, use],  # no signature
     ):
-        assistant = {"role": "assistant", "content": None, "tool_calls": [call], **extra}
+        assistant = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call],
+            "anthropic_content": blocks,
+        }
         body = {"model": "an/claude", "messages": [{"role": "user", "content": "hi"}, assistant]}
         resp = await client.post("/v1/chat/completions", json=body)
-        assert resp.status == 400, extra
+        assert resp.status == 400, blocks
         assert (await resp.json())["error"]["param"].startswith("messages")
     assert not upstream.requests  # nothing went upstream

@@ -114,10 +114,14 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     choice = _tool_choice(request)
     if choice is not None:
         body["tool_choice"] = choice
+    extra = request.model_extra or {}
+    sent = extra.get("output_config")  # a /v1/messages client's effort
+    config = dict(sent) if type(sent) is dict else {}
     schema = _schema(request)
     if schema is not None:
-        body["output_config"] = {"format": {"type": "json_schema", "schema": schema}}
-    extra = request.model_extra or {}
+        config["format"] = {"type": "json_schema", "schema": schema}
+    if config:
+        body["output_config"] = config
     for key in ("thinking", "top_k", "service_tier"):
         if key in extra:
             body[key] = extra[key]
@@ -178,21 +182,20 @@ def _schema(request: ChatRequest) -> dict[str, Any] | None:
 
 
 def _assistant_blocks(message: AssistantMessage) -> list[dict[str, Any]]:
-    """An assistant turn's blocks: its thinking blocks as the client sent them back (signed
-    and redacted ones, which Anthropic checks), each before the tool calls that came
-    after it (``thinking_after_calls``; else all lead), then its text and tool calls."""
-    extra = message.model_extra or {}
-    thinking: list[dict[str, Any]] = extra.get("thinking_blocks") or []
-    after: list[int] = extra.get("thinking_after_calls") or [0] * len(thinking)
-    leading = after.count(0)
-    blocks = thinking[:leading]
+    """An assistant turn's blocks: those a ``/v1/messages`` client sent
+    (``anthropic_content``), as sent and in their order (Anthropic checks signed and
+    redacted thinking in a tool loop; cache marks stay on their blocks); else its text,
+    then its tool calls."""
+    sent = (message.model_extra or {}).get("anthropic_content")
+    if sent is not None:
+        return [*sent]  # a copy: the next message of the same role extends it
+    blocks: list[dict[str, Any]] = []
     text = message_text(message)
     if text:
         blocks.append({"type": "text", "text": text})
-    for at, call in enumerate(message.tool_calls or (), 1):
+    for call in message.tool_calls or ():
         use = {"type": "tool_use", "id": call.id, "name": call.function.name}
         blocks.append({**use, "input": _arguments(call.function.arguments)})
-        blocks += (block for block, calls in zip(thinking, after, strict=True) if calls == at)
     return blocks
 
 
@@ -221,19 +224,19 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
                 header, _, data = url.partition(",")
                 media_type = header[5:].split(";", 1)[0]
                 source = {"type": "base64", "media_type": media_type, "data": data}
-            blocks.append({"type": "image", "source": source})
+            blocks.append({"type": "image", "source": source, **cache_control(part)})
     return blocks
 
 
 def _tool_result(message: ToolMessage) -> dict[str, Any]:
-    """A ``tool_result`` block: its text, or the blocks a ``/v1/messages`` client sent when
-    they hold an image; ``is_error`` kept."""
+    """A ``tool_result`` block: the blocks a ``/v1/messages`` client sent, else its text;
+    ``is_error`` and its cache mark kept."""
     extra = message.model_extra or {}
     content = extra.get("tool_result_content") or message_text(message)
     result = {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": content}
     if extra.get("is_error") is True:
         result["is_error"] = True
-    return result
+    return {**result, **cache_control(message)}
 
 
 def _arguments(arguments: str) -> Any:

@@ -130,6 +130,16 @@ class Metadata(OpenModel):
     user_id: str | None = None
 
 
+class OutputFormat(StrictModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(StrictModel):
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class MessagesRequest(StrictModel):
     """Fields Nexus does not carry out (``mcp_servers``, ``container``, a newer API's) are
     refused by name: dropped, they would change the answer without a word."""
@@ -149,6 +159,7 @@ class MessagesRequest(StrictModel):
     thinking: dict[str, Any] | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    output_config: OutputConfig | None = None
     stream: bool = False
     background: bool = False
     stream_options: StreamOptions | None = None
@@ -196,6 +207,8 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
             chat[key] = value
     if request.stop_sequences:
         chat["stop"] = request.stop_sequences
+    if request.output_config is not None:
+        _output_config(request.output_config, chat)
     if request.metadata is not None and request.metadata.user_id:
         chat["user"] = request.metadata.user_id
     if request.tools:
@@ -228,61 +241,72 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
     return validated(ChatRequest, chat)
 
 
+def _output_config(config: OutputConfig, chat: dict[str, Any]) -> None:
+    """Structured outputs as chat's ``json_schema`` response format (which an Anthropic
+    upstream gets back as ``output_config.format``, the schema as sent); ``effort`` rides
+    as ``output_config`` for an Anthropic upstream alone (an OpenAI one refuses it)."""
+    if config.format is not None:
+        schema = {"name": "output", "schema": config.format.schema_}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if config.effort is not None:
+        chat["output_config"] = {"effort": config.effort}
+
+
 def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages (tool results become ``tool`` messages)."""
+    """One Anthropic message as chat messages (tool results become ``tool`` messages). An
+    assistant turn keeps its blocks as sent, in order, in ``anthropic_content``: an
+    Anthropic upstream gets them back unmodified (it checks signed thinking in a tool loop;
+    cache marks stay where they were); its text and tool calls are the chat message."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
+    if message.role == "assistant":
+        return _assistant(message.content, index)
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
-    thinking: list[dict[str, Any]] = []
-    thinking_at: list[int] = []  # per thinking block, the tool calls before it
     for block in message.content:
         if isinstance(block, TextBlock):
             parts.append(text_block(block))
         elif isinstance(block, ImageBlock):
-            if message.role != "user":
-                raise InvalidRequest(
-                    f"messages[{index}]: image blocks belong in user messages",
-                    param=f"messages[{index}].content",
-                )
             source = block.source
             url = (
                 f"data:{source.media_type};base64,{source.data}"
                 if isinstance(source, Base64Source)
                 else source.url
             )
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-        elif isinstance(block, ToolUseBlock):
-            calls.append(tool_call(block.id, block.name, orjson.dumps(block.input).decode()))
-        elif isinstance(block, ThinkingBlock):
-            if message.role == "assistant":
-                thinking.append(block.model_dump())
-                thinking_at.append(len(calls))
+            parts.append({"type": "image_url", "image_url": {"url": url}, **cache_control(block)})
         elif isinstance(block, ToolResultBlock):
             out.append(_tool_result(block))
-    if message.role == "assistant":
-        text = "".join(p["text"] for p in parts)
-        if text or calls or thinking:
-            entry: dict[str, Any] = {"role": "assistant", "content": text or None}
-            if calls:
-                entry["tool_calls"] = calls
-            if thinking:
-                # Signed and redacted thinking must go back to Anthropic unmodified, with
-                # the turn it came in, in its place among the tool calls.
-                entry["thinking_blocks"] = thinking
-                if any(thinking_at):
-                    entry["thinking_after_calls"] = thinking_at
-            out.append(entry)
-    elif parts:
+    if parts:
         out.append({"role": "user", "content": parts})
     return out
 
 
+def _assistant(content: list[Any], index: int) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for block in content:
+        if isinstance(block, ImageBlock | ToolResultBlock):
+            raise InvalidRequest(
+                f"messages[{index}]: {block.type} blocks belong in user messages",
+                param=f"messages[{index}].content",
+            )
+        if isinstance(block, ToolUseBlock):
+            calls.append(tool_call(block.id, block.name, orjson.dumps(block.input).decode()))
+        blocks.append(block.model_dump(exclude_none=True))
+    if not blocks:
+        return []
+    text = "".join(b["text"] for b in blocks if b["type"] == "text")
+    entry: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        entry["tool_calls"] = calls
+    entry["anthropic_content"] = blocks
+    return [entry]
+
+
 def _tool_result(block: ToolResultBlock) -> dict[str, Any]:
-    """A ``tool`` message; ``is_error`` and a result's blocks when it holds an image ride
-    beside its text for an Anthropic upstream (:mod:`.anthropic_events`; an OpenAI one
-    takes ``is_error`` as a text prefix and refuses the image: :mod:`.openai_chunks`)."""
+    """A ``tool`` message; ``is_error``, the result's cache mark and its blocks ride beside
+    its text for an Anthropic upstream (:mod:`.anthropic_events`; an OpenAI one takes
+    ``is_error`` as a text prefix, drops the mark and refuses an image: :mod:`.openai_chunks`)."""
     content = block.content
     if isinstance(content, str):
         text = content
@@ -291,8 +315,9 @@ def _tool_result(block: ToolResultBlock) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
     if block.is_error:
         message["is_error"] = True
-    if not isinstance(content, str) and any(isinstance(b, ImageBlock) for b in content):
+    if not isinstance(content, str) and content:
         message["tool_result_content"] = [b.model_dump(exclude_none=True) for b in content]
+    message.update(cache_control(block))
     return message
 
 

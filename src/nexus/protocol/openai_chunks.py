@@ -23,9 +23,22 @@ from .upstream import (
     token_count,
 )
 
-__all__ = ["ChunkDecoder", "chunk_events", "upstream_body"]
+__all__ = ["ChunkDecoder", "chunk_events", "refusal", "upstream_body"]
 
-_NOT_OPENAI = {"mock", "thinking", "top_k", "background"}  # Nexus's or Anthropic's alone
+_NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config"}  # not OpenAI's
+
+
+def refusal(request: ChatRequest) -> InvalidRequest | None:
+    """The 400 for ``output_config.effort`` (a ``/v1/messages`` client's): Chat Completions
+    has no place for Anthropic's effort levels, and dropping it would change the answer."""
+    config = (request.model_extra or {}).get("output_config")
+    if type(config) is dict and config.get("effort") is not None:
+        return InvalidRequest(
+            "output_config.effort: an effort level, which this model's provider (Chat "
+            "Completions) cannot honour; send it to a model of an Anthropic provider",
+            param="output_config.effort",
+        )
+    return None
 
 
 def upstream_body(
@@ -38,7 +51,7 @@ def upstream_body(
     compatible server that refuses the field never sees it."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
     for message in body.get("messages", ()):
-        message.pop("thinking_blocks", None)  # Anthropic's signed thinking, carried for it alone
+        message.pop("anthropic_content", None)  # a /v1/messages turn's blocks, for Anthropic
         if message.get("role") == "tool":
             _tool_message(message)
         content = message.get("content")
@@ -68,9 +81,11 @@ tool message an OpenAI upstream gets (Chat Completions has no such flag)."""
 
 def _tool_message(message: dict[str, Any]) -> None:
     """Anthropic's fields of a tool message, in Chat Completions' terms: ``is_error`` as
-    :data:`TOOL_ERROR_PREFIX`; an image in a tool result is refused (a tool message holds
-    only text there)."""
-    if message.pop("tool_result_content", None) is not None:
+    :data:`TOOL_ERROR_PREFIX`; the result's blocks as its text (the cache mark dropped), but
+    an image in a tool result is refused (a tool message holds only text there)."""
+    message.pop("cache_control", None)
+    blocks = message.pop("tool_result_content", None) or ()
+    if any(block["type"] == "image" for block in blocks):
         raise InvalidRequest(
             f"messages: the tool_result for {message.get('tool_call_id')!r} holds an image, "
             "which this model's provider (Chat Completions) cannot take in a tool result; "

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import OpenAIProviderConfig
-from ..protocol.openai_chunks import ChunkDecoder, upstream_body
+from ..errors import InvalidRequest
+from ..protocol.openai_chunks import ChunkDecoder, refusal, upstream_body
 from ..request import ChatRequest
 from .http import HTTPProvider
 
@@ -27,6 +28,9 @@ class OpenAIProvider(HTTPProvider):
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
+
+    def refusal(self, request: ChatRequest) -> InvalidRequest | None:
+        return refusal(request)
 
     def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], ChunkDecoder]:
         body = upstream_body(request, model, self.config.token_limit_field)

@@ -146,6 +146,9 @@ def test_openai_call_without_arguments_gets_an_empty_object_before_the_finish(
         + chunk(filled, b"null")
         + chunk(b"{}", b'"tool_calls"')
     )
+    repeated = OpenAISSEEncoder(meta)  # an upstream that repeats the id on every fragment
+    out = repeated.encode(FIRST) + repeated.encode(LATER) + repeated.encode(FIRST)
+    assert not repeated.encode(Delta(finish_reason="tool_calls")).count(b'tool_calls":[')
     bare = OpenAISSEEncoder(meta)
     out = bare.encode(FIRST) + bare.encode(Delta(finish_reason="tool_calls"))
     filled = b'{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}'

@@ -61,9 +61,9 @@ class OpenAISSEEncoder(Encoder):
         self._obfuscated = meta.include_obfuscation
         # The content chunk's end, unless each one ends with its own obfuscation.
         self._content_end = None if self._obfuscated else _CONTENT_CLOSE + b"}\n\n"
-        # Tool calls (by index) no arguments went out for yet: each gets "{}" before the
-        # finish, as nexus.accumulate gives it; made with the first call.
-        self._bare: dict[int, None] | None = None
+        # Tool calls by index: whether no arguments went out for it yet (each such gets
+        # "{}" before the finish, as nexus.accumulate gives it); made with the first call.
+        self._bare: dict[int, bool] | None = None
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
@@ -136,9 +136,9 @@ class OpenAISSEEncoder(Encoder):
         if bare is None:
             bare = self._bare = {}
         if call.arguments:
-            bare.pop(call.index, None)
-        elif call.id is not None:
-            bare[call.index] = None
+            bare[call.index] = False
+        else:  # a call's first fragment (an id repeated on every fragment changes nothing)
+            bare.setdefault(call.index, True)
 
     def _filled(self, event: Delta) -> bytes:
         """Before the finish: ``"{}"`` for each call that ended without arguments (some
@@ -146,9 +146,13 @@ class OpenAISSEEncoder(Encoder):
         bare = self._bare
         if not bare or event.finish_reason is None:
             return b""
-        calls = [{"index": index, "function": {"arguments": "{}"}} for index in bare]
+        calls = [
+            {"index": index, "function": {"arguments": "{}"}}
+            for index, empty in bare.items()
+            if empty
+        ]
         bare.clear()
-        return self._chunk({"tool_calls": calls})
+        return self._chunk({"tool_calls": calls}) if calls else b""
 
     def error(self, event: Error) -> bytes:
         # OpenAI's error object, plus ``retryable`` and the response's ``request_id``

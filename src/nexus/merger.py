@@ -151,7 +151,9 @@ class Merger:
                 index=b.index,
                 id=b.id or fallback_call_id(meta.id, b.index),
                 name=b.name or "",
-                arguments="".join(b.arguments),
+                # A call without arguments is "{}", as OpenAI sends it, whatever the
+                # upstream sent ("" or nothing): an empty string is not JSON.
+                arguments="".join(b.arguments) or "{}",
             )
             for b in sorted(self._built, key=lambda b: b.index)
         ]

@@ -64,6 +64,11 @@ TC_FIRST = (
     b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
     b'"function":{"arguments":"","name":"get_weather"}}]}'
 )
+WHOLE = ToolCall(index=0, id="call_1", name="now", arguments="{}")
+TC_WHOLE = (
+    b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+    b'"function":{"arguments":"{}","name":"now"}}]}'
+)
 TC_LATER = b'{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\":"}}]}'
 CITE = b'{"annotations":[{"type":"url_citation","url_citation":{"url":"https://x.test","title":'
 IMG = b'{"images":[{"type":"image_url","image_url":{"url":"'
@@ -78,7 +83,7 @@ OPENAI_CHOICES = [
     (Delta(role="assistant"), b"{}", b"null"),
     (Delta(role="assistant", content="Hi"), b'{"content":"Hi"}', b"null"),
     (Delta(refusal="I can't"), b'{"refusal":"I can\'t"}', b"null"),
-    (Delta(tool_calls=(FIRST,), finish_reason="tool_calls"), TC_FIRST, b'"tool_calls"'),
+    (Delta(tool_calls=(WHOLE,), finish_reason="tool_calls"), TC_WHOLE, b'"tool_calls"'),
     (Reasoning("hmm"), b'{"reasoning_content":"hmm"}', b"null"),
     (FIRST, TC_FIRST, b"null"),
     (LATER, TC_LATER, b"null"),
@@ -121,6 +126,33 @@ OPENAI_CHOICES = [
 @pytest.mark.parametrize(("event", "delta", "finish"), OPENAI_CHOICES)
 def test_openai_encode(meta: StreamMeta, event: StreamEvent, delta: bytes, finish: bytes) -> None:
     assert OpenAISSEEncoder(meta).encode(event) == chunk(delta, finish)
+
+
+@pytest.mark.parametrize("meta", METAS)
+def test_openai_call_without_arguments_gets_an_empty_object_before_the_finish(
+    meta: StreamMeta,
+) -> None:
+    """What the stream says a call's arguments are is what nexus.accumulate says: "{}"
+    for a call no argument fragment filled, after the calls of the finishing delta."""
+    encoder = OpenAISSEEncoder(meta)
+    second = ToolCall(index=1, id="call_2", name="now")
+    filled = b'{"tool_calls":[{"index":1,"function":{"arguments":"{}"}}]}'
+    out = encoder.encode(FIRST) + encoder.encode(LATER)
+    out += encoder.encode(Delta(tool_calls=(second,), finish_reason="tool_calls"))
+    assert out == (
+        chunk(TC_FIRST, b"null")
+        + chunk(TC_LATER, b"null")
+        + chunk(b'{"tool_calls":[' + orjson.dumps(second.wire()) + b"]}", b"null")
+        + chunk(filled, b"null")
+        + chunk(b"{}", b'"tool_calls"')
+    )
+    repeated = OpenAISSEEncoder(meta)  # an upstream that repeats the id on every fragment
+    out = repeated.encode(FIRST) + repeated.encode(LATER) + repeated.encode(FIRST)
+    assert not repeated.encode(Delta(finish_reason="tool_calls")).count(b'tool_calls":[')
+    bare = OpenAISSEEncoder(meta)
+    out = bare.encode(FIRST) + bare.encode(Delta(finish_reason="tool_calls"))
+    filled = b'{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}'
+    assert out == chunk(TC_FIRST, b"null") + chunk(filled, b"null") + chunk(b"{}", b'"tool_calls"')
 
 
 ROLE_CHUNK = chunk(b'{"role":"assistant","content":""}')

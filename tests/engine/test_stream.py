@@ -427,6 +427,20 @@ async def test_accumulate_reads_tool_calls_inside_deltas() -> None:
     assert result.tool_calls == [CompletedToolCall(index=0, id="call_1", name="g", arguments="{}")]
 
 
+async def test_accumulate_gives_a_call_without_arguments_an_empty_object() -> None:
+    """Whatever the upstream sent for a tool that takes none ("" or nothing): "" is not JSON."""
+    rec = Recorder(
+        [
+            ToolCall(index=0, id="call_1", name="now", arguments=""),
+            ToolCall(index=1, id="call_2", name="later"),
+            ToolCall(index=1, arguments=""),
+            Delta(finish_reason="tool_calls"),
+        ]
+    )
+    result = await accumulate(rec.stream())
+    assert [call.arguments for call in result.tool_calls] == ["{}", "{}"]
+
+
 async def test_accumulate_names_a_tool_call_without_id() -> None:
     stream = Recorder([ToolCall(index=2, name="h", arguments="[]")]).stream()
     result = await accumulate(stream)

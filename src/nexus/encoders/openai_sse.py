@@ -61,6 +61,9 @@ class OpenAISSEEncoder(Encoder):
         self._obfuscated = meta.include_obfuscation
         # The content chunk's end, unless each one ends with its own obfuscation.
         self._content_end = None if self._obfuscated else _CONTENT_CLOSE + b"}\n\n"
+        # Tool calls by index: whether no arguments went out for it yet (each such gets
+        # "{}" before the finish, as nexus.accumulate gives it); made with the first call.
+        self._bare: dict[int, bool] | None = None
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
@@ -91,15 +94,20 @@ class OpenAISSEEncoder(Encoder):
         match event:
             case Delta(content=content, role=None, refusal=None, tool_calls=None):
                 delta = {} if content is None else {"content": content}
-                return self._chunk(delta, event.finish_reason)
+                return self._filled(event) + self._chunk(delta, event.finish_reason)
             case Delta():
+                for call in event.tool_calls or ():
+                    self._note(call)
                 delta = event.delta_dict()
                 delta.pop("role", None)
+                if filled := self._filled(event):  # after this delta's own calls
+                    return self._chunk(delta) + filled + self._chunk({}, event.finish_reason)
                 return self._chunk(delta, event.finish_reason)
             case Reasoning(text=text):
                 # A bare signature has no place in a chat chunk.
                 return self._chunk({"reasoning_content": text}) if text else b""
             case ToolCall():
+                self._note(event)
                 return self._chunk({"tool_calls": [event.wire()]})
             case Usage():
                 if not self.meta.include_usage or event.partial:
@@ -122,6 +130,29 @@ class OpenAISSEEncoder(Encoder):
                 )
             case _:
                 return b""
+
+    def _note(self, call: ToolCall) -> None:
+        bare = self._bare
+        if bare is None:
+            bare = self._bare = {}
+        if call.arguments:
+            bare[call.index] = False
+        else:  # a call's first fragment (an id repeated on every fragment changes nothing)
+            bare.setdefault(call.index, True)
+
+    def _filled(self, event: Delta) -> bytes:
+        """Before the finish: ``"{}"`` for each call that ended without arguments (some
+        upstreams send ``""`` or none for a tool that takes none; "" is not JSON)."""
+        bare = self._bare
+        if not bare or event.finish_reason is None:
+            return b""
+        calls = [
+            {"index": index, "function": {"arguments": "{}"}}
+            for index, empty in bare.items()
+            if empty
+        ]
+        bare.clear()
+        return self._chunk({"tool_calls": calls}) if calls else b""
 
     def error(self, event: Error) -> bytes:
         # OpenAI's error object, plus ``retryable`` and the response's ``request_id``

@@ -246,7 +246,13 @@ class ResponsesSSEEncoder(Encoder):
         elif item.kind == "message":
             out = self._close_part(item)
         else:
-            out = self._event(
+            out = b""
+            if not item.chunks:  # a tool without arguments: "{}", as nexus.accumulate has it
+                item.chunks.append("{}")
+                out = self._event(
+                    "response.function_call_arguments.delta", {**where, "delta": "{}"}
+                )
+            out += self._event(
                 "response.function_call_arguments.done",
                 {**where, "name": item.name, "arguments": "".join(item.chunks)},
             )

@@ -583,3 +583,18 @@ def test_error_event_carries_the_request_id_and_an_early_usage_is_not_reported()
         f("error", code="upstream_error", message="boom", param=None, request_id="req-client-7")
         + f("response.failed", response=failed)
     )
+
+
+def test_arguments_that_come_after_their_item_closed_replace_the_empty_object() -> None:
+    """Some compatible servers interleave parallel calls: call 0 opens with no arguments,
+    call 1 opens (closing call 0's item, given "{}"), then call 0's pieces come. The
+    completed response held ``{}{"x":1}``, which no client can parse."""
+    body = run(
+        ToolCall(index=0, id="c0", name="f", arguments=""),
+        ToolCall(index=1, id="c1", name="g", arguments=""),
+        ToolCall(index=0, arguments='{"x":1}'),
+        ToolCall(index=1, arguments='{"y":2}'),
+        Delta(finish_reason="tool_calls"),
+    )
+    final = [p for p in payloads(body) if p["type"] == "response.completed"][0]["response"]
+    assert [item["arguments"] for item in final["output"]] == ['{"x":1}', '{"y":2}']

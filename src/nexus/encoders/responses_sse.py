@@ -63,6 +63,7 @@ class _Item:
     chunks: list[str] = field(default_factory=list)  # reasoning text or arguments
     parts: list[tuple[str, list[str]]] = field(default_factory=list)  # message: (type, text)
     status: str = "in_progress"
+    filled: bool = False  # closed without arguments, given "{}": pieces that come later replace it
 
     def snapshot(self) -> dict[str, Any]:
         if self.kind == "reasoning":
@@ -249,6 +250,7 @@ class ResponsesSSEEncoder(Encoder):
             out = b""
             if not item.chunks:  # a tool without arguments: "{}", as nexus.accumulate has it
                 item.chunks.append("{}")
+                item.filled = True
                 out = self._event(
                     "response.function_call_arguments.delta", {**where, "delta": "{}"}
                 )
@@ -340,6 +342,9 @@ class ResponsesSSEEncoder(Encoder):
         if call.id is not None:
             self._call_ids.setdefault(call.id, item)
         if call.arguments:
+            if item.filled:  # its pieces after all (interleaved calls): not "{}" + pieces
+                item.chunks.clear()
+                item.filled = False
             item.chunks.append(call.arguments)
             if item is self._current:
                 out += self._event(

@@ -596,5 +596,5 @@ def test_arguments_that_come_after_their_item_closed_replace_the_empty_object() 
         ToolCall(index=1, arguments='{"y":2}'),
         Delta(finish_reason="tool_calls"),
     )
-    final = [p for p in payloads(body) if p["type"] == "response.completed"][0]["response"]
+    final = next(p for p in payloads(body) if p["type"] == "response.completed")["response"]
     assert [item["arguments"] for item in final["output"]] == ['{"x":1}', '{"y":2}']

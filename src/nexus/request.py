@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, TypeVar
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -173,36 +174,54 @@ class AssistantMessage(OpenModel):
         if blocks is None:
             return self
         if not (type(blocks) is list and all(map(_assistant_block, blocks))):
-            message = (
-                "anthropic_content holds thinking, redacted_thinking, text and tool_use blocks"
-            )
-            raise ValueError(message)
+            raise ValueError("anthropic_content holds thinking, redacted_thinking, text, tool_use")
         text = "".join(block["text"] for block in blocks if block["type"] == "text")
-        ids = [block["id"] for block in blocks if block["type"] == "tool_use"]
+        uses = [(b["id"], b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
         content = self.content
         own = (
             content
             if isinstance(content, str)
             else "".join(part.text for part in content or () if isinstance(part, TextPart))
         )
-        if text != own or ids != [call.id for call in self.tool_calls or ()]:
-            raise ValueError("anthropic_content: the message's own text and tool calls, in order")
+        calls = [
+            (c.id, c.function.name, _input(c.function.arguments)) for c in self.tool_calls or ()
+        ]
+        if text != own or uses != calls:  # (an id alone would let the blocks name another call)
+            raise ValueError(
+                "anthropic_content: the message's own text and tool calls (ids, names and "
+                "arguments), in order"
+            )
         return self
 
 
+def _input(arguments: str) -> Any:
+    """A tool call's arguments as a ``tool_use`` block's ``input`` holds them."""
+    try:
+        return orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return None  # (never equal to a block's input, which is an object)
+
+
 _BLOCK_FIELDS: dict[str, dict[str, type]] = {
-    "thinking": {"thinking": str, "signature": str},
-    "redacted_thinking": {"data": str},
+    "thinking": {"thinking": str},
+    "redacted_thinking": {},
     "text": {"text": str},
     "tool_use": {"id": str, "name": str, "input": dict},
 }
+_OPTIONAL_FIELDS = {"signature": str, "data": str}
+"""Checked when present: a thinking block without a signature (as some Anthropic-compatible
+servers send it) goes back as the client has it; the upstream judges it."""
 
 
 def _assistant_block(block: Any) -> bool:
     if type(block) is not dict:
         return False
     fields = _BLOCK_FIELDS.get(str(block.get("type")))
-    return fields is not None and all(type(block.get(k)) is t for k, t in fields.items())
+    return (
+        fields is not None
+        and all(type(block.get(k)) is t for k, t in fields.items())
+        and all(type(block[k]) is t for k, t in _OPTIONAL_FIELDS.items() if k in block)
+    )
 
 
 class ToolMessage(OpenModel):

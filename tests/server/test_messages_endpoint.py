@@ -458,7 +458,8 @@ async def test_a_chat_client_cannot_make_up_anthropic_content(
 ) -> None:
     """``anthropic_content`` (what /v1/messages carries back for an Anthropic upstream)
     holds thinking, redacted thinking, text and tool_use blocks only, with the message's
-    own text and tool calls in order."""
+    own text and tool calls (ids, names and arguments) in order: an Anthropic target and
+    an OpenAI one get the same turn."""
     client = await make_client(
         {"providers": {"an": {"kind": "anthropic", "base_url": upstream.url}}}
     )
@@ -471,7 +472,9 @@ async def test_a_chat_client_cannot_make_up_anthropic_content(
         "no",
         [thinking],  # its tool call missing
         [thinking, use, {"type": "text", "text": "more"}],  # text the message lacks
-        [{"type": "thinking", "thinking": "Hm"}, use],  # no signature
+        [thinking, {**use, "name": "delete_everything"}],  # another call than the message's
+        [thinking, {**use, "input": {"path": "/"}}],  # other arguments than the message's
+        [{"type": "thinking", "thinking": "Hm", "signature": 7}, use],  # a signature not text
     ):
         assistant = {
             "role": "assistant",

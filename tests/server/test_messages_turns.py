@@ -77,6 +77,20 @@ async def test_an_anthropic_upstream_gets_the_turns_blocks_and_marks_as_sent(
     await api.close()
 
 
+async def test_thinking_without_a_signature_goes_back_as_sent(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """Some Anthropic-compatible servers send thinking without a signature; a client that
+    sends it back was refused with a 400 naming a field it never sent."""
+    upstream.add(Reply.stream(anthropic_stream([{"type": "text", "text": "Done."}])))
+    api = await sdk(make_client, "anthropic", upstream.url)
+    turn = [{"type": "thinking", "thinking": "Hm."}, {"type": "text", "text": "Hi."}]
+    turns: Any = [USER, {"role": "assistant", "content": turn}, {"role": "user", "content": "?"}]
+    await api.messages.create(model="up/m", max_tokens=50, messages=turns)
+    assert upstream.requests[0].body["messages"][1] == {"role": "assistant", "content": turn}
+    await api.close()
+
+
 async def test_an_openai_upstream_gets_the_turn_as_a_chat_message(
     make_client: MakeClient, upstream: FakeUpstream
 ) -> None:

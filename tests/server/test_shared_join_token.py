@@ -17,6 +17,18 @@ KEY_B = "nx-shared-b-fedcba9876543210"
 CHAT = "/v1/chat/completions"
 
 
+SHARED = {
+    "auth": {
+        "keys": [
+            {"name": "alpha", "sha256": hash_key(KEY_A)},
+            {"name": "beta", "sha256": hash_key(KEY_B)},
+        ]
+    },
+    "cache": {"enabled": True, "share_across_keys": True},
+}
+"""Two keys whose identical requests share one upstream call."""
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -25,16 +37,7 @@ async def test_a_cross_key_background_joins_token_reads_as_its_own_key(
     make_client: MakeClient,
 ) -> None:
     gated = GatedProvider(before=1, after=1)
-    config = {
-        "auth": {
-            "keys": [
-                {"name": "alpha", "sha256": hash_key(KEY_A)},
-                {"name": "beta", "sha256": hash_key(KEY_B)},
-            ]
-        },
-        "cache": {"enabled": True, "share_across_keys": True},
-        "limits": {"max_readers_per_key": 1},
-    }
+    config = {**SHARED, "limits": {"max_readers_per_key": 1}}
     client = await make_client(config, providers=[gated])
     body = chat(model="gated/m", stream=True)
     first = await client.post(CHAT, json=body, headers=bearer(KEY_A))
@@ -71,15 +74,7 @@ async def test_a_cross_key_background_joins_token_reads_as_its_own_key(
 async def test_a_cross_key_streaming_join_stays_not_resumable(make_client: MakeClient) -> None:
     """No token, no way back: it is told so, and A's stream is not made to wait for it."""
     gated = GatedProvider(before=1, after=1)
-    config = {
-        "auth": {
-            "keys": [
-                {"name": "alpha", "sha256": hash_key(KEY_A)},
-                {"name": "beta", "sha256": hash_key(KEY_B)},
-            ]
-        },
-        "cache": {"enabled": True, "share_across_keys": True},
-    }
+    config = SHARED
     client = await make_client(config, providers=[gated])
     body = chat(model="gated/m", stream=True)
     first = await client.post(CHAT, json=body, headers=bearer(KEY_A))

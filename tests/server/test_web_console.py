@@ -7,6 +7,7 @@ scripted text, word by word, slowly enough to cut or abort mid-stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -305,11 +306,9 @@ async def test_a_key_typed_after_a_refused_model_load_loads_the_models_and_clear
     assert await output_of(page) == TEXT
 
 
-async def test_a_model_load_refused_by_the_key_rate_is_tried_again_after_retry_after(
-    page: Page,
-) -> None:
-    """At one request a second, the page's model list may find the key's bucket empty: the
-    console waits out the Retry-After and loads it, instead of leaving an empty list."""
+@contextlib.asynccontextmanager
+async def one_request_a_second() -> AsyncIterator[TestServer]:
+    """A gateway whose one key may make a request a second (a bucket of one)."""
     config = parse_config(
         {
             "auth": {"keys": [{"name": "console", "sha256": hash_key(CONSOLE_KEY)}]},
@@ -319,6 +318,17 @@ async def test_a_model_load_refused_by_the_key_rate_is_tried_again_after_retry_a
     server = TestServer(create_app(config, registry=default_registry.copy()), host="127.0.0.1")
     await server.start_server()
     try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def test_a_model_load_refused_by_the_key_rate_is_tried_again_after_retry_after(
+    page: Page,
+) -> None:
+    """At one request a second, the page's model list may find the key's bucket empty: the
+    console waits out the Retry-After and loads it, instead of leaving an empty list."""
+    async with one_request_a_second() as server:
         await with_key(page)
         async with aiohttp.ClientSession() as session:  # the bucket's one token, spent
             headers = {"Authorization": f"Bearer {CONSOLE_KEY}"}
@@ -329,23 +339,13 @@ async def test_a_model_load_refused_by_the_key_rate_is_tried_again_after_retry_a
         await expect(page.locator("#status")).to_contain_text("trying again in 1 second")
         await expect(page.locator("#model")).to_have_attribute("data-loaded", "true")
         await expect(page.locator("#status")).to_have_text("idle")
-    finally:
-        await server.close()
 
 
 async def test_at_one_request_a_second_a_send_streams_over_event_source(page: Page) -> None:
     """The SSE transport is two requests (the background POST, then the EventSource's GET
     milliseconds later): the POST's rate token pays for the GET, so a key at one request a
     second streams instead of seeing its EventSource refused."""
-    config = parse_config(
-        {
-            "auth": {"keys": [{"name": "console", "sha256": hash_key(CONSOLE_KEY)}]},
-            "limits": {"requests_per_second_per_key": 1},
-        }
-    )
-    server = TestServer(create_app(config, registry=default_registry.copy()), host="127.0.0.1")
-    await server.start_server()
-    try:
+    async with one_request_a_second() as server:
         await with_key(page)
         await open_console(page, port_of(server))
         await asyncio.sleep(1.1)  # the model list's token is back: the bucket holds one
@@ -353,5 +353,3 @@ async def test_at_one_request_a_second_a_send_streams_over_event_source(page: Pa
         await expect(page.locator("#status")).to_have_attribute("data-state", "done")
         assert await output_of(page) == "one user action"
         await expect(page.locator("#log")).to_contain_text("EventSource")
-    finally:
-        await server.close()

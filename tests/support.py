@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp.test_utils import TestClient
 
 from nexus import Encoder, Provider
@@ -159,3 +161,14 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     if size >= 126:
         size = int.from_bytes(await reader.readexactly(2 if size == 126 else 8), "big")
     return head[0] & 0x0F, await reader.readexactly(size)
+
+
+async def access_record(caplog: pytest.LogCaptureFixture) -> logging.LogRecord:
+    """The first access line, once a handler that ends on its own has written it (polled,
+    10 s at most): a WebSocket's comes when its socket's handler returns."""
+    for _ in range(1000):
+        for record in caplog.records:
+            if record.name == "nexus.access":
+                return record
+        await asyncio.sleep(0.01)
+    raise AssertionError("no access line")

@@ -13,7 +13,7 @@ import websockets
 
 from nexus.protocol.realtime import RealtimeSession
 from nexus.server.state import RUNTIME
-from support import MakeClient
+from support import MakeClient, access_record
 
 USER = [{"role": "user", "content": "x"}]
 START_UNKNOWN = orjson.dumps({"type": "start", "request": {"model": "nope/x", "messages": USER}})
@@ -50,12 +50,7 @@ async def test_a_client_reset_before_its_answer_is_a_disconnect_not_a_500(
     await ws.send(frame)
     with pytest.raises(websockets.ConnectionClosed):
         await asyncio.wait_for(ws.recv(), 10)
-    for _ in range(1000):
-        lines = [r for r in caplog.records if r.name == "nexus.access"]
-        if lines:
-            break
-        await asyncio.sleep(0.01)
-    access = lines[0].access  # type: ignore[attr-defined]
+    access = (await access_record(caplog)).access  # type: ignore[attr-defined]
     assert access["status"] == 101
     assert access["outcome"] == "cancelled:client_disconnect"
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []

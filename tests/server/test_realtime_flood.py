@@ -14,17 +14,7 @@ import pytest
 import websockets
 
 from nexus.server.routes.realtime import RealtimeConnection
-from support import MakeClient, masked, raw_socket, read_frame
-
-
-async def access_line(caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
-    """The socket's access line, once its handler is done (polled: it ends on its own)."""
-    for _ in range(1000):
-        for record in caplog.records:
-            if record.name == "nexus.access":
-                return record.access  # type: ignore[attr-defined,no-any-return]
-        await asyncio.sleep(0.01)
-    raise AssertionError("no access line")
+from support import MakeClient, access_record, masked, raw_socket, read_frame
 
 
 class LoopTurns:
@@ -93,7 +83,7 @@ async def test_a_socket_over_its_frame_budget_is_closed_1008(
     assert int.from_bytes(payload[:2], "big") == 1008
     assert payload[2:] == b"over 5 frames per second"
     assert pongs < 100  # five at once, a few more as the bucket refills: never the 500
-    line = await access_line(caplog)
+    line = (await access_record(caplog)).access  # type: ignore[attr-defined]
     assert line["outcome"] == "cancelled:policy_violation"
 
 

@@ -13,7 +13,7 @@ import pytest
 import websockets
 
 from nexus.auth import hash_key
-from support import MakeClient, turn
+from support import MakeClient, access_record, turn
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -34,16 +34,12 @@ async def test_refused_starts_are_logged_once_per_code_and_counted(
             assert (await turn(ws))[-1]["error"]["code"] == "model_not_found"
         await ws.send(start("mock/echo"))
         assert (await turn(ws))[-1]["type"] == "done"
-    for _ in range(1000):
-        lines = [r for r in caplog.records if r.name == "nexus.access"]
-        if lines:
-            break
-        await asyncio.sleep(0.01)
+    line = await access_record(caplog)
     warnings = [r for r in caplog.records if r.name == "nexus.realtime"]
     assert len(warnings) == 1
     assert "start refused: model_not_found" in warnings[0].getMessage()
-    assert lines[0].access["refused"] == 10  # type: ignore[attr-defined]
-    assert "refused=10" in lines[0].getMessage()
+    assert line.access["refused"] == 10  # type: ignore[attr-defined]
+    assert "refused=10" in line.getMessage()
 
 
 async def test_starts_the_session_refuses_are_counted_too(
@@ -61,12 +57,8 @@ async def test_starts_the_session_refuses_are_counted_too(
             assert (await turn(ws))[-1]["error"]["code"] == "invalid_request"
         await ws.send(start("mock/echo"))
         assert (await turn(ws))[-1]["type"] == "done"
-    for _ in range(1000):
-        lines = [r for r in caplog.records if r.name == "nexus.access"]
-        if lines:
-            break
-        await asyncio.sleep(0.01)
-    assert lines[0].access["refused"] == 2  # type: ignore[attr-defined]
+    line = await access_record(caplog)
+    assert line.access["refused"] == 2  # type: ignore[attr-defined]
 
 
 async def one_token_only(

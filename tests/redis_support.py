@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import re
+import subprocess
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -12,8 +16,10 @@ from redis.exceptions import RedisError
 from nexus.cache.redis import RedisStore
 from nexus.cache.store import StreamInfo, Write
 from nexus.events import StreamEvent
+from nexus_process import start_nexus, stop_nexus
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+_SERVING = re.compile(r"Nexus serving on (http://[\d.]+:\d+)")
 
 
 async def connect_or_skip() -> aioredis.Redis:
@@ -49,3 +55,27 @@ async def append(
     when the log is gone from the store (nothing written)."""
     (written,) = await store.mirror([Write(info, events, start)], 30)
     return written
+
+
+@contextlib.asynccontextmanager
+async def redis_replicas(
+    tmp_path: Path, config: Callable[[str], str], count: int = 2
+) -> AsyncIterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """``count`` real ``nexus serve`` processes sharing one Redis under a new prefix, each
+    with the config ``config(prefix)``: [(process, url), ...]. Killed at the end, their
+    keys dropped."""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    path = tmp_path / "config.toml"
+    path.write_text(config(prefix))
+    started: list[tuple[subprocess.Popen[bytes], str]] = []
+    try:
+        for n in range(count):
+            proc, match = start_nexus(path, tmp_path / f"nexus{n}.log", ready=_SERVING)
+            started.append((proc, match.group(1)))
+        yield started
+    finally:
+        for proc, _ in started:
+            stop_nexus(proc, gently=False)
+        await drop_keys(client, prefix)
+        await client.aclose()

@@ -96,7 +96,8 @@ class LimitsConfig(_Table):
     max_concurrent_streams_per_key: int = Field(default=100, ge=1)
     max_readers_per_key: int = Field(default=32, ge=1)
     """HTTP readers holding no stream slot (followers, resumes, joins) one key may run at
-    once in this process (see :mod:`nexus.server.routes.key_readers`)."""
+    once: in this process with the memory store, on every replica together with Redis (see
+    :mod:`nexus.server.routes.key_readers`)."""
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
     max_stream_duration_s: float = Field(default=900.0, gt=0)
     stream_lease_s: float = Field(default=10.0, gt=0)
@@ -254,8 +255,9 @@ class RealtimeConfig(_Table):
     ``max_message_bytes`` and ``max_pending_input_bytes`` (all a socket may hold pending).
     Past it the socket is closed 1008. Bounds what parsing a socket's frames costs the loop."""
     max_sockets_per_key: int = Field(default=16, ge=1)
-    """Realtime sockets one key may hold open in this process: without a cap one key could
-    take every place of ``[server] max_connections`` with idle sockets."""
+    """Realtime sockets one key may hold open: in this process with the memory store, on
+    every replica together with Redis. Without a cap one key could take every place of
+    ``[server] max_connections`` with idle sockets."""
     max_invalid_frames: int = Field(default=16, ge=1)
     """Frames in a row answered only with an error before the socket is closed 1008: each
     answer is larger than the frame that asked for it."""

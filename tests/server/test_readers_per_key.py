@@ -7,14 +7,14 @@ takes a token of its rate."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from typing import Any
 
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from nexus.auth import hash_key
-from nexus.server.state import RUNTIME
+from nexus.cache.limits import LocalLimits
+from nexus.server.state import HUB
 from support import GatedProvider, MakeClient, chat, parse_sse
 
 A, B = "nx-readers-key-a-0001", "nx-readers-key-b-0001"
@@ -26,18 +26,23 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def held(client: TestClient[Any, Any]) -> Counter[str]:
-    readers: Counter[str] = client.app[RUNTIME].key_readers
-    return readers
+def local(client: TestClient[Any, Any]) -> LocalLimits:
+    limits = client.app[HUB].limits
+    assert isinstance(limits, LocalLimits)  # (the memory store's)
+    return limits
+
+
+def held(client: TestClient[Any, Any], name: str) -> int:
+    return local(client).held("readers", name)
 
 
 async def settled(client: TestClient[Any, Any], name: str, count: int) -> None:
     """Wait (by steps, not by a deadline that matters) for the server to let places go."""
     for _ in range(1000):
-        if held(client)[name] == count:
+        if held(client, name) == count:
             return
         await asyncio.sleep(0.01)
-    assert held(client)[name] == count
+    assert held(client, name) == count
 
 
 async def too_many(resp: ClientResponse) -> None:
@@ -71,7 +76,7 @@ async def test_followers_past_the_cap_are_refused_and_another_key_is_not(
     first = await client.get(url, headers=bearer(A))
     second = await client.get(url, headers=bearer(A))  # a read token is A's too
     assert (first.status, second.status) == (200, 200)
-    assert held(client)["a"] == 2
+    assert held(client, "a") == 2
     await too_many(await client.get(url, headers=bearer(A)))
     await too_many(await client.get(stream["url"]))  # a read token counts for its owner
     # Refused before the lookup: an id that does not exist is refused the same.
@@ -101,11 +106,11 @@ async def test_joins_past_the_cap_are_refused_while_the_origin_streams(
     body = chat(model="gated/m", stream=True)
     origin = await client.post(SSE, json=body, headers=bearer(A))
     assert origin.status == 200
-    assert held(client)["a"] == 0  # the origin holds a stream slot, not a reader's place
+    assert held(client, "a") == 0  # the origin holds a stream slot, not a reader's place
     joined = await client.post(SSE, json=body, headers=bearer(A))
     assert joined.status == 200
     assert joined.headers["X-Nexus-Cache"] == "hit"
-    assert held(client)["a"] == 1
+    assert held(client, "a") == 1
     await too_many(await client.post(SSE, json=body, headers=bearer(A)))
     other = await client.post(SSE, json=chat(stream=True), headers=bearer(B))
     assert other.status == 200
@@ -129,7 +134,7 @@ async def test_every_way_a_reader_leaves_gives_its_place_back(make_client: MakeC
     assert (await client.get(url, headers=bearer(B))).status == 404
     bad = await client.get(url, headers=bearer(A) | {"Last-Event-ID": "other.3"})
     assert bad.status == 400
-    assert held(client)["a"] == 0
+    assert held(client, "a") == 0
     # A client reset mid-read.
     gone = await client.get(url, headers=bearer(A))
     assert gone.status == 200
@@ -162,7 +167,7 @@ async def test_every_way_a_reader_leaves_gives_its_place_back(make_client: MakeC
     after = await client.get(f"/v1/streams/{done['id']}", headers=bearer(A))
     await after.read()
     await settled(client, "a", 0)
-    assert not held(client)
+    assert not local(client)._places  # none left behind, not even empty
 
 
 async def test_a_delete_that_finds_nothing_takes_a_rate_token(make_client: MakeClient) -> None:

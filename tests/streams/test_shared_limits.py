@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,8 @@ import aiohttp
 import pytest
 
 from nexus.auth import hash_key
-from nexus_process import start_nexus, stop_nexus
-from redis_support import connect_or_skip, drop_keys, new_prefix
+from redis_support import connect_or_skip, drop_keys, new_prefix, redis_replicas
 
-_SERVING = re.compile(r"Nexus serving on (http://[\d.]+:\d+)")
 KEY = "nx-shared-limits-0123456789"
 LEASE_S = 1.0
 
@@ -60,24 +57,9 @@ kind = "mock"
 """
 
 
-@contextlib.asynccontextmanager
-async def replicas(tmp_path: Path, **limits: Any) -> AsyncIterator[list[Any]]:
+def replicas(tmp_path: Path, **limits: Any) -> contextlib.AbstractAsyncContextManager[list[Any]]:
     """Two gateways sharing one Redis prefix: [(process, url), ...]."""
-    client = await connect_or_skip()
-    prefix = new_prefix()
-    path = tmp_path / "config.toml"
-    path.write_text(config(prefix, **limits))
-    started: list[Any] = []
-    try:
-        for n in range(2):
-            proc, match = start_nexus(path, tmp_path / f"nexus{n}.log", ready=_SERVING)
-            started.append((proc, match.group(1)))
-        yield started
-    finally:
-        for proc, _ in started:
-            stop_nexus(proc, gently=False)
-        await drop_keys(client, prefix)
-        await client.aclose()
+    return redis_replicas(tmp_path, lambda prefix: config(prefix, **limits))
 
 
 def headers() -> dict[str, str]:

@@ -21,6 +21,12 @@ budget left when they started (the prompt estimate's error aside).
   replicas and workers together admit exactly the limits. See that module for
   slots, leases, and what a Redis failure does.
 
+A key's places of other kinds, which hold no stream slot, are counted here too, each
+kind on its own (:meth:`KeyLimits.enter`): its realtime sockets (``[realtime]
+max_sockets_per_key``) and its HTTP readers (``[limits] max_readers_per_key``). They
+are slots in a set of their own, with neither rate nor budget: per process with the
+memory store, in Redis (shared, leased as stream slots are) with the Redis store.
+
 The global ``[limits] max_concurrent_streams`` is not here: it protects one
 process, and admission counts it (:mod:`nexus.cache.admission`).
 """
@@ -42,6 +48,7 @@ from ..pricing import Spend
 from ..types import Completion
 
 __all__ = [
+    "STREAMS",
     "BudgetExceeded",
     "BudgetPlugin",
     "KeyLimits",
@@ -114,17 +121,24 @@ def over_budget(key: ApiKey, spent: float, held: float, hold: float) -> bool:
     return spent >= key.budget_usd or spent + held + hold > key.budget_usd
 
 
+STREAMS = "streams"
+"""The kind of a :class:`Slot` taken by :meth:`KeyLimits.admit`: a place among a key's
+concurrent streams."""
+
+
 class Slot:
     """A key's place among its concurrent streams (in a shared count) and its budget's
     ``hold`` (USD): held by the request that took it, then by the run it opened
-    (``taken``), released when that ends."""
+    (``taken``), released when that ends. Or, of another ``kind``, a place among the
+    key's sockets or readers (:meth:`KeyLimits.enter`): no hold, held until it leaves."""
 
-    __slots__ = ("hold", "id", "key", "taken")
+    __slots__ = ("hold", "id", "key", "kind", "taken")
 
-    def __init__(self, key: str, id: str, hold: float = 0.0) -> None:
+    def __init__(self, key: str, id: str, hold: float = 0.0, kind: str = STREAMS) -> None:
         self.key = key
         self.id = id
         self.hold = hold
+        self.kind = kind
         self.taken = False
 
 
@@ -162,6 +176,17 @@ class KeyLimits(ABC):
         """The stream that held ``slot`` ended (called once it no longer counts here)."""
 
     @abstractmethod
+    async def enter(self, kind: str, name: str, limit: int) -> Slot | None:
+        """A place among key ``name``'s ``kind`` (``"sockets"``, ``"readers"``: not
+        :data:`STREAMS`), of which it may hold ``limit``: the :class:`Slot` to
+        :meth:`leave` when it is done, or None when the key holds ``limit`` already.
+        Never raises for the store: a shared backend that fails counts in this process."""
+
+    @abstractmethod
+    def leave(self, place: Slot) -> None:
+        """The holder of ``place`` (:meth:`enter`) is done (once or more: the first counts)."""
+
+    @abstractmethod
     async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:
         """Add ``usd`` to the spend of ``key``'s current budget window; the stream's real
         cost replaces its ``slot``'s hold, in the same step (its end, then the client's
@@ -188,6 +213,8 @@ class LocalLimits(KeyLimits):
         self._held: dict[str, float] = {}
         """Key name -> the holds of its running streams (USD)."""
         self._ids = itertools.count()
+        self._places: dict[tuple[str, str], set[str]] = {}
+        """(kind, key name) -> the ids of the places held (:meth:`enter`)."""
 
     async def admit(
         self, key: ApiKey, *, stream: bool, rate: bool = True, hold: float = 0.0
@@ -204,6 +231,30 @@ class LocalLimits(KeyLimits):
             self._held[slot.key] = left
         else:
             self._held.pop(slot.key, None)
+
+    async def enter(self, kind: str, name: str, limit: int) -> Slot | None:
+        place = Slot(name, str(next(self._ids)), kind=kind)
+        return place if self.hold(place, limit) else None
+
+    def hold(self, place: Slot, limit: int | None) -> bool:
+        """Count ``place`` among its key's places of its kind here, unless ``limit`` of them
+        are held (None: no limit, it is counted elsewhere)."""
+        held = self._places.setdefault((place.kind, place.key), set())
+        if limit is not None and len(held) >= limit:
+            return False
+        held.add(place.id)
+        return True
+
+    def leave(self, place: Slot) -> None:
+        held = self._places.get((place.kind, place.key))
+        if held is not None:
+            held.discard(place.id)
+            if not held:
+                del self._places[place.kind, place.key]
+
+    def held(self, kind: str, name: str) -> int:
+        """How many places of ``kind`` key ``name`` holds in this process."""
+        return len(self._places.get((kind, name), ()))
 
     def check(
         self,

@@ -4,20 +4,28 @@ Keys, under the store's ``{prefix}:``::
 
     limits:rate:{key}      hash    the key's token bucket: tokens "t", last refill "at" (ms)
     limits:streams:{key}   zset    one member per stream running, scored by its lease deadline
+    limits:sockets:{key}   zset    one member per realtime socket open, as a stream's slot
+    limits:readers:{key}   zset    one member per HTTP reader without a slot, as a stream's slot
     limits:held:{key}      hash    a running stream's budget hold (USD), by its slot's member
     spend:{key}:{window}   string  the window's spend in USD; expires a day after the window
     charged:{id}           string  a charge that was added (15 minutes): sent again, it adds nothing
 
-One Lua script (:data:`_ADMIT`) checks and takes a request's budget (with its hold),
-token (refilled on Redis's clock) and slot at once, atomically: two replicas cannot both
-take the last one. A request of a key with a budget always takes a slot, which its hold
-lives and goes with (a hold whose slot's lease ran out counts no more). A slot's score is
-its lease deadline: this process renews all its slots on one tick (every third of
-``[limits] stream_lease_s``, one pipeline), each with its hold (:data:`_RENEW`); a slot
-goes as its stream ends, before the end reaches its clients (:meth:`RedisLimits.end`),
-or, for a replica that died, at the next admission past its lease. An admission whose
-reply was lost (the script may have taken the slot) removes its slot too, rather than
-hold it for a lease.
+One Lua script (:data:`~nexus.cache.redis_limit_scripts.ADMIT`; the scripts are in
+:mod:`nexus.cache.redis_limit_scripts`) checks and takes a request's budget (with its
+hold), token (refilled on Redis's clock) and slot at once, atomically: two replicas
+cannot both take the last one. A request of a key with a budget always takes a slot,
+which its hold lives and goes with (a hold whose slot's lease ran out counts no more). A
+slot's score is its lease deadline: this process renews all its slots on one tick (every
+third of ``[limits] stream_lease_s``, one pipeline), each with its hold (``RENEW``); a
+slot goes as its stream ends, before the end reaches its clients
+(:meth:`RedisLimits.end`), or, for a replica that died, at the next admission past its
+lease. An admission whose reply was lost (the script may have taken the slot) removes
+its slot too, rather than hold it for a lease.
+
+A key's sockets and readers (:meth:`RedisLimits.enter`) are slots of the same kind, in a
+set of their own: taken by the same script (without rate or budget), renewed on the same
+tick, let go as their holder leaves (in the background: nothing waits on it), or with
+their lease, or at shutdown with the rest.
 
 A slot and its hold come back together. A replica that stalled past its lease (a pause,
 a partition), or a Redis that lost the keys, finds its slots and holds gone, perhaps
@@ -26,13 +34,14 @@ that its streams, still running, count against the key's streams and budget agai
 Together they may then be past either: what runs cannot be undone, but nothing more is
 admitted until enough of them end.
 
-Redis failing is never a 500: rate and concurrency fail open to this process
-(:class:`~nexus.cache.limits.LocalLimits`, a warning a minute at most); a key with a
-budget fails closed (503 ``store_unavailable``: spend that cannot be checked is not
-spent); a charge that fails is retried on the tick under its id, so a charge whose reply
-was lost counts once; a release that fails is left to its lease. At shutdown, charges
-are retried until the shutdown's deadline; any still not in Redis then is logged at
-ERROR, its key name, USD and the command that adds it, to be reconciled by hand.
+Redis failing is never a 500: rate and concurrency (streams, sockets, readers) fail open
+to this process (:class:`~nexus.cache.limits.LocalLimits`, which counts every place held
+here; a warning a minute at most); a key with a budget fails closed (503
+``store_unavailable``: spend that cannot be checked is not spent); a charge that fails
+is retried on the tick under its id, so a charge whose reply was lost counts once; a
+release that fails is left to its lease. At shutdown, charges are retried until the
+shutdown's deadline; any still not in Redis then is logged at ERROR, its key name, USD
+and the command that adds it, to be reconciled by hand.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from typing import Any
 from ..auth import ApiKey
 from ..budgets import window
 from .limits import (
+    STREAMS,
     KeyLimits,
     LocalLimits,
     Slot,
@@ -57,108 +67,11 @@ from .limits import (
     too_many_streams,
 )
 from .redis import RedisStore
+from .redis_limit_scripts import ADMIT, CHARGE, RECONCILE, RENEW
 
 __all__ = ["RedisLimits"]
 
 log = logging.getLogger("nexus.limits")
-
-# KEYS: the rate bucket, the stream slots, the spend, the holds.
-# ARGV: rate per second (0: none), bucket capacity, slot limit (0: none), slot id ("": no
-#       slot), lease ms, budget (negative: none), hold USD.
-# Returns {0, ""} admitted; {1, wait ms} no token; {2, ""} no slot; {3, spend, held}
-# budget spent, or its rest held.
-_ADMIT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local slot = ARGV[4]
-if slot ~= '' then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now) end
-local budget = tonumber(ARGV[6])
-local hold = tonumber(ARGV[7])
-if budget >= 0 then
-  local spent = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
-  local held = 0
-  local holds = redis.call('HGETALL', KEYS[4])
-  for i = 1, #holds, 2 do
-    if redis.call('ZSCORE', KEYS[2], holds[i]) then
-      held = held + tonumber(holds[i + 1])
-    else
-      redis.call('HDEL', KEYS[4], holds[i])
-    end
-  end
-  if spent >= budget or spent + held + hold > budget then
-    return {3, tostring(spent), tostring(held)}
-  end
-end
-local rate = tonumber(ARGV[1])
-if rate > 0 then
-  local capacity = tonumber(ARGV[2])
-  local bucket = redis.call('HMGET', KEYS[1], 't', 'at')
-  local tokens = tonumber(bucket[1]) or capacity
-  local at = tonumber(bucket[2]) or now
-  if now > at then
-    tokens = math.min(capacity, tokens + (now - at) * rate / 1000)
-    at = now
-  end
-  local ok = tokens >= 1
-  if ok then tokens = tokens - 1 end
-  redis.call('HSET', KEYS[1], 't', tostring(tokens), 'at', tostring(at))
-  redis.call('PEXPIRE', KEYS[1], math.ceil(capacity / rate * 1000) + 1000)
-  if not ok then return {1, tostring(math.ceil((1 - tokens) * 1000 / rate))} end
-end
-if slot ~= '' then
-  local limit = tonumber(ARGV[3])
-  local lease = tonumber(ARGV[5])
-  if limit > 0 and redis.call('ZCARD', KEYS[2]) >= limit then return {2, ''} end
-  redis.call('ZADD', KEYS[2], now + lease, slot)
-  redis.call('PEXPIRE', KEYS[2], lease * 2)
-  if hold > 0 then
-    redis.call('HSET', KEYS[4], slot, ARGV[7])
-    redis.call('PEXPIRE', KEYS[4], lease * 2)
-  end
-end
-return {0, ''}
-"""
-
-# KEYS: a key's stream slots, its holds. ARGV: lease ms, then for each slot held here its
-# id and its hold (USD; 0: none, or charged already).
-# Not XX: a slot Redis lost (it restarted, or was unreachable past the set's TTL, or this
-# process stalled past the lease and another admission dropped it) comes back, since its
-# stream still runs, and its hold with it: a slot back without its hold would let the key
-# spend that hold twice. Until those streams end the key may be over its limits, which
-# then refuse it, never the reverse.
-_RENEW = """
-local t = redis.call('TIME')
-local lease = tonumber(ARGV[1])
-local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + lease
-for i = 2, #ARGV, 2 do
-  redis.call('ZADD', KEYS[1], deadline, ARGV[i])
-  if tonumber(ARGV[i + 1]) > 0 then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-end
-redis.call('PEXPIRE', KEYS[1], lease * 2)
-redis.call('PEXPIRE', KEYS[2], lease * 2)
-return 0
-"""
-
-# KEYS: the spend, the charge's marker, the key's holds. ARGV: USD, the spend's TTL ms
-# (0: none), the marker's TTL ms, the slot whose hold the charge replaces ("": none). A
-# charge sent again (its reply was lost: redis-py and the tick retry it) finds its marker
-# and adds nothing.
-_CHARGE = """
-if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[3]) then
-  redis.call('INCRBYFLOAT', KEYS[1], ARGV[1])
-  local ttl = tonumber(ARGV[2])
-  if ttl > 0 then redis.call('PEXPIRE', KEYS[1], ttl) end
-end
-if ARGV[4] ~= '' then redis.call('HDEL', KEYS[3], ARGV[4]) end
-return 0
-"""
-
-_RECONCILE = (
-    "if redis.call('SET', KEYS[2], '1', 'NX', 'PX', 86400000) then "
-    "return redis.call('INCRBYFLOAT', KEYS[1], ARGV[1]) end"
-)
-"""A lost charge added by hand (its ERROR line's command): once, under the charge's marker,
-whether or not the charge itself landed after all (within :data:`_CHARGE_MARK_MS`)."""
 
 _CHARGE_MARK_MS = 900_000
 """How long a charge's marker outlives it: longer than its retries, short enough that the
@@ -194,8 +107,8 @@ class RedisLimits(KeyLimits):
         self.per_key = per_key
         self.lease_ms = max(1, round(lease_s * 1000))
         self.fallback = fallback
-        self._held: dict[str, dict[str, Slot]] = {}
-        """Key name -> slot id -> the slots held here: what the tick renews."""
+        self._held: dict[tuple[str, str], dict[str, Slot]] = {}
+        """(slot kind, key name) -> slot id -> the slots held here: what the tick renews."""
         self._ids = itertools.count()
         self._unsent: dict[str, tuple[str, str, float, float | None, str]] = {}
         """Charge id -> (key, window, USD, TTL, the slot whose hold it replaces) of
@@ -237,7 +150,7 @@ class RedisLimits(KeyLimits):
                 # Slots still held (streams cut by the shutdown) go now, not at their
                 # lease's end.
                 held, self._held = self._held, {}
-                freed = [cmd for name, ids in held.items() for cmd in self._freed(name, *ids)]
+                freed = [cmd for at, ids in held.items() for cmd in self._freed(*at, *ids)]
                 await self._send("release", freed)
         except TimeoutError:
             log.warning("per-key limits: Redis did not answer before the shutdown deadline")
@@ -251,7 +164,7 @@ class RedisLimits(KeyLimits):
                 "with: EVAL %s 2 %s %s %s",
                 name,
                 repr(usd),
-                json.dumps(_RECONCILE),
+                json.dumps(RECONCILE),
                 self._key("spend", name, win_id),
                 self._key("charged", charge_id),
                 repr(usd),
@@ -268,12 +181,43 @@ class RedisLimits(KeyLimits):
             self._warn(exc.__cause__ or exc)
             return False
 
-    def _freed(self, name: str, *ids: str) -> list[tuple[Any, ...]]:
-        """The commands that let slots ``ids`` of key ``name`` go, and their holds."""
-        return [
-            ("ZREM", self._key("limits", "streams", name), *ids),
-            ("HDEL", self._key("limits", "held", name), *ids),
-        ]
+    def _freed(self, kind: str, name: str, *ids: str) -> list[tuple[Any, ...]]:
+        """The commands that let slots ``ids`` of kind ``kind`` of key ``name`` go, and
+        their holds."""
+        freed: list[tuple[Any, ...]] = [("ZREM", self._key("limits", kind, name), *ids)]
+        if kind == STREAMS:
+            freed.append(("HDEL", self._key("limits", "held", name), *ids))
+        return freed
+
+    def _admit(
+        self,
+        name: str,
+        slot: Slot | None,
+        *,
+        limit: int | None,
+        rate: float = 0.0,
+        budget: float | None = None,
+        hold: float = 0.0,
+        win_id: str = "",
+    ) -> tuple[Any, ...]:
+        """The script's command: a token of ``rate``, ``budget`` checked with ``hold``
+        held, ``slot`` taken (one of ``limit`` of its kind) as far as each is asked for."""
+        return (
+            "EVAL",
+            ADMIT,
+            4,
+            self._key("limits", "rate", name),
+            self._key("limits", STREAMS if slot is None else slot.kind, name),
+            self._key("spend", name, win_id),
+            self._key("limits", "held", name),
+            repr(rate),
+            repr(self.capacity),
+            limit if slot is not None and limit is not None else 0,
+            slot.id if slot is not None else "",
+            self.lease_ms,
+            repr(budget) if budget is not None else -1,
+            repr(hold) if budget is not None else 0,
+        )
 
     async def admit(
         self, key: ApiKey, *, stream: bool, rate: bool = True, hold: float = 0.0
@@ -290,26 +234,19 @@ class RedisLimits(KeyLimits):
         try:
             ((code, value, *held),) = await self.store.call(
                 "admit",
-                (
-                    "EVAL",
-                    _ADMIT,
-                    4,
-                    self._key("limits", "rate", name),
-                    self._key("limits", "streams", name),
-                    self._key("spend", name, win_id),
-                    self._key("limits", "held", name),
-                    repr(per_second),
-                    repr(self.capacity),
-                    self.per_key if slot is not None and self.per_key is not None else 0,
-                    slot.id if slot is not None else "",
-                    self.lease_ms,
-                    repr(budget) if budget is not None else -1,
-                    repr(hold) if budget is not None else 0,
+                self._admit(
+                    name,
+                    slot,
+                    limit=self.per_key,
+                    rate=per_second,
+                    budget=budget,
+                    hold=hold,
+                    win_id=win_id,
                 ),
             )
         except StoreUnavailable as exc:
             if slot is not None:  # the script may have run, its reply lost: give it back
-                self._release_later(name, slot.id)
+                self._release_later(slot)
             if budget is not None:
                 raise StoreUnavailable(
                     f"The spend of the API key {name!r} cannot be checked: the store is "
@@ -323,7 +260,7 @@ class RedisLimits(KeyLimits):
             # The client left while the script was in flight: it may have run and taken
             # the slot, which nobody here holds or renews (it would stay for its lease).
             if slot is not None:
-                self._release_later(name, slot.id)
+                self._release_later(slot)
             raise
         code = int(code)
         if code == 1:
@@ -334,31 +271,53 @@ class RedisLimits(KeyLimits):
         if code == 3:
             raise budget_exceeded(key, float(value), time.time(), float(held[0]), hold)
         if slot is not None:
-            self._held.setdefault(name, {})[slot.id] = slot
+            self._held.setdefault((STREAMS, name), {})[slot.id] = slot
         return slot
+
+    async def enter(self, kind: str, name: str, limit: int) -> Slot | None:
+        place = Slot(name, f"{self.store.replica_id}-{next(self._ids)}", kind=kind)
+        try:
+            ((code, *_),) = await self.store.call("admit", self._admit(name, place, limit=limit))
+        except StoreUnavailable as exc:
+            self._release_later(place)  # (as admit's: the script may have run)
+            self._warn(exc.__cause__ or exc)
+            return place if self.fallback.hold(place, limit) else None
+        except asyncio.CancelledError:
+            self._release_later(place)
+            raise
+        if int(code) != 0:
+            return None
+        self._held.setdefault((kind, name), {})[place.id] = place
+        self.fallback.hold(place, None)  # what this process holds, should Redis fail
+        return place
+
+    def leave(self, place: Slot) -> None:
+        self.fallback.leave(place)
+        self.release(place)
 
     async def end(self, slot: Slot) -> None:
         if self._forget(slot):
-            await asyncio.wait((self._release_later(slot.key, slot.id),), timeout=_END_WAIT_S)
+            await asyncio.wait((self._release_later(slot),), timeout=_END_WAIT_S)
 
     def release(self, slot: Slot) -> None:
         if self._forget(slot):
-            self._release_later(slot.key, slot.id)
+            self._release_later(slot)
 
     def _forget(self, slot: Slot) -> bool:
         """Stop renewing ``slot``: True if it was held here (released once, however often
         asked)."""
-        held = self._held.get(slot.key)
+        at = (slot.kind, slot.key)
+        held = self._held.get(at)
         if held is None or held.pop(slot.id, None) is None:
             return False
         if not held:
-            del self._held[slot.key]
+            del self._held[at]
         return True
 
-    def _release_later(self, name: str, slot_id: str) -> asyncio.Task[bool]:
+    def _release_later(self, slot: Slot) -> asyncio.Task[bool]:
         """Remove a slot from Redis in the background; if that fails, its lease runs out."""
         task = asyncio.get_running_loop().create_task(
-            self._send("release", self._freed(name, slot_id))
+            self._send("release", self._freed(slot.kind, slot.key, slot.id))
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -379,7 +338,7 @@ class RedisLimits(KeyLimits):
         commands = [
             (
                 "EVAL",
-                _CHARGE,
+                CHARGE,
                 3,
                 self._key("spend", name, win_id),
                 self._key("charged", charge_id),
@@ -424,14 +383,16 @@ class RedisLimits(KeyLimits):
         leases = [
             (
                 "EVAL",
-                _RENEW,
-                2,
-                self._key("limits", "streams", name),
-                self._key("limits", "held", name),
+                RENEW,
+                *(
+                    (2, self._key("limits", kind, name), self._key("limits", "held", name))
+                    if kind == STREAMS
+                    else (1, self._key("limits", kind, name))
+                ),
                 self.lease_ms,
                 *itertools.chain.from_iterable((id, repr(slot.hold)) for id, slot in slots.items()),
             )
-            for name, slots in self._held.items()
+            for (kind, name), slots in self._held.items()
         ]
         await self._send("renew", leases)
 
@@ -440,7 +401,7 @@ class RedisLimits(KeyLimits):
         if now - self._warned >= _WARN_EVERY_S:
             self._warned = now
             log.warning(
-                "per-key limits: Redis failed (%s); rate and concurrency are held per "
-                "process until it is back",
+                "per-key limits: Redis failed (%s); rate and concurrency (streams, sockets, "
+                "readers) are held per process until it is back",
                 type(exc).__name__,
             )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,10 +64,6 @@ class Runtime:
     sockets: set[Socket] = field(default_factory=set)
     watchdog: Watchdog = field(default_factory=Watchdog)
     """The timers of every streaming response (heartbeats, write stalls)."""
-    key_sockets: Counter[str] = field(default_factory=Counter)
-    """Realtime sockets open per key name (``[realtime] max_sockets_per_key``)."""
-    key_readers: Counter[str] = field(default_factory=Counter)
-    """HTTP readers without a stream slot per key name (``[limits] max_readers_per_key``)."""
     pending: PendingLedger = field(default_factory=lambda: PendingLedger(0))
     """Each key's pending realtime input, over all its connections (the app sets it)."""
     draining: bool = False

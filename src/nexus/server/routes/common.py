@@ -308,7 +308,7 @@ async def _joined(
     reading = ExitStack()
     if opened.joined and not background and key is not None:
         try:
-            reading.enter_context(key_reader(request, key.name))
+            reading.enter_context(await key_reader(request, key.name))
         except BaseException:
             if opened.reader is not None:
                 await opened.reader.close()

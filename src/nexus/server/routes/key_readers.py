@@ -1,5 +1,6 @@
-"""How many HTTP readers that hold no stream slot a key runs at once in this process
-(``[limits] max_readers_per_key``).
+"""How many HTTP readers that hold no stream slot a key runs at once (``[limits]
+max_readers_per_key``): per process with the memory store; with the Redis store, on every
+replica together (:meth:`~nexus.cache.limits.KeyLimits.enter`).
 
 A stream's slot (``max_concurrent_streams_per_key``) is held by its run, not by who reads
 it: a ``GET /v1/streams/{id}``, a resume (``Last-Event-ID``), a read-token read and a
@@ -17,10 +18,11 @@ bounds the connections).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from aiohttp import web
 
+from ...cache.limits import KeyLimits, Slot
 from ...errors import GatewayError
 from .. import state
 
@@ -28,28 +30,31 @@ __all__ = ["key_reader"]
 
 
 @contextmanager
-def key_reader(request: web.Request, owner: str | None) -> Iterator[None]:
-    """A place among ``owner``'s readers for the block, or ``429 too_many_readers``
-    (``Retry-After: 1``). ``owner`` None (no keys): no place is counted."""
-    if owner is None:
+def _held(limits: KeyLimits, place: Slot) -> Iterator[None]:
+    """``place`` for the block that reads, let go as it leaves (however it leaves)."""
+    try:
         yield
-        return
-    held = request.app[state.RUNTIME].key_readers
+    finally:
+        limits.leave(place)
+
+
+async def key_reader(request: web.Request, owner: str | None) -> AbstractContextManager[None]:
+    """A place among ``owner``'s readers, held by the block the returned context manager
+    is entered for; or ``429 too_many_readers`` (``Retry-After: 1``). ``owner`` None (no
+    keys): no place is counted."""
+    if owner is None:
+        return nullcontext()
+    limits = request.app[state.HUB].limits
     limit = request.app[state.CONFIG].limits.max_readers_per_key
-    if held[owner] >= limit:
+    place = await limits.enter("readers", owner, limit)
+    if place is None:
         raise GatewayError(
-            f"The API key {owner!r} has {limit} stream readers open in this process, its "
-            "limit ([limits] max_readers_per_key); retry once one of them has ended.",
+            f"The API key {owner!r} has {limit} stream readers open, its limit "
+            "([limits] max_readers_per_key); retry once one of them has ended.",
             code="too_many_readers",
             status=429,
             error_type="rate_limit_error",
             retryable=True,
             headers={"Retry-After": "1"},
         )
-    held[owner] += 1
-    try:
-        yield
-    finally:
-        held[owner] -= 1
-        if held[owner] <= 0:
-            del held[owner]
+    return _held(limits, place)

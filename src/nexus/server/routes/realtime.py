@@ -495,5 +495,5 @@ async def handle(request: web.Request) -> web.StreamResponse:
     # As an HTTP request: a token of the key's rate (its first start's); then a place
     # among its sockets.
     await admit(request, key, None)
-    with key_socket(request, key):
+    async with key_socket(request, key):
         return await RealtimeConnection(request, key, protocols, token=True).run()

@@ -1,11 +1,12 @@
-"""How many realtime sockets a key holds open in this process (``[realtime]
-max_sockets_per_key``): without a cap one key could take every place of ``[server]
-max_connections`` with idle sockets."""
+"""How many realtime sockets a key holds open (``[realtime] max_sockets_per_key``): without
+a cap one key could take every place of ``[server] max_connections`` with idle sockets.
+Counted per process with the memory store; with the Redis store, by every replica
+together (:meth:`~nexus.cache.limits.KeyLimits.enter`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 
@@ -16,12 +17,13 @@ from .. import state
 __all__ = ["key_socket"]
 
 
-@contextmanager
-def key_socket(request: web.Request, key: ApiKey) -> Iterator[None]:
+@asynccontextmanager
+async def key_socket(request: web.Request, key: ApiKey) -> AsyncIterator[None]:
     """A place among ``key``'s sockets for the block, or ``429 too_many_sockets``."""
-    held = request.app[state.RUNTIME].key_sockets
+    limits = request.app[state.HUB].limits
     limit = request.app[state.CONFIG].realtime.max_sockets_per_key
-    if held[key.name] >= limit:
+    place = await limits.enter("sockets", key.name, limit)
+    if place is None:
         raise GatewayError(
             f"The API key {key.name!r} has {limit} realtime sockets open, its limit "
             "([realtime] max_sockets_per_key); close one first.",
@@ -30,10 +32,7 @@ def key_socket(request: web.Request, key: ApiKey) -> Iterator[None]:
             error_type="rate_limit_error",
             retryable=True,
         )
-    held[key.name] += 1
     try:
         yield
     finally:
-        held[key.name] -= 1
-        if held[key.name] <= 0:
-            del held[key.name]
+        limits.leave(place)

@@ -84,7 +84,7 @@ async def find_stream(
     owner, reader = _reader(request, stream_id, read_token)
     hub = app[state.HUB]
     if reader is not None and reading is not None:
-        reading.enter_context(key_reader(request, reader))  # before any lookup
+        reading.enter_context(await key_reader(request, reader))  # before any lookup
     if reader is not None and rated:
         await _charge_read(request, exchange(request).key, stream_id, reading is not None)
     info = await hub.info(stream_id)
@@ -93,7 +93,7 @@ async def find_stream(
         # key's readers and a token of its rate (a token leaked in a URL would otherwise
         # re-render the log unmetered).
         if reading is not None:
-            reading.enter_context(key_reader(request, info.owner))
+            reading.enter_context(await key_reader(request, info.owner))
         await _charge_read(request, app[KEYS].named(info.owner), stream_id, reading is not None)
     if info is not None and owner is not None and not _same_owner(info.owner, owner):
         if hub.store.shared and stream_id in hub.live:

@@ -269,6 +269,10 @@ def prompt_estimate(request: ChatRequest) -> int:
         size += len(schema.name.encode()) + len((schema.description or "").encode())
         if schema.schema_ is not None:
             size += len(orjson.dumps(schema.schema_))
+    config = (request.model_extra or {}).get("output_config")  # Anthropic's format
+    fmt = config.get("format") if type(config) is dict else None
+    if type(fmt) is dict:
+        size += len(orjson.dumps(fmt.get("schema")))
     return tokens + -(-size // CHARS_PER_TOKEN)  # rounded up
 
 

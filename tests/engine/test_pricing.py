@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import orjson
 import pytest
 
 from nexus.config import parse_config, price_table
@@ -234,6 +235,20 @@ def test_a_long_prompt_cannot_hide_where_the_estimate_does_not_look() -> None:
     assert prompt_estimate(huge) == 4 + -(-len(repr({"seed_big": 2**70})) // 4)
     low = {"type": "image_url", "image_url": {"url": "https://x/a.png", "detail": "low"}}
     assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [low]}])) == 4 + 85
+
+
+def test_anthropic_s_response_schema_counts_as_openai_s_does() -> None:
+    """``/v1/messages``' structured outputs ride as ``output_config.format``: its schema
+    is read by the model as a ``response_format``'s is."""
+    from nexus.protocol.anthropic_messages import parse_messages_request
+
+    schema = {"type": "object", "description": "d" * 4000}
+    user = {"role": "user", "content": "x" * 40}
+    body = {"model": "m", "max_tokens": 5, "messages": [user]}
+    plain = prompt_estimate(parse_messages_request(orjson.dumps(body)))
+    fmt = {"format": {"type": "json_schema", "schema": schema}}
+    structured = parse_messages_request(orjson.dumps({**body, "output_config": fmt}))
+    assert prompt_estimate(structured) == plain + -(-len(orjson.dumps(schema)) // 4)
 
 
 def test_the_engine_puts_the_prompt_s_estimate_in_the_stream_s_meta() -> None:

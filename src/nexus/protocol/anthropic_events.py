@@ -3,10 +3,11 @@
 :func:`messages_body` writes the request (one role's consecutive messages merged: the API
 wants them alternating; ``max_tokens``, required, defaults to ``default_max_tokens``; a
 ``json_schema`` response format as ``output_config.format``, Anthropic's structured
-outputs). :func:`refusal` names the first chat field that changes the answer and that
-the Messages API has no place for; fields that only tune sampling (``seed``,
-``presence_penalty``, ``frequency_penalty``) or serve OpenAI alone (``store``,
-``prediction``, ``prompt_cache_key``, ...) are dropped.
+outputs; ``reasoning_effort`` as ``output_config.effort``: :mod:`.output_config`).
+:func:`refusal` names the first chat field that changes the answer and that the Messages
+API has no place for; fields that only tune sampling (``seed``, ``presence_penalty``,
+``frequency_penalty``) or serve OpenAI alone (``store``, ``prediction``,
+``prompt_cache_key``, ...) are dropped.
 :class:`EventDecoder` reads the stream; usage in OpenAI terms: ``prompt_tokens`` = input +
 cache read + cache creation, ``cached_tokens`` = cache read. ``message_start``'s input
 counts go out as a partial :class:`~nexus.events.Usage` leading the first read with
@@ -35,6 +36,7 @@ from ..request import (
     message_text,
 )
 from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
+from .output_config import anthropic_config
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
 from .upstream import (
     Malformed,
@@ -115,8 +117,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     if choice is not None:
         body["tool_choice"] = choice
     extra = request.model_extra or {}
-    sent = extra.get("output_config")  # a /v1/messages client's effort
-    config = dict(sent) if type(sent) is dict else {}
+    config = anthropic_config(request)  # effort (reasoning_effort's), a /v1/messages format
     schema = _schema(request)
     if schema is not None:
         config["format"] = {"type": "json_schema", "schema": schema}
@@ -134,7 +135,8 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
     request without it would answer another question than the one asked. A
     ``json_schema`` response format is carried (:func:`_schema`); ``json_object`` is not:
     Anthropic's structured outputs need a schema, and one for "any object" would hold
-    the answer to ``{}`` (the API closes every object to properties it does not list)."""
+    the answer to ``{}`` (the API closes every object to properties it does not list).
+    Nor is a ``reasoning_effort`` of no Anthropic level (:mod:`.output_config`)."""
     fmt = request.response_format
     if fmt is not None and fmt.type != "text" and _schema(request) is None:
         what = (
@@ -148,6 +150,10 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
         for name, (asks, what) in _UNCARRIED.items():
             if name in extra and asks(extra[name]):
                 return _cannot(name, what, "send it to a model of an OpenAI-compatible provider")
+        try:
+            anthropic_config(request)
+        except InvalidRequest as exc:
+            return exc
     return None
 
 

@@ -242,14 +242,13 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
 
 
 def _output_config(config: OutputConfig, chat: dict[str, Any]) -> None:
-    """Structured outputs as chat's ``json_schema`` response format (which an Anthropic
-    upstream gets back as ``output_config.format``, the schema as sent); ``effort`` rides
-    as ``output_config`` for an Anthropic upstream alone (an OpenAI one refuses it)."""
-    if config.format is not None:
-        schema = {"name": "output", "schema": config.format.schema_}
-        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-    if config.effort is not None:
-        chat["output_config"] = {"effort": config.effort}
+    """Structured outputs and effort ride as Anthropic's ``output_config``: an Anthropic
+    upstream gets it as sent; an OpenAI one its format as a ``json_schema`` response
+    format, strict when OpenAI's strict mode can hold the answer to it as Anthropic
+    does, and its effort as ``reasoning_effort`` (:mod:`.output_config`)."""
+    sent = config.model_dump(exclude_none=True, by_alias=True)
+    if sent:
+        chat["output_config"] = sent
 
 
 def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ import orjson
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
 from ..events import Audio, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
+from .output_config import openai_fields
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
 from .upstream import (
     Malformed,
@@ -29,15 +30,13 @@ _NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config"}  # no
 
 
 def refusal(request: ChatRequest) -> InvalidRequest | None:
-    """The 400 for ``output_config.effort`` (a ``/v1/messages`` client's): Chat Completions
-    has no place for Anthropic's effort levels, and dropping it would change the answer."""
-    config = (request.model_extra or {}).get("output_config")
-    if type(config) is dict and config.get("effort") is not None:
-        return InvalidRequest(
-            "output_config.effort: an effort level, which this model's provider (Chat "
-            "Completions) cannot honour; send it to a model of an Anthropic provider",
-            param="output_config.effort",
-        )
+    """The 400 for a part of ``output_config`` (Anthropic's: a ``/v1/messages`` client's,
+    or a chat client's) that Chat Completions has no counterpart for
+    (:func:`~.output_config.openai_fields`): dropped, it would change the answer."""
+    try:
+        openai_fields(request)
+    except InvalidRequest as exc:
+        return exc
     return None
 
 
@@ -45,11 +44,15 @@ def upstream_body(
     request: ChatRequest, model: str, token_limit_field: str | None = None
 ) -> dict[str, Any]:
     """The upstream request: ours (fields Nexus does not interpret pass through), with the
-    upstream model, streaming with usage. Nexus's own stream options stay home, and so does
+    upstream model, streaming with usage. Anthropic's ``output_config`` goes in OpenAI's
+    terms (:func:`~.output_config.openai_fields`); its ``top_k``, which only tunes
+    sampling, and ``thinking`` stay home (OpenAI refuses both). Nexus's own stream options
+    stay home, and so does
     ``include_obfuscation``: it shapes the client's stream; upstream, the provider's default
     (OpenAI pads, hiding token lengths from whoever watches the traffic) is kept, and a
     compatible server that refuses the field never sees it."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
+    body.update(openai_fields(request, model))  # output_config in OpenAI's terms
     for message in body.get("messages", ()):
         message.pop("anthropic_content", None)  # a /v1/messages turn's blocks, for Anthropic
         if message.get("role") == "tool":

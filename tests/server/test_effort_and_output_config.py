@@ -1,0 +1,182 @@
+"""Effort levels and Anthropic's ``output_config`` through a gateway, from the real SDKs to
+fake upstreams that record the body they got: each upstream gets them in its own API's
+terms; what it has no counterpart for is a 400 naming the field before any upstream call,
+and a target that cannot honour it is skipped for one that can."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+from openai import AsyncOpenAI
+from pydantic import BaseModel
+
+from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, anthropic_stream, openai_chunk
+
+USER: Any = {"role": "user", "content": "Who is she?"}
+ANSWER = '{"name":"Ada","nick":null}'
+
+
+class Person(BaseModel):
+    name: str
+    nick: str | None = None
+
+
+@pytest.fixture
+async def claude() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def oai() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+async def gateway(make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream) -> str:
+    config = {
+        "providers": {
+            "claude": {"kind": "anthropic", "base_url": claude.url},
+            "oai": {"kind": "openai", "base_url": oai.url + "/v1"},
+        },
+        "models": {"either": {"targets": ["claude/m", "oai/m"]}},
+    }
+    client = await make_client(config)
+    return str(client.make_url(""))
+
+
+def openai_answer(text: str = ANSWER) -> Reply:
+    return Reply.stream([openai_chunk(content=text), openai_chunk(finish_reason="stop"), DONE])
+
+
+def anthropic_answer(text: str = "Hi.") -> Reply:
+    return Reply.stream(anthropic_stream([{"type": "text", "text": text}]))
+
+
+async def test_a_messages_clients_effort_and_format_reach_an_openai_upstream(
+    make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream
+) -> None:
+    """``messages.parse`` with an effort level: OpenAI gets ``reasoning_effort`` and a
+    strict response format (the optional, nullable ``nick`` required), and the SDK parses
+    the answer."""
+    oai.add(openai_answer())
+    url = await gateway(make_client, claude, oai)
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as api:
+        message = await api.messages.parse(
+            model="oai/m",
+            max_tokens=50,
+            messages=[USER],
+            output_format=Person,
+            output_config={"effort": "xhigh"},
+        )
+    assert message.parsed_output == Person(name="Ada")
+    (seen,) = oai.requests
+    assert seen.body["reasoning_effort"] == "xhigh"
+    assert "output_config" not in seen.body
+    json_schema = seen.body["response_format"]["json_schema"]
+    assert (json_schema["name"], json_schema["strict"]) == ("output", True)
+    assert json_schema["schema"]["required"] == ["name", "nick"]
+    assert json_schema["schema"]["additionalProperties"] is False
+    assert claude.requests == []
+
+
+async def test_an_openai_clients_effort_reaches_an_anthropic_upstream(
+    make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream
+) -> None:
+    """``reasoning_effort`` (chat) and ``reasoning.effort`` (responses) are Anthropic's
+    ``output_config.effort``; a level Anthropic has not is a 400 naming the client's field
+    and the value, and an alias skips that target for one that can take it."""
+    claude.add(anthropic_answer(), anthropic_answer())
+    oai.add(openai_answer("Hi."))
+    url = await gateway(make_client, claude, oai)
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as api:
+        await api.chat.completions.create(
+            model="claude/m", messages=[USER], reasoning_effort="high"
+        )
+        await api.responses.create(model="claude/m", input="Hi", reasoning={"effort": "low"})
+        assert [seen.body["output_config"] for seen in claude.requests] == [
+            {"effort": "high"},
+            {"effort": "low"},
+        ]
+        assert all("reasoning_effort" not in seen.body for seen in claude.requests)
+        with pytest.raises(openai.BadRequestError) as chat:
+            await api.chat.completions.create(
+                model="claude/m", messages=[USER], reasoning_effort="minimal"
+            )
+        with pytest.raises(openai.BadRequestError) as responses:
+            await api.responses.create(
+                model="claude/m", input="Hi", reasoning={"effort": "none"}, stream=True
+            )
+        assert len(claude.requests) == 2  # the refused went nowhere
+        for info, param, value in (
+            (chat, "reasoning_effort", "'minimal'"),
+            (responses, "reasoning.effort", "'none'"),
+        ):
+            assert (info.value.code, info.value.param) == ("invalid_request", param)
+            assert info.value.body["message"].startswith(f"{param}: {value}")  # type: ignore[index]
+        # the alias's OpenAI target takes it
+        await api.chat.completions.create(
+            model="either", messages=[USER], reasoning_effort="minimal"
+        )
+    assert len(claude.requests) == 2
+    assert oai.requests[0].body["reasoning_effort"] == "minimal"
+
+
+async def test_a_chat_clients_output_config_reaches_an_openai_upstream_in_its_terms(
+    make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream
+) -> None:
+    """Anthropic's ``output_config`` from a chat client: its effort and format have
+    counterparts; a setting without one is a 400 naming it, never dropped."""
+    oai.add(openai_answer())
+    url = await gateway(make_client, claude, oai)
+    schema = Person.model_json_schema()
+    config = {"effort": "medium", "format": {"type": "json_schema", "schema": schema}}
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as api:
+        await api.chat.completions.create(
+            model="oai/m", messages=[USER], extra_body={"output_config": config}
+        )
+        with pytest.raises(openai.BadRequestError) as info:
+            await api.chat.completions.create(
+                model="oai/m",
+                messages=[USER],
+                extra_body={"output_config": {"task_budget": {"type": "tokens", "total": 9}}},
+            )
+    (seen,) = oai.requests
+    assert "output_config" not in seen.body
+    assert seen.body["reasoning_effort"] == "medium"
+    assert seen.body["response_format"]["type"] == "json_schema"
+    assert seen.body["response_format"]["json_schema"]["name"] == "output"
+    assert (info.value.code, info.value.param) == ("invalid_request", "output_config.task_budget")
+    assert "cannot honour" in info.value.message
+
+
+async def test_a_schema_strict_mode_cannot_hold_reaches_openai_as_before(
+    make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream
+) -> None:
+    """A property that may be left out but not be null: strict mode would make the model
+    write one, so the schema goes as sent, without strict, as it did."""
+    oai.add(openai_answer('{"name":"Ada"}'))
+    url = await gateway(make_client, claude, oai)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "error": {"type": "string"}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as api:
+        await api.messages.create(
+            model="oai/m",
+            max_tokens=50,
+            messages=[USER],
+            output_config={"format": {"type": "json_schema", "schema": schema}},
+        )
+    (seen,) = oai.requests
+    assert seen.body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }

@@ -3,7 +3,7 @@
 :func:`messages_body` writes the request (one role's consecutive messages merged: the API
 wants them alternating; ``max_tokens``, required, defaults to ``default_max_tokens``; a
 ``json_schema`` response format as ``output_config.format``, Anthropic's structured
-outputs; ``reasoning_effort`` as ``output_config.effort``: :mod:`.output_config`).
+outputs; ``output_config`` as sent: :mod:`.output_config`).
 :func:`refusal` names the first chat field that changes the answer and that the Messages
 API has no place for; fields that only tune sampling (``seed``, ``presence_penalty``,
 ``frequency_penalty``) or serve OpenAI alone (``store``, ``prediction``,
@@ -117,7 +117,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     if choice is not None:
         body["tool_choice"] = choice
     extra = request.model_extra or {}
-    config = anthropic_config(request)  # effort (reasoning_effort's), a /v1/messages format
+    config = anthropic_config(request)  # a /v1/messages client's effort and format
     schema = _schema(request)
     if schema is not None:
         config["format"] = {"type": "json_schema", "schema": schema}
@@ -136,7 +136,7 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
     ``json_schema`` response format is carried (:func:`_schema`); ``json_object`` is not:
     Anthropic's structured outputs need a schema, and one for "any object" would hold
     the answer to ``{}`` (the API closes every object to properties it does not list).
-    Nor is a ``reasoning_effort`` of no Anthropic level (:mod:`.output_config`)."""
+    Nor is an ``output_config`` that asks for one thing twice (:mod:`.output_config`)."""
     fmt = request.response_format
     if fmt is not None and fmt.type != "text" and _schema(request) is None:
         what = (

@@ -201,11 +201,7 @@ def response_body(completion: Completion) -> dict[str, Any]:
     )
 
 
-CHAT_NAMES = {
-    "max_tokens": "max_output_tokens",
-    "response_format": "text.format",
-    "reasoning_effort": "reasoning.effort",
-}
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 """The chat fields whose Responses twins have another name."""
 
 

@@ -5,7 +5,8 @@ A request carries either API's field for the same asks: an effort level (Anthrop
 ``output_config.effort``, OpenAI's ``reasoning_effort``, which ``/v1/responses``'
 ``reasoning.effort`` becomes) and structured outputs (``output_config.format``, which
 ``/v1/messages`` keeps, beside OpenAI's ``response_format``). Each target gets them in its
-own API's terms: an effort level through :data:`EFFORT_LEVELS`, one table read both ways;
+own API's terms: an Anthropic effort level through :data:`EFFORT_LEVELS` (OpenAI's stays
+off Anthropic targets: :func:`anthropic_config`);
 Anthropic's format as a ``json_schema`` response format, strict where OpenAI's strict mode
 can hold the answer to the schema (:mod:`.strict_schema`). What has no counterpart on a
 target is refused there, naming the field and its value (:class:`InvalidRequest`: the
@@ -32,9 +33,8 @@ EFFORT_LEVELS: dict[str, str] = {
     "xhigh": "xhigh",
     "max": "max",
 }
-"""OpenAI's ``none`` and ``minimal`` have no Anthropic level (its lowest is ``low``: less
-would be another ask), so an Anthropic target refuses them; every Anthropic level has an
-OpenAI one."""
+"""Every Anthropic level has an OpenAI one, the same word; OpenAI's ``none`` and
+``minimal`` lie below Anthropic's lowest."""
 _OPENAI_LEVELS = {anthropic: openai for openai, anthropic in EFFORT_LEVELS.items()}
 _LEVELS = "'low', 'medium', 'high', 'xhigh' or 'max'"
 
@@ -42,7 +42,6 @@ FORMAT_NAME = "output"
 """The ``json_schema`` response format's name for Anthropic's format, which has none."""
 
 _CHAT = "Chat Completions"
-_MESSAGES = "Anthropic Messages"
 
 
 def sent_config(request: ChatRequest) -> dict[str, Any]:
@@ -73,18 +72,15 @@ def sent_config(request: ChatRequest) -> dict[str, Any]:
 
 def anthropic_config(request: ChatRequest) -> dict[str, Any]:
     """The ``output_config`` an Anthropic upstream gets (before a ``response_format``'s
-    schema joins it): the request's as sent (the upstream judges its own field), with the
-    level of ``reasoning_effort`` as its effort when it gives none. Raises
-    :class:`InvalidRequest` as :func:`sent_config` does, and naming ``reasoning_effort``
-    and its value for an effort with no Anthropic level."""
-    config = dict(sent_config(request))
-    reasoning = (request.model_extra or {}).get("reasoning_effort")
-    if reasoning is not None and config.get("effort") is None:
-        level = _level(reasoning)
-        if level is None:
-            raise _no_counterpart("reasoning_effort", reasoning, _MESSAGES)
-        config["effort"] = level
-    return config
+    schema joins it): the request's as sent (the upstream judges its own field). Raises
+    :class:`InvalidRequest` as :func:`sent_config` does.
+
+    A chat client's ``reasoning_effort`` does not become its ``effort``: not every Claude
+    model takes one (those that do not answer 400), so a request that an alias falls back
+    with from an OpenAI model to a Claude one would fail where it is served today. It is
+    dropped there, as the sampling fields are; a client asks an Anthropic target for a
+    level with ``output_config.effort``."""
+    return dict(sent_config(request))
 
 
 def openai_fields(request: ChatRequest, model: str = "") -> dict[str, Any]:

@@ -365,12 +365,16 @@ AUDIO_EXPIRES = 1730768595
 
 
 def openai_audio_stream(
-    transcript: Sequence[str], pcm: Sequence[bytes], audio_tokens: int = 9
+    transcript: Sequence[str],
+    pcm: Sequence[bytes],
+    audio_tokens: int = 9,
+    usage: dict[str, Any] | None = None,
 ) -> list[bytes]:
     """A streamed answer with ``modalities: ["text", "audio"]``, as OpenAI sends it: the
     role, the transcript pieces (the first with the audio's ``id``), the audio pieces (the
     first with the ``id`` again and a repeated role), each piece of audio base64 on its
-    own (padded), the expiry alone, the finish, the usage with its audio tokens, [DONE]."""
+    own (padded), the expiry alone, the finish, the usage with its audio tokens (or
+    ``usage``), [DONE]."""
     chunks = [openai_chunk(role="assistant", refusal=None)]
     for n, piece in enumerate(transcript):
         first = {"id": AUDIO_ID} if n == 0 else {}
@@ -386,7 +390,7 @@ def openai_audio_stream(
     chunks.append(openai_chunk(audio={"expires_at": AUDIO_EXPIRES}))
     chunks.append(openai_chunk(finish_reason="stop"))
     text_tokens = len(transcript)
-    usage = {
+    usage = usage or {
         "prompt_tokens": 17,
         "completion_tokens": audio_tokens + text_tokens,
         "total_tokens": 17 + audio_tokens + text_tokens,

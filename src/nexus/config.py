@@ -328,6 +328,12 @@ class ModelAliasConfig(_Table):
     cache_write_usd_per_mtok: PER_MTOK
     """Prompt tokens written to a prompt cache (Anthropic bills 1.25x the input price for
     five-minute writes). Unset: the input price."""
+    audio_input_usd_per_mtok: PER_MTOK
+    """Prompt tokens of audio (OpenAI bills them above text). Unset: the input price, and
+    a key with a budget is refused audio input."""
+    audio_output_usd_per_mtok: PER_MTOK
+    """Completion tokens of audio. Unset: the output price, and a key with a budget is
+    refused audio output."""
 
     @property
     def priced(self) -> bool:
@@ -344,6 +350,8 @@ class ModelAliasConfig(_Table):
             self.output_usd_per_mtok or 0.0,
             given if cached is None else cached,
             self.cache_write_usd_per_mtok,
+            self.audio_input_usd_per_mtok,
+            self.audio_output_usd_per_mtok,
         )
 
 
@@ -400,11 +408,13 @@ class Config(_Table):
         for alias, cfg in self.models.items():
             where = f'[models."{alias}"]'
             given = (cfg.input_usd_per_mtok, cfg.output_usd_per_mtok)
-            if None in given and (
-                given != (None, None)
-                or cfg.cached_input_usd_per_mtok is not None
-                or cfg.cache_write_usd_per_mtok is not None
-            ):
+            others = (
+                cfg.cached_input_usd_per_mtok,
+                cfg.cache_write_usd_per_mtok,
+                cfg.audio_input_usd_per_mtok,
+                cfg.audio_output_usd_per_mtok,
+            )
+            if None in given and (given != (None, None) or others != (None,) * len(others)):
                 raise ValueError(
                     f"{where}: prices need both input_usd_per_mtok and output_usd_per_mtok"
                 )

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ModelNotFound, UnsupportedInput
 from .events import StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
-from .pricing import Price, PriceTable, prompt_estimate, worst_cost
+from .pricing import Price, PriceTable, prompt_audio_estimate, prompt_estimate, unpriced, worst_cost
 from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import ChatRequest, input_kinds
@@ -173,6 +173,11 @@ class Engine:
         """A budget's hold for ``request`` (:func:`~nexus.pricing.worst_cost`); 0: unknown."""
         return worst_cost(request, self._target_prices(request.model))
 
+    def unpriced(self, request: ChatRequest) -> tuple[str, str] | None:
+        """What ``request`` asks for that its targets' prices do not cover, as
+        (``param``, why) (:func:`~nexus.pricing.unpriced`); None: nothing."""
+        return unpriced(request, self._target_prices(request.model))
+
     def _target_prices(self, model: str) -> list[Price | None]:
         try:
             targets = self.route(model)
@@ -213,6 +218,7 @@ class Engine:
             upstream_model=target[1],
             retry_ms=self.retry_ms,
             prompt_estimate=prompt_estimate(request),
+            prompt_audio_estimate=prompt_audio_estimate(request),
         )
 
     def complete_stream(

@@ -249,6 +249,10 @@ class Usage:
     ``message_start``), ``completion_tokens`` 0. Formats that report input up front
     write them; those that report only totals skip them; Nexus's own formats mark
     them ``"partial": true``.
+
+    The details (each None when the upstream did not report it) are parts of the two
+    counts, as OpenAI breaks them down: they go to OpenAI-format clients as the upstream
+    sent them (a client of OpenAI's reads them), and absent stays absent.
     """
 
     type: ClassVar[str] = "usage"
@@ -263,32 +267,55 @@ class Usage:
     """What they cost (:mod:`nexus.pricing`), when priced; not in :meth:`wire` (a client
     asks for it with ``stream_options.include_cost``)."""
     prompt_audio_tokens: int | None = None
-    """Of ``prompt_tokens``, those of audio input (OpenAI's ``prompt_tokens_details``)."""
+    """Of ``prompt_tokens``, those of audio input (OpenAI's ``prompt_tokens_details``);
+    billed at the audio input price when the model's :class:`~nexus.pricing.Price` has one."""
     completion_audio_tokens: int | None = None
     """Of ``completion_tokens``, those of audio output, counted within them as OpenAI
-    counts them (``completion_tokens_details``); billed at audio prices a
-    :class:`~nexus.pricing.Price` does not hold."""
+    counts them (``completion_tokens_details``); billed at the audio output price when the
+    model's :class:`~nexus.pricing.Price` has one."""
+    accepted_prediction_tokens: int | None = None
+    """Of ``completion_tokens``, those of a predicted output that appeared in the answer."""
+    rejected_prediction_tokens: int | None = None
+    """Those of a predicted output that did not: billed as completion tokens, and counted
+    within them (OpenAI's word)."""
+    prompt_text_tokens: int | None = None
+    prompt_image_tokens: int | None = None
+    completion_text_tokens: int | None = None
 
     def wire(self) -> dict[str, Any]:
-        """The OpenAI ``usage`` object (without the cost)."""
+        """The OpenAI ``usage`` object (without the cost): the counts, and the details the
+        upstream reported, in the order OpenAI writes them."""
         out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
         }
+        prompt: dict[str, int] = {}
         if self.cached_tokens is not None:
-            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+            prompt["cached_tokens"] = self.cached_tokens
         if self.cache_write_tokens:
-            details = out.setdefault("prompt_tokens_details", {})
-            details["cache_write_tokens"] = self.cache_write_tokens
+            prompt["cache_write_tokens"] = self.cache_write_tokens
         if self.prompt_audio_tokens is not None:
-            details = out.setdefault("prompt_tokens_details", {})
-            details["audio_tokens"] = self.prompt_audio_tokens
+            prompt["audio_tokens"] = self.prompt_audio_tokens
+        if self.prompt_text_tokens is not None:
+            prompt["text_tokens"] = self.prompt_text_tokens
+        if self.prompt_image_tokens is not None:
+            prompt["image_tokens"] = self.prompt_image_tokens
+        if prompt:
+            out["prompt_tokens_details"] = prompt
+        completion: dict[str, int] = {}
         if self.reasoning_tokens is not None:
-            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+            completion["reasoning_tokens"] = self.reasoning_tokens
         if self.completion_audio_tokens is not None:
-            details = out.setdefault("completion_tokens_details", {})
-            details["audio_tokens"] = self.completion_audio_tokens
+            completion["audio_tokens"] = self.completion_audio_tokens
+        if self.accepted_prediction_tokens is not None:
+            completion["accepted_prediction_tokens"] = self.accepted_prediction_tokens
+        if self.rejected_prediction_tokens is not None:
+            completion["rejected_prediction_tokens"] = self.rejected_prediction_tokens
+        if self.completion_text_tokens is not None:
+            completion["text_tokens"] = self.completion_text_tokens
+        if completion:
+            out["completion_tokens_details"] = completion
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,19 +4,23 @@ A stream's price (``[models."<name>"]``, USD per million tokens) is its served t
 (``provider/model``), else its alias's, else none (``cost_usd`` is None). The cost is
 computed from the usage the upstream reported::
 
-    (prompt - cached - written) * input + cached * cached_input
-        + written * cache_write + completion * output
+    (prompt - cached - written - heard) * input + heard * audio_input
+        + cached * cached_input + written * cache_write
+        + (completion - spoken) * output + spoken * audio_output
 
-``completion`` includes reasoning and audio tokens, as OpenAI counts them (audio tokens at
-the listed text prices: OpenAI bills them dearer, which is why a key with a budget is
-refused a request for audio, :func:`unpriced`); ``cached`` are prompt
-tokens read from a prompt cache, ``written`` those written to one (Anthropic bills them
-above the input price), both part of ``prompt``. A stream that ended without a final
+``completion`` includes reasoning and audio tokens, as OpenAI counts them; ``spoken`` are
+its audio tokens, ``heard`` the prompt's audio tokens that are neither cached nor written
+(cached and written tokens cost their own prices, whatever they hold). Without an audio
+price audio tokens cost the text price, an underestimate (OpenAI bills them dearer): a key
+with a budget is then refused a request for audio (:func:`unpriced`). ``cached`` are
+prompt tokens read from a prompt cache, ``written`` those written to one (Anthropic bills
+them above the input price), both part of ``prompt``. A stream that ended without a final
 usage reports what it saw, marked ``estimated``: the last usage's prompt, cached and
 written tokens, and as completion tokens the larger of that usage's and the output
-events seen (one token each, as streaming upstreams and the mock deliver them). One the
-upstream answered without reporting any usage (cut before it: OpenAI reports usage last;
-or from an upstream that reports none) is charged :func:`prompt_estimate` as its prompt:
+events seen (one token each, as streaming upstreams and the mock deliver them; audio
+pieces as audio tokens). One the upstream answered without reporting any usage (cut
+before it: OpenAI reports usage last; or from an upstream that reports none) is charged
+:func:`prompt_estimate` as its prompt, :func:`prompt_audio_estimate` of it as audio:
 without it, a client could send a long prompt and leave at the first token having spent
 almost nothing of its budget.
 """
@@ -51,6 +55,7 @@ __all__ = [
     "Spend",
     "Tally",
     "cost_usd",
+    "prompt_audio_estimate",
     "prompt_estimate",
     "spend_of",
     "tally",
@@ -76,6 +81,8 @@ class Spend:
     cost_usd: float | None
     estimated: bool
     cache_write_tokens: int = 0
+    prompt_audio_tokens: int = 0
+    completion_audio_tokens: int = 0
 
 
 NOTHING = Spend(0, 0, 0, 0, 0.0, False)
@@ -87,12 +94,16 @@ UNKNOWN = Spend(0, 0, 0, 0, None, True)
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """USD per million tokens (``cache_write_usd_per_mtok`` None: the input price)."""
+    """USD per million tokens (``cache_write_usd_per_mtok`` None: the input price; an
+    audio price None: the text price, and a key with a budget is refused audio that way,
+    :func:`unpriced`)."""
 
     input_usd_per_mtok: float
     output_usd_per_mtok: float
     cached_input_usd_per_mtok: float
     cache_write_usd_per_mtok: float | None = None
+    audio_input_usd_per_mtok: float | None = None
+    audio_output_usd_per_mtok: float | None = None
 
     def __post_init__(self) -> None:
         for usd in astuple(self):
@@ -125,6 +136,7 @@ class PriceTable:
             price,
             complete=complete,
             prompt_estimate=meta.prompt_estimate,
+            prompt_audio_estimate=meta.prompt_audio_estimate,
             accepted=meta.upstream_accepted,
             upstream_prompt=meta.upstream_prompt,
         )
@@ -136,21 +148,32 @@ def cost_usd(
     completion_tokens: int,
     cached_tokens: int,
     cache_write_tokens: int = 0,
+    prompt_audio_tokens: int = 0,
+    completion_audio_tokens: int = 0,
 ) -> float:
-    """The cost of these tokens at ``price``: a finite number. Cached and written tokens
-    beyond the prompt count as plain prompt tokens (an upstream that reports more of them
-    than prompt tokens is not trusted); each count is taken between 0 and
-    :data:`~nexus.events.MAX_TOKENS` (the upstream decoders refuse others; this holds
+    """The cost of these tokens at ``price`` (the module's formula): a finite number.
+    Cached and written tokens beyond the prompt, and audio tokens beyond what is left of
+    the prompt or beyond the completion, count as the plain tokens they are part of (an
+    upstream that reports more of them is not trusted); each count is taken between 0
+    and :data:`~nexus.events.MAX_TOKENS` (the upstream decoders refuse others; this holds
     for any caller)."""
     prompt = _bounded(prompt_tokens)
     cached = min(_bounded(cached_tokens), prompt)
     written = min(_bounded(cache_write_tokens), prompt - cached)
+    plain = prompt - cached - written
+    heard = min(_bounded(prompt_audio_tokens), plain)
+    completion = _bounded(completion_tokens)
+    spoken = min(_bounded(completion_audio_tokens), completion)
+    text_in, text_out = price.input_usd_per_mtok, price.output_usd_per_mtok
     write_price = price.cache_write_usd_per_mtok
+    audio_in, audio_out = price.audio_input_usd_per_mtok, price.audio_output_usd_per_mtok
     micro = (
-        (prompt - cached - written) * price.input_usd_per_mtok
+        (plain - heard) * text_in
+        + heard * (text_in if audio_in is None else audio_in)
         + cached * price.cached_input_usd_per_mtok
-        + written * (price.input_usd_per_mtok if write_price is None else write_price)
-        + _bounded(completion_tokens) * price.output_usd_per_mtok
+        + written * (text_in if write_price is None else write_price)
+        + (completion - spoken) * text_out
+        + spoken * (text_out if audio_out is None else audio_out)
     )
     return micro / PER_TOKENS
 
@@ -179,43 +202,75 @@ _TIERS_AT_PRICE = (None, "auto", "default", "flex", "standard_only")
 """``service_tier`` values billed at most at the model's listed price."""
 
 
-def unpriced(request: ChatRequest) -> tuple[str, str] | None:
-    """What in ``request`` the upstream bills beyond a :class:`Price` (audio tokens, a
-    dearer tier, per-call fees), as (``param``, why); None when nothing is. A key with a
-    budget is refused such a request: its cost could not be held nor charged right."""
+def unpriced(request: ChatRequest, prices: Sequence[Price | None]) -> tuple[str, str] | None:
+    """What in ``request`` the upstream bills beyond ``prices`` (those of its model's
+    targets): a dearer tier, per-call fees, audio tokens where a price has no audio price
+    for them, as (``param``, why); None when nothing is. A key with a budget is refused
+    such a request: its cost could not be held nor charged right. So is an earlier audio
+    answer named by its id, even at audio prices: like a file sent by id, its length is
+    the upstream's to know, and the budget could not hold it."""
     extra = request.model_extra or {}
     tier = extra.get("service_tier")
     if tier not in _TIERS_AT_PRICE:
         return "service_tier", f"the service tier {tier!r} is billed above the listed price"
     if "web_search_options" in extra:
         return "web_search_options", "web searches are billed per call"
-    modalities = extra.get("modalities")
-    if "audio" in extra or (isinstance(modalities, list) and "audio" in modalities):
-        return "modalities", "audio output is billed per audio token"
+    if _asks_audio(request) and not all(
+        price is not None and price.audio_output_usd_per_mtok is not None for price in prices
+    ):
+        return "modalities", "audio output is billed per audio token (audio_output_usd_per_mtok)"
+    heard = all(
+        price is not None and price.audio_input_usd_per_mtok is not None for price in prices
+    )
     for index, message in enumerate(request.messages):
         if isinstance(message, AssistantMessage) and audio_reference(message):
-            return f"messages[{index}].audio", "audio input is billed per audio token"
+            why = (
+                "audio named by its id is counted by the upstream only"
+                if heard
+                else "audio input is billed per audio token (audio_input_usd_per_mtok)"
+            )
+            return f"messages[{index}].audio", why
         content = message.content
         for part in content if isinstance(content, list) else ():
-            if isinstance(part, AudioPart):
-                return f"messages[{index}]", "audio input is billed per audio token"
+            if isinstance(part, AudioPart) and not heard:
+                why = "audio input is billed per audio token (audio_input_usd_per_mtok)"
+                return f"messages[{index}]", why
             if isinstance(part, FilePart) and not isinstance(part.file.get("file_data"), str):
                 return f"messages[{index}]", "a file sent by id is counted by the upstream only"
     return None
 
 
+def _asks_audio(request: ChatRequest) -> bool:
+    """Whether ``request`` asks for audio output (``modalities`` with ``audio``, or ``audio``)."""
+    extra = request.model_extra
+    if not extra:
+        return False
+    modalities = extra.get("modalities")
+    return "audio" in extra or (isinstance(modalities, list) and "audio" in modalities)
+
+
 def worst_cost(request: ChatRequest, prices: Sequence[Price | None]) -> float:
     """The most ``request`` can cost at the dearest of ``prices`` (None: unpriced, 0):
-    its :func:`prompt_estimate` at the dearer of the input and cache-write prices, and its
-    whole output cap (``token_limit``; none counts 0). What a budget holds for it while it
-    runs: an estimate's error (images, scripts other than Latin) is the only slack."""
+    its :func:`prompt_estimate` at the dearer of the input and cache-write prices, its
+    audio (:func:`prompt_audio_estimate`) at the audio input price if dearer still, and
+    its whole output cap (``token_limit``; none counts 0), at the audio output price if
+    dearer when it asks for audio. What a budget holds for it while it runs: an estimate's
+    error (images, scripts other than Latin, audio) is the only slack."""
     prompt = prompt_estimate(request)
+    heard = prompt_audio_estimate(request)
     output = request.token_limit or 0
+    speaks = _asks_audio(request)
     worst = 0.0
     for price in prices:
         if price is not None:
             per_prompt = max(price.input_usd_per_mtok, price.cache_write_usd_per_mtok or 0.0)
-            usd = (prompt * per_prompt + output * price.output_usd_per_mtok) / PER_TOKENS
+            per_heard = max(per_prompt, price.audio_input_usd_per_mtok or 0.0)
+            per_output = price.output_usd_per_mtok
+            if speaks:
+                per_output = max(per_output, price.audio_output_usd_per_mtok or 0.0)
+            usd = (
+                (prompt - heard) * per_prompt + heard * per_heard + output * per_output
+            ) / PER_TOKENS
             worst = max(worst, usd)
     return worst
 
@@ -276,6 +331,19 @@ def prompt_estimate(request: ChatRequest) -> int:
     return tokens + -(-size // CHARS_PER_TOKEN)  # rounded up
 
 
+def prompt_audio_estimate(request: ChatRequest) -> int:
+    """Of :func:`prompt_estimate`, the tokens of its audio parts (by their length): what a
+    stream cut before its usage is charged at the audio input price."""
+    tokens = 0
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, AudioPart):
+                    tokens += _media_tokens(part)
+    return tokens
+
+
 def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:
     """An image by its detail, audio by its length, a document by its size."""
     if isinstance(part, ImagePart):
@@ -296,6 +364,8 @@ class Tally:
     usage: Usage | None = None
     produced: int = 0
     """Content, reasoning, tool call and audio deltas seen."""
+    spoken: int = 0
+    """Of them, audio deltas with audio data: counted as audio tokens."""
     answered: bool = False
     """The upstream sent an event (it accepted the request: its prompt is billed)."""
 
@@ -307,8 +377,12 @@ class Tally:
         elif cls is Delta:
             if event.content or event.tool_calls or event.refusal:  # type: ignore[union-attr]
                 self.produced += 1
-        elif cls is Reasoning or cls is ToolCall or cls is Audio:
+        elif cls is Reasoning or cls is ToolCall:
             self.produced += 1
+        elif cls is Audio:
+            self.produced += 1
+            if event.data is not None:  # type: ignore[union-attr]
+                self.spoken += 1
 
 
 def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:
@@ -330,13 +404,16 @@ def spend_of(
     *,
     complete: bool,
     prompt_estimate: int = 0,
+    prompt_audio_estimate: int = 0,
     accepted: bool = False,
     upstream_prompt: Usage | None = None,
 ) -> Spend:
     """The :class:`Spend` of a stream; ``complete``: its last usage is the final count.
-    ``prompt_estimate``: the prompt of a stream the upstream answered without a usage;
-    ``accepted``: an upstream took the request, though no event came from it;
-    ``upstream_prompt``: then, the prompt's counts it gave (charged, not the estimate)."""
+    ``prompt_estimate``: the prompt of a stream the upstream answered without a usage,
+    ``prompt_audio_estimate`` of it audio; ``accepted``: an upstream took the request,
+    though no event came from it; ``upstream_prompt``: then, the prompt's counts it gave
+    (charged, not the estimate). The one computation of a cost from counts: a usage's
+    own ``cost_usd`` is this of a complete tally of it."""
 
     usage = tallied.usage
     if usage is not None:
@@ -345,22 +422,30 @@ def spend_of(
         cached = usage.cached_tokens or 0
         written = usage.cache_write_tokens or 0
         reasoning = usage.reasoning_tokens or 0
+        heard = usage.prompt_audio_tokens or 0
+        spoken = usage.completion_audio_tokens or 0
         estimated = False
         if not complete and tallied.produced > completion:
             completion, estimated = tallied.produced, True
-    elif upstream_prompt is not None:
-        prompt = upstream_prompt.prompt_tokens
-        cached = upstream_prompt.cached_tokens or 0
-        written = upstream_prompt.cache_write_tokens or 0
-        reasoning, completion, estimated = 0, tallied.produced, True
+            spoken = max(spoken, tallied.spoken)
     else:
-        # Accepted (an event came, or a 2xx) but cut before a usage: the prompt is billed.
-        prompt = prompt_estimate if tallied.answered or accepted else 0
-        cached = written = reasoning = 0
-        completion = tallied.produced
-        estimated = True
-    cost = None if price is None else cost_usd(price, prompt, completion, cached, written)
-    return Spend(prompt, completion, cached, reasoning, cost, estimated, written)
+        if upstream_prompt is not None:
+            prompt = upstream_prompt.prompt_tokens
+            cached = upstream_prompt.cached_tokens or 0
+            written = upstream_prompt.cache_write_tokens or 0
+            heard = upstream_prompt.prompt_audio_tokens or 0
+        elif tallied.answered or accepted:
+            # Accepted (an event came, or a 2xx) but cut before a usage: the prompt is billed.
+            prompt, heard, cached, written = prompt_estimate, prompt_audio_estimate, 0, 0
+        else:
+            prompt = heard = cached = written = 0
+        reasoning, completion, spoken, estimated = 0, tallied.produced, tallied.spoken, True
+    cost = (
+        None
+        if price is None
+        else cost_usd(price, prompt, completion, cached, written, heard, spoken)
+    )
+    return Spend(prompt, completion, cached, reasoning, cost, estimated, written, heard, spoken)
 
 
 def terminal_ok(event: StreamEvent) -> bool:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from .errors import GatewayError, StreamError
 from .events import Error, StreamEvent, Usage
-from .pricing import Price, cost_usd
+from .pricing import Price, Tally, spend_of
 from .providers.base import Provider
 from .request import ChatRequest
 from .stream import Batches
@@ -205,12 +205,5 @@ class RoutedRun:
 
 
 def _priced(usage: Usage, price: Price) -> Usage:
-    """``usage`` with its cost at ``price``."""
-    cost = cost_usd(
-        price,
-        usage.prompt_tokens,
-        usage.completion_tokens,
-        usage.cached_tokens or 0,
-        usage.cache_write_tokens or 0,
-    )
-    return replace(usage, cost_usd=cost)
+    """``usage`` with its cost at ``price``: the spend of a stream that ended with it."""
+    return replace(usage, cost_usd=spend_of(Tally(usage), price, complete=True).cost_usd)

@@ -59,6 +59,9 @@ class StreamMeta:
     """The request's prompt in tokens, estimated (:func:`nexus.pricing.prompt_estimate`):
     charged to a stream its upstream answered without reporting a usage (cut before it).
     Not kept in a shared store: the replica that runs the stream charges it."""
+    prompt_audio_estimate: int = 0
+    """Of it, the tokens of its audio parts (:func:`nexus.pricing.prompt_audio_estimate`),
+    charged at the audio input price. Not kept in a shared store either."""
     upstream_accepted: bool = False
     """An upstream took the request (it answered 2xx), so bills its prompt, though the
     stream ended before any event came (a client that left during a long prefill or

@@ -126,9 +126,10 @@ def test_a_failed_stream_without_usage_counts_its_output_events() -> None:
         Audio(data="AAAA", id="audio_1"),
     ]
     tallied = tally(events, complete=False)
-    assert tallied.produced == 5
+    assert (tallied.produced, tallied.spoken) == (5, 1)
     spend = spend_of(tallied, PRICE, complete=False)
-    assert spend == Spend(0, 5, 0, 0, 5 * 10.0 / 1_000_000, True)
+    # The audio piece is an audio token: at the output price, which has no audio price.
+    assert spend == Spend(0, 5, 0, 0, 5 * 10.0 / 1_000_000, True, completion_audio_tokens=1)
 
 
 def test_a_failed_stream_keeps_the_usage_billed_before_the_failure() -> None:

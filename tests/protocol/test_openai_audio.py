@@ -46,6 +46,9 @@ def test_streamed_audio_pieces_become_audio_events_with_id_and_expiry() -> None:
             reasoning_tokens=0,
             prompt_audio_tokens=0,
             completion_audio_tokens=9,
+            accepted_prediction_tokens=0,
+            rejected_prediction_tokens=0,
+            completion_text_tokens=2,
         ),
     ]
 

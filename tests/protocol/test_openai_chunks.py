@@ -331,11 +331,21 @@ _ANY_CHUNK = _either(
                         "prompt_tokens_details": _either(
                             st.fixed_dictionaries(
                                 {"cached_tokens": _either(st.integers(0, 9))},
-                                optional={"audio_tokens": _either(st.integers(0, 9))},
+                                optional={
+                                    "audio_tokens": _either(st.integers(0, 9)),
+                                    "text_tokens": _JUNK,
+                                },
                             )
                         ),
                         "completion_tokens_details": _either(
-                            st.fixed_dictionaries({}, optional={"audio_tokens": _JUNK})
+                            st.fixed_dictionaries(
+                                {},
+                                optional={
+                                    "audio_tokens": _JUNK,
+                                    "accepted_prediction_tokens": _either(st.integers(0, 9)),
+                                    "rejected_prediction_tokens": _JUNK,
+                                },
+                            )
                         ),
                     },
                 )

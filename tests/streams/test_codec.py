@@ -107,6 +107,20 @@ CASES: list[Any] = [
         id="usage-audio-tokens",
     ),
     pytest.param(
+        Usage(
+            9,
+            12,
+            21,
+            accepted_prediction_tokens=4,
+            rejected_prediction_tokens=2,
+            prompt_text_tokens=9,
+            prompt_image_tokens=0,
+            completion_text_tokens=12,
+        ),
+        b'["usage",9,12,21,null,null,null,false,null,null,null,4,2,9,0,12]',
+        id="usage-details",
+    ),
+    pytest.param(
         Error("upstream_error", "boom"),
         b'["error","upstream_error","boom",null,false,null]',
         id="error-defaults",
@@ -252,7 +266,9 @@ def test_round_trip_any_log(log: list[StreamEvent]) -> None:
         pytest.param(["heartbeat", 1], id="heartbeat-extra-field"),
         pytest.param(["error", "t"], id="error-short"),
         pytest.param(["usage", 1, 2, 3, None, None], id="usage-short"),
-        pytest.param(["usage", 1, 2, 3, None, None, None, True, 1, 2, 3, 4], id="usage-long"),
+        pytest.param(
+            ["usage", 1, 2, 3, None, None, None, True, 1, 2, 3, 4, 5, 6, 7, 8, 9], id="usage-long"
+        ),
         pytest.param("delta", id="bare-string"),
     ],
 )

@@ -38,10 +38,10 @@ _CLASSES: dict[str, type[Any]] = {
 }
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
 _CALLS = _FIELDS[Delta].index("tool_calls")
-_ADDED: dict[type[Any], int] = {Usage: 4, Delta: 1, Reasoning: 1, Audio: 2}
+_ADDED: dict[type[Any], int] = {Usage: 9, Delta: 1, Reasoning: 1, Audio: 2}
 """Per class, how many of its last fields came after the first stored format (usage's
-partial, cost_usd and audio token counts, a delta's stop_sequence, reasoning's
-redacted, audio's id and expires_at)."""
+partial, cost_usd and token details, a delta's stop_sequence, reasoning's redacted,
+audio's id and expires_at)."""
 _TOKEN_TAIL = [None] * (len(_FIELDS[Delta]) - 1 - _ADDED[Delta])  # a token's stored fields
 _DEFAULTS = {
     cls: tuple(f.default for f in dataclasses.fields(cls)[len(_FIELDS[cls]) - added :])

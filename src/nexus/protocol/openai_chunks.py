@@ -229,28 +229,32 @@ def _expiry(value: Any) -> int | None:
 
 def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
     """The usage, its counts checked (:func:`~nexus.protocol.upstream.token_count`): they
-    are billed, and reach the access line and the key's budget. Once a stream."""
+    are billed, and reach the access line and the key's budget; the details the upstream
+    reported are kept, for clients that read them. Once a stream."""
     if usage:
         usage = object_of(usage, "usage")
-        prompt_details = object_of(usage.get("prompt_tokens_details"), "prompt_tokens_details")
+        prompt = object_of(usage.get("prompt_tokens_details"), "prompt_tokens_details")
         completion = object_of(usage.get("completion_tokens_details"), "completion_tokens_details")
         events.append(
             Usage(
                 prompt_tokens=token_count(usage.get("prompt_tokens"), "prompt_tokens"),
                 completion_tokens=token_count(usage.get("completion_tokens"), "completion_tokens"),
                 total_tokens=token_count(usage.get("total_tokens"), "total_tokens"),
-                cached_tokens=optional_count(prompt_details.get("cached_tokens"), "cached_tokens"),
-                reasoning_tokens=optional_count(
-                    completion.get("reasoning_tokens"), "reasoning_tokens"
-                ),
-                prompt_audio_tokens=optional_count(
-                    prompt_details.get("audio_tokens"), "audio_tokens"
-                ),
-                completion_audio_tokens=optional_count(
-                    completion.get("audio_tokens"), "audio_tokens"
-                ),
+                cached_tokens=_detail(prompt, "cached_tokens"),
+                reasoning_tokens=_detail(completion, "reasoning_tokens"),
+                prompt_audio_tokens=_detail(prompt, "audio_tokens"),
+                completion_audio_tokens=_detail(completion, "audio_tokens"),
+                accepted_prediction_tokens=_detail(completion, "accepted_prediction_tokens"),
+                rejected_prediction_tokens=_detail(completion, "rejected_prediction_tokens"),
+                prompt_text_tokens=_detail(prompt, "text_tokens"),
+                prompt_image_tokens=_detail(prompt, "image_tokens"),
+                completion_text_tokens=_detail(completion, "text_tokens"),
             )
         )
+
+
+def _detail(details: dict[str, Any], field: str) -> int | None:
+    return optional_count(details.get(field), field)
 
 
 # The fields chunk_events() reads, typed as it needs them: msgspec skips the others

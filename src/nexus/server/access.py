@@ -35,7 +35,7 @@ from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..cache.run import LogReader, StreamRun
 from ..engine import Engine
 from ..errors import GatewayError, ModelNotFound
-from ..pricing import Spend, unpriced
+from ..pricing import Spend
 from ..providers.base import Provider
 from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
@@ -278,6 +278,8 @@ def _add_spend(fields: dict[str, Any], spend: Spend) -> None:
     fields["completion_tokens"] = spend.completion_tokens
     fields["cached_tokens"] = spend.cached_tokens
     fields["cache_write_tokens"] = spend.cache_write_tokens or None
+    fields["prompt_audio_tokens"] = spend.prompt_audio_tokens or None
+    fields["completion_audio_tokens"] = spend.completion_audio_tokens or None
     fields["reasoning_tokens"] = spend.reasoning_tokens
     fields["cost_usd"] = None if spend.cost_usd is None else round(spend.cost_usd, 10)
     fields["estimated"] = True if spend.estimated else None
@@ -395,11 +397,12 @@ def budgeted(
     runs (0.0: no budget): its worst case, :meth:`~nexus.engine.Engine.hold_usd`. One
     without an output cap is given ``[limits] budget_max_output_tokens``, sent upstream,
     so that its worst case is known (a cap nobody set would hold the whole budget).
-    Raises 403 ``model_not_priced`` for what a price does not cover
-    (:func:`~nexus.pricing.unpriced`)."""
+    Raises 403 ``model_not_priced`` for what the prices of the model's targets do not
+    cover (:func:`~nexus.pricing.unpriced`)."""
     if key is None or key.budget_usd is None:
         return chat, 0.0
-    billed = unpriced(chat)
+    engine = request.app[_HUB].engine
+    billed = engine.unpriced(chat)
     if billed is not None:
         param, why = billed
         raise Forbidden(
@@ -408,7 +411,6 @@ def budgeted(
             code="model_not_priced",
             param=param,
         )
-    engine = request.app[_HUB].engine
     if chat.token_limit is None:
         # Less where a target sends less by default (Anthropic's default_max_tokens).
         caps = [provider.default_output_cap for provider, _ in _targets(engine, chat.model)]

@@ -288,6 +288,8 @@ class Metrics:
             ("cached", spend.cached_tokens),
             ("cache_write", spend.cache_write_tokens),
             ("reasoning", spend.reasoning_tokens),
+            ("prompt_audio", spend.prompt_audio_tokens),
+            ("completion_audio", spend.completion_audio_tokens),
         ):
             if count > 0:
                 self.tokens.labels(label, owner, kind).inc(count)

@@ -13,7 +13,7 @@ from nexus.config import Config, parse_config, price_table
 from nexus.encoders.registry import default_registry
 from nexus.server.app import create_app
 from redis_support import connect_or_skip, drop_keys, new_prefix
-from support import MakeClient
+from support import METRICS_TOKEN, METRICS_TOKEN_ENV, MakeClient
 
 
 @pytest.fixture
@@ -40,6 +40,12 @@ def make_client(aiohttp_client: Any) -> MakeClient:
         return await aiohttp_client(app)
 
     return factory
+
+
+@pytest.fixture
+def metrics_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``METRICS_TOKEN`` in ``METRICS_TOKEN_ENV``, for this app and the processes it starts."""
+    monkeypatch.setenv(METRICS_TOKEN_ENV, METRICS_TOKEN)
 
 
 @pytest.fixture

@@ -21,6 +21,12 @@ from nexus.request import ChatRequest
 
 MakeClient = Callable[..., Awaitable[TestClient[Any, Any]]]
 
+METRICS_TOKEN_ENV = "NEXUS_TEST_METRICS_TOKEN"
+METRICS_TOKEN = "scrape-me-0123456789"
+SCRAPER = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+"""A scraper's headers, for a gateway with ``[metrics] token_env = METRICS_TOKEN_ENV``
+and the ``metrics_token`` fixture: with keys, ``/metrics`` answers its token only."""
+
 
 def chat(content: str = "Hello there world", **extra: Any) -> dict[str, Any]:
     """A chat-completions body for the mock provider."""

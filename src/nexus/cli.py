@@ -104,12 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         _check_exposure(config, source)
         check_installed(config.telemetry)  # once, before any worker starts
         from .server.app import metrics_token
+        from .server.routes.metrics import needs_token
 
         token = metrics_token(config)  # set when named: checked before any worker starts
-        if token is None and config.metrics.enabled and not is_loopback(config.server.host):
+        if token is None and config.metrics.enabled and needs_token(config):
             log.warning(
-                "/metrics has no [metrics] token_env: it answers clients on this machine "
-                "only (by a loopback name); set token_env to scrape it from elsewhere"
+                "/metrics answers 403 to every client until [metrics] token_env names its "
+                "bearer token: with API keys (or allow_unauthenticated) a client on this "
+                "machine cannot be told from one a reverse proxy here relays"
             )
         return _serve(config, source)
     except ConfigError as exc:
@@ -382,6 +384,7 @@ async def _run(
     worker: int | None = None,
     ready: Callable[[], None] | None = None,
 ) -> None:
+    from .server.access import METRICS
     from .server.app import create_app
     from .server.connection import ConnectionRegistry, ConnectionSite
     from .server.shutdown import stop as stop_server
@@ -408,6 +411,9 @@ async def _run(
             max_connections=config.server.max_connections,
             write_timeout_s=config.server.write_timeout_s,
         )
+        metrics = app.get(METRICS)
+        if metrics is not None:
+            registry.on_refused.append(metrics.connections_refused.inc)
         site = ConnectionSite(
             runner,
             config.server.host,

@@ -163,7 +163,9 @@ class MetricsConfig(_Table):
     enabled: bool = True
     token_env: str | None = None
     """The environment variable holding the bearer token ``/metrics`` asks for (it names
-    every key and what each spent); unset: it answers loopback ``Host`` names only."""
+    every key and what each spent); unset, it answers no one on a gateway with keys or
+    ``allow_unauthenticated``, and this machine only on a keyless one
+    (:mod:`nexus.server.routes.metrics`)."""
 
     @field_validator("token_env")
     @classmethod

@@ -17,6 +17,8 @@ import orjson
 import pytest
 import websockets
 
+from support import METRICS_TOKEN_ENV
+
 NEXUS = str(Path(sys.executable).parent / "nexus")
 CURL = "curl"
 
@@ -319,17 +321,32 @@ def test_an_unreachable_redis_is_one_line_before_any_worker_starts(tmp_path: Pat
     assert "s3cret-pw-0042" not in done.stderr
 
 
-def test_metrics_without_a_token_on_a_public_host_is_warned_of(tmp_path: Path) -> None:
-    """/metrics answers loopback Host names only without [metrics] token_env: a scraper
-    that used the host's name would get 403s; the start says so."""
+@pytest.mark.parametrize(
+    ("config", "warned"),
+    [
+        ('[[auth.keys]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\n', True),
+        ('[auth]\nallow_unauthenticated = true\n[server]\nhost = "0.0.0.0"\n', True),
+        ('[server]\nhost = "127.0.0.1"\n', False),  # keyless: this machine, by its names
+        (
+            '[[auth.keys]]\nname = "a"\nsha256 = "' + "0" * 64 + '"\n'
+            f'[metrics]\ntoken_env = "{METRICS_TOKEN_ENV}"\n',
+            False,
+        ),
+    ],
+    ids=["keys", "allow-unauthenticated", "keyless", "token"],
+)
+@pytest.mark.usefixtures("metrics_token")
+def test_a_gateway_serving_others_without_a_metrics_token_says_metrics_are_closed(
+    tmp_path: Path, config: str, warned: bool
+) -> None:
+    """With keys (or allow_unauthenticated) /metrics answers its bearer token only: a
+    same-host reverse proxy makes every client look local. Without [metrics] token_env
+    it is closed, and the start says so, once, even with several workers."""
     from nexus_process import start_nexus, stop_nexus
 
-    config = tmp_path / "config.toml"
-    config.write_text('[auth]\nallow_unauthenticated = true\n[server]\nhost = "0.0.0.0"\n')
-    proc, _ = start_nexus(config, tmp_path / "nexus.log")
+    path = tmp_path / "config.toml"
+    path.write_text(config)
+    proc, _ = start_nexus(path, tmp_path / "nexus.log", "--workers", "2")
     stop_nexus(proc)
-    assert "/metrics has no [metrics] token_env" in (tmp_path / "nexus.log").read_text()
-    config.write_text('[server]\nhost = "127.0.0.1"\n')
-    proc, _ = start_nexus(config, tmp_path / "quiet.log")
-    stop_nexus(proc)
-    assert "token_env" not in (tmp_path / "quiet.log").read_text()
+    log = (tmp_path / "nexus.log").read_text()
+    assert log.count("/metrics answers 403 to every client until [metrics] token_env") == warned

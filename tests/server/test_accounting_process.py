@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import hash_key
 from nexus_process import start_nexus, stop_nexus
+from support import METRICS_TOKEN, METRICS_TOKEN_ENV, SCRAPER
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk, sse
 
 KEY = "nx-accounting-key-0042"
@@ -29,6 +30,7 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(autouse=True)
 def upstream_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, "sk-upstream")
+    monkeypatch.setenv(METRICS_TOKEN_ENV, METRICS_TOKEN)
 
 
 def config(openai_url: str, anthropic_url: str) -> str:
@@ -39,6 +41,9 @@ shutdown_grace_s = 0.5
 
 [logging]
 format = "json"
+
+[metrics]
+token_env = "{METRICS_TOKEN_ENV}"
 
 [streams]
 detach_timeout_s = 0.2
@@ -193,7 +198,7 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
                 for request_id in ("r-oai", "r-gone"):
                     await wait_for_line(log, request_id)
                 lines = access_lines(log)
-                async with session.get(url + "/metrics", headers=HEADERS) as resp:
+                async with session.get(url + "/metrics", headers=SCRAPER) as resp:
                     metrics = await resp.text()
 
     oai_line = lines["r-oai"]

@@ -313,7 +313,20 @@ def capped(
         yield address
 
 
+def refusals(address: tuple[str, int]) -> float:
+    """``nexus_connections_refused_total``, scraped (a keyless gateway, from this machine)."""
+    sock = connect(address)
+    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    status, _, body = response(sock)
+    sock.close()
+    assert status == 200
+    (line,) = [x for x in body.decode().splitlines() if x.startswith("nexus_connections_refused")]
+    return float(line.split()[-1])
+
+
 def test_the_connection_past_the_cap_gets_503(capped: tuple[str, int]) -> None:
+    before = refusals(capped)
+    time.sleep(0.2)  # its connection closed
     held = [connect(capped) for _ in range(4)]
     time.sleep(0.2)  # accepted
     extra = connect(capped)
@@ -340,6 +353,7 @@ def test_the_connection_past_the_cap_gets_503(capped: tuple[str, int]) -> None:
     for sock in [*held, again, late, extra]:
         sock.close()
     time.sleep(0.2)
+    assert refusals(capped) - before == 2  # counted, for /metrics
 
 
 def test_a_rejected_connection_that_sends_nothing_is_answered_and_closed(

@@ -178,10 +178,15 @@ def test_deadlines_stay_in_order_as_connections_move() -> None:
 
 def test_the_cap() -> None:
     reg = registry(max_connections=2)
+    refused: list[None] = []
+    reg.on_refused.append(lambda: refused.append(None))  # what /metrics counts
     a, b, c = Fake(), Fake(), Fake()
     assert reg.admit(a, 0.0) and reg.admit(b, 0.0)
+    assert refused == []
     assert not reg.admit(c, 0.0)
     assert c.phase is Phase.REJECTED and reg.open == 2
+    assert not reg.admit(Fake(), 0.0)
+    assert len(refused) == 2
     reg.lost(c)  # a rejected connection was never counted
     assert reg.open == 2
     reg.lost(a)

@@ -33,12 +33,15 @@ import websockets
 
 from nexus.auth import hash_key
 from nexus_process import start_nexus, stop_nexus
+from support import METRICS_TOKEN_ENV, SCRAPER
 
 _SERVING = re.compile(r"Nexus serving on http://([\d.]+):(\d+)")
 
 KEY_A = "nx-alpha-0123456789-secret"
 KEY_B = "nx-beta-9876543210-secret"
 WRITE_TIMEOUT_S = 1.0
+
+pytestmark = pytest.mark.usefixtures("metrics_token")
 
 
 def config(
@@ -65,6 +68,9 @@ enabled = {"true" if cache else "false"}
 
 [streams]
 detach_timeout_s = 30
+
+[metrics]
+token_env = "{METRICS_TOKEN_ENV}"
 
 [[auth.keys]]
 name = "alpha"
@@ -94,7 +100,10 @@ class Server:
             return await resp.json()  # type: ignore[no-any-return]
 
     async def metrics(self) -> str:
-        async with aiohttp.ClientSession() as http, http.get(self.url + "/metrics") as resp:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(self.url + "/metrics", headers=SCRAPER) as resp,
+        ):
             return await resp.text()
 
 

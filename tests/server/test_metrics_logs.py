@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import hash_key
 from nexus.server.log_lines import JsonFormatter
-from support import GatedProvider, MakeClient, chat, parse_sse
+from support import METRICS_TOKEN_ENV, SCRAPER, GatedProvider, MakeClient, chat, parse_sse
 
 SSE = "text/event-stream"
 CHAT = "/v1/chat/completions"
@@ -23,7 +23,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 async def scrape(client: TestClient[Any, Any]) -> Samples:
-    resp = await client.get("/metrics")
+    resp = await client.get("/metrics", headers=SCRAPER)  # (ignored without a token)
     assert resp.status == 200
     assert resp.headers["Content-Type"].startswith("text/plain")
     samples: Samples = {}
@@ -662,11 +662,18 @@ async def test_the_json_log_cannot_be_split_by_unicode_line_boundaries() -> None
     assert json.loads(line)["model"] == "a\u2028b\u2029c\x85d"
 
 
+@pytest.mark.usefixtures("metrics_token")
 async def test_entries_a_key_pushed_out_of_the_store_are_counted(make_client: MakeClient) -> None:
     from nexus.auth import hash_key as hashed
 
     keys = [{"name": "alpha", "sha256": hashed("nx-evict-key-000042")}]
-    client = await make_client({"auth": {"keys": keys}, "store": {"max_bytes_per_key": 60_000}})
+    client = await make_client(
+        {
+            "auth": {"keys": keys},
+            "store": {"max_bytes_per_key": 60_000},
+            "metrics": {"token_env": METRICS_TOKEN_ENV},
+        }
+    )
     bearer = {"Authorization": "Bearer nx-evict-key-000042"}
     for n in range(6):
         body = chat(f"answer number {n} " * 100, stream=True, stream_options={"resumable": True})

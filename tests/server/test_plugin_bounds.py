@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import hash_key
-from support import MakeClient, chat
+from support import METRICS_TOKEN_ENV, SCRAPER, MakeClient, chat
 
 KEY = "nx-plugin-bounds-key-0042"
 BEARER = {"Authorization": f"Bearer {KEY}"}
+
+pytestmark = pytest.mark.usefixtures("metrics_token")
 
 
 class CancelInCompleted:
@@ -54,6 +57,7 @@ def config(plugin: str, **limits: Any) -> dict[str, Any]:
             ]
         },
         "limits": {"requests_per_second_per_key": 0, **limits},
+        "metrics": {"token_env": METRICS_TOKEN_ENV},
         "models": {"mock/echo": {"input_usd_per_mtok": 1000, "output_usd_per_mtok": 1000}},
         "plugins": [{"path": f"{__name__}:{plugin}", "timeout_s": 0.3}],
     }
@@ -82,7 +86,7 @@ async def test_a_hook_raising_its_own_cancelled_error_leaves_billing_and_metrics
     again = await client.post("/v1/chat/completions", json=chat(max_tokens=10), headers=BEARER)
     assert again.status == 429  # charged: the budget now holds
     assert (await again.json())["error"]["code"] == "budget_exceeded"
-    metrics = await (await client.get("/metrics")).text()
+    metrics = await (await client.get("/metrics", headers=SCRAPER)).text()
     cost = samples(metrics, "nexus_cost_usd_total")
     assert cost[(("key", "tenant"), ("model", "mock/echo"))] > 0
     errors = samples(metrics, "nexus_hook_errors_total")
@@ -105,7 +109,7 @@ async def test_a_hung_end_hook_is_abandoned_at_its_timeout(make_client: MakeClie
     again = await client.post("/v1/chat/completions", json=chat(max_tokens=10), headers=BEARER)
     assert again.status == 429
     assert (await again.json())["error"]["code"] == "budget_exceeded"
-    metrics = await (await client.get("/metrics")).text()
+    metrics = await (await client.get("/metrics", headers=SCRAPER)).text()
     errors = samples(metrics, "nexus_hook_errors_total")
     assert errors[(("hook", "on_stream_completed"),)] == 1
 
@@ -118,7 +122,7 @@ async def test_a_gate_that_cannot_decide_in_time_refuses(make_client: MakeClient
     assert resp.status == 503
     assert resp.headers["Retry-After"] == "1"
     assert (await resp.json())["error"]["code"] == "plugin_timeout"
-    metrics = await (await client.get("/metrics")).text()
+    metrics = await (await client.get("/metrics", headers=SCRAPER)).text()
     errors = samples(metrics, "nexus_hook_errors_total")
     assert errors[(("hook", "on_stream_started"),)] == 1
     patient = await make_client(

@@ -19,6 +19,7 @@ import pytest
 
 from nexus.auth import hash_key, new_key
 from nexus_process import start_nexus, stop_nexus
+from support import METRICS_TOKEN, METRICS_TOKEN_ENV
 
 KEY = new_key()
 K = KEY.encode()
@@ -97,6 +98,7 @@ def server(
     config.write_text(
         "[server]\nheader_timeout_s = 2\n"
         f'[logging]\nformat = "{fmt}"\n'
+        f'[metrics]\ntoken_env = "{METRICS_TOKEN_ENV}"\n'
         f'[[auth.keys]]\nname = "app"\nsha256 = "{hash_key(KEY)}"\n'
         '[providers.mock]\nkind = "mock"\n'
     )
@@ -105,7 +107,9 @@ def server(
     if parser == "python":
         os.environ["AIOHTTP_NO_EXTENSIONS"] = "1"
     try:
-        proc, match = start_nexus(config, log, "--log-level", "DEBUG")
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(METRICS_TOKEN_ENV, METRICS_TOKEN)
+            proc, match = start_nexus(config, log, "--log-level", "DEBUG")
     finally:
         if saved is None:
             os.environ.pop("AIOHTTP_NO_EXTENSIONS", None)
@@ -132,7 +136,10 @@ def exchange(address: tuple[str, int], raw: bytes) -> bytes:
 
 def test_the_key_is_never_logged_nor_echoed(server: Server) -> None:
     bodies = {name: exchange(server.address, raw) for name, raw in MALFORMED.items()}
-    metrics = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    metrics = (
+        b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        b"Authorization: Bearer " + METRICS_TOKEN.encode() + b"\r\n\r\n"
+    )
     bodies["metrics"] = exchange(server.address, metrics)
     assert bodies["metrics"].startswith(b"HTTP/1.1 200")
     for name, body in bodies.items():

@@ -10,15 +10,13 @@ with a retryable error, and the closing that follows is bounded
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
-from ..auth import Forbidden, KeyRing, Unauthorized
+from ..auth import KeyRing
 from ..cache.hub import StreamHub
 from ..cache.limits import BudgetPlugin, KeyLimits, LocalLimits
 from ..cache.memory import MemoryStore
@@ -35,9 +33,9 @@ from ..tokens import StreamTokens, new_secret, secret_from_env
 from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
-from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
-from .origins import loopback_host
+from .metrics import Metrics, MetricsPlugin
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
+from .routes import metrics as metrics_page
 from .shutdown import closing_deadline, drain, shutdown_event
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
 
@@ -125,7 +123,10 @@ def create_app(
         metrics.models = frozenset(engine.models())
         metrics.providers = frozenset(engine.providers)
         engine.hooks.add(MetricsPlugin(metrics), name="metrics", first=True)
-        app.router.add_get("/metrics", metrics_endpoint(metrics_token(config)))
+        page = metrics_page.endpoint(
+            metrics_token(config), served_to_others=metrics_page.needs_token(config)
+        )
+        app.router.add_get("/metrics", page)
     if telemetry is not None:
         app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
@@ -183,48 +184,6 @@ def _check_formats(base: EncoderRegistry, encoders: dict[str, str], source: str)
                 f"{endpoint}: start it from the built-in formats, "
                 "EncoderRegistry(builtins=True)"
             )
-
-
-def metrics_endpoint(token: bytes | None) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """``GET /metrics``: Prometheus text format, names and counts only (no secrets, no
-    contents); behind ``token`` as a bearer token when there is one.
-
-    Without a token it answers this machine only, keys or not: it names every key and what
-    each spent. A loopback peer, since on a public interface anyone could send ``Host:
-    localhost``; and a loopback ``Host`` name, since a page the operator opens could read
-    it through DNS rebinding (``attacker.example`` resolving to 127.0.0.1)."""
-
-    async def serve(request: web.Request) -> web.Response:
-        if token is None:
-            host = request.headers.get("Host")
-            if not _loopback_peer(request.remote) or (host is not None and not loopback_host(host)):
-                raise Forbidden(
-                    "/metrics without [metrics] token_env answers this machine only: a "
-                    "loopback client, by a loopback name (localhost, 127.0.0.1, [::1]).",
-                    code="host_not_allowed",
-                )
-        else:
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            sent = given.strip().encode("utf-8", "surrogateescape")  # any bytes: a 401
-            if scheme.lower() != "bearer" or not hmac.compare_digest(sent, token):
-                raise Unauthorized(
-                    "/metrics needs its bearer token ([metrics] token_env).",
-                    headers={"WWW-Authenticate": 'Bearer realm="nexus-metrics"'},
-                )
-        body = request.app[METRICS].render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    return serve
-
-
-def _loopback_peer(remote: str | None) -> bool:
-    """Whether the client's address is this machine's (a Unix socket's has none)."""
-    if not remote:
-        return True
-    try:
-        return ipaddress.ip_address(remote).is_loopback
-    except ValueError:
-        return False
 
 
 def metrics_token(config: Config) -> bytes | None:

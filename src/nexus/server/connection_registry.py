@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import orjson
@@ -106,6 +107,8 @@ class ConnectionRegistry:
         )
         self.watchdog = Watchdog()
         self.warned_at = -1e9
+        self.on_refused: list[Callable[[], None]] = []
+        """Called for each connection refused at the cap (the metrics count them)."""
         self.closing = False
         """The server stops: a connection is closed once idle (:meth:`close_idle`)."""
 
@@ -115,6 +118,8 @@ class ConnectionRegistry:
         """A new connection: False when it is one too many (it is then REJECTED)."""
         if self.open >= self.max_connections:
             conn.phase = Phase.REJECTED
+            for refused in self.on_refused:
+                refused()
             if now - self.warned_at > 10:
                 self.warned_at = now
                 log.warning(

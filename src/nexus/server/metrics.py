@@ -19,6 +19,7 @@ gauge over the workers alive (the supervisor calls :func:`mark_worker_dead`).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from typing import TYPE_CHECKING, Any, Self
@@ -146,6 +147,7 @@ class Metrics:
         self.providers: frozenset[str] = frozenset()
         """Provider names (``<provider>/*`` labels)."""
         self._codes: set[str] = set()  # the error codes that are labels of their own
+        self._rendering: asyncio.Future[bytes] | None = None  # the render scrapes share
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, labels, registry=registry)
@@ -239,6 +241,18 @@ class Metrics:
             "be resumed elsewhere meanwhile), caught up, or was given up (abandoned).",
             ("state",),
         )
+        self.metrics_refused = counter(
+            "nexus_metrics_refused",
+            "Requests for /metrics refused: token (401, a missing or wrong bearer token), "
+            "token_not_set (403, a gateway with keys and no [metrics] token_env), not_local "
+            "(403, a keyless gateway asked from another machine).",
+            ("reason",),
+        )
+        self.connections_refused = counter(
+            "nexus_connections_refused",
+            "Connections refused at [server] max_connections (a 503 without the app, or "
+            "closed at once when too many refused ones were still being answered).",
+        )
 
     def model_label(self, model: str | None) -> str:
         """The ``model`` label of ``model`` (see the module docstring)."""
@@ -326,6 +340,30 @@ class Metrics:
         hub.engine.on_upstream_error = lambda provider, code: upstream_errors.labels(
             provider, code_label(code)
         ).inc()
+
+    async def scrape(self) -> bytes:
+        """:meth:`render`, in a thread, one render at a time: a scrape arriving while one
+        renders gets that render's page.
+
+        On the event loop a render (a third of a second for 25,000 series) stalled every
+        stream of the process for its length; in a thread the loop takes the GIL back
+        within the interpreter's switch interval. prometheus_client collects under its own
+        locks (it serves scrapes from a thread itself), the multiprocess files are read as
+        other workers write them, and ``nexus_active_streams`` reads ``len()`` of a dict.
+        A client that leaves cancels its wait, not the render the others wait for.
+        """
+        rendering = self._rendering
+        if rendering is None:
+            rendering = self._rendering = asyncio.ensure_future(asyncio.to_thread(self.render))
+            rendering.add_done_callback(self._rendered)
+        return await asyncio.shield(rendering)
+
+    def _rendered(self, rendering: asyncio.Future[bytes]) -> None:
+        """The next scrape renders anew (a failure is its waiters' to raise, and retrieved
+        here so that none left unwaited is logged as never retrieved)."""
+        self._rendering = None
+        if not rendering.cancelled():
+            rendering.exception()
 
     def render(self) -> bytes:
         """The Prometheus text format: this app's registry, or every worker's files."""

@@ -158,7 +158,7 @@ class Metrics:
         self.requests = counter(
             "nexus_requests",
             "HTTP requests by endpoint, model asked for and outcome (ok, error:<code>, "
-            "cancelled:<reason>, mid_stream_error:<code>).",
+            "cancelled:<reason>, mid_stream_error:<code>, rejected:<kind>).",
             ("endpoint", "model", "outcome"),
         )
         self.tokens = counter(
@@ -272,9 +272,10 @@ class Metrics:
 
     def outcome_label(self, outcome: str) -> str:
         """The label of an outcome: ``error:<code>`` and ``mid_stream_error:<code>`` with
-        the code's label (:meth:`code_label`)."""
+        the code's label (:meth:`code_label`); ``cancelled:`` and ``rejected:`` ones name
+        the gateway's own causes and kinds, a few fixed names."""
         kind, colon, code = outcome.partition(":")
-        if not colon or kind == "cancelled":  # ok; cancelled: the gateway's own reasons
+        if not colon or kind in ("cancelled", "rejected"):  # ok; the gateway's own names
             return outcome
         return f"{kind}:{self.code_label(code)}"
 

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -38,7 +39,7 @@ from ..cache.run import LogReader, StreamRun
 from ..config import Config
 from ..engine import Engine
 from ..errors import GatewayError, ModelNotFound
-from ..pricing import Spend, unpriced
+from ..pricing import NOTHING, Spend, unpriced
 from ..providers.base import Provider
 from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
@@ -67,6 +68,7 @@ __all__ = [
     "budgeted",
     "check_stream_model",
     "exchange",
+    "request_spend",
     "settled_spend",
 ]
 
@@ -287,6 +289,12 @@ def _add_spend(fields: dict[str, Any], spend: Spend) -> None:
     fields["reasoning_tokens"] = spend.reasoning_tokens
     fields["cost_usd"] = None if spend.cost_usd is None else round(spend.cost_usd, 10)
     fields["estimated"] = True if spend.estimated else None
+    failed = spend.failed_attempts
+    if failed is not None:  # what attempts that failed may have cost too: never charged
+        fields["failed_attempts"] = failed.count
+        fields["failed_attempts_prompt_tokens"] = failed.prompt_tokens
+        cost = failed.cost_usd
+        fields["failed_attempts_cost_usd"] = None if cost is None else round(cost, 10)
 
 
 def account_at_end(
@@ -299,6 +307,19 @@ def account_at_end(
     lines."""
     if app[_CONFIG].logging.access_log:
         run.done.add_done_callback(lambda _: _spend_line(ex, run, model or ex.model))
+
+
+def request_spend(reader: LogReader, *, hit: bool) -> Spend | None:
+    """What the request that made a stream spent, for its access line: nothing for a
+    cache hit; the stream's spend; for one no target answered (an HTTP error), nothing
+    either, but what attempts that failed may have cost (None when none did)."""
+    spend = reader.spend
+    if hit:
+        return NOTHING
+    if reader.failure is None or spend is None:
+        return spend
+    failed = spend.failed_attempts
+    return None if failed is None else replace(NOTHING, failed_attempts=failed)
 
 
 SETTLE_WAIT_S = 1.0

@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -390,16 +389,15 @@ async def _run(
     from .server.shutdown import stop as stop_server
     from .server.state import RUNTIME
 
+    # Its request handlers' access logger is the app's own (nexus.server.rejections): one
+    # nexus.access line per request, and aiohttp's own access lines are not written.
     app = create_app(config, config_source=source)
-    # nexus.access writes one line per request, with more in it.
-    handler_args: dict[str, Any] = {"access_log": None}
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
         # What a handler still running once the streams ended may take (each of two
         # steps): the drain (nexus.server.shutdown) has waited for the streams already.
         shutdown_timeout=0.5,
-        **handler_args,
     )
     await runner.setup()
     site: ConnectionSite | None = None
@@ -421,7 +419,6 @@ async def _run(
             registry=registry,
             backlog=config.server.backlog,
             reuse_port=worker is not None,
-            handler_args=handler_args,
         )
         await site.start()
         loop = asyncio.get_running_loop()

@@ -34,7 +34,7 @@ from .providers.base import Provider
 from .request import ChatRequest, input_kinds
 from .routed import RoutedRun, Target
 from .stream import Stream, accumulate
-from .types import Completion, StreamMeta
+from .types import Completion, FailedAttempt, StreamMeta
 
 if TYPE_CHECKING:
     from .telemetry import Telemetry
@@ -261,14 +261,21 @@ class Engine:
             # A fallback answered: the stream's meta names it from its first event on;
             # or a target took the request and the stream ends before any event came.
             stream.meta = replace(
-                meta,
+                stream.meta,
                 provider=provider.name,
                 upstream_model=model,
                 upstream_accepted=accepted,
                 upstream_prompt=prompt,
             )
 
-        stream = Stream.of_batches(RoutedRun(self, targets, request, served), meta)
+        def lost(provider: Provider, model: str, prompt: Usage | None) -> None:
+            # A target took the request, then failed before any event: it may bill it.
+            failed = FailedAttempt(f"{provider.name}/{model}", prompt)
+            stream.meta = replace(
+                stream.meta, failed_attempts=(*stream.meta.failed_attempts, failed)
+            )
+
+        stream = Stream.of_batches(RoutedRun(self, targets, request, served, lost), meta)
         return stream
 
     async def open_stream(

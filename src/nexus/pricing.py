@@ -23,12 +23,16 @@ before it: OpenAI reports usage last; or from an upstream that reports none) is 
 :func:`prompt_estimate` as its prompt, :func:`prompt_audio_estimate` of it as audio:
 without it, a client could send a long prompt and leave at the first token having spent
 almost nothing of its budget.
+
+An attempt that failed after its upstream took the request, before any event, is not the
+stream's spend: :class:`FailedAttempts` says what such attempts may have cost, charged to
+no budget (the upstream may bill them, or not: the failure is its own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 import orjson
 
@@ -50,6 +54,7 @@ __all__ = [
     "MAX_USD_PER_MTOK",
     "NOTHING",
     "UNKNOWN",
+    "FailedAttempts",
     "Price",
     "PriceTable",
     "Spend",
@@ -71,8 +76,24 @@ at most :data:`~nexus.events.MAX_TOKENS`, every cost is a finite number."""
 
 
 @dataclass(frozen=True, slots=True)
+class FailedAttempts:
+    """What a stream's failed attempts may have cost upstream, never charged: attempts
+    whose upstream took the request (a 2xx), then failed before any event came
+    (:class:`~nexus.types.FailedAttempt`). Each is its prompt (the upstream's count if it
+    gave one, else the stream's estimate) at its own target's price; it had streamed
+    nothing (the router falls back, or gives up, only before a target's first event).
+    ``cost_usd``: the priced attempts' (None: none was priced)."""
+
+    count: int
+    prompt_tokens: int
+    cost_usd: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Spend:
-    """What one stream spent upstream (``cost_usd`` None: no price applies)."""
+    """What one stream spent upstream (``cost_usd`` None: no price applies).
+    ``failed_attempts``: what the attempts before, that failed after their upstream took
+    the request, may have cost on top; not part of the rest, nor charged."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -83,6 +104,7 @@ class Spend:
     cache_write_tokens: int = 0
     prompt_audio_tokens: int = 0
     completion_audio_tokens: int = 0
+    failed_attempts: FailedAttempts | None = None
 
 
 NOTHING = Spend(0, 0, 0, 0, 0.0, False)
@@ -128,10 +150,11 @@ class PriceTable:
         return found if found is not None else self.prices.get(asked)
 
     def spend(self, tallied: Tally, meta: StreamMeta, *, complete: bool) -> Spend:
-        """The spend of the stream ``meta`` names (served by ``meta.provider``)."""
+        """The spend of the stream ``meta`` names (served by ``meta.provider``), with what
+        its failed attempts may have cost (:meth:`failed`)."""
         served = f"{meta.provider}/{meta.upstream_model}"
         price = self.price(served, meta.model)
-        return spend_of(
+        spend = spend_of(
             tallied,
             price,
             complete=complete,
@@ -140,6 +163,23 @@ class PriceTable:
             accepted=meta.upstream_accepted,
             upstream_prompt=meta.upstream_prompt,
         )
+        if meta.failed_attempts:
+            spend = replace(spend, failed_attempts=self.failed(meta))
+        return spend
+
+    def failed(self, meta: StreamMeta) -> FailedAttempts:
+        """What the failed attempts ``meta`` lists may have cost (:class:`FailedAttempts`)."""
+        tokens, cost = 0, None
+        for attempt in meta.failed_attempts:
+            usage = attempt.prompt
+            prompt = meta.prompt_estimate if usage is None else usage.prompt_tokens
+            tokens += prompt
+            price = self.price(attempt.target, meta.model)
+            if price is not None:
+                cached = 0 if usage is None else usage.cached_tokens or 0
+                written = 0 if usage is None else usage.cache_write_tokens or 0
+                cost = (cost or 0.0) + cost_usd(price, prompt, 0, cached, written)
+        return FailedAttempts(len(meta.failed_attempts), tokens, cost)
 
 
 def cost_usd(

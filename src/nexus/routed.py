@@ -9,6 +9,11 @@ raised to the reader (after trying the next target, when it is retryable); so is
 an event, a failure becomes the stream's last event, an :class:`~nexus.events.Error`;
 an ``Error`` the provider yields ends the stream too (what it yields after is dropped,
 and it is closed). Each failed attempt is counted (``Engine.on_upstream_error``).
+
+An attempt that fails after its upstream took the request (a 2xx), before its first
+event, may be billed its prompt upstream: the stream's meta lists it
+(:class:`~nexus.types.FailedAttempt`), for the logs and metrics, never for a budget. One
+after its first event is the stream's own (no other target is tried then): its spend.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class RoutedRun:
         "_before",
         "_engine",
         "_latest",
+        "_lost",
         "_price",
         "_request",
         "_served",
@@ -64,11 +70,13 @@ class RoutedRun:
         targets: list[Target],
         request: ChatRequest,
         served: Callable[[Provider, str, bool, Usage | None], None],
+        lost: Callable[[Provider, str, Usage | None], None],
     ) -> None:
         self._engine = engine
         self._targets = targets
         self._request: ChatRequest | None = request  # until a target answers
         self._served = served
+        self._lost = lost
         self._attempt = -1
         self._batches: Batches | None = None  # the target's, while it is read
         self._span: Attempt | None = None
@@ -106,8 +114,8 @@ class RoutedRun:
                         provider.name,
                         exc.code,
                     )
-                    await asyncio.sleep(FALLBACK_BACKOFF_S * 2**attempt)
                     await self._end(attempt + 1, failed=True)
+                    await asyncio.sleep(FALLBACK_BACKOFF_S * 2**attempt)
                     continue
                 await self._end(len(self._targets), failed=True)
                 raise
@@ -187,11 +195,16 @@ class RoutedRun:
         ``failed``: the target failed (a stream that fails is charged nothing)."""
         batches, span = self._batches, self._span
         self._batches = self._span = None
-        if not failed and self._request is not None and getattr(batches, "accepted", False):
-            # Taken, then closed before its first event (the client left): its prompt is
-            # billed upstream (its count, if the upstream gave it).
+        if self._request is not None and getattr(batches, "accepted", False):
+            # Taken, then ended before its first event: its prompt is billed upstream (its
+            # count, if the upstream gave it). Closed (the client left), it is the stream's
+            # spend; failed, a failed attempt's (logged and counted, never charged).
             prompt = getattr(batches, "prompt_usage", None)
-            self._served(*self._targets[self._attempt], True, prompt)
+            target = self._targets[self._attempt]
+            if failed:
+                self._lost(*target, prompt)
+            else:
+                self._served(*target, True, prompt)
         self._attempt = attempt - 1
         try:
             if batches is not None:

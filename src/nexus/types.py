@@ -11,6 +11,7 @@ from .events import Audio, Citation, Image, Usage
 __all__ = [
     "CompletedToolCall",
     "Completion",
+    "FailedAttempt",
     "ReasoningBlock",
     "StreamMeta",
     "fallback_call_id",
@@ -37,6 +38,20 @@ def fallback_call_id(stream_id: str, index: int) -> str:
     <index>``, the same in every format, streamed or not, and unlike any other stream's (the
     client sends it back with the call's result, so it must not repeat across turns)."""
     return f"call_{stream_id[-12:]}_{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class FailedAttempt:
+    """An upstream attempt that failed after its upstream took the request (a 2xx), before
+    any event came from it: the router went on to the next target, or ended with the
+    error. The upstream may bill its prompt; Nexus logs and counts what it may have cost
+    (:class:`~nexus.pricing.FailedAttempts`) and charges it to no budget."""
+
+    target: str
+    """``provider/model``: the target tried (its price applies)."""
+    prompt: Usage | None = None
+    """The prompt's counts the upstream gave before it failed (Anthropic's
+    ``message_start``); None: the stream's prompt estimate stands for them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +85,9 @@ class StreamMeta:
     """The upstream's own count of the prompt, when it gave one before any event came
     (Anthropic's ``message_start``): charged, in place of the estimate, to a stream that
     ended then. Set when such a stream ends."""
+    failed_attempts: tuple[FailedAttempt, ...] = ()
+    """The attempts that failed after their upstream took the request, in order: logged
+    and counted, never charged (:class:`FailedAttempt`). Set as each fails."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:

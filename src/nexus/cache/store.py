@@ -32,10 +32,16 @@ Status = Literal["in_progress", "completed", "failed", "cancelled"]
 
 
 _META_FIELDS = frozenset(f.name for f in fields(StreamMeta))
-_CHARGED_HERE = ("prompt_audio_estimate", "prompt_estimate", "upstream_accepted", "upstream_prompt")
+_CHARGED_HERE = (
+    "failed_attempts",
+    "prompt_audio_estimate",
+    "prompt_estimate",
+    "upstream_accepted",
+    "upstream_prompt",
+)
 _STORED_META = tuple(name for name in sorted(_META_FIELDS) if name not in _CHARGED_HERE)
 """What a shared store keeps of a meta: not what only the replica that runs the stream
-charges by (replicas from before those fields refuse them)."""
+charges or accounts by (replicas from before those fields refuse them)."""
 
 
 @dataclass(slots=True)

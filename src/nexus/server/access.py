@@ -9,7 +9,9 @@ tracing (:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`ad
 pump fills in the request's :class:`~nexus.server.state.Exchange` as it writes.
 
 The access line's fields are :func:`_fields`'s. ``outcome`` is ``ok``,
-``error:<code>``, ``mid_stream_error:<code>`` or ``cancelled:<reason>``; ``served``
+``error:<code>``, ``mid_stream_error:<code>`` or ``cancelled:<reason>`` (and
+``rejected:<kind>`` for a request aiohttp answered without the app, accounted by
+:mod:`nexus.server.rejections` through :func:`account`); ``served``
 the ``provider/model`` that answered after fallbacks; the spend, what the request's
 own stream spent (zeros for a cache hit or a join; estimated for one cut short).
 Failed requests are logged at WARNING; in the text form, a value with spaces, quotes
@@ -27,15 +29,17 @@ import contextlib
 import logging
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
 from ..auth import ApiKey, Forbidden, KeyRing, credential
 from ..cache.run import LogReader, StreamRun
+from ..config import Config
 from ..engine import Engine
 from ..errors import GatewayError, ModelNotFound
-from ..pricing import Spend
+from ..pricing import NOTHING, Spend
 from ..providers.base import Provider
 from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
@@ -56,6 +60,7 @@ __all__ = [
     "TELEMETRY",
     "Exchange",
     "access_middleware",
+    "account",
     "account_at_end",
     "admit",
     "admit_stream",
@@ -63,6 +68,7 @@ __all__ = [
     "budgeted",
     "check_stream_model",
     "exchange",
+    "request_spend",
     "settled_spend",
 ]
 
@@ -117,7 +123,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         try:
             return await _close_if_unread(request, refused)
         finally:
-            _account(app, ex, refused.status)
+            account(config, app.get(METRICS), ex, refused.status)
     if origin is not None and listed(origin, config.cors.allow_origins):
         ex.headers["Access-Control-Allow-Origin"] = origin
         ex.headers["Vary"] = "Origin"
@@ -167,7 +173,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         POOL_WAITS.reset(waits)
         if span is not None:
             span.close(status, ex.stream_id, ex.cancelled)
-        _account(app, ex, status)
+        account(config, app.get(METRICS), ex, status)
 
 
 def _refusal(request: web.Request, origin: str | None) -> GatewayError | None:
@@ -220,17 +226,18 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical
 
 
-def _account(app: web.Application, ex: Exchange, status: int) -> None:
+def account(config: Config, metrics: Metrics | None, ex: Exchange, status: int) -> None:
+    """A request's access line and count, once it is answered (by the middleware; by
+    :mod:`nexus.server.rejections` for one aiohttp answered without the app)."""
     elapsed = time.monotonic() - ex.started
     outcome = ex.outcome(status)
-    metrics = app.get(METRICS)
     if metrics is not None and ex.endpoint not in ("/metrics",):
         metrics.observe(ex.endpoint, ex.model, outcome, elapsed, ex.ttft)
         if ex.ttfb is not None:
             metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
         if ex.cancelled is not None:
             metrics.cancellations.labels(ex.cancelled).inc()
-    if app[_CONFIG].logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
+    if config.logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
         level = logging.WARNING if status >= 400 or outcome != "ok" else logging.INFO
         if not access_log.isEnabledFor(level):
             return  # (the line is not built for a logger that drops it)
@@ -267,6 +274,7 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         "bytes": ex.bytes if ex.streamed else None,
         "cancelled": ex.cancelled,
         "refused": ex.refused or None,
+        "reason": ex.reason,
     }
     if spend is not None:
         _add_spend(fields, spend)
@@ -283,6 +291,12 @@ def _add_spend(fields: dict[str, Any], spend: Spend) -> None:
     fields["reasoning_tokens"] = spend.reasoning_tokens
     fields["cost_usd"] = None if spend.cost_usd is None else round(spend.cost_usd, 10)
     fields["estimated"] = True if spend.estimated else None
+    failed = spend.failed_attempts
+    if failed is not None:  # what attempts that failed may have cost too: never charged
+        fields["failed_attempts"] = failed.count
+        fields["failed_attempts_prompt_tokens"] = failed.prompt_tokens
+        cost = failed.cost_usd
+        fields["failed_attempts_cost_usd"] = None if cost is None else round(cost, 10)
 
 
 def account_at_end(
@@ -295,6 +309,19 @@ def account_at_end(
     lines."""
     if app[_CONFIG].logging.access_log:
         run.done.add_done_callback(lambda _: _spend_line(ex, run, model or ex.model))
+
+
+def request_spend(reader: LogReader, *, hit: bool) -> Spend | None:
+    """What the request that made a stream spent, for its access line: nothing for a
+    cache hit; the stream's spend; for one no target answered (an HTTP error), nothing
+    either, but what attempts that failed may have cost (None when none did)."""
+    spend = reader.spend
+    if hit:
+        return NOTHING
+    if reader.failure is None or spend is None:
+        return spend
+    failed = spend.failed_attempts
+    return None if failed is None else replace(NOTHING, failed_attempts=failed)
 
 
 SETTLE_WAIT_S = 1.0

@@ -34,10 +34,11 @@ from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import Metrics, MetricsPlugin
+from .rejections import rejection_args
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .routes import metrics as metrics_page
 from .shutdown import closing_deadline, drain, shutdown_event
-from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
+from .state import CONFIG, ENGINE, HUB, REGISTRY, REQUEST_HANDLER_ARGS, RUNTIME, TOKENS, Runtime
 
 __all__ = ["build_store", "create_app"]
 
@@ -101,11 +102,16 @@ def create_app(
         store_required=not isinstance(config.store, RedisStoreConfig) or config.store.required,
     )
 
+    metrics = Metrics() if config.metrics.enabled else None
+    # Every request handler serving the app, aiohttp's or nexus serve's: bodies inflated by
+    # the routes, and an access line for what aiohttp answers without the app.
+    handler_args = {**HANDLER_ARGS, **rejection_args(config, metrics)}
     app = web.Application(
         client_max_size=config.limits.max_body_bytes,
         middlewares=[connection_middleware, access_middleware, error_middleware],
-        handler_args=dict(HANDLER_ARGS),
+        handler_args=handler_args,
     )
+    app[REQUEST_HANDLER_ARGS] = handler_args
     app[CONFIG] = config
     app[ENGINE] = engine
     app[HUB] = hub
@@ -117,8 +123,8 @@ def create_app(
         budgets = BudgetPlugin(limits, keys.keys, hub.admission.slot_of)
         engine.hooks.add(budgets, name="budgets", first=True)
     app[TOKENS] = StreamTokens(_token_secret(config))
-    if config.metrics.enabled:
-        app[METRICS] = metrics = Metrics()
+    if metrics is not None:
+        app[METRICS] = metrics
         metrics.watch(hub, engine.hooks)
         metrics.models = frozenset(engine.models())
         metrics.providers = frozenset(engine.providers)

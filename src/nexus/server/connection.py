@@ -24,7 +24,8 @@ starts" is :func:`connection_middleware`; "the response is written" is aiohttp's
 
 After an upgrade, an unmasked client frame (RFC 6455 §5.1) gets a 1002 close. A parser
 error is answered 400 ``invalid_request`` with the parser's reason but not its excerpt
-of the raw bytes; :mod:`nexus.server.redaction` covers whatever else aiohttp logs.
+of the raw bytes, and has an access line (:mod:`nexus.server.rejections`);
+:mod:`nexus.server.redaction` covers whatever else aiohttp logs.
 """
 
 from __future__ import annotations
@@ -37,16 +38,16 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, cast
 
 import orjson
-from aiohttp import http_exceptions as bad
 from aiohttp import web
 from aiohttp.http import HttpProcessingError, WebSocketReader
 from yarl import URL
 
-from ..errors import GatewayError, InvalidRequest
+from ..errors import GatewayError
 from ..protocol.websocket_frames import MaskScanner, close_frame
 from .connection_registry import ConnectionRegistry, Phase
 from .errors import Handler
-from .redaction import parse_error_reason
+from .rejections import Rejected
+from .state import REQUEST_HANDLER_ARGS
 
 if TYPE_CHECKING:
     from aiohttp.web_request import BaseRequest
@@ -203,7 +204,8 @@ class Connection(web.RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        """A JSON error; for a malformed request, its reason without the raw bytes."""
+        """A JSON error; for a malformed request, its reason without the raw bytes, in a
+        :class:`~nexus.server.rejections.Rejected` that names it to its access line."""
         if not isinstance(exc, HttpProcessingError):
             super().handle_error(request, status, exc, message)  # logs; raises if too late
             try:
@@ -211,34 +213,9 @@ class Connection(web.RequestHandler):
             except ValueError:
                 phrase = "Error"
             return _json_response(GatewayError(f"{phrase}.", status=status))
-        reason = parse_error_description(exc)
-        # A client speaking TLS or garbage to the port: common, and not news (as aiohttp).
-        level = logging.DEBUG if isinstance(exc, bad.BadHttpMethod) else logging.INFO
-        log.log(level, "malformed request from %s: %s", request.remote, reason)
         if request.writer.output_size > 0:
             raise ConnectionError("a response was under way: no error response can follow")
-        return _json_response(InvalidRequest(f"Malformed HTTP request: {reason}.", status=status))
-
-
-_DESCRIPTIONS: tuple[tuple[type[HttpProcessingError], str], ...] = (
-    (bad.BadHttpMethod, "invalid method"),
-    (bad.BadStatusLine, "invalid request line"),
-    (bad.InvalidURLError, "invalid request target"),
-    (bad.LineTooLong, "a request line or header line is too long"),
-    (bad.InvalidHeader, "invalid header"),
-    (bad.TransferEncodingError, "invalid chunked body"),
-    (bad.ContentLengthError, "body shorter than its Content-Length"),
-    (bad.PayloadEncodingError, "invalid body encoding"),
-)
-"""Parser errors whose message may quote the raw bytes: described by their class."""
-
-
-def parse_error_description(exc: HttpProcessingError) -> str:
-    """What a parser error says is wrong, never what the client sent."""
-    for kind, description in _DESCRIPTIONS:
-        if isinstance(exc, kind):
-            return description
-    return parse_error_reason(exc.message)
+        return Rejected(exc, status)  # its access line: nexus.server.rejections
 
 
 @web.middleware
@@ -252,7 +229,8 @@ async def connection_middleware(request: web.Request, handler: Handler) -> web.S
 
 class ConnectionSite(web.BaseSite):
     """A TCP listener of :class:`Connection` objects, in ``TCPSite``'s place in an
-    ``AppRunner``; ``handler_args`` go to each ``RequestHandler`` (``access_log``...)."""
+    ``AppRunner``; ``handler_args`` go to each ``RequestHandler``, under the app's own
+    (:data:`~nexus.server.state.REQUEST_HANDLER_ARGS`), as aiohttp's runners apply them."""
 
     def __init__(
         self,
@@ -296,10 +274,13 @@ class ConnectionSite(web.BaseSite):
         server = self.runner.server
         if server is None:
             raise RuntimeError("call runner.setup() before starting a site")
-        registry, handler_args = self.registry, self.handler_args
+        registry = self.registry
+        # The app's own arguments win, as in aiohttp's runners (its access logger).
+        own = self.runner.app.get(REQUEST_HANDLER_ARGS, {})
+        args = {**HANDLER_ARGS, **self.handler_args, **own}
 
         def factory() -> Connection:
-            return Connection(server, registry, loop=loop, **HANDLER_ARGS, **handler_args)
+            return Connection(server, registry, loop=loop, **args)
 
         self.listener = await loop.create_server(
             factory,

@@ -160,7 +160,7 @@ class Metrics:
         self.requests = counter(
             "nexus_requests",
             "HTTP requests by endpoint, model asked for and outcome (ok, error:<code>, "
-            "cancelled:<reason>, mid_stream_error:<code>).",
+            "cancelled:<reason>, mid_stream_error:<code>, rejected:<kind>).",
             ("endpoint", "model", "outcome"),
         )
         self.tokens = counter(
@@ -174,6 +174,20 @@ class Metrics:
             "nexus_cost_usd",
             "What streams cost upstream, in USD, by model asked for and key name (models "
             "with a price only).",
+            ("model", "key"),
+        )
+        self.failed_tokens = counter(
+            "nexus_failed_attempt_prompt_tokens",
+            "Prompt tokens of upstream attempts that failed after the upstream took the "
+            "request (a fallback followed, or the error): they may be billed upstream, and "
+            "are charged to no budget. By model asked for and key name; estimated unless the "
+            "upstream counted them.",
+            ("model", "key"),
+        )
+        self.failed_cost = counter(
+            "nexus_failed_attempt_cost_usd",
+            "What those failed attempts may have cost upstream, in USD, by model asked for "
+            "and key name (targets with a price only); not in nexus_cost_usd.",
             ("model", "key"),
         )
         self.ttft = histogram(
@@ -286,14 +300,16 @@ class Metrics:
 
     def outcome_label(self, outcome: str) -> str:
         """The label of an outcome: ``error:<code>`` and ``mid_stream_error:<code>`` with
-        the code's label (:meth:`code_label`)."""
+        the code's label (:meth:`code_label`); ``cancelled:`` and ``rejected:`` ones name
+        the gateway's own causes and kinds, a few fixed names."""
         kind, colon, code = outcome.partition(":")
-        if not colon or kind == "cancelled":  # ok; cancelled: the gateway's own reasons
+        if not colon or kind in ("cancelled", "rejected"):  # ok; the gateway's own names
             return outcome
         return f"{kind}:{self.code_label(code)}"
 
     def spent(self, model: str, key: str | None, spend: Spend) -> None:
-        """Count a stream's spend (once per stream, at its end)."""
+        """Count a stream's spend (once per stream, at its end), and apart, what its
+        failed attempts may have cost."""
         label = self.model_label(model)
         owner = key if key is not None else ANONYMOUS
         for kind, count in (
@@ -309,6 +325,12 @@ class Metrics:
                 self.tokens.labels(label, owner, kind).inc(count)
         if spend.cost_usd:
             self.cost.labels(label, owner).inc(spend.cost_usd)
+        failed = spend.failed_attempts
+        if failed is not None:
+            if failed.prompt_tokens > 0:
+                self.failed_tokens.labels(label, owner).inc(failed.prompt_tokens)
+            if failed.cost_usd:
+                self.failed_cost.labels(label, owner).inc(failed.cost_usd)
 
     def watch(self, hub: StreamHub, hooks: Hooks) -> None:
         """Follow the hub's running streams, the hooks' errors, the HTTP providers' pool

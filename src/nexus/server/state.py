@@ -31,6 +31,7 @@ __all__ = [
     "EXCHANGE",
     "HUB",
     "REGISTRY",
+    "REQUEST_HANDLER_ARGS",
     "RUNTIME",
     "TOKENS",
     "Exchange",
@@ -84,6 +85,9 @@ REGISTRY = web.AppKey("registry", EncoderRegistry)
 RUNTIME = web.AppKey("runtime", Runtime)
 TOKENS = web.AppKey("tokens", StreamTokens)
 """Makes and checks the read tokens of background streams (``?token=``)."""
+REQUEST_HANDLER_ARGS = web.AppKey("request_handler_args", dict[str, Any])
+"""What every request handler serving the app is built with: its ``handler_args``, which
+aiohttp's runners apply, and which ``nexus serve``'s connection layer reads from here."""
 
 
 def _request_key() -> Any:
@@ -134,12 +138,19 @@ class Exchange:
     cache: str | None = None
     pool_waits: PoolWaits = field(default_factory=PoolWaits)
     """What the request waited for pooled upstream connections (the providers add to it)."""
+    rejected: str | None = None
+    """The kind of a request aiohttp answered without the app (:mod:`.rejections`)."""
+    reason: str | None = None
+    """What the parser said was wrong with it (never the bytes it quotes)."""
     upgraded: web.WebSocketResponse | None = None
     """The request's WebSocket (a realtime handshake): once it is prepared, the socket is
     no longer HTTP, and an unexpected error closes it 1011 instead of answering a 500."""
 
     def outcome(self, status: int) -> str:
-        """``ok``, ``error:<code>``, ``cancelled:<reason>`` or ``mid_stream_error:<code>``."""
+        """``ok``, ``error:<code>``, ``cancelled:<reason>``, ``mid_stream_error:<code>`` or
+        ``rejected:<kind>``."""
+        if self.rejected is not None:
+            return f"rejected:{self.rejected}"
         if self.stream_error is not None:
             cause = _OUTCOME_CAUSES.get(self.stream_error)
             if cause is not None:

@@ -43,9 +43,8 @@ from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
 from ..events import Error, StreamEvent
-from ..pricing import NOTHING
 from ..watchdog import Watchdog
-from .access import METRICS, Exchange, exchange, settled_spend
+from .access import METRICS, Exchange, exchange, request_spend, settled_spend
 from .chunked import ChunkedResponse, chunk
 from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
@@ -246,15 +245,15 @@ class StreamPump(Writer):
 
     def _settle(self) -> None:
         """The access line's view of the written stream: the target that answered and,
-        for the request that made it, what it spent (nothing for a cache hit)."""
+        for the request that made it, what it spent (:func:`request_spend`)."""
         ex = self.exchange
+        if self.origin:
+            ex.spend = request_spend(self.reader, hit=ex.cache == "hit")
         if self.reader.failure is not None:
             return  # no target answered: an HTTP error, nothing served
         served = self.reader.served
         ex.provider = served.provider
         ex.served = f"{served.provider}/{served.upstream_model}" if served.provider else None
-        if self.origin:
-            ex.spend = NOTHING if ex.cache == "hit" else self.reader.spend
 
     async def _first_output(self, batches: AsyncIterator[list[StreamEvent]], head: bytes) -> object:
         """The first bytes to write: ``head`` and the log rendered so far; ``_END`` if none.

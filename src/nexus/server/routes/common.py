@@ -59,6 +59,7 @@ from ..access import (
     authenticate,
     budgeted,
     exchange,
+    request_spend,
     settled_spend,
 )
 from ..render import Cursor, parse_cursor
@@ -332,9 +333,11 @@ async def _answer(app: web.Application, ex: Exchange, opened: Opened) -> Complet
             _settle(ex, reader.served, NOTHING if hit else None)
             if not hit:
                 ex.spend = await settled_spend(app, ex, reader, run)
+        else:  # no target answered: what its failed attempts may have cost
+            ex.spend = request_spend(reader, hit=hit)
         raise
     await leave(reader, run)
-    _settle(ex, reader.served, NOTHING if hit else reader.spend)
+    _settle(ex, reader.served, request_spend(reader, hit=hit))
     return completion
 
 

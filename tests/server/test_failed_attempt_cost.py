@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import ApiKey, hash_key
 from nexus.server.state import HUB
-from support import MakeClient, access_record
+from support import METRICS_TOKEN_ENV, SCRAPER, MakeClient, access_record
 from upstreams import DONE, FakeUpstream, Reply, anthropic_event, openai_chunk, openai_usage_chunk
 
 KEY = "nx-failed-attempts-0123456789"
@@ -40,7 +40,7 @@ ANSWER = Reply.stream(
 
 
 @pytest.fixture(autouse=True)
-def upstream_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def upstream_key(monkeypatch: pytest.MonkeyPatch, metrics_token: None) -> None:
     monkeypatch.setenv(UPSTREAM_KEY, "sk-upstream")
 
 
@@ -50,6 +50,7 @@ def config(fake: FakeUpstream, kind: str = "openai") -> dict[str, Any]:
         first.update(base_url=fake.url + "/v1", api_key_env=UPSTREAM_KEY)
     second = {"kind": "openai", "base_url": fake.url + "/v1", "api_key_env": UPSTREAM_KEY}
     return {
+        "metrics": {"token_env": METRICS_TOKEN_ENV},
         "auth": {
             "keys": [
                 {
@@ -84,7 +85,7 @@ async def access_line(caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
 
 async def metrics(client: TestClient[Any, Any]) -> dict[tuple[str, str, str], float]:
     """Every sample by (name, model, key) of the cost and token series."""
-    text = await (await client.get("/metrics")).text()
+    text = await (await client.get("/metrics", headers=SCRAPER)).text()
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

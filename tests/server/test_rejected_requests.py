@@ -23,7 +23,7 @@ from nexus.config import parse_config
 from nexus.encoders.registry import default_registry
 from nexus.server.app import create_app
 from nexus.server.connection import ConnectionRegistry, ConnectionSite
-from support import MakeClient
+from support import METRICS_TOKEN, METRICS_TOKEN_ENV, MakeClient
 
 KEY = "nx-rejected-requests-0123456789"
 K = KEY.encode()
@@ -78,7 +78,9 @@ async def access_records(
 async def requests_counted(gateway: Gateway) -> dict[tuple[str, str, str], float]:
     """``nexus_requests_total`` by (endpoint, model, outcome), scraped over a raw socket."""
     answer = await roundtrip(
-        gateway, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        gateway,
+        b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+        + f"Authorization: Bearer {METRICS_TOKEN}\r\n\r\n".encode(),
     )
     status, _, body = head_and_body(answer)
     assert status == 200
@@ -91,9 +93,15 @@ async def requests_counted(gateway: Gateway) -> dict[tuple[str, str, str], float
     return counted
 
 
+@pytest.fixture(autouse=True)
+def _scraper(metrics_token: None) -> None:
+    """Every gateway here has keys: its ``/metrics`` answers the scraper's token only."""
+
+
 def config() -> dict[str, Any]:
     return {
         "auth": {"keys": [{"name": "app", "sha256": hash_key(KEY)}]},
+        "metrics": {"token_env": METRICS_TOKEN_ENV},
         "providers": {"mock": {"kind": "mock"}},
     }
 
@@ -192,3 +200,35 @@ async def test_on_aiohttps_own_server_a_rejection_is_counted_as_malformed(
     assert KEY[3:20] not in record.getMessage()
     counted = await requests_counted(gateway)
     assert counted[("rejected", "unknown", "rejected:malformed")] == 1
+
+
+async def test_a_client_that_leaves_with_its_body_half_sent_is_a_quiet_499(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On aiohttp's own runner (``web.run_app``: handlers are not cancelled when their
+    client leaves) the route answers a body that ends early; writing that answer met the
+    closed socket, and the error went up to aiohttp, which logged it at ERROR with a
+    traceback: any client could fill an integrator's error log by hanging up mid-body."""
+    caplog.set_level(logging.INFO)
+    runner = web.AppRunner(create_app(parse_config(config()), registry=default_registry.copy()))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        await _leave_mid_body(Gateway(host, port), caplog)
+    finally:
+        await runner.cleanup()
+
+
+async def _leave_mid_body(gateway: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    _, writer = await asyncio.open_connection(gateway.host, gateway.port)
+    writer.write(POST + b'\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"m')
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    (record,) = await access_records(caplog, 1)
+    await asyncio.sleep(0.2)  # (an error aiohttp logs comes after the access line)
+    fields = record.access  # type: ignore[attr-defined]
+    assert (fields["outcome"], fields["status"]) == ("cancelled:client_disconnect", 499)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -44,7 +44,7 @@ from ..providers.base import Provider
 from ..providers.http import POOL_WAITS
 from ..request import ChatRequest
 from ..telemetry import Telemetry
-from .errors import Handler, error_response
+from .errors import Handler, client_gone, error_response
 from .log_lines import line as _line
 from .metrics import Metrics
 from .origins import listed, loopback_host, origin_allowed
@@ -168,6 +168,12 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             status = ex.status  # the headers were out: the client got this status
         elif isinstance(exc, asyncio.CancelledError):
             status = 499  # the client left before any answer (nginx's convention)
+        elif isinstance(exc, ConnectionError) and client_gone(request):
+            # It hung up mid-request (its body half sent), and reading or answering it
+            # met the closed socket. Raised, aiohttp would log an ERROR with a traceback,
+            # which any client could have written; returned, its write fails quietly.
+            status = 499
+            return web.Response(status=status)
         raise
     finally:
         POOL_WAITS.reset(waits)

@@ -91,6 +91,12 @@ def _known_request_id(request: web.Request) -> str | None:
     return request_id if isinstance(request_id, str) and request_id else None
 
 
+def client_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed (or closing): no answer can reach it."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     runtime = request.app.get(RUNTIME)
@@ -121,7 +127,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
         )
         response = error_response(request, error)
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, ConnectionError) and client_gone(request):
+            raise  # the client hung up mid-request: nothing broke (its access line: 499)
         request_id = _known_request_id(request) or new_request_id()
         log.exception("unhandled error in %s %s (%s)", request.method, request.path, request_id)
         upgraded = getattr(request.get(EXCHANGE), "upgraded", None)

@@ -281,6 +281,95 @@ async def test_resumes(make_client: MakeClient) -> None:
     assert value(await scrape(client), "nexus_resumes_total") == 1
 
 
+# --- what the histograms and the event counters observe --------------------------------
+
+TTFT = "nexus_time_to_first_token_seconds_count"
+DURATION = "nexus_stream_duration_seconds_count"
+MOCK = {"model": "mock/echo"}
+
+
+async def test_a_stream_is_timed_from_its_first_output_and_whole_for_its_duration(
+    make_client: MakeClient,
+) -> None:
+    """A stream that failed before any output (an HTTP error) is in neither histogram; one
+    that failed after its output, or that its client left, has its time to first token
+    but no duration (that would say when it was cut); one that ended well has both."""
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(providers=[gated])
+    resp = await client.post(CHAT, json=chat(stream=True, mock={"fail_after": 0}))
+    assert resp.status == 502
+    samples = await eventually(client, lambda s: value(s, "nexus_requests_total", **MOCK) > 0)
+    assert (value(samples, TTFT, **MOCK), value(samples, DURATION, **MOCK)) == (0, 0)
+    resp = await client.post(f"{CHAT}?stream_format=sse", json=chat(stream=True))
+    assert b"[DONE]" in await resp.read()
+    resp = await client.post(
+        f"{CHAT}?stream_format=sse", json=chat(stream=True, mock={"fail_after": 2})
+    )
+    assert resp.status == 200 and b"upstream_error" in await resp.read()
+    resp = await client.post(f"{CHAT}?stream_format=sse", json=chat(model="gated/m", stream=True))
+    await resp.content.readuntil(b"\n\n")
+    resp.close()
+    samples = await eventually(
+        client, lambda s: value(s, "nexus_cancellations_total", cause="client_disconnect") >= 1
+    )
+    assert (value(samples, TTFT, **MOCK), value(samples, DURATION, **MOCK)) == (2, 1)
+    cut = {"model": "gated/*"}
+    assert (value(samples, TTFT, **cut), value(samples, DURATION, **cut)) == (1, 0)
+
+
+async def test_replays_are_not_timed_as_upstream_streams(make_client: MakeClient) -> None:
+    """A replay's pace is the cache's: only its first byte, which its client waited for,
+    is observed (``nexus_time_to_first_byte_seconds``)."""
+    client = await make_client({"cache": {"enabled": True}})
+    for cache in ("miss", "hit"):
+        resp = await client.post(f"{CHAT}?stream_format=sse", json=chat("again", stream=True))
+        assert resp.headers["X-Nexus-Cache"] == cache
+        await resp.read()
+    ttfb = {"endpoint": CHAT, "format": SSE}
+    samples = await eventually(
+        client, lambda s: value(s, "nexus_time_to_first_byte_seconds_count", **ttfb) == 2
+    )
+    assert value(samples, "nexus_time_to_first_byte_seconds_count", **ttfb) == 2
+    assert (value(samples, TTFT, **MOCK), value(samples, DURATION, **MOCK)) == (1, 1)
+
+
+async def test_events_are_those_written_to_the_client_resumes_too(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An event is counted when it is written: not the log entries a resume skipped, nor
+    those its format leaves out (a usage nobody asked for), nor a stream that failed
+    before any output."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client()
+    words = " ".join(f"w{i}" for i in range(60))
+    resp = await client.post(
+        f"{CHAT}?stream_format=sse",
+        json=chat(words, stream=True, stream_options={"resumable": True}),
+        headers={"X-Request-Id": "rid-first"},
+    )
+    frames = parse_sse(await resp.read())
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    resp = await client.get(
+        f"/v1/streams/{stream_id}?stream_format=sse",
+        headers={"Last-Event-ID": frames[-3].id, "X-Request-Id": "rid-resume"},
+    )
+    assert len(parse_sse(await resp.read())) == 2
+    resp = await client.post(
+        CHAT, json=chat(stream=True, mock={"fail_after": 0}), headers={"X-Request-Id": "rid-502"}
+    )
+    assert resp.status == 502
+    for _ in range(300):
+        lines = {r.request_id: r.access for r in access_records(caplog)}  # type: ignore[attr-defined]
+        if len(lines) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert lines["rid-first"]["events"] == len(frames)
+    assert lines["rid-resume"]["events"] == 2
+    assert (lines["rid-502"]["events"], lines["rid-502"]["bytes"]) == (0, 0)
+    samples = await scrape(client)
+    assert value(samples, "nexus_events_out_total", format=SSE) == len(frames) + 2
+
+
 # --- the access log -------------------------------------------------------------------
 
 SECRET_KEY = "nx-very-secret-key-0042"
@@ -343,6 +432,40 @@ async def test_one_access_line_per_request(
     bad = by_id["rid-bad"].access  # type: ignore[attr-defined]
     assert (bad["status"], bad["outcome"]) == (400, "error:invalid_request")
     assert (bad["events"], bad["bytes"]) == (None, None)
+
+
+async def test_a_cors_preflight_has_its_access_line(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The middleware answers it itself, yet it is a request: one line (INFO, outcome
+    ``preflight``, the endpoint it asks about) and one count."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    origin = "https://app.example.com"
+    client = await make_client({"cors": {"allow_origins": [origin]}})
+    for path, method, rid in (
+        (CHAT, "POST", "rid-chat"),
+        ("/v1/streams/chatcmpl-x", "DELETE", "rid-stream"),
+        (CHAT, "BREW", "rid-brew"),
+    ):
+        asked = {"Origin": origin, "Access-Control-Request-Method": method}
+        resp = await client.options(path, headers=asked | {"X-Request-Id": rid})
+        assert resp.status == 204
+    lines = {r.request_id: r for r in access_records(caplog)}  # type: ignore[attr-defined]
+    assert set(lines) == {"rid-chat", "rid-stream", "rid-brew"}
+    for record in lines.values():
+        assert record.levelno == logging.INFO
+        access = record.access  # type: ignore[attr-defined]
+        assert (access["method"], access["status"], access["outcome"]) == (
+            "OPTIONS",
+            204,
+            "preflight",
+        )
+    assert lines["rid-chat"].access["endpoint"] == CHAT  # type: ignore[attr-defined]
+    assert lines["rid-stream"].access["endpoint"] == "/v1/streams/{id}"  # type: ignore[attr-defined]
+    assert lines["rid-brew"].access["endpoint"] == "unmatched"  # type: ignore[attr-defined]
+    samples = await scrape(client)
+    counted = {"endpoint": CHAT, "model": "unknown", "outcome": "preflight"}
+    assert value(samples, "nexus_requests_total", **counted) == 1
 
 
 async def test_a_model_name_cannot_split_the_text_line(

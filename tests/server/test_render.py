@@ -492,6 +492,39 @@ def test_resume_after_each_raw_frame_is_the_exact_suffix(
         assert out == full[end:], line
 
 
+def _steps(body: bytes) -> set[int]:
+    """The steps the ``id:`` lines of ``body`` name."""
+    return {parse_cursor(i.decode()).step for i in re.findall(rb"^id: (.*)$", body, re.M)}
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize("log", LOG_PARAMS)
+@pytest.mark.parametrize("encoder", SSE_ENCODERS)
+def test_written_counts_the_steps_the_client_got(
+    encoder: type[Encoder], log: list[StreamEvent], meta: StreamMeta
+) -> None:
+    """``written`` (the events a response counts) is the steps whose bytes went out, in
+    the first rendering and in one resumed after any frame: never a step that wrote
+    nothing (a usage nobody asked for) or that a resume skipped."""
+    rng = seeded("written", encoder.__name__, len(log), meta.retry_ms)
+    full, renderer = render(encoder, meta, log, rng)
+    assert renderer.written == len(_steps(full))
+    for frame, _ in raw_frames(full):
+        (line,) = re.findall(rb"^id: (.*)$", frame, flags=re.MULTILINE)
+        out, resumed = render(encoder, meta, log, rng, after=parse_cursor(line.decode()))
+        assert resumed.written == len(_steps(out)), line
+
+
+@pytest.mark.parametrize("meta", METAS)
+@pytest.mark.parametrize("log", LOG_PARAMS)
+def test_written_counts_ndjson_lines(log: list[StreamEvent], meta: StreamMeta) -> None:
+    body, renderer = render(NDJSONEncoder, meta, log, seeded("lines", len(log)))
+    assert renderer.written == body.count(b"\n")
+    for count in range(body.count(b"\n") + 1):
+        out, resumed = render(NDJSONEncoder, meta, log, after=Cursor(None, count))
+        assert resumed.written == out.count(b"\n"), count
+
+
 def _ndjson_counts(log: list[StreamEvent]) -> Iterator[Any]:
     lines = len(render(NDJSONEncoder, PLAIN_META, log)[0].split(b"\n")) - 1
     for k in range(lines + 3):

@@ -215,14 +215,16 @@ class StreamRun:
 
         return RunReader(self, start)
 
-    def cancel(self, terminal: StreamEvent) -> None:
-        """End the stream now; ``terminal`` closes the log (unless it already ended)."""
+    def cancel(self, terminal: StreamEvent) -> bool:
+        """End the stream now; ``terminal`` closes the log (unless it already ended).
+        Whether this call ended it (False: it had ended, or its end was decided)."""
         if self.finished or self._task is None or self._cancel_with is not None or self._settled:
-            return  # once, and never once the end is decided: its end hooks run
+            return False  # once, and never once the end is decided: its end hooks run
         self._cancel_with = terminal
         if self._running:
             self._task.cancel()
         # else: the task has not run yet; it sees _cancel_with when it does.
+        return True
 
     async def wait(self) -> None:
         """Until the log is finished (the source closed)."""

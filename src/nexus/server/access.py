@@ -9,9 +9,9 @@ tracing (:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`ad
 pump fills in the request's :class:`~nexus.server.state.Exchange` as it writes.
 
 The access line's fields are :func:`_fields`'s. ``outcome`` is ``ok``,
-``error:<code>``, ``mid_stream_error:<code>`` or ``cancelled:<reason>`` (and
-``rejected:<kind>`` for a request aiohttp answered without the app, accounted by
-:mod:`nexus.server.rejections` through :func:`account`); ``served``
+``error:<code>``, ``mid_stream_error:<code>``, ``cancelled:<reason>``, for a CORS
+preflight ``preflight`` (and ``rejected:<kind>`` for a request aiohttp answered without
+the app, accounted by :mod:`nexus.server.rejections` through :func:`account`); ``served``
 the ``provider/model`` that answered after fallbacks; the spend, what the request's
 own stream spent (zeros for a cache hit or a join; estimated for one cut short).
 Failed requests are logged at WARNING; in the text form, a value with spaces, quotes
@@ -137,6 +137,11 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
                     "Access-Control-Max-Age": str(config.cors.max_age_s),
                 }
             )
+            # Its line's endpoint: the route of the method it asks about.
+            asked = request.clone(method=request.headers["Access-Control-Request-Method"])
+            resource = (await app.router.resolve(asked)).route.resource
+            ex.endpoint = "unmatched" if resource is None else resource.canonical
+            account(app[_CONFIG], app.get(METRICS), ex, response.status, PREFLIGHT)
             return response
     tracing = app.get(TELEMETRY)
     span = (
@@ -169,10 +174,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         elif isinstance(exc, asyncio.CancelledError):
             status = 499  # the client left before any answer (nginx's convention)
         elif isinstance(exc, ConnectionError) and client_gone(request):
-            # It hung up mid-request (its body half sent), and reading or answering it
-            # met the closed socket. Raised, aiohttp would log an ERROR with a traceback,
-            # which any client could have written; returned, its write fails quietly.
-            status = 499
+            # It hung up mid-request. Raised, aiohttp would log a traceback at ERROR
+            status = 499  # (any client could fill the log so); returned, it is dropped.
             return web.Response(status=status)
         raise
     finally:
@@ -232,19 +235,28 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical
 
 
-def account(config: Config, metrics: Metrics | None, ex: Exchange, status: int) -> None:
+PREFLIGHT = "preflight"
+"""The outcome of a CORS preflight, which the middleware answers itself."""
+
+
+def account(
+    config: Config, metrics: Metrics | None, ex: Exchange, status: int, outcome: str = ""
+) -> None:
     """A request's access line and count, once it is answered (by the middleware; by
     :mod:`nexus.server.rejections` for one aiohttp answered without the app)."""
     elapsed = time.monotonic() - ex.started
-    outcome = ex.outcome(status)
+    outcome = outcome or ex.outcome(status)
     if metrics is not None and ex.endpoint not in ("/metrics",):
-        metrics.observe(ex.endpoint, ex.model, outcome, elapsed, ex.ttft)
+        # A WebSocket's turns count what cut each short (realtime_turn), not the socket.
+        cancelled = ex.cancelled if ex.upgraded is None else None
+        metrics.observe(
+            ex.endpoint, ex.model, outcome, elapsed, ex.ttft, cache=ex.cache, cancelled=cancelled
+        )
         if ex.ttfb is not None:
             metrics.ttfb.labels(ex.endpoint, ex.format).observe(ex.ttfb)
-        if ex.cancelled is not None:
-            metrics.cancellations.labels(ex.cancelled).inc()
     if config.logging.access_log and ex.endpoint not in ("/healthz", "/metrics"):
-        level = logging.WARNING if status >= 400 or outcome != "ok" else logging.INFO
+        failed = status >= 400 or outcome not in ("ok", PREFLIGHT)
+        level = logging.WARNING if failed else logging.INFO
         if not access_log.isEnabledFor(level):
             return  # (the line is not built for a logger that drops it)
         _line(access_log, level, ex.request_id, _fields(ex, status, outcome, elapsed))
@@ -306,21 +318,26 @@ def _add_spend(fields: dict[str, Any], spend: Spend) -> None:
 
 
 def account_at_end(
-    app: web.Application, ex: Exchange, run: StreamRun, model: str | None = None
+    app: web.Application,
+    ex: Exchange,
+    run: StreamRun,
+    model: str | None = None,
+    *,
+    refusal: bool = False,
 ) -> None:
     """What ``run`` spent, in a ``nexus.spend`` line of its own when it ends, for a stream
     that outlives its request's access line: a background request's (its line is the
     202's), a resumable one its client left, each turn of a realtime socket (``model``:
     the turn's). Same request id; that access line has no spend, so no dollar is in two
-    lines."""
+    lines. ``refusal``: a failure before any output is ``error:<code>``, as the request's
+    own (a turn's first frame is then its error, as a stream request's status is)."""
     if app[_CONFIG].logging.access_log:
-        run.done.add_done_callback(lambda _: _spend_line(ex, run, model or ex.model))
+        run.done.add_done_callback(lambda _: _spend_line(ex, run, model or ex.model, refusal))
 
 
 def request_spend(reader: LogReader, *, hit: bool) -> Spend | None:
-    """What the request that made a stream spent, for its access line: nothing for a
-    cache hit; the stream's spend; for one no target answered (an HTTP error), nothing
-    either, but what attempts that failed may have cost (None when none did)."""
+    """What the request that made a stream spent, for its access line: nothing for a hit;
+    for an HTTP error, only what its failed attempts may have cost (None: none did)."""
     spend = reader.spend
     if hit:
         return NOTHING
@@ -351,13 +368,14 @@ async def settled_spend(
     return spend
 
 
-def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:
+def _spend_line(ex: Exchange, run: StreamRun, model: str | None, refusal: bool) -> None:
     spend = run.spend
     if spend is None or not run.events:
         return
     ended = Exchange(request_id=ex.request_id, started=ex.started)
     ended.ended_with(run.events[-1], ex.cancelled)
-    outcome = ended.outcome(200)
+    failure = run.failure if refusal else None
+    outcome = ended.outcome(200) if failure is None else f"error:{failure.code}"
     level = logging.INFO if outcome == "ok" else logging.WARNING
     if not spend_log.isEnabledFor(level):
         return

@@ -55,14 +55,19 @@ __all__ = [
 
 CANCEL_CAUSES = {
     "stream_detached": "detach_timeout",
-    "stream_cancelled": "cancelled",
     "max_stream_duration": "max_duration",
     "server_shutting_down": "shutdown",
     "stream_too_large": "too_large",
 }
-"""Error codes that end a stream on purpose, and the cancellation cause each counts as
-(``client_disconnect`` is not one: the response the client left counts it,
-:mod:`nexus.server.access`)."""
+"""Error codes that end a stream on purpose for a reason of the stream's own, and the
+cancellation cause each counts as (once per stream, by :class:`MetricsPlugin`). What a
+request or a realtime turn did is counted by it (:meth:`Metrics.observe`): its client
+leaving, a timeout of its connection, a WebSocket ``abort``; and a ``DELETE`` of a stream
+by that request (``cancelled``). A stream its request let go early ends ``stream_cancelled``
+(:func:`~nexus.cache.readers.leave`): that request counted why."""
+
+_CAUSE_LABELS = {"aborted": "cancelled"}
+"""A realtime turn's ``abort`` counts as a ``DELETE`` does: the client cancelled it."""
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _POOL_WAIT = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -79,6 +84,10 @@ _CODE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 ANONYMOUS = "anonymous"
 UNKNOWN = "unknown"
+NO_MODEL = "none"
+"""The ``model`` of a realtime ``start`` refused before it named a model the gateway serves
+(on ``/v1/realtime``, ``unknown`` is the sockets')."""
+REALTIME = "/v1/realtime"
 
 _shared_dir: str | None = None
 """The multiprocess directory once :func:`enable_multiprocess` ran (None: one process)."""
@@ -192,7 +201,8 @@ class Metrics:
         )
         self.ttft = histogram(
             "nexus_time_to_first_token_seconds",
-            "From the request to the first event of its stream, by model asked for.",
+            "From the request to the first event of its stream, by model asked for (streams "
+            "that produced output, replays excepted).",
             ("model",),
             _LATENCY,
         )
@@ -212,7 +222,8 @@ class Metrics:
         )
         self.duration = histogram(
             "nexus_stream_duration_seconds",
-            "From the request to the end of a stream's body, by model asked for.",
+            "From the request to the end of a stream's body, by model asked for (streams that "
+            "produced output and ended ok, replays excepted).",
             ("model",),
             _DURATION,
         )
@@ -278,15 +289,40 @@ class Metrics:
         return f"{provider}/*" if slash and provider in self.providers else UNKNOWN
 
     def observe(
-        self, endpoint: str, model: str | None, outcome: str, elapsed: float, ttft: float | None
+        self,
+        endpoint: str,
+        model: str | None,
+        outcome: str,
+        elapsed: float,
+        ttft: float | None,
+        *,
+        cache: str | None = None,
+        cancelled: str | None = None,
     ) -> None:
-        """Count one request, or one realtime turn, by its model and outcome; a stream's
-        (``ttft`` known) time to first token and duration too."""
+        """Count one request, or one realtime turn, by its model and outcome, and what ended
+        it early (``cancelled``: its client leaving, a timeout, a WebSocket ``abort``).
+
+        The histograms time what upstreams serve: a stream that produced output (``ttft``,
+        None for one that failed or ended before its first event), not a replay (``cache``
+        ``hit``: its pace is the cache's), has its time to first token observed, and, if
+        it ended ``ok``, its duration (one cut short says when it was cut, not how long an
+        answer takes; the outcome counts it)."""
         label = self.model_label(model)
         self.requests.labels(endpoint, label, self.outcome_label(outcome)).inc()
-        if ttft is not None:
+        if cancelled is not None:
+            self.cancellations.labels(_CAUSE_LABELS.get(cancelled, cancelled)).inc()
+        if ttft is not None and cache != "hit":
             self.ttft.labels(label).observe(ttft)
-            self.duration.labels(label).observe(elapsed)
+            if outcome == "ok":
+                self.duration.labels(label).observe(elapsed)
+
+    def refused_start(self, model: str | None, code: str) -> None:
+        """A realtime ``start`` refused (``error:<code>``), counted under the model it named
+        when the gateway serves it, else :data:`NO_MODEL`: on ``/v1/realtime``, ``unknown``
+        counts the sockets alone."""
+        label = self.model_label(model)
+        label = NO_MODEL if label == UNKNOWN else label
+        self.requests.labels(REALTIME, label, self.outcome_label(f"error:{code}")).inc()
 
     def code_label(self, code: str) -> str:
         """An error code's label: itself for the first :data:`MAX_CODES` sane codes seen."""
@@ -421,7 +457,8 @@ class MetricsPlugin:
         self, ctx: CallContext, request_id: str, model: str, error: Error, *, spend: Spend
     ) -> None:
         self.metrics.spent(model, ctx.key, spend)
-        # Upstream errors are counted per attempt, as they happen (Engine.on_upstream_error).
+        # Upstream errors are counted per attempt, as they happen (Engine.on_upstream_error);
+        # what a request or a turn did to its stream, by that request (CANCEL_CAUSES).
         cause = CANCEL_CAUSES.get(error.code or error.error_type)
         if cause is not None:
             self.metrics.cancellations.labels(cause).inc()

@@ -76,11 +76,13 @@ class Renderer:
 
     The pump calls :meth:`begin` once, then :meth:`feed` with the log's entries in
     order (in batches as they arrive); :attr:`done` is true once the terminal
-    entry was rendered. :attr:`wrote` tells whether anything came out at all (a
-    resume past the end writes nothing).
+    entry was rendered. :attr:`written` is how many steps wrote bytes: the events the
+    client got (the format's opening, each entry rendered, an error, the terminator),
+    never what a resume skipped or a format leaves out; :attr:`wrote`, whether any did
+    (a resume past the end writes nothing).
     """
 
-    __slots__ = ("_after", "_encoder", "_ids", "_prefix", "done", "resumed", "step", "wrote")
+    __slots__ = ("_after", "_encoder", "_ids", "_prefix", "done", "resumed", "step", "written")
 
     def __init__(
         self, encoder: Encoder, stream_id: str, *, ids: bool, after: Cursor | None = None
@@ -92,10 +94,12 @@ class Renderer:
         self.resumed = after is not None
         self.step = 0
         self.done = False
-        self.wrote = False
+        self.written = 0
 
     def begin(self) -> bytes:
-        return self._out(0, self._encoder.start())
+        data = self._out(0, self._encoder.start())
+        self.written += 1 if data else 0
+        return data
 
     def feed(self, events: Sequence[StreamEvent]) -> bytes:
         """The bytes for the next entries of the log."""
@@ -111,26 +115,39 @@ class Renderer:
             if cls is Error:
                 # Two steps: the error, then the terminator (an NDJSON client that
                 # counted the error line still gets the done line).
-                parts.append(self._out(step, encoder.error(event)))  # type: ignore[arg-type]
+                data = self._out(step, encoder.error(event))  # type: ignore[arg-type]
+                if data:
+                    parts.append(data)
                 step += 1
             if cls is Error or cls is Done:
-                parts.append(self._out(step, encoder.end()))
+                data = self._out(step, encoder.end())
+                if data:
+                    parts.append(data)
                 self.done = True
                 break
             data = encode(event)
+            # Only steps that wrote bytes are kept: each is an event the client got.
             if self._after is not None:
                 data = self._out(step, data)
+                if data:
+                    parts.append(data)
             elif ids and data:
                 if _several(data):
                     data = self._number(step, _frames(data), 0)
                 else:
                     data = prefix + b"%d\n" % step + data  # one frame: the commonest case
-            parts.append(data)
+                parts.append(data)
+            elif data:
+                parts.append(data)
         self.step = step
-        joined = parts[0] if len(parts) == 1 else b"".join(parts)
-        if joined:
-            self.wrote = True
-        return joined
+        if not parts:
+            return b""
+        self.written += len(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    @property
+    def wrote(self) -> bool:
+        return self.written > 0
 
     def heartbeat(self) -> bytes:
         return self._encoder.heartbeat()
@@ -142,8 +159,9 @@ class Renderer:
         last real event.
         """
         self.done = True
-        self.wrote = True
-        return self._encoder.error(event) + self._encoder.end()
+        error, end = self._encoder.error(event), self._encoder.end()
+        self.written += bool(error) + bool(end)
+        return error + end
 
     def _out(self, step: int, data: bytes) -> bytes:
         """``data`` for ``step`` with its ids, less what the resume point says the client
@@ -160,11 +178,9 @@ class Renderer:
                 skip = after.frame + 1
                 if skip >= len(frames):
                     return b""
-                self.wrote = True
                 return self._number(step, frames[skip:], skip)
         if not data:
             return data
-        self.wrote = True
         if not self._ids:
             return data
         if not _several(data):

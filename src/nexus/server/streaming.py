@@ -42,7 +42,7 @@ from aiohttp import web
 from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
-from ..events import Error, StreamEvent
+from ..events import Done, Error, StreamEvent
 from ..watchdog import Watchdog
 from .access import METRICS, Exchange, exchange, request_spend, settled_spend
 from .chunked import ChunkedResponse, chunk
@@ -55,6 +55,7 @@ __all__ = ["StreamPump", "pump"]
 log = logging.getLogger("nexus.server")
 
 _END = object()
+_ENDS = (Error, Done)  # a log's terminal entries: a first event of these is no output
 _UNREAD = object()
 
 WRITE_SLICE = 64 * 1024
@@ -91,7 +92,7 @@ class StreamPump(Writer):
         fmt = self.exchange.format or "unknown"
         self._events = metrics.events.labels(fmt) if metrics is not None else None
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
-        self._metered = (self.exchange.events, self.exchange.bytes)  # in the counters so far
+        self._metered = (0, self.exchange.bytes)  # in the counters so far
         self.reader = reader
         self.name = f"stream {reader.meta.id}"
         self.renderer = renderer
@@ -145,7 +146,6 @@ class StreamPump(Writer):
             unyielded = 0
             async for batch in batches:
                 data = renderer.feed(batch)
-                self.exchange.events += len(batch)
                 if renderer.done:
                     self.exchange.ended_with(batch[-1])
                     return await self._end(data)
@@ -284,26 +284,26 @@ class StreamPump(Writer):
                 return _END
             events: list[StreamEvent] = batch  # type: ignore[assignment]
             self._last = events[-1]
-            if self.origin and self.exchange.ttft is None:
-                self.exchange.ttft = self._now() - self.exchange.started
             # Only the request that made the stream gets its failure as an HTTP status; an
             # attach gets the stream as it is, error and all.
             fresh = self.origin and renderer.step == 0 and not renderer.resumed
             if self.response is None and fresh and type(events[0]) is Error:
                 failure = self.reader.failure
                 raise failure if failure is not None else StreamError(events[0])
+            if self.origin and self.exchange.ttft is None and type(events[0]) not in _ENDS:
+                self.exchange.ttft = self._now() - self.exchange.started  # its first output
             out += renderer.feed(events)
-            self.exchange.events += len(events)
             if out or renderer.done:
                 return out
 
     def _meter(self) -> None:
-        """Add the events and bytes written since the last call to the format's counters:
-        after each write of the pump's task, and for the batches pushed in the producer's
-        task (one per upstream read: two counter increments less each) at the watchdog's
-        next tick and at the end, so that a stream still open counts what it wrote."""
+        """Add the events (the renderer's count) and bytes written since the last call to
+        the exchange and the format's counters: after each write of the pump's task, and
+        for the batches pushed in the producer's task (one per upstream read: two counter
+        increments less each) at the watchdog's next tick and at the end."""
         ex = self.exchange
         events, size = self._metered
+        ex.events = self.renderer.written if ex.bytes else 0  # (none before a byte went out)
         self._metered = (ex.events, ex.bytes)
         if self._events is not None and ex.events != events:
             self._events.inc(ex.events - events)
@@ -390,7 +390,6 @@ class StreamPump(Writer):
         if transport is None or transport.is_closing():
             return False  # the client left: this pump's task finds out
         data = self.renderer.feed(batch)
-        self.exchange.events += len(batch)
         if data:
             transport.write(chunk(data))
             self._wrote()

@@ -70,6 +70,7 @@ from .stream_access import describe, find_stream, prepay_first_read, stream_not_
 __all__ = [
     "RESUMABLE_HEADER",
     "complete",
+    "count_cache",
     "json_response",
     "last_event_id",
     "read_body",
@@ -257,10 +258,7 @@ async def complete(
         )
     # A join reads a run another request holds the slot of: it is one of the key's readers.
     with await _joined(request, key, opened, chat.background):
-        metrics = app.get(METRICS)
-        if metrics is not None and opened.cache is not None:
-            metrics.cache.labels(opened.cache).inc()
-        ex.cache = opened.cache
+        count_cache(request, ex, opened)
         headers = {STORE_HEADER: "unavailable"} if not opened.stored else {}
         if not streaming:
             if hub.cache.enabled:
@@ -298,6 +296,15 @@ async def complete(
         reader = await hub.reader_of(opened, meta=meta)
         del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
         return await _pump(request, reader, encoder, None, headers)
+
+
+def count_cache(request: web.Request, ex: Exchange, opened: Opened) -> None:
+    """The cache's answer to a request or a realtime turn (``hit``, ``miss``; None with the
+    cache off): on its line, and in ``nexus_cache_total``."""
+    ex.cache = opened.cache
+    metrics = request.app.get(METRICS)
+    if metrics is not None and opened.cache is not None:
+        metrics.cache.labels(opened.cache).inc()
 
 
 async def _joined(

@@ -68,7 +68,7 @@ from ..access import (
 from ..log_lines import quoted
 from ..state import Exchange
 from ..writer import Writer
-from .common import check_open
+from .common import check_open, count_cache
 from .realtime_keys import key_socket
 from .realtime_turn import Turn
 
@@ -322,7 +322,7 @@ class RealtimeConnection(Writer):
         exchange(self.request).refused += 1
         metrics = self.request.app.get(METRICS)
         if metrics is not None:  # counted as an HTTP request refused so is
-            metrics.observe("/v1/realtime", model, f"error:{code}", 0.0, None)
+            metrics.refused_start(model, code)
         if code not in self._logged:
             self._logged.add(code)
             log.warning(
@@ -393,9 +393,10 @@ class RealtimeConnection(Writer):
                     key=self.key,
                     model=request.model,
                 )
+                count_cache(self.request, record, opened)
                 if run is not None and opened.cache != "hit":
                     # The socket's access line is one for all its turns: each its own spend.
-                    account_at_end(self.request.app, record, run)
+                    account_at_end(self.request.app, record, run, refusal=True)
                 self.turn = Turn(self, reader, run, record)
             case AbortTurn():
                 running = self.turn

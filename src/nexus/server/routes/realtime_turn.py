@@ -20,7 +20,7 @@ from ...errors import GatewayError
 from ...events import Done, Error, StreamEvent
 from ...protocol.realtime import RealtimeSession, gateway_error_frame
 from ..access import METRICS
-from ..state import Exchange
+from ..state import Exchange, exchange
 
 __all__ = ["Turn"]
 
@@ -147,7 +147,7 @@ class Turn:
             self.status, self.record.error = exc.status, exc.code  # before any event
             with contextlib.suppress(ConnectionError):
                 if exc.status >= 500:
-                    await conn.fail(self.encoder.error(exc.to_event())[:-1])
+                    await self._fail(exc.to_event())
                 else:
                     await conn.ws.send_str(gateway_error_frame(exc, conn.request_id).frame)
         except ConnectionError:
@@ -156,7 +156,7 @@ class Turn:
             log.exception("realtime turn failed")
             self.terminate()
             self.record.stream_error = _INTERNAL.code
-            await conn.fail(self.encoder.error(_INTERNAL)[:-1])
+            await self._fail(_INTERNAL)
         finally:
             await self._close()
 
@@ -172,11 +172,18 @@ class Turn:
         assert type(event) is Error
         self.record.ended_with(event)
         self.terminate()
-        frame = self.encoder.error(event)[:-1]
         if event.code in _TURN_LIMITS:  # the turn's own limit: the socket is fine
-            await self.conn.ws.send_frame(frame, WSMsgType.TEXT)
+            await self.conn.ws.send_frame(self.encoder.error(event)[:-1], WSMsgType.TEXT)
             return
-        await self.conn.fail(frame)
+        await self._fail(event)
+
+    async def _fail(self, error: Error) -> None:
+        """A provider (or gateway) failure ends the socket: the error frame, then 1011
+        (:meth:`Connection.fail`); the socket's access line says so, as it does after an
+        unexpected error's 1011 (``mid_stream_error:<code>``)."""
+        socket = exchange(self.conn.request)
+        socket.stream_error = socket.stream_error or error.code or error.error_type
+        await self.conn.fail(self.encoder.error(error)[:-1])
 
     def terminate(self) -> None:
         """The turn's last frame is about to go out: the session may start the next."""
@@ -210,7 +217,15 @@ class Turn:
         if metrics is not None:  # each turn counts as an HTTP stream request does
             outcome = record.outcome(self.status)
             elapsed = time.monotonic() - record.started
-            metrics.observe(record.endpoint, record.model, outcome, elapsed, record.ttft)
+            metrics.observe(
+                record.endpoint,
+                record.model,
+                outcome,
+                elapsed,
+                record.ttft,
+                cache=record.cache,
+                cancelled=record.cancelled,  # its own cause (the socket's line counts none)
+            )
         if conn.turn is self:
             conn.turn = None
             if not self.terminated:  # else the session already moved on: it may be streaming

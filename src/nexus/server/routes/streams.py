@@ -26,6 +26,7 @@ from ...cache.keeper import status_of
 from ...errors import GatewayError
 from ...events import Error
 from .. import state
+from ..access import METRICS
 from .common import json_response, last_event_id, negotiate, resume
 from .stream_access import describe, find_stream
 
@@ -49,13 +50,16 @@ async def cancel(request: web.Request) -> web.StreamResponse:
     if run is not None:
         # An error, not a done: whoever else reads it (a joined request) must not take
         # the cut-short stream for a finished one.
-        run.cancel(
+        cancelled = run.cancel(
             Error(
                 error_type="invalid_request_error",
                 message=f"The stream was cancelled (DELETE /v1/streams/{stream_id}).",
                 code="stream_cancelled",
             )
         )
+        metrics = request.app.get(METRICS)
+        if cancelled and metrics is not None:  # counted here: its end reads as any abort's
+            metrics.cancellations.labels("cancelled").inc()
         await run.wait()
         return json_response(describe(run.info) | {"status": status_of(run.events[-1])})
     if info.status == "in_progress":

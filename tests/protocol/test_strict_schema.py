@@ -117,6 +117,8 @@ def nested(depth: int) -> dict[str, Any]:
         wrap({"type": "string", "minLength": 1}),
         wrap({"type": "string", "default": "x"}),
         wrap({"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
+        wrap({"type": "array"}),  # no items: "array schema missing items" under strict
+        wrap({"type": ["array", "null"]}),
         wrap({"allOf": [{"type": "string"}]}),
         wrap({"not": {"type": "string"}}),
         wrap({"type": "string", "format": "uri"}),

@@ -44,7 +44,10 @@ async def gateway(make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstre
             "claude": {"kind": "anthropic", "base_url": claude.url},
             "oai": {"kind": "openai", "base_url": oai.url + "/v1"},
         },
-        "models": {"either": {"targets": ["claude/m", "oai/m"]}},
+        "models": {
+            "either": {"targets": ["claude/m", "oai/m"]},
+            "gpt-then-claude": {"targets": ["oai/m", "claude/m"]},
+        },
     }
     client = await make_client(config)
     return str(client.make_url(""))
@@ -58,31 +61,44 @@ def anthropic_answer(text: str = "Hi.") -> Reply:
     return Reply.stream(anthropic_stream([{"type": "text", "text": text}]))
 
 
-async def test_a_messages_clients_effort_and_format_reach_an_openai_upstream(
+async def test_a_messages_clients_format_reaches_an_openai_upstream_strict(
     make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream
 ) -> None:
-    """``messages.parse`` with an effort level: OpenAI gets ``reasoning_effort`` and a
-    strict response format (the optional, nullable ``nick`` required), and the SDK parses
-    the answer."""
+    """``messages.parse``: OpenAI gets a strict response format (the optional, nullable
+    ``nick`` required), and the SDK parses the answer."""
     oai.add(openai_answer())
     url = await gateway(make_client, claude, oai)
     async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as api:
         message = await api.messages.parse(
-            model="oai/m",
-            max_tokens=50,
-            messages=[USER],
-            output_format=Person,
-            output_config={"effort": "xhigh"},
+            model="oai/m", max_tokens=50, messages=[USER], output_format=Person
         )
     assert message.parsed_output == Person(name="Ada")
     (seen,) = oai.requests
-    assert seen.body["reasoning_effort"] == "xhigh"
-    assert "output_config" not in seen.body
+    assert "output_config" not in seen.body and "reasoning_effort" not in seen.body
     json_schema = seen.body["response_format"]["json_schema"]
     assert (json_schema["name"], json_schema["strict"]) == ("output", True)
     assert json_schema["schema"]["required"] == ["name", "nick"]
     assert json_schema["schema"]["additionalProperties"] is False
     assert claude.requests == []
+
+
+async def test_a_messages_clients_effort_falls_back_past_an_openai_target(
+    make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream
+) -> None:
+    """An alias from an OpenAI model to a Claude one: the OpenAI target refuses the effort
+    (a non-reasoning model would answer 400, ending the request), so Claude answers with it;
+    the OpenAI model alone is a 400 naming the field."""
+    claude.add(anthropic_answer())
+    url = await gateway(make_client, claude, oai)
+    request: Any = {"max_tokens": 50, "messages": [USER], "output_config": {"effort": "high"}}
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0) as api:
+        message = await api.messages.create(model="gpt-then-claude", **request)
+        with pytest.raises(anthropic.BadRequestError) as info:
+            await api.messages.create(model="oai/m", **request)
+    assert message.content[0].type == "text"
+    assert oai.requests == []
+    assert [seen.body["output_config"] for seen in claude.requests] == [{"effort": "high"}]
+    assert "output_config.effort" in str(info.value)
 
 
 async def test_an_openai_clients_effort_stays_off_an_anthropic_upstream(
@@ -110,29 +126,32 @@ async def test_an_openai_clients_effort_stays_off_an_anthropic_upstream(
 async def test_a_chat_clients_output_config_reaches_an_openai_upstream_in_its_terms(
     make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream
 ) -> None:
-    """Anthropic's ``output_config`` from a chat client: its effort and format have
-    counterparts; a setting without one is a 400 naming it, never dropped."""
+    """Anthropic's ``output_config`` from a chat client: its format has a counterpart; a
+    setting without one (an effort level too) is a 400 naming it, never dropped."""
     oai.add(openai_answer())
     url = await gateway(make_client, claude, oai)
     schema = Person.model_json_schema()
-    config = {"effort": "medium", "format": {"type": "json_schema", "schema": schema}}
+    config = {"format": {"type": "json_schema", "schema": schema}}
     async with AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as api:
         await api.chat.completions.create(
             model="oai/m", messages=[USER], extra_body={"output_config": config}
         )
-        with pytest.raises(openai.BadRequestError) as info:
-            await api.chat.completions.create(
-                model="oai/m",
-                messages=[USER],
-                extra_body={"output_config": {"task_budget": {"type": "tokens", "total": 9}}},
-            )
+        refused = []
+        for extra in ({"task_budget": {"type": "tokens", "total": 9}}, {"effort": "medium"}):
+            with pytest.raises(openai.BadRequestError) as info:
+                await api.chat.completions.create(
+                    model="oai/m", messages=[USER], extra_body={"output_config": extra}
+                )
+            refused.append(info.value)
     (seen,) = oai.requests
-    assert "output_config" not in seen.body
-    assert seen.body["reasoning_effort"] == "medium"
+    assert "output_config" not in seen.body and "reasoning_effort" not in seen.body
     assert seen.body["response_format"]["type"] == "json_schema"
     assert seen.body["response_format"]["json_schema"]["name"] == "output"
-    assert (info.value.code, info.value.param) == ("invalid_request", "output_config.task_budget")
-    assert "cannot honour" in info.value.message
+    assert [(error.code, error.param) for error in refused] == [
+        ("invalid_request", "output_config.task_budget"),
+        ("invalid_request", "output_config.effort"),
+    ]
+    assert all("cannot honour" in error.message for error in refused)
 
 
 async def test_a_schema_strict_mode_cannot_hold_reaches_openai_as_before(

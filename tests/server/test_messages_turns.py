@@ -152,15 +152,10 @@ async def test_messages_parse_works_with_either_kind_of_upstream(
     await api.close()
 
 
-async def test_an_effort_level_reaches_either_kind_of_upstream(
+async def test_an_effort_level_reaches_anthropic_and_is_refused_by_name_elsewhere(
     make_client: MakeClient, upstream: FakeUpstream
 ) -> None:
-    """Anthropic gets ``output_config`` as sent; an OpenAI upstream the same level as its
-    ``reasoning_effort``."""
-    upstream.add(
-        Reply.stream(anthropic_stream([{"type": "text", "text": "Hi."}])),
-        Reply.stream([openai_chunk(content="Hi."), openai_chunk(finish_reason="stop"), DONE]),
-    )
+    upstream.add(Reply.stream(anthropic_stream([{"type": "text", "text": "Hi."}])))
     config = {
         "providers": {
             "an": {"kind": "anthropic", "base_url": upstream.url},
@@ -173,9 +168,9 @@ async def test_an_effort_level_reaches_either_kind_of_upstream(
     )
     request: Any = {"max_tokens": 50, "messages": [USER], "output_config": {"effort": "high"}}
     await api.messages.create(model="an/m", **request)
-    await api.messages.create(model="oa/m", **request)
-    anthropic_body, openai_body = (seen.body for seen in upstream.requests)
-    assert anthropic_body["output_config"] == {"effort": "high"}
-    assert openai_body["reasoning_effort"] == "high"
-    assert "output_config" not in openai_body
+    assert upstream.requests[0].body["output_config"] == {"effort": "high"}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        await api.messages.create(model="oa/m", **request)
+    assert "output_config.effort: a setting" in info.value.message
+    assert len(upstream.requests) == 1  # nothing went to the OpenAI upstream
     await api.close()

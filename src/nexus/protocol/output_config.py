@@ -1,18 +1,17 @@
-"""Anthropic's ``output_config`` and OpenAI's ``reasoning_effort`` for either kind of
-provider. Sans-I/O.
+"""Anthropic's ``output_config`` for either kind of provider. Sans-I/O.
 
-A request carries either API's field for the same asks: an effort level (Anthropic's
-``output_config.effort``, OpenAI's ``reasoning_effort``, which ``/v1/responses``'
-``reasoning.effort`` becomes) and structured outputs (``output_config.format``, which
-``/v1/messages`` keeps, beside OpenAI's ``response_format``). Each target gets them in its
-own API's terms: an Anthropic effort level through :data:`EFFORT_LEVELS` (OpenAI's stays
-off Anthropic targets: :func:`anthropic_config`);
-Anthropic's format as a ``json_schema`` response format, strict where OpenAI's strict mode
-can hold the answer to the schema (:mod:`.strict_schema`). What has no counterpart on a
-target is refused there, naming the field and its value (:class:`InvalidRequest`: the
-target is skipped, and with none left the request is a 400), and so is a request that asks
-for one thing twice, differently: sent without it, the answer would be to another question
-than the one asked.
+``/v1/messages`` keeps its structured outputs (``output_config.format``), and a chat client
+may send Anthropic's field too. An Anthropic target gets it as sent; an OpenAI one its
+format as a ``json_schema`` response format, strict where OpenAI's strict mode can hold the
+answer to the schema as Anthropic does (:mod:`.strict_schema`). Any other part of it is
+refused there, naming it (:class:`InvalidRequest`: the target is skipped, and with none
+left the request is a 400): sent without it, the answer would be to another question.
+
+That includes ``effort``. Effort levels stay with their own kind of provider, either way:
+not every model of the other kind takes one (a non-reasoning OpenAI model, an older Claude
+model, answer 400), and an upstream's 400 ends a request, where a refusal here lets an
+alias fall back to a target that can. So an OpenAI target refuses ``output_config.effort``,
+and an Anthropic one drops ``reasoning_effort``, as it drops the sampling fields.
 """
 
 from __future__ import annotations
@@ -23,20 +22,7 @@ from ..errors import InvalidRequest
 from ..request import ChatRequest
 from .strict_schema import strict_form
 
-__all__ = ["EFFORT_LEVELS", "FORMAT_NAME", "anthropic_config", "openai_fields", "sent_config"]
-
-EFFORT_LEVELS: dict[str, str] = {
-    # OpenAI's reasoning_effort: Anthropic's output_config.effort (the SDKs' literals)
-    "low": "low",
-    "medium": "medium",
-    "high": "high",
-    "xhigh": "xhigh",
-    "max": "max",
-}
-"""Every Anthropic level has an OpenAI one, the same word; OpenAI's ``none`` and
-``minimal`` lie below Anthropic's lowest."""
-_OPENAI_LEVELS = {anthropic: openai for openai, anthropic in EFFORT_LEVELS.items()}
-_LEVELS = "'low', 'medium', 'high', 'xhigh' or 'max'"
+__all__ = ["FORMAT_NAME", "anthropic_config", "openai_fields", "sent_config"]
 
 FORMAT_NAME = "output"
 """The ``json_schema`` response format's name for Anthropic's format, which has none."""
@@ -46,10 +32,9 @@ _CHAT = "Chat Completions"
 
 def sent_config(request: ChatRequest) -> dict[str, Any]:
     """The ``output_config`` the request carries ({} for none). Raises
-    :class:`InvalidRequest` for one that is not an object, a format beside a
-    ``response_format`` that asks for one, and an effort other than ``reasoning_effort``'s."""
-    extra = request.model_extra or {}
-    config = extra.get("output_config")
+    :class:`InvalidRequest` for one that is not an object, and a format beside a
+    ``response_format`` that asks for one."""
+    config = (request.model_extra or {}).get("output_config")
     if config is None:
         return {}
     if type(config) is not dict:
@@ -60,51 +45,32 @@ def sent_config(request: ChatRequest) -> dict[str, Any]:
             "output_config.format: a format beside response_format's; send one of them",
             param="output_config.format",
         )
-    effort, reasoning = config.get("effort"), extra.get("reasoning_effort")
-    if effort is not None and reasoning is not None and _level(reasoning) != effort:
-        raise InvalidRequest(
-            f"output_config.effort: {_shown(effort)}, beside reasoning_effort "
-            f"{_shown(reasoning)}, another level; send one of them",
-            param="output_config.effort",
-        )
     return config
 
 
 def anthropic_config(request: ChatRequest) -> dict[str, Any]:
     """The ``output_config`` an Anthropic upstream gets (before a ``response_format``'s
     schema joins it): the request's as sent (the upstream judges its own field). Raises
-    :class:`InvalidRequest` as :func:`sent_config` does.
-
-    A chat client's ``reasoning_effort`` does not become its ``effort``: not every Claude
-    model takes one (those that do not answer 400), so a request that an alias falls back
-    with from an OpenAI model to a Claude one would fail where it is served today. It is
-    dropped there, as the sampling fields are; a client asks an Anthropic target for a
-    level with ``output_config.effort``."""
+    :class:`InvalidRequest` as :func:`sent_config` does."""
     return dict(sent_config(request))
 
 
 def openai_fields(request: ChatRequest, model: str = "") -> dict[str, Any]:
-    """The Chat Completions fields for the request's ``output_config``: ``effort`` as
-    ``reasoning_effort``, ``format`` as a ``json_schema`` ``response_format`` for the
-    upstream ``model`` (see the module's docstring). Raises :class:`InvalidRequest`
-    naming the first part of it with no counterpart there."""
+    """The Chat Completions fields for the request's ``output_config``: its ``format`` as a
+    ``json_schema`` ``response_format`` for the upstream ``model``. Raises
+    :class:`InvalidRequest` naming any other part of it, ``effort`` included (see the
+    module's docstring)."""
     out: dict[str, Any] = {}
     for key, value in sent_config(request).items():
         if value is None:
             continue
-        if key == "effort":
-            level = _OPENAI_LEVELS.get(value) if type(value) is str else None
-            if level is None:
-                raise _no_counterpart("output_config.effort", value, _CHAT)
-            out["reasoning_effort"] = level
-        elif key == "format":
-            out["response_format"] = _response_format(value, model)
-        else:
+        if key != "format":
             raise InvalidRequest(
                 f"output_config.{key}: a setting which this model's provider ({_CHAT}) "
                 "cannot honour; send it to a model of an Anthropic provider",
                 param=f"output_config.{key}",
             )
+        out["response_format"] = _response_format(value, model)
     return out
 
 
@@ -125,22 +91,3 @@ def _response_format(fmt: Any, model: str) -> dict[str, Any]:
     if strict is not None:
         json_schema = {"name": FORMAT_NAME, "schema": strict, "strict": True}
     return {"type": "json_schema", "json_schema": json_schema}
-
-
-def _level(reasoning: Any) -> str | None:
-    """The Anthropic level of a ``reasoning_effort`` (None: it has none)."""
-    return EFFORT_LEVELS.get(reasoning) if type(reasoning) is str else None
-
-
-def _shown(value: Any) -> str:
-    """A client's value as an error quotes it: its ``repr``, cut (it may be any size)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:39] + "…"
-
-
-def _no_counterpart(param: str, value: Any, api: str) -> InvalidRequest:
-    return InvalidRequest(
-        f"{param}: {_shown(value)}, an effort level which this model's provider ({api}) cannot "
-        f"honour; send {_LEVELS}",
-        param=param,
-    )

@@ -133,6 +133,8 @@ def _node(node: Any, count: _Count, depth: int, objects: int) -> dict[str, Any]:
         out["anyOf"] = [_node(v, count, depth + 1, objects) for v in variants]
     if "items" in node:
         out["items"] = _node(node["items"], count, depth + 1, objects)
+    elif "array" in types:
+        raise _NoStrictForm  # an array of any values: strict mode wants its items' schema
     if "object" in types:
         _object(node, out, count, depth, objects + 1)
     return out

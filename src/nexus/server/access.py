@@ -1,10 +1,10 @@
 """Who may call, from where, and what each request did: request ids, CORS, API keys,
 per-key limits, the access log.
 
-:func:`access_middleware` is the outermost layer: it gives every request an id (a sane
-``X-Request-Id`` is kept, unless it looks like a key), refuses other sites' pages and
-rebound ``Host`` names before any route runs (:mod:`nexus.server.origins`), answers CORS
-preflights, and writes one access line and the metrics per request, inside its span when
+:func:`access_middleware` is the outermost layer: it gives every request an id of its own
+(the id a client gives is kept beside it, :func:`_client_request_id`), refuses other sites'
+pages and rebound ``Host`` names before any route runs (:mod:`nexus.server.origins`), answers
+CORS preflights, and writes one access line and the metrics per request, inside its span when
 tracing (:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`admit`; the
 pump fills in the request's :class:`~nexus.server.state.Exchange` as it writes.
 
@@ -81,26 +81,38 @@ ANTHROPIC_ENDPOINTS = frozenset({"/v1/messages"})
 """Endpoints in Anthropic's shape: their responses carry the id as ``request-id`` too."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
-    "X-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, Location, Retry-After, "
-    "X-Nexus-Resumable, X-Nexus-Store, request-id, x-should-retry"
+    "X-Request-Id, X-Client-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, "
+    "Location, Retry-After, X-Nexus-Resumable, X-Nexus-Store, request-id, x-should-retry"
 )
 _ALLOWED_HEADERS = (
     "Authorization, Content-Type, X-Api-Key, X-Nexus-Stream-Format, Last-Event-ID, "
-    "X-Request-Id, Accept, X-Nexus-Resumable"
+    "X-Request-Id, X-Client-Request-Id, Accept, X-Nexus-Resumable"
 )
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The id the client gave its request: ``X-Client-Request-Id`` (OpenAI's header for
+    it), else ``X-Request-Id`` (a proxy's in front, or a client's of old); None unless it
+    is 1 to 128 characters of ``A-Za-z0-9._:/+=@-`` and not a key. Kept beside the
+    gateway's id, never as it: a client could give another request's, and two requests
+    would share one id in the log and the traces."""
+    headers = request.headers
+    incoming = headers.get("X-Client-Request-Id") or headers.get("X-Request-Id") or ""
+    sane = _REQUEST_ID.fullmatch(incoming) and redact(incoming) == incoming  # (not a key)
+    return incoming if sane else None
 
 
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    incoming = request.headers.get("X-Request-Id", "")
-    sane = _REQUEST_ID.fullmatch(incoming) and redact(incoming) == incoming  # (not a key)
-    request_id = incoming if sane else new_request_id()
-    ex = Exchange(request_id, time.monotonic())
+    request_id = new_request_id()
+    ex = Exchange(request_id, time.monotonic(), _client_request_id(request))
     ex.endpoint = _endpoint(request)
     ex.method = request.method
     ex.path = request.path[:MAX_PATH_CHARS]
     ex.client = request.remote
     ex.headers["X-Request-Id"] = request_id
+    if ex.client_request_id is not None:
+        ex.headers["X-Client-Request-Id"] = ex.client_request_id  # echoed, for the client
     if ex.endpoint in ANTHROPIC_ENDPOINTS:
         ex.headers["request-id"] = request_id  # where Anthropic's API, and its SDK, have it
     # No response is to be read as anything but its type (errors quote a client's strings;
@@ -141,6 +153,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             request.headers,
             scheme=request.scheme,
             request_id=request_id,
+            client_request_id=ex.client_request_id,
         )
         if tracing is not None and ex.endpoint not in _UNTRACED
         else None
@@ -166,7 +179,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     finally:
         POOL_WAITS.reset(waits)
         if span is not None:
-            span.close(status, ex.stream_id, ex.cancelled)
+            span.close(status, ex.stream_id, ex.cancelled, ex.stream_failure())
         _account(app, ex, status)
 
 
@@ -258,6 +271,7 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         "stream_id": ex.stream_id or None,
         "key": ex.key.name if ex.key is not None else None,
         "client": ex.client,
+        "client_request_id": ex.client_request_id,
         "cache": ex.cache,
         "pool_wait_ms": None if pool_wait is None else round(pool_wait * 1000, 2),
         "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 2),
@@ -334,6 +348,7 @@ def _spend_line(ex: Exchange, run: StreamRun, model: str | None) -> None:
         "served": f"{meta.provider}/{meta.upstream_model}" if meta.provider else None,
         "stream_id": run.id,
         "key": ex.key.name if ex.key is not None else None,
+        "client_request_id": ex.client_request_id,
     }
     _add_spend(fields, spend)
     _line(spend_log, level, ex.request_id, fields)

@@ -35,8 +35,9 @@ from ..tokens import StreamTokens, new_secret, secret_from_env
 from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
-from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin
+from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsPlugin, ModelLabels
 from .origins import loopback_host
+from .redaction import redact
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .shutdown import closing_deadline, drain, shutdown_event
 from .state import CONFIG, ENGINE, HUB, REGISTRY, RUNTIME, TOKENS, Runtime
@@ -119,14 +120,16 @@ def create_app(
         budgets = BudgetPlugin(limits, keys.keys, hub.admission.slot_of)
         engine.hooks.add(budgets, name="budgets", first=True)
     app[TOKENS] = StreamTokens(_token_secret(config))
+    labels = ModelLabels(engine.models(), engine.providers)  # one bound for metrics and spans
     if config.metrics.enabled:
         app[METRICS] = metrics = Metrics()
         metrics.watch(hub, engine.hooks)
-        metrics.models = frozenset(engine.models())
-        metrics.providers = frozenset(engine.providers)
+        metrics.model_label = labels
         engine.hooks.add(MetricsPlugin(metrics), name="metrics", first=True)
         app.router.add_get("/metrics", metrics_endpoint(metrics_token(config)))
     if telemetry is not None:
+        # Span names bounded as the metrics' labels; a client's text redacted as in the log.
+        telemetry.model_label, telemetry.redact = labels, redact
         app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
     app[RUNTIME] = Runtime(pending=PendingLedger(config.realtime.max_pending_bytes_per_key))

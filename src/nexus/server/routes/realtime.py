@@ -152,6 +152,7 @@ class RealtimeConnection(Writer):
 
     async def run(self) -> web.WebSocketResponse:
         ws = self.ws
+        ws.headers.update(exchange(self.request).headers)  # its X-Request-Id, as every answer's
         await ws.prepare(self.request)
         ws.headers.clear()  # sent: not kept for the connection's length
         # What the client got, whatever ends the session (the access line's status).

@@ -211,7 +211,7 @@ class RoutedRun:
                 await batches.aclose()
         finally:
             if span is not None:
-                span.end()
+                span.end(getattr(batches, "response_model", None))
 
     async def aclose(self) -> None:
         await self._end(len(self._targets))

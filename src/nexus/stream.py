@@ -54,7 +54,8 @@ class Batches(Protocol):
 
     A provider's may say ``accepted`` (true once the upstream took the request): a stream
     closed before its first event is then charged its prompt's estimate, or the
-    ``prompt_usage`` (a :class:`~nexus.events.Usage`) the upstream said before any event."""
+    ``prompt_usage`` (a :class:`~nexus.events.Usage`) the upstream said before any event;
+    and ``response_model``, the model the upstream said answered (for the attempt's span)."""
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 

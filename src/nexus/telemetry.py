@@ -11,11 +11,23 @@ and the engine's :class:`Attempt` spans are its children; a background request's
 ends with its run (:func:`end_with`), not its ``202``. An incoming ``traceparent``
 makes it a child of the caller's span, and :func:`upstream_headers` sends the
 attempt's upstream. Sampling is parent-based, ``sample_ratio`` deciding for new traces.
+The caller's ``tracestate`` is not taken in: the gateway is a trust boundary, and the
+upstream is a third party that has no business reading a tenant's tracing vendors'
+entries (W3C Trace Context, "Security": keep ``tracestate`` out of requests to external
+systems); the trace id and the sampled flag are all that cross it.
 
 Attributes follow the OpenTelemetry GenAI semantic conventions (``gen_ai.provider.name``,
 not the replaced ``gen_ai.system``); the first output sets
 ``gen_ai.response.time_to_first_chunk`` and one ``gen_ai.first_token`` event. Nothing
 is done per chunk. Traces carry no prompt, completion, key or upstream error message.
+
+Span names are low-cardinality, as the conventions require (a trace backend keeps a list
+of operations by name): the route pattern for a request, ``chat`` and the model's bounded
+name for an attempt (the metrics' ``model`` label); never a path or a model a client
+chose. Attributes that hold a client's text (``url.path``, the models) go through the
+access line's redaction, so a key a client puts there is not exported. Both functions are
+the server's, which gives them to its :class:`Telemetry` (:attr:`Telemetry.model_label`,
+:attr:`Telemetry.redact`): this module is below the server and imports none of it.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ import asyncio
 import contextvars
 import importlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -82,6 +94,13 @@ class Telemetry:
         self.propagator = TraceContextTextMapPropagator()
         self._context = context
         self._trace = trace
+        self.redact: Callable[[str], str] = _withheld
+        """Applied to every attribute that holds a client's text (or an upstream's echo of
+        it). The app gives the access line's, :func:`nexus.server.redaction.redact`; until
+        then such text is withheld whole."""
+        self.model_label: Callable[[str | None], str] = _unknown
+        """A model's bounded name, for span names. The app gives the one its metrics use,
+        :class:`nexus.server.metrics.ModelLabels`; until then every model is ``unknown``."""
 
     @classmethod
     def from_config(
@@ -128,23 +147,28 @@ class Telemetry:
         *,
         scheme: str,
         request_id: str,
+        client_request_id: str | None = None,
     ) -> RequestSpan:
         """Open the SERVER span of one HTTP request, current in this task until
-        :meth:`RequestSpan.close`. ``route`` is the matched pattern (None: none matched);
-        ``headers`` may carry the caller's ``traceparent``."""
+        :meth:`RequestSpan.close`. ``route`` is the matched pattern (None: none matched),
+        the span's name with the method; ``path`` is the client's, redacted. ``headers``
+        may carry the caller's ``traceparent`` (its ``tracestate`` is not read: see the
+        module docstring)."""
         known = method if method in _HTTP_METHODS else "_OTHER"
         name = "HTTP" if known == "_OTHER" else known
         if route is not None:
             name += " " + route
         attributes: dict[str, Any] = {
             "http.request.method": known,
-            "url.path": path,
+            "url.path": self.redact(path),
             "url.scheme": scheme,
             "nexus.request_id": request_id,
         }
         if route is not None:
             attributes["http.route"] = route
-        parent = self.propagator.extract(headers)
+        if client_request_id is not None:
+            attributes["nexus.client_request_id"] = client_request_id
+        parent = self.propagator.extract({"traceparent": headers.get("traceparent", "")})
         span = self.tracer.start_span(
             name, parent, kind=self._trace.SpanKind.SERVER, attributes=attributes
         )
@@ -155,11 +179,12 @@ class Telemetry:
         self, provider: str, kind: str, model: str, request: ChatRequest, index: int
     ) -> Attempt:
         """Open the CLIENT span of one upstream attempt (a child of the current span),
-        the one :func:`upstream_headers` sends upstream from this task."""
+        the one :func:`upstream_headers` sends upstream from this task. It is named by
+        the bounded name of ``provider/model``, not by ``model`` (a client may choose it)."""
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
             "gen_ai.provider.name": PROVIDER_NAMES.get(kind, kind),
-            "gen_ai.request.model": model,
+            "gen_ai.request.model": self.redact(model),
             "gen_ai.request.stream": True,  # the gateway always streams from upstream
             "nexus.provider": provider,
             "nexus.attempt": index,
@@ -172,12 +197,12 @@ class Telemetry:
             attributes["gen_ai.request.top_p"] = request.top_p
         started = time.time_ns()
         span = self.tracer.start_span(
-            f"chat {model}",
+            f"chat {self.model_label(f'{provider}/{model}')}",
             kind=self._trace.SpanKind.CLIENT,
             attributes=attributes,
             start_time=started,
         )
-        attempt = Attempt(self, span, model, started)
+        attempt = Attempt(self, span, started)
         _ATTEMPT.set(attempt)
         return attempt
 
@@ -195,9 +220,17 @@ class RequestSpan:
         self.until: asyncio.Future[Any] | None = None
         """Set by :func:`end_with`: the span ends when this is done, not at :meth:`close`."""
 
-    def close(self, status: int, stream_id: str = "", cancelled: str | None = None) -> None:
+    def close(
+        self,
+        status: int,
+        stream_id: str = "",
+        cancelled: str | None = None,
+        stream_error: str | None = None,
+    ) -> None:
         """The response is out (or the handler failed): record ``status`` (a 5xx is an
-        error), leave the span's context, and end it, or have it end with its run."""
+        error, and so is a stream that ended with the error ``stream_error`` after its
+        headers: its status stays 200), leave the span's context, and end it, or have it
+        end with its run."""
         telemetry = self._telemetry
         _REQUEST.reset(self._request)
         telemetry._context.detach(self._token)
@@ -207,8 +240,9 @@ class RequestSpan:
             span.set_attribute("nexus.stream.id", stream_id)
         if cancelled is not None:
             span.set_attribute("nexus.cancelled", cancelled)
-        if status >= 500:
-            span.set_attribute("error.type", str(status))
+        error = str(status) if status >= 500 else stream_error
+        if error is not None:
+            span.set_attribute("error.type", error)
             span.set_status(telemetry._trace.Status(telemetry._trace.StatusCode.ERROR))
         until = self.until
         if until is None or until.done():
@@ -220,12 +254,11 @@ class RequestSpan:
 class Attempt:
     """The CLIENT span of one upstream attempt (see :meth:`Telemetry.attempt`)."""
 
-    __slots__ = ("_started", "_telemetry", "done", "model", "span")
+    __slots__ = ("_started", "_telemetry", "done", "span")
 
-    def __init__(self, telemetry: Telemetry, span: Span, model: str, started: int) -> None:
+    def __init__(self, telemetry: Telemetry, span: Span, started: int) -> None:
         self._telemetry = telemetry
         self.span = span
-        self.model = model
         self._started = started
         self.done = False
 
@@ -239,7 +272,6 @@ class Attempt:
         """The upstream ended its stream well; ``tail``, its last reads, holds the
         finish reason and the usage."""
         span = self.span
-        span.set_attribute("gen_ai.response.model", self.model)
         usage, finish = _outcome(tail)
         if usage is not None:
             span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
@@ -259,10 +291,15 @@ class Attempt:
         self.span.set_status(trace.Status(trace.StatusCode.ERROR, code))
         self.done = True
 
-    def end(self) -> None:
-        """End the span (an attempt neither answered nor failed was cancelled)."""
+    def end(self, response_model: str | None = None) -> None:
+        """End the span (an attempt neither answered nor failed was cancelled).
+        ``response_model``: the model the upstream said answered (the ``model`` of its
+        chunks), redacted (it may echo the client's); None leaves
+        ``gen_ai.response.model`` out rather than guess it from the request."""
         if not self.done:
             self.span.set_attribute("nexus.cancelled", True)
+        if response_model:
+            self.span.set_attribute("gen_ai.response.model", self._telemetry.redact(response_model))
         self.span.end()
         if _ATTEMPT.get() is self:
             _ATTEMPT.set(None)
@@ -282,6 +319,14 @@ class Attempt:
         return carrier
 
 
+def _withheld(text: str) -> str:
+    return "[withheld]"
+
+
+def _unknown(model: str | None) -> str:
+    return "unknown"
+
+
 def upstream_headers(headers: dict[str, str], url: str) -> dict[str, str]:
     """``headers`` for an upstream request to ``url``, with the current attempt's trace
     context when there is one."""
@@ -292,11 +337,11 @@ def upstream_headers(headers: dict[str, str], url: str) -> dict[str, str]:
 
 
 def request_model(model: str) -> None:
-    """Note the model the client asked for on the current request span."""
-    request = _REQUEST.get()
-    if request is not None:
-        request.span.set_attribute("gen_ai.operation.name", "chat")
-        request.span.set_attribute("gen_ai.request.model", model)
+    """Note the model the client asked for on the current request span (redacted)."""
+    current = _REQUEST.get()
+    if current is not None:
+        current.span.set_attribute("gen_ai.operation.name", "chat")
+        current.span.set_attribute("gen_ai.request.model", current._telemetry.redact(model))
 
 
 def end_with(until: asyncio.Future[Any]) -> None:

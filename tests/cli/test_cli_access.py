@@ -89,7 +89,8 @@ def test_json_logs_carry_the_request_id_and_no_secrets(tmp_path: Path) -> None:
             },
         )
         with urllib.request.urlopen(request, timeout=10) as resp:
-            assert resp.headers["X-Request-Id"] == "trace-42"
+            request_id = resp.headers["X-Request-Id"]
+            assert resp.headers["X-Client-Request-Id"] == "trace-42"
             assert b"private" in resp.read()
         time.sleep(0.2)
     finally:
@@ -101,7 +102,7 @@ def test_json_logs_carry_the_request_id_and_no_secrets(tmp_path: Path) -> None:
     access = [r for r in records if r["logger"] == "nexus.access"]
     assert len(access) == 1
     line = access[0]
-    assert line["request_id"] == "trace-42"
+    assert (line["request_id"], line["client_request_id"]) == (request_id, "trace-42")
     assert line["status"] == 200
     assert line["format"] == "application/x-ndjson"
     assert line["provider"] == "mock"

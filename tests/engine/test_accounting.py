@@ -456,11 +456,12 @@ async def test_a_cache_hit_spends_nothing(
     body = {"model": "a/m1", "messages": [{"role": "user", "content": "x"}], "stream": True}
     for request_id in ("first", "again"):
         resp = await client.post(
-            "/v1/chat/completions", json=body, headers={"X-Request-Id": request_id}
+            "/v1/chat/completions", json=body, headers={"X-Client-Request-Id": request_id}
         )
         await resp.read()
     await asyncio.sleep(0.05)
-    lines = {r.request_id: r.access for r in caplog.records if r.name == "nexus.access"}  # type: ignore[attr-defined]
+    access = [r.access for r in caplog.records if r.name == "nexus.access"]  # type: ignore[attr-defined]
+    lines = {line["client_request_id"]: line for line in access}
     assert (lines["first"]["cache"], lines["first"]["cost_usd"]) == ("miss", round(COST, 10))
     assert lines["first"]["prompt_tokens"] == 1200
     again = lines["again"]

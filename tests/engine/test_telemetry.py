@@ -8,6 +8,7 @@ The app runs in process with an in-memory exporter in place of the OTLP one
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -35,11 +36,15 @@ from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chun
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
+SERVED = "small-model-2025-01-31"
+"""The model the upstream says answered: what ``gen_ai.response.model`` holds."""
 ANSWER = [
-    openai_chunk(content="Hello"),
-    openai_chunk(content=" there"),
-    openai_chunk(finish_reason="stop"),
-    openai_usage_chunk({"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}),
+    openai_chunk(content="Hello", model=SERVED),
+    openai_chunk(content=" there", model=SERVED),
+    openai_chunk(finish_reason="stop", model=SERVED),
+    openai_usage_chunk(
+        {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}, model=SERVED
+    ),
     DONE,
 ]
 
@@ -54,7 +59,7 @@ def fallback_config(first: FakeUpstream, second: FakeUpstream, **telemetry: Any)
     return {
         "providers": {
             "flaky": {"kind": "openai", "base_url": first.url + "/v1"},
-            "steady": {"kind": "openai", "base_url": second.url + "/v1"},
+            "steady": {"kind": "openai", "base_url": second.url + "/v1", "models": ["small-model"]},
         },
         "models": {"smart": {"targets": ["flaky/big-model", "steady/small-model"]}},
         "telemetry": telemetry,
@@ -116,7 +121,8 @@ async def test_a_fallback_is_a_request_span_with_two_attempts(
     assert server.attributes["gen_ai.request.model"] == "smart"
     assert server.attributes["nexus.request_id"] == resp.headers["X-Request-Id"]
     assert server.attributes["nexus.stream.id"]
-    assert [a.name for a in attempts] == ["chat big-model", "chat small-model"]
+    # Named by the model's bounded name: advertised, or <provider>/*.
+    assert [a.name for a in attempts] == ["chat flaky/*", "chat steady/small-model"]
     for attempt in attempts:
         assert attempt.parent is not None
         assert attempt.parent.span_id == server.context.span_id
@@ -136,12 +142,13 @@ async def test_a_fallback_is_a_request_span_with_two_attempts(
     assert failed.status.status_code is StatusCode.ERROR
     assert failed.attributes["error.type"] == "upstream_error"
     assert "gen_ai.usage.input_tokens" not in failed.attributes
+    assert "gen_ai.response.model" not in failed.attributes  # no stream named one
     assert [e.name for e in failed.events] == []
 
     assert answered.attributes["nexus.provider"] == "steady"
     assert answered.status.status_code is StatusCode.UNSET
     assert answered.attributes["gen_ai.request.model"] == "small-model"
-    assert answered.attributes["gen_ai.response.model"] == "small-model"
+    assert answered.attributes["gen_ai.response.model"] == SERVED  # the upstream's word
     assert answered.attributes["gen_ai.usage.input_tokens"] == 7
     assert answered.attributes["gen_ai.usage.output_tokens"] == 2
     assert answered.attributes["gen_ai.response.finish_reasons"] == ("stop",)
@@ -156,16 +163,19 @@ async def test_a_fallback_is_a_request_span_with_two_attempts(
         assert int(flags, 16) & 1  # sampled
 
 
-async def test_an_incoming_traceparent_is_the_parent_and_goes_upstream(
+async def test_an_incoming_traceparent_is_the_parent_and_goes_upstream_its_tracestate_not(
     aiohttp_client: Any, upstreams: tuple[FakeUpstream, FakeUpstream]
 ) -> None:
+    """The trace id crosses the gateway; a tenant's tracestate (its vendors' entries) is
+    not for a third-party provider, and is not taken in (W3C Trace Context: keep it out
+    of requests to external systems)."""
     first, second = upstreams
     first.add(Reply.stream(ANSWER))
     exporter = InMemorySpanExporter()
     client = await traced_client(aiohttp_client, fallback_config(first, second), exporter)
     headers = {
         "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01",
-        "tracestate": "vendor=opaque",
+        "tracestate": "vendor=opaque,tenant=acme-internal",
     }
     resp = await client.post("/v1/chat/completions", json=body(), headers=headers)
     assert resp.status == 200
@@ -181,7 +191,8 @@ async def test_an_incoming_traceparent_is_the_parent_and_goes_upstream(
     trace_id, span_id, _ = traceparent_of(seen.headers)
     assert trace_id == TRACE_ID
     assert int(span_id, 16) == attempt.context.span_id
-    assert seen.headers["tracestate"] == "vendor=opaque"
+    assert "tracestate" not in seen.headers
+    assert not server.context.trace_state and not attempt.context.trace_state
 
 
 async def test_sample_ratio_zero_exports_nothing_but_a_sampled_caller_stays_sampled(
@@ -338,7 +349,7 @@ async def test_nexus_serve_sends_its_spans_to_an_otlp_collector(tmp_path: Path) 
             ]
             assert service == "nexus-test"
             spans += [s for scope in resource_spans.scope_spans for s in scope.spans]
-    assert sorted(s.name for s in spans) == ["POST /v1/chat/completions", "chat echo"]
+    assert sorted(s.name for s in spans) == ["POST /v1/chat/completions", "chat mock/echo"]
 
 
 def test_the_gateway_imports_no_opentelemetry_until_tracing_is_on() -> None:
@@ -387,3 +398,123 @@ async def test_a_clients_strings_reach_a_span_bounded(
         for value in (span.attributes or {}).values():
             assert len(str(value)) <= 1024, (span.name, str(value)[:80])
     assert resp.headers["X-Content-Type-Options"] == "nosniff"
+
+
+KEY = "nx-" + "A" * 43
+SECRET = "sk-proj-" + "S" * 32
+
+
+async def test_spans_carry_no_key_and_are_named_by_bounded_values(
+    aiohttp_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key a client puts in its path or model is redacted on the spans as in the access
+    line (one redaction), an upstream echoing it too; the names are the route and the
+    model's bounded name (a model per request would be an operation per request)."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    echoed = f"Bearer {SECRET}"  # what an upstream that echoes the model would say
+    answer = [openai_chunk(content="hi", model=echoed), openai_chunk(finish_reason="stop"), DONE]
+    async with FakeUpstream(default=Reply.stream(answer)) as up:
+        exporter = InMemorySpanExporter()
+        providers = {"up": {"kind": "openai", "base_url": up.url + "/v1"}}
+        client = await traced_client(aiohttp_client, {"providers": providers}, exporter)
+        assert (await client.get(f"/v1/streams/{KEY}")).status == 404
+        models = [f"up/{KEY}", f"up/Bearer {SECRET}", *(f"up/tenant-{i}" for i in range(5))]
+        for model in models:
+            resp = await client.post("/v1/chat/completions", json=body(model))
+            assert resp.status == 200
+            await resp.read()
+        spans = await finished(exporter, 1 + 2 * len(models))
+    for span in spans:
+        assert KEY not in span.name and SECRET not in span.name
+        for value in (span.attributes or {}).values():
+            assert KEY not in str(value) and SECRET not in str(value), span.name
+    assert {s.name for s in spans} == {
+        "GET /v1/streams/{id}",
+        "POST /v1/chat/completions",
+        "chat up/*",
+    }
+    (lost,) = [s for s in spans if s.name == "GET /v1/streams/{id}"]
+    (line,) = [
+        r.access for r in caplog.records if r.name == "nexus.access" and r.levelname == "WARNING"
+    ]  # type: ignore[attr-defined]
+    assert lost.attributes["url.path"] == line["path"] == "/v1/streams/nx-[redacted]"
+    assert lost.attributes["http.route"] == "/v1/streams/{id}"
+    servers = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    attempts = [s for s in spans if s.kind is SpanKind.CLIENT]
+    assert [s.attributes["gen_ai.request.model"] for s in servers[:2]] == [
+        "up/nx-[redacted]",
+        "up/Bearer [redacted]",
+    ]
+    requested = {s.attributes["gen_ai.request.model"] for s in attempts}
+    assert {"nx-[redacted]", "Bearer [redacted]", "tenant-0"} <= requested
+    # What the upstream said answered (its chunks' model), not what was asked for.
+    assert {s.attributes["gen_ai.response.model"] for s in attempts} == {"Bearer [redacted]"}
+
+
+async def test_an_attempt_without_an_upstream_model_has_no_response_model(
+    aiohttp_client: Any,
+) -> None:
+    """The mock names no model in its stream: the span leaves the attribute out rather
+    than repeat the request's."""
+    exporter = InMemorySpanExporter()
+    client = await traced_client(aiohttp_client, {}, exporter)
+    resp = await client.post("/v1/chat/completions", json=body("mock/echo"))
+    assert resp.status == 200
+    await resp.read()
+    (attempt,) = [s for s in await finished(exporter, 2) if s.kind is SpanKind.CLIENT]
+    assert attempt.name == "chat mock/echo"  # an advertised model is its own name
+    assert attempt.attributes["gen_ai.request.model"] == "echo"
+    assert "gen_ai.response.model" not in attempt.attributes
+
+
+async def test_a_stream_that_fails_after_its_headers_is_an_error_on_the_request_span(
+    aiohttp_client: Any,
+) -> None:
+    """The status stays 200 (the headers were out), the span says the request failed."""
+    async with FakeUpstream() as up:
+        up.add(Reply.stream([openai_chunk(content="Hi")], end="stall"))
+        providers = {"slow": {"kind": "openai", "base_url": up.url + "/v1", "idle_timeout_s": 0.3}}
+        exporter = InMemorySpanExporter()
+        client = await traced_client(aiohttp_client, {"providers": providers}, exporter)
+        resp = await client.post("/v1/chat/completions", json=body("slow/m"))
+        assert resp.status == 200
+        assert b"upstream_timeout" in await resp.read()
+        spans = await finished(exporter, 2)
+    (server,) = [s for s in spans if s.kind is SpanKind.SERVER]
+    (attempt,) = [s for s in spans if s.kind is SpanKind.CLIENT]
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.status.status_code is StatusCode.ERROR
+    assert server.attributes["error.type"] == attempt.attributes["error.type"] == "upstream_timeout"
+
+
+async def test_a_cancelled_stream_is_no_error_on_the_request_span(aiohttp_client: Any) -> None:
+    exporter = InMemorySpanExporter()
+    client = await traced_client(aiohttp_client, {}, exporter)
+    slow = {"content": "a b c d e f g h", "delay_ms": 50}
+    resp = await client.post("/v1/chat/completions", json=body("mock/echo", mock=slow))
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    await resp.content.readany()
+    assert (await client.delete(f"/v1/streams/{stream_id}")).status == 200
+    await resp.read()
+    spans = await finished(exporter, 3)
+    (server,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    assert server.status.status_code is StatusCode.UNSET
+    assert "error.type" not in server.attributes
+
+
+async def test_the_request_span_has_the_gateways_id_and_the_clients_beside_it(
+    aiohttp_client: Any,
+) -> None:
+    exporter = InMemorySpanExporter()
+    client = await traced_client(aiohttp_client, {}, exporter)
+    ids = []
+    for _ in range(2):
+        resp = await client.post(
+            "/v1/chat/completions", json=body("mock/echo"), headers={"X-Request-Id": "mine-1"}
+        )
+        await resp.read()
+        ids.append(resp.headers["X-Request-Id"])
+    servers = [s for s in await finished(exporter, 4) if s.kind is SpanKind.SERVER]
+    assert sorted(s.attributes["nexus.request_id"] for s in servers) == sorted(ids)
+    assert len(set(ids)) == 2
+    assert {s.attributes["nexus.client_request_id"] for s in servers} == {"mine-1"}

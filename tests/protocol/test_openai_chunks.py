@@ -390,3 +390,19 @@ def test_typed_chunks_give_what_the_rules_give(chunk: Any) -> None:
     assert events == expected
     assert type(decoder.error) is type(error) and str(decoder.error) == str(error)
     assert not decoder.done
+
+
+def test_the_response_model_is_the_first_chunks() -> None:
+    """What the upstream says answered (a dated snapshot of the model asked for), read
+    once a stream; a stream that names none (or not as a string) has none."""
+    decoder = ChunkDecoder("up")
+    first = {"model": "gpt-4o-2024-08-06", "choices": [{"index": 0, "delta": {"content": "a"}}]}
+    decoder.decode(b"data: " + orjson.dumps(first) + b"\n\n")
+    assert decoder.response_model == "gpt-4o-2024-08-06"
+    later = first | {"model": "another"}
+    decoder.decode(b"data: " + orjson.dumps(later) + b"\n\n")
+    assert decoder.response_model == "gpt-4o-2024-08-06"
+    for named in ({}, {"model": 7}, {"model": ""}):
+        decoder = ChunkDecoder("up")
+        decoder.decode(b"data: " + orjson.dumps({**named, "choices": []}) + b"\n\n")
+        assert decoder.response_model is None, named

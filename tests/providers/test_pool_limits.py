@@ -46,8 +46,8 @@ def access_lines(log: Path) -> dict[str, dict[str, Any]]:
     for line in log.read_text().splitlines():
         if line.startswith("{"):
             record = orjson.loads(line)
-            if record.get("logger") == "nexus.access":
-                lines[record["request_id"]] = record
+            if record.get("logger") == "nexus.access" and "client_request_id" in record:
+                lines[record["client_request_id"]] = record  # the id the test gave
     return lines
 
 
@@ -108,7 +108,7 @@ async def test_a_full_provider_pool_is_a_bounded_visible_wait(tmp_path: Path) ->
 
             async def hold(request_id: str) -> aiohttp.ClientResponse:
                 resp = await session.post(
-                    url + CHAT, json=body("oai/gpt-x"), headers={"X-Request-Id": request_id}
+                    url + CHAT, json=body("oai/gpt-x"), headers={"X-Client-Request-Id": request_id}
                 )
                 assert resp.status == 200
                 while b"Hi" not in await resp.content.readuntil(b"\n\n"):
@@ -120,7 +120,7 @@ async def test_a_full_provider_pool_is_a_bounded_visible_wait(tmp_path: Path) ->
             # Third: the pool is full. A 503 after pool_timeout_s, not a hang.
             started = time.monotonic()
             async with session.post(
-                url + CHAT, json=body("oai/gpt-x"), headers={"X-Request-Id": "r-exhausted"}
+                url + CHAT, json=body("oai/gpt-x"), headers={"X-Client-Request-Id": "r-exhausted"}
             ) as resp:
                 error = await resp.json()
                 assert resp.status == 503, error
@@ -131,7 +131,7 @@ async def test_a_full_provider_pool_is_a_bounded_visible_wait(tmp_path: Path) ->
 
             # With a fallback target, the alias moves on to it instead.
             async with session.post(
-                url + CHAT, json=body("pooled"), headers={"X-Request-Id": "r-fallback"}
+                url + CHAT, json=body("pooled"), headers={"X-Client-Request-Id": "r-fallback"}
             ) as resp:
                 assert resp.status == 200
                 assert b"data: [DONE]" in await resp.read()

@@ -477,10 +477,12 @@ async def test_a_read_is_one_batch_and_an_error_keeps_the_events_before_it(
 
 def test_the_decoder_reads_up_to_message_stop() -> None:
     decoder = EventDecoder("claude")
+    assert decoder.response_model is None
     out = decoder.decode(
         b"".join([message_start(), *text_block(0, "hi"), *finish("end_turn", 3), event("ping")])
     )
     assert decoder.error is None and decoder.done
+    assert decoder.response_model == "claude-opus-4.5"  # message_start's, for the span
     assert out == [
         Usage(10, 0, 10, cached_tokens=0, cache_write_tokens=0, partial=True),
         Delta("hi"),

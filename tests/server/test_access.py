@@ -7,6 +7,7 @@ and anthropic SDKs (their 401/403 exception classes) and ``websockets``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any
 
@@ -607,7 +608,7 @@ ORIGIN = "https://app.example"
 def _assert_cors(headers: Any, origin: str = ORIGIN) -> None:
     assert headers["Access-Control-Allow-Origin"] == origin
     exposed = {h.strip().lower() for h in headers["Access-Control-Expose-Headers"].split(",")}
-    assert {"x-request-id", "x-nexus-stream-id", "retry-after"} <= exposed
+    assert {"x-request-id", "x-client-request-id", "x-nexus-stream-id", "retry-after"} <= exposed
     assert "Origin" in headers.getall("Vary", []) or "Origin" in headers.get("Vary", "")
 
 
@@ -687,38 +688,92 @@ async def test_cors_wildcard(make_client: MakeClient) -> None:
 GENERATED = re.compile(r"req_[0-9a-f]{24}")
 
 
-async def test_request_id_echoed(make_client: MakeClient) -> None:
+CLIENT_ID = "client-req.42:abc"
+
+
+@pytest.mark.parametrize("header", ["X-Client-Request-Id", "X-Request-Id"])
+async def test_a_client_request_id_is_echoed_beside_the_gateways_own(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture, header: str
+) -> None:
+    """The id a client gives (OpenAI's header for it, or X-Request-Id as a proxy sets it)
+    comes back as X-Client-Request-Id and is logged as client_request_id, on every path;
+    X-Request-Id is the gateway's own, new each time."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
     client = await make_client(keyed())
-    rid = {"X-Request-Id": "client-req.42:abc"}
-    resp = await client.get("/v1/models", headers=rid | bearer(KEY_A))
-    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
-    resp = await client.get("/v1/models", headers=rid)  # 401
-    assert resp.status == 401
-    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
-    resp = await client.post("/v1/chat/completions", json={"model": 3}, headers=rid | bearer(KEY_A))
-    assert resp.status == 400
-    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
-    resp = await client.get("/nowhere", headers=rid)
-    assert resp.status == 404
-    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
-    resp = await client.post(
-        "/v1/chat/completions", json=chat(stream=True), headers=rid | bearer(KEY_A)
+    rid = {header: CLIENT_ID}
+    answers = [await client.get("/v1/models", headers=rid | bearer(KEY_A))]
+    answers.append(await client.get("/v1/models", headers=rid))  # 401
+    answers.append(
+        await client.post("/v1/chat/completions", json={"model": 3}, headers=rid | bearer(KEY_A))
     )
-    assert resp.status == 200
-    assert resp.headers["X-Request-Id"] == "client-req.42:abc"
-    # The stream's id is another thing.
-    assert resp.headers["X-Nexus-Stream-Id"] != "client-req.42:abc"
-    await resp.read()
+    answers.append(await client.get("/nowhere", headers=rid))
+    answers.append(
+        await client.post(
+            "/v1/chat/completions", json=chat(stream=True), headers=rid | bearer(KEY_A)
+        )
+    )
+    assert [a.status for a in answers] == [200, 401, 400, 404, 200]
+    await answers[-1].read()
+    assert answers[-1].headers["X-Nexus-Stream-Id"] != CLIENT_ID
+    ids = [a.headers["X-Request-Id"] for a in answers]
+    assert all(GENERATED.fullmatch(i) for i in ids) and len(set(ids)) == len(ids)
+    assert {a.headers["X-Client-Request-Id"] for a in answers} == {CLIENT_ID}
+    lines = [r for r in caplog.records if r.name == "nexus.access"]
+    assert [r.request_id for r in lines] == ids  # type: ignore[attr-defined]
+    assert {r.access["client_request_id"] for r in lines} == {CLIENT_ID}  # type: ignore[attr-defined]
+    assert f"client_request_id={CLIENT_ID}" in lines[0].getMessage()
+
+
+async def test_a_client_cannot_give_its_request_another_requests_id(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Were a client's id the request's, a tenant could send another's (from an error it
+    saw) and have two access lines, two spend lines and two spans share one id, one of
+    them charged to it."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client()
+    first = await client.post("/v1/chat/completions", json=chat())
+    victim = first.headers["X-Request-Id"]
+    for header in ("X-Request-Id", "X-Client-Request-Id"):
+        second = await client.post("/v1/chat/completions", json=chat(), headers={header: victim})
+        assert second.status == 200
+        assert second.headers["X-Request-Id"] != victim
+        assert second.headers["X-Client-Request-Id"] == victim
+    lines = [r for r in caplog.records if r.name == "nexus.access"]
+    assert [r.request_id for r in lines].count(victim) == 1  # type: ignore[attr-defined]
+    assert [r.access.get("client_request_id") for r in lines] == [None, victim, victim]  # type: ignore[attr-defined]
+
+
+async def test_an_openai_sdk_retry_keeps_its_client_id_and_gets_a_new_request_id(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK sends the same headers on every attempt: a client id in them names the
+    call, the gateway's id each attempt (two ids alike would be two requests, not one)."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client(keyed(limits={"requests_per_second_per_key": 1}))
+    oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=KEY_A, max_retries=1)
+    headers = {"X-Client-Request-Id": "job-7.step-2"}
+    await oa.chat.completions.create(**chat(), extra_headers=headers)
+    raw = await oa.chat.completions.with_raw_response.create(**chat(), extra_headers=headers)
+    assert GENERATED.fullmatch(raw.request_id or "")
+    await oa.close()
+    lines = [r for r in caplog.records if r.name == "nexus.access"]
+    assert [r.access["status"] for r in lines] == [200, 429, 200]  # type: ignore[attr-defined]
+    assert {r.access["client_request_id"] for r in lines} == {"job-7.step-2"}  # type: ignore[attr-defined]
+    assert len({r.request_id for r in lines}) == 3  # type: ignore[attr-defined]
+    assert lines[-1].request_id == raw.request_id  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
-    "incoming", ["x" * 129, "has space", "semi;colon", "ünïcode", ""], ids=repr
+    "incoming", ["x" * 129, "has space", "semi;colon", "ünïcode", "", KEY_A], ids=repr
 )
-async def test_bad_request_id_replaced(make_client: MakeClient, incoming: str) -> None:
+async def test_a_bad_client_request_id_is_dropped(make_client: MakeClient, incoming: str) -> None:
     client = await make_client()
-    resp = await client.get("/v1/models", headers={"X-Request-Id": incoming})
-    assert resp.status == 200
-    assert GENERATED.fullmatch(resp.headers["X-Request-Id"])
+    for header in ("X-Client-Request-Id", "X-Request-Id"):
+        resp = await client.get("/v1/models", headers={header: incoming})
+        assert resp.status == 200
+        assert GENERATED.fullmatch(resp.headers["X-Request-Id"])
+        assert "X-Client-Request-Id" not in resp.headers
 
 
 async def test_request_id_generated(make_client: MakeClient) -> None:

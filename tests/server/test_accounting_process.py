@@ -98,12 +98,13 @@ def serve(tmp_path: Path, text: str) -> Iterator[tuple[str, Path, subprocess.Pop
 
 
 def access_lines(log: Path) -> dict[str, dict[str, Any]]:
+    """The access lines, by the id each request's client gave it (X-Client-Request-Id)."""
     lines = {}
     for line in log.read_text().splitlines():
         if line.startswith("{"):
             record = orjson.loads(line)
-            if record.get("logger") == "nexus.access":
-                lines[record["request_id"]] = record
+            if record.get("logger") == "nexus.access" and "client_request_id" in record:
+                lines[record["client_request_id"]] = record
     return lines
 
 
@@ -168,7 +169,7 @@ def body(model: str, content: str = "x", **extra: Any) -> dict[str, Any]:
 async def post(
     session: aiohttp.ClientSession, url: str, request_id: str, payload: dict[str, Any]
 ) -> tuple[int, bytes]:
-    headers = {**HEADERS, "X-Request-Id": request_id}
+    headers = {**HEADERS, "X-Client-Request-Id": request_id}
     async with session.post(url + CHAT, json=payload, headers=headers) as resp:
         return resp.status, await resp.read()
 
@@ -191,7 +192,7 @@ async def test_access_line_and_metrics_account_for_every_outcome(tmp_path: Path)
                 status, _ = await post(session, url, "r-404", body("nope/x", stream=True))
                 assert status == 404
                 slow = body("mock/echo", "a b c d e f g h", stream=True, mock={"delay_ms": 300})
-                headers = {**HEADERS, "X-Request-Id": "r-gone"}
+                headers = {**HEADERS, "X-Client-Request-Id": "r-gone"}
                 async with session.post(url + CHAT, json=slow, headers=headers) as resp:
                     await resp.content.readuntil(b"\n\n")
                     resp.close()
@@ -299,7 +300,7 @@ async def test_a_stream_cut_by_shutdown_is_not_a_success(tmp_path: Path) -> None
     async with FakeUpstream() as oai, FakeUpstream() as claude:
         with serve(tmp_path, config(oai.url, claude.url)) as (url, log, proc):
             slow = body("mock/echo", " ".join(["w"] * 50), stream=True, mock={"delay_ms": 100})
-            headers = {**HEADERS, "X-Request-Id": "r-shutdown"}
+            headers = {**HEADERS, "X-Client-Request-Id": "r-shutdown"}
             async with (
                 aiohttp.ClientSession() as session,
                 session.post(url + CHAT, json=slow, headers=headers) as resp,

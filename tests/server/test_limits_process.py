@@ -369,11 +369,11 @@ async def test_a_websocket_session_is_logged_with_its_101(tmp_path: Path) -> Non
     any answer"; a session the client closed is ok."""
     with serve(tmp_path, config()) as server:
         url = f"ws://{server.host}:{server.port}/v1/realtime"
-        headers = {**bearer(KEY_A), "X-Request-Id": "ws-closed"}
+        headers = {**bearer(KEY_A), "X-Client-Request-Id": "ws-closed"}
         async with websockets.connect(url, additional_headers=headers) as ws:
             await ws.send(start_frame())
             assert await turn_end(ws) == {"type": "done"}
-        headers = {**bearer(KEY_A), "X-Request-Id": "ws-vanished"}
+        headers = {**bearer(KEY_A), "X-Client-Request-Id": "ws-vanished"}
         ws = await websockets.connect(url, additional_headers=headers)
         await ws.send(start_frame(" ".join(["w"] * 50), mock={"delay_ms": 100}))
         await asyncio.wait_for(ws.recv(), 5)
@@ -385,7 +385,7 @@ async def test_a_websocket_session_is_logged_with_its_101(tmp_path: Path) -> Non
                 rid: line
                 for line in log.splitlines()
                 for rid in ("ws-closed", "ws-vanished")
-                if f"nexus.access: {rid} " in line
+                if "nexus.access: req_" in line and f" client_request_id={rid} " in line
             }
             if len(lines) == 2:
                 break

@@ -380,6 +380,11 @@ def access_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "nexus.access"]
 
 
+def client_id(record: logging.LogRecord) -> str | None:
+    """The id the client gave the request its line is about (its own id is the gateway's)."""
+    return record.access.get("client_request_id")  # type: ignore[attr-defined, no-any-return]
+
+
 async def test_one_access_line_per_request(
     make_client: MakeClient, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -388,18 +393,18 @@ async def test_one_access_line_per_request(
     resp = await client.post(
         f"{CHAT}?stream_format=sse",
         json=chat("one two three", stream=True),
-        headers={"X-Request-Id": "rid-stream"},
+        headers={"X-Client-Request-Id": "rid-stream"},
     )
     body = await resp.read()
-    resp = await client.post(CHAT, json=chat(), headers={"X-Request-Id": "rid-json"})
+    resp = await client.post(CHAT, json=chat(), headers={"X-Client-Request-Id": "rid-json"})
     await resp.read()
-    resp = await client.post(CHAT, json={"model": 1}, headers={"X-Request-Id": "rid-bad"})
+    resp = await client.post(CHAT, json={"model": 1}, headers={"X-Client-Request-Id": "rid-bad"})
     await resp.read()
     await client.get("/healthz")
     await client.get("/metrics")
     await asyncio.sleep(0.05)
     records = access_records(caplog)
-    by_id = {r.request_id: r for r in records}  # type: ignore[attr-defined]
+    by_id = {client_id(r): r for r in records}
     assert len(records) == 3
     assert set(by_id) == {"rid-stream", "rid-json", "rid-bad"}
     fields = {
@@ -414,7 +419,7 @@ async def test_one_access_line_per_request(
     }
     for record in records:
         assert fields <= set(record.access)  # type: ignore[attr-defined]
-        bad_request = record.request_id == "rid-bad"  # type: ignore[attr-defined]
+        bad_request = client_id(record) == "rid-bad"
         assert record.levelno == (logging.WARNING if bad_request else logging.INFO)
         assert record.getMessage().startswith(record.request_id)  # type: ignore[attr-defined]
     stream = by_id["rid-stream"].access  # type: ignore[attr-defined]
@@ -476,7 +481,9 @@ async def test_a_model_name_cannot_split_the_text_line(
     caplog.set_level(logging.INFO, logger="nexus.access")
     client = await make_client()
     forged = "x\u2028INFO nexus.access: req_f key=admin\u2029y\u0085z\nw"
-    resp = await client.post(CHAT, json=chat(model=forged), headers={"X-Request-Id": "rid-f"})
+    resp = await client.post(
+        CHAT, json=chat(model=forged), headers={"X-Client-Request-Id": "rid-f"}
+    )
     await resp.read()
     await asyncio.sleep(0.05)
     (record,) = access_records(caplog)
@@ -543,7 +550,9 @@ async def test_json_formatter(make_client: MakeClient, caplog: pytest.LogCapture
     caplog.set_level(logging.INFO, logger="nexus.access")
     client = await make_client()
     resp = await client.post(
-        f"{CHAT}?stream_format=sse", json=chat(stream=True), headers={"X-Request-Id": "rid-json-1"}
+        f"{CHAT}?stream_format=sse",
+        json=chat(stream=True),
+        headers={"X-Client-Request-Id": "rid-json-1"},
     )
     await resp.read()
     await asyncio.sleep(0.05)
@@ -551,7 +560,8 @@ async def test_json_formatter(make_client: MakeClient, caplog: pytest.LogCapture
     line = JsonFormatter().format(record)
     assert "\n" not in line
     out = json.loads(line)
-    assert out["request_id"] == "rid-json-1"
+    assert out["request_id"] == resp.headers["X-Request-Id"]
+    assert out["client_request_id"] == "rid-json-1"
     assert out["logger"] == "nexus.access"
     assert out["level"] == "info"
     assert out["time"].endswith("Z")
@@ -585,7 +595,7 @@ async def test_a_stream_cut_short_keeps_its_status_in_the_access_log(
     resp = await client.post(
         f"{CHAT}?stream_format=sse",
         json=chat(model="gated/m", stream=True),
-        headers={"X-Request-Id": "rid-cut"},
+        headers={"X-Client-Request-Id": "rid-cut"},
     )
     assert resp.status == 200
     await resp.content.readuntil(b"\n\n")
@@ -597,7 +607,7 @@ async def test_a_stream_cut_short_keeps_its_status_in_the_access_log(
     cut = "cancelled:client_disconnect"
     assert value(samples, requests, endpoint=CHAT, model="gated/*", outcome=cut) == 1
     assert value(samples, requests, endpoint=CHAT, model="gated/*", outcome="ok") == 0
-    (record,) = [r for r in access_records(caplog) if r.request_id == "rid-cut"]  # type: ignore[attr-defined]
+    (record,) = [r for r in access_records(caplog) if client_id(r) == "rid-cut"]
     assert record.access["status"] == 200  # type: ignore[attr-defined]
     assert record.access["cancelled"] == "client_disconnect"  # type: ignore[attr-defined]
     assert record.access["outcome"] == cut  # type: ignore[attr-defined]
@@ -614,7 +624,7 @@ async def test_a_client_that_leaves_before_any_answer_is_a_499(
         client.post(
             f"{CHAT}?stream_format=sse",
             json=chat(model="gated/m", stream=True),
-            headers={"X-Request-Id": "rid-gone"},
+            headers={"X-Client-Request-Id": "rid-gone"},
         )
     )
     await asyncio.wait_for(gated.started.wait(), 3)
@@ -622,10 +632,10 @@ async def test_a_client_that_leaves_before_any_answer_is_a_499(
     with pytest.raises(asyncio.CancelledError):
         await request
     deadline = asyncio.get_running_loop().time() + 3
-    while not [r for r in access_records(caplog) if r.request_id == "rid-gone"]:  # type: ignore[attr-defined]
+    while not [r for r in access_records(caplog) if client_id(r) == "rid-gone"]:
         assert asyncio.get_running_loop().time() < deadline, "no access line"
         await asyncio.sleep(0.02)
-    (record,) = [r for r in access_records(caplog) if r.request_id == "rid-gone"]  # type: ignore[attr-defined]
+    (record,) = [r for r in access_records(caplog) if client_id(r) == "rid-gone"]
     assert record.access["status"] == 499  # type: ignore[attr-defined]
     assert record.access["cancelled"] == "client_disconnect"  # type: ignore[attr-defined]
 
@@ -653,16 +663,21 @@ async def test_a_background_streams_spend_has_a_line_of_its_own_at_its_end(
     caplog.set_level(logging.INFO, logger="nexus")
     client = await make_client(PRICED)
     body = chat("one two three", background=True, model="mock/echo")
-    resp = await client.post(CHAT, json=body, headers={"X-Request-Id": "rid-bg"})
+    resp = await client.post(CHAT, json=body, headers={"X-Client-Request-Id": "rid-bg"})
     assert resp.status == 202
     made = await resp.json()
     (line,) = await until_spend_lines(caplog, 1)
-    access = [r for r in access_records(caplog) if r.request_id == "rid-bg"]  # type: ignore[attr-defined]
+    access = [r for r in access_records(caplog) if client_id(r) == "rid-bg"]
     assert len(access) == 1 and "cost_usd" not in access[0].access  # type: ignore[attr-defined]
-    assert spend_records(caplog)[0].request_id == "rid-bg"  # type: ignore[attr-defined]
+    assert spend_records(caplog)[0].request_id == access[0].request_id  # type: ignore[attr-defined]
+    assert line["client_request_id"] == "rid-bg"
     assert (line["stream_id"], line["outcome"], line["served"]) == (made["id"], "ok", "mock/echo")
     assert line["completion_tokens"] == 3 and line["cost_usd"] == pytest.approx(3)
-    assert spend_records(caplog)[0].getMessage().startswith("rid-bg endpoint=")
+    assert (
+        spend_records(caplog)[0]
+        .getMessage()
+        .startswith(f"{resp.headers['X-Request-Id']} endpoint=")
+    )
 
 
 async def test_each_realtime_turn_has_its_spend_line(
@@ -730,7 +745,9 @@ async def test_a_spend_wait_cut_by_the_client_leaving_leaves_the_spend_to_a_line
     client = await make_client(PRICED)
     body = chat("a b c d e f", stream=stream, model="mock/echo")
     body["mock"] = {"content": "a b c d e f", "delay_ms": 100}
-    request = asyncio.create_task(client.post(CHAT, json=body, headers={"X-Request-Id": "rid-c"}))
+    request = asyncio.create_task(
+        client.post(CHAT, json=body, headers={"X-Client-Request-Id": "rid-c"})
+    )
     if stream:
         resp = await request
         await resp.content.readuntil(b"\n\n")
@@ -740,7 +757,7 @@ async def test_a_spend_wait_cut_by_the_client_leaving_leaves_the_spend_to_a_line
         await asyncio.sleep(0.25)
         request.cancel()
     (line,) = await until_spend_lines(caplog, 1)
-    assert spend_records(caplog)[0].request_id == "rid-c"  # type: ignore[attr-defined]
+    assert line["client_request_id"] == "rid-c"
     assert line["outcome"].startswith("cancelled") and line["cost_usd"] > 0
     for _ in range(100):
         if access_records(caplog):
@@ -761,7 +778,9 @@ async def test_a_json_request_left_while_another_reads_its_stream_has_its_spend_
     gated = GatedProvider(before=1, after=2)
     client = await make_client({"cache": {"enabled": True}}, providers=[gated])
     body = chat(model="gated/m")
-    origin = asyncio.create_task(client.post(CHAT, json=body, headers={"X-Request-Id": "rid-a"}))
+    origin = asyncio.create_task(
+        client.post(CHAT, json=body, headers={"X-Client-Request-Id": "rid-a"})
+    )
     await asyncio.wait_for(gated.started.wait(), 5)
     await asyncio.sleep(0.05)
     joiner = asyncio.create_task(client.post(CHAT, json={**body, "stream": True}))
@@ -773,7 +792,7 @@ async def test_a_json_request_left_while_another_reads_its_stream_has_its_spend_
     assert resp.headers["X-Nexus-Cache"] == "hit"
     await resp.read()
     (line,) = await until_spend_lines(caplog, 1)
-    assert spend_records(caplog)[0].request_id == "rid-a"  # type: ignore[attr-defined]
+    assert line["client_request_id"] == "rid-a"
     assert (line["outcome"], line["completion_tokens"]) == ("ok", 2)  # the upstream's count
 
 

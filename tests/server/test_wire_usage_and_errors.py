@@ -4,9 +4,9 @@
 Against a real ``nexus serve`` in front of a fake Anthropic upstream (and an OpenAI
 one): the anthropic SDK sees ``message_start.message.usage.input_tokens == 41`` as
 Anthropic sent it, an OpenAI upstream gives 0 there and the totals at the end; an
-upstream failure mid-stream reaches every format's error frame with the
-``X-Request-Id`` the client sent and the code. In-process: a GET follower of a
-stream and a WebSocket get their own request's id.
+upstream failure mid-stream reaches every format's error frame with the response's
+``X-Request-Id`` (the gateway's, whatever id the client gave) and the code. In-process:
+a GET follower of a stream and a WebSocket get their own request's id.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ async def test_an_upstream_failure_reaches_every_error_frame_with_the_request_id
     gateway: str, upstream: FakeUpstream
 ) -> None:
     # Anthropic's own error frame, through its SDK: still its error type, with the code
-    # and the request id the client sent.
+    # and the response's request id (the client's own id is echoed beside it).
     upstream.add(anthropic_reply(fail=True))
     api = sdk(gateway)
     with pytest.raises(anthropic.APIStatusError) as failed:
@@ -187,29 +187,32 @@ async def test_an_upstream_failure_reaches_every_error_frame_with_the_request_id
             model="claude/claude-x",
             max_tokens=50,
             messages=USER,
-            extra_headers={"X-Request-Id": "acct-messages-1"},
+            extra_headers={"X-Client-Request-Id": "acct-messages-1"},
         ) as s:
             async for _ in s:
                 pass
     await api.close()
     body: Any = failed.value.body
-    assert body["request_id"] == "acct-messages-1"
+    headers = failed.value.response.headers
+    assert body["request_id"] == headers["request-id"] == headers["x-request-id"]
+    assert headers["x-client-request-id"] == "acct-messages-1"
     assert body["error"]["type"] == "overloaded_error"
     assert failed.value.error_code == "upstream_error"
 
     # OpenAI SSE, through its SDK: the code, retryable and the request id in the object.
     upstream.add(anthropic_reply(fail=True))
     client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="claude/claude-x",
+        messages=USER,  # type: ignore[arg-type]
+        stream=True,
+        extra_headers={"X-Client-Request-Id": "acct-chat-2"},
+    )
     with pytest.raises(openai.APIError) as error:
-        stream = await client.chat.completions.create(
-            model="claude/claude-x",
-            messages=USER,  # type: ignore[arg-type]
-            stream=True,
-            extra_headers={"X-Request-Id": "acct-chat-2"},
-        )
         async for _ in stream:
             pass
     await client.close()
+    assert stream.response.headers["x-client-request-id"] == "acct-chat-2"
     assert error.value.code == "upstream_error"
     assert error.value.body == {
         "message": error.value.message,
@@ -217,19 +220,21 @@ async def test_an_upstream_failure_reaches_every_error_frame_with_the_request_id
         "param": None,
         "code": "upstream_error",
         "retryable": True,
-        "request_id": "acct-chat-2",
+        "request_id": stream.response.headers["x-request-id"],
     }
 
     async with aiohttp.ClientSession() as session:
         body = {**chat("Hello", model="claude/claude-x"), "stream": True}
-        for fmt, request_id in (("ndjson", "acct-ndjson-3"), ("nexus", "acct-native-4")):
+        for fmt, given in (("ndjson", "acct-ndjson-3"), ("nexus", "acct-native-4")):
             upstream.add(anthropic_reply(fail=True))
             async with session.post(
                 gateway + "/v1/chat/completions?stream_format=" + fmt,
                 json=body,
-                headers={"X-Request-Id": request_id},
+                headers={"X-Client-Request-Id": given},
             ) as resp:
                 raw = await resp.read()
+                request_id = resp.headers["X-Request-Id"]
+                assert request_id != given
             if fmt == "ndjson":
                 errors = [orjson.loads(line) for line in raw.splitlines() if b'"error"' in line]
             else:
@@ -253,9 +258,10 @@ async def test_an_upstream_failure_reaches_every_error_frame_with_the_request_id
             gateway + "/v1/responses", json=responses, headers={"X-Request-Id": "acct-resp-5"}
         ) as resp:
             events = parse_sse(await resp.read())
+            request_id = resp.headers["X-Request-Id"]
         error_event = next(orjson.loads(e.data) for e in events if e.event == "error")
         assert error_event["code"] == "upstream_error"
-        assert error_event["request_id"] == "acct-resp-5"
+        assert error_event["request_id"] == request_id != "acct-resp-5"
         assert events[-1].event == "response.failed"
 
 
@@ -263,21 +269,18 @@ async def test_a_get_follower_gets_its_own_request_id(make_client: MakeClient) -
     """The request id is the response's, not the stream's."""
     client = await make_client()
     body = chat("one two three four", background=True, mock={"fail_after": 2, "delay_ms": 20})
-    resp = await client.post(
-        "/v1/chat/completions", json=body, headers={"X-Request-Id": "acct-maker"}
-    )
+    resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 202, await resp.text()
     stream_id = (await resp.json())["id"]
-    followers = []
-    for request_id in ("acct-follower-a", "acct-follower-b"):
-        got = await client.get(f"/v1/streams/{stream_id}", headers={"X-Request-Id": request_id})
+    followers, expected = [], []
+    for _ in range(2):
+        got = await client.get(f"/v1/streams/{stream_id}")
         events = parse_sse(await got.read())
         error = orjson.loads(next(e.data for e in events if e.event == "error"))["error"]
         followers.append((error["request_id"], error["code"], error["retryable"]))
-    assert followers == [
-        ("acct-follower-a", "upstream_error", True),
-        ("acct-follower-b", "upstream_error", True),
-    ]
+        expected.append((got.headers["X-Request-Id"], "upstream_error", True))
+    assert followers == expected
+    assert len({resp.headers["X-Request-Id"], *(f[0] for f in followers)}) == 3
 
 
 async def test_websocket_error_frames_carry_the_handshake_request_id(
@@ -286,13 +289,16 @@ async def test_websocket_error_frames_carry_the_handshake_request_id(
     client = await make_client()
     url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
     async with websockets.connect(url, additional_headers={"X-Request-Id": "acct-ws-6"}) as ws:
+        assert ws.response is not None
+        handshake = ws.response.headers["X-Request-Id"]
+        assert handshake != "acct-ws-6"
         await ws.send('{"type":"abort"}')  # refused in the session: nothing to abort
         refused = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
         assert refused["error"]["code"] == "nothing_to_abort"
-        assert refused["error"]["request_id"] == "acct-ws-6"
+        assert refused["error"]["request_id"] == handshake
         request = {**chat("a b c", mock={"fail_after": 1})}
         await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
         while (frame := orjson.loads(await asyncio.wait_for(ws.recv(), 5)))["type"] != "error":
             pass
     assert frame["error"]["code"] == "upstream_error"
-    assert frame["error"]["request_id"] == "acct-ws-6"
+    assert frame["error"]["request_id"] == handshake

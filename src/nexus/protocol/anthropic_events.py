@@ -283,6 +283,7 @@ class EventDecoder:
         self.provider = provider
         self.done = False
         self.error: UpstreamError | None = None
+        self.response_model: str | None = None  # message_start's message.model
         self._sse = SSEDecoder(max_event_bytes).decode
         self._tool_index: dict[int, int] = {}
         self._no_input: set[int] = set()  # tool_use blocks no input_json_delta filled yet
@@ -373,7 +374,11 @@ class EventDecoder:
             case "content_block_stop":
                 return self._input_of_none(_block_index(data))
             case "message_start":
-                usage = object_of(object_of(data.get("message"), "message").get("usage"), "usage")
+                message = object_of(data.get("message"), "message")
+                model = message.get("model")
+                if type(model) is str and model:
+                    self.response_model = model
+                usage = object_of(message.get("usage"), "usage")
                 self._count(usage)
                 if usage.get("input_tokens") is not None and not self._started:
                     self._early = self._usage(partial=True)

@@ -293,6 +293,22 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _NOT_TYPED = (msgspec.DecodeError, RecursionError)  # RecursionError: too deep for msgspec
 
 
+class _Named(msgspec.Struct, gc=False):
+    model: Any = None
+
+
+_decode_named = msgspec.json.Decoder(_Named).decode
+
+
+def _model_of(data: bytes) -> str | None:
+    """A chunk's ``model`` (the upstream's name for what answered), if it is a string."""
+    try:
+        model = _decode_named(data).model
+    except _NOT_TYPED:
+        return None
+    return model if type(model) is str and model else None
+
+
 def _typed_events(chunk: _Chunk, events: list[StreamEvent]) -> None:
     """:func:`chunk_events` of a typed chunk."""
     for choice in chunk.choices or ():
@@ -318,9 +334,11 @@ def _typed_events(chunk: _Chunk, events: list[StreamEvent]) -> None:
 
 class ChunkDecoder:
     """One stream's body to events: SSE, then :func:`chunk_events` of each payload
-    (:class:`~nexus.protocol.upstream.UpstreamDecoder`: ``[DONE]`` sets ``done``)."""
+    (:class:`~nexus.protocol.upstream.UpstreamDecoder`: ``[DONE]`` sets ``done``).
+    ``response_model`` is the first payload's ``model``: every chunk repeats it, so it
+    is read once a stream (the typed decoder skips it, as it does ``id``)."""
 
-    __slots__ = ("_payloads", "done", "error", "provider")
+    __slots__ = ("_named", "_payloads", "done", "error", "provider", "response_model")
     terminator: ClassVar[str] = "[DONE]"
 
     def __init__(self, provider: str, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
@@ -328,6 +346,8 @@ class ChunkDecoder:
         self._payloads = SSEDecoder(max_event_bytes).decode_data
         self.done = False
         self.error: UpstreamError | None = None
+        self.response_model: str | None = None
+        self._named = False  # the first payload was read for its model
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -336,6 +356,9 @@ class ChunkDecoder:
         except EventTooLarge as exc:
             self.error = event_too_large(self.provider, exc)
             return events
+        if not self._named and payloads:
+            self._named = True
+            self.response_model = _model_of(payloads[0])
         try:
             for data in payloads:
                 try:

@@ -104,11 +104,13 @@ class UpstreamDecoder(Protocol):
     """A stream's body, read by read: ``decode(chunk)`` gives the events the bytes completed;
     then ``error``, if set, is to be raised once they are out (an error object in the
     stream, data that is not JSON), and ``done`` says ``terminator`` came. Nothing after
-    either is read."""
+    either is read. ``response_model`` is the model the upstream says answered, once its
+    stream named it (for the attempt's span: never guessed from the request)."""
 
     terminator: ClassVar[str]
     done: bool
     error: UpstreamError | None
+    response_model: str | None
 
     def decode(self, chunk: bytes) -> list[StreamEvent]: ...
 

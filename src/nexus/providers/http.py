@@ -322,6 +322,11 @@ class _Exchange:
         """The prompt's counts the upstream gave before any event (see :class:`Batches`)."""
         return getattr(self._decoder, "prompt_usage", None)
 
+    @property
+    def response_model(self) -> str | None:
+        """The model the upstream said answered, once its stream named it."""
+        return None if self._decoder is None else self._decoder.response_model
+
     def queued(self, now: float) -> None:
         if self.queued_at is None:
             self.queued_at = now

@@ -1,12 +1,13 @@
-"""Who may call, from where, and what each request did: request ids, CORS, API keys,
-per-key limits, the access log.
+"""Who may call from where, and what each request did: request ids, CORS, the access and
+spend lines (the keys and their limits: :mod:`.key_admission`).
 
-:func:`access_middleware` is the outermost layer: it gives every request an id (a sane
-``X-Request-Id`` is kept, unless it looks like a key), refuses other sites' pages and
-rebound ``Host`` names before any route runs (:mod:`nexus.server.origins`), answers CORS
-preflights, and writes one access line and the metrics per request, inside its span when
-tracing (:mod:`nexus.telemetry`). Routes call :func:`authenticate` and :func:`admit`; the
-pump fills in the request's :class:`~nexus.server.state.Exchange` as it writes.
+:func:`access_middleware` is the outermost layer: it gives every request an id of its own
+(the id a client gives is kept beside it, :func:`_client_request_id`), refuses other sites'
+pages and rebound ``Host`` names before any route runs (:mod:`nexus.server.origins`), answers
+CORS preflights, and writes one access line and the metrics per request, inside its span when
+tracing (:mod:`nexus.telemetry`). Routes authenticate and admit their callers
+(:mod:`.key_admission`); the pump fills in the request's
+:class:`~nexus.server.state.Exchange` as it writes.
 
 The access line's fields are :func:`_fields`'s. ``outcome`` is ``ok``,
 ``error:<code>``, ``mid_stream_error:<code>``, ``cancelled:<reason>``, for a CORS
@@ -25,7 +26,6 @@ for a client that may not even have a key.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -34,15 +34,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ..auth import ApiKey, Forbidden, KeyRing, credential
+from ..auth import Forbidden, KeyRing
 from ..cache.run import LogReader, StreamRun
 from ..config import Config
-from ..engine import Engine
-from ..errors import GatewayError, ModelNotFound
+from ..errors import GatewayError
 from ..pricing import NOTHING, Spend
-from ..providers.base import Provider
 from ..providers.http import POOL_WAITS
-from ..request import ChatRequest
 from ..telemetry import Telemetry
 from .errors import Handler, client_gone, error_response
 from .log_lines import line as _line
@@ -51,7 +48,6 @@ from .origins import listed, loopback_host, origin_allowed
 from .redaction import redact
 from .state import CONFIG as _CONFIG
 from .state import EXCHANGE, Exchange, exchange, new_request_id
-from .state import HUB as _HUB
 
 __all__ = [
     "EXCHANGE",
@@ -62,11 +58,6 @@ __all__ = [
     "access_middleware",
     "account",
     "account_at_end",
-    "admit",
-    "admit_stream",
-    "authenticate",
-    "budgeted",
-    "check_stream_model",
     "exchange",
     "request_spend",
     "settled_spend",
@@ -87,26 +78,38 @@ ANTHROPIC_ENDPOINTS = frozenset({"/v1/messages"})
 """Endpoints in Anthropic's shape: their responses carry the id as ``request-id`` too."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
-    "X-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, Location, Retry-After, "
-    "X-Nexus-Resumable, X-Nexus-Store, request-id, x-should-retry"
+    "X-Request-Id, X-Client-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, "
+    "Location, Retry-After, X-Nexus-Resumable, X-Nexus-Store, request-id, x-should-retry"
 )
 _ALLOWED_HEADERS = (
     "Authorization, Content-Type, X-Api-Key, X-Nexus-Stream-Format, Last-Event-ID, "
-    "X-Request-Id, Accept, X-Nexus-Resumable"
+    "X-Request-Id, X-Client-Request-Id, Accept, X-Nexus-Resumable"
 )
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The id the client gave its request: ``X-Client-Request-Id`` (OpenAI's header for
+    it), else ``X-Request-Id`` (a proxy's in front, or a client's of old); None unless it
+    is 1 to 128 characters of ``A-Za-z0-9._:/+=@-`` and not a key. Kept beside the
+    gateway's id, never as it: a client could give another request's, and two requests
+    would share one id in the log and the traces."""
+    headers = request.headers
+    incoming = headers.get("X-Client-Request-Id") or headers.get("X-Request-Id") or ""
+    sane = _REQUEST_ID.fullmatch(incoming) and redact(incoming) == incoming  # (not a key)
+    return incoming if sane else None
 
 
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    incoming = request.headers.get("X-Request-Id", "")
-    sane = _REQUEST_ID.fullmatch(incoming) and redact(incoming) == incoming  # (not a key)
-    request_id = incoming if sane else new_request_id()
-    ex = Exchange(request_id, time.monotonic())
+    request_id = new_request_id()
+    ex = Exchange(request_id, time.monotonic(), _client_request_id(request))
     ex.endpoint = _endpoint(request)
     ex.method = request.method
     ex.path = request.path[:MAX_PATH_CHARS]
     ex.client = request.remote
     ex.headers["X-Request-Id"] = request_id
+    if ex.client_request_id is not None:
+        ex.headers["X-Client-Request-Id"] = ex.client_request_id  # echoed, for the client
     if ex.endpoint in ANTHROPIC_ENDPOINTS:
         ex.headers["request-id"] = request_id  # where Anthropic's API, and its SDK, have it
     # No response is to be read as anything but its type (errors quote a client's strings;
@@ -152,6 +155,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             request.headers,
             scheme=request.scheme,
             request_id=request_id,
+            client_request_id=ex.client_request_id,
         )
         if tracing is not None and ex.endpoint not in _UNTRACED
         else None
@@ -181,7 +185,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     finally:
         POOL_WAITS.reset(waits)
         if span is not None:
-            span.close(status, ex.stream_id, ex.cancelled)
+            span.close(status, ex.stream_id, ex.cancelled, ex.stream_failure())
         account(config, app.get(METRICS), ex, status)
 
 
@@ -283,6 +287,7 @@ def _fields(ex: Exchange, status: int, outcome: str, elapsed: float) -> dict[str
         "stream_id": ex.stream_id or None,
         "key": ex.key.name if ex.key is not None else None,
         "client": ex.client,
+        "client_request_id": ex.client_request_id,
         "cache": ex.cache,
         "pool_wait_ms": None if pool_wait is None else round(pool_wait * 1000, 2),
         "ttfb_ms": None if ex.ttfb is None else round(ex.ttfb * 1000, 2),
@@ -387,114 +392,7 @@ def _spend_line(ex: Exchange, run: StreamRun, model: str | None, refusal: bool) 
         "served": f"{meta.provider}/{meta.upstream_model}" if meta.provider else None,
         "stream_id": run.id,
         "key": ex.key.name if ex.key is not None else None,
+        "client_request_id": ex.client_request_id,
     }
     _add_spend(fields, spend)
     _line(spend_log, level, ex.request_id, fields)
-
-
-def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:
-    """The caller's key (None with auth off). Raises 401 ``invalid_api_key``."""
-    keys = request.app[KEYS]
-    key = keys.authenticate(credential(request.headers, subprotocols)) if keys.enabled else None
-    exchange(request).key = key
-    return key
-
-
-async def admit(
-    request: web.Request, key: ApiKey | None, model: str | None, *, param: str = "model"
-) -> None:
-    """Per-key checks before a request may run: its model (when it names one), and a
-    token of its rate (here or in :func:`admit_stream`; :mod:`nexus.cache.limits`).
-    Raises 403 ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited``."""
-    if key is None:
-        return
-    _check_model(key, model, param)
-    await request.app[_HUB].limits.admit(key, stream=False)
-
-
-def _check_model(key: ApiKey, model: str | None, param: str) -> None:
-    if model is not None and not key.allows(model):
-        raise Forbidden(f"The API key {key.name!r} may not use the model {model!r}.", param=param)
-
-
-def admit_stream(
-    request: web.Request,
-    key: ApiKey | None,
-    model: str,
-    *,
-    param: str = "model",
-    rate_taken: bool = False,
-    hold: float = 0.0,
-) -> contextlib.AbstractAsyncContextManager[None]:
-    """For the block that opens the stream (``async with admit_stream(...)``): the model
-    checks (:func:`check_stream_model`), then a token of the key's rate (unless
-    ``rate_taken``: :func:`admit` took it), its budget with ``hold`` held (see
-    :func:`budgeted`), a place among the streams running here and the key's
-    (:mod:`nexus.cache.admission`).
-
-    Raises what :func:`check_stream_model` raises when it is called; 429
-    ``rate_limited``, ``too_many_streams`` and ``budget_exceeded``, and 503
-    ``store_unavailable`` (Redis down, a budget to check) when the block is entered.
-    """
-    check_stream_model(request, key, model, param=param)
-    limit = request.app[_CONFIG].limits.max_concurrent_streams
-    return request.app[_HUB].admit(key, limit, rate_taken=rate_taken, hold=hold)
-
-
-def budgeted(
-    request: web.Request, key: ApiKey | None, chat: ChatRequest
-) -> tuple[ChatRequest, float]:
-    """``chat`` as it runs for ``key``, and what the key's budget holds for it while it
-    runs (0.0: no budget): its worst case, :meth:`~nexus.engine.Engine.hold_usd`. One
-    without an output cap is given ``[limits] budget_max_output_tokens``, sent upstream,
-    so that its worst case is known (a cap nobody set would hold the whole budget).
-    Raises 403 ``model_not_priced`` for what the prices of the model's targets do not
-    cover (:func:`~nexus.pricing.unpriced`)."""
-    if key is None or key.budget_usd is None:
-        return chat, 0.0
-    engine = request.app[_HUB].engine
-    billed = engine.unpriced(chat)
-    if billed is not None:
-        param, why = billed
-        raise Forbidden(
-            f"The API key {key.name!r} has a budget, and {why}: [models] prices do not "
-            "cover it, so it could not be held or charged.",
-            code="model_not_priced",
-            param=param,
-        )
-    if chat.token_limit is None:
-        # Less where a target sends less by default (Anthropic's default_max_tokens).
-        caps = [provider.default_output_cap for provider, _ in _targets(engine, chat.model)]
-        cap = min([request.app[_CONFIG].limits.budget_max_output_tokens, *filter(None, caps)])
-        chat = chat.model_copy(update={"max_completion_tokens": cap})
-    elif chat.max_tokens is not None and chat.max_completion_tokens is not None:
-        # Both sent: an upstream may obey either, so both get the smaller (the one held).
-        cap = min(chat.max_tokens, chat.max_completion_tokens)
-        chat = chat.model_copy(update={"max_tokens": cap, "max_completion_tokens": cap})
-    return chat, engine.hold_usd(chat)
-
-
-def _targets(engine: Engine, model: str) -> list[tuple[Provider, str]]:
-    try:
-        return engine.route(model)
-    except ModelNotFound:
-        return []  # refused when it opens, with its own error
-
-
-def check_stream_model(
-    request: web.Request, key: ApiKey | None, model: str, *, param: str = "model"
-) -> None:
-    """Whether ``key`` may run ``model``: 403 ``model_not_allowed``, or ``model_not_priced``
-    (a key with a budget, a model a target of which has no price)."""
-    if key is None:
-        return
-    _check_model(key, model, param)
-    if key.budget_usd is not None and not request.app[_HUB].engine.priced(model):
-        # Without a price a stream costs nothing and is never charged: the budget would
-        # not hold. Refused, as a budget that cannot be checked is.
-        raise Forbidden(
-            f"The API key {key.name!r} has a budget and the model {model!r} has no "
-            'price ([models."<name>"] input_usd_per_mtok, output_usd_per_mtok).',
-            code="model_not_priced",
-            param=param,
-        )

@@ -33,7 +33,8 @@ from ..tokens import StreamTokens, new_secret, secret_from_env
 from .access import KEYS, METRICS, TELEMETRY, access_middleware
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
-from .metrics import Metrics, MetricsPlugin
+from .metrics import Metrics, MetricsPlugin, ModelLabels
+from .redaction import redact
 from .rejections import rejection_args
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .routes import metrics as metrics_page
@@ -123,17 +124,19 @@ def create_app(
         budgets = BudgetPlugin(limits, keys.keys, hub.admission.slot_of)
         engine.hooks.add(budgets, name="budgets", first=True)
     app[TOKENS] = StreamTokens(_token_secret(config))
+    labels = ModelLabels(engine.models(), engine.providers)  # one bound for metrics and spans
     if metrics is not None:
         app[METRICS] = metrics
         metrics.watch(hub, engine.hooks)
-        metrics.models = frozenset(engine.models())
-        metrics.providers = frozenset(engine.providers)
+        metrics.model_label = labels
         engine.hooks.add(MetricsPlugin(metrics), name="metrics", first=True)
         page = metrics_page.endpoint(
             metrics_token(config), served_to_others=metrics_page.needs_token(config)
         )
         app.router.add_get("/metrics", page)
     if telemetry is not None:
+        # Span names bounded as the metrics' labels; a client's text redacted as in the log.
+        telemetry.model_label, telemetry.redact = labels, redact
         app[TELEMETRY] = telemetry
     app[REGISTRY] = formats
     app[RUNTIME] = Runtime(pending=PendingLedger(config.realtime.max_pending_bytes_per_key))

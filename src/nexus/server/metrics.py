@@ -7,7 +7,8 @@ the providers, the store and the hub report pool waits, store errors and mirror
 states through callbacks (:meth:`Metrics.watch`).
 
 Labels stay few and never empty: ``model`` is an alias or advertised model as asked,
-``<provider>/*`` for any other model of a provider, else ``unknown``; ``key`` is the
+``<provider>/*`` for any other model of a provider, else ``unknown`` (:class:`ModelLabels`,
+which names the spans' upstream attempts too); ``key`` is the
 key's name (``anonymous`` without keys); error codes are labels for the first
 :data:`MAX_CODES` seen, ``other`` after them.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self
 
 import prometheus_client
@@ -49,6 +51,7 @@ __all__ = [
     "CONTENT_TYPE_LATEST",
     "Metrics",
     "MetricsPlugin",
+    "ModelLabels",
     "enable_multiprocess",
     "mark_worker_dead",
 ]
@@ -144,6 +147,29 @@ class Histogram(_CachedLabels, prometheus_client.Histogram):
     """A histogram with cached label children (:class:`_CachedLabels`)."""
 
 
+class ModelLabels:
+    """A model's bounded name: itself when it is an alias or an advertised model, else
+    ``<provider>/*`` when it names a provider, else ``unknown``. What a client asks for
+    is unbounded; this is the one map from it to a name that is not, for the metrics'
+    ``model`` label and the spans' names (:mod:`nexus.telemetry`)."""
+
+    __slots__ = ("models", "providers")
+
+    def __init__(self, models: Iterable[str] = (), providers: Iterable[str] = ()) -> None:
+        self.models = frozenset(models)
+        """Model ids that are names as they are (aliases, advertised models)."""
+        self.providers = frozenset(providers)
+        """Provider names (``<provider>/*``)."""
+
+    def __call__(self, model: str | None) -> str:
+        if model is None:
+            return UNKNOWN
+        if model in self.models:
+            return model
+        provider, slash, _ = model.partition("/")
+        return f"{provider}/*" if slash and provider in self.providers else UNKNOWN
+
+
 class Metrics:
     """The gateway's metrics. Labels hold names only, never keys or contents."""
 
@@ -151,10 +177,8 @@ class Metrics:
         self.shared_dir = _shared_dir
         """The multiprocess directory, or None (this process alone)."""
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.models: frozenset[str] = frozenset()
-        """Model ids that are labels as they are (aliases, advertised models)."""
-        self.providers: frozenset[str] = frozenset()
-        """Provider names (``<provider>/*`` labels)."""
+        self.model_label = ModelLabels()
+        """The ``model`` label of a model (the app gives it the engine's models)."""
         self._codes: set[str] = set()  # the error codes that are labels of their own
         self._rendering: asyncio.Future[bytes] | None = None  # the render scrapes share
 
@@ -278,15 +302,6 @@ class Metrics:
             "Connections refused at [server] max_connections (a 503 without the app, or "
             "closed at once when too many refused ones were still being answered).",
         )
-
-    def model_label(self, model: str | None) -> str:
-        """The ``model`` label of ``model`` (see the module docstring)."""
-        if model is None:
-            return UNKNOWN
-        if model in self.models:
-            return model
-        provider, slash, _ = model.partition("/")
-        return f"{provider}/*" if slash and provider in self.providers else UNKNOWN
 
     def observe(
         self,

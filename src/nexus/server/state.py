@@ -101,7 +101,12 @@ class Exchange:
     """One request, as the access log and the metrics see it."""
 
     request_id: str
+    """The gateway's own id (``req_…``), unique: what the access line, the spans and the
+    response's ``X-Request-Id`` carry."""
     started: float
+    client_request_id: str | None = None
+    """The id the client gave its request (``X-Client-Request-Id``), if sane: kept beside
+    the gateway's, never in its place (a client could give another request's)."""
     endpoint: str = ""
     format: str = ""
     provider: str = ""
@@ -145,6 +150,12 @@ class Exchange:
     upgraded: web.WebSocketResponse | None = None
     """The request's WebSocket (a realtime handshake): once it is prepared, the socket is
     no longer HTTP, and an unexpected error closes it 1011 instead of answering a 500."""
+
+    def stream_failure(self) -> str | None:
+        """The code of the error the stream ended with after its headers, unless it ended
+        the stream on purpose (a cancellation, see :meth:`outcome`)."""
+        error = self.stream_error
+        return None if error is None or error in _OUTCOME_CAUSES else error
 
     def outcome(self, status: int) -> str:
         """``ok``, ``error:<code>``, ``cancelled:<reason>``, ``mid_stream_error:<code>`` or

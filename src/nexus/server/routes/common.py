@@ -54,14 +54,11 @@ from ..access import (
     METRICS,
     Exchange,
     account_at_end,
-    admit,
-    admit_stream,
-    authenticate,
-    budgeted,
     exchange,
     request_spend,
     settled_spend,
 )
+from ..key_admission import admit, admit_stream, authenticate, budgeted
 from ..render import Cursor, parse_cursor
 from ..streaming import pump
 from .key_readers import key_reader

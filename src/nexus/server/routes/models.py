@@ -9,7 +9,7 @@ from aiohttp import web
 
 from ...errors import ServerShuttingDown
 from .. import state
-from ..access import admit, authenticate
+from ..key_admission import admit, authenticate
 from .common import check_open, json_response
 
 

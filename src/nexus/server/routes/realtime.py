@@ -10,7 +10,7 @@ text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
   failure (unknown model, unsupported input) or a turn past its own limit (its
   duration, its log's size): the error frame; the connection stays open. Each
   ``start`` is admitted as an HTTP request is
-  (:func:`~nexus.server.access.admit_stream`); a refusal is an error frame
+  (:func:`~nexus.server.key_admission.admit_stream`); a refusal is an error frame
   (with ``retry_after_s`` when HTTP would send ``Retry-After``).
 * Pings after ``heartbeat_interval_s`` without a frame from the peer; no answer
   in half that time drops the connection. A peer that does not read (its socket
@@ -56,15 +56,8 @@ from ...protocol.realtime import (
 from ...protocol.realtime_budget import FrameBudget, frame_size
 from ...protocol.websocket_frames import text_frames
 from .. import state
-from ..access import (
-    METRICS,
-    account_at_end,
-    admit,
-    admit_stream,
-    authenticate,
-    budgeted,
-    exchange,
-)
+from ..access import METRICS, account_at_end, exchange
+from ..key_admission import admit, admit_stream, authenticate, budgeted
 from ..log_lines import quoted
 from ..state import Exchange
 from ..writer import Writer
@@ -152,6 +145,7 @@ class RealtimeConnection(Writer):
 
     async def run(self) -> web.WebSocketResponse:
         ws = self.ws
+        ws.headers.update(exchange(self.request).headers)  # its X-Request-Id, as every answer's
         await ws.prepare(self.request)
         ws.headers.clear()  # sent: not kept for the connection's length
         # What the client got, whatever ends the session (the access line's status).

@@ -40,7 +40,8 @@ from ...cache.store import StreamInfo
 from ...errors import StoreUnavailable, StreamNotFound
 from ...types import stream_id_of
 from .. import state
-from ..access import KEYS, admit, authenticate, exchange
+from ..access import KEYS, exchange
+from ..key_admission import admit, authenticate
 from .key_readers import key_reader
 
 __all__ = [

@@ -345,21 +345,23 @@ async def test_events_are_those_written_to_the_client_resumes_too(
     resp = await client.post(
         f"{CHAT}?stream_format=sse",
         json=chat(words, stream=True, stream_options={"resumable": True}),
-        headers={"X-Request-Id": "rid-first"},
+        headers={"X-Client-Request-Id": "rid-first"},
     )
     frames = parse_sse(await resp.read())
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     resp = await client.get(
         f"/v1/streams/{stream_id}?stream_format=sse",
-        headers={"Last-Event-ID": frames[-3].id, "X-Request-Id": "rid-resume"},
+        headers={"Last-Event-ID": frames[-3].id, "X-Client-Request-Id": "rid-resume"},
     )
     assert len(parse_sse(await resp.read())) == 2
     resp = await client.post(
-        CHAT, json=chat(stream=True, mock={"fail_after": 0}), headers={"X-Request-Id": "rid-502"}
+        CHAT,
+        json=chat(stream=True, mock={"fail_after": 0}),
+        headers={"X-Client-Request-Id": "rid-502"},
     )
     assert resp.status == 502
     for _ in range(300):
-        lines = {r.request_id: r.access for r in access_records(caplog)}  # type: ignore[attr-defined]
+        lines = {client_id(r): r.access for r in access_records(caplog)}  # type: ignore[attr-defined]
         if len(lines) == 3:
             break
         await asyncio.sleep(0.01)
@@ -453,9 +455,9 @@ async def test_a_cors_preflight_has_its_access_line(
         (CHAT, "BREW", "rid-brew"),
     ):
         asked = {"Origin": origin, "Access-Control-Request-Method": method}
-        resp = await client.options(path, headers=asked | {"X-Request-Id": rid})
+        resp = await client.options(path, headers=asked | {"X-Client-Request-Id": rid})
         assert resp.status == 204
-    lines = {r.request_id: r for r in access_records(caplog)}  # type: ignore[attr-defined]
+    lines = {client_id(r): r for r in access_records(caplog)}
     assert set(lines) == {"rid-chat", "rid-stream", "rid-brew"}
     for record in lines.values():
         assert record.levelno == logging.INFO

@@ -20,7 +20,7 @@ from nexus.auth import Forbidden, hash_key
 from nexus.errors import ConfigError
 from nexus.pricing import Spend
 from nexus.server.access import METRICS
-from nexus.server.metrics import Metrics
+from nexus.server.metrics import Metrics, ModelLabels
 from nexus.server.routes import metrics as metrics_page
 from support import METRICS_TOKEN, METRICS_TOKEN_ENV, SCRAPER, MakeClient, chat
 
@@ -249,7 +249,10 @@ async def test_refused_tokens_are_counted_and_warned_of_once_a_minute(
 
 def fill(metrics: Metrics, keys: int = 200, models: int = 20) -> None:
     """Spend of ``keys`` keys on ``models`` models: 25,000 series with their tokens."""
-    metrics.models = metrics.models | frozenset(f"model-{i}" for i in range(models))
+    labels = metrics.model_label
+    metrics.model_label = ModelLabels(
+        labels.models | {f"model-{i}" for i in range(models)}, labels.providers
+    )
     spend = Spend(
         prompt_tokens=10,
         completion_tokens=5,

@@ -161,9 +161,11 @@ async def test_redis_down_fails_open_to_this_process_except_for_budgets() -> Non
     )
     await limits.start()
     try:
-        # No budget: admitted against this process's bucket (one token), never a 500.
+        # No budget: admitted against this process's bucket (one token), never a 500; its
+        # slot held here (put in Redis once it is back).
         plain = ApiKey("plain")
-        assert await limits.admit(plain, stream=True) is None
+        slot = await limits.admit(plain, stream=True)
+        assert slot is not None and slot.id in limits._held["streams", "plain"]
         with pytest.raises(Exception) as limited:
             await limits.admit(plain, stream=True)
         assert getattr(limited.value, "code", None) == "rate_limited"
@@ -179,10 +181,11 @@ async def test_redis_down_fails_open_to_this_process_except_for_budgets() -> Non
         await client.aclose()
 
 
-async def test_a_slot_whose_admission_reply_was_lost_is_given_back() -> None:
+async def test_a_slot_whose_admission_reply_was_lost_is_held_until_its_stream_ends() -> None:
     """The admission script ran in Redis (the slot is taken) but its reply never came:
-    the request is admitted by this process, and the slot leaves Redis at once, not at
-    the end of its lease, so the key's other replicas are not refused for it."""
+    the request is admitted by this process, which holds the slot as one it took while
+    Redis failed (its stream runs: it counts), and lets it go as the stream ends, not at
+    the end of its lease."""
     from nexus.auth import ApiKey
     from nexus.cache.limits import LocalLimits
     from nexus.cache.redis import RedisStore
@@ -204,10 +207,10 @@ async def test_a_slot_whose_admission_reply_was_lost_is_given_back() -> None:
     slots = f"{prefix}:limits:streams:lost"
     await limits.start()
     try:
-        assert await limits.admit(ApiKey("lost"), stream=True) is None  # admitted here
-        deadline = time.monotonic() + 2
-        while await client.zcard(slots) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        slot = await limits.admit(ApiKey("lost"), stream=True)  # admitted here
+        assert slot is not None
+        assert await client.zrange(slots, 0, -1) == [slot.id.encode()]
+        await limits.end(slot)  # (it waits for the slot to leave Redis)
         assert await client.zcard(slots) == 0, "the lost admission's slot stayed for its lease"
     finally:
         await limits.close()

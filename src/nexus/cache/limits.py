@@ -180,7 +180,8 @@ class KeyLimits(ABC):
         """A place among key ``name``'s ``kind`` (``"sockets"``, ``"readers"``: not
         :data:`STREAMS`), of which it may hold ``limit``: the :class:`Slot` to
         :meth:`leave` when it is done, or None when the key holds ``limit`` already.
-        Never raises for the store: a shared backend that fails counts in this process."""
+        Never raises for the store: a shared backend that fails counts in this process
+        (and in the store once it is back)."""
 
     @abstractmethod
     def leave(self, place: Slot) -> None:

@@ -34,14 +34,25 @@ that its streams, still running, count against the key's streams and budget agai
 Together they may then be past either: what runs cannot be undone, but nothing more is
 admitted until enough of them end.
 
+So do the slots taken while Redis failed (streams, sockets, readers admitted by this
+process's own count): they are held here as any other, so the next renewal that reaches
+Redis puts them in it, and their lease, their release or the shutdown lets them go (one
+that ended before Redis was back is never put in). Without that, a replica back from an
+outage would admit the key's whole limit again beside the places it still held from it.
+After any failure, a key's next admission of a kind also puts back first, in the same
+pipeline, the slots of that kind held here: its own replica counts them at once, the
+others from its next tick. Replicas cut off together may each have admitted the whole
+limit: the key is then past it, and refused, until enough of them end.
+
 Redis failing is never a 500: rate and concurrency (streams, sockets, readers) fail open
 to this process (:class:`~nexus.cache.limits.LocalLimits`, which counts every place held
-here; a warning a minute at most); a key with a budget fails closed (503
-``store_unavailable``: spend that cannot be checked is not spent); a charge that fails
-is retried on the tick under its id, so a charge whose reply was lost counts once; a
-release that fails is left to its lease. At shutdown, charges are retried until the
-shutdown's deadline; any still not in Redis then is logged at ERROR, its key name, USD
-and the command that adds it, to be reconciled by hand.
+here; a warning a minute at most), its places counted in Redis once it is back (above);
+a key with a budget fails closed (503 ``store_unavailable``: spend that cannot be
+checked is not spent); a charge that fails is retried on the tick under its id, so a
+charge whose reply was lost counts once; a release that fails is left to its lease. At
+shutdown, charges are retried until the shutdown's deadline; any still not in Redis then
+is logged at ERROR, its key name, USD and the command that adds it, to be reconciled by
+hand.
 """
 
 from __future__ import annotations
@@ -108,7 +119,15 @@ class RedisLimits(KeyLimits):
         self.lease_ms = max(1, round(lease_s * 1000))
         self.fallback = fallback
         self._held: dict[tuple[str, str], dict[str, Slot]] = {}
-        """(slot kind, key name) -> slot id -> the slots held here: what the tick renews."""
+        """(slot kind, key name) -> slot id -> the slots held here: what the tick renews,
+        those taken while Redis failed included."""
+        self._failures = 0
+        """How often Redis failed (or a slot was taken while it did): from then, Redis may
+        lack the slots held here (a restart loses them; one taken meanwhile was never in)."""
+        self._synced: dict[tuple[str, str], int] = {}
+        """(slot kind, key name) -> the ``_failures`` as of which Redis has every slot of it
+        held here (its renewal or admission was built then). Fewer than now: its next
+        admission of that kind puts them back first (:meth:`_ahead`)."""
         self._ids = itertools.count()
         self._unsent: dict[str, tuple[str, str, float, float | None, str]] = {}
         """Charge id -> (key, window, USD, TTL, the slot whose hold it replaces) of
@@ -231,9 +250,11 @@ class RedisLimits(KeyLimits):
         if slot is None and budget is None and per_second <= 0:
             return None  # nothing to count: no round trip
         win_id = window(key.budget_period, time.time()).id if budget is not None else ""
+        ahead, mark = self._ahead((STREAMS, name))
         try:
-            ((code, value, *held),) = await self.store.call(
+            *_, (code, value, *held) = await self.store.call(
                 "admit",
+                *ahead,
                 self._admit(
                     name,
                     slot,
@@ -245,23 +266,33 @@ class RedisLimits(KeyLimits):
                 ),
             )
         except StoreUnavailable as exc:
-            if slot is not None:  # the script may have run, its reply lost: give it back
-                self._release_later(slot)
             if budget is not None:
+                self._failed()
+                if slot is not None:  # the script may have run, its reply lost: give it back
+                    self._release_later(slot)
                 raise StoreUnavailable(
                     f"The spend of the API key {name!r} cannot be checked: the store is "
                     "unavailable; retry shortly.",
                     headers={"Retry-After": "1"},
                 ) from None
             self._warn(exc.__cause__ or exc)
-            self.fallback.check(key, stream=stream, budget=False, rate=rate)
-            return None
+            try:
+                self.fallback.check(key, stream=stream, budget=False, rate=rate)
+            except BaseException:
+                if slot is not None:  # (as above: the script may have run)
+                    self._release_later(slot)
+                raise
+            if slot is not None:  # in Redis already if the script ran; else, once it is back
+                self._hold(slot, mark, lost=True)
+            return slot
         except asyncio.CancelledError:
             # The client left while the script was in flight: it may have run and taken
             # the slot, which nobody here holds or renews (it would stay for its lease).
             if slot is not None:
                 self._release_later(slot)
             raise
+        if ahead:
+            self._caught_up((STREAMS, name), mark)
         code = int(code)
         if code == 1:
             raise rate_limited(name, self.rate, int(value) / 1000)
@@ -271,25 +302,70 @@ class RedisLimits(KeyLimits):
         if code == 3:
             raise budget_exceeded(key, float(value), time.time(), float(held[0]), hold)
         if slot is not None:
-            self._held.setdefault((STREAMS, name), {})[slot.id] = slot
+            self._hold(slot, mark)
         return slot
 
     async def enter(self, kind: str, name: str, limit: int) -> Slot | None:
         place = Slot(name, f"{self.store.replica_id}-{next(self._ids)}", kind=kind)
+        ahead, mark = self._ahead((kind, name))
         try:
-            ((code, *_),) = await self.store.call("admit", self._admit(name, place, limit=limit))
+            *_, (code, *_) = await self.store.call(
+                "admit", *ahead, self._admit(name, place, limit=limit)
+            )
         except StoreUnavailable as exc:
-            self._release_later(place)  # (as admit's: the script may have run)
             self._warn(exc.__cause__ or exc)
-            return place if self.fallback.hold(place, limit) else None
+            if not self.fallback.hold(place, limit):
+                self._release_later(place)  # (as admit's: the script may have run)
+                return None
+            self._hold(place, mark, lost=True)  # (as admit's: in Redis once it is back)
+            return place
         except asyncio.CancelledError:
             self._release_later(place)
             raise
+        if ahead:
+            self._caught_up((kind, name), mark)
         if int(code) != 0:
             return None
-        self._held.setdefault((kind, name), {})[place.id] = place
+        self._hold(place, mark)
         self.fallback.hold(place, None)  # what this process holds, should Redis fail
         return place
+
+    def _hold(self, slot: Slot, mark: int, *, lost: bool = False) -> None:
+        """Hold ``slot`` here (renewed on the tick until it goes), taken by an admission
+        built at ``mark`` (the ``_failures`` then); ``lost``: while Redis failed, so that
+        Redis lacks it until it is put back."""
+        at = (slot.kind, slot.key)
+        held = self._held.get(at)
+        if held is None:
+            held = self._held[at] = {}
+            self._synced[at] = mark
+        held[slot.id] = slot
+        if lost:  # (a renewal built before it does not carry it)
+            self._failures += 1
+
+    def _ahead(self, at: tuple[str, str]) -> tuple[list[tuple[Any, ...]], int]:
+        """What to send before an admission of ``at`` (slot kind, key name), in the same
+        pipeline: the renewal of its slots held here if Redis may lack them (else nothing),
+        so that the admission counts them; and the ``_failures`` now, the mark of what the
+        admission finds (:meth:`_hold`, :meth:`_caught_up` once the renewal is sent).
+        Without it a replica back from an outage admits the key's whole limit again beside
+        the slots it took meanwhile, until its tick."""
+        mark = self._failures
+        held = self._held.get(at)
+        if held is None or self._synced[at] >= mark:
+            return [], mark
+        return [self._lease(*at, held)], mark
+
+    def _caught_up(self, at: tuple[str, str], mark: int) -> None:
+        """Redis has the slots of ``at`` held here as of ``mark``, a renewal or admission
+        built then having reached it."""
+        if at in self._held and self._synced.get(at, -1) < mark:
+            self._synced[at] = mark
+
+    def _failed(self) -> None:
+        """Redis failed: it may have lost (a restart) the slots held here; each key's next
+        admission puts its own back first."""
+        self._failures += 1
 
     def leave(self, place: Slot) -> None:
         self.fallback.leave(place)
@@ -312,6 +388,7 @@ class RedisLimits(KeyLimits):
             return False
         if not held:
             del self._held[at]
+            self._synced.pop(at, None)
         return True
 
     def _release_later(self, slot: Slot) -> asyncio.Task[bool]:
@@ -379,24 +456,31 @@ class RedisLimits(KeyLimits):
     async def _renew(self) -> None:
         """The leases of the slots held here, each with its hold, in one pipeline (their
         commands queued before any charge or release that follows, which Redis then
-        carries out after them)."""
-        leases = [
-            (
-                "EVAL",
-                RENEW,
-                *(
-                    (2, self._key("limits", kind, name), self._key("limits", "held", name))
-                    if kind == STREAMS
-                    else (1, self._key("limits", kind, name))
-                ),
-                self.lease_ms,
-                *itertools.chain.from_iterable((id, repr(slot.hold)) for id, slot in slots.items()),
-            )
-            for (kind, name), slots in self._held.items()
-        ]
-        await self._send("renew", leases)
+        carries out after them); those Redis lacked are back."""
+        mark, renewed = self._failures, list(self._held)
+        leases = [self._lease(kind, name, slots) for (kind, name), slots in self._held.items()]
+        if await self._send("renew", leases):
+            for at in renewed:
+                self._caught_up(at, mark)
+
+    def _lease(self, kind: str, name: str, slots: dict[str, Slot]) -> tuple[Any, ...]:
+        """The command that renews ``slots`` (of kind ``kind`` of key ``name``), each with
+        its hold, putting back any Redis lacks (``RENEW``)."""
+        return (
+            "EVAL",
+            RENEW,
+            *(
+                (2, self._key("limits", kind, name), self._key("limits", "held", name))
+                if kind == STREAMS
+                else (1, self._key("limits", kind, name))
+            ),
+            self.lease_ms,
+            *itertools.chain.from_iterable((id, repr(slot.hold)) for id, slot in slots.items()),
+        )
 
     def _warn(self, exc: BaseException) -> None:
+        """Redis failed (:meth:`_failed`): a warning a minute at most."""
+        self._failed()
         now = time.monotonic()
         if now - self._warned >= _WARN_EVERY_S:
             self._warned = now

@@ -79,6 +79,8 @@ class Reply:
     """A pause between the last chunk and the end of the body (``end="eof"``)."""
     path: str | None = None
     """Only requests to this path take this reply (None: any path)."""
+    gate: asyncio.Event | None = None
+    """The chunks after the first wait for it (a test sets it): streams held open at once."""
 
     @classmethod
     def json(cls, status: int, obj: Any, headers: dict[str, str] | None = None, **kw: Any) -> Reply:
@@ -212,7 +214,9 @@ class FakeUpstream:
                 return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
             response = web.StreamResponse(status=reply.status, headers=reply.headers)
             await response.prepare(request)
-            for delay, chunk in zip(reply.delays(), reply.chunks, strict=True):
+            for n, (delay, chunk) in enumerate(zip(reply.delays(), reply.chunks, strict=True)):
+                if n == 1 and reply.gate is not None:
+                    await reply.gate.wait()
                 if delay:
                     await asyncio.sleep(delay)
                 await response.write(chunk)

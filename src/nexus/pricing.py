@@ -18,11 +18,12 @@ them above the input price), both part of ``prompt``. A stream that ended withou
 usage reports what it saw, marked ``estimated``: the last usage's prompt, cached and
 written tokens, and as completion tokens the larger of that usage's and the output
 events seen (one token each, as streaming upstreams and the mock deliver them; audio
-pieces as audio tokens). One the upstream answered without reporting any usage (cut
-before it: OpenAI reports usage last; or from an upstream that reports none) is charged
-:func:`prompt_estimate` as its prompt, :func:`prompt_audio_estimate` of it as audio:
-without it, a client could send a long prompt and leave at the first token having spent
-almost nothing of its budget.
+by its duration, as audio tokens, :class:`Tally`). One the upstream answered without
+reporting any usage (cut before it: OpenAI reports usage last; or from an upstream that
+reports none) is charged :func:`~nexus.estimates.prompt_estimate` as its prompt,
+:func:`~nexus.estimates.prompt_audio_estimate` of it as audio (by its duration): without
+it, a client could send a long prompt and leave at the first token having spent almost
+nothing of its budget.
 
 An attempt that failed after its upstream took the request, before any event, is not the
 stream's spend: :class:`FailedAttempts` says what such attempts may have cost, charged to
@@ -34,20 +35,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass, replace
 
-import orjson
-
-from .events import MAX_TOKENS, Audio, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
-from .request import (
-    AssistantMessage,
-    AudioPart,
-    ChatRequest,
-    FilePart,
-    ImagePart,
-    RefusalPart,
-    TextPart,
-    ToolMessage,
-    audio_reference,
+from .estimates import (
+    SPOKEN_BYTES_PER_TOKEN,
+    prompt_audio_estimate,
+    prompt_estimate,
+    spoken_bytes,
 )
+from .events import MAX_TOKENS, Audio, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
+from .request import AssistantMessage, AudioPart, ChatRequest, FilePart, audio_reference
 from .types import StreamMeta
 
 __all__ = [
@@ -222,22 +217,6 @@ def _bounded(tokens: int) -> int:
     return min(max(tokens, 0), MAX_TOKENS)
 
 
-CHARS_PER_TOKEN = 4
-"""UTF-8 bytes per token in :func:`prompt_estimate` (English text runs at about four); a
-document's bytes count as its text's."""
-MESSAGE_TOKENS = 4
-"""A message's role and separators, as OpenAI's chat format counts them (3 to 4)."""
-IMAGE_TOKENS = 85
-"""An image at ``detail: low`` (OpenAI bills 85)."""
-IMAGE_DETAIL_TOKENS = 765
-"""An image at ``auto`` or ``high`` detail: what OpenAI bills a 1024x1024 one (85, and
-170 for each of its four tiles)."""
-AUDIO_BYTES_PER_TOKEN = 1000
-"""Audio: about 32 tokens a second of 16 kHz 16-bit speech."""
-UNSEEN_TOKENS = 85
-"""A file sent by id: its size is the upstream's to know."""
-
-
 _TIERS_AT_PRICE = (None, "auto", "default", "flex", "standard_only")
 """``service_tier`` values billed at most at the model's listed price."""
 
@@ -315,99 +294,20 @@ def worst_cost(request: ChatRequest, prices: Sequence[Price | None]) -> float:
     return worst
 
 
-def prompt_estimate(request: ChatRequest) -> int:
-    """The tokens ``request``'s prompt is estimated at, for a stream without a usage from
-    its upstream: a token per :data:`CHARS_PER_TOKEN` UTF-8 bytes of every text the model
-    reads (contents, refusals, names, tool calls, fields Nexus passes on unread, tool
-    definitions, the response schema) and of inline documents, :data:`MESSAGE_TOKENS` per
-    message, images by their detail, audio by its length.
-
-    A tokenizer would be closer, but there is none for every provider, and one would
-    cost more per request than the estimate is worth: it is charged only to streams
-    whose upstream reported no usage (cut before it, mostly), marked ``estimated``.
-    """
-    size = 0
-    tokens = MESSAGE_TOKENS * len(request.messages)
-    for message in request.messages:
-        content = message.content
-        if isinstance(content, str):
-            size += len(content.encode())
-        elif content is not None:
-            for part in content:
-                if isinstance(part, TextPart):
-                    size += len(part.text.encode())
-                elif isinstance(part, RefusalPart):
-                    size += len(part.refusal.encode())
-                else:
-                    tokens += _media_tokens(part)
-        if not isinstance(message, ToolMessage):  # (a missing attribute costs pydantic µs)
-            size += len((message.name or "").encode())
-        if isinstance(message, AssistantMessage):
-            size += len((message.refusal or "").encode())
-            for call in message.tool_calls or ():
-                called = call.function
-                size += len(called.name.encode()) + len(called.arguments.encode())
-        extra = message.model_extra  # passed on upstream as they came
-        if extra:
-            try:
-                size += len(orjson.dumps(extra))
-            except TypeError:  # (an integer past 64 bits, from Python callers)
-                size += len(repr(extra))
-    for tool in request.tools or ():
-        function = tool.function  # its parts, not a model_dump: per request, dozens of tools
-        size += len(function.name) + len((function.description or "").encode())
-        if function.parameters is not None:
-            size += len(orjson.dumps(function.parameters))
-    response_format = request.response_format
-    schema = response_format.json_schema if response_format is not None else None
-    if schema is not None:
-        size += len(schema.name.encode()) + len((schema.description or "").encode())
-        if schema.schema_ is not None:
-            size += len(orjson.dumps(schema.schema_))
-    config = (request.model_extra or {}).get("output_config")  # Anthropic's format
-    fmt = config.get("format") if type(config) is dict else None
-    if type(fmt) is dict:
-        size += len(orjson.dumps(fmt.get("schema")))
-    return tokens + -(-size // CHARS_PER_TOKEN)  # rounded up
-
-
-def prompt_audio_estimate(request: ChatRequest) -> int:
-    """Of :func:`prompt_estimate`, the tokens of its audio parts (by their length): what a
-    stream cut before its usage is charged at the audio input price."""
-    tokens = 0
-    for message in request.messages:
-        content = message.content
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, AudioPart):
-                    tokens += _media_tokens(part)
-    return tokens
-
-
-def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:
-    """An image by its detail, audio by its length, a document by its size."""
-    if isinstance(part, ImagePart):
-        return IMAGE_TOKENS if part.image_url.detail == "low" else IMAGE_DETAIL_TOKENS
-    if isinstance(part, AudioPart):
-        return 1 + len(part.input_audio.data) * 3 // 4 // AUDIO_BYTES_PER_TOKEN  # base64
-    data = part.file.get("file_data")
-    if not isinstance(data, str):
-        return UNSEEN_TOKENS
-    encoded = len(data) - (data.find(",") + 1 if data.startswith("data:") else 0)
-    return 1 + encoded * 3 // 4 // CHARS_PER_TOKEN
-
-
 @dataclass(slots=True)
 class Tally:
     """What a stream's events say of its spend: its last usage, its output events."""
 
     usage: Usage | None = None
     produced: int = 0
-    """Content, reasoning, tool call and audio deltas seen."""
+    """Output tokens seen: a token for each content, reasoning, tool call and transcript
+    delta, and the audio's tokens."""
     spoken: int = 0
-    """Of them, audio deltas with audio data: counted as audio tokens."""
+    """Of them, the audio's: its duration's tokens (:data:`SPOKEN_BYTES_PER_TOKEN`)."""
     answered: bool = False
     """The upstream sent an event (it accepted the request: its prompt is billed)."""
+    spoken_bytes: int = 0
+    """The audio's bytes seen."""
 
     def add(self, event: StreamEvent) -> None:
         self.answered = True
@@ -420,9 +320,14 @@ class Tally:
         elif cls is Reasoning or cls is ToolCall:
             self.produced += 1
         elif cls is Audio:
-            self.produced += 1
-            if event.data is not None:  # type: ignore[union-attr]
-                self.spoken += 1
+            data = event.data  # type: ignore[union-attr]
+            if data is None:
+                self.produced += 1  # a piece of the transcript (or the id, the expiry)
+            else:
+                self.spoken_bytes += spoken_bytes(data)
+                spoken = -(-self.spoken_bytes // SPOKEN_BYTES_PER_TOKEN)
+                self.produced += spoken - self.spoken
+                self.spoken = spoken
 
 
 def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:

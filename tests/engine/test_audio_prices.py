@@ -4,12 +4,15 @@ a key with a budget is refused audio only where a target's price lacks them."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 
+from audio_clips import b64, mp3, wav
 from nexus.config import parse_config, price_table
 from nexus.errors import ConfigError
+from nexus.estimates import AUDIO_INPUT_TOKENS_PER_S
 from nexus.events import Audio, Delta, StreamEvent, Usage
 from nexus.pricing import (
     Price,
@@ -23,6 +26,7 @@ from nexus.pricing import (
     unpriced,
     worst_cost,
 )
+from nexus.protocol.audio_duration import FLOOR_BYTES_PER_S, audio_seconds
 from nexus.request import ChatRequest
 from nexus.types import StreamMeta
 
@@ -89,17 +93,18 @@ def test_a_stream_s_audio_tokens_are_in_its_spend_at_the_audio_prices() -> None:
 
 
 def test_a_stream_cut_before_its_usage_is_charged_its_audio_at_the_audio_prices() -> None:
-    # Two audio pieces and a transcript piece came, then the stream was cut (no usage).
+    # Two audio pieces (0.1 s of 24 kHz pcm16 each: 2 tokens each, one per 50 ms) and a
+    # transcript piece came, then the stream was cut (no usage).
     events: list[StreamEvent] = [
         Audio(transcript="Hi", id="audio_1"),
-        Audio(data="AAAA"),
-        Audio(data="BBBB"),
+        Audio(data=b64(bytes(4800))),
+        Audio(data=b64(bytes(4800))),
         Delta(content="x"),
     ]
     tallied = tally(events, complete=False)
     spend = spend_of(tallied, AUDIO, complete=False, prompt_estimate=900, prompt_audio_estimate=600)
-    assert spend == Spend(900, 4, 0, 0, cost_usd(AUDIO, 900, 4, 0, 0, 600, 2), True, 0, 600, 2)
-    assert spend.cost_usd == pytest.approx((300 * 2.5 + 600 * 40 + 2 * 10 + 2 * 80) / 1e6)
+    assert spend == Spend(900, 6, 0, 0, cost_usd(AUDIO, 900, 6, 0, 0, 600, 4), True, 0, 600, 4)
+    assert spend.cost_usd == pytest.approx((300 * 2.5 + 600 * 40 + 2 * 10 + 4 * 80) / 1e6)
     # Never answered: nothing, audio or not.
     untouched = spend_of(
         tally([], complete=False), AUDIO, complete=False, prompt_estimate=900,
@@ -113,7 +118,8 @@ def chat(**body: Any) -> ChatRequest:
 
 
 ASK = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
-HEARD = {"type": "input_audio", "input_audio": {"data": "QUFB" * 40_000, "format": "wav"}}
+HEARD = {"type": "input_audio", "input_audio": {"data": b64(wav(12)), "format": "wav"}}
+"""12 s of audio: 120 tokens, one per 100 ms, and one for the clip."""
 NAMED = [
     {"role": "user", "content": "hi"},
     {"role": "assistant", "audio": {"id": "audio_1"}},
@@ -125,7 +131,7 @@ def test_the_prompt_s_audio_is_estimated_within_the_prompt() -> None:
     request = chat(
         messages=[{"role": "user", "content": [{"type": "text", "text": "x" * 40}, HEARD]}]
     )
-    assert prompt_audio_estimate(request) == 1 + 120_000 // 1000
+    assert prompt_audio_estimate(request) == 1 + 120
     assert prompt_estimate(request) == 4 + 10 + prompt_audio_estimate(request)
     assert prompt_audio_estimate(chat(messages=[{"role": "user", "content": "hi"}])) == 0
 
@@ -229,3 +235,79 @@ def test_the_engine_puts_the_prompt_s_audio_estimate_in_the_stream_s_meta() -> N
     request = chat(model="up/echo", messages=[{"role": "user", "content": [HEARD]}])
     meta = engine.complete_stream(request).meta
     assert (meta.prompt_estimate, meta.prompt_audio_estimate) == (4 + 121, 121)
+
+
+def heard(data: str, fmt: str, **extra: Any) -> ChatRequest:
+    part = {"type": "input_audio", "input_audio": {"data": data, "format": fmt, **extra}}
+    return chat(messages=[{"role": "user", "content": [part]}], max_tokens=16)
+
+
+def test_audio_input_is_estimated_by_its_duration_whatever_its_bytes() -> None:
+    """Ten minutes are 6,000 tokens (one per 100 ms, as OpenAI bills a user's audio), and
+    one for the clip: as an 8 kbit/s MP3 (600 KB), a 128 kbit/s one (9.6 MB) or a WAV.
+    By their bytes the first was held, and charged when cut, at a tenth of its bill."""
+    clips = {
+        "8 kbit/s": heard(b64(mp3(600, 8, "2", 24000)), "mp3"),
+        "128 kbit/s": heard(b64(mp3(600, 128, "1", 48000)), "mp3"),
+        "wav": heard(b64(wav(600, 8000, 1, 1)), "wav"),
+        "data url": heard("data:audio/mpeg;base64," + b64(mp3(600, 8, "2", 24000)), "mp3"),
+    }
+    for name, request in clips.items():
+        assert prompt_audio_estimate(request) == 1 + 6000, name
+        assert prompt_estimate(request) == 4 + 1 + 6000, name
+    held = worst_cost(clips["8 kbit/s"], [AUDIO])
+    assert held == pytest.approx((4 * 2.5 + 6001 * 40 + 16 * 10) / 1e6)
+    assert held > 0.24  # what OpenAI bills 6,000 audio tokens at $40 per million
+
+
+def test_audio_that_does_not_parse_is_estimated_at_the_lowest_bitrate() -> None:
+    """Never under what it could run: bytes that are not frames of a known format count
+    as 8 kbit/s audio (no MP3 frame runs longer than its bytes at that rate)."""
+    noise = bytes(b for b in range(256) if b != 0xFF) * 4000  # 1,020,000 bytes
+    floor = len(noise) / FLOOR_BYTES_PER_S * AUDIO_INPUT_TOKENS_PER_S
+    for fmt in ("mp3", "wav", "ogg"):
+        assert prompt_audio_estimate(heard(b64(noise), fmt)) == 1 + math.ceil(floor), fmt
+    assert floor > 10_000  # a thousand bytes a second: ten seconds a kilobyte
+    bad = heard("Q" * 10_001, "mp3")  # not base64: its bytes, at the floor
+    assert prompt_audio_estimate(bad) == 1 + math.ceil(7500.75 / FLOOR_BYTES_PER_S * 10)
+    # Raw samples (the realtime endpoint's) at their rate; a made-up rate at the floor.
+    assert prompt_audio_estimate(heard(b64(bytes(96_000)), "pcm16", sample_rate=16000)) == 31
+    lying = heard(b64(bytes(96_000)), "pcm16", sample_rate=10**9)
+    assert prompt_audio_estimate(lying) == 1 + math.ceil(96_000 / FLOOR_BYTES_PER_S * 10)
+
+
+def test_a_request_s_audio_is_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its hold and its stream's meta (the outer stream's, then the routed one's) each
+    estimate the prompt: a clip is decoded and walked once, not at each."""
+    from nexus import estimates
+    from nexus.engine import Engine
+
+    measured = []
+
+    def counted(data: bytes, fmt: str, rate: object = None) -> float:
+        measured.append(len(data))
+        return audio_seconds(data, fmt, rate)
+
+    monkeypatch.setattr(estimates, "audio_seconds", counted)
+    engine = Engine.from_config(parse_config({"providers": PROVIDERS}))
+    part = {"type": "input_audio", "input_audio": {"data": b64(wav(3)), "format": "wav"}}
+    request = chat(model="up/echo", messages=[{"role": "user", "content": [part]}])
+    assert engine.hold_usd(request) == 0.0  # (no price)
+    assert engine.complete_stream(request).meta.prompt_audio_estimate == 31
+    assert prompt_estimate(request) == 4 + 31
+    assert measured == [len(wav(3))]
+
+
+def test_audio_output_cut_before_its_usage_counts_by_its_duration() -> None:
+    """OpenAI streams audio output as 24 kHz pcm16 and bills a token per 50 ms of it:
+    twenty pieces of half a second are 200 audio tokens, not 20."""
+    half_second = b64(bytes(24_000))
+    events: list[StreamEvent] = [Audio(transcript="Hello there", id="audio_1")]
+    events += [Audio(data=half_second) for _ in range(20)]
+    tallied = tally(events, complete=False)
+    assert (tallied.produced, tallied.spoken) == (1 + 200, 200)
+    spend = spend_of(tallied, AUDIO, complete=False, prompt_estimate=10, prompt_audio_estimate=0)
+    assert spend.cost_usd == pytest.approx((10 * 2.5 + 1 * 10 + 200 * 80) / 1e6)
+    # Pieces of any size add up before rounding: 100 pieces of 10 ms are 20 tokens.
+    tiny = tally([Audio(data=b64(bytes(480))) for _ in range(100)], complete=False)
+    assert (tiny.produced, tiny.spoken) == (20, 20)

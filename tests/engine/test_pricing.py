@@ -8,6 +8,7 @@ from dataclasses import replace
 import orjson
 import pytest
 
+from audio_clips import b64, wav
 from nexus.config import parse_config, price_table
 from nexus.errors import ConfigError
 from nexus.events import Audio, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
@@ -227,9 +228,9 @@ def test_a_long_prompt_cannot_hide_where_the_estimate_does_not_look() -> None:
     )
     by_id = {"type": "file", "file": {"file_id": "file-abc"}}  # its size is the upstream's
     assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [by_id]}])) == 4 + 85
-    audio = {"type": "input_audio", "input_audio": {"data": "QUFB" * 40_000, "format": "wav"}}
+    audio = {"type": "input_audio", "input_audio": {"data": b64(wav(12)), "format": "wav"}}
     assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [audio]}])) == (
-        4 + 1 + 120_000 // 1000
+        4 + 1 + 120  # 12 s: a token per 100 ms
     )
     # A Python caller's field orjson cannot write (an integer past 64 bits) still counts.
     huge = chat_request(messages=[{"role": "user", "content": "", "seed_big": 2**70}])

@@ -15,6 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types import CompletionUsage
 
+from audio_clips import b64, wav
 from nexus.auth import hash_key
 from support import MakeClient, access_record
 from upstreams import FakeUpstream, Reply, openai_audio_stream, openai_chunk, openai_usage_chunk
@@ -157,12 +158,8 @@ async def test_only_the_details_the_upstream_sent_reach_the_client(
     assert got.completion_tokens_details.model_dump(exclude_unset=True) == completion
 
 
-AUDIO_IN = [
-    {
-        "role": "user",
-        "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}],
-    }
-]
+HALF_SECOND = {"data": b64(wav(0.5)), "format": "wav"}
+AUDIO_IN = [{"role": "user", "content": [{"type": "input_audio", "input_audio": HALF_SECOND}]}]
 
 
 @pytest.mark.parametrize(
@@ -170,8 +167,9 @@ AUDIO_IN = [
     [
         # 6 prompt tokens (4 a message, 2 of text) at 2.5; 10 output tokens at the audio 80.
         pytest.param(USER, ASK, "modalities", "$0.000815", id="audio-output"),
-        # 4 for the message, 1 of audio at 40; 10 output tokens at the text 10.
-        pytest.param(AUDIO_IN, {}, "messages[0]", "$0.00015", id="audio-input"),
+        # 4 for the message, 6 of audio (0.5 s: 5, and 1 for the clip) at 40; 10 output
+        # tokens at the text 10.
+        pytest.param(AUDIO_IN, {}, "messages[0]", "$0.00035", id="audio-input"),
     ],
 )
 async def test_a_budget_allows_audio_where_the_model_has_audio_prices(
@@ -202,7 +200,7 @@ async def test_a_budget_allows_audio_where_the_model_has_audio_prices(
     assert len(oai.requests) == 1
     lines = [r.access for r in caplog.records if r.name == "nexus.access"]  # type: ignore[attr-defined]
     assert lines[-1]["cost_usd"] == pytest.approx(COST, rel=1e-9)
-    assert TEXT_PRICED + 0.000815 < 0.005 < COST + 0.00015  # (the holds below)
+    assert TEXT_PRICED + 0.000815 < 0.005 < COST + 0.00035  # (the holds below)
     again = await client.post("/v1/chat/completions", json=body, headers=headers)
     assert again.status == 429
     error = (await again.json())["error"]

@@ -1,0 +1,187 @@
+"""What a request's prompt is estimated at, in tokens, before (or without) the upstream's
+count. Sans-I/O.
+
+Two uses: a budget holds a request's worst case while it runs
+(:func:`~nexus.pricing.worst_cost`), and a stream its upstream answered without a usage
+(cut before it) is charged its prompt's estimate (:func:`~nexus.pricing.spend_of`). Text
+counts by its bytes; images by their detail; audio by its duration
+(:mod:`nexus.protocol.audio_duration`), as OpenAI bills it, never by its bytes: an 8 kbit/s
+MP3 is a tenth of the bytes of the same minute at 80 kbit/s, and billed the same.
+"""
+
+from __future__ import annotations
+
+import binascii
+import math
+import weakref
+
+import orjson
+
+from .protocol.audio_duration import FLOOR_BYTES_PER_S, audio_seconds
+from .request import (
+    AssistantMessage,
+    AudioPart,
+    ChatRequest,
+    FilePart,
+    ImagePart,
+    InputAudio,
+    RefusalPart,
+    TextPart,
+    ToolMessage,
+)
+
+__all__ = [
+    "AUDIO_INPUT_TOKENS_PER_S",
+    "AUDIO_OUTPUT_TOKENS_PER_S",
+    "CHARS_PER_TOKEN",
+    "IMAGE_DETAIL_TOKENS",
+    "IMAGE_TOKENS",
+    "MESSAGE_TOKENS",
+    "SPOKEN_BYTES_PER_TOKEN",
+    "UNSEEN_TOKENS",
+    "clip_seconds",
+    "prompt_audio_estimate",
+    "prompt_estimate",
+    "spoken_bytes",
+]
+
+CHARS_PER_TOKEN = 4
+"""UTF-8 bytes per token in :func:`prompt_estimate` (English text runs at about four); a
+document's bytes count as its text's."""
+MESSAGE_TOKENS = 4
+"""A message's role and separators, as OpenAI's chat format counts them (3 to 4)."""
+IMAGE_TOKENS = 85
+"""An image at ``detail: low`` (OpenAI bills 85)."""
+IMAGE_DETAIL_TOKENS = 765
+"""An image at ``auto`` or ``high`` detail: what OpenAI bills a 1024x1024 one (85, and
+170 for each of its four tiles)."""
+AUDIO_INPUT_TOKENS_PER_S = 10
+"""A prompt's audio: OpenAI counts a token per 100 ms of a user's audio."""
+AUDIO_OUTPUT_TOKENS_PER_S = 20
+"""Audio output: OpenAI counts a token per 50 ms of the model's audio."""
+SPOKEN_BYTES_PER_TOKEN = 48_000 // AUDIO_OUTPUT_TOKENS_PER_S
+"""Audio output's bytes per token: OpenAI streams it as ``pcm16`` (the one format it
+streams), 16-bit mono samples at 24 kHz, 48,000 bytes a second."""
+UNSEEN_TOKENS = 85
+"""A file sent by id: its size is the upstream's to know."""
+
+
+def prompt_estimate(request: ChatRequest) -> int:
+    """The tokens ``request``'s prompt is estimated at, for a stream without a usage from
+    its upstream: a token per :data:`CHARS_PER_TOKEN` UTF-8 bytes of every text the model
+    reads (contents, refusals, names, tool calls, fields Nexus passes on unread, tool
+    definitions, the response schema) and of inline documents, :data:`MESSAGE_TOKENS` per
+    message, images by their detail, audio by its duration (:func:`clip_seconds`;
+    :data:`AUDIO_INPUT_TOKENS_PER_S` a second, rounded up, and one a clip).
+
+    A tokenizer would be closer, but there is none for every provider, and one would
+    cost more per request than the estimate is worth: it is charged only to streams
+    whose upstream reported no usage (cut before it, mostly), marked ``estimated``.
+    """
+    size = 0
+    tokens = MESSAGE_TOKENS * len(request.messages)
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, str):
+            size += len(content.encode())
+        elif content is not None:
+            for part in content:
+                if isinstance(part, TextPart):
+                    size += len(part.text.encode())
+                elif isinstance(part, RefusalPart):
+                    size += len(part.refusal.encode())
+                else:
+                    tokens += _media_tokens(part)
+        if not isinstance(message, ToolMessage):  # (a missing attribute costs pydantic µs)
+            size += len((message.name or "").encode())
+        if isinstance(message, AssistantMessage):
+            size += len((message.refusal or "").encode())
+            for call in message.tool_calls or ():
+                called = call.function
+                size += len(called.name.encode()) + len(called.arguments.encode())
+        extra = message.model_extra  # passed on upstream as they came
+        if extra:
+            try:
+                size += len(orjson.dumps(extra))
+            except TypeError:  # (an integer past 64 bits, from Python callers)
+                size += len(repr(extra))
+    for tool in request.tools or ():
+        function = tool.function  # its parts, not a model_dump: per request, dozens of tools
+        size += len(function.name) + len((function.description or "").encode())
+        if function.parameters is not None:
+            size += len(orjson.dumps(function.parameters))
+    response_format = request.response_format
+    schema = response_format.json_schema if response_format is not None else None
+    if schema is not None:
+        size += len(schema.name.encode()) + len((schema.description or "").encode())
+        if schema.schema_ is not None:
+            size += len(orjson.dumps(schema.schema_))
+    config = (request.model_extra or {}).get("output_config")  # Anthropic's format
+    fmt = config.get("format") if type(config) is dict else None
+    if type(fmt) is dict:
+        size += len(orjson.dumps(fmt.get("schema")))
+    return tokens + -(-size // CHARS_PER_TOKEN)  # rounded up
+
+
+def prompt_audio_estimate(request: ChatRequest) -> int:
+    """Of :func:`prompt_estimate`, the tokens of its audio parts (by their duration): what
+    a budget holds, and a stream cut before its usage is charged, at the audio input
+    price."""
+    tokens = 0
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, AudioPart):
+                    tokens += _media_tokens(part)
+    return tokens
+
+
+def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:
+    """An image by its detail, audio by its duration, a document by its size."""
+    if isinstance(part, ImagePart):
+        return IMAGE_TOKENS if part.image_url.detail == "low" else IMAGE_DETAIL_TOKENS
+    if isinstance(part, AudioPart):
+        return 1 + _tokens(clip_seconds(part.input_audio), AUDIO_INPUT_TOKENS_PER_S)
+    data = part.file.get("file_data")
+    if not isinstance(data, str):
+        return UNSEEN_TOKENS
+    encoded = len(data) - (data.find(",") + 1 if data.startswith("data:") else 0)
+    return 1 + encoded * 3 // 4 // CHARS_PER_TOKEN
+
+
+_SECONDS: weakref.WeakKeyDictionary[InputAudio, float] = weakref.WeakKeyDictionary()
+"""Each audio's duration, once: a request's estimate is taken for its hold and again for
+its stream (and a 32 MB clip takes a tenth of a second to decode and walk)."""
+
+
+def clip_seconds(audio: InputAudio) -> float:
+    """How long ``audio`` (base64, maybe in a ``data:`` URL) runs
+    (:func:`~nexus.protocol.audio_duration.audio_seconds`; ``pcm16`` at its
+    ``sample_rate``); what does not decode, its bytes at the floor rate."""
+    seconds = _SECONDS.get(audio)
+    if seconds is None:
+        data = audio.data
+        if data.startswith("data:"):
+            data = data[data.find(",") + 1 :]
+        try:
+            decoded = binascii.a2b_base64(data)
+        except (binascii.Error, ValueError):  # (ValueError: not ASCII)
+            seconds = len(data) * 3 / 4 / FLOOR_BYTES_PER_S
+        else:
+            rate = (audio.model_extra or {}).get("sample_rate")
+            seconds = audio_seconds(decoded, audio.format, rate)
+        _SECONDS[audio] = seconds
+    return seconds
+
+
+def _tokens(seconds: float, per_second: int) -> int:
+    """``seconds`` of audio in tokens, rounded up (after rounding off a float sum's last
+    bits: 25,000 frames of 24 ms are 600 s, 6,000 tokens, not 6,001)."""
+    return math.ceil(round(seconds * per_second, 6))
+
+
+def spoken_bytes(data: str) -> int:
+    """The bytes a piece of audio output holds, from its base64 text's length (each piece
+    is padded on its own)."""
+    return len(data) * 3 // 4 - (2 if data.endswith("==") else 1 if data.endswith("=") else 0)

@@ -10,6 +10,7 @@ import struct
 import pytest
 
 from audio_clips import mp3, mp3_frame, wav
+from nexus.protocol import audio_duration
 from nexus.protocol.audio_duration import (
     FLOOR_BYTES_PER_S,
     _frames,
@@ -81,6 +82,24 @@ def test_a_variable_bitrate_mp3_runs_as_long_as_its_frames() -> None:
     data = b"".join(frame for frame, _ in frames) + bytes(padded) + b"\0" + mp3_frame(40)[0]
     expected = sum(duration for _, duration in frames) + 2 * 1152 / 44100
     assert mp3_seconds(data) == pytest.approx(expected)
+
+
+def test_a_walk_stops_at_its_steps_and_counts_the_rest_at_the_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body with a candidate header at every byte cost one Python step a byte (32 MB
+    stalled the event loop for half a second): a walk looks at ``MAX_STEPS`` at most, and
+    what it did not reach counts at the floor, never short."""
+    frame, duration = mp3_frame(128)
+    monkeypatch.setattr(audio_duration, "MAX_STEPS", 100)
+    data = frame * 300
+    rest = len(frame) * 200
+    assert mp3_seconds(data) == pytest.approx(100 * duration + rest / FLOOR_BYTES_PER_S)
+    assert mp3_seconds(data) > 300 * duration
+    crafted = b"\xff" * 5000  # a header candidate at every byte, no frame
+    monkeypatch.setattr(audio_duration, "MAX_UNFRAMED", 1000)
+    assert mp3_seconds(crafted) == pytest.approx(len(crafted) / FLOOR_BYTES_PER_S)
+    assert mp3_seconds(crafted + data) == pytest.approx(len(crafted + data) / FLOOR_BYTES_PER_S)
 
 
 def test_every_layer_s_frame_lasts_no_longer_than_its_bytes_at_the_floor() -> None:

@@ -18,7 +18,15 @@ from __future__ import annotations
 import re
 import struct
 
-__all__ = ["FLOOR_BYTES_PER_S", "MAX_SAMPLE_RATE", "audio_seconds", "mp3_seconds", "wav_seconds"]
+__all__ = [
+    "FLOOR_BYTES_PER_S",
+    "MAX_SAMPLE_RATE",
+    "MAX_STEPS",
+    "MAX_UNFRAMED",
+    "audio_seconds",
+    "mp3_seconds",
+    "wav_seconds",
+]
 
 MAX_SAMPLE_RATE = 384_000
 """The highest sample rate believed of a header: more is taken for a header that lies
@@ -134,7 +142,15 @@ _SYNC = re.compile(
     + b"]"
 )
 """Where a frame header may start: found in C, so that bytes that are not frames cost no
-Python loop (32 MB of the worst, ``0xFF`` after ``0xFF``, take under half a second)."""
+Python loop."""
+MAX_STEPS = 100_000
+"""The most frames and candidate headers one walk looks at: 43 minutes of 44.1 kHz MP3,
+~0.1 s of the event loop at most (as long as decoding the 32 MB of base64 it came in)."""
+MAX_UNFRAMED = 1 << 20
+"""The most bytes that are not frames one walk searches for a header: the search is in C,
+but 32 MB of ``0xFF`` (a candidate at every byte) took it half a second. Past either
+bound the rest counts at :data:`FLOOR_BYTES_PER_S`, never short: a body crafted to be slow
+to walk cannot stall the gateway's other streams for long."""
 
 
 def mp3_seconds(data: bytes) -> float:
@@ -142,13 +158,16 @@ def mp3_seconds(data: bytes) -> float:
     ID3 tags (v2 at the start, v1 at the end). A frame found after bytes that are not
     frames (at the start, or after garbage) counts once the next frame's header follows it
     where its length says (or it ends the data), as decoders find a stream; bytes between
-    frames count at :data:`FLOOR_BYTES_PER_S`."""
+    frames, and those past :data:`MAX_STEPS` or :data:`MAX_UNFRAMED`, count at
+    :data:`FLOOR_BYTES_PER_S`."""
     n, frames, sync = len(data), _FRAMES, _SYNC
     if n >= 128 and data[-128:-125] == b"TAG":
         n -= 128  # an ID3v1 tag ends the file: metadata
     pos = _after_id3(data)
     seconds, unframed, synced = 0.0, 0, False
-    while pos + 4 <= n:
+    for _ in range(MAX_STEPS):
+        if pos + 4 > n or unframed >= MAX_UNFRAMED:
+            break
         frame = frames.get(data[pos + 1] << 8 | data[pos + 2]) if data[pos] == 0xFF else None
         if frame is not None:
             length, duration = frame
@@ -158,8 +177,9 @@ def mp3_seconds(data: bytes) -> float:
                 pos, synced = end, True
                 continue
         synced = False
-        found = sync.search(data, pos + 1, n)
-        resume = n if found is None else found.start()
+        bound = min(n, pos + 1 + MAX_UNFRAMED - unframed)
+        found = sync.search(data, pos + 1, bound)
+        resume = bound if found is None else found.start()
         unframed += resume - pos
         pos = resume
     return seconds + (unframed + max(n - pos, 0)) / FLOOR_BYTES_PER_S

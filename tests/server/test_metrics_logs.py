@@ -496,6 +496,24 @@ async def test_a_model_name_cannot_split_the_text_line(
     assert record.access["model"] == forged  # type: ignore[attr-defined]
 
 
+async def test_a_client_value_cannot_forge_a_field(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's request id (or model) holding ``=`` read as a field of its own
+    (``client_request_id=key=victim``: a ``key`` for whoever greps the line): quoted."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client()
+    resp = await client.post(
+        CHAT, json=chat(model="cost_usd=0"), headers={"X-Client-Request-Id": "key=victim"}
+    )
+    await resp.read()
+    await asyncio.sleep(0.05)
+    (record,) = access_records(caplog)
+    line = record.getMessage()
+    assert ' client_request_id="key=victim"' in line and ' model="cost_usd=0"' in line
+    assert " key=victim" not in line and " cost_usd=0" not in line
+
+
 async def test_access_log_bytes_equal_the_body(
     make_client: MakeClient, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -680,6 +698,21 @@ async def test_a_background_streams_spend_has_a_line_of_its_own_at_its_end(
         .getMessage()
         .startswith(f"{resp.headers['X-Request-Id']} endpoint=")
     )
+
+
+async def test_a_background_stream_no_target_answered_names_none_served(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its meta names the first target tried; a spend line that said ``served=`` it
+    named a provider that served nothing."""
+    caplog.set_level(logging.INFO, logger="nexus")
+    client = await make_client(PRICED)
+    body = chat("one two", background=True, model="mock/echo", mock={"fail_after": 0})
+    resp = await client.post(CHAT, json=body)
+    assert resp.status == 202
+    (line,) = await until_spend_lines(caplog, 1)
+    assert line["outcome"].startswith("mid_stream_error:")
+    assert line["served"] is None
 
 
 async def test_each_realtime_turn_has_its_spend_line(

@@ -131,7 +131,9 @@ async def test_a_request_the_parser_rejects_has_an_access_line_and_a_count(
     caplog.set_level(logging.INFO, logger="nexus.access")
     status, headers, body = head_and_body(await roundtrip(served, REJECTED[kind]))
     assert status == 400
-    assert orjson.loads(body)["error"]["code"] == "invalid_request"
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "invalid_request"
+    assert error["request_id"] == headers["X-Request-Id"]  # as every error body has it
     [record] = await access_records(caplog, 1)
     fields = record.access  # type: ignore[attr-defined]
     assert record.levelno == logging.WARNING
@@ -202,31 +204,37 @@ async def test_on_aiohttps_own_server_a_rejection_is_counted_as_malformed(
     assert counted[("rejected", "unknown", "rejected:malformed")] == 1
 
 
+@pytest.mark.parametrize("origin", [None, "https://evil.example"])
 async def test_a_client_that_leaves_with_its_body_half_sent_is_a_quiet_499(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, origin: str | None
 ) -> None:
     """On aiohttp's own runner (``web.run_app``: handlers are not cancelled when their
     client leaves) the route answers a body that ends early; writing that answer met the
     closed socket, and the error went up to aiohttp, which logged it at ERROR with a
-    traceback: any client could fill an integrator's error log by hanging up mid-body."""
+    traceback: any client could fill an integrator's error log by hanging up mid-body. So
+    could one from a page the gateway refuses (``origin_not_allowed``), without a key."""
     caplog.set_level(logging.INFO)
     runner = web.AppRunner(create_app(parse_config(config()), registry=default_registry.copy()))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     host, port = runner.addresses[0][:2]
+    head = POST if origin is None else POST + f"\r\nOrigin: {origin}".encode()
     try:
-        await _leave_mid_body(Gateway(host, port), caplog)
+        await _leave_mid_body(Gateway(host, port), caplog, head)
     finally:
         await runner.cleanup()
 
 
-async def _leave_mid_body(gateway: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+async def _leave_mid_body(gateway: Gateway, caplog: pytest.LogCaptureFixture, head: bytes) -> None:
     _, writer = await asyncio.open_connection(gateway.host, gateway.port)
-    writer.write(POST + b'\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"m')
+    writer.write(head + b'\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"m')
     await writer.drain()
-    await asyncio.sleep(0.2)
-    writer.close()
+    if b"Origin" in head:
+        writer.transport.abort()  # gone (a reset) before the refusal, answered at once, is out
+    else:
+        await asyncio.sleep(0.2)  # the route reads the body until the client leaves
+        writer.close()
     (record,) = await access_records(caplog, 1)
     await asyncio.sleep(0.2)  # (an error aiohttp logs comes after the access line)
     fields = record.access  # type: ignore[attr-defined]

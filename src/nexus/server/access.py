@@ -123,10 +123,14 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     if refusal is not None:
         refused = error_response(request, refusal)
         refused.headers.update(ex.headers)
+        status = refused.status
         try:
             return await _close_if_unread(request, refused)
+        except ConnectionError:  # it hung up mid-body: as below, a quiet 499
+            ex.cancelled, status = "client_disconnect", 499
+            return web.Response(status=status)
         finally:
-            account(config, app.get(METRICS), ex, refused.status)
+            account(config, app.get(METRICS), ex, status)
     if origin is not None and listed(origin, config.cors.allow_origins):
         ex.headers["Access-Control-Allow-Origin"] = origin
         ex.headers["Vary"] = "Origin"
@@ -389,7 +393,10 @@ def _spend_line(ex: Exchange, run: StreamRun, model: str | None, refusal: bool) 
         "endpoint": ex.endpoint,
         "outcome": outcome,
         "model": model,
-        "served": f"{meta.provider}/{meta.upstream_model}" if meta.provider else None,
+        # (none for a run no target answered: its meta names the first one tried)
+        "served": f"{meta.provider}/{meta.upstream_model}"
+        if meta.provider and run.failure is None
+        else None,
         "stream_id": run.id,
         "key": ex.key.name if ex.key is not None else None,
         "client_request_id": ex.client_request_id,

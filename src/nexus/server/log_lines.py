@@ -36,11 +36,12 @@ _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": 
 
 
 def log_value(value: object) -> object:
-    """A value as the text line shows it: a string with spaces, quotes or control
-    characters (a client's model name) is JSON-quoted, so that it cannot forge fields or
-    lines. Not redacted: :func:`line` redacts its fields; another caller quoting a client's
-    string redacts it first."""
-    if isinstance(value, str) and (not _PLAIN.fullmatch(value) or '"' in value):
+    """A value as the text line shows it: a string with spaces, quotes, ``=`` or control
+    characters (a client's model name, its request id) is JSON-quoted, so that it cannot
+    forge fields (``client_request_id=key=victim`` read as a ``key``) or lines. Not
+    redacted: :func:`line` redacts its fields; another caller quoting a client's string
+    redacts it first."""
+    if isinstance(value, str) and (not _PLAIN.fullmatch(value) or '"' in value or "=" in value):
         # ASCII-escaped: orjson keeps U+2028, U+2029 and U+0085, which split a line
         # for readers that break on every Unicode line boundary.
         return json.dumps(value)

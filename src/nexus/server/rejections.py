@@ -106,7 +106,7 @@ class Rejected(web.Response):
         error = InvalidRequest(f"Malformed HTTP request: {self.description}.", status=status)
         super().__init__(
             status=status,
-            body=orjson.dumps(error.openai_body()),
+            body=orjson.dumps(error.openai_body(self.request_id)),
             content_type="application/json",
             headers={"X-Request-Id": self.request_id},
         )

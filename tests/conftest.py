@@ -1,8 +1,10 @@
-"""Fixtures: an app factory over the real server, with optional hand-steered providers."""
+"""Fixtures: an app factory over the real server, with optional hand-steered providers;
+fake upstreams of either kind; a Redis of the test's own."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -12,8 +14,10 @@ from nexus import Engine, MockProvider, Provider
 from nexus.config import Config, parse_config, price_table
 from nexus.encoders.registry import default_registry
 from nexus.server.app import create_app
+from redis_server import RedisServer
 from redis_support import connect_or_skip, drop_keys, new_prefix
 from support import METRICS_TOKEN, METRICS_TOKEN_ENV, MakeClient
+from upstreams import FakeUpstream
 
 
 @pytest.fixture
@@ -59,3 +63,31 @@ async def prefix() -> AsyncIterator[str]:
     finally:
         await drop_keys(client, name)
         await client.aclose()
+
+
+@pytest.fixture
+async def oai() -> AsyncIterator[FakeUpstream]:
+    """A fake upstream (an OpenAI-kind provider's, by the replies a test adds)."""
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def claude() -> AsyncIterator[FakeUpstream]:
+    """A fake upstream (an Anthropic-kind provider's, by the replies a test adds)."""
+    async with FakeUpstream() as fake:
+        yield fake
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A ``redis-server`` of the test's own, to stop, pause and restart; stopped after it
+    (continued first, should the test have left it paused with SIGSTOP)."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            server.process.send_signal(signal.SIGCONT)
+        server.stop()

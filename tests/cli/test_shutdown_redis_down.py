@@ -20,7 +20,6 @@ import json
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +39,6 @@ LOST = re.compile(
 )
 KEY = "nx-shutdown-0123456789-secret"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.process is not None:
-            server.process.send_signal(signal.SIGCONT)
-        server.stop()
 
 
 def config(redis_url: str) -> str:

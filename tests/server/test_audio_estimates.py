@@ -10,7 +10,6 @@ piece, where OpenAI bills one per 50 ms of it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -62,12 +61,6 @@ USAGE = {
 BILL = (BILLED * 40 + 10 * 2.5 + 1 * 10) / 1e6
 """What the upstream bills one request: $0.24."""
 FIRST = openai_chunk(role="assistant", content="ok")
-
-
-@pytest.fixture
-async def oai() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
 
 
 async def gateway(

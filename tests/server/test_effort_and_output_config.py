@@ -5,7 +5,6 @@ and a target that cannot honour it is skipped for one that can."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -24,18 +23,6 @@ ANSWER = '{"name":"Ada","nick":null}'
 class Person(BaseModel):
     name: str
     nick: str | None = None
-
-
-@pytest.fixture
-async def claude() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
-
-
-@pytest.fixture
-async def oai() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
 
 
 async def gateway(make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream) -> str:

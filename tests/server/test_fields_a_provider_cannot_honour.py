@@ -5,7 +5,6 @@ on every endpoint and path; a fallback list skips such a target."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -48,18 +47,6 @@ def anthropic_json_answer() -> Reply:
             event("message_stop"),
         ]
     )
-
-
-@pytest.fixture
-async def claude() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
-
-
-@pytest.fixture
-async def oai() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
 
 
 async def sdk(make_client: MakeClient, claude: FakeUpstream, oai: FakeUpstream) -> AsyncOpenAI:

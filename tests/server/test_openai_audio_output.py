@@ -6,7 +6,6 @@ endpoints whose formats have no place for audio refuse to ask for it."""
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -20,18 +19,6 @@ USER = [{"role": "user", "content": "Say hi"}]
 ASK = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"}}
 PCM = [bytes(range(10)), bytes(range(100, 107)), bytes(range(200, 212))]  # padded pieces
 TRANSCRIPT = ["Hi", " there", "!"]
-
-
-@pytest.fixture
-async def oai() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
-
-
-@pytest.fixture
-async def claude() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
 
 
 def config(oai: FakeUpstream, claude: FakeUpstream) -> dict[str, Any]:

@@ -8,7 +8,6 @@ for audio, and is refused it where they are missing."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -50,12 +49,6 @@ PRICES = {
 # 6 uncached text prompt tokens, 30 audio ones, 4 cached; 15 text completion, 45 audio.
 COST = (6 * 2.5 + 30 * 40 + 4 * 1.25 + 15 * 10 + 45 * 80) / 1e6
 TEXT_PRICED = (36 * 2.5 + 4 * 1.25 + 60 * 10) / 1e6  # what it cost before audio prices
-
-
-@pytest.fixture
-async def oai() -> AsyncIterator[FakeUpstream]:
-    async with FakeUpstream() as fake:
-        yield fake
 
 
 def config(oai: FakeUpstream, **key: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ replica that dies after putting its places back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -37,16 +37,6 @@ HEADERS = {"Authorization": f"Bearer {A}"}
 PREFIX = "outage"
 LEASE_S = 0.6
 SSE = "/v1/chat/completions?stream_format=sse"
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

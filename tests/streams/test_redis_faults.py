@@ -10,26 +10,14 @@ back, another replica resumes the stream whole: the keeper caught its log up.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
-import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from redis_server import RedisServer
 from support import GatedProvider, MakeClient, chat, parse_sse
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def config(server: RedisServer, **store: Any) -> dict[str, Any]:

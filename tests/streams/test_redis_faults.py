@@ -16,6 +16,7 @@ import orjson
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
+from nexus.cache.redis import RedisStore
 from redis_server import RedisServer
 from support import GatedProvider, MakeClient, chat, parse_sse
 
@@ -136,3 +137,20 @@ async def test_a_json_request_does_not_need_redis_when_nothing_is_cached(
     resp = await client.post("/v1/chat/completions", json=chat())
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["choices"][0]["message"]["content"] == "Hello there world"
+
+
+async def test_the_first_command_after_a_redis_restart_finds_a_live_connection(
+    redis_server: RedisServer,
+) -> None:
+    """redis-py's pool skipped its check that an idle connection is still open (its
+    maintenance notifications left at "auto"): the first command on each connection after
+    a restart failed, and an admission fell back to the process's own count."""
+    store = RedisStore(redis_server.url, prefix="restart", max_connections=1)
+    await store.start()
+    try:
+        await store.call("probe", ("SET", b"restart:k", b"1"))
+        await asyncio.to_thread(redis_server.stop)  # the loop runs: the close arrives
+        await asyncio.to_thread(redis_server.start)
+        assert await store.call("probe", ("GET", b"restart:k")) == [None]  # a new Redis
+    finally:
+        await store.close()

@@ -72,6 +72,17 @@ from .redis_quota import Quota
 from .redis_url import redact_url, scrub
 from .store import OWNER_TTL_S, Recording, StreamInfo, Write
 
+try:  # redis-py 7 and later
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    _PLAIN_POOL: dict[str, Any] = {"maint_notifications_config": MaintNotificationsConfig(False)}
+except ImportError:  # earlier: no such notifications, and the pool checks every connection
+    _PLAIN_POOL = {}
+"""With maintenance notifications left at "auto" (a Redis Enterprise feature Nexus does not
+use), redis-py's pool skips its check that a pooled connection is still open: after a Redis
+restart the first command on each idle connection failed ("Connection closed by server"),
+and an admission then fell back to this process's own count."""
+
 log = logging.getLogger("nexus.store")
 
 __all__ = ["RedisStore", "RedisUnavailable", "redact_url"]
@@ -157,6 +168,7 @@ class RedisStore(RedisHolds):
             socket_connect_timeout=5.0,
             client_name=f"nexus-{self.replica_id}",  # CLIENT LIST names the replica
             retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
+            **_PLAIN_POOL,
         )
         return aioredis.Redis.from_pool(pool)  # closes the pool with it
 

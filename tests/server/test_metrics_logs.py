@@ -724,7 +724,8 @@ async def test_each_realtime_turn_has_its_spend_line(
     caplog.set_level(logging.INFO, logger="nexus")
     client = await make_client(PRICED)
     url = str(client.make_url("/v1/realtime")).replace("http", "ws", 1)
-    async with websockets.connect(url) as ws:
+    client_id = {"X-Client-Request-Id": "rid-socket"}
+    async with websockets.connect(url, additional_headers=client_id) as ws:
         for content in ("a b", "c d e"):
             request = {"model": "mock/echo", "messages": [{"role": "user", "content": content}]}
             await ws.send(orjson.dumps({"type": "start", "request": request}).decode())
@@ -733,6 +734,7 @@ async def test_each_realtime_turn_has_its_spend_line(
         lines = await until_spend_lines(caplog, 2)
     assert [line["completion_tokens"] for line in lines] == [2, 3]
     assert [line["cost_usd"] for line in lines] == [pytest.approx(2), pytest.approx(3)]
+    assert [line["client_request_id"] for line in lines] == ["rid-socket"] * 2  # the socket's
     assert {(line["endpoint"], line["model"], line["outcome"]) for line in lines} == {
         ("/v1/realtime", "mock/echo", "ok")
     }

@@ -382,6 +382,7 @@ class RealtimeConnection(Writer):
                 record = Exchange(
                     self.request_id,
                     started,
+                    exchange(self.request).client_request_id,  # the socket's, for each turn
                     endpoint="/v1/realtime",
                     format=NDJSONEncoder.media_type,
                     key=self.key,

@@ -26,9 +26,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import ModelNotFound, UnsupportedInput
+from .estimates import prompt_audio_estimate, prompt_estimate
 from .events import StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
-from .pricing import Price, PriceTable, prompt_audio_estimate, prompt_estimate, unpriced, worst_cost
+from .pricing import Price, PriceTable, unpriced, worst_cost
 from .protocol.openai_chat import validated
 from .providers.base import Provider
 from .request import ChatRequest, input_kinds

@@ -55,8 +55,6 @@ __all__ = [
     "Spend",
     "Tally",
     "cost_usd",
-    "prompt_audio_estimate",
-    "prompt_estimate",
     "spend_of",
     "tally",
     "terminal_ok",

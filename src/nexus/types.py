@@ -71,11 +71,11 @@ class StreamMeta:
     include_obfuscation: bool = False
     """The listener asked for padded chunks (``stream_options.include_obfuscation``)."""
     prompt_estimate: int = 0
-    """The request's prompt in tokens, estimated (:func:`nexus.pricing.prompt_estimate`):
+    """The request's prompt in tokens, estimated (:func:`nexus.estimates.prompt_estimate`):
     charged to a stream its upstream answered without reporting a usage (cut before it).
     Not kept in a shared store: the replica that runs the stream charges it."""
     prompt_audio_estimate: int = 0
-    """Of it, the tokens of its audio parts (:func:`nexus.pricing.prompt_audio_estimate`),
+    """Of it, the tokens of its audio parts (:func:`nexus.estimates.prompt_audio_estimate`),
     charged at the audio input price. Not kept in a shared store either."""
     upstream_accepted: bool = False
     """An upstream took the request (it answered 2xx), so bills its prompt, though the

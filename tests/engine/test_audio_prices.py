@@ -12,15 +12,13 @@ import pytest
 from audio_clips import b64, mp3, wav
 from nexus.config import parse_config, price_table
 from nexus.errors import ConfigError
-from nexus.estimates import AUDIO_INPUT_TOKENS_PER_S
+from nexus.estimates import AUDIO_INPUT_TOKENS_PER_S, prompt_audio_estimate, prompt_estimate
 from nexus.events import Audio, Delta, StreamEvent, Usage
 from nexus.pricing import (
     Price,
     PriceTable,
     Spend,
     cost_usd,
-    prompt_audio_estimate,
-    prompt_estimate,
     spend_of,
     tally,
     unpriced,

@@ -11,6 +11,7 @@ import pytest
 from audio_clips import b64, wav
 from nexus.config import parse_config, price_table
 from nexus.errors import ConfigError
+from nexus.estimates import prompt_estimate
 from nexus.events import Audio, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
 from nexus.pricing import (
     NOTHING,
@@ -19,7 +20,6 @@ from nexus.pricing import (
     Spend,
     Tally,
     cost_usd,
-    prompt_estimate,
     spend_of,
     tally,
     terminal_ok,

@@ -1,31 +1,29 @@
 """The one pump: a stream's log and an encoder in, an HTTP response out.
 
-Route handlers call :func:`pump`. It reads the log (a :class:`~nexus.cache.run.LogReader`)
-in batches, renders each with a :class:`~nexus.server.render.Renderer` and writes it at
-once: what upstream delivered together goes out in one write (a backlog, in pieces that
-let other connections have the loop: ``YIELD_EVERY``). The race between producer,
-heartbeat, disconnect and shutdown:
+Route handlers call :func:`pump`. It reads the log (a :class:`~nexus.cache.run.LogReader`) in
+batches, renders each with a :class:`~nexus.server.render.Renderer` and writes it at once: what
+upstream delivered together goes out in one write (a backlog, in pieces that let other connections
+have the loop: ``YIELD_EVERY``). The race between producer, heartbeat, disconnect and shutdown:
 
-* **Before the headers.** The first batch is awaited for up to one heartbeat interval. A
-  failure there becomes an HTTP status with a JSON body; if the interval passes first, the
-  headers go out with a heartbeat, and failures travel in the stream from then on.
-* **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`) reads the
-  provider; the pump follows the log. Once caught up, the pump has each new batch pushed to
-  it (:meth:`StreamPump._push`): rendered and written in the producer's task while the
-  socket takes it, so that an upstream read wakes one task, as in a byte-copying proxy; a
-  batch it leaves (a write under way, a full socket) wakes the pump's task instead. When
-  its client leaves, the reader detaches: the last reader of a stream that is not
-  resumable cancels it at once; a resumable one runs on for ``[streams] detach_timeout_s``.
+* **Before the headers.** The first batch is awaited for up to one heartbeat interval. A failure
+  there becomes an HTTP status with a JSON body; if the interval passes first, the headers go out
+  with a heartbeat, and failures travel in the stream from then on.
+* **Producer.** The stream's own task (:class:`~nexus.cache.run.StreamRun`) reads the provider; the
+  pump follows the log. Once caught up, the pump has each new batch pushed to it
+  (:meth:`StreamPump._push`): rendered and written in the producer's task while the socket takes
+  it, so that an upstream read wakes one task, as in a byte-copying proxy; a batch it leaves (a
+  write under way, a full socket) wakes the pump's task instead. When its client leaves, the reader
+  detaches: the last reader of a stream that is not resumable cancels it at once; a resumable one
+  runs on for ``[streams] detach_timeout_s``.
 * **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's timers
   (:class:`~nexus.server.writer.Writer`, as the WebSocket connections'): a heartbeat after
-  ``heartbeat_interval_s`` without a write; the connection aborted when its socket stays
-  full without taking a byte for ``write_timeout_s``.
-* **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler when the peer
-  goes away; ``finally`` detaches the reader (a failed write too).
-* **Shutdown.** After the grace period the app cancels the streams (their logs end with a
-  retryable ``server_shutting_down`` error, written with the format's terminator), then
-  :meth:`StreamPump.shutdown` the pumps still running (those following another replica's
-  stream).
+  ``heartbeat_interval_s`` without a write; the connection aborted when its socket stays full
+  without taking a byte for ``write_timeout_s``.
+* **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler when the peer goes
+  away; ``finally`` detaches the reader (a failed write too).
+* **Shutdown.** After the grace period the app cancels the streams (their logs end with a retryable
+  ``server_shutting_down`` error, written with the format's terminator), then
+  :meth:`StreamPump.shutdown` the pumps still running (those following another replica's stream).
 """
 
 from __future__ import annotations
@@ -67,6 +65,12 @@ class StreamPump(Writer):
     """Writes one stream log to one HTTP response. Made and run by :func:`pump`."""
 
     _now = staticmethod(time.monotonic)
+    # One per stream: slots, not a dict of its own past 29 attributes (see StreamRun's).
+    __slots__ = (
+        "_active", "_broken", "_bytes", "_chunked", "_ended", "_events", "_failed_with", "_head",
+        "_last", "_metered", "_protocol", "_shutting_down", "_task", "exchange", "first_wait_s",
+        "headers", "name", "origin", "reader", "renderer", "response"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -297,10 +301,10 @@ class StreamPump(Writer):
                 return out
 
     def _meter(self) -> None:
-        """Add the events (the renderer's count) and bytes written since the last call to
-        the exchange and the format's counters: after each write of the pump's task, and
-        for the batches pushed in the producer's task (one per upstream read: two counter
-        increments less each) at the watchdog's next tick and at the end."""
+        """Add the events (the renderer's count) and bytes written since the last call to the
+        exchange and the format's counters: after each write of the pump's task, and for the
+        batches pushed in the producer's task (one per upstream read: two increments less
+        each) at the watchdog's next tick and at the end."""
         ex = self.exchange
         events, size = self._metered
         ex.events = self.renderer.written if ex.bytes else 0  # (none before a byte went out)
@@ -327,9 +331,8 @@ class StreamPump(Writer):
         return b""
 
     async def _write(self, data: bytes, *, last: bool = False) -> None:
-        """Write ``data``, timed by the watchdog; ``last``: and the end of the body, in
-        the same write (aiohttp would send the end of a chunked body on its own once
-        the handler returns)."""
+        """Write ``data``, timed by the watchdog; ``last``: and the end of the body, in the
+        same write (aiohttp sends the end of a chunked body on its own after the handler)."""
         response = self.response
         assert response is not None
         if not response.prepared:
@@ -375,14 +378,13 @@ class StreamPump(Writer):
         ``batch`` in the producer's task, when nothing else is being written and the
         socket takes more; else False, and this pump's task reads it.
 
-        The write cannot wait there, and need not: it is one HTTP chunk handed to the
-        transport (:func:`chunk`, the framing aiohttp's chunked writer gives the same
-        bytes), as a byte-copying proxy's would be. The headers went out with the first
-        write in chunks (else nothing is pushed: HTTP/1.0, HEAD), nothing else is being
-        written, and the body is never compressed. Should the socket fill with these
-        very bytes, they are with the transport already; the wait for it to drain is
-        left to the next write, which this task makes through aiohttp (a paused socket
-        is never pushed to).
+        The write cannot wait there, and need not: it is one HTTP chunk handed to the transport
+        (:func:`chunk`, the framing aiohttp's chunked writer gives the same bytes), as a
+        byte-copying proxy's would be. The headers went out with the first write in chunks
+        (else nothing is pushed: HTTP/1.0, HEAD), nothing else is being written, and the body
+        is never compressed. Should the socket fill with these very bytes, they are with the
+        transport already; the wait for it to drain is left to the next write, which this task
+        makes through aiohttp (a paused socket is never pushed to).
         """
         transport = self._protocol.transport
         if self._writing or self._ended or not self._chunked or self._protocol.writing_paused:

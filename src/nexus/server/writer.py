@@ -36,6 +36,12 @@ class Writer(ABC):
     name = "a connection"
     """What the log calls the client's connection when it is dropped."""
 
+    # Slots, as :class:`~nexus.server.streaming.StreamPump`'s (one per stream).
+    __slots__ = (
+        "_beat", "_buffered", "_last_write", "_loop", "_stalled", "_watchdog", "_watched",
+        "_writes", "_writes_seen", "_writing", "heartbeat_s", "request", "write_timeout_s"
+    )  # fmt: skip
+
     def __init__(
         self,
         request: web.Request,

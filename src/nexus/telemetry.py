@@ -6,15 +6,16 @@ check; with it but without the packages, :meth:`Telemetry.from_config` refuses t
 start (:class:`~nexus.errors.ConfigError`): tracing asked for must not go missing.
 
 The request span (:class:`RequestSpan`, opened by the access middleware) is current
-while the handler runs, so a stream's run (a task that copies the handler's context)
-and the engine's :class:`Attempt` spans are its children; a background request's span
-ends with its run (:func:`end_with`), not its ``202``. An incoming ``traceparent``
-makes it a child of the caller's span, and :func:`upstream_headers` sends the
-attempt's upstream. Sampling is parent-based, ``sample_ratio`` deciding for new traces.
-The caller's ``tracestate`` is not taken in: the gateway is a trust boundary, and the
-upstream is a third party that has no business reading a tenant's tracing vendors'
-entries (W3C Trace Context, "Security": keep ``tracestate`` out of requests to external
-systems); the trace id and the sampled flag are all that cross it.
+while the handler runs, so a stream's run (a task that copies the handler's context) and
+the engine's :class:`Attempt` spans are its children; a background request's span ends
+with its run (:func:`end_with`), not its ``202``, and says how the run ended (an error,
+a cancellation). An incoming ``traceparent`` makes it a child of the caller's span, and
+:func:`upstream_headers` sends the attempt's upstream. Sampling is parent-based,
+``sample_ratio`` deciding for new traces. The caller's ``tracestate`` is not taken in:
+the gateway is a trust boundary, and the upstream is a third party that has no business
+reading a tenant's tracing vendors' entries (W3C Trace Context, "Security": keep
+``tracestate`` out of requests to external systems); the trace id and the sampled flag
+are all that cross it.
 
 Attributes follow the OpenTelemetry GenAI semantic conventions (``gen_ai.provider.name``,
 not the replaced ``gen_ai.system``); the first output sets
@@ -80,6 +81,10 @@ _REQUEST: contextvars.ContextVar[RequestSpan | None] = contextvars.ContextVar(
     "nexus_request_span", default=None
 )
 """The request span of the handler running in this task."""
+
+Ended = Callable[[], tuple[str | None, str | None]]
+"""How a run ended, once it has: the code of the error it failed with, and the reason it
+was ended early for; None for each it did not (:func:`end_with`)."""
 
 
 class Telemetry:
@@ -210,7 +215,7 @@ class Telemetry:
 class RequestSpan:
     """The SERVER span of one HTTP request (see :meth:`Telemetry.request_span`)."""
 
-    __slots__ = ("_request", "_telemetry", "_token", "span", "until")
+    __slots__ = ("_request", "_telemetry", "_token", "ended", "span", "until")
 
     def __init__(self, telemetry: Telemetry, span: Span, token: object) -> None:
         self._telemetry = telemetry
@@ -219,6 +224,8 @@ class RequestSpan:
         self._request = _REQUEST.set(self)
         self.until: asyncio.Future[Any] | None = None
         """Set by :func:`end_with`: the span ends when this is done, not at :meth:`close`."""
+        self.ended: Ended | None = None
+        """Set by :func:`end_with`: how the run ended, asked once :attr:`until` is done."""
 
     def close(
         self,
@@ -230,7 +237,7 @@ class RequestSpan:
         """The response is out (or the handler failed): record ``status`` (a 5xx is an
         error, and so is a stream that ended with the error ``stream_error`` after its
         headers: its status stays 200), leave the span's context, and end it, or have it
-        end with its run."""
+        end with its run, recording how the run ended (:attr:`ended`)."""
         telemetry = self._telemetry
         _REQUEST.reset(self._request)
         telemetry._context.detach(self._token)
@@ -238,17 +245,32 @@ class RequestSpan:
         span.set_attribute("http.response.status_code", status)
         if stream_id:
             span.set_attribute("nexus.stream.id", stream_id)
-        if cancelled is not None:
-            span.set_attribute("nexus.cancelled", cancelled)
-        error = str(status) if status >= 500 else stream_error
-        if error is not None:
-            span.set_attribute("error.type", error)
-            span.set_status(telemetry._trace.Status(telemetry._trace.StatusCode.ERROR))
-        until = self.until
-        if until is None or until.done():
+        _mark(telemetry, span, str(status) if status >= 500 else stream_error, cancelled)
+        until, ended = self.until, self.ended
+        if until is None or ended is None:
             span.end()
-        else:
-            until.add_done_callback(lambda _: span.end())
+        elif until.done():
+            _end_run(telemetry, span, ended)
+        else:  # (the callback holds the span and the run's outcome alone, until the run ends)
+            until.add_done_callback(lambda _: _end_run(telemetry, span, ended))
+
+
+def _mark(telemetry: Telemetry, span: Span, error: str | None, cancelled: str | None) -> None:
+    """``error`` (a code): the span's ``error.type`` and error status; ``cancelled``: why it
+    was ended early (no error)."""
+    if cancelled is not None:
+        span.set_attribute("nexus.cancelled", cancelled)
+    if error is not None:
+        span.set_attribute("error.type", error)
+        span.set_status(telemetry._trace.Status(telemetry._trace.StatusCode.ERROR))
+
+
+def _end_run(telemetry: Telemetry, span: Span, ended: Ended) -> None:
+    """The run a span waited for is done: how it ended, then the span's end."""
+    try:
+        _mark(telemetry, span, *ended())
+    finally:
+        span.end()
 
 
 class Attempt:
@@ -344,11 +366,14 @@ def request_model(model: str) -> None:
         current.span.set_attribute("gen_ai.request.model", current._telemetry.redact(model))
 
 
-def end_with(until: asyncio.Future[Any]) -> None:
-    """Have the current request span end when ``until`` (a background run) is done."""
+def end_with(until: asyncio.Future[Any], ended: Ended) -> None:
+    """Have the current request span end when ``until`` (a background run) is done, then
+    record how ``ended`` says the run ended: the run's failure after the ``202`` is the
+    request's, as a stream's failure after its headers is."""
     request = _REQUEST.get()
     if request is not None:
         request.until = until
+        request.ended = ended
 
 
 _SDK = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.sdk.trace.sampling")

@@ -241,6 +241,48 @@ async def test_a_background_request_span_covers_its_run(
     assert attempt.attributes["gen_ai.usage.output_tokens"] == 2
 
 
+async def test_a_background_run_that_fails_after_its_202_is_an_error_on_its_span(
+    aiohttp_client: Any,
+) -> None:
+    """The 202 went out before the failure: the span keeps its status code, and ends with
+    the run as an error, its code as ``error.type`` (a stream failing after its headers)."""
+    async with FakeUpstream() as up:
+        up.add(Reply.stream([openai_chunk(content="Hi")], delay=0.2, end="stall"))
+        providers = {"slow": {"kind": "openai", "base_url": up.url + "/v1", "idle_timeout_s": 0.3}}
+        exporter = InMemorySpanExporter()
+        client = await traced_client(aiohttp_client, {"providers": providers}, exporter)
+        resp = await client.post("/v1/chat/completions", json=body("slow/m", background=True))
+        assert resp.status == 202
+        await asyncio.sleep(0.05)
+        assert exporter.get_finished_spans() == ()  # the run goes on past its 202
+        spans = await finished(exporter, 2)
+    (server,) = [s for s in spans if s.kind is SpanKind.SERVER]
+    (attempt,) = [s for s in spans if s.kind is SpanKind.CLIENT]
+    assert server.attributes["http.response.status_code"] == 202
+    assert server.status.status_code is StatusCode.ERROR
+    assert server.attributes["error.type"] == attempt.attributes["error.type"] == "upstream_timeout"
+
+
+async def test_a_background_run_cancelled_after_its_202_is_no_error_on_its_span(
+    aiohttp_client: Any,
+) -> None:
+    """A ``DELETE`` ends the run on purpose: the span says so, not that it failed."""
+    exporter = InMemorySpanExporter()
+    client = await traced_client(aiohttp_client, {}, exporter)
+    slow = {"content": "a b c d e f g h", "delay_ms": 100}
+    resp = await client.post(
+        "/v1/chat/completions", json=body("mock/echo", background=True, mock=slow)
+    )
+    assert resp.status == 202
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    assert (await client.delete(f"/v1/streams/{stream_id}")).status == 200
+    spans = await finished(exporter, 3)
+    (server,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    assert server.status.status_code is StatusCode.UNSET
+    assert "error.type" not in server.attributes
+    assert server.attributes["nexus.cancelled"] == "aborted"
+
+
 async def test_with_tracing_off_nothing_is_made_nor_imported(
     aiohttp_client: Any,
     upstreams: tuple[FakeUpstream, FakeUpstream],

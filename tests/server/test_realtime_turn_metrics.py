@@ -202,3 +202,66 @@ async def test_a_turns_cache_lookup_counts_and_its_replay_is_not_timed(
     assert sample(page, 'nexus_cache_total{result="miss"}') == 1
     assert sample(page, 'nexus_cache_total{result="hit"}') == 1
     assert (sample(page, TTFT % "mock/echo"), sample(page, DURATION % "mock/echo")) == (1, 1)
+
+
+EVENTS = 'nexus_events_out_total{format="websocket"}'
+BYTES = 'nexus_bytes_out_total{format="websocket"}'
+
+
+async def frames_of_turn(ws: Any) -> list[str]:
+    """The text frames of one turn, as the client got them, through its done or error."""
+    frames = []
+    while True:
+        frame = await asyncio.wait_for(ws.recv(), 10)
+        frames.append(frame)
+        if orjson.loads(frame)["type"] in ("done", "error"):
+            return frames
+
+
+async def counted(client: Any, events: int) -> str:
+    """``/metrics`` once ``events`` turn frames are counted (or after ten seconds)."""
+    page = ""
+    for _ in range(1000):
+        page = await (await client.get("/metrics")).text()
+        if sample(page, EVENTS) >= events:
+            return page
+        await asyncio.sleep(0.01)
+    return page
+
+
+async def test_a_turns_frames_count_in_the_events_and_bytes_out(make_client: MakeClient) -> None:
+    """Each frame of a turn's stream once (its events, its done or error frame, an abort's
+    done), its payload's bytes, under ``format="websocket"`` as the socket's access line says;
+    a refused ``start``'s error frame is no stream's, as an HTTP error status is none."""
+    client = await make_client()
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    sent: list[str] = []
+    async with websockets.connect(url) as ws:
+        for content in ("one two three", {"content": "a b c d e f g h", "delay_ms": 5}):
+            await ws.send(start(mock=content) if isinstance(content, dict) else start())
+            sent += await frames_of_turn(ws)
+        await ws.send(start(mock=SLOW))
+        sent.append(await ws.recv())
+        await ws.send('{"type":"abort"}')
+        sent += await frames_of_turn(ws)
+        assert orjson.loads(sent[-1]) == {"type": "done", "aborted": True}
+        await ws.send(start("nope/x"))
+        assert (await turn(ws))[-1]["error"]["code"] == "model_not_found"  # not counted
+        page = await counted(client, len(sent))
+    assert sample(page, EVENTS) == len(sent)
+    assert sample(page, BYTES) == sum(len(frame.encode()) for frame in sent)
+    assert 'format="application/x-ndjson"' not in page  # the HTTP format's counters
+
+
+async def test_a_running_turns_frames_count_at_the_watchdogs_tick(
+    make_client: MakeClient,
+) -> None:
+    """Not only at its end: a long turn's frames are counted while it runs."""
+    client = await make_client({"server": {"heartbeat_interval_s": 1.0}})  # a tick: 0.25 s
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    async with websockets.connect(url) as ws:
+        await ws.send(start(mock=SLOW))
+        got = [await asyncio.wait_for(ws.recv(), 10) for _ in range(3)]
+        page = await counted(client, len(got))
+        assert sample(page, EVENTS) >= len(got)
+        assert sample(page, BYTES) >= sum(len(frame.encode()) for frame in got)

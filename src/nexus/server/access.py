@@ -344,6 +344,17 @@ def account_at_end(
         run.done.add_done_callback(lambda _: _spend_line(ex, run, model or ex.model, refusal))
 
 
+def run_ended(run: StreamRun) -> tuple[str | None, str | None]:
+    """How ``run`` (done) ended, for the span of the background request that made it
+    (:func:`~nexus.telemetry.end_with`): the code of the error it failed with, and the
+    reason it was ended early (its spend line's ``cancelled:<reason>``); None for each it
+    did not. A cancellation is no failure, as on a stream request's span."""
+    ended = Exchange(request_id="", started=0.0)
+    ended.ended_with(run.events[-1])
+    cause = ended.outcome(200).partition("cancelled:")[2]
+    return ended.stream_failure(), cause or None
+
+
 def request_spend(reader: LogReader, *, hit: bool) -> Spend | None:
     """What the request that made a stream spent, for its access line: nothing for a hit;
     for an HTTP error, only what its failed attempts may have cost (None: none did)."""

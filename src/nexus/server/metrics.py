@@ -1,7 +1,8 @@
 """Prometheus metrics, one registry per app (``GET /metrics``).
 
 Counted at the edges, never per event: the access middleware counts and times
-requests, the pump adds events and bytes once per write, the hub's hooks see streams
+requests, the pump adds events and bytes once per write (a realtime socket its turns'
+frames: :class:`~nexus.server.routes.realtime_turn.FrameMeter`), the hub's hooks see streams
 start and end (spend is counted once per stream, estimated for one cut short), and
 the providers, the store and the hub report pool waits, store errors and mirror
 states through callbacks (:meth:`Metrics.watch`).
@@ -251,8 +252,16 @@ class Metrics:
             ("model",),
             _DURATION,
         )
-        self.events = counter("nexus_events_out", "Stream events written to clients.", ("format",))
-        self.bytes = counter("nexus_bytes_out", "Stream bytes written to clients.", ("format",))
+        self.events = counter(
+            "nexus_events_out",
+            "Stream events written to clients, by format (websocket: realtime turns' frames).",
+            ("format",),
+        )
+        self.bytes = counter(
+            "nexus_bytes_out",
+            "Stream bytes written to clients, by format (websocket: realtime turns' frames).",
+            ("format",),
+        )
         self.upstream_errors = counter(
             "nexus_upstream_errors",
             "Failed upstream attempts, by the provider tried and the error code (those a "

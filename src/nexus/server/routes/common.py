@@ -56,6 +56,7 @@ from ..access import (
     account_at_end,
     exchange,
     request_spend,
+    run_ended,
     settled_spend,
 )
 from ..key_admission import admit, admit_stream, authenticate, budgeted
@@ -269,9 +270,10 @@ async def complete(
             if opened.reader is not None:  # a background request reads nothing: it resumes
                 await opened.reader.close()
             if opened.run is not None:
-                end_with(opened.run.done)  # the request's span covers its run, not just the 202
+                run = opened.run  # the request's span covers its run, not just the 202
+                end_with(run.done, lambda: run_ended(run))
                 if not opened.joined and opened.cache != "hit":
-                    account_at_end(app, ex, opened.run)  # its spend, when it ends
+                    account_at_end(app, ex, run)  # its spend, when it ends
             # Location is the bare resource (a key reads it); the body's url carries a read token.
             headers.update({"Location": f"/v1/streams/{opened.id}", "X-Nexus-Stream-Id": opened.id})
             config = app[state.CONFIG]

@@ -63,7 +63,7 @@ from ..state import Exchange
 from ..writer import Writer
 from .common import check_open, count_cache
 from .realtime_keys import key_socket
-from .realtime_turn import Turn
+from .realtime_turn import FORMAT, FrameMeter, Turn
 
 __all__ = ["RealtimeConnection", "handle"]
 
@@ -132,6 +132,7 @@ class RealtimeConnection(Writer):
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
+        self.meter = FrameMeter(app.get(METRICS))  # its turns' frames, for the counters
         self._left = False  # the socket is done: the client is gone, or closed 1008
         self._logged: set[str] = set()  # the refusal codes logged for this socket
         self._token = token  # the handshake's rate token, which the first start uses
@@ -173,6 +174,7 @@ class RealtimeConnection(Writer):
                 await self._closing  # the shutdown's close frames, before the handler ends
         finally:
             self._watch(False)
+            self.meter.flush()
             self.runtime.sockets.discard(self)
             self.session.close()  # its pending input no longer counts against its key
             # Why the socket ended, for its turn: a ping or write timeout, a policy close,
@@ -190,6 +192,7 @@ class RealtimeConnection(Writer):
             ex.cancelled = ex.cancelled or "ping_timeout"
             self._drop()
         else:
+            self.meter.flush()
             super().check(now)
 
     def _beat_due(self, now: float) -> bool:
@@ -402,7 +405,7 @@ class RealtimeConnection(Writer):
                 # still answer. A turn that already sent its end gets nothing more.
                 if not running.terminated:
                     running.terminate()
-                    await self._send(_ABORTED)
+                    await self._send(running.last(_ABORTED))
 
     @property
     def cause(self) -> str | None:
@@ -470,7 +473,9 @@ class RealtimeConnection(Writer):
         with contextlib.suppress(Exception):
             if turn is not None and not turn.terminated:
                 turn.terminate()
-                await self.ws.send_frame(turn.encoder.error(_SHUTDOWN)[:-1], WSMsgType.TEXT)
+                await self.ws.send_frame(
+                    turn.last(turn.encoder.error(_SHUTDOWN)[:-1]), WSMsgType.TEXT
+                )
         await self._going_away()
 
 
@@ -485,7 +490,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     chosen = select_subprotocol(offered)  # (before the key: it answers any caller alike)
     protocols = () if chosen is None else (chosen,)
     key = authenticate(request, offered)
-    exchange(request).format = "websocket"
+    exchange(request).format = FORMAT
     if key is None:
         return await RealtimeConnection(request, key, protocols).run()
     # As an HTTP request: a token of the key's rate (its first start's); then a place

@@ -1,6 +1,7 @@
 """A realtime socket's turn: its stream's log followed to the socket, one text frame an
 event. Kept apart from the connection (:mod:`.realtime`), which reads the client's
 frames: a turn only writes, in a task of its own, until its stream ends or is stopped.
+What its frames send is counted by the socket's :class:`FrameMeter`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, AnyStr, Protocol
 
 from aiohttp import WSMsgType, web
 
@@ -22,9 +23,43 @@ from ...protocol.realtime import RealtimeSession, gateway_error_frame
 from ..access import METRICS
 from ..state import Exchange, exchange
 
-__all__ = ["Turn"]
+if TYPE_CHECKING:
+    from ..metrics import Metrics
+
+__all__ = ["FORMAT", "FrameMeter", "Turn"]
 
 log = logging.getLogger("nexus.realtime")
+
+FORMAT = "websocket"
+"""The ``format`` of a realtime socket: its access line's, its frames' counters' label."""
+
+
+class FrameMeter:
+    """A socket's turn frames in ``nexus_events_out_total`` and ``nexus_bytes_out_total``
+    (``format="websocket"``): one event a frame, its payload's bytes (as HTTP counts a
+    body's, not its chunks' framing). Counted per write, added to the counters at the
+    watchdog's tick, as a turn ends and as the socket does (as the HTTP pump adds a pushed
+    batch's): no counter increment per frame."""
+
+    __slots__ = ("_bytes", "_events", "bytes", "events")
+
+    def __init__(self, metrics: Metrics | None) -> None:
+        self._events = metrics.events.labels(FORMAT) if metrics is not None else None
+        self._bytes = metrics.bytes.labels(FORMAT) if metrics is not None else None
+        self.events = 0  # frames sent since the counters last had them
+        self.bytes = 0
+
+    def add(self, payloads: list[bytes]) -> None:
+        """``payloads`` went out, one text frame each."""
+        self.events += len(payloads)
+        self.bytes += sum(map(len, payloads))
+
+    def flush(self) -> None:
+        """Add what went out since the last call to the counters."""
+        if self.events and self._events is not None and self._bytes is not None:
+            self._events.inc(self.events)
+            self._bytes.inc(self.bytes)
+        self.events = self.bytes = 0
 
 
 class Connection(Protocol):
@@ -35,6 +70,7 @@ class Connection(Protocol):
     request: web.Request
     ws: web.WebSocketResponse
     session: RealtimeSession
+    meter: FrameMeter
     turn: Turn | None
 
     @property
@@ -113,7 +149,9 @@ class Turn:
             if cls is Done or cls is Error:
                 return False
         encode = self.encoder.encode
-        conn.write_now([encode(event)[:-1] for event in batch])
+        payloads = [encode(event)[:-1] for event in batch]
+        conn.write_now(payloads)
+        conn.meter.add(payloads)
         if not self.started:
             self._first()
         return True
@@ -128,6 +166,7 @@ class Turn:
         """Write the log's events as they come, then the end; waiting for the socket."""
         conn = self.conn
         encode = self.encoder.encode
+        meter = conn.meter
         try:
             async for batch in self.reader:
                 payloads: list[bytes] = []
@@ -135,12 +174,14 @@ class Turn:
                     cls = type(event)
                     if cls is Done or cls is Error:
                         await conn.send_texts(payloads)
+                        meter.add(payloads)
                         await self._end(event)  # type: ignore[arg-type]
                         return
                     if not self.started:
                         self._first()
                     payloads.append(encode(event)[:-1])
                 await conn.send_texts(payloads)
+                meter.add(payloads)
             # The log ended without its terminal entry (a store that lost it).
         except GatewayError as exc:
             self.terminate()
@@ -164,7 +205,9 @@ class Turn:
         if type(event) is Done:
             self.record.ended_with(event)
             self.terminate()  # before the frame: the client may start again
-            await self.conn.ws.send_frame(self.encoder.encode(event)[:-1], WSMsgType.TEXT)
+            await self.conn.ws.send_frame(
+                self.last(self.encoder.encode(event)[:-1]), WSMsgType.TEXT
+            )
             return
         failure = self.reader.failure
         if not self.started and failure is not None:
@@ -173,7 +216,7 @@ class Turn:
         self.record.ended_with(event)
         self.terminate()
         if event.code in _TURN_LIMITS:  # the turn's own limit: the socket is fine
-            await self.conn.ws.send_frame(self.encoder.error(event)[:-1], WSMsgType.TEXT)
+            await self.conn.ws.send_frame(self.last(self.encoder.error(event)[:-1]), WSMsgType.TEXT)
             return
         await self._fail(event)
 
@@ -183,7 +226,17 @@ class Turn:
         unexpected error's 1011 (``mid_stream_error:<code>``)."""
         socket = exchange(self.conn.request)
         socket.stream_error = socket.stream_error or error.code or error.error_type
-        await self.conn.fail(self.encoder.error(error)[:-1])
+        await self.conn.fail(self.last(self.encoder.error(error)[:-1]))
+
+    def last(self, payload: AnyStr) -> AnyStr:
+        """``payload``, the turn's last frame (its done, an error, an abort's done; ASCII),
+        counted as it goes out if the turn streamed: one that ended before its first event
+        counts no frame, as an HTTP request answered with an error status writes no stream."""
+        if self.started:
+            meter = self.conn.meter
+            meter.events += 1
+            meter.bytes += len(payload)
+        return payload
 
     def terminate(self) -> None:
         """The turn's last frame is about to go out: the session may start the next."""
@@ -213,6 +266,7 @@ class Turn:
         record = self.record
         if not self.terminated:  # ended early on its own: its socket went (a timeout, ...)
             record.cancelled = record.cancelled or conn.cause or "client_disconnect"
+        conn.meter.flush()  # its frames, in the counters before the turn counts
         metrics = conn.request.app.get(METRICS)
         if metrics is not None:  # each turn counts as an HTTP stream request does
             outcome = record.outcome(self.status)

@@ -5,7 +5,7 @@ spend lines (the keys and their limits: :mod:`.key_admission`).
 which its response carries as ``X-Request-Id`` and ``request-id`` (the id a client gives is
 kept beside it, :func:`_client_request_id`; a response the middleware never sees gets one
 from :func:`stamp_request_id`), refuses other sites' pages and rebound ``Host`` names before
-any route runs (:mod:`nexus.server.origins`), answers
+any route runs (:mod:`nexus.server.origins`; ``/metrics`` counts them as refusals), answers
 CORS preflights, and writes one access line and the metrics per request, inside its span when
 tracing (:mod:`nexus.telemetry`). Routes authenticate and admit their callers
 (:mod:`.key_admission`); the pump fills in the request's
@@ -120,6 +120,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     origin = request.headers.get("Origin")
     refusal = _refusal(request, origin)
     if refusal is not None:
+        metrics = app.get(METRICS)
+        if ex.endpoint == "/metrics" and metrics is not None:  # as the route counts its own
+            metrics.metrics_refused.labels(_METRICS_REFUSED[refusal.code]).inc()
         refused = error_response(request, refusal)
         refused.headers.update(ex.headers)
         status = refused.status
@@ -129,7 +132,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             ex.cancelled, status = "client_disconnect", 499
             return web.Response(status=status)
         finally:
-            account(config, app.get(METRICS), ex, status)
+            account(config, metrics, ex, status)
     if origin is not None and listed(origin, config.cors.allow_origins):
         ex.headers["Access-Control-Allow-Origin"] = origin
         ex.headers["Vary"] = "Origin"
@@ -190,6 +193,11 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         if span is not None:
             span.close(status, ex.stream_id, ex.cancelled, ex.stream_failure())
         account(config, app.get(METRICS), ex, status)
+
+
+_METRICS_REFUSED = {"origin_not_allowed": "origin", "host_not_allowed": "not_local"}
+"""The ``nexus_metrics_refused_total`` reason of a ``/metrics`` request :func:`_refusal`
+refuses, by its code (``not_local`` as the route's own ``host_not_allowed``)."""
 
 
 def _refusal(request: web.Request, origin: str | None) -> GatewayError | None:

@@ -336,7 +336,9 @@ def test_the_connection_past_the_cap_gets_503(capped: tuple[str, int]) -> None:
     assert headers["retry-after"] == "1"
     assert headers["connection"] == "close"
     assert headers["content-type"] == "application/json"
-    assert orjson.loads(body)["error"]["code"] == "too_many_connections"
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "too_many_connections"
+    assert error["request_id"] == headers["x-request-id"] == headers["request-id"]
     assert closed_after(extra, 3.0) < 3.0
     for sock in held:  # the ones under the cap work
         sock.sendall(HEALTHZ)

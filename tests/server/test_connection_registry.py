@@ -218,11 +218,16 @@ def test_rejected_connections_linger_briefly_and_are_bounded() -> None:
 
 
 def test_the_rejection_is_a_complete_503() -> None:
-    head, _, body = registry(max_connections=7).rejection.partition(b"\r\n\r\n")
+    rejection = registry(max_connections=7).rejection("req_0123abcd")
+    head, _, body = rejection.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
     assert b"\r\nRetry-After: 1" in head and b"\r\nConnection: close" in head
     assert f"Content-Length: {len(body)}".encode() in head
     assert b'"code":"too_many_connections"' in body and b"7 connections" in body
+    # Its request id, as every response's: in both headers and in the error body.
+    assert b"\r\nX-Request-Id: req_0123abcd\r\n" in head
+    assert b"\r\nrequest-id: req_0123abcd\r\n" in head
+    assert b'"request_id":"req_0123abcd"' in body
 
 
 def test_the_config_keys() -> None:

@@ -179,6 +179,15 @@ async def test_a_keyless_gateway_serves_metrics_to_this_machine_by_its_names(
     for host in ("localhost:8080", "127.0.0.1", "[::1]:9"):
         resp = await client.get("/metrics", headers={"Host": host})
         assert resp.status == 200 and "nexus_requests_total" in await resp.text()
+    # Refused before the route runs (by the access middleware), and counted as the route's
+    # own refusals are; so is a page of another site's (its Origin).
+    resp = await client.get("/metrics", headers={"Origin": "https://attacker.example"})
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "origin_not_allowed"
+    assert refused(client.server.app[METRICS]) == {"not_local": 1, "origin": 1}
+    # Other paths' refusals are not /metrics'.
+    assert (await client.get("/v1/models", headers={"Host": "attacker.example"})).status == 403
+    assert refused(client.server.app[METRICS]) == {"not_local": 1, "origin": 1}
 
 
 async def test_a_keyless_gateway_serves_metrics_to_no_client_beyond_this_machine() -> None:

@@ -8,6 +8,7 @@ gateway, on ``nexus serve``'s connection layer and on aiohttp's own server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -106,14 +107,17 @@ def config() -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[Gateway]:
+@contextlib.asynccontextmanager
+async def serving(max_connections: int = 100) -> AsyncIterator[Gateway]:
     """The app on ``nexus serve``'s connection layer (its :class:`ConnectionSite`)."""
     app = create_app(parse_config(config()), registry=default_registry.copy())
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
     await runner.setup()
     registry = ConnectionRegistry(
-        header_timeout_s=5, keepalive_timeout_s=5, max_connections=100, write_timeout_s=5
+        header_timeout_s=5,
+        keepalive_timeout_s=5,
+        max_connections=max_connections,
+        write_timeout_s=5,
     )
     site = ConnectionSite(runner, "127.0.0.1", 0, registry=registry)
     await site.start()
@@ -122,6 +126,12 @@ async def served() -> AsyncIterator[Gateway]:
         yield Gateway(host, port)
     finally:
         await runner.cleanup()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Gateway]:
+    async with serving() as gateway:
+        yield gateway
 
 
 @pytest.mark.parametrize("kind", sorted(REJECTED))
@@ -134,6 +144,7 @@ async def test_a_request_the_parser_rejects_has_an_access_line_and_a_count(
     error = orjson.loads(body)["error"]
     assert error["code"] == "invalid_request"
     assert error["request_id"] == headers["X-Request-Id"]  # as every error body has it
+    assert headers["request-id"] == headers["X-Request-Id"]  # as every response has it
     [record] = await access_records(caplog, 1)
     fields = record.access  # type: ignore[attr-defined]
     assert record.levelno == logging.WARNING
@@ -171,18 +182,52 @@ async def test_a_request_that_reaches_the_app_has_one_line_only(
     assert not [labels for labels in counted if labels[0] == "rejected"]
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/nowhere"])
 async def test_an_expect_aiohttp_does_not_know_is_counted_too(
-    served: Gateway, caplog: pytest.LogCaptureFixture
+    served: Gateway, caplog: pytest.LogCaptureFixture, path: str
 ) -> None:
-    """aiohttp answers an unknown ``Expect`` with 417 before any middleware runs."""
+    """aiohttp answers an unknown ``Expect`` with 417 before any middleware runs (on a
+    route, or on a path that has none): its answer had no request id, its line one of
+    its own. It carries the id of its line now."""
     caplog.set_level(logging.INFO, logger="nexus.access")
-    raw = GET + b"Expect: something\r\nConnection: close\r\n\r\n"
-    status, _, _ = head_and_body(await roundtrip(served, raw))
+    raw = f"GET {path} HTTP/1.1\r\nHost: localhost\r\nExpect: something\r\n".encode()
+    status, headers, _ = head_and_body(await roundtrip(served, raw + b"Connection: close\r\n\r\n"))
     assert status == 417
     [record] = await access_records(caplog, 1)
     assert record.access["outcome"] == "rejected:expectation_failed"  # type: ignore[attr-defined]
+    assert headers["X-Request-Id"].startswith("req_")
+    assert headers["request-id"] == headers["X-Request-Id"] == record.request_id  # type: ignore[attr-defined]
     counted = await requests_counted(served)
     assert counted[("rejected", "unknown", "rejected:expectation_failed")] == 1
+
+
+async def test_a_connection_past_the_cap_has_an_access_line_with_its_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The 503 a connection past ``[server] max_connections`` gets is written as bytes,
+    before any request exists: it had no request id and no access line. It has both, the
+    same, and counts in ``nexus_requests_total`` as the other rejections."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    async with serving(max_connections=1) as gateway:
+        _, held = await asyncio.open_connection(gateway.host, gateway.port)
+        await asyncio.sleep(0.1)  # accepted: the one connection the cap allows
+        status, headers, body = head_and_body(await roundtrip(gateway, GET + b"\r\n"))
+        assert status == 503
+        error = orjson.loads(body)["error"]
+        assert error["code"] == "too_many_connections"
+        assert headers["X-Request-Id"].startswith("req_")
+        assert error["request_id"] == headers["request-id"] == headers["X-Request-Id"]
+        [record] = await access_records(caplog, 1)
+        assert record.request_id == headers["X-Request-Id"]  # type: ignore[attr-defined]
+        fields = record.access  # type: ignore[attr-defined]
+        assert record.levelno == logging.WARNING
+        assert (fields["endpoint"], fields["status"]) == ("rejected", 503)
+        assert fields["outcome"] == "rejected:too_many_connections"
+        assert fields["client"] == "127.0.0.1" and fields["key"] is None
+        held.close()
+        await asyncio.sleep(0.1)  # its slot is free: the scrape gets in
+        counted = await requests_counted(gateway)
+        assert counted[("rejected", "unknown", "rejected:too_many_connections")] == 1
 
 
 async def test_on_aiohttps_own_server_a_rejection_is_counted_as_malformed(

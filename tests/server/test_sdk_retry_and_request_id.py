@@ -9,6 +9,7 @@ a refused key). A refusal that waiting fixes is still retried.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -133,16 +134,74 @@ async def test_an_upstream_wait_too_long_to_pass_on_is_tried_once(
     await attempts.client.aclose()
 
 
-async def test_messages_responses_carry_the_id_as_request_id_too(make_client: MakeClient) -> None:
-    """Success and error, streamed and not; the other endpoints keep X-Request-Id only."""
-    client = await make_client()
+async def test_every_response_carries_the_id_as_request_id_too(make_client: MakeClient) -> None:
+    """Not /v1/messages only: the anthropic SDK reads ``request-id`` off whatever it calls
+    (a 404 below /v1/messages, /v1/models), and a refusal the access middleware or the
+    error middleware writes is a response as any other."""
+    origin = "https://app.example"
+    client = await make_client({"cors": {"allow_origins": [origin]}})
     body = {"model": "mock/echo", "max_tokens": 5, "messages": USER}
-    for extra in ({}, {"stream": True}, {"model": "nope/x"}, {"max_tokens": "x"}):
-        resp = await client.post("/v1/messages", json=body | extra)
+    chat = {"model": "mock/echo", "messages": USER}
+    asked: list[tuple[str, str, dict[str, Any]]] = [
+        *(("POST", "/v1/messages", {"json": body | extra}) for extra in MESSAGES_VARIANTS),
+        ("POST", "/v1/chat/completions", {"json": chat}),
+        ("POST", "/v1/chat/completions", {"json": chat | {"stream": True}}),
+        ("GET", "/v1/models", {}),
+        ("GET", "/healthz", {}),
+        ("POST", "/v1/messages/count_tokens", {"json": body}),  # 404
+        ("GET", "/v1/messages/batches", {}),  # 404
+        ("GET", "/v1/messages", {}),  # 405
+        ("GET", "/v1/models", {"headers": {"Host": "attacker.example"}}),  # 403 host_not_allowed
+        ("POST", "/v1/messages", {"json": body, "headers": {"Origin": "https://evil.example"}}),
+        (
+            "OPTIONS",  # a CORS preflight, answered by the access middleware
+            "/v1/messages",
+            {"headers": {"Origin": origin, "Access-Control-Request-Method": "POST"}},
+        ),
+    ]
+    statuses = set()
+    for method, path, options in asked:
+        resp = await client.request(method, path, **options)
         await resp.read()
-        assert resp.headers["request-id"] == resp.headers["X-Request-Id"], extra
-    resp = await client.post("/v1/chat/completions", json={"model": "mock/echo", "messages": USER})
-    assert "request-id" not in resp.headers
+        statuses.add(resp.status)
+        assert resp.headers["request-id"] == resp.headers["X-Request-Id"], (method, path, options)
+        assert resp.headers["X-Request-Id"].startswith("req_")
+    assert statuses == {200, 204, 400, 403, 404, 405}
+
+
+MESSAGES_VARIANTS: tuple[dict[str, Any], ...] = (
+    {},
+    {"stream": True},
+    {"model": "nope/x"},
+    {"max_tokens": "x"},
+)
+"""A success and errors, streamed and not."""
+
+
+async def test_an_anthropic_sdk_error_below_messages_names_its_request(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK calls endpoints below /v1/messages that Nexus does not serve: their 404 had
+    no ``request-id``, and the SDK's error no request id to quote to the operator."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    _, an, attempts = await sdks(make_client, {})
+    with pytest.raises(anthropic.NotFoundError) as count_tokens:
+        await an.messages.count_tokens(model="mock/echo", messages=USER)
+    with pytest.raises(anthropic.NotFoundError) as batches:
+        await an.messages.batches.list()
+    lines = {
+        record.request_id: record.access  # type: ignore[attr-defined]
+        for record in caplog.records
+        if record.name == "nexus.access"
+    }
+    for error, path in (
+        (count_tokens.value, "/v1/messages/count_tokens"),
+        (batches.value, "/v1/messages/batches"),
+    ):
+        assert error.request_id is not None
+        assert error.request_id == error.response.headers["x-request-id"]
+        assert (lines[error.request_id]["path"], lines[error.request_id]["status"]) == (path, 404)
+    await attempts.client.aclose()
 
 
 @pytest.mark.parametrize(

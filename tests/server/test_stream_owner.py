@@ -128,7 +128,8 @@ def error_code(body: bytes) -> str:
 
 def same_headers(headers: dict[str, str]) -> dict[str, str]:
     """What two answers must have alike: all headers but the date and the request id."""
-    return {k.lower(): v for k, v in headers.items() if k.lower() not in ("date", "x-request-id")}
+    unlike = ("date", "x-request-id", "request-id")
+    return {k.lower(): v for k, v in headers.items() if k.lower() not in unlike}
 
 
 def as_missing(body: bytes, stream_id: str, missing: str) -> bytes:

@@ -1,9 +1,11 @@
 """Who may call from where, and what each request did: request ids, CORS, the access and
 spend lines (the keys and their limits: :mod:`.key_admission`).
 
-:func:`access_middleware` is the outermost layer: it gives every request an id of its own
-(the id a client gives is kept beside it, :func:`_client_request_id`), refuses other sites'
-pages and rebound ``Host`` names before any route runs (:mod:`nexus.server.origins`), answers
+:func:`access_middleware` is the outermost layer: it gives every request an id of its own,
+which its response carries as ``X-Request-Id`` and ``request-id`` (the id a client gives is
+kept beside it, :func:`_client_request_id`; a response the middleware never sees gets one
+from :func:`stamp_request_id`), refuses other sites' pages and rebound ``Host`` names before
+any route runs (:mod:`nexus.server.origins`; ``/metrics`` counts them as refusals), answers
 CORS preflights, and writes one access line and the metrics per request, inside its span when
 tracing (:mod:`nexus.telemetry`). Routes authenticate and admit their callers
 (:mod:`.key_admission`); the pump fills in the request's
@@ -47,7 +49,7 @@ from .metrics import Metrics
 from .origins import listed, loopback_host, origin_allowed
 from .redaction import redact
 from .state import CONFIG as _CONFIG
-from .state import EXCHANGE, Exchange, exchange, new_request_id
+from .state import EXCHANGE, Exchange, exchange, new_request_id, request_id_headers
 
 __all__ = [
     "EXCHANGE",
@@ -61,6 +63,7 @@ __all__ = [
     "exchange",
     "request_spend",
     "settled_spend",
+    "stamp_request_id",
 ]
 
 log = logging.getLogger("nexus.server")
@@ -74,8 +77,6 @@ TELEMETRY = web.AppKey("telemetry", Telemetry)
 _UNTRACED = ("/healthz", "/metrics")
 
 
-ANTHROPIC_ENDPOINTS = frozenset({"/v1/messages"})
-"""Endpoints in Anthropic's shape: their responses carry the id as ``request-id`` too."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
     "X-Request-Id, X-Client-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, "
@@ -107,11 +108,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     ex.method = request.method
     ex.path = request.path[:MAX_PATH_CHARS]
     ex.client = request.remote
-    ex.headers["X-Request-Id"] = request_id
+    ex.headers.update(request_id_headers(request_id))
     if ex.client_request_id is not None:
         ex.headers["X-Client-Request-Id"] = ex.client_request_id  # echoed, for the client
-    if ex.endpoint in ANTHROPIC_ENDPOINTS:
-        ex.headers["request-id"] = request_id  # where Anthropic's API, and its SDK, have it
     # No response is to be read as anything but its type (errors quote a client's strings;
     # the console shares the origin and keeps a key).
     ex.headers["X-Content-Type-Options"] = "nosniff"
@@ -121,6 +120,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     origin = request.headers.get("Origin")
     refusal = _refusal(request, origin)
     if refusal is not None:
+        metrics = app.get(METRICS)
+        if ex.endpoint == "/metrics" and metrics is not None:  # as the route counts its own
+            metrics.metrics_refused.labels(_METRICS_REFUSED[refusal.code]).inc()
         refused = error_response(request, refusal)
         refused.headers.update(ex.headers)
         status = refused.status
@@ -130,7 +132,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             ex.cancelled, status = "client_disconnect", 499
             return web.Response(status=status)
         finally:
-            account(config, app.get(METRICS), ex, status)
+            account(config, metrics, ex, status)
     if origin is not None and listed(origin, config.cors.allow_origins):
         ex.headers["Access-Control-Allow-Origin"] = origin
         ex.headers["Vary"] = "Origin"
@@ -193,6 +195,11 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         account(config, app.get(METRICS), ex, status)
 
 
+_METRICS_REFUSED = {"origin_not_allowed": "origin", "host_not_allowed": "not_local"}
+"""The ``nexus_metrics_refused_total`` reason of a ``/metrics`` request :func:`_refusal`
+refuses, by its code (``not_local`` as the route's own ``host_not_allowed``)."""
+
+
 def _refusal(request: web.Request, origin: str | None) -> GatewayError | None:
     """Why a request is not served, before any route sees it (see :mod:`.origins`)."""
     config = request.app[_CONFIG]
@@ -234,6 +241,18 @@ async def _close_if_unread(
     await response.write_eof()
     request.protocol.force_close()
     return response
+
+
+async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """The app's ``on_response_prepare``: a response the access middleware did not stamp
+    gets a request id too. aiohttp answers an unknown ``Expect`` (417) before any
+    middleware runs: its id is a new one, which its access line reads off it
+    (:mod:`nexus.server.rejections`). A 500 aiohttp makes of an error that got past the
+    middlewares gets the request's own."""
+    if "X-Request-Id" in response.headers:
+        return  # (every response the middleware saw)
+    ex: Exchange | None = request.get(EXCHANGE)
+    response.headers.update(request_id_headers(new_request_id() if ex is None else ex.request_id))
 
 
 def _endpoint(request: web.Request) -> str:

@@ -22,6 +22,7 @@ import orjson
 
 from ..errors import GatewayError
 from ..watchdog import Watchdog
+from .state import REQUEST_ID_HEADERS
 
 __all__ = ["REJECT_LINGER_S", "ConnectionRegistry", "Phase", "Tracked"]
 
@@ -56,27 +57,6 @@ class Tracked(Protocol):
         """The bytes its transport holds for the client."""
 
 
-def _rejection(max_connections: int) -> bytes:
-    """The 503 a connection past the cap gets, as bytes: it never reaches aiohttp."""
-    body = orjson.dumps(
-        GatewayError(
-            f"The server is at its limit of {max_connections} connections; retry shortly.",
-            code="too_many_connections",
-            status=503,
-            retryable=True,
-        ).openai_body()
-    )
-    head = (
-        "HTTP/1.1 503 Service Unavailable\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Retry-After: 1\r\n"
-        "x-should-retry: true\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
 class ConnectionRegistry:
     """The open connections of one process: their count and their phase deadlines."""
 
@@ -100,7 +80,14 @@ class ConnectionRegistry:
         self.lingering: dict[Tracked, tuple[float, asyncio.BaseTransport]] = {}
         self.paused: dict[Tracked, tuple[float, int]] = {}
         """Connections whose writes wait -> (since when no byte left the buffer, its size)."""
-        self.rejection = _rejection(max_connections)
+        self.refusal = GatewayError(
+            f"The server is at its limit of {max_connections} connections; retry shortly.",
+            code="too_many_connections",
+            status=503,
+            retryable=True,
+        )
+        """What a connection past the cap is told (:meth:`rejection`); its code is the
+        kind of its access line."""
         self.tick = (
             min(header_timeout_s, keepalive_timeout_s, self.stall_timeout_s, REJECT_LINGER_S * 4)
             / 4
@@ -111,6 +98,22 @@ class ConnectionRegistry:
         """Called for each connection refused at the cap (the metrics count them)."""
         self.closing = False
         """The server stops: a connection is closed once idle (:meth:`close_idle`)."""
+
+    def rejection(self, request_id: str) -> bytes:
+        """The 503 a connection past the cap gets, as bytes: it never reaches aiohttp. Its
+        ``request_id`` is in its headers and its body, as every response's."""
+        body = orjson.dumps(self.refusal.openai_body(request_id))
+        ids = "".join(f"{name}: {request_id}\r\n" for name in REQUEST_ID_HEADERS)
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            f"{ids}"
+            "Retry-After: 1\r\n"
+            "x-should-retry: true\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        return head.encode() + body
 
     # Transitions ------------------------------------------------------------
 

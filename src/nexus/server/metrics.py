@@ -303,7 +303,8 @@ class Metrics:
             "nexus_metrics_refused",
             "Requests for /metrics refused: token (401, a missing or wrong bearer token), "
             "token_not_set (403, a gateway with keys and no [metrics] token_env), not_local "
-            "(403, a keyless gateway asked from another machine).",
+            "(403, a keyless gateway asked from another machine or by a name not loopback), "
+            "origin (403, asked by a page of a site not in [cors] allow_origins).",
             ("reason",),
         )
         self.connections_refused = counter(

@@ -20,6 +20,13 @@ is given: ``nexus serve``'s :class:`~nexus.server.connection.Connection` answers
 bytes. Under aiohttp's own handler (``web.run_app``) a 400 is ``malformed``: its answer
 quotes the raw bytes, which are never read here. Another status is named by its phrase
 (``expectation_failed``).
+
+The line is under the request id the answer carries (``X-Request-Id``, ``request-id``): a
+:class:`Rejected`'s own; the 417's, stamped by the app's ``on_response_prepare``
+(:func:`~nexus.server.access.stamp_request_id`). aiohttp's own 400 (``web.run_app``)
+carries none, as nothing of the app runs for it: its line has an id of its own. The 503
+of a connection past ``[server] max_connections``, written as bytes before any request
+exists, is accounted for by :meth:`RejectionLog.answered`, under the id written in it.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from ..errors import InvalidRequest
 from .access import access_log, account
 from .metrics import Metrics
 from .redaction import parse_error_reason
-from .state import EXCHANGE, Exchange, new_request_id
+from .state import EXCHANGE, Exchange, new_request_id, request_id_headers
 
 if TYPE_CHECKING:
     from aiohttp.web_request import BaseRequest
@@ -108,7 +115,7 @@ class Rejected(web.Response):
             status=status,
             body=orjson.dumps(error.openai_body(self.request_id)),
             content_type="application/json",
-            headers={"X-Request-Id": self.request_id},
+            headers=request_id_headers(self.request_id),
         )
         self.force_close()
 
@@ -131,10 +138,26 @@ class RejectionLog(AbstractAccessLogger):
         except Exception:  # (as aiohttp's own: a logger's fault must not fail the response)
             log.exception("accounting for a request answered without the app failed")
 
+    def answered(self, request_id: str, client: str | None, status: int, kind: str) -> None:
+        """A response written as bytes before any request existed (the 503 of a connection
+        past ``[server] max_connections``, :mod:`nexus.server.connection`): its access
+        line and count, under the ``request_id`` it carries."""
+        config = self.config
+        if config is None:
+            return
+        ex = Exchange(request_id, time.monotonic())
+        ex.endpoint, ex.client, ex.rejected = ENDPOINT, client, kind
+        try:
+            account(config, self.metrics, ex, status)
+        except Exception:  # (as above)
+            log.exception("accounting for a connection answered without the app failed")
+
 
 def rejection(request: BaseRequest, response: web.StreamResponse, elapsed: float) -> Exchange:
-    """The :class:`Exchange` of a request aiohttp answered without the app."""
-    request_id = response.request_id if isinstance(response, Rejected) else new_request_id()
+    """The :class:`Exchange` of a request aiohttp answered without the app, under the id
+    its answer carries (a :class:`Rejected`'s; the 417's, from the app's
+    ``on_response_prepare``, :func:`~nexus.server.access.stamp_request_id`)."""
+    request_id = response.headers.get("X-Request-Id") or new_request_id()
     ex = Exchange(request_id, time.monotonic() - elapsed)
     ex.endpoint = ENDPOINT
     ex.client = request.remote

@@ -32,11 +32,13 @@ __all__ = [
     "HUB",
     "REGISTRY",
     "REQUEST_HANDLER_ARGS",
+    "REQUEST_ID_HEADERS",
     "RUNTIME",
     "TOKENS",
     "Exchange",
     "Runtime",
     "exchange",
+    "request_id_headers",
 ]
 
 
@@ -204,3 +206,14 @@ def exchange(request: web.Request) -> Exchange:
 
 def new_request_id() -> str:
     return "req_" + os.urandom(12).hex()
+
+
+REQUEST_ID_HEADERS = ("X-Request-Id", "request-id")
+"""The headers every response carries its request's id in: ``X-Request-Id`` (Nexus's own,
+where the ``openai`` SDK reads it) and ``request-id`` (Anthropic's API's, where the
+``anthropic`` SDK reads it, whatever path it called)."""
+
+
+def request_id_headers(request_id: str) -> dict[str, str]:
+    """:data:`REQUEST_ID_HEADERS`, each with ``request_id``."""
+    return dict.fromkeys(REQUEST_ID_HEADERS, request_id)

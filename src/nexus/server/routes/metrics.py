@@ -15,8 +15,11 @@ The page names every key and what each spent, so it is for the operator only:
   ``403 host_not_allowed``. A proxy in front of it opens the API as much as this page,
   which then tells nothing the API does not give.
 
-Every refusal counts in ``nexus_metrics_refused_total{reason}``; refused tokens (a
-scraper with a stale one, or someone guessing) are also logged, at most once a minute.
+Every refusal counts in ``nexus_metrics_refused_total{reason}``, those the access
+middleware makes before this route runs too (:mod:`nexus.server.access`: a keyless
+gateway's ``host_not_allowed`` for a name not loopback, ``not_local`` as here; another
+site's page, ``origin``); refused tokens (a scraper with a stale one, or someone guessing)
+are also logged, at most once a minute.
 """
 
 from __future__ import annotations

@@ -102,6 +102,7 @@ class StreamHub:
         self.watchdog = Watchdog()
         """Ends the streams that pass ``max_duration_s``: one ticker, not a timer each."""
         self._unstored_warned = 0.0
+        store.live_entries = self._entries  # what replicas asking learn (a shared store)
 
     @property
     def limits(self) -> KeyLimits:
@@ -435,6 +436,23 @@ class StreamHub:
         if meta is not None:
             reader.meta = meta
         return reader
+
+    async def reached(self, info: StreamInfo, entries: int) -> bool:
+        """Whether the stream has logged ``entries`` entries so far: here, or on the replica
+        running it, whose copy in the store may trail what it sent (asked,
+        :meth:`Store.reached <nexus.cache.store.Store.reached>`). A finished stream has
+        logged all it will (past its end, its read has nothing). Raises
+        :class:`~nexus.errors.StoreUnavailable` when it cannot be told."""
+        run = self.live.get(info.id)
+        if run is not None:
+            return entries <= len(run.events)
+        if entries <= 0 or info.status != "in_progress":
+            return True
+        return await self.store.reached(info.id, entries)
+
+    def _entries(self, stream_id: str) -> int | None:
+        run = self.live.get(stream_id)
+        return None if run is None else len(run.events)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         run = self.live.get(stream_id)

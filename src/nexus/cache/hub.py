@@ -389,8 +389,7 @@ class StreamHub:
         )
         self.live[run.id] = run
         self.admission.started(run.id, info.owner)
-        if self.admission.slot_of(run.id) is not None:
-            run.on_end = self._ending
+        run.on_end = self._ending
         if self.on_live is not None:
             self.on_live(len(self.live))
         run.start(detached=detached)
@@ -398,13 +397,15 @@ class StreamHub:
         return run
 
     async def _ending(self, run: StreamRun) -> None:
-        """``run`` ends: its key's slot leaves a shared count before the end is in its log."""
+        """``run`` ends: it stops counting as running, and its key's slot leaves a shared
+        count, before the end is in its log (not once the log is kept: a store that is
+        down is retried for seconds, and a key at its limit would be refused meanwhile)."""
         await self.admission.ending(run.id)
 
     def _gone(self, run: StreamRun) -> None:
-        """``run`` no longer counts as running (its log is kept, or being retried)."""
+        """``run``'s log is kept, or being retried: it is no longer found here."""
         if self.live.pop(run.id, None) is not None:
-            self.admission.ended(run.id, run.info.owner)
+            self.admission.ended(run.id)
             if self.on_live is not None:
                 self.on_live(len(self.live))
 

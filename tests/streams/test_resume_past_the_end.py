@@ -211,3 +211,34 @@ async def test_a_replica_answers_again_once_redis_is_back(redis_server: RedisSer
     finally:
         await asker.close()
         await owner.close()
+
+
+async def test_a_replica_refused_its_subscription_still_starts_and_warns(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis user without ``SUBSCRIBE`` (an ACL written before the questions): the store
+    starts all the same, with a warning, and a question for it goes unheard (503, retry)."""
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.execute_command(
+        "ACL", "SETUSER", "nosub", "on", ">pw", "~*", "&*", "+@all", "-subscribe", "-psubscribe"
+    )
+    await admin.aclose()
+    limited = redis_server.url.replace("redis://", "redis://nosub:pw@")
+    owner, asker = RedisStore(limited, "acl"), RedisStore(redis_server.url, "acl")
+    info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
+    owner.live_entries = lambda stream_id: 3 if stream_id == info.id else None
+    with caplog.at_level("WARNING", logger="nexus.store"):
+        await owner.start()
+        await asker.start()
+        try:
+            await owner.begin(info, 30)
+            with pytest.raises(StoreUnavailable):
+                await asker.reached(info.id, 3)
+            async with asyncio.timeout(3):
+                while "cannot ask this one" not in caplog.text:
+                    await asyncio.sleep(0.05)
+        finally:
+            await asker.close()
+            await owner.close()

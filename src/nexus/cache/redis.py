@@ -184,16 +184,15 @@ class RedisStore(RedisHolds):
         try:
             await self._client.ping()
             await self._client.set(self._replica_key(self.replica_id), b"1", px=ms(OWNER_TTL_S))
-            await self.asks.start()
         except (RedisError, OSError) as exc:
             if self._owns_client:
                 await self._client.aclose()
                 self._client = None
-            await self.asks.close()
             where = redact_url(self.url)
             raise RedisUnavailable(
                 f"Redis not reachable at {where}: {scrub(str(exc), self.url)}"
             ) from None
+        await self.asks.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:

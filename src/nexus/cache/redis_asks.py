@@ -93,9 +93,12 @@ class Asks:
         return f"{self.prefix}:asks:{replica_id}"
 
     async def start(self) -> None:
-        """Subscribe to this replica's channel (raises RedisError, OSError), then listen."""
+        """Listen on this replica's channel. A subscription refused (a Redis user without
+        ``SUBSCRIBE`` on the channel, say) does not stop the replica: it is warned about
+        and tried again, and meanwhile a question for this replica goes unheard (503)."""
         self._client = self._connect()
-        self._pubsub = await self._subscribe(self._client)
+        with contextlib.suppress(RedisError, OSError):  # (the listener warns, tries again)
+            self._pubsub = await self._subscribe(self._client)
         self._task = asyncio.get_running_loop().create_task(self._listen(self._client))
 
     async def _subscribe(self, client: aioredis.Redis) -> PubSub:
@@ -151,13 +154,19 @@ class Asks:
         """Questions and answers, as they come. Redis failing, the subscription is made
         again (every :data:`RESUBSCRIBE_S` until it is back); what was said meanwhile is
         not heard (its question fails, to be retried)."""
+        warned = False
         while True:
             try:
                 if self._pubsub is None:
                     self._pubsub = await self._subscribe(client)
+                    warned = False
                 message = await self._pubsub.get_message(timeout=1.0)
             except (RedisError, OSError) as exc:
-                log.debug("questions between replicas: %s", exc)
+                if warned:
+                    log.debug("questions between replicas: %s", exc)
+                else:  # once an outage: a resume elsewhere past its copy gets 503 meanwhile
+                    log.warning("other replicas cannot ask this one about its streams: %s", exc)
+                    warned = True
                 pubsub, self._pubsub = self._pubsub, None
                 if pubsub is not None:
                     with contextlib.suppress(RedisError, OSError):

@@ -5,7 +5,9 @@ restart loses every key), shared by two in-process replicas. While Redis is down
 replica counts a key's streams, readers and sockets itself, up to the key's limit. Those
 places still held once Redis is back are put back in it: the same replica refuses the
 key's next one at once (its admission puts them back first), the other replica as soon
-as the first one's renewal has; both admit again once enough of them end. Also, with the
+as the first one's renewal has; both admit again once enough of them end. A stream that
+ends while Redis is down frees its place at once (its log waits for Redis; the key's next
+stream does not). Also, with the
 limits alone: two replicas both cut off, a place that ended during the outage, and a
 replica that dies after putting its places back.
 """
@@ -211,6 +213,29 @@ async def test_streams_started_while_redis_was_down_count_once_it_is_back(
     for client in (one, two):
         resp = await stream(client, chat(stream=True))
         await resp.read()
+
+
+async def test_a_stream_that_ends_while_redis_is_down_gives_its_place_back_at_once(
+    make_client: MakeClient, redis_server: RedisServer
+) -> None:
+    """Back to back at the key's limit while Redis is down: each stream is admitted as the
+    one before it ended, not once that one's log reached the store (retried after 1 s,
+    then 2, 4, 8: until then it held its place in this replica's count)."""
+    gated = GatedProvider(before=1, after=1)
+    one = await make_client(config(redis_server), providers=[gated])
+    redis_server.stop()
+    await serves(one)
+    held = await stream(one, chat(model="gated/m", stream=True))  # one of the key's two
+    for _ in range(6):
+        resp = await stream(one, chat(stream=True))  # at once, the one before just ended
+        assert resp.headers["X-Nexus-Store"] == "unavailable"
+        await asyncio.wait_for(resp.read(), 5)
+    # Still the key's limit: two running, a third refused.
+    second = await stream(one, chat(model="gated/m", stream=True))
+    await stream_refused(one)
+    gated.gate.set()
+    for resp in (held, second):
+        await asyncio.wait_for(resp.read(), 5)
 
 
 # The limits alone: two replicas, places that end, a replica that dies.

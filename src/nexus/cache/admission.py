@@ -6,11 +6,13 @@ among ``[limits] max_concurrent_streams`` in this process, and its key's place
 being opened counts as running, so that requests arriving together cannot all pass
 a limit only some of them fit in; counted, not scanned (the check is O(1)). A run
 started in the block takes the key's :class:`~nexus.cache.limits.Slot` with it
-(:meth:`Admission.started`), else the block releases it when it ends. A run's slot
-leaves a shared count as the run ends, before its end is in its log
-(:meth:`Admission.ending`): a client that saw one request end and sends the next must
-not find the first still running elsewhere. The run stops counting here once its log
-is kept (:meth:`Admission.ended`, which releases the slot if that step did not).
+(:meth:`Admission.started`), else the block releases it when it ends. A run stops
+counting as it ends, before its end is in its log (:meth:`Admission.ending`), and its
+slot leaves a shared count in the same step: a client that saw one request end and
+sends the next must find the first running neither here nor elsewhere. Its log may be
+kept later (a store that is down is retried for seconds); once it is
+(:meth:`Admission.ended`), the slot is released here too, and a run whose end skipped
+the first step stops counting then.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Admission:
         self._opening = 0  # admitted requests with no live run (yet, or at all)
         self._opening_owned: Counter[str] = Counter()
         self._slots: dict[str, Slot] = {}  # run id -> the key's slot it holds
+        self._counted: dict[str, str | None] = {}  # run id -> its owner, until it ends
         self.limits: KeyLimits = LocalLimits(0.0, None, self.running)
         """Per-key rates, streams and budgets (the app sets the configured ones)."""
 
@@ -65,6 +68,7 @@ class Admission:
     def started(self, run_id: str, owner: str | None) -> None:
         """A run started: it counts, and holds the slot admitted for this task."""
         self.live += 1
+        self._counted[run_id] = owner
         slot = _ADMITTED.get()
         if slot is not None and not slot.taken and slot.key == owner:
             slot.taken = True  # the run holds it now, until ended()
@@ -77,20 +81,28 @@ class Admission:
         return self._slots.get(run_id)
 
     async def ending(self, run_id: str) -> None:
-        """A run :meth:`started` is ending (its end hooks ran): its key's slot goes from a
-        shared count now, before its end is published (see the module docstring)."""
+        """A run :meth:`started` is ending (its end hooks ran): it no longer counts, and
+        its key's slot goes from a shared count now, before its end is published (see the
+        module docstring)."""
+        self._uncount(run_id)
         slot = self._slots.get(run_id)
         if slot is not None:
             await self.limits.end(slot)
 
-    def ended(self, run_id: str, owner: str | None) -> None:
-        """A run :meth:`started` ended (called once)."""
-        self.live -= 1
-        if owner is not None:
-            _discount(self._owned, owner)
+    def ended(self, run_id: str) -> None:
+        """A run :meth:`started` ended, its log kept (called once)."""
+        self._uncount(run_id)
         slot = self._slots.pop(run_id, None)
         if slot is not None:
             self.limits.release(slot)
+
+    def _uncount(self, run_id: str) -> None:
+        """The run no longer counts among the streams running here (once)."""
+        if run_id in self._counted:
+            owner = self._counted.pop(run_id)
+            self.live -= 1
+            if owner is not None:
+                _discount(self._owned, owner)
 
 
 class Admitted:

@@ -102,6 +102,7 @@ class StreamHub:
         self.watchdog = Watchdog()
         """Ends the streams that pass ``max_duration_s``: one ticker, not a timer each."""
         self._unstored_warned = 0.0
+        store.live_entries = self._entries  # what replicas asking learn (a shared store)
 
     @property
     def limits(self) -> KeyLimits:
@@ -388,8 +389,7 @@ class StreamHub:
         )
         self.live[run.id] = run
         self.admission.started(run.id, info.owner)
-        if self.admission.slot_of(run.id) is not None:
-            run.on_end = self._ending
+        run.on_end = self._ending
         if self.on_live is not None:
             self.on_live(len(self.live))
         run.start(detached=detached)
@@ -397,13 +397,15 @@ class StreamHub:
         return run
 
     async def _ending(self, run: StreamRun) -> None:
-        """``run`` ends: its key's slot leaves a shared count before the end is in its log."""
+        """``run`` ends: it stops counting as running, and its key's slot leaves a shared
+        count, before the end is in its log (not once the log is kept: a store that is
+        down is retried for seconds, and a key at its limit would be refused meanwhile)."""
         await self.admission.ending(run.id)
 
     def _gone(self, run: StreamRun) -> None:
-        """``run`` no longer counts as running (its log is kept, or being retried)."""
+        """``run``'s log is kept, or being retried: it is no longer found here."""
         if self.live.pop(run.id, None) is not None:
-            self.admission.ended(run.id, run.info.owner)
+            self.admission.ended(run.id)
             if self.on_live is not None:
                 self.on_live(len(self.live))
 
@@ -435,6 +437,23 @@ class StreamHub:
         if meta is not None:
             reader.meta = meta
         return reader
+
+    async def reached(self, info: StreamInfo, entries: int) -> bool:
+        """Whether the stream has logged ``entries`` entries so far: here, or on the replica
+        running it, whose copy in the store may trail what it sent (asked,
+        :meth:`Store.reached <nexus.cache.store.Store.reached>`). A finished stream has
+        logged all it will (past its end, its read has nothing). Raises
+        :class:`~nexus.errors.StoreUnavailable` when it cannot be told."""
+        run = self.live.get(info.id)
+        if run is not None:
+            return entries <= len(run.events)
+        if entries <= 0 or info.status != "in_progress":
+            return True
+        return await self.store.reached(info.id, entries)
+
+    def _entries(self, stream_id: str) -> int | None:
+        run = self.live.get(stream_id)
+        return None if run is None else len(run.events)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
         run = self.live.get(stream_id)

@@ -15,8 +15,10 @@ Keys, all under ``{prefix}:``, each with a TTL::
 
 (The limits' keys are in :mod:`nexus.cache.redis_limits`; what each API key holds, counted
 and bounded, in :mod:`nexus.cache.redis_quota`; leases, resumable flags, prepaid reads and
-claims in :mod:`nexus.cache.redis_holds`.) When the owner of a live log
-dies, its followers get :class:`~nexus.errors.StreamLost` once its keep-alive lapsed.
+claims in :mod:`nexus.cache.redis_holds`; the channel ``asks:{replica id}``, on which a
+replica is asked how far a stream it runs is, in :mod:`nexus.cache.redis_asks`.) When the
+owner of a live log dies, its followers get :class:`~nexus.errors.StreamLost` once its
+keep-alive lapsed.
 
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
 trims the oldest with ``XADD MINID ~``; counted as the run counts its log, by
@@ -53,6 +55,7 @@ from redis.retry import Retry
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
 from .codec import dump_event, dumps_events, load_event, logged_size
+from .redis_asks import Asks
 from .redis_holds import RedisHolds, ms
 from .redis_log import (
     APPEND,
@@ -149,6 +152,8 @@ class RedisStore(RedisHolds):
         """Log pages: connections of their own, never queued behind other commands or
         ahead of them (:mod:`nexus.cache.redis_log`)."""
         self.followers = Followers(self._connect, self.call, self.block_ms, FOLLOW_COUNT)
+        self.asks = Asks(self._connect, self.call, self._unavailable, prefix, self.replica_id)
+        self.asks.entries = lambda stream_id: self.live_entries(stream_id)
 
     @property
     def client(self) -> aioredis.Redis:
@@ -187,6 +192,7 @@ class RedisStore(RedisHolds):
             raise RedisUnavailable(
                 f"Redis not reachable at {where}: {scrub(str(exc), self.url)}"
             ) from None
+        await self.asks.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
@@ -197,6 +203,7 @@ class RedisStore(RedisHolds):
             with contextlib.suppress(RedisError, OSError):
                 await self.client.delete(self._replica_key(self.replica_id))
         await self.followers.close()
+        await self.asks.close()
         if self._pipeliner is not None:
             await self._pipeliner.close()
             self._pipeliner = None

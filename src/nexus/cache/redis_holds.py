@@ -1,6 +1,7 @@
 """Who holds a live stream in the Redis store, and who may start one: the leases of
 clients that follow a stream from another replica, the flag a resumable join on another
-replica sets, prepaid reads, and in-flight claims. :class:`~nexus.cache.redis.RedisStore`
+replica sets, prepaid reads, and in-flight claims; and how far a live stream is, asked of
+the replica running it (:mod:`nexus.cache.redis_asks`). :class:`~nexus.cache.redis.RedisStore`
 is one.
 
 A lease is one key per stream for all its followers: each renews it while it reads
@@ -20,6 +21,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, cast
 
+from .redis_asks import Asks
 from .store import OWNER_TTL_S, Store
 
 __all__ = ["RedisHolds", "ms"]
@@ -84,6 +86,7 @@ class RedisHolds(Store):
     prefix: str
     _live: dict[str, list[int]]
     """Live streams begun here -> [their TTL in ms, ...]."""
+    asks: Asks
 
     @abstractmethod
     async def call(self, op: str, *commands: tuple[Any, ...], allow: str = "") -> list[Any]:
@@ -124,6 +127,10 @@ class RedisHolds(Store):
             return set()
         found = await self.call("leased", *(("EXISTS", self._key(i, "lease")) for i in stream_ids))
         return {stream_id for stream_id, hit in zip(stream_ids, found, strict=True) if hit}
+
+    async def reached(self, stream_id: str, entries: int) -> bool:
+        log, owner = self._key(stream_id, "log"), self._key(stream_id, "owner")
+        return await self.asks.reached(log, owner, stream_id, entries)
 
     # Prepaid reads.
     def _prepaid(self, stream_id: str, key: str) -> str:

@@ -133,6 +133,10 @@ class Store(ABC):
         """Called with why (``key_limit``: a key past ``[store] max_bytes_per_key``;
         ``store_full``: past ``max_bytes``) and how many entries went before their TTL:
         the ``nexus_store_evictions_total`` metric."""
+        self.live_entries: Callable[[str], int | None] = lambda stream_id: None
+        """Set by the hub: how many entries the log of a stream running in this process
+        has (None: none runs here). A shared store tells it to replicas that ask
+        (:meth:`reached`)."""
 
     def _evicted(self, reason: str, count: int) -> None:
         if count:
@@ -183,6 +187,14 @@ class Store(ABC):
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica running a live ``stream_id`` is still alive."""
+        return True
+
+    async def reached(self, stream_id: str, entries: int) -> bool:
+        """Whether ``stream_id``, live and run by another process, has logged ``entries``
+        entries there: its copy here may trail what that process already sent. True
+        too when no live process runs it (a read of it tells what became of it); a store
+        that is not shared has nothing running elsewhere. Raises
+        :class:`~nexus.errors.StoreUnavailable` when it cannot tell."""
         return True
 
     # Leases.

@@ -380,7 +380,12 @@ async def resume(
             f"Last-Event-ID {str(cursor)!r} belongs to another stream than {stream_id!r}.",
             param="last_event_id",
         )
-    if cursor is not None and _beyond(request, stream_id, cursor):
+    if cursor is not None and not await request.app[state.HUB].reached(info, cursor.step):
+        # Past every step the stream has rendered so far (step *i* is log entry *i - 1*),
+        # wherever it runs: no client was sent it, and what the stream sends next does not
+        # follow it. Answered at once, as an id past a finished stream's end is, rather
+        # than attached (a reader's place held, a plain stream kept running, nothing
+        # written, then the steps up to the id skipped).
         exchange(request).stream_id = stream_id
         return web.Response(status=204, headers={"Cache-Control": "no-cache"})
     try:
@@ -400,17 +405,6 @@ async def resume(
         first_wait_s=ATTACH_WAIT_S,
         origin=False,
     )
-
-
-def _beyond(request: web.Request, stream_id: str, cursor: Cursor) -> bool:
-    """Whether ``cursor`` is past every step a stream running here has rendered so far
-    (step *i* is log entry *i - 1*): no client was sent it, and what the stream sends next
-    is not after it. Answered at once, as an id past a finished stream's end is, rather
-    than attached (a reader's place held, a plain stream kept running, nothing written).
-    A stream followed through the store is not judged: its copy may trail what the
-    replica running it already sent."""
-    run = request.app[state.HUB].live.get(stream_id)
-    return run is not None and cursor.step > len(run.events)
 
 
 def _pump(

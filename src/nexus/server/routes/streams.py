@@ -3,8 +3,8 @@
 ``GET`` attaches in any negotiated format (default: the format of the endpoint
 that made the stream): the log so far, then live. ``Last-Event-ID`` (or
 ``?last_event_id=``) starts right after that event; past the end (or, at once, past what
-a stream running here has produced so far) the answer is ``204``, which tells an
-``EventSource`` to stop. The answer's
+a running stream has produced so far, on whichever replica it runs) the answer is ``204``,
+which tells an ``EventSource`` to stop. The answer's
 ``X-Nexus-Resumable`` says whether the stream waits for a reader that leaves
 (``true``) or ends with the last one (``false``). ``DELETE`` cancels a stream
 running in this process and answers with its status.

@@ -1,0 +1,244 @@
+"""A ``Last-Event-ID`` past what a live stream has produced, on every replica.
+
+On the replica running the stream it is ``204`` at once (tests/streams/test_streams.py).
+On another replica, following it through Redis, it is the same: that replica's copy may
+trail what the stream already sent, so the replica running it is asked how far it is
+(:mod:`nexus.cache.redis_asks`). An id past the copy that the stream did send attaches
+and gets the rest, never a stream with a hole; one it never sent is ``204`` at once,
+never a wait.
+
+Runs against the real Redis at 127.0.0.1:6379 (skipped with the reason when there is
+none, failed under ``CI=true``): two real ``nexus serve`` processes, and two in-process
+replicas whose owner's copy in Redis is held back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from test_streams_across_replicas import replica
+
+from nexus.cache.redis import RedisStore
+from nexus.cache.store import StreamInfo, Write
+from nexus.errors import StoreUnavailable
+from nexus.server.state import HUB
+from nexus.types import StreamMeta
+from redis_server import RedisServer
+from redis_support import REDIS_URL, redis_replicas
+from support import GatedProvider, chat, parse_sse
+
+WORDS = " ".join(f"w{n}" for n in range(40))
+
+
+def config(prefix: str) -> str:
+    return f"""\
+[server]
+shutdown_grace_s = 0
+
+[store]
+kind = "redis"
+url = "redis://127.0.0.1:6379/0"
+prefix = "{prefix}"
+
+[providers.mock]
+kind = "mock"
+"""
+
+
+def content(body: bytes) -> str:
+    text = ""
+    for event in parse_sse(body):
+        if event.data != "[DONE]":
+            for choice in orjson.loads(event.data)["choices"]:
+                text += choice["delta"].get("content") or ""
+    return text
+
+
+async def test_an_id_past_a_live_stream_is_204_at_once_on_either_replica(
+    tmp_path: Path,
+) -> None:
+    """Two ``nexus serve`` processes on one Redis: the stream runs on the first; the
+    second answers an id it never produced as the first does, at once, and resumes from
+    the last id it sent with the rest, whole."""
+    body = {**chat(WORDS, stream=True), "mock": {"delay_ms": 100}}
+    async with (
+        redis_replicas(tmp_path, config) as ((_, one), (_, two)),
+        aiohttp.ClientSession() as http,
+    ):
+        resp = await http.post(f"{one}/v1/chat/completions", json=body)
+        stream_id = resp.headers["X-Nexus-Stream-Id"]
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+        last = parse_sse(seen)[-1].id
+        step = int(last.rsplit(".", 1)[1])
+        for url in (one, two):
+            for beyond in (f"{stream_id}.{step + 5}", f"{stream_id}.{step + 5}.0"):
+                started = time.monotonic()
+                headers = {"Last-Event-ID": beyond}
+                async with http.get(f"{url}/v1/streams/{stream_id}", headers=headers) as got:
+                    assert got.status == 204, (url, beyond, await got.text())
+                    assert await got.read() == b""
+                async with http.post(
+                    f"{url}/v1/chat/completions", json=body, headers=headers
+                ) as posted:
+                    assert posted.status == 204, (url, beyond, await posted.text())
+                path = f"/v1/streams/{stream_id}?stream_format=ndjson&last_event_id={step + 5}"
+                async with http.get(url + path) as counted:
+                    assert counted.status == 204, (url, await counted.text())
+                assert time.monotonic() - started < 1.0  # at once: nothing attached
+        # The last id it sent resumes on the other replica: every word after it, once.
+        async with http.get(
+            f"{two}/v1/streams/{stream_id}", headers={"Last-Event-ID": last}
+        ) as resumed:
+            assert resumed.status == 200
+            rest = await asyncio.wait_for(resumed.read(), 20)
+        whole = seen + await asyncio.wait_for(resp.read(), 20)
+        assert content(whole) == content(seen) + content(rest)
+        assert content(whole).split() == WORDS.split()
+        resp.release()
+
+
+class HeldCopy(RedisStore):
+    """A replica whose mirror into Redis waits for ``flowing`` once its stream has
+    begun: its copy trails what it sent (a busy Redis, a mirror retrying)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.flowing = asyncio.Event()
+
+    async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        if any(write.events for write in writes):
+            await self.flowing.wait()
+        return await super().mirror(writes, ttl_s)
+
+
+async def test_an_id_the_copy_has_not_caught_up_with_attaches_and_gets_the_rest(
+    aiohttp_client: Any, prefix: str
+) -> None:
+    gated = GatedProvider(before=2, after=2)
+    owner = HeldCopy(REDIS_URL, prefix)
+    one = await replica(aiohttp_client, prefix, [gated], owner)
+    two = await replica(aiohttp_client, prefix)
+    resp = await one.post("/v1/chat/completions", json=chat(model="gated/m", stream=True))
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    seen = b""
+    while seen.count(b"before") < 2:
+        seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    last = parse_sse(seen)[-1].id
+    step = int(last.rsplit(".", 1)[1])
+    assert stream_id in one.app[HUB].live and not owner.flowing.is_set()  # (nothing copied)
+    path = f"/v1/streams/{stream_id}"
+    # Never sent: 204 at once, however far behind the copy is.
+    beyond = await asyncio.wait_for(
+        two.get(path, headers={"Last-Event-ID": f"{stream_id}.{step + 1}"}), 5
+    )
+    assert beyond.status == 204
+    # Sent, and not in the copy yet: attached; the rest comes as the copy catches up.
+    resumed = await asyncio.wait_for(two.get(path, headers={"Last-Event-ID": last}), 5)
+    assert resumed.status == 200
+    owner.flowing.set()
+    gated.gate.set()
+    rest = await asyncio.wait_for(resumed.read(), 10)
+    assert content(rest) == "after0 after1 "
+    assert content(seen + await resp.read()) == "before0 before1 after0 after1 "
+
+
+async def test_a_replica_that_cannot_be_asked_is_503_not_a_wait(
+    aiohttp_client: Any, prefix: str
+) -> None:
+    """The replica running the stream does not hear the question (its subscription is
+    gone: reconnecting, or a replica from before it): the resume cannot be judged, and
+    is refused at once, to be retried."""
+    gated = GatedProvider(before=2, after=2)
+    owner = HeldCopy(REDIS_URL, prefix)
+    one = await replica(aiohttp_client, prefix, [gated], owner)
+    two = await replica(aiohttp_client, prefix)
+    await owner.asks.close()
+    resp = await one.post("/v1/chat/completions", json=chat(model="gated/m", stream=True))
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    seen = b""
+    while seen.count(b"before") < 2:
+        seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    last = parse_sse(seen)[-1].id
+    try:
+        started = time.monotonic()
+        refused = await two.get(f"/v1/streams/{stream_id}", headers={"Last-Event-ID": last})
+        assert refused.status == 503
+        assert (await refused.json())["error"]["code"] == "store_unavailable"
+        assert refused.headers["Retry-After"] == "1"
+        assert time.monotonic() - started < 0.5
+    finally:
+        owner.flowing.set()
+        gated.gate.set()
+    await resp.read()
+
+
+async def test_a_replica_answers_again_once_redis_is_back(redis_server: RedisServer) -> None:
+    """Redis restarted (every key lost): the replica running a stream subscribes again
+    to its questions, and answers them."""
+    owner, asker = RedisStore(redis_server.url, "asks"), RedisStore(redis_server.url, "asks")
+    info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
+    owner.live_entries = lambda stream_id: 3 if stream_id == info.id else None
+    await owner.start()
+    await asker.start()
+    try:
+        await owner.begin(info, 30)  # (nothing in its copy)
+        assert await asker.reached(info.id, 3)
+        assert not await asker.reached(info.id, 4)
+        redis_server.stop()
+        with pytest.raises(StoreUnavailable):
+            await asker.reached(info.id, 3)
+        redis_server.start()
+        async with asyncio.timeout(5):
+            while True:
+                with contextlib.suppress(StoreUnavailable):
+                    await owner.begin(info, 30)  # (what its keeper does once Redis is back)
+                    assert not await asker.reached(info.id, 4)
+                    break
+                await asyncio.sleep(0.1)
+        assert await asker.reached(info.id, 3)
+        owner.live_entries = lambda stream_id: None  # it ended here: the read tells
+        assert await asker.reached(info.id, 4)
+    finally:
+        await asker.close()
+        await owner.close()
+
+
+async def test_a_replica_refused_its_subscription_still_starts_and_warns(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis user without ``SUBSCRIBE`` (an ACL written before the questions): the store
+    starts all the same, with a warning, and a question for it goes unheard (503, retry)."""
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.execute_command(
+        "ACL", "SETUSER", "nosub", "on", ">pw", "~*", "&*", "+@all", "-subscribe", "-psubscribe"
+    )
+    await admin.aclose()
+    limited = redis_server.url.replace("redis://", "redis://nosub:pw@")
+    owner, asker = RedisStore(limited, "acl"), RedisStore(redis_server.url, "acl")
+    info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
+    owner.live_entries = lambda stream_id: 3 if stream_id == info.id else None
+    with caplog.at_level("WARNING", logger="nexus.store"):
+        await owner.start()
+        await asker.start()
+        try:
+            await owner.begin(info, 30)
+            with pytest.raises(StoreUnavailable):
+                await asker.reached(info.id, 3)
+            async with asyncio.timeout(3):
+                while "cannot ask this one" not in caplog.text:
+                    await asyncio.sleep(0.05)
+        finally:
+            await asker.close()
+            await owner.close()

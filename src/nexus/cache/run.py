@@ -429,6 +429,9 @@ class StreamRun:
         that leaves there sets it to lapse when the stream may end for its sake)."""
         try:
             left, made_resumable = await held(self.info.resumable)
+        except GatewayError as exc:  # the store down: nobody elsewhere can read it now
+            log.warning("stream %s: its readers elsewhere cannot be counted: %s", self.id, exc.code)
+            left, made_resumable = 0.0, False
         except Exception:
             log.exception("checking the lease of stream %s failed", self.id)
             left, made_resumable = 0.0, False

@@ -133,7 +133,9 @@ class Exchange:
     served: str | None = None
     """``provider/model``: the target that answered, after fallbacks."""
     streamed: bool = False
-    """The pump wrote the body (events and bytes count); false for a JSON answer."""
+    """The pump wrote the body, or a realtime socket is open (its turns' frames: the
+    socket's :class:`~nexus.server.routes.realtime_turn.FrameMeter`): events and bytes
+    count; false for a JSON answer."""
     ttft: float | None = None
     """From the request to the stream's first event."""
     error: str | None = None

@@ -23,7 +23,7 @@ quotes the raw bytes, which are never read here. Another status is named by its 
 
 The line is under the request id the answer carries (``X-Request-Id``, ``request-id``): a
 :class:`Rejected`'s own; the 417's, stamped by the app's ``on_response_prepare``
-(:func:`~nexus.server.access.stamp_request_id`). aiohttp's own 400 (``web.run_app``)
+(:func:`~nexus.server.access.stamp_response`). aiohttp's own 400 (``web.run_app``)
 carries none, as nothing of the app runs for it: its line has an id of its own. The 503
 of a connection past ``[server] max_connections``, written as bytes before any request
 exists, is accounted for by :meth:`RejectionLog.answered`, under the id written in it.
@@ -47,7 +47,7 @@ from ..errors import InvalidRequest
 from .access import access_log, account
 from .metrics import Metrics
 from .redaction import parse_error_reason
-from .state import EXCHANGE, Exchange, new_request_id, request_id_headers
+from .state import EXCHANGE, Exchange, new_request_id, response_headers
 
 if TYPE_CHECKING:
     from aiohttp.web_request import BaseRequest
@@ -115,7 +115,7 @@ class Rejected(web.Response):
             status=status,
             body=orjson.dumps(error.openai_body(self.request_id)),
             content_type="application/json",
-            headers=request_id_headers(self.request_id),
+            headers=response_headers(self.request_id),
         )
         self.force_close()
 
@@ -156,7 +156,7 @@ class RejectionLog(AbstractAccessLogger):
 def rejection(request: BaseRequest, response: web.StreamResponse, elapsed: float) -> Exchange:
     """The :class:`Exchange` of a request aiohttp answered without the app, under the id
     its answer carries (a :class:`Rejected`'s; the 417's, from the app's
-    ``on_response_prepare``, :func:`~nexus.server.access.stamp_request_id`)."""
+    ``on_response_prepare``, :func:`~nexus.server.access.stamp_response`)."""
     request_id = response.headers.get("X-Request-Id") or new_request_id()
     ex = Exchange(request_id, time.monotonic() - elapsed)
     ex.endpoint = ENDPOINT

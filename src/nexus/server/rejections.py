@@ -52,7 +52,15 @@ from .state import EXCHANGE, Exchange, new_request_id, response_headers
 if TYPE_CHECKING:
     from aiohttp.web_request import BaseRequest
 
-__all__ = ["ENDPOINT", "Rejected", "RejectionLog", "describe", "rejection_args"]
+__all__ = [
+    "ENDPOINT",
+    "Rejected",
+    "RejectionLog",
+    "describe",
+    "describe_body_error",
+    "malformed",
+    "rejection_args",
+]
 
 log = logging.getLogger("nexus.server")
 
@@ -103,6 +111,21 @@ def describe(exc: HttpProcessingError) -> tuple[str, str]:
     return MALFORMED, reason
 
 
+def describe_body_error(exc: HttpProcessingError | web.RequestPayloadError) -> str:
+    """What the parser said of a body it refused after the route began reading it, never
+    what the client sent: the error it set on the request's payload (aiohttp's pure-Python
+    parser does), or the one inside aiohttp's ``RequestPayloadError`` (whose own message
+    quotes the bytes)."""
+    cause = exc if isinstance(exc, HttpProcessingError) else exc.__cause__
+    return describe(cause)[1] if isinstance(cause, HttpProcessingError) else "invalid body"
+
+
+def malformed(description: str, status: int = 400) -> InvalidRequest:
+    """What the client of a request the parser refused is told: ``invalid_request``, with
+    the parser's ``description`` (:func:`describe`)."""
+    return InvalidRequest(f"Malformed HTTP request: {description}.", status=status)
+
+
 class Rejected(web.Response):
     """The JSON 400 a request the parser refused gets from ``nexus serve``: its ``kind``
     and ``description`` (:func:`describe`) for its access line, a request id for both."""
@@ -110,7 +133,7 @@ class Rejected(web.Response):
     def __init__(self, exc: HttpProcessingError, status: int) -> None:
         self.kind, self.description = describe(exc)
         self.request_id = new_request_id()
-        error = InvalidRequest(f"Malformed HTTP request: {self.description}.", status=status)
+        error = malformed(self.description, status)
         super().__init__(
             status=status,
             body=orjson.dumps(error.openai_body(self.request_id)),

@@ -265,3 +265,59 @@ async def test_a_running_turns_frames_count_at_the_watchdogs_tick(
         page = await counted(client, len(got))
         assert sample(page, EVENTS) >= len(got)
         assert sample(page, BYTES) >= sum(len(frame.encode()) for frame in got)
+
+
+async def test_the_sockets_access_line_carries_its_turns_frames_as_counted(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An HTTP stream's access line says what it wrote (``events``, ``bytes``); a socket's
+    said nothing of its turns' frames. It has them now, summed over the socket's life, the
+    same totals the counters got; a turn's spend line is its stream's spend, as an HTTP
+    stream's is, and has none (what one reader was sent is its access line's)."""
+    caplog.set_level(logging.INFO, logger="nexus")
+    client = await make_client(
+        {"models": {"mock/echo": {"input_usd_per_mtok": 1, "output_usd_per_mtok": 1}}}
+    )
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    sent: list[str] = []
+    async with websockets.connect(url) as ws:
+        for content in ("one two three", "four five"):
+            await ws.send(start(mock={"content": content}))
+            sent += await frames_of_turn(ws)
+        await ws.send(start(mock=SLOW))
+        sent.append(await ws.recv())
+        await ws.send('{"type":"abort"}')
+        sent += await frames_of_turn(ws)
+        await ws.send(start("nope/x"))  # refused: no stream's frame, not counted
+        assert (await turn(ws))[-1]["error"]["code"] == "model_not_found"
+    fields = (await access_record(caplog)).access  # type: ignore[attr-defined]
+    page = await counted(client, len(sent))
+    assert (fields["format"], fields["refused"]) == ("websocket", 1)
+    assert fields["events"] == len(sent) == sample(page, EVENTS)
+    assert fields["bytes"] == sum(len(frame.encode()) for frame in sent) == sample(page, BYTES)
+    for _ in range(1000):  # each turn that made its stream: a spend line, as it ends
+        spends = [r.access for r in caplog.records if r.name == "nexus.spend"]  # type: ignore[attr-defined]
+        if len(spends) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert len(spends) == 3
+    assert all("events" not in line and "bytes" not in line for line in spends)
+
+
+async def test_a_socket_without_a_turn_sent_no_frame_and_says_so(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once open, a socket writes frames (as a stream request writes its body): zero of
+    each, not nothing, for one that never streamed; a refused handshake has no frames."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    client = await make_client()
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    async with websockets.connect(url) as ws:
+        await ws.send('{"type":"abort"}')  # nothing to abort: no frame of a turn
+        await asyncio.sleep(0.1)
+    fields = (await access_record(caplog)).access  # type: ignore[attr-defined]
+    assert (fields["status"], fields["events"], fields["bytes"]) == (101, 0, 0)
+    caplog.clear()
+    assert (await client.get("/v1/realtime")).status == 400  # no upgrade asked: no socket
+    fields = (await access_record(caplog)).access  # type: ignore[attr-defined]
+    assert (fields["status"], fields["events"], fields["bytes"]) == (400, None, None)

@@ -145,6 +145,7 @@ async def test_a_request_the_parser_rejects_has_an_access_line_and_a_count(
     assert error["code"] == "invalid_request"
     assert error["request_id"] == headers["X-Request-Id"]  # as every error body has it
     assert headers["request-id"] == headers["X-Request-Id"]  # as every response has it
+    assert headers["X-Content-Type-Options"] == "nosniff"  # (so does this)
     [record] = await access_records(caplog, 1)
     fields = record.access  # type: ignore[attr-defined]
     assert record.levelno == logging.WARNING
@@ -197,6 +198,7 @@ async def test_an_expect_aiohttp_does_not_know_is_counted_too(
     assert record.access["outcome"] == "rejected:expectation_failed"  # type: ignore[attr-defined]
     assert headers["X-Request-Id"].startswith("req_")
     assert headers["request-id"] == headers["X-Request-Id"] == record.request_id  # type: ignore[attr-defined]
+    assert headers["X-Content-Type-Options"] == "nosniff"  # its body quotes the Expect
     counted = await requests_counted(served)
     assert counted[("rejected", "unknown", "rejected:expectation_failed")] == 1
 
@@ -217,6 +219,7 @@ async def test_a_connection_past_the_cap_has_an_access_line_with_its_id(
         assert error["code"] == "too_many_connections"
         assert headers["X-Request-Id"].startswith("req_")
         assert error["request_id"] == headers["request-id"] == headers["X-Request-Id"]
+        assert headers["X-Content-Type-Options"] == "nosniff"
         [record] = await access_records(caplog, 1)
         assert record.request_id == headers["X-Request-Id"]  # type: ignore[attr-defined]
         fields = record.access  # type: ignore[attr-defined]
@@ -285,3 +288,46 @@ async def _leave_mid_body(gateway: Gateway, caplog: pytest.LogCaptureFixture, he
     fields = record.access  # type: ignore[attr-defined]
     assert (fields["outcome"], fields["status"]) == ("cancelled:client_disconnect", 499)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def _none(request: web.Request) -> web.StreamResponse:
+    return None  # type: ignore[return-value]  # (a bug past every middleware)
+
+
+@pytest.mark.parametrize("server", ["nexus", "aiohttp"])
+async def test_what_aiohttp_answers_itself_is_never_sniffed_either(
+    caplog: pytest.LogCaptureFixture, server: str
+) -> None:
+    """Every response carries ``X-Content-Type-Options: nosniff``, but the middleware sets
+    it: aiohttp's plain-text 417 (which quotes the client's ``Expect``) and the 500 it makes
+    of an error past the middlewares had none. Both get it from the app's
+    ``on_response_prepare``, on ``nexus serve``'s connection layer and on aiohttp's own."""
+    app = create_app(parse_config(config()), registry=default_registry.copy())
+    app.router.add_get("/broken", _none)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    registry = ConnectionRegistry(
+        header_timeout_s=5, keepalive_timeout_s=5, max_connections=10, write_timeout_s=5
+    )
+    site: web.BaseSite = (
+        ConnectionSite(runner, "127.0.0.1", 0, registry=registry)
+        if server == "nexus"
+        else web.TCPSite(runner, "127.0.0.1", 0)
+    )
+    await site.start()
+    try:
+        host, port = (site.addresses if server == "nexus" else runner.addresses)[0][:2]  # type: ignore[attr-defined]
+        gateway = Gateway(host, port)
+        expect = GET + b"Expect: <html><script>x()</script>\r\nConnection: close\r\n\r\n"
+        status, headers, body = head_and_body(await roundtrip(gateway, expect))
+        assert (status, headers["Content-Type"]) == (417, "text/plain; charset=utf-8")
+        assert b"<script>" in body  # quoted: text/plain it must stay
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        with caplog.at_level(logging.CRITICAL, logger="aiohttp"):  # (its traceback)
+            broken = b"GET /broken HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+            status, headers, _ = head_and_body(await roundtrip(gateway, broken))
+        assert status == 500
+        assert headers["X-Request-Id"].startswith("req_")
+        assert headers["X-Content-Type-Options"] == "nosniff"
+    finally:
+        await runner.cleanup()

@@ -4,7 +4,7 @@ spend lines (the keys and their limits: :mod:`.key_admission`).
 :func:`access_middleware` is the outermost layer: it gives every request an id of its own,
 which its response carries as ``X-Request-Id`` and ``request-id`` (the id a client gives is
 kept beside it, :func:`_client_request_id`; a response the middleware never sees gets one
-from :func:`stamp_request_id`), refuses other sites' pages and rebound ``Host`` names before
+from :func:`stamp_response`), refuses other sites' pages and rebound ``Host`` names before
 any route runs (:mod:`nexus.server.origins`; ``/metrics`` counts them as refusals), answers
 CORS preflights, and writes one access line and the metrics per request, inside its span when
 tracing (:mod:`nexus.telemetry`). Routes authenticate and admit their callers
@@ -49,7 +49,7 @@ from .metrics import Metrics
 from .origins import listed, loopback_host, origin_allowed
 from .redaction import redact
 from .state import CONFIG as _CONFIG
-from .state import EXCHANGE, Exchange, exchange, new_request_id, request_id_headers
+from .state import EXCHANGE, Exchange, exchange, new_request_id, response_headers
 
 __all__ = [
     "EXCHANGE",
@@ -63,7 +63,7 @@ __all__ = [
     "exchange",
     "request_spend",
     "settled_spend",
-    "stamp_request_id",
+    "stamp_response",
 ]
 
 log = logging.getLogger("nexus.server")
@@ -108,12 +108,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     ex.method = request.method
     ex.path = request.path[:MAX_PATH_CHARS]
     ex.client = request.remote
-    ex.headers.update(request_id_headers(request_id))
+    ex.headers.update(response_headers(request_id))  # (its id; X-Content-Type-Options)
     if ex.client_request_id is not None:
         ex.headers["X-Client-Request-Id"] = ex.client_request_id  # echoed, for the client
-    # No response is to be read as anything but its type (errors quote a client's strings;
-    # the console shares the origin and keeps a key).
-    ex.headers["X-Content-Type-Options"] = "nosniff"
     request[EXCHANGE] = ex
     app = request.app
     config = app[_CONFIG]
@@ -243,16 +240,17 @@ async def _close_if_unread(
     return response
 
 
-async def stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
     """The app's ``on_response_prepare``: a response the access middleware did not stamp
-    gets a request id too. aiohttp answers an unknown ``Expect`` (417) before any
-    middleware runs: its id is a new one, which its access line reads off it
-    (:mod:`nexus.server.rejections`). A 500 aiohttp makes of an error that got past the
-    middlewares gets the request's own."""
+    gets what every response carries too (:func:`~nexus.server.state.response_headers`: a
+    request id, ``X-Content-Type-Options: nosniff``). aiohttp answers an unknown
+    ``Expect`` (417, quoting it as text/plain) before any middleware runs: its id is a new
+    one, which its access line reads off it (:mod:`nexus.server.rejections`). A 500
+    aiohttp makes of an error that got past the middlewares gets the request's own."""
     if "X-Request-Id" in response.headers:
-        return  # (every response the middleware saw)
+        return  # (every response the middleware saw: its headers have both)
     ex: Exchange | None = request.get(EXCHANGE)
-    response.headers.update(request_id_headers(new_request_id() if ex is None else ex.request_id))
+    response.headers.update(response_headers(new_request_id() if ex is None else ex.request_id))
 
 
 def _endpoint(request: web.Request) -> str:

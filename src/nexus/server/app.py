@@ -30,7 +30,7 @@ from ..hooks import Middleware
 from ..protocol.realtime import PendingLedger
 from ..telemetry import Telemetry
 from ..tokens import StreamTokens, new_secret, secret_from_env
-from .access import KEYS, METRICS, TELEMETRY, access_middleware, stamp_request_id
+from .access import KEYS, METRICS, TELEMETRY, access_middleware, stamp_response
 from .connection import HANDLER_ARGS, connection_middleware
 from .errors import error_middleware
 from .metrics import Metrics, MetricsPlugin, ModelLabels
@@ -113,7 +113,7 @@ def create_app(
         handler_args=handler_args,
     )
     app[REQUEST_HANDLER_ARGS] = handler_args
-    app.on_response_prepare.append(stamp_request_id)  # (what the middlewares never see)
+    app.on_response_prepare.append(stamp_response)  # (what the middlewares never see)
     app[CONFIG] = config
     app[ENGINE] = engine
     app[HUB] = hub

@@ -22,7 +22,7 @@ import orjson
 
 from ..errors import GatewayError
 from ..watchdog import Watchdog
-from .state import REQUEST_ID_HEADERS
+from .state import response_headers
 
 __all__ = ["REJECT_LINGER_S", "ConnectionRegistry", "Phase", "Tracked"]
 
@@ -100,15 +100,17 @@ class ConnectionRegistry:
         """The server stops: a connection is closed once idle (:meth:`close_idle`)."""
 
     def rejection(self, request_id: str) -> bytes:
-        """The 503 a connection past the cap gets, as bytes: it never reaches aiohttp. Its
-        ``request_id`` is in its headers and its body, as every response's."""
+        """The 503 a connection past the cap gets, as bytes: it never reaches aiohttp. It
+        carries what every response does (its ``request_id``, in its body too; ``nosniff``)."""
         body = orjson.dumps(self.refusal.openai_body(request_id))
-        ids = "".join(f"{name}: {request_id}\r\n" for name in REQUEST_ID_HEADERS)
+        stamp = "".join(
+            f"{name}: {value}\r\n" for name, value in response_headers(request_id).items()
+        )
         head = (
             "HTTP/1.1 503 Service Unavailable\r\n"
             "Content-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n"
-            f"{ids}"
+            f"{stamp}"
             "Retry-After: 1\r\n"
             "x-should-retry: true\r\n"
             "Connection: close\r\n\r\n"

@@ -23,7 +23,7 @@ quotes the raw bytes, which are never read here. Another status is named by its 
 
 The line is under the request id the answer carries (``X-Request-Id``, ``request-id``): a
 :class:`Rejected`'s own; the 417's, stamped by the app's ``on_response_prepare``
-(:func:`~nexus.server.access.stamp_request_id`). aiohttp's own 400 (``web.run_app``)
+(:func:`~nexus.server.access.stamp_response`). aiohttp's own 400 (``web.run_app``)
 carries none, as nothing of the app runs for it: its line has an id of its own. The 503
 of a connection past ``[server] max_connections``, written as bytes before any request
 exists, is accounted for by :meth:`RejectionLog.answered`, under the id written in it.
@@ -47,12 +47,20 @@ from ..errors import InvalidRequest
 from .access import access_log, account
 from .metrics import Metrics
 from .redaction import parse_error_reason
-from .state import EXCHANGE, Exchange, new_request_id, request_id_headers
+from .state import EXCHANGE, Exchange, new_request_id, response_headers
 
 if TYPE_CHECKING:
     from aiohttp.web_request import BaseRequest
 
-__all__ = ["ENDPOINT", "Rejected", "RejectionLog", "describe", "rejection_args"]
+__all__ = [
+    "ENDPOINT",
+    "Rejected",
+    "RejectionLog",
+    "describe",
+    "describe_body_error",
+    "malformed",
+    "rejection_args",
+]
 
 log = logging.getLogger("nexus.server")
 
@@ -103,6 +111,21 @@ def describe(exc: HttpProcessingError) -> tuple[str, str]:
     return MALFORMED, reason
 
 
+def describe_body_error(exc: HttpProcessingError | web.RequestPayloadError) -> str:
+    """What the parser said of a body it refused after the route began reading it, never
+    what the client sent: the error it set on the request's payload (aiohttp's pure-Python
+    parser does), or the one inside aiohttp's ``RequestPayloadError`` (whose own message
+    quotes the bytes)."""
+    cause = exc if isinstance(exc, HttpProcessingError) else exc.__cause__
+    return describe(cause)[1] if isinstance(cause, HttpProcessingError) else "invalid body"
+
+
+def malformed(description: str, status: int = 400) -> InvalidRequest:
+    """What the client of a request the parser refused is told: ``invalid_request``, with
+    the parser's ``description`` (:func:`describe`)."""
+    return InvalidRequest(f"Malformed HTTP request: {description}.", status=status)
+
+
 class Rejected(web.Response):
     """The JSON 400 a request the parser refused gets from ``nexus serve``: its ``kind``
     and ``description`` (:func:`describe`) for its access line, a request id for both."""
@@ -110,12 +133,12 @@ class Rejected(web.Response):
     def __init__(self, exc: HttpProcessingError, status: int) -> None:
         self.kind, self.description = describe(exc)
         self.request_id = new_request_id()
-        error = InvalidRequest(f"Malformed HTTP request: {self.description}.", status=status)
+        error = malformed(self.description, status)
         super().__init__(
             status=status,
             body=orjson.dumps(error.openai_body(self.request_id)),
             content_type="application/json",
-            headers=request_id_headers(self.request_id),
+            headers=response_headers(self.request_id),
         )
         self.force_close()
 
@@ -156,7 +179,7 @@ class RejectionLog(AbstractAccessLogger):
 def rejection(request: BaseRequest, response: web.StreamResponse, elapsed: float) -> Exchange:
     """The :class:`Exchange` of a request aiohttp answered without the app, under the id
     its answer carries (a :class:`Rejected`'s; the 417's, from the app's
-    ``on_response_prepare``, :func:`~nexus.server.access.stamp_request_id`)."""
+    ``on_response_prepare``, :func:`~nexus.server.access.stamp_response`)."""
     request_id = response.headers.get("X-Request-Id") or new_request_id()
     ex = Exchange(request_id, time.monotonic() - elapsed)
     ex.endpoint = ENDPOINT

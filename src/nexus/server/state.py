@@ -30,6 +30,7 @@ __all__ = [
     "ENGINE",
     "EXCHANGE",
     "HUB",
+    "NOSNIFF",
     "REGISTRY",
     "REQUEST_HANDLER_ARGS",
     "REQUEST_ID_HEADERS",
@@ -38,7 +39,7 @@ __all__ = [
     "Exchange",
     "Runtime",
     "exchange",
-    "request_id_headers",
+    "response_headers",
 ]
 
 
@@ -123,7 +124,7 @@ class Exchange:
     status: int | None = None
     """The status sent, once the headers are out (a stream cut short keeps its 200)."""
     headers: dict[str, str] = field(default_factory=dict)
-    """Headers every response to this request carries (request id, CORS)."""
+    """Headers every response to this request carries (request id, nosniff, CORS)."""
     method: str = ""
     path: str = ""
     """The URL's path, never its query (a read token travels there)."""
@@ -133,7 +134,9 @@ class Exchange:
     served: str | None = None
     """``provider/model``: the target that answered, after fallbacks."""
     streamed: bool = False
-    """The pump wrote the body (events and bytes count); false for a JSON answer."""
+    """The pump wrote the body, or a realtime socket is open (its turns' frames: the
+    socket's :class:`~nexus.server.routes.realtime_turn.FrameMeter`): events and bytes
+    count; false for a JSON answer."""
     ttft: float | None = None
     """From the request to the stream's first event."""
     error: str | None = None
@@ -214,6 +217,16 @@ where the ``openai`` SDK reads it) and ``request-id`` (Anthropic's API's, where 
 ``anthropic`` SDK reads it, whatever path it called)."""
 
 
-def request_id_headers(request_id: str) -> dict[str, str]:
-    """:data:`REQUEST_ID_HEADERS`, each with ``request_id``."""
-    return dict.fromkeys(REQUEST_ID_HEADERS, request_id)
+NOSNIFF = ("X-Content-Type-Options", "nosniff")
+"""No response is to be read as anything but its type: errors quote a client's strings
+(a 417 its ``Expect`` as text/plain), and the console shares the origin and keeps a key."""
+
+
+def response_headers(request_id: str) -> dict[str, str]:
+    """The headers every response carries, whoever writes it (the access middleware,
+    :func:`~nexus.server.access.stamp_response` for what aiohttp answers itself, a
+    :class:`~nexus.server.rejections.Rejected`, the connection cap's 503):
+    :data:`REQUEST_ID_HEADERS`, each with ``request_id``, and :data:`NOSNIFF`."""
+    headers = dict.fromkeys(REQUEST_ID_HEADERS, request_id)
+    headers[NOSNIFF[0]] = NOSNIFF[1]
+    return headers

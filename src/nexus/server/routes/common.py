@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import StreamReader, web
+from aiohttp.http import HttpProcessingError
 
 from ...auth import ApiKey
 from ...cache.hub import Opened
@@ -60,6 +61,7 @@ from ..access import (
     settled_spend,
 )
 from ..key_admission import admit, admit_stream, authenticate, budgeted
+from ..rejections import describe_body_error, malformed
 from ..render import Cursor, parse_cursor
 from ..streaming import pump
 from .key_readers import key_reader
@@ -98,9 +100,11 @@ async def read_body(request: web.Request) -> bytes:
 
     Raises :class:`RequestTooLarge` past ``[limits] max_body_bytes`` (sent or
     inflated), :class:`UnsupportedMediaType` for another ``Content-Encoding`` (before
-    reading), :class:`InvalidRequest` for bad compressed data. Call it after the key
-    is checked. Read from the payload, not ``request.read()``, which would keep the
-    bytes on the request for the stream's whole length.
+    reading), :class:`InvalidRequest` for bad compressed data, and for a body the HTTP
+    parser refused once it had begun (a bad chunk after good ones: what the parser said
+    is the access line's ``reason``). Call it after the key is checked. Read from the
+    payload, not ``request.read()``, which would keep the bytes on the request for the
+    stream's whole length.
     """
     limit = request.app[state.CONFIG].limits.max_body_bytes
     coding = content_coding(request.headers.getall("Content-Encoding", ()))
@@ -114,20 +118,26 @@ async def read_body(request: web.Request) -> bytes:
         return body
     stall_s = request.app[state.CONFIG].server.body_timeout_s
     chunks: list[bytes] = []
-    if coding is None:
-        size = 0
-        while chunk := await _read_some(content, stall_s):
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
-    else:
-        inflater = Inflater(coding, limit=limit)
-        while chunk := await _read_some(content, stall_s):
-            for piece in inflater.decode(chunk):
-                chunks.append(piece)
-                await asyncio.sleep(0)  # the loop serves others between pieces
-        inflater.flush()
+    try:
+        if coding is None:
+            size = 0
+            while chunk := await _read_some(content, stall_s):
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+        else:
+            inflater = Inflater(coding, limit=limit)
+            while chunk := await _read_some(content, stall_s):
+                for piece in inflater.decode(chunk):
+                    chunks.append(piece)
+                    await asyncio.sleep(0)  # the loop serves others between pieces
+            inflater.flush()
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
+        # The parser refused the body's rest: a 400, as for a head it refuses (no
+        # traceback, none of the client's bytes), on the request's own access line.
+        exchange(request).reason = reason = describe_body_error(exc)
+        raise malformed(reason) from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -132,7 +132,7 @@ class RealtimeConnection(Writer):
         )
         self.turn: Turn | None = None
         """The running turn, until it is over (its stream let go)."""
-        self.meter = FrameMeter(app.get(METRICS))  # its turns' frames, for the counters
+        self.meter = FrameMeter(app.get(METRICS), exchange(request))  # its turns' frames
         self._left = False  # the socket is done: the client is gone, or closed 1008
         self._logged: set[str] = set()  # the refusal codes logged for this socket
         self._token = token  # the handshake's rate token, which the first start uses
@@ -149,8 +149,8 @@ class RealtimeConnection(Writer):
         ws.headers.update(exchange(self.request).headers)  # its X-Request-Id, as every answer's
         await ws.prepare(self.request)
         ws.headers.clear()  # sent: not kept for the connection's length
-        # What the client got, whatever ends the session (the access line's status).
-        exchange(self.request).status = ws.status
+        ex = exchange(self.request)  # its access line: the status the client got, whatever
+        ex.status, ex.streamed = ws.status, True  # ends it; its turns' frames (the meter's)
         self.runtime.sockets.add(self)
         self._last_seen = self._loop.time()
         self._watch(True)

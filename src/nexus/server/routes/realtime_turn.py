@@ -36,16 +36,19 @@ FORMAT = "websocket"
 
 class FrameMeter:
     """A socket's turn frames in ``nexus_events_out_total`` and ``nexus_bytes_out_total``
-    (``format="websocket"``): one event a frame, its payload's bytes (as HTTP counts a
-    body's, not its chunks' framing). Counted per write, added to the counters at the
-    watchdog's tick, as a turn ends and as the socket does (as the HTTP pump adds a pushed
-    batch's): no counter increment per frame."""
+    (``format="websocket"``) and in its access line's ``events`` and ``bytes`` (the
+    socket's :class:`Exchange`, summed over its turns): one event a frame, its payload's
+    bytes (as HTTP counts a body's, not its chunks' framing). Counted per write, added to
+    both at the watchdog's tick, as a turn ends and as the socket does (as the HTTP pump
+    adds a pushed batch's): no counter increment per frame."""
 
-    __slots__ = ("_bytes", "_events", "bytes", "events")
+    __slots__ = ("_bytes", "_events", "bytes", "events", "socket")
 
-    def __init__(self, metrics: Metrics | None) -> None:
+    def __init__(self, metrics: Metrics | None, socket: Exchange) -> None:
         self._events = metrics.events.labels(FORMAT) if metrics is not None else None
         self._bytes = metrics.bytes.labels(FORMAT) if metrics is not None else None
+        self.socket = socket
+        """The socket's access line: what its turns sent, as the counters got it."""
         self.events = 0  # frames sent since the counters last had them
         self.bytes = 0
 
@@ -55,8 +58,13 @@ class FrameMeter:
         self.bytes += sum(map(len, payloads))
 
     def flush(self) -> None:
-        """Add what went out since the last call to the counters."""
-        if self.events and self._events is not None and self._bytes is not None:
+        """Add what went out since the last call to the counters and the access line."""
+        if not self.events:
+            return
+        socket = self.socket
+        socket.events += self.events
+        socket.bytes += self.bytes
+        if self._events is not None and self._bytes is not None:
             self._events.inc(self.events)
             self._bytes.inc(self.bytes)
         self.events = self.bytes = 0

@@ -835,3 +835,32 @@ async def test_a_body_still_uploading_holds_no_place_among_the_streams(
         await resp.read()
     finally:
         writer.close()
+
+
+async def _returns_nothing(request: Any) -> Any:
+    return None  # (a route's bug: no response)
+
+
+async def test_a_bug_past_the_routes_is_an_error_on_its_line_not_a_client_gone(
+    aiohttp_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error that gets past every middleware is the gateway's (500), not a client that
+    left: its line says ``error:500``, where it said ``cancelled:client_disconnect``."""
+    from nexus.config import parse_config
+    from nexus.encoders.registry import default_registry
+    from nexus.server.app import create_app
+
+    app = create_app(parse_config({}), registry=default_registry.copy())
+    app.router.add_get("/broken", _returns_nothing)
+    client = await aiohttp_client(app)
+    caplog.set_level(logging.CRITICAL, logger="aiohttp")  # (its traceback)
+    caplog.set_level(logging.INFO, logger="nexus.access")  # (and the handler's level: last)
+    response = await client.get("/broken")
+    assert response.status == 500
+    for _ in range(100):
+        lines = [r for r in caplog.records if r.name == "nexus.access"]
+        if lines:
+            break
+        await asyncio.sleep(0.01)
+    (line,) = lines
+    assert (line.access["status"], line.access["outcome"]) == (500, "error:500")  # type: ignore[attr-defined]

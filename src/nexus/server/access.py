@@ -175,12 +175,16 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             return response
         return await _close_if_unread(request, response)
     except BaseException as exc:
-        ex.cancelled = ex.cancelled or "client_disconnect"
+        left = isinstance(exc, ConnectionError) and client_gone(request)
+        if left or isinstance(exc, asyncio.CancelledError):
+            ex.cancelled = ex.cancelled or "client_disconnect"
+        elif ex.status is not None:  # a bug past the headers: the stream did not end well
+            ex.stream_error = ex.stream_error or "internal_error"
         if ex.status is not None:
             status = ex.status  # the headers were out: the client got this status
         elif isinstance(exc, asyncio.CancelledError):
             status = 499  # the client left before any answer (nginx's convention)
-        elif isinstance(exc, ConnectionError) and client_gone(request):
+        elif left:
             # It hung up mid-request. Raised, aiohttp would log a traceback at ERROR
             status = 499  # (any client could fill the log so); returned, it is dropped.
             return web.Response(status=status)

@@ -46,7 +46,7 @@ from ..errors import GatewayError
 from ..protocol.websocket_frames import MaskScanner, close_frame
 from .connection_registry import ConnectionRegistry, Phase
 from .errors import Handler
-from .rejections import Rejected, RejectionLog
+from .rejections import Rejected
 from .state import REQUEST_HANDLER_ARGS, new_request_id
 
 if TYPE_CHECKING:
@@ -132,15 +132,10 @@ class Connection(web.RequestHandler):
         if not registry.linger(self, transport, now):
             writer.abort()
             return
-        request_id = new_request_id()
-        writer.write(registry.rejection(request_id))
+        # Its id is in the answer; no access line (counted and warned of in the registry).
+        writer.write(registry.rejection(new_request_id()))
         if writer.can_write_eof():
             writer.write_eof()
-        logger = self.access_logger  # the 503's access line, under the id it carries
-        if isinstance(logger, RejectionLog):
-            peer = transport.get_extra_info("peername")
-            refusal = registry.refusal
-            logger.answered(request_id, peer[0] if peer else None, refusal.status, refusal.code)
 
     def data_received(self, data: bytes) -> None:
         phase = self.phase

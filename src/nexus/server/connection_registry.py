@@ -95,6 +95,7 @@ class ConnectionRegistry:
         self.watchdog = Watchdog()
         self.warned_at = -1e9
         self.on_refused: list[Callable[[], None]] = []
+        self.refused = 0  # connections refused since the last warning
         """Called for each connection refused at the cap (the metrics count them)."""
         self.closing = False
         """The server stops: a connection is closed once idle (:meth:`close_idle`)."""
@@ -125,12 +126,17 @@ class ConnectionRegistry:
             conn.phase = Phase.REJECTED
             for refused in self.on_refused:
                 refused()
+            self.refused += 1
             if now - self.warned_at > 10:
+                # Not a line each (a client could flood the log at connect speed): a count.
                 self.warned_at = now
                 log.warning(
-                    "at [server] max_connections (%d): new connections get 503",
+                    "at [server] max_connections (%d): new connections get 503 "
+                    "(%d refused since the last such warning)",
                     self.max_connections,
+                    self.refused,
                 )
+                self.refused = 0
             return False
         self.open += 1
         conn.phase = Phase.HEAD

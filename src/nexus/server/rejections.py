@@ -26,7 +26,8 @@ The line is under the request id the answer carries (``X-Request-Id``, ``request
 (:func:`~nexus.server.access.stamp_response`). aiohttp's own 400 (``web.run_app``)
 carries none, as nothing of the app runs for it: its line has an id of its own. The 503
 of a connection past ``[server] max_connections``, written as bytes before any request
-exists, is accounted for by :meth:`RejectionLog.answered`, under the id written in it.
+exists, carries an id too but has no line: a client could write them at connect speed (they
+are counted in ``nexus_connections_refused_total``, and warned of every 10 s at most).
 """
 
 from __future__ import annotations
@@ -160,20 +161,6 @@ class RejectionLog(AbstractAccessLogger):
             account(config, self.metrics, ex, response.status)
         except Exception:  # (as aiohttp's own: a logger's fault must not fail the response)
             log.exception("accounting for a request answered without the app failed")
-
-    def answered(self, request_id: str, client: str | None, status: int, kind: str) -> None:
-        """A response written as bytes before any request existed (the 503 of a connection
-        past ``[server] max_connections``, :mod:`nexus.server.connection`): its access
-        line and count, under the ``request_id`` it carries."""
-        config = self.config
-        if config is None:
-            return
-        ex = Exchange(request_id, time.monotonic())
-        ex.endpoint, ex.client, ex.rejected = ENDPOINT, client, kind
-        try:
-            account(config, self.metrics, ex, status)
-        except Exception:  # (as above)
-            log.exception("accounting for a connection answered without the app failed")
 
 
 def rejection(request: BaseRequest, response: web.StreamResponse, elapsed: float) -> Exchange:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,9 +168,13 @@ def main() -> None:
 
         asyncio.run(hold())
     finally:
-        gateway.kill()
-        upstream.kill()
-    _report(work / "0.snap", work / "1.snap", args.streams, args.top)
+        for process in (gateway, upstream):
+            process.kill()
+            process.wait()
+    try:
+        _report(work / "0.snap", work / "1.snap", args.streams, args.top)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

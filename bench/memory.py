@@ -8,7 +8,7 @@ a second snapshot, and prints the difference per stream: by file, then by alloca
 with its callers. Python's allocations only (not the kernel's socket buffers, nor C
 libraries' own), so the total is a little under the RSS figure, for the raw proxy alike.
 
-Run: ``python -m bench.memory [--system nexus|nexus-redis|rawproxy] [--streams 1000]``
+Run: ``python -m bench.memory [--system nexus|nexus-redis|rawproxy] [--streams 1000] [--ws]``
 (``nexus-redis`` needs Redis at ``$NEXUS_BENCH_REDIS_URL``, default 127.0.0.1:6379).
 """
 
@@ -33,6 +33,7 @@ from .systems import ROOT, _nexus_config, free_port
 __all__ = ["main"]
 
 CHAT = "/v1/chat/completions"
+REALTIME = "/v1/realtime"
 
 
 def _serve(argv: list[str], snapshots: Path) -> None:
@@ -57,19 +58,32 @@ def _serve(argv: list[str], snapshots: Path) -> None:
         sys.exit(nexus_main(argv))
 
 
-async def _open(url: str, count: int, opened: asyncio.Event | None) -> None:
-    """``count`` streams that read their first bytes, then stay open until cancelled."""
+async def _open(url: str, count: int, opened: asyncio.Event | None, ws: bool = False) -> None:
+    """``count`` streams (realtime turns with ``ws``) that read their first bytes, then stay
+    open until cancelled."""
     body = {"model": "bench/m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     started = 0
 
-    async def one(session: aiohttp.ClientSession) -> None:
+    def first() -> None:
         nonlocal started
+        started += 1
+        if opened is not None and started == count:
+            opened.set()
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        if ws:
+            async with session.ws_connect(url.replace("http", "ws", 1) + REALTIME) as socket:
+                await socket.send_json({"type": "start", "request": body})
+                await socket.receive()
+                first()
+                async for message in socket:
+                    if message.type is aiohttp.WSMsgType.TEXT and '"type":"done"' in message.data:
+                        return
+            return
         async with session.post(url + CHAT, json=body) as response:
             assert response.status == 200, await response.text()
             await response.content.readany()
-            started += 1
-            if opened is not None and started == count:
-                opened.set()
+            first()
             async for _ in response.content.iter_any():
                 pass
 
@@ -110,6 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", choices=("nexus", "nexus-redis", "rawproxy"), default="nexus")
     parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--ws", action="store_true", help="realtime turns, not HTTP streams")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nexus-bench-memory-"))
@@ -160,7 +175,7 @@ def main() -> None:
 
         async def hold() -> None:
             opened = asyncio.Event()
-            streams = asyncio.ensure_future(_open(url, args.streams, opened))
+            streams = asyncio.ensure_future(_open(url, args.streams, opened, args.ws))
             await opened.wait()
             await asyncio.sleep(2)  # every stream past its first bytes, then idle
             await asyncio.get_running_loop().run_in_executor(None, snapshot)

@@ -56,7 +56,7 @@ ASK_WAIT_S = 1.0
 RESUBSCRIBE_S = 0.25
 """How soon a replica whose subscription failed (Redis restarted, unreachable, refusing it)
 tries again; each failed try doubles it, up to :data:`RESUBSCRIBE_MAX_S`."""
-RESUBSCRIBE_MAX_S = 30.0
+RESUBSCRIBE_MAX_S = 8.0
 PROBE_S = 5.0
 """How often a subscribed replica probes its subscription (the module docstring)."""
 PROBE_WAIT_S = 2.0

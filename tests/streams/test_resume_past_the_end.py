@@ -217,7 +217,8 @@ async def test_a_replica_refused_its_subscription_still_starts_and_warns(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A Redis user without ``SUBSCRIBE`` (an ACL written before the questions): the store
-    starts all the same, with a warning, and a question for it goes unheard (503, retry)."""
+    starts all the same, with a warning, and a question for it goes unheard (503, retry).
+    It tries again, backing off: one warning, not one a try, and few connections."""
     import redis.asyncio as aioredis
 
     admin = aioredis.Redis.from_url(redis_server.url)
@@ -239,6 +240,114 @@ async def test_a_replica_refused_its_subscription_still_starts_and_warns(
             async with asyncio.timeout(3):
                 while "cannot ask this one" not in caplog.text:
                     await asyncio.sleep(0.05)
+            before = await connections_received(redis_server)
+            await asyncio.sleep(2.0)
+            tries = await connections_received(redis_server) - before - 1  # (but this count's)
+            assert tries <= 3  # after 0.25, 0.75, 1.75 s, ...; not 8, at 4 a second
+        finally:
+            await asker.close()
+            await owner.close()
+    (warning,) = [r for r in caplog.records if "cannot ask this one" in r.getMessage()]
+    assert "no permissions" in warning.getMessage()
+
+
+async def connections_received(server: RedisServer) -> int:
+    import redis.asyncio as aioredis
+
+    async with aioredis.Redis.from_url(server.url) as admin:
+        return int((await admin.info("stats"))["total_connections_received"])
+
+
+class Proxy:
+    """A TCP proxy to a Redis whose subscription connections can go silent: no byte
+    forwarded either way from then on, and none closed (a NAT that forgot them, a path
+    that blackholes them)."""
+
+    def __init__(self, port: int) -> None:
+        self.port_to = port
+        self.subscribers: list[asyncio.StreamWriter] = []
+        """The Redis side of connections that sent a SUBSCRIBE."""
+        self.silent: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> Proxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/0"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        for writer in self._writers:
+            writer.close()
+
+    def silence(self) -> list[str]:
+        """Silence the subscriptions so far; their addresses as Redis sees them."""
+        self.silent.update(self.subscribers)
+        return ["{}:{}".format(*writer.get_extra_info("sockname")) for writer in self.subscribers]
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.port_to)
+        self._writers += [client_w, redis_w]
+        for source, to in ((client_r, redis_w), (redis_r, client_w)):
+            self._tasks.add(asyncio.ensure_future(self._pump(source, to, redis_w)))
+
+    async def _pump(
+        self, source: asyncio.StreamReader, to: asyncio.StreamWriter, upstream: asyncio.StreamWriter
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := await source.read(65536):
+                if b"SUBSCRIBE" in data.upper() and upstream not in self.subscribers:
+                    self.subscribers.append(upstream)
+                if upstream not in self.silent:
+                    to.write(data)
+                    await to.drain()
+        if upstream not in self.silent:
+            to.close()
+
+
+@pytest.mark.parametrize("how", ["silenced", "dropped by Redis"])
+async def test_a_subscription_that_died_silently_is_made_again(
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    how: str,
+) -> None:
+    """The replica running a stream stops hearing its channel without an error (its
+    connection silenced on the way; or dropped by Redis, the close never arriving): its
+    own probe goes unheard, or nobody is there to hear it, and it subscribes again, so a
+    question from another replica is answered again, not refused forever."""
+    import redis.asyncio as aioredis
+
+    from nexus.cache import redis_asks
+
+    monkeypatch.setattr(redis_asks, "PROBE_S", 0.3)
+    monkeypatch.setattr(redis_asks, "PROBE_WAIT_S", 0.3)
+    async with Proxy(redis_server.port) as proxy:
+        owner, asker = RedisStore(proxy.url, "probe"), RedisStore(redis_server.url, "probe")
+        info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
+        owner.live_entries = lambda stream_id: 3 if stream_id == info.id else None
+        await owner.start()
+        await asker.start()
+        try:
+            await owner.begin(info, 30)  # (nothing in its copy)
+            assert not await asker.reached(info.id, 4)
+            (address,) = proxy.silence()
+            if how == "dropped by Redis":
+                admin = aioredis.Redis.from_url(redis_server.url)
+                await admin.execute_command("CLIENT", "KILL", "ADDR", address)
+                assert await admin.publish(f"probe:asks:{owner.replica_id}", b"?") == 0
+                await admin.aclose()
+            with caplog.at_level("WARNING", logger="nexus.store"):
+                async with asyncio.timeout(5):
+                    while True:
+                        with contextlib.suppress(StoreUnavailable):
+                            assert not await asker.reached(info.id, 4)
+                            break
+            assert await asker.reached(info.id, 3)
+            assert "cannot ask this one" in caplog.text
         finally:
             await asker.close()
             await owner.close()

@@ -152,7 +152,7 @@ class RedisStore(RedisHolds):
         """Log pages: connections of their own, never queued behind other commands or
         ahead of them (:mod:`nexus.cache.redis_log`)."""
         self.followers = Followers(self._connect, self.call, self.block_ms, FOLLOW_COUNT)
-        self.asks = Asks(self._connect, self.call, self._unavailable, prefix, self.replica_id)
+        self.asks = Asks(self._connect, self.call, self._unavailable, prefix, self.replica_id, url)
         self.asks.entries = lambda stream_id: self.live_entries(stream_id)
 
     @property

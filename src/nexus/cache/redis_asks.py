@@ -18,6 +18,13 @@ that replica knows which, so it is asked (:meth:`Asks.reached`):
    of that stream's log here (``=<n> <entries>``, -1 when it runs no such stream) on the
    asking replica's channel, where the answer resolves the question's future.
 
+A subscription can die without a word (a NAT or load balancer that forgets the idle
+connection, a path that blackholes it): reads just time out. So every :data:`PROBE_S` a
+replica probes its own: it publishes on its own channel through its command connection, as
+its answers go; a probe nobody hears (Redis holds no subscription of it) or that does not
+come back within :data:`PROBE_WAIT_S` gives the subscription up, to be made again. Its
+traffic also keeps the connection from ever being idle long.
+
 Nothing of it runs per event. A question nobody hears (no replica subscribed: one
 reconnecting to Redis, or one from before this protocol) or that gets no answer within
 :data:`ASK_WAIT_S` raises :class:`~nexus.errors.StoreUnavailable`: the resume cannot be
@@ -38,6 +45,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from ..errors import StoreUnavailable  # (raised through ``unavailable``)
+from .redis_url import scrub
 
 __all__ = ["ASK_WAIT_S", "Asks"]
 
@@ -46,7 +54,13 @@ log = logging.getLogger("nexus.store")
 ASK_WAIT_S = 1.0
 """How long a question waits for the replica running the stream to answer."""
 RESUBSCRIBE_S = 0.25
-"""How soon a replica whose subscription broke (Redis restarted, unreachable) tries again."""
+"""How soon a replica whose subscription failed (Redis restarted, unreachable, refusing it)
+tries again; each failed try doubles it, up to :data:`RESUBSCRIBE_MAX_S`."""
+RESUBSCRIBE_MAX_S = 8.0
+PROBE_S = 5.0
+"""How often a subscribed replica probes its subscription (the module docstring)."""
+PROBE_WAIT_S = 2.0
+"""How long a probe, or Redis's confirmation of a ``SUBSCRIBE``, may take to arrive."""
 
 # KEYS: the log, its owner key. ARGV: the entries wanted, the prefix, the question.
 # -2: the copy has them; -3: no live replica runs it (its read tells what became of it);
@@ -73,8 +87,10 @@ class Asks:
         unavailable: Callable[[str], StoreUnavailable],
         prefix: str,
         replica_id: str,
+        url: str,
     ) -> None:
         self._connect = connect
+        self._url = url  # (cut out of the errors it logs)
         self._call = call
         self._unavailable = unavailable
         self.prefix = prefix
@@ -97,14 +113,21 @@ class Asks:
         ``SUBSCRIBE`` on the channel, say) does not stop the replica: it is warned about
         and tried again, and meanwhile a question for this replica goes unheard (503)."""
         self._client = self._connect()
-        with contextlib.suppress(RedisError, OSError):  # (the listener warns, tries again)
+        failure: Exception | None = None
+        try:
             self._pubsub = await self._subscribe(self._client)
-        self._task = asyncio.get_running_loop().create_task(self._listen(self._client))
+        except (RedisError, OSError) as exc:
+            failure = exc  # (the listener warns, tries again)
+        self._task = asyncio.get_running_loop().create_task(self._listen(self._client, failure))
 
     async def _subscribe(self, client: aioredis.Redis) -> PubSub:
+        """A subscription to this replica's channel, once Redis confirms it: a refusal
+        raises here (redis-py only sends the command; its reply comes with the next read)."""
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(self._channel(self.replica_id))
+            if await pubsub.parse_response(block=False, timeout=PROBE_WAIT_S) is None:
+                raise TimeoutError(f"Redis did not confirm the subscription in {PROBE_WAIT_S:g} s")
         except BaseException:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
             raise
@@ -150,31 +173,83 @@ class Asks:
         finally:
             self._waiting.pop(number, None)
 
-    async def _listen(self, client: aioredis.Redis) -> None:
-        """Questions and answers, as they come. Redis failing, the subscription is made
-        again (every :data:`RESUBSCRIBE_S` until it is back); what was said meanwhile is
-        not heard (its question fails, to be retried)."""
-        warned = False
+    async def _listen(self, client: aioredis.Redis, failure: Exception | None) -> None:
+        """Questions and answers, as they come (:meth:`_hear`). The subscription failing
+        (Redis restarted, unreachable, refusing it; or dead without a word, as its probe
+        tells), it is made again: after :data:`RESUBSCRIBE_S`, twice as long after each
+        failed try, up to :data:`RESUBSCRIBE_MAX_S`; one warning an outage. What was said
+        meanwhile is not heard (its question fails, to be retried)."""
+        pause, warned = RESUBSCRIBE_S, False
         while True:
-            try:
-                if self._pubsub is None:
-                    self._pubsub = await self._subscribe(client)
-                    warned = False
-                message = await self._pubsub.get_message(timeout=1.0)
-            except (RedisError, OSError) as exc:
+            if failure is not None:
+                why = scrub(str(failure), self._url)
                 if warned:
-                    log.debug("questions between replicas: %s", exc)
+                    log.debug("questions between replicas: %s", why)
                 else:  # once an outage: a resume elsewhere past its copy gets 503 meanwhile
-                    log.warning("other replicas cannot ask this one about its streams: %s", exc)
+                    log.warning("other replicas cannot ask this one about its streams: %s", why)
                     warned = True
                 pubsub, self._pubsub = self._pubsub, None
                 if pubsub is not None:
                     with contextlib.suppress(RedisError, OSError):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
-                await asyncio.sleep(RESUBSCRIBE_S)
-                continue
-            if message is not None and message.get("type") == "message":
-                self._heard(message["data"])
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, RESUBSCRIBE_MAX_S)
+            try:
+                if self._pubsub is None:
+                    self._pubsub = await self._subscribe(client)
+                    if warned:
+                        log.info("other replicas can ask this one about its streams again")
+                    pause, warned = RESUBSCRIBE_S, False
+                await self._hear(self._pubsub)  # (returns only by raising)
+            except (RedisError, OSError) as exc:
+                failure = exc
+
+    async def _hear(self, pubsub: PubSub) -> None:
+        """Questions and answers on ``pubsub``, until it fails or its probe (every
+        :data:`PROBE_S`, in a task of its own: questions are heard meanwhile) tells it dead."""
+        loop = asyncio.get_running_loop()
+        probe: asyncio.Task[str | None] | None = None
+        probe_at = loop.time() + PROBE_S
+        try:
+            while True:
+                message = await pubsub.get_message(timeout=min(1.0, PROBE_S))
+                if message is not None and message.get("type") == "message":
+                    self._heard(message["data"])
+                if probe is None:
+                    if loop.time() >= probe_at:
+                        probe = loop.create_task(self._probe())
+                elif probe.done():
+                    if dead := probe.result():
+                        raise ConnectionError(dead)
+                    probe, probe_at = None, loop.time() + PROBE_S
+        finally:
+            if probe is not None:
+                probe.cancel()
+
+    async def _probe(self) -> str | None:
+        """Why this replica's subscription is dead, else None: a probe (an answer to
+        itself) published on its channel that Redis has no subscriber for, or that is not
+        heard back within :data:`PROBE_WAIT_S`. A probe Redis fails to take tells nothing
+        (the store counts it; a subscription to a Redis that is down fails of itself)."""
+        number = str(next(self._ids))
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting[number] = future
+        try:
+            try:
+                (heard,) = await self._call(
+                    "ask", ("PUBLISH", self._channel(self.replica_id), f"={number} 0")
+                )
+            except StoreUnavailable:
+                return None
+            if int(heard) == 0:
+                return "Redis holds no subscription of it any more (its connection dropped)"
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(PROBE_WAIT_S):
+                    await future
+                return None
+            return f"its own probe was not heard back within {PROBE_WAIT_S:g} s (a dead connection)"
+        finally:
+            self._waiting.pop(number, None)
 
     def _heard(self, data: bytes) -> None:
         kind, rest = data[:1], data[1:].decode(errors="replace")

@@ -286,7 +286,8 @@ class RedisStore(RedisHolds):
             try:
                 await self.call("beat", ("SET", key, b"1", "PX", ttl_ms))
             except StoreUnavailable as exc:
-                log.warning("renewing this replica's keep-alive failed: %s", exc.__cause__)
+                cause = scrub(str(exc.__cause__), self.url)
+                log.warning("renewing this replica's keep-alive failed: %s", cause)
 
     async def end(
         self,

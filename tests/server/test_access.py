@@ -7,10 +7,12 @@ and anthropic SDKs (their 401/403 exception classes) and ``websockets``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 import orjson
@@ -841,6 +843,15 @@ async def _returns_nothing(request: Any) -> Any:
     return None  # (a route's bug: no response)
 
 
+async def _fails_after_its_headers(request: Any) -> Any:
+    from aiohttp import web
+
+    response = web.StreamResponse()
+    await response.prepare(request)
+    await response.write(b"partial")
+    raise RuntimeError("a plugin route's bug, past its headers")
+
+
 async def test_a_bug_past_the_routes_is_an_error_on_its_line_not_a_client_gone(
     aiohttp_client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -852,6 +863,7 @@ async def test_a_bug_past_the_routes_is_an_error_on_its_line_not_a_client_gone(
 
     app = create_app(parse_config({}), registry=default_registry.copy())
     app.router.add_get("/broken", _returns_nothing)
+    app.router.add_get("/half", _fails_after_its_headers)
     client = await aiohttp_client(app)
     caplog.set_level(logging.CRITICAL, logger="aiohttp")  # (its traceback)
     caplog.set_level(logging.INFO, logger="nexus.access")  # (and the handler's level: last)
@@ -864,3 +876,12 @@ async def test_a_bug_past_the_routes_is_an_error_on_its_line_not_a_client_gone(
         await asyncio.sleep(0.01)
     (line,) = lines
     assert (line.access["status"], line.access["outcome"]) == (500, "error:500")  # type: ignore[attr-defined]
+    # Past its headers (a route that wrote before failing): the stream did not end well.
+    with contextlib.suppress(aiohttp.ClientError):
+        await (await client.get("/half")).read()
+    for _ in range(100):
+        lines = [r for r in caplog.records if r.name == "nexus.access"]
+        if len(lines) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert lines[1].access["outcome"] == "mid_stream_error:internal_error"  # type: ignore[attr-defined]

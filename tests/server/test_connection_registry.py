@@ -264,3 +264,26 @@ def test_when_the_server_stops_idle_connections_close_now_and_busy_ones_once_ans
     reg.response_done(busy, 0.2)  # answered: closed, not kept alive
     assert busy.hung_up and busy.phase is Phase.CLOSED and reg.open == 1
     assert idle.expired == busy.expired == []  # closed after what was written, not cut
+
+
+def test_refusals_at_the_cap_are_warned_of_in_counts_every_10_s_at_most(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No line a refused connection (a client could write them at connect speed), and no
+    refusal left out: those after a warning are counted in the next one, at a refusal or at
+    the tick, 10 s on."""
+    reg = registry(max_connections=0)
+    caplog.set_level("WARNING", logger="nexus.server")
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "max_connections" in r.getMessage()]
+
+    assert not reg.admit(Fake(), 0.0)
+    for i in range(50):
+        assert not reg.admit(Fake(), 1.0 + i * 0.1)  # a flood that stops within 10 s
+    reg.check(9.0)
+    assert len(warnings()) == 1 and "1 new connections" in warnings()[0]
+    reg.check(10.5)
+    assert len(warnings()) == 2 and "50 new connections" in warnings()[1]
+    reg.check(30.0)  # nothing refused since: nothing to say
+    assert len(warnings()) == 2

@@ -178,8 +178,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         left = isinstance(exc, ConnectionError) and client_gone(request)
         if left or isinstance(exc, asyncio.CancelledError):
             ex.cancelled = ex.cancelled or "client_disconnect"
-        elif ex.status is not None:  # a bug past the headers: the stream did not end well
-            ex.stream_error = ex.stream_error or "internal_error"
+        elif ex.status is not None or request.writer.output_size:
+            ex.stream_error = ex.stream_error or "internal_error"  # a bug past the headers
         if ex.status is not None:
             status = ex.status  # the headers were out: the client got this status
         elif isinstance(exc, asyncio.CancelledError):

@@ -86,8 +86,7 @@ class ConnectionRegistry:
             status=503,
             retryable=True,
         )
-        """What a connection past the cap is told (:meth:`rejection`); its code is the
-        kind of its access line."""
+        """What a connection past the cap is told (:meth:`rejection`)."""
         self.tick = (
             min(header_timeout_s, keepalive_timeout_s, self.stall_timeout_s, REJECT_LINGER_S * 4)
             / 4
@@ -95,8 +94,8 @@ class ConnectionRegistry:
         self.watchdog = Watchdog()
         self.warned_at = -1e9
         self.on_refused: list[Callable[[], None]] = []
-        self.refused = 0  # connections refused since the last warning
         """Called for each connection refused at the cap (the metrics count them)."""
+        self.refused = 0  # connections refused since the last warning
         self.closing = False
         """The server stops: a connection is closed once idle (:meth:`close_idle`)."""
 
@@ -127,16 +126,7 @@ class ConnectionRegistry:
             for refused in self.on_refused:
                 refused()
             self.refused += 1
-            if now - self.warned_at > 10:
-                # Not a line each (a client could flood the log at connect speed): a count.
-                self.warned_at = now
-                log.warning(
-                    "at [server] max_connections (%d): new connections get 503 "
-                    "(%d refused since the last such warning)",
-                    self.max_connections,
-                    self.refused,
-                )
-                self.refused = 0
+            self._warn_refused(now)
             return False
         self.open += 1
         conn.phase = Phase.HEAD
@@ -199,10 +189,25 @@ class ConnectionRegistry:
         elif conn.phase is not Phase.CLOSED:
             self._forget(conn)
 
+    def _warn_refused(self, now: float) -> None:
+        """The connections refused at the cap since the last warning, in one warning every
+        10 s at most (not a line each: a client could flood the log at connect speed)."""
+        if self.refused and now - self.warned_at > 10:
+            self.warned_at = now
+            log.warning(
+                "at [server] max_connections (%d): %d new connections got 503 since the last "
+                "such warning",
+                self.max_connections,
+                self.refused,
+            )
+            self.refused = 0
+
     # Deadlines --------------------------------------------------------------
 
     def check(self, now: float) -> None:
-        """Close every connection whose phase deadline is past (the watchdog's tick)."""
+        """Close every connection whose phase deadline is past (the watchdog's tick), and
+        warn of the connections refused meanwhile (:meth:`_warn_refused`)."""
+        self._warn_refused(now)
         for table, reason in (
             (self.heads, f"no complete request head within {self.header_timeout_s:g}s"),
             (self.idle, f"idle for {self.keepalive_timeout_s:g}s"),

@@ -195,8 +195,8 @@ class ConnectionRegistry:
         if self.refused and now - self.warned_at > 10:
             self.warned_at = now
             log.warning(
-                "at [server] max_connections (%d): %d new connections got 503 since the last "
-                "such warning",
+                "at [server] max_connections (%d): %d new connections refused (503) since the "
+                "last such warning",
                 self.max_connections,
                 self.refused,
             )

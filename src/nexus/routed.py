@@ -55,6 +55,7 @@ class RoutedRun:
         "_batches",
         "_before",
         "_engine",
+        "_held",
         "_latest",
         "_lost",
         "_price",
@@ -79,6 +80,7 @@ class RoutedRun:
         self._lost = lost
         self._attempt = -1
         self._batches: Batches | None = None  # the target's, while it is read
+        self._held: list[StreamEvent] | None = None  # a pushed batch left to __anext__
         self._span: Attempt | None = None
         self._price: Price | None = None
         # The last two reads: where a stream's finish reason and usage are (for the span).
@@ -94,7 +96,11 @@ class RoutedRun:
             if batches is None:
                 batches = await self._next_target()
             try:
-                batch = await batches.__anext__()
+                batch = self._held
+                if batch is None:
+                    batch = await batches.__anext__()
+                else:
+                    self._held = None
                 if batch and Error in map(type, batch):  # (in C: no loop of ours per read)
                     batch = await self._ended_by(batch)
             except StopAsyncIteration:
@@ -141,6 +147,29 @@ class RoutedRun:
                     self._first_output()
                 self._before, self._latest = self._latest, batch
                 return batch
+
+    def push_to(self, sink: Callable[[list[StreamEvent]], bool]) -> asyncio.Future[None] | None:
+        """Once the target that answered is read through, its reads pushed to ``sink`` as
+        ``__anext__`` would return them (see :class:`~nexus.stream.Batches`); a batch with
+        an :class:`Error` stops the pushing and is left to ``__anext__``."""
+        batches = self._batches
+        if self._request is not None or batches is None or self._held is not None:
+            return None
+        push = getattr(batches, "push_to", None)
+        if push is None:
+            return None
+        price = self._price
+
+        def pushed(batch: list[StreamEvent]) -> bool:
+            if Error in map(type, batch):
+                self._held = batch
+                return False
+            if price is not None and type(batch[-1]) is Usage:
+                batch[-1] = _priced(batch[-1], price)
+            self._before, self._latest = self._latest, batch
+            return sink(batch)
+
+        return push(pushed)  # type: ignore[no-any-return]
 
     async def _next_target(self) -> Batches:
         """The next target's batches (its span begun); StopAsyncIteration when none is left

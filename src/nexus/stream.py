@@ -55,7 +55,14 @@ class Batches(Protocol):
     A provider's may say ``accepted`` (true once the upstream took the request): a stream
     closed before its first event is then charged its prompt's estimate, or the
     ``prompt_usage`` (a :class:`~nexus.events.Usage`) the upstream said before any event;
-    and ``response_model``, the model the upstream said answered (for the attempt's span)."""
+    and ``response_model``, the model the upstream said answered (for the attempt's span).
+
+    And it may ``push_to(sink)``: from then on, call ``sink(batch)`` with each read's
+    events as they arrive (in the socket's callback: no task woken per read) while the sink
+    returns true, and give a future that is done when the pushing stops (the end, an
+    error, a batch it leaves to ``__anext__``, the sink's no); ``__anext__`` then says
+    what came. None when it cannot push now: read it. A layer between a reader and the
+    upstream pushes through only what it would return from ``__anext__`` unchanged."""
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]: ...
 
@@ -148,6 +155,16 @@ class Stream:
             if self._read_done is not None and not self._read_done.done():
                 self._read_done.set_result(None)
         return []  # close() from another task ended this read (the stream ends)
+
+    def push_to(self, sink: Callable[[list[StreamEvent]], bool]) -> asyncio.Future[None] | None:
+        """Have the source push each read's events to ``sink`` as they arrive, while it
+        returns true, instead of waiting to be read (see :class:`Batches`); the future is
+        done when it stops, and :meth:`read_batch` then goes on. None when the source
+        cannot (or has something to read now): read on."""
+        if not self._batched or self._at < len(self._batch) or self._closing:
+            return None
+        push = getattr(self._events, "push_to", None)
+        return None if push is None else push(sink)
 
     async def next(self) -> StreamEvent:
         """The next event. Raises :class:`EndOfStream` when the stream is over."""

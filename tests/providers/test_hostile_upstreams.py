@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import gzip
 import math
+import re
+import select
+import socket
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
 
+from nexus.config import OpenAIProviderConfig
 from nexus.events import Delta
-from nexus.protocol.openai_chunks import ChunkDecoder
-from nexus.providers.http import _Exchange
+from nexus.providers import OpenAIProvider
+from nexus.request import ChatRequest
 from support import MakeClient
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_usage_chunk
 
@@ -119,57 +124,88 @@ async def test_keepalive_comments_keep_a_slow_first_event_alive(
     assert [seen.body["model"] for seen in upstream.requests] == ["a"]
 
 
+class Blaster:
+    """An upstream in a thread of its own (no turn of the test's event loop is its) that
+    answers one request with ``body`` as an event stream, as fast as the socket takes it.
+    ``filled`` is set once the socket takes no more (or took it all): from then on the
+    client finds bytes already buffered at each read."""
+
+    def __init__(self, body: bytes) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        self.response = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        self.writing, self.filled = threading.Event(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(10)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        connection, _ = self.listener.accept()
+        with connection:
+            connection.settimeout(10)
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += connection.recv(65536)
+            request, _, sent = received.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: *(\d+)", request)
+            assert length is not None
+            while len(sent) < int(length[1]):
+                sent += connection.recv(65536)
+            self.writing.set()
+            rest = memoryview(self.response)
+            connection.setblocking(False)
+            while rest:
+                try:
+                    rest = rest[connection.send(rest) :]
+                except BlockingIOError:
+                    self.filled.set()
+                    if not select.select([], [connection], [], 10)[1]:
+                        return  # the client stopped reading
+            self.filled.set()
+            connection.settimeout(10)
+            while connection.recv(65536):  # until the client leaves
+                pass
+
+    async def __aenter__(self) -> Blaster:
+        self.thread.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.thread.join, 10)  # the loop runs on: the client's close
+        self.listener.close()
+
+
 async def test_a_comment_flood_lets_other_streams_run() -> None:
-    """Reads of bytes already buffered do not pause: a flood of comments (no event) used
-    to hold the event loop, every other stream included, until an event came."""
-    flood = [b":\n\n" * 20_000] * 64  # 3.75 MiB in 60 KiB reads, never an event
-    reads = iter([*flood, openai_chunk(content="end"), DONE])
+    """A flood of comments (no event) used to hold the event loop, every other stream
+    included, until an event came: reads of bytes already buffered did not pause. Each
+    socket read is a callback of its own now: other tasks run between them. The loop is
+    held while the upstream fills the socket, so that what is counted is the client's
+    turns over bytes already there."""
+    flood = b":\n\n" * 20_000 * 64  # 3.75 MiB, never an event
+    async with Blaster(flood + openai_chunk(content="end") + DONE) as upstream:
+        provider = OpenAIProvider("up", OpenAIProviderConfig(kind="openai", base_url=upstream.url))
+        await provider.start()
+        others = 0
 
-    async def readany() -> bytes:  # bytes already buffered: no await inside
-        return next(reads)
+        async def other_stream() -> None:
+            nonlocal others
+            while not upstream.writing.is_set():
+                await asyncio.sleep(0)
+            upstream.filled.wait(5)  # the loop held: the socket fills
+            while True:
+                others += 1
+                await asyncio.sleep(0)
 
-    class Content:
-        def at_eof(self) -> bool:
-            return True
-
-    class Response:
-        content = Content()
-
-        def release(self) -> None:
-            pass
-
-    exchange: Any = _Exchange.__new__(_Exchange)
-    exchange.__init__(_Provider(), None, "m")  # type: ignore[arg-type]
-    exchange._readany, exchange._decoder, exchange.response = (
-        readany,
-        ChunkDecoder("up"),
-        Response(),
-    )
-    others = 0
-
-    async def other_stream() -> None:
-        nonlocal others
-        while True:
-            others += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(other_stream())
-    await asyncio.sleep(0)
-    try:
-        events = await exchange.__anext__()
-    finally:
-        task.cancel()
+        task = asyncio.create_task(other_stream())
+        batches = provider.batches(ChatRequest.model_validate(chat()), "m")
+        try:
+            events = await asyncio.wait_for(batches.__anext__(), 10)
+        finally:
+            task.cancel()
+            await batches.aclose()
+            await provider.close()
     assert events == [Delta("end")]
-    assert others >= 10  # a turn per 256 KiB of the flood
-
-
-class _Provider:
-    name = "up"
-
-    class _watchdog:
-        @staticmethod
-        def discard(watched: object) -> None:
-            pass
+    assert others >= 10  # a turn per socket read (at most 256 KiB) of the flood
 
 
 @pytest.mark.parametrize(

@@ -4,57 +4,41 @@ alive."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from types import SimpleNamespace
 
 from nexus.providers.http import _Exchange
 
 
-class _Content:
-    total_bytes = 0
-
-    def __init__(self) -> None:
-        self.raised: list[BaseException] = []
-
-    def set_exception(self, exc: BaseException) -> None:
-        self.raised.append(exc)
-
-
-class _Config:
-    first_byte_timeout_s = 10.0
-    idle_timeout_s = 10.0
-
-
-class _Provider:
-    config = _Config()
-
-
-def _exchange() -> tuple[Any, _Content]:
-    exchange: Any = _Exchange.__new__(_Exchange)
-    exchange._provider = _Provider()
-    exchange._seen = 0
-    exchange._waiting = True
+def _exchange() -> _Exchange:
+    """An exchange waiting for its first byte (deadline at 10.0): the watchdog's view of
+    it is ``received``, ``_deadline`` and a pending ``_waiter``."""
+    config = SimpleNamespace(first_byte_timeout_s=10.0, idle_timeout_s=10.0)
+    provider = SimpleNamespace(name="up", config=config)
+    exchange = _Exchange(provider, None, "m")  # type: ignore[arg-type]
     exchange._deadline = 10.0  # the first byte's
-    content = _Content()
-
-    class Response:
-        pass
-
-    exchange.response = Response()
-    exchange.response.content = content
-    return exchange, content
+    exchange._waiter = asyncio.get_running_loop().create_future()
+    return exchange
 
 
-def test_a_read_that_waits_past_its_deadline_times_out() -> None:
-    exchange, content = _exchange()
+async def test_a_read_that_waits_past_its_deadline_times_out() -> None:
+    exchange = _exchange()
+    waiter = exchange._waiter
+    assert waiter is not None
     exchange.check(5.0)
-    assert content.raised == []
+    assert exchange._failure is None and not waiter.done()
     exchange.check(10.0)  # no first byte within first_byte_timeout_s
-    assert len(content.raised) == 1
+    assert isinstance(exchange._failure, TimeoutError)
+    assert waiter.done()  # the task that reads is woken to raise it
 
 
-def test_bytes_that_keep_coming_keep_the_read_alive() -> None:
-    exchange, content = _exchange()
+async def test_bytes_that_keep_coming_keep_the_read_alive() -> None:
+    exchange = _exchange()
+    waiter = exchange._waiter
+    assert waiter is not None
     for now in range(1, 50):
-        content.total_bytes += 5  # a comment, no event: the read never returns events
+        exchange.received += 5  # a comment, no event: the read never returns events
         exchange.check(float(now))
-    assert content.raised == []
+    assert exchange._failure is None and not waiter.done()
+    exchange.check(49.0 + 10.0)  # then silence for idle_timeout_s: it times out
+    assert isinstance(exchange._failure, TimeoutError) and waiter.done()

@@ -5,10 +5,9 @@ then what the client sees, and which of them send the engine to the next target.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+import ssl
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 
@@ -23,12 +22,14 @@ from nexus.errors import (
     UpstreamError,
     UpstreamInvalidRequest,
     UpstreamOverloaded,
+    UpstreamProtocolError,
     UpstreamRateLimited,
     UpstreamServerError,
     UpstreamTimeout,
 )
 from nexus.events import Delta
 from nexus.protocol.upstream import error_text, in_stream_error, keep_secret, redacted, status_error
+from nexus.providers.connections import UpstreamClosed, UpstreamMalformed
 from nexus.providers.http import map_upstream_errors
 from support import MakeClient
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_error_body
@@ -171,28 +172,50 @@ def test_error_text(body: bytes, text: str) -> None:
     assert error_text(body) == text
 
 
-def _connector_error() -> aiohttp.ClientConnectorError:
-    key = SimpleNamespace(host="h", port=1, ssl=True)
-    return aiohttp.ClientConnectorError(key, OSError(111, "Connection refused"))  # type: ignore[arg-type]
+def _certificate_error() -> ssl.SSLCertVerificationError:
+    error = ssl.SSLCertVerificationError(
+        1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"
+    )
+    error.reason = "CERTIFICATE_VERIFY_FAILED"
+    return error
 
 
 @pytest.mark.parametrize(
-    ("foreign", "cls", "code"),
+    ("foreign", "cls", "code", "says"),
     [
-        (TimeoutError(), UpstreamTimeout, "upstream_timeout"),
-        (_connector_error(), UpstreamConnectError, "upstream_connect_error"),
-        (aiohttp.ServerDisconnectedError(), UpstreamDisconnected, "upstream_disconnect"),
-        (aiohttp.ClientPayloadError("cut"), UpstreamDisconnected, "upstream_disconnect"),
-        (aiohttp.ClientOSError(), UpstreamError, "upstream_error"),
+        (TimeoutError(), UpstreamTimeout, "upstream_timeout", "timed out between chunks"),
+        (
+            ConnectionRefusedError(111, "Connection refused"),
+            UpstreamConnectError,
+            "upstream_connect_error",
+            "Connection refused",
+        ),
+        (
+            UpstreamClosed("the upstream closed the connection"),
+            UpstreamDisconnected,
+            "upstream_disconnect",
+            "closed the connection between chunks",
+        ),
+        (
+            UpstreamMalformed("the upstream's response is not HTTP/1.1 (bad status)"),
+            UpstreamProtocolError,
+            "upstream_protocol_error",
+            "not HTTP/1.1",
+        ),
+        (_certificate_error(), UpstreamConnectError, "upstream_connect_error", "TLS failed"),
     ],
 )
 def test_foreign_errors_are_mapped_with_their_cause(
-    foreign: BaseException, cls: type, code: str
+    foreign: BaseException, cls: type, code: str, says: str
 ) -> None:
+    """The upstream client's own errors (connections.py's, the socket's, ssl's) become
+    one class each, the cause kept for the log; UpstreamClosed is a ConnectionError, an
+    SSL error an OSError: the order of the mapping's clauses is what this holds."""
     with pytest.raises(UpstreamError) as info, map_upstream_errors("up", "between chunks"):
         raise foreign
     assert type(info.value) is cls and info.value.code == code
     assert info.value.__cause__ is foreign and info.value.retryable
+    assert says in info.value.message
 
 
 def test_gateway_errors_pass_the_edge_as_they_are() -> None:

@@ -141,7 +141,8 @@ class StreamRun:
     __slots__ = (
         "_cancel_with", "_detach_timeout_s", "_ends_at", "_finished", "_held", "_lease_check",
         "_left_with", "_loop", "_max_duration_s", "_max_log_bytes", "_observer", "_prices",
-        "_replayed", "_running", "_settled", "_source", "_task", "_timer", "_waiters", "_watchdog",
+        "_replayed", "_running", "_settled", "_source", "_start", "_stopped", "_task", "_terminal",
+        "_timer", "_waiters", "_watchdog",
         "attached", "events", "failure", "finished", "id", "info", "offsets", "on_end",
         "on_finish", "size", "spend"
     )  # fmt: skip
@@ -171,6 +172,9 @@ class StreamRun:
         """The error the source raised before any event (the origin answers with its status)."""
         self.size = 0
         self.attached = 0
+        self._start = 0.0
+        self._terminal: StreamEvent = Done()  # the log's end, once the source gave it
+        self._stopped = False  # the log has its end: the source is read no more
         self._source = source
         self._detach_timeout_s = detach_timeout_s
         self._max_log_bytes = max_log_bytes
@@ -259,19 +263,17 @@ class StreamRun:
 
     async def _produce(self) -> None:
         source = self._source
-        events = self.events
-        offsets = self.offsets
         now = self._loop.time
-        start = now()
-        limit = self._max_log_bytes
-        size = 0
-        terminal: StreamEvent = Done()
+        start = self._start = now()
         self._running = True
         unyielded = 0
-        ended = False
         read = source.read_batch
         observer = self._observer
         chunks = observer is not None and observer.chunks
+        # Once under way, a source may push each read's batch to the log in the socket's
+        # callback (no task woken per read); not while chunk hooks need awaiting.
+        push = None if chunks else source.push_to
+        take = self._take
         try:
             if self._cancel_with is not None:
                 raise asyncio.CancelledError
@@ -281,39 +283,26 @@ class StreamRun:
             while batch:
                 if chunks:
                     await observer.chunks_of(batch)  # type: ignore[union-attr]
-                added = _size(batch)
-                if added < 0:
-                    batch, error, added = _without_terminals(batch)
-                    if error is not None:
-                        terminal = error
-                        ended = True
-                size += added
-                events += batch
-                if offsets is not None:
-                    offsets += [now() - start] * len(batch)
-                if self._waiters:
-                    self._wake(batch)
-                if ended:
+                if not take(batch):
                     break
-                if size > limit:
-                    terminal = _error(
-                        "stream_too_large",
-                        f"The stream passed the gateway's limit of {limit} bytes "
-                        "([streams] max_log_bytes) and was ended.",
-                    )
-                    break
-                unyielded += len(batch)
-                if unyielded >= 256:
-                    unyielded = 0
-                    await asyncio.sleep(0)  # a source that never waits must not starve writers
+                if push is not None and (pushing := push(take)) is not None:
+                    await pushing  # until the source stops pushing: its end, or take's no
+                    if self._stopped:
+                        break
+                else:
+                    unyielded += len(batch)
+                    if unyielded >= 256:
+                        unyielded = 0
+                        await asyncio.sleep(0)  # a source that never waits must not starve writers
                 batch = await read()
+            terminal = self._terminal
         except asyncio.CancelledError:
             terminal = self._cancel_with or _error("stream_cancelled", "The stream was cancelled.")
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
         except GatewayError as exc:
-            if not events:
+            if not self.events:
                 self.failure = exc
             terminal = exc.to_event()
         except Exception:
@@ -323,7 +312,6 @@ class StreamRun:
                 "The gateway failed while streaming; the response is incomplete.",
                 retryable=True,
             )
-        self.size = size
         self._running = False
         self._settled = True  # the end is decided: cancel() must not cut the end hooks
         try:
@@ -345,6 +333,34 @@ class StreamRun:
                     await self.on_end(self)
             finally:
                 self._finish(terminal, now() - start)
+
+    def _take(self, batch: list[StreamEvent]) -> bool:
+        """Log one read's ``batch`` and hand it to the readers; False once the log has its
+        end (an :class:`Error` in the batch, or the log past ``max_log_bytes``): the run
+        reads no more. Called in the run's task, or in the socket's callback when pushed."""
+        added = _size(batch)
+        if added < 0:
+            batch, error, added = _without_terminals(batch)
+            if error is not None:
+                self._terminal = error
+                self._stopped = True
+        self.size += added
+        self.events += batch
+        if self.offsets is not None:
+            self.offsets += [self._loop.time() - self._start] * len(batch)
+        if self._waiters:
+            self._wake(batch)
+        if self._stopped:
+            return False
+        if self.size > self._max_log_bytes:
+            self._terminal = _error(
+                "stream_too_large",
+                f"The stream passed the gateway's limit of {self._max_log_bytes} bytes "
+                "([streams] max_log_bytes) and was ended.",
+            )
+            self._stopped = True
+            return False
+        return True
 
     def _spent(self, terminal: StreamEvent) -> Spend:
         """The stream's spend, from its log (once, at its end)."""

@@ -1,5 +1,6 @@
-"""What every HTTP upstream shares: a pooled session, timeouts, the read loop feeding the
-body to the provider's decoder, and error mapping: aiohttp errors and upstream statuses
+"""What every HTTP upstream shares: pooled connections (:mod:`.connections`), timeouts, the
+body fed to the provider's decoder as it arrives, and error mapping: connection errors and
+upstream statuses
 become the most specific :mod:`nexus.errors` class here, once (``map_upstream_errors``,
 :func:`~nexus.protocol.upstream.status_error`). Raised before the first event, an error
 may send the engine to the next target; after, it becomes an error event.
@@ -10,23 +11,24 @@ call, held the event loop for every tenant), so one that comes compressed all th
 is :class:`~nexus.errors.UpstreamProtocolError`.
 
 A stream holds its pooled connection (``max_connections``) for its whole length; a
-request's wait for one goes to the provider's ``on_pool_wait`` callbacks (a histogram) and
-to the call's :data:`POOL_WAITS` (``pool_wait_ms`` in the access line). Keys go out in
-headers only, never in logs, errors or ``repr``.
+request's wait for one goes to the provider's ``on_pool_wait`` callbacks (a histogram)
+and to the call's :data:`~.connections.POOL_WAITS` (``pool_wait_ms`` in the access
+line). Keys go out in headers only, never in logs, errors or ``repr``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
+import ssl
 from abc import abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
+from multidict import CIMultiDict
 
 from ..config import HTTPProviderConfig
 from ..errors import (
@@ -44,54 +46,47 @@ from ..stream import Batches
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider
+from .connections import (
+    POOL_WAITS,
+    Connection,
+    ConnectionPool,
+    HeaderRefused,
+    UpstreamClosed,
+    UpstreamMalformed,
+)
 
-__all__ = ["POOL_WAITS", "HTTPProvider", "PoolWaits", "map_upstream_errors"]
+__all__ = ["HTTPProvider", "map_upstream_errors"]
 
 log = logging.getLogger("nexus.providers")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
-_QUIET_BYTES = 256 * 1024
-"""Body bytes read without an event before the read loop lets the event loop run: bytes
-already buffered are read without a pause, so a flood of comments (or of a line still
-arriving) would otherwise hold every other stream of the process."""
-
-
-class PoolWaits:
-    """What one call waited for pooled upstream connections, over all its attempts; None
-    while it made no upstream HTTP request (a mock provider, a cache hit, a joined stream)."""
-
-    __slots__ = ("seconds",)
-
-    def __init__(self) -> None:
-        self.seconds: float | None = None
-
-    def add(self, seconds: float) -> None:
-        self.seconds = (self.seconds or 0.0) + seconds
-
-
-POOL_WAITS: contextvars.ContextVar[PoolWaits | None] = contextvars.ContextVar(
-    "nexus_pool_waits", default=None
-)
-"""The tally of the call being served: set by the server per request, inherited by a
-stream's run task."""
+_MAX_READY = 4096
+"""Events decoded and not yet read past which the socket stops being read (a reader that
+takes its events late must not have the gateway hold the upstream's whole stream)."""
+USER_AGENT = "nexus"
 
 
 @contextlib.contextmanager
 def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
-    """Translate aiohttp and timeout errors into :mod:`nexus.errors` (``raise ... from``)."""
+    """Translate the connection's and timeout errors into :mod:`nexus.errors` (``raise ...
+    from``); a :class:`~nexus.errors.GatewayError` passes as it is."""
     try:
         yield
     except TimeoutError as exc:
         raise UpstreamTimeout(f"provider {provider!r} timed out {phase}") from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamConnectError(
-            f"cannot connect to provider {provider!r}: {exc.os_error.strerror or exc}"
-        ) from exc
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+    except UpstreamClosed as exc:
         raise UpstreamDisconnected(f"provider {provider!r} closed the connection {phase}") from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(f"provider {provider!r} failed {phase}: {type(exc).__name__}") from exc
+    except UpstreamMalformed as exc:
+        raise UpstreamProtocolError(f"provider {provider!r}: {exc}") from exc
+    except ssl.SSLError as exc:
+        raise UpstreamConnectError(
+            f"cannot connect to provider {provider!r}: TLS failed ({exc.reason or exc})"
+        ) from exc
+    except OSError as exc:
+        raise UpstreamConnectError(
+            f"cannot connect to provider {provider!r}: {exc.strerror or type(exc).__name__}"
+        ) from exc
 
 
 class HTTPProvider(Provider):
@@ -106,7 +101,8 @@ class HTTPProvider(Provider):
         self.base_url = config.base_url.rstrip("/")
         self._api_key = api_key
         keep_secret(api_key)  # never quoted back from an upstream's error text
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: ConnectionPool | None = None
+        self._target = ""  # the request line's target: the URL's path and query
         self._watchdog = Watchdog()  # the read timeouts of every response
         self.on_pool_wait: list[Callable[[float], None]] = []
         """Called once per upstream request with its wait for a pooled connection (s)."""
@@ -115,28 +111,23 @@ class HTTPProvider(Provider):
         return f"<{type(self).__name__} {self.name!r} {self.base_url}>"
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=self.config.max_connections,  # 0: no limit
-                enable_cleanup_closed=True,
-            ),
-            trace_configs=[_pool_wait_trace()],
-            auto_decompress=False,  # see the module docstring
-            # sock_connect only: ``connect`` would also count the wait for a free
-            # pooled connection, making a busy pool look like a slow upstream.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+        url = urlsplit(self.base_url + self.path)
+        self._target = url.path + (f"?{url.query}" if url.query else "")
+        self._pool = ConnectionPool(
+            self.base_url, self.config.max_connections, self.config.connect_timeout_s
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def headers(self) -> dict[str, str]:
         return {
             "Content-Type": "application/json",
             "Accept": "text/event-stream",
             "Accept-Encoding": "identity",  # see the module docstring
+            "User-Agent": USER_AGENT,
         }
 
     @abstractmethod
@@ -148,40 +139,57 @@ class HTTPProvider(Provider):
         ends before it is :class:`~nexus.errors.UpstreamDisconnected`, never a success."""
         return _Exchange(self, request, model)
 
+    def request_head(self, pool: ConnectionPool, length: int) -> bytes:
+        """The request's line and headers, for a body of ``length`` bytes."""
+        headers = upstream_headers(self.headers(), self.base_url + self.path)
+        try:
+            return pool.request_head(self._target, headers, length)
+        except HeaderRefused as exc:
+            raise UpstreamError(f"provider {self.name!r}: {exc}", retryable=False) from None
+
 
 class _Exchange:
     """One upstream request, from its wait for a pooled connection to its body's end: the
-    provider's :class:`~nexus.stream.Batches`, its ``__anext__`` a plain coroutine (one
-    frame a read, no generator to resume). The request goes out at the first step.
+    provider's :class:`~nexus.stream.Batches`, and the :class:`~.connections.Listener` of
+    its response. The request goes out at the first step.
 
-    ``first_byte_timeout_s`` runs from the request to the first body bytes, then each gap
-    between reads gets ``idle_timeout_s`` (the consumer's time does not count). Bytes, not
-    events: keepalive comments (OpenRouter's while a model thinks, Anthropic's ``ping``)
+    Each socket read's body is decoded in the socket's callback. While its stream is under
+    way, a reader may have the events pushed to it there (:meth:`push_to`), no task woken
+    per read; else they wait for ``__anext__`` (reading pauses past :data:`_MAX_READY`).
+
+    ``first_byte_timeout_s`` runs from the connection to the first body bytes, then each
+    gap between reads gets ``idle_timeout_s`` (the consumer's time does not count). Bytes,
+    not events: keepalive comments (OpenRouter's while a model thinks, Anthropic's ``ping``)
     are how a live upstream says so during a long prefill, and must not be cut as silence;
     an upstream that sends nothing else is bounded by ``max_stream_duration_s``. A wait for
-    a pooled connection is the gateway's: while it lasts, the deadline is ``pool_timeout_s``
-    after the wait began (then :class:`~nexus.errors.UpstreamPoolExhausted`); it restarts in
-    full once a connection is free. No timer nor clock per read: the provider's one
-    watchdog sees the body's byte count move at its ticks (the idle deadline then starts
-    afresh, at most a tick late) and ends a read waiting past its deadline with a timeout.
+    a pooled connection is the gateway's: it is bounded by ``pool_timeout_s`` (then
+    :class:`~nexus.errors.UpstreamPoolExhausted`), and the first byte's deadline starts once
+    a connection is free. No timer nor clock per read: the provider's one watchdog sees the
+    body's byte count move at its ticks (the idle deadline then starts afresh, at most a
+    tick late) and ends a wait past its deadline with a timeout.
     """
 
     __slots__ = (
+        "_collect",
+        "_connection",
         "_deadline",
         "_decoder",
         "_end",
-        "_now",
+        "_failure",
+        "_head",
+        "_paused",
         "_provider",
-        "_quiet",
-        "_readany",
+        "_ready",
         "_request",
         "_seen",
+        "_sink",
         "_timeout",
-        "_waiting",
+        "_waiter",
+        "_whole",
         "accepted",
         "model",
         "queued_at",
-        "response",
+        "received",
         "waited",
     )
 
@@ -189,13 +197,21 @@ class _Exchange:
         self._provider = provider
         self._request: ChatRequest | None = request  # until the request goes out
         self.model = model
-        self._timeout: asyncio.Timeout | None = None
-        self._readany: Callable[[], Awaitable[bytes]] | None = None  # once responding
+        self._connection: Connection | None = None  # while responding
         self._decoder: UpstreamDecoder | None = None
+        self._head: tuple[int, CIMultiDict[str]] | None = None
+        self._collect: bytearray | None = None  # an error body, while it is read
+        self._ready: list[StreamEvent] = []  # events decoded, not yet read
+        self._sink: Callable[[list[StreamEvent]], bool] | None = None  # while pushing
+        self._waiter: asyncio.Future[None] | None = None
         self._end = False  # the decoder ended (its error, or its end, is the next step)
-        self._waiting = False
+        self._whole = False  # the response's end came (the connection may be reused)
+        self._failure: BaseException | None = None  # why the response will not end
+        self._paused = False
+        self._timeout: asyncio.Timeout | None = None  # the wait for a connection's deadline
+        self._deadline = 0.0
         self._seen = 0  # the body's bytes at the last tick
-        self._quiet = 0  # body bytes read since the last event
+        self.received = 0  # the body's bytes
         self.queued_at: float | None = None  # when the current wait for a connection began
         self.waited = 0.0
         self.accepted = False  # the upstream answered 2xx: it bills the prompt
@@ -204,118 +220,198 @@ class _Exchange:
         return self
 
     async def __anext__(self) -> list[StreamEvent]:
-        readany = self._readany
-        if readany is None:
-            readany = await self._open()
+        if not self.accepted:
+            await self._open()
+        while True:
+            ready = self._ready
+            if ready:
+                self._ready = []
+                if self._paused:
+                    self._paused = False
+                    self._connection.resume_reading()  # type: ignore[union-attr]
+                return ready
+            if self._failure is not None:
+                error, phase = self._failure, self._phase()
+                await self.aclose()
+                with map_upstream_errors(self._provider.name, phase):
+                    raise error
+            if self._end:
+                decoder = self._decoder
+                assert decoder is not None
+                await self._finish(decoder.error is None)
+                if decoder.error is not None:
+                    raise decoder.error
+                raise StopAsyncIteration
+            if self._connection is None:
+                raise StopAsyncIteration  # closed
+            await self._wait()
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        self._sink = None  # a pushing reader woken has stopped being pushed to
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def push_to(self, sink: Callable[[list[StreamEvent]], bool]) -> asyncio.Future[None] | None:
+        """Hand each read's events to ``sink`` in the socket's callback from now on, while
+        it returns true; the future is done when the pushing stops (the stream's end, a
+        failure, a timeout, the sink's no): ``__anext__`` then says which. None: there is
+        something to read now (or nothing ever again), read it."""
+        if self._ready or self._end or self._failure is not None or self._connection is None:
+            return None
+        self._sink = sink
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        waiter.add_done_callback(self._pushed)
+        return waiter
+
+    def _pushed(self, waiter: asyncio.Future[None]) -> None:
+        self._sink = None
+        if self._waiter is waiter:
+            self._waiter = None
+
+    # the response, from the connection's callbacks (see Listener)
+
+    def head(self, status: int, headers: CIMultiDict[str]) -> None:
+        self._head = (status, headers)
+        if status >= 300 or headers.get("Content-Encoding", "identity").lower() not in (
+            "",
+            "identity",
+        ):
+            self._collect = bytearray()  # an error's text, or a body refused: not decoded
+        self._wake()
+
+    def body(self, data: bytes) -> None:
+        self.received += len(data)
+        if self._end:
+            return  # past the decoder's end: drained
+        collect = self._collect
+        if collect is not None:
+            if len(collect) < _MAX_ERROR_BODY:
+                collect += data[: _MAX_ERROR_BODY - len(collect)]
+                if len(collect) >= _MAX_ERROR_BODY:
+                    self._wake()
+            return
         decoder = self._decoder
         assert decoder is not None
-        while not self._end:
-            self._waiting = True
-            try:
-                chunk = await readany()
-            except Exception as exc:
-                error = exc
-            else:
-                self._waiting = False
-                if chunk:
-                    events = decoder.decode(chunk)
-                    self._end = decoder.error is not None or decoder.done
-                    if events:
-                        self._quiet = 0
-                        return events
-                    self._quiet += len(chunk)
-                    if self._quiet >= _QUIET_BYTES:
-                        self._quiet = 0
-                        await asyncio.sleep(0)
-                    continue
-                await self.aclose()
-                raise UpstreamDisconnected(
+        events = decoder.decode(data)
+        if decoder.error is not None or decoder.done:
+            self._end = True
+        elif events:
+            sink = self._sink
+            if sink is not None:
+                if not sink(events):
+                    self._wake()  # the reader stops here
+                return
+        else:
+            return
+        self._ready += events
+        if len(self._ready) > _MAX_READY and not self._paused:
+            self._paused = True
+            self._connection.pause_reading()  # type: ignore[union-attr]
+        self._wake()
+
+    def ended(self, error: BaseException | None) -> None:
+        if error is None:
+            self._whole = True
+            if self._decoder is not None and not self._end and self._collect is None:
+                self._failure = UpstreamDisconnected(
                     f"provider {self._provider.name!r} ended the stream without "
-                    f"{decoder.terminator}"
+                    f"{self._decoder.terminator}"
                 )
-            phase = self._phase()
-            await self.aclose()
-            with map_upstream_errors(self._provider.name, phase):
-                raise error
-        await self._finish(decoder.error is None)
-        if decoder.error is not None:
-            raise decoder.error
-        raise StopAsyncIteration
+        elif not self._end:
+            self._failure = error
+        self._wake()
 
-    def _phase(self) -> str:
-        return "between chunks" if self.response.content.total_bytes else "before the first byte"
-
-    async def _open(self) -> Callable[[], Awaitable[bytes]]:
+    async def _open(self) -> None:
         if self._request is None:
             raise StopAsyncIteration  # closed before its first step
-        self._now = asyncio.get_running_loop().time
         payload, self._decoder = self._provider.upstream(self._request, self.model)
         self._request = None  # held by nothing for the stream's length
         await self._send(orjson.dumps(payload))
-        return self._readany  # type: ignore[return-value]
 
     async def _send(self, body: bytes) -> None:
         """POST ``body``; the response, once its status is 2xx. Redirects are not followed:
         they would carry the key to another host."""
         provider, config = self._provider, self._provider.config
-        if provider._session is None:
+        pool = provider._pool
+        if pool is None:
             raise RuntimeError(f"provider {provider.name!r} is not started")
-        url = provider.base_url + provider.path
+        loop = asyncio.get_running_loop()
+        head = provider.request_head(pool, len(body))
         with map_upstream_errors(provider.name, "before responding"):
             try:
-                async with asyncio.timeout(config.first_byte_timeout_s) as self._timeout:
-                    response = await provider._session.post(
-                        url,
-                        data=body,
-                        headers=upstream_headers(provider.headers(), url),
-                        allow_redirects=False,
-                        trace_request_ctx=self,
-                    )
-                    self._deadline = self._timeout.when() or self._now()
-                    encoding = response.headers.get("Content-Encoding", "").lower() or "identity"
-                    if (status := response.status) >= 300:
-                        try:
-                            text = (
-                                error_text(await _read_capped(response, _MAX_ERROR_BODY))
-                                if encoding == "identity"
-                                else f"(a body in {encoding!r} encoding, not read)"
-                            )
-                        finally:
-                            response.close()
-                        message = f"provider {provider.name!r} answered {status}"
-                        if status < 500:
-                            message += f": {text}"
-                        else:  # the upstream's trouble: its text is the operator's
-                            log.warning("%s: %s", message, text)
-                        raise status_error(provider.name, status, message, response.headers)
-                    if encoding != "identity":
-                        response.close()
-                        raise UpstreamProtocolError(
-                            f"provider {provider.name!r} sent its stream in {encoding!r} "
-                            "encoding, though asked for none"
-                        )
-            except TimeoutError as exc:
-                if self.queued_at is None:
-                    raise
-                raise UpstreamPoolExhausted(
-                    f"provider {provider.name!r}: all {config.max_connections} connections "
-                    f"stayed busy for {config.pool_timeout_s:g}s; retry shortly",
-                    headers={"Retry-After": "1"},
-                ) from exc
+                try:
+                    async with asyncio.timeout(None) as self._timeout:
+                        connection = await pool.acquire(self)
+                except TimeoutError as exc:
+                    raise UpstreamPoolExhausted(
+                        f"provider {provider.name!r}: all {config.max_connections} "
+                        f"connections stayed busy for {config.pool_timeout_s:g}s; retry shortly",
+                        headers={"Retry-After": "1"},
+                    ) from exc
             finally:
+                self._timeout = None
                 waited = self.waited
                 if self.queued_at is not None:
-                    waited += self._now() - self.queued_at
+                    waited += loop.time() - self.queued_at
                 for observe in provider.on_pool_wait:
                     observe(waited)
                 tally = POOL_WAITS.get()
                 if tally is not None:
                     tally.add(waited)
-        self.response = response
+            self._connection = connection
+            try:
+                async with asyncio.timeout(config.first_byte_timeout_s) as timeout:
+                    connection.send(head + body, self)
+                    while self._head is None and self._failure is None:
+                        await self._wait()
+                    if self._head is None:
+                        raise self._failure  # type: ignore[misc]
+                    status, headers = self._head
+                    encoding = headers.get("Content-Encoding", "").lower() or "identity"
+                    if status >= 300:
+                        raise await self._refusal(status, headers, encoding)
+                    if encoding != "identity":
+                        raise UpstreamProtocolError(
+                            f"provider {provider.name!r} sent its stream in {encoding!r} "
+                            "encoding, though asked for none"
+                        )
+                self._deadline = timeout.when() or loop.time()
+            except BaseException:
+                self._connection = None
+                pool.release(connection, self._whole)
+                raise
+        self._head = None
         self.accepted = True
-        self._readany = response.content.readany
         tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
         provider._watchdog.add(self, tick)
+
+    async def _refusal(
+        self, status: int, headers: CIMultiDict[str], encoding: str
+    ) -> UpstreamError:
+        """The error for a status of 300 or more, its body read (up to its first 64 KB)."""
+        provider = self._provider
+        collect = self._collect
+        assert collect is not None  # (see head())
+        if encoding == "identity":
+            while not self._whole and self._failure is None and len(collect) < _MAX_ERROR_BODY:
+                await self._wait()
+            text = error_text(bytes(collect))
+        else:
+            text = f"(a body in {encoding!r} encoding, not read)"
+        message = f"provider {provider.name!r} answered {status}"
+        if status < 500:
+            message += f": {text}"
+        else:  # the upstream's trouble: its text is the operator's
+            log.warning("%s: %s", message, text)
+        return status_error(provider.name, status, message, headers)
 
     @property
     def prompt_usage(self) -> Usage | None:
@@ -328,82 +424,64 @@ class _Exchange:
         return None if self._decoder is None else self._decoder.response_model
 
     def queued(self, now: float) -> None:
-        if self.queued_at is None:
-            self.queued_at = now
+        self.queued_at = now
         if self._timeout is not None:
-            self._timeout.reschedule(now - self.waited + self._provider.config.pool_timeout_s)
+            self._timeout.reschedule(now + self._provider.config.pool_timeout_s)
 
     def dequeued(self, now: float) -> None:
         if self.queued_at is not None:
             self.waited += now - self.queued_at
             self.queued_at = None
-        if self._timeout is not None:
-            self._timeout.reschedule(now + self._provider.config.first_byte_timeout_s)
+
+    def _phase(self) -> str:
+        return "between chunks" if self.received else "before the first byte"
 
     def check(self, now: float) -> None:
         """The watchdog's tick: bytes came since the last one, the idle deadline starts
-        afresh; else end a read waiting past its deadline with a timeout (the body's reader
-        raises it to whichever task reads)."""
-        content = self.response.content
-        if content.total_bytes != self._seen:
-            self._seen = content.total_bytes
+        afresh; else end a wait past its deadline with a timeout (whichever task reads
+        gets it, or the pushing stops with it)."""
+        if self.received != self._seen:
+            self._seen = self.received
             self._deadline = now + self._provider.config.idle_timeout_s
-        elif self._waiting and now >= self._deadline:
-            self._waiting = False
-            content.set_exception(TimeoutError())
+        elif (
+            self._waiter is not None
+            and now >= self._deadline
+            and not self._end
+            and self._failure is None
+        ):
+            self._failure = TimeoutError()
+            self._wake()
 
     async def aclose(self) -> None:
         """Drop the connection (the upstream sees the client leave); idempotent."""
         await self._finish(False)
 
     async def _finish(self, clean: bool) -> None:
-        """Give the connection back to the pool after a clean end (reading, briefly, the
-        rest of the body keeps it alive), else drop it."""
+        """Give the connection back to the pool after a clean end (waiting, briefly, for
+        the rest of the body keeps it alive), else drop it."""
         self._request = None
         self._end = True
-        self._waiting = False
-        if self._readany is None:
+        self._wake()  # a pushing reader: the stream ends under it
+        connection = self._connection
+        if connection is None:
             return  # not responding (or finished already)
-        self._readany = None
-        self._provider._watchdog.discard(self)
-        response = self.response
-        if clean and response.content.at_eof():
-            response.release()  # the body's end came with its last event: no wait
+        self._connection = None
+        provider = self._provider
+        provider._watchdog.discard(self)
+        pool = provider._pool
+        if pool is None:  # the provider closed under the stream
+            connection.close()
             return
-        if clean:
+        if clean and not self._whole and self._failure is None:
+            if self._paused:
+                connection.resume_reading()
             try:
                 async with asyncio.timeout(_DRAIN_TIMEOUT_S):
-                    while await response.content.readany():
-                        pass
-                response.release()
-                return
-            except (TimeoutError, aiohttp.ClientError):
+                    while not self._whole and self._failure is None:
+                        await self._wait()
+            except TimeoutError:
                 pass
             except BaseException:  # cancelled while draining: the connection goes too
-                response.close()
+                pool.release(connection, False)
                 raise
-        response.close()
-
-
-def _pool_wait_trace() -> aiohttp.TraceConfig:
-    """aiohttp's public signals of a request queueing for a pooled connection, to its
-    :class:`_Exchange` (they fire only when a request actually queues)."""
-
-    async def queued(session: object, context: Any, params: object) -> None:
-        context.trace_request_ctx.queued(asyncio.get_running_loop().time())
-
-    async def dequeued(session: object, context: Any, params: object) -> None:
-        context.trace_request_ctx.dequeued(asyncio.get_running_loop().time())
-
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_queued_start.append(queued)
-    trace.on_connection_queued_end.append(dequeued)
-    return trace
-
-
-async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The body up to ``limit`` bytes, however many reads it takes."""
-    body = b""
-    while len(body) < limit and (chunk := await response.content.read(limit - len(body))):
-        body += chunk
-    return body
+        pool.release(connection, clean and self._whole and self._failure is None)

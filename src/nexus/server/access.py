@@ -41,7 +41,7 @@ from ..cache.run import LogReader, StreamRun
 from ..config import Config
 from ..errors import GatewayError
 from ..pricing import NOTHING, Spend
-from ..providers.http import POOL_WAITS
+from ..providers.connections import POOL_WAITS
 from ..telemetry import Telemetry
 from .errors import Handler, client_gone, error_response
 from .log_lines import line as _line

@@ -20,7 +20,7 @@ from ..engine import Engine
 from ..events import Done, Error, StreamEvent
 from ..pricing import Spend
 from ..protocol.realtime import PendingLedger
-from ..providers.http import PoolWaits
+from ..providers.connections import PoolWaits
 from ..tokens import StreamTokens
 from ..watchdog import Watchdog
 from .metrics import CANCEL_CAUSES

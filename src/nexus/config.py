@@ -287,6 +287,9 @@ class HTTPProviderConfig(_Table):
     """The default is ``[limits] max_concurrent_streams``', so the gateway's own limit is met
     first (a stream holds a connection for its whole length)."""
     pool_timeout_s: float = Field(default=10.0, ge=0)
+    ca_file: str | None = Field(default=None, min_length=1)
+    """PEM file of the CA certificates an ``https`` upstream's certificate must chain to,
+    instead of the system's trust store (a self-hosted upstream with a private CA)."""
     max_event_bytes: int = Field(default=MAX_EVENT_BYTES, ge=1024)
     """The most one upstream SSE event (or line) may hold before its end: past it, the
     stream ends with ``upstream_protocol_error`` instead of the gateway's memory growing."""

@@ -13,6 +13,7 @@ import contextlib
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +21,9 @@ import trustme
 from aiohttp import web
 
 from nexus.config import OpenAIProviderConfig
-from nexus.errors import UpstreamError
+from nexus.errors import ConfigError, UpstreamError
 from nexus.events import Delta, StreamEvent
-from nexus.providers import OpenAIProvider, connections
+from nexus.providers import OpenAIProvider, build_provider, connections
 from nexus.request import ChatRequest
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk
 
@@ -148,40 +149,51 @@ class TLSUpstream(FakeUpstream):
 
 
 @pytest.fixture
-def ca(monkeypatch: pytest.MonkeyPatch) -> trustme.CA:
-    """A CA the client trusts (its default context, the system's store, with this CA)."""
+def ca(tmp_path: Path) -> tuple[trustme.CA, str]:
+    """A CA, and its certificate in a PEM file for ``ca_file``."""
     authority = trustme.CA()
-    default = ssl.create_default_context
-
-    def trusting(*args: Any, **kwargs: Any) -> ssl.SSLContext:
-        context = default(*args, **kwargs)
-        authority.configure_trust(context)
-        return context
-
-    monkeypatch.setattr(connections.ssl, "create_default_context", trusting)
-    return authority
+    path = tmp_path / "ca.pem"
+    authority.cert_pem.write_to_path(str(path))
+    return authority, str(path)
 
 
-async def test_a_https_upstream_streams_with_its_name_checked(ca: trustme.CA) -> None:
-    upstream = TLSUpstream(ca.issue_cert("localhost"), Reply.stream(FRAMES))
-    async with upstream as up, openai(up.url) as provider:
+async def test_a_https_upstream_streams_with_its_name_checked(ca: tuple[trustme.CA, str]) -> None:
+    authority, ca_file = ca
+    upstream = TLSUpstream(authority.issue_cert("localhost"), Reply.stream(FRAMES))
+    async with upstream as up, openai(up.url, ca_file=ca_file) as provider:
         events = await stream(provider)
     assert events[0] == Delta("ok")
     assert up.requests[0].headers["Host"] == f"localhost:{up.port}"
 
 
-@pytest.mark.parametrize("who", ["another name", "an unknown CA"])
-async def test_a_certificate_not_for_the_host_is_refused(ca: trustme.CA, who: str) -> None:
+@pytest.mark.parametrize("who", ["another name", "an unknown CA", "the system's store"])
+async def test_a_certificate_not_for_the_host_is_refused(
+    ca: tuple[trustme.CA, str], who: str
+) -> None:
     """Without the name's check (server_hostname) or the trust store, any man in the
-    middle would read the key."""
-    issuer = ca if who == "another name" else trustme.CA()
+    middle would read the key; without ``ca_file`` a private CA is not trusted."""
+    authority, ca_file = ca
+    issuer = trustme.CA() if who == "an unknown CA" else authority
     cert = issuer.issue_cert("upstream.example" if who == "another name" else "localhost")
-    async with TLSUpstream(cert, Reply.stream(FRAMES)) as up, openai(up.url) as provider:
+    options = {} if who == "the system's store" else {"ca_file": ca_file}
+    async with TLSUpstream(cert, Reply.stream(FRAMES)) as up, openai(up.url, **options) as provider:
         with pytest.raises(UpstreamError) as info:
             await stream(provider)
     assert info.value.code == "upstream_connect_error"
     assert "TLS" in info.value.message
     assert up.requests == []
+
+
+@pytest.mark.parametrize("content", [None, b"not a certificate"])
+def test_a_ca_file_that_cannot_be_loaded_stops_the_start(
+    tmp_path: Path, content: bytes | None
+) -> None:
+    path = tmp_path / "ca.pem"
+    if content is not None:
+        path.write_bytes(content)
+    config = OpenAIProviderConfig(kind="openai", base_url="https://up.example", ca_file=str(path))
+    with pytest.raises(ConfigError, match=r"\[providers.up\] ca_file: cannot load"):
+        build_provider("up", config)
 
 
 # --- keep-alive -------------------------------------------------------------------------

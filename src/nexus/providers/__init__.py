@@ -42,6 +42,9 @@ def build_provider(
             )
         log.warning("provider %r left out: api_key_env: %s (optional = true)", name, unset)
         return None
-    if isinstance(config, OpenAIProviderConfig):
-        return OpenAIProvider(name, config, key)
-    return AnthropicProvider(name, config, key)
+    try:
+        if isinstance(config, OpenAIProviderConfig):
+            return OpenAIProvider(name, config, key)
+        return AnthropicProvider(name, config, key)
+    except ValueError as exc:  # a setting that cannot be used (ca_file)
+        raise ConfigError(in_file(f"[providers.{name}] {exc}", source)) from None

@@ -281,11 +281,16 @@ class Connection(asyncio.Protocol):
 class ConnectionPool:
     """The connections to one upstream origin: see the module docstring.
 
+    ``tls``: the context ``https`` connections are made with (default: the system's trust
+    store, the host's name checked).
+
     :meth:`acquire` is called with the caller's deadline around it; ``queued`` and
     ``dequeued`` (loop times) tell the caller when a wait for a free connection begins and
     ends, so that the wait can have a deadline of its own (``pool_timeout_s``)."""
 
-    def __init__(self, url: str, limit: int, connect_timeout_s: float) -> None:
+    def __init__(
+        self, url: str, limit: int, connect_timeout_s: float, tls: ssl.SSLContext | None = None
+    ) -> None:
         parts = urlsplit(url)
         secure = parts.scheme == "https"
         if parts.hostname is None:
@@ -295,7 +300,7 @@ class ConnectionPool:
         default = parts.port is None or parts.port == (443 if secure else 80)
         name = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = name if default else f"{name}:{self.port}"
-        self._ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
+        self._ssl = (tls or ssl.create_default_context()) if secure else None
         self.limit = limit  # 0: no limit
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[Connection] = []  # the most recently used last

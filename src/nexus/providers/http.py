@@ -101,6 +101,7 @@ class HTTPProvider(Provider):
         self.base_url = config.base_url.rstrip("/")
         self._api_key = api_key
         keep_secret(api_key)  # never quoted back from an upstream's error text
+        self._tls = None if config.ca_file is None else _trusting(config.ca_file)
         self._pool: ConnectionPool | None = None
         self._target = ""  # the request line's target: the URL's path and query
         self._watchdog = Watchdog()  # the read timeouts of every response
@@ -113,8 +114,9 @@ class HTTPProvider(Provider):
     async def start(self) -> None:
         url = urlsplit(self.base_url + self.path)
         self._target = url.path + (f"?{url.query}" if url.query else "")
+        config = self.config
         self._pool = ConnectionPool(
-            self.base_url, self.config.max_connections, self.config.connect_timeout_s
+            self.base_url, config.max_connections, config.connect_timeout_s, self._tls
         )
 
     async def close(self) -> None:
@@ -146,6 +148,16 @@ class HTTPProvider(Provider):
             return pool.request_head(self._target, headers, length)
         except HeaderRefused as exc:
             raise UpstreamError(f"provider {self.name!r}: {exc}", retryable=False) from None
+
+
+def _trusting(ca_file: str) -> ssl.SSLContext:
+    """A TLS context trusting the CA certificates in ``ca_file`` (only those); ValueError
+    saying why when it cannot be read."""
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
+        raise ValueError(f"ca_file: cannot load {ca_file!r} ({reason})") from None
 
 
 class _Exchange:

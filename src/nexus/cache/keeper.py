@@ -44,11 +44,8 @@ __all__ = [
 
 log = logging.getLogger("nexus.streams")
 
-MIRROR_INTERVAL_S = 0.025
-"""Writes are at most this often (also how late a reader on another replica may be). A
-turn's cost is per stream written, so a longer turn carries more tokens of each: at 10 ms,
-200 streams of a token per 20 ms cost 1.4x the memory store's CPU per chunk once the upstream
-reads no longer woke a task (the per-stream write was most of it); at 25-30 ms, 1.1x."""
+MIRROR_INTERVAL_S = 0.01
+"""Writes are at most this often (also how late a reader on another replica may be)."""
 RETRY_S = 1.0
 """After the store failed, the next try comes this much later, doubling up to..."""
 RETRY_MAX_S = 8.0

@@ -2,7 +2,7 @@
 tells an event id the stream has not produced from one its copy in Redis has not caught
 up with yet.
 
-A stream's copy in Redis trails what its replica already sent by a mirror turn (25 ms and
+A stream's copy in Redis trails what its replica already sent by a mirror turn (10 ms and
 a round trip; seconds while that replica's writes fail). A ``Last-Event-ID`` past the copy
 is either one the client got from that replica a moment ago, or one the stream never
 produced (forged, or from a stream of that id yet to come): the first must attach and wait

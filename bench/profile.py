@@ -27,7 +27,7 @@ from .harness import FORMATS, Loadgen, Upstream
 from .loadgen import Job
 from .procfs import raise_nofile
 from .scenarios import FULL
-from .systems import Variant, pin_running, plan_pinning, start
+from .systems import RedisServer, Variant, pin_running, plan_pinning, start
 
 __all__ = ["main"]
 
@@ -74,6 +74,7 @@ def summarize(folded: Path, top: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", default="nexus", choices=("nexus", "nexus-redis"))
     parser.add_argument("--format", default="sse", choices=FORMATS)
     parser.add_argument(
         "--scenario", default="saturation", choices=("saturation", "realistic", "ttfb")
@@ -93,7 +94,11 @@ def main() -> int:
     upstream = Upstream(pinning.upstream)
     loadgen = Loadgen(pinning.load)
     with tempfile.TemporaryDirectory(prefix="nexus-profile-") as tmp:
-        running = start(Variant("nexus", args.format), upstream.url, Path(tmp))
+        redis = RedisServer(Path(tmp)) if args.system == "nexus-redis" else None
+        if redis is not None and redis.error:
+            print(redis.error, file=sys.stderr)
+            return 2
+        running = start(Variant(args.system, args.format), upstream.url, Path(tmp), redis)
         try:
             running.wait_ready(60)
             pin_running(running, pinning)
@@ -142,7 +147,9 @@ def main() -> int:
             running.stop()
             loadgen.stop()
             upstream.stop()
-    print(f"nexus ({args.format}), {scenario.name} load, {chunks:,} chunks while sampled")
+            if redis is not None:
+                redis.stop()
+    print(f"{args.system} ({args.format}), {scenario.name} load, {chunks:,} chunks while sampled")
     print(summarize(args.out, args.top))
     return 0
 

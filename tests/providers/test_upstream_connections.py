@@ -358,14 +358,19 @@ async def test_bytes_after_a_whole_response_are_no_second_response() -> None:
 EVIL_KEY = "sk-injected-0123\r\nX-Evil: 1"
 
 
-async def test_a_key_with_a_line_break_is_refused_before_anything_is_sent() -> None:
-    """A key read from the environment could add a header of its own (or a request)."""
-    async with RawUpstream() as up, openai(up.url, key=EVIL_KEY) as provider:
-        with pytest.raises(UpstreamError) as info:
-            await stream(provider)
-    assert not info.value.retryable  # the next target would get the same key
-    assert "sk-injected" not in info.value.message and "X-Evil" not in info.value.message
-    assert (up.accepted, up.requests) == (0, [])
+def test_a_key_with_a_line_break_stops_the_start_unquoted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key read from the environment could add a header of its own (or a request): the
+    provider is refused when it is built, before any request, not at every request (which
+    would fail each one, with no fallback: the next target of an alias gets the same key)."""
+    monkeypatch.setenv("UP_KEY", EVIL_KEY)
+    config = OpenAIProviderConfig(
+        kind="openai", base_url="https://up.example", api_key_env="UP_KEY"
+    )
+    with pytest.raises(ConfigError, match=r"\[providers.up\] the header 'Authorization'") as info:
+        build_provider("up", config)
+    assert "sk-injected" not in str(info.value) and "X-Evil" not in str(info.value)
 
 
 # --- the pool ---------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from nexus.errors import (
 )
 from nexus.events import Delta
 from nexus.protocol.upstream import error_text, in_stream_error, keep_secret, redacted, status_error
-from nexus.providers.connections import UpstreamClosed, UpstreamMalformed
 from nexus.providers.http import map_upstream_errors
+from nexus.providers.http1 import UpstreamClosed, UpstreamMalformed
 from support import MakeClient
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk, openai_error_body
 

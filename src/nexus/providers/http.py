@@ -25,7 +25,6 @@ import ssl
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 import orjson
 from multidict import CIMultiDict
@@ -46,14 +45,8 @@ from ..stream import Batches
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider
-from .connections import (
-    POOL_WAITS,
-    Connection,
-    ConnectionPool,
-    HeaderRefused,
-    UpstreamClosed,
-    UpstreamMalformed,
-)
+from .connections import POOL_WAITS, ConnectionPool, HeaderRefused, request_target, trusting
+from .http1 import Connection, UpstreamClosed, UpstreamMalformed
 
 __all__ = ["HTTPProvider", "map_upstream_errors"]
 
@@ -101,9 +94,10 @@ class HTTPProvider(Provider):
         self.base_url = config.base_url.rstrip("/")
         self._api_key = api_key
         keep_secret(api_key)  # never quoted back from an upstream's error text
-        self._tls = None if config.ca_file is None else _trusting(config.ca_file)
+        self._tls = None if config.ca_file is None else trusting(config.ca_file)
         self._pool: ConnectionPool | None = None
-        self._target = ""  # the request line's target: the URL's path and query
+        self._target = request_target(self.base_url, self.path)  # the request line's
+        ConnectionPool.check_headers(self.headers())  # a key that cannot be sent stops here
         self._watchdog = Watchdog()  # the read timeouts of every response
         self.on_pool_wait: list[Callable[[float], None]] = []
         """Called once per upstream request with its wait for a pooled connection (s)."""
@@ -112,8 +106,6 @@ class HTTPProvider(Provider):
         return f"<{type(self).__name__} {self.name!r} {self.base_url}>"
 
     async def start(self) -> None:
-        url = urlsplit(self.base_url + self.path)
-        self._target = url.path + (f"?{url.query}" if url.query else "")
         config = self.config
         self._pool = ConnectionPool(
             self.base_url, config.max_connections, config.connect_timeout_s, self._tls
@@ -148,16 +140,6 @@ class HTTPProvider(Provider):
             return pool.request_head(self._target, headers, length)
         except HeaderRefused as exc:
             raise UpstreamError(f"provider {self.name!r}: {exc}", retryable=False) from None
-
-
-def _trusting(ca_file: str) -> ssl.SSLContext:
-    """A TLS context trusting the CA certificates in ``ca_file`` (only those); ValueError
-    saying why when it cannot be read."""
-    try:
-        return ssl.create_default_context(cafile=ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
-        raise ValueError(f"ca_file: cannot load {ca_file!r} ({reason})") from None
 
 
 class _Exchange:
@@ -363,6 +345,8 @@ class _Exchange:
                     async with asyncio.timeout(None) as self._timeout:
                         connection = await pool.acquire(self)
                 except TimeoutError as exc:
+                    if self._timeout is None or not self._timeout.expired():
+                        raise  # the connect's own deadline, not the wait's
                     raise UpstreamPoolExhausted(
                         f"provider {provider.name!r}: all {config.max_connections} "
                         f"connections stayed busy for {config.pool_timeout_s:g}s; retry shortly",
@@ -444,6 +428,8 @@ class _Exchange:
         if self.queued_at is not None:
             self.waited += now - self.queued_at
             self.queued_at = None
+        if self._timeout is not None and not self._timeout.expired():
+            self._timeout.reschedule(None)  # a place is free: the wait's deadline is over
 
     def _phase(self) -> str:
         return "between chunks" if self.received else "before the first byte"

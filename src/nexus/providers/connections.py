@@ -112,6 +112,7 @@ class ConnectionPool:
         self._addrs: list[AddrInfo] | None = None
         self._addrs_at = 0.0
         self._lookup: asyncio.Task[list[AddrInfo]] | None = None  # one under way
+        self._closed = False
 
     @property
     def busy(self) -> int:
@@ -121,6 +122,8 @@ class ConnectionPool:
         """A connection for one request: an idle one, else a new one; when ``limit`` are in
         use, after a wait in line for one of them (cancel the call to give up)."""
         loop = asyncio.get_running_loop()
+        if self._closed:
+            raise UpstreamClosed("the provider is closing")
         if self.limit and self._busy >= self.limit:
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.append(waiter)
@@ -181,6 +184,9 @@ class ConnectionPool:
                 elif made[0].transport is not None:
                     made[0].transport.abort()
                 raise
+        if self._closed:  # closed while this one connected: it must not outlive the pool
+            made[0].close()
+            raise UpstreamClosed("the provider is closing")
         self._open.add(made[0])
         return made[0]
 
@@ -256,7 +262,8 @@ class ConnectionPool:
 
     def close(self) -> None:
         """Close every connection, idle or in use, and fail the requests waiting for one
-        (the provider stops)."""
+        (the provider stops); a connect under way is dropped as it ends."""
+        self._closed = True
         for connection in list(self._open):
             connection._fail(UpstreamClosed("the provider is closing"))
         self._idle.clear()

@@ -265,7 +265,7 @@ class ConnectionPool:
         (the provider stops); a connect under way is dropped as it ends."""
         self._closed = True
         for connection in list(self._open):
-            connection._fail(UpstreamClosed("the provider is closing"))
+            connection.fail(UpstreamClosed("the provider is closing"))
         self._idle.clear()
         waiters, self._waiters = self._waiters, collections.deque()
         for waiter in waiters:

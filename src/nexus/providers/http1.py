@@ -119,14 +119,14 @@ class Connection(asyncio.Protocol):
             parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, _Extra):
-                self._fail(exc.__context__ or exc)
+                self.fail(exc.__context__ or exc)
                 return
             extra = True
         except httptools.HttpParserUpgrade:
-            self._fail(UpstreamMalformed("the upstream switched protocols"))
+            self.fail(UpstreamMalformed("the upstream switched protocols"))
             return
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamMalformed(f"the upstream's response is not HTTP/1.1 ({exc})"))
+            self.fail(UpstreamMalformed(f"the upstream's response is not HTTP/1.1 ({exc})"))
             return
         pieces = self._pieces
         if not pieces and not self._whole:
@@ -134,7 +134,7 @@ class Connection(asyncio.Protocol):
             # holds a line until its end, so a line that never ends must be cut here.
             self._head_read += len(data)
             if self._head_read > MAX_HEAD_BYTES:
-                self._fail(UpstreamMalformed(f"{MAX_HEAD_BYTES} bytes came without a head or body"))
+                self.fail(UpstreamMalformed(f"{MAX_HEAD_BYTES} bytes came without a head or body"))
                 return
         elif pieces:
             self._head_read = 0
@@ -142,7 +142,7 @@ class Connection(asyncio.Protocol):
             try:
                 listener.body(pieces[0] if len(pieces) == 1 else b"".join(pieces))
             except Exception as exc:  # the listener's own failure: the response goes
-                self._fail(exc)
+                self.fail(exc)
                 return
         if self._whole:
             self._end(None)
@@ -207,7 +207,9 @@ class Connection(asyncio.Protocol):
         if listener is not None:
             listener.ended(error)
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """End the response in flight with ``error`` (its listener is told), and drop the
+        connection."""
         self._pieces = []
         self.reusable = False
         self._end(error)

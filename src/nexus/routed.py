@@ -56,6 +56,7 @@ class RoutedRun:
         "_before",
         "_engine",
         "_held",
+        "_lapse",
         "_latest",
         "_lost",
         "_price",
@@ -81,6 +82,7 @@ class RoutedRun:
         self._attempt = -1
         self._batches: Batches | None = None  # the target's, while it is read
         self._held: list[StreamEvent] | None = None  # a pushed batch left to __anext__
+        self._lapse: Exception | None = None  # the pushed-to reader's own failure
         self._span: Attempt | None = None
         self._price: Price | None = None
         # The last two reads: where a stream's finish reason and usage are (for the span).
@@ -91,6 +93,9 @@ class RoutedRun:
         return self
 
     async def __anext__(self) -> list[StreamEvent]:
+        if self._lapse is not None:  # the reader's, not the provider's: raised as it is
+            lapse, self._lapse = self._lapse, None
+            raise lapse
         while True:
             batches = self._batches
             if batches is None:
@@ -167,7 +172,11 @@ class RoutedRun:
             if price is not None and type(batch[-1]) is Usage:
                 batch[-1] = _priced(batch[-1], price)
             self._before, self._latest = self._latest, batch
-            return sink(batch)
+            try:
+                return sink(batch)
+            except Exception as exc:  # in the socket's callback, it would be the upstream's
+                self._lapse = exc
+                return False
 
         return push(pushed)  # type: ignore[no-any-return]
 

@@ -19,6 +19,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from nexus import Provider
+from nexus.cache.run import StreamRun
 from nexus.events import Delta, Error, StreamEvent
 from nexus.providers.http import _Exchange
 from nexus.server.state import HUB
@@ -232,6 +233,35 @@ async def test_a_pushed_batch_with_an_error_is_left_to_the_routed_read(
     assert pushed == pulled
     assert provider.pushed == 2  # both pushed batches were in the first request
     assert 'upstream_errors_total{code="overloaded",provider="push"}' in str(pushed[1])
+
+
+async def test_a_failure_of_the_pushed_to_reader_is_its_own_not_the_providers(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in the run's own logging of a pushed read raised inside the socket's callback,
+    and was logged and counted as the provider's ("provider ... raised")."""
+    real = StreamRun._take
+    taken: list[int] = []
+
+    def failing(self: StreamRun, batch: list[StreamEvent]) -> bool:
+        taken.append(len(batch))
+        if len(taken) == 2:  # the first pushed read
+            raise RuntimeError("the run's own bug")
+        return real(self, batch)
+
+    monkeypatch.setattr(StreamRun, "_take", failing)
+    provider = Pushing([[Delta(content="a")], [Delta(content="b")], [Delta(content="c")]])
+    client = await make_client(providers=[provider])
+    async with asyncio.timeout(5):
+        resp = await client.post(
+            "/v1/chat/completions?stream_format=ndjson", json=body(model="push/m")
+        )
+        lines = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    assert any("internal_error" in str(line) for line in lines), lines
+    assert provider.pushed == 1
+    failed = [r for r in caplog.records if r.getMessage().startswith("stream ")]
+    assert failed and failed[0].name == "nexus.streams" and "failed" in failed[0].getMessage()
+    assert not [r for r in caplog.records if "raised" in r.getMessage()]
 
 
 def words(count: int) -> list[str]:

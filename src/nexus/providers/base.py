@@ -38,7 +38,7 @@ class Provider(ABC):
         self._models = list(models or [])
 
     async def start(self) -> None:
-        """Acquire resources (client sessions). Called once before the first request."""
+        """Acquire resources (connection pools). Called once before the first request."""
 
     async def close(self) -> None:
         """Release what :meth:`start` acquired."""

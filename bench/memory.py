@@ -101,6 +101,41 @@ def _configure(port: int, chunks: int, delay_ms: float) -> None:
     urllib.request.urlopen(request).read()
 
 
+def _start_gateway(system: str, base: str, port: int, work: Path) -> subprocess.Popen[str]:
+    if system == "rawproxy":
+        argv = ["rawproxy", "--upstream", base, "--port", str(port)]
+    else:
+        redis = os.environ.get("NEXUS_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+        store = redis if system == "nexus-redis" else None
+        config = work / "nexus.toml"
+        config.write_text(_nexus_config("nexus", base, port, store, f"memory-{port}"))
+        argv = ["serve", "--config", str(config)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.memory", "--serve", str(work), *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ready(gateway: subprocess.Popen[str], url: str, system: str) -> bool:
+    """The gateway answers on ``url`` (its own health path, 200): False once it exited."""
+    import urllib.error
+    import urllib.request
+
+    path = "/_bench/stats" if system == "rawproxy" else "/healthz"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and gateway.poll() is None:
+        try:
+            with urllib.request.urlopen(url + path, timeout=2) as response:
+                if response.status == 200:
+                    return gateway.poll() is None
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
 def _report(before: Path, after: Path, streams: int, top: int) -> None:
     old, new = tracemalloc.Snapshot.load(str(before)), tracemalloc.Snapshot.load(str(after))
     by_file = new.compare_to(old, "filename")
@@ -128,7 +163,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nexus-bench-memory-"))
-    up_port, port = free_port(), free_port()
+    up_port = free_port()
     upstream = subprocess.Popen(
         [sys.executable, "-m", "bench.upstream", "--port", str(up_port)],
         cwd=ROOT,
@@ -137,32 +172,22 @@ def main() -> None:
     )
     assert upstream.stdout is not None and upstream.stdout.readline().startswith("READY")
     base = f"http://127.0.0.1:{up_port}"
-    if args.system == "rawproxy":
-        argv = ["rawproxy", "--upstream", base, "--port", str(port)]
-    else:
-        redis = os.environ.get("NEXUS_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-        store = redis if args.system == "nexus-redis" else None
-        config = work / "nexus.toml"
-        config.write_text(_nexus_config("nexus", base, port, store, f"memory-{port}"))
-        argv = ["serve", "--config", str(config)]
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "bench.memory", "--serve", str(work), *argv],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    gateway: subprocess.Popen[str] | None = None
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _configure(up_port, 3, 5)
-                asyncio.run(_open(url, 50, None))  # warm-up: 50 short streams
+        # A port free_port() found may be taken before the gateway binds it (another
+        # process's server on port 0): then the gateway exits, and this tries another.
+        for _ in range(5):
+            port = free_port()
+            gateway = _start_gateway(args.system, base, port, work)
+            url = f"http://127.0.0.1:{port}"
+            if _ready(gateway, url, args.system):
                 break
-            except (OSError, aiohttp.ClientError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+            gateway.kill()
+            gateway.wait()
+        else:
+            raise RuntimeError("the gateway did not start on any of five ports")
+        _configure(up_port, 3, 5)
+        asyncio.run(_open(url, 50, None))  # warm-up: 50 short streams
         _configure(up_port, 60, 1000)
 
         def snapshot() -> None:
@@ -184,8 +209,9 @@ def main() -> None:
         asyncio.run(hold())
     finally:
         for process in (gateway, upstream):
-            process.kill()
-            process.wait()
+            if process is not None:
+                process.kill()
+                process.wait()
     try:
         _report(work / "0.snap", work / "1.snap", args.streams, args.top)
     finally:

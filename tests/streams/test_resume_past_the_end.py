@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,16 +182,29 @@ async def test_a_replica_that_cannot_be_asked_is_503_not_a_wait(
     await resp.read()
 
 
-async def test_a_replica_answers_again_once_redis_is_back(redis_server: RedisServer) -> None:
-    """Redis restarted (every key lost): the replica running a stream subscribes again
-    to its questions, and answers them."""
-    owner, asker = RedisStore(redis_server.url, "asks"), RedisStore(redis_server.url, "asks")
+@contextlib.asynccontextmanager
+async def replicas(
+    owner_url: str, asker_url: str, prefix: str
+) -> AsyncIterator[tuple[RedisStore, RedisStore, StreamInfo]]:
+    """Two replicas' stores, started: the owner runs ``info``'s stream (3 entries logged
+    here, none in its copy), the asker asks it about that stream; closed after."""
+    owner, asker = RedisStore(owner_url, prefix), RedisStore(asker_url, prefix)
     info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
     owner.live_entries = lambda stream_id: 3 if stream_id == info.id else None
     await owner.start()
     await asker.start()
     try:
         await owner.begin(info, 30)  # (nothing in its copy)
+        yield owner, asker, info
+    finally:
+        await asker.close()
+        await owner.close()
+
+
+async def test_a_replica_answers_again_once_redis_is_back(redis_server: RedisServer) -> None:
+    """Redis restarted (every key lost): the replica running a stream subscribes again
+    to its questions, and answers them."""
+    async with replicas(redis_server.url, redis_server.url, "asks") as (owner, asker, info):
         assert await asker.reached(info.id, 3)
         assert not await asker.reached(info.id, 4)
         redis_server.stop()
@@ -208,9 +221,6 @@ async def test_a_replica_answers_again_once_redis_is_back(redis_server: RedisSer
         assert await asker.reached(info.id, 3)
         owner.live_entries = lambda stream_id: None  # it ended here: the read tells
         assert await asker.reached(info.id, 4)
-    finally:
-        await asker.close()
-        await owner.close()
 
 
 async def test_a_replica_refused_its_subscription_still_starts_and_warns(
@@ -227,14 +237,8 @@ async def test_a_replica_refused_its_subscription_still_starts_and_warns(
     )
     await admin.aclose()
     limited = redis_server.url.replace("redis://", "redis://nosub:pw@")
-    owner, asker = RedisStore(limited, "acl"), RedisStore(redis_server.url, "acl")
-    info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
-    owner.live_entries = lambda stream_id: 3 if stream_id == info.id else None
     with caplog.at_level("WARNING", logger="nexus.store"):
-        await owner.start()
-        await asker.start()
-        try:
-            await owner.begin(info, 30)
+        async with replicas(limited, redis_server.url, "acl") as (_, asker, info):
             with pytest.raises(StoreUnavailable):
                 await asker.reached(info.id, 3)
             async with asyncio.timeout(3):
@@ -244,9 +248,6 @@ async def test_a_replica_refused_its_subscription_still_starts_and_warns(
             await asyncio.sleep(2.0)
             tries = await connections_received(redis_server) - before - 1  # (but this count's)
             assert tries <= 3  # after 0.25, 0.75, 1.75 s, ...; not 8, at 4 a second
-        finally:
-            await asker.close()
-            await owner.close()
     (warning,) = [r for r in caplog.records if "cannot ask this one" in r.getMessage()]
     assert "no permissions" in warning.getMessage()
 
@@ -327,32 +328,25 @@ async def test_a_subscription_that_died_silently_is_made_again(
     # Dropped by Redis, the probe's PUBLISH says so at once (0 heard): a wait that long
     # would fail the test were that not looked at.
     monkeypatch.setattr(redis_asks, "PROBE_WAIT_S", 0.3 if how == "silenced" else 30)
-    async with Proxy(redis_server.port) as proxy:
-        owner, asker = RedisStore(proxy.url, "probe"), RedisStore(redis_server.url, "probe")
-        info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream")
-        owner.live_entries = lambda stream_id: 3 if stream_id == info.id else None
-        await owner.start()
-        await asker.start()
-        try:
-            await owner.begin(info, 30)  # (nothing in its copy)
-            assert not await asker.reached(info.id, 4)
-            (address,) = proxy.silence()
-            if how == "dropped by Redis":
-                admin = aioredis.Redis.from_url(redis_server.url)
-                await admin.execute_command("CLIENT", "KILL", "ADDR", address)
-                assert await admin.publish(f"probe:asks:{owner.replica_id}", b"?") == 0
-                await admin.aclose()
-            with caplog.at_level("WARNING", logger="nexus.store"):
-                async with asyncio.timeout(5):
-                    while True:
-                        with contextlib.suppress(StoreUnavailable):
-                            assert not await asker.reached(info.id, 4)
-                            break
-                        await asyncio.sleep(0.05)
-            assert await asker.reached(info.id, 3)
-            assert "cannot ask this one" in caplog.text
-            if how == "dropped by Redis":
-                assert "holds no subscription" in caplog.text
-        finally:
-            await asker.close()
-            await owner.close()
+    async with (
+        Proxy(redis_server.port) as proxy,
+        replicas(proxy.url, redis_server.url, "probe") as (owner, asker, info),
+    ):
+        assert not await asker.reached(info.id, 4)
+        (address,) = proxy.silence()
+        if how == "dropped by Redis":
+            admin = aioredis.Redis.from_url(redis_server.url)
+            await admin.execute_command("CLIENT", "KILL", "ADDR", address)
+            assert await admin.publish(f"probe:asks:{owner.replica_id}", b"?") == 0
+            await admin.aclose()
+        with caplog.at_level("WARNING", logger="nexus.store"):
+            async with asyncio.timeout(5):
+                while True:
+                    with contextlib.suppress(StoreUnavailable):
+                        assert not await asker.reached(info.id, 4)
+                        break
+                    await asyncio.sleep(0.05)
+        assert await asker.reached(info.id, 3)
+        assert "cannot ask this one" in caplog.text
+        if how == "dropped by Redis":
+            assert "holds no subscription" in caplog.text

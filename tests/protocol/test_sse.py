@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus.protocol.sse import ServerSentEvent, SSEDecoder, comment, frame
+from nexus.protocol.sse import (
+    HOLD_BYTES,
+    EventTooLarge,
+    ServerSentEvent,
+    SSEDecoder,
+    comment,
+    frame,
+)
 
 Ev = ServerSentEvent
 
@@ -436,3 +443,63 @@ def test_named_events_read_whole_decode_as_the_general_rules(
     expected = [e for chunk in chunks for e in reference.decode(chunk)]
     assert [e for chunk in chunks for e in fast.decode(chunk)] == expected
     assert fast.last_event_id == reference.last_event_id
+
+
+@settings(max_examples=400, database=None, deadline=None)
+@given(data=st.data(), events=_NAMED)
+def test_named_events_many_to_a_read_cut_anywhere_decode_as_the_general_rules(
+    data: st.DataObject, events: list[tuple[str, str, str, str, str]]
+) -> None:
+    # Anthropic at full speed: several "event:"/"data:" pairs to a read, the last one cut
+    # by the read and held as bytes until the next.
+    stream = b"".join(f"{a}{name}\n{b}{value}{end}".encode() for a, name, b, value, end in events)
+    cuts = data.draw(st.lists(st.integers(min_value=0, max_value=len(stream)), max_size=8))
+    bounds = [0, *sorted(cuts), len(stream)]
+    chunks = [stream[a:b] for a, b in itertools.pairwise(bounds)]
+    fast, reference = SSEDecoder(), _GeneralOnly()
+    expected = [e for chunk in chunks for e in reference.decode(chunk)]
+    assert [e for chunk in chunks for e in fast.decode(chunk)] == expected
+    assert fast.last_event_id == reference.last_event_id
+    assert fast.flush() == reference.flush() == []
+
+
+def test_the_start_of_an_event_held_between_reads() -> None:
+    decoder = SSEDecoder()
+    decoder.decode(b": start\n\n")
+    # Whole events, then the start of the next: held, and completed by the next read.
+    assert decoder.decode_data(b'data: a\n\ndata: b\n\ndata: {"c') == [b"a", b"b"]
+    assert decoder.decode_data(b'":1}\n\ndata: d') == [b'{"c":1}']
+    assert decoder.decode_data(b"\n\n") == [b"d"]
+    # An id line among the held bytes is in force as soon as it was read.
+    assert decoder.decode(b"data: e\n\nid: 7\ndata: f") == [Ev(data="e")]
+    assert decoder.last_event_id == "7"
+    assert decoder.decode(b"\n\n") == [Ev(data="f", id="7")]
+    # At the end of input, a held event without its blank line is dropped.
+    assert decoder.decode(b"data: g") == []
+    assert decoder.flush() == []
+    assert decoder.decode(b"data: h\n\n") == [Ev(data="h", id="7")]
+
+
+def test_a_held_event_is_bounded() -> None:
+    decoder = SSEDecoder(max_event_bytes=HOLD_BYTES * 2)
+    decoder.decode(b": start\n\n")
+    assert decoder.decode(b"data: " + b"x" * (HOLD_BYTES - 10)) == []
+    with pytest.raises(EventTooLarge):
+        for _ in range(4):
+            decoder.decode(b"x" * (HOLD_BYTES // 2))
+
+
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"])
+def test_a_big_first_read_is_cut_on_bytes(bom: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fast upstream's first read holds hundreds of events: it must not go to the line
+    # rules (the text decoder and a loop per line) for want of the BOM check.
+    decoder = SSEDecoder()
+    ruled: list[bytes] = []
+    general = decoder._general
+    monkeypatch.setattr(decoder, "_general", lambda chunk: ruled.append(chunk) or general(chunk))
+    body = bom + b"".join(b'data: {"n":%d}\n\n' % i for i in range(300)) + b"data: {"
+    assert decoder.decode_data(body) == [b'{"n":%d}' % i for i in range(300)]
+    assert ruled == []
+    # A BOM later is text (a field named "\ufeffdata", ignored), read by the rules.
+    assert decoder.decode_data(b"}\n\n\xef\xbb\xbfdata: x\n\n") == [b"{}"]
+    assert ruled == [b"data: {}\n\n\xef\xbb\xbfdata: x\n\n"]

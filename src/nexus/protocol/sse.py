@@ -16,13 +16,29 @@ import codecs
 import re
 from dataclasses import dataclass
 
-__all__ = ["MAX_EVENT_BYTES", "EventTooLarge", "SSEDecoder", "ServerSentEvent", "comment", "frame"]
+__all__ = [
+    "HOLD_BYTES",
+    "MAX_EVENT_BYTES",
+    "EventTooLarge",
+    "SSEDecoder",
+    "ServerSentEvent",
+    "comment",
+    "frame",
+]
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 """The default bound of :class:`SSEDecoder`: far above any chat event (a token, a tool
 call's fragment, a usage), below what one stream may cost the process in memory."""
+
+
+_BOM = codecs.BOM_UTF8
+
+HOLD_BYTES = 16 * 1024
+"""The start of an event held as bytes between reads (it is copied into the next read):
+a chat chunk is well under it; a longer event (an image, a long tool call) is read by the
+line rules, in linear time."""
 
 
 class EventTooLarge(ValueError):
@@ -92,6 +108,7 @@ class SSEDecoder:
 
     def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._max = max_event_bytes
+        self._hold_max = min(HOLD_BYTES, max_event_bytes)
         self._held = 0  # input bytes since the last blank line, while an event is held
         self._last_byte = 0  # the last byte read (a line's end: the next may end a blank line)
         self._text = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
@@ -102,9 +119,12 @@ class SSEDecoder:
         self._last_id = ""
         self._retry: int | None = None
         self._clean = False  # see _general
+        self._fresh = True  # nothing read yet (a BOM may come)
+        self._tail = b""  # the start of an event, held as bytes (see _read)
 
     @property
     def last_event_id(self) -> str:
+        self._settle()  # an id line among the held bytes is in force already
         return self._last_id
 
     def decode(self, chunk: bytes) -> list[ServerSentEvent]:
@@ -132,14 +152,28 @@ class SSEDecoder:
         """The events ``chunk`` completes: those read by the line rules, then the data of
         whole events cut on bytes, and the last event id in force for those.
 
-        Most reads of every upstream are whole events of one ``data: `` line each, often
-        one: from a plain state (:meth:`_plain`) they are cut with a ``find`` or a
-        ``split``, with no text decoder, line loop or per-event object; so is a read of
-        one ``event:`` line and one ``data:`` line. An event that was half-read ends by
-        the rules first.
+        Most reads of every upstream are whole events, ``data: `` lines (OpenAI) or
+        ``event: `` then ``data: `` lines (Anthropic), the last one often cut by the read:
+        from a plain state (:meth:`_plain`) the whole ones are cut with ``split``, with no
+        text decoder, line loop or per-line object, and the cut one is held as bytes
+        (``_tail``, up to :data:`HOLD_BYTES`) until the next read completes it. Any
+        other shape is read by the line rules, the held bytes first.
         """
         events: list[ServerSentEvent] = []
-        if not self._plain():
+        if self._tail:
+            chunk = self._tail + chunk
+            self._tail = b""
+        elif self._fresh and not (len(chunk) < 3 and _BOM.startswith(chunk)):
+            # The first read: its BOM, if any, is skipped here, so that a big first read
+            # (a fast upstream's) is cut on bytes too; the line rules read UTF-8 from now on.
+            self._fresh = False
+            if chunk.startswith(_BOM):
+                chunk = chunk[3:]
+            self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._clean = True
+            if not self._plain():
+                return self._general(chunk), [], ""
+        elif not self._plain():
             end = chunk.find(b"\n\n") if self._clean and not self._skip_lf else -1
             if end < 0:
                 return self._general(chunk), [], ""
@@ -147,38 +181,61 @@ class SSEDecoder:
             chunk = chunk[end + 2 :]
             if not self._plain():
                 return events + self._general(chunk), [], ""
-        first = chunk.find(b"\n")
-        if first < 0 or b"\r" in chunk:
+        if b"\r" in chunk:
             return events + self._general(chunk), [], ""
-        if not chunk.startswith(b"data: "):
-            line = chunk.find(b"\n", first + 1)  # b"event: NAME\ndata: DATA\n\n" (Anthropic)
-            if (
-                line == len(chunk) - 2
-                and chunk[-1] == 10
-                and chunk.startswith(b"event: ")
-                and chunk.startswith(b"data: ", first + 1)
-            ):
-                name = chunk[7:first].decode("utf-8", "replace") or "message"
-                text = chunk[first + 7 : line].decode("utf-8", "replace")
-                events.append(ServerSentEvent(text, name, self._last_id))
-                return events, [], ""
-            return events + self._general(chunk), [], ""
-        last_id = self._last_id
-        if first == len(chunk) - 2 and chunk[-1] == 10:  # one event: the commonest read
-            return events, [chunk[6:first]], last_id
-        # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after each.
         cut = chunk.rfind(b"\n\n")
-        data = chunk[6:cut].split(b"\n\ndata: ")
-        if cut < 0 or chunk.count(b"\n", 0, cut + 2) != 2 * len(data):
-            return events + self._general(chunk), [], ""
-        if cut + 2 < len(chunk):
-            # A partial event: no blank line, nothing dispatched (its id: line is the next's).
-            self._general(chunk[cut + 2 :])
-        return events, data, last_id
+        if cut < 0:
+            self._keep(chunk)
+            return events, [], ""
+        if chunk.startswith(b"data: "):
+            # b"data: A\n\ndata: B\n\n" -> [b"A", b"B"] when the only LFs are the two after
+            # each (a join and a memchr: faster than counting LFs).
+            data = chunk[6:cut].split(b"\n\ndata: ")
+            if b"\n" in b"".join(data):
+                return events + self._general(chunk), [], ""
+            self._keep(chunk[cut + 2 :])
+            return events, data, self._last_id
+        if chunk.startswith(b"event: "):
+            # b"event: NAME\ndata: DATA\n\n", each with those two lines only.
+            blocks = chunk[:cut].split(b"\n\n")
+            if chunk.count(b"\n", 0, cut + 2) != 3 * len(blocks):
+                return events + self._general(chunk), [], ""
+            last_id = self._last_id
+            named = []
+            for block in blocks:
+                name, data_line, data = block.partition(b"\ndata: ")
+                if not data_line or not name.startswith(b"event: "):
+                    return events + self._general(chunk), [], ""
+                named.append(
+                    ServerSentEvent(
+                        data.decode("utf-8", "replace"),
+                        name[7:].decode("utf-8", "replace") or "message",
+                        last_id,
+                    )
+                )
+            self._keep(chunk[cut + 2 :])
+            return events + named, [], ""
+        return events + self._general(chunk), [], ""
+
+    def _keep(self, partial: bytes) -> None:
+        """Hold the start of an event (no CR, no blank line) as bytes for the next read,
+        up to :data:`HOLD_BYTES` (and ``max_event_bytes``); a longer one goes to the line
+        rules, which keep it in pieces (and count it against ``max_event_bytes``)."""
+        if len(partial) > self._hold_max:
+            self._general(partial)
+        else:
+            self._tail = partial
+
+    def _settle(self) -> None:
+        """Read the held bytes by the line rules (they dispatch nothing: no blank line)."""
+        if self._tail:
+            tail, self._tail = self._tail, b""
+            self._general(tail)
 
     def _general(self, chunk: bytes) -> list[ServerSentEvent]:
         text = self._text.decode(chunk)
         if chunk:
+            self._fresh = False
             # After an ASCII byte the text decoder holds nothing back (and its BOM check
             # is done).
             self._clean = chunk[-1] < 0x80
@@ -283,6 +340,7 @@ class SSEDecoder:
 
     def flush(self) -> list[ServerSentEvent]:
         """End of input. An event without its closing blank line is dropped (§1, rule 6)."""
+        self._settle()
         self._text.decode(b"", final=True)
         self._held = 0
         self._pending = []

@@ -358,3 +358,18 @@ def test_an_audio_piece_stored_before_its_id_loads_without_one() -> None:
 
 def test_a_usage_stored_before_its_cost_still_loads() -> None:
     assert load_event(["usage", 5, 3, 8, 2, 0, 1]) == Usage(5, 3, 8, 2, 0, 1)
+
+
+@given(st.text(max_size=30))
+def test_a_token_is_stored_as_any_delta_is(text: str) -> None:
+    # Tokens skip the field-by-field dump: the same list, and a delta that is not a token
+    # (a stop sequence, a role) still goes field by field.
+    from nexus.cache.codec import _dump_fields
+
+    for event in (
+        Delta(content=text),
+        Delta(content=text, stop_sequence="x"),
+        Delta(content=text, role="assistant"),
+    ):
+        assert dump_event(event) == _dump_fields(event)
+        assert load_event(orjson.loads(orjson.dumps(dump_event(event)))) == event

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nexus.cache.codec import dumps_events
-from nexus.cache.redis_log import _pack, decode
+from nexus.cache.redis_log import APPEND, Appends, _pack, decode
 from nexus.errors import StreamIncomplete
 from nexus.events import Delta, Done, StreamEvent
 
@@ -80,3 +80,39 @@ def test_the_declared_redis_floor_has_get_connection_without_arguments() -> None
     floor = re.search(r">=\s*([0-9.]+)", spec)
     assert floor is not None, spec
     assert tuple(int(p) for p in floor.group(1).split(".")) >= (5, 3), spec
+
+
+entries = st.lists(
+    st.tuples(
+        st.binary(min_size=1, max_size=30),  # the log's key
+        st.integers(min_value=1, max_value=2**40),  # the entry's end
+        st.binary(max_size=60),  # its payload
+        st.booleans(),  # NOMKSTREAM
+        st.integers(min_value=0, max_value=2**40),  # trim below (0: none)
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@given(entries)
+def test_appends_are_the_append_script_as_redis_py_packs_it(
+    added: list[tuple[bytes, int, bytes, bool, int]],
+) -> None:
+    # The mirror writes its turn's EVAL in RESP as it goes: the very bytes of the command
+    # built argument by argument.
+    appends = Appends()
+    keys: list[bytes] = []
+    args: list[Any] = []
+    for log, end, payload, exists, trim in added:
+        appends.add(log, end, payload, exists=exists, trim=trim)
+        head = (["NOMKSTREAM"] if exists else []) + (["MINID", "~", f"0-{trim}"] if trim else [])
+        keys.append(log)
+        args += [len(head) + 3, *head, f"0-{end}", "e", payload]
+    command = ("EVAL", APPEND, len(keys), *keys, *args)
+    expected = b"".join(aioredis.Connection().pack_commands([command]))
+    assert len(appends) == len(added)
+    assert appends.command() == expected
+    assert _pack([("PING",), appends.command(), ("PING",)]) == _pack([("PING",)]) + expected + (
+        _pack([("PING",)])
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -28,6 +28,7 @@ from ..events import (
     ToolCall,
     Usage,
     content_delta,
+    plain_content,
 )
 
 __all__ = ["dump_event", "dumps_events", "event_size", "load_event", "loads_events", "logged_size"]
@@ -50,13 +51,22 @@ _DEFAULTS = {
 
 
 def dump_event(event: StreamEvent) -> list[Any]:
-    """``[type, *fields]``: JSON-ready, exact."""
+    """``[type, *fields]``: JSON-ready, exact. A token (a delta of content only, the
+    commonest event) is made without looking its fields up."""
+    content = plain_content(event)
+    if content is not None and cast(Delta, event).stop_sequence is None:
+        return ["delta", content, *_TOKEN_TAIL]
+    return _dump_fields(event)
+
+
+def _dump_fields(event: StreamEvent) -> list[Any]:
+    """:func:`dump_event` of any event, field by field."""
     cls = type(event)
     out: list[Any] = [cls.type]
     for name in _FIELDS[cls]:
         value = getattr(event, name)
         if name == "tool_calls" and value is not None:
-            value = [dump_event(call)[1:] for call in value]
+            value = [_dump_fields(call)[1:] for call in value]
         out.append(value)
     defaults = _DEFAULTS.get(cls)
     if defaults is not None:

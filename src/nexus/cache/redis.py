@@ -58,11 +58,11 @@ from .codec import dump_event, dumps_events, load_event, logged_size
 from .redis_asks import Asks
 from .redis_holds import RedisHolds, ms
 from .redis_log import (
-    APPEND,
     FINISH,
     FIRST_PAGE,
     FOLLOW_COUNT,
     PAGE_CONNECTIONS,
+    Appends,
     Command,
     Followers,
     Pipeliner,
@@ -215,7 +215,7 @@ class RedisStore(RedisHolds):
             await self._client.aclose()
             self._client = None
 
-    async def call(self, op: str, *commands: tuple[Any, ...], allow: str = "") -> list[Any]:
+    async def call(self, op: str, *commands: Command, allow: str = "") -> list[Any]:
         """The replies to ``commands``, sent together. Refusals raise, but those that
         say ``allow``; Redis failing raises :class:`StoreUnavailable`, counted as ``op``."""
         if self._pipeliner is None:  # (a store given its client works unstarted)
@@ -308,32 +308,30 @@ class RedisStore(RedisHolds):
         in the same round trip, the owners' counts (:mod:`nexus.cache.redis_quota`)."""
         ttl_ms = ms(ttl_s)
         begun = [command for w in writes if w.begin for command in self._begin(w.info, ttl_ms)]
-        keys: list[str] = []
-        args: list[Any] = []
+        appends = Appends()
         after: list[Command] = []
         owners: list[int] = []
         sizes: dict[str, list[int]] = {}  # the live logs' sizes, once the write went through
         limit = self.max_log_bytes
         tally = self.quota.tally()  # the owners' counts, after the writes
+        live_logs = self._live
         for at, write in enumerate(writes):
             stream_id, start, events = write.info.id, write.start, write.events
-            log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
-            live = self._live.get(stream_id)
-            ttl, size, counted = live or (ttl_ms, 0, 0)
+            log = self._key(stream_id, "log")
+            log_key = log.encode()
+            ttl, size, counted = live_logs.get(stream_id) or (ttl_ms, 0, 0)
             ttl = ttl_ms if write.end else ttl
-            exists = ("NOMKSTREAM",) if start > 0 else ()
             for first in range(0, len(events), _ENTRY):
                 chunk = events[first : first + _ENTRY]
                 payload = dumps_events(chunk)
                 end = start + min(first + _ENTRY, len(events))
                 size += len(payload)
                 counted += logged_size(chunk)
-                trim: tuple[Any, ...] = ()
+                # Past the bound, keep as many entries as fit, at the log's mean entry size.
+                trim = 0
                 if limit is not None and counted > limit:
-                    # Keep as many entries as fit, at the log's mean entry size.
-                    trim = ("MINID", "~", f"0-{end - end * limit // counted + 1}")
-                keys.append(log)
-                args += (len(exists) + len(trim) + 3, *exists, *trim, f"0-{end}", "e", payload)
+                    trim = end - end * limit // counted + 1
+                appends.add(log_key, end, payload, exists=start > 0, trim=trim)
                 owners.append(at)
             # Its bytes in Redis: once trimmed, about the share of them the trim kept.
             kept = size if limit is None or counted <= limit else size * limit // counted
@@ -341,12 +339,14 @@ class RedisStore(RedisHolds):
             if not write.end:
                 sizes[stream_id] = [ttl, size, counted]
                 if start == 0:
-                    after += [("PEXPIRE", log, ttl), ("PEXPIRE", info_key, ttl)]
-            elif exists and events:
+                    after += [("PEXPIRE", log, ttl), ("PEXPIRE", self._key(stream_id, "info"), ttl)]
+            elif start > 0 and events:
                 owner = self._key(stream_id, "owner")
                 info = write.info.to_json()
+                info_key = self._key(stream_id, "info")
                 after.append(("EVAL", FINISH, 3, log, info_key, owner, info, ttl))
             else:
+                info_key = self._key(stream_id, "info")
                 after += [
                     ("SET", info_key, write.info.to_json(), "PX", ttl),
                     ("PEXPIRE", log, ttl),
@@ -355,13 +355,12 @@ class RedisStore(RedisHolds):
                 ]
         counting = tally.commands()
         replies: list[Any] = []
-        if not keys:
+        if not appends:
             if begun or after:
                 replies = await self.call("mirror", *begun, *after, *counting)
             lost = []
         else:
-            append = ("EVAL", APPEND, len(keys), *keys, *args)
-            replies = await self.call("mirror", *begun, append, *after, *counting)
+            replies = await self.call("mirror", *begun, appends.command(), *after, *counting)
             lost = replies[len(begun)]
         if counting:
             self._evicted("key_limit", int(replies[-1]))  # the count's reply: its deletions

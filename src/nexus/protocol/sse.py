@@ -203,12 +203,12 @@ class SSEDecoder:
             last_id = self._last_id
             named = []
             for block in blocks:
-                name, data_line, data = block.partition(b"\ndata: ")
+                name, data_line, value = block.partition(b"\ndata: ")
                 if not data_line or not name.startswith(b"event: "):
                     return events + self._general(chunk), [], ""
                 named.append(
                     ServerSentEvent(
-                        data.decode("utf-8", "replace"),
+                        value.decode("utf-8", "replace"),
                         name[7:].decode("utf-8", "replace") or "message",
                         last_id,
                     )

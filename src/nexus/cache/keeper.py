@@ -2,7 +2,8 @@
 the store when they end, recorded, their claims released.
 
 With a shared store, one task (the mirror) serves every run of the process: a run that
-grows marks itself through a waiter on its log (no task or timer per stream); the mirror
+grows marks itself, the keeper being one more reader of its log, told of each batch in
+the run's own call (no task, timer or future per stream and batch); the mirror
 waits :data:`MIRROR_INTERVAL_S` so that the runs growing meanwhile join, then writes all
 their new entries and ends in one round trip (:meth:`~nexus.cache.store.Store.mirror`),
 and renews the live logs' TTLs in one round trip every third of ``resume_ttl_s`` (60 s
@@ -75,7 +76,14 @@ class _Kept:
         self, run: StreamRun, record: str | None, begun: bool, mark: Callable[[_Kept], None]
     ) -> None:
         self.run = run
-        self.woke = lambda _: mark(self)  # its waiters' callback, made once
+
+        def woke(_: object) -> bool:
+            mark(self)
+            return True
+
+        self.woke = woke
+        """Told of each batch the run logs (a reader that takes every batch: no future
+        set and callback scheduled per batch), and of its end; made once."""
         self.record = record
         self.begun = begun
         self.written = 0
@@ -127,9 +135,8 @@ class Keeper:
             )
             return
         kept = self._kept[run.id] = _Kept(run, record, stored, self._mark)
-        if stored:
-            self._arm(kept)
-        else:
+        run._waiter(kept.woke).add_done_callback(kept.woke)  # for as long as it runs
+        if not stored or run.finished or run.events:
             self._mark(kept)
         if self._mirror is None:
             self._mirror = self._track(self._run())
@@ -163,14 +170,6 @@ class Keeper:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
-
-    def _arm(self, kept: _Kept) -> None:
-        """Marked now if its run grew since it was written, else when it grows or finishes."""
-        run = kept.run
-        if run.finished or len(run.events) > kept.written:
-            self._mark(kept)
-        else:
-            run._waiter().add_done_callback(kept.woke)
 
     def _mark(self, kept: _Kept) -> None:
         self._dirty[kept.run.id] = kept
@@ -251,8 +250,7 @@ class Keeper:
                     self._gone(kept.run)
             else:
                 kept.begun = True
-                kept.written = len(write.events) + write.start
-                self._arm(kept)
+                kept.written = len(write.events) + write.start  # (grown since: marked)
         return True
 
     def _failed(self, batch: list[_Kept]) -> None:

@@ -196,17 +196,19 @@ class RedisStore(RedisHolds):
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def close(self) -> None:
+        beating = self._heartbeat is not None
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.wait((self._heartbeat,), timeout=2.0)
             self._heartbeat = None
-            with contextlib.suppress(RedisError, OSError):
-                await self.client.delete(self._replica_key(self.replica_id))
         await self.followers.close()
         await self.asks.close()
         if self._pipeliner is not None:
-            await self._pipeliner.close()
+            await self._pipeliner.close()  # its connection back to the pool, for the DEL
             self._pipeliner = None
+        if beating:
+            with contextlib.suppress(RedisError, OSError):
+                await self.client.delete(self._replica_key(self.replica_id))
         pages, self._pages = self._pages, None
         if pages is not None:
             with contextlib.suppress(RedisError, OSError):

@@ -33,6 +33,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
 from ..errors import StreamIncomplete
@@ -210,6 +211,11 @@ class Pipeliner:
     def __init__(self, client: aioredis.Redis, wait_s: float) -> None:
         self._client = client
         self._wait_s = wait_s
+        self._connection: AbstractConnection | None = None
+        """Taken from the pool once and kept (pipelines go one at a time), checked before
+        each pipeline as the pool checks what it hands out: taking one per pipeline cost a
+        lock, a timeout and the pool's metrics each, a third of the store's CPU in a
+        request."""
         self._queue: list[tuple[Sequence[Command], asyncio.Future[list[Any]], float]] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -240,7 +246,16 @@ class Pipeliner:
                         sent.append((future, len(group)))
                 failed: BaseException | None = None
                 try:
-                    replies = await send(self._client, commands) if commands else []
+                    replies = []
+                    if commands:
+                        pool = self._client.connection_pool
+                        connection = self._connection
+                        if connection is None:
+                            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+                            self._connection = connection
+                        else:  # closed by Redis while kept (a restart): connected again
+                            await pool.ensure_connection(connection)
+                        replies = await exchange(connection, commands)
                 except (RedisError, OSError) as exc:
                     failed = exc
                 at = 0
@@ -268,14 +283,27 @@ class Pipeliner:
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait((self._task,), timeout=2.0)
+            if self._task is not None:
+                return  # still on its connection (Redis not answering): closed with the pool
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await self._client.connection_pool.release(connection)
 
 
 async def send(client: aioredis.Redis, commands: Sequence[Command]) -> list[Any]:
-    """``commands`` in one go on one connection of ``client``'s pool, each reply in order
-    (a refusal as its error); a connection that broke since its last use (Redis
-    restarted) is replaced once."""
+    """``commands`` in one go on one connection of ``client``'s pool (:func:`exchange`)."""
     pool = client.connection_pool
     connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        return await exchange(connection, commands)
+    finally:
+        await pool.release(connection)
+
+
+async def exchange(connection: AbstractConnection, commands: Sequence[Command]) -> list[Any]:
+    """``commands`` in one go on ``connection``, each reply in order (a refusal as its
+    error); a connection that broke since its last use (Redis restarted) is connected
+    again once; one that fails midway is left disconnected (a reply may be unread)."""
     try:
         for retry in (True, False):
             try:
@@ -295,8 +323,6 @@ async def send(client: aioredis.Redis, commands: Sequence[Command]) -> list[Any]
     except BaseException:
         await connection.disconnect()  # a reply may be left unread
         raise
-    finally:
-        await pool.release(connection)
 
 
 def _pack(commands: Sequence[Command]) -> bytes:

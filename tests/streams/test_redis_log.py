@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nexus.cache.codec import dumps_events
-from nexus.cache.redis_log import APPEND, Appends, _pack, decode
+from nexus.cache.redis_log import APPEND, Appends, decode
+from nexus.cache.redis_pipeline import _pack
 from nexus.errors import StreamIncomplete
 from nexus.events import Delta, Done, StreamEvent
 

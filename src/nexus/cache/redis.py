@@ -29,9 +29,10 @@ Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
 re-created without its start; :meth:`RedisStore.end` rewrites it whole itself. A reader
 that meets a gap raises :class:`~nexus.errors.StreamIncomplete`, never serves a hole.
 
-Connections: commands share pipelines on the pool (``[store] max_connections``); the
-pages of readers catching up on logs, bounded in bytes, go alone on connections of their
-own, and followers share blocking reads on theirs (:mod:`nexus.cache.redis_log`).
+Connections: commands share one pipeline, on one connection of the pool (``[store]
+max_connections``; :mod:`nexus.cache.redis_pipeline`); the pages of readers catching up on
+logs, bounded in bytes, go alone on connections of their own, and followers share
+blocking reads on theirs (:mod:`nexus.cache.redis_log`).
 A command not sent within ``[store] pool_timeout_s`` fails. Every failure to reach Redis
 is raised as :class:`~nexus.errors.StoreUnavailable` (503, ``Retry-After``) and counted
 through :attr:`Store.on_error`.
@@ -63,14 +64,12 @@ from .redis_log import (
     FOLLOW_COUNT,
     PAGE_CONNECTIONS,
     Appends,
-    Command,
     Followers,
-    Pipeliner,
     decode,
     page,
     page_count,
-    send,
 )
+from .redis_pipeline import Command, Pipeliner, send
 from .redis_quota import Quota
 from .redis_url import redact_url, scrub
 from .store import OWNER_TTL_S, Recording, StreamInfo, Write

@@ -9,13 +9,13 @@ the same ID, and the reader cuts an entry that overlaps the one before it (a ret
 carries more events). The store writes entries with :data:`APPEND` (every log of a
 mirror turn in one script) and ends an appended log with :data:`FINISH`.
 
-**Commands** (:class:`Pipeliner`): every task's commands join one pipeline; while it is
-in flight the next ones gather for the next. A thousand streams mirroring their logs
-cost a round trip per turn, on one connection of the pool.
+**Commands** go through the store's one pipeline (:mod:`nexus.cache.redis_pipeline`); a
+mirror turn's entries as one command already in RESP (:class:`Appends`).
 
 **Catching up** (:func:`page`): a reader pages through a log with ``XRANGE``, each page
 sized from the entries of the one before to about :data:`PAGE_BYTES` (:func:`page_count`),
-sent alone on one of :data:`PAGE_CONNECTIONS` connections of their own (:func:`send`),
+sent alone on one of :data:`PAGE_CONNECTIONS` connections of their own
+(:func:`~nexus.cache.redis_pipeline.send`),
 never in the commands' pipeline: sixty readers of a 30 MB log in it, 100 entries a page,
 held an admission's PING 9 s behind their pages (then 503).
 
@@ -33,12 +33,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import ConnectionError, RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from ..errors import StreamIncomplete
 from ..events import Done, Error, StreamEvent
 from .codec import loads_events
+from .redis_pipeline import Command
 
 __all__ = [
     "APPEND",
@@ -48,13 +48,10 @@ __all__ = [
     "KEYS_PER_READ",
     "PAGE_CONNECTIONS",
     "Appends",
-    "Command",
     "Followers",
-    "Pipeliner",
     "decode",
     "page",
     "page_count",
-    "send",
 ]
 
 KEYS_PER_READ = 250
@@ -72,8 +69,6 @@ FIRST_PAGE = 1
 PAGE_CONNECTIONS = 4
 """Connections for pages, per process: so many pages at once, the next ones wait."""
 
-Command = tuple[Any, ...] | bytes
-"""A command's arguments, or the whole command already in RESP (:meth:`Appends.command`)."""
 
 # Log entries: per log in KEYS, in ARGV the count of its XADD arguments, then them. An
 # entry added again is refused (its ID is not above the top one), which is fine. Returns
@@ -202,142 +197,6 @@ def decode(
         if isinstance(batch[-1], Done | Error):
             return events, after, True
     return events, after, False
-
-
-class Pipeliner:
-    """Sends commands in pipelines, one at a time (see the module docstring). A group
-    not sent within ``wait_s`` (its pipeline waited for the pool) fails."""
-
-    def __init__(self, client: aioredis.Redis, wait_s: float) -> None:
-        self._client = client
-        self._wait_s = wait_s
-        self._connection: AbstractConnection | None = None
-        """Taken from the pool once and kept (pipelines go one at a time), checked before
-        each pipeline as the pool checks what it hands out: taking one per pipeline cost a
-        lock, a timeout and the pool's metrics each, a third of the store's CPU in a
-        request."""
-        self._queue: list[tuple[Sequence[Command], asyncio.Future[list[Any]], float]] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def run(self, commands: Sequence[Command]) -> list[Any]:
-        """Each command's reply, in order (a refusal as its error). Raises
-        :class:`RedisError` or ``OSError`` when Redis cannot be reached."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[Any]] = loop.create_future()
-        self._queue.append((commands, future, loop.time()))
-        if self._task is None:
-            self._task = loop.create_task(self._flush())
-        return await future
-
-    async def _flush(self) -> None:
-        loop = asyncio.get_running_loop()
-        sent: list[tuple[asyncio.Future[list[Any]], int]] = []
-        try:
-            while self._queue:
-                groups, self._queue = self._queue, []
-                late = loop.time() - self._wait_s
-                commands: list[Command] = []
-                sent = []
-                for group, future, queued in groups:
-                    if queued < late and not future.done():
-                        future.set_exception(RedisError("no pipeline free in time"))
-                    if not future.done():  # (else: its caller left)
-                        commands += group
-                        sent.append((future, len(group)))
-                failed: BaseException | None = None
-                try:
-                    replies = []
-                    if commands:
-                        pool = self._client.connection_pool
-                        connection = self._connection
-                        if connection is None:
-                            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-                            self._connection = connection
-                        else:  # closed by Redis while kept (a restart): connected again
-                            await pool.ensure_connection(connection)
-                        replies = await exchange(connection, commands)
-                except (RedisError, OSError) as exc:
-                    failed = exc
-                at = 0
-                for future, count in sent:
-                    if future.done():
-                        pass
-                    elif failed is not None:
-                        future.set_exception(failed)
-                    else:
-                        future.set_result(replies[at : at + count])
-                    at += count
-            sent = []
-        finally:
-            self._task = None
-            # Closed (or broken) with groups sent or queued: each caller gets an error it
-            # handles (StoreUnavailable), never a wait without end or a CancelledError
-            # that is not its own.
-            stopped = RedisError("the store's pipeline stopped")
-            for future in [f for f, _ in sent] + [f for _, f, _ in self._queue]:
-                if not future.done():
-                    future.set_exception(stopped)
-            self._queue = []
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait((self._task,), timeout=2.0)
-            if self._task is not None:
-                return  # still on its connection (Redis not answering): closed with the pool
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            await self._client.connection_pool.release(connection)
-
-
-async def send(client: aioredis.Redis, commands: Sequence[Command]) -> list[Any]:
-    """``commands`` in one go on one connection of ``client``'s pool (:func:`exchange`)."""
-    pool = client.connection_pool
-    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-    try:
-        return await exchange(connection, commands)
-    finally:
-        await pool.release(connection)
-
-
-async def exchange(connection: AbstractConnection, commands: Sequence[Command]) -> list[Any]:
-    """``commands`` in one go on ``connection``, each reply in order (a refusal as its
-    error); a connection that broke since its last use (Redis restarted) is connected
-    again once; one that fails midway is left disconnected (a reply may be unread)."""
-    try:
-        for retry in (True, False):
-            try:
-                await connection.send_packed_command(_pack(commands))
-                break
-            except (ConnectionError, OSError):
-                await connection.disconnect()
-                if not retry:
-                    raise
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(await connection.read_response())
-            except ResponseError as exc:
-                replies.append(exc)
-        return replies
-    except BaseException:
-        await connection.disconnect()  # a reply may be left unread
-        raise
-
-
-def _pack(commands: Sequence[Command]) -> bytes:
-    """``commands`` in RESP: what redis-py's packing makes, at less than half its cost."""
-    out = []
-    for command in commands:
-        if type(command) is bytes:  # packed already
-            out.append(command)
-            continue
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if type(arg) is not bytes:
-                arg = b"%d" % arg if type(arg) is int else str(arg).encode()
-            out.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
-    return b"".join(out)
 
 
 Waiter = tuple[int, asyncio.Future[list[Any]]]

@@ -269,6 +269,7 @@ async def test_with_redis_any_worker_resumes_any_stream(tmp_path: Path) -> None:
                     assert resp.status == 200, await resp.text()
                     attached = await resp.read()
                 reader = await worker_of(http, server.url)
+            assert b"event: error" not in attached, attached[-600:]
             assert contents(attached) == text
             assert attached.endswith(b"data: [DONE]\n\n")
             crossed += maker != reader

@@ -99,3 +99,45 @@ async def test_a_quiet_stream_is_renewed_until_it_ends(
     await client.app[HUB].drain()
     assert await redis_client.exists(f"{prefix}:stream:{stream_id}:owner") == 0
     assert 0 < await redis_client.pttl(f"{prefix}:stream:{stream_id}:log") <= 600
+
+
+async def test_a_mark_that_comes_after_a_streams_end_was_written_is_ignored(
+    make_client: MakeClient, prefix: str
+) -> None:
+    # The finish's callback may reach the keeper after the turn that wrote the end: the
+    # mirror must not write that end again, nor fail on a stream it no longer keeps (the
+    # failure ended the mirror's task, and the streams still running went unmirrored).
+    first, second = GatedProvider("first"), GatedProvider("second")
+    client = await make_client(redis_config(prefix), providers=[first, second])
+    hub = client.app[HUB]
+    keeper = hub.keeper
+    responses = []
+    for name in ("first", "second"):
+        resp = await client.post(
+            "/v1/chat/completions?stream_format=nexus", json=chat(model=f"{name}/m", stream=True)
+        )
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        responses.append(resp)
+    kept = {k.run.info.meta.provider: k for k in keeper._kept.values()}
+    second.gate.set()
+    assert (await asyncio.wait_for(responses[1].read(), 10)).endswith(b'{"type":"done"}\n\n')
+    for _ in range(500):  # until its end is written
+        if kept["second"].run.id not in keeper._kept:
+            break
+        await asyncio.sleep(0.01)
+    assert list(keeper._kept.values()) == [kept["first"]]
+    written: list[str] = []
+    mirror = hub.store.mirror
+
+    async def counted(writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        written.extend(write.info.id for write in writes)
+        return await mirror(writes, ttl_s)
+
+    hub.store.mirror = counted  # type: ignore[method-assign]
+    keeper._mark(kept["second"])  # late
+    await asyncio.sleep(0.1)  # a turn or more
+    first.gate.set()  # the running stream grows and ends: still mirrored
+    assert (await asyncio.wait_for(responses[0].read(), 10)).endswith(b'{"type":"done"}\n\n')
+    await hub.drain()
+    assert kept["second"].run.id not in written
+    assert kept["first"].run.id in written

@@ -172,7 +172,10 @@ class Keeper:
         return task
 
     def _mark(self, kept: _Kept) -> None:
-        self._dirty[kept.run.id] = kept
+        run_id = kept.run.id
+        if self._kept.get(run_id) is not kept:
+            return  # its end is written already (the finish's callback came late)
+        self._dirty[run_id] = kept
         self._woken.set()
 
     def _state(self, kept: _Kept, state: str) -> None:

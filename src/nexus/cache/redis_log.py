@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from ..errors import StreamIncomplete
 from ..events import Done, Error, StreamEvent
 from .codec import loads_events
-from .redis_pipeline import Command
+from .redis_pipeline import Command, bulk
 
 __all__ = [
     "APPEND",
@@ -99,16 +99,12 @@ return 1
 """
 
 
-def _bulk(arg: bytes) -> bytes:
-    return b"$%d\r\n%b\r\n" % (len(arg), arg)
-
-
-_APPEND_HEAD = b"$4\r\nEVAL\r\n" + _bulk(APPEND.encode())
+_APPEND_HEAD = b"$4\r\nEVAL\r\n" + bulk(APPEND.encode())
 # An entry's XADD arguments before its ID, by (NOMKSTREAM, trimmed): their count, then them.
 _XADD_HEADS = {
-    (exists, trim): _bulk(b"%d" % (3 + exists + 3 * trim))
-    + (_bulk(b"NOMKSTREAM") if exists else b"")
-    + (_bulk(b"MINID") + _bulk(b"~") if trim else b"")
+    (exists, trim): bulk(b"%d" % (3 + exists + 3 * trim))
+    + (bulk(b"NOMKSTREAM") if exists else b"")
+    + (bulk(b"MINID") + bulk(b"~") if trim else b"")
     for exists in (False, True)
     for trim in (False, True)
 }
@@ -133,10 +129,10 @@ class Appends:
         """An entry of the log at ``log``: its events' ``payload``, ID ``0-{end}``;
         ``exists``: NOMKSTREAM (appended to a log that must be there); ``trim`` > 0: the
         entries below ``0-{trim}`` trimmed (``MINID ~``)."""
-        self._keys.append(b"$%d\r\n%b\r\n" % (len(log), log))
+        self._keys.append(bulk(log))
         head = _XADD_HEADS[exists, trim > 0]
         if trim > 0:
-            head += _bulk(b"0-%d" % trim)
+            head += bulk(b"0-%d" % trim)
         entry_id = b"0-%d" % end
         self._args.append(
             b"%b$%d\r\n%b\r\n$1\r\ne\r\n$%d\r\n%b\r\n"
@@ -147,7 +143,7 @@ class Appends:
     def command(self) -> bytes:
         """``EVAL APPEND numkeys keys... args...`` in RESP."""
         keys = len(self._keys)
-        head = b"*%d\r\n%b%b" % (3 + keys + self._count, _APPEND_HEAD, _bulk(b"%d" % keys))
+        head = b"*%d\r\n%b%b" % (3 + keys + self._count, _APPEND_HEAD, bulk(b"%d" % keys))
         return b"".join((head, *self._keys, *self._args))
 
 

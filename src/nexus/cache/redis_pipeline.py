@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
-__all__ = ["Command", "Pipeliner", "exchange", "send"]
+__all__ = ["Command", "Pipeliner", "bulk", "exchange", "send"]
 
 Command = tuple[Any, ...] | bytes
 """A command's arguments, or the whole command already in RESP
@@ -147,6 +147,11 @@ async def exchange(connection: AbstractConnection, commands: Sequence[Command]) 
         raise
 
 
+def bulk(arg: bytes) -> bytes:
+    """One argument in RESP (a bulk string)."""
+    return b"$%d\r\n%b\r\n" % (len(arg), arg)
+
+
 def _pack(commands: Sequence[Command]) -> bytes:
     """``commands`` in RESP: what redis-py's packing makes, at less than half its cost."""
     out = []
@@ -158,5 +163,5 @@ def _pack(commands: Sequence[Command]) -> bytes:
         for arg in command:
             if type(arg) is not bytes:
                 arg = b"%d" % arg if type(arg) is int else str(arg).encode()
-            out.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+            out.append(bulk(arg))
     return b"".join(out)

@@ -421,6 +421,11 @@ async def _run(
             reuse_port=worker is not None,
         )
         await site.start()
+        # What starting made (modules, config, the app) lives as long as the process: out
+        # of the collector's reach, a full collection under load walks only what serving
+        # made (its garbage collected first: frozen, it would stay).
+        gc.collect()
+        gc.freeze()
         loop = asyncio.get_running_loop()
         # SIGHUP too (its terminal closed, or `kill -HUP` meaning "reload" elsewhere):
         # its default would end the process at once, streams cut and spend uncharged.

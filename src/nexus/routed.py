@@ -243,6 +243,10 @@ class RoutedRun:
                 self._lost(*target, prompt)
             else:
                 self._served(*target, True, prompt)
+        if attempt >= len(self._targets):
+            # The last end: the callbacks (closures over the stream that holds this run)
+            # are let go, so that a finished stream is freed by its count, not the collector.
+            self._served = self._lost = _told_nothing
         self._attempt = attempt - 1
         try:
             if batches is not None:
@@ -253,6 +257,10 @@ class RoutedRun:
 
     async def aclose(self) -> None:
         await self._end(len(self._targets))
+
+
+def _told_nothing(*_: object) -> None:
+    """What an ended run tells of a target (nothing: its stream's meta is final)."""
 
 
 def _priced(usage: Usage, price: Price) -> Usage:

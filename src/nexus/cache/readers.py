@@ -110,6 +110,7 @@ class RunReader:
         return taken
 
     async def close(self, failed: Error | None = None) -> None:
+        self.sink = None  # (a pump's bound method: the pump holds this reader)
         if not self._closed:
             self._closed = True
             self._run._detach(failed)

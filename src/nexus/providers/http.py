@@ -227,8 +227,14 @@ class _Exchange:
             if self._failure is not None:
                 error, phase = self._failure, self._phase()
                 await self.aclose()
-                with map_upstream_errors(self._provider.name, phase):
-                    raise error
+                # Raised once, and let go: held (here or on self), its traceback, which
+                # holds this frame, would make a cycle only the collector frees.
+                self._failure = None
+                try:
+                    with map_upstream_errors(self._provider.name, phase):
+                        raise error
+                finally:
+                    del error
             if self._end:
                 decoder = self._decoder
                 assert decoder is not None

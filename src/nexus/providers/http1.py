@@ -226,6 +226,7 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         """Drop the connection (its listener, if any, is not told: it asked)."""
         self._listener = None
+        self._parser = None  # it holds this connection's callbacks: a cycle, once closed
         self._in_message = False
         self.reusable = False
         if self.transport is not None and not self.closed:

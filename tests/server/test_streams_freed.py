@@ -17,7 +17,7 @@ import pytest
 import websockets
 
 from support import MakeClient, chat
-from upstreams import FakeUpstream, Reply, openai_chunk, openai_usage_chunk, sse
+from upstreams import FakeUpstream, Reply, anthropic_stream, openai_chunk, openai_usage_chunk, sse
 
 
 @contextmanager
@@ -155,4 +155,43 @@ async def test_realtime_turns_leave_no_cycle(make_client: MakeClient) -> None:
                     while orjson.loads(await ws.recv())["type"] != "done":
                         pass
                 await asyncio.sleep(0.05)
+        assert names == []
+
+
+async def test_other_paths_leave_no_cycle(make_client: MakeClient) -> None:
+    """Not streamed; an Anthropic upstream; a cache miss, its replay; a resumed stream."""
+    blocks = [{"type": "text", "text": "Hello there"}]
+    async with (
+        FakeUpstream(default=Reply.stream(_stream(4), delay=0.01)) as oai,
+        FakeUpstream(default=Reply.stream(anthropic_stream(blocks), delay=0.01)) as claude,
+    ):
+        client = await make_client(
+            {
+                "providers": {
+                    "oai": {"kind": "openai", "base_url": oai.url + "/v1"},
+                    "claude": {"kind": "anthropic", "base_url": claude.url},
+                },
+                "cache": {"enabled": True},
+            }
+        )
+        body = {"messages": USER, "model": "oai/m"}
+        await (await client.post("/v1/chat/completions", json=body)).read()
+        with cyclic_garbage() as names:
+            made = await client.post("/v1/chat/completions", json={**body, "seed": 1})
+            assert made.status == 200
+            await made.read()
+            for model in ("claude/m", "oai/m", "oai/m"):  # the second oai/m: a replay
+                resp = await client.post(
+                    "/v1/chat/completions", json={**body, "model": model, "stream": True}
+                )
+                assert resp.status == 200
+                data = await resp.read()
+                assert data.endswith(b"data: [DONE]\n\n")
+            stream_id = data.split(b"id: ", 1)[1].split(b".", 1)[0].decode()
+            again = await client.get(
+                f"/v1/streams/{stream_id}", headers={"Last-Event-ID": f"{stream_id}.2"}
+            )
+            assert again.status == 200
+            assert (await again.read()).endswith(b"data: [DONE]\n\n")
+            await asyncio.sleep(0.1)
         assert names == []

@@ -16,6 +16,7 @@ import orjson
 import pytest
 import websockets
 
+from redis_support import REDIS_URL
 from support import MakeClient, chat
 from upstreams import FakeUpstream, Reply, anthropic_stream, openai_chunk, openai_usage_chunk, sse
 
@@ -36,12 +37,6 @@ def cyclic_garbage() -> Iterator[list[str]]:
             for obj in gc.garbage
             if type(obj).__module__.startswith("nexus.")
         )
-        import sys
-
-        sys.path.insert(0, "/tmp/cyc")
-        import edges
-
-        edges.dump(list(gc.garbage))
         gc.garbage.clear()
 
 
@@ -194,4 +189,32 @@ async def test_other_paths_leave_no_cycle(make_client: MakeClient) -> None:
             assert again.status == 200
             assert (await again.read()).endswith(b"data: [DONE]\n\n")
             await asyncio.sleep(0.1)
+        assert names == []
+
+
+async def test_streams_mirrored_to_redis_leave_no_cycle(
+    make_client: MakeClient, prefix: str
+) -> None:
+    async with FakeUpstream(default=Reply.stream(_stream(6), delay=0.01)) as fake:
+        client = await make_client(
+            {
+                "providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}},
+                "store": {"kind": "redis", "url": REDIS_URL, "prefix": prefix},
+            }
+        )
+        body = {"messages": USER, "model": "oai/m", "stream": True}
+        await (await client.post("/v1/chat/completions", json=body)).read()
+        await asyncio.sleep(0.2)  # its end written by the mirror
+        with cyclic_garbage() as names:
+            for _ in range(3):
+                resp = await client.post("/v1/chat/completions", json=body)
+                data = await resp.read()
+                assert data.endswith(b"data: [DONE]\n\n")
+            stream_id = data.split(b"id: ", 1)[1].split(b".", 1)[0].decode()
+            await asyncio.sleep(0.2)  # the ends written, the runs let go
+            again = await client.get(
+                f"/v1/streams/{stream_id}", headers={"Last-Event-ID": f"{stream_id}.2"}
+            )
+            assert (await again.read()).endswith(b"data: [DONE]\n\n")
+            await asyncio.sleep(0.05)
         assert names == []

@@ -70,25 +70,24 @@ def status_of(terminal: StreamEvent) -> Status:
 class _Kept:
     """A run in the mirror: ``written`` entries are in the store (if ``begun``)."""
 
-    __slots__ = ("begun", "behind", "give_up", "record", "run", "woke", "written")
+    __slots__ = ("_mark", "begun", "behind", "give_up", "record", "run", "written")
 
     def __init__(
         self, run: StreamRun, record: str | None, begun: bool, mark: Callable[[_Kept], None]
     ) -> None:
         self.run = run
-
-        def woke(_: object) -> bool:
-            mark(self)
-            return True
-
-        self.woke = woke
-        """Told of each batch the run logs (a reader that takes every batch: no future
-        set and callback scheduled per batch), and of its end; made once."""
+        self._mark = mark  # the keeper's (a closure over this one would be a cycle)
         self.record = record
         self.begun = begun
         self.written = 0
         self.behind = False
         self.give_up = 0.0  # once its end failed: when it is given up
+
+    def woke(self, _: object) -> bool:
+        """Told of each batch the run logs (a reader that takes every batch: no future
+        set and callback scheduled per batch), and of its end."""
+        self._mark(self)
+        return True
 
 
 class Keeper:

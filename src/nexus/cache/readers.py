@@ -110,7 +110,7 @@ class RunReader:
         return taken
 
     async def close(self, failed: Error | None = None) -> None:
-        self.sink = None  # (a pump's bound method: the pump holds this reader)
+        self.sink = None  # its pump's or turn's bound method: they hold this reader
         if not self._closed:
             self._closed = True
             self._run._detach(failed)
@@ -189,6 +189,7 @@ class StoreReader:
             await self._store.unlease(self._id, hold, resumable)
 
     async def close(self, failed: Error | None = None) -> None:
+        self.sink = None  # (never pushed to; but set, it is its pump's: a cycle if kept)
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.cancel()

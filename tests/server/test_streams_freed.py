@@ -218,3 +218,45 @@ async def test_streams_mirrored_to_redis_leave_no_cycle(
             assert (await again.read()).endswith(b"data: [DONE]\n\n")
             await asyncio.sleep(0.05)
         assert names == []
+
+
+async def test_refused_requests_leave_no_cycle(make_client: MakeClient) -> None:
+    """A bad body, an unknown model, an upstream's refusal (its 400, passed on)."""
+    refusal = Reply.json(400, {"error": {"message": "bad", "type": "invalid_request_error"}})
+    async with FakeUpstream(default=refusal) as fake:
+        client = await make_client(
+            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+        )
+        body = {"messages": USER, "model": "oai/m", "stream": True}
+        await (await client.post("/v1/chat/completions", json=body)).read()
+        with cyclic_garbage() as names:
+            for sent, status in (
+                ({"model": "oai/m"}, 400),
+                ({**body, "model": "nobody/m"}, 404),
+                (body, 400),
+            ):
+                resp = await client.post("/v1/chat/completions", json=sent)
+                assert resp.status == status
+                await resp.read()
+            await asyncio.sleep(0.05)
+        assert names == []
+
+
+async def test_a_refused_realtime_turn_leaves_no_cycle(make_client: MakeClient) -> None:
+    refusal = Reply.json(400, {"error": {"message": "bad", "type": "invalid_request_error"}})
+    async with FakeUpstream(default=refusal) as fake:
+        client = await make_client(
+            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+        )
+        url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+        start = orjson.dumps({"type": "start", "request": {"model": "oai/m", "messages": USER}})
+        async with websockets.connect(url) as ws:
+            await ws.send(start.decode())
+            assert orjson.loads(await ws.recv())["type"] == "error"  # the turn's answer
+            with cyclic_garbage() as names:
+                for _ in range(2):
+                    await ws.send(start.decode())
+                    error = orjson.loads(await ws.recv())
+                    assert error["type"] == "error", error
+                await asyncio.sleep(0.05)
+        assert names == []

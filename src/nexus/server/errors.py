@@ -110,6 +110,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except GatewayError as exc:
         response = error_response(request, exc)
+        # Answered. A stream's run keeps its failure for its readers: with its traceback
+        # (the frames that raised it, the run's among them) it would hold the run in a cycle.
+        exc.__traceback__ = None
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -194,6 +194,7 @@ class Turn:
         except GatewayError as exc:
             self.terminate()
             self.status, self.record.error = exc.status, exc.code  # before any event
+            exc.__traceback__ = None  # the run's failure: see nexus.server.errors
             with contextlib.suppress(ConnectionError):
                 if exc.status >= 500:
                     await self._fail(exc.to_event())

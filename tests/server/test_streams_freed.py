@@ -11,6 +11,7 @@ import asyncio
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import orjson
 import pytest
@@ -64,14 +65,25 @@ REQUESTS = {
 }
 
 
+def _oai(fake: FakeUpstream) -> dict[str, Any]:
+    """The config of a gateway whose provider ``oai`` is ``fake``."""
+    return {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+
+
+def _realtime(client: Any) -> str:
+    return f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+
+
+REFUSAL = Reply.json(400, {"error": {"message": "bad", "type": "invalid_request_error"}})
+START = orjson.dumps({"type": "start", "request": {"model": "oai/m", "messages": USER}}).decode()
+
+
 @pytest.mark.parametrize("kind", REQUESTS)
 async def test_a_streamed_request_leaves_no_cycle(make_client: MakeClient, kind: str) -> None:
     path, body, end = REQUESTS[kind]
     body = {**body, "model": "oai/m", "stream": True}
     async with FakeUpstream(default=Reply.stream(_stream(6), delay=0.01)) as fake:
-        client = await make_client(
-            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
-        )
+        client = await make_client(_oai(fake))
         await (await client.post(path, json=body)).read()  # imports, first-use caches
         with cyclic_garbage() as names:
             for _ in range(3):
@@ -110,9 +122,7 @@ async def test_a_stream_a_fallback_answered_leaves_no_cycle(make_client: MakeCli
 
 async def test_a_stream_its_upstream_cut_leaves_no_cycle(make_client: MakeClient) -> None:
     async with FakeUpstream(default=Reply.stream(_stream(4)[:3], delay=0.01, end="abort")) as fake:
-        client = await make_client(
-            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
-        )
+        client = await make_client(_oai(fake))
         with cyclic_garbage() as names:
             resp = await client.post("/v1/chat/completions", json=chat(model="oai/m", stream=True))
             assert b"event: error" in await resp.read()
@@ -122,9 +132,7 @@ async def test_a_stream_its_upstream_cut_leaves_no_cycle(make_client: MakeClient
 
 async def test_a_stream_its_client_left_leaves_no_cycle(make_client: MakeClient) -> None:
     async with FakeUpstream(default=Reply.stream(_stream(40), delay=0.01)) as fake:
-        client = await make_client(
-            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
-        )
+        client = await make_client(_oai(fake))
         with cyclic_garbage() as names:
             resp = await client.post("/v1/chat/completions", json=chat(model="oai/m", stream=True))
             await resp.content.readuntil(b"w1 ")
@@ -135,18 +143,14 @@ async def test_a_stream_its_client_left_leaves_no_cycle(make_client: MakeClient)
 
 async def test_realtime_turns_leave_no_cycle(make_client: MakeClient) -> None:
     async with FakeUpstream(default=Reply.stream(_stream(6), delay=0.01)) as fake:
-        client = await make_client(
-            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
-        )
-        url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
-        start = orjson.dumps({"type": "start", "request": {"model": "oai/m", "messages": USER}})
-        async with websockets.connect(url) as ws:
-            await ws.send(start.decode())
+        client = await make_client(_oai(fake))
+        async with websockets.connect(_realtime(client)) as ws:
+            await ws.send(START)
             while orjson.loads(await ws.recv())["type"] != "done":
                 pass
             with cyclic_garbage() as names:
                 for _ in range(3):
-                    await ws.send(start.decode())
+                    await ws.send(START)
                     while orjson.loads(await ws.recv())["type"] != "done":
                         pass
                 await asyncio.sleep(0.05)
@@ -222,11 +226,8 @@ async def test_streams_mirrored_to_redis_leave_no_cycle(
 
 async def test_refused_requests_leave_no_cycle(make_client: MakeClient) -> None:
     """A bad body, an unknown model, an upstream's refusal (its 400, passed on)."""
-    refusal = Reply.json(400, {"error": {"message": "bad", "type": "invalid_request_error"}})
-    async with FakeUpstream(default=refusal) as fake:
-        client = await make_client(
-            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
-        )
+    async with FakeUpstream(default=REFUSAL) as fake:
+        client = await make_client(_oai(fake))
         body = {"messages": USER, "model": "oai/m", "stream": True}
         await (await client.post("/v1/chat/completions", json=body)).read()
         with cyclic_garbage() as names:
@@ -243,19 +244,14 @@ async def test_refused_requests_leave_no_cycle(make_client: MakeClient) -> None:
 
 
 async def test_a_refused_realtime_turn_leaves_no_cycle(make_client: MakeClient) -> None:
-    refusal = Reply.json(400, {"error": {"message": "bad", "type": "invalid_request_error"}})
-    async with FakeUpstream(default=refusal) as fake:
-        client = await make_client(
-            {"providers": {"oai": {"kind": "openai", "base_url": fake.url + "/v1"}}}
-        )
-        url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
-        start = orjson.dumps({"type": "start", "request": {"model": "oai/m", "messages": USER}})
-        async with websockets.connect(url) as ws:
-            await ws.send(start.decode())
+    async with FakeUpstream(default=REFUSAL) as fake:
+        client = await make_client(_oai(fake))
+        async with websockets.connect(_realtime(client)) as ws:
+            await ws.send(START)
             assert orjson.loads(await ws.recv())["type"] == "error"  # the turn's answer
             with cyclic_garbage() as names:
                 for _ in range(2):
-                    await ws.send(start.decode())
+                    await ws.send(START)
                     error = orjson.loads(await ws.recv())
                     assert error["type"] == "error", error
                 await asyncio.sleep(0.05)

@@ -141,3 +141,48 @@ async def test_a_mark_that_comes_after_a_streams_end_was_written_is_ignored(
     await hub.drain()
     assert kept["second"].run.id not in written
     assert kept["first"].run.id in written
+
+
+async def test_a_mark_that_comes_while_a_streams_end_is_written_is_dropped(
+    make_client: MakeClient, prefix: str
+) -> None:
+    # The finish's callback may reach the keeper while the turn that writes the end is in
+    # flight: the next turn must not write that end again (it failed on a stream it no
+    # longer kept, which ended the mirror's task: the streams still running went
+    # unmirrored, and a reader on another replica waited for their TTL).
+    first, second = GatedProvider("first"), GatedProvider("second")
+    client = await make_client(redis_config(prefix), providers=[first, second])
+    hub = client.app[HUB]
+    keeper = hub.keeper
+    responses = []
+    for name in ("first", "second"):
+        resp = await client.post(
+            "/v1/chat/completions?stream_format=nexus", json=chat(model=f"{name}/m", stream=True)
+        )
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        responses.append(resp)
+    kept = {k.run.info.meta.provider: k for k in keeper._kept.values()}
+    written: list[tuple[str, bool]] = []
+    mirror = hub.store.mirror
+
+    async def marking(writes: Sequence[Write], ttl_s: float) -> list[bool]:
+        written.extend((write.info.id, write.end) for write in writes)
+        for write in writes:
+            if write.end:
+                keeper._mark(kept["second"])  # in flight: marked again
+        return await mirror(writes, ttl_s)
+
+    hub.store.mirror = marking  # type: ignore[method-assign]
+    second.gate.set()
+    assert (await asyncio.wait_for(responses[1].read(), 10)).endswith(b'{"type":"done"}\n\n')
+    for _ in range(500):  # until its end is written
+        if kept["second"].run.id not in keeper._kept:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # a turn or more
+    first.gate.set()  # the running stream grows and ends: still mirrored
+    assert (await asyncio.wait_for(responses[0].read(), 10)).endswith(b'{"type":"done"}\n\n')
+    await hub.drain()
+    assert written.count((kept["second"].run.id, True)) == 1
+    assert (kept["first"].run.id, True) in written
+    assert keeper._mirror is None and not keeper._kept

@@ -246,6 +246,8 @@ class Keeper:
                 self._mark(kept)
             elif write.end:
                 del self._kept[kept.run.id]
+                # Marked again while this end was in flight (the finish's callback): done.
+                self._dirty.pop(kept.run.id, None)
                 if kept.record is not None:
                     self._track(self._recorded(kept.run, kept.record))
                 else:

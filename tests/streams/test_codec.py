@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus.cache.codec import dump_event, dumps_events, event_size, load_event, loads_events
+from nexus.cache.codec import (
+    dump_entry,
+    dump_event,
+    dumps_events,
+    event_size,
+    load_event,
+    loads_events,
+)
 from nexus.events import (
     Audio,
     Citation,
@@ -240,6 +247,18 @@ def test_round_trip_any_log(log: list[StreamEvent]) -> None:
     assert len(loaded) == len(log)
     for got, event in zip(loaded, log, strict=True):
         assert_same(got, event)
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(log=st.lists(EVENTS, max_size=10))
+def test_an_entry_is_its_events_stored_and_their_size_but_the_terminals(
+    log: list[StreamEvent],
+) -> None:
+    # The mirror's one pass: the bytes dumps_events makes, and the size the run bounds its
+    # log by (a Done or an Error, a log's last event, does not count toward it).
+    payload, size = dump_entry(log)
+    assert payload == dumps_events(log)
+    assert size == sum(event_size(e) for e in log if not isinstance(e, (Done, Error)))
 
 
 # --- bad input --------------------------------------------------------------------------

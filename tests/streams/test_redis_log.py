@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from nexus.cache.codec import dumps_events
 from nexus.cache.redis_log import APPEND, Appends, decode
-from nexus.cache.redis_pipeline import _pack
+from nexus.cache.redis_pipeline import _pack, bulk
 from nexus.errors import StreamIncomplete
 from nexus.events import Delta, Done, StreamEvent
 
@@ -106,7 +106,7 @@ def test_appends_are_the_append_script_as_redis_py_packs_it(
     keys: list[bytes] = []
     args: list[Any] = []
     for log, end, payload, exists, trim in added:
-        appends.add(log, end, payload, exists=exists, trim=trim)
+        appends.add(bulk(log), end, payload, exists=exists, trim=trim)
         head = (["NOMKSTREAM"] if exists else []) + (["MINID", "~", f"0-{trim}"] if trim else [])
         keys.append(log)
         args += [len(head) + 3, *head, f"0-{end}", "e", payload]

@@ -31,7 +31,14 @@ from ..events import (
     plain_content,
 )
 
-__all__ = ["dump_event", "dumps_events", "event_size", "load_event", "loads_events", "logged_size"]
+__all__ = [
+    "dump_entry",
+    "dump_event",
+    "dumps_events",
+    "event_size",
+    "load_event",
+    "loads_events",
+]
 
 _CLASSES: dict[str, type[Any]] = {
     cls.type: cls
@@ -103,6 +110,23 @@ def dumps_events(events: Sequence[StreamEvent]) -> bytes:
     return orjson.dumps([dump_event(event) for event in events])
 
 
+def dump_entry(events: Sequence[StreamEvent]) -> tuple[bytes, int]:
+    """:func:`dumps_events` of ``events``, and what they count toward ``[streams]
+    max_log_bytes``, in one pass (a shared store's mirror makes an entry of each log it
+    writes per turn: mostly one token). The count is :func:`event_size` of each event but
+    a terminal (:class:`Done`, :class:`Error`, a log's last entry), as the run that bounds
+    the log counts them (:mod:`nexus.cache.run`): one measure for the run and for the copy
+    a shared store keeps, so that a log the run let finish is never trimmed there."""
+    dumped = []
+    size = 0
+    for event in events:
+        dumped.append(dump_event(event))
+        cls = type(event)
+        if cls is not Done and cls is not Error:
+            size += event_size(event)
+    return orjson.dumps(dumped), size
+
+
 def loads_events(data: bytes | str) -> list[StreamEvent]:
     return [load_event(item) for item in orjson.loads(data)]
 
@@ -118,16 +142,3 @@ def event_size(event: StreamEvent) -> int:
     if type(event) is Delta and event.content is not None and event.tool_calls is None:
         return 128 + len(event.content)
     return 64 + len(orjson.dumps(dump_event(event)))
-
-
-def logged_size(events: Sequence[StreamEvent]) -> int:
-    """What ``events`` count toward ``[streams] max_log_bytes``: :func:`event_size` of
-    each but a terminal (:class:`Done`, :class:`Error`, a log's last entry), as the run
-    that bounds the log counts them (:mod:`nexus.cache.run`). One measure for the run and
-    for the copy a shared store keeps: a log the run let finish is never trimmed there."""
-    size = 0
-    for event in events:
-        cls = type(event)
-        if cls is not Done and cls is not Error:
-            size += event_size(event)
-    return size

@@ -22,7 +22,7 @@ keep-alive lapsed.
 
 Holes. A log may lack entries a reader wants: trimmed (past ``max_log_bytes`` an append
 trims the oldest with ``XADD MINID ~``; counted as the run counts its log, by
-:func:`~nexus.cache.codec.logged_size`, so only a log the run ended as
+:func:`~nexus.cache.codec.dump_entry`, so only a log the run ended as
 ``stream_too_large`` ever is), or lost (Redis restarted without persistence).
 Appends after the first use ``NOMKSTREAM``, so a log that vanished is noticed
 (:meth:`RedisStore.mirror` says so: the keeper begins it again from entry 0), never
@@ -55,7 +55,7 @@ from redis.retry import Retry
 
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
-from .codec import dump_event, dumps_events, load_event, logged_size
+from .codec import dump_entry, dump_event, load_event
 from .redis_asks import Asks
 from .redis_holds import RedisHolds, ms
 from .redis_log import (
@@ -65,6 +65,7 @@ from .redis_log import (
     PAGE_CONNECTIONS,
     Appends,
     Followers,
+    LiveLog,
     decode,
     page,
     page_count,
@@ -136,13 +137,12 @@ class RedisStore(RedisHolds):
         self._client = client
         self._owns_client = client is None
         self.max_log_bytes = max_log_bytes
-        """A live log past this size (:func:`~nexus.cache.codec.logged_size`, the measure
+        """A live log past this size (:func:`~nexus.cache.codec.dump_entry`, the measure
         the run bounds it by: no log the run let finish) is trimmed (``XADD MINID ~``)."""
         self.quota = Quota(prefix, max_bytes_per_key)
         """What each owner's logs and recordings hold, bounded (:mod:`.redis_quota`)."""
-        self._live: dict[str, list[int]] = {}
-        """Live streams begun here -> [their TTL in ms, the bytes of their log so far, its
-        size as ``max_log_bytes`` counts it]."""
+        self._live: dict[str, LiveLog] = {}
+        """Live streams begun here -> their logs."""
         self.replica_id = os.urandom(8).hex()
         """This process: its keep-alive key says its live streams are still running."""
         self._heartbeat: asyncio.Task[None] | None = None
@@ -248,7 +248,7 @@ class RedisStore(RedisHolds):
             raise
 
     def _begin(self, info: StreamInfo, ttl_ms: int) -> list[Command]:
-        self._live[info.id] = [ttl_ms, 0, 0]
+        self._live[info.id] = LiveLog(self._key(info.id, "log"), ttl_ms)
         self.quota.counted.pop(info.id, None)  # (written again from its start: counted so)
         return [
             ("SET", self._key(info.id, "owner"), self.replica_id, "PX", ttl_ms),
@@ -262,7 +262,7 @@ class RedisStore(RedisHolds):
         """Renew the live logs' TTLs, in one round trip: an idle stream must not expire
         while it runs."""
         commands = [
-            ("PEXPIRE", self._key(stream_id, part), self._live[stream_id][0])
+            ("PEXPIRE", self._key(stream_id, part), self._live[stream_id].ttl)
             for stream_id in stream_ids
             if stream_id in self._live
             for part in ("info", "log", "owner", "resumable")
@@ -312,66 +312,74 @@ class RedisStore(RedisHolds):
         appends = Appends()
         after: list[Command] = []
         owners: list[int] = []
-        sizes: dict[str, list[int]] = {}  # the live logs' sizes, once the write went through
+        grown: list[tuple[LiveLog, int, int]] = []  # applied once the write went through
         limit = self.max_log_bytes
-        tally = self.quota.tally()  # the owners' counts, after the writes
+        tally = self.quota.tally() if self.quota.limit is not None else None
         live_logs = self._live
         for at, write in enumerate(writes):
             stream_id, start, events = write.info.id, write.start, write.events
-            log = self._key(stream_id, "log")
-            log_key = log.encode()
-            ttl, size, counted = live_logs.get(stream_id) or (ttl_ms, 0, 0)
-            ttl = ttl_ms if write.end else ttl
-            for first in range(0, len(events), _ENTRY):
-                chunk = events[first : first + _ENTRY]
-                payload = dumps_events(chunk)
-                end = start + min(first + _ENTRY, len(events))
+            live = live_logs.get(stream_id)
+            if live is None:  # not begun here (a log written whole at its end)
+                live = LiveLog(self._key(stream_id, "log"), ttl_ms)
+                if not write.end:
+                    live_logs[stream_id] = live
+            size, counted = live.size, live.counted
+            ttl = ttl_ms if write.end else live.ttl
+            count = len(events)
+            for first in range(0, count, _ENTRY):
+                chunk = events if count <= _ENTRY else events[first : first + _ENTRY]
+                payload, chunk_size = dump_entry(chunk)
+                end = start + min(first + _ENTRY, count)
                 size += len(payload)
-                counted += logged_size(chunk)
+                counted += chunk_size
                 # Past the bound, keep as many entries as fit, at the log's mean entry size.
                 trim = 0
                 if limit is not None and counted > limit:
                     trim = end - end * limit // counted + 1
-                appends.add(log_key, end, payload, exists=start > 0, trim=trim)
+                appends.add(live.key, end, payload, exists=start > 0, trim=trim)
                 owners.append(at)
-            # Its bytes in Redis: once trimmed, about the share of them the trim kept.
-            kept = size if limit is None or counted <= limit else size * limit // counted
-            tally.log(write.info.owner, stream_id, kept, ttl, write.end)
+            if tally is not None:
+                # Its bytes in Redis: once trimmed, about the share of them the trim kept.
+                kept = size if limit is None or counted <= limit else size * limit // counted
+                tally.log(write.info.owner, stream_id, kept, ttl, write.end)
             if not write.end:
-                sizes[stream_id] = [ttl, size, counted]
+                grown.append((live, size, counted))
                 if start == 0:
+                    log = self._key(stream_id, "log")
                     after += [("PEXPIRE", log, ttl), ("PEXPIRE", self._key(stream_id, "info"), ttl)]
             elif start > 0 and events:
                 owner = self._key(stream_id, "owner")
                 info = write.info.to_json()
-                info_key = self._key(stream_id, "info")
+                log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
                 after.append(("EVAL", FINISH, 3, log, info_key, owner, info, ttl))
             else:
-                info_key = self._key(stream_id, "info")
+                log, info_key = self._key(stream_id, "log"), self._key(stream_id, "info")
                 after += [
                     ("SET", info_key, write.info.to_json(), "PX", ttl),
                     ("PEXPIRE", log, ttl),
                     ("PEXPIRE", info_key, ttl),
                     ("DEL", self._key(stream_id, "owner")),
                 ]
-        counting = tally.commands()
+        counting = tally.commands() if tally is not None else []
         replies: list[Any] = []
         if not appends:
-            if begun or after:
+            if begun or after or counting:
                 replies = await self.call("mirror", *begun, *after, *counting)
             lost = []
         else:
             replies = await self.call("mirror", *begun, appends.command(), *after, *counting)
             lost = replies[len(begun)]
-        if counting:
-            self._evicted("key_limit", int(replies[-1]))  # the count's reply: its deletions
-        tally.sent()
+        if tally is not None:
+            if counting:
+                self._evicted("key_limit", int(replies[-1]))  # the count's reply: its deletions
+            tally.sent()
         # Only now: a write that failed is retried from the same entry, and must not count
         # its bytes twice (a log counted past max_log_bytes is trimmed).
-        self._live.update(sizes)
+        for live, size, counted in grown:
+            live.size, live.counted = size, counted
         for write in writes:
             if write.end:
-                self._live.pop(write.info.id, None)
+                live_logs.pop(write.info.id, None)
         written = [True] * len(writes)
         for entry in lost:
             written[owners[entry - 1]] = False

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from .redis_asks import Asks
+from .redis_log import LiveLog
 from .store import OWNER_TTL_S, Store
 
 __all__ = ["RedisHolds", "ms"]
@@ -84,8 +85,8 @@ class RedisHolds(Store):
     (see the module docstring)."""
 
     prefix: str
-    _live: dict[str, list[int]]
-    """Live streams begun here -> [their TTL in ms, ...]."""
+    _live: dict[str, LiveLog]
+    """Live streams begun here -> their logs."""
     asks: Asks
 
     @abstractmethod
@@ -109,7 +110,8 @@ class RedisHolds(Store):
 
     async def held(self, stream_id: str, resumable: bool) -> tuple[float, bool]:
         keys = (self._key(stream_id, "lease"), self._key(stream_id, "resumable"))
-        ttl = self._live.get(stream_id, (ms(OWNER_TTL_S),))[0]
+        live = self._live.get(stream_id)
+        ttl = ms(OWNER_TTL_S) if live is None else live.ttl
         ((left, made),) = await self.call(
             "leased", ("EVAL", _HELD, 2, *keys, 1 if resumable else 0, ttl)
         )

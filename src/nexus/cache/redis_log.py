@@ -49,6 +49,7 @@ __all__ = [
     "PAGE_CONNECTIONS",
     "Appends",
     "Followers",
+    "LiveLog",
     "decode",
     "page",
     "page_count",
@@ -110,6 +111,20 @@ _XADD_HEADS = {
 }
 
 
+class LiveLog:
+    """A live log this process writes: its TTL in ms, its bytes in Redis so far, its size
+    as ``max_log_bytes`` counts it (:func:`~nexus.cache.codec.dump_entry`), and its key
+    in RESP, made once per stream rather than once per entry."""
+
+    __slots__ = ("counted", "key", "size", "ttl")
+
+    def __init__(self, key: str, ttl: int) -> None:
+        self.key = bulk(key.encode())
+        self.ttl = ttl
+        self.size = 0
+        self.counted = 0
+
+
 class Appends:
     """One mirror turn's entries as the :data:`APPEND` script's command, written in RESP
     as they are added: per entry one ``%`` of bytes, where packing its six arguments one by
@@ -125,11 +140,11 @@ class Appends:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, log: bytes, end: int, payload: bytes, *, exists: bool, trim: int) -> None:
-        """An entry of the log at ``log``: its events' ``payload``, ID ``0-{end}``;
-        ``exists``: NOMKSTREAM (appended to a log that must be there); ``trim`` > 0: the
-        entries below ``0-{trim}`` trimmed (``MINID ~``)."""
-        self._keys.append(bulk(log))
+    def add(self, key: bytes, end: int, payload: bytes, *, exists: bool, trim: int) -> None:
+        """An entry of the log whose key, in RESP, is ``key`` (:attr:`LiveLog.key`): its
+        events' ``payload``, ID ``0-{end}``; ``exists``: NOMKSTREAM (appended to a log that
+        must be there); ``trim`` > 0: the entries below ``0-{trim}`` trimmed (``MINID ~``)."""
+        self._keys.append(key)
         head = _XADD_HEADS[exists, trim > 0]
         if trim > 0:
             head += bulk(b"0-%d" % trim)

@@ -2,8 +2,9 @@
 
 Starts the fake upstream and ``nexus serve`` (the same config as ``bench/run``),
 attaches ``py-spy record --format raw`` to the gateway, drives a scenario's load
-through it for ``--seconds`` (``saturation``, ``realistic``, or ``ttfb`` for the
-per-request costs), and prints the functions with the largest share of samples, by
+through it for ``--seconds`` (``saturation``, ``realistic``, ``ttfb`` for the
+per-request costs, or ``idle``: one round of 5,000 slow streams, so ``--seconds 75``),
+and prints the functions with the largest share of samples, by
 self time and inclusive time (the folded stacks are kept in ``--out``). Needs
 ``pip install py-spy`` and permission to ptrace the gateway.
 
@@ -77,7 +78,7 @@ def main() -> int:
     parser.add_argument("--system", default="nexus", choices=("nexus", "nexus-redis"))
     parser.add_argument("--format", default="sse", choices=FORMATS)
     parser.add_argument(
-        "--scenario", default="saturation", choices=("saturation", "realistic", "ttfb")
+        "--scenario", default="saturation", choices=("saturation", "realistic", "ttfb", "idle")
     )
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")

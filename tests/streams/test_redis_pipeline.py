@@ -4,12 +4,15 @@ each pipeline, given back at close (a store of one connection still closes at on
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from typing import Any
 
 import pytest
 
 from nexus.cache.redis import RedisStore
+from nexus.errors import StoreUnavailable
+from redis_server import RedisServer
 from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
 
 
@@ -58,3 +61,28 @@ async def test_a_kept_connection_closed_by_redis_is_connected_again() -> None:
         await store.close()
         await drop_keys(client, prefix)
         await client.aclose()
+
+
+async def test_a_redis_that_stops_answering_fails_the_round_trip_in_time(
+    redis_server: RedisServer,
+) -> None:
+    # The pipeline's connection has no per-reply timer: its round trip has one deadline.
+    # Redis paused mid-life (SIGSTOP): the call fails as the store failing, within it,
+    # and the next call after Redis is back goes through on a connection made again.
+    store = RedisStore(redis_server.url, prefix="paused", max_connections=2)
+    store.socket_timeout_s = 0.5
+    await store.start()
+    process = redis_server.process
+    assert process is not None
+    try:
+        assert await store.call("t", ("SET", "paused:k", b"1")) == [b"OK"]
+        process.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.call("t", ("GET", "paused:k"), ("GET", "paused:k"))
+        assert 0.4 < time.monotonic() - started < 2.0
+        process.send_signal(signal.SIGCONT)
+        assert await store.call("t", ("GET", "paused:k")) == [b"1"]
+    finally:
+        process.send_signal(signal.SIGCONT)  # (the fixture stops it)
+        await store.close()

@@ -134,6 +134,9 @@ class RedisStore(RedisHolds):
         self.pool_timeout_s = pool_timeout_s
         self.block_ms = ms(block_s)
         """How long one XREAD blocks: also how soon a follower notices its log expired."""
+        self.socket_timeout_s = max(5.0, 2 * block_s)
+        """How long Redis may take to answer: a round trip of the pipeline, a read (above
+        ``block_s``, so a blocking XREAD is not cut short)."""
         self._client = client
         self._owns_client = client is None
         self.max_log_bytes = max_log_bytes
@@ -160,15 +163,16 @@ class RedisStore(RedisHolds):
             raise RuntimeError("RedisStore used before start()")
         return self._client
 
-    def _connect(self, max_connections: int | None = None) -> aioredis.Redis:
+    def _connect(self, max_connections: int | None = None, *, timed: bool = True) -> aioredis.Redis:
+        """A client of its own pool. ``timed=False``: no ``socket_timeout`` (redis-py's is
+        one timer per reply read); the pipeline bounds its whole round trip instead."""
         # Bounded: past it, a command waits up to pool_timeout_s, then fails.
         pool = aioredis.BlockingConnectionPool.from_url(
             self.url,
             decode_responses=False,
             max_connections=max_connections or 1,
             timeout=self.pool_timeout_s,
-            # Above block_ms, so a blocking XREAD is not cut short.
-            socket_timeout=max(5.0, 2 * self.block_ms / 1000),
+            socket_timeout=self.socket_timeout_s if timed else None,
             socket_connect_timeout=5.0,
             client_name=f"nexus-{self.replica_id}",  # CLIENT LIST names the replica
             retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
@@ -179,10 +183,11 @@ class RedisStore(RedisHolds):
     async def start(self) -> None:
         """Connect and PING. Raises :class:`RedisUnavailable` (no credentials in it)."""
         if self._client is None:
-            self._client = self._connect(self.max_connections)
+            self._client = self._connect(self.max_connections, timed=False)
         try:
-            await self._client.ping()
-            await self._client.set(self._replica_key(self.replica_id), b"1", px=ms(OWNER_TTL_S))
+            async with asyncio.timeout(self.socket_timeout_s):
+                await self._client.ping()
+                await self._client.set(self._replica_key(self.replica_id), b"1", px=ms(OWNER_TTL_S))
         except (RedisError, OSError) as exc:
             if self._owns_client:
                 await self._client.aclose()
@@ -207,7 +212,8 @@ class RedisStore(RedisHolds):
             self._pipeliner = None
         if beating:
             with contextlib.suppress(RedisError, OSError):
-                await self.client.delete(self._replica_key(self.replica_id))
+                async with asyncio.timeout(self.socket_timeout_s):
+                    await self.client.delete(self._replica_key(self.replica_id))
         pages, self._pages = self._pages, None
         if pages is not None:
             with contextlib.suppress(RedisError, OSError):
@@ -220,7 +226,7 @@ class RedisStore(RedisHolds):
         """The replies to ``commands``, sent together. Refusals raise, but those that
         say ``allow``; Redis failing raises :class:`StoreUnavailable`, counted as ``op``."""
         if self._pipeliner is None:  # (a store given its client works unstarted)
-            self._pipeliner = Pipeliner(self.client, self.pool_timeout_s)
+            self._pipeliner = Pipeliner(self.client, self.pool_timeout_s, self.socket_timeout_s)
         try:
             replies = await self._pipeliner.run(commands)
             for reply in replies:

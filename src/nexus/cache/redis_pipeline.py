@@ -28,11 +28,15 @@ Command = tuple[Any, ...] | bytes
 
 class Pipeliner:
     """Sends commands in pipelines, one at a time (see the module docstring). A group
-    not sent within ``wait_s`` (its pipeline waited for the pool) fails."""
+    not sent within ``wait_s`` (its pipeline waited for the pool) fails, and so does a
+    pipeline Redis has not answered within ``timeout_s``: one deadline per round trip,
+    where a connection's ``socket_timeout`` set a timer per reply (half the CPU of a
+    begin's round trip, ~15 µs per further reply)."""
 
-    def __init__(self, client: aioredis.Redis, wait_s: float) -> None:
+    def __init__(self, client: aioredis.Redis, wait_s: float, timeout_s: float = 5.0) -> None:
         self._client = client
         self._wait_s = wait_s
+        self._timeout_s = timeout_s
         self._connection: AbstractConnection | None = None
         """Taken from the pool once and kept (pipelines go one at a time), checked before
         each pipeline as the pool checks what it hands out: taking one per pipeline cost a
@@ -72,12 +76,13 @@ class Pipeliner:
                     if commands:
                         pool = self._client.connection_pool
                         connection = self._connection
-                        if connection is None:
-                            connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-                            self._connection = connection
-                        else:  # closed by Redis while kept (a restart): connected again
-                            await pool.ensure_connection(connection)
-                        replies = await exchange(connection, commands)
+                        async with asyncio.timeout(self._timeout_s):
+                            if connection is None:
+                                connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+                                self._connection = connection
+                            else:  # closed by Redis while kept (a restart): connected again
+                                await pool.ensure_connection(connection)
+                            replies = await exchange(connection, commands)
                 except (RedisError, OSError) as exc:
                     failed = exc
                 at = 0
@@ -95,10 +100,9 @@ class Pipeliner:
             # Closed (or broken) with groups sent or queued: each caller gets an error it
             # handles (StoreUnavailable), never a wait without end or a CancelledError
             # that is not its own.
-            stopped = RedisError("the store's pipeline stopped")
             for future in [f for f, _ in sent] + [f for _, f, _ in self._queue]:
                 if not future.done():
-                    future.set_exception(stopped)
+                    future.set_exception(RedisError("the store's pipeline stopped"))
             self._queue = []
 
     async def close(self) -> None:

@@ -49,9 +49,7 @@ from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
@@ -72,19 +70,8 @@ from .redis_log import (
 )
 from .redis_pipeline import Command, Pipeliner, send
 from .redis_quota import Quota
-from .redis_url import redact_url, scrub
+from .redis_url import connect, redact_url, scrub
 from .store import OWNER_TTL_S, Recording, StreamInfo, Write
-
-try:  # redis-py 7 and later
-    from redis.maint_notifications import MaintNotificationsConfig
-
-    _PLAIN_POOL: dict[str, Any] = {"maint_notifications_config": MaintNotificationsConfig(False)}
-except ImportError:  # earlier: no such notifications, and the pool checks every connection
-    _PLAIN_POOL = {}
-"""With maintenance notifications left at "auto" (a Redis Enterprise feature Nexus does not
-use), redis-py's pool skips its check that a pooled connection is still open: after a Redis
-restart the first command on each idle connection failed ("Connection closed by server"),
-and an admission then fell back to this process's own count."""
 
 log = logging.getLogger("nexus.store")
 
@@ -166,19 +153,13 @@ class RedisStore(RedisHolds):
     def _connect(self, max_connections: int | None = None, *, timed: bool = True) -> aioredis.Redis:
         """A client of its own pool. ``timed=False``: no ``socket_timeout`` (redis-py's is
         one timer per reply read); the pipeline bounds its whole round trip instead."""
-        # Bounded: past it, a command waits up to pool_timeout_s, then fails.
-        pool = aioredis.BlockingConnectionPool.from_url(
+        return connect(
             self.url,
-            decode_responses=False,
             max_connections=max_connections or 1,
-            timeout=self.pool_timeout_s,
-            socket_timeout=self.socket_timeout_s if timed else None,
-            socket_connect_timeout=5.0,
-            client_name=f"nexus-{self.replica_id}",  # CLIENT LIST names the replica
-            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.25), retries=3),
-            **_PLAIN_POOL,
+            pool_timeout_s=self.pool_timeout_s,
+            socket_timeout_s=self.socket_timeout_s if timed else None,
+            client_name=f"nexus-{self.replica_id}",
         )
-        return aioredis.Redis.from_pool(pool)  # closes the pool with it
 
     async def start(self) -> None:
         """Connect and PING. Raises :class:`RedisUnavailable` (no credentials in it)."""

@@ -163,8 +163,9 @@ async def test_hundreds_of_cancellations_at_every_phase_leave_the_pool_and_loop_
         loop = asyncio.get_running_loop()
         for _ in range(4):
             tasks = [asyncio.create_task(drain(batches(p))) for _ in range(80)]
-            for task in tasks:
-                loop.call_later(rng.random() * 0.12, task.cancel)
+            for i, task in enumerate(tasks):
+                if i % 8:  # (every eighth runs to its end, however slow the host)
+                    loop.call_later(rng.random() * 0.12, task.cancel)
             for result in await asyncio.gather(*tasks, return_exceptions=True):
                 kind = type(result).__name__ if isinstance(result, BaseException) else "ok"
                 outcomes[kind] = outcomes.get(kind, 0) + 1

@@ -236,8 +236,12 @@ async def test_memory_comes_back_after_rounds_of_expiring_streams(tmp_path: Path
             for round_ in range(ROUNDS):
                 await one_round(http, url, round_)
                 # Every log and recording of the round expires and is swept.
-                await asyncio.sleep(TTL_S + SWEEP_INTERVAL_S + 0.2)
+                # (A second more than needed: on a busy host a sweep late into the next
+                # round raises the heap's high-water mark, which RSS keeps.)
+                await asyncio.sleep(TTL_S + SWEEP_INTERVAL_S + 1.0)
                 after.append(rss(pid))
-    # Before the fix each round kept its ~25 MB until [store] max_bytes (256 MiB).
+    # Before the fix each round kept its ~25 MB until [store] max_bytes (256 MiB): three
+    # rounds after the first would add ~75 MB. Fixed, they add 0-7 MB (the heap's
+    # fragments; 11 MB once, under a full suite on a busy host).
     mib = [round(size / 2**20, 1) for size in after]
-    assert after[-1] - after[0] < 10 * 2**20, f"RSS after each round (MiB): {mib}"
+    assert after[-1] - after[0] < 20 * 2**20, f"RSS after each round (MiB): {mib}"

@@ -55,10 +55,11 @@ async def test_expired_recordings_are_freed_within_a_second_without_another_put(
     store = MemoryStore()
     await store.start()
     try:
+        ttl = 0.5  # all 2,000 put before the first expires (a put sweeps), on a busy host too
         for n in range(2000):
-            await store.put_recording(f"key-{n}", recording(n), SHORT)
+            await store.put_recording(f"key-{n}", recording(n), ttl)
         assert len(store) == 2000
-        await gone_within(store, 1.0)
+        await gone_within(store, ttl + 1.0)
         assert store.size == 0
         assert store._expiry == []  # nothing keeps the dropped entries alive
     finally:
@@ -82,9 +83,10 @@ async def test_expired_logs_go_and_live_ones_stay() -> None:
 
 async def test_a_put_sweeps_what_expired() -> None:
     store = MemoryStore()  # not started: no tick
+    ttl = 0.3  # all 100 put before the first expires (a put sweeps), on a busy host too
     for n in range(100):
-        await store.put_recording(f"key-{n}", recording(n), SHORT)
-    await asyncio.sleep(SHORT + 0.02)
+        await store.put_recording(f"key-{n}", recording(n), ttl)
+    await asyncio.sleep(ttl + 0.02)
     assert len(store) == 100  # nothing has looked yet
     await store.put_recording("fresh", recording(0), LONG)
     assert len(store) == 1
@@ -110,8 +112,8 @@ async def test_expired_claims_are_swept() -> None:
 
 async def test_prepaid_reads_are_swept_taken_or_not() -> None:
     store = MemoryStore()
-    for n in range(100):
-        await store.prepay_read(f"chatcmpl-{n}", "alpha", SHORT)
+    for n in range(100):  # (long enough that the first is still there when taken)
+        await store.prepay_read(f"chatcmpl-{n}", "alpha", 0.5)
     await store.prepay_read("chatcmpl-held", "alpha", LONG)
     assert await store.take_prepaid_read("chatcmpl-0", "alpha")
     store.sweep(time.monotonic() + 1.0)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import ClientResponse
 
 from nexus.cache.store import Write
 from nexus.server.state import HUB
@@ -101,16 +102,13 @@ async def test_a_quiet_stream_is_renewed_until_it_ends(
     assert 0 < await redis_client.pttl(f"{prefix}:stream:{stream_id}:log") <= 600
 
 
-async def test_a_mark_that_comes_after_a_streams_end_was_written_is_ignored(
+async def two_gated_streams(
     make_client: MakeClient, prefix: str
-) -> None:
-    # The finish's callback may reach the keeper after the turn that wrote the end: the
-    # mirror must not write that end again, nor fail on a stream it no longer keeps (the
-    # failure ended the mirror's task, and the streams still running went unmirrored).
+) -> tuple[GatedProvider, GatedProvider, Any, list[ClientResponse]]:
+    """Two streams running on a Redis-mirrored gateway (providers ``first`` and
+    ``second``, each gated), their first frames read: the providers, hub and responses."""
     first, second = GatedProvider("first"), GatedProvider("second")
     client = await make_client(redis_config(prefix), providers=[first, second])
-    hub = client.app[HUB]
-    keeper = hub.keeper
     responses = []
     for name in ("first", "second"):
         resp = await client.post(
@@ -118,13 +116,29 @@ async def test_a_mark_that_comes_after_a_streams_end_was_written_is_ignored(
         )
         await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
         responses.append(resp)
+    return first, second, client.app[HUB], responses
+
+
+async def end_written(keeper: Any, stream_id: str) -> None:
+    """Until the keeper no longer keeps ``stream_id`` (its end is written; 5 s at most)."""
+    for _ in range(500):
+        if stream_id not in keeper._kept:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_a_mark_that_comes_after_a_streams_end_was_written_is_ignored(
+    make_client: MakeClient, prefix: str
+) -> None:
+    # The finish's callback may reach the keeper after the turn that wrote the end: the
+    # mirror must not write that end again, nor fail on a stream it no longer keeps (the
+    # failure ended the mirror's task, and the streams still running went unmirrored).
+    first, second, hub, responses = await two_gated_streams(make_client, prefix)
+    keeper = hub.keeper
     kept = {k.run.info.meta.provider: k for k in keeper._kept.values()}
     second.gate.set()
     assert (await asyncio.wait_for(responses[1].read(), 10)).endswith(b'{"type":"done"}\n\n')
-    for _ in range(500):  # until its end is written
-        if kept["second"].run.id not in keeper._kept:
-            break
-        await asyncio.sleep(0.01)
+    await end_written(keeper, kept["second"].run.id)
     assert list(keeper._kept.values()) == [kept["first"]]
     written: list[str] = []
     mirror = hub.store.mirror
@@ -150,17 +164,8 @@ async def test_a_mark_that_comes_while_a_streams_end_is_written_is_dropped(
     # flight: the next turn must not write that end again (it failed on a stream it no
     # longer kept, which ended the mirror's task: the streams still running went
     # unmirrored, and a reader on another replica waited for their TTL).
-    first, second = GatedProvider("first"), GatedProvider("second")
-    client = await make_client(redis_config(prefix), providers=[first, second])
-    hub = client.app[HUB]
+    first, second, hub, responses = await two_gated_streams(make_client, prefix)
     keeper = hub.keeper
-    responses = []
-    for name in ("first", "second"):
-        resp = await client.post(
-            "/v1/chat/completions?stream_format=nexus", json=chat(model=f"{name}/m", stream=True)
-        )
-        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-        responses.append(resp)
     kept = {k.run.info.meta.provider: k for k in keeper._kept.values()}
     written: list[tuple[str, bool]] = []
     mirror = hub.store.mirror
@@ -175,10 +180,7 @@ async def test_a_mark_that_comes_while_a_streams_end_is_written_is_dropped(
     hub.store.mirror = marking  # type: ignore[method-assign]
     second.gate.set()
     assert (await asyncio.wait_for(responses[1].read(), 10)).endswith(b'{"type":"done"}\n\n')
-    for _ in range(500):  # until its end is written
-        if kept["second"].run.id not in keeper._kept:
-            break
-        await asyncio.sleep(0.01)
+    await end_written(keeper, kept["second"].run.id)
     await asyncio.sleep(0.1)  # a turn or more
     first.gate.set()  # the running stream grows and ends: still mirrored
     assert (await asyncio.wait_for(responses[0].read(), 10)).endswith(b'{"type":"done"}\n\n')

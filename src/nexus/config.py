@@ -284,8 +284,9 @@ class HTTPProviderConfig(_Table):
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
     idle_timeout_s: float = Field(default=60.0, gt=0)
     max_connections: int = Field(default=10_000, ge=0)
-    """The default is ``[limits] max_concurrent_streams``', so the gateway's own limit is met
-    first (a stream holds a connection for its whole length)."""
+    """Unset in a config file, ``[limits] max_concurrent_streams`` (:class:`Config` sets it),
+    so the gateway's own limit is met first: a stream holds a connection for its whole
+    length, and a pool smaller than the streams allowed would queue them. 0: no limit."""
     pool_timeout_s: float = Field(default=10.0, ge=0)
     ca_file: str | None = Field(default=None, min_length=1)
     """PEM file of the CA certificates an ``https`` upstream's certificate must chain to,
@@ -407,6 +408,18 @@ class Config(_Table):
         if isinstance(value, dict) and "kind" not in value:
             return {**value, "kind": "memory"}
         return value
+
+    @model_validator(mode="after")
+    def _pools_fit_the_streams(self) -> Config:
+        """A provider's ``max_connections`` left unset: as many as the streams allowed."""
+        streams = self.limits.max_concurrent_streams
+        for name, cfg in self.providers.items():
+            if (
+                isinstance(cfg, HTTPProviderConfig)
+                and "max_connections" not in cfg.model_fields_set
+            ):
+                self.providers[name] = cfg.model_copy(update={"max_connections": streams})
+        return self
 
     @model_validator(mode="after")
     def _targets_exist(self) -> Config:

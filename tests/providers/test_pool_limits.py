@@ -249,6 +249,45 @@ def test_provider_pool_defaults_and_unlimited(max_connections: int) -> None:
     assert chosen.max_connections == max_connections
 
 
+def test_a_provider_pool_left_unset_holds_as_many_streams_as_the_gateway_allows() -> None:
+    """Raising ``[limits] max_concurrent_streams`` raises the pools left at their default,
+    so no stream the gateway admits waits for an upstream connection; a pool that was set
+    (0 included: no limit) stays as set."""
+    import tomllib
+
+    from nexus.config import parse_config
+
+    config = parse_config(
+        tomllib.loads(
+            """
+[limits]
+max_concurrent_streams = 50000
+[providers.a]
+kind = "openai"
+base_url = "http://127.0.0.1:1/v1"
+[providers.b]
+kind = "anthropic"
+base_url = "http://127.0.0.1:1"
+max_connections = 64
+[providers.c]
+kind = "openai"
+base_url = "http://127.0.0.1:1/v1"
+max_connections = 0
+"""
+        )
+    )
+    pools = {name: cfg.max_connections for name, cfg in config.providers.items()}
+    assert pools == {"a": 50_000, "b": 64, "c": 0}
+    assert (
+        parse_config(
+            tomllib.loads('[providers.a]\nkind = "openai"\nbase_url = "http://127.0.0.1:1/v1"\n')
+        )
+        .providers["a"]
+        .max_connections
+        == 10_000
+    )  # the default limit's
+
+
 async def test_a_busy_store_before_a_stream_costs_no_upstream_call(make_client: Any) -> None:
     """The one pooled connection is busy: 503 store_unavailable with Retry-After, and
     nothing was sent upstream (the stream is opened, and closed, before it is read)."""

@@ -304,12 +304,7 @@ class Engine:
         stream = await self._pipeline(ctx)(request)
         if not observe or not self.hooks:
             return stream
-        meta = stream.meta
-        try:
-            await self.hooks.started(ctx, meta.id, meta.model, meta.provider)
-        except BaseException:
-            await stream.close()
-            raise
+        await self.hooks.started(stream, ctx)
         return self.hooks.observed(stream, ctx, self.prices)
 
     def _on_its_loop(self) -> None:

@@ -320,10 +320,22 @@ class Hooks:
 
         return failed
 
-    async def started(self, ctx: CallContext, request_id: str, model: str, provider: str) -> None:
-        """Call every ``on_stream_started``. Raises the :class:`StreamRejected` one raised,
-        and 503 ``plugin_timeout`` for one that did not return in time: a gate that cannot
-        decide (its quota or moderation backend slow) must not let the request through."""
+    async def started(self, stream: Stream, ctx: CallContext) -> None:
+        """Call every ``on_stream_started`` for ``stream`` (the engine's, and the hub's
+        for every stream it opens, replays and joins included). Raises the
+        :class:`StreamRejected` one raised, and 503 ``plugin_timeout`` for one that did not
+        return in time: a gate that cannot decide (its quota or moderation backend slow)
+        must not let the request through. Refused, ``stream`` is closed unread."""
+        if not self._started:
+            return
+        try:
+            await self._call_started(ctx, stream.meta)
+        except BaseException:
+            await stream.close()
+            raise
+
+    async def _call_started(self, ctx: CallContext, meta: StreamMeta) -> None:
+        request_id, model, provider = meta.id, meta.model, meta.provider
         for name, hook, timeout in self._started:
             failed = self._failure(name, "on_stream_started")
             call = lambda: hook(ctx, request_id, model, provider)  # noqa: E731, B023

@@ -189,7 +189,7 @@ class StreamHub:
                 retry_ms=self.engine.retry_ms,
             )
             source = Stream.of_batches(replay(recording, self.cache), meta)
-            await self._started(source, ctx)
+            await self.engine.hooks.started(source, ctx)
             return await self._launch(
                 source, format, owner, background, resumable, ctx, replayed=True
             )
@@ -282,18 +282,9 @@ class StreamHub:
     async def _open(self, request: ChatRequest, ctx: CallContext) -> Stream:
         """The engine's stream through its middleware, past ``on_stream_started``."""
         stream = await self.engine.open_stream(request, ctx, observe=False)
-        await self._started(stream, ctx)
+        await self.engine.hooks.started(stream, ctx)
         return stream
 
-    async def _started(self, source: Stream, ctx: CallContext) -> None:
-        hooks = self.engine.hooks
-        if hooks:
-            meta = source.meta
-            try:
-                await hooks.started(ctx, meta.id, meta.model, meta.provider)
-            except BaseException:
-                await source.close()
-                raise
 
     async def _joinable(self, stream_id: str) -> StreamInfo | None:
         """The info of the stream holding a claim, if a request may join it: one still

@@ -135,6 +135,40 @@ async def test_a_log_with_a_hole_is_an_error_for_its_reader(
         await store.close()
 
 
+async def test_a_client_resuming_a_log_with_a_hole_gets_an_error_never_the_hole(
+    make_client: MakeClient, redis_client: aioredis.Redis, prefix: str
+) -> None:
+    """Over HTTP: before any byte, 410 ``stream_incomplete``; after the part before the hole
+    was sent, the format's error frame, then its end. Never the entries past it as if whole."""
+    store = RedisStore(REDIS_URL, prefix)
+    await store.start()
+    try:
+        info = make_info()
+        await store.begin(info, 60)
+        events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
+        assert await append(store, info, 0, events[:2])
+        assert await append(store, info, 4, events[4:])  # 2 and 3 missing (a stale restore)
+        info.status = "completed"
+        await store.end(info, [*events, Done()], 6, 60)
+    finally:
+        await store.close()
+    client = await make_client({"store": {"kind": "redis", "url": REDIS_URL, "prefix": prefix}})
+    # From the start: the first page holds only entry 0, so the hole comes after bytes.
+    resp = await client.get(f"/v1/streams/{info.id}?stream_format=ndjson")
+    assert resp.status == 200
+    lines = [line for line in (await resp.text()).splitlines() if line]
+    assert lines[:2] == [
+        '{"type":"delta","delta":{"content":"t0 "}}',
+        '{"type":"delta","delta":{"content":"t1 "}}',
+    ]
+    assert '"code":"stream_incomplete"' in lines[-2] and lines[-1] == '{"type":"done"}'
+    assert not any("t4" in line or "t5" in line for line in lines)
+    # From inside the hole: nothing can be sent, so the status says it.
+    resp = await client.get(f"/v1/streams/{info.id}?stream_format=ndjson&last_event_id=3")
+    assert resp.status == 410
+    assert (await resp.json())["error"]["code"] == "stream_incomplete"
+
+
 async def test_a_thousand_streams_leave_no_key_behind_after_their_ttls(
     make_client: MakeClient, redis_client: aioredis.Redis, prefix: str
 ) -> None:

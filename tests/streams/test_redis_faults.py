@@ -10,13 +10,17 @@ back, another replica resumes the stream whole: the keeper caught its log up.
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from nexus.cache.redis import RedisStore
+from nexus.server.state import HUB
 from redis_server import RedisServer
 from support import GatedProvider, MakeClient, chat, parse_sse
 
@@ -154,3 +158,51 @@ async def test_the_first_command_after_a_redis_restart_finds_a_live_connection(
         assert await store.call("probe", ("GET", b"restart:k")) == [None]  # a new Redis
     finally:
         await store.close()
+
+
+async def test_a_redis_that_hangs_mid_stream_never_holds_the_clients_bytes(
+    make_client: MakeClient, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis paused (SIGSTOP: it takes the bytes and answers nothing), not gone: the client's
+    chunks keep coming as the upstream makes them while the mirror's round trip waits out
+    its deadline. The lapse is logged once for the stream and counted (``behind``); once
+    Redis answers again the log is caught up, and another replica resumes it whole."""
+    one = await make_client(config(redis_server))
+    two = await make_client(config(redis_server))
+    one.app[HUB].store.socket_timeout_s = 0.5  # the round trip's deadline (5 s by default)
+    words = " ".join(f"w{i}" for i in range(30))
+    process = redis_server.process
+    assert process is not None
+    resp = await one.post(
+        "/v1/chat/completions?stream_format=nexus",
+        json=chat(stream=True, mock={"content": words, "delay_ms": 50}),
+        headers={"X-Nexus-Resumable": "true"},
+    )
+    assert resp.status == 200
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    seen = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    loop = asyncio.get_running_loop()
+    gaps = []
+    with caplog.at_level(logging.WARNING, logger="nexus.streams"):
+        process.send_signal(signal.SIGSTOP)
+        try:
+            last = loop.time()
+            while not seen.endswith(b'event: done\ndata: {"type":"done"}\n\n'):
+                seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+                now = loop.time()
+                gaps.append(now - last)
+                last = now
+        finally:
+            process.send_signal(signal.SIGCONT)
+    assert texts(seen).split() == words.split()
+    # 50 ms a chunk upstream: no chunk waited for the mirror's 0.5 s deadline, let alone
+    # for Redis (paused for the whole stream, ~1.5 s).
+    assert max(gaps) < 0.4, gaps
+    lapses = [r for r in caplog.records if "cannot be reached" in r.getMessage()]
+    assert len(lapses) == 1 and stream_id in lapses[0].getMessage()
+    resumed = await resume(two, stream_id)
+    replay = await asyncio.wait_for(resumed.read(), 10)
+    assert texts(replay).split() == words.split()
+    metrics = await (await one.get("/metrics")).text()
+    assert 'nexus_store_mirror_total{state="behind"} 1.0' in metrics
+    assert 'nexus_store_mirror_total{state="caught_up"} 1.0' in metrics

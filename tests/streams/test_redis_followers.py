@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from nexus.cache import redis_log
 from nexus.cache.redis import RedisStore
 from nexus.cache.redis_log import KEYS_PER_READ
 from nexus.cache.store import StreamInfo
@@ -93,6 +94,46 @@ async def test_many_followed_streams_share_a_few_connections(
         await follower.close()
         await owner.close()
     assert await clients_of(redis_client, follower) == 0  # closed: none left behind
+
+
+async def test_the_connections_of_a_spike_of_followers_are_closed_once_idle(
+    redis_client: aioredis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spike of followers opens a connection per 250 followed logs; once they are gone,
+    each connection that follows nothing for ``IDLE_READ_S`` is closed, and a follower
+    after that opens one again."""
+    monkeypatch.setattr(redis_log, "IDLE_READ_S", 0.3)
+    owner = RedisStore(REDIS_URL, prefix)
+    follower = RedisStore(REDIS_URL, prefix, block_s=0.5)
+    await owner.start()
+    await follower.start()
+
+    async def follow(info: StreamInfo) -> list[StreamEvent]:
+        return [event async for batch in follower.read(info.id) for event in batch]
+
+    async def spike(count: int) -> None:
+        infos = [make_info() for _ in range(count)]
+        await asyncio.gather(*(owner.begin(info, 60) for info in infos))
+        readers = [asyncio.create_task(follow(info)) for info in infos]
+        await asyncio.sleep(0.3)  # following now
+        assert len(follower.followers) == -(-count // KEYS_PER_READ)
+        for info in infos:
+            info.status = "completed"
+        tail = [Delta(content="last "), Done()]
+        await asyncio.gather(*(owner.end(info, tail, 0, 60) for info in infos))
+        async with asyncio.timeout(10):
+            assert await asyncio.gather(*readers) == [tail] * count
+
+    try:
+        await spike(600)
+        spiked = await clients_of(redis_client, follower)  # (pages' connections too)
+        async with asyncio.timeout(5):
+            while len(follower.followers) or await clients_of(redis_client, follower) > spiked - 3:
+                await asyncio.sleep(0.1)
+        await spike(10)  # a new follower after that: a connection again
+    finally:
+        await follower.close()
+        await owner.close()
 
 
 async def test_a_new_follower_interrupts_the_blocked_read(prefix: str) -> None:

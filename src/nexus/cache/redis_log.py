@@ -45,6 +45,7 @@ __all__ = [
     "FINISH",
     "FIRST_PAGE",
     "FOLLOW_COUNT",
+    "IDLE_READ_S",
     "KEYS_PER_READ",
     "PAGE_CONNECTIONS",
     "Appends",
@@ -69,6 +70,9 @@ FIRST_PAGE = 1
 """Entries of a reader's first page (one may be a whole log): its size sets the next count."""
 PAGE_CONNECTIONS = 4
 """Connections for pages, per process: so many pages at once, the next ones wait."""
+IDLE_READ_S = 30.0
+"""A follower's connection that followed nothing for this long is closed: the spike of
+followers that opened it has passed (the next one opens another)."""
 
 
 # Log entries: per log in KEYS, in ARGV the count of its XADD arguments, then them. An
@@ -287,7 +291,16 @@ class _Read:
         while True:
             self.woken.clear()
             if not self.waiting:
-                await self.woken.wait()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(IDLE_READ_S):
+                        await self.woken.wait()
+                if not self.waiting and not self.woken.is_set():
+                    # Idle: no longer offered to readers (they are placed synchronously,
+                    # so none can be added after this), then closed.
+                    self.owner.retire(self)
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.client.aclose()
+                    return
                 continue
             try:
                 if self.id is None or self.refresh:
@@ -376,6 +389,11 @@ class Followers:
             return min(free, key=lambda read: len(read.waiting))
         self._reads.append(_Read(self))
         return self._reads[-1]
+
+    def retire(self, read: _Read) -> None:
+        """``read`` followed nothing for :data:`IDLE_READ_S`: it takes no more readers."""
+        if read in self._reads:
+            self._reads.remove(read)
 
     async def close(self) -> None:
         reads, self._reads = self._reads, []

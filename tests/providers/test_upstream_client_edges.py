@@ -1,6 +1,6 @@
-"""The upstream client (``nexus.providers.connections``, ``http1``) at the edges its attack
-review found, against real local sockets; each test named for what it keeps from breaking,
-the helpers test_upstream_connections'."""
+"""The upstream client (``nexus.providers.connections``, ``http1``) at its edges under attack
+(a hostile or broken upstream, a flood of cancellations), against real local sockets; each
+test named for what it keeps from breaking, the helpers test_upstream_connections'."""
 
 from __future__ import annotations
 

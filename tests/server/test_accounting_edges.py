@@ -22,7 +22,7 @@ from redis_support import connect_or_skip, drop_keys, new_prefix
 from support import MakeClient
 from upstreams import FakeUpstream, Reply, openai_chunk, sse
 
-KEY = "nx-accounting-review-0042"
+KEY = "nx-accounting-edges-0042"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -86,7 +86,7 @@ async def test_a_key_with_a_budget_cannot_spend_on_a_model_without_a_price(
                 assert (await r.json())["error"]["code"] == "budget_exceeded"
 
 
-UPSTREAM_KEY_ENV = "NEXUS_TEST_REVIEW_UPSTREAM_KEY"
+UPSTREAM_KEY_ENV = "NEXUS_TEST_ACCOUNTING_UPSTREAM_KEY"
 
 
 def hostile_upstream(url: str) -> str:

@@ -36,8 +36,8 @@ from nexus_process import start_nexus, stop_nexus
 from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
 from support import GatedProvider, MakeClient, chat
 
-KEY_A = "nx-review-a-0123456789abcdef"
-KEY_B = "nx-review-b-fedcba9876543210"
+KEY_A = "nx-hostile-a-0123456789abcdef"
+KEY_B = "nx-hostile-b-fedcba9876543210"
 DEEP = "[" * 300 + "]" * 300
 """Valid JSON (orjson parses up to 1024 levels) that orjson cannot write back (254)."""
 
@@ -46,7 +46,7 @@ DEEP = "[" * 300 + "]" * 300
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A keyless gateway: the mock, and an Anthropic provider nobody listens for (the
     upstream body is built before any connection is tried)."""
-    tmp = tmp_path_factory.mktemp("review")
+    tmp = tmp_path_factory.mktemp("hostile")
     config = tmp / "config.toml"
     config.write_text(
         # asyncio's own loop (uvloop is optional): its native sendfile writes past the

@@ -180,7 +180,7 @@ KEY_A, KEY_B = "sk-alpha-" + os.urandom(8).hex(), "sk-beta-" + os.urandom(8).hex
 async def test_cache_hits_repeated_by_one_key_stay_within_its_bytes(
     make_client: MakeClient, server: RedisServer, client: aioredis.Redis
 ) -> None:
-    """The reviewer's case, smaller: one key repeats a cached 100 kB request as JSON; each
+    """A flood of cache hits, smaller: one key repeats a cached 100 kB request as JSON; each
     replay is a new log of 100 kB, and another key's log must survive them."""
     config: dict[str, Any] = {
         "auth": {

@@ -98,6 +98,9 @@ async def test_a_stream_outlives_a_redis_restart_and_resumes_whole_elsewhere(
     metrics = await (await one.get("/metrics")).text()
     assert 'nexus_store_mirror_total{state="behind"} 1.0' in metrics
     assert 'nexus_store_mirror_total{state="caught_up"} 1.0' in metrics
+    # Redis down is not the pool busy: the refused begin counted as unreachable.
+    assert 'nexus_store_errors_total{cause="unreachable",op="begin"} 1.0' in metrics
+    assert 'cause="busy"' not in metrics
 
 
 async def test_a_local_only_stream_is_mirrored_whole_once_redis_is_back(

@@ -285,7 +285,6 @@ class StreamHub:
         await self.engine.hooks.started(stream, ctx)
         return stream
 
-
     async def _joinable(self, stream_id: str) -> StreamInfo | None:
         """The info of the stream holding a claim, if a request may join it: one still
         running, or one that ended well and whose recording is not written yet (its

@@ -68,7 +68,7 @@ from .redis_log import (
     page,
     page_count,
 )
-from .redis_pipeline import Command, Pipeliner, send
+from .redis_pipeline import Command, Pipeliner, busy, send
 from .redis_quota import Quota
 from .redis_url import connect, redact_url, scrub
 from .store import OWNER_TTL_S, Recording, StreamInfo, Write
@@ -214,13 +214,15 @@ class RedisStore(RedisHolds):
                 if isinstance(reply, Exception) and not (allow and allow in str(reply)):
                     raise reply
         except (RedisError, OSError) as exc:
-            raise self._unavailable(op) from exc
+            raise self._unavailable(op, exc) from exc
         return replies
 
-    def _unavailable(self, op: str) -> StoreUnavailable:
-        """Redis failed: counted as ``op``, to be raised."""
+    def _unavailable(self, op: str, exc: BaseException | None = None) -> StoreUnavailable:
+        """Redis failed (``exc``): counted as ``op`` and its cause, ``busy`` (no connection
+        or pipeline free within ``pool_timeout_s``) or ``unreachable``, to be raised."""
+        cause = "busy" if exc is not None and busy(exc) else "unreachable"
         for count in self.on_error:
-            count(op)
+            count(op, cause)
         return StoreUnavailable(
             "The stream store cannot be reached right now; retry shortly.",
             headers={"Retry-After": "1"},
@@ -404,7 +406,7 @@ class RedisStore(RedisHolds):
                 try:
                     entries = await self.followers.next(log, after)
                 except (RedisError, OSError) as exc:
-                    raise self._unavailable("read") from exc
+                    raise self._unavailable("read", exc) from exc
                 # Behind (a slow client): pages, bounded in bytes, until caught up.
                 following = len(entries) < FOLLOW_COUNT
             else:
@@ -440,7 +442,7 @@ class RedisStore(RedisHolds):
             if isinstance(entries, Exception):
                 raise entries
         except (RedisError, OSError) as exc:
-            raise self._unavailable("read") from exc
+            raise self._unavailable("read", exc) from exc
         return cast(list[Any], entries or [])
 
     async def _finished(self, stream_id: str) -> bool:

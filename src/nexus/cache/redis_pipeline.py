@@ -19,7 +19,21 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
-__all__ = ["Command", "Pipeliner", "bulk", "exchange", "send"]
+__all__ = ["Command", "Pipeliner", "StoreBusy", "bulk", "busy", "exchange", "send"]
+
+
+class StoreBusy(RedisError):
+    """The pipeline's queue was not sent within its wait: Redis is slow or the load high."""
+
+
+def busy(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store's connections were all busy past their wait (the
+    pipeline's queue, or a pool: redis-py's ``No connection available``, raised from the
+    wait's timeout), rather than that Redis failed."""
+    return isinstance(exc, StoreBusy) or (
+        isinstance(exc, ConnectionError) and isinstance(exc.__cause__, TimeoutError)
+    )
+
 
 Command = tuple[Any, ...] | bytes
 """A command's arguments, or the whole command already in RESP
@@ -66,7 +80,7 @@ class Pipeliner:
                 sent = []
                 for group, future, queued in groups:
                     if queued < late and not future.done():
-                        future.set_exception(RedisError("no pipeline free in time"))
+                        future.set_exception(StoreBusy("no pipeline free in time"))
                     if not future.done():  # (else: its caller left)
                         commands += group
                         sent.append((future, len(group)))

@@ -126,9 +126,10 @@ class Store(ABC):
     """Whether other processes see this store (live logs are then mirrored into it)."""
 
     def __init__(self) -> None:
-        self.on_error: list[Callable[[str], None]] = []
-        """Called with the operation's name (``begin``, ``read``...) each time one fails
-        because the store cannot be reached: the ``nexus_store_errors_total`` metric."""
+        self.on_error: list[Callable[[str, str], None]] = []
+        """Called with the operation's name (``begin``, ``read``...) and the cause
+        (``busy``: no connection free in time; ``unreachable``: Redis failed or did not
+        answer) each time one fails: the ``nexus_store_errors_total`` metric."""
         self.on_evict: list[Callable[[str, int], None]] = []
         """Called with why (``key_limit``: a key past ``[store] max_bytes_per_key``;
         ``store_full``: past ``max_bytes``) and how many entries went before their TTL:

@@ -283,9 +283,10 @@ class Metrics:
         )
         self.store_errors = counter(
             "nexus_store_errors",
-            "Store operations that failed (Redis unreachable, or no pooled connection "
-            "within [store] pool_timeout_s), by operation.",
-            ("op",),
+            "Store operations that failed, by operation and cause: busy (no pooled "
+            "connection within [store] pool_timeout_s) or unreachable (Redis failed or "
+            "did not answer).",
+            ("op", "cause"),
         )
         self.store_evictions = counter(
             "nexus_store_evictions",
@@ -414,7 +415,7 @@ class Metrics:
             if isinstance(provider, HTTPProvider):
                 provider.on_pool_wait.append(self.pool_wait.labels(provider.name).observe)
         store_errors = self.store_errors
-        hub.store.on_error.append(lambda op: store_errors.labels(op).inc())
+        hub.store.on_error.append(lambda op, cause: store_errors.labels(op, cause).inc())
         evictions = self.store_evictions
         hub.store.on_evict.append(lambda why, count: evictions.labels(why).inc(count))
         store_mirror = self.store_mirror

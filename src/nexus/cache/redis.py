@@ -305,8 +305,10 @@ class RedisStore(RedisHolds):
         limit = self.max_log_bytes
         tally = self.quota.tally() if self.quota.limit is not None else None
         live_logs = self._live
+        add = appends.add
         for at, write in enumerate(writes):
-            stream_id, start, events = write.info.id, write.start, write.events
+            start, events = write.start, write.events
+            stream_id = write.info.meta.id
             live = live_logs.get(stream_id)
             if live is None:  # not begun here (a log written whole at its end)
                 live = LiveLog(self._key(stream_id, "log"), ttl_ms)
@@ -315,7 +317,8 @@ class RedisStore(RedisHolds):
             size, counted = live.size, live.counted
             ttl = ttl_ms if write.end else live.ttl
             count = len(events)
-            for first in range(0, count, _ENTRY):
+            # Entries of at most _ENTRY events (mostly one: a turn's tokens of one stream).
+            for first in range(0, count, _ENTRY) if count > _ENTRY else (0,) if count else ():
                 chunk = events if count <= _ENTRY else events[first : first + _ENTRY]
                 payload, chunk_size = dump_entry(chunk)
                 end = start + min(first + _ENTRY, count)
@@ -325,7 +328,7 @@ class RedisStore(RedisHolds):
                 trim = 0
                 if limit is not None and counted > limit:
                     trim = end - end * limit // counted + 1
-                appends.add(live.key, end, payload, exists=start > 0, trim=trim)
+                add(live.key, end, payload, start > 0, trim)
                 owners.append(at)
             if tally is not None:
                 # Its bytes in Redis: once trimmed, about the share of them the trim kept.

@@ -144,7 +144,7 @@ class Appends:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, key: bytes, end: int, payload: bytes, *, exists: bool, trim: int) -> None:
+    def add(self, key: bytes, end: int, payload: bytes, exists: bool, trim: int) -> None:
         """An entry of the log whose key, in RESP, is ``key`` (:attr:`LiveLog.key`): its
         events' ``payload``, ID ``0-{end}``; ``exists``: NOMKSTREAM (appended to a log that
         must be there); ``trim`` > 0: the entries below ``0-{trim}`` trimmed (``MINID ~``)."""

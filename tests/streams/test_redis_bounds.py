@@ -113,19 +113,26 @@ async def test_a_log_lost_in_a_restart_is_noticed_and_written_again_whole(
         await store.close()
 
 
+async def write_a_log_with_a_hole(store: RedisStore) -> tuple[StreamInfo, list[StreamEvent]]:
+    """A finished log of six tokens, ``t0 `` to ``t5 ``, of which 2 and 3 are missing (as
+    after a stale restore); its info, and the six."""
+    info = make_info()
+    await store.begin(info, 60)
+    events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
+    assert await append(store, info, 0, events[:2])
+    assert await append(store, info, 4, events[4:])
+    info.status = "completed"
+    await store.end(info, [*events, Done()], 6, 60)
+    return info, events
+
+
 async def test_a_log_with_a_hole_is_an_error_for_its_reader(
     redis_client: aioredis.Redis, prefix: str
 ) -> None:
     store = RedisStore(REDIS_URL, prefix)
     await store.start()
     try:
-        info = make_info()
-        await store.begin(info, 60)
-        events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
-        assert await append(store, info, 0, events[:2])
-        assert await append(store, info, 4, events[4:])  # 2 and 3 missing (a stale restore)
-        info.status = "completed"
-        await store.end(info, [*events, Done()], 6, 60)
+        info, events = await write_a_log_with_a_hole(store)
         with pytest.raises(StreamIncomplete):
             await read_all(store, info.id)
         with pytest.raises(StreamIncomplete):
@@ -143,13 +150,7 @@ async def test_a_client_resuming_a_log_with_a_hole_gets_an_error_never_the_hole(
     store = RedisStore(REDIS_URL, prefix)
     await store.start()
     try:
-        info = make_info()
-        await store.begin(info, 60)
-        events: list[StreamEvent] = [Delta(content=f"t{i} ") for i in range(6)]
-        assert await append(store, info, 0, events[:2])
-        assert await append(store, info, 4, events[4:])  # 2 and 3 missing (a stale restore)
-        info.status = "completed"
-        await store.end(info, [*events, Done()], 6, 60)
+        info, _ = await write_a_log_with_a_hole(store)
     finally:
         await store.close()
     client = await make_client({"store": {"kind": "redis", "url": REDIS_URL, "prefix": prefix}})

@@ -418,7 +418,10 @@ class Config(_Table):
                 isinstance(cfg, HTTPProviderConfig)
                 and "max_connections" not in cfg.model_fields_set
             ):
-                self.providers[name] = cfg.model_copy(update={"max_connections": streams})
+                followed = cfg.model_copy(update={"max_connections": streams})
+                # Still unset: a config rebuilt from these providers follows its own limit.
+                followed.model_fields_set.discard("max_connections")
+                self.providers[name] = followed
         return self
 
     @model_validator(mode="after")

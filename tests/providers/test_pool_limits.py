@@ -284,6 +284,12 @@ max_connections = 0
     )
     pools = {name: cfg.max_connections for name, cfg in config.providers.items()}
     assert pools == {"a": 50_000, "b": 64, "c": 0}
+    # Rebuilt from those providers with another limit, the one left unset follows it.
+    from nexus.config import Config, LimitsConfig
+
+    rebuilt = Config(providers=config.providers, limits=LimitsConfig(max_concurrent_streams=900))
+    pools = {name: cfg.max_connections for name, cfg in rebuilt.providers.items()}
+    assert pools == {"a": 900, "b": 64, "c": 0}
     assert (
         parse_config(
             tomllib.loads('[providers.a]\nkind = "openai"\nbase_url = "http://127.0.0.1:1/v1"\n')

@@ -44,9 +44,11 @@ def make_info() -> StreamInfo:
     return StreamInfo(meta=meta, format="text/event-stream")
 
 
-async def clients_of(redis_client: aioredis.Redis, store: RedisStore) -> int:
+async def clients_of(redis_client: aioredis.Redis, store: RedisStore, cmd: str = "") -> int:
+    """Connections of ``store`` (whose last command was ``cmd``, if given)."""
     listed = await redis_client.client_list()
-    return sum(1 for client in listed if client["name"] == f"nexus-{store.replica_id}")
+    name = f"nexus-{store.replica_id}"
+    return sum(1 for c in listed if c["name"] == name and (not cmd or c["cmd"] == cmd))
 
 
 async def test_many_followed_streams_share_a_few_connections(
@@ -102,7 +104,7 @@ async def test_the_connections_of_a_spike_of_followers_are_closed_once_idle(
     """A spike of followers opens a connection per 250 followed logs; once they are gone,
     each connection that follows nothing for ``IDLE_READ_S`` is closed, and a follower
     after that opens one again."""
-    monkeypatch.setattr(redis_log, "IDLE_READ_S", 1.0)  # (above the block time)
+    monkeypatch.setattr(redis_log, "IDLE_READ_S", 2.0)  # (above the block time)
     owner = RedisStore(REDIS_URL, prefix)
     follower = RedisStore(REDIS_URL, prefix, block_s=0.5)
     await owner.start()
@@ -115,8 +117,12 @@ async def test_the_connections_of_a_spike_of_followers_are_closed_once_idle(
         infos = [make_info() for _ in range(count)]
         await asyncio.gather(*(owner.begin(info, 60) for info in infos))
         readers = [asyncio.create_task(follow(info)) for info in infos]
+        reads = -(-count // KEYS_PER_READ)
         async with asyncio.timeout(10):  # following now, a connection per 250 of them
-            while len(follower.followers) < -(-count // KEYS_PER_READ):
+            while (
+                len(follower.followers) < reads
+                or await clients_of(redis_client, follower, "xread") < reads
+            ):
                 await asyncio.sleep(0.05)
         for info in infos:
             info.status = "completed"
@@ -127,9 +133,8 @@ async def test_the_connections_of_a_spike_of_followers_are_closed_once_idle(
 
     try:
         await spike(300)
-        spiked = await clients_of(redis_client, follower)  # (pages' connections too)
-        async with asyncio.timeout(10):
-            while len(follower.followers) or await clients_of(redis_client, follower) > spiked - 2:
+        async with asyncio.timeout(15):  # closed in Redis too, not only let go of
+            while len(follower.followers) or await clients_of(redis_client, follower, "xread"):
                 await asyncio.sleep(0.1)
         await spike(10)  # a new follower after that: a connection again
     finally:

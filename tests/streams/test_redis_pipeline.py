@@ -86,3 +86,31 @@ async def test_a_redis_that_stops_answering_fails_the_round_trip_in_time(
     finally:
         process.send_signal(signal.SIGCONT)  # (the fixture stops it)
         await store.close()
+
+
+async def test_commands_queued_behind_a_redis_that_stopped_answering_count_it_unreachable(
+    redis_server: RedisServer,
+) -> None:
+    """A call queued past ``pool_timeout_s`` behind a round trip that Redis never answers
+    fails with that round trip, counted ``unreachable`` like it; only a queue behind round
+    trips that went through (a slow or overloaded Redis) is ``busy``."""
+    store = RedisStore(redis_server.url, prefix="queued", pool_timeout_s=0.1)
+    store.socket_timeout_s = 0.6
+    counted: list[tuple[str, str]] = []
+    store.on_error.append(lambda op, cause: counted.append((op, cause)))
+    await store.start()
+    process = redis_server.process
+    assert process is not None
+    try:
+        assert await store.call("t", ("SET", "queued:k", b"1")) == [b"OK"]
+        process.send_signal(signal.SIGSTOP)
+        first = asyncio.ensure_future(store.call("first", ("GET", "queued:k")))
+        await asyncio.sleep(0.3)  # in flight, unanswered: the next one queues past its wait
+        with pytest.raises(StoreUnavailable):
+            await store.call("queued", ("GET", "queued:k"))
+        with pytest.raises(StoreUnavailable):
+            await first
+        assert sorted(counted) == [("first", "unreachable"), ("queued", "unreachable")]
+    finally:
+        process.send_signal(signal.SIGCONT)  # (the fixture stops it)
+        await store.close()

@@ -218,8 +218,9 @@ class RedisStore(RedisHolds):
         return replies
 
     def _unavailable(self, op: str, exc: BaseException | None = None) -> StoreUnavailable:
-        """Redis failed (``exc``): counted as ``op`` and its cause, ``busy`` (no connection
-        or pipeline free within ``pool_timeout_s``) or ``unreachable``, to be raised."""
+        """Redis failed (``exc``): counted as ``op`` and its cause, ``busy`` (no turn of the
+        pipeline, or no connection, within ``pool_timeout_s``) or ``unreachable``, to be
+        raised."""
         cause = "busy" if exc is not None and busy(exc) else "unreachable"
         for count in self.on_error:
             count(op, cause)

@@ -359,6 +359,7 @@ class Followers:
         self.block_ms = block_ms
         self.page = page
         self._reads: list[_Read] = []
+        self._retired: set[asyncio.Task[None]] = set()  # closing their connections
 
     def __len__(self) -> int:
         """Connections blocking for followers."""
@@ -394,9 +395,13 @@ class Followers:
         """``read`` followed nothing for :data:`IDLE_READ_S`: it takes no more readers."""
         if read in self._reads:
             self._reads.remove(read)
+            self._retired.add(read.task)
+            read.task.add_done_callback(self._retired.discard)
 
     async def close(self) -> None:
         reads, self._reads = self._reads, []
+        if self._retired:
+            await asyncio.wait(self._retired, timeout=2.0)
         for read in reads:
             read.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):

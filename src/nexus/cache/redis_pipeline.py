@@ -72,6 +72,7 @@ class Pipeliner:
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
         sent: list[tuple[asyncio.Future[list[Any]], int]] = []
+        failed: BaseException | None = None
         try:
             while self._queue:
                 groups, self._queue = self._queue, []
@@ -80,11 +81,13 @@ class Pipeliner:
                 sent = []
                 for group, future, queued in groups:
                     if queued < late and not future.done():
-                        future.set_exception(StoreBusy("no pipeline free in time"))
+                        # Late behind a round trip that failed (Redis not answering): that
+                        # failure; behind one that went through, the pipeline was busy.
+                        future.set_exception(failed or StoreBusy("no pipeline free in time"))
                     if not future.done():  # (else: its caller left)
                         commands += group
                         sent.append((future, len(group)))
-                failed: BaseException | None = None
+                failed = None
                 try:
                     replies = []
                     if commands:

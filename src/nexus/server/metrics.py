@@ -283,9 +283,9 @@ class Metrics:
         )
         self.store_errors = counter(
             "nexus_store_errors",
-            "Store operations that failed, by operation and cause: busy (no pooled "
-            "connection within [store] pool_timeout_s) or unreachable (Redis failed or "
-            "did not answer).",
+            "Store operations that failed, by operation and cause: busy (no turn of the "
+            "pipeline, or no connection, within [store] pool_timeout_s) or unreachable "
+            "(Redis refused, failed or did not answer).",
             ("op", "cause"),
         )
         self.store_evictions = counter(

@@ -232,6 +232,10 @@ class RedisStoreConfig(_Table):
     max_bytes_per_key: int = Field(default=64 * 1024 * 1024, gt=0)
     """What one API key's logs and recordings may hold in Redis, counted by every replica
     alike: past it, its own finished ones nearest their expiry go (nexus.cache.redis_quota)."""
+    mirror_interval_ms: int = Field(default=10, ge=1, le=1000)
+    """How often the live logs are written to Redis: how late a reader on another replica
+    may be, against Redis's CPU (25 ms took a third off it under 200 streams at 20 ms a
+    token, bench/README.md)."""
 
     @field_validator("url")
     @classmethod

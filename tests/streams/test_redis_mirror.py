@@ -188,3 +188,42 @@ async def test_a_mark_that_comes_while_a_streams_end_is_written_is_dropped(
     assert written.count((kept["second"].run.id, True)) == 1
     assert (kept["first"].run.id, True) in written
     assert keeper._mirror is None and not keeper._kept
+
+
+@pytest.mark.parametrize(("interval_ms", "entries"), [(10, range(8, 30)), (400, range(1, 3))])
+async def test_the_mirror_interval_sets_how_many_tokens_a_write_carries(
+    make_client: MakeClient,
+    redis_client: aioredis.Redis,
+    prefix: str,
+    interval_ms: int,
+    entries: range,
+) -> None:
+    """``[store] mirror_interval_ms``: 20 tokens 25 ms apart are an entry each of the log in
+    Redis at 10 ms (and the end one), and one or two at 400 ms (the stream is over before
+    the first turn); either way another replica reads them whole."""
+    store = {"kind": "redis", "url": REDIS_URL, "prefix": prefix}
+    client = await make_client({"store": {**store, "mirror_interval_ms": interval_ms}})
+    assert client.app[HUB].store.mirror_interval_s == interval_ms / 1000
+    words = " ".join(f"w{i}" for i in range(20))
+    resp = await client.post(
+        "/v1/chat/completions?stream_format=ndjson",
+        json=chat(stream=True, mock={"content": words, "delay_ms": 25}),
+    )
+    assert resp.status == 200
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    await resp.read()
+    key = f"{prefix}:stream:{stream_id}:log"
+    async with asyncio.timeout(5):  # the end is written after the last turn
+        while b'"in_progress"' in (
+            await redis_client.get(f"{prefix}:stream:{stream_id}:info") or b'"in_progress"'
+        ):
+            await asyncio.sleep(0.05)
+    assert await redis_client.xlen(key) in entries
+    other = await make_client({"store": store})
+    replay = await other.get(f"/v1/streams/{stream_id}?stream_format=ndjson")
+    text = "".join(
+        line.split('"content":"')[1].split('"')[0]
+        for line in (await replay.text()).splitlines()
+        if '"content":"' in line
+    )
+    assert text.split() == words.split()

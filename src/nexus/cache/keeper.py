@@ -4,7 +4,8 @@ the store when they end, recorded, their claims released.
 With a shared store, one task (the mirror) serves every run of the process: a run that
 grows marks itself, the keeper being one more reader of its log, told of each batch in
 the run's own call (no task, timer or future per stream and batch); the mirror
-waits :data:`MIRROR_INTERVAL_S` so that the runs growing meanwhile join, then writes all
+waits the store's ``mirror_interval_s`` (``[store] mirror_interval_ms``, 10 ms by default) so
+that the runs growing meanwhile join, then writes all
 their new entries and ends in one round trip (:meth:`~nexus.cache.store.Store.mirror`),
 and renews the live logs' TTLs in one round trip every third of ``resume_ttl_s`` (60 s
 at most). It stops when no run is left. Otherwise a task starts when a run finishes.
@@ -35,7 +36,6 @@ from .run import StreamRun
 from .store import Status, Store, Write
 
 __all__ = [
-    "MIRROR_INTERVAL_S",
     "RECORDING_WAIT_S",
     "RETRY_MAX_S",
     "RETRY_S",
@@ -45,8 +45,6 @@ __all__ = [
 
 log = logging.getLogger("nexus.streams")
 
-MIRROR_INTERVAL_S = 0.01
-"""Writes are at most this often (also how late a reader on another replica may be)."""
 RETRY_S = 1.0
 """After the store failed, the next try comes this much later, doubling up to..."""
 RETRY_MAX_S = 8.0
@@ -196,7 +194,8 @@ class Keeper:
                         async with asyncio.timeout_at(renew_at):
                             await self._woken.wait()
                 if not self.closing.is_set():
-                    await asyncio.sleep(MIRROR_INTERVAL_S)  # the runs that grow meanwhile join
+                    # The runs that grow meanwhile join.
+                    await asyncio.sleep(self.store.mirror_interval_s)
                 if loop.time() >= renew_at:
                     renew_at = loop.time() + every
                     await self._renew()

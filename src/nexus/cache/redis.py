@@ -71,7 +71,7 @@ from .redis_log import (
 from .redis_pipeline import Command, Pipeliner, busy, send
 from .redis_quota import Quota
 from .redis_url import connect, redact_url, scrub
-from .store import OWNER_TTL_S, Recording, StreamInfo, Write
+from .store import MIRROR_INTERVAL_S, OWNER_TTL_S, Recording, StreamInfo, Write
 
 log = logging.getLogger("nexus.store")
 
@@ -113,8 +113,10 @@ class RedisStore(RedisHolds):
         block_s: float = 1.0,
         max_log_bytes: int | None = None,
         max_bytes_per_key: int | None = None,
+        mirror_interval_s: float = MIRROR_INTERVAL_S,
     ) -> None:
         super().__init__()
+        self.mirror_interval_s = mirror_interval_s
         self.url = url
         self.prefix = prefix
         self.max_connections = max_connections

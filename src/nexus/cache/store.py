@@ -22,7 +22,15 @@ import orjson
 from ..events import StreamEvent
 from ..types import StreamMeta
 
-__all__ = ["OWNER_TTL_S", "Recording", "Status", "Store", "StreamInfo", "Write"]
+__all__ = [
+    "MIRROR_INTERVAL_S",
+    "OWNER_TTL_S",
+    "Recording",
+    "Status",
+    "Store",
+    "StreamInfo",
+    "Write",
+]
 
 OWNER_TTL_S = 10.0
 """A replica that has not renewed its keep-alive for this long is presumed dead, and so are
@@ -118,12 +126,20 @@ class Recording:
     upstream_model: str = ""
 
 
+MIRROR_INTERVAL_S = 0.01
+"""How often, by default, a shared store's mirror writes (also how late a reader on another
+replica may be): ``[store] mirror_interval_ms``."""
+
+
 class Store(ABC):
     """Keeps stream logs, leases, prepaid reads, recordings and in-flight claims. See the
     module docstring."""
 
     shared: ClassVar[bool] = False
     """Whether other processes see this store (live logs are then mirrored into it)."""
+    mirror_interval_s: float = MIRROR_INTERVAL_S
+    """A shared store's live logs are mirrored into it at most this often
+    (:mod:`nexus.cache.keeper`): longer, more tokens per write, fewer writes."""
 
     def __init__(self) -> None:
         self.on_error: list[Callable[[str, str], None]] = []

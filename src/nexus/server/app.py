@@ -258,6 +258,7 @@ def build_store(config: StoreConfig, *, max_log_bytes: int | None = None) -> Sto
         pool_timeout_s=config.pool_timeout_s,
         max_log_bytes=max_log_bytes,
         max_bytes_per_key=config.max_bytes_per_key,
+        mirror_interval_s=config.mirror_interval_ms / 1000,
     )
 
 

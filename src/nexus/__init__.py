@@ -3,6 +3,8 @@
 The public API for integrators; everything else is internal.
 """
 
+__version__ = "0.1.0"  # (first: modules imported below name it, the User-Agent sent upstream)
+
 from .config import AnthropicProviderConfig, Config, OpenAIProviderConfig, load_config
 from .encoders import Encoder, EncoderRegistry, register
 from .engine import Engine
@@ -36,8 +38,6 @@ from .providers import AnthropicProvider, MockProvider, OpenAIProvider, Provider
 from .request import ChatRequest
 from .stream import Channel, EndOfStream, Stream, accumulate
 from .types import CompletedToolCall, Completion, ReasoningBlock, StreamMeta
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AnthropicProvider",

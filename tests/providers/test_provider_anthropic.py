@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+import nexus
 from nexus import Engine, accumulate
 from nexus.config import parse_config
 from nexus.errors import InvalidRequest, UpstreamOverloaded
@@ -168,6 +169,7 @@ async def test_text_thinking_and_usage(make_client: MakeClient, upstream: FakeUp
     assert seen.path == "/v1/messages"
     assert seen.headers["x-api-key"] == KEY
     assert seen.headers["anthropic-version"] == "2023-06-01"
+    assert seen.headers["User-Agent"] == f"nexus/{nexus.__version__}"
     assert "Authorization" not in seen.headers
 
 

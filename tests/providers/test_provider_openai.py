@@ -18,6 +18,7 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
+import nexus
 from nexus import Engine
 from nexus.config import parse_config
 from nexus.encoders.registry import default_registry
@@ -258,6 +259,7 @@ async def test_upstream_request_body_and_headers(
     assert sent["messages"] == [{"role": "user", "content": "Hi"}]
     assert seen.headers["Authorization"] == f"Bearer {KEY}"
     assert seen.headers["Content-Type"] == "application/json"
+    assert seen.headers["User-Agent"] == f"nexus/{nexus.__version__}"  # which release sent it
 
 
 async def test_no_authorization_header_without_api_key_env(

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import orjson
 from multidict import CIMultiDict
 
+from .. import __version__
 from ..config import HTTPProviderConfig
 from ..errors import (
     UpstreamConnectError,
@@ -57,7 +58,9 @@ _DRAIN_TIMEOUT_S = 0.05
 _MAX_READY = 4096
 """Events decoded and not yet read past which the socket stops being read (a reader that
 takes its events late must not have the gateway hold the upstream's whole stream)."""
-USER_AGENT = "nexus"
+USER_AGENT = f"nexus/{__version__}"
+"""Sent upstream on every request: a provider's logs tell which gateway, and which
+release of it, sent what."""
 
 
 @contextlib.contextmanager

@@ -130,6 +130,8 @@ class Seen:
     chunks_sent: int = 0
     peer: Any = None
     """The client's (host, port): the same port on two requests means one kept-alive connection."""
+    query: str = ""
+    """The request target's query string, as sent."""
     ended_at: float | None = None
     cancelled: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -204,6 +206,7 @@ class FakeUpstream:
             raw=await request.read(),
             started_at=loop.time(),
             peer=request.transport.get_extra_info("peername") if request.transport else None,
+            query=request.query_string,
         )
         self.requests.append(seen)
         reply = self._take(request.path)

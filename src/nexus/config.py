@@ -288,9 +288,8 @@ class HTTPProviderConfig(_Table):
     first_byte_timeout_s: float = Field(default=60.0, gt=0)
     idle_timeout_s: float = Field(default=60.0, gt=0)
     max_connections: int = Field(default=10_000, ge=0)
-    """Unset in a config file, ``[limits] max_concurrent_streams`` (:class:`Config` sets it),
-    so the gateway's own limit is met first: a stream holds a connection for its whole
-    length, and a pool smaller than the streams allowed would queue them. 0: no limit."""
+    """Unset, ``[limits] max_concurrent_streams`` (set by :class:`Config`): a stream holds a
+    connection to its end, and a pool smaller than the streams allowed queues them. 0: none."""
     pool_timeout_s: float = Field(default=10.0, ge=0)
     ca_file: str | None = Field(default=None, min_length=1)
     """PEM file of the CA certificates an ``https`` upstream's certificate must chain to,
@@ -310,6 +309,7 @@ class OpenAIProviderConfig(HTTPProviderConfig):
     kind: Literal["openai"] = "openai"  # (required in a config file's table)
     base_url: str = Field(default="https://api.openai.com/v1", pattern=URL)
     token_limit_field: Literal["max_tokens", "max_completion_tokens"] | None = None
+    api_key_header: Literal["authorization", "api-key"] = "authorization"  # api-key: Azure's
 
 
 class AnthropicProviderConfig(HTTPProviderConfig):
@@ -415,15 +415,15 @@ class Config(_Table):
 
     @model_validator(mode="after")
     def _pools_fit_the_streams(self) -> Config:
-        """A provider's ``max_connections`` left unset: as many as the streams allowed."""
-        streams = self.limits.max_concurrent_streams
+        """A provider's ``max_connections`` left unset: as many as the streams allowed (and
+        still unset: a config rebuilt from these providers follows its own limit)."""
         for name, cfg in self.providers.items():
             if (
                 isinstance(cfg, HTTPProviderConfig)
                 and "max_connections" not in cfg.model_fields_set
             ):
+                streams = self.limits.max_concurrent_streams
                 followed = cfg.model_copy(update={"max_connections": streams})
-                # Still unset: a config rebuilt from these providers follows its own limit.
                 followed.model_fields_set.discard("max_connections")
                 self.providers[name] = followed
         return self

@@ -271,6 +271,28 @@ async def test_no_authorization_header_without_api_key_env(
     assert "Authorization" not in upstream.requests[0].headers
 
 
+async def test_azure_openai_takes_the_key_in_api_key_and_the_version_in_the_query(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """``api_key_header = "api-key"``: the key as Azure OpenAI takes it, never also as a
+    bearer token; a deployment's ``base_url`` keeps its path and ``api-version`` query."""
+    upstream.add(Reply.stream(text_frames("ok")))
+    base = upstream.url + "/openai/deployments/gpt-4o?api-version=2024-10-21"
+    azure = {
+        "kind": "openai",
+        "base_url": base,
+        "api_key_env": KEY_ENV,
+        "api_key_header": "api-key",
+    }
+    client = await gateway(make_client, az=azure)
+    assert contents(await read_sse(await post(client, "az/gpt-4o"))) == ["ok"]
+    [seen] = upstream.requests
+    assert seen.headers["api-key"] == KEY
+    assert "Authorization" not in seen.headers
+    assert seen.path == "/openai/deployments/gpt-4o/chat/completions"
+    assert seen.query == "api-version=2024-10-21"
+
+
 # --- tool calls, reasoning, refusal, usage ---------------------------------------
 
 

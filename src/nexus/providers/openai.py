@@ -26,7 +26,10 @@ class OpenAIProvider(HTTPProvider):
     def headers(self) -> dict[str, str]:
         headers = super().headers()
         if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
+            if self.config.api_key_header == "api-key":  # Azure OpenAI's
+                headers["api-key"] = self._api_key
+            else:
+                headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
 
     def refusal(self, request: ChatRequest) -> InvalidRequest | None:

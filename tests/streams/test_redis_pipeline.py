@@ -4,8 +4,11 @@ each pipeline, given back at close (a store of one connection still closes at on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import subprocess
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -63,6 +66,25 @@ async def test_a_kept_connection_closed_by_redis_is_connected_again() -> None:
         await client.aclose()
 
 
+@contextlib.asynccontextmanager
+async def pausable(
+    server: RedisServer, store: RedisStore, deadline_s: float
+) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """``store``, started on ``server`` with a round trip's deadline of ``deadline_s``, one
+    key ``{prefix}:k`` set; yields the server's process, to pause (SIGSTOP), and always
+    resumes it (the fixture stops it) and closes the store."""
+    store.socket_timeout_s = deadline_s
+    await store.start()
+    process = server.process
+    assert process is not None
+    try:
+        assert await store.call("t", ("SET", f"{store.prefix}:k", b"1")) == [b"OK"]
+        yield process
+    finally:
+        process.send_signal(signal.SIGCONT)
+        await store.close()
+
+
 async def test_a_redis_that_stops_answering_fails_the_round_trip_in_time(
     redis_server: RedisServer,
 ) -> None:
@@ -70,12 +92,7 @@ async def test_a_redis_that_stops_answering_fails_the_round_trip_in_time(
     # Redis paused mid-life (SIGSTOP): the call fails as the store failing, within it,
     # and the next call after Redis is back goes through on a connection made again.
     store = RedisStore(redis_server.url, prefix="paused", max_connections=2)
-    store.socket_timeout_s = 0.5
-    await store.start()
-    process = redis_server.process
-    assert process is not None
-    try:
-        assert await store.call("t", ("SET", "paused:k", b"1")) == [b"OK"]
+    async with pausable(redis_server, store, 0.5) as process:
         process.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(StoreUnavailable):
@@ -83,9 +100,6 @@ async def test_a_redis_that_stops_answering_fails_the_round_trip_in_time(
         assert 0.4 < time.monotonic() - started < 2.0
         process.send_signal(signal.SIGCONT)
         assert await store.call("t", ("GET", "paused:k")) == [b"1"]
-    finally:
-        process.send_signal(signal.SIGCONT)  # (the fixture stops it)
-        await store.close()
 
 
 async def test_commands_queued_behind_a_redis_that_stopped_answering_count_it_unreachable(
@@ -95,14 +109,9 @@ async def test_commands_queued_behind_a_redis_that_stopped_answering_count_it_un
     fails with that round trip, counted ``unreachable`` like it; only a queue behind round
     trips that went through (a slow or overloaded Redis) is ``busy``."""
     store = RedisStore(redis_server.url, prefix="queued", pool_timeout_s=0.1)
-    store.socket_timeout_s = 0.6
     counted: list[tuple[str, str]] = []
     store.on_error.append(lambda op, cause: counted.append((op, cause)))
-    await store.start()
-    process = redis_server.process
-    assert process is not None
-    try:
-        assert await store.call("t", ("SET", "queued:k", b"1")) == [b"OK"]
+    async with pausable(redis_server, store, 0.6) as process:
         process.send_signal(signal.SIGSTOP)
         first = asyncio.ensure_future(store.call("first", ("GET", "queued:k")))
         await asyncio.sleep(0.3)  # in flight, unanswered: the next one queues past its wait
@@ -111,6 +120,3 @@ async def test_commands_queued_behind_a_redis_that_stopped_answering_count_it_un
         with pytest.raises(StoreUnavailable):
             await first
         assert sorted(counted) == [("first", "unreachable"), ("queued", "unreachable")]
-    finally:
-        process.send_signal(signal.SIGCONT)  # (the fixture stops it)
-        await store.close()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from nexus.cache import redis as redis_store
+from nexus.cache import redis_holds
 from nexus.cache.redis import RedisStore
 from nexus.errors import StoreUnavailable
 
@@ -27,7 +27,7 @@ async def test_the_keep_alive_warning_never_quotes_the_password(
             raise StoreUnavailable("The stream store cannot be reached right now.") from exc
 
     monkeypatch.setattr(store, "call", call)
-    monkeypatch.setattr(redis_store, "OWNER_TTL_S", 0.03)
+    monkeypatch.setattr(redis_holds, "OWNER_TTL_S", 0.03)
     with caplog.at_level(logging.WARNING, logger="nexus"):
         beat = asyncio.ensure_future(store._beat())
         await asyncio.sleep(0.1)

@@ -28,7 +28,9 @@ from redis_server import RedisServer
 async def store() -> AsyncIterator[RedisStore]:
     server = RedisServer()
     server.start()
-    store = RedisStore(server.url, "pages")
+    # 60 readers of 8 MB share 4 connections for pages: on a loaded host the last ones
+    # wait for one longer than the default 5 s, which is not what these tests are about.
+    store = RedisStore(server.url, "pages", pool_timeout_s=60.0)
     try:
         await store.start()
         yield store

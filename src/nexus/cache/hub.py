@@ -95,14 +95,18 @@ class StreamHub:
         self.store_required = store_required
         """False: a stream the store cannot begin runs here alone (see the module docstring)."""
         self.live: dict[str, StreamRun] = {}
+        """The runs that count as running here."""
+        self._unkept: dict[str, StreamRun] = {}
+        """Runs that finished while the store was down: read here until it takes their end."""
         self.admission = Admission()
-        self.keeper = Keeper(store, self.streams, self.cache, self._gone)
+        self.keeper = Keeper(store, self.streams, self.cache, self._gone, self._released)
         self.on_live: Callable[[int], None] | None = None
         """Told how many streams run here whenever that changes (metrics, several workers)."""
         self.watchdog = Watchdog()
         """Ends the streams that pass ``max_duration_s``: one ticker, not a timer each."""
         self._unstored_warned = 0.0
         store.live_entries = self._entries  # what replicas asking learn (a shared store)
+        store.on_lost = self.keeper.renew_soon
 
     @property
     def limits(self) -> KeyLimits:
@@ -234,7 +238,7 @@ class StreamHub:
                     joined = await self._joined_as(joined, info, lasts, background)
                 if joined is not None:
                     handed = True
-                    local = self.live.get(holder)
+                    local = self.local(holder)
                     reader = None if local is None else local.reader()
                     try:
                         await stream.close()
@@ -268,7 +272,7 @@ class StreamHub:
             return replace(joined, resumable=False)
         if not info.resumable:
             return joined
-        local = self.live.get(joined.id)
+        local = self.local(joined.id)
         if local is not None:
             local.info.resumable = True  # this client may leave and come back
             return local.info
@@ -289,7 +293,7 @@ class StreamHub:
         """The info of the stream holding a claim, if a request may join it: one still
         running, or one that ended well and whose recording is not written yet (its
         whole log is here, or in the store: joined, it is read from its start)."""
-        run = self.live.get(stream_id)
+        run = self.local(stream_id)
         if run is not None:
             if not run.ending or (run.finished and status_of(run.events[-1]) == "completed"):
                 return run.info
@@ -392,18 +396,35 @@ class StreamHub:
         down is retried for seconds, and a key at its limit would be refused meanwhile)."""
         await self.admission.ending(run.id)
 
+    def _released(self, run: StreamRun) -> None:
+        """``run`` finished and its end waits for the store: it no longer counts as
+        running, but is still read here (the store has not got it whole)."""
+        if self.live.get(run.id) is run:
+            self._unkept[run.id] = run
+            self._not_running(run)
+
     def _gone(self, run: StreamRun) -> None:
-        """``run``'s log is kept, or being retried: it is no longer found here."""
+        """``run``'s log is kept (or given up): it is no longer found here."""
+        if self._unkept.get(run.id) is run:
+            del self._unkept[run.id]
+        self._not_running(run)
+
+    def _not_running(self, run: StreamRun) -> None:
         if self.live.pop(run.id, None) is not None:
             self.admission.ended(run.id)
             if self.on_live is not None:
                 self.on_live(len(self.live))
 
+    def local(self, stream_id: str) -> StreamRun | None:
+        """The run of ``stream_id`` here: running, or finished with its end not yet taken
+        by the store."""
+        return self.live.get(stream_id) or self._unkept.get(stream_id)
+
     async def attach(
         self, stream_id: str, start: int = 0, *, meta: StreamMeta | None = None
     ) -> RunReader | StoreReader:
         """A reader of the stream's log from entry ``start``. Raises :class:`StreamNotFound`."""
-        run = self.live.get(stream_id)
+        run = self.local(stream_id)
         reader: RunReader | StoreReader
         if run is not None:
             reader = run.reader(start)
@@ -434,7 +455,7 @@ class StreamHub:
         :meth:`Store.reached <nexus.cache.store.Store.reached>`). A finished stream has
         logged all it will (past its end, its read has nothing). Raises
         :class:`~nexus.errors.StoreUnavailable` when it cannot be told."""
-        run = self.live.get(info.id)
+        run = self.local(info.id)
         if run is not None:
             return entries <= len(run.events)
         if entries <= 0 or info.status != "in_progress":
@@ -442,11 +463,11 @@ class StreamHub:
         return await self.store.reached(info.id, entries)
 
     def _entries(self, stream_id: str) -> int | None:
-        run = self.live.get(stream_id)
+        run = self.local(stream_id)
         return None if run is None else len(run.events)
 
     async def info(self, stream_id: str) -> StreamInfo | None:
-        run = self.live.get(stream_id)
+        run = self.local(stream_id)
         if run is not None:
             return run.info
         return await self.store.info(stream_id)

@@ -90,7 +90,9 @@ class _Kept:
 
 class Keeper:
     """Keeps the logs of a hub's runs (see the module docstring); ``gone(run)`` is
-    called once a run no longer counts as running."""
+    called once a run's log is kept (or given up), ``released(run)`` once a finished run
+    whose end the store has not taken yet stops counting as running (it is still read
+    here meanwhile)."""
 
     def __init__(
         self,
@@ -98,6 +100,7 @@ class Keeper:
         streams: StreamsConfig,
         cache: CacheConfig,
         gone: Callable[[StreamRun], None],
+        released: Callable[[StreamRun], None] | None = None,
     ) -> None:
         self.store = store
         self.streams = streams
@@ -110,6 +113,7 @@ class Keeper:
         """Told ``behind``, ``caught_up`` or ``abandoned`` as a stream's mirror into a
         shared store lapses, recovers, or is given up (metrics)."""
         self._gone = gone
+        self._released = released or gone
         self._recording: dict[str, tuple[StreamRun, asyncio.Future[None]]] = {}
         """Cache keys whose run here is to be recorded -> it, and a future done once its
         recording was written (or will not be)."""
@@ -117,6 +121,7 @@ class Keeper:
         self._dirty: dict[str, _Kept] = {}
         self._woken = asyncio.Event()
         self._mirror: asyncio.Task[None] | None = None
+        self._renew_now = False
 
     def keep(self, run: StreamRun, record: str | None, stored: bool) -> None:
         """Look after ``run``'s log; ``record``: the cache key to record it under;
@@ -188,7 +193,7 @@ class Keeper:
         delay = RETRY_S
         try:
             while self._kept:
-                if not self._dirty:
+                if not self._dirty and not self._renew_now:
                     self._woken.clear()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout_at(renew_at):
@@ -196,8 +201,9 @@ class Keeper:
                 if not self.closing.is_set():
                     # The runs that grow meanwhile join.
                     await asyncio.sleep(self.store.mirror_interval_s)
-                if loop.time() >= renew_at:
+                if loop.time() >= renew_at or self._renew_now:
                     renew_at = loop.time() + every
+                    self._renew_now = False
                     await self._renew()
                 dirty, self._dirty = self._dirty, {}
                 if dirty and not await self._write(list(dirty.values())):
@@ -210,14 +216,28 @@ class Keeper:
         finally:
             self._mirror = None
 
+    def renew_soon(self) -> None:
+        """The store may have lost the live streams (it restarted): renew them now, and
+        write those it lost again."""
+        if self._mirror is not None:
+            self._renew_now = True
+            self._woken.set()
+
     async def _renew(self) -> None:
         ids = [kept.run.id for kept in self._kept.values() if kept.begun]
         try:
-            await self.store.keep_alive(ids)
+            lost = await self.store.keep_alive(ids)
         except StoreUnavailable:
-            pass  # counted; a stream's mirror warns when it fails
+            return  # counted; a stream's mirror warns when it fails
         except Exception:
             log.exception("renewing the live streams in the store failed")
+            return
+        for stream_id in lost:  # a quiet stream whose keys a restart lost: begun again
+            kept = self._kept.get(stream_id)
+            if kept is not None and kept.begun and not kept.run.finished:
+                log.info("stream %s: the store lost it (restarted?); writing it again", stream_id)
+                kept.begun = False
+                self._mark(kept)
 
     async def _write(self, batch: list[_Kept]) -> bool:
         """Each run's new entries, or its end, in one round trip; False if it failed."""
@@ -276,7 +296,7 @@ class Keeper:
                 else:
                     self._mark(kept)
                 continue
-            self._gone(run)  # ended: it must not hold a stream slot while this retries
+            self._released(run)  # ended: it must not hold a stream slot while this retries
             if not kept.give_up:
                 kept.give_up = now + self.streams.resume_ttl_s
             if self.closing.is_set() or now >= kept.give_up:
@@ -288,6 +308,7 @@ class Keeper:
                 self._state(kept, "abandoned")
                 del self._kept[run.id]
                 self._settled(run, kept.record)
+                self._gone(run)
             else:
                 self._mark(kept)
 

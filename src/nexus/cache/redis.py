@@ -12,6 +12,8 @@ Keys, all under ``{prefix}:``, each with a TTL::
     claim:{key}         string   the stream holding an in-flight claim
     prepaid:{name}/{id}  string  a read of it the 202 of API key {name} paid for  (redis_holds)
     replica:{id}        string   this replica is alive             OWNER_TTL_S, renewed
+    replica:{id}:beat   string   written by the beat alone: found    OWNER_TTL_S, renewed
+                                 missing, Redis lost what it held
 
 (The limits' keys are in :mod:`nexus.cache.redis_limits`; what each API key holds, counted
 and bounded, in :mod:`nexus.cache.redis_quota`; leases, resumable flags, prepaid reads and
@@ -79,13 +81,9 @@ __all__ = ["RedisStore", "RedisUnavailable", "redact_url"]
 
 _ENTRY = 500
 """Events per log entry at most (a log written whole is cut into entries of this size)."""
-
-# Whether the replica a stream's owner key names still has its keep-alive.
-_ALIVE = """
-local owner = redis.call('GET', KEYS[1])
-if not owner then return 0 end
-return redis.call('EXISTS', ARGV[1] .. ':replica:' .. owner)
-"""
+_RENEWED = ("info", "log", "owner", "resumable")
+"""A live stream's keys, renewed by :meth:`RedisStore.keep_alive` (the info first: its
+renewal tells whether the store still has the stream)."""
 
 
 class RedisUnavailable(ConnectionError):
@@ -170,7 +168,9 @@ class RedisStore(RedisHolds):
         try:
             async with asyncio.timeout(self.socket_timeout_s):
                 await self._client.ping()
-                await self._client.set(self._replica_key(self.replica_id), b"1", px=ms(OWNER_TTL_S))
+                key = self._replica_key(self.replica_id)
+                await self._client.set(key, b"1", px=ms(OWNER_TTL_S))
+                await self._client.set(key + ":beat", b"1", px=ms(OWNER_TTL_S))
         except (RedisError, OSError) as exc:
             if self._owns_client:
                 await self._client.aclose()
@@ -196,7 +196,8 @@ class RedisStore(RedisHolds):
         if beating:
             with contextlib.suppress(RedisError, OSError):
                 async with asyncio.timeout(self.socket_timeout_s):
-                    await self.client.delete(self._replica_key(self.replica_id))
+                    key = self._replica_key(self.replica_id)
+                    await self.client.delete(key, key + ":beat")
         pages, self._pages = self._pages, None
         if pages is not None:
             with contextlib.suppress(RedisError, OSError):
@@ -250,37 +251,23 @@ class RedisStore(RedisHolds):
             ("SET", self._replica_key(self.replica_id), b"1", "PX", ms(OWNER_TTL_S)),
         ]
 
-    async def keep_alive(self, stream_ids: Iterable[str]) -> None:
+    async def keep_alive(self, stream_ids: Iterable[str]) -> list[str]:
         """Renew the live logs' TTLs, in one round trip: an idle stream must not expire
-        while it runs."""
+        while it runs. Those whose info is gone (Redis restarted) are returned."""
+        ids = [stream_id for stream_id in stream_ids if stream_id in self._live]
         commands = [
             ("PEXPIRE", self._key(stream_id, part), self._live[stream_id].ttl)
-            for stream_id in stream_ids
-            if stream_id in self._live
-            for part in ("info", "log", "owner", "resumable")
+            for stream_id in ids
+            for part in _RENEWED
         ]
-        if commands:
-            await self.call("keep_alive", *commands)
-
-    async def alive(self, stream_id: str) -> bool:
-        """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
-        owner = self._key(stream_id, "owner")
-        (alive,) = await self.call("alive", ("EVAL", _ALIVE, 1, owner, self.prefix))
-        return bool(alive)
-
-    def _replica_key(self, replica_id: str) -> str:
-        return f"{self.prefix}:replica:{replica_id}"
-
-    async def _beat(self) -> None:
-        """This replica is alive: one key for all its streams, renewed every third of its TTL."""
-        key, ttl_ms = self._replica_key(self.replica_id), ms(OWNER_TTL_S)
-        while True:
-            await asyncio.sleep(OWNER_TTL_S / 3)  # (start() set it)
-            try:
-                await self.call("beat", ("SET", key, b"1", "PX", ttl_ms))
-            except StoreUnavailable as exc:
-                cause = scrub(str(exc.__cause__), self.url)
-                log.warning("renewing this replica's keep-alive failed: %s", cause)
+        if not commands:
+            return []
+        replies = await self.call("keep_alive", *commands)
+        return [
+            stream_id
+            for stream_id, renewed in zip(ids, replies[:: len(_RENEWED)], strict=True)
+            if not renewed
+        ]
 
     async def end(
         self,
@@ -305,6 +292,7 @@ class RedisStore(RedisHolds):
         after: list[Command] = []
         owners: list[int] = []
         grown: list[tuple[LiveLog, int, int]] = []  # applied once the write went through
+        checked: list[tuple[int, int]] = []  # (index in after of an info's PEXPIRE, write)
         limit = self.max_log_bytes
         tally = self.quota.tally() if self.quota.limit is not None else None
         live_logs = self._live
@@ -313,6 +301,7 @@ class RedisStore(RedisHolds):
             start, events = write.start, write.events
             stream_id = write.info.meta.id
             live = live_logs.get(stream_id)
+            begun_here = live is not None
             if live is None:  # not begun here (a log written whole at its end)
                 live = LiveLog(self._key(stream_id, "log"), ttl_ms)
                 if not write.end:
@@ -340,7 +329,11 @@ class RedisStore(RedisHolds):
             if not write.end:
                 grown.append((live, size, counted))
                 if start == 0:
+                    # Its info's renewal says whether the store still has it: lost since
+                    # begin (a restart), the stream is begun again (the write "failed").
                     log = self._key(stream_id, "log")
+                    if begun_here:
+                        checked.append((len(after) + 1, at))
                     after += [("PEXPIRE", log, ttl), ("PEXPIRE", self._key(stream_id, "info"), ttl)]
             elif start > 0 and events:
                 owner = self._key(stream_id, "owner")
@@ -360,10 +353,10 @@ class RedisStore(RedisHolds):
         if not appends:
             if begun or after or counting:
                 replies = await self.call("mirror", *begun, *after, *counting)
-            lost = []
+            lost, first_after = [], len(begun)
         else:
             replies = await self.call("mirror", *begun, appends.command(), *after, *counting)
-            lost = replies[len(begun)]
+            lost, first_after = replies[len(begun)], len(begun) + 1
         if tally is not None:
             if counting:
                 self._evicted("key_limit", int(replies[-1]))  # the count's reply: its deletions
@@ -378,6 +371,9 @@ class RedisStore(RedisHolds):
         written = [True] * len(writes)
         for entry in lost:
             written[owners[entry - 1]] = False
+        for index, at in checked:
+            if not replies[first_after + index]:
+                written[at] = False
         return written
 
     async def info(self, stream_id: str) -> StreamInfo | None:

@@ -1,8 +1,8 @@
-"""Who holds a live stream in the Redis store, and who may start one: the leases of
-clients that follow a stream from another replica, the flag a resumable join on another
-replica sets, prepaid reads, and in-flight claims; and how far a live stream is, asked of
-the replica running it (:mod:`nexus.cache.redis_asks`). :class:`~nexus.cache.redis.RedisStore`
-is one.
+"""Who holds a live stream in the Redis store, and who may start one: the replicas'
+keep-alives, the leases of clients that follow a stream from another replica, the flag a
+resumable join on another replica sets, prepaid reads, and in-flight claims; and how far a
+live stream is, asked of the replica running it (:mod:`nexus.cache.redis_asks`).
+:class:`~nexus.cache.redis.RedisStore` is one.
 
 A lease is one key per stream for all its followers: each renews it while it reads
 (``SET PX``), and one that leaves sets it to lapse when the stream may end for its sake
@@ -17,15 +17,21 @@ with ``DEL``: Redis deletes a key once, so of concurrent reads on any replicas, 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, cast
 
+from ..errors import StoreUnavailable
 from .redis_asks import Asks
 from .redis_log import LiveLog
+from .redis_url import scrub
 from .store import OWNER_TTL_S, Store
 
 __all__ = ["RedisHolds", "ms"]
+
+log = logging.getLogger("nexus.store")
 
 
 def ms(ttl_s: float) -> int:
@@ -33,6 +39,12 @@ def ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
+# Whether the replica a stream's owner key names still has its keep-alive.
+_ALIVE = """
+local owner = redis.call('GET', KEYS[1])
+if not owner then return 0 end
+return redis.call('EXISTS', ARGV[1] .. ':replica:' .. owner)
+"""
 # Scripts (EVAL: Redis keeps them compiled). A claim is atomic, so no window between "it
 # is taken" and "by whom"; its holder claiming again renews it, as in MemoryStore.
 _CLAIM = """
@@ -85,6 +97,8 @@ class RedisHolds(Store):
     (see the module docstring)."""
 
     prefix: str
+    url: str
+    replica_id: str
     _live: dict[str, LiveLog]
     """Live streams begun here -> their logs."""
     asks: Asks
@@ -95,6 +109,42 @@ class RedisHolds(Store):
 
     def _key(self, stream_id: str, part: str) -> str:
         return f"{self.prefix}:stream:{stream_id}:{part}"
+
+    # Replicas.
+    async def alive(self, stream_id: str) -> bool:
+        """Whether the replica that runs ``stream_id`` still renews its keep-alive."""
+        owner = self._key(stream_id, "owner")
+        (alive,) = await self.call("alive", ("EVAL", _ALIVE, 1, owner, self.prefix))
+        return bool(alive)
+
+    def _replica_key(self, replica_id: str) -> str:
+        return f"{self.prefix}:replica:{replica_id}"
+
+    async def _beat(self) -> None:
+        """This replica is alive: one key for all its streams, renewed every third of its
+        TTL. Beside it, a key only the beat writes: found missing, Redis lost what it held
+        (a restart) or the beats lapsed past its TTL, and the hub checks its live streams
+        (:attr:`on_lost`) rather than leave the quiet ones unfound until their next event
+        or the periodic renewal. (Not the replica's key: a request's begin writes it too.)"""
+        key, ttl_ms = self._replica_key(self.replica_id), ms(OWNER_TTL_S)
+        beat = key + ":beat"
+        while True:
+            await asyncio.sleep(OWNER_TTL_S / 3)  # (start() set both)
+            try:
+                _, was = await self.call(
+                    "beat",
+                    ("SET", key, b"1", "PX", ttl_ms),
+                    ("SET", beat, b"1", "PX", ttl_ms, "GET"),
+                )
+            except StoreUnavailable as exc:
+                cause = scrub(str(exc.__cause__), self.url)
+                log.warning("renewing this replica's keep-alive failed: %s", cause)
+                continue
+            if was is None:
+                log.warning(
+                    "the store lost this replica's keys (Redis restarted?): checking its streams"
+                )
+                self.on_lost()
 
     # Leases.
     async def lease(self, stream_id: str, ttl_s: float) -> None:

@@ -154,6 +154,10 @@ class Store(ABC):
         """Set by the hub: how many entries the log of a stream running in this process
         has (None: none runs here). A shared store tells it to replicas that ask
         (:meth:`reached`)."""
+        self.on_lost: Callable[[], None] = lambda: None
+        """Set by the hub: called when a shared store finds it may have lost what it held
+        (restarted, or unreachable past its keep-alive): the live streams' keys are checked
+        at once (:meth:`keep_alive`), not at the next periodic renewal."""
 
     def _evicted(self, reason: str, count: int) -> None:
         if count:
@@ -199,8 +203,11 @@ class Store(ABC):
         Raises :class:`~nexus.errors.StreamNotFound` if the log is unknown or expired
         (also when it expires while being followed)."""
 
-    async def keep_alive(self, stream_ids: Iterable[str]) -> None:
-        """These streams still run: renew their live logs' TTLs (shared stores)."""
+    async def keep_alive(self, stream_ids: Iterable[str]) -> list[str]:
+        """These streams still run: renew their live logs' TTLs (shared stores). Returns
+        those the store has lost meanwhile (a restart without persistence): their
+        keeper begins them again, or other replicas could not find them until they end."""
+        return []
 
     async def alive(self, stream_id: str) -> bool:
         """Whether the replica running a live ``stream_id`` is still alive."""

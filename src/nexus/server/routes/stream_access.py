@@ -97,7 +97,7 @@ async def find_stream(
             reading.enter_context(await key_reader(request, info.owner))
         await _charge_read(request, app[KEYS].named(info.owner), stream_id, reading is not None)
     if info is not None and owner is not None and not _same_owner(info.owner, owner):
-        if hub.store.shared and stream_id in hub.live:
+        if hub.store.shared and hub.local(stream_id) is not None:
             # Found here without the store's round trip that a missing id costs: take
             # it too, so that the time does not tell another key a live stream's id.
             await hub.store.info(stream_id)

@@ -46,7 +46,7 @@ async def get(request: web.Request) -> web.StreamResponse:
 async def cancel(request: web.Request) -> web.StreamResponse:
     info = await find_stream(request, request.match_info["id"], rated=False)
     stream_id = info.id
-    run = request.app[state.HUB].live.get(stream_id)
+    run = request.app[state.HUB].local(stream_id)
     if run is not None:
         # An error, not a done: whoever else reads it (a joined request) must not take
         # the cut-short stream for a finished one.

@@ -181,5 +181,6 @@ async def test_connections_are_read_during_the_grace(served: Served) -> None:
     assert await asyncio.to_thread(served.proc.wait, 15) == 0
     log = served.log.read_text()
     assert re.search(r"method=GET path=/v1/models .*status=503", log), log[-2000:]
-    # The stream running when the signal came, counted once (its run and its pump).
-    assert "waiting up to 3.0s for 1 streams to finish" in log
+    # The stream running when the signal came, counted once (its run and its pump), and
+    # the upload's request, not streaming yet.
+    assert "waiting up to 3.0s for 2 streams and requests to finish" in log

@@ -549,3 +549,33 @@ async def test_a_closed_socket_gives_its_pending_input_back_to_the_allowance(
             await asyncio.wait_for(second.recv(), 5)  # the abort's answer
             await asyncio.sleep(0.02)
         assert answer["error"]["code"] == "nothing_to_abort"  # the chunk was taken
+
+
+async def test_a_log_that_ends_without_its_end_ends_the_turn_with_an_error(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log that stops without its done or error (a store that lost its end): the turn
+    used to stop writing and send nothing more, its client waiting for a done forever."""
+    from nexus.cache.readers import RunReader
+
+    read = RunReader.__anext__
+    reads = 0
+
+    async def ends_after_the_first(self: RunReader) -> Any:
+        nonlocal reads
+        reads += 1
+        if reads > 1:
+            raise StopAsyncIteration
+        batch = await read(self)
+        return [e for e in batch if type(e).__name__ not in ("Done", "Error")] or batch[:1]
+
+    monkeypatch.setattr(RunReader, "__anext__", ends_after_the_first)
+    _, ws = await connect(make_client)
+    async with ws:
+        await ws.send(start("a b c"))
+        frames = await turn(ws)
+        assert frames[-1]["type"] == "error"
+        assert frames[-1]["error"]["code"] == "stream_incomplete"
+        monkeypatch.setattr(RunReader, "__anext__", read)
+        await ws.send(start("again"))  # the socket is fine: the next turn runs
+        assert (await turn(ws))[-1] == {"type": "done"}

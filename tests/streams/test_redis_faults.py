@@ -19,6 +19,7 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
+from nexus.auth import ApiKey, hash_key
 from nexus.cache.redis import RedisStore
 from nexus.server.state import HUB
 from redis_server import RedisServer
@@ -209,3 +210,54 @@ async def test_a_redis_that_hangs_mid_stream_never_holds_the_clients_bytes(
     metrics = await (await one.get("/metrics")).text()
     assert 'nexus_store_mirror_total{state="behind"} 1.0' in metrics
     assert 'nexus_store_mirror_total{state="caught_up"} 1.0' in metrics
+
+
+async def test_a_redis_that_hangs_as_a_budgeted_stream_ends_delays_its_end_two_seconds_at_most(
+    make_client: MakeClient, redis_server: RedisServer
+) -> None:
+    """A key with a budget: the stream's cost is charged before its end is published (a
+    client that saw the end finds its spend charged), and its slot leaves Redis. With
+    Redis paused, the end waited on the charge's round trip (5 s) and the slot's (1 s);
+    now on each for 1 s at most, the charge sent again once Redis answers."""
+    price = {"input_usd_per_mtok": 0, "output_usd_per_mtok": 1_000_000}  # $1 a token
+    key = "nx-faults-0123456789-secret"
+    entry = {"name": "alpha", "sha256": hash_key(key), "budget_usd": 100, "budget_period": "total"}
+    one = await make_client(
+        {
+            **config(redis_server),
+            "auth": {"keys": [entry]},
+            "models": {"mock/echo": price},
+            "limits": {"budget_max_output_tokens": 30},  # $30 held while it runs
+        }
+    )
+    words = " ".join(f"w{i}" for i in range(20))
+    process = redis_server.process
+    assert process is not None
+    resp = await one.post(
+        "/v1/chat/completions?stream_format=nexus",
+        json=chat(stream=True, mock={"content": words, "delay_ms": 50}),
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert resp.status == 200, await resp.text()
+    seen = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    loop = asyncio.get_running_loop()
+    gaps = []
+    process.send_signal(signal.SIGSTOP)
+    try:
+        last = loop.time()
+        while not seen.endswith(b'event: done\ndata: {"type":"done"}\n\n'):
+            seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert texts(seen).split() == words.split()
+    assert max(gaps) < 2.6, gaps  # the charge's second, the slot's second, and slack
+    limits = one.app[HUB].limits
+    alpha = ApiKey("alpha", budget_usd=100, budget_period="total")
+    for _ in range(100):  # charged once Redis answers again (the next tick's retry)
+        if await limits.spent(alpha) == pytest.approx(20):
+            break
+        await asyncio.sleep(0.1)
+    assert await limits.spent(alpha) == pytest.approx(20)

@@ -232,7 +232,11 @@ async def test_an_unblock_that_reaches_redis_before_the_read_is_sent_again(prefi
             return [event async for batch in store.read(info.id) for event in batch]
 
         reading = asyncio.create_task(follow(first))
-        await asyncio.sleep(0.3)  # blocked in XREAD on the first key alone
+        for _ in range(500):  # blocked in XREAD on the first key alone (a loaded host: later)
+            if store.followers._reads:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
         (read,) = store.followers._reads
         xread = read.client.xread
         sent = asyncio.Event()

@@ -18,10 +18,14 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from nexus.cache import redis_holds
+from nexus.cache.redis import RedisStore
+from nexus.cache.store import StreamInfo
+from nexus.errors import StoreUnavailable
 from nexus.events import Delta, StreamEvent, Usage
 from nexus.providers.base import Provider
 from nexus.request import ChatRequest
 from nexus.server.state import HUB
+from nexus.types import StreamMeta
 from redis_server import RedisServer
 from support import MakeClient, chat, parse_sse
 
@@ -173,3 +177,24 @@ async def test_a_stream_that_ends_while_redis_is_down_is_read_whole_on_its_repli
     await asyncio.to_thread(redis_server.start)  # back, empty
     assert await statuses(one, stream_id, 2) == [200, 200]
     assert texts(await whole(one, stream_id)) == "t0 t1 "
+
+
+async def test_a_stream_whose_end_cannot_be_written_is_not_kept_in_memory(
+    redis_server: RedisServer,
+) -> None:
+    """What the store keeps per live stream (its log's size, its key's count) went only
+    when its end was written: a stream ended while Redis was down stayed in memory for
+    good, one per stream of every outage."""
+    store = RedisStore(redis_server.url, "forget", pool_timeout_s=0.5)
+    await store.start()
+    try:
+        info = StreamInfo(StreamMeta.new("mock/echo"), "text/event-stream", status="failed")
+        await store.begin(info, 60)
+        assert info.id in store._live
+        await asyncio.to_thread(redis_server.stop)
+        with pytest.raises(StoreUnavailable):
+            await store.end(info, [Delta(content="x")], 0, 60)
+        assert info.id not in store._live
+        assert info.id not in store.quota.counted
+    finally:
+        await store.close()

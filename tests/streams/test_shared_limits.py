@@ -332,14 +332,20 @@ async def test_a_stream_whose_rate_token_was_taken_before_its_body_takes_no_seco
         await client.aclose()
 
 
-async def test_a_charge_cut_by_its_hooks_timeout_is_sent_again_later() -> None:
-    """The budget plugin's hook call is bounded ([[plugins]] timeout_s): a charge
-    cancelled while Redis is slow stays unsent, for the next tick, not lost."""
+async def test_a_charge_cut_by_its_hooks_timeout_is_sent_again_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream's end waits for its charge a second at most (``_END_WAIT_S``), and the
+    budget plugin's hook call is bounded too ([[plugins]] timeout_s): a charge whose wait
+    is cut while Redis is slow goes on being sent, and if that send fails, it stays unsent
+    for the next tick, never lost."""
     from nexus.auth import ApiKey
+    from nexus.cache import redis_limits
     from nexus.cache.limits import LocalLimits
     from nexus.cache.redis import RedisStore
     from nexus.cache.redis_limits import RedisLimits
 
+    monkeypatch.setattr(redis_limits, "_END_WAIT_S", 0.1)
     limits = RedisLimits(
         RedisStore(prefix=new_prefix()),
         rate=0,
@@ -347,17 +353,28 @@ async def test_a_charge_cut_by_its_hooks_timeout_is_sent_again_later() -> None:
         lease_s=1,
         fallback=LocalLimits(0, None),
     )
-    sending = asyncio.Event()
+    sending, answer = asyncio.Event(), asyncio.Event()
 
     async def slow_send(op: str, commands: list[Any]) -> bool:
         sending.set()
-        await asyncio.sleep(3600)
-        return True
+        await answer.wait()
+        return False  # Redis failed, late
+
+    def charges(held: dict[str, Any]) -> list[tuple[str, float]]:
+        return [(entry[0], entry[2]) for entry in held.values()]
 
     limits._send = slow_send  # type: ignore[method-assign]
-    charge = asyncio.create_task(limits.charge(ApiKey("capped", budget_usd=1.0), 0.25))
-    await sending.wait()
-    charge.cancel()
+    key = ApiKey("capped", budget_usd=1.0)
+    await asyncio.wait_for(limits.charge(key, 0.25), 1)  # its wait ends; its send goes on
+    assert charges(limits._sending) == [("capped", 0.25)]
+    charge = asyncio.create_task(limits.charge(key, 0.5))
+    await asyncio.sleep(0.01)
+    charge.cancel()  # cut by its hook's timeout: its send goes on too
     with pytest.raises(asyncio.CancelledError):
         await charge
-    assert [(entry[0], entry[2]) for entry in limits._unsent.values()] == [("capped", 0.25)]
+    answer.set()
+    for _ in range(100):
+        if len(limits._unsent) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(charges(limits._unsent)) == [("capped", 0.25), ("capped", 0.5)]

@@ -3,22 +3,22 @@ found and ended here; the jobs around it have modules of their own.
 
 :meth:`StreamHub.open` turns a request into a stream resource:
 
-1. With ``[cache] enabled``, a recording of the same request by the same owner
-   replays as a new stream (``cache="hit"``; :mod:`nexus.cache.recording`).
-2. An identical request of the same owner still streaming, here or on a replica
-   sharing the store, is joined: one upstream call, many listeners (``"hit"``). One
-   that just ended here is waited for, a round trip, to be recorded and replayed; one
-   that ended elsewhere and is not recorded yet is joined (its log is whole).
-3. Otherwise the engine's stream, through its middleware, starts in a
-   :class:`StreamRun` (:mod:`nexus.cache.run`; ``"miss"``, or None with the cache
-   off), which :mod:`nexus.cache.keeper` keeps in the store and records.
+1. With ``[cache] enabled``, a recording of the same request by the same owner replays
+   as a new stream (``cache="hit"``; :mod:`nexus.cache.recording`).
+2. An identical request of the same owner still streaming, here or on a replica sharing
+   the store, is joined: one upstream call, many listeners (``"hit"``). One that just
+   ended here is waited for, a round trip, to be recorded and replayed; one that ended
+   elsewhere and is not recorded yet is joined (its log is whole).
+3. Otherwise the engine's stream, through its middleware, starts in a :class:`StreamRun`
+   (:mod:`nexus.cache.run`; ``"miss"``, or None with the cache off), which
+   :mod:`nexus.cache.keeper` keeps in the store and records.
 
 Every request first passes admission (:mod:`nexus.cache.admission`) and
 ``on_stream_started``; the other hooks watch a run's source. :meth:`StreamHub.attach`
-finds a stream by id: a local run, else the store (:mod:`nexus.cache.readers`).
-A stream the store cannot begin gets 503 ``store_unavailable``, unless ``[store]
-required = false``: it then runs here alone (:attr:`Opened.stored` False), not
-cached, not joined, its keeper mirroring it once the store is back.
+finds a stream by id: a local run, else the store (:mod:`nexus.cache.readers`). A stream
+the store cannot begin gets 503 ``store_unavailable``, unless ``[store] required =
+false``: it then runs here alone (:attr:`Opened.stored` False), not cached, not joined,
+its keeper mirroring it once the store is back.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from functools import partial
 from ..auth import ApiKey
 from ..config import CacheConfig, StreamsConfig
 from ..engine import Engine
-from ..errors import StoreUnavailable, StreamNotFound
+from ..errors import ServerShuttingDown, StoreUnavailable, StreamNotFound
 from ..events import StreamEvent
 from ..hooks import CallContext
 from ..request import ChatRequest
@@ -94,10 +94,8 @@ class StreamHub:
         self.max_duration_s = max_duration_s
         self.store_required = store_required
         """False: a stream the store cannot begin runs here alone (see the module docstring)."""
-        self.live: dict[str, StreamRun] = {}
-        """The runs that count as running here."""
-        self._unkept: dict[str, StreamRun] = {}
-        """Runs that finished while the store was down: read here until it takes their end."""
+        self.live: dict[str, StreamRun] = {}  # the runs that count as running here
+        self._unkept: dict[str, StreamRun] = {}  # ended, the store down: read here meanwhile
         self.admission = Admission()
         self.keeper = Keeper(store, self.streams, self.cache, self._gone, self._released)
         self.on_live: Callable[[int], None] | None = None
@@ -105,6 +103,7 @@ class StreamHub:
         self.watchdog = Watchdog()
         """Ends the streams that pass ``max_duration_s``: one ticker, not a timer each."""
         self._unstored_warned = 0.0
+        self._closed_with: StreamEvent | None = None
         store.live_entries = self._entries  # what replicas asking learn (a shared store)
         store.on_lost = self.keeper.renew_soon
 
@@ -149,21 +148,22 @@ class StreamHub:
     ) -> Opened:
         """A stream for ``request``: replayed, joined or new (see the module docstring).
 
-        ``private``: nobody else learns its id (a JSON answer): with the cache off it
-        needs no store, so one that cannot be reached runs it here alone even when
-        ``[store] required``.
+        ``private``: nobody else learns its id (a JSON answer): with the cache off it needs
+        no store, so one that cannot be reached runs it here alone even when ``[store]
+        required``.
 
-        ``resumable``: it outlives its clients for ``[streams] detach_timeout_s``
-        (a ``background`` stream always does); otherwise the last reader to leave
-        cancels it (:mod:`nexus.cache.run`). A resumable request that joins a stream
-        of its key makes that stream resumable, on whichever replica it runs; one of another
-        key (``share_across_keys``) only when ``background``, whose read token finds it.
+        ``resumable``: it outlives its clients for ``[streams] detach_timeout_s`` (a
+        ``background`` stream always does); otherwise the last reader to leave cancels it
+        (:mod:`nexus.cache.run`). A resumable request that joins a stream of its key makes
+        that stream resumable, on whichever replica it runs; one of another key
+        (``share_across_keys``) only when ``background``, whose read token finds it.
 
-        ``ctx`` is what the middleware and the hooks see of the call (by default
-        one with ``key=owner`` and ``format``). Raises what
-        :meth:`Engine.open_stream` raises for a request that cannot be routed or is
-        refused, and :class:`~nexus.errors.StoreUnavailable`.
-        """
+        ``ctx`` is what the middleware and the hooks see of the call (by default one with
+        ``key=owner`` and ``format``). Raises what :meth:`Engine.open_stream` raises for a
+        request that cannot be routed or is refused, :class:`~nexus.errors.StoreUnavailable`,
+        and :class:`~nexus.errors.ServerShuttingDown` once :meth:`shutdown` began."""
+        if self._closed_with is not None:
+            raise ServerShuttingDown("The server is shutting down; retry the request.")
         if ctx is None:
             ctx = CallContext(key=owner, format=format)
         resumable = background or resumable
@@ -388,6 +388,8 @@ class StreamHub:
             self.on_live(len(self.live))
         run.start(detached=detached)
         self.keeper.keep(run, record, stored)
+        if self._closed_with is not None:  # opened while the hub shut down: ended too
+            run.cancel(self._closed_with)
         return run
 
     async def _ending(self, run: StreamRun) -> None:
@@ -397,8 +399,7 @@ class StreamHub:
         await self.admission.ending(run.id)
 
     def _released(self, run: StreamRun) -> None:
-        """``run`` finished and its end waits for the store: it no longer counts as
-        running, but is still read here (the store has not got it whole)."""
+        """``run`` ended, its end not in the store yet: not running, still read here."""
         if self.live.get(run.id) is run:
             self._unkept[run.id] = run
             self._not_running(run)
@@ -416,8 +417,7 @@ class StreamHub:
                 self.on_live(len(self.live))
 
     def local(self, stream_id: str) -> StreamRun | None:
-        """The run of ``stream_id`` here: running, or finished with its end not yet taken
-        by the store."""
+        """The run of ``stream_id`` here: running, or ended and not yet in the store."""
         return self.live.get(stream_id) or self._unkept.get(stream_id)
 
     async def attach(
@@ -440,8 +440,7 @@ class StreamHub:
     async def reader_of(
         self, opened: Opened, *, meta: StreamMeta | None = None
     ) -> RunReader | StoreReader:
-        """A reader of ``opened`` from its start: the one taken as it was joined, else
-        :meth:`attach`'s."""
+        """A reader of ``opened`` from its start: the one taken as it was joined, or new."""
         reader, opened.reader = opened.reader, None
         if reader is None:
             return await self.attach(opened.id, meta=meta)
@@ -451,10 +450,9 @@ class StreamHub:
 
     async def reached(self, info: StreamInfo, entries: int) -> bool:
         """Whether the stream has logged ``entries`` entries so far: here, or on the replica
-        running it, whose copy in the store may trail what it sent (asked,
-        :meth:`Store.reached <nexus.cache.store.Store.reached>`). A finished stream has
-        logged all it will (past its end, its read has nothing). Raises
-        :class:`~nexus.errors.StoreUnavailable` when it cannot be told."""
+        running it, whose copy in the store may trail what it sent (:meth:`Store.reached
+        <nexus.cache.store.Store.reached>`). A finished stream has logged all it will.
+        Raises :class:`~nexus.errors.StoreUnavailable` when it cannot be told."""
         run = self.local(info.id)
         if run is not None:
             return entries <= len(run.events)
@@ -476,6 +474,7 @@ class StreamHub:
         """Cancel every live stream with ``terminal``; wait until their logs are kept
         (keepers retrying a store that is down make one last try), ``timeout_s`` at most."""
         self.keeper.closing.set()
+        self._closed_with = terminal  # (and so is any run a request still opens)
         for run in list(self.live.values()):
             run.cancel(terminal)
         await self.drain(timeout_s)
@@ -495,8 +494,5 @@ class StreamHub:
             else:
                 await asyncio.sleep(0)
         if tasks or self.live:
-            log.warning(
-                "%d streams did not finish closing in %.1fs",
-                max(len(tasks), len(self.live)),
-                timeout_s,
-            )
+            left = max(len(tasks), len(self.live))
+            log.warning("%d streams did not finish closing in %.1fs", left, timeout_s)

@@ -307,6 +307,7 @@ class Keeper:
                 )
                 self._state(kept, "abandoned")
                 del self._kept[run.id]
+                self.store.forget(run.id)
                 self._settled(run, kept.record)
                 self._gone(run)
             else:

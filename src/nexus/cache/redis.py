@@ -12,8 +12,7 @@ Keys, all under ``{prefix}:``, each with a TTL::
     claim:{key}         string   the stream holding an in-flight claim
     prepaid:{name}/{id}  string  a read of it the 202 of API key {name} paid for  (redis_holds)
     replica:{id}        string   this replica is alive             OWNER_TTL_S, renewed
-    replica:{id}:beat   string   written by the beat alone: found    OWNER_TTL_S, renewed
-                                 missing, Redis lost what it held
+    replica:{id}:beat   string   the beat's alone (gone: Redis lost it)  OWNER_TTL_S, renewed
 
 (The limits' keys are in :mod:`nexus.cache.redis_limits`; what each API key holds, counted
 and bounded, in :mod:`nexus.cache.redis_quota`; leases, resumable flags, prepaid reads and
@@ -277,15 +276,22 @@ class RedisStore(RedisHolds):
         ttl_s: float,
         size: int | None = None,
     ) -> None:
-        if not (await self.mirror([Write(info, events[start:], start, end=True)], ttl_s))[0]:
-            await self.mirror([Write(info, events, 0, end=True)], ttl_s)  # lost: all again
+        try:
+            if not (await self.mirror([Write(info, events[start:], start, end=True)], ttl_s))[0]:
+                await self.mirror([Write(info, events, 0, end=True)], ttl_s)  # lost: all again
+        finally:
+            self.forget(info.id)  # ended here, written or not
+
+    def forget(self, stream_id: str) -> None:
+        self._live.pop(stream_id, None)
+        self.quota.counted.pop(stream_id, None)
 
     async def mirror(self, writes: Sequence[Write], ttl_s: float) -> list[bool]:
         """Per write: XADD its events from log index ``start``, all writes' entries in one
-        script (:data:`~nexus.cache.redis_log.APPEND`: one reply); at its end, then its
-        info, TTLs and the owner dropped, after the entries: a reader that sees the
-        finished info has the whole log. The first entries set the live TTLs too. Then,
-        in the same round trip, the owners' counts (:mod:`nexus.cache.redis_quota`)."""
+        script (:data:`~nexus.cache.redis_log.APPEND`: one reply); at its end, then its info,
+        TTLs and the owner dropped, after the entries: a reader that sees the finished info
+        has the whole log. The first entries set the live TTLs too (and find a log Redis
+        lost). Then, in the round trip, the owners' counts (:mod:`nexus.cache.redis_quota`)."""
         ttl_ms = ms(ttl_s)
         begun = [command for w in writes if w.begin for command in self._begin(w.info, ttl_ms)]
         appends = Appends()

@@ -92,8 +92,9 @@ whose reply was lost just before an outage longer than this may count twice."""
 _WARN_EVERY_S = 60.0
 
 _END_WAIT_S = 1.0
-"""How long a stream's end waits for its slot to leave Redis before its clients see it:
-a Redis that is slow delays ends by no more than this (the slot then goes a little later,
+"""How long a stream's end waits for its charge to be in Redis, then for its slot to
+leave, before its clients see it: a Redis that is slow or hangs delays ends by no more
+than this, twice (the charge is retried on the next tick, the slot goes a little later
 or with its lease)."""
 
 
@@ -408,7 +409,12 @@ class RedisLimits(KeyLimits):
         self._unsent[charge_id] = (key.name, win.id, usd, win.ttl_s(now), held)
         if slot is not None:
             slot.hold = 0.0
-        await self._flush_charges()
+        flush = asyncio.get_running_loop().create_task(self._flush_charges())
+        self._tasks.add(flush)
+        flush.add_done_callback(self._tasks.discard)
+        await asyncio.wait((flush,), timeout=_END_WAIT_S)
+        if flush.done():
+            flush.result()  # (what it raised, the hook's caller logs)
 
     async def _flush_charges(self, *, closing: bool = False) -> None:
         sending, self._unsent = self._unsent, {}

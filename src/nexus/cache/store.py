@@ -213,6 +213,10 @@ class Store(ABC):
         """Whether the replica running a live ``stream_id`` is still alive."""
         return True
 
+    def forget(self, stream_id: str) -> None:
+        """Drop what this process keeps of a live stream whose end will not be written
+        (given up while the store was down)."""
+
     async def reached(self, stream_id: str, entries: int) -> bool:
         """Whether ``stream_id``, live and run by another process, has logged ``entries``
         entries there: its copy here may trail what that process already sent. True

@@ -49,7 +49,7 @@ from .metrics import Metrics
 from .origins import listed, loopback_host, origin_allowed
 from .redaction import redact
 from .state import CONFIG as _CONFIG
-from .state import EXCHANGE, Exchange, exchange, new_request_id, response_headers
+from .state import EXCHANGE, RUNTIME, Exchange, exchange, new_request_id, response_headers
 
 __all__ = [
     "EXCHANGE",
@@ -165,6 +165,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     )
     status = 500
     waits = POOL_WAITS.set(ex.pool_waits)  # a stream's run task, started below, inherits it
+    runtime = app[RUNTIME]
+    answering = ex.endpoint != "/v1/realtime"  # (a socket: counted among the sockets)
+    runtime.requests += answering
     try:
         response = await handler(request)
         status = response.status
@@ -190,6 +193,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             return web.Response(status=status)
         raise
     finally:
+        runtime.requests -= answering
         POOL_WAITS.reset(waits)
         if span is not None:
             span.close(status, ex.stream_id, ex.cancelled, ex.stream_failure())

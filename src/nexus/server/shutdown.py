@@ -116,7 +116,7 @@ async def drain(app: web.Application) -> None:
     close_idle_sockets()
     count = await _busy(app, runtime, grace_end)
     if count:
-        log.info("waiting up to %.1fs for %d streams to finish", grace, count)
+        log.info("waiting up to %.1fs for %d streams and requests to finish", grace, count)
     while count and loop.time() < grace_end and not runtime.hurry.is_set():
         await asyncio.sleep(min(0.05, max(grace_end - loop.time(), 0)))
         close_idle_sockets()
@@ -147,7 +147,8 @@ async def drain(app: web.Application) -> None:
 
 
 async def _busy(app: web.Application, runtime: Runtime, deadline: float) -> int:
-    """Streams someone reads here, or (leased) on another replica, and busy sockets.
+    """Streams someone reads here, or (leased) on another replica, busy sockets, and
+    requests not streaming yet (an upload, an admission, a stream being opened).
     Streams nobody reads are not waited for: they end after the grace period. A stream
     is counted once, however many read it (its pumps, a run they are attached to)."""
     hub = app[HUB]
@@ -159,7 +160,8 @@ async def _busy(app: web.Application, runtime: Runtime, deadline: float) -> int:
             app, unread, min(deadline, asyncio.get_running_loop().time() + 1.0)
         )
     followed |= {pump.reader.meta.id for pump in runtime.active}
-    return len(followed) + sum(1 for socket in runtime.sockets if socket.busy)
+    opening = max(runtime.requests - len(runtime.active), 0)  # (each pump is a request's)
+    return len(followed) + opening + sum(1 for socket in runtime.sockets if socket.busy)
 
 
 async def _leased(app: web.Application, stream_ids: list[str], deadline: float) -> set[str]:

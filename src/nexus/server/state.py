@@ -66,6 +66,9 @@ class Runtime:
 
     active: set[Pump] = field(default_factory=set)
     sockets: set[Socket] = field(default_factory=set)
+    requests: int = 0
+    """HTTP requests being answered (WebSockets are in ``sockets``): the grace of a
+    shutdown waits for those still uploading or opening their stream too."""
     watchdog: Watchdog = field(default_factory=Watchdog)
     """The timers of every streaming response (heartbeats, write stalls)."""
     pending: PendingLedger = field(default_factory=lambda: PendingLedger(0))

@@ -132,9 +132,10 @@ class StreamPump(Writer):
             except GatewayError as exc:
                 if self.response is None:
                     raise
-                return await self._end(renderer.fail(exc.to_event()))
+                return await self._fail(exc)  # (headers out early: an in-band error)
             if data is _END:
                 # The log ended without its terminal entry (a store that lost it).
+                self.exchange.ended_with(_LOST)
                 return await self._end(self._begin() + renderer.fail(_LOST))
             if renderer.done:
                 self.exchange.ended_with(self._last)
@@ -384,8 +385,7 @@ class StreamPump(Writer):
         (else nothing is pushed: HTTP/1.0, HEAD), nothing else is being written, and the body
         is never compressed. Should the socket fill with these very bytes, they are with the
         transport already; the wait for it to drain is left to the next write, which this task
-        makes through aiohttp (a paused socket is never pushed to).
-        """
+        makes through aiohttp (a paused socket is never pushed to)."""
         transport = self._protocol.transport
         if self._writing or self._ended or not self._chunked or self._protocol.writing_paused:
             return False

@@ -1,31 +1,28 @@
 """``GET /v1/realtime``: the WebSocket surface. The route only moves frames.
 
-:class:`~nexus.protocol.realtime.RealtimeSession` holds the protocol; this
-module feeds it the client's frames and carries out its actions. A turn
-(:class:`~.realtime_turn.Turn`) follows its stream's log in a task and sends each event as a
-text frame: its NDJSON line without the newline, the last ``{"type":"done"}``.
+:class:`~nexus.protocol.realtime.RealtimeSession` holds the protocol; this module feeds it
+the client's frames and carries out its actions. A turn (:class:`~.realtime_turn.Turn`)
+follows its stream's log in a task and sends each event as a text frame: its NDJSON line
+without the newline, the last ``{"type":"done"}``.
 
-* ``abort`` cancels the turn's stream at once, then ``{"type":"done","aborted":true}``.
-* A provider failure: the error frame, then close 1011. A request-level
-  failure (unknown model, unsupported input) or a turn past its own limit (its
-  duration, its log's size): the error frame; the connection stays open. Each
-  ``start`` is admitted as an HTTP request is
-  (:func:`~nexus.server.key_admission.admit_stream`); a refusal is an error frame
-  (with ``retry_after_s`` when HTTP would send ``Retry-After``).
-* Pings after ``heartbeat_interval_s`` without a frame from the peer; no answer
-  in half that time drops the connection. A peer that does not read (its socket
-  full, taking no byte for ``write_timeout_s``) is aborted: a ``write_timeout``.
-  Both are the watchdog's checks (:class:`~nexus.server.writer.Writer`).
-* Each frame is counted against the socket's budget (``[realtime]
-  max_frames_per_second``, ``max_bytes_per_second``:
-  :class:`~nexus.protocol.realtime_budget.FrameBudget`) and the loop is yielded to
-  after it: aiohttp hands over every frame of one read without the loop turning, so a
-  client sending tiny frames as fast as it can would hold the loop for every tenant.
-  Past the budget, or after ``max_invalid_frames`` errors in a row, the socket is
-  closed with 1008.
-* A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown ends a
-  running turn with a retryable ``server_shutting_down`` error frame, then closes with
-  1001; a ``start`` during its grace is refused so, and closes 1001 unless a turn runs.
+* ``abort`` cancels the turn's stream at once and, once it ended (its key's places back, its
+  spend charged: a barge-in's ``start`` finds it gone), ``{"type":"done","aborted":true}``.
+* A provider failure: the error frame, then close 1011. A request-level failure (unknown
+  model, unsupported input) or a turn past its own limit (its duration, its log's size):
+  the error frame; the connection stays open. Each ``start`` is admitted as an HTTP request
+  is (:func:`~nexus.server.key_admission.admit_stream`); a refusal is an error frame (with
+  ``retry_after_s`` when HTTP would send ``Retry-After``).
+* Pings after ``heartbeat_interval_s`` without a frame from the peer; no answer in half that
+  time drops the connection. A peer that does not read (its socket full, taking no byte for
+  ``write_timeout_s``) is aborted: a ``write_timeout``. Both are the watchdog's checks.
+* Each frame is counted against the socket's budget (``[realtime] max_frames_per_second``,
+  ``max_bytes_per_second``: :class:`~nexus.protocol.realtime_budget.FrameBudget`) and the
+  loop is yielded to after it: aiohttp hands over every frame of one read without the loop
+  turning, so a client sending tiny frames as fast as it can would hold the loop for every
+  tenant. Past the budget, or after ``max_invalid_frames`` errors in a row: closed 1008.
+* A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown ends a running
+  turn with a retryable ``server_shutting_down`` error frame, then closes with 1001; a
+  ``start`` during its grace is refused so, and closes 1001 unless a turn runs.
 """
 
 from __future__ import annotations
@@ -72,6 +69,7 @@ log = logging.getLogger("nexus.realtime")
 POLICY_CLOSE_WAIT_S = 1.0
 """How long a peer closed with 1008 has to answer the close frame before its connection is
 closed: a client answers at once; one still flooding is not read for longer."""
+ABORT_WAIT_S = 5.0  # an abort's done waits for its stream's end this long at most
 _ABORTED = '{"type":"done","aborted":true}'
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 
@@ -401,6 +399,8 @@ class RealtimeConnection(Writer):
                 if running is None:
                     return
                 await running.stop("aborted")
+                if running.run is not None:  # its end hooks and places, before the done
+                    await asyncio.wait((running.run.done,), timeout=ABORT_WAIT_S)
                 # Sent here, not by the turn: a turn stopped before it wrote anything must
                 # still answer. A turn that already sent its end gets nothing more.
                 if not running.terminated:

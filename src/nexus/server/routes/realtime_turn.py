@@ -17,7 +17,7 @@ from aiohttp import WSMsgType, web
 from ...cache.readers import leave
 from ...cache.run import LogReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
-from ...errors import GatewayError
+from ...errors import GatewayError, StreamIncomplete
 from ...events import Done, Error, StreamEvent
 from ...protocol.realtime import RealtimeSession, gateway_error_frame
 from ..access import METRICS
@@ -190,7 +190,9 @@ class Turn:
                     payloads.append(encode(event)[:-1])
                 await conn.send_texts(payloads)
                 meter.add(payloads)
-            # The log ended without its terminal entry (a store that lost it).
+            # The log ended without its terminal entry (a store that lost it): the turn's
+            # end is an error, as a hole in the log is, never a wait for a done.
+            raise StreamIncomplete("The stream's log ended without its last event.")
         except GatewayError as exc:
             self.terminate()
             self.status, self.record.error = exc.status, exc.code  # before any event

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from nexus.errors import UpstreamError, UpstreamProtocolError, UpstreamServerError
 from nexus.events import Delta, Reasoning, ToolCall, Usage
-from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events, upstream_body
+from nexus.protocol.openai_chunks import ChunkDecoder, ToolCallPieces, chunk_events, upstream_body
 from nexus.protocol.sse import SSEDecoder
 from nexus.protocol.upstream import Malformed, in_stream_error, malformed
 from nexus.request import ChatRequest
@@ -136,10 +136,11 @@ def test_realistic_chunks_with_obfuscation_and_service_fields() -> None:
 def _general(body: bytes) -> list[Any]:
     """The events of a whole body by the rules alone: SSE, then chunk_events()."""
     events: list[Any] = []
+    tools = ToolCallPieces()
     for sse in SSEDecoder().decode(body):
         if sse.data.startswith("[DONE]"):
             break
-        chunk_events(orjson.loads(sse.data), events)
+        chunk_events(orjson.loads(sse.data), events, tools)
     return events
 
 
@@ -367,7 +368,7 @@ def _by_the_rules(payload: bytes) -> tuple[Any, UpstreamError | None]:
         return [], in_stream_error("up", value["error"])
     events: list[Any] = []
     try:
-        chunk_events(value, events)
+        chunk_events(value, events, ToolCallPieces())
     except Malformed as exc:  # a field of another type: the stream ends there
         return events, malformed("up", exc)
     except Exception as exc:
@@ -406,3 +407,30 @@ def test_the_response_model_is_the_first_chunks() -> None:
         decoder = ChunkDecoder("up")
         decoder.decode(b"data: " + orjson.dumps({**named, "choices": []}) + b"\n\n")
         assert decoder.response_model is None, named
+
+
+def test_tool_call_pieces_come_out_as_openai_sends_them() -> None:
+    """A call's first piece carries its id and name, the next ones only arguments, each
+    call an index of its own: whatever shape the upstream gave them."""
+    pieces = ToolCallPieces()
+    given = [
+        ToolCall(0, "call_A", "fa", ""),
+        ToolCall(0, "", None, '{"x":'),  # an empty id: the same call
+        ToolCall(0, "call_A", "fa", "1}"),  # its id and name again: the same call
+        ToolCall(0, "call_B", "fb", '{"y":2}'),  # another id at index 0: another call
+        ToolCall(1, "call_C", "fc", "{}"),  # the upstream's 1, taken: the next free
+        ToolCall(0, None, None, ""),  # more of index 0's latest call
+    ]
+    assert [pieces(piece) for piece in given] == [
+        ToolCall(0, "call_A", "fa", ""),
+        ToolCall(0, None, None, '{"x":'),
+        ToolCall(0, None, None, "1}"),
+        ToolCall(1, "call_B", "fb", '{"y":2}'),
+        ToolCall(2, "call_C", "fc", "{}"),
+        ToolCall(1, None, None, ""),
+    ]
+    late = ToolCallPieces()  # an id sent after the first piece is the call's, once
+    assert [late(p) for p in (ToolCall(0, None, "f", ""), ToolCall(0, "c", "f", "{}"))] == [
+        ToolCall(0, None, "f", ""),
+        ToolCall(0, "c", None, "{}"),
+    ]

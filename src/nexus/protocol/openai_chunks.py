@@ -24,7 +24,7 @@ from .upstream import (
     token_count,
 )
 
-__all__ = ["ChunkDecoder", "chunk_events", "refusal", "upstream_body"]
+__all__ = ["ChunkDecoder", "ToolCallPieces", "chunk_events", "refusal", "upstream_body"]
 
 _NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config"}  # not OpenAI's
 
@@ -103,14 +103,17 @@ def _tool_message(message: dict[str, Any]) -> None:
             message["content"] = [{"type": "text", "text": TOOL_ERROR_PREFIX}, *content]
 
 
-def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
+def chunk_events(
+    chunk: dict[str, Any], events: list[StreamEvent], tools: ToolCallPieces | None = None
+) -> None:
     """Append to ``events`` those of one ``chat.completion.chunk`` (choice 0: Nexus asks for
     one): reasoning (``reasoning_content`` or ``reasoning``: DeepSeek, vLLM, OpenRouter),
     content and refusal, tool-call fragments, audio, the finish reason, then the usage. A field of
     another type than the API's is :class:`~nexus.protocol.upstream.Malformed`.
 
     The decoder's path for what its typed read refused (a field of another type, JSON
-    too deep for msgspec): rare, so every field is checked here."""
+    too deep for msgspec): rare, so every field is checked here. ``tools``: the stream's
+    :class:`ToolCallPieces`, which each tool-call piece goes through."""
     for choice in _list(chunk.get("choices"), "choices"):
         if type(choice) is not dict:
             raise Malformed("a choice that is not an object")
@@ -133,6 +136,7 @@ def chunk_events(chunk: dict[str, Any], events: list[StreamEvent]) -> None:
                 text_of(delta.get("refusal"), "refusal"),
                 delta.get("tool_calls"),
                 events,
+                tools,
             )
             audio = delta.get("audio")
             if audio is not None:
@@ -183,6 +187,7 @@ def _delta_events(
     refusal: str | None,
     calls: Any,
     events: list[StreamEvent],
+    tools: ToolCallPieces | None = None,
 ) -> None:
     if reasoning:
         events.append(Reasoning(reasoning))
@@ -196,14 +201,49 @@ def _delta_events(
         index = call.get("index", 0)
         if type(index) is not int or index < 0:
             raise Malformed("a tool call index that is not a non-negative integer")
-        events.append(
-            ToolCall(
-                index=index,
-                id=text_of(call.get("id"), "tool call id"),
-                name=text_of(function.get("name"), "tool call name"),
-                arguments=text_of(function.get("arguments"), "tool call arguments") or "",
-            )
+        piece = ToolCall(
+            index=index,
+            id=text_of(call.get("id"), "tool call id"),
+            name=text_of(function.get("name"), "tool call name"),
+            arguments=text_of(function.get("arguments"), "tool call arguments") or "",
         )
+        events.append(piece if tools is None else tools(piece))
+
+
+class ToolCallPieces:
+    """One stream's tool-call pieces, as every client reads them: a call's first piece
+    carries its id and name, the next ones only more arguments, each call an index of its
+    own. Upstreams differ (docs/protocols.md §2): some send ``"id": ""`` on the next
+    pieces (Qwen), some repeat the id and name on every piece (which the OpenAI SDK's
+    stream helper would concatenate: ``call_Acall_A``), some give parallel calls one index,
+    or none (Gemini's OpenAI-compatible API), which would run their arguments together."""
+
+    __slots__ = ("_at", "_used")
+
+    def __init__(self) -> None:
+        self._at: dict[int, tuple[int, str | None, str | None]] = {}
+        """The upstream's index -> the call it is now: its index here, id and name."""
+        self._used: set[int] = set()
+
+    def __call__(self, piece: ToolCall) -> ToolCall:
+        piece_id = piece.id or None  # "" names no call
+        at = self._at.get(piece.index)
+        if at is not None:
+            index, known_id, known_name = at
+            if piece_id is None or known_id is None or piece_id == known_id:  # the same call
+                new_id = piece_id if known_id is None else None  # an id it had not sent yet
+                name = None if piece.name == known_name else piece.name
+                self._at[piece.index] = (index, known_id or new_id, known_name or name)
+                if (index, new_id, name) == (piece.index, piece.id, piece.name):
+                    return piece
+                return ToolCall(index, new_id, name, piece.arguments)
+        # A call of its own: the upstream's index, unless another call here has it.
+        index = piece.index if piece.index not in self._used else max(self._used) + 1
+        self._used.add(index)
+        self._at[piece.index] = (index, piece_id, piece.name)
+        if index == piece.index and piece_id == piece.id:
+            return piece
+        return ToolCall(index, piece_id, piece.name, piece.arguments)
 
 
 def _audio_event(
@@ -309,7 +349,7 @@ def _model_of(data: bytes) -> str | None:
     return model if type(model) is str and model else None
 
 
-def _typed_events(chunk: _Chunk, events: list[StreamEvent]) -> None:
+def _typed_events(chunk: _Chunk, events: list[StreamEvent], tools: ToolCallPieces) -> None:
     """:func:`chunk_events` of a typed chunk."""
     for choice in chunk.choices or ():
         if choice.index:
@@ -323,7 +363,7 @@ def _typed_events(chunk: _Chunk, events: list[StreamEvent]) -> None:
                 if content:
                     events.append(content_delta(content))  # the commonest: one token of text
             else:
-                _delta_events(reasoning, content, delta.refusal, delta.tool_calls, events)
+                _delta_events(reasoning, content, delta.refusal, delta.tool_calls, events, tools)
                 if audio is not None:
                     _audio_event(audio.id, audio.data, audio.transcript, audio.expires_at, events)
         if choice.finish_reason:
@@ -338,7 +378,7 @@ class ChunkDecoder:
     ``response_model`` is the first payload's ``model``: every chunk repeats it, so it
     is read once a stream (the typed decoder skips it, as it does ``id``)."""
 
-    __slots__ = ("_named", "_payloads", "done", "error", "provider", "response_model")
+    __slots__ = ("_named", "_payloads", "_tools", "done", "error", "provider", "response_model")
     terminator: ClassVar[str] = "[DONE]"
 
     def __init__(self, provider: str, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
@@ -348,6 +388,7 @@ class ChunkDecoder:
         self.error: UpstreamError | None = None
         self.response_model: str | None = None
         self._named = False  # the first payload was read for its model
+        self._tools = ToolCallPieces()
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -370,7 +411,7 @@ class ChunkDecoder:
                 if typed.error:
                     self.error = in_stream_error(self.provider, typed.error)
                     return events
-                _typed_events(typed, events)
+                _typed_events(typed, events, self._tools)
         except Malformed as exc:
             self.error = malformed(self.provider, exc)
         return events
@@ -391,5 +432,5 @@ class ChunkDecoder:
             if value.get("error"):
                 self.error = in_stream_error(self.provider, value["error"])
                 return False
-            chunk_events(value, events)
+            chunk_events(value, events, self._tools)
         return True

@@ -343,6 +343,35 @@ async def test_refusal(connect: Connect, stream: bool) -> None:
 
 
 @pytest.mark.parametrize("stream", [True, False])
+async def test_a_body_that_ends_on_done_without_its_blank_line_is_a_whole_answer(
+    connect: Connect, stream: bool
+) -> None:
+    """``data: [DONE]\n`` and the end of the body, as some compatible servers end: the
+    SDKs read it as the end. It was a 502 ``upstream_disconnect`` (retryable: the SDK
+    called again, and paid twice), or an error frame after the whole answer."""
+    frames = [openai_chunk(content="all "), openai_chunk(content="here")]
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    finish = [openai_chunk(finish_reason="stop"), openai_usage_chunk(usage)]
+    client = await connect(Reply.stream([*frames, *finish, b"data: [DONE]\n"]))
+    got = await result(await post(client, stream=stream), stream)
+    assert (got["content"], got["finish_reason"]) == ("all here", "stop")
+    if not stream:  # (a stream carries it when the client asks: include_usage)
+        assert got["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_body_cut_before_its_done_is_still_an_error(connect: Connect, stream: bool) -> None:
+    frames = [openai_chunk(content="cut "), openai_chunk(finish_reason="stop")]
+    client = await connect(Reply.stream([*frames, b'data: {"choices": [{"ind']))
+    resp = await post(client, stream=stream)
+    if not stream:
+        assert resp.status == 502
+        assert (await resp.json())["error"]["code"] == "upstream_disconnect"
+        return
+    assert b'"code":"upstream_disconnect"' in await resp.read()
+
+
+@pytest.mark.parametrize("stream", [True, False])
 async def test_usage_details_reach_the_client(connect: Connect, stream: bool) -> None:
     client = await connect(Reply.stream(text_frames("ok", usage=USAGE)))
     resp = await post(client, stream=stream, stream_options={"include_usage": True})

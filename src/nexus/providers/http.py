@@ -1,9 +1,8 @@
 """What every HTTP upstream shares: pooled connections (:mod:`.connections`), timeouts, the
 body fed to the provider's decoder as it arrives, and error mapping: connection errors and
-upstream statuses
-become the most specific :mod:`nexus.errors` class here, once (``map_upstream_errors``,
-:func:`~nexus.protocol.upstream.status_error`). Raised before the first event, an error
-may send the engine to the next target; after, it becomes an error event.
+upstream statuses become the most specific :mod:`nexus.errors` class here, once
+(``map_upstream_errors``, :func:`~nexus.protocol.upstream.status_error`). Raised before the
+first event, an error may send the engine to the next target; after, an error event.
 
 Bodies are asked for and read as sent (``Accept-Encoding: identity``, no decompression): a
 compressed body is a bomb waiting (300 MB of comments in 306 KB of gzip, inflated in one
@@ -323,11 +322,17 @@ class _Exchange:
     def ended(self, error: BaseException | None) -> None:
         if error is None:
             self._whole = True
-            if self._decoder is not None and not self._end and self._collect is None:
-                self._failure = UpstreamDisconnected(
-                    f"provider {self._provider.name!r} ended the stream without "
-                    f"{self._decoder.terminator}"
-                )
+            decoder = self._decoder
+            if decoder is not None and not self._end and self._collect is None:
+                events = decoder.decode(b"\n\n")  # its end lacks the blank line: [DONE]\n
+                if decoder.done and decoder.error is None:
+                    self._end = True
+                    self._ready += events
+                else:
+                    self._failure = UpstreamDisconnected(
+                        f"provider {self._provider.name!r} ended the stream without "
+                        f"{decoder.terminator}"
+                    )
         elif not self._end:
             self._failure = error
         self._wake()

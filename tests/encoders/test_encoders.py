@@ -70,8 +70,8 @@ TC_WHOLE = (
     b'"function":{"arguments":"{}","name":"now"}}]}'
 )
 TC_LATER = b'{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\":"}}]}'
-CITE = b'{"annotations":[{"type":"url_citation","url_citation":{"url":"https://x.test","title":'
-IMG = b'{"images":[{"type":"image_url","image_url":{"url":"'
+CITE = b'{"annotations":[{"index":0,"type":"url_citation","url_citation":{"url":"https://x.test","title":'
+IMG = b'{"images":[{"index":0,"type":"image_url","image_url":{"url":"'
 
 # (event, delta JSON, finish_reason JSON): the choice of the chunk, whatever the meta.
 OPENAI_CHOICES = [
@@ -420,6 +420,7 @@ def byte_chunks(data: bytes) -> Iterator[bytes]:
 
 
 CITED = {"url": "https://x.test", "title": "X"}
+IMAGE_URL = "https://x.test/a.png"
 ERROR_TAIL = {"param": None, "code": "upstream_timeout", "retryable": True}
 
 
@@ -439,8 +440,8 @@ def openai_payloads(meta: StreamMeta, failed: bool) -> list[Any]:
         choice({"tool_calls": [LATER.wire()]}),
         choice({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
         choice({"audio": {"transcript": "hi"}}),
-        choice({"images": [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]}),
-        choice({"annotations": [{"type": "url_citation", "url_citation": CITED}]}),
+        choice({"images": [{"index": 0, "type": "image_url", "image_url": {"url": IMAGE_URL}}]}),
+        choice({"annotations": [{"index": 0, "type": "url_citation", "url_citation": CITED}]}),
         choice({}, "tool_calls"),
     ]
     if meta.include_usage:

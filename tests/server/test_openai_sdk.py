@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import openai
@@ -9,6 +10,9 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
+from nexus.events import Citation, Delta, Image, StreamEvent
+from nexus.providers.base import Provider
+from nexus.request import ChatRequest
 from support import MakeClient
 from upstreams import DONE, FakeUpstream, Reply, openai_chunk
 
@@ -212,3 +216,42 @@ async def test_a_refusal_has_null_content(make_client: MakeClient) -> None:
     message = completion.choices[0].message
     assert (message.content, message.refusal) == (None, "I can't help.")
     await api.close()
+
+
+class CitingProvider(Provider):
+    """Text, then two citations and two images, as a search or image model sends them."""
+
+    kind = "citing"
+
+    async def batches(
+        self, request: ChatRequest, model: str
+    ) -> AsyncGenerator[list[StreamEvent], None]:
+        yield [Delta(content="Two sources.")]
+        yield [Citation(url="https://a.test", title="A")]
+        yield [Citation(url="https://b.test", title="B")]
+        yield [Image(url="https://a.test/1.png")]
+        yield [Image(url="https://a.test/2.png")]
+        yield [Delta(finish_reason="stop")]
+
+
+async def test_the_stream_helper_takes_several_citations_and_images(
+    make_client: MakeClient,
+) -> None:
+    """Each went out as a list of one entry with no ``index``: the helper, adding the
+    second to the first, raised ``Expected list delta entry to have an index key``."""
+    client = await make_client(None, providers=[CitingProvider("citing")])
+    url = str(client.make_url("/v1"))
+    async with (
+        AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as api,
+        api.chat.completions.stream(model="citing/m", messages=USER) as stream,  # type: ignore[arg-type]
+    ):
+        final = await stream.get_final_completion()
+    message = final.choices[0].message.to_dict()
+    assert [a["url_citation"]["url"] for a in message["annotations"]] == [
+        "https://a.test",
+        "https://b.test",
+    ]
+    assert [i["image_url"]["url"] for i in message["images"]] == [  # type: ignore[typeddict-item]
+        "https://a.test/1.png",
+        "https://a.test/2.png",
+    ]

@@ -64,6 +64,7 @@ class OpenAISSEEncoder(Encoder):
         # Tool calls by index: whether no arguments went out for it yet (each such gets
         # "{}" before the finish, as nexus.accumulate gives it); made with the first call.
         self._bare: dict[int, bool] | None = None
+        self._listed: dict[str, int] | None = None  # list entries sent, by the delta's key
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
@@ -120,16 +121,26 @@ class OpenAISSEEncoder(Encoder):
                 return self._chunk({"audio": event.wire()})  # as OpenAI streams it
             case Image():
                 url = event.url or f"data:{event.mime_type or 'image/png'};base64,{event.data}"
-                return self._chunk({"images": [{"type": "image_url", "image_url": {"url": url}}]})
+                return self._entry("images", {"type": "image_url", "image_url": {"url": url}})
             case Citation():
                 citation = {"url": event.url, "title": event.title}
                 if event.quoted is not None:
                     citation["quoted"] = event.quoted
-                return self._chunk(
-                    {"annotations": [{"type": "url_citation", "url_citation": citation}]}
+                return self._entry(
+                    "annotations", {"type": "url_citation", "url_citation": citation}
                 )
             case _:
                 return b""
+
+    def _entry(self, key: str, entry: dict[str, Any]) -> bytes:
+        """One more entry of a list in the delta (``images``, ``annotations``), numbered: the
+        SDK's stream helper adds a second entry to the first by its ``index`` (and raises
+        without one)."""
+        listed = self._listed
+        if listed is None:
+            listed = self._listed = {}
+        index = listed[key] = listed.get(key, -1) + 1
+        return self._chunk({key: [{"index": index, **entry}]})
 
     def _note(self, call: ToolCall) -> None:
         bare = self._bare

@@ -399,7 +399,7 @@ class RealtimeConnection(Writer):
                 if running is None:
                     return
                 await running.stop("aborted")
-                if running.run is not None:  # its end hooks and places, before the done
+                if running.run is not None and running.run.ending:  # (ended by it: not shared)
                     await asyncio.wait((running.run.done,), timeout=ABORT_WAIT_S)
                 # Sent here, not by the turn: a turn stopped before it wrote anything must
                 # still answer. A turn that already sent its end gets nothing more.

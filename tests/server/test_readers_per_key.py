@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
+import websockets
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
 from nexus.auth import hash_key
 from nexus.cache.limits import LocalLimits
 from nexus.server.state import HUB
-from support import GatedProvider, MakeClient, chat, parse_sse
+from support import GatedProvider, MakeClient, chat, parse_sse, turn
 
 A, B = "nx-readers-key-a-0001", "nx-readers-key-b-0001"
 KEYS = {"keys": [{"name": "a", "sha256": hash_key(A)}, {"name": "b", "sha256": hash_key(B)}]}
@@ -186,3 +188,35 @@ async def test_a_delete_that_finds_nothing_takes_a_rate_token(make_client: MakeC
     # Past its rate, A still stops its own running stream.
     cancelled = await client.delete(f"/v1/streams/{stream['id']}", headers=bearer(A))
     assert cancelled.status == 200
+
+
+async def test_a_realtime_turn_that_joins_a_stream_takes_a_readers_place(
+    make_client: MakeClient,
+) -> None:
+    """A WebSocket ``start`` identical to a stream in flight joins it, as an HTTP request
+    does, and reads it holding no stream slot: it took no reader's place either, so a key
+    at its cap read on past it, one more per socket."""
+    gated = GatedProvider(before=1, after=1)
+    client = await make_client(
+        {"auth": KEYS, "cache": {"enabled": True}, "limits": {"max_readers_per_key": 1}},
+        providers=[gated],
+    )
+    body = chat(model="gated/m", stream=True)
+    origin = await client.post(SSE, json=body, headers=bearer(A))
+    assert origin.status == 200
+    url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
+    start = orjson.dumps({"type": "start", "request": chat(model="gated/m")}).decode()
+    async with websockets.connect(url, subprotocols=["nexus.v1", f"nexus-key.{A}"]) as ws:  # type: ignore[list-item]
+        await ws.send(start)
+        assert orjson.loads(await asyncio.wait_for(ws.recv(), 5))["type"] == "delta"
+        assert held(client, "a") == 1  # the turn's place
+        await too_many(await client.post(SSE, json=body, headers=bearer(A)))
+        async with websockets.connect(url, subprotocols=["nexus.v1", f"nexus-key.{A}"]) as two:  # type: ignore[list-item]
+            await two.send(start)
+            refused = orjson.loads(await asyncio.wait_for(two.recv(), 5))
+            assert refused["type"] == "error", refused
+            assert refused["error"]["code"] == "too_many_readers"
+        gated.gate.set()
+        assert (await turn(ws))[-1] == {"type": "done"}
+        await settled(client, "a", 0)  # the turn's place back as it ended
+    assert parse_sse(await origin.read())[-1].data == "[DONE]"

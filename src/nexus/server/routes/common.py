@@ -71,6 +71,7 @@ __all__ = [
     "RESUMABLE_HEADER",
     "complete",
     "count_cache",
+    "join_place",
     "json_response",
     "last_event_id",
     "read_body",
@@ -265,7 +266,7 @@ async def complete(
             private=not streaming,
         )
     # A join reads a run another request holds the slot of: it is one of the key's readers.
-    with await _joined(request, key, opened, chat.background):
+    with await join_place(request, key, opened, chat.background):
         count_cache(request, ex, opened)
         headers = {STORE_HEADER: "unavailable"} if not opened.stored else {}
         if not streaming:
@@ -316,12 +317,13 @@ def count_cache(request: web.Request, ex: Exchange, opened: Opened) -> None:
         metrics.cache.labels(opened.cache).inc()
 
 
-async def _joined(
+async def join_place(
     request: web.Request, key: ApiKey | None, opened: Opened, background: bool
 ) -> AbstractContextManager[None]:
-    """The place among ``key``'s readers of a request that joined a stream in flight (its
-    admission gave its slot back: the run is another's), held while it reads; or 429
-    ``too_many_readers``, its joined reader closed. A background join reads nothing."""
+    """The place among ``key``'s readers of a request (or a realtime turn) that joined a
+    stream in flight (its admission gave its slot back: the run is another's), held while
+    it reads; or 429 ``too_many_readers``, its joined reader closed. A background join
+    reads nothing."""
     if not opened.joined or background or key is None:
         return _NOT_JOINED  # (shared: an ExitStack a stream cost 0.76 KB while it ran)
     try:

@@ -58,7 +58,7 @@ from ..key_admission import admit, admit_stream, authenticate, budgeted
 from ..log_lines import quoted
 from ..state import Exchange
 from ..writer import Writer
-from .common import check_open, count_cache
+from .common import check_open, count_cache, join_place
 from .realtime_keys import key_socket
 from .realtime_turn import FORMAT, FrameMeter, Turn
 
@@ -67,8 +67,7 @@ __all__ = ["RealtimeConnection", "handle"]
 log = logging.getLogger("nexus.realtime")
 
 POLICY_CLOSE_WAIT_S = 1.0
-"""How long a peer closed with 1008 has to answer the close frame before its connection is
-closed: a client answers at once; one still flooding is not read for longer."""
+"""How long a peer closed with 1008 has to answer the close frame (one flooding is not read)."""
 ABORT_WAIT_S = 5.0  # an abort's done waits for its stream's end this long at most
 _ABORTED = '{"type":"done","aborted":true}'
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
@@ -370,6 +369,7 @@ class RealtimeConnection(Writer):
                                 format=NDJSONEncoder.media_type,
                             ),
                         )
+                    place = await join_place(self.request, self.key, opened, False)
                     reader = await self.hub.reader_of(
                         opened, meta=with_usage(opened.info.meta, request.include_usage)
                     )
@@ -393,7 +393,7 @@ class RealtimeConnection(Writer):
                 if run is not None and opened.cache != "hit":
                     # The socket's access line is one for all its turns: each its own spend.
                     account_at_end(self.request.app, record, run, refusal=True)
-                self.turn = Turn(self, reader, run, record)
+                self.turn = Turn(self, reader, run, record, place)
             case AbortTurn():
                 running = self.turn
                 if running is None:

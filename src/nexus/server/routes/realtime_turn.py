@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, AnyStr, Protocol
 
 from aiohttp import WSMsgType, web
@@ -95,6 +96,8 @@ class Connection(Protocol):
     async def fail(self, payload: bytes) -> None: ...
 
 
+_NO_PLACE: AbstractContextManager[None] = contextlib.nullcontext()
+
 _TURN_LIMITS = frozenset({"max_stream_duration", "stream_too_large"})
 """Errors that end a turn for a limit of its own (``[limits] max_stream_duration_s``,
 ``[streams] max_log_bytes``): the turn ends with the error frame, as a refused start
@@ -116,6 +119,7 @@ class Turn:
         "conn",
         "encoder",
         "over",
+        "place",
         "reader",
         "record",
         "run",
@@ -126,12 +130,19 @@ class Turn:
     )
 
     def __init__(
-        self, conn: Connection, reader: LogReader, run: StreamRun | None, record: Exchange
+        self,
+        conn: Connection,
+        reader: LogReader,
+        run: StreamRun | None,
+        record: Exchange,
+        place: AbstractContextManager[None] = _NO_PLACE,
     ) -> None:
         self.conn = conn
         self.reader = reader
         self.run = run
         """The stream it ends when it ends early; None for one it only joined."""
+        self.place = place  # a joined stream's place among its key's readers, until over
+        place.__enter__()
         self.record = record
         """The turn as its spend line and the metrics see it: its model, its first token,
         how it ended."""
@@ -273,6 +284,7 @@ class Turn:
         if self.over:
             return
         self.over = True
+        self.place.__exit__(None, None, None)
         conn = self.conn
         record = self.record
         if not self.terminated:  # ended early on its own: its socket went (a timeout, ...)

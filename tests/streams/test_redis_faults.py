@@ -41,6 +41,26 @@ def texts(body: bytes) -> str:
     )
 
 
+async def read_with_redis_paused(resp: ClientResponse, process: Any) -> tuple[bytes, list[float]]:
+    """The nexus-format stream ``resp`` from its first event to its done, read with Redis
+    paused (SIGSTOP: it takes the bytes and answers nothing) after that first event; the
+    body, and the time between each event and the one before."""
+    seen = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    loop = asyncio.get_running_loop()
+    gaps = []
+    process.send_signal(signal.SIGSTOP)
+    try:
+        last = loop.time()
+        while not seen.endswith(b'event: done\ndata: {"type":"done"}\n\n'):
+            seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+    finally:
+        process.send_signal(signal.SIGCONT)
+    return seen, gaps
+
+
 async def resume(client: TestClient[Any, Any], stream_id: str) -> ClientResponse:
     """``GET /v1/streams/{id}`` on ``client`` until its store has the stream (15 s at most)."""
     deadline = asyncio.get_running_loop().time() + 15
@@ -184,20 +204,8 @@ async def test_a_redis_that_hangs_mid_stream_never_holds_the_clients_bytes(
     )
     assert resp.status == 200
     stream_id = resp.headers["X-Nexus-Stream-Id"]
-    seen = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-    loop = asyncio.get_running_loop()
-    gaps = []
     with caplog.at_level(logging.WARNING, logger="nexus.streams"):
-        process.send_signal(signal.SIGSTOP)
-        try:
-            last = loop.time()
-            while not seen.endswith(b'event: done\ndata: {"type":"done"}\n\n'):
-                seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-                now = loop.time()
-                gaps.append(now - last)
-                last = now
-        finally:
-            process.send_signal(signal.SIGCONT)
+        seen, gaps = await read_with_redis_paused(resp, process)
     assert texts(seen).split() == words.split()
     # 50 ms a chunk upstream: no chunk waited for the mirror's 1 s deadline, let alone for
     # Redis (paused for the whole stream, ~2.5 s).
@@ -239,19 +247,7 @@ async def test_a_redis_that_hangs_as_a_budgeted_stream_ends_delays_its_end_two_s
         headers={"Authorization": f"Bearer {key}"},
     )
     assert resp.status == 200, await resp.text()
-    seen = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-    loop = asyncio.get_running_loop()
-    gaps = []
-    process.send_signal(signal.SIGSTOP)
-    try:
-        last = loop.time()
-        while not seen.endswith(b'event: done\ndata: {"type":"done"}\n\n'):
-            seen += await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
-            now = loop.time()
-            gaps.append(now - last)
-            last = now
-    finally:
-        process.send_signal(signal.SIGCONT)
+    seen, gaps = await read_with_redis_paused(resp, process)
     assert texts(seen).split() == words.split()
     assert max(gaps) < 2.6, gaps  # the charge's second, the slot's second, and slack
     limits = one.app[HUB].limits

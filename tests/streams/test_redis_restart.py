@@ -66,6 +66,15 @@ def texts(body: bytes) -> str:
     )
 
 
+def resumable(client: TestClient[Any, Any]) -> Any:
+    """A resumable stream of the ``gates`` provider, in the nexus format (the request)."""
+    return client.post(
+        "/v1/chat/completions?stream_format=nexus",
+        json=chat(model="gates/m", stream=True),
+        headers={"X-Nexus-Resumable": "true"},
+    )
+
+
 async def statuses(client: TestClient[Any, Any], stream_id: str, times: int = 4) -> list[int]:
     """What ``GET /v1/streams/{id}`` answers on ``client``, ``times`` times 0.2 s apart."""
     seen = []
@@ -92,13 +101,7 @@ async def test_a_stream_begun_before_a_restart_is_found_elsewhere_from_its_first
     gates = Gates(2)
     one = await make_client(config(redis_server), providers=[gates])
     two = await make_client(config(redis_server))
-    post = asyncio.ensure_future(
-        one.post(
-            "/v1/chat/completions?stream_format=nexus",
-            json=chat(model="gates/m", stream=True),
-            headers={"X-Nexus-Resumable": "true"},
-        )
-    )
+    post = asyncio.ensure_future(resumable(one))
     await asyncio.wait_for(gates.started.wait(), 5)
     (stream_id,) = one.server.app[HUB].live
     assert await statuses(two, stream_id, 1) == [200]
@@ -123,13 +126,7 @@ async def test_a_quiet_stream_is_found_elsewhere_within_a_beat_of_a_restart(
     gates = Gates(2)
     one = await make_client(config(redis_server), providers=[gates])
     two = await make_client(config(redis_server))
-    post = asyncio.ensure_future(
-        one.post(
-            "/v1/chat/completions?stream_format=nexus",
-            json=chat(model="gates/m", stream=True),
-            headers={"X-Nexus-Resumable": "true"},
-        )
-    )
+    post = asyncio.ensure_future(resumable(one))
     gates.gates[0].set()
     resp = await post
     assert b"t0 " in await asyncio.wait_for(resp.content.readuntil(b"t0 "), 5)
@@ -156,11 +153,7 @@ async def test_a_stream_that_ends_while_redis_is_down_is_read_whole_on_its_repli
     gates = Gates(2)
     one = await make_client(config(redis_server), providers=[gates])
     gates.gates[0].set()
-    resp = await one.post(
-        "/v1/chat/completions?stream_format=nexus",
-        json=chat(model="gates/m", stream=True),
-        headers={"X-Nexus-Resumable": "true"},
-    )
+    resp = await resumable(one)
     stream_id = resp.headers["X-Nexus-Stream-Id"]
     await asyncio.wait_for(resp.content.readuntil(b"t0 "), 5)
     resp.close()  # the client leaves; resumable, the stream runs on

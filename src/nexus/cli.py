@@ -280,6 +280,14 @@ def _check_buildable(config: Config, source: str) -> None:
     from .engine import Engine
     from .server.app import build_store
 
+    if config.store.kind == "memory" and any(k.budget_usd is not None for k in config.auth.keys):
+        raise ConfigError(
+            f"{source}: [[auth.keys]] budget_usd with several workers needs [store] kind = "
+            '"redis": with the in-memory store each worker would keep its own spend, and '
+            "together they would allow each budget once per worker"
+        )
+    if config.server.uvloop is True:
+        _install_loop(True, source, install=False)
     default_registry.copy().load_config(config.encoders, source)
     Engine.from_config(config, source=source)
     build_store(config.store)
@@ -362,7 +370,7 @@ def _serve_one(
     return 0
 
 
-def _install_loop(uvloop_wanted: bool | str, source: str) -> None:
+def _install_loop(uvloop_wanted: bool | str, source: str, *, install: bool = True) -> None:
     if uvloop_wanted is False:
         return
     try:
@@ -374,7 +382,8 @@ def _install_loop(uvloop_wanted: bool | str, source: str) -> None:
                 "(pip install 'nexus-gateway[uvloop]')"
             ) from None
         return
-    uvloop.install()
+    if install:
+        uvloop.install()
 
 
 async def _run(

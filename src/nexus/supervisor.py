@@ -165,8 +165,9 @@ class Supervisor:
             if self.workers > 1 and config.store.kind == "memory":
                 log.warning(
                     "%d workers share no memory: with the in-memory store, resuming a "
-                    "stream (and the stream cache) needs sticky routing; "
-                    '[store] kind = "redis" lets any worker resume any stream',
+                    "stream (and the stream cache) needs sticky routing, and each worker "
+                    "counts every key's rate and streams alone (together, once per worker); "
+                    '[store] kind = "redis" shares both',
                     self.workers,
                 )
             return self._watch(config)

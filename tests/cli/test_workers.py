@@ -237,6 +237,44 @@ def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Pa
     assert "Traceback" not in run.stderr
 
 
+def test_budgets_with_the_memory_store_are_refused_with_several_workers(tmp_path: Path) -> None:
+    """Each worker kept its own spend: a $0.50 budget let four workers spend $1.60."""
+    path = tmp_path / "config.toml"
+    key = f'[[auth.keys]]\nname = "a"\nsha256 = "{"0" * 64}"\nbudget_usd = 0.5\n'
+    path.write_text('[providers.mock]\nkind = "mock"\n\n' + key)
+    run = subprocess.run(
+        [NEXUS, "serve", "--config", str(path), "--workers", "2", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "budget_usd with several workers needs [store] kind" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_uvloop_asked_for_and_missing_is_one_line_before_any_worker_starts(
+    tmp_path: Path,
+) -> None:
+    """Checked in each worker alone, it was five tracebacks, a restart loop, then exit 1."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "uvloop.py").write_text('raise ImportError("uvloop is not installed (a stub)")\n')
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nuvloop = true\n\n[providers.mock]\nkind = "mock"\n')
+    env = {**os.environ, "PYTHONPATH": f"{stub}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run(
+        [NEXUS, "serve", "--config", str(path), "--workers", "2", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=env,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "[server] uvloop: uvloop is not installed" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def redis_config(tmp_path: Path, prefix: str) -> Path:
     """The mock provider and the Redis store under ``prefix``."""
     path = tmp_path / "config.toml"

@@ -64,8 +64,16 @@ class Engine:
         prices: PriceTable | None = None,
     ) -> None:
         if isinstance(providers, Mapping):
+            for name, provider in providers.items():
+                if name != provider.name:
+                    raise ValueError(f"providers: {name!r} maps to the provider {provider.name!r}")
             providers = list(providers.values())
         self.providers: dict[str, Provider] = {p.name: p for p in providers}
+        if len(self.providers) != len(providers) or any("/" in n for n in self.providers):
+            raise ValueError(
+                "providers: each needs a name of its own, without '/' (a model is "
+                f"'<provider>/<model>'): {[p.name for p in providers]}"
+            )
         self.aliases: dict[str, list[str]] = {k: list(v) for k, v in (models or {}).items()}
         self.retry_ms = retry_ms
         self.hooks = hooks if hooks is not None else Hooks()
@@ -80,6 +88,8 @@ class Engine:
         them in ``/metrics``)."""
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it started on
         for alias, targets in self.aliases.items():
+            if not targets:
+                raise ValueError(f"models.{alias}: no target")
             for target in targets:
                 if self._split(target) is None:
                     raise ValueError(

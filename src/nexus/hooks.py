@@ -216,22 +216,26 @@ class Hooks:
     ) -> None:
         """Register ``plugin``: each of the four hook methods it has is called.
 
-        ``chunk_every``: call its ``on_chunk_received`` for every Nth chunk of a
-        stream. ``name`` (for logs) defaults to its class name. ``timeout_s``: how
-        long one of its calls may take (None: no bound). ``first``: its hooks run
-        before those of the plugins not added so (the server's budgets and metrics:
-        no plugin can keep a stream from being charged and counted). Raises
-        :class:`TypeError` for an object with none of the hooks (or one that is
-        not callable, or not ``async``), :class:`ValueError` for ``chunk_every < 1`` and
-        :class:`~nexus.errors.RegistryFrozen` once the engine started.
-        """
+        ``chunk_every``: call its ``on_chunk_received`` for every Nth chunk of a stream.
+        ``name`` (for logs) defaults to its class name. ``timeout_s``: how long one of its
+        calls may take (None: no bound). ``first``: its hooks run before those of the
+        plugins not added so (the server's budgets and metrics: no plugin can keep a stream
+        from being charged and counted). Raises :class:`TypeError` for an object with none
+        of the hooks (or one not callable, or not ``async``), a class, or an ``on_*`` name
+        that is no hook (misspelt); :class:`ValueError` for ``chunk_every < 1``;
+        :class:`~nexus.errors.RegistryFrozen` once the engine started."""
         if self._frozen:
             raise RegistryFrozen(
                 "Plugins must be added before the engine starts (the hooks froze at start-up)."
             )
         if chunk_every < 1:
             raise ValueError(f"chunk_every must be at least 1, not {chunk_every!r}")
+        if isinstance(plugin, type):  # its hooks would be unbound: each call a TypeError
+            raise TypeError(f"plugin {plugin.__qualname__} is a class: add an instance of it")
         label = name or type(plugin).__qualname__
+        unknown = [n for n in dir(plugin) if n.startswith("on_") and n not in HOOK_NAMES]
+        if unknown:  # a misspelt hook would never be called
+            raise TypeError(f"plugin {label}: {', '.join(unknown)} is none of {HOOK_NAMES}")
         methods = {n: getattr(plugin, n, None) for n in HOOK_NAMES}
         found = {n: m for n, m in methods.items() if m is not None}
         if not found:

@@ -144,9 +144,9 @@ def test_alias_target_naming_no_provider_fails_at_construction(target: str) -> N
     assert repr(target) in str(info.value)
 
 
-def test_providers_may_be_a_mapping() -> None:
+def test_providers_may_be_a_mapping_of_their_names() -> None:
     p = Scripted("a")
-    engine = Engine({"ignored-key": p})
+    engine = Engine({"a": p})
     assert engine.providers == {"a": p}
 
 
@@ -437,3 +437,22 @@ def test_an_engine_used_on_another_event_loop_says_so() -> None:
 
     with pytest.raises(RuntimeError, match=r"started on another event loop.*each loop"):
         asyncio.run(use())
+
+
+@pytest.mark.parametrize(
+    ("providers", "models", "says"),
+    [
+        ({"openai": MockProvider("mock")}, None, "'openai' maps to the provider 'mock'"),
+        ([MockProvider("mock"), MockProvider("mock")], None, "a name of its own"),
+        ([MockProvider("my/mock")], None, "without '/'"),
+        ([MockProvider("mock")], {"smart": []}, "models.smart: no target"),
+    ],
+)
+def test_an_engine_that_could_not_route_what_it_was_given_is_refused(
+    providers: Any, models: Any, says: str
+) -> None:
+    """Each was accepted: a mapping's key ignored (``openai/...`` then model_not_found), a
+    provider of the same name silently dropped, a name no model can name, and an alias
+    with no target (StopIteration from every request, a 500 through the server)."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Engine(providers, models)

@@ -836,6 +836,16 @@ def test_add_checks_the_plugin() -> None:
         hooks.add(RecordingPlugin(), chunk_every=0)
     with pytest.raises(TypeError, match="not callable"):
         hooks.add(type("Odd", (), {"on_stream_started": 3})())
+    # A class, not an instance: every call raised, logged, and a gate let requests through.
+    with pytest.raises(TypeError, match="is a class: add an instance"):
+        hooks.add(StartedOnly)
+
+    # A misspelt hook beside a right one: accepted, and never called.
+    async def hook(self: object, *args: object, **kwargs: object) -> None: ...
+
+    misspelt = type("Misspelt", (), {"on_stream_started": hook, "on_stream_complete": hook})
+    with pytest.raises(TypeError, match="on_stream_complete is none of"):
+        hooks.add(misspelt())
     assert not hooks
     hooks.add(StartedOnly())
     assert hooks and len(hooks) == 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -193,7 +193,10 @@ class RoutedRun:
         telemetry = engine.telemetry
         if telemetry is not None:
             self._span = telemetry.attempt(provider.name, provider.kind, model, request, attempt)
-        self._batches = provider.batches(request, model)
+        try:
+            self._batches = provider.batches(request, model)
+        except Exception as exc:  # (a plain ``def batches`` that raised before its iterator)
+            self._batches = _raising(exc)
         return self._batches
 
     async def _ended_by(self, batch: list[StreamEvent]) -> list[StreamEvent]:
@@ -266,3 +269,10 @@ def _told_nothing(*_: object) -> None:
 def _priced(usage: Usage, price: Price) -> Usage:
     """``usage`` with its cost at ``price``: the spend of a stream that ended with it."""
     return replace(usage, cost_usd=spend_of(Tally(usage), price, complete=True).cost_usd)
+
+
+async def _raising(exc: Exception) -> AsyncGenerator[list[StreamEvent], None]:
+    """What a provider raised as it was asked for its batches, raised at the first read,
+    where a retryable error falls back to the next target as one from its stream does."""
+    raise exc
+    yield []  # (an async generator)

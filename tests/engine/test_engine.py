@@ -456,3 +456,39 @@ def test_an_engine_that_could_not_route_what_it_was_given_is_refused(
     with no target (StopIteration from every request, a 500 through the server)."""
     with pytest.raises(ValueError, match=re.escape(says)):
         Engine(providers, models)
+
+
+class RaisingAtOnce(Provider):
+    """A provider whose ``batches`` is a plain function that raises before any iterator."""
+
+    kind = "raising"
+
+    def __init__(self, name: str, error: Exception) -> None:
+        super().__init__(name)
+        self.error = error
+
+    def batches(self, request: ChatRequest, model: str) -> Any:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "raised"),
+    [(UpstreamError("down"), None), (KeyError("bug"), "internal_error")],
+)
+async def test_a_provider_that_raises_before_its_stream_fails_like_one_that_raises_in_it(
+    error: Exception, raised: str | None
+) -> None:
+    """A retryable error falls back to the next target, and a bug is the gateway's
+    ``internal_error``: raised as ``batches`` was called, the first was a 502 without the
+    fallback and the second escaped as it was."""
+    b = Scripted("b", B_EVENTS)
+    engine = Engine([RaisingAtOnce("a", error), b], models={"fast": ["a/x", "b/y"]})
+    stream = engine.complete_stream(chat("fast"))
+    if raised is None:
+        assert await read_all(stream) == B_EVENTS
+        return
+    with pytest.raises(GatewayError) as info:
+        await stream.next()
+    await stream.close()
+    assert info.value.code == raised
+    assert b.calls == []

@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, source = _load(args.config)
         if args.command == "keys":
+            if source == BUILT_IN:  # (it has no keys: the gateway's config is elsewhere)
+                raise ConfigError(f"keys: no ./{DEFAULT_CONFIG} here; give --config PATH")
             return asyncio.run(_keys(config))
         if args.port is not None and not 0 <= args.port <= 65535:
             raise ConfigError(f"--port: {args.port} is not a port number (0-65535)")
@@ -247,13 +249,16 @@ def _check_exposure(config: Config, source: str) -> None:
     )
 
 
+BUILT_IN = "built-in default"
+
+
 def _load(path: str | None) -> tuple[Config, str]:
     if path is not None:
         return load_config(path), path
     if Path(DEFAULT_CONFIG).exists():
         return load_config(DEFAULT_CONFIG), DEFAULT_CONFIG
     log.info("no ./%s here: using the built-in default (mock provider)", DEFAULT_CONFIG)
-    return Config(), "built-in default"
+    return Config(), BUILT_IN
 
 
 def _serve(config: Config, source: str) -> int:

@@ -255,6 +255,13 @@ def test_nexus_keys_with_the_memory_store_says_where_the_spend_is(tmp_path: Path
     bad.write_text('[[auth.keys]]\nname = "a"\nsha256 = "00"\nbudget_period = "week"\n')
     done = subprocess.run([NEXUS, "keys", "--config", str(bad)], capture_output=True, text=True)
     assert done.returncode == 2 and "config error" in done.stderr
+    # No ./config.toml where it runs: it read the built-in default and said there were no
+    # keys (exit 0), as if the gateway had none.
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    done = subprocess.run([NEXUS, "keys"], capture_output=True, text=True, cwd=empty)
+    assert done.returncode == 2, done.stdout
+    assert "no ./config.toml here; give --config PATH" in done.stderr
 
 
 async def test_two_replicas_share_a_keys_budget(tmp_path: Path) -> None:

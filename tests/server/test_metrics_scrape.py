@@ -18,9 +18,11 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import Forbidden, hash_key
+from nexus.config import parse_config
 from nexus.errors import ConfigError
 from nexus.pricing import Spend
 from nexus.server.access import METRICS
+from nexus.server.app import metrics_token
 from nexus.server.metrics import Metrics, ModelLabels
 from nexus.server.routes import metrics as metrics_page
 from support import METRICS_TOKEN, METRICS_TOKEN_ENV, SCRAPER, MakeClient, chat
@@ -162,6 +164,9 @@ async def test_metrics_behind_a_token_when_one_is_set(
     monkeypatch.delenv(METRICS_TOKEN_ENV)
     with pytest.raises(ConfigError, match="token_env: the environment variable it names is not"):
         await make_client(keyed(metrics=TOKEN_CONFIG))
+    # /metrics turned off asks for no token: an unset one no longer refuses the start
+    # (`nexus serve` checks it before any worker starts, with metrics_token).
+    assert metrics_token(parse_config({"metrics": {**TOKEN_CONFIG, "enabled": False}})) is None
     # The name is not repeated: a token put there by mistake is a valid name too.
     with pytest.raises(ConfigError) as refusal:
         await make_client(keyed(metrics={"token_env": "mtok_Zq81xYwV7uT6sR5q"}))

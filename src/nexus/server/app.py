@@ -198,9 +198,10 @@ def _check_formats(base: EncoderRegistry, encoders: dict[str, str], source: str)
 
 def metrics_token(config: Config) -> bytes | None:
     """The token ``[metrics] token_env`` names (a trailing newline, as a secret file may
-    leave, is not part of it); a :class:`ConfigError` when it is unset."""
+    leave, is not part of it); a :class:`ConfigError` when it is unset, unless ``/metrics``
+    is off (``enabled = false``: no token is asked for)."""
     name = config.metrics.token_env
-    if name is None:
+    if name is None or not config.metrics.enabled:
         return None
     value = os.environ.get(name, "").strip()
     if not value:

@@ -216,12 +216,11 @@ def test_bad_worker_counts_are_refused(config: Path) -> None:
         assert "a number of workers (1 or more) or 'auto'" in run.stderr
 
 
-def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
-    # Each worker builds its app: checked there alone, every worker would die and be
-    # restarted in a loop. Checked once, first, it is a config error.
-    path = tmp_path / "config.toml"
-    path.write_text('[metrics]\ntoken_env = "NEXUS_TEST_UNSET_METRICS_TOKEN"\n')
-    env = {k: v for k, v in os.environ.items() if k != "NEXUS_TEST_UNSET_METRICS_TOKEN"}
+def refused_before_any_worker(
+    path: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``nexus serve --workers 2`` with the config at ``path``: refused, exit 2 (a config
+    error checked once, before any worker forks, not in each worker's restart loop)."""
     run = subprocess.run(
         [NEXUS, "serve", "--config", str(path), "--workers", "2", "--port", "0"],
         capture_output=True,
@@ -230,6 +229,17 @@ def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Pa
         env=env,
     )
     assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    return run
+
+
+def test_an_unset_metrics_token_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    # Each worker builds its app: checked there alone, every worker would die and be
+    # restarted in a loop. Checked once, first, it is a config error.
+    path = tmp_path / "config.toml"
+    path.write_text('[metrics]\ntoken_env = "NEXUS_TEST_UNSET_METRICS_TOKEN"\n')
+    env = {k: v for k, v in os.environ.items() if k != "NEXUS_TEST_UNSET_METRICS_TOKEN"}
+    run = refused_before_any_worker(path, env)
     assert (
         f"nexus: config error: {path}: [metrics] token_env: the environment variable it names "
         "is not set"
@@ -242,13 +252,7 @@ def test_budgets_with_the_memory_store_are_refused_with_several_workers(tmp_path
     path = tmp_path / "config.toml"
     key = f'[[auth.keys]]\nname = "a"\nsha256 = "{"0" * 64}"\nbudget_usd = 0.5\n'
     path.write_text('[providers.mock]\nkind = "mock"\n\n' + key)
-    run = subprocess.run(
-        [NEXUS, "serve", "--config", str(path), "--workers", "2", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=20,
-    )
-    assert run.returncode == 2, run.stderr
+    run = refused_before_any_worker(path)
     assert "budget_usd with several workers needs [store] kind" in run.stderr
     assert "Traceback" not in run.stderr
 
@@ -263,14 +267,7 @@ def test_uvloop_asked_for_and_missing_is_one_line_before_any_worker_starts(
     path = tmp_path / "config.toml"
     path.write_text('[server]\nuvloop = true\n\n[providers.mock]\nkind = "mock"\n')
     env = {**os.environ, "PYTHONPATH": f"{stub}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run(
-        [NEXUS, "serve", "--config", str(path), "--workers", "2", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=20,
-        env=env,
-    )
-    assert run.returncode == 2, run.stderr
+    run = refused_before_any_worker(path, env)
     assert "[server] uvloop: uvloop is not installed" in run.stderr
     assert "Traceback" not in run.stderr
 

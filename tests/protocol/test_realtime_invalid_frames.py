@@ -63,3 +63,25 @@ def test_starts_the_route_refuses_are_strikes_until_one_is_accepted() -> None:
     s.receive_text(START)
     s.start_accepted()
     assert s.refused(frame) == [frame]  # the count began again
+
+
+def test_a_frame_other_than_a_start_is_refused_unwalked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Only a start's request may nest: any other envelope that does fails validation at
+    its first field not its own. Walked first (twice: values, then depth), a 400 KB frame of
+    small objects held the shared loop ~70 ms, and such frames take no rate token."""
+    import nexus.protocol.realtime as realtime
+
+    def walked(*_: object) -> None:
+        raise AssertionError("a frame other than a start was walked")
+
+    monkeypatch.setattr(realtime, "more_items_than", walked)
+    monkeypatch.setattr(realtime, "deep_field", walked)
+    s = RealtimeSession(max_pending_input_bytes=1 << 20, max_json_items=100, max_invalid_frames=9)
+    junk = [{"a": 0}] * 1000  # ten times the limit on values
+    for frame in (
+        {"type": "image", "mime_type": "image/png", "x": junk},
+        {"type": "audio_chunk", "format": "pcm16", "b64": junk},
+        {"type": "abort", "x": [[[[[0]]]]]},
+    ):
+        (answer,) = s.receive_text(orjson.dumps(frame).decode())
+        assert isinstance(answer, Send) and answer.code == "invalid_envelope"

@@ -17,8 +17,8 @@ prompt tokens read from a prompt cache, ``written`` those written to one (Anthro
 them above the input price), both part of ``prompt``. A stream that ended without a final
 usage reports what it saw, marked ``estimated``: the last usage's prompt, cached and
 written tokens, and as completion tokens the larger of that usage's and the output
-events seen (one token each, as streaming upstreams and the mock deliver them; audio
-by its duration, as audio tokens, :class:`Tally`). One the upstream answered without
+output seen (a token a piece at least, one per 4 bytes of its text: :class:`Tally`; audio
+by its duration, as audio tokens). One the upstream answered without
 reporting any usage (cut before it: OpenAI reports usage last; or from an upstream that
 reports none) is charged :func:`~nexus.estimates.prompt_estimate` as its prompt,
 :func:`~nexus.estimates.prompt_audio_estimate` of it as audio (by its duration): without
@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass, replace
 
 from .estimates import (
+    CHARS_PER_TOKEN,
     SPOKEN_BYTES_PER_TOKEN,
     prompt_audio_estimate,
     prompt_estimate,
@@ -297,15 +298,24 @@ class Tally:
     """What a stream's events say of its spend: its last usage, its output events."""
 
     usage: Usage | None = None
-    produced: int = 0
-    """Output tokens seen: a token for each content, reasoning, tool call and transcript
-    delta, and the audio's tokens."""
+    pieces: int = 0
+    """Output events seen that carry text (content, refusal, reasoning, a tool call, a piece
+    of a transcript): a token each at least, as OpenAI streams them."""
+    text_bytes: int = 0
+    """Their text's UTF-8 bytes: a token per :data:`~nexus.estimates.CHARS_PER_TOKEN`, as
+    a prompt is estimated (Anthropic's pieces, and others', hold several tokens)."""
     spoken: int = 0
-    """Of them, the audio's: its duration's tokens (:data:`SPOKEN_BYTES_PER_TOKEN`)."""
+    """The audio's tokens: its duration's (:data:`SPOKEN_BYTES_PER_TOKEN`)."""
     answered: bool = False
     """The upstream sent an event (it accepted the request: its prompt is billed)."""
     spoken_bytes: int = 0
     """The audio's bytes seen."""
+
+    @property
+    def produced(self) -> int:
+        """Output tokens seen: the larger of a token a text piece and a token per
+        :data:`~nexus.estimates.CHARS_PER_TOKEN` bytes of their text, and the audio's."""
+        return max(self.pieces, -(-self.text_bytes // CHARS_PER_TOKEN)) + self.spoken
 
     def add(self, event: StreamEvent) -> None:
         self.answered = True
@@ -313,19 +323,26 @@ class Tally:
         if cls is Usage:
             self.usage = event  # type: ignore[assignment]
         elif cls is Delta:
-            if event.content or event.tool_calls or event.refusal:  # type: ignore[union-attr]
-                self.produced += 1
-        elif cls is Reasoning or cls is ToolCall:
-            self.produced += 1
+            text = (event.content or "") + (event.refusal or "")  # type: ignore[union-attr]
+            for call in event.tool_calls or ():  # type: ignore[union-attr]
+                text += (call.name or "") + call.arguments
+            if text or event.tool_calls:  # type: ignore[union-attr]
+                self.pieces += 1
+                self.text_bytes += len(text.encode())
+        elif cls is Reasoning:
+            self.pieces += 1
+            self.text_bytes += len(event.text.encode())  # type: ignore[union-attr]
+        elif cls is ToolCall:
+            self.pieces += 1
+            self.text_bytes += len(((event.name or "") + event.arguments).encode())  # type: ignore[union-attr]
         elif cls is Audio:
             data = event.data  # type: ignore[union-attr]
-            if data is None:
-                self.produced += 1  # a piece of the transcript (or the id, the expiry)
+            if data is None:  # a piece of the transcript (or the id, the expiry)
+                self.pieces += 1
+                self.text_bytes += len((event.transcript or "").encode())  # type: ignore[union-attr]
             else:
                 self.spoken_bytes += spoken_bytes(data)
-                spoken = -(-self.spoken_bytes // SPOKEN_BYTES_PER_TOKEN)
-                self.produced += spoken - self.spoken
-                self.spoken = spoken
+                self.spoken = -(-self.spoken_bytes // SPOKEN_BYTES_PER_TOKEN)
 
 
 def tally(events: Sequence[StreamEvent], *, complete: bool) -> Tally:

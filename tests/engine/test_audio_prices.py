@@ -303,9 +303,10 @@ def test_audio_output_cut_before_its_usage_counts_by_its_duration() -> None:
     events: list[StreamEvent] = [Audio(transcript="Hello there", id="audio_1")]
     events += [Audio(data=half_second) for _ in range(20)]
     tallied = tally(events, complete=False)
-    assert (tallied.produced, tallied.spoken) == (1 + 200, 200)
+    # The transcript's 11 bytes are 3 text tokens (a token per 4 bytes, as a prompt's).
+    assert (tallied.produced, tallied.spoken) == (3 + 200, 200)
     spend = spend_of(tallied, AUDIO, complete=False, prompt_estimate=10, prompt_audio_estimate=0)
-    assert spend.cost_usd == pytest.approx((10 * 2.5 + 1 * 10 + 200 * 80) / 1e6)
+    assert spend.cost_usd == pytest.approx((10 * 2.5 + 3 * 10 + 200 * 80) / 1e6)
     # Pieces of any size add up before rounding: 100 pieces of 10 ms are 20 tokens.
     tiny = tally([Audio(data=b64(bytes(480))) for _ in range(100)], complete=False)
     assert (tiny.produced, tiny.spoken) == (20, 20)

@@ -133,6 +133,24 @@ def test_a_failed_stream_without_usage_counts_its_output_events() -> None:
     assert spend == Spend(0, 5, 0, 0, 5 * 10.0 / 1_000_000, True, completion_audio_tokens=1)
 
 
+def test_a_cut_stream_counts_its_text_not_only_its_pieces() -> None:
+    """OpenAI streams a token a piece; Anthropic's pieces (thinking above all) hold several.
+    Cut before its usage, a stream is charged the larger of a token a piece and a token per
+    4 UTF-8 bytes of its text, as a prompt is estimated: five pieces of 405 characters were
+    charged 5 tokens, not ~500."""
+    long = "word " * 81  # 405 bytes
+    events: list[StreamEvent] = [Delta(content=long) for _ in range(4)] + [Reasoning(long)]
+    tallied = tally(events, complete=False)
+    assert tallied.produced == -(-5 * 405 // 4) == 507
+    assert spend_of(tallied, PRICE, complete=False).completion_tokens == 507
+    # One token a piece stays the floor: short pieces (OpenAI's) count one each.
+    assert tally([Delta(content="a"), Delta(content="b")], complete=False).produced == 2
+    # Tool-call arguments and refusals are text too; a multi-byte script counts its bytes.
+    call = ToolCall(index=0, id="c", name="lookup", arguments='{"q": "' + "x" * 94 + '"}')
+    assert tally([call], complete=False).produced == -(-(6 + len(call.arguments)) // 4) == 28
+    assert tally([Delta(refusal="日本語" * 10)], complete=False).produced == -(-90 // 4)
+
+
 def test_a_failed_stream_keeps_the_usage_billed_before_the_failure() -> None:
     # The upstream reported its input (as Anthropic's message_start does), then failed.
     early = Usage(prompt_tokens=300, completion_tokens=1, total_tokens=301, cached_tokens=100)

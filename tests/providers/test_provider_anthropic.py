@@ -14,6 +14,7 @@ from nexus import Engine, accumulate
 from nexus.config import parse_config
 from nexus.errors import InvalidRequest, UpstreamOverloaded
 from nexus.events import Delta, Reasoning, ToolCall, Usage
+from nexus.pricing import spend_of, tally
 from nexus.protocol.anthropic_events import EventDecoder, messages_body, refusal
 from nexus.request import ChatRequest
 from support import MakeClient, parse_sse
@@ -491,6 +492,25 @@ def test_the_decoder_reads_up_to_message_stop() -> None:
         Delta(finish_reason="stop"),
         Usage(10, 3, 13, cached_tokens=0, cache_write_tokens=0),
     ]
+
+
+def test_the_usage_goes_out_with_the_stop_so_a_cut_after_it_is_charged_what_was_billed() -> None:
+    """message_delta's counts are the turn's totals: they go out with its stop reason, and
+    a stream cut before message_stop is charged them (9,000 output tokens of summarised
+    thinking were charged 2, estimated), with the thinking among them as reasoning."""
+    decoder = EventDecoder("claude")
+    delta = event(
+        "message_delta",
+        delta={"stop_reason": "end_turn", "stop_sequence": None},
+        usage={"output_tokens": 9000, "output_tokens_details": {"thinking_tokens": 8990}},
+    )
+    out = decoder.decode(b"".join([message_start(1000), *text_block(0, "Hi"), delta]))
+    assert not decoder.done
+    usage = Usage(1000, 9000, 10000, cached_tokens=0, cache_write_tokens=0, reasoning_tokens=8990)
+    assert out[-2:] == [Delta(finish_reason="stop"), usage]
+    spend = spend_of(tally(out, complete=False), None, complete=False)
+    assert (spend.completion_tokens, spend.reasoning_tokens, spend.estimated) == (9000, 8990, False)
+    assert decoder.decode(event("message_stop")) == [] and decoder.done  # not twice
 
 
 def test_the_decoder_reads_redacted_thinking_and_tools_without_input() -> None:

@@ -291,6 +291,8 @@ class EventDecoder:
         self._finish: str | None = None
         self._early: Usage | None = None  # message_start's counts, until output goes out
         self._started = False  # output went out
+        self._counted = False  # the usage went out (with the stop, at message_delta)
+        self._thinking: int | None = None  # output_tokens_details.thinking_tokens
 
     @property
     def prompt_usage(self) -> Usage | None:
@@ -387,17 +389,20 @@ class EventDecoder:
                 delta = object_of(data.get("delta"), "delta")
                 reason = text_of(delta.get("stop_reason"), "stop_reason")
                 if reason and self._finish is None:
+                    # The turn's last counts (cumulative: §3): the usage goes out with its
+                    # stop, so a stream cut before message_stop is charged what it billed.
                     self._finish = _FINISH_REASONS.get(reason, "stop")
+                    self._counted = True
                     matched = delta.get("stop_sequence") if reason == "stop_sequence" else None
                     if type(matched) is not str:
-                        return [Delta(finish_reason=self._finish)]
-                    return [Delta(finish_reason=self._finish, stop_sequence=matched)]
+                        return [Delta(finish_reason=self._finish), self._usage()]
+                    return [Delta(finish_reason=self._finish, stop_sequence=matched), self._usage()]
             case "message_stop":
                 self.done = True
                 if self._finish is None:
                     self._finish = "stop"
                     return [Delta(finish_reason="stop"), self._usage()]
-                return [self._usage()]
+                return [] if self._counted else [self._usage()]
             case "error":
                 self.error = in_stream_error(self.provider, data.get("error"))
         return []  # ping, unknown events
@@ -417,13 +422,20 @@ class EventDecoder:
         for key, value in usage.items():
             if key in self._counts and value is not None:
                 self._counts[key] = token_count(value, key)
+        details = usage.get("output_tokens_details")
+        if details is not None:  # of output_tokens, those of reasoning (may be summarised)
+            thinking = object_of(details, "output_tokens_details").get("thinking_tokens")
+            if thinking is not None:
+                self._thinking = token_count(thinking, "thinking_tokens")
 
     def _usage(self, partial: bool = False) -> Usage:
         counts = self._counts
         cached, written = counts["cache_read_input_tokens"], counts["cache_creation_input_tokens"]
         prompt = counts["input_tokens"] + cached + written
-        output = 0 if partial else counts["output_tokens"]
-        return Usage(prompt, output, prompt + output, cached, written, partial=partial)
+        if partial:
+            return Usage(prompt, 0, prompt, cached, written, partial=True)
+        output = counts["output_tokens"]
+        return Usage(prompt, output, prompt + output, cached, written, self._thinking)
 
 
 def _block_index(data: dict[str, Any]) -> int:

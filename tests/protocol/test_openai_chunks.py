@@ -51,19 +51,54 @@ def read_events(payloads: list[str]) -> tuple[list[Any], bool | UpstreamError]:
 
 
 def rules(chunks: list[dict[str, Any]]) -> list[Any]:
+    """The events of a whole stream: each chunk's, but a usage beside choices held to the
+    end, where the last one goes (one on a chunk of its own goes at once, and ends it)."""
     events: list[Any] = []
+    held = None
     for chunk in chunks:
         chunk_events(chunk, events)
-    return events
+        if chunk.get("usage"):
+            usage = events.pop()
+            if chunk.get("choices"):
+                held = usage
+            else:
+                events.append(usage)
+                held = None
+    return events if held is None else [*events, held]
 
 
 @settings(max_examples=500, database=None, deadline=None)
 @given(chunks=st.lists(_CHUNK, max_size=6))
 def test_a_read_gives_the_events_of_each_chunk_in_order(chunks: list[dict[str, Any]]) -> None:
     payloads = [orjson.dumps(chunk).decode() for chunk in chunks]
-    events, end = read_events(payloads)
-    assert end is False
+    events, end = read_events([*payloads, "[DONE]"])
+    assert end is True
     assert events == rules(chunks)
+
+
+def test_one_usage_reaches_the_client_however_many_the_upstream_sends() -> None:
+    """vLLM's continuous_usage_stats puts a running count on every chunk, then the final
+    one on its own; others put the final one on the finish chunk. Each went out: six usage
+    chunks to a client that adds them up. The last is the one."""
+    running = [
+        {"choices": [{"index": 0, "delta": {"content": w}}], "usage": usage(1, n)}
+        for n, w in enumerate(["a", "b"], 1)
+    ]
+    finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage(1, 2)}
+    alone = {"choices": [], "usage": usage(1, 3)}
+    events, _ = read_events([orjson.dumps(c).decode() for c in [*running, finish, alone]])
+    assert [e for e in events if type(e) is Usage] == [Usage(1, 3, 4)]
+    events, end = read_events([orjson.dumps(c).decode() for c in [*running, finish]] + ["[DONE]"])
+    assert end is True and events[-2:] == [Delta(finish_reason="stop"), Usage(1, 2, 3)]
+    assert [e for e in events if type(e) is Usage] == [Usage(1, 2, 3)]
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def test_chunk_events_order_within_a_chunk() -> None:
@@ -384,13 +419,13 @@ def test_typed_chunks_give_what_the_rules_give(chunk: Any) -> None:
     payload = orjson.dumps(chunk)
     expected, error = _by_the_rules(payload)
     decoder = ChunkDecoder("up")
-    try:
-        events: Any = decoder.decode(b"data: " + payload + b"\n\n")
+    try:  # (a usage beside choices waits for the end: one usage a stream)
+        events: Any = decoder.decode(b"data: " + payload + b"\n\ndata: [DONE]\n\n")
     except Exception as exc:
         events = type(exc)
     assert events == expected
     assert type(decoder.error) is type(error) and str(decoder.error) == str(error)
-    assert not decoder.done
+    assert decoder.done is (error is None and isinstance(events, list))
 
 
 def test_the_response_model_is_the_first_chunks() -> None:

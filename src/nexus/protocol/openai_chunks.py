@@ -368,8 +368,6 @@ def _typed_events(chunk: _Chunk, events: list[StreamEvent], tools: ToolCallPiece
                     _audio_event(audio.id, audio.data, audio.transcript, audio.expires_at, events)
         if choice.finish_reason:
             events.append(Delta(finish_reason=choice.finish_reason))
-    if chunk.usage:
-        _usage_events(chunk.usage, events)
 
 
 class ChunkDecoder:
@@ -378,7 +376,16 @@ class ChunkDecoder:
     ``response_model`` is the first payload's ``model``: every chunk repeats it, so it
     is read once a stream (the typed decoder skips it, as it does ``id``)."""
 
-    __slots__ = ("_named", "_payloads", "_tools", "done", "error", "provider", "response_model")
+    __slots__ = (
+        "_held",
+        "_named",
+        "_payloads",
+        "_tools",
+        "done",
+        "error",
+        "provider",
+        "response_model",
+    )
     terminator: ClassVar[str] = "[DONE]"
 
     def __init__(self, provider: str, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
@@ -389,6 +396,7 @@ class ChunkDecoder:
         self.response_model: str | None = None
         self._named = False  # the first payload was read for its model
         self._tools = ToolCallPieces()
+        self._held: Usage | None = None  # the last usage of a chunk with choices
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -412,9 +420,25 @@ class ChunkDecoder:
                     self.error = in_stream_error(self.provider, typed.error)
                     return events
                 _typed_events(typed, events, self._tools)
+                if typed.usage:
+                    self._usage(typed.usage, bool(typed.choices), events)
         except Malformed as exc:
             self.error = malformed(self.provider, exc)
         return events
+
+    def _usage(self, usage: Any, choices: bool, events: list[StreamEvent]) -> None:
+        """A chunk's usage. OpenAI's comes once, on a chunk of its own (no choices): out at
+        once. A usage beside choices is held until the stream's end: some servers put the
+        final one on the finish chunk, and vLLM's ``continuous_usage_stats`` (which a
+        client's ``stream_options`` may ask for) puts a running count on every chunk, and
+        then the final one on its own. So the client gets one usage, the last."""
+        counted: list[StreamEvent] = []
+        _usage_events(usage, counted)
+        if choices:
+            self._held = counted[0]  # type: ignore[assignment]
+        else:
+            self._held = None
+            events += counted
 
     def _general(self, data: bytes, events: list[StreamEvent]) -> bool:
         """One payload by :func:`chunk_events`; False if the stream ends there."""
@@ -423,6 +447,8 @@ class ChunkDecoder:
         except orjson.JSONDecodeError:
             if data.startswith(b"[DONE]"):
                 self.done = True
+                if self._held is not None:
+                    events.append(self._held)
             else:
                 self.error = UpstreamProtocolError(
                     f"provider {self.provider!r} sent an event that is not JSON"
@@ -432,5 +458,10 @@ class ChunkDecoder:
             if value.get("error"):
                 self.error = in_stream_error(self.provider, value["error"])
                 return False
+            usage = value.get("usage")
+            if usage:
+                value = {**value, "usage": None}
             chunk_events(value, events, self._tools)
+            if usage:
+                self._usage(usage, bool(value.get("choices")), events)
         return True

@@ -70,6 +70,9 @@ class StreamMeta:
     """The listener asked for ``usage.cost`` (``stream_options.include_cost``)."""
     include_obfuscation: bool = False
     """The listener asked for padded chunks (``stream_options.include_obfuscation``)."""
+    joined: bool = False
+    """The listener joined a stream another request runs and is charged: its request is
+    charged nothing, so the cost it is shown is 0.0 (as a replay's). Not stored."""
     prompt_estimate: int = 0
     """The request's prompt in tokens, estimated (:func:`nexus.estimates.prompt_estimate`):
     charged to a stream its upstream answered without reporting a usage (cut before it).

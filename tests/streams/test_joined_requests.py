@@ -109,3 +109,39 @@ async def test_an_identical_request_joins_a_stream_that_outlived_its_claims_firs
     one, two = await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert (one.headers["X-Nexus-Cache"], two.headers["X-Nexus-Cache"]) == ("miss", "hit")
     assert (await one.json())["choices"] == (await two.json())["choices"]
+
+
+async def test_a_joined_request_is_shown_the_cost_it_was_charged_nothing(
+    make_client: MakeClient,
+) -> None:
+    """A request that joins a stream in flight is charged nothing (the stream's spend is its
+    origin's), so the cost it is shown is 0.0, as a replay's: it was shown the origin's whole
+    cost, which a client adding up `usage.cost` counted twice, and, with the cache shared
+    across keys, which told another tenant what the first one spent."""
+    config = {
+        "cache": {"enabled": True},
+        "models": {"mock/echo": {"input_usd_per_mtok": 1e6, "output_usd_per_mtok": 1e6}},
+    }
+    client = await make_client(config)
+    script = {"delay_ms": 150, "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+    costly = {"include_usage": True, "include_cost": True}
+    ask = chat(model="mock/echo", stream=True, stream_options=costly, mock=script)
+    origin = asyncio.create_task(client.post("/v1/chat/completions", json=ask))
+    await asyncio.sleep(0.1)
+    joiner = asyncio.create_task(client.post("/v1/chat/completions", json=ask))
+    as_json = chat(model="mock/echo", stream_options=costly, mock=script)
+    plain = asyncio.create_task(client.post("/v1/chat/completions", json=as_json))
+    first, second, answer = await asyncio.wait_for(asyncio.gather(origin, joiner, plain), 10)
+    assert second.headers["X-Nexus-Cache"] == answer.headers["X-Nexus-Cache"] == "hit"
+
+    def cost(response_body: bytes) -> float:
+        (usage,) = [
+            orjson.loads(e.data)["usage"]
+            for e in parse_sse(response_body)
+            if e.data.startswith("{") and orjson.loads(e.data).get("usage")
+        ]
+        return usage["cost"]  # type: ignore[no-any-return]
+
+    assert cost(await first.read()) == 3.0  # 1 + 2 tokens at $1 each
+    assert cost(await second.read()) == 0.0
+    assert (await answer.json())["usage"]["cost"] == 0.0

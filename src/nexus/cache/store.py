@@ -47,9 +47,12 @@ _CHARGED_HERE = (
     "upstream_accepted",
     "upstream_prompt",
 )
-_STORED_META = tuple(name for name in sorted(_META_FIELDS) if name not in _CHARGED_HERE)
+_STORED_META = tuple(
+    name for name in sorted(_META_FIELDS) if name not in _CHARGED_HERE and name != "joined"
+)
 """What a shared store keeps of a meta: not what only the replica that runs the stream
-charges or accounts by (replicas from before those fields refuse them)."""
+charges or accounts by (replicas from before those fields refuse them), nor what one
+listener's copy says of it (``joined``)."""
 
 
 @dataclass(slots=True)

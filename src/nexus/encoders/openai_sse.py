@@ -115,7 +115,8 @@ class OpenAISSEEncoder(Encoder):
                     return b""  # one usage chunk, with the totals
                 usage = event.wire()
                 if self.meta.include_cost and event.cost_usd is not None:
-                    usage["cost"] = event.cost_usd  # OpenRouter's field, USD
+                    # OpenRouter's field, USD: what this request was charged
+                    usage["cost"] = 0.0 if self.meta.joined else event.cost_usd
                 return self._head + b'[],"usage":' + _dumps(usage) + self._tail()
             case Audio():
                 return self._chunk({"audio": event.wire()})  # as OpenAI streams it

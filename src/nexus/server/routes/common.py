@@ -273,7 +273,8 @@ async def complete(
             if hub.cache.enabled:
                 headers["X-Nexus-Cache"] = opened.cache or "miss"
             completion = await _answer(app, ex, opened)
-            return json_response(_body(render, completion, chat.include_cost), headers=headers)
+            body = _body(render, completion, chat.include_cost, opened.joined)
+            return json_response(body, headers=headers)
         if opened.cache:
             headers["X-Nexus-Cache"] = opened.cache
         headers[RESUMABLE_HEADER] = str(opened.info.resumable).lower()
@@ -301,8 +302,8 @@ async def complete(
         # include_cost asks for the usage chunk too: the cost rides on it.
         usage = chat.include_usage or chat.include_cost
         meta = with_usage(opened.info.meta, usage, chat.include_cost)
-        if chat.include_obfuscation:
-            meta = replace(meta, include_obfuscation=True)
+        if chat.include_obfuscation or (opened.joined and chat.include_cost):
+            meta = replace(meta, include_obfuscation=chat.include_obfuscation, joined=opened.joined)
         reader = await hub.reader_of(opened, meta=meta)
         del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
         return await _pump(request, reader, encoder, None, headers)
@@ -369,15 +370,19 @@ def _settle(ex: Exchange, served: StreamMeta, spend: Spend | None) -> None:
 
 
 def _body(
-    render: Callable[[Completion], dict[str, Any]], completion: Completion, include_cost: bool
+    render: Callable[[Completion], dict[str, Any]],
+    completion: Completion,
+    include_cost: bool,
+    joined: bool,
 ) -> dict[str, Any]:
-    """The response body, with ``usage.cost`` (USD) when asked for and known."""
+    """The response body, with ``usage.cost`` (USD) when asked for and known: what the
+    request was charged (a request that ``joined`` a stream another runs: nothing)."""
     body = render(completion)
     usage = completion.usage
     if include_cost and usage is not None and usage.cost_usd is not None:
         wire = body.get("usage")
         if isinstance(wire, dict):
-            wire["cost"] = usage.cost_usd
+            wire["cost"] = 0.0 if joined else usage.cost_usd
     return body
 
 

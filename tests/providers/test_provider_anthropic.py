@@ -608,6 +608,32 @@ async def test_http_errors_in_anthropic_shape(
         assert "upstream says no" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("status", "error_type", "expected_status"),
+    [(529, "overloaded_error", 529), (402, "billing_error", 502), (500, "api_error", 502)],
+)
+async def test_an_anthropic_http_error_keeps_its_type_for_anthropic_clients(
+    make_client: MakeClient,
+    upstream: FakeUpstream,
+    status: int,
+    error_type: str,
+    expected_status: int,
+) -> None:
+    """A 529's overloaded_error (a client backs off) and a 402's billing_error (it stops)
+    reach /v1/messages as Anthropic sent them, as they did from inside the stream; they
+    came out as api_error."""
+    body = {"type": "error", "error": {"type": error_type, "message": "no"}, "request_id": "r"}
+    for _ in range(2):
+        upstream.add(Reply.json(status, body))
+    client = await make_client(config(upstream))
+    messages = {"model": "claude/claude-opus-4.5", "max_tokens": 10}
+    messages["messages"] = [{"role": "user", "content": "Hi"}]  # type: ignore[assignment]
+    for stream in (False, True):
+        resp = await client.post("/v1/messages", json={**messages, "stream": stream})
+        assert (await resp.json())["error"]["type"] == error_type
+        assert resp.status in (expected_status, 502)
+
+
 async def test_client_going_away_closes_the_upstream(
     make_client: MakeClient, upstream: FakeUpstream
 ) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "Malformed",
     "UpstreamDecoder",
     "error_text",
+    "error_type_of",
     "event_too_large",
     "in_stream_error",
     "keep_secret",
@@ -146,7 +147,7 @@ def status_error(
         return UpstreamServerError(message, code=code, error_type=error_type)
     if 300 <= status < 400:
         message = f"provider {provider!r} answered {status}, a redirect: check its base_url"
-    return UpstreamError(message, code=code, retryable=status in (408, 409))
+    return UpstreamError(message, code=code, error_type=error_type, retryable=status in (408, 409))
 
 
 def _retry_after(headers: Mapping[str, str]) -> dict[str, str] | None:
@@ -190,9 +191,22 @@ def error_text(body: bytes) -> str:
     return _passed_on(orjson.dumps(data).decode())
 
 
+def error_type_of(body: bytes) -> str | None:
+    """An upstream's error body's ``error.type`` when a :func:`plain_token`: Anthropic's
+    ``overloaded_error`` of a 529 or ``billing_error`` of a 402, which its clients act on
+    (they came out as ``api_error``, where the same error inside a stream kept its type)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    return plain_token(error.get("type")) if isinstance(error, dict) else None
+
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",

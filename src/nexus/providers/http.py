@@ -39,7 +39,13 @@ from ..errors import (
     UpstreamTimeout,
 )
 from ..events import StreamEvent, Usage
-from ..protocol.upstream import UpstreamDecoder, error_text, keep_secret, status_error
+from ..protocol.upstream import (
+    UpstreamDecoder,
+    error_text,
+    error_type_of,
+    keep_secret,
+    status_error,
+)
 from ..request import ChatRequest
 from ..stream import Batches
 from ..telemetry import upstream_headers
@@ -413,15 +419,15 @@ class _Exchange:
         if encoding == "identity":
             while not self._whole and self._failure is None and len(collect) < _MAX_ERROR_BODY:
                 await self._wait()
-            text = error_text(bytes(collect))
+            text, kind = error_text(bytes(collect)), error_type_of(bytes(collect))
         else:
-            text = f"(a body in {encoding!r} encoding, not read)"
+            text, kind = f"(a body in {encoding!r} encoding, not read)", None
         message = f"provider {provider.name!r} answered {status}"
         if status < 500:
             message += f": {text}"
         else:  # the upstream's trouble: its text is the operator's
             log.warning("%s: %s", message, text)
-        return status_error(provider.name, status, message, headers)
+        return status_error(provider.name, status, message, headers, error_type=kind)
 
     @property
     def prompt_usage(self) -> Usage | None:

@@ -64,6 +64,10 @@ class Delta:
     ``stop_sequence``: beside ``finish_reason="stop"``, the stop sequence that ended the
     turn, when the provider says which (Anthropic does, OpenAI does not); Anthropic's
     format reports it as ``stop_reason: "stop_sequence"``.
+
+    ``stop_reason``: beside a finish reason, Anthropic's own where ours says less
+    (``model_context_window_exceeded`` and ``pause_turn``, our ``length`` and ``stop``):
+    Anthropic's format reports it as it came, since its clients act on it.
     """
 
     type: ClassVar[str] = "delta"
@@ -73,6 +77,7 @@ class Delta:
     tool_calls: tuple[ToolCall, ...] | None = None
     finish_reason: str | None = None
     stop_sequence: str | None = None
+    stop_reason: str | None = None
 
     def delta_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -100,6 +105,7 @@ _set_content, _set_role, _set_refusal, _set_tool_calls, _set_finish_reason, _set
     Delta.__dict__[name].__set__
     for name in ("content", "role", "refusal", "tool_calls", "finish_reason", "stop_sequence")
 )
+_set_stop_reason = Delta.__dict__["stop_reason"].__set__
 
 
 _SHARED: dict[str, Delta] = {}
@@ -129,6 +135,7 @@ def content_delta(content: str) -> Delta:
     _set_tool_calls(delta, None)
     _set_finish_reason(delta, None)
     _set_stop(delta, None)
+    _set_stop_reason(delta, None)
     if len(content) <= SHARED_LEN:
         if len(_SHARED) >= SHARED_MAX:
             _SHARED.clear()

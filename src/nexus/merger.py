@@ -120,6 +120,7 @@ class Merger:
                 if event.finish_reason is not None:
                     result.finish_reason = event.finish_reason
                     result.stop_sequence = event.stop_sequence
+                    result.stop_reason = event.stop_reason
             case Reasoning():
                 self._think(event)
             case ToolCall():

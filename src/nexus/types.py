@@ -135,6 +135,8 @@ class Completion:
     finish_reason: str | None = None
     stop_sequence: str | None = None
     """The stop sequence that ended the turn, when the provider said which."""
+    stop_reason: str | None = None
+    """Anthropic's own stop reason, where ``finish_reason`` says less (:class:`Delta`)."""
     usage: Usage | None = None
     citations: list[Citation] = field(default_factory=list)
     audio: list[Audio] = field(default_factory=list)

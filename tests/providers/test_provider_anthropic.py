@@ -213,6 +213,30 @@ async def test_stop_reasons(upstream: FakeUpstream, stop_reason: str, finish_rea
     assert completion.finish_reason == finish_reason
 
 
+@pytest.mark.parametrize(
+    ("stop_reason", "finish_reason"),
+    [("model_context_window_exceeded", "length"), ("pause_turn", "stop")],
+)
+async def test_anthropic_stop_reasons_ours_say_less_than_reach_anthropic_clients(
+    make_client: MakeClient, upstream: FakeUpstream, stop_reason: str, finish_reason: str
+) -> None:
+    """A full context window is OpenAI's `length`, but an Anthropic client told
+    `max_tokens` would raise max_tokens and go on, where it must compact: /v1/messages,
+    streamed or not, says what Anthropic said; chat says `length`."""
+    for _ in range(3):
+        upstream.add(Reply.stream([message_start(), *text_block(0, "x"), *finish(stop_reason, 1)]))
+    client = await make_client(config(upstream))
+    body = {"model": "claude/claude-opus-4.5", "max_tokens": 10}
+    body["messages"] = [{"role": "user", "content": "Hi"}]  # type: ignore[assignment]
+    answer = await (await client.post("/v1/messages", json=body)).json()
+    assert answer["stop_reason"] == stop_reason
+    streamed = await (await client.post("/v1/messages", json={**body, "stream": True})).read()
+    (delta,) = [e for e in parse_sse(streamed) if e.event == "message_delta"]
+    assert orjson.loads(delta.data)["delta"]["stop_reason"] == stop_reason
+    chat_answer = await (await client.post("/v1/chat/completions", json=chat())).json()
+    assert chat_answer["choices"][0]["finish_reason"] == finish_reason
+
+
 async def test_stop_sequence_names_the_sequence(upstream: FakeUpstream) -> None:
     stop = event(
         "message_delta",

@@ -279,7 +279,7 @@ def test_an_entry_is_its_events_stored_and_their_size_but_the_terminals(
         pytest.param([["delta"]], id="nested-type"),
         pytest.param(["delta"], id="no-fields"),
         pytest.param(["delta", "Hi"], id="too-few-fields"),
-        pytest.param(["delta", "Hi", None, None, None, None, None, None], id="too-many-fields"),
+        pytest.param(["delta", "Hi", *[None] * 7], id="too-many-fields"),
         pytest.param(["done"], id="done-no-field"),
         pytest.param(["done", False, True], id="done-extra-field"),
         pytest.param(["heartbeat", 1], id="heartbeat-extra-field"),
@@ -388,6 +388,7 @@ def test_a_token_is_stored_as_any_delta_is(text: str) -> None:
     for event in (
         Delta(content=text),
         Delta(content=text, stop_sequence="x"),
+        Delta(content=text, stop_reason="pause_turn"),
         Delta(content=text, role="assistant"),
     ):
         assert dump_event(event) == _dump_fields(event)

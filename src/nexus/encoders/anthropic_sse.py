@@ -73,7 +73,8 @@ class AnthropicSSEEncoder(Encoder):
         self._tool_blocks: dict[int, int] = {}  # tool-call index -> its block's, once out
         self._calls: dict[int, tuple[list[str | None], list[str]]] = {}
         """Tool calls held back, by index: ([id, name], their input's pieces)."""
-        self._finish: tuple[str, str | None] | None = None  # finish reason, stop sequence
+        # finish reason, stop sequence, Anthropic's own reason
+        self._finish: tuple[str, str | None, str | None] | None = None
         self._refused = False  # a refusal was written: the turn ends with stop_reason refusal
         self._usage: Usage | None = None
         self._failed = False
@@ -185,7 +186,7 @@ class AnthropicSSEEncoder(Encoder):
                 for call in event.tool_calls or ():
                     out += self._tool(call)
                 if event.finish_reason is not None and self._finish is None:
-                    self._finish = (event.finish_reason, event.stop_sequence)
+                    self._finish = (event.finish_reason, event.stop_sequence, event.stop_reason)
                 return out
             case Reasoning(text=text, signature=signature, redacted=redacted):
                 if redacted is not None:  # a block of its own, whole
@@ -260,7 +261,7 @@ class AnthropicSSEEncoder(Encoder):
             return b""
         out = self._message_start(None) + self._close()
         out += self._tool_blocks_out(final=True)  # calls whose input never made an object
-        finish, sequence = self._finish or (None, None)
-        stop = stop_fields(finish, sequence, self._refused)
+        finish, sequence, native = self._finish or (None, None, None)
+        stop = stop_fields(finish, sequence, self._refused, native)
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

@@ -50,6 +50,9 @@ from .upstream import (
 
 __all__ = ["EventDecoder", "messages_body", "refusal"]
 
+NATIVE_STOP_REASONS = frozenset({"model_context_window_exceeded", "pause_turn"})
+"""Anthropic's stop reasons that ours (``length``, ``stop``) say less than: kept beside
+them (``Delta.stop_reason``) for Anthropic's clients."""
 _FINISH_REASONS = {  # others (end_turn, stop_sequence, pause_turn): stop
     "max_tokens": "length",
     "model_context_window_exceeded": "length",
@@ -394,9 +397,13 @@ class EventDecoder:
                     self._finish = _FINISH_REASONS.get(reason, "stop")
                     self._counted = True
                     matched = delta.get("stop_sequence") if reason == "stop_sequence" else None
-                    if type(matched) is not str:
-                        return [Delta(finish_reason=self._finish), self._usage()]
-                    return [Delta(finish_reason=self._finish, stop_sequence=matched), self._usage()]
+                    native = reason if reason in NATIVE_STOP_REASONS else None
+                    stop = Delta(
+                        finish_reason=self._finish,
+                        stop_sequence=matched if type(matched) is str else None,
+                        stop_reason=native,
+                    )
+                    return [stop, self._usage()]
             case "message_stop":
                 self.done = True
                 if self._finish is None:

@@ -23,7 +23,7 @@ from ..request import (
     StrictModel,
 )
 from ..types import Completion, ReasoningBlock, in_order
-from .anthropic_events import cache_control, text_block
+from .anthropic_events import NATIVE_STOP_REASONS, cache_control, text_block
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, deeper_than
 from .openai_chat import parse_json_object, tool_call, validated
 from .upstream import ERROR_TYPES
@@ -50,12 +50,18 @@ STOP_REASONS = {
 
 
 def stop_fields(
-    finish_reason: str | None, stop_sequence: str | None, refused: bool = False
+    finish_reason: str | None,
+    stop_sequence: str | None,
+    refused: bool = False,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
     """``stop_reason`` and ``stop_sequence`` of a ``message`` (or its ``message_delta``):
     ``"stop_sequence"`` and the sequence when the provider named the one it stopped on
     (an OpenAI upstream's ``stop`` cannot tell: ``end_turn``); ``"refusal"`` for a turn
-    that ended on a refusal (``refused``: OpenAI sends one with ``stop``)."""
+    that ended on a refusal (``refused``: OpenAI sends one with ``stop``); an Anthropic
+    upstream's own ``stop_reason`` where ours says less (:class:`~nexus.events.Delta`)."""
+    if stop_reason in NATIVE_STOP_REASONS:
+        return {"stop_reason": stop_reason, "stop_sequence": None}
     if stop_sequence is not None and finish_reason == "stop":
         return {"stop_reason": "stop_sequence", "stop_sequence": stop_sequence}
     reason = STOP_REASONS.get(finish_reason or "stop", "end_turn")
@@ -343,7 +349,12 @@ def message_body(completion: Completion) -> dict[str, Any]:
         "role": "assistant",
         "model": completion.model,
         "content": content,
-        **stop_fields(completion.finish_reason, completion.stop_sequence, bool(completion.refusal)),
+        **stop_fields(
+            completion.finish_reason,
+            completion.stop_sequence,
+            bool(completion.refusal),
+            completion.stop_reason,
+        ),
         "usage": usage_body(completion.usage),
     }
 

@@ -273,8 +273,8 @@ async def complete(
             if hub.cache.enabled:
                 headers["X-Nexus-Cache"] = opened.cache or "miss"
             completion = await _answer(app, ex, opened)
-            body = _body(render, completion, chat.include_cost, opened.joined)
-            return json_response(body, headers=headers)
+            answer = _body(render, completion, chat.include_cost, opened.joined)
+            return json_response(answer, headers=headers)
         if opened.cache:
             headers["X-Nexus-Cache"] = opened.cache
         headers[RESUMABLE_HEADER] = str(opened.info.resumable).lower()

@@ -490,7 +490,9 @@
         note(`unparsable frame: ${e.data}`);
         return;
       }
-      if (run && run.ws === ws && !run.finished) handleEvent(run, event);
+      // An error that refused some other frame (refused: its type) leaves the turn running.
+      const aside = event.type === "error" && event.refused && event.refused !== "start";
+      if (run && run.ws === ws && !run.finished && !aside) handleEvent(run, event);
       else if (event.type === "error") note(`socket: ${JSON.stringify(event)}`);
     });
     ws.addEventListener("close", (e) => {

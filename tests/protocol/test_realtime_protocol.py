@@ -449,11 +449,12 @@ def test_error_frame_shape() -> None:
         "retryable": False,
     }
     plain = error_frame("invalid_request", "too hot")
-    assert orjson.loads(plain.frame) == {"type": "error", "error": error}
-    named = error_frame("invalid_request", "too hot", param="request.temperature")
+    assert orjson.loads(plain.frame) == {"type": "error", "error": error, "refused": "frame"}
+    named = error_frame("invalid_request", "too hot", param="request.temperature", refused="start")
     assert orjson.loads(named.frame) == {
         "type": "error",
         "error": {**error, "param": "request.temperature"},
+        "refused": "start",
     }
 
 
@@ -469,6 +470,7 @@ def test_session_error_frame_is_exact(session: RealtimeSession) -> None:
             "retryable": False,
             "param": "request.temperature",
         },
+        "refused": "start",
     }
 
 
@@ -483,10 +485,34 @@ def test_every_session_error_frame_carries_the_request_id() -> None:
         *session.receive_binary(b"x"),
     ]
     assert [orjson.loads(f.frame)["error"]["request_id"] for f in frames] == ["req-ws-1"] * 6
-    assert error_frame("stream_in_progress", "busy", request_id="req-ws-1").frame == (
+    # Each names the envelope type of the frame it refused ("frame": none it could read).
+    refused = [orjson.loads(f.frame)["refused"] for f in frames]
+    assert refused == ["frame", "abort", "frame", "frame", "image", "frame"]
+    busy = error_frame("stream_in_progress", "busy", request_id="req-ws-1", refused="start")
+    assert busy.frame == (
         '{"type":"error","error":{"type":"invalid_request_error","message":"busy",'
-        '"code":"stream_in_progress","retryable":false,"request_id":"req-ws-1"}}'
+        '"code":"stream_in_progress","retryable":false,"request_id":"req-ws-1"},'
+        '"refused":"start"}'
     )
+
+
+def test_a_refusal_during_a_turn_names_what_it_refused_and_a_turns_end_does_not() -> None:
+    """An image refused while a turn runs (bad base64), or a second start, is answered with
+    an error frame between the turn's events; the turn goes on. A client reading until
+    `done` or `error` took it for the turn's end: `refused` names the frame it answers
+    (a turn's own end has none)."""
+    session = RealtimeSession(max_pending_input_bytes=1000)
+    assert isinstance(session.receive_text(start({"model": "m", "messages": USER}))[0], StartTurn)
+    session.start_accepted()
+    bad_image = '{"type":"image","mime_type":"image/png","b64":"not base64!"}'
+    for frame, kind in ((bad_image, "image"), (start({"model": "m", "messages": USER}), "start")):
+        (sent,) = session.receive_text(frame)
+        assert orjson.loads(sent.frame)["refused"] == kind  # type: ignore[union-attr]
+    from nexus.errors import ServerShuttingDown
+    from nexus.protocol.realtime import gateway_error_frame
+
+    turn_end = orjson.loads(gateway_error_frame(ServerShuttingDown("bye")).frame)
+    assert "refused" not in turn_end
 
 
 def test_stream_false_is_refused_and_stream_true_accepted() -> None:

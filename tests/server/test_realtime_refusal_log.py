@@ -95,7 +95,9 @@ async def test_rate_limited_starts_count_towards_max_invalid_frames(
             await ws.send(start("mock/echo"))
         with pytest.raises(websockets.ConnectionClosed) as closed:
             while True:
-                codes.append(orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"])
+                frame = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+                assert frame["refused"] == "start"
+                codes.append(frame["error"]["code"])
     assert codes == ["rate_limited"] * 5  # the first refusal is no strike: nothing was early
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
     assert closed.value.rcvd.reason == "4 invalid frames in a row"

@@ -50,6 +50,7 @@ async def test_a_barge_in_during_the_grace_is_refused_and_the_socket_closes_1001
     assert ends[0] == {"type": "done", "aborted": True}
     assert [e["error"]["code"] for e in ends[1:]] == ["server_shutting_down"]
     assert ends[1]["error"]["retryable"] is True
+    assert ends[1]["refused"] == "start"  # the start's answer, not a turn's end
     for _ in range(500):  # the socket's access line: after its handler ends
         names = {r.name for r in caplog.records}
         if {"nexus.access", "nexus.spend"} <= names:

@@ -63,6 +63,7 @@ from .openai_chat import validation_error
 from .realtime_pending import PENDING_ITEM_BYTES, PendingAudio, PendingLedger, attach, to_part
 
 __all__ = [
+    "FRAME",
     "PENDING_ITEM_BYTES",
     "AbortTurn",
     "Close",
@@ -174,6 +175,11 @@ STRIKES = frozenset(
 Action = Send | StartTurn | AbortTurn | Close
 
 
+FRAME = "frame"
+"""``refused`` of an error frame that answers a frame of no envelope type the session
+could read (not JSON, not an object, no or an unknown ``type``, a binary frame)."""
+
+
 def error_frame(
     code: str,
     message: str,
@@ -181,20 +187,28 @@ def error_frame(
     param: str | None = None,
     error_type: str = "invalid_request_error",
     request_id: str | None = None,
+    refused: str = FRAME,
 ) -> Send:
-    """An error frame: the error event's JSON, with the connection's request id."""
+    """An error frame refusing a frame the client sent: the error event's JSON, with the
+    connection's request id and ``refused``, the envelope type of the frame refused
+    (:data:`FRAME` when it had none that the session could read)."""
     event = Error(error_type=error_type, message=message, code=code, param=param)
-    return Send(orjson.dumps(event.to_dict(request_id)).decode(), code)
+    return Send(orjson.dumps({**event.to_dict(request_id), "refused": refused}).decode(), code)
 
 
-def gateway_error_frame(error: GatewayError, request_id: str | None = None) -> Send:
-    """The error frame of a refusal. One that HTTP answers with ``Retry-After``
-    (``rate_limited``, ``too_many_streams``) carries it as ``error.retry_after_s``: the
-    whole seconds to wait before the next ``start``."""
+def gateway_error_frame(
+    error: GatewayError, request_id: str | None = None, refused: str | None = None
+) -> Send:
+    """The error frame of a gateway error: a refused frame's (``refused``, as in
+    :func:`error_frame`), or a turn's end (None). One that HTTP answers with
+    ``Retry-After`` (``rate_limited``, ``too_many_streams``) carries it as
+    ``error.retry_after_s``: the whole seconds to wait before the next ``start``."""
     body = error.to_event().to_dict(request_id)
     retry_after = error.headers.get("Retry-After")
     if retry_after is not None and retry_after.isdigit():
         body["error"]["retry_after_s"] = int(retry_after)
+    if refused is not None:
+        body["refused"] = refused
     return Send(orjson.dumps(body).decode(), error.code)
 
 
@@ -224,15 +238,19 @@ class RealtimeSession:
         self._owner = owner
         self.max_invalid_frames = max_invalid_frames
         self._strikes = 0  # frames in a row answered with nothing but a STRIKES error
+        self._answering = FRAME  # the envelope type of the frame being answered
 
     def _error(self, code: str, message: str, *, param: str | None = None) -> Send:
-        return error_frame(code, message, param=param, request_id=self.request_id)
+        return error_frame(
+            code, message, param=param, request_id=self.request_id, refused=self._answering
+        )
 
     @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
     def receive_binary(self, data: bytes) -> list[Action]:
+        self._answering = FRAME
         message = f"binary frames are not accepted ({len(data)} bytes received); send JSON "
         return self._judged([self._error("invalid_envelope", message + "envelopes as text frames")])
 
@@ -250,6 +268,7 @@ class RealtimeSession:
         steps come in :meth:`receive_decoded`: a route takes a token of the key's rate
         first for a ``start`` (:attr:`Decoded.start`), so that what a key can make the
         gateway parse, walk and validate is bounded by its rate."""
+        self._answering = FRAME
         try:
             kind = _kind_of(text).type  # skips the rest unbuilt: ~16x orjson's cost, less
         except msgspec.ValidationError:
@@ -261,6 +280,8 @@ class RealtimeSession:
             return self._judged(
                 [self._error("invalid_envelope", f"the frame is not valid JSON: {reason}")]
             )
+        if kind in _KINDS:
+            self._answering = kind
         if kind == "start":
             return Decoded(None, text)
         try:
@@ -270,7 +291,10 @@ class RealtimeSession:
 
     def receive_decoded(self, decoded: Decoded) -> list[Action]:
         """What to do about a frame :meth:`decode` read."""
+        self._answering = "start" if decoded.start else FRAME
         data = decoded.data
+        if data is not None and data.get("type") in _KINDS:
+            self._answering = data["type"]
         if data is None:
             try:
                 data = orjson.loads(decoded.text)
@@ -476,7 +500,9 @@ def _nested(kind: object, text: str, request_id: str | None) -> Send:
     message = f"{kind}: {field}: only a start's request may hold objects or arrays"
     if field is None:  # (a number msgspec cannot hold)
         message = f"{kind}: a field's value is out of range"
-    return error_frame("invalid_envelope", message, param=field, request_id=request_id)
+    return error_frame(
+        "invalid_envelope", message, param=field, request_id=request_id, refused=str(kind)
+    )
 
 
 _KINDS = ("start", "abort", "audio_chunk", "image")
@@ -498,4 +524,6 @@ def _envelope_error(exc: ValidationError, data: dict[str, Any], request_id: str 
         return _kind_error(kind, request_id)
     error = validation_error(exc, data)
     message, param = f"{kind}: {error.message}", error.param
-    return error_frame("invalid_envelope", message, param=param, request_id=request_id)
+    return error_frame(
+        "invalid_envelope", message, param=param, request_id=request_id, refused=str(kind)
+    )

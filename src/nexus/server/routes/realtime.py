@@ -300,7 +300,7 @@ class RealtimeConnection(Writer):
         now, wait = asyncio.get_running_loop().time(), exc.headers.get("Retry-After", "")
         strike = now < self._retry_at or (not exc.retryable and not wait)  # (no wait mends it)
         self._retry_at = now + (int(wait) if wait.isdigit() else 1)
-        frame = gateway_error_frame(exc, self.request_id)
+        frame = gateway_error_frame(exc, self.request_id, refused="start")
         for action in self.session.refused(frame, strike):
             if type(action) is Close:
                 await self._refuse_socket(action.reason)

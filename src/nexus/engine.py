@@ -7,7 +7,9 @@ provider's failure becomes is told there).
 
 An engine serves the event loop it started on: its providers' connection pools belong
 to that loop. A call from another loop raises :class:`RuntimeError` at once (start an
-engine per loop, or per thread).
+engine per loop, or per thread), and so does a call after :meth:`Engine.close`, or
+before :meth:`Engine.start` when a provider has something to start (an HTTP one's
+connection pool; the mock has none).
 
 Middleware and hooks (:mod:`nexus.hooks`) run for every caller:
 :meth:`Engine.open_stream` runs the middleware chain around the routed call, then
@@ -20,10 +22,11 @@ a plain call); :meth:`Engine.complete` accumulates it. The server's hub opens wi
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .errors import ModelNotFound, UnsupportedInput
 from .estimates import prompt_audio_estimate, prompt_estimate
@@ -32,6 +35,7 @@ from .hooks import CallContext, Hooks, Middleware, Next
 from .pricing import Price, PriceTable, unpriced, worst_cost
 from .protocol.openai_chat import validated
 from .providers.base import Provider
+from .providers.http import HTTPProvider
 from .request import ChatRequest, input_kinds
 from .routed import RoutedRun, Target
 from .stream import Stream, accumulate
@@ -87,6 +91,9 @@ class Engine:
         those a fallback recovered from and those after output included (the app counts
         them in ``/metrics``)."""
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it started on
+        self._closed = False
+        # An HTTP provider has its connection pool from start() to close() (the mock none).
+        self._needs_start = any(isinstance(p, HTTPProvider) for p in providers)
         for alias, targets in self.aliases.items():
             if not targets:
                 raise ValueError(f"models.{alias}: no target")
@@ -129,8 +136,11 @@ class Engine:
         )
 
     async def start(self) -> None:
+        """Start the providers (their connection pools) on the running loop; the engine
+        serves it from then on, until :meth:`close` (it may be started again after)."""
         self.hooks.freeze()
         self._loop = asyncio.get_running_loop()
+        self._closed = False
         started: list[Provider] = []
         try:
             for provider in self.providers.values():
@@ -142,6 +152,7 @@ class Engine:
             raise
 
     async def close(self) -> None:
+        self._closed = True
         for provider in self.providers.values():
             try:
                 await provider.close()
@@ -238,11 +249,13 @@ class Engine:
         """:meth:`open_stream`, started when the stream is first read: nothing runs (no
         middleware, no hook, no upstream call) until then.
 
-        Raises :class:`~nexus.errors.InvalidRequest` for an invalid mapping and
-        :class:`~nexus.errors.ModelNotFound` for an unknown model, right away; a
+        Raises :class:`~nexus.errors.InvalidRequest` for an invalid mapping,
+        :class:`~nexus.errors.ModelNotFound` for an unknown model, and :class:`RuntimeError`
+        for an engine not started (or closed, or on another loop), right away; a
         middleware's refusal and a plugin's :class:`~nexus.hooks.StreamRejected` at
         the first read. The stream's ``meta`` is the opened one's from its first event on.
         """
+        self._on_its_loop()
         request = _validated(request)
         targets = self._targets(request)
         link: list[Stream] = []  # the outer stream, until its meta is settled
@@ -305,7 +318,9 @@ class Engine:
         (the stream hub has them watch its runs). Raises
         :class:`~nexus.errors.InvalidRequest`, :class:`~nexus.errors.ModelNotFound`, a
         middleware's refusal, and a plugin's :class:`~nexus.hooks.StreamRejected`;
-        :class:`RuntimeError` on another event loop than the one it started on.
+        :class:`RuntimeError` before :meth:`start`, after :meth:`close`, and on another
+        event loop than the one it started on; :class:`TypeError` for a middleware that
+        returns no :class:`~nexus.stream.Stream`.
         """
         self._on_its_loop()
         request = _validated(request)
@@ -318,9 +333,21 @@ class Engine:
         return self.hooks.observed(stream, ctx, self.prices)
 
     def _on_its_loop(self) -> None:
-        """Raise a clear error for a call from another event loop than the engine's: its
-        providers' connections belong to that loop (they fail there with a bare "Event
-        loop is closed", or worse, in a loop still running)."""
+        """Raise a clear error for a call the engine cannot serve: after :meth:`close`, or
+        before :meth:`start` with an HTTP provider (it has no connection pool yet: else a
+        bare failure of the provider), or from another event loop than
+        the engine's: its providers' connections belong to that loop (they fail there with
+        a bare "Event loop is closed", or worse, in a loop still running)."""
+        if self._closed:
+            raise RuntimeError(
+                "This Engine is closed: its providers' connections are gone. Start it again "
+                "('await engine.start()') to use it."
+            )
+        if self._loop is None and self._needs_start:
+            raise RuntimeError(
+                "This Engine is not started: use it in 'async with engine:', or call "
+                "'await engine.start()' first (and 'await engine.close()' when done)."
+            )
         if self._loop is not None and asyncio.get_running_loop() is not self._loop:
             raise RuntimeError(
                 "This Engine was started on another event loop. An engine serves only the "
@@ -356,6 +383,20 @@ def _validated(request: ChatRequest | Mapping[str, Any]) -> ChatRequest:
 
 def _link(middleware: Middleware, ctx: CallContext, call_next: Next) -> Next:
     async def call(request: ChatRequest) -> Stream:
-        return await middleware(ctx, request, call_next)
+        stream = await middleware(ctx, request, call_next)
+        if not isinstance(stream, Stream):
+            _misbehaved(middleware, stream)
+        return stream
 
     return call
+
+
+def _misbehaved(middleware: Middleware, returned: object) -> NoReturn:
+    """Raise :class:`TypeError` for a middleware that returned ``returned``, not a stream."""
+    name = getattr(middleware, "__qualname__", None) or repr(middleware)
+    hint = "return the stream of 'await call_next(request)'"
+    if inspect.isawaitable(returned):
+        hint = "did it forget to await call_next(request)?"
+        if inspect.iscoroutine(returned):
+            returned.close()  # (never awaited: no warning of it at collection)
+    raise TypeError(f"middleware {name} returned {type(returned).__name__}, not a Stream: {hint}")

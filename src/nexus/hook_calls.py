@@ -9,16 +9,27 @@ raises stays with it: an exception, a timeout, a ``SystemExit`` or
 gateway serving everyone), or a ``CancelledError`` the hook raised on its own
 (awaiting a future some other task cancelled) while the task running it is not
 being cancelled. Each is one hook error, logged and counted; the stream goes on. A
-cancellation of the task itself still goes through.
+cancellation of the task itself still goes through; one that arrives while a stream's
+end hooks run (:func:`guarded_each`) interrupts the call under way, then the other
+plugins' end hooks still run, each within its bound, before it goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
-__all__ = ["AFTER_FAILURE", "HOOK_TIMEOUT_S", "guarded", "is_async", "takes_spend"]
+__all__ = [
+    "AFTER_FAILURE",
+    "HOOK_TIMEOUT_S",
+    "end_call",
+    "guarded",
+    "guarded_each",
+    "is_async",
+    "takes_spend",
+]
 
 HOOK_TIMEOUT_S = 5.0
 """How long one hook call may take by default (``[[plugins]] timeout_s``); then it is
@@ -41,6 +52,10 @@ async def guarded(
     was abandoned at its bound (a gate that could not decide in time: see
     :meth:`~nexus.hooks.Hooks.started`)."""
     bound = None
+    task = asyncio.current_task()
+    # Cancellations of the task requested before this call (one that arrived during an
+    # earlier hook: guarded_each) are not this call's to raise.
+    before = 0 if task is None else task.cancelling()
     try:
         if timeout_s is None:
             await call()
@@ -55,15 +70,48 @@ async def guarded(
             return True
         failed("raised", False)
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is None or task.cancelling():
+        if task is None or task.cancelling() > before:
             raise  # the task itself is being cancelled: not the hook's doing
+        if bound is not None and bound.expired():  # (a task cancelled before: Python 3.11's
+            failed(f"did not return within {timeout_s:g}s (abandoned)", True)  # timeout)
+            return True
         failed("raised CancelledError (its task was not cancelled)", False)
     except GeneratorExit:
         raise  # the coroutine is being closed: not the hook's doing
     except BaseException as exc:  # SystemExit, KeyboardInterrupt too: see the module docstring
         failed("raised" if isinstance(exc, Exception) else f"raised {type(exc).__name__}", False)
     return False
+
+
+Call = tuple[Callable[[], Awaitable[object]], float | None, Failed]
+"""One hook call for :func:`guarded_each`: the call, its bound, who hears of its failure."""
+
+
+async def guarded_each(calls: Iterable[Call]) -> None:
+    """Each of ``calls`` in order, :func:`guarded` (a stream's end hooks: every plugin gets
+    its one). A cancellation of the task that arrives meanwhile interrupts the call under
+    way, not the ones after it: it is raised once the last has run."""
+    cancelled: asyncio.CancelledError | None = None
+    try:
+        for call, timeout_s, failed in calls:
+            try:
+                await guarded(call, timeout_s, failed)
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
+    finally:
+        cancelled = None  # (no cycle through the traceback)
+
+
+def end_call(
+    hook: Callable[..., Awaitable[object]], args: tuple[Any, ...], spend: object | None
+) -> Callable[[], Awaitable[object]]:
+    """The call of an end hook with ``args``, and ``spend=`` when not None (for a method
+    that :func:`takes_spend`)."""
+    if spend is None:
+        return lambda: hook(*args)
+    return lambda: hook(*args, spend=spend)
 
 
 def takes_spend(method: Callable[..., object]) -> bool:

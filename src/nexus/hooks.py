@@ -24,7 +24,8 @@ Hooks
     ``spend`` (or ``**kwargs``).
 
     Raising :class:`StreamRejected` from ``on_stream_started`` refuses the request
-    (an HTTP error, even for a background request). Any other exception from a hook
+    (an HTTP error, even for a background request); the plugins told of its start
+    before get ``on_stream_failed`` with the refusal. Any other exception from a hook
     (``SystemExit`` included), a call past its plugin's ``timeout_s`` or a
     ``CancelledError`` of its own is logged, counted in :attr:`Hooks.errors`, and the
     stream goes on (:mod:`nexus.hook_calls`), except that an ``on_stream_started`` past
@@ -32,7 +33,8 @@ Hooks
     when the plugin is added. Hooks run inline, in registration order (the
     server's own budgets and metrics first): a slow hook slows its stream. ``on_chunk_received``
     runs for every Nth data event (``chunk_every``). A stream ends with exactly one
-    of ``on_stream_completed`` / ``on_stream_failed``.
+    of ``on_stream_completed`` / ``on_stream_failed`` (:mod:`nexus.observer`), each
+    plugin's called even when the caller is cancelled meanwhile.
 
     They fire for every caller: :meth:`StreamObserver.watch` wraps the stream being
     read (by a run of the server's hub, or by the Python caller of the engine). The
@@ -54,23 +56,29 @@ Middleware
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from .errors import ConfigError, GatewayError, RegistryFrozen
-from .events import Done, Error, StreamEvent
-from .hook_calls import AFTER_FAILURE, HOOK_TIMEOUT_S, guarded, is_async, takes_spend
-from .pricing import UNKNOWN, PriceTable, Spend, Tally, terminal_ok
+from .events import Error
+from .hook_calls import (
+    AFTER_FAILURE,
+    HOOK_TIMEOUT_S,
+    end_call,
+    guarded,
+    guarded_each,
+    is_async,
+    takes_spend,
+)
+from .observer import CLOSED, StreamObserver
+from .pricing import NOTHING, PriceTable, Spend
 from .request import ChatRequest
-from .stream import Merger, Stream, map_stream
-from .types import Completion, StreamMeta
+from .stream import Stream, map_stream
+from .types import StreamMeta
 
 if TYPE_CHECKING:
     from .config import PluginConfig
@@ -160,24 +168,6 @@ CompletedHook = Callable[..., Awaitable[object]]
 FailedHook = Callable[..., Awaitable[object]]
 
 
-_ABORTED = Error(
-    error_type="server_error",
-    message="The client aborted the stream.",
-    code="stream_cancelled",
-)
-_CLOSED = Error(
-    error_type="server_error",
-    message="The stream was closed before its end.",
-    code="stream_cancelled",
-)
-_BROKEN = Error(
-    error_type="server_error",
-    message="The stream failed unexpectedly.",
-    code="internal_error",
-    retryable=True,
-)
-
-
 class Hooks:
     """The registered plugins and their hooks; see the module docstring.
 
@@ -190,11 +180,11 @@ class Hooks:
         self.plugins: list[object] = []
         self.errors: Counter[str] = Counter()
         self.on_error: list[Callable[[str], None]] = []
-        # (plugin name, method, [chunk_every,] [takes spend,] timeout_s)
-        self._started: list[tuple[str, StartedHook, float | None]] = []
+        # (plugin name, method, [chunk_every,] [takes spend,] timeout_s[, plugin])
+        self._started: list[tuple[str, StartedHook, float | None, object]] = []
         self._chunk: list[tuple[str, ChunkHook, int, float | None]] = []
         self._completed: list[tuple[str, CompletedHook, bool, float | None]] = []
-        self._failed: list[tuple[str, FailedHook, bool, float | None]] = []
+        self._failed: list[tuple[str, FailedHook, bool, float | None, object]] = []
         self._leading: Counter[str] = Counter()  # entries added with first=True, per list
         self._final = False  # a completed hook uses the merged completion
         self._frozen = False
@@ -257,7 +247,7 @@ class Hooks:
             self._leading[hook] += first
 
         if "on_stream_started" in found:
-            place(self._started, "started", (label, found["on_stream_started"], timeout_s))
+            place(self._started, "started", (label, found["on_stream_started"], timeout_s, plugin))
         if "on_chunk_received" in found:
             entry = (label, found["on_chunk_received"], chunk_every, timeout_s)
             place(self._chunk, "chunk", entry)
@@ -267,7 +257,8 @@ class Hooks:
             self._final = self._final or getattr(plugin, "wants_final", True) is not False
         if "on_stream_failed" in found:
             method = found["on_stream_failed"]
-            place(self._failed, "failed", (label, method, takes_spend(method), timeout_s))
+            ended = (label, method, takes_spend(method), timeout_s, plugin)
+            place(self._failed, "failed", ended)
         self._leading["plugins"] += first
 
     def load(self, configs: Iterable[PluginConfig], source: str | None = None) -> None:
@@ -329,18 +320,25 @@ class Hooks:
         for every stream it opens, replays and joins included). Raises the
         :class:`StreamRejected` one raised, and 503 ``plugin_timeout`` for one that did not
         return in time: a gate that cannot decide (its quota or moderation backend slow)
-        must not let the request through. Refused, ``stream`` is closed unread."""
+        must not let the request through. Refused, ``stream`` is closed unread, and the
+        plugins told of the start before the one that refused get ``on_stream_failed``
+        with the refusal (cancelled meanwhile: ``stream_cancelled``), ``spend`` nothing."""
         if not self._started:
             return
+        told: list[object] = []  # the plugins called so far
         try:
-            await self._call_started(ctx, stream.meta)
-        except BaseException:
-            await stream.close()
+            await self._call_started(ctx, stream.meta, told)
+        except BaseException as exc:
+            try:
+                await stream.close()
+            finally:
+                error = exc.to_event() if isinstance(exc, GatewayError) else CLOSED
+                await self._call_failed(ctx, stream.meta, error, NOTHING, told)
             raise
 
-    async def _call_started(self, ctx: CallContext, meta: StreamMeta) -> None:
+    async def _call_started(self, ctx: CallContext, meta: StreamMeta, told: list[object]) -> None:
         request_id, model, provider = meta.id, meta.model, meta.provider
-        for name, hook, timeout in self._started:
+        for name, hook, timeout, plugin in self._started:
             failed = self._failure(name, "on_stream_started")
             call = lambda: hook(ctx, request_id, model, provider)  # noqa: E731, B023
             if await guarded(call, timeout, failed, StreamRejected):
@@ -351,6 +349,28 @@ class Hooks:
                     retryable=True,
                     headers={"Retry-After": "1"},
                 )
+            told.append(plugin)  # (the one that refuses is not: it knows)
+
+    async def _call_failed(
+        self,
+        ctx: CallContext,
+        meta: StreamMeta,
+        error: Error,
+        spend: Spend,
+        plugins: list[object] | None = None,
+    ) -> None:
+        """Call the ``on_stream_failed`` hooks of a stream that ended with ``error``: every
+        plugin's, or those of ``plugins`` only (told of a refused request's start)."""
+        args = (ctx, meta.id, meta.model, error)
+        await guarded_each(
+            (
+                end_call(hook, args, spend if takes else None),
+                timeout,
+                self._failure(name, "on_stream_failed"),
+            )
+            for name, hook, takes, timeout, plugin in self._failed
+            if plugins is None or any(plugin is one for one in plugins)
+        )
 
     def observe(self, ctx: CallContext, meta: StreamMeta) -> StreamObserver | None:
         """The observer of one stream, or None when no plugin watches streams."""
@@ -365,136 +385,3 @@ class Hooks:
         ``stream`` itself when no plugin watches streams."""
         observer = self.observe(ctx, stream.meta)
         return stream if observer is None else observer.watch(stream, prices)
-
-
-class StreamObserver:
-    """One stream's hook calls: its chunk count, its end. Made by :meth:`Hooks.observe`.
-
-    Its driver calls :meth:`chunks_of` for each read (when :attr:`chunks`) and
-    :meth:`end` once: a hub's run (:class:`~nexus.cache.run.StreamRun`), or
-    :meth:`watch` for a stream read from Python.
-    """
-
-    __slots__ = ("_hooks", "_seen", "chunks", "ctx", "meta", "wants_final")
-
-    def __init__(self, hooks: Hooks, ctx: CallContext, meta: StreamMeta) -> None:
-        self._hooks = hooks
-        self._seen = 0
-        self.ctx = ctx
-        self.meta = meta
-        self.chunks = bool(hooks._chunk)
-        """Some plugin watches chunks: else a read costs the observer nothing."""
-        self.wants_final = hooks._final
-
-    def watch(self, stream: Stream, prices: PriceTable) -> Stream:
-        """``stream`` with the hooks firing as it is read, its spend priced with
-        ``prices``; closed before its end (or cancelled) it ends with ``stream_cancelled``."""
-        link: list[Stream] = []  # the outer stream, until its meta is settled
-        outer = Stream.of_batches(_observe(stream, self, link, prices), stream.meta)
-        link.append(outer)
-        return outer
-
-    async def chunks_of(self, batch: list[StreamEvent]) -> None:
-        """Count the data events of one read; call the chunk hooks whose turn it is."""
-        for event in batch:
-            cls = type(event)
-            if cls is not Error and cls is not Done:
-                await self._chunk(event)
-
-    async def _chunk(self, event: StreamEvent) -> None:
-        self._seen = seen = self._seen + 1
-        size = -1
-        for name, hook, every, timeout in self._hooks._chunk:
-            if seen % every:
-                continue
-            if size < 0:
-                size = len(orjson.dumps(event.to_dict()))
-            failed = self._hooks._failure(name, "on_chunk_received")
-            call = lambda: hook(self.ctx, self.meta.id, event.type, size)  # noqa: E731, B023
-            await guarded(call, timeout, failed)
-
-    async def end(
-        self,
-        terminal: StreamEvent,
-        elapsed: float,
-        final: Callable[[], Completion],
-        spend: Spend = UNKNOWN,
-    ) -> None:
-        """Call the completed hooks (``final()`` merges the stream) or the failed ones,
-        with the stream's ``spend``."""
-        hooks = self._hooks
-        meta = self.meta
-        error: Error | None = None
-        if type(terminal) is Error:
-            error = terminal
-        elif type(terminal) is Done and terminal.aborted:
-            error = _ABORTED
-        if error is not None:
-            for name, hook, takes, timeout in hooks._failed:
-                args = (self.ctx, meta.id, meta.model, error)
-                kwargs = {"spend": spend} if takes else {}
-                call = lambda: hook(*args, **kwargs)  # noqa: E731, B023
-                await guarded(call, timeout, hooks._failure(name, "on_stream_failed"))
-            return
-        if not hooks._completed:
-            return
-        completion = final() if self.wants_final else _no_final(meta)()
-        for name, hook, takes, timeout in hooks._completed:
-            ended = (self.ctx, meta.id, meta.model, meta.provider, elapsed, completion)
-            kwargs = {"spend": spend} if takes else {}
-            call = lambda: hook(*ended, **kwargs)  # noqa: E731, B023
-            await guarded(call, timeout, hooks._failure(name, "on_stream_completed"))
-
-
-async def _observe(
-    source: Stream, observer: StreamObserver, link: list[Stream], prices: PriceTable
-) -> AsyncGenerator[list[StreamEvent], None]:
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    merger = Merger(source.meta) if observer.wants_final else None
-    chunks = observer.chunks
-    terminal: StreamEvent | None = None
-    tallied = Tally()
-    count = tallied.add
-    try:
-        while batch := await source.read_batch():
-            if chunks:
-                await observer.chunks_of(batch)
-            for event in batch:
-                cls = type(event)
-                if cls is Error:
-                    terminal = event
-                elif cls is not Done:
-                    count(event)
-                    if merger is not None:
-                        merger.add(event)
-            if link:
-                link.pop().meta = observer.meta = source.meta  # the target that answered
-            yield batch
-    except GatewayError as exc:
-        terminal = terminal or exc.to_event()
-        raise
-    except Exception:
-        terminal = terminal or _BROKEN
-        raise
-    except BaseException:  # closed before the end (GeneratorExit), or cancelled
-        terminal = terminal or _CLOSED
-        raise
-    finally:
-        link.clear()
-        try:
-            await source.close()
-        finally:
-            end = terminal or Done()
-            meta = observer.meta = source.meta
-            spend = prices.spend(tallied, meta, complete=terminal_ok(end))
-            await observer.end(
-                end,
-                loop.time() - start,
-                merger.result if merger is not None else _no_final(meta),
-                spend,
-            )
-
-
-def _no_final(meta: StreamMeta) -> Callable[[], Completion]:
-    return lambda: Completion(id=meta.id, model=meta.model, created=meta.created)

@@ -18,13 +18,16 @@ End of stream is not an event: iteration stops, and ``next()`` raises
 :class:`EndOfStream`. A failure after the stream started arrives as an
 :class:`~nexus.events.Error` event, always the last one. ``close()`` stops the
 provider at once (its cleanup runs before ``close()`` returns) and is safe to
-call twice.
+call twice. A stream dropped before its end without ``close()`` has its source
+closed on its event loop when it is collected (soon, not at once), with a
+``ResourceWarning``, as asyncio does for a transport left open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import warnings
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from types import TracebackType
@@ -89,7 +92,9 @@ class Stream:
         "_batched",
         "_close_cancels",
         "_closing",
+        "_ended",
         "_events",
+        "_loop",
         "_read_done",
         "_reader",
         "meta",
@@ -101,10 +106,32 @@ class Stream:
         self._batch: list[StreamEvent] = []
         self._at = 0
         self._closing = False
+        self._ended = False  # its source ended (or raised): nothing of it is left to close
         self._close_cancels = 0
         self._reader: asyncio.Task[object] | None = None
         self._read_done: asyncio.Future[None] | None = None
         self.meta = meta
+        try:  # where a stream dropped unclosed has its source closed (see __del__)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+
+    def __del__(self) -> None:
+        """Dropped before its end and unclosed (``async for ...: break``): its source
+        (the upstream connection, its end hooks) is closed on its loop, as asyncio closes
+        an async generator dropped unfinished; then a ``ResourceWarning`` says so."""
+        if self._closing or self._ended:
+            return
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(_close_dropped, self._events)
+        warnings.warn(
+            f"stream {self.meta.id} was not closed: close it, or read it in 'async with'",
+            ResourceWarning,
+            stacklevel=1,
+            source=self,
+        )
 
     @classmethod
     def of_batches(cls, batches: Batches, meta: StreamMeta) -> Stream:
@@ -146,10 +173,14 @@ class Stream:
                 if item:
                     return item  # type: ignore[no-any-return]
         except StopAsyncIteration:
+            self._ended = True
             return []
         except asyncio.CancelledError:
             if not self._closed_under_reader():
                 raise
+        except Exception:
+            self._ended = True  # (a source that raised is over)
+            raise
         finally:
             self._reader = None  # no read under way
             if self._read_done is not None and not self._read_done.done():
@@ -354,6 +385,17 @@ async def _fill(stream: Stream, queue: asyncio.Queue[object], failure: list[Base
     await queue.put(_END)
 
 
+_DROPPED: set[asyncio.Task[object]] = set()  # sources being closed for dropped streams
+
+
+def _close_dropped(source: AsyncGenerator[Any, None] | Batches) -> None:
+    """Close the source of a :class:`Stream` that was collected unclosed (its loop's
+    callback)."""
+    task: asyncio.Task[object] = asyncio.ensure_future(source.aclose())
+    _DROPPED.add(task)
+    task.add_done_callback(_DROPPED.discard)
+
+
 def _drop(task: asyncio.Task[None]) -> None:
     """A :class:`Channel` was collected: stop its task, if its loop still runs."""
     if not task.done() and not task.get_loop().is_closed():
@@ -368,8 +410,15 @@ async def accumulate(stream: Stream | Channel) -> Completion:
     fragment repeats one; a fragment with a new id for an index whose call has another
     begins a call of its own), usage is taken from the last usage event.
     The stream is closed afterwards. Raises :class:`~nexus.errors.StreamError`
-    when the stream carries an :class:`~nexus.events.Error` event.
+    when the stream carries an :class:`~nexus.events.Error` event, and
+    :class:`RuntimeError` for a stream already read to its end, or closed (a stream
+    cannot be restarted: it would merge into an empty completion).
     """
+    read = stream._done if isinstance(stream, Channel) else stream._ended or stream._closing
+    if read:
+        raise RuntimeError(
+            f"stream {stream.meta.id} already read (or closed): a stream is read once"
+        )
     merger = Merger(stream.meta)
     async with stream:
         async for event in stream:

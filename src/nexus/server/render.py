@@ -156,10 +156,15 @@ class Renderer:
         """A gateway-made error (shutdown, internal) and the terminator, without ids.
 
         It is not in the log: a client that resumes after it picks up at its
-        last real event.
+        last real event. The error goes out even when the encoder's ``end()`` raises
+        (the failure it is often telling: then there is no terminator to write).
         """
         self.done = True
-        error, end = self._encoder.error(event), self._encoder.end()
+        error = self._encoder.error(event)
+        try:
+            end = self._encoder.end()
+        except Exception:
+            end = b""
         self.written += bool(error) + bool(end)
         return error + end
 

@@ -509,7 +509,7 @@ def test_a_refusal_during_a_turn_names_what_it_refused_and_a_turns_end_does_not(
         (sent,) = session.receive_text(frame)
         assert orjson.loads(sent.frame)["refused"] == kind  # type: ignore[union-attr]
     from nexus.errors import ServerShuttingDown
-    from nexus.protocol.realtime import gateway_error_frame
+    from nexus.protocol.realtime_envelopes import gateway_error_frame
 
     turn_end = orjson.loads(gateway_error_frame(ServerShuttingDown("bye")).frame)
     assert "refused" not in turn_end

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import socket
 import zlib
@@ -222,12 +223,28 @@ async def test_provider_failure_sends_error_then_1011(make_client: MakeClient) -
     assert ws.close_code == 1011
 
 
-async def test_message_over_the_limit_closes_1009(make_client: MakeClient) -> None:
+async def test_message_over_the_limit_closes_1009(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """And the socket's access line says so (``cancelled:protocol_error``, a warning): it
+    said ``ok`` at INFO, so oversize or garbage attempts were invisible."""
+    caplog.set_level(logging.INFO, logger="nexus")
     _, ws = await connect(make_client, {"realtime": {"max_message_bytes": 1024}})
     await ws.send("x" * 2048)
     with pytest.raises(websockets.ConnectionClosedError):
         await asyncio.wait_for(ws.recv(), 5)
     assert ws.close_code == 1009
+    for _ in range(500):  # the access line: once the handler ended
+        lines = [r for r in caplog.records if r.name == "nexus.access"]
+        if lines:
+            break
+        await asyncio.sleep(0.01)
+    (line,) = lines
+    assert line.access["outcome"] == "cancelled:protocol_error"  # type: ignore[attr-defined]
+    assert line.levelno == logging.WARNING
+    assert any(
+        "closed 1009" in r.getMessage() for r in caplog.records if r.name == "nexus.realtime"
+    )
 
 
 async def test_pending_input_over_the_limit(make_client: MakeClient) -> None:

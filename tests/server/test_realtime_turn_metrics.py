@@ -75,9 +75,11 @@ async def test_each_turn_is_counted_by_model_and_outcome(make_client: MakeClient
         page = await metrics_once(client, REQUESTS % ("mock/echo", "cancelled:aborted"))
     assert sample(page, REQUESTS % ("mock/echo", "ok")) == 2
     assert sample(page, REQUESTS % ("mock/echo", "cancelled:aborted")) == 1
-    # Refused before naming a model the gateway serves: not among the sockets.
+    # A refused start counts under the model it named when the gateway serves it (it was
+    # "none" for an invalid request to mock/echo), else under "none": not among the sockets.
     assert sample(page, REQUESTS % ("none", "error:model_not_found")) == 1
-    assert sample(page, REQUESTS % ("none", "error:invalid_request")) == 1
+    assert sample(page, REQUESTS % ("mock/echo", "error:invalid_request")) == 1
+    assert sample(page, REQUESTS % ("none", "error:invalid_request")) == 0
     # The aborted turn has its first token, not a duration: it says when it was cut.
     assert sample(page, TTFT % "mock/echo") == 3
     assert sample(page, DURATION % "mock/echo") == 2

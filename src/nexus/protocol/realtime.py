@@ -38,18 +38,15 @@ from __future__ import annotations
 import base64
 import binascii
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 import orjson
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
-from ..errors import GatewayError
-from ..events import Error
 from ..request import (
     ChatRequest,
     ImagePart,
-    StrictModel,
 )
 from .json_depth import (
     MAX_JSON_DEPTH,
@@ -60,6 +57,22 @@ from .json_depth import (
     too_many_items,
 )
 from .openai_chat import validation_error
+from .realtime_envelopes import (
+    ENVELOPE,
+    FRAME,
+    KINDS,
+    AbortEnvelope,
+    AudioChunkEnvelope,
+    Decoded,
+    ImageEnvelope,
+    Send,
+    StartEnvelope,
+    envelope_error,
+    error_frame,
+    flat_fields,
+    kind_of,
+    nested_error,
+)
 from .realtime_pending import PENDING_ITEM_BYTES, PendingAudio, PendingLedger, attach, to_part
 
 __all__ = [
@@ -74,44 +87,6 @@ __all__ = [
     "StartTurn",
     "error_frame",
 ]
-
-
-class StartEnvelope(StrictModel):
-    type: Literal["start"]
-    request: dict[str, Any]
-
-
-class AbortEnvelope(StrictModel):
-    type: Literal["abort"]
-
-
-class AudioChunkEnvelope(StrictModel):
-    type: Literal["audio_chunk"]
-    format: Literal["pcm16", "wav", "mp3"]
-    b64: str
-    sample_rate: int = Field(default=24000, gt=0, le=384_000)
-
-
-class ImageEnvelope(StrictModel):
-    type: Literal["image"]
-    mime_type: str = Field(pattern=r"^image/[A-Za-z0-9.+\-]+$")
-    b64: str | None = None
-    url: str | None = Field(default=None, pattern=r"^(https?://|data:)[\x21-\x7e]+$")
-    """Printable ASCII, as URLs are (percent-encoded): a pending image counts as its length,
-    which other characters would hold several times over in memory."""
-
-
-Envelope = Annotated[
-    StartEnvelope | AbortEnvelope | AudioChunkEnvelope | ImageEnvelope,
-    Field(discriminator="type"),
-]
-_ENVELOPE: TypeAdapter[Any] = TypeAdapter(Envelope)
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    frame: str  # a text frame for the client
-    code: str | None = None  # an error frame's code
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,31 +107,6 @@ class Close:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Decoded:
-    """A text frame that is a JSON object, before it is validated: a ``start``'s text (not
-    yet parsed: the route takes a rate token first), any other envelope's fields, flat."""
-
-    data: dict[str, Any] | None
-    text: str = ""
-
-    @property
-    def start(self) -> bool:
-        """It asks for a turn (valid or not): the route takes a rate token first."""
-        return self.data is None
-
-
-class _Kind(msgspec.Struct):
-    type: Any = None
-
-
-_kind_of = msgspec.json.Decoder(_Kind).decode
-_flat = msgspec.json.Decoder(dict[str, str | int | float | bool | None]).decode
-"""Any envelope but a start holds scalars alone: read so, one that nests is refused at
-its first object or array, built into nothing (orjson built ~50,000 small objects of a
-400 KB frame in ~10 ms of the shared loop, and such frames take no rate token)."""
-
-
 POLICY_VIOLATION = 1008
 """The close code of a peer that broke the connection's rules (RFC 6455 7.4.1)."""
 
@@ -173,43 +123,6 @@ STRIKES = frozenset(
 ``max_invalid_frames`` (``input_too_large`` does not: the input was well formed)."""
 
 Action = Send | StartTurn | AbortTurn | Close
-
-
-FRAME = "frame"
-"""``refused`` of an error frame that answers a frame of no envelope type the session
-could read (not JSON, not an object, no or an unknown ``type``, a binary frame)."""
-
-
-def error_frame(
-    code: str,
-    message: str,
-    *,
-    param: str | None = None,
-    error_type: str = "invalid_request_error",
-    request_id: str | None = None,
-    refused: str = FRAME,
-) -> Send:
-    """An error frame refusing a frame the client sent: the error event's JSON, with the
-    connection's request id and ``refused``, the envelope type of the frame refused
-    (:data:`FRAME` when it had none that the session could read)."""
-    event = Error(error_type=error_type, message=message, code=code, param=param)
-    return Send(orjson.dumps({**event.to_dict(request_id), "refused": refused}).decode(), code)
-
-
-def gateway_error_frame(
-    error: GatewayError, request_id: str | None = None, refused: str | None = None
-) -> Send:
-    """The error frame of a gateway error: a refused frame's (``refused``, as in
-    :func:`error_frame`), or a turn's end (None). One that HTTP answers with
-    ``Retry-After`` (``rate_limited``, ``too_many_streams``) carries it as
-    ``error.retry_after_s``: the whole seconds to wait before the next ``start``."""
-    body = error.to_event().to_dict(request_id)
-    retry_after = error.headers.get("Retry-After")
-    if retry_after is not None and retry_after.isdigit():
-        body["error"]["retry_after_s"] = int(retry_after)
-    if refused is not None:
-        body["refused"] = refused
-    return Send(orjson.dumps(body).decode(), error.code)
 
 
 class RealtimeSession:
@@ -270,7 +183,7 @@ class RealtimeSession:
         gateway parse, walk and validate is bounded by its rate."""
         self._answering = FRAME
         try:
-            kind = _kind_of(text).type  # skips the rest unbuilt: ~16x orjson's cost, less
+            kind = kind_of(text).type  # skips the rest unbuilt: ~16x orjson's cost, less
         except msgspec.ValidationError:
             return self._judged(
                 [self._error("invalid_envelope", "an envelope must be a JSON object")]
@@ -280,20 +193,20 @@ class RealtimeSession:
             return self._judged(
                 [self._error("invalid_envelope", f"the frame is not valid JSON: {reason}")]
             )
-        if kind in _KINDS:
+        if kind in KINDS:
             self._answering = kind
         if kind == "start":
             return Decoded(None, text)
         try:
-            return Decoded(_flat(text))
+            return Decoded(flat_fields(text))
         except msgspec.ValidationError:
-            return self._judged([_nested(kind, text, self.request_id)])
+            return self._judged([nested_error(kind, text, self.request_id)])
 
     def receive_decoded(self, decoded: Decoded) -> list[Action]:
         """What to do about a frame :meth:`decode` read."""
         self._answering = "start" if decoded.start else FRAME
         data = decoded.data
-        if data is not None and data.get("type") in _KINDS:
+        if data is not None and data.get("type") in KINDS:
             self._answering = data["type"]
         if data is None:
             try:
@@ -336,9 +249,9 @@ class RealtimeSession:
         # which stops at the first field that is not its own, unwalked. (Walking it cost
         # ~70 ms of the shared loop for a 400 KB frame, which takes no rate token.)
         try:
-            envelope = _ENVELOPE.validate_python(data)
+            envelope = ENVELOPE.validate_python(data)
         except ValidationError as exc:
-            return [_envelope_error(exc, data, self.request_id)]
+            return [envelope_error(exc, data, self.request_id)]
         match envelope:
             case StartEnvelope():
                 return self._start(envelope)
@@ -489,41 +402,3 @@ class RealtimeSession:
             ImagePart.model_validate({"type": "image_url", "image_url": {"url": url}})
         )
         return []
-
-
-def _nested(kind: object, text: str, request_id: str | None) -> Send:
-    """The error for an envelope other than a start that holds an object or an array."""
-    if kind not in _KINDS:
-        return _kind_error(kind, request_id)
-    fields = _raw_fields(text)  # scanned, not built: the first that nests is named
-    field = next((name for name, raw in fields.items() if bytes(raw)[:1] in (b"{", b"[")), None)
-    message = f"{kind}: {field}: only a start's request may hold objects or arrays"
-    if field is None:  # (a number msgspec cannot hold)
-        message = f"{kind}: a field's value is out of range"
-    return error_frame(
-        "invalid_envelope", message, param=field, request_id=request_id, refused=str(kind)
-    )
-
-
-_KINDS = ("start", "abort", "audio_chunk", "image")
-_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
-
-
-def _kind_error(kind: object, request_id: str | None) -> Send:
-    if kind is None:
-        message = "an envelope needs a 'type'"
-    else:
-        shown = repr(kind) if len(repr(kind)) <= 40 else repr(kind)[:40] + "..."
-        message = f"unknown envelope type {shown}; expected start, abort, audio_chunk or image"
-    return error_frame("invalid_envelope", message, param="type", request_id=request_id)
-
-
-def _envelope_error(exc: ValidationError, data: dict[str, Any], request_id: str | None) -> Send:
-    kind = data.get("type")
-    if exc.errors(include_url=False)[0]["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        return _kind_error(kind, request_id)
-    error = validation_error(exc, data)
-    message, param = f"{kind}: {error.message}", error.param
-    return error_frame(
-        "invalid_envelope", message, param=param, request_id=request_id, refused=str(kind)
-    )

@@ -17,12 +17,13 @@ without the newline, the last ``{"type":"done"}``.
   ``write_timeout_s``) is aborted: a ``write_timeout``. Both are the watchdog's checks.
 * Each frame is counted against the socket's budget (``[realtime] max_frames_per_second``,
   ``max_bytes_per_second``: :class:`~nexus.protocol.realtime_budget.FrameBudget`) and the
-  loop is yielded to after it: aiohttp hands over every frame of one read without the loop
-  turning, so a client sending tiny frames as fast as it can would hold the loop for every
-  tenant. Past the budget, or after ``max_invalid_frames`` errors in a row: closed 1008.
-* A message over ``[realtime] max_message_bytes`` closes with 1009. Shutdown ends a running
-  turn with a retryable ``server_shutting_down`` error frame, then closes with 1001; a
-  ``start`` during its grace is refused so, and closes 1001 unless a turn runs.
+  loop is yielded to after it (aiohttp hands over every frame of one read without the loop
+  turning: tiny frames sent flat out would hold it). Past the budget, or after
+  ``max_invalid_frames`` errors in a row: closed 1008.
+* A message over ``[realtime] max_message_bytes`` closes with 1009, text not UTF-8 with 1007
+  (``cancelled:protocol_error``). Shutdown ends a running turn with a retryable
+  ``server_shutting_down`` error frame, then closes 1001; a ``start`` in its grace is refused
+  so, and closes 1001 unless a turn runs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import logging
 import math
 import time
 
-from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
+from aiohttp import WebSocketError, WSCloseCode, WSMessage, WSMsgType, web
 
 from ...auth import ApiKey
 from ...cache.readers import with_usage
@@ -48,9 +49,9 @@ from ...protocol.realtime import (
     RealtimeSession,
     Send,
     StartTurn,
-    gateway_error_frame,
 )
 from ...protocol.realtime_budget import FrameBudget, frame_size
+from ...protocol.realtime_envelopes import gateway_error_frame
 from ...protocol.websocket_frames import text_frames
 from .. import state
 from ..access import METRICS, account_at_end, exchange
@@ -66,8 +67,7 @@ __all__ = ["RealtimeConnection", "handle"]
 
 log = logging.getLogger("nexus.realtime")
 
-POLICY_CLOSE_WAIT_S = 1.0
-"""How long a peer closed with 1008 has to answer the close frame (one flooding is not read)."""
+POLICY_CLOSE_WAIT_S = 1.0  # a peer closed 1008 answers the close within this (or is cut off)
 ABORT_WAIT_S = 5.0  # an abort's done waits for its stream's end this long at most
 _ABORTED = '{"type":"done","aborted":true}'
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
@@ -127,8 +127,7 @@ class RealtimeConnection(Writer):
             max_pending_input_bytes=config.realtime.max_pending_input_bytes,
             now=self._loop.time(),
         )
-        self.turn: Turn | None = None
-        """The running turn, until it is over (its stream let go)."""
+        self.turn: Turn | None = None  # the running turn, until it is over (its stream let go)
         self.meter = FrameMeter(app.get(METRICS), exchange(request))  # its turns' frames
         self._left = False  # the socket is done: the client is gone, or closed 1008
         self._logged: set[str] = set()  # the refusal codes logged for this socket
@@ -181,8 +180,8 @@ class RealtimeConnection(Writer):
 
     def check(self, now: float) -> None:
         """The watchdog's tick; and no frame half an interval after a ping: the peer is
-        gone, and the connection is dropped (its turn's stream with it)."""
-        # (Not while the server stops: the grace ends the socket, its turn's frame first.)
+        gone, and the connection is dropped (its turn's stream with it). Not while the
+        server stops: the grace ends the socket, its turn's frame first."""
         if self._pong_due and now >= self._pong_due and not self.runtime.shutting_down:
             log.info("realtime client did not answer a ping: dropping the connection")
             ex = exchange(self.request)
@@ -226,17 +225,20 @@ class RealtimeConnection(Writer):
             if not isinstance(decoded, Decoded):
                 actions = decoded
             elif decoded.start and self.runtime.shutting_down:
-                return await self._start_while_stopping()
-            elif decoded.start and not await self._rate_token():
+                return await self._start_while_stopping(decoded)
+            elif decoded.start and not await self._rate_token(decoded):
                 return not self._left
             else:
                 actions = self.session.receive_decoded(decoded)
                 first = actions[0] if decoded.start else None  # (a start has an answer)
                 if type(first) is Send and first.code:  # invalid, or while a turn runs
-                    self._count_refusal(first.code, None)
+                    self._count_refusal(first.code, decoded.model)
         elif message.type is WSMsgType.BINARY:
             actions = self.session.receive_binary(message.data)
-        else:  # ERROR: the reader already closed the socket (e.g. 1009)
+        else:  # ERROR: aiohttp closed the socket; WebSocketError: the peer broke the protocol
+            if isinstance(error := message.data, WebSocketError):  # 1009, 1007, 1002
+                log.warning("%s realtime socket closed %d: %s", self.request_id, error.code, error)
+                exchange(self.request).cancelled = "protocol_error"
             return False
         for action in actions:
             if type(action) is Close:
@@ -258,12 +260,11 @@ class RealtimeConnection(Writer):
             ex = exchange(self.request)
             ex.cancelled = ex.cancelled or "client_disconnect"
 
-    async def _start_while_stopping(self) -> bool:
-        """A ``start`` during the shutdown's grace (a voice client's barge-in: ``abort``,
-        then ``start``): no turn and no rate token, a retryable ``server_shutting_down``;
-        with no turn left to finish the socket is done, closed 1001 at once. False when
-        the socket is done."""
-        await self._refused(ServerShuttingDown(_SHUTDOWN.message), None)
+    async def _start_while_stopping(self, decoded: Decoded) -> bool:
+        """A ``start`` in the shutdown's grace (a voice client's barge-in): no turn, no rate
+        token, a retryable ``server_shutting_down``; with no turn left to finish, the socket
+        closes 1001 at once. False when the socket is done."""
+        await self._refused(ServerShuttingDown(_SHUTDOWN.message), decoded.model)
         if self.turn is not None or self._left:
             return not self._left
         exchange(self.request).cancelled = "shutdown"
@@ -275,19 +276,18 @@ class RealtimeConnection(Writer):
         with contextlib.suppress(Exception):
             await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
-    async def _rate_token(self) -> bool:
-        """A token of the key's rate for a ``start``, taken before the frame is walked or
-        validated (as HTTP takes it before reading the body); False, its refusal sent,
-        when the key is over its rate. The first ``start`` uses the handshake's token: a
-        socket and its first turn cost one (a key allowed one request a second can open a
-        socket and start at once)."""
+    async def _rate_token(self, decoded: Decoded) -> bool:
+        """A token of the key's rate for a ``start``, taken before it is parsed (as HTTP takes
+        it before the body); False, its refusal sent, when over the rate. The first ``start``
+        uses the handshake's token: a socket and its first turn cost one (a key allowed one
+        request a second can open a socket and start at once)."""
         if self._token:
             self._token = False
             return True
         try:
             await admit(self.request, self.key, None)
         except GatewayError as exc:
-            await self._refused(exc, None)
+            await self._refused(exc, decoded.model)
             return False
         return True
 

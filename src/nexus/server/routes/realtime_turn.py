@@ -20,7 +20,8 @@ from ...cache.run import LogReader, StreamRun
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, StreamIncomplete
 from ...events import Done, Error, StreamEvent
-from ...protocol.realtime import RealtimeSession, gateway_error_frame
+from ...protocol.realtime import RealtimeSession
+from ...protocol.realtime_envelopes import gateway_error_frame
 from ..access import METRICS
 from ..state import Exchange, exchange
 

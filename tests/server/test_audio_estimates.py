@@ -173,6 +173,6 @@ async def test_audio_output_cut_before_the_usage_is_charged_its_duration(
                 break
         await stream.close()
     await oai.requests[0].wait_ended()
-    # "say hello" (3 tokens) and 4 for the message at $2.50; the transcript's piece at
-    # $10; ten seconds of audio, 200 tokens, at $80.
-    assert await spent(client, 1.0) == pytest.approx((7 * 2.5 + 1 * 10 + 200 * 80) / 1e6)
+    # "say hello" (3 tokens) and 4 for the message at $2.50; the transcript's 5 bytes, 2
+    # tokens, at $10; ten seconds of audio, 200 tokens, at $80.
+    assert await spent(client, 1.0) == pytest.approx((7 * 2.5 + 2 * 10 + 200 * 80) / 1e6)

@@ -124,10 +124,14 @@ def status_error(
     *,
     code: str | None = None,
     error_type: str | None = None,
+    body: bytes = b"",
 ) -> UpstreamError:
     """The error for an upstream's non-2xx ``status`` (``message`` quoting its text):
     400/404/413/422 keep their status; 401/403 drop the text, which may quote the key;
-    429 keeps ``Retry-After``; redirects are not followed (they would carry the key)."""
+    429 keeps ``Retry-After``; redirects are not followed (they would carry the key).
+    ``error_type`` is the one the error body (``body``) names, if not given."""
+    if error_type is None and body:
+        error_type = error_type_of(body)
     if status in (401, 403):
         return UpstreamAuthError(provider, f" ({status})")
     if status in (400, 404, 413, 422):

@@ -39,13 +39,7 @@ from ..errors import (
     UpstreamTimeout,
 )
 from ..events import StreamEvent, Usage
-from ..protocol.upstream import (
-    UpstreamDecoder,
-    error_text,
-    error_type_of,
-    keep_secret,
-    status_error,
-)
+from ..protocol.upstream import UpstreamDecoder, error_text, keep_secret, status_error
 from ..request import ChatRequest
 from ..stream import Batches
 from ..telemetry import upstream_headers
@@ -419,15 +413,15 @@ class _Exchange:
         if encoding == "identity":
             while not self._whole and self._failure is None and len(collect) < _MAX_ERROR_BODY:
                 await self._wait()
-            text, kind = error_text(bytes(collect)), error_type_of(bytes(collect))
+            text = error_text(body := bytes(collect))
         else:
-            text, kind = f"(a body in {encoding!r} encoding, not read)", None
+            text, body = f"(a body in {encoding!r} encoding, not read)", b""
         message = f"provider {provider.name!r} answered {status}"
         if status < 500:
             message += f": {text}"
         else:  # the upstream's trouble: its text is the operator's
             log.warning("%s: %s", message, text)
-        return status_error(provider.name, status, message, headers, error_type=kind)
+        return status_error(provider.name, status, message, headers, body=body)
 
     @property
     def prompt_usage(self) -> Usage | None:

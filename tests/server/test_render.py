@@ -829,8 +829,9 @@ def test_sdk_decoder_after_fail_with_heartbeats(encoder: type[Encoder], decoder_
 
 
 def last_step(log: list[StreamEvent]) -> int:
-    """The terminal step: a failed stream has one more, error then terminator."""
-    return len(log) + (1 if type(log[-1]) is Error else 0)
+    """The terminal step: a failed or aborted stream has one more, error then terminator."""
+    end = log[-1]
+    return len(log) + (1 if type(end) is Error or (type(end) is Done and end.aborted) else 0)
 
 
 def test_ids_count_on_over_thousands_of_steps() -> None:
@@ -877,3 +878,15 @@ def test_a_frame_without_its_blank_line_does_not_hang_the_renderer() -> None:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert out == b"id: " + meta.id.encode() + b".1\nevent: delta\ndata: {}"
+
+
+@pytest.mark.parametrize("encoder", [NDJSONEncoder, OpenAISSEEncoder, AnthropicSSEEncoder])
+def test_an_aborted_log_never_reads_as_a_whole_answer(encoder: type[Encoder]) -> None:
+    """A log that ends aborted (a realtime turn's abort, its last reader gone) read later
+    (GET /v1/streams/{id}) ended like a finished one: a clean terminator after the part
+    that was written. It ends with a stream_cancelled error, as a failed stream does."""
+    meta = StreamMeta.new("mock/echo")
+    body, _ = render(encoder, meta, [Delta(content="cut "), Done(aborted=True)])
+    assert b"stream_cancelled" in body
+    whole, _ = render(encoder, meta, [Delta(content="whole"), Done()])
+    assert b"stream_cancelled" not in whole

@@ -5,8 +5,9 @@ Sans-I/O: the pump (:mod:`nexus.server.streaming`) writes what it returns.
 A stream's log is its events in order, the last one terminal (:class:`Done`,
 or an :class:`Error`). Rendering numbers *steps*: step 0 is the encoder's
 ``start()``, step *i* is log entry *i - 1*; a terminal ``Done`` is ``end()``,
-a terminal ``Error`` two steps, ``error()`` then ``end()``. Every SSE frame carries an ``id:``
-that names the stream and the step::
+a terminal ``Error`` two steps, ``error()`` then ``end()``, and so is an aborted ``Done``
+(a ``stream_cancelled`` error: a stream cut short never reads as a whole answer). Every SSE
+frame carries an ``id:`` that names the stream and the step::
 
     id: chatcmpl-4f0c...e1.7        the last (usually the only) frame of step 7
     id: chatcmpl-4f0c...e1.7.0      an earlier frame of step 7 (steps that write several)
@@ -35,6 +36,11 @@ __all__ = ["Cursor", "Renderer", "parse_cursor", "uses_event_ids"]
 
 _CURSOR = re.compile(r"(?:([A-Za-z0-9_-]{8,128})\.)?([0-9]{1,12})(?:\.([0-9]{1,6}))?")
 _FRAME_END = b"\n\n"
+_ABORTED = Error(
+    error_type="server_error",
+    message="The stream was aborted before its end.",
+    code="stream_cancelled",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +118,11 @@ class Renderer:
         for event in events:
             step += 1
             cls = type(event)
-            if cls is Error:
+            if cls is Error or (cls is Done and event.aborted):  # type: ignore[union-attr]
                 # Two steps: the error, then the terminator (an NDJSON client that
                 # counted the error line still gets the done line).
-                data = self._out(step, encoder.error(event))  # type: ignore[arg-type]
+                error = event if cls is Error else _ABORTED
+                data = self._out(step, encoder.error(error))  # type: ignore[arg-type]
                 if data:
                     parts.append(data)
                 step += 1

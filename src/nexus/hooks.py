@@ -74,7 +74,7 @@ from .hook_calls import (
     is_async,
     takes_spend,
 )
-from .observer import CLOSED, StreamObserver
+from .observer import StreamObserver, failure_of
 from .pricing import NOTHING, PriceTable, Spend
 from .request import ChatRequest
 from .stream import Stream, map_stream
@@ -332,9 +332,14 @@ class Hooks:
             try:
                 await stream.close()
             finally:
-                error = exc.to_event() if isinstance(exc, GatewayError) else CLOSED
-                await self._call_failed(ctx, stream.meta, error, NOTHING, told)
+                await self._call_failed(ctx, stream.meta, failure_of(exc), NOTHING, told)
             raise
+
+    async def given_up(self, ctx: CallContext, meta: StreamMeta, exc: BaseException) -> None:
+        """The end of a stream whose start the plugins were told of, given up before it
+        ran (the store failed as it was claimed): ``on_stream_failed`` with ``exc`` (a
+        cancellation: ``stream_cancelled``), ``spend`` nothing. Each plugin gets its one."""
+        await self._call_failed(ctx, meta, failure_of(exc), NOTHING)
 
     async def _call_started(self, ctx: CallContext, meta: StreamMeta, told: list[object]) -> None:
         request_id, model, provider = meta.id, meta.model, meta.provider

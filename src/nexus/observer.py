@@ -46,6 +46,14 @@ _BROKEN = Error(
 )
 
 
+def failure_of(exc: BaseException) -> Error:
+    """The error event a watched stream ended with when ``exc`` ended it: a gateway error's
+    own, ``internal_error`` for a bug, ``stream_cancelled`` for a cancellation."""
+    if isinstance(exc, GatewayError):
+        return exc.to_event()
+    return _BROKEN if isinstance(exc, Exception) else CLOSED
+
+
 class StreamObserver:
     """One stream's hook calls: its chunk count, its end. Made by :meth:`Hooks.observe
     <nexus.hooks.Hooks.observe>`.
@@ -183,10 +191,8 @@ class _Watched:
                 if self._link:  # the target that answered
                     self._link.pop().meta = observer.meta = self._source.meta
         except BaseException as exc:
-            if isinstance(exc, GatewayError):
-                failure = exc.to_event()
-            else:  # a bug, or closed before the end (from another task), or cancelled
-                failure = _BROKEN if isinstance(exc, Exception) else CLOSED
+            # a gateway error; a bug; closed before the end (from another task), or cancelled
+            failure = failure_of(exc)
             await self._end(self._terminal or failure)
             raise
         if not batch:

@@ -250,9 +250,10 @@ class StreamHub:
                         raise
                     return Opened(joined, local, "hit", joined=True, reader=reader)
                 await store.release(key, holder)  # its stream is over, or its replica died
-        except BaseException:
+        except BaseException as exc:
             if not handed:
                 await stream.close()
+                await self.engine.hooks.given_up(ctx, stream.meta, exc)
                 if begun:
                     with contextlib.suppress(Exception):  # its live entry ends with it
                         await store.end(replace(info, status="failed"), [], 0, 1.0)

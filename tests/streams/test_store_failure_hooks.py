@@ -1,0 +1,58 @@
+"""A stream given up as the store fails to claim it still ends, for the plugins told of its
+start: each gets its one ``on_stream_failed``, as every stream's end is told."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nexus import Engine
+from nexus.cache.memory import MemoryStore
+from nexus.config import parse_config
+from nexus.encoders.registry import default_registry
+from nexus.errors import StoreUnavailable
+from nexus.events import Error
+from nexus.hooks import Hooks
+from nexus.providers.mock import MockProvider
+from nexus.server import create_app
+
+
+class Unclaimable(MemoryStore):
+    """A store whose claims fail (a Redis that went away as the request came)."""
+
+    async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
+        raise StoreUnavailable("down")
+
+
+class Ledger:
+    """Streams in flight: +1 on a start, -1 on an end."""
+
+    def __init__(self) -> None:
+        self.ends: list[str] = []
+        self.running = 0
+
+    async def on_stream_started(self, ctx: Any, request_id: str, model: str, provider: str) -> None:
+        self.running += 1
+
+    async def on_stream_completed(self, *args: Any) -> None:
+        self.running -= 1
+        self.ends.append("completed")
+
+    async def on_stream_failed(self, ctx: Any, request_id: str, model: str, error: Error) -> None:
+        self.running -= 1
+        self.ends.append(error.code or "")
+
+
+async def test_a_stream_the_store_cannot_claim_ends_for_its_plugins(aiohttp_client: Any) -> None:
+    ledger = Ledger()
+    hooks = Hooks()
+    hooks.add(ledger)
+    engine = Engine([MockProvider("mock")], hooks=hooks)
+    config = parse_config({"cache": {"enabled": True}})
+    app = create_app(config, engine=engine, registry=default_registry.copy(), store=Unclaimable())
+    client = await aiohttp_client(app)
+    body = {"model": "mock/echo", "messages": [{"role": "user", "content": "hi"}]}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 503
+    assert (await resp.json())["error"]["code"] == "store_unavailable"
+    assert ledger.ends == ["store_unavailable"]
+    assert ledger.running == 0  # it was 1: a start told, its end never

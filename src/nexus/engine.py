@@ -91,6 +91,8 @@ class Engine:
         those a fallback recovered from and those after output included (the app counts
         them in ``/metrics``)."""
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it started on
+        self.served = False
+        """An app serves it (:func:`~nexus.server.create_app`, which adds its plugins)."""
         self._closed = False
         # An HTTP provider has its connection pool from start() to close() (the mock none).
         self._needs_start = any(isinstance(p, HTTPProvider) for p in providers)

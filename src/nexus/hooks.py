@@ -299,6 +299,19 @@ class Hooks:
         """No more plugins from now on (the engine calls it when it starts)."""
         self._frozen = True
 
+    def copy(self) -> Hooks:
+        """These plugins in a new, unfrozen :class:`Hooks`: what is added to the copy is its
+        own (an app's budgets and metrics, which a ``Hooks`` shared by engines must not
+        hear of another engine's streams through). Its errors add up in :attr:`errors` of
+        both; its ``on_error`` listeners are its own."""
+        other = Hooks()
+        other.errors = self.errors
+        other.plugins = list(self.plugins)
+        other._started, other._chunk = list(self._started), list(self._chunk)
+        other._completed, other._failed = list(self._completed), list(self._failed)
+        other._leading, other._final = self._leading.copy(), self._final
+        return other
+
     def _failure(self, plugin: str, hook: str) -> Callable[[str, bool], None]:
         """What :func:`~nexus.hook_calls.guarded` tells of one failed call: counted, logged
         with what follows from it (an abandoned ``on_stream_started`` refuses its request:

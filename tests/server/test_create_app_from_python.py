@@ -96,3 +96,38 @@ async def test_create_app_serves_middleware_over_http(aiohttp_client: Any) -> No
 def test_create_app_takes_middleware_for_its_own_engine_only() -> None:
     with pytest.raises(ValueError, match="give the middleware to the Engine passed as engine="):
         create_app(Config(), engine=Engine([MockProvider("mock")]), middleware=[shout])
+
+
+async def test_an_app_s_plugins_stay_its_own_with_hooks_shared_by_engines(
+    aiohttp_client: Any,
+) -> None:
+    """Engines may share one Hooks. The app's metrics went into it, so a Python-only
+    engine's streams were counted in the server's /metrics; and a second create_app with
+    one engine counted every stream twice (now refused)."""
+    from nexus import Hooks, accumulate
+
+    class Counting:
+        def __init__(self) -> None:
+            self.ends = 0
+
+        async def on_stream_completed(self, *args: Any) -> None:
+            self.ends += 1
+
+    counting = Counting()
+    shared = Hooks()
+    shared.add(counting)
+    served = Engine([MockProvider("mock")], hooks=shared)
+    app = create_app(Config(), engine=served)
+    client = await aiohttp_client(app)
+    async with Engine([MockProvider("mock")], hooks=shared) as alone:
+        for _ in range(3):
+            await accumulate(await alone.open_stream(chat()))
+    assert counting.ends == 3  # the shared plugin hears both engines' streams
+    page = await (await client.get("/metrics")).text()
+    assert 'nexus_requests_total{endpoint="/v1/chat/completions"' not in page
+    assert "nexus_tokens_total{" not in page  # none of the Python-only engine's
+    assert (await client.post("/v1/chat/completions", json=chat())).status == 200
+    page = await (await client.get("/metrics")).text()
+    assert 'nexus_requests_total{endpoint="/v1/chat/completions"' in page
+    with pytest.raises(ValueError, match="already serves an app"):
+        create_app(Config(), engine=served)

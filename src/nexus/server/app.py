@@ -119,6 +119,11 @@ def create_app(
     app[HUB] = hub
     app[KEYS] = keys = KeyRing(config.auth.keys)
     hub.limits = limits = build_limits(config, store, hub)
+    # The app's plugins go to a copy of the engine's: a Hooks shared with other engines (as
+    # Python callers may) hears of no stream but theirs, and one frozen by them takes these.
+    if engine.served:
+        raise ValueError("this Engine already serves an app: build an Engine for each app")
+    engine.served, engine.hooks = True, engine.hooks.copy()
     # Budgets and metrics run before every plugin: none can keep a stream from being
     # charged and counted (one that hangs until its timeout, or raises CancelledError).
     if keys.enabled:

@@ -414,6 +414,9 @@ def test_a_json_schema_response_format_is_anthropics_output_format() -> None:
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"web_search_options": {}}, "web_search_options"),
+        # A field Nexus does not know (OpenAI's newer ones): it went nowhere, unseen.
+        ({"moderation": {"output": "block"}}, "moderation"),
+        ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
     ],
 )
 def test_fields_the_messages_api_cannot_carry_are_refused(

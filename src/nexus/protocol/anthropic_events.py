@@ -153,6 +153,10 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
         for name, (asks, what) in _UNCARRIED.items():
             if name in extra and asks(extra[name]):
                 return _cannot(name, what, "send it to a model of an OpenAI-compatible provider")
+        unknown = next((name for name in extra if name not in _KNOWN), None)
+        if unknown is not None:  # passed on to OpenAI-compatible upstreams, which may know it
+            what = "a field Nexus does not know, and so cannot carry"
+            return _cannot(unknown, what, "send it to a model of an OpenAI-compatible provider")
         try:
             anthropic_config(request)
         except InvalidRequest as exc:
@@ -167,6 +171,32 @@ def _cannot(param: str, what: str, instead: str) -> InvalidRequest:
     )
     return InvalidRequest(message, param=param)
 
+
+_KNOWN = frozenset(
+    {
+        # carried: Anthropic's own (from /v1/messages, or a chat client that knows them)
+        "thinking",
+        "top_k",
+        "service_tier",
+        "output_config",
+        "reasoning_effort",
+        # dropped: they only tune sampling, or serve OpenAI alone (docs/providers.md)
+        "verbosity",
+        "prediction",
+        "store",
+        "metadata",
+        "prompt_cache_key",
+        "safety_identifier",
+        # refused when they ask for something (_UNCARRIED)
+        "logit_bias",
+        "functions",
+        "modalities",
+        "audio",
+        "web_search_options",
+    }
+)
+"""The request fields beside the declared ones an Anthropic target carries, drops or
+refuses by name; any other is refused (dropped, it would change the answer unseen)."""
 
 _UNCARRIED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # name: (whether the value asks for something, what it asks for)

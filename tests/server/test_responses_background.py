@@ -44,3 +44,36 @@ async def test_the_response_id_names_the_stream(make_client: MakeClient) -> None
     assert parse_sse(await got.read())[-1].event == "response.completed"
     deleted = await client.delete(f"/v1/streams/{accepted['id']}")
     assert (await deleted.json())["id"] == accepted["stream_id"]
+
+
+async def test_background_and_stream_streams_at_once_as_openai_does(
+    make_client: MakeClient,
+) -> None:
+    """OpenAI streams a response asked for with both (its SDK's background streaming):
+    the SDK got a 202 body, yielded no event and raised nothing, and its stream helper's
+    get_final_response() raised. The run is detached: it goes on for a client that left,
+    which resumes it by the id of an event it saw."""
+    client = await make_client()
+    api = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+    events = [
+        event
+        async for event in await api.responses.create(
+            model="mock/echo", input="one two", background=True, stream=True
+        )
+    ]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[-1].response.output_text == "one two"
+    async with api.responses.stream(model="mock/echo", input="three", background=True) as stream:
+        final = await stream.get_final_response()
+    assert final.output_text == "three"
+    # Left after its first event, it runs on and is read again from there.
+    slow = {"model": "mock/echo", "input": "a b c d", "background": True, "stream": True}
+    slow["mock"] = {"delay_ms": 50}  # type: ignore[assignment]
+    resp = await client.post("/v1/responses", json=slow)
+    assert resp.status == 200 and resp.headers["X-Nexus-Resumable"] == "true"
+    first = await resp.content.readuntil(b"\n\n")
+    resp.close()
+    seen = next(line for line in first.split(b"\n") if line.startswith(b"id: "))[4:].decode()
+    again = await client.get(f"/v1/streams/{seen.split('.')[0]}", headers={"Last-Event-ID": seen})
+    assert parse_sse(await again.read())[-1].event == "response.completed"
+    await api.close()

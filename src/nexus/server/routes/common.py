@@ -207,8 +207,11 @@ async def complete(
     default_format: str,
     render: Callable[[Completion], dict[str, Any]],
     accepted: Callable[[dict[str, Any], StreamMeta], dict[str, Any]] | None = None,
+    streams_background: bool = False,
 ) -> web.StreamResponse:
-    """Serve one completion request in the endpoint's shapes.
+    """Serve one completion request in the endpoint's shapes. A ``background`` request is
+    answered 202 with where to read it; with ``streams_background`` (OpenAI's Responses),
+    one that also asks to ``stream`` is streamed at once, its run detached and resumable.
 
     The stream format is negotiated before the body is read, so an unknown
     format is refused whatever the body holds, and a token of the key's rate is taken
@@ -265,8 +268,9 @@ async def complete(
             ctx=ctx,
             private=not streaming,
         )
+    later = chat.background and not (chat.stream and streams_background)  # a 202, read later
     # A join reads a run another request holds the slot of: it is one of the key's readers.
-    with await join_place(request, key, opened, chat.background):
+    with await join_place(request, key, opened, later):
         count_cache(request, ex, opened)
         headers = {STORE_HEADER: "unavailable"} if not opened.stored else {}
         if not streaming:
@@ -278,7 +282,7 @@ async def complete(
         if opened.cache:
             headers["X-Nexus-Cache"] = opened.cache
         headers[RESUMABLE_HEADER] = str(opened.info.resumable).lower()
-        if chat.background:
+        if later:
             if opened.reader is not None:  # a background request reads nothing: it resumes
                 await opened.reader.close()
             if opened.run is not None:

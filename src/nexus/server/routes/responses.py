@@ -2,7 +2,9 @@
 
 Its own stream format by default (``response.*`` events, docs/protocols.md §4);
 ``stream_format`` negotiation picks any other registered one. ``background: true`` answers
-with a ``response`` object (what the OpenAI SDK reads), which carries the stream's ``url``.
+with a ``response`` object (what the OpenAI SDK reads), which carries the stream's ``url``;
+with ``stream: true`` too it streams at once, as OpenAI does, the run detached (it goes on
+if the client leaves) and resumable.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             default_format=DEFAULT_FORMAT,
             render=response_body,
             accepted=_accepted,
+            streams_background=True,
         )
     except InvalidRequest as exc:  # the engine's names a chat field (no target honours it)
         raise responses_error(exc) from None

@@ -782,3 +782,45 @@ async def test_signed_thinking_goes_back_with_its_turn(
             {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": "R"}},
         ],
     }
+
+
+def test_a_pdf_or_text_file_is_a_document_and_a_file_it_cannot_take_is_refused() -> None:
+    """A file part went nowhere: Anthropic got the text beside it alone (or no content at
+    all), and answered about a PDF it never saw."""
+    import base64
+
+    pdf = base64.b64encode(b"%PDF-1.7 ...").decode()
+    text = base64.b64encode("notes: é".encode()).decode()
+    parts = [
+        {"type": "text", "text": "summarise"},
+        {"type": "file", "file": {"file_data": f"data:application/pdf;base64,{pdf}"}},
+        {
+            "type": "file",
+            "file": {"file_data": f"data:text/plain;base64,{text}", "filename": "notes.txt"},
+        },
+    ]
+    request = ChatRequest.model_validate(chat(messages=[{"role": "user", "content": parts}]))
+    assert refusal(request) is None
+    (turn,) = messages_body(request, "m", 100)["messages"]
+    assert turn["content"][1:] == [
+        {
+            "type": "document",
+            "source": {"type": "base64", "media_type": "application/pdf", "data": pdf},
+        },
+        {
+            "type": "document",
+            "source": {"type": "text", "media_type": "text/plain", "data": "notes: é"},
+            "title": "notes.txt",
+        },
+    ]
+    for file, why in [
+        ({"file_id": "file-abc"}, "file_id"),
+        ({"file_data": "data:application/zip;base64,UEsDBA=="}, "application/zip"),
+        ({"file_data": "data:application/pdf;base64,not base64!"}, "not valid base64"),
+        ({"file_data": "JVBERi0x"}, "data: URL"),
+    ]:
+        content = [{"type": "text", "text": "x"}, {"type": "file", "file": file}]
+        request = ChatRequest.model_validate(chat(messages=[{"role": "user", "content": content}]))
+        error = refusal(request)
+        assert error is not None and error.param == "messages[0].content[1].file"
+        assert why in error.message and "cannot take" in error.message

@@ -27,6 +27,7 @@ from ..events import Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, c
 from ..request import (
     AssistantMessage,
     ChatRequest,
+    FilePart,
     ImagePart,
     NamedToolChoice,
     SystemMessage,
@@ -35,6 +36,7 @@ from ..request import (
     UserMessage,
     message_text,
 )
+from .anthropic_documents import document_block, file_refusal
 from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from .output_config import anthropic_config
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
@@ -140,6 +142,9 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
     Anthropic's structured outputs need a schema, and one for "any object" would hold
     the answer to ``{}`` (the API closes every object to properties it does not list).
     Nor is an ``output_config`` that asks for one thing twice (:mod:`.output_config`)."""
+    refused = file_refusal(request)
+    if refused is not None:
+        return refused
     fmt = request.response_format
     if fmt is not None and fmt.type != "text" and _schema(request) is None:
         what = (
@@ -264,6 +269,8 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
                 media_type = header[5:].split(";", 1)[0]
                 source = {"type": "base64", "media_type": media_type, "data": data}
             blocks.append({"type": "image", "source": source, **cache_control(part)})
+        elif isinstance(part, FilePart):
+            blocks.append(document_block(part))
     return blocks
 
 

@@ -54,6 +54,10 @@ def test_fields_with_a_chat_completions_twin_go_upstream() -> None:
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 5}, "top_logprobs"),
         ({"text": {"verbosity": "loud"}}, "text.verbosity"),
+        # Fields Nexus does not know were accepted and went nowhere (docs: refused).
+        ({"moderation": {"output": "block"}}, "moderation"),
+        ({"context_management": [{"type": "compaction"}]}, "context_management"),
+        ({"seed": 7}, "seed"),
     ],
 )
 def test_fields_nexus_cannot_honour_are_refused(body: dict[str, Any], param: str) -> None:

@@ -15,8 +15,8 @@ changes the answer and that Nexus cannot honour is refused, naming it
 nothing), ``prompt`` templates, ``max_tool_calls``, ``truncation: "auto"``, any
 ``include`` (Nexus produces none of its extras), ``top_logprobs`` (no log probabilities),
 a ``reasoning.summary`` other than ``"auto"``, Chat Completions' ``modalities`` (other than
-text) and ``audio`` (audio output has no place in a response). Other unknown fields are
-accepted and not forwarded.
+text) and ``audio`` (audio output has no place in a response), and any field Nexus does not
+know (it would go nowhere, unseen); Anthropic's ``thinking`` goes on as on chat completions.
 """
 
 from __future__ import annotations
@@ -223,6 +223,7 @@ class ResponsesRequest(OpenModel):
 
 
 _STATEFUL = ("previous_response_id", "conversation")
+_KNOWN_EXTRA = ("modalities", "audio", "thinking")  # read from the extras (refused or carried)
 _TAG_ERRORS = ("union_tag_invalid", "union_tag_not_found")
 
 
@@ -299,8 +300,7 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
             "only 'auto' is supported: the summary is the "
             "reasoning the upstream streams, as long as it makes it",
         )
-    # Chat Completions' ask for audio output: a response has no item for it (dropped,
-    # the client would get text with no word that its ask went unheard).
+    # Chat Completions' ask for audio output: a response has no item for it.
     extra = request.model_extra or {}
     modalities = extra.get("modalities")
     for name, asks in (
@@ -309,6 +309,8 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
     ):
         if asks:
             raise _error(name, "audio output has no place in a response; ask chat completions")
+    if unknown := next((name for name in extra if name not in _KNOWN_EXTRA), None):
+        raise _error(unknown, "not a field Nexus's Responses API knows: it would go nowhere")
 
 
 def to_chat_request(request: ResponsesRequest) -> ChatRequest:

@@ -496,6 +496,22 @@ def test_every_session_error_frame_carries_the_request_id() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"background": True}, "request.background"),
+        ({"stream_options": {"resumable": True}}, "request.stream_options.resumable"),
+    ],
+)
+def test_http_ways_to_read_later_are_refused_on_a_start(extra: dict[str, Any], param: str) -> None:
+    """Accepted, they did nothing: a turn is read on its socket or not at all."""
+    session = RealtimeSession(max_pending_input_bytes=1000)
+    (sent,) = session.receive_text(start({"model": "m", "messages": USER, **extra}))
+    error = orjson.loads(sent.frame)["error"]  # type: ignore[union-attr]
+    assert (error["code"], error["param"]) == ("invalid_request", param)
+    assert not session.streaming
+
+
 def test_a_refusal_during_a_turn_names_what_it_refused_and_a_turns_end_does_not() -> None:
     """An image refused while a turn runs (bad base64), or a second start, is answered with
     an error frame between the turn's events; the turn goes on. A client reading until

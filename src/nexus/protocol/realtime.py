@@ -302,6 +302,14 @@ class RealtimeSession:
         if not request.stream:
             message = "stream: the realtime surface always streams; omit stream or set it to true"
             return [self._error("invalid_request", message, param="request.stream")]
+        # HTTP's ways to read a stream later: a turn is read on its socket, or not at all.
+        for param, asked in (
+            ("background", request.background),
+            ("stream_options.resumable", request.resumable),
+        ):
+            if asked:
+                message = f"{param}: a turn streams to its socket alone; send it over HTTP"
+                return [self._error("invalid_request", message, param=f"request.{param}")]
         if self._pending:
             request = attach(request, [to_part(p) for p in self._pending])
         self.streaming = True

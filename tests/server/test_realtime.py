@@ -212,7 +212,10 @@ async def test_unsupported_input_is_refused_before_streaming(make_client: MakeCl
         assert (await turn(ws))[-1] == {"type": "done"}
 
 
-async def test_provider_failure_sends_error_then_1011(make_client: MakeClient) -> None:
+async def test_provider_failure_sends_error_then_1011(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nexus")
     _, ws = await connect(make_client)
     await ws.send(start("a b c", mock={"fail_after": 1}))
     frames = await turn(ws)
@@ -221,6 +224,15 @@ async def test_provider_failure_sends_error_then_1011(make_client: MakeClient) -
     with pytest.raises(websockets.ConnectionClosedError):
         await asyncio.wait_for(ws.recv(), 5)
     assert ws.close_code == 1011
+    for _ in range(500):  # the socket's access line, once its handler ended
+        lines = [r.access for r in caplog.records if r.name == "nexus.access"]  # type: ignore[attr-defined]
+        if lines:
+            break
+        await asyncio.sleep(0.01)
+    # The failure, and no client_disconnect beside it (aiohttp cancels the handler as the
+    # connection closes after 1011: no client left).
+    assert lines[0]["outcome"] == "mid_stream_error:upstream_error"
+    assert lines[0].get("cancelled") is None
 
 
 async def test_message_over_the_limit_closes_1009(

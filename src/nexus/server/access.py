@@ -179,7 +179,9 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await _close_if_unread(request, response)
     except BaseException as exc:
         left = isinstance(exc, ConnectionError) and client_gone(request)
-        if left or isinstance(exc, asyncio.CancelledError):
+        if (left or isinstance(exc, asyncio.CancelledError)) and ex.stream_error is None:
+            # (After a failure the answer ended with, aiohttp cancelling the handler as the
+            # connection closes is no client leaving: a realtime socket closed 1011.)
             ex.cancelled = ex.cancelled or "client_disconnect"
         elif ex.status is not None or request.writer.output_size:
             ex.stream_error = ex.stream_error or "internal_error"  # a bug past the headers

@@ -171,6 +171,7 @@ async def test_invalid_start_request_names_the_field(make_client: MakeClient) ->
         await ws.send(start(model="nobody/x"))
         error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
         assert error["error"]["code"] == "model_not_found"
+        assert error["error"]["param"] == "request.model"  # as every start field is named
         await ws.send(start("fine"))
         assert (await turn(ws))[-1] == {"type": "done"}
 

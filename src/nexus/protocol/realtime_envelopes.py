@@ -160,6 +160,9 @@ def gateway_error_frame(
         body["error"]["retry_after_s"] = int(retry_after)
     if refused is not None:
         body["refused"] = refused
+        param = body["error"].get("param")
+        if refused == "start" and param and not param.startswith("request"):
+            body["error"]["param"] = f"request.{param}"  # a start's fields are its request's
     return Send(orjson.dumps(body).decode(), error.code)
 
 

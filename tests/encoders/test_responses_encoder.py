@@ -247,6 +247,35 @@ def test_reasoning_then_text() -> None:
     )
 
 
+def test_interleaved_calls_each_end_with_their_whole_arguments() -> None:
+    """An upstream that interleaves parallel calls' pieces (call 0, call 1, call 0): call
+    0's done events carried '{"a"' marked completed, and its last piece went out nowhere.
+    A call whose arguments are not whole JSON stays open beside the next one."""
+    got = run(
+        ToolCall(0, id="call_a", name="f"),
+        ToolCall(0, arguments='{"a"'),
+        ToolCall(1, id="call_b", name="g", arguments='{"b":'),
+        ToolCall(0, arguments=":1}"),
+        ToolCall(1, arguments="2}"),
+        Delta(finish_reason="tool_calls"),
+    )
+    events = [orjson.loads(frame.split(b"\ndata: ", 1)[1]) for frame in got.split(b"\n\n")[:-1]]
+    done = {
+        e["output_index"]: e["arguments"] for e in events if e["type"].endswith("arguments.done")
+    }
+    assert done == {0: '{"a":1}', 1: '{"b":2}'}
+    deltas: dict[int, str] = {}
+    for e in events:
+        if e["type"] == "response.function_call_arguments.delta":
+            deltas[e["output_index"]] = deltas.get(e["output_index"], "") + e["delta"]
+    assert deltas == done  # every piece went out, under its own item
+    items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["arguments"], i["status"]) for i in items] == [
+        ('{"a":1}', "completed"),
+        ('{"b":2}', "completed"),
+    ]
+
+
 def test_tool_calls_one_item_each() -> None:
     f = Frames()
     a = {"item_id": "fc_abc123_0", "output_index": 0}

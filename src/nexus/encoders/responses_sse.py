@@ -10,8 +10,10 @@ Every frame is ``event: <type>\ndata: {"type": <type>, "sequence_number": N, ...
   item (an ``output_text`` part; a refusal, a ``refusal`` part), each tool call
   a ``function_call`` item. An item closes (its ``...done`` events, then
   ``output_item.done``) when another starts, and at the end: the SDK wants a
-  ``done`` for each. Arguments of a call whose item closed are only in the
-  final response.
+  ``done`` for each. A call whose arguments are not yet whole JSON when the next
+  call starts stays open beside it (an upstream may interleave parallel calls'
+  pieces) until they are, or an item of another kind starts, or the end: each
+  call's ``done`` carries its whole arguments.
 * :meth:`end`: ``response.completed`` or ``response.incomplete`` (``length``,
   ``content_filter``) with the full response, built as the non-streaming body
   is (:mod:`nexus.protocol.openai_responses_output`).
@@ -92,6 +94,7 @@ class ResponsesSSEEncoder(Encoder):
         self._finished = False
         self._items: list[_Item] = []
         self._current: _Item | None = None
+        self._calls_open: list[_Item] = []  # parallel calls before the current one, open
         # Tool-call items by index and by id; made with the first call (an idle
         # stream's encoder holds as little as it can).
         self._calls: dict[int, _Item] | None = None
@@ -182,8 +185,9 @@ class ResponsesSSEEncoder(Encoder):
         if self.request_id is not None:
             fields["request_id"] = self.request_id
         out = self._preamble() + self._event("error", fields)
-        if self._current is not None:
-            self._current.status = "incomplete"  # added, never done: cut off by the failure
+        for item in (*self._calls_open, self._current):
+            if item is not None:
+                item.status = "incomplete"  # added, never done: cut off by the failure
         response = self._response(
             "failed",
             output=[item.snapshot() for item in self._items],
@@ -218,7 +222,16 @@ class ResponsesSSEEncoder(Encoder):
     def _open(
         self, kind: str, prefix: str, call_id: str = "", name: str = ""
     ) -> tuple[bytes, _Item]:
-        out = self._close("completed")
+        current = self._current
+        if kind == "function_call" and current is not None and current.kind == kind:
+            self._calls_open.append(current)  # its pieces may still come, interleaved
+            self._current = None
+            out = b""
+            for call in [c for c in self._calls_open if _whole(c)]:
+                self._calls_open.remove(call)
+                out += self._close_item(call, "completed")
+        else:
+            out = self._close("completed")
         index = len(self._items)
         item = _Item(kind, f"{prefix}_{self._stem}_{index}", index, call_id=call_id, name=name)
         self._items.append(item)
@@ -229,12 +242,21 @@ class ResponsesSSEEncoder(Encoder):
         return out + added, item
 
     def _close(self, status: str) -> bytes:
-        """The ``...done`` events of the open item, if any, ending with ``output_item.done``."""
+        """The ``...done`` events of the open items, if any, each ending with
+        ``output_item.done``: parallel calls kept open first (``completed``), then the
+        current item (``status``)."""
+        out = b""
+        for call in self._calls_open:
+            out += self._close_item(call, "completed")
+        self._calls_open = []
         item = self._current
         if item is None:
-            return b""
+            return out
         self._current = None
         self._text_frame = None
+        return out + self._close_item(item, status)
+
+    def _close_item(self, item: _Item, status: str) -> bytes:
         where = {"item_id": item.id, "output_index": item.index}
         if item.kind == "reasoning":
             text = "".join(item.chunks)
@@ -346,12 +368,21 @@ class ResponsesSSEEncoder(Encoder):
                 item.chunks.clear()
                 item.filled = False
             item.chunks.append(call.arguments)
-            if item is self._current:
+            if item is self._current or item in self._calls_open:
                 out += self._event(
                     "response.function_call_arguments.delta",
                     {"item_id": item.id, "output_index": item.index, "delta": call.arguments},
                 )
         return out
+
+
+def _whole(call: _Item) -> bool:
+    """Whether a call's arguments so far are a whole JSON value (its pieces are over)."""
+    try:
+        orjson.loads("".join(call.chunks))
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _where(item: _Item) -> dict[str, Any]:

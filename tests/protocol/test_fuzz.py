@@ -794,7 +794,12 @@ async def test_get_streams_with_arbitrary_ids_never_answers_5xx(
 ) -> None:
     gateway = resumable
     ids = [
-        (await (await gateway.post(p, json={**VALID[k], "background": True})).json())["id"]
+        # (not streamed: a Responses request that streams in the background streams at once)
+        (
+            await (
+                await gateway.post(p, json={**VALID[k], "background": True, "stream": False})
+            ).json()
+        )["id"]
         for p, k in ENDPOINTS.items()
     ]
     segment = data.draw(

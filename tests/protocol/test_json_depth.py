@@ -160,30 +160,27 @@ def test_values_are_the_members_and_elements_of_every_object_and_array(
         assert more_items_than(value, items - 1)
 
 
-def many(messages: int, *, both: bool = True) -> bytes:
-    """A body of ``messages`` messages in ``messages`` and, ``both``, ``input``: the chat
-    and Responses endpoints each read their own and pass the other on (Messages refuses
-    a field it does not carry out)."""
+def many(messages: int, *, responses: bool = False) -> bytes:
+    """A body of ``messages`` messages, in ``input`` for the Responses endpoint (which
+    refuses a field it does not know), else in ``messages``."""
     user = {"role": "user", "content": "hi"}
-    body: dict[str, Any] = {"model": "m", "max_tokens": 1, "messages": [user] * messages}
-    if both:
-        body["input"] = [user] * messages
-    return orjson.dumps(body)
+    if responses:
+        return orjson.dumps({"model": "m", "max_output_tokens": 1, "input": [user] * messages})
+    return orjson.dumps({"model": "m", "max_tokens": 1, "messages": [user] * messages})
 
 
 @pytest.mark.parametrize("parse", PARSERS)
 def test_parsers_refuse_bodies_of_too_many_values_as_too_large(parse: Any) -> None:
-    # 4 top-level members, 2 lists of 30 messages, of 2 members each: 184 values (3, 1
-    # list: 93, for Messages).
-    both = parse is not parse_messages_request
-    values = 184 if both else 93
+    # 3 top-level members, a list of 30 messages of 2 members each: 93 values.
+    responses = parse is parse_responses_request
+    values = 93
     with pytest.raises(RequestTooLarge) as refused:
-        parse(many(30, both=both), max_items=values - 1)
+        parse(many(30, responses=responses), max_items=values - 1)
     assert refused.value.status == 413 and refused.value.code == "request_too_large"
     assert f"limit of {values - 1} JSON values" in refused.value.message
-    assert parse(many(30, both=both), max_items=values).model == "m"  # at the limit: taken
+    assert parse(many(30, responses=responses), max_items=values).model == "m"  # taken
     with pytest.raises(RequestTooLarge):  # the default: 100,000
-        parse(many(40_000, both=both))
+        parse(many(40_000, responses=responses))
 
 
 def test_a_start_of_too_many_values_gets_an_error_and_the_session_goes_on() -> None:

@@ -469,3 +469,64 @@ def test_tool_call_pieces_come_out_as_openai_sends_them() -> None:
         ToolCall(0, None, "f", ""),
         ToolCall(0, "c", None, "{}"),
     ]
+
+
+def test_compatible_servers_usage_is_read_in_openai_terms() -> None:
+    """DeepSeek reports cache hits as prompt_cache_hit_tokens (a cache hit was charged at
+    the full input price: 68% over); xAI leaves reasoning out of completion_tokens (its
+    total counts it beside them: reasoning was never charged)."""
+    deepseek = {
+        "choices": [],
+        "usage": {
+            **usage(1000, 100),
+            "completion_tokens_details": {"reasoning_tokens": 50},
+            "prompt_cache_hit_tokens": 900,
+            "prompt_cache_miss_tokens": 100,
+        },
+    }
+    xai = {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 1000,
+            "completion_tokens": 100,
+            "total_tokens": 1500,
+            "completion_tokens_details": {"reasoning_tokens": 400},
+        },
+    }
+    (ds,), _ = read_events([orjson.dumps(deepseek).decode()])
+    assert (ds.cached_tokens, ds.completion_tokens, ds.reasoning_tokens) == (900, 100, 50)
+    (x,), _ = read_events([orjson.dumps(xai).decode()])
+    assert (x.completion_tokens, x.reasoning_tokens, x.total_tokens) == (500, 400, 1500)
+    # OpenAI's own: completion already holds the reasoning (total = prompt + completion).
+    openai = {"choices": [], "usage": {**usage(1000, 500), "completion_tokens_details": {}}}
+    openai["usage"]["completion_tokens_details"] = {"reasoning_tokens": 400}
+    (o,), _ = read_events([orjson.dumps(openai).decode()])
+    assert (o.completion_tokens, o.reasoning_tokens) == (500, 400)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (
+            {"type": "BadRequestError", "message": "too long", "code": 400},
+            400,
+            "upstream_invalid_request",
+        ),
+        ({"message": "slow down", "code": 429}, 429, "upstream_rate_limited"),
+        (
+            {"type": "exceed_context_size_error", "code": 400, "message": "x"},
+            400,
+            "upstream_invalid_request",
+        ),
+        ({"message": "boom", "code": 503}, 502, "upstream_error"),
+    ],
+)
+def test_an_error_chunk_s_numeric_code_is_its_status(
+    error: dict[str, Any], status: int, code: str
+) -> None:
+    """vLLM, OpenRouter and llama.cpp put the HTTP status in error.code: a context-length
+    400 became a retryable 502, which SDKs retried and aliases fell back on."""
+    decoder = ChunkDecoder("up")
+    decoder.decode(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
+    assert decoder.error is not None
+    assert (decoder.error.status, decoder.error.code) == (status, code)

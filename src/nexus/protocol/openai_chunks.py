@@ -270,18 +270,33 @@ def _expiry(value: Any) -> int | None:
 def _usage_events(usage: Any, events: list[StreamEvent]) -> None:
     """The usage, its counts checked (:func:`~nexus.protocol.upstream.token_count`): they
     are billed, and reach the access line and the key's budget; the details the upstream
-    reported are kept, for clients that read them. Once a stream."""
+    reported are kept, for clients that read them. Once a stream.
+
+    Two compatible servers count otherwise than OpenAI, and are read in its terms:
+    DeepSeek reports its cache hits as ``prompt_cache_hit_tokens`` (no
+    ``prompt_tokens_details``): they are the cached tokens; xAI leaves reasoning out of
+    ``completion_tokens`` (its ``total_tokens`` counts it beside them): it is added in,
+    as OpenAI counts it and as it is billed."""
     if usage:
         usage = object_of(usage, "usage")
         prompt = object_of(usage.get("prompt_tokens_details"), "prompt_tokens_details")
         completion = object_of(usage.get("completion_tokens_details"), "completion_tokens_details")
+        prompt_tokens = token_count(usage.get("prompt_tokens"), "prompt_tokens")
+        completion_tokens = token_count(usage.get("completion_tokens"), "completion_tokens")
+        total_tokens = token_count(usage.get("total_tokens"), "total_tokens")
+        cached = _detail(prompt, "cached_tokens")
+        if cached is None and "prompt_cache_hit_tokens" in usage:  # DeepSeek's
+            cached = optional_count(usage["prompt_cache_hit_tokens"], "prompt_cache_hit_tokens")
+        reasoning = _detail(completion, "reasoning_tokens")
+        if reasoning and total_tokens == prompt_tokens + completion_tokens + reasoning:  # xAI's
+            completion_tokens += reasoning
         events.append(
             Usage(
-                prompt_tokens=token_count(usage.get("prompt_tokens"), "prompt_tokens"),
-                completion_tokens=token_count(usage.get("completion_tokens"), "completion_tokens"),
-                total_tokens=token_count(usage.get("total_tokens"), "total_tokens"),
-                cached_tokens=_detail(prompt, "cached_tokens"),
-                reasoning_tokens=_detail(completion, "reasoning_tokens"),
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=total_tokens,
+                cached_tokens=cached,
+                reasoning_tokens=reasoning,
                 prompt_audio_tokens=_detail(prompt, "audio_tokens"),
                 completion_audio_tokens=_detail(completion, "audio_tokens"),
                 accepted_prediction_tokens=_detail(completion, "accepted_prediction_tokens"),

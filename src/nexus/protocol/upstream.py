@@ -238,16 +238,23 @@ def plain_token(value: object) -> str | None:
 
 def in_stream_error(provider: str, error: Any) -> UpstreamError:
     """The error for an error object inside the stream (docs/protocols.md §2, §3): its
-    ``type`` stands for a status (:func:`status_error`); the type and the code
-    (``upstream_error`` if none) reach the client when each is a :func:`plain_token`
-    (else no type, and ``upstream_error``)."""
+    ``type`` stands for a status (:func:`status_error`), or else an integer ``code``
+    from 400 to 599 (a status, as vLLM, OpenRouter and llama.cpp send it); the type and
+    the code (``upstream_error`` if none) reach the client when each is a
+    :func:`plain_token` (else no type, and ``upstream_error``)."""
     if not isinstance(error, dict):
         error = {"message": str(error)}
     kind, code = plain_token(error.get("type")), plain_token(error.get("code"))
     text = _passed_on(str(error.get("message") or "error inside the stream"))
+    status = _STATUS_OF_TYPE.get(kind or "")
+    number = error.get("code")
+    if status is None and type(number) is int and 400 <= number <= 599:
+        # A status as the code (vLLM, OpenRouter, llama.cpp): a 400 is no retryable 502,
+        # a 429 a rate limit; the code is the status's own (upstream_invalid_request, ...).
+        return status_error(provider, number, f"provider {provider!r}: {text}", error_type=kind)
     return status_error(
         provider,
-        _STATUS_OF_TYPE.get(kind or "", 500),
+        status or 500,
         f"provider {provider!r}: {text}",
         code=code or "upstream_error",
         error_type=kind,

@@ -360,6 +360,38 @@ async def test_a_body_that_ends_on_done_without_its_blank_line_is_a_whole_answer
 
 
 @pytest.mark.parametrize("stream", [True, False])
+async def test_a_body_that_ends_cleanly_after_its_finish_is_a_whole_answer(
+    connect: Connect, stream: bool
+) -> None:
+    """Perplexity sends no [DONE] (its usage rides on every chunk): each answer ended with
+    upstream_disconnect after its last word (retryable: the SDK called again and paid
+    twice), and its usage was lost. A body that ends cleanly before a finish is cut."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    frames = [
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "p",
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
+                "usage": usage,
+            }
+        )
+        + b"\n\n"
+        for text, finish in (("all ", None), ("here", "stop"))
+    ]
+    client = await connect(Reply.stream(frames))
+    got = await result(
+        await post(client, stream=stream, stream_options={"include_usage": True}), stream
+    )
+    assert (got["content"], got["finish_reason"]) == ("all here", "stop")
+    assert got["usage"]["completion_tokens"] == 2
+    client = await connect(Reply.stream(frames[:1]))  # no finish: cut
+    resp = await post(client, stream=False)
+    assert (resp.status, (await resp.json())["error"]["code"]) == (502, "upstream_disconnect")
+
+
+@pytest.mark.parametrize("stream", [True, False])
 async def test_a_body_cut_before_its_done_is_still_an_error(connect: Connect, stream: bool) -> None:
     frames = [openai_chunk(content="cut "), openai_chunk(finish_reason="stop")]
     client = await connect(Reply.stream([*frames, b'data: {"choices": [{"ind']))

@@ -177,31 +177,8 @@ def _cannot(param: str, what: str, instead: str) -> InvalidRequest:
     return InvalidRequest(message, param=param)
 
 
-_KNOWN = frozenset(
-    {
-        # carried: Anthropic's own (from /v1/messages, or a chat client that knows them)
-        "thinking",
-        "top_k",
-        "service_tier",
-        "output_config",
-        "reasoning_effort",
-        # dropped: they only tune sampling, or serve OpenAI alone (docs/providers.md)
-        "verbosity",
-        "prediction",
-        "store",
-        "metadata",
-        "prompt_cache_key",
-        "safety_identifier",
-        # refused when they ask for something (_UNCARRIED)
-        "logit_bias",
-        "functions",
-        "modalities",
-        "audio",
-        "web_search_options",
-    }
-)
-"""The request fields beside the declared ones an Anthropic target carries, drops or
-refuses by name; any other is refused (dropped, it would change the answer unseen)."""
+_CARRIED = ("thinking", "top_k", "service_tier", "output_config", "reasoning_effort")
+_DROPPED = ("verbosity", "prediction", "store", "metadata", "prompt_cache_key", "safety_identifier")
 
 _UNCARRIED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # name: (whether the value asks for something, what it asks for)
@@ -214,6 +191,10 @@ _UNCARRIED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "audio": (lambda value: value is not None, "audio output"),
     "web_search_options": (lambda value: value is not None, "a web search"),
 }
+_KNOWN = frozenset((*_CARRIED, *_DROPPED, *_UNCARRIED))
+"""The request fields beside the declared ones an Anthropic target carries, drops (they
+tune sampling or serve OpenAI alone) or refuses by name (:data:`_UNCARRIED`, when they ask
+for something); any other is refused: dropped, it would change the answer unseen."""
 
 
 def _schema(request: ChatRequest) -> dict[str, Any] | None:
@@ -450,6 +431,10 @@ class EventDecoder:
             case "error":
                 self.error = in_stream_error(self.provider, data.get("error"))
         return []  # ping, unknown events
+
+    def closed(self) -> list[StreamEvent]:
+        """The body ended without ``message_stop``: cut (Anthropic always sends it)."""
+        return []
 
     def _input_of_none(self, block_index: int) -> list[StreamEvent]:
         """A tool call whose block closed without input (a tool that takes no arguments:

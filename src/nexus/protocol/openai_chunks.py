@@ -364,8 +364,9 @@ def _model_of(data: bytes) -> str | None:
     return model if type(model) is str and model else None
 
 
-def _typed_events(chunk: _Chunk, events: list[StreamEvent], tools: ToolCallPieces) -> None:
-    """:func:`chunk_events` of a typed chunk."""
+def _typed_events(chunk: _Chunk, events: list[StreamEvent], tools: ToolCallPieces) -> bool:
+    """:func:`chunk_events` of a typed chunk; whether it finished the choice."""
+    finished = False
     for choice in chunk.choices or ():
         if choice.index:
             continue
@@ -383,6 +384,8 @@ def _typed_events(chunk: _Chunk, events: list[StreamEvent], tools: ToolCallPiece
                     _audio_event(audio.id, audio.data, audio.transcript, audio.expires_at, events)
         if choice.finish_reason:
             events.append(Delta(finish_reason=choice.finish_reason))
+            finished = True
+    return finished
 
 
 class ChunkDecoder:
@@ -392,6 +395,7 @@ class ChunkDecoder:
     is read once a stream (the typed decoder skips it, as it does ``id``)."""
 
     __slots__ = (
+        "_finished",
         "_held",
         "_named",
         "_payloads",
@@ -412,6 +416,7 @@ class ChunkDecoder:
         self._named = False  # the first payload was read for its model
         self._tools = ToolCallPieces()
         self._held: Usage | None = None  # the last usage of a chunk with choices
+        self._finished = False  # a finish_reason came
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -434,12 +439,22 @@ class ChunkDecoder:
                 if typed.error:
                     self.error = in_stream_error(self.provider, typed.error)
                     return events
-                _typed_events(typed, events, self._tools)
+                if _typed_events(typed, events, self._tools):
+                    self._finished = True
                 if typed.usage:
                     self._usage(typed.usage, bool(typed.choices), events)
         except Malformed as exc:
             self.error = malformed(self.provider, exc)
         return events
+
+    def closed(self) -> list[StreamEvent]:
+        """The body ended cleanly without ``[DONE]``: after a ``finish_reason`` the stream
+        is whole (Perplexity sends no ``[DONE]``: its every answer was an error after its
+        last word): ``done``, the usage held out. Before one, nothing: it was cut."""
+        if not self._finished or self.error is not None:
+            return []
+        self.done = True
+        return [] if self._held is None else [self._held]
 
     def _usage(self, usage: Any, choices: bool, events: list[StreamEvent]) -> None:
         """A chunk's usage. OpenAI's comes once, on a chunk of its own (no choices): out at
@@ -476,7 +491,10 @@ class ChunkDecoder:
             usage = value.get("usage")
             if usage:
                 value = {**value, "usage": None}
+            count = len(events)
             chunk_events(value, events, self._tools)
+            if any(type(e) is Delta and e.finish_reason for e in events[count:]):
+                self._finished = True
             if usage:
                 self._usage(usage, bool(value.get("choices")), events)
         return True

@@ -115,6 +115,10 @@ class UpstreamDecoder(Protocol):
 
     def decode(self, chunk: bytes) -> list[StreamEvent]: ...
 
+    def closed(self) -> list[StreamEvent]:
+        """The body ended cleanly before ``terminator``: the events that end it, ``done``
+        set, when the stream is whole all the same (else it was cut)."""
+
 
 def status_error(
     provider: str,

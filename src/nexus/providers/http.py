@@ -325,6 +325,7 @@ class _Exchange:
             decoder = self._decoder
             if decoder is not None and not self._end and self._collect is None:
                 events = decoder.decode(b"\n\n")  # its end lacks the blank line: [DONE]\n
+                events += [] if decoder.done else decoder.closed()  # whole, no terminator?
                 if decoder.done and decoder.error is None:
                     self._end = True
                     self._ready += events

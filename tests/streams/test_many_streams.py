@@ -263,7 +263,9 @@ async def background(session: aiohttp.ClientSession, base: str, rng: random.Rand
     """``"background": true``, then ``GET /v1/streams/{id}``: read to the end, left, or
     cancelled with ``DELETE`` while being read."""
     path, _ = rng.choice(ROUTES)
-    async with session.post(base + path, json=body(path, rng, background=True)) as resp:
+    # (not streamed: a Responses request that streams in the background streams at once)
+    answer_later = body(path, rng, background=True, stream=False)
+    async with session.post(base + path, json=answer_later) as resp:
         assert resp.status == 202, await resp.text()
         stream_id = (await resp.json())["id"]
     mode = rng.choice(["read", "leave", "delete"])

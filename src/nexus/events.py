@@ -33,17 +33,22 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     """One fragment of a tool call: the first for an ``index`` carries ``id`` and
-    ``name``, later ones more ``arguments`` text, to be concatenated."""
+    ``name``, later ones more ``arguments`` text, to be concatenated. ``extra_content``:
+    what a compatible server attached to the call for its next turn (Gemini's
+    ``{"google": {"thought_signature": ...}}``, which it needs back, or it refuses)."""
 
     type: ClassVar[str] = "tool_call"
     index: int
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+    extra_content: dict[str, Any] | None = None
 
     def wire(self) -> dict[str, Any]:
         """The OpenAI ``delta.tool_calls[]`` entry for this fragment."""
         out: dict[str, Any] = {"index": self.index}
+        if self.extra_content is not None:
+            out["extra_content"] = self.extra_content
         function: dict[str, Any] = {"arguments": self.arguments}
         if self.id is not None:
             out["id"] = self.id

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from .events import Audio, Citation, Delta, Image, Reasoning, StreamEvent, ToolCall, Usage
 from .types import CompletedToolCall, Completion, ReasoningBlock, StreamMeta, fallback_call_id
@@ -12,13 +13,14 @@ __all__ = ["Merger", "merge_events"]
 
 
 class _ToolCallBuilder:
-    __slots__ = ("arguments", "id", "index", "name")
+    __slots__ = ("arguments", "extra", "id", "index", "name")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.id: str | None = None
         self.name: str | None = None
         self.arguments: list[str] = []
+        self.extra: dict[str, Any] | None = None
 
 
 class _ReasoningBuilder:
@@ -75,6 +77,8 @@ class Merger:
             builder.name = call.name
         if call.arguments:
             builder.arguments.append(call.arguments)
+        if call.extra_content is not None:
+            builder.extra = call.extra_content
 
     def _top(self) -> int:
         return max(builder.index for builder in self._built)
@@ -155,6 +159,7 @@ class Merger:
                 # A call without arguments is "{}", as OpenAI sends it, whatever the
                 # upstream sent ("" or nothing): an empty string is not JSON.
                 arguments="".join(b.arguments) or "{}",
+                extra_content=b.extra,
             )
             for b in sorted(self._built, key=lambda b: b.index)
         ]

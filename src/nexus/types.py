@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .events import Audio, Citation, Image, Usage
 
@@ -103,6 +104,8 @@ class CompletedToolCall:
     id: str
     name: str
     arguments: str
+    extra_content: dict[str, Any] | None = None
+    """What the upstream attached to it for its next turn (:class:`~nexus.events.ToolCall`)."""
 
 
 @dataclass(slots=True)

@@ -140,3 +140,33 @@ READS = {
     "messages": messages_json,
     "messages stream": messages_stream,
 }
+
+
+async def test_gemini_s_thought_signature_reaches_the_client_and_goes_back(
+    make_client: MakeClient,
+) -> None:
+    """Gemini 3's OpenAI-compatible API attaches each call's thought signature as
+    ``extra_content``, and refuses the next turn without it. It was dropped: tool use
+    through Nexus failed on its second turn."""
+    signed = {"google": {"thought_signature": "SIG_A"}}
+    piece = {**call(None, "call_A", "fa", '{"x":1}'), "extra_content": signed}
+    stream = [openai_chunk(tool_calls=[piece]), openai_chunk(finish_reason="tool_calls"), DONE]
+    async with FakeUpstream(default=Reply.stream(stream)) as fake:
+        client = await make_client(
+            {"providers": {"up": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+        )
+        url = str(client.make_url("")) + "/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as chat:
+            created = await chat.chat.completions.create(model="up/m", messages=USER)  # type: ignore[arg-type]
+            (made,) = created.choices[0].message.tool_calls or []
+            assert (made.model_extra or {}).get("extra_content") == signed
+            async with chat.chat.completions.stream(model="up/m", messages=USER) as streamed:  # type: ignore[arg-type]
+                final = await streamed.get_final_completion()
+            (got,) = final.choices[0].message.tool_calls or []
+            assert (got.model_extra or {}).get("extra_content") == signed
+            # The next turn carries it back upstream, as the client sent it.
+            turn = [*USER, created.choices[0].message.model_dump(exclude_none=True)]
+            turn.append({"role": "tool", "tool_call_id": "call_A", "content": "1"})
+            await chat.chat.completions.create(model="up/m", messages=turn)  # type: ignore[arg-type]
+        sent = fake.requests[-1].body["messages"][1]["tool_calls"][0]
+        assert sent["extra_content"] == signed

@@ -109,9 +109,13 @@ def field_path(loc: tuple[int | str, ...], data: Any) -> str:
     return out
 
 
-def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    """A ``tool_calls`` entry of a chat message (``arguments``: JSON text)."""
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+def tool_call(
+    call_id: str, name: str, arguments: str, extra_content: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A ``tool_calls`` entry of a chat message (``arguments``: JSON text; ``extra_content``
+    what the upstream attached to it, when it did)."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return call if extra_content is None else {**call, "extra_content": extra_content}
 
 
 def chunk_prefix(meta: StreamMeta) -> bytes:
@@ -149,7 +153,8 @@ def completion_body(completion: Completion) -> dict[str, Any]:
         message["reasoning_content"] = completion.reasoning
     if completion.tool_calls:
         message["tool_calls"] = [
-            tool_call(call.id, call.name, call.arguments) for call in completion.tool_calls
+            tool_call(call.id, call.name, call.arguments, call.extra_content)
+            for call in completion.tool_calls
         ]
     if completion.audio:
         message["audio"] = message_audio(completion.audio)

@@ -201,11 +201,13 @@ def _delta_events(
         index = call.get("index", 0)
         if type(index) is not int or index < 0:
             raise Malformed("a tool call index that is not a non-negative integer")
+        extra = call.get("extra_content")  # Gemini's thought signature, needed back
         piece = ToolCall(
             index=index,
             id=text_of(call.get("id"), "tool call id"),
             name=text_of(function.get("name"), "tool call name"),
             arguments=text_of(function.get("arguments"), "tool call arguments") or "",
+            extra_content=None if extra is None else object_of(extra, "extra_content"),
         )
         events.append(piece if tools is None else tools(piece))
 
@@ -236,14 +238,14 @@ class ToolCallPieces:
                 self._at[piece.index] = (index, known_id or new_id, known_name or name)
                 if (index, new_id, name) == (piece.index, piece.id, piece.name):
                     return piece
-                return ToolCall(index, new_id, name, piece.arguments)
+                return ToolCall(index, new_id, name, piece.arguments, piece.extra_content)
         # A call of its own: the upstream's index, unless another call here has it.
         index = piece.index if piece.index not in self._used else max(self._used) + 1
         self._used.add(index)
         self._at[piece.index] = (index, piece_id, piece.name)
         if index == piece.index and piece_id == piece.id:
             return piece
-        return ToolCall(index, piece_id, piece.name, piece.arguments)
+        return ToolCall(index, piece_id, piece.name, piece.arguments, piece.extra_content)
 
 
 def _audio_event(
@@ -457,11 +459,8 @@ class ChunkDecoder:
         return [] if self._held is None else [self._held]
 
     def _usage(self, usage: Any, choices: bool, events: list[StreamEvent]) -> None:
-        """A chunk's usage. OpenAI's comes once, on a chunk of its own (no choices): out at
-        once. A usage beside choices is held until the stream's end: some servers put the
-        final one on the finish chunk, and vLLM's ``continuous_usage_stats`` (which a
-        client's ``stream_options`` may ask for) puts a running count on every chunk, and
-        then the final one on its own. So the client gets one usage, the last."""
+        """A chunk's usage: on a chunk of its own (OpenAI's), out at once; beside choices (a
+        finish chunk's, vLLM's running counts), held to the end: one usage, the last."""
         counted: list[StreamEvent] = []
         _usage_events(usage, counted)
         if choices:

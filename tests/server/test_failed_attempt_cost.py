@@ -142,6 +142,8 @@ async def test_attempts_cut_until_none_is_left_end_in_an_error_that_shows_them(
         line = await access_line(caplog)
     failed_usd = ESTIMATE * (1000 + 10) / 1e6  # each at its own target's price
     assert line["outcome"].startswith("error:")
+    # No target answered: none is named (a stream named the first, which had failed).
+    assert line.get("provider") is None and line.get("served") is None
     assert line["failed_attempts"] == 2
     assert line["failed_attempts_prompt_tokens"] == 2 * ESTIMATE
     assert line["failed_attempts_cost_usd"] == pytest.approx(failed_usd)

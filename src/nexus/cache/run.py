@@ -224,6 +224,11 @@ class StreamRun:
             self._watchdog.discard(self)
             self.cancel(too_long(self._max_duration_s))
 
+    @property
+    def answered(self) -> bool:
+        """A target answered: the log has an event before its end."""
+        return bool(self.events) and type(self.events[0]) not in (Error, Done)
+
     def reader(self, start: int = 0) -> RunReader:
         from .readers import RunReader  # which imports this module
 

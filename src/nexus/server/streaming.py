@@ -15,15 +15,14 @@ have the loop: ``YIELD_EVERY``). The race between producer, heartbeat, disconnec
   write under way, a full socket) wakes the pump's task instead. When its client leaves, the reader
   detaches: the last reader of a stream that is not resumable cancels it at once; a resumable one
   runs on for ``[streams] detach_timeout_s``.
-* **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's timers
-  (:class:`~nexus.server.writer.Writer`, as the WebSocket connections'): a heartbeat after
-  ``heartbeat_interval_s`` without a write; the connection aborted when its socket stays full
-  without taking a byte for ``write_timeout_s``.
-* **Disconnect.** With ``handler_cancellation``, aiohttp cancels the handler when the peer goes
-  away; ``finally`` detaches the reader (a failed write too).
-* **Shutdown.** After the grace period the app cancels the streams (their logs end with a retryable
-  ``server_shutting_down`` error, written with the format's terminator), then
-  :meth:`StreamPump.shutdown` the pumps still running (those following another replica's stream).
+* **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's timers (a
+  :class:`~nexus.server.writer.Writer`): a heartbeat after ``heartbeat_interval_s`` without a
+  write; the connection aborted when its full socket takes no byte for ``write_timeout_s``.
+* **Disconnect.** aiohttp cancels the handler when the peer goes away (``handler_cancellation``);
+  ``finally`` detaches the reader (a failed write too).
+* **Shutdown.** After the grace the app cancels the streams (their logs end with a retryable
+  ``server_shutting_down`` error, then the terminator), then :meth:`StreamPump.shutdown` the
+  pumps still running (those following another replica's stream).
 """
 
 from __future__ import annotations
@@ -249,14 +248,15 @@ class StreamPump(Writer):
         return b""
 
     def _settle(self) -> None:
-        """The access line's view of the written stream: the target that answered and,
-        for the request that made it, what it spent (:func:`request_spend`)."""
-        ex = self.exchange
+        """The access line's view: who answered (no one yet, or failed) and what it spent."""
+        ex, reader = self.exchange, self.reader
         if self.origin:
-            ex.spend = request_spend(self.reader, hit=ex.cache == "hit")
-        if self.reader.failure is not None:
-            return  # no target answered: an HTTP error, nothing served
-        served = self.reader.served
+            ex.spend = request_spend(reader, hit=ex.cache == "hit")
+        run = reader.run  # (None: it ran elsewhere, and its meta says who answered)
+        if reader.failure is not None or (run is not None and not run.answered):
+            ex.provider = ""  # nothing served (not the first target tried: it failed)
+            return
+        served = reader.served
         ex.provider = served.provider
         ex.served = f"{served.provider}/{served.upstream_model}" if served.provider else None
 

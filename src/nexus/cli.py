@@ -23,7 +23,7 @@ from .config import AuthKeyConfig, Config, RedisStoreConfig, load_config
 from .config_errors import in_file
 from .errors import ConfigError
 from .server import redaction
-from .server.log_lines import JsonFormatter
+from .server.log_lines import JsonFormatter, RequestIds
 from .supervisor import CONFIG_ERROR, STOP_SIGNALS, Supervisor, cpu_count
 from .telemetry import check_installed
 
@@ -228,6 +228,7 @@ async def _spent(limits: KeyLimits, key: ApiKey) -> str:
 
 def _setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler()
+    handler.addFilter(RequestIds())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -317,6 +317,19 @@ async def test_a_stream_is_timed_from_its_first_output_and_whole_for_its_duratio
     assert (value(samples, TTFT, **cut), value(samples, DURATION, **cut)) == (1, 0)
 
 
+async def test_a_json_answer_is_timed_as_a_stream_is(make_client: MakeClient) -> None:
+    """A non-streaming answer runs a stream as well: it was in neither histogram, so a
+    latency dashboard saw none of the JSON traffic. A failure before any output is still
+    in neither."""
+    client = await make_client()
+    resp = await client.post(CHAT, json=chat(mock={"fail_after": 0}))
+    assert resp.status == 502
+    resp = await client.post(CHAT, json=chat())
+    assert resp.status == 200
+    samples = await eventually(client, lambda s: value(s, TTFT, **MOCK) > 0)
+    assert (value(samples, TTFT, **MOCK), value(samples, DURATION, **MOCK)) == (1, 1)
+
+
 async def test_replays_are_not_timed_as_upstream_streams(make_client: MakeClient) -> None:
     """A replay's pace is the cache's: only its first byte, which its client waited for,
     is observed (``nexus_time_to_first_byte_seconds``)."""

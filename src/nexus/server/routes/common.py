@@ -349,7 +349,7 @@ async def _answer(app: web.Application, ex: Exchange, opened: Opened) -> Complet
     hit = opened.cache == "hit"  # a replay or a join: the tokens were another's
     run = None if opened.joined else opened.run
     try:
-        completion = await accumulate(Stream(_events(reader), reader.meta))
+        completion = await accumulate(Stream(_events(reader, ex), reader.meta))
     except BaseException:
         # The run ends with the request (the client gone, a failure) unless shared: the
         # line has what it spent until then, or, still running, a spend line at its end.
@@ -453,10 +453,13 @@ def _pump(
     )
 
 
-async def _events(reader: LogReader) -> AsyncGenerator[StreamEvent, None]:
-    """A log as a plain event stream (for :func:`accumulate`): no terminal ``Done``."""
+async def _events(reader: LogReader, ex: Exchange) -> AsyncGenerator[StreamEvent, None]:
+    """A log as a plain event stream (for :func:`accumulate`): no terminal ``Done``. Its
+    first output is the answer's time to first token (``ex.ttft``, for the histograms)."""
     try:
         async for batch in reader:
+            if ex.ttft is None and type(batch[0]) is not Done and type(batch[0]) is not Error:
+                ex.ttft = time.monotonic() - ex.started
             for event in batch:
                 if type(event) is Done:
                     return

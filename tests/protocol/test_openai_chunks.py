@@ -530,3 +530,30 @@ def test_an_error_chunk_s_numeric_code_is_its_status(
     decoder.decode(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
     assert decoder.error is not None
     assert (decoder.error.status, decoder.error.code) == (status, code)
+
+
+def test_perplexity_s_sources_are_citations_once_each() -> None:
+    """Perplexity sends its sources beside the answer, the whole list on every chunk (as
+    ``citations``, URLs, or ``search_results``): they were dropped, and the answer's [1]
+    pointed nowhere."""
+    from nexus.events import Citation
+
+    def chunk(text: str, **sources: Any) -> str:
+        body = {"choices": [{"index": 0, "delta": {"content": text}}], **sources}
+        return orjson.dumps(body).decode()
+
+    events, _ = read_events(
+        [
+            chunk("A [1]", citations=["https://a.example"]),
+            chunk(" B [2]", citations=["https://a.example", "https://b.example"]),
+        ]
+    )
+    assert [e for e in events if type(e) is Citation] == [
+        Citation("https://a.example"),
+        Citation("https://b.example"),
+    ]
+    found = [{"title": "A", "url": "https://a.example", "date": None}]
+    events, _ = read_events(
+        [chunk("A [1]", search_results=found), chunk(".", search_results=found)]
+    )
+    assert [e for e in events if type(e) is Citation] == [Citation("https://a.example", "A")]

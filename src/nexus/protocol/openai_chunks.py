@@ -9,8 +9,9 @@ import msgspec
 import orjson
 
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
-from ..events import Audio, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
+from ..events import Audio, Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
+from .openai_tool_calls import ToolCallPieces
 from .output_config import openai_fields
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
 from .upstream import (
@@ -212,42 +213,6 @@ def _delta_events(
         events.append(piece if tools is None else tools(piece))
 
 
-class ToolCallPieces:
-    """One stream's tool-call pieces, as every client reads them: a call's first piece
-    carries its id and name, the next ones only more arguments, each call an index of its
-    own. Upstreams differ (docs/protocols.md §2): some send ``"id": ""`` on the next
-    pieces (Qwen), some repeat the id and name on every piece (which the OpenAI SDK's
-    stream helper would concatenate: ``call_Acall_A``), some give parallel calls one index,
-    or none (Gemini's OpenAI-compatible API), which would run their arguments together."""
-
-    __slots__ = ("_at", "_used")
-
-    def __init__(self) -> None:
-        self._at: dict[int, tuple[int, str | None, str | None]] = {}
-        """The upstream's index -> the call it is now: its index here, id and name."""
-        self._used: set[int] = set()
-
-    def __call__(self, piece: ToolCall) -> ToolCall:
-        piece_id = piece.id or None  # "" names no call
-        at = self._at.get(piece.index)
-        if at is not None:
-            index, known_id, known_name = at
-            if piece_id is None or known_id is None or piece_id == known_id:  # the same call
-                new_id = piece_id if known_id is None else None  # an id it had not sent yet
-                name = None if piece.name == known_name else piece.name
-                self._at[piece.index] = (index, known_id or new_id, known_name or name)
-                if (index, new_id, name) == (piece.index, piece.id, piece.name):
-                    return piece
-                return ToolCall(index, new_id, name, piece.arguments, piece.extra_content)
-        # A call of its own: the upstream's index, unless another call here has it.
-        index = piece.index if piece.index not in self._used else max(self._used) + 1
-        self._used.add(index)
-        self._at[piece.index] = (index, piece_id, piece.name)
-        if index == piece.index and piece_id == piece.id:
-            return piece
-        return ToolCall(index, piece_id, piece.name, piece.arguments, piece.extra_content)
-
-
 def _audio_event(
     audio_id: str | None,
     data: str | None,
@@ -344,6 +309,8 @@ class _Chunk(msgspec.Struct, gc=False):
     choices: list[_Choice] | None = None
     usage: dict[str, Any] | None = None
     error: Any = None
+    citations: Any = None  # Perplexity's sources, every chunk: URLs
+    search_results: Any = None  # and in its newer form: {title, url, date}
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
@@ -397,6 +364,7 @@ class ChunkDecoder:
     is read once a stream (the typed decoder skips it, as it does ``id``)."""
 
     __slots__ = (
+        "_cited",
         "_finished",
         "_held",
         "_named",
@@ -419,6 +387,7 @@ class ChunkDecoder:
         self._tools = ToolCallPieces()
         self._held: Usage | None = None  # the last usage of a chunk with choices
         self._finished = False  # a finish_reason came
+        self._cited = 0  # sources passed on as citations
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -443,11 +412,25 @@ class ChunkDecoder:
                     return events
                 if _typed_events(typed, events, self._tools):
                     self._finished = True
+                if typed.citations or typed.search_results:
+                    self._cite(typed.search_results or typed.citations, events)
                 if typed.usage:
                     self._usage(typed.usage, bool(typed.choices), events)
         except Malformed as exc:
             self.error = malformed(self.provider, exc)
         return events
+
+    def _cite(self, sources: Any, events: list[StreamEvent]) -> None:
+        """Perplexity's sources (on every chunk, the list so far; the answer's ``[1]``
+        refers to its first): each new one a :class:`~nexus.events.Citation`."""
+        for source in _list(sources, "search_results")[self._cited :]:
+            if type(source) is str:
+                events.append(Citation(source))
+            else:
+                source = object_of(source, "search result")
+                url = text_of(source.get("url"), "search result url")
+                events.append(Citation(url, text_of(source.get("title"), "search result title")))
+            self._cited += 1
 
     def closed(self) -> list[StreamEvent]:
         """The body ended cleanly without ``[DONE]``: after a ``finish_reason`` the stream
@@ -494,6 +477,8 @@ class ChunkDecoder:
             chunk_events(value, events, self._tools)
             if any(type(e) is Delta and e.finish_reason for e in events[count:]):
                 self._finished = True
+            if sources := value.get("search_results") or value.get("citations"):
+                self._cite(sources, events)
             if usage:
                 self._usage(usage, bool(value.get("choices")), events)
         return True

@@ -22,8 +22,9 @@ from .cache.limits import KeyLimits, LocalLimits
 from .config import AuthKeyConfig, Config, RedisStoreConfig, load_config
 from .config_errors import in_file
 from .errors import ConfigError
+from .log_context import RequestIds
 from .server import redaction
-from .server.log_lines import JsonFormatter, RequestIds
+from .server.log_lines import JsonFormatter
 from .supervisor import CONFIG_ERROR, STOP_SIGNALS, Supervisor, cpu_count
 from .telemetry import check_installed
 

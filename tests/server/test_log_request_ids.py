@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from nexus.server.log_lines import JsonFormatter, RequestIds
+from nexus.log_context import RequestIds
+from nexus.server.log_lines import JsonFormatter
 from support import MakeClient
 from upstreams import FakeUpstream, Reply
 
@@ -30,3 +31,32 @@ async def test_an_upstream_s_error_text_is_logged_with_the_request_id(
     (record,) = [r for r in caplog.records if "the upstream's own words" in r.getMessage()]
     assert record.request_id == request_id  # type: ignore[attr-defined]
     assert f'"request_id":"{request_id}"' in JsonFormatter().format(record)
+
+
+async def test_a_task_a_request_starts_for_everyone_is_no_one_s() -> None:
+    """The watchdog, a DNS lookup, a Redis flush: started lazily by whichever request came
+    first, they serve everyone. A context variable named that request on their lines (a
+    write timeout of request B logged as request A's); only the run inherits its id."""
+    import asyncio
+
+    from nexus.log_context import inherit, serve
+
+    records: list[logging.LogRecord] = []
+    ids = RequestIds()
+
+    async def log(name: str) -> None:
+        record = logging.LogRecord(name, logging.WARNING, __file__, 1, name, None, None)
+        ids.filter(record)
+        records.append(record)
+
+    async def request() -> None:
+        serve("req_A")
+        await log("handler")
+        shared = asyncio.get_running_loop().create_task(log("shared"))
+        run = asyncio.get_running_loop().create_task(log("run"))
+        inherit(run)
+        await asyncio.gather(shared, run)
+
+    await asyncio.get_running_loop().create_task(request())
+    got = {r.name: getattr(r, "request_id", None) for r in records}
+    assert got == {"handler": "req_A", "shared": None, "run": "req_A"}

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 from ..errors import GatewayError
 from ..events import Delta, Done, Error, StreamEvent
 from ..hooks import StreamObserver
+from ..log_context import inherit
 from ..pricing import NOTHING, PriceTable, Spend, tally, terminal_ok
 from ..stream import Stream, merge_events
 from ..types import StreamMeta
@@ -209,6 +210,7 @@ class StreamRun:
         """Start producing. ``detached``: nobody reads yet (a background request, which
         is resumable: the detach timer starts)."""
         self._task = self._loop.create_task(self._produce(), name=f"nexus-stream-{self.id}")
+        inherit(self._task)  # its lines are its request's (an upstream's error, a fallback)
         limit = self._max_duration_s
         if limit is not None:
             # Checked by the hub's one ticker, at worst 1/8 of the limit (5 s) late:
@@ -225,8 +227,7 @@ class StreamRun:
             self.cancel(too_long(self._max_duration_s))
 
     @property
-    def answered(self) -> bool:
-        """A target answered: the log has an event before its end."""
+    def answered(self) -> bool:  # a target answered: the log has an event before its end
         return bool(self.events) and type(self.events[0]) not in (Error, Done)
 
     def reader(self, start: int = 0) -> RunReader:

@@ -40,11 +40,11 @@ from ..auth import Forbidden, KeyRing
 from ..cache.run import LogReader, StreamRun
 from ..config import Config
 from ..errors import GatewayError
+from ..log_context import serve
 from ..pricing import NOTHING, Spend
 from ..providers.connections import POOL_WAITS
 from ..telemetry import Telemetry
 from .errors import Handler, client_gone, error_response
-from .log_lines import REQUEST_ID
 from .log_lines import line as _line
 from .metrics import Metrics
 from .origins import listed, loopback_host, origin_allowed
@@ -104,7 +104,7 @@ def _client_request_id(request: web.Request) -> str | None:
 @web.middleware
 async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = new_request_id()
-    REQUEST_ID.set(request_id)  # (each request runs in a task of its own: no reset)
+    serve(request_id)  # its lines carry its id (nexus.log_context)
     ex = Exchange(request_id, time.monotonic(), _client_request_id(request))
     ex.endpoint = _endpoint(request)
     ex.method = request.method

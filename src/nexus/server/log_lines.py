@@ -1,12 +1,11 @@
 """How a log line of Nexus's own is written: text fields that a client's strings cannot
 forge (:func:`log_value`), keys redacted once a line (:func:`line`), and the JSON format
 (:class:`JsonFormatter`, ``[logging] format = "json"``), where any line logged while a
-request is served (an upstream's error text, a fallback) carries its id (:data:`REQUEST_ID`,
-:class:`RequestIds`)."""
+request is served (an upstream's error text, a fallback) carries its id
+(:mod:`nexus.log_context`)."""
 
 from __future__ import annotations
 
-import contextvars
 import json
 import logging
 import re
@@ -17,25 +16,7 @@ import orjson
 
 from .redaction import redact
 
-__all__ = ["REQUEST_ID", "JsonFormatter", "RequestIds", "line", "log_value", "quoted"]
-
-REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "nexus_request_id", default=None
-)
-"""The id of the request being served (set by the access middleware; a stream's run, a task
-it starts, keeps it)."""
-
-
-class RequestIds(logging.Filter):
-    """Gives a record logged while a request is served that request's id (an operator
-    holding the ``req_...`` of a 502 finds the upstream's own explanation)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "request_id", None) is None:
-            request_id = REQUEST_ID.get()
-            if request_id is not None:
-                record.request_id = request_id
-        return True
+__all__ = ["JsonFormatter", "line", "log_value", "quoted"]
 
 
 def line(logger: logging.Logger, level: int, request_id: str, fields: dict[str, Any]) -> None:

@@ -230,6 +230,34 @@ async def test_engine_events_from_a_byte_by_byte_upstream(upstream: FakeUpstream
     ]
 
 
+@pytest.mark.parametrize("end", ["abort", "error chunk", "clean, no finish"])
+async def test_the_usage_a_cut_stream_was_given_is_what_it_is_charged(
+    upstream: FakeUpstream, end: str
+) -> None:
+    """A usage beside choices (vLLM's running counts, a finish chunk's) waits for the end:
+    a stream cut before it, by a reset, an error chunk or a clean end, lost it and was
+    charged an estimate. It goes out before the failure."""
+    frames = [
+        b"data: "
+        + orjson.dumps(
+            {
+                "choices": [{"index": 0, "delta": {"content": f"w{n} "}}],
+                "usage": {"prompt_tokens": 100, "completion_tokens": n, "total_tokens": 100 + n},
+            }
+        )
+        + b"\n\n"
+        for n in (1, 2, 3)
+    ]
+    if end == "error chunk":
+        frames.append(b'data: {"error": {"message": "boom", "type": "server_error"}}\n\n')
+    upstream.add(Reply.stream(frames, end="abort" if end == "abort" else "eof"))
+    engine = Engine.from_config(parse_config({"providers": {"up": provider(upstream)}}))
+    async with engine, engine.complete_stream(chat()) as stream:
+        events = [event async for event in stream]
+    assert [e for e in events if type(e) is Usage] == [Usage(100, 3, 103)]
+    assert events[-1].type == "error"
+
+
 # --- the upstream request --------------------------------------------------------
 
 

@@ -436,6 +436,9 @@ class EventDecoder:
         """The body ended without ``message_stop``: cut (Anthropic always sends it)."""
         return []
 
+    def cut(self) -> list[StreamEvent]:  # (its usage went out with its stop: none held)
+        return []
+
     def _input_of_none(self, block_index: int) -> list[StreamEvent]:
         """A tool call whose block closed without input (a tool that takes no arguments:
         ``input: {}`` at its start, then nothing or an empty ``partial_json``) has the

@@ -390,6 +390,12 @@ class ChunkDecoder:
         self._cited = 0  # sources passed on as citations
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
+        events = self._decode(chunk)
+        if self.error is not None and self._held is not None:
+            events += self.cut()  # an error ends it: the counts it gave are charged
+        return events
+
+    def _decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         try:
             payloads = self._payloads(chunk)
@@ -435,11 +441,16 @@ class ChunkDecoder:
     def closed(self) -> list[StreamEvent]:
         """The body ended cleanly without ``[DONE]``: after a ``finish_reason`` the stream
         is whole (Perplexity sends no ``[DONE]``: its every answer was an error after its
-        last word): ``done``, the usage held out. Before one, nothing: it was cut."""
-        if not self._finished or self.error is not None:
-            return []
-        self.done = True
-        return [] if self._held is None else [self._held]
+        last word), ``done``; before one, it was cut. The usage held goes out either way."""
+        if self._finished and self.error is None:
+            self.done = True
+        return self.cut()
+
+    def cut(self) -> list[StreamEvent]:
+        """The body was cut: the usage held (a running count, or a finish chunk's), which
+        the stream is charged rather than an estimate."""
+        held, self._held = self._held, None
+        return [] if held is None else [held]
 
     def _usage(self, usage: Any, choices: bool, events: list[StreamEvent]) -> None:
         """A chunk's usage: on a chunk of its own (OpenAI's), out at once; beside choices (a

@@ -119,6 +119,9 @@ class UpstreamDecoder(Protocol):
         """The body ended cleanly before ``terminator``: the events that end it, ``done``
         set, when the stream is whole all the same (else it was cut)."""
 
+    def cut(self) -> list[StreamEvent]:
+        """The body was cut: what the decoder holds that the stream is charged by."""
+
 
 def status_error(
     provider: str,

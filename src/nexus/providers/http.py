@@ -4,10 +4,9 @@ upstream statuses become the most specific :mod:`nexus.errors` class here, once
 (``map_upstream_errors``, :func:`~nexus.protocol.upstream.status_error`). Raised before the
 first event, an error may send the engine to the next target; after, an error event.
 
-Bodies are asked for and read as sent (``Accept-Encoding: identity``, no decompression): a
-compressed body is a bomb waiting (300 MB of comments in 306 KB of gzip, inflated in one
-call, held the event loop for every tenant), so one that comes compressed all the same
-is :class:`~nexus.errors.UpstreamProtocolError`.
+Bodies are asked for and read as sent (``Accept-Encoding: identity``): a compressed body is
+a bomb waiting (300 MB of comments in 306 KB of gzip, inflated in one call, held the loop
+for every tenant), so one that comes compressed all the same is a protocol error.
 
 A stream holds its pooled connection (``max_connections``) for its whole length; a
 request's wait for one goes to the provider's ``on_pool_wait`` callbacks (a histogram)
@@ -320,22 +319,21 @@ class _Exchange:
         self._wake()
 
     def ended(self, error: BaseException | None) -> None:
+        decoder = self._decoder
         if error is None:
             self._whole = True
-            decoder = self._decoder
             if decoder is not None and not self._end and self._collect is None:
                 events = decoder.decode(b"\n\n")  # its end lacks the blank line: [DONE]\n
-                events += [] if decoder.done else decoder.closed()  # whole, no terminator?
+                self._ready += events + ([] if decoder.done else decoder.closed())
                 if decoder.done and decoder.error is None:
                     self._end = True
-                    self._ready += events
                 else:
                     self._failure = UpstreamDisconnected(
                         f"provider {self._provider.name!r} ended the stream without "
                         f"{decoder.terminator}"
                     )
-        elif not self._end:
-            self._failure = error
+        elif not self._end:  # cut: what it said of its usage is charged
+            self._failure, self._ready = error, self._ready + (decoder.cut() if decoder else [])
         self._wake()
 
     async def _open(self) -> None:

@@ -323,7 +323,13 @@ class Tally:
         if cls is Usage:
             self.usage = event  # type: ignore[assignment]
         elif cls is Delta:
-            text = (event.content or "") + (event.refusal or "")  # type: ignore[union-attr]
+            text = event.content  # type: ignore[union-attr]
+            if event.refusal is None and event.tool_calls is None:  # type: ignore[union-attr]
+                if text:  # the commonest: a token of text
+                    self.pieces += 1
+                    self.text_bytes += len(text) if text.isascii() else len(text.encode())
+                return
+            text = (text or "") + (event.refusal or "")  # type: ignore[union-attr]
             for call in event.tool_calls or ():  # type: ignore[union-attr]
                 text += (call.name or "") + call.arguments
             if text or event.tool_calls:  # type: ignore[union-attr]

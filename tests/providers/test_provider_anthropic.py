@@ -538,6 +538,11 @@ def test_the_usage_goes_out_with_the_stop_so_a_cut_after_it_is_charged_what_was_
     spend = spend_of(tally(out, complete=False), None, complete=False)
     assert (spend.completion_tokens, spend.reasoning_tokens, spend.estimated) == (9000, 8990, False)
     assert decoder.decode(event("message_stop")) == [] and decoder.done  # not twice
+    # Counts that move after the stop (a later message_delta) go out at message_stop.
+    decoder = EventDecoder("claude")
+    decoder.decode(b"".join([message_start(1000), *text_block(0, "Hi"), delta]))
+    later = event("message_delta", delta={}, usage={"output_tokens": 9100})
+    assert decoder.decode(later + event("message_stop"))[-1].completion_tokens == 9100  # type: ignore[union-attr]
 
 
 def test_the_decoder_reads_redacted_thinking_and_tools_without_input() -> None:

@@ -312,7 +312,7 @@ class EventDecoder:
         self._finish: str | None = None
         self._early: Usage | None = None  # message_start's counts, until output goes out
         self._started = False  # output went out
-        self._counted = False  # the usage went out (with the stop, at message_delta)
+        self._counted: Usage | None = None  # the usage that went out with the stop
         self._thinking: int | None = None  # output_tokens_details.thinking_tokens
 
     @property
@@ -413,7 +413,7 @@ class EventDecoder:
                     # The turn's last counts (cumulative: §3): the usage goes out with its
                     # stop, so a stream cut before message_stop is charged what it billed.
                     self._finish = _FINISH_REASONS.get(reason, "stop")
-                    self._counted = True
+                    self._counted = self._usage()
                     matched = delta.get("stop_sequence") if reason == "stop_sequence" else None
                     native = reason if reason in NATIVE_STOP_REASONS else None
                     stop = Delta(
@@ -421,13 +421,14 @@ class EventDecoder:
                         stop_sequence=matched if type(matched) is str else None,
                         stop_reason=native,
                     )
-                    return [stop, self._usage()]
+                    return [stop, self._counted]
             case "message_stop":
                 self.done = True
                 if self._finish is None:
                     self._finish = "stop"
                     return [Delta(finish_reason="stop"), self._usage()]
-                return [] if self._counted else [self._usage()]
+                final = self._usage()  # a later message_delta's counts, if they moved
+                return [] if final == self._counted else [final]
             case "error":
                 self.error = in_stream_error(self.provider, data.get("error"))
         return []  # ping, unknown events

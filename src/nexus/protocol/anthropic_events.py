@@ -178,8 +178,8 @@ def _cannot(param: str, what: str, instead: str) -> InvalidRequest:
 
 
 _CARRIED = ("thinking", "top_k", "service_tier", "output_config", "reasoning_effort")
-_DROPPED = ("verbosity", "prediction", "store", "metadata", "prompt_cache_key", "safety_identifier")
-_DROPPED += ("function_call",)  # the legacy tool choice: without functions (refused), none
+_DROPPED: tuple[str, ...] = ("verbosity", "prediction", "store", "metadata", "prompt_cache_key")
+_DROPPED += ("safety_identifier", "function_call")  # (the legacy tool choice: none alone)
 
 _UNCARRIED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # name: (whether the value asks for something, what it asks for)

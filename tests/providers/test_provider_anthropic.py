@@ -829,3 +829,21 @@ def test_a_pdf_or_text_file_is_a_document_and_a_file_it_cannot_take_is_refused()
         error = refusal(request)
         assert error is not None and error.param == "messages[0].content[1].file"
         assert why in error.message and "cannot take" in error.message
+
+
+def test_a_strict_tool_stays_strict_both_ways() -> None:
+    """Strict tool use (the input held to its schema) was dropped on the way to Anthropic,
+    and on the way from /v1/messages to any provider."""
+    from nexus.protocol.anthropic_messages import parse_messages_request
+
+    schema = {"type": "object", "properties": {}, "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}
+    request = ChatRequest.model_validate(chat(tools=[tool]))
+    (sent,) = messages_body(request, "m", 100)["tools"]
+    assert sent["strict"] is True
+    anthropic_tool = {"name": "f", "input_schema": schema, "strict": True}
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    parsed = parse_messages_request(orjson.dumps({**body, "tools": [anthropic_tool]}))
+    assert parsed.tools is not None and parsed.tools[0].function.strict is True
+    (again,) = messages_body(parsed, "m", 100)["tools"]
+    assert again["strict"] is True

@@ -114,6 +114,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
                 "name": tool.function.name,
                 "description": tool.function.description or "",
                 "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
+                **({"strict": True} if tool.function.strict else {}),  # its input held to it
                 **cache_control(tool),
             }
             for tool in request.tools

@@ -225,6 +225,8 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
                     "name": tool.name,
                     "description": tool.description,
                     "parameters": tool.input_schema,
+                    # strict tool use: the input held to its schema (OpenAI's strict mode)
+                    **({"strict": True} if (tool.model_extra or {}).get("strict") is True else {}),
                 },
                 **cache_control(tool),
             }

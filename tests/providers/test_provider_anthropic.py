@@ -16,6 +16,7 @@ from nexus.errors import InvalidRequest, UpstreamOverloaded
 from nexus.events import Delta, Reasoning, ToolCall, Usage
 from nexus.pricing import spend_of, tally
 from nexus.protocol.anthropic_events import EventDecoder, messages_body, refusal
+from nexus.protocol.openai_chunks import upstream_body
 from nexus.request import ChatRequest
 from support import MakeClient, parse_sse
 from upstreams import FakeUpstream, Reply, sse
@@ -417,6 +418,8 @@ def test_a_json_schema_response_format_is_anthropics_output_format() -> None:
         # A field Nexus does not know (OpenAI's newer ones): it went nowhere, unseen.
         ({"moderation": {"output": "block"}}, "moderation"),
         ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+        # A tier Anthropic does not offer went as sent, and Anthropic refused it.
+        ({"service_tier": "flex"}, "service_tier"),
     ],
 )
 def test_fields_the_messages_api_cannot_carry_are_refused(
@@ -847,3 +850,16 @@ def test_a_strict_tool_stays_strict_both_ways() -> None:
     assert parsed.tools is not None and parsed.tools[0].function.strict is True
     (again,) = messages_body(parsed, "m", 100)["tools"]
     assert again["strict"] is True
+
+
+def test_service_tiers_are_told_in_each_provider_s_words() -> None:
+    """OpenAI's standard tier is ``default``, Anthropic's ``standard_only``: each went as
+    sent to the other, which refused it."""
+    request = ChatRequest.model_validate(chat(service_tier="default"))
+    assert refusal(request) is None
+    assert messages_body(request, "m", 100)["service_tier"] == "standard_only"
+    standard = ChatRequest.model_validate(chat(service_tier="standard_only"))
+    assert upstream_body(standard, "gpt")["service_tier"] == "default"
+    auto = ChatRequest.model_validate(chat(service_tier="auto"))
+    assert messages_body(auto, "m", 100)["service_tier"] == "auto"
+    assert upstream_body(auto, "gpt")["service_tier"] == "auto"

@@ -132,6 +132,8 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     for key in ("thinking", "top_k", "service_tier"):
         if key in extra:
             body[key] = extra[key]
+    if body.get("service_tier") == "default":  # OpenAI's standard tier, in Anthropic's words
+        body["service_tier"] = "standard_only"
     return body
 
 
@@ -192,6 +194,10 @@ _UNCARRIED: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "audio": (lambda value: value is not None, "audio output"),
     "web_search_options": (lambda value: value is not None, "a web search"),
+    "service_tier": (  # OpenAI's flex, scale and priority have no Anthropic tier
+        lambda value: value not in (None, "auto", "default", "standard_only"),
+        "a service tier Anthropic does not offer (it has auto and standard_only)",
+    ),
 }
 _KNOWN = frozenset((*_CARRIED, *_DROPPED, *_UNCARRIED))
 """The request fields beside the declared ones an Anthropic target carries, drops (they

@@ -65,6 +65,8 @@ def upstream_body(
     for tool in body.get("tools") or ():
         tool.pop("cache_control", None)
     body["model"] = model
+    if body.get("service_tier") == "standard_only":  # a /v1/messages client's, in OpenAI's words
+        body["service_tier"] = "default"
     body["stream"] = True
     options = dict(body.get("stream_options") or {})
     options["include_usage"] = True

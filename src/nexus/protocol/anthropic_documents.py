@@ -17,21 +17,26 @@ from typing import Any
 from ..errors import InvalidRequest
 from ..request import ChatRequest, FilePart, UserMessage
 
-__all__ = ["document_block", "file_refusal"]
+__all__ = ["base64_data_url", "document_block", "file_refusal"]
 
 _TYPES = ("application/pdf", "text/plain")
 
 
-def _inline(file: dict[str, Any]) -> tuple[str, str] | None:
-    """The media type and base64 of a file sent inline as a ``data:`` URL, else None."""
-    data = file.get("file_data")
-    if type(data) is not str or not data.startswith("data:"):
+def base64_data_url(value: object) -> tuple[str, str] | None:
+    """The media type and base64 of a ``data:<type>;base64,<data>`` URL, else None: what
+    an Anthropic ``base64`` source is made of (an image's as a file's)."""
+    if type(value) is not str or not value.startswith("data:"):
         return None
-    header, comma, payload = data.partition(",")
+    header, comma, payload = value.partition(",")
     media_type, _, encoding = header[5:].partition(";")
     if not comma or encoding != "base64":
         return None
     return media_type.strip().lower(), payload
+
+
+def _inline(file: dict[str, Any]) -> tuple[str, str] | None:
+    """The media type and base64 of a file sent inline, else None."""
+    return base64_data_url(file.get("file_data"))
 
 
 def _problem(file: dict[str, Any]) -> str | None:

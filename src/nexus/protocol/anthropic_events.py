@@ -36,7 +36,7 @@ from ..request import (
     UserMessage,
     message_text,
 )
-from .anthropic_documents import document_block, file_refusal
+from .anthropic_documents import base64_data_url, document_block, file_refusal
 from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from .output_config import anthropic_config
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
@@ -252,11 +252,10 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
             blocks.append(text_block(part))
         elif isinstance(part, ImagePart):
             url = part.image_url.url
-            source = {"type": "url", "url": url}
-            if url.startswith("data:"):
-                header, _, data = url.partition(",")
-                media_type = header[5:].split(";", 1)[0]
-                source = {"type": "base64", "media_type": media_type, "data": data}
+            inline = base64_data_url(url)
+            source: dict[str, str] = {"type": "url", "url": url}
+            if inline is not None:
+                source = {"type": "base64", "media_type": inline[0], "data": inline[1]}
             blocks.append({"type": "image", "source": source, **cache_control(part)})
         elif isinstance(part, FilePart):
             blocks.append(document_block(part))

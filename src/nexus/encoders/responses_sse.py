@@ -24,7 +24,8 @@ Every frame is ``event: <type>\ndata: {"type": <type>, "sequence_number": N, ...
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -44,7 +45,7 @@ from ..protocol.openai_responses_output import (
 from ..types import StreamMeta, fallback_call_id
 from .base import Encoder
 
-__all__ = ["ResponsesSSEEncoder"]
+__all__ = ["ResponsesSSEEncoder", "final_response"]
 
 _dumps = orjson.dumps
 _TEXT_DELTA = "response.output_text.delta"
@@ -397,6 +398,22 @@ def _added(item: _Item) -> dict[str, Any]:
     if item.kind == "message":
         return message_item(item.id, [], "in_progress")
     return function_call_item(item.id, item.call_id, item.name, "", "in_progress")
+
+
+def final_response(
+    meta: StreamMeta, events: Iterable[StreamEvent], failure: Error | None
+) -> dict[str, Any]:
+    """The ``response`` object a finished log ends with: what the last event of its stream
+    (``response.completed``, ``.incomplete`` or, with ``failure``, ``.failed``) carries, so
+    that ``GET /v1/responses/{id}`` answers what the stream said. ``events`` are the log's,
+    its terminal entry left out."""
+    encoder = ResponsesSSEEncoder(replace(meta, retry_ms=None))
+    for event in events:
+        encoder.encode(event)
+    last = encoder.end() if failure is None else encoder.error(failure)
+    data = last[last.rindex(b"\ndata: ") + 7 :]
+    response: dict[str, Any] = orjson.loads(data)["response"]
+    return response
 
 
 def _failed_code(event: Error) -> str:

@@ -176,6 +176,8 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat_completions.handle)
     app.router.add_post("/v1/messages", messages.handle)
     app.router.add_post("/v1/responses", responses.handle)
+    app.router.add_get("/v1/responses/{id}", responses.retrieve)
+    app.router.add_post("/v1/responses/{id}/cancel", responses.cancel)
     app.router.add_get("/v1/realtime", realtime.handle)
     app.router.add_get("/v1/streams/{id}", streams.get)
     app.router.add_delete("/v1/streams/{id}", streams.cancel)

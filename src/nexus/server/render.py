@@ -19,7 +19,10 @@ encoder over the skipped steps too and throws their bytes away: output after
 the resume point is byte-for-byte what the first rendering wrote (a resume is never
 padded with ``include_obfuscation``: that option is the first request's). Formats
 without ids (NDJSON) resume by count: ``last_event_id=7`` is "seven event
-lines received".
+lines received". A client that counts frames instead (the Responses API's
+``starting_after``, a sequence number: frame *n* of the rendering) resumes with a
+:class:`Cursor` of ``frames``: every frame after the first ``frames``, ids as the first
+rendering wrote them.
 """
 
 from __future__ import annotations
@@ -32,15 +35,16 @@ from ..encoders.base import Encoder
 from ..errors import InvalidLastEventId
 from ..events import Done, Error, StreamEvent
 
-__all__ = ["Cursor", "Renderer", "parse_cursor", "uses_event_ids"]
+__all__ = ["ABORTED", "Cursor", "Renderer", "parse_cursor", "uses_event_ids"]
 
 _CURSOR = re.compile(r"(?:([A-Za-z0-9_-]{8,128})\.)?([0-9]{1,12})(?:\.([0-9]{1,6}))?")
 _FRAME_END = b"\n\n"
-_ABORTED = Error(
+ABORTED = Error(
     error_type="server_error",
     message="The stream was aborted before its end.",
     code="stream_cancelled",
 )
+"""What an aborted ``Done`` renders as: a stream cut short never reads as whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +54,13 @@ class Cursor:
     stream_id: str | None
     step: int
     frame: int | None = None
+    frames: int | None = None
+    """Instead of a step: how many frames of the rendering the client has (for a format
+    that numbers its frames itself, as the Responses API's ``sequence_number``)."""
 
     def __str__(self) -> str:
+        if self.frames is not None:
+            return f"{self.frames} frames"
         head = f"{self.stream_id}.{self.step}" if self.stream_id else str(self.step)
         return head if self.frame is None else f"{head}.{self.frame}"
 
@@ -88,7 +97,17 @@ class Renderer:
     (a resume past the end writes nothing).
     """
 
-    __slots__ = ("_after", "_encoder", "_ids", "_prefix", "done", "resumed", "step", "written")
+    __slots__ = (
+        "_after",
+        "_encoder",
+        "_ids",
+        "_prefix",
+        "_skip",
+        "done",
+        "resumed",
+        "step",
+        "written",
+    )
 
     def __init__(
         self, encoder: Encoder, stream_id: str, *, ids: bool, after: Cursor | None = None
@@ -97,6 +116,7 @@ class Renderer:
         self._ids = ids
         self._prefix = b"id: " + stream_id.encode("ascii") + b"."
         self._after = after  # the resume point, until rendering passes it
+        self._skip = 0 if after is None or after.frames is None else after.frames
         self.resumed = after is not None
         self.step = 0
         self.done = False
@@ -121,7 +141,7 @@ class Renderer:
             if cls is Error or (cls is Done and event.aborted):  # type: ignore[union-attr]
                 # Two steps: the error, then the terminator (an NDJSON client that
                 # counted the error line still gets the done line).
-                error = event if cls is Error else _ABORTED
+                error = event if cls is Error else ABORTED
                 data = self._out(step, encoder.error(error))  # type: ignore[arg-type]
                 if data:
                     parts.append(data)
@@ -179,6 +199,8 @@ class Renderer:
         """``data`` for ``step`` with its ids, less what the resume point says the client
         has."""
         after = self._after
+        if after is not None and after.frames is not None:
+            return self._past_frames(step, data)
         if after is not None:
             if step < after.step:
                 return b""
@@ -198,6 +220,20 @@ class Renderer:
         if not _several(data):
             return self._prefix + b"%d\n" % step + data
         return self._number(step, _frames(data), 0)
+
+    def _past_frames(self, step: int, data: bytes) -> bytes:
+        """``data`` less the frames a client that counts frames has (``Cursor.frames``)."""
+        if not data:
+            return data
+        frames = _frames(data)
+        skip = self._skip
+        if skip >= len(frames):
+            self._skip = skip - len(frames)
+            return b""
+        self._after = None
+        if self._ids:
+            return self._number(step, frames[skip:], skip)
+        return b"".join(frames[skip:])
 
     def _number(self, step: int, frames: list[bytes], first: int) -> bytes:
         last = first + len(frames) - 1

@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from aiohttp import web
 
 from ...cache.keeper import status_of
+from ...cache.store import Status, StreamInfo
 from ...errors import GatewayError
 from ...events import Error
 from .. import state
@@ -30,7 +31,7 @@ from ..access import METRICS
 from .common import json_response, last_event_id, negotiate, resume
 from .stream_access import describe, find_stream
 
-__all__ = ["cancel", "get"]
+__all__ = ["cancel", "get", "stop"]
 
 
 async def get(request: web.Request) -> web.StreamResponse:
@@ -45,6 +46,14 @@ async def get(request: web.Request) -> web.StreamResponse:
 
 async def cancel(request: web.Request) -> web.StreamResponse:
     info = await find_stream(request, request.match_info["id"], rated=False)
+    status = await stop(request, info)
+    return json_response(describe(info) | {"status": status})
+
+
+async def stop(request: web.Request, info: StreamInfo) -> Status:
+    """Cancel the stream ``info`` (found by :func:`find_stream`) if it runs here, and wait
+    for its end; its status then (``cancelled``, or how it ended before). Raises 409
+    ``stream_not_local`` for a stream running on another replica."""
     stream_id = info.id
     run = request.app[state.HUB].local(stream_id)
     if run is not None:
@@ -53,7 +62,7 @@ async def cancel(request: web.Request) -> web.StreamResponse:
         cancelled = run.cancel(
             Error(
                 error_type="invalid_request_error",
-                message=f"The stream was cancelled (DELETE /v1/streams/{stream_id}).",
+                message=f"The stream was cancelled ({request.method} {request.path}).",
                 code="stream_cancelled",
             )
         )
@@ -61,7 +70,7 @@ async def cancel(request: web.Request) -> web.StreamResponse:
         if cancelled and metrics is not None:  # counted here: its end reads as any abort's
             metrics.cancellations.labels("cancelled").inc()
         await run.wait()
-        return json_response(describe(run.info) | {"status": status_of(run.events[-1])})
+        return status_of(run.events[-1])
     if info.status == "in_progress":
         raise GatewayError(
             f"Stream {stream_id!r} runs on another replica; cancel it there, or detach "
@@ -70,4 +79,4 @@ async def cancel(request: web.Request) -> web.StreamResponse:
             code="stream_not_local",
             status=409,
         )
-    return json_response(describe(info))
+    return info.status

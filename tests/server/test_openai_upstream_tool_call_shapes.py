@@ -16,6 +16,7 @@ from typing import Any
 
 import anthropic
 import openai
+import pydantic
 import pytest
 
 from support import MakeClient
@@ -170,3 +171,45 @@ async def test_gemini_s_thought_signature_reaches_the_client_and_goes_back(
             await chat.chat.completions.create(model="up/m", messages=turn)  # type: ignore[arg-type]
         sent = fake.requests[-1].body["messages"][1]["tool_calls"][0]
         assert sent["extra_content"] == signed
+
+
+async def test_a_call_without_arguments_ends_with_an_object_before_the_next_begins(
+    make_client: MakeClient,
+) -> None:
+    """A tool that takes no arguments, its call streamed with ``""``, then another call: the
+    SDK's stream helper takes the second index for the end of the first and parses what it
+    holds. Its ``"{}"`` came only before the finish: the helper raised mid-stream on a
+    strict tool (``Invalid JSON: EOF``), and its ``arguments.done`` said ``""``."""
+
+    class Noop(pydantic.BaseModel):
+        pass
+
+    class Weather(pydantic.BaseModel):
+        city: str
+
+    pieces = [[call(0, "call_A", "Noop", "")], [call(1, "call_B", "Weather", "")]]
+    pieces += [[call(1, None, None, '{"city":')], [call(1, None, None, '"Oslo"}')]]
+    stream = [openai_chunk(role="assistant", content=None)]
+    stream += [openai_chunk(tool_calls=piece) for piece in pieces]
+    stream += [openai_chunk(finish_reason="tool_calls"), DONE]
+    tools = [openai.pydantic_function_tool(Noop), openai.pydantic_function_tool(Weather)]
+    async with FakeUpstream(default=Reply.stream(stream)) as fake:
+        client = await make_client(
+            {"providers": {"up": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+        )
+        url = str(client.make_url("")) + "/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as chat:
+            async with chat.chat.completions.stream(
+                model="up/m",
+                messages=USER,  # type: ignore[arg-type]
+                tools=tools,
+            ) as streamed:
+                done = [
+                    (event.name, event.arguments, event.parsed_arguments)
+                    async for event in streamed
+                    if event.type == "tool_calls.function.arguments.done"
+                ]
+                final = await streamed.get_final_completion()
+    assert done == [("Noop", "{}", Noop()), ("Weather", '{"city":"Oslo"}', Weather(city="Oslo"))]
+    calls = final.choices[0].message.tool_calls or []
+    assert [c.function.arguments for c in calls] == ["{}", '{"city":"Oslo"}']

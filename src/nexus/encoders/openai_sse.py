@@ -97,19 +97,18 @@ class OpenAISSEEncoder(Encoder):
                 delta = {} if content is None else {"content": content}
                 return self._filled(event) + self._chunk(delta, event.finish_reason)
             case Delta():
-                for call in event.tool_calls or ():
-                    self._note(call)
+                ended = b"".join([self._note(call) for call in event.tool_calls or ()])
                 delta = event.delta_dict()
                 delta.pop("role", None)
                 if filled := self._filled(event):  # after this delta's own calls
-                    return self._chunk(delta) + filled + self._chunk({}, event.finish_reason)
-                return self._chunk(delta, event.finish_reason)
+                    delta_chunk = self._chunk(delta)
+                    return ended + delta_chunk + filled + self._chunk({}, event.finish_reason)
+                return ended + self._chunk(delta, event.finish_reason)
             case Reasoning(text=text):
                 # A bare signature has no place in a chat chunk.
                 return self._chunk({"reasoning_content": text}) if text else b""
             case ToolCall():
-                self._note(event)
-                return self._chunk({"tool_calls": [event.wire()]})
+                return self._note(event) + self._chunk({"tool_calls": [event.wire()]})
             case Usage():
                 if not self.meta.include_usage or event.partial:
                     return b""  # one usage chunk, with the totals
@@ -143,14 +142,19 @@ class OpenAISSEEncoder(Encoder):
         index = listed[key] = listed.get(key, -1) + 1
         return self._chunk({key: [{"index": index, **entry}]})
 
-    def _note(self, call: ToolCall) -> None:
+    def _note(self, call: ToolCall) -> bytes:
+        """Notes ``call``'s fragment; the first of a new call ends the calls before it that
+        are still without arguments with ``"{}"`` (the openai SDK's stream helper takes a
+        new index for the end of the call before it, and parses what that one holds)."""
         bare = self._bare
         if bare is None:
             bare = self._bare = {}
+        ended = self._fill(bare) if call.index not in bare else b""
         if call.arguments:
             bare[call.index] = False
         else:  # a call's first fragment (an id repeated on every fragment changes nothing)
             bare.setdefault(call.index, True)
+        return ended
 
     def _filled(self, event: Delta) -> bytes:
         """Before the finish: ``"{}"`` for each call that ended without arguments (some
@@ -158,12 +162,17 @@ class OpenAISSEEncoder(Encoder):
         bare = self._bare
         if not bare or event.finish_reason is None:
             return b""
-        calls = [
-            {"index": index, "function": {"arguments": "{}"}}
-            for index, empty in bare.items()
-            if empty
-        ]
+        filled = self._fill(bare)
         bare.clear()
+        return filled
+
+    def _fill(self, bare: dict[int, bool]) -> bytes:
+        """A chunk giving ``"{}"`` to each call in ``bare`` still without arguments."""
+        calls = []
+        for index, empty in bare.items():
+            if empty:
+                calls.append({"index": index, "function": {"arguments": "{}"}})
+                bare[index] = False
         return self._chunk({"tool_calls": calls}) if calls else b""
 
     def error(self, event: Error) -> bytes:

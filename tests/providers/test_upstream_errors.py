@@ -85,7 +85,7 @@ def test_status_to_class(
             {"type": "invalid_request_error", "message": "bad"},
             UpstreamInvalidRequest,
             400,
-            "upstream_error",
+            "upstream_invalid_request",
             "invalid_request_error",
             False,
         ),
@@ -101,7 +101,7 @@ def test_status_to_class(
             {"type": "rate_limit_error", "message": "slow"},
             UpstreamRateLimited,
             429,
-            "upstream_error",
+            "upstream_rate_limited",
             "rate_limit_error",
             True,
         ),
@@ -138,6 +138,14 @@ def test_status_to_class(
             True,
         ),
         ("a bare string", UpstreamServerError, 502, "upstream_error", "upstream_error", True),
+        (  # OpenAI's rate limit inside a stream: its code says the status, not its type
+            {"type": "requests", "message": "slow", "code": "rate_limit_exceeded"},
+            UpstreamRateLimited,
+            429,
+            "rate_limit_exceeded",
+            "requests",
+            True,
+        ),
     ],
 )
 def test_in_stream_error_to_class(
@@ -388,3 +396,45 @@ def test_a_long_error_is_redacted_before_it_is_cut() -> None:
     keep_secret(PLAIN_KEY)
     text = error_text(b"x" * 480 + b" echo: " + PLAIN_KEY.encode())
     assert PLAIN_KEY[:8] not in text and text.endswith("[redacted]")
+
+
+def test_an_invalid_requests_code_and_param_reach_the_client_on_both_paths() -> None:
+    """What a client acts on (``context_length_exceeded`` on ``messages``: trim the
+    history) came back as ``upstream_invalid_request`` with no param from an HTTP 400,
+    and without its param from inside a stream."""
+    error = {
+        "message": "This model's maximum context length is 8192 tokens.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+    body = orjson.dumps({"error": error})
+    for made in (
+        status_error("up", 400, "provider 'up' answered 400", body=body),
+        in_stream_error("up", error),
+    ):
+        assert type(made) is UpstreamInvalidRequest
+        wire = made.openai_body()["error"]
+        assert (made.status, wire["code"], wire["param"]) == (
+            400,
+            "context_length_exceeded",
+            "messages",
+        )
+    indexed = orjson.dumps({"error": {"param": "messages[3].content", "code": "bad"}})
+    assert status_error("up", 422, "x", body=indexed).param == "messages[3].content"
+    for param in ("a b", "x" * 200, "sk-" + "a" * 40, 7):
+        forged = orjson.dumps({"error": {"param": param, "code": "bad"}})
+        assert status_error("up", 400, "x", body=forged).param is None
+
+
+def test_an_exhausted_quota_is_not_retried_by_the_sdks() -> None:
+    """OpenAI's 429 ``insufficient_quota`` is billing: the SDKs retried it (three calls
+    upstream for one refusal) and the client could not tell it from a rate limit."""
+    body = orjson.dumps({"error": {"type": "insufficient_quota", "code": "insufficient_quota"}})
+    error = status_error("up", 429, "x", {"Retry-After": "1"}, body=body)
+    assert (error.status, error.code) == (429, "insufficient_quota")
+    assert error.headers == {"x-should-retry": "false"}
+    limited = status_error(
+        "up", 429, "x", {"Retry-After": "1"}, body=b'{"error":{"code":"rate_limit_exceeded"}}'
+    )
+    assert (limited.code, limited.headers) == ("upstream_rate_limited", {"Retry-After": "1"})

@@ -198,18 +198,21 @@ async def test_a_call_without_arguments_ends_with_an_object_before_the_next_begi
             {"providers": {"up": {"kind": "openai", "base_url": fake.url + "/v1"}}}
         )
         url = str(client.make_url("")) + "/v1"
-        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as chat:
-            async with chat.chat.completions.stream(
+        chat = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+        async with (
+            chat,
+            chat.chat.completions.stream(
                 model="up/m",
                 messages=USER,  # type: ignore[arg-type]
                 tools=tools,
-            ) as streamed:
-                done = [
-                    (event.name, event.arguments, event.parsed_arguments)
-                    async for event in streamed
-                    if event.type == "tool_calls.function.arguments.done"
-                ]
-                final = await streamed.get_final_completion()
+            ) as streamed,
+        ):
+            done = [
+                (event.name, event.arguments, event.parsed_arguments)
+                async for event in streamed
+                if event.type == "tool_calls.function.arguments.done"
+            ]
+            final = await streamed.get_final_completion()
     assert done == [("Noop", "{}", Noop()), ("Weather", '{"city":"Oslo"}', Weather(city="Oslo"))]
     calls = final.choices[0].message.tool_calls or []
     assert [c.function.arguments for c in calls] == ["{}", '{"city":"Oslo"}']

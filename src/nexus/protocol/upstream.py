@@ -35,16 +35,18 @@ __all__ = [
     "ERROR_TYPES",
     "MAX_ERROR_TEXT",
     "MAX_RETRY_AFTER_S",
+    "QUOTA_CODE",
     "Malformed",
     "UpstreamDecoder",
+    "error_fields",
     "error_text",
-    "error_type_of",
     "event_too_large",
     "in_stream_error",
     "keep_secret",
     "malformed",
     "object_of",
     "optional_count",
+    "plain_param",
     "plain_token",
     "redacted",
     "status_error",
@@ -131,19 +133,27 @@ def status_error(
     *,
     code: str | None = None,
     error_type: str | None = None,
+    param: str | None = None,
     body: bytes = b"",
 ) -> UpstreamError:
     """The error for an upstream's non-2xx ``status`` (``message`` quoting its text):
-    400/404/413/422 keep their status; 401/403 drop the text, which may quote the key;
-    429 keeps ``Retry-After``; redirects are not followed (they would carry the key).
-    ``error_type`` is the one the error body (``body``) names, if not given."""
-    if error_type is None and body:
-        error_type = error_type_of(body)
+    400/404/413/422 keep their status, and the ``code`` and ``param`` the client is to act
+    on (``context_length_exceeded``); 401/403 drop the text, which may quote the key; 429
+    keeps ``Retry-After``, and an exhausted quota says so and asks for no retry;
+    redirects are not followed (they would carry the key). ``error_type``, ``code`` and
+    ``param`` are the ones the error body (``body``) names, if not given."""
+    sent_code = None
+    if body:
+        kind, sent_code, sent_param = error_fields(body)
+        error_type = error_type or kind
+        param = param or sent_param
     if status in (401, 403):
         return UpstreamAuthError(provider, f" ({status})")
     if status in (400, 404, 413, 422):
-        code = code or ("upstream_not_found" if status == 404 else None)
-        return UpstreamInvalidRequest(message, status=status, code=code, error_type=error_type)
+        code = code or sent_code or ("upstream_not_found" if status == 404 else None)
+        return UpstreamInvalidRequest(
+            message, status=status, code=code, error_type=error_type, param=param
+        )
     if status == 429:
         kept = _retry_after(headers or {})
         if kept is None:  # a wait longer than the gateway passes on: the client's to plan
@@ -151,6 +161,8 @@ def status_error(
             # Still retryable here (an alias's next target may answer), not by the SDKs,
             # which would only come back to the same refusal within seconds.
             kept = {"x-should-retry": "false"}
+        if (code or sent_code) == QUOTA_CODE:  # billing: waiting does not cure it
+            code, kept = QUOTA_CODE, {"x-should-retry": "false"}
         return UpstreamRateLimited(message, code=code, error_type=error_type, headers=kept)
     if status in (503, 529):
         return UpstreamOverloaded(message, code=code, error_type=error_type)
@@ -202,16 +214,23 @@ def error_text(body: bytes) -> str:
     return _passed_on(orjson.dumps(data).decode())
 
 
-def error_type_of(body: bytes) -> str | None:
-    """An upstream's error body's ``error.type`` when a :func:`plain_token`: Anthropic's
-    ``overloaded_error`` of a 529 or ``billing_error`` of a 402, which its clients act on
-    (they came out as ``api_error``, where the same error inside a stream kept its type)."""
+def error_fields(body: bytes) -> tuple[str | None, str | None, str | None]:
+    """An upstream's error body's ``error.type``, ``error.code`` and ``error.param``, each
+    when plain (:func:`plain_token`, :func:`plain_param`): Anthropic's ``overloaded_error``
+    of a 529, OpenAI's ``context_length_exceeded`` on ``messages``, which clients act on."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None
+        return None, None, None
     error = data.get("error") if isinstance(data, dict) else None
-    return plain_token(error.get("type")) if isinstance(error, dict) else None
+    if not isinstance(error, dict):
+        return None, None, None
+    kind, code = plain_token(error.get("type")), plain_token(error.get("code"))
+    return kind, code, plain_param(error.get("param"))
+
+
+QUOTA_CODE = "insufficient_quota"
+"""OpenAI's 429 for an account out of credit: a billing matter, which no retry cures."""
 
 
 ERROR_TYPES = {
@@ -231,6 +250,7 @@ _STATUS_OF_TYPE = {kind: status for status, kind in ERROR_TYPES.items()}  # over
 
 
 _PLAIN_TOKEN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_PLAIN_PARAM = re.compile(r"[A-Za-z0-9_.\-\[\]]{1,128}")
 
 
 def plain_token(value: object) -> str | None:
@@ -243,6 +263,19 @@ def plain_token(value: object) -> str | None:
     return value if redacted(value) == value else None
 
 
+def plain_param(value: object) -> str | None:
+    """``value`` if a field's path as errors name it (``messages[0].content``), plain as
+    :func:`plain_token` is, else None."""
+    if not isinstance(value, str) or not _PLAIN_PARAM.fullmatch(value):
+        return None
+    return value if redacted(value) == value else None
+
+
+_STATUS_OF_CODE = {"rate_limit_exceeded": 429, QUOTA_CODE: 429}
+"""Codes that stand for a status inside a stream, whatever the type beside them (OpenAI's
+``{"type": "requests", "code": "rate_limit_exceeded"}``)."""
+
+
 def in_stream_error(provider: str, error: Any) -> UpstreamError:
     """The error for an error object inside the stream (docs/protocols.md §2, §3): its
     ``type`` stands for a status (:func:`status_error`), or else an integer ``code``
@@ -252,19 +285,23 @@ def in_stream_error(provider: str, error: Any) -> UpstreamError:
     if not isinstance(error, dict):
         error = {"message": str(error)}
     kind, code = plain_token(error.get("type")), plain_token(error.get("code"))
+    param = plain_param(error.get("param"))
     text = _passed_on(str(error.get("message") or "error inside the stream"))
-    status = _STATUS_OF_TYPE.get(kind or "")
+    status = _STATUS_OF_TYPE.get(kind or "") or _STATUS_OF_CODE.get(code or "")
     number = error.get("code")
     if status is None and type(number) is int and 400 <= number <= 599:
         # A status as the code (vLLM, OpenRouter, llama.cpp): a 400 is no retryable 502,
         # a 429 a rate limit; the code is the status's own (upstream_invalid_request, ...).
-        return status_error(provider, number, f"provider {provider!r}: {text}", error_type=kind)
+        message = f"provider {provider!r}: {text}"
+        return status_error(provider, number, message, error_type=kind, param=param)
     return status_error(
         provider,
         status or 500,
         f"provider {provider!r}: {text}",
-        code=code or "upstream_error",
+        # (a status's own code when none came: upstream_rate_limited, ...)
+        code=code or (None if status else "upstream_error"),
         error_type=kind,
+        param=param,
     )
 
 

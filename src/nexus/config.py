@@ -22,6 +22,7 @@ from .config_types import env_name as _env_name
 from .errors import ConfigError
 from .hook_calls import HOOK_TIMEOUT_S
 from .pricing import Price, PriceTable
+from .protocol.anthropic_betas import BETA, DEFAULT_BETAS
 from .protocol.sse import MAX_EVENT_BYTES
 
 __all__ = [
@@ -52,11 +53,10 @@ __all__ = [
 
 
 MAX_BACKLOG = 65535
-"""The kernel takes an int (and caps it at ``net.core.somaxconn``): past 2**31 - 1 the
-listener could not even be made."""
+"""The kernel takes an int, capped at ``net.core.somaxconn``: past 2**31 - 1, no listener."""
 MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
-"""The largest ``[realtime] max_message_bytes``: aiohttp keeps it in 32 bits, and a
-message a GiB long is already far past what one socket should parse."""
+"""The largest ``[realtime] max_message_bytes``: aiohttp keeps it in 32 bits (and a GiB is
+far past what one socket should parse)."""
 
 
 class ServerConfig(_Table):
@@ -102,8 +102,7 @@ class LimitsConfig(_Table):
     max_stream_duration_s: float = Field(default=900.0, gt=0)
     stream_lease_s: float = Field(default=10.0, gt=0)
     max_json_depth: int = Field(default=64, ge=1, le=200)
-    """At most 200: the gateway nests a request a level or two further when it stores or
-    forwards it, and the JSON encoder stops at 254."""
+    """At most 200: stored or forwarded, a request nests deeper, and orjson stops at 254."""
     max_json_items: int = Field(default=100_000, ge=1)
     """Values a request's objects and arrays may hold (see :mod:`nexus.protocol.json_depth`)."""
     budget_max_output_tokens: int = Field(default=16_384, ge=1)
@@ -317,6 +316,7 @@ class AnthropicProviderConfig(HTTPProviderConfig):
     base_url: str = Field(default="https://api.anthropic.com", pattern=URL)
     anthropic_version: str = Field(default="2023-06-01", min_length=1, max_length=64)
     default_max_tokens: int = Field(default=4096, ge=1)
+    betas: list[Annotated[str, Field(pattern=BETA)]] = list(DEFAULT_BETAS)  # (anthropic_betas)
 
 
 ProviderConfig = Annotated[

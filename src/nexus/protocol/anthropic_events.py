@@ -129,7 +129,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
         config["format"] = {"type": "json_schema", "schema": schema}
     if config:
         body["output_config"] = config
-    for key in ("thinking", "top_k", "service_tier"):
+    for key in ("thinking", "top_k", "service_tier", "context_management"):
         if key in extra:
             body[key] = extra[key]
     if body.get("service_tier") == "default":  # OpenAI's standard tier, in Anthropic's words
@@ -180,7 +180,9 @@ def _cannot(param: str, what: str, instead: str) -> InvalidRequest:
     return InvalidRequest(message, param=param)
 
 
-_CARRIED = ("thinking", "top_k", "service_tier", "output_config", "reasoning_effort")
+_CARRIED: tuple[str, ...] = ("thinking", "top_k", "service_tier", "output_config")
+_CARRIED += ("reasoning_effort",)
+_CARRIED += ("context_management", "anthropic_beta")  # (the betas go as a header)
 _DROPPED: tuple[str, ...] = ("verbosity", "prediction", "store", "metadata", "prompt_cache_key")
 _DROPPED += ("safety_identifier", "function_call")  # (the legacy tool choice: none alone)
 

@@ -163,6 +163,9 @@ class MessagesRequest(StrictModel):
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    """What Anthropic may clear from the context (old tool results, thinking), which
+    Claude Code sends: carried to Anthropic targets; another has no such thing."""
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     output_config: OutputConfig | None = None
@@ -207,7 +210,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
         options["resumable"] = True
     if options:
         chat["stream_options"] = options
-    for key in ("temperature", "top_p", "top_k", "thinking", "service_tier"):
+    for key in ("temperature", "top_p", "top_k", "thinking", "service_tier", "context_management"):
         value = getattr(request, key)
         if value is not None:
             chat[key] = value

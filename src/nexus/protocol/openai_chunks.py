@@ -28,6 +28,7 @@ from .upstream import (
 __all__ = ["ChunkDecoder", "ToolCallPieces", "chunk_events", "refusal", "upstream_body"]
 
 _NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config"}  # not OpenAI's
+_NOT_OPENAI |= {"anthropic_beta", "context_management"}  # an Anthropic client's, for Anthropic
 
 
 def refusal(request: ChatRequest) -> InvalidRequest | None:

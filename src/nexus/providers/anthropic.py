@@ -9,6 +9,7 @@ from typing import Any
 from ..config import AnthropicProviderConfig
 from ..errors import InvalidRequest
 from ..events import Delta, StreamEvent, Usage
+from ..protocol.anthropic_betas import sent_betas
 from ..protocol.anthropic_events import EventDecoder, messages_body, refusal
 from ..request import ChatRequest
 from ..stream import Batches
@@ -38,6 +39,11 @@ class AnthropicProvider(HTTPProvider):
         if self._api_key:
             headers["x-api-key"] = self._api_key
         return headers
+
+    def request_headers(self, request: ChatRequest) -> dict[str, str] | None:
+        asked = (request.model_extra or {}).get("anthropic_beta")
+        betas = None if asked is None else sent_betas(asked, self.config.betas)
+        return None if betas is None else {"anthropic-beta": betas}
 
     def refusal(self, request: ChatRequest) -> InvalidRequest | None:
         return refusal(request)

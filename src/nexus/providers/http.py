@@ -3,15 +3,13 @@ body fed to the provider's decoder as it arrives, and error mapping: connection 
 upstream statuses become the most specific :mod:`nexus.errors` class here, once
 (``map_upstream_errors``, :func:`~nexus.protocol.upstream.status_error`). Raised before the
 first event, an error may send the engine to the next target; after, an error event.
-
 Bodies are asked for and read as sent (``Accept-Encoding: identity``): a compressed body is
-a bomb waiting (300 MB of comments in 306 KB of gzip, inflated in one call, held the loop
-for every tenant), so one that comes compressed all the same is a protocol error.
-
-A stream holds its pooled connection (``max_connections``) for its whole length; a
-request's wait for one goes to the provider's ``on_pool_wait`` callbacks (a histogram)
-and to the call's :data:`~.connections.POOL_WAITS` (``pool_wait_ms`` in the access
-line). Keys go out in headers only, never in logs, errors or ``repr``.
+a bomb waiting (300 MB of comments in 306 KB of gzip held the loop for every tenant), so
+one that comes compressed all the same is a protocol error. A stream holds its pooled
+connection (``max_connections``) for its whole length; a request's wait for one goes to
+the provider's ``on_pool_wait`` callbacks (a histogram) and to the call's
+:data:`~.connections.POOL_WAITS` (``pool_wait_ms``). Keys go out in headers only, never in
+logs, errors or ``repr``.
 """
 
 from __future__ import annotations
@@ -54,17 +52,14 @@ log = logging.getLogger("nexus.providers")
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
 _MAX_READY = 4096
-"""Events decoded and not yet read past which the socket stops being read (a reader that
-takes its events late must not have the gateway hold the upstream's whole stream)."""
+"""Events decoded and not yet read past which the socket stops being read."""
 USER_AGENT = f"nexus/{__version__}"
-"""Sent upstream on every request: a provider's logs tell which gateway, and which
-release of it, sent what."""
+"""Sent upstream on every request: a provider's logs tell which gateway release sent what."""
 
 
 @contextlib.contextmanager
 def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
-    """Translate the connection's and timeout errors into :mod:`nexus.errors` (``raise ...
-    from``); a :class:`~nexus.errors.GatewayError` passes as it is."""
+    """Connection and timeout errors as :mod:`nexus.errors` (a GatewayError as it is)."""
     try:
         yield
     except TimeoutError as exc:
@@ -134,9 +129,15 @@ class HTTPProvider(Provider):
         ends before it is :class:`~nexus.errors.UpstreamDisconnected`, never a success."""
         return _Exchange(self, request, model)
 
-    def request_head(self, pool: ConnectionPool, length: int) -> bytes:
+    def request_headers(self, request: ChatRequest) -> dict[str, str] | None:
+        return None  # headers of the request's own, beside headers()
+
+    def request_head(
+        self, pool: ConnectionPool, length: int, extra: dict[str, str] | None = None
+    ) -> bytes:
         """The request's line and headers, for a body of ``length`` bytes."""
-        headers = upstream_headers(self.headers(), self.base_url + self.path)
+        headers = self.headers() if extra is None else self.headers() | extra
+        headers = upstream_headers(headers, self.base_url + self.path)
         try:
             return pool.request_head(self._target, headers, length)
         except HeaderRefused as exc:
@@ -340,10 +341,11 @@ class _Exchange:
         if self._request is None:
             raise StopAsyncIteration  # closed before its first step
         payload, self._decoder = self._provider.upstream(self._request, self.model)
+        extra = self._provider.request_headers(self._request)
         self._request = None  # held by nothing for the stream's length
-        await self._send(orjson.dumps(payload))
+        await self._send(orjson.dumps(payload), extra)
 
-    async def _send(self, body: bytes) -> None:
+    async def _send(self, body: bytes, extra: dict[str, str] | None = None) -> None:
         """POST ``body``; the response, once its status is 2xx. Redirects are not followed:
         they would carry the key to another host."""
         provider, config = self._provider, self._provider.config
@@ -351,7 +353,7 @@ class _Exchange:
         if pool is None:
             raise RuntimeError(f"provider {provider.name!r} is not started")
         loop = asyncio.get_running_loop()
-        head = provider.request_head(pool, len(body))
+        head = provider.request_head(pool, len(body), extra)
         with map_upstream_errors(provider.name, "before responding"):
             try:
                 try:

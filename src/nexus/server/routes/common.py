@@ -44,6 +44,7 @@ from ...errors import (
 from ...events import Done, Error, StreamEvent
 from ...hooks import CallContext
 from ...pricing import NOTHING, Spend
+from ...protocol.anthropic_betas import parse_betas
 from ...protocol.content_encoding import Inflater, content_coding, too_large
 from ...protocol.negotiation import select_format
 from ...request import ChatRequest
@@ -241,6 +242,8 @@ async def complete(
     body = await read_body(request)
     limits = app[state.CONFIG].limits
     chat = parse(body, max_depth=limits.max_json_depth, max_items=limits.max_json_items)
+    if betas := request.headers.getall("anthropic-beta", ()):  # part of the request
+        chat = chat.model_copy(update={"anthropic_beta": parse_betas(betas)})
     request_model(chat.model)  # on the request's span, when tracing
     owner = key.name if key is not None else None
     hub = app[state.HUB]

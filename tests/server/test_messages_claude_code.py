@@ -1,0 +1,106 @@
+"""Claude Code through the gateway: what it sends beside the Messages API's core reaches an
+Anthropic upstream. Every request it makes with prompt caching or thinking on carries
+``context_management`` (refused: ``Unknown field``, so Claude Code failed on its first
+turn) and names betas in ``anthropic-beta`` (never sent on, so a field that needs one
+would be refused upstream). Betas reach the upstream as its provider's ``betas`` allow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import pytest
+
+from nexus.config import parse_config
+from nexus.errors import ConfigError
+from nexus.protocol.anthropic_betas import parse_betas, sent_betas
+from support import MakeClient
+from upstreams import DONE, FakeUpstream, Reply, anthropic_stream, openai_chunk
+
+CLEAR = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
+ASKED = ["claude-code-20250219", "context-management-2025-06-27", "context-1m-2025-08-07"]
+USER = [{"role": "user", "content": "hi"}]
+
+
+def providers(url: str, **anthropic_table: Any) -> dict[str, Any]:
+    return {
+        "providers": {
+            "an": {"kind": "anthropic", "base_url": url, **anthropic_table},
+            "op": {"kind": "openai", "base_url": url + "/v1"},
+        }
+    }
+
+
+async def test_context_management_and_allowed_betas_reach_an_anthropic_upstream(
+    make_client: MakeClient,
+) -> None:
+    reply = Reply.stream(anthropic_stream([{"type": "text", "text": "ok"}]))
+    async with FakeUpstream(default=reply) as fake:
+        client = await make_client(providers(fake.url))
+        url = str(client.make_url(""))
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0) as sdk:
+            async with sdk.beta.messages.stream(
+                model="an/claude",
+                max_tokens=64,
+                messages=USER,  # type: ignore[arg-type]
+                betas=ASKED,
+                context_management=CLEAR,  # type: ignore[arg-type]
+            ) as stream:
+                final = await stream.get_final_message()
+            assert final.content[0].text == "ok"  # type: ignore[union-attr]
+            seen = fake.requests[-1]
+            assert seen.body["context_management"] == CLEAR
+            # Claude Code's own beta and the 1M window (billed at another rate) stay home.
+            assert seen.headers["anthropic-beta"] == "context-management-2025-06-27"
+            await sdk.messages.create(model="an/claude", max_tokens=8, messages=USER)  # type: ignore[arg-type]
+            assert "anthropic-beta" not in fake.requests[-1].headers
+    # An operator who prices the 1M window allows it.
+    async with FakeUpstream(default=reply) as fake:
+        allowed = ["context-1m-2025-08-07", "context-management-2025-06-27"]
+        client = await make_client(providers(fake.url, betas=allowed))
+        sent = await client.post(
+            "/v1/messages",
+            json={"model": "an/claude", "max_tokens": 8, "messages": USER},
+            headers={"anthropic-beta": ", ".join(ASKED)},
+        )
+        assert sent.status == 200
+        assert fake.requests[-1].headers["anthropic-beta"] == ",".join(reversed(allowed))
+
+
+def test_betas_are_read_from_every_header_and_sent_once_in_the_order_asked() -> None:
+    asked = parse_betas(["claude-code-20250219, context-1m-2025-08-07", " context-1m-2025-08-07,x"])
+    assert asked == ["claude-code-20250219", "context-1m-2025-08-07", "context-1m-2025-08-07", "x"]
+    assert sent_betas(asked, ["x", "context-1m-2025-08-07"]) == "context-1m-2025-08-07,x"
+    assert sent_betas(asked, []) is None
+
+
+async def test_an_openai_target_sends_neither(make_client: MakeClient) -> None:
+    reply = Reply.stream([openai_chunk(content="ok"), openai_chunk(finish_reason="stop"), DONE])
+    async with FakeUpstream(default=reply) as fake:
+        client = await make_client(providers(fake.url))
+        body = {"model": "op/m", "max_tokens": 8, "messages": USER, "context_management": CLEAR}
+        sent = await client.post("/v1/messages", json=body, headers={"anthropic-beta": ASKED[1]})
+        assert sent.status == 200
+        seen = fake.requests[-1]
+        assert "context_management" not in seen.body and "anthropic_beta" not in seen.body
+        assert "anthropic-beta" not in seen.headers
+
+
+@pytest.mark.parametrize("value", ["Context-1M", "a b", "x,".join("b" * 3 for _ in range(40)), "é"])
+async def test_a_beta_that_is_not_a_name_is_refused_by_name(
+    make_client: MakeClient, value: str
+) -> None:
+    client = await make_client()
+    body = {"model": "mock/echo", "max_tokens": 8, "messages": USER}
+    sent = await client.post("/v1/messages", json=body, headers={"anthropic-beta": value})
+    assert sent.status == 400
+    error = (await sent.json())["error"]
+    assert error["type"] == "invalid_request_error" and "anthropic-beta" in error["message"]
+
+
+def test_the_allow_list_holds_beta_names_only() -> None:
+    table = {"kind": "anthropic", "base_url": "https://api.anthropic.com", "betas": ["Bad Beta"]}
+    with pytest.raises(ConfigError, match="betas"):
+        parse_config({"providers": {"an": table}})
+    default = parse_config({"providers": {"an": {"kind": "anthropic"}}}).providers["an"]
+    assert "context-management-2025-06-27" in default.betas  # type: ignore[union-attr]

@@ -22,7 +22,7 @@ from .config_types import env_name as _env_name
 from .errors import ConfigError
 from .hook_calls import HOOK_TIMEOUT_S
 from .pricing import Price, PriceTable
-from .protocol.anthropic_betas import BETA, DEFAULT_BETAS
+from .protocol.anthropic_betas import Beta, default_betas
 from .protocol.sse import MAX_EVENT_BYTES
 
 __all__ = [
@@ -316,7 +316,7 @@ class AnthropicProviderConfig(HTTPProviderConfig):
     base_url: str = Field(default="https://api.anthropic.com", pattern=URL)
     anthropic_version: str = Field(default="2023-06-01", min_length=1, max_length=64)
     default_max_tokens: int = Field(default=4096, ge=1)
-    betas: list[Annotated[str, Field(pattern=BETA)]] = list(DEFAULT_BETAS)  # (anthropic_betas)
+    betas: list[Beta] = Field(default_factory=default_betas)  # (see protocol.anthropic_betas)
 
 
 ProviderConfig = Annotated[

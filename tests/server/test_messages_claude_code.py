@@ -104,3 +104,62 @@ def test_the_allow_list_holds_beta_names_only() -> None:
         parse_config({"providers": {"an": table}})
     default = parse_config({"providers": {"an": {"kind": "anthropic"}}}).providers["an"]
     assert "context-management-2025-06-27" in default.betas  # type: ignore[union-attr]
+
+
+TOOL = {
+    "name": "Read",
+    "description": "Read a file",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+CLAUDE_CODE_FIELDS = {
+    "type": "custom",
+    "defer_loading": True,
+    "input_examples": [{"path": "/etc/hosts"}],
+    "eager_input_streaming": True,
+    "allowed_callers": ["direct"],
+    "cache_control": {"type": "ephemeral"},
+}
+
+
+async def test_a_tools_anthropic_fields_reach_an_anthropic_upstream_or_are_refused(
+    make_client: MakeClient,
+) -> None:
+    """A tool's ``defer_loading``, ``input_examples``, ``eager_input_streaming`` and
+    ``allowed_callers`` (Claude Code's) were dropped without a word: the upstream got the
+    name, description and schema alone. A field Nexus does not know, and a server tool,
+    are refused by name; a target without them refuses those that change the answer."""
+    reply = Reply.stream(anthropic_stream([{"type": "text", "text": "ok"}]))
+    async with FakeUpstream(default=reply) as fake:
+        client = await make_client(providers(fake.url))
+        body: dict[str, Any] = {"model": "an/claude", "max_tokens": 8, "messages": USER}
+        sent = await client.post("/v1/messages", json=body | {"tools": [TOOL | CLAUDE_CODE_FIELDS]})
+        assert sent.status == 200
+        (tool,) = fake.requests[-1].body["tools"]
+        assert tool == TOOL | {k: v for k, v in CLAUDE_CODE_FIELDS.items() if k != "type"}
+        refused = {
+            "tools[0].mcp_server": TOOL | {"mcp_server": "x"},
+            "tools[0].type": {
+                "type": "web_search_20250305",
+                "name": "web_search",
+                "input_schema": {},
+            },
+        }
+        for param, bad in refused.items():
+            answer = await client.post("/v1/messages", json=body | {"tools": [bad]})
+            assert answer.status == 400, param
+            assert param in (await answer.json())["error"]["message"]
+        to_openai = body | {"model": "op/m"}
+        answer = await client.post(
+            "/v1/messages", json=to_openai | {"tools": [TOOL | {"input_examples": [{}]}]}
+        )
+        assert answer.status == 400
+        assert "tools[0].input_examples" in (await answer.json())["error"]["message"]
+        fake.add(
+            Reply.stream([openai_chunk(content="ok"), openai_chunk(finish_reason="stop"), DONE])
+        )
+        eager = TOOL | {"eager_input_streaming": True}
+        assert (
+            await client.post("/v1/messages", json=to_openai | {"tools": [eager]})
+        ).status == 200
+        (sent_tool,) = fake.requests[-1].body["tools"]
+        assert set(sent_tool) == {"type", "function"}

@@ -246,7 +246,7 @@ async def test_fields_it_does_not_carry_out_are_refused_by_name(make_client: Mak
     """Dropped, ``mcp_servers`` or ``container`` would change the answer without a word."""
     api = await sdk(make_client)
     for field, value in (("mcp_servers", [{"type": "url", "url": "https://x", "name": "x"}]),
-                         ("container", "c_1"), ("context_management", {})):  # fmt: skip
+                         ("container", "c_1")):  # fmt: skip
         with pytest.raises(anthropic.BadRequestError) as bad:
             await api.messages.create(
                 model="mock/echo", max_tokens=10, messages=USER, extra_body={field: value}

@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from typing import Annotated
+
+from pydantic import Field
 
 from ..errors import InvalidRequest
 
-__all__ = ["BETA", "DEFAULT_BETAS", "MAX_BETAS", "parse_betas", "sent_betas"]
+__all__ = [
+    "BETA",
+    "DEFAULT_BETAS",
+    "MAX_BETAS",
+    "Beta",
+    "default_betas",
+    "parse_betas",
+    "sent_betas",
+]
 
 BETA = r"^[a-z0-9][a-z0-9\-]{0,99}$"
 """An ``anthropic-beta`` value (``context-management-2025-06-27``)."""
@@ -29,6 +40,11 @@ DEFAULT_BETAS = (
     "token-efficient-tools-2025-02-19",
 )
 """Betas that change neither prices nor what Nexus reads of a stream: allowed by default."""
+Beta = Annotated[str, Field(pattern=BETA)]
+
+
+def default_betas() -> list[str]:
+    return list(DEFAULT_BETAS)
 
 
 def parse_betas(values: Iterable[str]) -> list[str]:

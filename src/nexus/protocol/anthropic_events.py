@@ -116,6 +116,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
                 "input_schema": tool.function.parameters or {"type": "object", "properties": {}},
                 **({"strict": True} if tool.function.strict else {}),  # its input held to it
                 **cache_control(tool),
+                **(tool.model_extra or {}).get("anthropic_tool", {}),  # a /v1/messages client's
             }
             for tool in request.tools
         ]

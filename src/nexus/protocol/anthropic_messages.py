@@ -29,6 +29,7 @@ from .openai_chat import parse_json_object, tool_call, validated
 from .upstream import ERROR_TYPES
 
 __all__ = [
+    "TOOL_FIELDS",
     "MessagesRequest",
     "anthropic_error_body",
     "error_body",
@@ -38,6 +39,7 @@ __all__ = [
     "thinking_block",
     "tool_input",
     "tool_input_json",
+    "tool_refusal",
 ]
 
 STOP_REASONS = {
@@ -221,20 +223,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
     if request.metadata is not None and request.metadata.user_id:
         chat["user"] = request.metadata.user_id
     if request.tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.input_schema,
-                    # strict tool use: the input held to its schema (OpenAI's strict mode)
-                    **({"strict": True} if (tool.model_extra or {}).get("strict") is True else {}),
-                },
-                **cache_control(tool),
-            }
-            for tool in request.tools
-        ]
+        chat["tools"] = [_tool(tool, index) for index, tool in enumerate(request.tools)]
     choice = request.tool_choice
     if choice is not None:
         if choice.type == "tool":
@@ -250,6 +239,51 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
     if request.mock is not None:
         chat["mock"] = request.mock.model_dump(exclude_none=True)
     return validated(ChatRequest, chat)
+
+
+TOOL_FIELDS = ("defer_loading", "input_examples", "eager_input_streaming", "allowed_callers")
+"""A tool's fields beside its function that ride to an Anthropic target as sent
+(``anthropic_tool``): what Claude Code sends. Any other is refused by name."""
+_TOOL_KEYS = frozenset(("type", "strict", "cache_control", *TOOL_FIELDS))
+
+
+def _tool(tool: ToolDef, index: int) -> dict[str, Any]:
+    """A tool in chat's terms; its Anthropic fields ride beside it. A server tool (``type``
+    ``web_search_20250305``...) runs at Anthropic and streams blocks Nexus does not carry."""
+    extra = tool.model_extra or {}
+    unknown = next((key for key in extra if key not in _TOOL_KEYS), None)
+    if unknown is not None:
+        raise InvalidRequest(
+            f"tools[{index}].{unknown}: a tool field Nexus does not carry.",
+            param=f"tools[{index}].{unknown}",
+        )
+    if extra.get("type", "custom") != "custom":
+        raise InvalidRequest(
+            f"tools[{index}].type: {str(extra['type'])[:64]!r} is a server tool, which Nexus "
+            "does not carry (its results are blocks of their own); only custom tools are.",
+            param=f"tools[{index}].type",
+        )
+    function: dict[str, Any] = {"name": tool.name, "description": tool.description}
+    function["parameters"] = tool.input_schema
+    if extra.get("strict") is True:  # the input held to its schema (OpenAI's strict mode)
+        function["strict"] = True
+    chat: dict[str, Any] = {"type": "function", "function": function, **cache_control(tool)}
+    fields = {key: extra[key] for key in TOOL_FIELDS if key in extra}
+    if fields:
+        chat["anthropic_tool"] = fields
+    return chat
+
+
+def tool_refusal(request: ChatRequest) -> InvalidRequest | None:
+    """For a target without Anthropic's tools: the 400 for the first of a tool's Anthropic
+    fields that changes the answer (all but ``eager_input_streaming``, how it streams)."""
+    for index, tool in enumerate(request.tools or ()):
+        asked = next(iter((tool.model_extra or {}).get("anthropic_tool", {})), None)
+        if asked is not None and asked != "eager_input_streaming":
+            message = f"tools[{index}].{asked}: an Anthropic tool field, which this model's "
+            message += "provider (Chat Completions) cannot honour; send it to an Anthropic model"
+            return InvalidRequest(message, param=f"tools[{index}].{asked}")
+    return None
 
 
 def _output_config(config: OutputConfig, chat: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import orjson
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
 from ..events import Audio, Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
+from .anthropic_messages import tool_refusal
 from .openai_tool_calls import ToolCallPieces
 from .output_config import openai_fields
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
@@ -39,7 +40,7 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
         openai_fields(request)
     except InvalidRequest as exc:
         return exc
-    return None
+    return tool_refusal(request)
 
 
 def upstream_body(
@@ -65,6 +66,7 @@ def upstream_body(
                 part.pop("cache_control", None)  # Anthropic's prompt-cache marks
     for tool in body.get("tools") or ():
         tool.pop("cache_control", None)
+        tool.pop("anthropic_tool", None)
     body["model"] = model
     if body.get("service_tier") == "standard_only":  # a /v1/messages client's, in OpenAI's words
         body["service_tier"] = "default"

@@ -45,14 +45,12 @@ __all__ = [
 _T = TypeVar("_T")
 
 Items = Annotated[list[_T], Field(fail_fast=True)]
-"""A wire list, validated up to its first bad item only: pydantic would otherwise build an
-error for every bad item, about 4 µs each, so an 800 KB body of them held the event loop
-(every tenant's streams) for one to two seconds. Every list of a request model is one."""
+"""A wire list, validated up to its first bad item only (an error for each bad item, 4 µs
+apiece: an 800 KB body of them held every tenant's streams for 1-2 s). Every list is one."""
 
 
 MAX_MODEL_CHARS = 256
-"""A model name's longest: it reaches logs, spans, metrics and error messages (real ones
-are tens of characters)."""
+"""A model name's longest: it reaches logs, spans, metrics and errors (real ones: tens)."""
 
 
 class StrictModel(BaseModel):
@@ -63,8 +61,8 @@ class StrictModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _first_unknown_field_only(cls, data: Any) -> Any:
-        """Keep one unknown field of many: pydantic would build an error for each, about
-        3 µs apiece, so a body of 400,000 of them held the event loop for a second."""
+        """Keep one unknown field of many (pydantic builds an error for each, 3 µs apiece:
+        a body of 400,000 held the event loop a second)."""
         if isinstance(data, dict) and len(data) > 1:
             names = _field_names(cls)
             unknown = [key for key in data if key not in names][:2]
@@ -209,8 +207,8 @@ _BLOCK_FIELDS: dict[str, dict[str, type]] = {
     "tool_use": {"id": str, "name": str, "input": dict},
 }
 _OPTIONAL_FIELDS = {"signature": str, "data": str}
-"""Checked when present: a thinking block without a signature (as some Anthropic-compatible
-servers send it) goes back as the client has it; the upstream judges it."""
+"""Checked when present: a thinking block without one (some Anthropic-compatible servers
+send it so) goes back as the client has it."""
 
 
 def _assistant_block(block: Any) -> bool:
@@ -232,9 +230,8 @@ class ToolMessage(OpenModel):
     @model_validator(mode="after")
     def _anthropic_result(self) -> ToolMessage:
         """``is_error`` and ``tool_result_content`` (what ``/v1/messages`` carries for an
-        Anthropic upstream) go to it as they are: only the shapes it carries, a boolean
-        and text and image blocks, never a block of any kind a client makes up (a
-        document by URL: its cost unknown to a budget)."""
+        Anthropic upstream) go to it as they are: only a boolean and text, image and inline
+        document blocks, no block a client makes up (a document by URL: its cost unknown)."""
         extra = self.model_extra or {}
         if "is_error" in extra and type(extra["is_error"]) is not bool:
             raise ValueError("is_error must be a boolean")
@@ -242,8 +239,12 @@ class ToolMessage(OpenModel):
         if blocks is not None and not (
             type(blocks) is list and blocks and all(map(_result_block, blocks))
         ):
-            raise ValueError("tool_result_content holds text and image blocks only")
+            raise ValueError("tool_result_content holds text, images and inline documents")
         return self
+
+
+_INLINE_DOCUMENTS = {("base64", "application/pdf"), ("text", "text/plain")}
+_DOCUMENT_KEYS = {"type", "source", "title", "context", "citations", "cache_control"}
 
 
 def _result_block(block: Any) -> bool:
@@ -256,6 +257,10 @@ def _result_block(block: Any) -> bool:
             and type(block.get("citations", [])) is list
         )
     source = block.get("source")
+    if block.get("type") == "document" and type(source) is dict:  # inline: its size is known
+        inline = (source.get("type"), source.get("media_type")) in _INLINE_DOCUMENTS
+        data = type(source.get("data")) is str and len(source) == 3
+        return inline and data and block.keys() <= _DOCUMENT_KEYS
     if block.get("type") != "image" or type(source) is not dict:
         return False
     if source.get("type") == "base64":
@@ -284,9 +289,8 @@ def message_text(message: SystemMessage | UserMessage | AssistantMessage | ToolM
 
 
 def input_kinds(request: ChatRequest) -> set[str]:
-    """The non-text inputs a request carries: ``image``, ``audio`` (a target whose
-    provider cannot take one of them is skipped). An assistant turn that names an earlier
-    audio answer (:func:`audio_reference`) is audio: the upstream reads that audio."""
+    """The non-text inputs a request carries: ``image``, ``audio`` (a target whose provider
+    cannot take one is skipped); an earlier audio answer named by id is audio too."""
     kinds: set[str] = set()
     for message in request.messages:
         if isinstance(message, AssistantMessage) and audio_reference(message):
@@ -301,8 +305,7 @@ def input_kinds(request: ChatRequest) -> set[str]:
 
 
 def audio_reference(message: AssistantMessage) -> bool:
-    """Whether an assistant turn names an audio answer of the upstream's by its id
-    (OpenAI's ``audio: {"id": ...}``), passed on as it came."""
+    """Whether an assistant turn names an upstream's audio answer (``audio: {"id": ...}``)."""
     extra = message.model_extra
     return extra is not None and extra.get("audio") is not None
 
@@ -352,16 +355,14 @@ class ResponseFormat(StrictModel):
 class StreamOptions(OpenModel):
     include_usage: bool = False
     include_cost: bool = False
-    """Nexus's: ``usage.cost`` (USD) in the usage chunk (sent even without
-    ``include_usage``); never sent upstream."""
+    """Nexus's: ``usage.cost`` (USD) in the usage chunk (even without ``include_usage``)."""
     include_obfuscation: bool | None = None
     """OpenAI's: an ``obfuscation`` string of random length in each chunk (padding
     against length side channels). Nexus pads its own chunks only when it is true."""
     resumable: bool = Field(default=False, exclude=True)
     """Nexus: the stream outlives its client for ``[streams] detach_timeout_s``, to be
-    resumed with ``Last-Event-ID`` (without it, a client that leaves cancels the
-    upstream at once). Excluded from every dump: never sent upstream, not in the
-    cache key."""
+    resumed with ``Last-Event-ID`` (without it, a client that leaves cancels the upstream
+    at once). Never sent upstream, not in the cache key."""
 
 
 # --- the mock provider's script --------------------------------------------
@@ -381,8 +382,7 @@ class MockUsage(StrictModel):
 
 
 class MockScript(StrictModel):
-    """What the mock provider should produce instead of echoing (docs/providers.md: "The mock
-    provider")."""
+    """What the mock provider produces instead of its echo (docs/providers.md, "The mock")."""
 
     content: str | None = None
     reasoning: str | None = None

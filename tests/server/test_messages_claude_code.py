@@ -6,6 +6,7 @@ would be refused upstream). Betas reach the upstream as its provider's ``betas``
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import anthropic
@@ -163,3 +164,114 @@ async def test_a_tools_anthropic_fields_reach_an_anthropic_upstream_or_are_refus
         ).status == 200
         (sent_tool,) = fake.requests[-1].body["tools"]
         assert set(sent_tool) == {"type", "function"}
+
+
+PDF = base64.b64encode(b"%PDF-1.4 a tiny document").decode()
+DOCUMENT = {
+    "type": "document",
+    "source": {"type": "base64", "media_type": "application/pdf", "data": PDF},
+    "title": "notes.pdf",
+    "citations": {"enabled": True},
+    "cache_control": {"type": "ephemeral"},
+}
+
+
+async def test_documents_reach_an_anthropic_upstream_as_sent(make_client: MakeClient) -> None:
+    """A ``document`` block (Claude Code sends one for a PDF it read, in a tool result) was
+    refused as "Input should be a valid string": a session that had read a PDF failed on
+    every later turn."""
+    reply = Reply.stream(anthropic_stream([{"type": "text", "text": "ok"}]))
+    by_url = {"type": "document", "source": {"type": "url", "url": "https://x.test/a.pdf"}}
+    text = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "hi"},
+    }
+    turns = [
+        {"role": "user", "content": [DOCUMENT, by_url, text, {"type": "text", "text": "read"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [DOCUMENT]}],
+        },
+    ]
+    async with FakeUpstream(default=reply) as fake:
+        client = await make_client(providers(fake.url))
+        url = str(client.make_url(""))
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0) as sdk:
+            await sdk.messages.create(model="an/claude", max_tokens=8, messages=turns)  # type: ignore[arg-type]
+        sent = fake.requests[-1].body["messages"]
+        assert sent[0]["content"][:3] == [DOCUMENT, by_url, text]
+        assert sent[2]["content"][0]["content"] == [DOCUMENT]
+
+
+async def test_an_openai_target_reads_an_inline_document_and_refuses_the_rest(
+    make_client: MakeClient,
+) -> None:
+    reply = Reply.stream([openai_chunk(content="ok"), openai_chunk(finish_reason="stop"), DONE])
+    text = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "hé"},
+    }
+    plain = {k: v for k, v in DOCUMENT.items() if k not in ("citations", "cache_control")}
+    async with FakeUpstream(default=reply) as fake:
+        client = await make_client(providers(fake.url))
+        body: dict[str, Any] = {"model": "op/m", "max_tokens": 8}
+        content = [plain, text, {"type": "text", "text": "read"}]
+        sent = await client.post(
+            "/v1/messages", json=body | {"messages": [{"role": "user", "content": content}]}
+        )
+        assert sent.status == 200
+        parts = fake.requests[-1].body["messages"][0]["content"]
+        data_url = "data:application/pdf;base64," + PDF
+        assert parts[:2] == [
+            {"type": "file", "file": {"file_data": data_url, "filename": "notes.pdf"}},
+            {"type": "text", "text": "hé"},
+        ]
+        by_url = {"type": "document", "source": {"type": "url", "url": "https://x.test/a.pdf"}}
+        refused = {
+            "messages[0].content[0].source": by_url,
+            "messages[0].content[0].citations": DOCUMENT,
+        }
+        for param, document in refused.items():
+            messages = [{"role": "user", "content": [document]}]
+            answer = await client.post("/v1/messages", json=body | {"messages": messages})
+            assert answer.status == 400, param
+            assert (await answer.json())["error"]["message"].startswith(param)
+        result = {"type": "tool_result", "tool_use_id": "t1", "content": [plain]}
+        turns = [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}],
+            },
+            {"role": "user", "content": [result]},
+        ]
+        answer = await client.post("/v1/messages", json=body | {"messages": turns})
+        assert answer.status == 400
+        assert "holds a block of type 'document'" in (await answer.json())["error"]["message"]
+
+
+async def test_a_tool_messages_text_parts_stay_apart_for_anthropic(make_client: MakeClient) -> None:
+    """A chat tool message in parts reached Anthropic as one string, joined by spaces."""
+    reply = Reply.stream(anthropic_stream([{"type": "text", "text": "ok"}]))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [{"type": "text", "text": "5"}, {"type": "text", "text": "C"}],
+        },
+    ]
+    async with FakeUpstream(default=reply) as fake:
+        client = await make_client(providers(fake.url))
+        sent = await client.post(
+            "/v1/chat/completions", json={"model": "an/c", "messages": messages}
+        )
+        assert sent.status == 200
+        (result,) = fake.requests[-1].body["messages"][-1]["content"]
+        assert result["content"] == [{"type": "text", "text": "5"}, {"type": "text", "text": "C"}]

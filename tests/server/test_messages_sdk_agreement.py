@@ -115,6 +115,6 @@ async def test_an_openai_upstream_gets_is_error_as_text_and_refuses_images(
     assert tool == {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: boom"}
     with pytest.raises(anthropic.BadRequestError) as info:
         await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(FAILED))
-    assert "holds an image" in info.value.message
+    assert "holds a block of type 'image'" in info.value.message
     assert len(upstream.requests) == 1
     await api.close()

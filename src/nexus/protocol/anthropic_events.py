@@ -268,8 +268,9 @@ def _user_blocks(message: UserMessage) -> list[dict[str, Any]]:
 def _tool_result(message: ToolMessage) -> dict[str, Any]:
     """A ``tool_result`` block: the blocks a ``/v1/messages`` client sent, else its text;
     ``is_error`` and its cache mark kept."""
-    extra = message.model_extra or {}
-    content = extra.get("tool_result_content") or message_text(message)
+    extra, parts = message.model_extra or {}, message.content or ""  # parts stay apart
+    blocks = parts if isinstance(parts, str) else [text_block(part) for part in parts]
+    content = extra.get("tool_result_content") or blocks
     result = {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": content}
     if extra.get("is_error") is True:
         result["is_error"] = True

@@ -23,13 +23,14 @@ from ..request import (
     StrictModel,
 )
 from ..types import Completion, ReasoningBlock, in_order
+from .anthropic_documents import document_part
 from .anthropic_events import NATIVE_STOP_REASONS, cache_control, text_block
+from .anthropic_tools import chat_tool
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS, deeper_than
 from .openai_chat import parse_json_object, tool_call, validated
 from .upstream import ERROR_TYPES
 
 __all__ = [
-    "TOOL_FIELDS",
     "MessagesRequest",
     "anthropic_error_body",
     "error_body",
@@ -39,7 +40,6 @@ __all__ = [
     "thinking_block",
     "tool_input",
     "tool_input_json",
-    "tool_refusal",
 ]
 
 STOP_REASONS = {
@@ -88,9 +88,38 @@ class URLSource(StrictModel):
     url: str = Field(pattern=r"^https?://\S+$")
 
 
+class DocumentData(StrictModel):
+    type: Literal["base64"]
+    media_type: Literal["application/pdf"]
+    data: str = Field(min_length=1)
+
+
+class DocumentText(StrictModel):
+    type: Literal["text"]
+    media_type: Literal["text/plain"]
+    data: str
+
+
+class DocumentElsewhere(OpenModel):
+    type: Literal["url", "file", "content"]
+
+
 class ImageBlock(OpenModel):
     type: Literal["image"]
     source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+
+class DocumentBlock(StrictModel):
+    """A document (a PDF, a text), as Claude Code sends one it read. Inline (``base64``
+    PDF, ``text``) it reaches any target as a file (:mod:`.anthropic_documents`); by
+    ``url``, ``file_id`` or as ``content`` blocks, an Anthropic target only."""
+
+    type: Literal["document"]
+    source: Annotated[DocumentData | DocumentText | DocumentElsewhere, Field(discriminator="type")]
+    title: str | None = None
+    context: str | None = None
+    citations: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolUseBlock(OpenModel):
@@ -103,7 +132,7 @@ class ToolUseBlock(OpenModel):
 class ToolResultBlock(OpenModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | Items[TextBlock | ImageBlock] = ""
+    content: str | Items[TextBlock | ImageBlock | DocumentBlock] = ""
     is_error: bool | None = None
 
 
@@ -112,7 +141,7 @@ class ThinkingBlock(OpenModel):
 
 
 Block = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -223,7 +252,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
     if request.metadata is not None and request.metadata.user_id:
         chat["user"] = request.metadata.user_id
     if request.tools:
-        chat["tools"] = [_tool(tool, index) for index, tool in enumerate(request.tools)]
+        chat["tools"] = [chat_tool(tool, index) for index, tool in enumerate(request.tools)]
     choice = request.tool_choice
     if choice is not None:
         if choice.type == "tool":
@@ -239,51 +268,6 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
     if request.mock is not None:
         chat["mock"] = request.mock.model_dump(exclude_none=True)
     return validated(ChatRequest, chat)
-
-
-TOOL_FIELDS = ("defer_loading", "input_examples", "eager_input_streaming", "allowed_callers")
-"""A tool's fields beside its function that ride to an Anthropic target as sent
-(``anthropic_tool``): what Claude Code sends. Any other is refused by name."""
-_TOOL_KEYS = frozenset(("type", "strict", "cache_control", *TOOL_FIELDS))
-
-
-def _tool(tool: ToolDef, index: int) -> dict[str, Any]:
-    """A tool in chat's terms; its Anthropic fields ride beside it. A server tool (``type``
-    ``web_search_20250305``...) runs at Anthropic and streams blocks Nexus does not carry."""
-    extra = tool.model_extra or {}
-    unknown = next((key for key in extra if key not in _TOOL_KEYS), None)
-    if unknown is not None:
-        raise InvalidRequest(
-            f"tools[{index}].{unknown}: a tool field Nexus does not carry.",
-            param=f"tools[{index}].{unknown}",
-        )
-    if extra.get("type", "custom") != "custom":
-        raise InvalidRequest(
-            f"tools[{index}].type: {str(extra['type'])[:64]!r} is a server tool, which Nexus "
-            "does not carry (its results are blocks of their own); only custom tools are.",
-            param=f"tools[{index}].type",
-        )
-    function: dict[str, Any] = {"name": tool.name, "description": tool.description}
-    function["parameters"] = tool.input_schema
-    if extra.get("strict") is True:  # the input held to its schema (OpenAI's strict mode)
-        function["strict"] = True
-    chat: dict[str, Any] = {"type": "function", "function": function, **cache_control(tool)}
-    fields = {key: extra[key] for key in TOOL_FIELDS if key in extra}
-    if fields:
-        chat["anthropic_tool"] = fields
-    return chat
-
-
-def tool_refusal(request: ChatRequest) -> InvalidRequest | None:
-    """For a target without Anthropic's tools: the 400 for the first of a tool's Anthropic
-    fields that changes the answer (all but ``eager_input_streaming``, how it streams)."""
-    for index, tool in enumerate(request.tools or ()):
-        asked = next(iter((tool.model_extra or {}).get("anthropic_tool", {})), None)
-        if asked is not None and asked != "eager_input_streaming":
-            message = f"tools[{index}].{asked}: an Anthropic tool field, which this model's "
-            message += "provider (Chat Completions) cannot honour; send it to an Anthropic model"
-            return InvalidRequest(message, param=f"tools[{index}].{asked}")
-    return None
 
 
 def _output_config(config: OutputConfig, chat: dict[str, Any]) -> None:
@@ -318,6 +302,8 @@ def _translate(message: InputMessage, index: int) -> list[dict[str, Any]]:
                 else source.url
             )
             parts.append({"type": "image_url", "image_url": {"url": url}, **cache_control(block)})
+        elif isinstance(block, DocumentBlock):
+            parts.append(document_part(block.model_dump(exclude_none=True)))
         elif isinstance(block, ToolResultBlock):
             out.append(_tool_result(block))
     if parts:
@@ -329,7 +315,7 @@ def _assistant(content: list[Any], index: int) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for block in content:
-        if isinstance(block, ImageBlock | ToolResultBlock):
+        if isinstance(block, ImageBlock | DocumentBlock | ToolResultBlock):
             raise InvalidRequest(
                 f"messages[{index}]: {block.type} blocks belong in user messages",
                 param=f"messages[{index}].content",

@@ -1,5 +1,5 @@
-"""The upstream side of OpenAI Chat Completions streaming (docs/protocols.md §2), for any
-OpenAI-compatible server (OpenAI, vLLM, Ollama, llama.cpp, ...). Sans-I/O."""
+"""The upstream side of Chat Completions streaming (docs/protocols.md §2), for any
+OpenAI-compatible server. Sans-I/O."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import orjson
 from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
 from ..events import Audio, Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
 from ..request import ChatRequest
-from .anthropic_messages import tool_refusal
+from .anthropic_documents import chat_file, document_refusal
+from .anthropic_tools import tool_refusal
 from .openai_tool_calls import ToolCallPieces
 from .output_config import openai_fields
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
@@ -28,19 +29,18 @@ from .upstream import (
 
 __all__ = ["ChunkDecoder", "ToolCallPieces", "chunk_events", "refusal", "upstream_body"]
 
-_NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config"}  # not OpenAI's
-_NOT_OPENAI |= {"anthropic_beta", "context_management"}  # an Anthropic client's, for Anthropic
+_NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config", "anthropic_beta"}
+_NOT_OPENAI.add("context_management")  # (Anthropic's: a /v1/messages client's)
 
 
 def refusal(request: ChatRequest) -> InvalidRequest | None:
-    """The 400 for a part of ``output_config`` (Anthropic's: a ``/v1/messages`` client's,
-    or a chat client's) that Chat Completions has no counterpart for
-    (:func:`~.output_config.openai_fields`): dropped, it would change the answer."""
+    """The 400 for what Chat Completions has no counterpart for: a part of ``output_config``
+    (:func:`~.output_config.openai_fields`), a tool's or a document's Anthropic fields."""
     try:
         openai_fields(request)
     except InvalidRequest as exc:
         return exc
-    return tool_refusal(request)
+    return tool_refusal(request) or document_refusal(request)
 
 
 def upstream_body(
@@ -48,12 +48,11 @@ def upstream_body(
 ) -> dict[str, Any]:
     """The upstream request: ours (fields Nexus does not interpret pass through), with the
     upstream model, streaming with usage. Anthropic's ``output_config`` goes in OpenAI's
-    terms (:func:`~.output_config.openai_fields`); its ``top_k``, which only tunes
-    sampling, and ``thinking`` stay home (OpenAI refuses both). Nexus's own stream options
-    stay home, and so does
-    ``include_obfuscation``: it shapes the client's stream; upstream, the provider's default
-    (OpenAI pads, hiding token lengths from whoever watches the traffic) is kept, and a
-    compatible server that refuses the field never sees it."""
+    terms (:func:`~.output_config.openai_fields`), a ``/v1/messages`` document as a file or
+    text part; its ``top_k`` (sampling only), ``thinking`` and betas stay home. Nexus's own
+    stream options stay home, and so does ``include_obfuscation``: it shapes the client's
+    stream; upstream, the provider's default (OpenAI pads, hiding token lengths from
+    whoever watches the traffic) is kept."""
     body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
     body.update(openai_fields(request, model))  # output_config in OpenAI's terms
     for message in body.get("messages", ()):
@@ -62,8 +61,10 @@ def upstream_body(
             _tool_message(message)
         content = message.get("content")
         if isinstance(content, list):
-            for part in content:
+            for at, part in enumerate(content):
                 part.pop("cache_control", None)  # Anthropic's prompt-cache marks
+                if part.pop("anthropic_document", None) is not None:
+                    content[at] = chat_file(part)
     for tool in body.get("tools") or ():
         tool.pop("cache_control", None)
         tool.pop("anthropic_tool", None)
@@ -84,21 +85,22 @@ def upstream_body(
 
 
 TOOL_ERROR_PREFIX = "Error: "
-"""What an Anthropic ``tool_result``'s ``is_error: true`` becomes before the text of the
-tool message an OpenAI upstream gets (Chat Completions has no such flag)."""
+"""An Anthropic ``tool_result``'s ``is_error: true``, before its text (Chat Completions has
+no such flag)."""
 
 
 def _tool_message(message: dict[str, Any]) -> None:
-    """Anthropic's fields of a tool message, in Chat Completions' terms: ``is_error`` as
-    :data:`TOOL_ERROR_PREFIX`; the result's blocks as its text (the cache mark dropped), but
-    an image in a tool result is refused (a tool message holds only text there)."""
+    """Anthropic's fields of a tool message in Chat Completions' terms: ``is_error`` as
+    :data:`TOOL_ERROR_PREFIX`, the result's text as its text (its cache mark dropped); an
+    image or a document in a tool result is refused (a tool message holds only text)."""
     message.pop("cache_control", None)
     blocks = message.pop("tool_result_content", None) or ()
-    if any(block["type"] == "image" for block in blocks):
+    held = next((block["type"] for block in blocks if block["type"] != "text"), None)
+    if held is not None:
         raise InvalidRequest(
-            f"messages: the tool_result for {message.get('tool_call_id')!r} holds an image, "
-            "which this model's provider (Chat Completions) cannot take in a tool result; "
-            "send the image in the user message beside it",
+            f"messages: the tool_result for {message.get('tool_call_id')!r} holds a block "
+            f"of type {held!r}, which this model's provider (Chat Completions) cannot take in "
+            "a tool result; send it in the user message beside it",
             param="messages",
         )
     if message.pop("is_error", None) is True:
@@ -161,10 +163,9 @@ def chunk_events(
 
 
 def _parts(parts: list[Any]) -> tuple[str, str]:
-    """The text and the reasoning of a content sent as a list of parts, as Mistral's
-    reasoning models send it: ``{"type": "text", "text": ...}`` and ``{"type": "thinking",
-    "thinking": [text parts]}``. Parts of other types (references, say) carry no text to
-    pass on and are skipped; a text that is not a string is :class:`Malformed`."""
+    """The text and the reasoning of a content sent as parts, as Mistral's reasoning models
+    send it (``text`` parts, ``thinking`` parts of text parts); other parts (references)
+    carry no text and are skipped; a text that is not a string is :class:`Malformed`."""
     text, thought = [], []
     for part in parts:
         part = object_of(part, "content part")
@@ -445,15 +446,14 @@ class ChunkDecoder:
 
     def closed(self) -> list[StreamEvent]:
         """The body ended cleanly without ``[DONE]``: after a ``finish_reason`` the stream
-        is whole (Perplexity sends no ``[DONE]``: its every answer was an error after its
-        last word), ``done``; before one, it was cut. The usage held goes out either way."""
+        is whole (Perplexity sends none), ``done``; before one, it was cut. The usage held
+        goes out either way."""
         if self._finished and self.error is None:
             self.done = True
         return self.cut()
 
     def cut(self) -> list[StreamEvent]:
-        """The body was cut: the usage held (a running count, or a finish chunk's), which
-        the stream is charged rather than an estimate."""
+        """The body was cut: the usage held (a running count, a finish chunk's) is charged."""
         held, self._held = self._held, None
         return [] if held is None else [held]
 

@@ -448,20 +448,20 @@ async def test_reading_and_listing_take_a_token_of_the_keys_rate_cancelling_none
     # a shared store costs the gateway); so is a read token's GET, of its stream's key: a
     # token leaked in a URL cannot re-render a log unmetered.
     client = await make_client(keyed(limits={"requests_per_second_per_key": 2}))
-    resp = await client.post(
-        "/v1/chat/completions", json=chat(background=True), headers=bearer(KEY_A)
-    )
+    slow = chat(" ".join(["word"] * 40), background=True, mock={"delay_ms": 50})
+    resp = await client.post("/v1/chat/completions", json=slow, headers=bearer(KEY_A))
     assert resp.status == 202
     made = await resp.json()
     statuses = []
-    for method in ("GET", "GET", "GET", "DELETE"):
+    for method in ("GET", "GET", "GET", "DELETE", "DELETE"):
         answer = await client.request(method, made["url"].split("?")[0], headers=bearer(KEY_A))
-        await answer.read()
+        answer.close()  # (the stream runs on: it is a background one)
         statuses.append(answer.status)
     # The bucket held two: the POST's, which also paid for the first GET (one action, one
-    # token), and the second GET's. A DELETE takes none: a key past its rate may still stop
-    # what spends its budget.
-    assert statuses == [200, 200, 429, 200]
+    # token), and the second GET's. A DELETE that stops the stream takes none: a key past
+    # its rate may still stop what spends its budget; asked again of the stopped stream, it
+    # stops nothing, and is metered like any lookup.
+    assert statuses == [200, 200, 429, 200, 429]
     listed = await client.get("/v1/models", headers=bearer(KEY_A))  # so does a listing
     assert listed.status == 429
     by_token = await client.get(made["url"])  # ?token=: the stream's key's rate

@@ -290,3 +290,30 @@ async def test_a_resumable_stream_ends_a_detach_timeout_after_its_follower_elsew
     # detach_timeout_s after the last reader anywhere left: not a lease's full TTL (twice
     # that), nor that and a whole detach_timeout_s more once the owner found the lease.
     assert 2 - 0.05 <= waited < 2 + 1.0
+
+
+async def test_a_cancel_elsewhere_says_where_it_runs_or_that_its_replica_died(
+    make_client: MakeClient, prefix: str, monkeypatch: Any
+) -> None:
+    """A stream running on another replica is that replica's to cancel (409); one whose
+    replica died (its keep-alive gone: readers get stream_lost) was answered the same 409,
+    "runs on another replica", though none ever would run it again. It is ``failed``."""
+    gated = GatedProvider(before=1, after=1)
+    config = redis_config(prefix)
+    one = await make_client(config, providers=[gated])
+    two = await make_client(config, providers=[GatedProvider()])
+    body = chat(model="gated/m", stream=True, background=True)
+    made = await (await one.post("/v1/chat/completions", json=body)).json()
+    await asyncio.wait_for(gated.started.wait(), 5)
+    elsewhere = await two.delete(f"/v1/streams/{made['id']}")
+    assert elsewhere.status == 409
+    assert (await elsewhere.json())["error"]["code"] == "stream_not_local"
+
+    async def dead(stream_id: str) -> bool:
+        return False
+
+    monkeypatch.setattr(two.app[HUB].store, "alive", dead)
+    lost = await two.delete(f"/v1/streams/{made['id']}")
+    assert lost.status == 200
+    assert (await lost.json())["status"] == "failed"
+    gated.gate.set()

@@ -23,7 +23,7 @@ from multidict import MultiMapping
 from ...cache.keeper import status_of
 from ...cache.store import StreamInfo
 from ...encoders.responses_sse import ResponsesSSEEncoder, final_response
-from ...errors import InvalidRequest, StreamError, StreamNotFound
+from ...errors import InvalidRequest, StreamError, StreamLost, StreamNotFound
 from ...events import Done, Error, StreamEvent
 from ...protocol.openai_responses import parse_responses_request, response_body
 from ...protocol.openai_responses_output import (
@@ -97,8 +97,12 @@ async def cancel(request: web.Request) -> web.StreamResponse:
     ``DELETE /v1/streams/{id}``) and answer its ``response`` object, ``cancelled`` or as
     it had ended (cancelling twice answers the same)."""
     info = await find_stream(request, request.match_info["id"], rated=False)
-    await stop(request, info)
+    status = await stop(request, info)
     info = await request.app[state.HUB].info(info.id) or info
+    if status == "failed" and info.status == "in_progress":  # its replica died: no end comes
+        lost = StreamLost("The replica running this response stopped before it ended.")
+        body = final_response(info.meta, (), lost.to_event()) | {"stream_id": info.id}
+        return json_response(body)
     return json_response(await _response_of(request, info))
 
 

@@ -27,7 +27,8 @@ from ...cache.store import Status, StreamInfo
 from ...errors import GatewayError
 from ...events import Error
 from .. import state
-from ..access import METRICS
+from ..access import METRICS, exchange
+from ..key_admission import admit
 from .common import json_response, last_event_id, negotiate, resume
 from .stream_access import describe, find_stream
 
@@ -52,10 +53,13 @@ async def cancel(request: web.Request) -> web.StreamResponse:
 
 async def stop(request: web.Request, info: StreamInfo) -> Status:
     """Cancel the stream ``info`` (found by :func:`find_stream`) if it runs here, and wait
-    for its end; its status then (``cancelled``, or how it ended before). Raises 409
-    ``stream_not_local`` for a stream running on another replica."""
+    for its end; its status then (``cancelled``, or how it ended before: ``failed`` for one
+    whose replica died). Raises 409 ``stream_not_local`` for a stream running on another
+    replica. Only a cancel that stops a stream is free of the key's rate (one past its rate
+    must still stop what spends its budget); asking again of one that ended takes a token."""
     stream_id = info.id
-    run = request.app[state.HUB].local(stream_id)
+    hub = request.app[state.HUB]
+    run = hub.local(stream_id)
     if run is not None:
         # An error, not a done: whoever else reads it (a joined request) must not take
         # the cut-short stream for a finished one.
@@ -70,8 +74,10 @@ async def stop(request: web.Request, info: StreamInfo) -> Status:
         if cancelled and metrics is not None:  # counted here: its end reads as any abort's
             metrics.cancellations.labels("cancelled").inc()
         await run.wait()
+        if not cancelled:
+            await admit(request, exchange(request).key, None)
         return status_of(run.events[-1])
-    if info.status == "in_progress":
+    if info.status == "in_progress" and await hub.store.alive(stream_id):
         raise GatewayError(
             f"Stream {stream_id!r} runs on another replica; cancel it there, or detach "
             "and let it end (at once when it is not resumable, else after "
@@ -79,4 +85,7 @@ async def stop(request: web.Request, info: StreamInfo) -> Status:
             code="stream_not_local",
             status=409,
         )
-    return info.status
+    await admit(request, exchange(request).key, None)
+    # (A stream still in progress here lost its replica: it will never end, and its
+    # readers get stream_lost.)
+    return "failed" if info.status == "in_progress" else info.status

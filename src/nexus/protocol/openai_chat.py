@@ -39,8 +39,18 @@ def parse_chat_request(
     body: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
 ) -> ChatRequest:
     """Validate a request body. Raises :class:`InvalidRequest` (see :func:`parse_json_object`
-    and :func:`validation_error`)."""
-    return validated(ChatRequest, parse_json_object(body, max_depth=max_depth, max_items=max_items))
+    and :func:`validation_error`), and for a field whose answer comes back where Nexus
+    keeps nothing (:data:`UNANSWERED`): passed on, its answer would be dropped unseen."""
+    data = parse_json_object(body, max_depth=max_depth, max_items=max_items)
+    asked = next((name for name in UNANSWERED if data.get(name) is not None), None)
+    if asked is not None:
+        message = f"{asked}: {UNANSWERED[asked]}, which Nexus does not carry back to the client"
+        raise InvalidRequest(message, param=asked)
+    return validated(ChatRequest, data)
+
+
+UNANSWERED = {"moderation": "moderation results ride on a chunk of their own (moderation)"}
+"""Chat fields whose answer is a response field Nexus's events have no place for."""
 
 
 def parse_json_object(

@@ -66,3 +66,25 @@ def test_fields_nexus_cannot_honour_are_refused(body: dict[str, Any], param: str
     assert info.value.param == param
     assert info.value.code == "invalid_request"
     assert info.value.message.startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize("field", ["defer_loading", "output_schema", "allowed_callers"])
+def test_a_function_tools_fields_beside_the_function_are_refused_by_name(field: str) -> None:
+    """They went upstream as a tool of name, description and parameters alone: a tool kept
+    from direct calls (``allowed_callers``) could be called directly."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}, field: ["x"]}
+    with pytest.raises(InvalidRequest) as refused:
+        parse(tools=[tool])
+    assert refused.value.param == f"tools[0].{field}"
+    plain = {key: value for key, value in tool.items() if key != field} | {"strict": True}
+    (sent,) = parse(tools=[plain])["tools"]
+    assert sent == {"type": "function", "function": {k: v for k, v in plain.items() if k != "type"}}
+
+
+def test_a_text_parts_cache_breakpoint_goes_upstream() -> None:
+    """A text part's ``prompt_cache_breakpoint`` (chat's text part has one too) was dropped."""
+    part = {"type": "input_text", "text": "long", "prompt_cache_breakpoint": {"ttl": "1h"}}
+    sent = parse(input=[{"role": "user", "content": [part]}])
+    assert sent["messages"][0]["content"] == [
+        {"type": "text", "text": "long", "prompt_cache_breakpoint": {"ttl": "1h"}}
+    ]

@@ -4,19 +4,11 @@ Request bytes in, :class:`~nexus.request.ChatRequest` out, so every provider ser
 ``/v1/responses`` without knowing it exists; merged completion in, ``response`` object
 out (:mod:`.openai_responses_output`). ``instructions`` becomes a leading system
 message; ``function_call`` items join the assistant message before them as its tool
-calls; ``reasoning`` items are dropped; ``max_output_tokens``, ``text.format``,
-``text.verbosity`` and ``reasoning.effort`` become ``max_tokens``, ``response_format``,
-``verbosity`` and ``reasoning_effort``; ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``, ``metadata`` and ``user`` go on as they are; ``store`` stays home
-(Nexus keeps no response whatever it says, and Chat Completions' ``store`` would keep the
-exchange upstream, which a client of the Responses API did not ask for). A field that
-changes the answer and that Nexus cannot honour is refused, naming it
-(:func:`_refuse_unsupported`): ``previous_response_id`` and ``conversation`` (Nexus stores
-nothing), ``prompt`` templates, ``max_tool_calls``, ``truncation: "auto"``, any
-``include`` (Nexus produces none of its extras), ``top_logprobs`` (no log probabilities),
-a ``reasoning.summary`` other than ``"auto"``, Chat Completions' ``modalities`` (other than
-text) and ``audio`` (audio output has no place in a response), and any field Nexus does not
-know (it would go nowhere, unseen); Anthropic's ``thinking`` goes on as on chat completions.
+calls; ``reasoning`` items are dropped; fields with a Chat Completions twin become it
+(``max_output_tokens``, ``text.format``, ``reasoning.effort``...); ``store`` stays home
+(Nexus keeps no response but its stream). A field that changes the answer and that Nexus
+cannot honour is refused, naming it (:func:`_refuse_unsupported`; a function tool's
+fields beside the function's, too): docs/http-api.md lists them.
 """
 
 from __future__ import annotations
@@ -353,11 +345,11 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
     if request.stream_options is not None and request.stream_options.resumable:
         chat["stream_options"] = {"resumable": True}
     if request.tools:
+        for i, tool in enumerate(request.tools):  # (defer_loading, allowed_callers...)
+            if unknown := next(iter(tool.model_extra or ()), None):
+                raise _error(f"tools[{i}].{unknown}", "a function tool field Nexus does not carry")
         chat["tools"] = [
-            {
-                "type": "function",
-                "function": tool.model_dump(exclude_none=True, include=_FUNCTION_FIELDS),
-            }
+            {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
             for tool in request.tools
         ]
         if request.parallel_tool_calls is not None:
@@ -387,7 +379,6 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
         raise _error(_responses_param(error.param, sources), message) from None
 
 
-_FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 _RENAMED = (
     ("max_output_tokens", "max_tokens"),
     ("temperature", "temperature"),
@@ -421,7 +412,7 @@ def _message(item: MessageItem, where: str) -> dict[str, Any]:
     for j, part in enumerate(item.content):
         at = f"{where}.content[{j}]"
         if isinstance(part, TextPart):
-            parts.append({"type": "text", "text": part.text})
+            parts.append(_text_part(part))
         elif role == "assistant" and isinstance(part, Refusal):
             parts.append({"type": "refusal", "refusal": part.refusal})
         elif role == "user" and isinstance(part, InputImage):
@@ -440,8 +431,15 @@ def _text_content(content: str | list[Any], where: str, what: str) -> str | list
     for j, part in enumerate(content):
         if not isinstance(part, TextPart):
             raise _wrong_part(f"{where}[{j}]", part.type, what)
-        parts.append({"type": "text", "text": part.text})
+        parts.append(_text_part(part))
     return parts
+
+
+def _text_part(part: TextPart) -> dict[str, Any]:
+    """A chat text part, with its ``prompt_cache_breakpoint`` (chat's has one too)."""
+    mark = (part.model_extra or {}).get("prompt_cache_breakpoint")
+    text = {"type": "text", "text": part.text}
+    return text if mark is None else text | {"prompt_cache_breakpoint": mark}
 
 
 def _wrong_part(at: str, kind: str, what: str) -> InvalidRequest:

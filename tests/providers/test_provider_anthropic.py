@@ -863,3 +863,28 @@ def test_service_tiers_are_told_in_each_provider_s_words() -> None:
     auto = ChatRequest.model_validate(chat(service_tier="auto"))
     assert messages_body(auto, "m", 100)["service_tier"] == "auto"
     assert upstream_body(auto, "gpt")["service_tier"] == "auto"
+
+
+def test_blocks_a_compatible_server_sends_whole_at_their_start_are_read() -> None:
+    """Anthropic-compatible servers may put a tool's whole input, or a thinking block's
+    text and signature, in its ``content_block_start`` and send no delta: the input came
+    out as ``{}`` and the thinking not at all."""
+    decoder = EventDecoder("claude")
+    tool = {"type": "tool_use", "id": "toolu_1", "name": "get", "input": {"city": "Oslo"}}
+    thinking = {"type": "thinking", "thinking": "hm", "signature": "SIG"}
+    frames = [
+        message_start(),
+        event("content_block_start", index=0, content_block=thinking),
+        event("content_block_stop", index=0),
+        event("content_block_start", index=1, content_block=tool),
+        event("content_block_stop", index=1),
+        *finish("tool_use", 3),
+    ]
+    out = [e for e in decoder.decode(b"".join(frames)) if not isinstance(e, Usage)]
+    assert out == [
+        Reasoning("hm"),
+        Reasoning("", signature="SIG"),
+        ToolCall(0, "toolu_1", "get"),
+        ToolCall(0, arguments='{"city":"Oslo"}'),
+        Delta(finish_reason="tool_calls"),
+    ]

@@ -5,14 +5,11 @@ wants them alternating; ``max_tokens``, required, defaults to ``default_max_toke
 ``json_schema`` response format as ``output_config.format``, Anthropic's structured
 outputs; ``output_config`` as sent: :mod:`.output_config`).
 :func:`refusal` names the first chat field that changes the answer and that the Messages
-API has no place for; fields that only tune sampling (``seed``, ``presence_penalty``,
-``frequency_penalty``) or serve OpenAI alone (``store``, ``prediction``,
-``prompt_cache_key``, ...) are dropped.
-:class:`EventDecoder` reads the stream; usage in OpenAI terms: ``prompt_tokens`` = input +
-cache read + cache creation, ``cached_tokens`` = cache read. ``message_start``'s input
-counts go out as a partial :class:`~nexus.events.Usage` leading the first read with
-output (``/v1/messages`` puts them in its own ``message_start``), not before: a failure
-before any output stays one before the first event (an HTTP status, or the next target).
+API has no place for; fields that only tune sampling (``seed``) or serve OpenAI alone
+(``store``, ``prompt_cache_key``...) are dropped. :class:`EventDecoder` reads the stream;
+usage in OpenAI terms (``prompt_tokens`` = input + cache read + cache creation,
+``cached_tokens`` = cache read); ``message_start``'s input counts lead the first read with
+output, not before: a failure before any output stays one before the first event.
 """
 
 from __future__ import annotations
@@ -140,12 +137,10 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
 
 def refusal(request: ChatRequest) -> InvalidRequest | None:
     """The 400 for the first field of ``request`` that changes the answer and that the
-    Messages API has no place for (None: all of it can be carried or dropped): sending the
-    request without it would answer another question than the one asked. A
+    Messages API has no place for (None: all of it can be carried or dropped). A
     ``json_schema`` response format is carried (:func:`_schema`); ``json_object`` is not:
-    Anthropic's structured outputs need a schema, and one for "any object" would hold
-    the answer to ``{}`` (the API closes every object to properties it does not list).
-    Nor is an ``output_config`` that asks for one thing twice (:mod:`.output_config`)."""
+    a schema for "any object" would hold the answer to ``{}`` (the API closes every object
+    to properties it does not list). Nor is an ``output_config`` asking one thing twice."""
     refused = file_refusal(request)
     if refused is not None:
         return refused
@@ -209,8 +204,7 @@ for something); any other is refused: dropped, it would change the answer unseen
 
 
 def _schema(request: ChatRequest) -> dict[str, Any] | None:
-    """The JSON schema a ``json_schema`` response format holds (its name, description and
-    ``strict`` have no place in Anthropic's format, which is always enforced)."""
+    """A ``json_schema`` response format's schema (Anthropic's format is always strict)."""
     fmt = request.response_format
     if fmt is None or fmt.json_schema is None or fmt.type != "json_schema":
         return None
@@ -218,10 +212,9 @@ def _schema(request: ChatRequest) -> dict[str, Any] | None:
 
 
 def _assistant_blocks(message: AssistantMessage) -> list[dict[str, Any]]:
-    """An assistant turn's blocks: those a ``/v1/messages`` client sent
-    (``anthropic_content``), as sent and in their order (Anthropic checks signed and
-    redacted thinking in a tool loop; cache marks stay on their blocks); else its text,
-    then its tool calls."""
+    """An assistant turn's blocks: those a ``/v1/messages`` client sent, as sent and in
+    their order (Anthropic checks signed thinking in a tool loop); else its text, then its
+    tool calls."""
     sent = (message.model_extra or {}).get("anthropic_content")
     if sent is not None:
         return [*sent]  # a copy: the next message of the same role extends it
@@ -400,7 +393,17 @@ class EventDecoder:
                     index = self._tool_index[block_index] = len(self._tool_index)
                     self._no_input.add(block_index)
                     call_id = text_of(block.get("id"), "tool_use id")
-                    return [ToolCall(index, call_id, text_of(block.get("name"), "tool_use name"))]
+                    call = ToolCall(index, call_id, text_of(block.get("name"), "tool_use name"))
+                    given = block.get("input")  # whole here: some compatible servers
+                    if type(given) is not dict or not given:
+                        return [call]
+                    self._no_input.discard(block_index)
+                    return [call, ToolCall(index, arguments=orjson.dumps(given).decode())]
+                if block_type == "thinking":  # (its text and signature whole, from some)
+                    thought = text_of(block.get("thinking"), "thinking")
+                    signed = text_of(block.get("signature"), "signature")
+                    out: list[StreamEvent] = [Reasoning(thought)] if thought else []
+                    return [*out, Reasoning("", signature=signed)] if signed else out
                 if block_type == "text" and (text := text_of(block.get("text"), "text")):
                     return [Delta(content=text)]
                 if block_type == "redacted_thinking":
@@ -444,8 +447,7 @@ class EventDecoder:
                 self.error = in_stream_error(self.provider, data.get("error"))
         return []  # ping, unknown events
 
-    def closed(self) -> list[StreamEvent]:
-        """The body ended without ``message_stop``: cut (Anthropic always sends it)."""
+    def closed(self) -> list[StreamEvent]:  # without message_stop: cut (Anthropic sends it)
         return []
 
     def cut(self) -> list[StreamEvent]:  # (its usage went out with its stop: none held)

@@ -275,3 +275,21 @@ async def test_a_tool_messages_text_parts_stay_apart_for_anthropic(make_client: 
         assert sent.status == 200
         (result,) = fake.requests[-1].body["messages"][-1]["content"]
         assert result["content"] == [{"type": "text", "text": "5"}, {"type": "text", "text": "C"}]
+
+
+async def test_what_is_not_served_under_v1_messages_answers_in_anthropics_shape(
+    make_client: MakeClient,
+) -> None:
+    """Claude Code asks ``/v1/messages/count_tokens``; a 404 (and a 405) there came in
+    OpenAI's error shape, which the Anthropic SDK cannot read as its own."""
+    client = await make_client()
+    for method, path, status, kind in (
+        ("POST", "/v1/messages/count_tokens?beta=true", 404, "not_found_error"),
+        ("GET", "/v1/messages", 405, "invalid_request_error"),
+    ):
+        answer = await client.request(method, path, json={})
+        assert answer.status == status
+        body = await answer.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind, body
+    other = await (await client.post("/v1/nothing", json={})).json()
+    assert "type" not in other and other["error"]["type"] == "invalid_request_error"

@@ -25,6 +25,7 @@ import orjson
 from aiohttp import WSCloseCode, web
 
 from ..errors import GatewayError, ServerShuttingDown
+from ..protocol.anthropic_messages import anthropic_error_body
 from .state import EXCHANGE, RUNTIME, new_request_id
 
 __all__ = ["SHOULD_RETRY", "error_middleware", "error_response", "retry_advice"]
@@ -51,7 +52,9 @@ def error_response(
     if exchange is not None:
         exchange.error = error.code  # the access line's outcome: error:<code>
     handler = getattr(request.match_info, "handler", None)
-    body: ErrorBody = getattr(handler, "error_body", GatewayError.openai_body)
+    # Anthropic's shape under its path too (a 404 count_tokens, a 405 GET): its SDK's.
+    shape = anthropic_error_body if request.path.startswith("/v1/messages") else None
+    body: ErrorBody = getattr(handler, "error_body", shape or GatewayError.openai_body)
     headers = dict(error.headers)
     if advise:
         headers[SHOULD_RETRY] = "true" if retry_advice(error) else "false"

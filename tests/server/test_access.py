@@ -643,6 +643,16 @@ async def test_cors_allowed_origin(make_client: MakeClient) -> None:
     allowed = {h.strip().lower() for h in resp.headers["Access-Control-Allow-Headers"].split(",")}
     assert {"authorization", "content-type", "x-api-key", "last-event-id"} <= allowed
     assert resp.headers["Access-Control-Max-Age"] == "123"
+    # The SDKs' own headers, which a browser asks for first (the Anthropic SDK's in a page
+    # could not call the gateway): plain names are allowed; anything else gets ours alone.
+    sdk = "anthropic-version, anthropic-beta, x-stainless-os, x-stainless-retry-count"
+    for asked, expected in ((sdk, True), ("x-a;Set-Cookie: a", False), ("a b", False)):
+        preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+        resp = await client.options(
+            "/v1/messages", headers=preflight | {"Access-Control-Request-Headers": asked}
+        )
+        allowed = {h.strip() for h in resp.headers["Access-Control-Allow-Headers"].split(",")}
+        assert ("x-stainless-os" in allowed) is expected and "X-Api-Key" in allowed
 
 
 async def test_cors_disallowed_origin(make_client: MakeClient) -> None:

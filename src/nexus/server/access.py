@@ -89,6 +89,17 @@ _ALLOWED_HEADERS = (
 )
 
 
+_HEADER_NAMES = re.compile(r"[A-Za-z0-9-]{1,64}(?:\s*,\s*[A-Za-z0-9-]{1,64}){0,63}")
+
+
+def _allowed_headers(request: web.Request) -> str:
+    """The headers an allowed page may send: ours, and those its preflight asks for when
+    they are plain names (the SDKs' ``x-stainless-*``, ``anthropic-version``,
+    ``anthropic-beta``: what a request carries is no secret; its origin is checked)."""
+    asked = request.headers.get("Access-Control-Request-Headers", "").strip()
+    return f"{_ALLOWED_HEADERS}, {asked}" if _HEADER_NAMES.fullmatch(asked) else _ALLOWED_HEADERS
+
+
 def _client_request_id(request: web.Request) -> str | None:
     """The id the client gave its request: ``X-Client-Request-Id`` (OpenAI's header for
     it), else ``X-Request-Id`` (a proxy's in front, or a client's of old); None unless it
@@ -141,7 +152,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             response.headers.update(
                 {
                     "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
-                    "Access-Control-Allow-Headers": _ALLOWED_HEADERS,
+                    "Access-Control-Allow-Headers": _allowed_headers(request),
                     "Access-Control-Max-Age": str(config.cors.max_age_s),
                 }
             )

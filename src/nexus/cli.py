@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.port is not None and not 0 <= args.port <= 65535:
             raise ConfigError(f"--port: {args.port} is not a port number (0-65535)")
         uvloop = {"auto": "auto", "uvloop": True, "asyncio": False}.get(args.loop)
+        if uvloop is True:  # checked here, where the flag can be named
+            _install_loop(True, "--loop uvloop", install=False)
         given = {"host": args.host, "port": args.port, "workers": args.workers, "uvloop": uvloop}
         server = {name: value for name, value in given.items() if value is not None}
         if server:
@@ -294,7 +296,7 @@ def _check_buildable(config: Config, source: str) -> None:
             "together they would allow each budget once per worker"
         )
     if config.server.uvloop is True:
-        _install_loop(True, source, install=False)
+        _install_loop(True, f"{source}: [server] uvloop", install=False)
     default_registry.copy().load_config(config.encoders, source)
     Engine.from_config(config, source=source)
     build_store(config.store)
@@ -363,7 +365,7 @@ def _serve_one(
     config: Config, source: str, worker: int | None = None, ready: Callable[[], None] | None = None
 ) -> int:
     """One gateway process: the whole server, or worker ``worker`` of several."""
-    _install_loop(config.server.uvloop, source)
+    _install_loop(config.server.uvloop, f"{source}: [server] uvloop")
     # Each token leaves a few short-lived containers: at the default threshold (700) the
     # collector took ~20% of the CPU at saturation (bench/README.md). This process only.
     gc.set_threshold(GC_THRESHOLD, 20, 20)
@@ -377,7 +379,10 @@ def _serve_one(
     return 0
 
 
-def _install_loop(uvloop_wanted: bool | str, source: str, *, install: bool = True) -> None:
+def _install_loop(uvloop_wanted: bool | str, wanted_by: str, *, install: bool = True) -> None:
+    """uvloop as the event loop, where ``uvloop_wanted`` asks for it; a
+    :class:`ConfigError` naming ``wanted_by`` (the file's key, or ``--loop``) when it is
+    required and not installed."""
     if uvloop_wanted is False:
         return
     try:
@@ -385,8 +390,7 @@ def _install_loop(uvloop_wanted: bool | str, source: str, *, install: bool = Tru
     except ImportError:
         if uvloop_wanted is True:
             raise ConfigError(
-                f"{source}: [server] uvloop: uvloop is not installed "
-                "(pip install 'nexus-gateway[uvloop]')"
+                f"{wanted_by}: uvloop is not installed (pip install 'nexus-gateway[uvloop]')"
             ) from None
         return
     if install:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config_errors import describe
-from .config_types import PER_MTOK, PROVIDER_NAME, URL, USD, ModelName, Origin, model_name
+from .config_types import PER_MTOK, PROVIDER_NAME, URL, USD, BaseURL, ModelName, Origin, model_name
 from .config_types import Table as _Table
 from .config_types import env_name as _env_name
 from .errors import ConfigError
@@ -280,7 +280,7 @@ class MockProviderConfig(_Table):
 class HTTPProviderConfig(_Table):
     """What the HTTP provider kinds share."""
 
-    base_url: str = Field(pattern=URL)
+    base_url: BaseURL
     api_key_env: str | None = None
     models: list[ModelName] = Field(default_factory=list)
     connect_timeout_s: float = Field(default=10.0, gt=0)
@@ -306,14 +306,14 @@ class HTTPProviderConfig(_Table):
 
 class OpenAIProviderConfig(HTTPProviderConfig):
     kind: Literal["openai"] = "openai"  # (required in a config file's table)
-    base_url: str = Field(default="https://api.openai.com/v1", pattern=URL)
+    base_url: BaseURL = "https://api.openai.com/v1"
     token_limit_field: Literal["max_tokens", "max_completion_tokens"] | None = None
     api_key_header: Literal["authorization", "api-key"] = "authorization"  # api-key: Azure's
 
 
 class AnthropicProviderConfig(HTTPProviderConfig):
     kind: Literal["anthropic"] = "anthropic"
-    base_url: str = Field(default="https://api.anthropic.com", pattern=URL)
+    base_url: BaseURL = "https://api.anthropic.com"
     anthropic_version: str = Field(default="2023-06-01", min_length=1, max_length=64)
     default_max_tokens: int = Field(default=4096, ge=1)
     betas: list[Beta] = Field(default_factory=default_betas)  # (see protocol.anthropic_betas)

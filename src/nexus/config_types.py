@@ -10,28 +10,62 @@ from __future__ import annotations
 
 import re
 from typing import Annotated
+from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from .pricing import MAX_USD_PER_MTOK
 
 __all__ = [
+    "MAX_DURATION_S",
     "PER_MTOK",
     "PROVIDER_NAME",
     "URL",
     "USD",
+    "BaseURL",
     "ModelName",
     "Origin",
     "Table",
+    "check_host_and_port",
     "env_name",
     "model_name",
 ]
 
+MAX_DURATION_S = 1_000_000_000
+"""The longest any duration may be, in seconds (about 31 years; a key's own tighter bound
+applies first): far past any use, and far below where a duration stops being one Redis or
+a timer takes (``resume_ttl_s = 1e16`` was taken, then every stream's ``PX`` was "value
+is not an integer or out of range": a 503 each)."""
+
 
 class Table(BaseModel):
-    """A config table: unknown keys refused, frozen, strictly typed, numbers finite."""
+    """A config table: unknown keys refused, frozen, strictly typed, numbers finite,
+    durations bounded."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _a_duration_is_bounded(cls, value: object, info: ValidationInfo) -> object:
+        """Every duration, known by its name (``*_s``, ``*_ms``), at most
+        :data:`MAX_DURATION_S`: one rule for every table, so that a key added later is
+        bounded too."""
+        name = info.field_name or ""
+        unit = "milliseconds" if name.endswith("_ms") else "seconds" if name.endswith("_s") else ""
+        limit = MAX_DURATION_S * (1000 if unit == "milliseconds" else 1)
+        if unit and isinstance(value, int | float) and value > limit:
+            raise ValueError(
+                f"Input should be less than or equal to {limit} ({unit}: about 31 years)"
+            )
+        return value
 
 
 def _int_to_float(value: object) -> object:
@@ -44,6 +78,36 @@ USD = Annotated[float | None, BeforeValidator(_int_to_float), Field(default=None
 PER_MTOK = Annotated[USD, Field(le=MAX_USD_PER_MTOK)]
 """An optional price, bounded so that no count times it is an infinite cost."""
 URL = r"^https?://\S+$"
+
+
+def check_host_and_port(url: str) -> None:
+    """A :class:`ValueError` saying what is wrong with ``url``'s host or port as a client
+    reads them (:func:`~urllib.parse.urlsplit`), without repeating the URL (it may hold a
+    password). A pattern alone let ``http://host:abc/v1``, ``http://127.0.0.1:99999/v1``,
+    ``http://:80/v1`` and ``http://[::1/v1`` through to a traceback as the connections
+    were set up (in every worker, over and over); and port 0 meant the default port."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError("the host is not a valid IPv6 address between [ and ]") from None
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError("the port must be a number from 1 to 65535")
+    if not parts.hostname:
+        raise ValueError("no host in the URL")
+
+
+def _a_connectable_url(url: str) -> str:
+    check_host_and_port(url)
+    return url
+
+
+BaseURL = Annotated[str, Field(pattern=URL), AfterValidator(_a_connectable_url)]
+"""An upstream's ``http(s)://`` URL, host and port checked. (Credentials in it are refused
+as the provider is built: :func:`nexus.providers.connections.request_target`.)"""
 
 PROVIDER_NAME = re.compile(r"[^/*\s\x00-\x1f\x7f]{1,64}")
 """A provider's name, the prefix of its model ids: letters, digits, ``_``, ``.``, ``-``."""

@@ -28,7 +28,8 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .errors import ModelNotFound, UnsupportedInput
+from .config_errors import in_file
+from .errors import ConfigError, ModelNotFound, UnsupportedInput
 from .estimates import prompt_audio_estimate, prompt_estimate
 from .events import StreamEvent, Usage
 from .hooks import CallContext, Hooks, Middleware, Next
@@ -109,14 +110,23 @@ class Engine:
     def from_config(cls, config: Any, source: str | None = None) -> Engine:
         """Build the engine a :class:`~nexus.config.Config` describes, its ``[[plugins]]`` loaded.
 
-        Raises :class:`~nexus.errors.ConfigError` for a plugin that cannot be loaded or an
-        unset ``api_key_env`` (the message starts with ``source``, the file, when given).
+        Raises :class:`~nexus.errors.ConfigError` for a plugin that cannot be loaded, an
+        unset ``api_key_env``, or no provider left once the optional ones without their key
+        were left out (the message starts with ``source``, the file, when given).
         """
         from .config import price_table
         from .providers import build_provider
 
         built = [build_provider(name, cfg, source) for name, cfg in config.providers.items()]
         providers = [p for p in built if p is not None]
+        if not providers:  # it would serve, every request model_not_found
+            raise ConfigError(
+                in_file(
+                    "[providers]: at least one provider is required, and every one is "
+                    "optional = true with its api_key_env unset: all were left out",
+                    source,
+                )
+            )
         names = {p.name for p in providers}
         models: dict[str, list[str]] = {}
         for alias, cfg in config.models.items():

@@ -32,11 +32,11 @@ that meets a gap raises :class:`~nexus.errors.StreamIncomplete`, never serves a 
 
 Connections: commands share one pipeline, on one connection of the pool (``[store]
 max_connections``; :mod:`nexus.cache.redis_pipeline`); the pages of readers catching up on
-logs, bounded in bytes, go alone on connections of their own, and followers share
-blocking reads on theirs (:mod:`nexus.cache.redis_log`).
-A command not sent within ``[store] pool_timeout_s`` fails. Every failure to reach Redis
-is raised as :class:`~nexus.errors.StoreUnavailable` (503, ``Retry-After``) and counted
-through :attr:`Store.on_error`.
+logs, bounded in bytes, go alone on connections of their own, and followers share blocking
+reads on theirs (:mod:`nexus.cache.redis_log`). A command not sent within ``[store]
+pool_timeout_s`` fails. Every failure of Redis, unreachable or refusing (``OOM``, ``NOPERM``,
+``READONLY``), is raised as :class:`~nexus.errors.StoreUnavailable` (503, ``Retry-After``),
+counted through :attr:`Store.on_error` and warned about (:class:`.redis_url.Failures`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ..errors import StoreUnavailable, StreamLost, StreamNotFound
 from ..events import StreamEvent
@@ -71,7 +71,7 @@ from .redis_log import (
 )
 from .redis_pipeline import Command, Pipeliner, busy, send
 from .redis_quota import Quota
-from .redis_url import connect, redact_url, scrub
+from .redis_url import Failures, connect, redact_url, scrub
 from .store import MIRROR_INTERVAL_S, OWNER_TTL_S, Recording, StreamInfo, Write
 
 log = logging.getLogger("nexus.store")
@@ -92,10 +92,9 @@ class RedisUnavailable(ConnectionError):
 class RedisStore(RedisHolds):
     """A :class:`Store` in Redis. See the module docstring for the key layout.
 
-    ``client``, if given, is used instead of connecting to ``url``; it must
-    have ``decode_responses=False`` and stays the caller's to close. Followers
-    connect to ``url`` either way.
-    """
+    ``client``, if given, is used instead of connecting to ``url``; it must have
+    ``decode_responses=False`` and stays the caller's to close. Followers connect to ``url``
+    either way."""
 
     shared = True
 
@@ -125,6 +124,7 @@ class RedisStore(RedisHolds):
         ``block_s``, so a blocking XREAD is not cut short)."""
         self._client = client
         self._owns_client = client is None
+        self.failures = Failures(url)
         self.max_log_bytes = max_log_bytes
         """A live log past this size (:func:`~nexus.cache.codec.dump_entry`, the measure
         the run bounds it by: no log the run let finish) is trimmed (``XADD MINID ~``)."""
@@ -174,10 +174,8 @@ class RedisStore(RedisHolds):
             if self._owns_client:
                 await self._client.aclose()
                 self._client = None
-            where = redact_url(self.url)
-            raise RedisUnavailable(
-                f"Redis not reachable at {where}: {scrub(str(exc), self.url)}"
-            ) from None
+            where, why = redact_url(self.url), scrub(str(exc), self.url)
+            raise RedisUnavailable(f"Redis not reachable at {where}: {why}") from None
         await self.asks.start()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
@@ -221,9 +219,12 @@ class RedisStore(RedisHolds):
 
     def _unavailable(self, op: str, exc: BaseException | None = None) -> StoreUnavailable:
         """Redis failed (``exc``): counted as ``op`` and its cause, ``busy`` (no turn of the
-        pipeline, or no connection, within ``pool_timeout_s``) or ``unreachable``, to be
-        raised."""
-        cause = "busy" if exc is not None and busy(exc) else "unreachable"
+        pipeline, or no connection, within ``pool_timeout_s``), ``refused`` (an error reply:
+        OOM, NOPERM, READONLY) or ``unreachable``, and warned about; to be raised."""
+        cause = "unreachable"
+        if exc is not None:
+            cause = "busy" if busy(exc) else "refused" if isinstance(exc, ResponseError) else cause
+            self.failures.failed(op, cause, exc)
         for count in self.on_error:
             count(op, cause)
         return StoreUnavailable(
@@ -402,8 +403,7 @@ class RedisStore(RedisHolds):
 
         Raises :class:`~nexus.errors.StreamNotFound` when neither info nor log exists (at
         the start or after a quiet spell), :class:`~nexus.errors.StreamLost` when its
-        replica stopped before it ended.
-        """
+        replica stopped before it ended."""
         log = self._key(stream_id, "log")
         finished = await self._finished(stream_id)
         after = start - 1  # index of the last entry read

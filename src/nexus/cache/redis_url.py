@@ -1,5 +1,5 @@
 """Redis URLs: checked as the client will parse them, shown without credentials, and
-connected to (:func:`connect`).
+connected to (:func:`connect`); and Redis's failures told the same way (:class:`Failures`).
 
 A ``[store] url`` may hold a password (``redis://:pw@host``, ``?password=``): what
 is shown of it, in logs and errors, never does. redis-py is imported only when used
@@ -8,13 +8,23 @@ is shown of it, in logs and errors, never does. redis-py is imported only when u
 
 from __future__ import annotations
 
+import logging
+import re
+import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ..config_types import check_host_and_port
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-__all__ = ["check_url", "connect", "redact_url", "scrub"]
+__all__ = ["WARN_EVERY_S", "Failures", "check_url", "connect", "redact_url", "scrub"]
+
+log = logging.getLogger("nexus.store")
+
+WARN_EVERY_S = 10.0
+"""The least time between two warnings of failed Redis calls of one cause."""
 
 
 def connect(
@@ -58,15 +68,22 @@ def connect(
 
 
 def check_url(url: str) -> str:
-    """``url``, if the client can parse it; else a :class:`ValueError` without its
-    credentials (a port that is no number, ``?socket_timeout=abc``: a traceback at start
-    before)."""
+    """``url``, if the client can parse it and connect to its host and port; else a
+    :class:`ValueError` without its credentials (a port that is no number,
+    ``?socket_timeout=abc``: a traceback at start before; no host, or port 0: the
+    client's default, unsaid)."""
     from redis.asyncio.connection import parse_url
 
+    unusable = "not a Redis URL the client can use"
+    if not url.startswith("unix://"):  # (a socket's path, no host)
+        try:
+            check_host_and_port(url)
+        except ValueError as exc:  # (its own words: nothing of the URL in them)
+            raise ValueError(f"{unusable}: {exc}") from None
     try:
         parse_url(url)
     except ValueError as exc:
-        raise ValueError(f"not a Redis URL the client can use: {scrub(str(exc), url)}") from None
+        raise ValueError(f"{unusable}: {scrub(str(exc), url)}") from None
     return url
 
 
@@ -84,15 +101,55 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{host}{parts.path}"  # urlunsplit would drop unix:// 's slashes
 
 
+_PASSWORD_PARAM = re.compile(r"(password=)[^&\s'\"]+", re.IGNORECASE)
+
+
 def scrub(message: str, url: str) -> str:
-    """``message`` with the URL's credentials cut out, should a driver ever echo them."""
+    """``message`` with the URL's credentials cut out, should a driver or Redis ever echo
+    them: its userinfo (``user:pw@``), a ``password=`` parameter, and a credential that
+    stands as a word of its own (``'pw'``). Never inside a word: cut out wherever it
+    occurred, a user ``u`` made "Port could not be cast" "Port co***ld not be cast", the
+    message garbled and the credential's letters told by where the ``***`` fell."""
     try:
         parts = urlsplit(url)
         query = parse_qs(parts.query)
-        secrets = [parts.password, parts.username, *query.get("password", ())]
     except ValueError:
         return "(details withheld)"
-    for secret in secrets:
-        if secret:
-            message = message.replace(secret, "***")
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    if at and userinfo:
+        message = message.replace(f"{userinfo}@", "***@")
+    message = _PASSWORD_PARAM.sub(r"\1***", message)
+    given = [parts.username, parts.password, *query.get("password", ())]
+    secrets = {form for secret in given if secret for form in (secret, unquote(secret))}
+    for secret in sorted(secrets, key=len, reverse=True):  # (a longer one holding another)
+        message = re.sub(rf"(?<!\w){re.escape(secret)}(?!\w)", "***", message)
     return message
+
+
+class Failures:
+    """Warnings of failed Redis calls: the error's class and what Redis said (scrubbed of
+    the URL's credentials), at most one every :data:`WARN_EVERY_S` per cause, the next
+    saying how many went unsaid meanwhile. Without them a Redis that answered but refused
+    every write (``OOM``, ``NOPERM``, ``READONLY`` after a failover) made each new stream
+    a 503 with nothing in the log to say why."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._warned: dict[str, float] = {}
+        self._unsaid: dict[str, int] = {}
+
+    def failed(self, op: str, cause: str, exc: BaseException) -> None:
+        now, last = time.monotonic(), self._warned.get(cause)
+        if last is not None and now - last < WARN_EVERY_S:
+            self._unsaid[cause] = self._unsaid.get(cause, 0) + 1
+            return
+        unsaid = self._unsaid.pop(cause, 0)
+        self._warned[cause] = now
+        log.warning(
+            "a Redis call failed (%s, in %s): %s: %s%s",
+            cause,
+            op,
+            type(exc).__name__,
+            scrub(str(exc), self.url),
+            f" ({unsaid} more {cause} suppressed since the last)" if unsaid else "",
+        )

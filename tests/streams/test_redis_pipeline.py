@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from nexus.cache.redis import RedisStore
+from nexus.cache.redis_pipeline import DOWN_S
 from nexus.errors import StoreUnavailable
 from redis_server import RedisServer
 from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
@@ -99,7 +100,43 @@ async def test_a_redis_that_stops_answering_fails_the_round_trip_in_time(
             await store.call("t", ("GET", "paused:k"), ("GET", "paused:k"))
         assert 0.4 < time.monotonic() - started < 2.0
         process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(DOWN_S)  # (until then, calls fail at once: see below)
         assert await store.call("t", ("GET", "paused:k")) == [b"1"]
+
+
+async def test_after_a_round_trip_redis_failed_calls_fail_at_once_then_it_is_tried_again(
+    redis_server: RedisServer,
+) -> None:
+    """A request makes several round trips: behind a Redis that hangs, each waited out its
+    own deadline, 15-30 s a request before its 503 (or before it ran on its replica alone
+    with ``required = false``). After one fails, the calls of the next DOWN_S fail at once,
+    those queued behind it too, counted ``unreachable``; then one goes, and decides."""
+    store = RedisStore(redis_server.url, prefix="down")
+    counted: list[tuple[str, str]] = []
+    store.on_error.append(lambda op, cause: counted.append((op, cause)))
+    async with pausable(redis_server, store, 0.5) as process:
+        process.send_signal(signal.SIGSTOP)
+        first = asyncio.ensure_future(store.call("first", ("GET", "down:k")))
+        await asyncio.sleep(0.1)
+        behind = asyncio.ensure_future(store.call("behind", ("GET", "down:k")))
+        for call in (first, behind):
+            with pytest.raises(StoreUnavailable):
+                await call
+        for op in ("begin", "admit", "charge"):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                await store.call(op, ("GET", "down:k"))
+            assert time.monotonic() - started < 0.05, op
+        assert {cause for _, cause in counted} == {"unreachable"} and len(counted) == 5
+        await asyncio.sleep(DOWN_S)  # then one goes: Redis still stopped, it waits, fails
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.call("probe", ("GET", "down:k"))
+        assert time.monotonic() - started > 0.4
+        process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(DOWN_S)
+        assert await store.call("back", ("GET", "down:k")) == [b"1"]
+        assert await store.call("again", ("GET", "down:k")) == [b"1"]
 
 
 async def test_commands_queued_behind_a_redis_that_stopped_answering_count_it_unreachable(

@@ -137,8 +137,9 @@ class RedisHolds(Store):
                     ("SET", beat, b"1", "PX", ttl_ms, "GET"),
                 )
             except StoreUnavailable as exc:
-                cause = scrub(str(exc.__cause__), self.url)
-                log.warning("renewing this replica's keep-alive failed: %s", cause)
+                cause = exc.__cause__  # (a timeout says nothing but its class)
+                said = f"{type(cause).__name__}: {scrub(str(cause), self.url)}".rstrip(": ")
+                log.warning("renewing this replica's keep-alive failed: %s", said)
                 continue
             if was is None:
                 log.warning(

@@ -452,14 +452,46 @@ def test_fields_that_only_tune_sampling_are_dropped() -> None:
     assert set(body) == {"model", "messages", "max_tokens", "stream"}
 
 
-async def test_max_tokens_zero_needs_no_upstream_call(
+async def test_max_tokens_zero_goes_upstream_to_warm_the_prompt_cache(
     make_client: MakeClient, upstream: FakeUpstream
 ) -> None:
+    """``max_tokens: 0`` populates Anthropic's prompt cache without an answer (its SDK's
+    documented way to warm it): it was answered here, empty, with no upstream call, so
+    the cache was never warmed; and from ``/v1/messages`` it was refused."""
+    warmed = [
+        sse(
+            {
+                "type": "message_start",
+                "message": {"usage": {"input_tokens": 3, "cache_creation_input_tokens": 900}},
+            },
+            event="message_start",
+        ),
+        sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "max_tokens"},
+                "usage": {"output_tokens": 0},
+            },
+            event="message_delta",
+        ),
+        sse({"type": "message_stop"}, event="message_stop"),
+    ]
+    upstream.add(Reply.stream(warmed))
+    upstream.add(Reply.stream(warmed))
     client = await make_client(config(upstream))
     body = await (await client.post("/v1/chat/completions", json=chat(max_tokens=0))).json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["message"]["content"] == ""
-    assert upstream.requests == []
+    assert upstream.requests[-1].body["max_tokens"] == 0
+    assert body["usage"]["prompt_tokens"] == 903
+    messages = {
+        "model": "claude/m",
+        "max_tokens": 0,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    answer = await client.post("/v1/messages", json=messages)
+    assert answer.status == 200 and (await answer.json())["stop_reason"] == "max_tokens"
+    assert upstream.requests[-1].body["max_tokens"] == 0
 
 
 async def test_audio_input_is_refused(make_client: MakeClient, upstream: FakeUpstream) -> None:

@@ -108,7 +108,7 @@ async def test_non_streaming(make_client: MakeClient) -> None:
 async def test_errors_in_anthropic_shape(make_client: MakeClient) -> None:
     api = await sdk(make_client)
     with pytest.raises(anthropic.BadRequestError) as bad:
-        await api.messages.create(model="mock/echo", max_tokens=0, messages=USER)
+        await api.messages.create(model="mock/echo", max_tokens=-1, messages=USER)
     assert bad.value.body == {
         "type": "error",
         "error": {

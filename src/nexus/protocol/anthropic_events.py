@@ -91,7 +91,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
     body: dict[str, Any] = {
         "model": model,
         "messages": turns,
-        "max_tokens": request.token_limit or default_max_tokens,
+        "max_tokens": default_max_tokens if request.token_limit is None else request.token_limit,
         "stream": True,
     }
     if system:  # a string unless a block carries a cache mark

@@ -182,7 +182,7 @@ class MessagesRequest(StrictModel):
     refused by name: dropped, they would change the answer without a word."""
 
     model: str = Field(min_length=1, max_length=MAX_MODEL_CHARS)
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # 0: the prompt cache warmed, nothing generated
     messages: Items[InputMessage] = Field(min_length=1)
     system: str | Items[TextBlock] | None = None
     tools: Items[ToolDef] | None = None

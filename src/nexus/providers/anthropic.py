@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from ..config import AnthropicProviderConfig
 from ..errors import InvalidRequest
-from ..events import Delta, StreamEvent, Usage
 from ..protocol.anthropic_betas import sent_betas
 from ..protocol.anthropic_events import EventDecoder, messages_body, refusal
 from ..request import ChatRequest
-from ..stream import Batches
 from .http import HTTPProvider
 
 __all__ = ["AnthropicProvider"]
@@ -51,12 +48,3 @@ class AnthropicProvider(HTTPProvider):
     def upstream(self, request: ChatRequest, model: str) -> tuple[dict[str, Any], EventDecoder]:
         body = messages_body(request, model, self.config.default_max_tokens)
         return body, EventDecoder(self.name, self.config.max_event_bytes)
-
-    def batches(self, request: ChatRequest, model: str) -> Batches:
-        if request.token_limit == 0:
-            return _no_tokens()  # the API requires max_tokens >= 1: no upstream call
-        return super().batches(request, model)
-
-
-async def _no_tokens() -> AsyncGenerator[list[StreamEvent], None]:
-    yield [Delta(finish_reason="length"), Usage()]

@@ -293,3 +293,29 @@ async def test_what_is_not_served_under_v1_messages_answers_in_anthropics_shape(
         assert body["type"] == "error" and body["error"]["type"] == kind, body
     other = await (await client.post("/v1/nothing", json={})).json()
     assert "type" not in other and other["error"]["type"] == "invalid_request_error"
+
+
+async def test_top_level_cache_control_and_inference_geo_reach_anthropic(
+    make_client: MakeClient,
+) -> None:
+    """Both are Messages API fields of the SDK's (automatic caching of the last block; where
+    the model infers), and both were refused as unknown. An OpenAI-compatible target drops
+    the cache mark, a hint, and refuses the residency, which it cannot honour."""
+    reply = Reply.stream(anthropic_stream([{"type": "text", "text": "ok"}]))
+    asked = {"cache_control": {"type": "ephemeral"}, "inference_geo": "us"}
+    async with FakeUpstream(default=reply) as fake:
+        client = await make_client(providers(fake.url))
+        body = {"model": "an/claude", "max_tokens": 8, "messages": USER} | asked
+        assert (await client.post("/v1/messages", json=body)).status == 200
+        sent = fake.requests[-1].body
+        assert (sent["cache_control"], sent["inference_geo"]) == ({"type": "ephemeral"}, "us")
+        fake.add(
+            Reply.stream([openai_chunk(content="ok"), openai_chunk(finish_reason="stop"), DONE])
+        )
+        to_openai = body | {"model": "op/m"}
+        del to_openai["inference_geo"]
+        assert (await client.post("/v1/messages", json=to_openai)).status == 200
+        assert "cache_control" not in fake.requests[-1].body
+        refused = await client.post("/v1/messages", json=body | {"model": "op/m"})
+        assert refused.status == 400
+        assert (await refused.json())["error"]["message"].startswith("inference_geo:")

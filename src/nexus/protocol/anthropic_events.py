@@ -4,9 +4,8 @@
 wants them alternating; ``max_tokens``, required, defaults to ``default_max_tokens``; a
 ``json_schema`` response format as ``output_config.format``, Anthropic's structured
 outputs; ``output_config`` as sent: :mod:`.output_config`).
-:func:`refusal` names the first chat field that changes the answer and that the Messages
-API has no place for; fields that only tune sampling (``seed``) or serve OpenAI alone
-(``store``, ``prompt_cache_key``...) are dropped. :class:`EventDecoder` reads the stream;
+:func:`refusal` (:mod:`.anthropic_fields`) names the first chat field that changes the
+answer and that the Messages API has no place for. :class:`EventDecoder` reads the stream;
 usage in OpenAI terms (``prompt_tokens`` = input + cache read + cache creation,
 ``cached_tokens`` = cache read); ``message_start``'s input counts lead the first read with
 output, not before: a failure before any output stays one before the first event.
@@ -14,7 +13,6 @@ output, not before: a failure before any output stays one before the first event
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import orjson
@@ -33,7 +31,8 @@ from ..request import (
     UserMessage,
     message_text,
 )
-from .anthropic_documents import base64_data_url, document_block, file_refusal
+from .anthropic_documents import base64_data_url, document_block
+from .anthropic_fields import AS_SENT, refusal, schema_of
 from .json_depth import MAX_JSON_DEPTH, deeper_than, too_deep
 from .output_config import anthropic_config
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
@@ -122,93 +121,17 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
         body["tool_choice"] = choice
     extra = request.model_extra or {}
     config = anthropic_config(request)  # a /v1/messages client's effort and format
-    schema = _schema(request)
+    schema = schema_of(request)
     if schema is not None:
         config["format"] = {"type": "json_schema", "schema": schema}
     if config:
         body["output_config"] = config
-    for key in ("thinking", "top_k", "service_tier", "context_management"):
+    for key in AS_SENT:
         if key in extra:
             body[key] = extra[key]
     if body.get("service_tier") == "default":  # OpenAI's standard tier, in Anthropic's words
         body["service_tier"] = "standard_only"
     return body
-
-
-def refusal(request: ChatRequest) -> InvalidRequest | None:
-    """The 400 for the first field of ``request`` that changes the answer and that the
-    Messages API has no place for (None: all of it can be carried or dropped). A
-    ``json_schema`` response format is carried (:func:`_schema`); ``json_object`` is not:
-    a schema for "any object" would hold the answer to ``{}`` (the API closes every object
-    to properties it does not list). Nor is an ``output_config`` asking one thing twice."""
-    refused = file_refusal(request)
-    if refused is not None:
-        return refused
-    fmt = request.response_format
-    if fmt is not None and fmt.type != "text" and _schema(request) is None:
-        what = (
-            "type 'json_object' (a JSON object of any shape)"
-            if fmt.type == "json_object"
-            else "type 'json_schema' without a schema"
-        )
-        return _cannot("response_format", what, "send type 'json_schema' with a schema")
-    extra = request.model_extra
-    if extra:
-        for name, (asks, what) in _UNCARRIED.items():
-            if name in extra and asks(extra[name]):
-                return _cannot(name, what, "send it to a model of an OpenAI-compatible provider")
-        unknown = next((name for name in extra if name not in _KNOWN), None)
-        if unknown is not None:  # passed on to OpenAI-compatible upstreams, which may know it
-            what = "a field Nexus does not know, and so cannot carry"
-            return _cannot(unknown, what, "send it to a model of an OpenAI-compatible provider")
-        try:
-            anthropic_config(request)
-        except InvalidRequest as exc:
-            return exc
-    return None
-
-
-def _cannot(param: str, what: str, instead: str) -> InvalidRequest:
-    message = (
-        f"{param}: {what}, which this model's provider (Anthropic Messages) cannot honour; "
-        f"{instead}"
-    )
-    return InvalidRequest(message, param=param)
-
-
-_CARRIED: tuple[str, ...] = ("thinking", "top_k", "service_tier", "output_config")
-_CARRIED += ("reasoning_effort",)
-_CARRIED += ("context_management", "anthropic_beta")  # (the betas go as a header)
-_DROPPED: tuple[str, ...] = ("verbosity", "prediction", "store", "metadata", "prompt_cache_key")
-_DROPPED += ("safety_identifier", "function_call")  # (the legacy tool choice: none alone)
-
-_UNCARRIED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    # name: (whether the value asks for something, what it asks for)
-    "logit_bias": (bool, "token biases (a bias of -100 bans a token)"),
-    "functions": (bool, "functions (the tools of the legacy API)"),
-    "modalities": (
-        lambda value: type(value) is list and any(m != "text" for m in value),
-        "output other than text",
-    ),
-    "audio": (lambda value: value is not None, "audio output"),
-    "web_search_options": (lambda value: value is not None, "a web search"),
-    "service_tier": (  # OpenAI's flex, scale and priority have no Anthropic tier
-        lambda value: value not in (None, "auto", "default", "standard_only"),
-        "a service tier Anthropic does not offer (it has auto and standard_only)",
-    ),
-}
-_KNOWN = frozenset((*_CARRIED, *_DROPPED, *_UNCARRIED))
-"""The request fields beside the declared ones an Anthropic target carries, drops (they
-tune sampling or serve OpenAI alone) or refuses by name (:data:`_UNCARRIED`, when they ask
-for something); any other is refused: dropped, it would change the answer unseen."""
-
-
-def _schema(request: ChatRequest) -> dict[str, Any] | None:
-    """A ``json_schema`` response format's schema (Anthropic's format is always strict)."""
-    fmt = request.response_format
-    if fmt is None or fmt.json_schema is None or fmt.type != "json_schema":
-        return None
-    return fmt.json_schema.schema_
 
 
 def _assistant_blocks(message: AssistantMessage) -> list[dict[str, Any]]:

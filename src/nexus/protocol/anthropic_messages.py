@@ -195,6 +195,8 @@ class MessagesRequest(StrictModel):
     top_k: int | None = Field(default=None, ge=0)
     thinking: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None  # on the last block: dropped off Anthropic
+    inference_geo: str | None = Field(default=None, min_length=1, max_length=64)
     """What Anthropic may clear from the context (old tool results, thinking), which
     Claude Code sends: carried to Anthropic targets; another has no such thing."""
     metadata: Metadata | None = None
@@ -206,6 +208,10 @@ class MessagesRequest(StrictModel):
     """Nexus: only ``resumable`` is read."""
 
     mock: MockScript | None = None
+
+
+_CARRIED: tuple[str, ...] = ("temperature", "top_p", "top_k", "thinking", "service_tier")
+_CARRIED += ("context_management", "cache_control", "inference_geo")
 
 
 def parse_messages_request(
@@ -241,7 +247,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
         options["resumable"] = True
     if options:
         chat["stream_options"] = options
-    for key in ("temperature", "top_p", "top_k", "thinking", "service_tier", "context_management"):
+    for key in _CARRIED:
         value = getattr(request, key)
         if value is not None:
             chat[key] = value

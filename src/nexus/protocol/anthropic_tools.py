@@ -52,7 +52,12 @@ def chat_tool(tool: Any, index: int) -> dict[str, Any]:
 
 def tool_refusal(request: ChatRequest) -> InvalidRequest | None:
     """For a target without Anthropic's tools: the 400 for the first of a tool's Anthropic
-    fields that changes the answer (all but ``eager_input_streaming``, how it streams)."""
+    fields that changes the answer (all but ``eager_input_streaming``, how it streams);
+    and for ``inference_geo``, where the answer may be made: a residency, not a hint."""
+    if (request.model_extra or {}).get("inference_geo") is not None:
+        message = "inference_geo: where Anthropic infers, which this model's provider (Chat "
+        message += "Completions) cannot honour; send it to an Anthropic model"
+        return InvalidRequest(message, param="inference_geo")
     for index, tool in enumerate(request.tools or ()):
         asked = next(iter((tool.model_extra or {}).get("anthropic_tool", {})), None)
         if asked is not None and asked != "eager_input_streaming":

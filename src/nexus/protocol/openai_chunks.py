@@ -30,7 +30,7 @@ from .upstream import (
 __all__ = ["ChunkDecoder", "ToolCallPieces", "chunk_events", "refusal", "upstream_body"]
 
 _NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config", "anthropic_beta"}
-_NOT_OPENAI.add("context_management")  # (Anthropic's: a /v1/messages client's)
+_NOT_OPENAI |= {"context_management", "cache_control"}  # (a /v1/messages client's)
 
 
 def refusal(request: ChatRequest) -> InvalidRequest | None:

@@ -85,7 +85,6 @@ OPENAI_CHOICES = [
     (Delta(refusal="I can't"), b'{"refusal":"I can\'t"}', b"null"),
     (Delta(tool_calls=(WHOLE,), finish_reason="tool_calls"), TC_WHOLE, b'"tool_calls"'),
     (Reasoning("hmm"), b'{"reasoning_content":"hmm"}', b"null"),
-    (FIRST, TC_FIRST, b"null"),
     (LATER, TC_LATER, b"null"),
     (
         ToolCall(index=1, id="call_2", name="f", arguments="{}"),
@@ -128,31 +127,39 @@ def test_openai_encode(meta: StreamMeta, event: StreamEvent, delta: bytes, finis
     assert OpenAISSEEncoder(meta).encode(event) == chunk(delta, finish)
 
 
+TC_FIRST_WITH_LATER = (
+    b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+    b'"function":{"arguments":"{\\"city\\":","name":"get_weather"}}]}'
+)
+
+
 @pytest.mark.parametrize("meta", METAS)
-def test_openai_call_without_arguments_gets_an_empty_object_before_the_finish(
-    meta: StreamMeta,
-) -> None:
-    """What the stream says a call's arguments are is what nexus.accumulate says: "{}"
-    for a call no argument fragment filled, after the calls of the finishing delta."""
+def test_openai_a_calls_first_fragment_goes_with_its_arguments(meta: StreamMeta) -> None:
+    """A call's first fragment without arguments is held until they come (then one chunk);
+    a call no argument fragment filled gets "{}" when a later call's arguments come, or
+    before the finish, as nexus.accumulate gives it: the SDK's stream helper ends a call
+    at the next index and parses what it holds, and "" is not JSON."""
     encoder = OpenAISSEEncoder(meta)
+    assert encoder.encode(FIRST) == b""
+    assert encoder.encode(LATER) == chunk(TC_FIRST_WITH_LATER, b"null")
     second = ToolCall(index=1, id="call_2", name="now")
-    filled = b'{"tool_calls":[{"index":1,"function":{"arguments":"{}"}}]}'
-    out = encoder.encode(FIRST) + encoder.encode(LATER)
-    out += encoder.encode(Delta(tool_calls=(second,), finish_reason="tool_calls"))
-    assert out == (
-        chunk(TC_FIRST, b"null")
-        + chunk(TC_LATER, b"null")
-        + chunk(b'{"tool_calls":[' + orjson.dumps(second.wire()) + b"]}", b"null")
-        + chunk(filled, b"null")
-        + chunk(b"{}", b'"tool_calls"')
-    )
-    repeated = OpenAISSEEncoder(meta)  # an upstream that repeats the id on every fragment
-    out = repeated.encode(FIRST) + repeated.encode(LATER) + repeated.encode(FIRST)
-    assert not repeated.encode(Delta(finish_reason="tool_calls")).count(b'tool_calls":[')
+    finishing = Delta(tool_calls=(second,), finish_reason="tool_calls")
+    filled = b'{"tool_calls":[{"index":1,"id":"call_2","type":"function",'
+    filled += b'"function":{"arguments":"{}","name":"now"}}]}'
+    assert encoder.encode(finishing) == chunk(filled, b"null") + chunk(b"{}", b'"tool_calls"')
     bare = OpenAISSEEncoder(meta)
-    out = bare.encode(FIRST) + bare.encode(Delta(finish_reason="tool_calls"))
-    filled = b'{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]}'
-    assert out == chunk(TC_FIRST, b"null") + chunk(filled, b"null") + chunk(b"{}", b'"tool_calls"')
+    assert bare.encode(FIRST) == b""
+    out = bare.encode(ToolCall(index=1, id="call_2", name="f", arguments='{"a":1}'))
+    assert out == chunk(
+        b'{"tool_calls":[{"index":0,"id":"call_1","type":"function",'
+        b'"function":{"arguments":"{}","name":"get_weather"}},'
+        b'{"index":1,"id":"call_2","type":"function","function":{"arguments":"{\\"a\\":1}","name":"f"}}]}',
+        b"null",
+    )
+    ended = OpenAISSEEncoder(meta)  # a stream that ends without a finish reason
+    ended.encode(FIRST)
+    filled = TC_FIRST.replace(b'"arguments":""', b'"arguments":"{}"')
+    assert ended.end() == chunk(filled, b"null") + b"data: [DONE]\n\n"
 
 
 ROLE_CHUNK = chunk(b'{"role":"assistant","content":""}')
@@ -436,8 +443,17 @@ def openai_payloads(meta: StreamMeta, failed: bool) -> list[Any]:
         choice({"reasoning_content": "thinking \u00e9"}),
         choice({"content": "Hello"}),
         choice({"content": " w\u00f6rld \U0001f600\nnext line"}),
-        choice({"tool_calls": [FIRST.wire()]}),
-        choice({"tool_calls": [LATER.wire()]}),
+        # (the call's first fragment, held, goes with its first arguments)
+        choice(
+            {
+                "tool_calls": [
+                    {
+                        **FIRST.wire(),
+                        "function": {**FIRST.wire()["function"], "arguments": '{"city":'},
+                    }
+                ]
+            }
+        ),
         choice({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
         choice({"audio": {"transcript": "hi"}}),
         choice({"images": [{"index": 0, "type": "image_url", "image_url": {"url": IMAGE_URL}}]}),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -61,9 +62,10 @@ class OpenAISSEEncoder(Encoder):
         self._obfuscated = meta.include_obfuscation
         # The content chunk's end, unless each one ends with its own obfuscation.
         self._content_end = None if self._obfuscated else _CONTENT_CLOSE + b"}\n\n"
-        # Tool calls by index: whether no arguments went out for it yet (each such gets
-        # "{}" before the finish, as nexus.accumulate gives it); made with the first call.
-        self._bare: dict[int, bool] | None = None
+        # Tool calls' first fragments without arguments, held by index until theirs come
+        # (see _calls), and the indices seen; made with the first call.
+        self._held: dict[int, dict[str, Any]] | None = None
+        self._seen: set[int] = set()
         self._listed: dict[str, int] | None = None  # list entries sent, by the delta's key
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
@@ -97,18 +99,24 @@ class OpenAISSEEncoder(Encoder):
                 delta = {} if content is None else {"content": content}
                 return self._filled(event) + self._chunk(delta, event.finish_reason)
             case Delta():
-                ended = b"".join([self._note(call) for call in event.tool_calls or ()])
-                delta = event.delta_dict()
-                delta.pop("role", None)
+                fields: dict[str, Any] = event.delta_dict()
+                fields.pop("role", None)
+                if event.tool_calls:
+                    fields["tool_calls"] = self._calls(event.tool_calls)
+                    if not fields["tool_calls"]:
+                        del fields["tool_calls"]
                 if filled := self._filled(event):  # after this delta's own calls
-                    delta_chunk = self._chunk(delta)
-                    return ended + delta_chunk + filled + self._chunk({}, event.finish_reason)
-                return ended + self._chunk(delta, event.finish_reason)
+                    out = self._chunk(fields) if fields else b""
+                    return out + filled + self._chunk({}, event.finish_reason)
+                if event.tool_calls and not fields and event.finish_reason is None:
+                    return b""  # (a call's first fragment, held)
+                return self._chunk(fields, event.finish_reason)
             case Reasoning(text=text):
                 # A bare signature has no place in a chat chunk.
                 return self._chunk({"reasoning_content": text}) if text else b""
             case ToolCall():
-                return self._note(event) + self._chunk({"tool_calls": [event.wire()]})
+                calls = self._calls((event,))
+                return self._chunk({"tool_calls": calls}) if calls else b""
             case Usage():
                 if not self.meta.include_usage or event.partial:
                     return b""  # one usage chunk, with the totals
@@ -142,38 +150,44 @@ class OpenAISSEEncoder(Encoder):
         index = listed[key] = listed.get(key, -1) + 1
         return self._chunk({key: [{"index": index, **entry}]})
 
-    def _note(self, call: ToolCall) -> bytes:
-        """Notes ``call``'s fragment; the first of a new call ends the calls before it that
-        are still without arguments with ``"{}"`` (the openai SDK's stream helper takes a
-        new index for the end of the call before it, and parses what that one holds)."""
-        bare = self._bare
-        if bare is None:
-            bare = self._bare = {}
-        ended = self._fill(bare) if call.index not in bare else b""
-        if call.arguments:
-            bare[call.index] = False
-        else:  # a call's first fragment (an id repeated on every fragment changes nothing)
-            bare.setdefault(call.index, True)
-        return ended
+    def _calls(self, calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+        """The fragments to send for ``calls``. A call's first fragment without arguments
+        is held until they come, and goes with them; when a later call's arguments come
+        first, or the finish, it goes with ``"{}"`` (a tool that takes none: some upstreams
+        send ``""``, which is not JSON, and the openai SDK's stream helper ends a call at
+        the next index and parses what it holds). Calls whose pieces interleave (every
+        first fragment, then the arguments) go out one after another, each whole."""
+        out: list[dict[str, Any]] = []
+        held, seen = self._held, self._seen
+        for call in calls:
+            wire = call.wire()
+            if call.index not in seen:
+                seen.add(call.index)
+                if not call.arguments:
+                    if held is None:
+                        held = self._held = {}
+                    held[call.index] = wire
+                    continue
+            elif not call.arguments and held and call.index in held:
+                held[call.index] = _joined(held[call.index], wire)
+                continue
+            if held:
+                for index in sorted(index for index in held if index < call.index):
+                    out.append(_joined(held.pop(index), _EMPTY_ARGUMENTS))
+                first = held.pop(call.index, None)
+                if first is not None:
+                    wire = _joined(first, wire)
+            out.append(wire)
+        return out
 
-    def _filled(self, event: Delta) -> bytes:
-        """Before the finish: ``"{}"`` for each call that ended without arguments (some
-        upstreams send ``""`` or none for a tool that takes none; "" is not JSON)."""
-        bare = self._bare
-        if not bare or event.finish_reason is None:
+    def _filled(self, event: Delta | None) -> bytes:
+        """Before the finish (or the end): the calls still held, each with ``"{}"``."""
+        held = self._held
+        if not held or (event is not None and event.finish_reason is None):
             return b""
-        filled = self._fill(bare)
-        bare.clear()
-        return filled
-
-    def _fill(self, bare: dict[int, bool]) -> bytes:
-        """A chunk giving ``"{}"`` to each call in ``bare`` still without arguments."""
-        calls = []
-        for index, empty in bare.items():
-            if empty:
-                calls.append({"index": index, "function": {"arguments": "{}"}})
-                bare[index] = False
-        return self._chunk({"tool_calls": calls}) if calls else b""
+        calls = [_joined(held[index], _EMPTY_ARGUMENTS) for index in sorted(held)]
+        held.clear()
+        return self._chunk({"tool_calls": calls})
 
     def error(self, event: Error) -> bytes:
         # OpenAI's error object, plus ``retryable`` and the response's ``request_id``
@@ -195,4 +209,23 @@ class OpenAISSEEncoder(Encoder):
         return b": ping\n"
 
     def end(self) -> bytes:
-        return b"data: [DONE]\n\n"
+        return self._filled(None) + b"data: [DONE]\n\n"
+
+
+_EMPTY_ARGUMENTS = {"function": {"arguments": "{}"}}
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """A call's held first fragment with what came next for it: its arguments, its other
+    fields (an ``extra_content``) where the first had none."""
+    function = {**first.get("function", {})}
+    later = then.get("function", {})
+    for key, value in later.items():
+        if key == "arguments":
+            function[key] = function.get(key, "") + value
+        elif value is not None and function.get(key) is None:
+            function[key] = value
+    joined = {**first, "function": function}
+    for key, value in then.items():
+        joined.setdefault(key, value)
+    return joined

@@ -86,6 +86,30 @@ async def pausable(
         await store.close()
 
 
+async def test_a_connection_closed_mid_round_trip_fails_that_one_only() -> None:
+    """A kept connection Redis (or a proxy's idle timeout) closes while a round trip is on
+    it fails that round trip; the next connects again at once. It does not put the store
+    in its failing-fast moment, which is for a Redis that does not answer or connect."""
+    client = await connect_or_skip()
+    prefix = new_prefix()
+    store = RedisStore(REDIS_URL, prefix=prefix, max_connections=2)
+    await store.start()
+    try:
+        ((kept,),) = [await store.call("t", ("CLIENT", "ID"))]
+        blocked = asyncio.ensure_future(store.call("t", ("BLPOP", f"{prefix}:never", 2)))
+        await asyncio.sleep(0.2)
+        assert await client.execute_command("CLIENT", "KILL", "ID", kept) == 1
+        with pytest.raises(StoreUnavailable):
+            await blocked
+        started = time.monotonic()
+        assert await store.call("t", ("SET", f"{prefix}:k", b"1")) == [b"OK"]
+        assert time.monotonic() - started < 0.5
+    finally:
+        await store.close()
+        await drop_keys(client, prefix)
+        await client.aclose()
+
+
 async def test_a_redis_that_stops_answering_fails_the_round_trip_in_time(
     redis_server: RedisServer,
 ) -> None:

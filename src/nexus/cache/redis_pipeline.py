@@ -5,10 +5,11 @@ is in flight the next ones gather for the next. A thousand streams mirroring the
 cost a round trip per turn, on one connection the pipeline keeps.
 
 **Failing fast** (:data:`DOWN_S`): a round trip Redis failed (no answer within its deadline,
-a connection refused or broken) fails the commands after it at once for a moment, rather
-than each waiting out a deadline of its own: a request makes several round trips, and
-behind a Redis that hangs it waited 15-30 s before its 503 (or, with ``required = false``,
-before running on its replica alone). The first commands after the moment are the probe.
+no connection to be made; not a kept connection found closed, which the next one makes
+again) fails the commands after it at once for a moment, rather than each waiting out a
+deadline of its own: a request makes several round trips, and behind a Redis that hangs it
+waited 15-30 s before its 503 (or, with ``required = false``, before running on its replica
+alone). The first commands after the moment are the probe.
 
 **RESP** (:func:`_pack`): the commands of a pipeline are packed at less than half of
 redis-py's cost; a command may come packed already (the mirror's appends,
@@ -127,16 +128,24 @@ class Pipeliner:
                         pool = self._client.connection_pool
                         connection = self._connection
                         async with asyncio.timeout(self._timeout_s):
-                            if connection is None:
-                                connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-                                self._connection = connection
-                            else:  # closed by Redis while kept (a restart): connected again
-                                await pool.ensure_connection(connection)
+                            try:
+                                if connection is None:
+                                    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+                                    self._connection = connection
+                                else:  # closed by Redis while kept (a restart): connected again
+                                    await pool.ensure_connection(connection)
+                            except (RedisError, OSError):
+                                self._down_until = loop.time() + DOWN_S  # cannot connect
+                                raise
                             replies = await exchange(connection, commands)
                             self._down_until = 0.0
-                except (RedisError, OSError) as exc:
+                except TimeoutError as exc:  # (no answer in time)
                     failed = exc
                     self._down_until = loop.time() + DOWN_S
+                except (RedisError, OSError) as exc:
+                    # A connection Redis (or a proxy) closed, found broken mid-exchange: the
+                    # next round trip connects again; Redis itself may be well.
+                    failed = exc
                 at = 0
                 for future, count in sent:
                     if future.done():

@@ -33,6 +33,7 @@ from nexus.events import (
     Usage,
 )
 from nexus.protocol.openai_responses import response_body
+from nexus.protocol.upstream import in_stream_error
 from nexus.types import CompletedToolCall, Completion, StreamMeta
 
 META = StreamMeta(id="chatcmpl-abc123", model="mock/echo", created=1700000000)
@@ -627,3 +628,20 @@ def test_arguments_that_come_after_their_item_closed_replace_the_empty_object() 
     )
     final = next(p for p in payloads(body) if p["type"] == "response.completed")["response"]
     assert [item["arguments"] for item in final["output"]] == ['{"x":1}', '{"y":2}']
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        {"type": "rate_limit_error", "message": "slow"},  # Anthropic's
+        {"type": "tokens", "code": "rate_limit_exceeded", "message": "slow"},  # OpenAI's
+        {"type": "insufficient_quota", "code": "insufficient_quota", "message": "pay"},
+    ],
+)
+def test_a_rate_limit_inside_the_stream_fails_the_response_as_one(error: dict[str, Any]) -> None:
+    """An upstream's rate limit inside its stream keeps its own code now (OpenAI's
+    rate_limit_exceeded), and response.failed said server_error for it."""
+    event = in_stream_error("up", error).to_event()
+    out = ResponsesSSEEncoder(META).error(event)
+    failed = orjson.loads(out[out.rindex(b"data: ") + 6 :])
+    assert failed["response"]["error"]["code"] == "rate_limit_exceeded"

@@ -316,4 +316,12 @@ async def test_a_cancel_elsewhere_says_where_it_runs_or_that_its_replica_died(
     lost = await two.delete(f"/v1/streams/{made['id']}")
     assert lost.status == 200
     assert (await lost.json())["status"] == "failed"
+    # So does its response object, polled or cancelled (it said in_progress until the
+    # stream's keys expired).
+    for answer in (
+        await two.get(f"/v1/responses/{made['id']}"),
+        await two.post(f"/v1/responses/{made['id']}/cancel"),
+    ):
+        body = await answer.json()
+        assert (body["status"], body["error"]["code"]) == ("failed", "server_error"), body
     gated.gate.set()

@@ -416,8 +416,11 @@ def final_response(
     return response
 
 
+_RATE_LIMITED = frozenset(("upstream_rate_limited", "rate_limit_exceeded", "insufficient_quota"))
+
+
 def _failed_code(event: Error) -> str:
     """The ``response.failed`` error code, from the set the Responses API defines."""
-    if event.error_type == "rate_limit_error" or event.code == "upstream_rate_limited":
+    if event.error_type == "rate_limit_error" or event.code in _RATE_LIMITED:
         return "rate_limit_exceeded"
     return "server_error"

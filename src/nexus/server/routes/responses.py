@@ -97,20 +97,21 @@ async def cancel(request: web.Request) -> web.StreamResponse:
     ``DELETE /v1/streams/{id}``) and answer its ``response`` object, ``cancelled`` or as
     it had ended (cancelling twice answers the same)."""
     info = await find_stream(request, request.match_info["id"], rated=False)
-    status = await stop(request, info)
+    await stop(request, info)
     info = await request.app[state.HUB].info(info.id) or info
-    if status == "failed" and info.status == "in_progress":  # its replica died: no end comes
-        lost = StreamLost("The replica running this response stopped before it ended.")
-        body = final_response(info.meta, (), lost.to_event()) | {"stream_id": info.id}
-        return json_response(body)
-    return json_response(await _response_of(request, info))
+    return json_response(await _response_of(request, info))  # (failed: its replica died)
 
 
 async def _response_of(request: web.Request, info: StreamInfo) -> dict[str, Any]:
     """The ``response`` object of ``info``'s stream: ``in_progress`` (no output yet) while
     it runs, else what its stream's last event carried, ``cancelled`` when it was cut
     short. Nexus's ``stream_id`` goes with it, as in a background request's ``202``."""
-    meta = info.meta
+    meta, hub = info.meta, request.app[state.HUB]
+    running = info.status == "in_progress"
+    if running and not hub.local(info.id) and not await hub.store.alive(info.id):
+        # Its replica died: it will never end (a GET of its stream gets stream_lost).
+        lost = StreamLost("The replica running this response stopped before it ended.")
+        return final_response(meta, (), lost.to_event()) | {"stream_id": info.id}
     if info.status == "in_progress":
         response_id, _ = response_ids(info.id)
         body = response_object(

@@ -6,18 +6,17 @@ and on the completion, without a word."""
 from __future__ import annotations
 
 import orjson
-import pytest
 
-from nexus.errors import InvalidRequest
 from nexus.protocol.openai_chat import parse_chat_request
+from nexus.protocol.openai_chunks import refusal
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
 
-def test_moderation_is_refused_by_name() -> None:
-    asked = BODY | {"moderation": {"model": "omni-moderation-latest"}}
-    with pytest.raises(InvalidRequest) as refused:
-        parse_chat_request(orjson.dumps(asked))
-    assert refused.value.param == "moderation"
-    assert refused.value.status == 400
-    assert parse_chat_request(orjson.dumps(BODY | {"moderation": None})).model == "m"
+def test_moderation_is_refused_by_name_by_an_openai_target() -> None:
+    """Refused where a request meets its target, so on every surface: HTTP, the
+    WebSocket's start and the Python API (an Anthropic target refuses unknown fields)."""
+    asked = parse_chat_request(orjson.dumps(BODY | {"moderation": {"model": "omni"}}))
+    refused = refusal(asked)
+    assert refused is not None and (refused.param, refused.status) == ("moderation", 400)
+    assert refusal(parse_chat_request(orjson.dumps(BODY | {"moderation": None}))) is None

@@ -27,6 +27,7 @@ __all__ = [
     "message_audio",
     "parse_chat_request",
     "tool_call",
+    "unanswered",
     "validated",
     "validation_error",
 ]
@@ -39,18 +40,24 @@ def parse_chat_request(
     body: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
 ) -> ChatRequest:
     """Validate a request body. Raises :class:`InvalidRequest` (see :func:`parse_json_object`
-    and :func:`validation_error`), and for a field whose answer comes back where Nexus
-    keeps nothing (:data:`UNANSWERED`): passed on, its answer would be dropped unseen."""
-    data = parse_json_object(body, max_depth=max_depth, max_items=max_items)
-    asked = next((name for name in UNANSWERED if data.get(name) is not None), None)
-    if asked is not None:
-        message = f"{asked}: {UNANSWERED[asked]}, which Nexus does not carry back to the client"
-        raise InvalidRequest(message, param=asked)
-    return validated(ChatRequest, data)
+    and :func:`validation_error`)."""
+    return validated(ChatRequest, parse_json_object(body, max_depth=max_depth, max_items=max_items))
 
 
 UNANSWERED = {"moderation": "moderation results ride on a chunk of their own (moderation)"}
 """Chat fields whose answer is a response field Nexus's events have no place for."""
+
+
+def unanswered(request: ChatRequest) -> InvalidRequest | None:
+    """The 400 for a field whose answer would come back where Nexus keeps nothing
+    (:data:`UNANSWERED`): passed on, the answer would be dropped unseen. Asked by an
+    OpenAI-compatible target, on every surface (HTTP, the WebSocket, the Python API)."""
+    extra = request.model_extra or {}
+    asked = next((name for name in UNANSWERED if extra.get(name) is not None), None)
+    if asked is None:
+        return None
+    message = f"{asked}: {UNANSWERED[asked]}, which Nexus does not carry back to the client"
+    return InvalidRequest(message, param=asked)
 
 
 def parse_json_object(

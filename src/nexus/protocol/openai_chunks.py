@@ -13,6 +13,7 @@ from ..events import Audio, Citation, Delta, Reasoning, StreamEvent, ToolCall, U
 from ..request import ChatRequest
 from .anthropic_documents import chat_file, document_refusal
 from .anthropic_tools import tool_refusal
+from .openai_chat import unanswered
 from .openai_tool_calls import ToolCallPieces
 from .output_config import openai_fields
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
@@ -40,7 +41,7 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
         openai_fields(request)
     except InvalidRequest as exc:
         return exc
-    return tool_refusal(request) or document_refusal(request)
+    return tool_refusal(request) or document_refusal(request) or unanswered(request)
 
 
 def upstream_body(
@@ -85,8 +86,7 @@ def upstream_body(
 
 
 TOOL_ERROR_PREFIX = "Error: "
-"""An Anthropic ``tool_result``'s ``is_error: true``, before its text (Chat Completions has
-no such flag)."""
+"""An Anthropic ``tool_result``'s ``is_error: true`` (Chat Completions has no such flag)."""
 
 
 def _tool_message(message: dict[str, Any]) -> None:

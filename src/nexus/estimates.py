@@ -12,12 +12,14 @@ MP3 is a tenth of the bytes of the same minute at 80 kbit/s, and billed the same
 from __future__ import annotations
 
 import binascii
+import functools
 import math
 import weakref
 
 import orjson
 
 from .protocol.audio_duration import FLOOR_BYTES_PER_S, audio_seconds
+from .protocol.pdf_pages import pdf_pages
 from .request import (
     AssistantMessage,
     AudioPart,
@@ -37,7 +39,9 @@ __all__ = [
     "IMAGE_DETAIL_TOKENS",
     "IMAGE_TOKENS",
     "MESSAGE_TOKENS",
+    "PDF_PAGE_TOKENS",
     "SPOKEN_BYTES_PER_TOKEN",
+    "UNSAID_PAGES",
     "UNSEEN_TOKENS",
     "clip_seconds",
     "prompt_audio_estimate",
@@ -64,6 +68,11 @@ SPOKEN_BYTES_PER_TOKEN = 48_000 // AUDIO_OUTPUT_TOKENS_PER_S
 streams), 16-bit mono samples at 24 kHz, 48,000 bytes a second."""
 UNSEEN_TOKENS = 85
 """A file sent by id: its size is the upstream's to know."""
+PDF_PAGE_TOKENS = 3000
+"""A PDF page as a provider bills it: its text (1,500-3,000 tokens, Anthropic says) and, for
+Anthropic, an image of it."""
+UNSAID_PAGES = 100
+"""A PDF whose pages cannot be told (:mod:`~nexus.protocol.pdf_pages`): Anthropic's most."""
 
 
 def prompt_estimate(request: ChatRequest) -> int:
@@ -143,11 +152,27 @@ def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:
         return IMAGE_TOKENS if part.image_url.detail == "low" else IMAGE_DETAIL_TOKENS
     if isinstance(part, AudioPart):
         return 1 + _tokens(clip_seconds(part.input_audio), AUDIO_INPUT_TOKENS_PER_S)
+    extra = part.model_extra  # a /v1/messages document's context, title, content blocks
+    said = -(-len(orjson.dumps(extra)) // CHARS_PER_TOKEN) if extra else 0
     data = part.file.get("file_data")
     if not isinstance(data, str):
-        return UNSEEN_TOKENS
+        return said + UNSEEN_TOKENS
     encoded = len(data) - (data.find(",") + 1 if data.startswith("data:") else 0)
-    return 1 + encoded * 3 // 4 // CHARS_PER_TOKEN
+    by_size = 1 + encoded * 3 // 4 // CHARS_PER_TOKEN
+    if not data[:21].lower().startswith("data:application/pdf"):
+        return said + by_size
+    return said + max(by_size, _pdf_tokens(data))
+
+
+@functools.lru_cache(maxsize=16)
+def _pdf_tokens(data: str) -> int:
+    """A PDF (a base64 ``data:`` URL) by its pages, :data:`PDF_PAGE_TOKENS` each, once a
+    request (its hold and its stream both ask); one that does not say, :data:`UNSAID_PAGES`."""
+    try:
+        pages = pdf_pages(binascii.a2b_base64(data[data.find(",") + 1 :]))
+    except (binascii.Error, ValueError):
+        pages = None
+    return (UNSAID_PAGES if pages is None else pages) * PDF_PAGE_TOKENS
 
 
 _SECONDS: weakref.WeakKeyDictionary[InputAudio, float] = weakref.WeakKeyDictionary()

@@ -11,7 +11,7 @@ import pytest
 from audio_clips import b64, wav
 from nexus.config import parse_config, price_table
 from nexus.errors import ConfigError
-from nexus.estimates import prompt_estimate
+from nexus.estimates import PDF_PAGE_TOKENS, UNSAID_PAGES, prompt_estimate
 from nexus.events import Audio, Delta, Done, Error, Reasoning, StreamEvent, ToolCall, Usage
 from nexus.pricing import (
     NOTHING,
@@ -238,11 +238,19 @@ def test_a_long_prompt_cannot_hide_where_the_estimate_does_not_look() -> None:
     # A field Nexus does not know is passed on upstream: it counts, JSON and all.
     extra = chat_request(messages=[{"role": "user", "content": "", "reasoning_content": long}])
     assert prompt_estimate(extra) == as_content + len(b'{"reasoning_content":""}') // 4
-    # An inline document counts as its text; audio by its length; an image by its detail.
-    document = "data:application/pdf;base64," + "QUFB" * 100_000  # 300,000 bytes
-    pdf = {"type": "file", "file": {"filename": "a.pdf", "file_data": document}}
-    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [pdf]}])) == (
+    # An inline document counts as its text (a PDF by its pages, at least: one that does not
+    # tell them, as many as a provider takes); audio by its length; an image by its detail.
+    document = "data:text/plain;base64," + "QUFB" * 100_000  # 300,000 bytes
+    text = {"type": "file", "file": {"filename": "a.txt", "file_data": document}}
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [text]}])) == (
         4 + 1 + 300_000 // 4
+    )
+    pdf = {
+        "type": "file",
+        "file": {"filename": "a.pdf", "file_data": "data:application/pdf;base64,QUFB"},
+    }
+    assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [pdf]}])) == (
+        4 + UNSAID_PAGES * PDF_PAGE_TOKENS
     )
     by_id = {"type": "file", "file": {"file_id": "file-abc"}}  # its size is the upstream's
     assert prompt_estimate(chat_request(messages=[{"role": "user", "content": [by_id]}])) == 4 + 85

@@ -109,6 +109,10 @@ def prompt_estimate(request: ChatRequest) -> int:
                 called = call.function
                 size += len(called.name.encode()) + len(called.arguments.encode())
         extra = message.model_extra  # passed on upstream as they came
+        for block in (extra or {}).get("tool_result_content") or ():  # a PDF: by its pages
+            source = block.get("source") if type(block) is dict else None
+            if type(source) is dict and source.get("media_type") == "application/pdf":
+                tokens += _pdf_tokens(source.get("data"))
         if extra:
             try:
                 size += len(orjson.dumps(extra))
@@ -161,15 +165,15 @@ def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:
     by_size = 1 + encoded * 3 // 4 // CHARS_PER_TOKEN
     if not data[:21].lower().startswith("data:application/pdf"):
         return said + by_size
-    return said + max(by_size, _pdf_tokens(data))
+    return said + max(by_size, _pdf_tokens(data[data.find(",") + 1 :]))
 
 
 @functools.lru_cache(maxsize=16)
-def _pdf_tokens(data: str) -> int:
-    """A PDF (a base64 ``data:`` URL) by its pages, :data:`PDF_PAGE_TOKENS` each, once a
-    request (its hold and its stream both ask); one that does not say, :data:`UNSAID_PAGES`."""
+def _pdf_tokens(payload: object) -> int:
+    """A PDF (its base64) by its pages, :data:`PDF_PAGE_TOKENS` each, once a request (its
+    hold and its stream both ask); one that does not say, :data:`UNSAID_PAGES`."""
     try:
-        pages = pdf_pages(binascii.a2b_base64(data[data.find(",") + 1 :]))
+        pages = pdf_pages(binascii.a2b_base64(payload)) if type(payload) is str else None
     except (binascii.Error, ValueError):
         pages = None
     return (UNSAID_PAGES if pages is None else pages) * PDF_PAGE_TOKENS

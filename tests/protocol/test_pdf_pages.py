@@ -79,3 +79,24 @@ def test_a_documents_context_and_title_are_estimated() -> None:
     document = {"type": "document", "source": content}
     body["messages"] = [{"role": "user", "content": [document]}]
     assert prompt_estimate(parse_messages_request(orjson.dumps(body))) > 400_000 // 4
+
+
+def test_a_pdf_in_a_tool_result_is_estimated_by_its_pages() -> None:
+    """Claude Code sends a PDF it read as a document in a tool result."""
+    data = base64.b64encode(pdf(40)).decode()
+    source = {"type": "base64", "media_type": "application/pdf", "data": data}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "document", "source": source}],
+    }
+    turns = [
+        {"role": "user", "content": "read it"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}],
+        },
+        {"role": "user", "content": [result]},
+    ]
+    body = {"model": "m", "max_tokens": 1, "messages": turns}
+    assert prompt_estimate(parse_messages_request(orjson.dumps(body))) >= 40 * PDF_PAGE_TOKENS

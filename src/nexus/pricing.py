@@ -233,6 +233,8 @@ def unpriced(request: ChatRequest, prices: Sequence[Price | None]) -> tuple[str,
         return "service_tier", f"the service tier {tier!r} is billed above the listed price"
     if "web_search_options" in extra:
         return "web_search_options", "web searches are billed per call"
+    if extra.get("inference_geo") is not None:  # Anthropic: US-only inference at 1.1x
+        return "inference_geo", "inference held to one region is billed above the listed price"
     if _asks_audio(request) and not all(
         price is not None and price.audio_output_usd_per_mtok is not None for price in prices
     ):

@@ -23,6 +23,7 @@ from nexus.pricing import (
     spend_of,
     tally,
     terminal_ok,
+    unpriced,
 )
 from nexus.request import ChatRequest
 from nexus.types import StreamMeta
@@ -427,3 +428,13 @@ def test_cost_usd_is_finite_whatever_the_counts(tokens: int) -> None:
 def test_a_price_is_finite_and_bounded(usd: float) -> None:
     with pytest.raises(ValueError, match="a price must be"):
         Price(usd, 1.0, 1.0)
+
+
+def test_inference_held_to_one_region_is_refused_to_a_budget() -> None:
+    """Anthropic bills US-only inference (``inference_geo``) above the listed price: a
+    key with a budget could not be held nor charged right for it."""
+    price = Price(3.0, 15.0, 0.3)
+    user = [{"role": "user", "content": "hi"}]
+    assert unpriced(chat_request(messages=user), [price]) is None
+    refused = unpriced(chat_request(messages=user, inference_geo="us"), [price])
+    assert refused is not None and refused[0] == "inference_geo"

@@ -96,8 +96,7 @@ class LimitsConfig(_Table):
     max_concurrent_streams_per_key: int = Field(default=100, ge=1)
     max_readers_per_key: int = Field(default=32, ge=1)
     """HTTP readers holding no stream slot (followers, resumes, joins) one key may run at
-    once: in this process with the memory store, on every replica together with Redis (see
-    :mod:`nexus.server.routes.key_readers`)."""
+    once: per process with the memory store, over all replicas with Redis (key_readers)."""
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
     max_stream_duration_s: float = Field(default=900.0, gt=0)
     stream_lease_s: float = Field(default=10.0, gt=0)
@@ -336,14 +335,13 @@ class ModelAliasConfig(_Table):
     cached_input_usd_per_mtok: PER_MTOK
     """Unset: the input price."""
     cache_write_usd_per_mtok: PER_MTOK
-    """Prompt tokens written to a prompt cache (Anthropic bills 1.25x the input price for
-    five-minute writes). Unset: the input price."""
+    """Prompt tokens written to a prompt cache (Anthropic: 1.25x input). Unset: the input price."""
+    cache_write_1h_usd_per_mtok: PER_MTOK
+    """Those written for an hour (``"ttl": "1h"``). Unset: twice the input price, Anthropic's."""
     audio_input_usd_per_mtok: PER_MTOK
-    """Prompt tokens of audio (OpenAI bills them above text). Unset: the input price, and
-    a key with a budget is refused audio input."""
+    """Prompt tokens of audio. Unset: the input price; a budget is refused audio input."""
     audio_output_usd_per_mtok: PER_MTOK
-    """Completion tokens of audio. Unset: the output price, and a key with a budget is
-    refused audio output."""
+    """Completion tokens of audio. Unset: the output price; a budget is refused audio output."""
 
     @property
     def priced(self) -> bool:
@@ -362,6 +360,7 @@ class ModelAliasConfig(_Table):
             self.cache_write_usd_per_mtok,
             self.audio_input_usd_per_mtok,
             self.audio_output_usd_per_mtok,
+            self.cache_write_1h_usd_per_mtok,
         )
 
 
@@ -436,6 +435,7 @@ class Config(_Table):
             others = (
                 cfg.cached_input_usd_per_mtok,
                 cfg.cache_write_usd_per_mtok,
+                cfg.cache_write_1h_usd_per_mtok,
                 cfg.audio_input_usd_per_mtok,
                 cfg.audio_output_usd_per_mtok,
             )

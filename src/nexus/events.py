@@ -293,6 +293,9 @@ class Usage:
     prompt_text_tokens: int | None = None
     prompt_image_tokens: int | None = None
     completion_text_tokens: int | None = None
+    cache_write_1h_tokens: int | None = None
+    """Of ``cache_write_tokens``, those written for an hour (Anthropic's
+    ``ephemeral_1h_input_tokens``), billed at their own price."""
 
     def wire(self) -> dict[str, Any]:
         """The OpenAI ``usage`` object (without the cost): the counts, and the details the

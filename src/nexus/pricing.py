@@ -5,7 +5,7 @@ A stream's price (``[models."<name>"]``, USD per million tokens) is its served t
 computed from the usage the upstream reported::
 
     (prompt - cached - written - heard) * input + heard * audio_input
-        + cached * cached_input + written * cache_write
+        + cached * cached_input + (written - long) * cache_write + long * cache_write_1h
         + (completion - spoken) * output + spoken * audio_output
 
 ``completion`` includes reasoning and audio tokens, as OpenAI counts them; ``spoken`` are
@@ -14,7 +14,8 @@ its audio tokens, ``heard`` the prompt's audio tokens that are neither cached no
 price audio tokens cost the text price, an underestimate (OpenAI bills them dearer): a key
 with a budget is then refused a request for audio (:func:`unpriced`). ``cached`` are
 prompt tokens read from a prompt cache, ``written`` those written to one (Anthropic bills
-them above the input price), both part of ``prompt``. A stream that ended without a final
+them above the input price: 1.25x for five minutes, 2x for an hour, ``long``), both part of
+``prompt``. A stream that ended without a final
 usage reports what it saw, marked ``estimated``: the last usage's prompt, cached and
 written tokens, and as completion tokens the larger of that usage's and the output
 output seen (a token a piece at least, one per 4 bytes of its text: :class:`Tally`; audio
@@ -32,8 +33,9 @@ no budget (the upstream may bill them, or not: the failure is its own).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import astuple, dataclass, replace
+from typing import Any
 
 from .estimates import (
     CHARS_PER_TOKEN,
@@ -110,9 +112,10 @@ UNKNOWN = Spend(0, 0, 0, 0, None, True)
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """USD per million tokens (``cache_write_usd_per_mtok`` None: the input price; an
-    audio price None: the text price, and a key with a budget is refused audio that way,
-    :func:`unpriced`)."""
+    """USD per million tokens (``cache_write_usd_per_mtok`` None: the input price;
+    ``cache_write_1h_usd_per_mtok`` None: twice it, Anthropic's rate for an hour's writes;
+    an audio price None: the text price, and a key with a budget is refused audio that
+    way, :func:`unpriced`)."""
 
     input_usd_per_mtok: float
     output_usd_per_mtok: float
@@ -120,6 +123,13 @@ class Price:
     cache_write_usd_per_mtok: float | None = None
     audio_input_usd_per_mtok: float | None = None
     audio_output_usd_per_mtok: float | None = None
+    cache_write_1h_usd_per_mtok: float | None = None
+
+    @property
+    def long_write(self) -> float:
+        """An hour's cache write (USD per million tokens)."""
+        given = self.cache_write_1h_usd_per_mtok
+        return 2 * self.input_usd_per_mtok if given is None else given
 
     def __post_init__(self) -> None:
         for usd in astuple(self):
@@ -172,7 +182,8 @@ class PriceTable:
             if price is not None:
                 cached = 0 if usage is None else usage.cached_tokens or 0
                 written = 0 if usage is None else usage.cache_write_tokens or 0
-                cost = (cost or 0.0) + cost_usd(price, prompt, 0, cached, written)
+                long = 0 if usage is None else usage.cache_write_1h_tokens or 0
+                cost = (cost or 0.0) + cost_usd(price, prompt, 0, cached, written, long=long)
         return FailedAttempts(len(meta.failed_attempts), tokens, cost)
 
 
@@ -184,6 +195,8 @@ def cost_usd(
     cache_write_tokens: int = 0,
     prompt_audio_tokens: int = 0,
     completion_audio_tokens: int = 0,
+    *,
+    long: int = 0,
 ) -> float:
     """The cost of these tokens at ``price`` (the module's formula): a finite number.
     Cached and written tokens beyond the prompt, and audio tokens beyond what is left of
@@ -194,6 +207,7 @@ def cost_usd(
     prompt = _bounded(prompt_tokens)
     cached = min(_bounded(cached_tokens), prompt)
     written = min(_bounded(cache_write_tokens), prompt - cached)
+    long = min(_bounded(long), written)  # of them, written for an hour
     plain = prompt - cached - written
     heard = min(_bounded(prompt_audio_tokens), plain)
     completion = _bounded(completion_tokens)
@@ -205,7 +219,8 @@ def cost_usd(
         (plain - heard) * text_in
         + heard * (text_in if audio_in is None else audio_in)
         + cached * price.cached_input_usd_per_mtok
-        + written * (text_in if write_price is None else write_price)
+        + (written - long) * (text_in if write_price is None else write_price)
+        + long * price.long_write
         + (completion - spoken) * text_out
         + spoken * (text_out if audio_out is None else audio_out)
     )
@@ -280,10 +295,13 @@ def worst_cost(request: ChatRequest, prices: Sequence[Price | None]) -> float:
     heard = prompt_audio_estimate(request)
     output = request.token_limit or 0
     speaks = _asks_audio(request)
+    long = _asks_long_cache(request)
     worst = 0.0
     for price in prices:
         if price is not None:
             per_prompt = max(price.input_usd_per_mtok, price.cache_write_usd_per_mtok or 0.0)
+            if long:  # an hour's cache write, dearer still
+                per_prompt = max(per_prompt, price.long_write)
             per_heard = max(per_prompt, price.audio_input_usd_per_mtok or 0.0)
             per_output = price.output_usd_per_mtok
             if speaks:
@@ -293,6 +311,32 @@ def worst_cost(request: ChatRequest, prices: Sequence[Price | None]) -> float:
             ) / PER_TOKENS
             worst = max(worst, usd)
     return worst
+
+
+def _asks_long_cache(request: ChatRequest) -> bool:
+    """Whether a cache mark of ``request`` asks for an hour (``"ttl": "1h"``): the prompt
+    may then be written at that dearer price."""
+    return any(type(mark) is dict and mark.get("ttl") == "1h" for mark in _marks(request))
+
+
+def _marks(request: ChatRequest) -> Iterator[Any]:
+    """Every ``cache_control`` a request carries: top-level, on tools, messages, parts and
+    the blocks a ``/v1/messages`` client sent."""
+    yield (request.model_extra or {}).get("cache_control")
+    for tool in request.tools or ():
+        yield (tool.model_extra or {}).get("cache_control")
+    for message in request.messages:
+        extra = message.model_extra or {}
+        yield extra.get("cache_control")
+        for block in (
+            *(extra.get("anthropic_content") or ()),
+            *(extra.get("tool_result_content") or ()),
+        ):
+            yield block.get("cache_control") if type(block) is dict else None
+        for part in message.content if isinstance(message.content, list) else ():
+            given = part.model_extra or {}
+            yield given.get("cache_control")
+            yield (given.get("anthropic_document") or {}).get("cache_control")
 
 
 @dataclass(slots=True)
@@ -389,6 +433,7 @@ def spend_of(
         completion = usage.completion_tokens
         cached = usage.cached_tokens or 0
         written = usage.cache_write_tokens or 0
+        long = usage.cache_write_1h_tokens or 0
         reasoning = usage.reasoning_tokens or 0
         heard = usage.prompt_audio_tokens or 0
         spoken = usage.completion_audio_tokens or 0
@@ -401,17 +446,19 @@ def spend_of(
             prompt = upstream_prompt.prompt_tokens
             cached = upstream_prompt.cached_tokens or 0
             written = upstream_prompt.cache_write_tokens or 0
+            long = upstream_prompt.cache_write_1h_tokens or 0
             heard = upstream_prompt.prompt_audio_tokens or 0
         elif tallied.answered or accepted:
             # Accepted (an event came, or a 2xx) but cut before a usage: the prompt is billed.
             prompt, heard, cached, written = prompt_estimate, prompt_audio_estimate, 0, 0
+            long = 0
         else:
-            prompt = heard = cached = written = 0
+            prompt = heard = cached = written = long = 0
         reasoning, completion, spoken, estimated = 0, tallied.produced, tallied.spoken, True
     cost = (
         None
         if price is None
-        else cost_usd(price, prompt, completion, cached, written, heard, spoken)
+        else cost_usd(price, prompt, completion, cached, written, heard, spoken, long=long)
     )
     return Spend(prompt, completion, cached, reasoning, cost, estimated, written, heard, spoken)
 

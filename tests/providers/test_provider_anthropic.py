@@ -14,7 +14,7 @@ from nexus import Engine, accumulate
 from nexus.config import parse_config
 from nexus.errors import InvalidRequest, UpstreamOverloaded
 from nexus.events import Delta, Reasoning, ToolCall, Usage
-from nexus.pricing import spend_of, tally
+from nexus.pricing import spend_of, tally, worst_cost
 from nexus.protocol.anthropic_events import EventDecoder, messages_body, refusal
 from nexus.protocol.openai_chunks import upstream_body
 from nexus.request import ChatRequest
@@ -920,3 +920,41 @@ def test_blocks_a_compatible_server_sends_whole_at_their_start_are_read() -> Non
         ToolCall(0, arguments='{"city":"Oslo"}'),
         Delta(finish_reason="tool_calls"),
     ]
+
+
+def test_hour_long_cache_writes_are_charged_at_their_own_price() -> None:
+    """Anthropic bills an hour's cache writes at 2x the input price, five minutes' at 1.25x;
+    there was one write price: 100,000 hour-long writes cost $0.60 upstream and were
+    charged $0.376, and three such requests spent $1.26 of a $1 budget (held at 1.25x)."""
+    decoder = EventDecoder("claude")
+    start = orjson.loads(message_start(100, cache_write=100_000).split(b"data: ", 1)[1])
+    start["message"]["usage"]["cache_creation"] = {
+        "ephemeral_5m_input_tokens": 40_000,
+        "ephemeral_1h_input_tokens": 60_000,
+    }
+    frames = [sse(start, event="message_start"), *text_block(0, "ok"), *finish("end_turn", 50)]
+    out = decoder.decode(b"".join(frames))
+    usage = [e for e in out if isinstance(e, Usage) and not e.partial][-1]
+    assert (usage.cache_write_tokens, usage.cache_write_1h_tokens) == (100_000, 60_000)
+    price = nexus.pricing.Price(3.0, 15.0, 0.3, 3.75)
+    spend = spend_of(tally(out, complete=True), price, complete=True)
+    expected = (100 * 3.0 + 40_000 * 3.75 + 60_000 * 6.0 + 50 * 15.0) / 1e6
+    assert spend.cost_usd == pytest.approx(expected)
+    set_price = nexus.pricing.Price(3.0, 15.0, 0.3, 3.75, cache_write_1h_usd_per_mtok=5.0)
+    spend = spend_of(tally(out, complete=True), set_price, complete=True)
+    assert spend.cost_usd == pytest.approx(expected - 60_000 * 1.0 / 1e6)
+
+
+def test_a_request_asking_an_hours_cache_is_held_at_that_price() -> None:
+    price = nexus.pricing.Price(3.0, 15.0, 0.3, 3.75)
+    text = "word " * 4000
+    plain = ChatRequest.model_validate(
+        {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+    )
+    marked = {"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    long = ChatRequest.model_validate(
+        {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": [marked]}]}
+    )
+    assert worst_cost(long, [price]) / worst_cost(plain, [price]) == pytest.approx(
+        6.0 / 3.75, rel=0.01
+    )

@@ -286,7 +286,8 @@ def test_an_entry_is_its_events_stored_and_their_size_but_the_terminals(
         pytest.param(["error", "t"], id="error-short"),
         pytest.param(["usage", 1, 2, 3, None, None], id="usage-short"),
         pytest.param(
-            ["usage", 1, 2, 3, None, None, None, True, 1, 2, 3, 4, 5, 6, 7, 8, 9], id="usage-long"
+            ["usage", 1, 2, 3, None, None, None, True, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+            id="usage-long",
         ),
         pytest.param("delta", id="bare-string"),
     ],

@@ -134,8 +134,9 @@ class Pipeliner:
                                     self._connection = connection
                                 else:  # closed by Redis while kept (a restart): connected again
                                     await pool.ensure_connection(connection)
-                            except (RedisError, OSError):
-                                self._down_until = loop.time() + DOWN_S  # cannot connect
+                            except (RedisError, OSError) as exc:
+                                if not busy(exc):  # cannot connect (not: the pool is full)
+                                    self._down_until = loop.time() + DOWN_S
                                 raise
                             replies = await exchange(connection, commands)
                             self._down_until = 0.0

@@ -241,6 +241,7 @@ class EventDecoder:
         self._started = False  # output went out
         self._counted: Usage | None = None  # the usage that went out with the stop
         self._thinking: int | None = None  # output_tokens_details.thinking_tokens
+        self._long: int | None = None  # cache_creation.ephemeral_1h_input_tokens
 
     @property
     def prompt_usage(self) -> Usage | None:
@@ -396,15 +397,25 @@ class EventDecoder:
             thinking = object_of(details, "output_tokens_details").get("thinking_tokens")
             if thinking is not None:
                 self._thinking = token_count(thinking, "thinking_tokens")
+        written = usage.get("cache_creation")  # of the writes, those for an hour (dearer)
+        if written is not None:
+            long = object_of(written, "cache_creation").get("ephemeral_1h_input_tokens")
+            self._long = token_count(long, "ephemeral_1h_input_tokens") or None
 
     def _usage(self, partial: bool = False) -> Usage:
         counts = self._counts
         cached, written = counts["cache_read_input_tokens"], counts["cache_creation_input_tokens"]
         prompt = counts["input_tokens"] + cached + written
+        long = self._long
         if partial:
-            return Usage(prompt, 0, prompt, cached, written, partial=True)
+            return Usage(
+                prompt, 0, prompt, cached, written, partial=True, cache_write_1h_tokens=long
+            )
         output = counts["output_tokens"]
-        return Usage(prompt, output, prompt + output, cached, written, self._thinking)
+        total = prompt + output
+        return Usage(
+            prompt, output, total, cached, written, self._thinking, cache_write_1h_tokens=long
+        )
 
 
 def _block_index(data: dict[str, Any]) -> int:

@@ -12,7 +12,6 @@ MP3 is a tenth of the bytes of the same minute at 80 kbit/s, and billed the same
 from __future__ import annotations
 
 import binascii
-import functools
 import math
 import weakref
 
@@ -165,18 +164,31 @@ def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:
     by_size = 1 + encoded * 3 // 4 // CHARS_PER_TOKEN
     if not data[:21].lower().startswith("data:application/pdf"):
         return said + by_size
-    return said + max(by_size, _pdf_tokens(data[data.find(",") + 1 :]))
+    return said + max(by_size, _pdf_tokens(data, data.find(",") + 1))
 
 
-@functools.lru_cache(maxsize=16)
-def _pdf_tokens(payload: object) -> int:
-    """A PDF (its base64) by its pages, :data:`PDF_PAGE_TOKENS` each, once a request (its
-    hold and its stream both ask); one that does not say, :data:`UNSAID_PAGES`."""
-    try:
-        pages = pdf_pages(binascii.a2b_base64(payload)) if type(payload) is str else None
-    except (binascii.Error, ValueError):
-        pages = None
-    return (UNSAID_PAGES if pages is None else pages) * PDF_PAGE_TOKENS
+def _pdf_tokens(text: object, at: int = 0) -> int:
+    """A PDF (its base64, from ``at`` in ``text``) by its pages, :data:`PDF_PAGE_TOKENS`
+    each, once a request (its hold and its stream both ask: reading a 32 MB one takes 0.1
+    s); one that does not say, :data:`UNSAID_PAGES`."""
+    if type(text) is not str:
+        return UNSAID_PAGES * PDF_PAGE_TOKENS
+    # By the text's identity and its ends, not the text: kept, 64 of them would be 2 GB.
+    key = (id(text), len(text), text[at : at + 64], text[-64:])
+    tokens = _PDFS.get(key)
+    if tokens is None:
+        try:
+            pages = pdf_pages(binascii.a2b_base64(text[at:]))
+        except (binascii.Error, ValueError):
+            pages = None
+        tokens = (UNSAID_PAGES if pages is None else pages) * PDF_PAGE_TOKENS
+        if len(_PDFS) >= 64:
+            del _PDFS[next(iter(_PDFS))]
+        _PDFS[key] = tokens
+    return tokens
+
+
+_PDFS: dict[tuple[int, int, str, str], int] = {}
 
 
 _SECONDS: weakref.WeakKeyDictionary[InputAudio, float] = weakref.WeakKeyDictionary()

@@ -515,3 +515,14 @@ def test_ndjson_round_trip(meta: StreamMeta, failed: bool) -> None:
     assert lines[-1] == b""
     sent = [*STREAM[:3], Heartbeat(), *STREAM[3:], *([ERROR] if failed else []), Done()]
     assert [orjson.loads(line) for line in lines[:-1]] == [e.to_dict() for e in sent]
+
+
+@pytest.mark.parametrize("meta", METAS)
+def test_openai_a_call_cut_off_before_its_arguments_goes_as_it_came(meta: StreamMeta) -> None:
+    """A stream that fails after a call's first fragment: the fragment goes as it came,
+    then the error; never with "{}" after it, a whole call whose arguments never came."""
+    encoder = OpenAISSEEncoder(meta)
+    assert encoder.encode(FIRST) == b""
+    out = encoder.error(ERROR) + encoder.end()
+    assert out.startswith(chunk(TC_FIRST, b"null") + b"event: error\n")
+    assert out.endswith(b"\n\ndata: [DONE]\n\n") and b'"arguments":"{}"' not in out

@@ -8,6 +8,7 @@ import base64
 import zlib
 
 import orjson
+import pytest
 
 from nexus.estimates import PDF_PAGE_TOKENS, UNSAID_PAGES, prompt_estimate
 from nexus.protocol.anthropic_messages import parse_messages_request
@@ -100,3 +101,26 @@ def test_a_pdf_in_a_tool_result_is_estimated_by_its_pages() -> None:
     ]
     body = {"model": "m", "max_tokens": 1, "messages": turns}
     assert prompt_estimate(parse_messages_request(orjson.dumps(body))) >= 40 * PDF_PAGE_TOKENS
+
+
+def test_a_page_in_the_plain_bytes_does_not_hide_those_packed() -> None:
+    """An update that writes page 1 plainly (or a comment that names a page) left the other
+    39, packed in an object stream, uncounted: the 7 KB budget hole again."""
+    packed = pdf(40, packed=True)
+    assert pdf_pages(packed.replace(b"%PDF-1.5\n", b"%PDF-1.5\n%/Type /Page\n")) >= 40
+
+
+def test_the_object_streams_are_read_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many stream markers and one end: each marker's search ran to the end and copied the
+    rest, the square of the size (a 2 MB body held the event loop 42 s)."""
+    calls: list[int] = []
+    real = zlib.decompressobj
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zlib, "decompressobj", counted)
+    data = b"%PDF-1.5\n" + b"/Type/ObjStm stream\n" * 20_000 + b"endstream\n"
+    assert pdf_pages(data) is None
+    assert len(calls) == 1

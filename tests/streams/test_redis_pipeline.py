@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from redis.exceptions import RedisError
 
 from nexus.cache.redis import RedisStore
-from nexus.cache.redis_pipeline import DOWN_S
+from nexus.cache.redis_pipeline import DOWN_S, Pipeliner
+from nexus.cache.redis_url import connect
 from nexus.errors import StoreUnavailable
 from redis_server import RedisServer
 from redis_support import REDIS_URL, connect_or_skip, drop_keys, new_prefix
@@ -181,3 +183,24 @@ async def test_commands_queued_behind_a_redis_that_stopped_answering_count_it_un
         with pytest.raises(StoreUnavailable):
             await first
         assert sorted(counted) == [("first", "unreachable"), ("queued", "unreachable")]
+
+
+async def test_a_wait_for_a_full_pool_does_not_put_the_store_in_its_failing_moment() -> None:
+    """With the defaults the pool's wait and the round trip's deadline are both 5 s, so the
+    deadline ended a wait for the pool first, and the store failed every call for a second
+    though Redis was well. A full pool is busy, not Redis failing."""
+    await (await connect_or_skip()).aclose()  # (skipped without a Redis)
+    client = connect(
+        REDIS_URL, max_connections=1, pool_timeout_s=0.3, socket_timeout_s=None, client_name="t"
+    )
+    pipeline = Pipeliner(client, 0.3, 0.3)
+    held = await client.connection_pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        with pytest.raises((TimeoutError, RedisError)):
+            await pipeline.run([("PING",)])
+        await client.connection_pool.release(held)
+        assert await pipeline.run([("PING",)]) == [b"PONG"]
+    finally:
+        await pipeline.close()
+        await client.connection_pool.disconnect()
+        await client.aclose()

@@ -7,6 +7,7 @@ there is none, failed under ``CI=true``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -325,3 +326,35 @@ async def test_a_cancel_elsewhere_says_where_it_runs_or_that_its_replica_died(
         body = await answer.json()
         assert (body["status"], body["error"]["code"]) == ("failed", "server_error"), body
     gated.gate.set()
+
+
+async def test_a_response_that_ends_elsewhere_while_it_is_polled_reads_as_it_ended(
+    make_client: MakeClient, prefix: str, monkeypatch: Any
+) -> None:
+    """Read in progress, then found without its keep-alive: it may have ended meanwhile
+    (its end lets the keep-alive go), and then it is not lost. It read failed."""
+    config = redis_config(prefix)
+    one = await make_client(config)
+    two = await make_client(config)
+    body = {"model": "mock/echo", "input": "one two", "background": True}
+    made = await (await one.post("/v1/responses", json=body)).json()
+    await kept(one)
+    hub = two.app[HUB]
+    real_info = hub.info
+    stale = [True]
+
+    async def info(stream_id: str) -> Any:
+        found = await real_info(stream_id)
+        if stale and found is not None:  # the first read: before its end landed
+            stale.clear()
+            return dataclasses.replace(found, status="in_progress")
+        return found
+
+    async def gone(stream_id: str) -> bool:
+        return False
+
+    monkeypatch.setattr(hub, "info", info)
+    monkeypatch.setattr(hub.store, "alive", gone)
+    polled = await (await two.get(f"/v1/responses/{made['id']}")).json()
+    assert polled["status"] == "completed", polled
+    assert polled["output"][0]["content"][0]["text"] == "one two"

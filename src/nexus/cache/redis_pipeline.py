@@ -127,6 +127,7 @@ class Pipeliner:
                     if commands:
                         pool = self._client.connection_pool
                         connection = self._connection
+                        pooled = connection is None  # (a wait for the pool is not Redis's)
                         async with asyncio.timeout(self._timeout_s):
                             try:
                                 if connection is None:
@@ -138,11 +139,13 @@ class Pipeliner:
                                 if not busy(exc):  # cannot connect (not: the pool is full)
                                     self._down_until = loop.time() + DOWN_S
                                 raise
+                            pooled = False
                             replies = await exchange(connection, commands)
                             self._down_until = 0.0
                 except TimeoutError as exc:  # (no answer in time)
                     failed = exc
-                    self._down_until = loop.time() + DOWN_S
+                    if not pooled:  # Redis's answer or its connect, not a wait for the pool
+                        self._down_until = loop.time() + DOWN_S
                 except (RedisError, OSError) as exc:
                     # A connection Redis (or a proxy) closed, found broken mid-exchange: the
                     # next round trip connects again; Redis itself may be well.

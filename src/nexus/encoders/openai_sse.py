@@ -190,6 +190,10 @@ class OpenAISSEEncoder(Encoder):
         return self._chunk({"tool_calls": calls})
 
     def error(self, event: Error) -> bytes:
+        cut = b""
+        if self._held:  # calls cut off before their arguments: as they came, then the error
+            cut = self._chunk({"tool_calls": [self._held[i] for i in sorted(self._held)]})
+            self._held.clear()
         # OpenAI's error object, plus ``retryable`` and the response's ``request_id``
         # (OpenAI's own bodies have neither; the SDK keeps the object as ``APIError.body``).
         error: dict[str, Any] = {
@@ -201,7 +205,7 @@ class OpenAISSEEncoder(Encoder):
         }
         if self.request_id is not None:
             error["request_id"] = self.request_id
-        return b"event: error\ndata: " + _dumps({"error": error}) + b"\n\n"
+        return cut + b"event: error\ndata: " + _dumps({"error": error}) + b"\n\n"
 
     def heartbeat(self) -> bytes:
         # A comment line and no blank line: every frame carries an ``id:``, and after

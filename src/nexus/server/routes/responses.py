@@ -109,9 +109,12 @@ async def _response_of(request: web.Request, info: StreamInfo) -> dict[str, Any]
     meta, hub = info.meta, request.app[state.HUB]
     running = info.status == "in_progress"
     if running and not hub.local(info.id) and not await hub.store.alive(info.id):
-        # Its replica died: it will never end (a GET of its stream gets stream_lost).
-        lost = StreamLost("The replica running this response stopped before it ended.")
-        return final_response(meta, (), lost.to_event()) | {"stream_id": info.id}
+        # Ended elsewhere since it was read (its end lets its keep-alive go), or its
+        # replica died: then it will never end (a GET of its stream gets stream_lost).
+        info = await hub.info(info.id) or info
+        if info.status == "in_progress":
+            lost = StreamLost("The replica running this response stopped before it ended.")
+            return final_response(meta, (), lost.to_event()) | {"stream_id": info.id}
     if info.status == "in_progress":
         response_id, _ = response_ids(info.id)
         body = response_object(

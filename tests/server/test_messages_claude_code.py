@@ -10,13 +10,14 @@ import base64
 from typing import Any
 
 import anthropic
+import orjson
 import pytest
 
 from nexus.config import parse_config
 from nexus.errors import ConfigError
 from nexus.protocol.anthropic_betas import parse_betas, sent_betas
 from support import MakeClient
-from upstreams import DONE, FakeUpstream, Reply, anthropic_stream, openai_chunk
+from upstreams import DONE, FakeUpstream, Reply, anthropic_stream, openai_chunk, sse
 
 CLEAR = {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}
 ASKED = ["claude-code-20250219", "context-management-2025-06-27", "context-1m-2025-08-07"]
@@ -319,3 +320,29 @@ async def test_top_level_cache_control_and_inference_geo_reach_anthropic(
         refused = await client.post("/v1/messages", json=body | {"model": "op/m"})
         assert refused.status == 400
         assert (await refused.json())["error"]["message"].startswith("inference_geo:")
+
+
+async def test_an_hours_cache_writes_reach_the_client_apart(make_client: MakeClient) -> None:
+    """Anthropic's ``usage.cache_creation`` (five minutes' and an hour's writes, billed
+    apart) reached the client as one count."""
+    frames = anthropic_stream([{"type": "text", "text": "ok"}])
+    start = orjson.loads(frames[0].split(b"data: ", 1)[1])
+    start["message"]["usage"].update(
+        cache_creation_input_tokens=100,
+        cache_creation={"ephemeral_5m_input_tokens": 40, "ephemeral_1h_input_tokens": 60},
+    )
+    frames[0] = sse(start, event="message_start")
+    async with FakeUpstream(default=Reply.stream(frames)) as fake:
+        client = await make_client(providers(fake.url))
+        url = str(client.make_url(""))
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0) as sdk:
+            made = await sdk.messages.create(model="an/claude", max_tokens=8, messages=USER)  # type: ignore[arg-type]
+            async with sdk.messages.stream(
+                model="an/claude", max_tokens=8, messages=USER
+            ) as stream:  # type: ignore[arg-type]
+                streamed = await stream.get_final_message()
+    for usage in (made.usage, streamed.usage):
+        assert usage.cache_creation_input_tokens == 100
+        assert usage.cache_creation is not None
+        assert usage.cache_creation.ephemeral_1h_input_tokens == 60
+        assert usage.cache_creation.ephemeral_5m_input_tokens == 40

@@ -444,6 +444,12 @@ def usage_body(usage: Any) -> dict[str, Any]:
     }
     if written:
         out["cache_creation_input_tokens"] = written
+        long = min(usage.cache_write_1h_tokens or 0, written)
+        if long:  # the split Anthropic gives, where it bills the hour dearer
+            out["cache_creation"] = {
+                "ephemeral_5m_input_tokens": written - long,
+                "ephemeral_1h_input_tokens": long,
+            }
     return out
 
 

@@ -69,6 +69,7 @@ from .key_readers import key_reader
 from .stream_access import describe, find_stream, prepay_first_read, stream_not_found
 
 __all__ = [
+    "INCOMPLETE",
     "RESUMABLE_HEADER",
     "complete",
     "count_cache",
@@ -84,6 +85,14 @@ RESUMABLE_HEADER = "X-Nexus-Resumable"
 STORE_HEADER = "X-Nexus-Store"
 """``unavailable``: the store could not be reached (``[store] required = false``): the
 stream runs on this replica only (see :mod:`nexus.cache.hub`)."""
+
+INCOMPLETE = Error(
+    error_type="server_error",
+    message="The stream's log ended without its last event.",
+    code="stream_incomplete",
+    retryable=True,
+)
+"""A log read whole that ended without its terminal entry (a store that lost it)."""
 
 ATTACH_WAIT_S = 0.05
 """An attach sends its headers with the log so far, or after this long with nothing."""
@@ -469,13 +478,6 @@ async def _events(reader: LogReader, ex: Exchange) -> AsyncGenerator[StreamEvent
                 if type(event) is Error and reader.failure is not None:
                     raise reader.failure
                 yield event
-        raise StreamError(
-            Error(
-                error_type="server_error",
-                message="The stream's log ended without its last event.",
-                code="stream_incomplete",
-                retryable=True,
-            )
-        )
+        raise StreamError(INCOMPLETE)
     finally:
         await reader.close()

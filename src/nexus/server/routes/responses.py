@@ -35,7 +35,7 @@ from ...protocol.openai_responses_output import (
 from ...types import StreamMeta
 from .. import state
 from ..render import ABORTED, Cursor
-from .common import complete, json_response, last_event_id, negotiate, resume
+from .common import INCOMPLETE, complete, json_response, last_event_id, negotiate, resume
 from .stream_access import find_stream, stream_not_found
 from .streams import stop
 
@@ -151,14 +151,7 @@ async def _log_of(request: web.Request, stream_id: str) -> tuple[list[StreamEven
                 events.append(event)
     finally:
         await reader.close()
-    raise StreamError(
-        Error(
-            error_type="server_error",
-            message="The stream's log ended without its last event.",
-            code="stream_incomplete",
-            retryable=True,
-        )
-    )
+    raise StreamError(INCOMPLETE)
 
 
 def _flag(query: MultiMapping[str], name: str) -> bool:

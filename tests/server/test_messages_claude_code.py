@@ -13,6 +13,7 @@ import anthropic
 import orjson
 import pytest
 
+from nexus.auth import hash_key
 from nexus.config import parse_config
 from nexus.errors import ConfigError
 from nexus.protocol.anthropic_betas import parse_betas, sent_betas
@@ -281,11 +282,12 @@ async def test_a_tool_messages_text_parts_stay_apart_for_anthropic(make_client: 
 async def test_what_is_not_served_under_v1_messages_answers_in_anthropics_shape(
     make_client: MakeClient,
 ) -> None:
-    """Claude Code asks ``/v1/messages/count_tokens``; a 404 (and a 405) there came in
+    """A 404 under ``/v1/messages`` (the Message Batches API, not served) and a 405 came in
     OpenAI's error shape, which the Anthropic SDK cannot read as its own."""
     client = await make_client()
     for method, path, status, kind in (
-        ("POST", "/v1/messages/count_tokens?beta=true", 404, "not_found_error"),
+        ("POST", "/v1/messages/batches", 404, "not_found_error"),
+        ("POST", "/v1/messages/count_tokens", 400, "invalid_request_error"),
         ("GET", "/v1/messages", 405, "invalid_request_error"),
     ):
         answer = await client.request(method, path, json={})
@@ -346,3 +348,59 @@ async def test_an_hours_cache_writes_reach_the_client_apart(make_client: MakeCli
         assert usage.cache_creation is not None
         assert usage.cache_creation.ephemeral_1h_input_tokens == 60
         assert usage.cache_creation.ephemeral_5m_input_tokens == 40
+
+
+async def test_count_tokens_is_anthropics_count_or_nexus_estimate(make_client: MakeClient) -> None:
+    """Claude Code asks ``/v1/messages/count_tokens`` before each request (what ``/context``
+    shows, when it compacts); it was a 404. An Anthropic target counts exactly, and free;
+    a model without one gets Nexus's estimate (what a budget holds for it)."""
+    async with FakeUpstream(default=Reply.json(200, {"input_tokens": 1234})) as fake:
+        client = await make_client(providers(fake.url))
+        url = str(client.make_url(""))
+        async with anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0) as sdk:
+            counted = await sdk.messages.count_tokens(
+                model="an/claude",
+                messages=USER,  # type: ignore[arg-type]
+                system="Be terse.",
+                tools=[TOOL],  # type: ignore[list-item]
+            )
+            assert counted.input_tokens == 1234
+            seen = fake.requests[-1]
+            assert seen.path == "/v1/messages/count_tokens"
+            assert set(seen.body) == {"model", "messages", "system", "tools"}
+            assert seen.body["model"] == "claude"
+            beta = await sdk.beta.messages.count_tokens(
+                model="an/claude",
+                messages=USER,  # type: ignore[arg-type]
+                betas=["context-management-2025-06-27"],
+            )
+            assert beta.input_tokens == 1234
+            assert fake.requests[-1].headers["anthropic-beta"] == "context-management-2025-06-27"
+            asked = len(fake.requests)
+            estimated = await sdk.messages.count_tokens(model="op/m", messages=USER)  # type: ignore[arg-type]
+            assert 0 < estimated.input_tokens < 20 and len(fake.requests) == asked
+            with pytest.raises(anthropic.NotFoundError):
+                await sdk.messages.count_tokens(model="nowhere/x", messages=USER)  # type: ignore[arg-type]
+        fake.add(
+            Reply.json(
+                400, {"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+            )
+        )
+        refused = await client.post(
+            "/v1/messages/count_tokens", json={"model": "an/claude", "messages": USER}
+        )
+        assert refused.status == 400
+        assert (await refused.json())["type"] == "error"
+
+
+async def test_count_tokens_needs_the_key_and_its_models(make_client: MakeClient) -> None:
+    key = "nx-counter-0123456789abcdef0123456789"
+    keys = [{"name": "c", "sha256": hash_key(key), "models": ["op/*"]}]
+    async with FakeUpstream(default=Reply.json(200, {"input_tokens": 7})) as fake:
+        client = await make_client(providers(fake.url) | {"auth": {"keys": keys}})
+        body = {"model": "an/claude", "messages": USER}
+        path = "/v1/messages/count_tokens"
+        assert (await client.post(path, json=body)).status == 401
+        refused = await client.post(path, json=body, headers={"x-api-key": key})
+        assert refused.status == 403 and fake.requests == []
+        assert (await refused.json())["error"]["type"] == "permission_error"

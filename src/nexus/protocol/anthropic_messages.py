@@ -215,11 +215,18 @@ _CARRIED += ("context_management", "cache_control", "inference_geo")
 
 
 def parse_messages_request(
-    body: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
+    body: bytes,
+    *,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_items: int = MAX_JSON_ITEMS,
+    counting: bool = False,
 ) -> ChatRequest:
     """Validate a Messages request and translate it. Raises :class:`InvalidRequest`
-    (also for JSON nested deeper than ``max_depth``), and 413 past ``max_items``."""
+    (also for JSON nested deeper than ``max_depth``), and 413 past ``max_items``.
+    ``counting``: a ``count_tokens`` request, which has no ``max_tokens``."""
     data = parse_json_object(body, max_depth=max_depth, max_items=max_items)
+    if counting:
+        data.setdefault("max_tokens", 1)
     return to_chat_request(validated(MessagesRequest, data))
 
 

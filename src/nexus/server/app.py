@@ -175,6 +175,7 @@ def create_app(
 
     app.router.add_post("/v1/chat/completions", chat_completions.handle)
     app.router.add_post("/v1/messages", messages.handle)
+    app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     app.router.add_post("/v1/responses", responses.handle)
     app.router.add_get("/v1/responses/{id}", responses.retrieve)
     app.router.add_post("/v1/responses/{id}/cancel", responses.cancel)

@@ -21,7 +21,7 @@ from .state import CONFIG as _CONFIG
 from .state import HUB as _HUB
 from .state import exchange
 
-__all__ = ["admit", "admit_stream", "authenticate", "budgeted", "check_stream_model"]
+__all__ = ["admit", "admit_stream", "authenticate", "budgeted", "check_model", "check_stream_model"]
 
 
 def authenticate(request: web.Request, subprotocols: tuple[str, ...] = ()) -> ApiKey | None:
@@ -40,11 +40,12 @@ async def admit(
     Raises 403 ``model_not_allowed`` (naming ``param``) and 429 ``rate_limited``."""
     if key is None:
         return
-    _check_model(key, model, param)
+    check_model(key, model, param)
     await request.app[_HUB].limits.admit(key, stream=False)
 
 
-def _check_model(key: ApiKey, model: str | None, param: str) -> None:
+def check_model(key: ApiKey, model: str | None, param: str = "model") -> None:
+    """Raises 403 ``model_not_allowed`` for a model ``key`` may not use."""
     if model is not None and not key.allows(model):
         raise Forbidden(f"The API key {key.name!r} may not use the model {model!r}.", param=param)
 
@@ -120,7 +121,7 @@ def check_stream_model(
     (a key with a budget, a model a target of which has no price)."""
     if key is None:
         return
-    _check_model(key, model, param)
+    check_model(key, model, param)
     if key.budget_usd is not None and not request.app[_HUB].engine.priced(model):
         # Without a price a stream costs nothing and is never charged: the budget would
         # not hold. Refused, as a budget that cannot be checked is.

@@ -1,16 +1,23 @@
-"""``POST /v1/messages``: the Anthropic Messages API over any provider."""
+"""``POST /v1/messages``: the Anthropic Messages API over any provider; and
+``POST /v1/messages/count_tokens``, which Claude Code asks before each request."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from ...encoders.anthropic_sse import AnthropicSSEEncoder
+from ...estimates import prompt_estimate
+from ...events import Usage
+from ...protocol.anthropic_betas import parse_betas
 from ...protocol.anthropic_messages import (
     anthropic_error_body,
     message_body,
     parse_messages_request,
 )
-from .common import complete
+from ...providers.anthropic import AnthropicProvider
+from .. import state
+from ..key_admission import admit, authenticate, check_model
+from .common import check_open, complete, json_response, read_body
 
 DEFAULT_FORMAT = AnthropicSSEEncoder.media_type
 
@@ -25,3 +32,31 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
 
 handle.error_body = anthropic_error_body  # type: ignore[attr-defined]
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """The prompt's tokens, ``{"input_tokens": N}``: exact from the model's first Anthropic
+    target (which counts them for free), else Nexus's estimate (what a budget holds). A
+    request of a key's rate, for a model the key may use; it spends nothing."""
+    check_open(request)
+    key = authenticate(request)
+    await admit(request, key, None)  # its rate's token before its body
+    limits = request.app[state.CONFIG].limits
+    body = await read_body(request)
+    chat = parse_messages_request(
+        body, max_depth=limits.max_json_depth, max_items=limits.max_json_items, counting=True
+    )
+    if betas := request.headers.getall("anthropic-beta", ()):
+        chat = chat.model_copy(update={"anthropic_beta": parse_betas(betas)})
+    if key is not None:
+        check_model(key, chat.model)
+    for provider, model in request.app[state.ENGINE].route(chat.model):
+        if isinstance(provider, AnthropicProvider):
+            counted = 0
+            async for batch in provider.counter().batches(chat, model):
+                counted = next((e.prompt_tokens for e in batch if isinstance(e, Usage)), counted)
+            return json_response({"input_tokens": counted})
+    return json_response({"input_tokens": prompt_estimate(chat)})
+
+
+count_tokens.error_body = anthropic_error_body  # type: ignore[attr-defined]

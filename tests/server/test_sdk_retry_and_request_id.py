@@ -185,8 +185,8 @@ async def test_an_anthropic_sdk_error_below_messages_names_its_request(
     no ``request-id``, and the SDK's error no request id to quote to the operator."""
     caplog.set_level(logging.INFO, logger="nexus.access")
     _, an, attempts = await sdks(make_client, {})
-    with pytest.raises(anthropic.NotFoundError) as count_tokens:
-        await an.messages.count_tokens(model="mock/echo", messages=USER)
+    with pytest.raises(anthropic.NotFoundError) as one_batch:
+        await an.messages.batches.retrieve("msgbatch_01")
     with pytest.raises(anthropic.NotFoundError) as batches:
         await an.messages.batches.list()
     lines = {
@@ -195,7 +195,7 @@ async def test_an_anthropic_sdk_error_below_messages_names_its_request(
         if record.name == "nexus.access"
     }
     for error, path in (
-        (count_tokens.value, "/v1/messages/count_tokens"),
+        (one_batch.value, "/v1/messages/batches/msgbatch_01"),
         (batches.value, "/v1/messages/batches"),
     ):
         assert error.request_id is not None

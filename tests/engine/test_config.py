@@ -7,6 +7,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from config_tables import REQUIRED, tables
 from nexus.config import (
     Config,
     LimitsConfig,
@@ -415,22 +416,9 @@ def test_the_shutdown_waits_are_finite(key: str, value: float) -> None:
     assert f"[server] {key}" in str(refused.value)
 
 
-def _tables(cls: type[pydantic.BaseModel]) -> list[type[pydantic.BaseModel]]:
-    return [cls, *(t for sub in cls.__subclasses__() for t in _tables(sub))]
-
-
-# What each table needs besides the key under test.
-_REQUIRED: dict[str, dict[str, object]] = {
-    "AuthKeyConfig": {"name": "k", "sha256": "0" * 64},
-    "PluginConfig": {"path": "m:a"},
-    "RedisStoreConfig": {"kind": "redis"},
-    "HTTPProviderConfig": {"base_url": "https://up.example"},
-    "OpenAIProviderConfig": {"kind": "openai"},
-    "AnthropicProviderConfig": {"kind": "anthropic"},
-}
 FLOAT_KEYS = [
     (table, key)
-    for table in _tables(Table)
+    for table in tables(Table)
     for key, field in table.model_fields.items()
     if "float" in str(field.annotation)
 ]
@@ -457,7 +445,7 @@ def test_every_float_key_is_finite(table: type[pydantic.BaseModel], key: str, va
     # One rule: "no limit" is what the docs give for a key (0, or unset), never inf, which
     # reached timers and rates; and a NaN is called what it is, not "greater than 0".
     with pytest.raises(pydantic.ValidationError) as refused:
-        table.model_validate({**_REQUIRED.get(table.__name__, {}), key: value})
+        table.model_validate({**REQUIRED.get(table.__name__, {}), key: value})
     assert [e["msg"] for e in refused.value.errors()] == ["Input should be a finite number"]
 
 

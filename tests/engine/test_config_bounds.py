@@ -10,6 +10,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from config_tables import REQUIRED, tables
 from nexus.config import load_config, parse_config
 from nexus.config_types import Table
 from nexus.errors import ConfigError
@@ -52,21 +53,9 @@ def test_a_store_url_no_connection_can_use_is_a_config_error(url: str, why: str)
     assert error == f"config.toml: [store] url: not a Redis URL the client can use: {why}"
 
 
-def _tables(cls: type[pydantic.BaseModel]) -> list[type[pydantic.BaseModel]]:
-    return [cls, *(t for sub in cls.__subclasses__() for t in _tables(sub))]
-
-
-_REQUIRED: dict[str, dict[str, object]] = {
-    "AuthKeyConfig": {"name": "k", "sha256": "0" * 64},
-    "PluginConfig": {"path": "m:a"},
-    "RedisStoreConfig": {"kind": "redis"},
-    "HTTPProviderConfig": {"base_url": "https://up.example"},
-    "OpenAIProviderConfig": {"kind": "openai"},
-    "AnthropicProviderConfig": {"kind": "anthropic"},
-}
 DURATIONS = [
     (table, key)
-    for table in _tables(Table)
+    for table in tables(Table)
     for key in table.model_fields
     if key.endswith(("_s", "_ms"))
 ]
@@ -92,7 +81,7 @@ def test_every_duration_has_an_upper_bound(table: type[pydantic.BaseModel], key:
     kind = table.model_fields[key].annotation
     huge: float = 10**16 if kind is int else 1e300
     with pytest.raises(pydantic.ValidationError) as refused:
-        table.model_validate({**_REQUIRED.get(table.__name__, {}), key: huge})
+        table.model_validate({**REQUIRED.get(table.__name__, {}), key: huge})
     (error,) = refused.value.errors()
     assert error["loc"] == (key,)
     assert "less than or equal to" in error["msg"]

@@ -25,6 +25,13 @@ def _sdk(client: Any, key: str = "unused") -> AsyncOpenAI:
     return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
 
 
+async def _background(api: AsyncOpenAI, text: str, **mock: Any) -> Any:
+    """A background response of the mock, scripted by ``mock``."""
+    return await api.responses.create(
+        model="mock/echo", input=text, background=True, extra_body={"mock": mock}
+    )
+
+
 async def _finished(api: AsyncOpenAI, response_id: str) -> Any:
     for _ in range(200):
         response = await api.responses.retrieve(response_id)
@@ -46,12 +53,7 @@ async def test_a_background_response_is_polled_to_the_object_its_stream_ends_wit
 ) -> None:
     client = await make_client()
     api = _sdk(client)
-    created = await api.responses.create(
-        model="mock/echo",
-        input="one two three",
-        background=True,
-        extra_body={"mock": {"delay_ms": 60, "reasoning": "think first"}},
-    )
+    created = await _background(api, "one two three", delay_ms=60, reasoning="think first")
     running = await api.responses.retrieve(created.id)
     assert (running.id, running.status, running.output) == (created.id, "in_progress", [])
     final = await _finished(api, created.id)
@@ -98,12 +100,7 @@ async def test_the_sdk_resumes_a_running_response_with_starting_after(
 ) -> None:
     client = await make_client()
     api = _sdk(client)
-    created = await api.responses.create(
-        model="mock/echo",
-        input="a b c d e f",
-        background=True,
-        extra_body={"mock": {"delay_ms": 30}},
-    )
+    created = await _background(api, "a b c d e f", delay_ms=30)
     stream = await api.responses.retrieve(created.id, stream=True, starting_after=4)
     events = [event async for event in stream]
     numbers = [event.sequence_number for event in events]
@@ -123,12 +120,7 @@ async def test_cancel_stops_the_response_and_says_so_however_often_it_is_asked(
 ) -> None:
     client = await make_client()
     api = _sdk(client)
-    created = await api.responses.create(
-        model="mock/echo",
-        input=" ".join(f"w{i}" for i in range(200)),
-        background=True,
-        extra_body={"mock": {"delay_ms": 20}},
-    )
+    created = await _background(api, " ".join(f"w{i}" for i in range(200)), delay_ms=20)
     await asyncio.sleep(0.15)
     cancelled = await api.responses.cancel(created.id)
     assert cancelled.status == "cancelled" and cancelled.error is None
@@ -150,12 +142,7 @@ async def test_cancel_stops_the_response_and_says_so_however_often_it_is_asked(
 async def test_a_failed_response_says_why(make_client: MakeClient) -> None:
     client = await make_client()
     api = _sdk(client)
-    created = await api.responses.create(
-        model="mock/echo",
-        input="one two three",
-        background=True,
-        extra_body={"mock": {"fail_after": 2}},
-    )
+    created = await _background(api, "one two three", fail_after=2)
     failed = await _finished(api, created.id)
     assert failed.status == "failed"
     assert failed.error is not None and failed.error.code == "server_error"

@@ -163,14 +163,22 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nexus-bench-memory-"))
-    up_port = free_port()
-    upstream = subprocess.Popen(
-        [sys.executable, "-m", "bench.upstream", "--port", str(up_port)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert upstream.stdout is not None and upstream.stdout.readline().startswith("READY")
+    # As for the gateway below: a port free_port() found may be taken before the upstream
+    # binds it (it then exits without READY), so another is tried.
+    for _ in range(5):
+        up_port = free_port()
+        upstream = subprocess.Popen(
+            [sys.executable, "-m", "bench.upstream", "--port", str(up_port)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert upstream.stdout is not None
+        if upstream.stdout.readline().startswith("READY"):
+            break
+        upstream.wait()
+    else:
+        raise SystemExit("the bench upstream did not start on any of five ports")
     base = f"http://127.0.0.1:{up_port}"
     gateway: subprocess.Popen[str] | None = None
     try:

@@ -47,7 +47,7 @@ from .render import Cursor, Renderer, uses_event_ids
 from .state import Pump
 from .writer import Writer
 
-__all__ = ["StreamPump", "pump"]
+__all__ = ["LOG_LOST", "StreamPump", "pump"]
 
 log = logging.getLogger("nexus.server")
 
@@ -134,8 +134,8 @@ class StreamPump(Writer):
                 return await self._fail(exc)  # (headers out early: an in-band error)
             if data is _END:
                 # The log ended without its terminal entry (a store that lost it).
-                self.exchange.ended_with(_LOST)
-                return await self._end(self._begin() + renderer.fail(_LOST))
+                self.exchange.ended_with(LOG_LOST)
+                return await self._end(self._begin() + renderer.fail(LOG_LOST))
             if renderer.done:
                 self.exchange.ended_with(self._last)
                 if self.response is None and not renderer.wrote:
@@ -160,8 +160,8 @@ class StreamPump(Writer):
                         unyielded = 0
                         await asyncio.sleep(0)
             # The log ended without its terminal entry (a store that lost it).
-            self.exchange.ended_with(_LOST)
-            return await self._end(renderer.fail(_LOST))
+            self.exchange.ended_with(LOG_LOST)
+            return await self._end(renderer.fail(LOG_LOST))
         except asyncio.CancelledError:
             task = self._task  # (cancelled by _beat_failed alone: the stream ends in-band)
             if self._broken is not None and task and task.uncancel() == 0 and not self._ended:
@@ -438,7 +438,7 @@ def _error(code: str, why: str) -> Error:
 # The gateway's own ends of a stream (events are immutable: one of each serves all).
 _SHUTDOWN = ServerShuttingDown("The server is shutting down; retry the request.").to_event()
 _INTERNAL = _error("internal_error", "The gateway failed while streaming")
-_LOST = _error("stream_incomplete", "The stream's log ended without its last event")
+LOG_LOST = _error("stream_incomplete", "The stream's log ended without its last event")
 
 
 def pump(

@@ -64,12 +64,11 @@ from ..access import (
 from ..key_admission import admit, admit_stream, authenticate, budgeted
 from ..rejections import describe_body_error, malformed
 from ..render import Cursor, parse_cursor
-from ..streaming import pump
+from ..streaming import LOG_LOST, pump
 from .key_readers import key_reader
 from .stream_access import describe, find_stream, prepay_first_read, stream_not_found
 
 __all__ = [
-    "INCOMPLETE",
     "RESUMABLE_HEADER",
     "complete",
     "count_cache",
@@ -78,6 +77,7 @@ __all__ = [
     "last_event_id",
     "read_body",
     "resume",
+    "with_betas",
 ]
 
 RESUMABLE_HEADER = "X-Nexus-Resumable"
@@ -85,14 +85,6 @@ RESUMABLE_HEADER = "X-Nexus-Resumable"
 STORE_HEADER = "X-Nexus-Store"
 """``unavailable``: the store could not be reached (``[store] required = false``): the
 stream runs on this replica only (see :mod:`nexus.cache.hub`)."""
-
-INCOMPLETE = Error(
-    error_type="server_error",
-    message="The stream's log ended without its last event.",
-    code="stream_incomplete",
-    retryable=True,
-)
-"""A log read whole that ended without its terminal entry (a store that lost it)."""
 
 ATTACH_WAIT_S = 0.05
 """An attach sends its headers with the log so far, or after this long with nothing."""
@@ -251,8 +243,7 @@ async def complete(
     body = await read_body(request)
     limits = app[state.CONFIG].limits
     chat = parse(body, max_depth=limits.max_json_depth, max_items=limits.max_json_items)
-    if betas := request.headers.getall("anthropic-beta", ()):  # part of the request
-        chat = chat.model_copy(update={"anthropic_beta": parse_betas(betas)})
+    chat = with_betas(request, chat)
     request_model(chat.model)  # on the request's span, when tracing
     owner = key.name if key is not None else None
     hub = app[state.HUB]
@@ -323,6 +314,15 @@ async def complete(
         reader = await hub.reader_of(opened, meta=meta)
         del chat, body, ctx, opened  # not held for the stream's length: the run has what it needs
         return await _pump(request, reader, encoder, None, headers)
+
+
+def with_betas(request: web.Request, chat: ChatRequest) -> ChatRequest:
+    """``chat`` with the ``anthropic-beta`` values the request names: part of the request
+    (two that differ in them are not one), sent on by an Anthropic target as it allows
+    (:mod:`nexus.protocol.anthropic_betas`). Raises :class:`InvalidRequest` for a bad one."""
+    if betas := request.headers.getall("anthropic-beta", ()):
+        return chat.model_copy(update={"anthropic_beta": parse_betas(betas)})
+    return chat
 
 
 def count_cache(request: web.Request, ex: Exchange, opened: Opened) -> None:
@@ -478,6 +478,6 @@ async def _events(reader: LogReader, ex: Exchange) -> AsyncGenerator[StreamEvent
                 if type(event) is Error and reader.failure is not None:
                     raise reader.failure
                 yield event
-        raise StreamError(INCOMPLETE)
+        raise StreamError(LOG_LOST)
     finally:
         await reader.close()

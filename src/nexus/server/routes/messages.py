@@ -8,7 +8,6 @@ from aiohttp import web
 from ...encoders.anthropic_sse import AnthropicSSEEncoder
 from ...estimates import prompt_estimate
 from ...events import Usage
-from ...protocol.anthropic_betas import parse_betas
 from ...protocol.anthropic_messages import (
     anthropic_error_body,
     message_body,
@@ -17,7 +16,7 @@ from ...protocol.anthropic_messages import (
 from ...providers.anthropic import AnthropicProvider
 from .. import state
 from ..key_admission import admit, authenticate, check_model
-from .common import check_open, complete, json_response, read_body
+from .common import check_open, complete, json_response, read_body, with_betas
 
 DEFAULT_FORMAT = AnthropicSSEEncoder.media_type
 
@@ -46,8 +45,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     chat = parse_messages_request(
         body, max_depth=limits.max_json_depth, max_items=limits.max_json_items, counting=True
     )
-    if betas := request.headers.getall("anthropic-beta", ()):
-        chat = chat.model_copy(update={"anthropic_beta": parse_betas(betas)})
+    chat = with_betas(request, chat)
     if key is not None:
         check_model(key, chat.model)
     for provider, model in request.app[state.ENGINE].route(chat.model):

@@ -35,7 +35,8 @@ from ...protocol.openai_responses_output import (
 from ...types import StreamMeta
 from .. import state
 from ..render import ABORTED, Cursor
-from .common import INCOMPLETE, complete, json_response, last_event_id, negotiate, resume
+from ..streaming import LOG_LOST
+from .common import complete, json_response, last_event_id, negotiate, resume
 from .stream_access import find_stream, stream_not_found
 from .streams import stop
 
@@ -151,7 +152,7 @@ async def _log_of(request: web.Request, stream_id: str) -> tuple[list[StreamEven
                 events.append(event)
     finally:
         await reader.close()
-    raise StreamError(INCOMPLETE)
+    raise StreamError(LOG_LOST)
 
 
 def _flag(query: MultiMapping[str], name: str) -> bool:

@@ -311,8 +311,8 @@ async def test_ttls(store: RedisStore, redis_client: aioredis.Redis, prefix: str
     await store.begin(info, ttl_s=1.0)
     await asyncio.sleep(0.5)
     await append(store, info, 0, BODY[:1])  # renews both to begin's TTL
-    for key in keys:
-        assert 900 < await redis_client.pttl(key) <= 1000
+    for key in keys:  # not renewed, at most 500 would be left (a loaded host is slow)
+        assert 600 < await redis_client.pttl(key) <= 1000
     await store.end(finished(info), [*BODY[:1], Done()], 1, ttl_s=60)
     for key in keys:
         assert 59_000 < await redis_client.pttl(key) <= 60_000

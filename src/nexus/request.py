@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, TypeVar
 
-import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -19,6 +18,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from .carried_blocks import assistant_block, result_block, tool_input, translated_only
 
 __all__ = [
     "AssistantMessage",
@@ -124,6 +125,12 @@ class FilePart(OpenModel):
     type: Literal["file"]
     file: dict[str, Any]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _document(cls, data: Any, info: ValidationInfo) -> Any:
+        instead = "send a document block to /v1/messages"
+        return translated_only(data, info, "anthropic_document", instead)
+
 
 ContentPart = Annotated[TextPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
 AssistantPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
@@ -171,7 +178,7 @@ class AssistantMessage(OpenModel):
         blocks = (self.model_extra or {}).get("anthropic_content")
         if blocks is None:
             return self
-        if not (type(blocks) is list and all(map(_assistant_block, blocks))):
+        if not (type(blocks) is list and all(map(assistant_block, blocks))):
             raise ValueError("anthropic_content holds thinking, redacted_thinking, text, tool_use")
         text = "".join(block["text"] for block in blocks if block["type"] == "text")
         uses = [(b["id"], b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
@@ -182,7 +189,7 @@ class AssistantMessage(OpenModel):
             else "".join(part.text for part in content or () if isinstance(part, TextPart))
         )
         calls = [
-            (c.id, c.function.name, _input(c.function.arguments)) for c in self.tool_calls or ()
+            (c.id, c.function.name, tool_input(c.function.arguments)) for c in self.tool_calls or ()
         ]
         if text != own or uses != calls:  # (an id alone would let the blocks name another call)
             raise ValueError(
@@ -190,36 +197,6 @@ class AssistantMessage(OpenModel):
                 "arguments), in order"
             )
         return self
-
-
-def _input(arguments: str) -> Any:
-    """A tool call's arguments as a ``tool_use`` block's ``input`` holds them."""
-    try:
-        return orjson.loads(arguments or "{}")
-    except orjson.JSONDecodeError:
-        return None  # (never equal to a block's input, which is an object)
-
-
-_BLOCK_FIELDS: dict[str, dict[str, type]] = {
-    "thinking": {"thinking": str},
-    "redacted_thinking": {},
-    "text": {"text": str},
-    "tool_use": {"id": str, "name": str, "input": dict},
-}
-_OPTIONAL_FIELDS = {"signature": str, "data": str}
-"""Checked when present: a thinking block without one (some Anthropic-compatible servers
-send it so) goes back as the client has it."""
-
-
-def _assistant_block(block: Any) -> bool:
-    if type(block) is not dict:
-        return False
-    fields = _BLOCK_FIELDS.get(str(block.get("type")))
-    return (
-        fields is not None
-        and all(type(block.get(k)) is t for k, t in fields.items())
-        and all(type(block[k]) is t for k, t in _OPTIONAL_FIELDS.items() if k in block)
-    )
 
 
 class ToolMessage(OpenModel):
@@ -237,40 +214,10 @@ class ToolMessage(OpenModel):
             raise ValueError("is_error must be a boolean")
         blocks = extra.get("tool_result_content")
         if blocks is not None and not (
-            type(blocks) is list and blocks and all(map(_result_block, blocks))
+            type(blocks) is list and blocks and all(map(result_block, blocks))
         ):
             raise ValueError("tool_result_content holds text, images and inline documents")
         return self
-
-
-_INLINE_DOCUMENTS = {("base64", "application/pdf"), ("text", "text/plain")}
-_DOCUMENT_KEYS = {"type", "source", "title", "context", "citations", "cache_control"}
-
-
-def _result_block(block: Any) -> bool:
-    if type(block) is not dict:
-        return False
-    if block.get("type") == "text":
-        return (
-            type(block.get("text")) is str
-            and block.keys() <= {"type", "text", "cache_control", "citations"}
-            and type(block.get("citations", [])) is list
-        )
-    source = block.get("source")
-    if block.get("type") == "document" and type(source) is dict:  # inline: its size is known
-        inline = (source.get("type"), source.get("media_type")) in _INLINE_DOCUMENTS
-        data = type(source.get("data")) is str and len(source) == 3
-        return inline and data and block.keys() <= _DOCUMENT_KEYS
-    if block.get("type") != "image" or type(source) is not dict:
-        return False
-    if source.get("type") == "base64":
-        fields = (source.get("media_type"), source.get("data"))
-        return all(type(f) is str for f in fields) and source.keys() == {
-            "type",
-            "media_type",
-            "data",
-        }
-    return source.get("type") == "url" and type(source.get("url")) is str and len(source) == 2
 
 
 Message = Annotated[
@@ -323,6 +270,12 @@ class FunctionDef(OpenModel):
 class Tool(OpenModel):
     type: Literal["function"]
     function: FunctionDef
+
+    @model_validator(mode="before")
+    @classmethod
+    def _anthropic_fields(cls, data: Any, info: ValidationInfo) -> Any:
+        instead = "send the tool to /v1/messages"
+        return translated_only(data, info, "anthropic_tool", instead)
 
 
 class NamedFunction(StrictModel):
@@ -421,6 +374,12 @@ class ChatRequest(OpenModel):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     mock: MockScript | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _betas(cls, data: Any, info: ValidationInfo) -> Any:
+        instead = "name betas in the anthropic-beta header"
+        return translated_only(data, info, "anthropic_beta", instead)
 
     @field_validator("stop")
     @classmethod

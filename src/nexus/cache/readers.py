@@ -15,7 +15,7 @@ from ..errors import GatewayError
 from ..events import Done, Error, StreamEvent
 from ..pricing import Spend
 from ..types import StreamMeta
-from .run import MAX_BATCH, LogReader, Push, StreamRun
+from .run import CLIENT_GONE, MAX_BATCH, LogReader, Push, StreamRun
 from .store import Store, StreamInfo
 
 __all__ = ["LEASE_S", "RunReader", "StoreReader", "leave", "with_usage"]
@@ -210,13 +210,14 @@ def with_usage(meta: StreamMeta, include_usage: bool, include_cost: bool = False
     return replace(meta, include_usage=include_usage, include_cost=include_cost)
 
 
-async def leave(reader: LogReader, run: StreamRun | None) -> None:
+async def leave(reader: LogReader, run: StreamRun | None, *, aborted: bool = True) -> None:
     """A reader whose client never learnt the stream's id is done: close it and, when it
-    ends early (an abort, the client gone, a failure), end the stream with it, unless it
-    is shared (``run`` None: joined; or joined by others who still read it).
-    Idempotent."""
-    # Cancelled before the close, which would otherwise end a stream that is not
-    # resumable as ``client_disconnect``: this end is an abort.
+    ends early, end the stream with it, unless it is shared (``run`` None: joined; or
+    joined by others who still read it): as ``aborted`` (the client asked: hooks hear
+    ``stream_cancelled``), else as its client gone (``client_disconnect``, as when an
+    HTTP stream's last reader leaves). Idempotent."""
+    # Ended before the close, which would end it as its last reader gone, not aborted.
+    end = Done(aborted=True) if aborted else CLIENT_GONE
     if (
         run is not None
         and not run.finished
@@ -224,7 +225,7 @@ async def leave(reader: LogReader, run: StreamRun | None) -> None:
         and isinstance(reader, RunReader)
         and reader.attached
     ):
-        run.cancel(Done(aborted=True))
+        run.cancel(end)
     await reader.close()
     if run is not None and not run.finished and not run.attached:
-        run.cancel(Done(aborted=True))
+        run.cancel(end)

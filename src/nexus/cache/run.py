@@ -41,7 +41,7 @@ from ..watchdog import Watchdog
 from .codec import event_size
 from .store import StreamInfo
 
-__all__ = ["MAX_BATCH", "Held", "LogReader", "Push", "StreamRun", "too_long"]
+__all__ = ["CLIENT_GONE", "MAX_BATCH", "Held", "LogReader", "Push", "StreamRun", "too_long"]
 
 if TYPE_CHECKING:
     from .readers import RunReader
@@ -123,6 +123,13 @@ def _without_terminals(batch: list[StreamEvent]) -> tuple[list[StreamEvent], Err
 
 def _error(code: str, message: str, *, retryable: bool = False) -> Error:
     return Error(error_type="server_error", message=message, code=code, retryable=retryable)
+
+
+CLIENT_GONE = _error(  # the end of a stream whose last client went away
+    "client_disconnect",
+    'Every client of this stream went away and it was not resumable (ask with "background": '
+    'true, "stream_options": {"resumable": true} or the header X-Nexus-Resumable: true).',
+)
 
 
 def too_long(limit_s: float) -> Error:
@@ -484,14 +491,7 @@ class StreamRun:
             # stream's hooks hear the error that client's access line tells.
             self.cancel(self._left_with)
         else:
-            self.cancel(
-                _error(
-                    "client_disconnect",
-                    "Every client of this stream went away and it was not resumable "
-                    '(ask with "background": true, "stream_options": {"resumable": true} '
-                    "or the header X-Nexus-Resumable: true); the stream was cancelled.",
-                )
-            )
+            self.cancel(CLIENT_GONE)
 
 
 MAX_BATCH = 256

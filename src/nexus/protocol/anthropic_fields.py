@@ -36,6 +36,9 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
             else "type 'json_schema' without a schema"
         )
         return _cannot("response_format", what, "send type 'json_schema' with a schema")
+    refused = _tool_refusal(request)
+    if refused is not None:
+        return refused
     extra = request.model_extra
     if extra:
         for name, (asks, what) in _UNCARRIED.items():
@@ -49,6 +52,24 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
             anthropic_config(request)
         except InvalidRequest as exc:
             return exc
+    return None
+
+
+_TOOL_CARRIED = frozenset(("cache_control", "anthropic_tool"))
+"""A chat tool's fields beside ``type`` and ``function`` that an Anthropic tool carries."""
+
+
+def _tool_refusal(request: ChatRequest) -> InvalidRequest | None:
+    """The 400 for a tool's field (or its function's) the Messages API has no place for:
+    dropped, the model would see a tool other than the one the client described."""
+    for index, tool in enumerate(request.tools or ()):
+        for where, fields in (("", tool.model_extra), (".function", tool.function.model_extra)):
+            known = _TOOL_CARRIED if not where else ()
+            unknown = next((name for name in fields or () if name not in known), None)
+            if unknown is not None:
+                what = "a tool field Nexus does not know, and so cannot carry"
+                instead = "send it to a model of an OpenAI-compatible provider"
+                return _cannot(f"tools[{index}]{where}.{unknown}", what, instead)
     return None
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Field
 
+from ..carried_blocks import TRANSLATED
 from ..errors import GatewayError, InvalidRequest
 from ..request import (
     MAX_MODEL_CHARS,
@@ -280,7 +281,7 @@ def to_chat_request(request: MessagesRequest) -> ChatRequest:
             chat["parallel_tool_calls"] = False
     if request.mock is not None:
         chat["mock"] = request.mock.model_dump(exclude_none=True)
-    return validated(ChatRequest, chat)
+    return validated(ChatRequest, chat, TRANSLATED)
 
 
 def _output_config(config: OutputConfig, chat: dict[str, Any]) -> None:

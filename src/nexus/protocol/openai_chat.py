@@ -82,17 +82,21 @@ def parse_json_object(
     return data
 
 
-def validated(model: type[M], data: Mapping[str, Any]) -> M:
-    """``data`` as a ``model``; :class:`InvalidRequest` naming the first field that is not."""
+def validated(model: type[M], data: Mapping[str, Any], context: dict[str, Any] | None = None) -> M:
+    """``data`` as a ``model``; :class:`InvalidRequest` naming the first field that is not.
+    ``context``: the validation's (:data:`~nexus.request.TRANSLATED`)."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as exc:
         raise validation_error(exc, data) from None
 
 
 def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:
     """The first validation failure as an :class:`InvalidRequest` naming its field."""
-    first = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "string_type" and first["loc"][-1] == "str" and len(errors) > 1:
+        first = errors[1]  # a content's list of parts: what is wrong in it, not "not a string"
     param = field_path(first["loc"], data)
     if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
         tag = str(first.get("ctx", {}).get("discriminator", "")).strip("'")
@@ -105,7 +109,23 @@ def validation_error(exc: ValidationError, data: Any) -> InvalidRequest:
         message = "Unknown field"
     elif first["type"] == "value_error":
         message = message.removeprefix("Value error, ")
+        name, colon, rest = message.partition(": ")  # an object's validator naming its field
+        for loc in (first["loc"], first["loc"][:-1]) if colon else ():  # (last: a union's tag?)
+            if name in _node(loc, data):
+                base = field_path(loc, data)
+                param, message = f"{base}.{name}" if base else name, rest
+                break
     return InvalidRequest(f"{param}: {message}" if param else message, param=param or None)
+
+
+def _node(loc: tuple[int | str, ...], data: Any) -> Any:
+    """The object of ``data`` at ``loc`` (its union tags skipped), else an empty dict."""
+    node = data
+    for part in loc:
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_list or (isinstance(node, dict) and part in node):
+            node = node[part]
+    return node if isinstance(node, dict) else {}
 
 
 def field_path(loc: tuple[int | str, ...], data: Any) -> str:

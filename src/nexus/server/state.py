@@ -185,7 +185,11 @@ class Exchange:
         """Note the terminal event of the stream this request wrote; ``cause``: why it was
         ended early, if known (else its reader left: ``client_disconnect``)."""
         if type(terminal) is Error:
-            self.stream_error = terminal.code or terminal.error_type
+            code = terminal.code or terminal.error_type
+            if code == "client_disconnect" and cause is not None:  # why its reader left
+                self.cancelled = self.cancelled or cause
+            else:
+                self.stream_error = code
         elif type(terminal) is Done and terminal.aborted:
             self.cancelled = self.cancelled or cause or "client_disconnect"
 

@@ -365,7 +365,7 @@ async def _answer(app: web.Application, ex: Exchange, opened: Opened) -> Complet
     except BaseException:
         # The run ends with the request (the client gone, a failure) unless shared: the
         # line has what it spent until then, or, still running, a spend line at its end.
-        await leave(reader, run)
+        await leave(reader, run, aborted=False)
         if reader.failure is None:
             _settle(ex, reader.served, NOTHING if hit else None)
             if not hit:

@@ -2,8 +2,8 @@
 
 :class:`~nexus.protocol.realtime.RealtimeSession` holds the protocol; this module feeds it
 the client's frames and carries out its actions. A turn (:class:`~.realtime_turn.Turn`)
-follows its stream's log in a task and sends each event as a text frame: its NDJSON line
-without the newline, the last ``{"type":"done"}``.
+follows its stream's log and sends each event as a text frame (its NDJSON line), the last
+``{"type":"done"}``. The handshake's ``anthropic-beta`` header holds for every turn.
 
 * ``abort`` cancels the turn's stream at once and, once it ended (its key's places back, its
   spend charged: a barge-in's ``start`` finds it gone), ``{"type":"done","aborted":true}``.
@@ -59,7 +59,7 @@ from ..key_admission import admit, admit_stream, authenticate, budgeted
 from ..log_lines import quoted
 from ..state import Exchange
 from ..writer import Writer
-from .common import check_open, count_cache, join_place
+from .common import check_open, count_cache, join_place, with_betas
 from .realtime_keys import key_socket
 from .realtime_turn import FORMAT, FrameMeter, Turn
 
@@ -347,9 +347,10 @@ class RealtimeConnection(Writer):
                 started = time.monotonic()
                 try:
                     owner = self.key.name if self.key is not None else None
-                    # As an HTTP request: the key's model, its rate, its budget's hold, a
-                    # place among the streams.
-                    request, hold = budgeted(self.request, self.key, request)
+                    # As an HTTP request: its betas, the key's model, its rate, its budget's
+                    # hold, a place among the streams.
+                    betas = with_betas(self.request, request)  # (the handshake's header)
+                    request, hold = budgeted(self.request, self.key, betas)
                     async with admit_stream(
                         self.request,
                         self.key,
@@ -363,10 +364,7 @@ class RealtimeConnection(Writer):
                             format=NDJSONEncoder.media_type,
                             owner=owner,
                             ctx=CallContext(
-                                request_id=self.request_id,
-                                key=owner,
-                                endpoint="/v1/realtime",
-                                format=NDJSONEncoder.media_type,
+                                self.request_id, owner, "/v1/realtime", NDJSONEncoder.media_type
                             ),
                         )
                     place = await join_place(self.request, self.key, opened, False)

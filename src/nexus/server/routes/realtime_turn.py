@@ -308,4 +308,4 @@ class Turn:
             conn.turn = None
             if not self.terminated:  # else the session already moved on: it may be streaming
                 conn.session.turn_ended()
-        await leave(self.reader, self.run)
+        await leave(self.reader, self.run, aborted=record.cancelled == "aborted")

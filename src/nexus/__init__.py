@@ -5,6 +5,8 @@ The public API for integrators; everything else is internal.
 
 __version__ = "0.1.0"  # (first: modules imported below name it, the User-Agent sent upstream)
 
+from typing import TYPE_CHECKING
+
 from .config import AnthropicProviderConfig, Config, OpenAIProviderConfig, load_config
 from .encoders import Encoder, EncoderRegistry, register
 from .engine import Engine
@@ -92,6 +94,10 @@ __all__ = [
     "map_stream",
     "register",
 ]
+
+
+if TYPE_CHECKING:  # (typed as it is for the checker; loaded only when asked for)
+    from .server.app import create_app
 
 
 def __getattr__(name: str) -> object:

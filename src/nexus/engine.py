@@ -149,7 +149,11 @@ class Engine:
 
     async def start(self) -> None:
         """Start the providers (their connection pools) on the running loop; the engine
-        serves it from then on, until :meth:`close` (it may be started again after)."""
+        serves it from then on, until :meth:`close` (it may be started again after).
+        Raises :class:`RuntimeError` when it is started already: a second start would
+        replace its pools with the first's connections still open."""
+        if self._loop is not None and not self._closed:
+            raise RuntimeError("this engine is started already: close it before starting it again")
         self.hooks.freeze()
         self._loop = asyncio.get_running_loop()
         self._closed = False
@@ -165,6 +169,7 @@ class Engine:
 
     async def close(self) -> None:
         self._closed = True
+        self._loop = None
         for provider in self.providers.values():
             try:
                 await provider.close()

@@ -397,9 +397,12 @@ def _close_dropped(source: AsyncGenerator[Any, None] | Batches) -> None:
 
 
 def _drop(task: asyncio.Task[None]) -> None:
-    """A :class:`Channel` was collected: stop its task, if its loop still runs."""
+    """A :class:`Channel` was collected: stop its task, if its loop still runs, and say so
+    (as a :class:`Stream` dropped unclosed does)."""
     if not task.done() and not task.get_loop().is_closed():
-        task.cancel()
+        task.get_loop().call_soon_threadsafe(task.cancel)
+        message = "a channel was not closed: close it, or read it in 'async with'"
+        warnings.warn(message, ResourceWarning, stacklevel=1)
 
 
 async def accumulate(stream: Stream | Channel) -> Completion:
@@ -419,10 +422,12 @@ async def accumulate(stream: Stream | Channel) -> Completion:
         raise RuntimeError(
             f"stream {stream.meta.id} already read (or closed): a stream is read once"
         )
-    merger = Merger(stream.meta)
+    merger = None  # made at the first event: a stream's meta may be settled by its opening
     async with stream:
         async for event in stream:
             if type(event) is Error:
                 raise StreamError(event)
+            if merger is None:
+                merger = Merger(stream.meta)
             merger.add(event)
-    return merger.result()
+    return (merger or Merger(stream.meta)).result()

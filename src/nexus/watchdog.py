@@ -44,6 +44,13 @@ class Watchdog:
     def discard(self, watched: Watched) -> None:
         self._watched.discard(watched)
 
+    async def stop(self) -> None:
+        """Stop watching (its owner closes): the task ends now, not after its next sleep."""
+        self._watched.clear()
+        if (task := self._task) is not None and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.wait((task,))
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         try:

@@ -4,9 +4,19 @@ says so now, raised before anything is routed."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from nexus import Engine, GatewayError, MockProvider, OpenAIProvider, OpenAIProviderConfig
+from nexus import (
+    Engine,
+    GatewayError,
+    MockProvider,
+    OpenAIProvider,
+    OpenAIProviderConfig,
+    accumulate,
+)
+from upstreams import DONE, FakeUpstream, Reply, openai_chunk
 
 BODY = {"model": "up/m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -42,3 +52,24 @@ async def test_a_closed_engine_says_so_until_started_again() -> None:
     async with mock:
         completion = await mock.complete({**BODY, "model": "mock/echo"})
     assert completion.content == "hi"
+
+
+async def test_a_started_engine_refuses_a_second_start_and_its_close_ends_every_task() -> None:
+    """A second start replaced each provider's pool with the first's connections still
+    open (unclosed sockets); and the providers' watchdog outlived ``close()`` by a tick."""
+    reply = Reply.stream([openai_chunk(content="hi"), openai_chunk(finish_reason="stop"), DONE])
+    async with FakeUpstream(default=reply) as fake:
+        config = OpenAIProviderConfig(base_url=fake.url + "/v1")
+        engine = Engine([OpenAIProvider("up", config, api_key="sk-test")])
+        async with engine:
+            with pytest.raises(RuntimeError, match="started already"):
+                await engine.start()
+            stream = engine.complete_stream(BODY)
+            completion = await accumulate(stream)
+            # The completion is the stream's: the id its hooks and its meta name.
+            assert completion.id == stream.meta.id != ""
+            assert completion.content == "hi"
+        left = [t for t in asyncio.all_tasks() if "Watchdog" in repr(t.get_coro())]
+        assert left == []
+        async with engine:  # closed, it starts again
+            assert (await engine.complete(BODY)).content == "hi"

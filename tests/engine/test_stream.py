@@ -533,8 +533,9 @@ async def test_a_channel_dropped_without_close_stops_its_provider() -> None:
         channel = engine.complete_stream(chat("hi", model="gated/x")).channel(buffer=1)
         await channel.next()
         task = channel._task
-        del channel
-        gc.collect()
+        with pytest.warns(ResourceWarning, match="channel was not closed"):
+            del channel
+            gc.collect()
         await asyncio.wait_for(gated.closed.wait(), 2)
         await asyncio.sleep(0)
         assert task.done()

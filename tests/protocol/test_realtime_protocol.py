@@ -162,10 +162,10 @@ def test_invalid_request_names_the_field(
 
 
 def test_invalid_request_keeps_pending_input(session: RealtimeSession) -> None:
-    session.receive_text(audio(b"abc"))
+    session.receive_text(audio(b"abcd"))
     session.receive_text(start({"model": "m"}))
-    assert session.pending_bytes == 3 + ITEM
-    assert [audio_bytes(p) for p in attached(session)[1:]] == [b"abc"]
+    assert session.pending_bytes == 4 + ITEM
+    assert [audio_bytes(p) for p in attached(session)[1:]] == [b"abcd"]
 
 
 # --- invalid envelopes -----------------------------------------------------
@@ -182,6 +182,7 @@ def test_invalid_request_keeps_pending_input(session: RealtimeSession) -> None:
         pytest.param('{"type":"audio_chunk","format":"pcm16"}', "b64", id="audio-no-b64"),
         pytest.param('{"type":"audio_chunk","b64":"AAAA"}', "format", id="audio-no-format"),
         pytest.param(audio(b"x", fmt="ogg"), "format", id="audio-ogg"),
+        pytest.param(audio(b"abc"), "an even number of bytes", id="pcm16-half-sample"),
         pytest.param(
             '{"type":"audio_chunk","format":"pcm16","b64":"!!"}', "not valid base64", id="audio-b64"
         ),
@@ -278,11 +279,11 @@ def test_parts_go_to_the_last_user_message_in_arrival_order(session: RealtimeSes
 
 
 def test_pcm16_chunks_of_one_rate_are_joined(session: RealtimeSession) -> None:
-    for chunk in (b"\x01\x02", b"\x03\x04", b"\x05"):
+    for chunk in (b"\x01\x02", b"\x03\x04", b"\x05\x06"):
         assert session.receive_text(audio(chunk, sample_rate=16000)) == []
     parts = attached(session)
     assert len(parts) == 2
-    assert audio_bytes(parts[1]) == b"\x01\x02\x03\x04\x05"
+    assert audio_bytes(parts[1]) == b"\x01\x02\x03\x04\x05\x06"
     assert parts[1].input_audio.format == "pcm16"
     assert parts[1].input_audio.sample_rate == 16000
 
@@ -317,18 +318,18 @@ def test_a_new_audio_part_starts(session: RealtimeSession, second: str, fmt: str
 def test_compressed_chunks_are_never_joined(session: RealtimeSession) -> None:
     session.receive_text(audio(b"a", fmt="wav"))
     session.receive_text(audio(b"b", fmt="wav"))
-    session.receive_text(audio(b"c"))
+    session.receive_text(audio(b"cc"))
     _, one, two, three = attached(session)
-    assert [audio_bytes(p) for p in (one, two, three)] == [b"a", b"b", b"c"]
+    assert [audio_bytes(p) for p in (one, two, three)] == [b"a", b"b", b"cc"]
     assert [p.input_audio.format for p in (one, two, three)] == ["wav", "wav", "pcm16"]
 
 
 def test_pcm16_chunks_split_by_an_image_are_not_joined(session: RealtimeSession) -> None:
-    session.receive_text(audio(b"a"))
+    session.receive_text(audio(b"aa"))
     session.receive_text(image(b64=PNG))
-    session.receive_text(audio(b"b"))
+    session.receive_text(audio(b"bb"))
     _, one, img, two = attached(session)
-    assert (audio_bytes(one), audio_bytes(two)) == (b"a", b"b")
+    assert (audio_bytes(one), audio_bytes(two)) == (b"aa", b"bb")
     assert isinstance(img, ImagePart)
 
 
@@ -355,13 +356,13 @@ def test_pending_input_is_cleared_by_start(session: RealtimeSession) -> None:
 
 def test_input_sent_while_streaming_waits_for_the_next_start(session: RealtimeSession) -> None:
     session.receive_text(start())
-    assert session.receive_text(audio(b"xyz")) == []
+    assert session.receive_text(audio(b"wxyz")) == []
     assert session.receive_text(image(url="https://x/1.png")) == []
     error_of(session.receive_text(start()))  # refused: stream_in_progress
-    assert session.pending_bytes == 3 + len("https://x/1.png") + 2 * ITEM
+    assert session.pending_bytes == 4 + len("https://x/1.png") + 2 * ITEM
     session.turn_ended()
     _, sound, img = attached(session)
-    assert audio_bytes(sound) == b"xyz"
+    assert audio_bytes(sound) == b"wxyz"
     assert img.image_url.url == "https://x/1.png"
 
 
@@ -387,16 +388,16 @@ def test_pending_input_up_to_the_limit_is_accepted() -> None:
 
 @pytest.mark.parametrize(
     "over",
-    [pytest.param(audio(b"12345"), id="audio"), pytest.param(image(b64=PNG), id="image")],
+    [pytest.param(audio(b"1234"), id="audio"), pytest.param(image(b64=PNG), id="image")],
 )
 def test_the_chunk_over_the_limit_is_dropped(over: str) -> None:
     session = RealtimeSession(max_pending_input_bytes=10 + ITEM)
-    session.receive_text(audio(b"1234567"))
+    session.receive_text(audio(b"12345678"))
     error = error_of(session.receive_text(over))
     assert error["code"] == "input_too_large"
     assert f"over the limit of {10 + ITEM}" in error["message"]
-    assert session.pending_bytes == 7 + ITEM
-    assert session.receive_text(audio(b"890")) == []  # joined to the audio: no new item
+    assert session.pending_bytes == 8 + ITEM
+    assert session.receive_text(audio(b"90")) == []  # joined to the audio: no new item
     assert session.pending_bytes == 10 + ITEM
     parts = attached(session)
     assert len(parts) == 2

@@ -331,12 +331,16 @@ class RealtimeSession:
         """The engine refused the request (unknown model, unsupported input): keep the input."""
         self.streaming = False
 
-    def _take(self, b64: str, *, new_item: bool) -> bytes | Send:
-        """Decode one chunk of input and count it against the pending limits."""
+    def _take(self, b64: str, *, new_item: bool, samples: bool = False) -> bytes | Send:
+        """Decode one chunk of input and count it against the pending limits. ``samples``:
+        16-bit samples, joined to the chunk before (half of one would shift the rest)."""
         try:
             decoded = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
             return self._error("invalid_envelope", "b64: not valid base64", param="b64")
+        if samples and len(decoded) % 2:
+            message = "b64: pcm16 audio is 16-bit samples, an even number of bytes"
+            return self._error("invalid_envelope", message, param="b64")
         refused = self._count(len(decoded), new_item=new_item)
         return decoded if refused is None else refused
 
@@ -378,7 +382,8 @@ class RealtimeSession:
             and last.format == "pcm16"
             and last.sample_rate == envelope.sample_rate
         )
-        decoded = self._take(envelope.b64, new_item=not merged)
+        pcm16 = envelope.format == "pcm16"
+        decoded = self._take(envelope.b64, new_item=not merged, samples=pcm16)
         if isinstance(decoded, Send):
             return [decoded]
         if merged:

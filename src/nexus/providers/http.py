@@ -95,8 +95,7 @@ class HTTPProvider(Provider):
         self._target = request_target(self.base_url, self.path)  # the request line's
         ConnectionPool.check_headers(self.headers())  # a key that cannot be sent stops here
         self._watchdog = Watchdog()  # the read timeouts of every response
-        self.on_pool_wait: list[Callable[[float], None]] = []
-        """Called once per upstream request with its wait for a pooled connection (s)."""
+        self.on_pool_wait: list[Callable[[float], None]] = []  # each request's pool wait (s)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} {self.base_url}>"
@@ -111,6 +110,7 @@ class HTTPProvider(Provider):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        await self._watchdog.stop()
 
     def headers(self) -> dict[str, str]:
         return {

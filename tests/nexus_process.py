@@ -15,18 +15,25 @@ SERVING = re.compile(r"Nexus serving on (http://\S+)")
 
 
 def start_nexus(
-    config: Path, log: Path, *args: str, ready: re.Pattern[str] = SERVING
+    config: Path,
+    log: Path,
+    *args: str,
+    ready: re.Pattern[str] = SERVING,
+    wrap: tuple[str, ...] = (),
+    session: bool = False,
 ) -> tuple[subprocess.Popen[bytes], re.Match[str]]:
-    """``nexus serve --config config --port 0 *args``, once its log matches ``ready``.
+    """``nexus serve --config config --port 0 *args``, once its log matches ``ready``;
+    run by ``wrap`` (``unshare ...``), in a ``session`` of its own (its process group).
 
     The log goes to a file, not a pipe: nothing can block the server's logging.
     """
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            [NEXUS, "serve", "--config", str(config), "--port", "0", *args],
+            [*wrap, NEXUS, "serve", "--config", str(config), "--port", "0", *args],
             stdout=subprocess.DEVNULL,
             stderr=sink,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=session,
         )
     deadline = time.monotonic() + 20
     while not (match := ready.search(log.read_text(errors="replace"))):

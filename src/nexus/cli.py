@@ -25,7 +25,14 @@ from .errors import ConfigError
 from .log_context import RequestIds
 from .server import redaction
 from .server.log_lines import JsonFormatter
-from .supervisor import CONFIG_ERROR, STOP_SIGNALS, Supervisor, cpu_count
+from .supervisor import (
+    CONFIG_ERROR,
+    HURRY_SIGNAL,
+    STOP_SIGNALS,
+    STORE_UNREACHABLE,
+    Supervisor,
+    cpu_count,
+)
 from .telemetry import check_installed
 
 log = logging.getLogger("nexus")
@@ -314,24 +321,30 @@ async def _reach(store: RedisStoreConfig) -> None:
         await probe.close()
 
 
-def _cannot_serve(config: Config, exc: OSError) -> int:
-    """One line on stderr for a port the gateway cannot have (or a store it cannot
-    reach), and exit code 1."""
+def _cannot_serve(config: Config, exc: OSError, worker: int | None = None) -> int:
+    """One line for a port the gateway cannot have (or a store it cannot reach), and exit
+    code 1 (a worker's for the store: :data:`~nexus.supervisor.STORE_UNREACHABLE`)."""
     from .cache.redis import RedisUnavailable
 
     if isinstance(exc, RedisUnavailable):  # its message names the URL without credentials
-        print(f"nexus: cannot start: {exc}", file=sys.stderr)
-        return 1
+        _say(f"cannot start: {exc}", worker)
+        return 1 if worker is None else STORE_UNREACHABLE
     # asyncio's bind error repeats the address in its strerror: the errno's text alone;
     # a name that does not resolve has its resolver's text (its errno is no OS error's).
     if isinstance(exc, socket.gaierror):
         why = exc.strerror or str(exc)
     else:
         why = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
-    print(
-        f"nexus: cannot serve on {config.server.host}:{config.server.port}: {why}", file=sys.stderr
-    )
+    _say(f"cannot serve on {config.server.host}:{config.server.port}: {why}", worker)
     return 1
+
+
+def _say(line: str, worker: int | None) -> None:
+    """Why it cannot serve: on stderr, or a worker's log line (a JSON log takes no other)."""
+    if worker is None:
+        print(f"nexus: {line}", file=sys.stderr)
+    else:
+        log.error("worker %d: %s", worker, line)
 
 
 def _open_files_for(connections: int) -> None:
@@ -372,9 +385,9 @@ def _serve_one(
     try:
         asyncio.run(_run(config, source, worker, ready))
     except OSError as exc:
-        return _cannot_serve(config, exc)
+        return _cannot_serve(config, exc, worker)
     except ConfigError as exc:  # (the supervisor checked, but not what only a worker sees)
-        print(f"nexus: config error: {in_file(str(exc), source)}", file=sys.stderr)
+        _say(f"config error: {in_file(str(exc), source)}", worker)
         return CONFIG_ERROR
     return 0
 
@@ -451,14 +464,17 @@ async def _run(
         # its default would end the process at once, streams cut and spend uncharged.
         runtime = runner.app[RUNTIME]
 
-        def on_signal() -> None:
-            if stop.is_set():  # a second one: no more drain delay nor grace
+        def on_signal(hurry: bool) -> None:
+            if hurry and not runtime.hurry.is_set():  # no more drain delay nor grace
                 log.warning("stopping now: the drain delay and the grace are cut short")
                 runtime.hurry.set()
             stop.set()
 
+        # A worker's second stop is its supervisor's to tell (a group's signal comes twice).
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, lambda: on_signal(worker is None and stop.is_set()))
+        if worker is not None:
+            loop.add_signal_handler(HURRY_SIGNAL, on_signal, True)
         loop_name = type(loop).__module__.split(".")[0]
         if ready is not None:
             ready()

@@ -4,9 +4,12 @@ The supervisor forks N workers, each a whole gateway with its own event loop, on
 same port with ``SO_REUSEPORT`` (the kernel spreads connections). It serves nothing
 itself: it keeps the port reserved (bound, not listening), restarts a worker that
 dies, and on SIGTERM, SIGINT or SIGHUP passes SIGTERM on and waits for the workers to stop
-(:mod:`nexus.server.shutdown`). Workers share no memory (the in-memory
-store is per worker; Redis is shared) but do share the read tokens' secret
-(:func:`shared_token_secret`), so a token one worker issued is good on any other.
+(:mod:`nexus.server.shutdown`); a second signal passes :data:`HURRY_SIGNAL` on. A worker
+counts no repeats itself: a signal to the whole process group (Ctrl-C, systemd's
+``control-group`` kill) reaches it twice, from the kernel and from its supervisor.
+Workers share no memory (the in-memory store is per worker; Redis is shared) but do share
+the read tokens' secret (:func:`shared_token_secret`), so a token one worker issued is
+good on any other.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from .tokens import new_secret, secret_from_env
 
 __all__ = [
     "CONFIG_ERROR",
+    "HURRY_SIGNAL",
     "STOP_SIGNALS",
+    "STORE_UNREACHABLE",
     "Supervisor",
     "cpu_count",
     "reserve_port",
@@ -46,8 +51,14 @@ MAX_QUICK_DEATHS = 5
 the supervisor gives up, as restarting would only spin."""
 CONFIG_ERROR = 2
 """The exit code of a config error, a worker's included (its supervisor then stops)."""
+STORE_UNREACHABLE = 3
+"""A worker's exit code for a store it could not reach at its start: restarted, backing
+off, however often (a Redis outage ends; the other workers serve on meanwhile)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """What stops the gateway gracefully (a worker, or the supervisor and its workers)."""
+HURRY_SIGNAL = signal.SIGUSR2
+"""The supervisor's second stop to its workers: no more drain delay nor grace."""
+MAX_BACKOFF_S = 30.0
 KILL_AFTER_S = 10.0
 """How long past its own bound (``drain_delay_s + shutdown_grace_s +``
 :data:`~nexus.server.shutdown.CLOSE_BOUND_S`) a worker may take to stop before it is
@@ -180,19 +191,34 @@ class Supervisor:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if not self._stopping:
-            log.info("supervisor: %s, stopping the workers", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if self._stopping:
+            log.warning("supervisor: %s again, the workers stop now (no grace)", name)
+            self._tell_workers(HURRY_SIGNAL)
+            return
+        log.info("supervisor: %s, stopping the workers", name)
         self._stopping = True
+        self._tell_workers(signal.SIGTERM)
+
+    def _tell_workers(self, signum: int) -> None:
         for process, _ in self._running.values():
             if process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGTERM)
+                    os.kill(process.pid, signum)
 
     def _start(self, config: Config, index: int) -> None:
         ready = self._context.Event()
         process = self._context.Process(
             target=_worker,
-            args=(self.worker_main, config, self.source, index, self.metrics_dir, ready),
+            args=(
+                self.worker_main,
+                config,
+                self.source,
+                index,
+                self.metrics_dir,
+                ready,
+                os.getpid(),
+            ),
             name=f"nexus-worker-{index}",
             daemon=False,
         )
@@ -216,10 +242,21 @@ class Supervisor:
         return True
 
     def _watch(self, config: Config) -> int:
-        quick_deaths = 0
-        while self._running:
+        """Until a stop: restart the workers that die; give up on a config error, or on
+        workers that keep dying at their start (a store unreachable excepted)."""
+        quick_deaths = unreachable = 0
+        due: dict[int, float] = {}  # index -> when to start it again (its store unreachable)
+        while (self._running or due) and not self._stopping:
+            now = time.monotonic()
+            for index, at in list(due.items()):
+                if at <= now:
+                    del due[index]
+                    self._start(config, index)
             sentinels = {process.sentinel: index for index, (process, _) in self._running.items()}
-            for sentinel in wait(list(sentinels)):
+            timeout = max(min([0.5, *(at - now for at in due.values())]), 0.0)
+            if not sentinels:
+                time.sleep(timeout)
+            for sentinel in wait(list(sentinels), timeout) if sentinels else ():
                 index = sentinels[sentinel]  # type: ignore[index]
                 process, started = self._running.pop(index)
                 process.join()
@@ -230,6 +267,17 @@ class Supervisor:
                 if process.exitcode == CONFIG_ERROR:  # its one line is above: no retry helps
                     log.error("worker %d stopped on a config error: stopping", index)
                     return CONFIG_ERROR
+                if process.exitcode == STORE_UNREACHABLE:  # its line says why: wait, again
+                    unreachable += 1
+                    wait_s = min(0.5 * 2**unreachable, MAX_BACKOFF_S)
+                    log.error(
+                        "worker %d cannot reach the store: starting it again in %.1fs",
+                        index,
+                        wait_s,
+                    )
+                    due[index] = time.monotonic() + wait_s
+                    continue
+                unreachable = 0
                 lived = time.monotonic() - started
                 log.error(
                     "worker %d (pid %s) died (%s) after %.1fs; restarting it",
@@ -255,8 +303,9 @@ class Supervisor:
 
     def _stop_all(self, config: Config) -> None:
         """SIGTERM to every worker left, then wait; kill those past grace + a margin."""
-        if self._running:
-            self._on_signal(signal.SIGTERM, None)
+        if self._running and not self._stopping:
+            self._stopping = True
+            self._tell_workers(signal.SIGTERM)
         from .server.shutdown import CLOSE_BOUND_S
 
         server = config.server
@@ -268,6 +317,8 @@ class Supervisor:
                 log.error("worker %d (pid %s) did not stop: killing it", index, process.pid)
                 process.kill()
                 process.join()
+            else:
+                log.info("worker %d (pid %s) stopped", index, process.pid)
             self._forget(process)
         self._running.clear()
 
@@ -296,12 +347,13 @@ def _worker(
     index: int,
     metrics_dir: str | None,
     ready: Any,
+    supervisor: int,
 ) -> None:
     """A worker's first steps after the fork, then its gateway."""
     # The supervisor's handlers came along with the fork; the worker's loop sets its own.
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
-    _die_with_parent()
+    _die_with_parent(supervisor)
     if metrics_dir is not None:
         from .server.metrics import enable_multiprocess
 
@@ -309,8 +361,9 @@ def _worker(
     raise SystemExit(worker_main(config, source, index, ready.set))
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this worker if the supervisor dies (even by SIGKILL)."""
+def _die_with_parent(supervisor: int) -> None:
+    """Linux: SIGTERM this worker if the supervisor dies (even by SIGKILL). Its pid, not
+    1: in a container the supervisor may be pid 1 itself."""
     try:
         import ctypes
 
@@ -319,5 +372,5 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:  # the supervisor died before prctl took effect
+    if os.getppid() != supervisor:  # the supervisor died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)

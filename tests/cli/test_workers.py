@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -25,9 +27,11 @@ SERVING = re.compile(r"Nexus serving on (http://\S+) with (\d+) workers")
 class Supervised:
     """A ``nexus serve --workers N`` process and its log."""
 
-    def __init__(self, config: Path, *args: str, ready: re.Pattern[str] = SERVING) -> None:
+    def __init__(
+        self, config: Path, *args: str, ready: re.Pattern[str] = SERVING, **how: Any
+    ) -> None:
         self.log = config.parent / "nexus.log"
-        self.proc, match = start_nexus(config, self.log, *args, ready=ready)
+        self.proc, match = start_nexus(config, self.log, *args, ready=ready, **how)
         self.url = match.group(1)
 
     @property
@@ -160,6 +164,41 @@ def test_sigterm_lets_running_streams_finish_then_stops_every_worker(two: Superv
     log = "".join(two.lines)
     assert log.count(") stopped") == 2
     assert "died" not in log
+
+
+def test_one_signal_to_the_process_group_stops_gracefully(config: Path) -> None:
+    """Ctrl-C, or systemd's control-group kill: each worker got the signal twice (the
+    kernel's, its supervisor's) and took the second for "hurry": no drain, no grace,
+    its streams cut at once."""
+    group = Supervised(config, "--workers", "2", session=True)
+    try:
+        body = orjson.dumps(chat_body("a b c d e f", mock={"delay_ms": 150}))
+        curl = subprocess.Popen(
+            ["curl", "-sN", group.url + CHAT, "-H", "Content-Type: application/json", "-d", body],
+            stdout=subprocess.PIPE,
+        )
+        time.sleep(0.4)  # the stream is on its way
+        os.killpg(group.proc.pid, signal.SIGINT)
+        out, _ = curl.communicate(timeout=15)
+        assert contents(out) == "a b c d e f"  # finished inside the grace period
+        assert group.proc.wait(15) == 0
+        assert "cut short" not in "".join(group.lines)
+    finally:
+        group.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs unshare")
+async def test_workers_serve_when_the_supervisor_is_pid_1(config: Path) -> None:
+    """A container's entrypoint is pid 1: each worker took a parent of pid 1 for its
+    supervisor gone and stopped itself, and the supervisor gave up after five."""
+    wrap = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM")
+    boxed = Supervised(config, "--workers", "2", wrap=wrap)
+    try:
+        time.sleep(2.5)  # past the quick deaths' window
+        assert len(await pids_seen(boxed.url, 12)) == 2
+        assert "died" not in "".join(boxed.lines)
+    finally:
+        boxed.stop()
 
 
 @pytest.mark.parametrize("workers", ["2", "1"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import orjson
 
 from nexus.protocol.openai_chat import parse_chat_request
-from nexus.protocol.openai_chunks import refusal
+from nexus.protocol.openai_request import refusal
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 

@@ -13,7 +13,8 @@ import pytest
 from nexus.events import Audio, Delta, Usage, content_delta
 from nexus.merger import merge_events
 from nexus.protocol.openai_chat import completion_body, joined_base64, message_audio
-from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events, upstream_body
+from nexus.protocol.openai_chunks import ChunkDecoder, chunk_events
+from nexus.protocol.openai_request import upstream_body
 from nexus.request import ChatRequest
 from nexus.types import StreamMeta
 from upstreams import AUDIO_EXPIRES, AUDIO_ID, openai_audio_stream

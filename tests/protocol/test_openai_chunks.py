@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from nexus.errors import UpstreamError, UpstreamProtocolError, UpstreamServerError
 from nexus.events import Delta, Reasoning, ToolCall, Usage
-from nexus.protocol.openai_chunks import ChunkDecoder, ToolCallPieces, chunk_events, upstream_body
+from nexus.protocol.openai_chunks import ChunkDecoder, ToolCallPieces, chunk_events
+from nexus.protocol.openai_request import upstream_body
 from nexus.protocol.sse import SSEDecoder
 from nexus.protocol.upstream import Malformed, in_stream_error, malformed
 from nexus.request import ChatRequest

@@ -11,7 +11,7 @@ import pytest
 from openai.types.shared import ReasoningEffort
 
 from nexus.errors import InvalidRequest
-from nexus.protocol import anthropic_events, openai_chunks
+from nexus.protocol import anthropic_events, openai_request
 from nexus.protocol.anthropic_messages import parse_messages_request
 from nexus.protocol.openai_responses import parse_responses_request
 from nexus.request import ChatRequest
@@ -41,8 +41,8 @@ def messages(**fields: Any) -> ChatRequest:
 
 
 def to_openai(request: ChatRequest, model: str = "m") -> dict[str, Any]:
-    assert openai_chunks.refusal(request) is None
-    return openai_chunks.upstream_body(request, model)
+    assert openai_request.refusal(request) is None
+    return openai_request.upstream_body(request, model)
 
 
 def to_anthropic(request: ChatRequest) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def test_a_messages_clients_effort_is_refused_by_an_openai_target(level: str) ->
     """Not every OpenAI model takes a reasoning effort (a non-reasoning one answers 400,
     which would end the request): refused here, an alias falls back to a target that can."""
     request = messages(output_config={"effort": level})
-    refused(openai_chunks, request, "output_config.effort", "")
+    refused(openai_request, request, "output_config.effort", "")
     assert to_anthropic(request)["output_config"] == {"effort": level}
 
 
@@ -80,8 +80,8 @@ def refused(target: Any, request: ChatRequest, param: str, value: str) -> None:
     assert error.message.startswith(f"{param}: ")
     assert value in error.message
     with pytest.raises(InvalidRequest):
-        if target is openai_chunks:
-            openai_chunks.upstream_body(request, "m")
+        if target is openai_request:
+            openai_request.upstream_body(request, "m")
         else:
             anthropic_events.messages_body(request, "m", 100)
 
@@ -112,13 +112,13 @@ def test_a_chat_clients_output_config_reaches_openai_in_its_terms() -> None:
 def test_output_config_with_no_chat_counterpart_is_refused(
     config: Any, param: str, value: str
 ) -> None:
-    refused(openai_chunks, chat(output_config=config), param, value)
+    refused(openai_request, chat(output_config=config), param, value)
 
 
 def test_a_format_asked_twice_is_refused_by_either_target() -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
     both = chat(response_format=fmt, output_config={"format": {"type": "json_schema"}})
-    for target in (openai_chunks, anthropic_events):
+    for target in (openai_request, anthropic_events):
         refused(target, both, "output_config.format", "response_format")
 
 

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from nexus.errors import InvalidRequest
-from nexus.protocol.openai_chunks import upstream_body
+from nexus.protocol.openai_request import upstream_body
 from nexus.protocol.openai_responses import parse_responses_request
 
 

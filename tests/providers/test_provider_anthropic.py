@@ -16,7 +16,7 @@ from nexus.errors import InvalidRequest, UpstreamOverloaded
 from nexus.events import Delta, Reasoning, ToolCall, Usage
 from nexus.pricing import spend_of, tally, worst_cost
 from nexus.protocol.anthropic_events import EventDecoder, messages_body, refusal
-from nexus.protocol.openai_chunks import upstream_body
+from nexus.protocol.openai_request import upstream_body
 from nexus.request import ChatRequest
 from support import MakeClient, parse_sse
 from upstreams import FakeUpstream, Reply, sse

@@ -180,3 +180,35 @@ async def test_the_upstreams_own_count_of_the_prompt_is_taken_over_the_estimate(
     assert line["failed_attempts_prompt_tokens"] == 1200
     assert line["failed_attempts_cost_usd"] == pytest.approx(1200 * 1000 / 1e6)
     assert await spent(client) == pytest.approx((7 * 10 + 3 * 20) / 1e6)
+
+
+RUNNING = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m1",'
+RUNNING += b'"choices":[{"index":0,"delta":{"role":"assistant","content":""}}],'
+RUNNING += b'"usage":{"prompt_tokens":11,"completion_tokens":0,"total_tokens":11}}\n\n'
+"""vLLM's role chunk with ``continuous_usage_stats``: a running count, no output."""
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        Reply.stream([RUNNING, b'data: {"error":{"message":"overloaded"}}\n\n']),
+        Reply.stream([RUNNING], end="abort"),
+    ],
+    ids=["in-stream-error", "cut"],
+)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+async def test_a_running_count_before_any_output_is_the_failed_attempts_prompt(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture, failure: Reply, stream: bool
+) -> None:
+    """The count held from the role chunk went out as the attempt's first event: no
+    fallback, and the key charged for an attempt that answered nothing."""
+    caplog.set_level(logging.INFO, logger="nexus.access")
+    async with FakeUpstream(failure, ANSWER) as fake:
+        client = await make_client(config(fake))
+        resp = await client.post("/v1/chat/completions", json=body(stream), headers=BEARER)
+        assert resp.status == 200
+        assert "Hello" in await resp.text()
+        line = await access_line(caplog)
+    assert line["served"] == "second/m2"
+    assert line["failed_attempts_prompt_tokens"] == 11  # the upstream's count
+    assert await spent(client) == pytest.approx((7 * 10 + 3 * 20) / 1e6)

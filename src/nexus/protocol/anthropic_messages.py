@@ -350,7 +350,7 @@ def _assistant(content: list[Any], index: int) -> list[dict[str, Any]]:
 def _tool_result(block: ToolResultBlock) -> dict[str, Any]:
     """A ``tool`` message; ``is_error``, the result's cache mark and its blocks ride beside
     its text for an Anthropic upstream (:mod:`.anthropic_events`; an OpenAI one takes
-    ``is_error`` as a text prefix, drops the mark and refuses an image: :mod:`.openai_chunks`)."""
+    ``is_error`` as a text prefix, drops the mark and refuses an image: :mod:`.openai_request`)."""
     content = block.content
     if isinstance(content, str):
         text = content

@@ -8,14 +8,9 @@ from typing import Any, ClassVar
 import msgspec
 import orjson
 
-from ..errors import InvalidRequest, UpstreamError, UpstreamProtocolError
+from ..errors import UpstreamError, UpstreamProtocolError
 from ..events import Audio, Citation, Delta, Reasoning, StreamEvent, ToolCall, Usage, content_delta
-from ..request import ChatRequest
-from .anthropic_documents import chat_file, document_refusal
-from .anthropic_tools import tool_refusal
-from .openai_chat import unanswered
 from .openai_tool_calls import ToolCallPieces
-from .output_config import openai_fields
 from .sse import MAX_EVENT_BYTES, EventTooLarge, SSEDecoder
 from .upstream import (
     Malformed,
@@ -28,87 +23,7 @@ from .upstream import (
     token_count,
 )
 
-__all__ = ["ChunkDecoder", "ToolCallPieces", "chunk_events", "refusal", "upstream_body"]
-
-_NOT_OPENAI = {"mock", "thinking", "top_k", "background", "output_config", "anthropic_beta"}
-_NOT_OPENAI |= {"context_management", "cache_control"}  # (a /v1/messages client's)
-
-
-def refusal(request: ChatRequest) -> InvalidRequest | None:
-    """The 400 for what Chat Completions has no counterpart for: a part of ``output_config``
-    (:func:`~.output_config.openai_fields`), a tool's or a document's Anthropic fields."""
-    try:
-        openai_fields(request)
-    except InvalidRequest as exc:
-        return exc
-    return tool_refusal(request) or document_refusal(request) or unanswered(request)
-
-
-def upstream_body(
-    request: ChatRequest, model: str, token_limit_field: str | None = None
-) -> dict[str, Any]:
-    """The upstream request: ours (fields Nexus does not interpret pass through), with the
-    upstream model, streaming with usage. Anthropic's ``output_config`` goes in OpenAI's
-    terms (:func:`~.output_config.openai_fields`), a ``/v1/messages`` document as a file or
-    text part; its ``top_k`` (sampling only), ``thinking`` and betas stay home. Nexus's own
-    stream options stay home, and so does ``include_obfuscation``: it shapes the client's
-    stream; upstream, the provider's default (OpenAI pads, hiding token lengths from
-    whoever watches the traffic) is kept."""
-    body = request.model_dump(mode="json", exclude_none=True, exclude=_NOT_OPENAI, by_alias=True)
-    body.update(openai_fields(request, model))  # output_config in OpenAI's terms
-    for message in body.get("messages", ()):
-        message.pop("anthropic_content", None)  # a /v1/messages turn's blocks, for Anthropic
-        if message.get("role") == "tool":
-            _tool_message(message)
-        content = message.get("content")
-        if isinstance(content, list):
-            for at, part in enumerate(content):
-                part.pop("cache_control", None)  # Anthropic's prompt-cache marks
-                if part.pop("anthropic_document", None) is not None:
-                    content[at] = chat_file(part)
-    for tool in body.get("tools") or ():
-        tool.pop("cache_control", None)
-        tool.pop("anthropic_tool", None)
-    body["model"] = model
-    if body.get("service_tier") == "standard_only":  # a /v1/messages client's, in OpenAI's words
-        body["service_tier"] = "default"
-    body["stream"] = True
-    options = dict(body.get("stream_options") or {})
-    options["include_usage"] = True
-    options.pop("include_cost", None)
-    options.pop("include_obfuscation", None)
-    body["stream_options"] = options
-    if token_limit_field is not None and request.token_limit is not None:
-        body.pop("max_tokens", None)
-        body.pop("max_completion_tokens", None)
-        body[token_limit_field] = request.token_limit
-    return body
-
-
-TOOL_ERROR_PREFIX = "Error: "
-"""An Anthropic ``tool_result``'s ``is_error: true`` (Chat Completions has no such flag)."""
-
-
-def _tool_message(message: dict[str, Any]) -> None:
-    """Anthropic's fields of a tool message in Chat Completions' terms: ``is_error`` as
-    :data:`TOOL_ERROR_PREFIX`, the result's text as its text (its cache mark dropped); an
-    image or a document in a tool result is refused (a tool message holds only text)."""
-    message.pop("cache_control", None)
-    blocks = message.pop("tool_result_content", None) or ()
-    held = next((block["type"] for block in blocks if block["type"] != "text"), None)
-    if held is not None:
-        raise InvalidRequest(
-            f"messages: the tool_result for {message.get('tool_call_id')!r} holds a block "
-            f"of type {held!r}, which this model's provider (Chat Completions) cannot take in "
-            "a tool result; send it in the user message beside it",
-            param="messages",
-        )
-    if message.pop("is_error", None) is True:
-        content = message.get("content")
-        if isinstance(content, str):
-            message["content"] = TOOL_ERROR_PREFIX + content
-        elif isinstance(content, list):
-            message["content"] = [{"type": "text", "text": TOOL_ERROR_PREFIX}, *content]
+__all__ = ["ChunkDecoder", "ToolCallPieces", "chunk_events"]
 
 
 def chunk_events(
@@ -374,6 +289,7 @@ class ChunkDecoder:
         "_finished",
         "_held",
         "_named",
+        "_output",
         "_payloads",
         "_tools",
         "done",
@@ -394,12 +310,20 @@ class ChunkDecoder:
         self._held: Usage | None = None  # the last usage of a chunk with choices
         self._finished = False  # a finish_reason came
         self._cited = 0  # sources passed on as citations
+        self._output = False  # an event went out: the held usage is the stream's to charge
 
     def decode(self, chunk: bytes) -> list[StreamEvent]:
         events = self._decode(chunk)
+        self._output = self._output or bool(events)
         if self.error is not None and self._held is not None:
             events += self.cut()  # an error ends it: the counts it gave are charged
         return events
+
+    @property
+    def prompt_usage(self) -> Usage | None:
+        """A running count that came before any output (vLLM's, on the role chunk): the
+        attempt's prompt, should it fail so (its fallback is tried; it is not charged)."""
+        return None if self._output else self._held
 
     def _decode(self, chunk: bytes) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -453,7 +377,10 @@ class ChunkDecoder:
         return self.cut()
 
     def cut(self) -> list[StreamEvent]:
-        """The body was cut: the usage held (a running count, a finish chunk's) is charged."""
+        """The body was cut: the usage held (a running count, a finish chunk's) is charged,
+        once output went out (before, it is the failed attempt's :attr:`prompt_usage`)."""
+        if not self._output:
+            return []
         held, self._held = self._held, None
         return [] if held is None else [held]
 

@@ -1,5 +1,5 @@
 """``kind = "openai"``: any OpenAI-compatible Chat Completions server; the codec is
-:mod:`nexus.protocol.openai_chunks`."""
+:mod:`nexus.protocol.openai_request` and :mod:`nexus.protocol.openai_chunks`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 from ..config import OpenAIProviderConfig
 from ..errors import InvalidRequest
-from ..protocol.openai_chunks import ChunkDecoder, refusal, upstream_body
+from ..protocol.openai_chunks import ChunkDecoder
+from ..protocol.openai_request import refusal, upstream_body
 from ..request import ChatRequest
 from .http import HTTPProvider
 

@@ -611,6 +611,7 @@ def _assert_cors(headers: Any, origin: str = ORIGIN) -> None:
     assert headers["Access-Control-Allow-Origin"] == origin
     exposed = {h.strip().lower() for h in headers["Access-Control-Expose-Headers"].split(",")}
     assert {"x-request-id", "x-client-request-id", "x-nexus-stream-id", "retry-after"} <= exposed
+    assert {"retry-after-ms", "x-should-retry"} <= exposed  # what the SDKs wait on
     assert "Origin" in headers.getall("Vary", []) or "Origin" in headers.get("Vary", "")
 
 
@@ -895,3 +896,15 @@ async def test_a_bug_past_the_routes_is_an_error_on_its_line_not_a_client_gone(
             break
         await asyncio.sleep(0.01)
     assert lines[1].access["outcome"] == "mid_stream_error:internal_error"  # type: ignore[attr-defined]
+
+
+async def test_a_refusal_before_any_route_is_readable_by_an_allowed_page(
+    make_client: MakeClient,
+) -> None:
+    """A keyless gateway's host refusal had no CORS headers: the page saw "Failed to
+    fetch", not why."""
+    client = await make_client({"cors": {"allow_origins": [ORIGIN]}})
+    resp = await client.get("/v1/models", headers={"Origin": ORIGIN, "Host": "devbox.lan"})
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "host_not_allowed"
+    _assert_cors(resp.headers)

@@ -81,7 +81,8 @@ _UNTRACED = ("/healthz", "/metrics")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
     "X-Request-Id, X-Client-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, "
-    "Location, Retry-After, X-Nexus-Resumable, X-Nexus-Store, request-id, x-should-retry"
+    "Location, Retry-After, retry-after-ms, X-Nexus-Resumable, X-Nexus-Store, request-id, "
+    "x-should-retry"
 )
 _ALLOWED_HEADERS = (
     "Authorization, Content-Type, X-Api-Key, X-Nexus-Stream-Format, Last-Event-ID, "
@@ -128,6 +129,10 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     app = request.app
     config = app[_CONFIG]
     origin = request.headers.get("Origin")
+    if origin is not None and listed(origin, config.cors.allow_origins):  # its page reads it
+        ex.headers["Access-Control-Allow-Origin"] = origin
+        ex.headers["Vary"] = "Origin"
+        ex.headers["Access-Control-Expose-Headers"] = _EXPOSED
     refusal = _refusal(request, origin)
     if refusal is not None:
         metrics = app.get(METRICS)
@@ -143,25 +148,25 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
             return web.Response(status=status)
         finally:
             account(config, metrics, ex, status)
-    if origin is not None and listed(origin, config.cors.allow_origins):
-        ex.headers["Access-Control-Allow-Origin"] = origin
-        ex.headers["Vary"] = "Origin"
-        ex.headers["Access-Control-Expose-Headers"] = _EXPOSED
-        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-            response: web.StreamResponse = web.Response(status=204, headers=ex.headers)
-            response.headers.update(
-                {
-                    "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
-                    "Access-Control-Allow-Headers": _allowed_headers(request),
-                    "Access-Control-Max-Age": str(config.cors.max_age_s),
-                }
-            )
-            # Its line's endpoint: the route of the method it asks about.
-            asked = request.clone(method=request.headers["Access-Control-Request-Method"])
-            resource = (await app.router.resolve(asked)).route.resource
-            ex.endpoint = "unmatched" if resource is None else resource.canonical
-            account(app[_CONFIG], app.get(METRICS), ex, response.status, PREFLIGHT)
-            return response
+    if (
+        "Access-Control-Allow-Origin" in ex.headers
+        and request.method == "OPTIONS"
+        and "Access-Control-Request-Method" in request.headers
+    ):
+        response: web.StreamResponse = web.Response(status=204, headers=ex.headers)
+        response.headers.update(
+            {
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+                "Access-Control-Allow-Headers": _allowed_headers(request),
+                "Access-Control-Max-Age": str(config.cors.max_age_s),
+            }
+        )
+        # Its line's endpoint: the route of the method it asks about.
+        asked = request.clone(method=request.headers["Access-Control-Request-Method"])
+        resource = (await app.router.resolve(asked)).route.resource
+        ex.endpoint = "unmatched" if resource is None else resource.canonical
+        account(app[_CONFIG], app.get(METRICS), ex, response.status, PREFLIGHT)
+        return response
     tracing = app.get(TELEMETRY)
     span = (
         tracing.request_span(

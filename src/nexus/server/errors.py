@@ -119,12 +119,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        path = request.rel_url.raw_path  # as sent: /v1%2Fchat is no /v1/chat
         if exc.status == 405:
-            message = f"Method {request.method} is not allowed on {request.path}."
+            message = f"Method {request.method} is not allowed on {path}."
         elif exc.status == 404:
-            message = f"No route for {request.method} {request.path}."
-        else:
-            message = exc.reason
+            message = f"No route for {request.method} {path}."
+        else:  # aiohttp's own explanation (a WebSocket handshake's), else the reason
+            text = exc.text or ""
+            message = (
+                exc.reason if text.startswith(f"{exc.status}:") else " ".join(text.split())[:200]
+            )
         error = GatewayError(
             message,
             status=exc.status,

@@ -165,7 +165,7 @@ def _flag(query: MultiMapping[str], name: str) -> bool:
 
 
 def _sequence_number(text: str) -> int:
-    if not text.isdigit() or len(text) > 12:
+    if not (text.isascii() and text.isdigit()) or len(text) > 12:  # (int() refuses '²')
         raise InvalidRequest(
             "starting_after: must be the sequence_number of an event (an integer, 0 or more).",
             param="starting_after",

@@ -22,17 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import re
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 from urllib.parse import quote, urlsplit
 
 import aiohappyeyeballs
 
-from .http1 import Connection, UpstreamClosed
+from ..errors import (
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from .http1 import Connection, UpstreamClosed, UpstreamMalformed
 
 __all__ = [
     "KEEPALIVE_S",
@@ -40,6 +47,7 @@ __all__ = [
     "ConnectionPool",
     "HeaderRefused",
     "PoolWaits",
+    "map_upstream_errors",
     "request_target",
     "trusting",
 ]
@@ -309,3 +317,24 @@ class WaitWatcher(Protocol):
     def queued(self, now: float) -> None: ...
 
     def dequeued(self, now: float) -> None: ...
+
+
+@contextlib.contextmanager
+def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
+    """Connection and timeout errors as :mod:`nexus.errors` (a GatewayError as it is)."""
+    try:
+        yield
+    except TimeoutError as exc:
+        raise UpstreamTimeout(f"provider {provider!r} timed out {phase}") from exc
+    except UpstreamClosed as exc:
+        raise UpstreamDisconnected(f"provider {provider!r} closed the connection {phase}") from exc
+    except UpstreamMalformed as exc:
+        raise UpstreamProtocolError(f"provider {provider!r}: {exc}") from exc
+    except ssl.SSLError as exc:
+        raise UpstreamConnectError(
+            f"cannot connect to provider {provider!r}: TLS failed ({exc.reason or exc})"
+        ) from exc
+    except OSError as exc:
+        raise UpstreamConnectError(
+            f"cannot connect to provider {provider!r}: {exc.strerror or type(exc).__name__}"
+        ) from exc

@@ -1,8 +1,10 @@
 """What every HTTP upstream shares: pooled connections (:mod:`.connections`), timeouts, the
 body fed to the provider's decoder as it arrives, and error mapping: connection errors and
 upstream statuses become the most specific :mod:`nexus.errors` class here, once
-(``map_upstream_errors``, :func:`~nexus.protocol.upstream.status_error`). Raised before the
-first event, an error may send the engine to the next target; after, an error event.
+(:func:`~.connections.map_upstream_errors`, :func:`~nexus.protocol.upstream.status_error`).
+Raised before the first event, an error may send the engine to the next target; after,
+an error event. A kept-alive connection closed unanswered as it is reused is tried once
+more on a new one (the upstream's keep-alive ran out first: it saw no request).
 Bodies are asked for and read as sent (``Accept-Encoding: identity``): a compressed body is
 a bomb waiting (300 MB of comments in 306 KB of gzip held the loop for every tenant), so
 one that comes compressed all the same is a protocol error. A stream holds its pooled
@@ -15,11 +17,9 @@ logs, errors or ``repr``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import ssl
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import orjson
@@ -28,12 +28,10 @@ from multidict import CIMultiDict
 from .. import __version__
 from ..config import HTTPProviderConfig
 from ..errors import (
-    UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
     UpstreamPoolExhausted,
     UpstreamProtocolError,
-    UpstreamTimeout,
 )
 from ..events import StreamEvent, Usage
 from ..protocol.upstream import UpstreamDecoder, error_text, keep_secret, status_error
@@ -42,8 +40,15 @@ from ..stream import Batches
 from ..telemetry import upstream_headers
 from ..watchdog import Watchdog
 from .base import Provider
-from .connections import POOL_WAITS, ConnectionPool, HeaderRefused, request_target, trusting
-from .http1 import Connection, UpstreamClosed, UpstreamMalformed
+from .connections import (
+    POOL_WAITS,
+    ConnectionPool,
+    HeaderRefused,
+    map_upstream_errors,
+    request_target,
+    trusting,
+)
+from .http1 import Connection, UpstreamClosed
 
 __all__ = ["HTTPProvider", "map_upstream_errors"]
 
@@ -55,27 +60,6 @@ _MAX_READY = 4096
 """Events decoded and not yet read past which the socket stops being read."""
 USER_AGENT = f"nexus/{__version__}"
 """Sent upstream on every request: a provider's logs tell which gateway release sent what."""
-
-
-@contextlib.contextmanager
-def map_upstream_errors(provider: str, phase: str) -> Iterator[None]:
-    """Connection and timeout errors as :mod:`nexus.errors` (a GatewayError as it is)."""
-    try:
-        yield
-    except TimeoutError as exc:
-        raise UpstreamTimeout(f"provider {provider!r} timed out {phase}") from exc
-    except UpstreamClosed as exc:
-        raise UpstreamDisconnected(f"provider {provider!r} closed the connection {phase}") from exc
-    except UpstreamMalformed as exc:
-        raise UpstreamProtocolError(f"provider {provider!r}: {exc}") from exc
-    except ssl.SSLError as exc:
-        raise UpstreamConnectError(
-            f"cannot connect to provider {provider!r}: TLS failed ({exc.reason or exc})"
-        ) from exc
-    except OSError as exc:
-        raise UpstreamConnectError(
-            f"cannot connect to provider {provider!r}: {exc.strerror or type(exc).__name__}"
-        ) from exc
 
 
 class HTTPProvider(Provider):
@@ -355,54 +339,69 @@ class _Exchange:
         loop = asyncio.get_running_loop()
         head = provider.request_head(pool, len(body), extra)
         with map_upstream_errors(provider.name, "before responding"):
-            try:
+            for fresh in (False, True):
+                connection = self._connection = await self._acquire(pool, loop, not fresh)
                 try:
-                    async with asyncio.timeout(None) as self._timeout:
-                        connection = await pool.acquire(self)
-                except TimeoutError as exc:
-                    if self._timeout is None or not self._timeout.expired():
-                        raise  # the connect's own deadline, not the wait's
-                    raise UpstreamPoolExhausted(
-                        f"provider {provider.name!r}: all {config.max_connections} "
-                        f"connections stayed busy for {config.pool_timeout_s:g}s; retry shortly",
-                        headers={"Retry-After": "1"},
-                    ) from exc
-            finally:
-                self._timeout = None
-                waited = self.waited
-                if self.queued_at is not None:
-                    waited += loop.time() - self.queued_at
-                for observe in provider.on_pool_wait:
-                    observe(waited)
-                tally = POOL_WAITS.get()
-                if tally is not None:
-                    tally.add(waited)
-            self._connection = connection
-            try:
-                async with asyncio.timeout(config.first_byte_timeout_s) as timeout:
-                    connection.send(head + body, self)
-                    while self._head is None and self._failure is None:
-                        await self._wait()
-                    if self._head is None:
-                        raise self._failure  # type: ignore[misc]
-                    status, headers = self._head
-                    encoding = headers.get("Content-Encoding", "").lower() or "identity"
-                    if status >= 300:
-                        raise await self._refusal(status, headers, encoding)
-                    if encoding != "identity":
-                        raise UpstreamProtocolError(
-                            f"provider {provider.name!r} sent its stream in {encoding!r} "
-                            "encoding, though asked for none"
-                        )
-                self._deadline = timeout.when() or loop.time()
-            except BaseException:
-                self._connection = None
-                pool.release(connection, self._whole)
-                raise
+                    async with asyncio.timeout(config.first_byte_timeout_s) as timeout:
+                        connection.send(head + body, self)
+                        while self._head is None and self._failure is None:
+                            await self._wait()
+                        if self._head is None:
+                            raise self._failure  # type: ignore[misc]
+                        status, headers = self._head
+                        encoding = headers.get("Content-Encoding", "").lower() or "identity"
+                        if status >= 300:
+                            raise await self._refusal(status, headers, encoding)
+                        if encoding != "identity":
+                            raise UpstreamProtocolError(
+                                f"provider {provider.name!r} sent its stream in {encoding!r} "
+                                "encoding, though asked for none"
+                            )
+                    self._deadline = timeout.when() or loop.time()
+                    break
+                except BaseException as exc:
+                    self._connection = None
+                    pool.release(connection, self._whole)
+                    # A kept-alive connection the upstream closed as it was reused, not a
+                    # byte answered (its keep-alive ran out first): once more, on a new one.
+                    if fresh or not (isinstance(exc, UpstreamClosed) and connection.reused):
+                        raise
+                    if connection.heard:
+                        raise
+                    self._failure = None
         self._head = None
         self.accepted = True
         tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
         provider._watchdog.add(self, tick)
+
+    async def _acquire(
+        self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop, tell: bool
+    ) -> Connection:
+        """A connection of ``pool``, waited for at most ``pool_timeout_s``; the wait told
+        (``tell``: once a request)."""
+        provider, config = self._provider, self._provider.config
+        try:
+            try:
+                async with asyncio.timeout(None) as self._timeout:
+                    return await pool.acquire(self)
+            except TimeoutError as exc:
+                if self._timeout is None or not self._timeout.expired():
+                    raise  # the connect's own deadline, not the wait's
+                raise UpstreamPoolExhausted(
+                    f"provider {provider.name!r}: all {config.max_connections} "
+                    f"connections stayed busy for {config.pool_timeout_s:g}s; retry shortly",
+                    headers={"Retry-After": "1"},
+                ) from exc
+        finally:
+            self._timeout = None
+            waited = self.waited
+            if self.queued_at is not None:
+                waited += loop.time() - self.queued_at
+            for observe in provider.on_pool_wait if tell else ():
+                observe(waited)
+            tally = POOL_WAITS.get()
+            if tally is not None and tell:
+                tally.add(waited)
 
     async def _refusal(
         self, status: int, headers: CIMultiDict[str], encoding: str

@@ -73,8 +73,11 @@ class Connection(asyncio.Protocol):
         "_pool",
         "_whole",
         "closed",
+        "heard",
         "idle_since",
         "reusable",
+        "reused",
+        "sent",
         "transport",
     )
 
@@ -93,6 +96,9 @@ class Connection(asyncio.Protocol):
         self.reusable = False
         self.closed = False
         self.idle_since = 0.0
+        self.sent = 0  # requests written
+        self.reused = False  # the request in flight is not the connection's first
+        self.heard = False  # a byte of its response came
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -105,11 +111,14 @@ class Connection(asyncio.Protocol):
         self._headers = CIMultiDict()
         self._head_bytes = self._head_read = 0
         self._in_message = True
-        self._whole = self._by_close = self.reusable = False
+        self._whole = self._by_close = self.reusable = self.heard = False
+        self.reused = self.sent > 0
+        self.sent += 1
         assert self.transport is not None
         self.transport.write(request)
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         parser, listener = self._parser, self._listener
         if parser is None or listener is None:
             self.close()  # bytes nobody asked for: the connection is not usable

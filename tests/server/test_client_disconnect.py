@@ -495,3 +495,23 @@ async def test_a_resumable_request_that_joins_a_plain_stream_makes_it_resumable(
     await asyncio.sleep(0.1)
     assert not gated.closed.is_set()  # waits detach_timeout_s for the joiner to come back
     await asyncio.wait_for(gated.closed.wait(), 2)
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "sse"])
+async def test_a_resumable_stream_whose_client_left_before_its_headers_ends_at_once(
+    make_client: MakeClient, fmt: str
+) -> None:
+    """Its headers wait for the first output, and they alone name the stream: a client
+    gone before them can never resume it, yet it ran on for ``detach_timeout_s``, its
+    upstream generating (and billed) for nobody."""
+    gated = GatedProvider(before=0)
+    config = {"streams": {"detach_timeout_s": 60}, "server": {"heartbeat_interval_s": 30}}
+    client = await make_client(config, providers=[gated])
+    body = support_chat(model="gated/x", stream=True)
+    headers = {"X-Nexus-Resumable": "true"}
+    asking = asyncio.ensure_future(
+        client.post(f"/v1/chat/completions?stream_format={fmt}", json=body, headers=headers)
+    )
+    await asyncio.wait_for(gated.started.wait(), 5)
+    asking.cancel()
+    await asyncio.wait_for(gated.closed.wait(), 5)  # not a minute later

@@ -18,7 +18,7 @@ from ..types import StreamMeta
 from .run import CLIENT_GONE, MAX_BATCH, LogReader, Push, StreamRun
 from .store import Store, StreamInfo
 
-__all__ = ["LEASE_S", "RunReader", "StoreReader", "leave", "with_usage"]
+__all__ = ["LEASE_S", "RunReader", "StoreReader", "forget_unseen", "leave", "with_usage"]
 
 
 class RunReader:
@@ -208,6 +208,16 @@ def with_usage(meta: StreamMeta, include_usage: bool, include_cost: bool = False
     if meta.include_usage == include_usage and meta.include_cost == include_cost:
         return meta
     return replace(meta, include_usage=include_usage, include_cost=include_cost)
+
+
+def forget_unseen(reader: LogReader) -> None:
+    """Its client left before its response's headers (which name the stream) went out:
+    nobody can resume it, so its last local reader leaving ends it as a plain stream's
+    does, not ``detach_timeout_s`` later (its upstream generating for nobody). Readers on
+    other replicas still hold it (their leases are asked first)."""
+    run = reader.run
+    if run is not None and run.attached == 1 and run.info.resumable:
+        run.info.resumable = False
 
 
 async def leave(reader: LogReader, run: StreamRun | None, *, aborted: bool = True) -> None:

@@ -13,8 +13,8 @@ have the loop: ``YIELD_EVERY``). The race between producer, heartbeat, disconnec
   (:meth:`StreamPump._push`): rendered and written in the producer's task while the socket takes
   it, so that an upstream read wakes one task, as in a byte-copying proxy; a batch it leaves (a
   write under way, a full socket) wakes the pump's task instead. When its client leaves, the reader
-  detaches: the last reader of a stream that is not resumable cancels it at once; a resumable one
-  runs on for ``[streams] detach_timeout_s``.
+  detaches: the last reader of a stream that is not resumable (or whose client left before its
+  headers named it) cancels it at once; a resumable one runs on for ``detach_timeout_s``.
 * **Watchdog.** One task (:mod:`~nexus.watchdog`) checks every response's timers (a
   :class:`~nexus.server.writer.Writer`): a heartbeat after ``heartbeat_interval_s`` without a
   write; the connection aborted when its full socket takes no byte for ``write_timeout_s``.
@@ -36,6 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..cache.readers import forget_unseen
 from ..cache.run import LogReader
 from ..encoders.base import Encoder
 from ..errors import GatewayError, ServerShuttingDown, StreamError
@@ -96,16 +97,13 @@ class StreamPump(Writer):
         self._events = metrics.events.labels(fmt) if metrics is not None else None
         self._bytes = metrics.bytes.labels(fmt) if metrics is not None else None
         self._metered = (0, self.exchange.bytes)  # in the counters so far
-        self.reader = reader
+        self.reader, self.renderer = reader, renderer
         self.name = f"stream {reader.meta.id}"
-        self.renderer = renderer
         self.first_wait_s = heartbeat_s if first_wait_s is None else first_wait_s
-        self.headers = headers
+        self.headers, self._active = headers, active
         self.response: web.StreamResponse | None = None
-        self._active = active
         self._task: asyncio.Task[object] | None = None
-        self._shutting_down = False
-        self._ended = False
+        self._shutting_down = self._ended = False
         self._chunked = False  # the body goes out in HTTP chunks (not to HTTP/1.0, nor HEAD)
         self._head = False  # a HEAD request: headers only, no body
         self._last: StreamEvent | None = None  # the last event of the first output
@@ -199,6 +197,8 @@ class StreamPump(Writer):
             self._meter()
             if self._active is not None:
                 self._active.discard(self)
+            if self.origin and self.response is None:
+                forget_unseen(self.reader)  # (it never learnt the stream's id)
             await self.reader.close(self._failed_with)
             ex = self.exchange
             if self.origin and ex.spend is None and self.reader.failure is None:

@@ -248,6 +248,10 @@
   keyInput.addEventListener("change", () => {
     localStorage.setItem("nexus.key", keyInput.value.trim());
     loadModels();
+    // The socket was opened with the old key: its turns would still be that key's.
+    closeSocket("the API key changed");
+    socket.refused = 0;
+    if (els.transport.value === "ws") openSocket();
   });
   function authHeaders(extra) {
     const key = keyInput.value.trim();
@@ -457,7 +461,23 @@
 
   // The WebSocket lives across turns; it reconnects on an unexpected close while
   // the WebSocket transport is selected.
-  const socket = { ws: null, opened: null, attempts: 0, timer: null };
+  const socket = { ws: null, opened: null, attempts: 0, timer: null, refused: 0 };
+  // A handshake the server refuses (a wrong key, too many sockets) is an HTTP error a
+  // browser's WebSocket cannot read: after this many in a row, no more tries.
+  const MAX_REFUSED = 3;
+  // A subprotocol is an HTTP token: a key with other characters cannot ride in one.
+  const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
+
+  function closeSocket(reason) {
+    const ws = socket.ws;
+    clearTimeout(socket.timer);
+    socket.timer = null;
+    if (!ws) return;
+    socket.ws = null;
+    const r = run;
+    if (r && r.ws === ws && !r.finished) finish(r, "interrupted", `interrupted: ${reason}`);
+    ws.close(1000, reason);
+  }
 
   function setSocketState(text) {
     els.socket.textContent = text;
@@ -470,12 +490,23 @@
     const url = new URL("/v1/realtime", location.href);
     url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
     const key = keyInput.value.trim();
+    if (key && !TOKEN.test(key)) {
+      // (The key itself is never shown.)
+      const why = "this API key has characters a WebSocket subprotocol cannot carry: use SSE or NDJSON";
+      setSocketState(why);
+      socket.opened = Promise.reject(new Error(why));
+      socket.opened.catch(() => {});
+      return socket.opened;
+    }
     const ws = key ? new WebSocket(url, ["nexus.v1", `nexus-key.${key}`]) : new WebSocket(url);
     socket.ws = ws;
     setSocketState("connecting");
+    let opened = false;
     socket.opened = new Promise((resolve, reject) => {
       ws.addEventListener("open", () => {
+        opened = true;
         socket.attempts = 0;
+        socket.refused = 0;
         setSocketState("open");
         resolve(ws);
       }, { once: true });
@@ -504,6 +535,14 @@
         finish(r, "interrupted", `interrupted: the WebSocket closed (code ${e.code}); a WebSocket turn is not resumed, send again`);
       }
       if (els.transport.value !== "ws") return;
+      if (!opened && ++socket.refused >= MAX_REFUSED) {
+        setSocketState(
+          `refused ${socket.refused} times (a wrong key, or too many sockets: the server's ` +
+            "reason does not reach a browser's WebSocket; SSE or NDJSON shows it); change " +
+            "the key or the transport to try again",
+        );
+        return;
+      }
       socket.attempts += 1;
       const delay = backoff(socket.attempts);
       setSocketState(`closed (${e.code}); reconnecting in ${delay} ms`);
@@ -656,6 +695,7 @@
     if (e.key === "Escape" && run && !run.finished) abort();
   });
   els.transport.addEventListener("change", () => {
+    socket.refused = 0;
     if (els.transport.value === "ws") openSocket();
   });
 

@@ -16,13 +16,14 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import ValidationError
 
-from .auth import ApiKey, KeyRing, hash_key, is_loopback, new_key
+from .auth import ApiKey, KeyRing, hash_key, new_key
 from .budgets import key_table, window
 from .cache.limits import KeyLimits, LocalLimits
 from .config import AuthKeyConfig, Config, RedisStoreConfig, load_config
 from .config_errors import in_file
 from .errors import ConfigError
 from .log_context import RequestIds
+from .serve_checks import check_buildable, check_exposure, install_loop, open_files_for, reach
 from .server import redaction
 from .server.log_lines import JsonFormatter
 from .supervisor import (
@@ -106,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--port: {args.port} is not a port number (0-65535)")
         uvloop = {"auto": "auto", "uvloop": True, "asyncio": False}.get(args.loop)
         if uvloop is True:  # checked here, where the flag can be named
-            _install_loop(True, "--loop uvloop", install=False)
+            install_loop(True, "--loop uvloop", install=False)
         given = {"host": args.host, "port": args.port, "workers": args.workers, "uvloop": uvloop}
         server = {name: value for name, value in given.items() if value is not None}
         if server:
             config = config.model_copy(update={"server": config.server.model_copy(update=server)})
         _setup_logging(args.log_level.upper(), config.logging.format)
-        _check_exposure(config, source)
+        check_exposure(config, source)
         check_installed(config.telemetry)  # once, before any worker starts
         from .server.app import metrics_token
         from .server.routes.metrics import needs_token
@@ -248,18 +249,6 @@ def _setup_logging(level: str, fmt: str) -> None:
     redaction.install()
 
 
-def _check_exposure(config: Config, source: str) -> None:
-    """No keys on a non-loopback interface is refused, unless the config says it is meant."""
-    auth = config.auth
-    if auth.keys or auth.allow_unauthenticated or is_loopback(config.server.host):
-        return
-    raise ConfigError(
-        f"{source}: refusing to serve on {config.server.host} without API keys: anyone who "
-        "can reach it could use your providers. Add [[auth.keys]] (make one with `nexus "
-        "hash-key`), bind to 127.0.0.1, or set [auth] allow_unauthenticated = true."
-    )
-
-
 BUILT_IN = "built-in default"
 
 
@@ -273,52 +262,18 @@ def _load(path: str | None) -> tuple[Config, str]:
 
 
 def _serve(config: Config, source: str) -> int:
-    _open_files_for(config.server.max_connections)
+    open_files_for(config.server.max_connections)
     workers = config.server.workers
     count = cpu_count() if workers == "auto" else workers
     if count == 1:
         return _serve_one(config, source)
-    _check_buildable(config, source)  # once here: in each worker it would be a restart loop
+    check_buildable(config, source)  # once here: in each worker it would be a restart loop
     try:
         if isinstance(config.store, RedisStoreConfig):
-            asyncio.run(_reach(config.store))
+            asyncio.run(reach(config.store))
         return Supervisor(config, source, count, _serve_one).run()
     except OSError as exc:  # the port (taken, or a host not of this machine), or Redis
         return _cannot_serve(config, exc)
-
-
-def _check_buildable(config: Config, source: str) -> None:
-    """What a worker builds from the config before it serves, built (and dropped) once
-    before any worker forks: a :class:`ConfigError` (a provider's unset ``api_key_env``,
-    an encoder that cannot be imported) is then one line, exit 2.
-    Nothing here opens a connection or starts a thread."""
-    from .encoders.registry import default_registry
-    from .engine import Engine
-    from .server.app import build_store
-
-    if config.store.kind == "memory" and any(k.budget_usd is not None for k in config.auth.keys):
-        raise ConfigError(
-            f"{source}: [[auth.keys]] budget_usd with several workers needs [store] kind = "
-            '"redis": with the in-memory store each worker would keep its own spend, and '
-            "together they would allow each budget once per worker"
-        )
-    if config.server.uvloop is True:
-        _install_loop(True, f"{source}: [server] uvloop", install=False)
-    default_registry.copy().load_config(config.encoders, source)
-    Engine.from_config(config, source=source)
-    build_store(config.store)
-
-
-async def _reach(store: RedisStoreConfig) -> None:
-    """Redis answers, or :class:`~nexus.cache.redis.RedisUnavailable`: checked once
-    before the workers fork (each would fail on it, be restarted and fail again)."""
-    from .cache.redis import RedisStore
-
-    probe = RedisStore(store.url, store.prefix, max_connections=1)
-    try:
-        await probe.start()
-    finally:
-        await probe.close()
 
 
 def _cannot_serve(config: Config, exc: OSError, worker: int | None = None) -> int:
@@ -347,38 +302,11 @@ def _say(line: str, worker: int | None) -> None:
         log.error("worker %d: %s", worker, line)
 
 
-def _open_files_for(connections: int) -> None:
-    """Raise the soft open-file limit (``ulimit -n``) towards the hard one, to twice
-    ``[server] max_connections`` and a margin (a client and its upstream connection are
-    a file each); below the cap itself accept() fails before the cap's 503, so warn."""
-    try:
-        import resource
-    except ImportError:  # not on a Unix
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 2 * connections + 256
-    if hard != resource.RLIM_INFINITY:
-        wanted = min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-            soft = wanted
-        except (ValueError, OSError):
-            pass
-    if soft != resource.RLIM_INFINITY and soft < connections:
-        log.warning(
-            "[server] max_connections is %d, but a process may open only %d files "
-            "(ulimit -n): past that, connections are refused without the 503",
-            connections,
-            soft,
-        )
-
-
 def _serve_one(
     config: Config, source: str, worker: int | None = None, ready: Callable[[], None] | None = None
 ) -> int:
     """One gateway process: the whole server, or worker ``worker`` of several."""
-    _install_loop(config.server.uvloop, f"{source}: [server] uvloop")
+    install_loop(config.server.uvloop, f"{source}: [server] uvloop")
     # Each token leaves a few short-lived containers: at the default threshold (700) the
     # collector took ~20% of the CPU at saturation (bench/README.md). This process only.
     gc.set_threshold(GC_THRESHOLD, 20, 20)
@@ -390,24 +318,6 @@ def _serve_one(
         _say(f"config error: {in_file(str(exc), source)}", worker)
         return CONFIG_ERROR
     return 0
-
-
-def _install_loop(uvloop_wanted: bool | str, wanted_by: str, *, install: bool = True) -> None:
-    """uvloop as the event loop, where ``uvloop_wanted`` asks for it; a
-    :class:`ConfigError` naming ``wanted_by`` (the file's key, or ``--loop``) when it is
-    required and not installed."""
-    if uvloop_wanted is False:
-        return
-    try:
-        import uvloop  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        if uvloop_wanted is True:
-            raise ConfigError(
-                f"{wanted_by}: uvloop is not installed (pip install 'nexus-gateway[uvloop]')"
-            ) from None
-        return
-    if install:
-        uvloop.install()
 
 
 async def _run(

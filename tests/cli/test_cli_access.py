@@ -110,3 +110,17 @@ def test_json_logs_carry_the_request_id_and_no_secrets(tmp_path: Path) -> None:
     assert line["events"] > 0 and line["bytes"] > 0
     assert line["ttfb_ms"] is not None and line["duration_ms"] >= line["ttfb_ms"]
     assert key not in rest and "private" not in rest
+
+
+def test_any_pages_origin_without_keys_is_refused(tmp_path: Path) -> None:
+    """Every site its user opened could spend the providers through a keyless gateway."""
+    config = tmp_path / "config.toml"
+    config.write_text('[cors]\nallow_origins = ["*"]\n[providers.mock]\nkind = "mock"\n')
+    out = subprocess.run(
+        [NEXUS, "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert "refusing [cors] allow_origins = ['*'] without API keys" in out.stderr

@@ -395,8 +395,8 @@ def test_the_open_file_limit_is_raised_for_the_cap(
         "import logging, resource\n"
         "logging.basicConfig()\n"
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
-        "from nexus.cli import _open_files_for\n"
-        f"_open_files_for({cap})\n"
+        "from nexus.serve_checks import open_files_for\n"
+        f"open_files_for({cap})\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)

@@ -73,7 +73,9 @@ async def page(chromium: Browser) -> AsyncIterator[Page]:
     def on_console(message: ConsoleMessage) -> None:
         # CSP violations and failed loads land here; the cut connections, and the refusals
         # the tests of refused model loads ask for, are expected.
-        refused = "status of 401" in message.text or "status of 429" in message.text
+        text = message.text
+        refused = any(f"{what} 401" in text for what in ("status of", "response code:"))
+        refused = refused or "status of 429" in text or "HTTP Authentication failed" in text
         if message.type == "error" and "net::ERR_" not in message.text and not refused:
             errors.append(message.text)
 
@@ -353,3 +355,36 @@ async def test_at_one_request_a_second_a_send_streams_over_event_source(page: Pa
         await expect(page.locator("#status")).to_have_attribute("data-state", "done")
         assert await output_of(page) == "one user action"
         await expect(page.locator("#log")).to_contain_text("EventSource")
+
+
+async def test_a_new_key_reopens_the_socket_and_refusals_stop_the_retries(
+    keyed_gateway: TestServer, page: Page
+) -> None:
+    """The socket kept the key it opened with (a turn after a key change was billed to
+    the old key); and a refused handshake, which a browser cannot read, was retried every
+    few seconds for as long as the tab was open."""
+    await with_key(page)
+    await open_console(page, port_of(keyed_gateway))
+    await page.select_option("#transport", "ws")
+    await expect(page.locator("#socket")).to_have_text("open")
+    await page.fill("#api-key", "nx-not-a-key-of-this-gateway")
+    await page.locator("#api-key").dispatch_event("change")
+    await expect(page.locator("#socket")).to_contain_text("refused 3 times", timeout=15000)
+    await asyncio.sleep(1.5)
+    await expect(page.locator("#socket")).to_contain_text("refused 3 times")  # no more tries
+
+
+async def test_a_key_a_subprotocol_cannot_carry_is_said_so_and_never_shown(
+    gateway: TestServer, page: Page
+) -> None:
+    await open_console(page, port_of(gateway))
+    key = "nx-with/slash+plus="
+    await page.fill("#api-key", key)
+    await page.locator("#api-key").dispatch_event("change")
+    await page.select_option("#transport", "ws")
+    await expect(page.locator("#socket")).to_contain_text("cannot carry")
+    assert key not in (await page.locator("body").text_content() or "")
+    # Sent without the script, the form would carry no key either.
+    assert (
+        await page.evaluate("new FormData(document.getElementById('form')).has('api-key')") is False
+    )

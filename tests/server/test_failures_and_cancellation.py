@@ -19,6 +19,7 @@ from nexus.events import StreamEvent
 from nexus.request import ChatRequest
 from nexus.server.state import RUNTIME
 from support import GatedProvider, MakeClient, chat, parse_sse
+from upstreams import FakeUpstream, Reply, openai_chunk
 
 
 class BoomProvider(Provider):
@@ -274,3 +275,24 @@ def test_stream_close_does_not_spin_while_the_provider_cleans_up() -> None:
     cpu, wall = map(float, out.split())
     assert wall >= 0.25  # close() waited for the cleanup...
     assert cpu < 0.15  # ...without burning the CPU meanwhile
+
+
+async def test_a_json_answers_upstream_failure_after_output_is_a_502_as_before_it(
+    make_client: MakeClient,
+) -> None:
+    """The same upstream error was a 502 before the first token and a 500 (with
+    ``x-should-retry``, which docs reserve for the gateway's own failures) after it."""
+    fail = b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n'
+    first = openai_chunk(role="assistant", content="Hel")
+    async with FakeUpstream(Reply.stream([fail]), Reply.stream([first, fail])) as fake:
+        config = {"providers": {"up": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+        client = await make_client(config)
+        statuses = []
+        for _ in range(2):
+            resp = await client.post(
+                "/v1/chat/completions",
+                json={"model": "up/m", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            statuses.append((resp.status, (await resp.json())["error"]["message"]))
+    assert [status for status, _ in statuses] == [502, 502]
+    assert all("overloaded" in message for _, message in statuses)

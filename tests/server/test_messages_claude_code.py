@@ -404,3 +404,26 @@ async def test_count_tokens_needs_the_key_and_its_models(make_client: MakeClient
         refused = await client.post(path, json=body, headers={"x-api-key": key})
         assert refused.status == 403 and fake.requests == []
         assert (await refused.json())["error"]["type"] == "permission_error"
+
+
+async def test_count_tokens_falls_back_on_a_target_that_is_down(make_client: MakeClient) -> None:
+    """An alias's first Anthropic target overloaded: completions fell back, the count
+    answered its 529 (and the SDK retried it, or waited out a 429's Retry-After)."""
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+    async with FakeUpstream(
+        Reply.json(529, overloaded), Reply.json(200, {"input_tokens": 42})
+    ) as fake:
+        config = providers(fake.url)
+        config["providers"]["an2"] = {"kind": "anthropic", "base_url": fake.url}
+        config["models"] = {"claude": {"targets": ["an/claude", "an2/claude"]}}
+        client = await make_client(config)
+        body = {"model": "claude", "messages": USER}
+        counted = await client.post("/v1/messages/count_tokens", json=body)
+        assert (await counted.json(), counted.headers["X-Nexus-Token-Count"]) == (
+            {"input_tokens": 42},
+            "counted",
+        )
+        fake.add(Reply.json(529, overloaded), Reply.json(529, overloaded))
+        estimated = await client.post("/v1/messages/count_tokens", json=body)
+        assert estimated.status == 200 and estimated.headers["X-Nexus-Token-Count"] == "estimated"
+        assert 0 < (await estimated.json())["input_tokens"] < 20

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from aiohttp import web
 
 from ...encoders.anthropic_sse import AnthropicSSEEncoder
+from ...errors import GatewayError
 from ...estimates import prompt_estimate
 from ...events import Usage
 from ...protocol.anthropic_messages import (
@@ -19,6 +22,7 @@ from ..key_admission import admit, authenticate, check_model
 from .common import check_open, complete, json_response, read_body, with_betas
 
 DEFAULT_FORMAT = AnthropicSSEEncoder.media_type
+log = logging.getLogger("nexus.server")
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -35,8 +39,10 @@ handle.error_body = anthropic_error_body  # type: ignore[attr-defined]
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """The prompt's tokens, ``{"input_tokens": N}``: exact from the model's first Anthropic
-    target (which counts them for free), else Nexus's estimate (what a budget holds). A
-    request of a key's rate, for a model the key may use; it spends nothing."""
+    target that answers (which counts them for free; a retryable failure tries the next),
+    else Nexus's estimate (what a budget holds), as ``X-Nexus-Token-Count`` says
+    (``counted``, ``estimated``). A request of a key's rate, for a model the key may use;
+    it spends nothing."""
     check_open(request)
     key = authenticate(request)
     await admit(request, key, None)  # its rate's token before its body
@@ -51,10 +57,20 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     for provider, model in request.app[state.ENGINE].route(chat.model):
         if isinstance(provider, AnthropicProvider):
             counted = 0
-            async for batch in provider.counter().batches(chat, model):
-                counted = next((e.prompt_tokens for e in batch if isinstance(e, Usage)), counted)
-            return json_response({"input_tokens": counted})
-    return json_response({"input_tokens": prompt_estimate(chat)})
+            try:
+                async for batch in provider.counter().batches(chat, model):
+                    usage = (e.prompt_tokens for e in batch if isinstance(e, Usage))
+                    counted = next(usage, counted)
+            except GatewayError as exc:
+                if not exc.retryable:
+                    raise  # the request's own fault, or the key's: as Anthropic said
+                log.warning("count_tokens: provider %s failed (%s)", provider.name, exc.code)
+                continue
+            return json_response({"input_tokens": counted}, headers={_COUNT: "counted"})
+    return json_response({"input_tokens": prompt_estimate(chat)}, headers={_COUNT: "estimated"})
+
+
+_COUNT = "X-Nexus-Token-Count"
 
 
 count_tokens.error_body = anthropic_error_body  # type: ignore[attr-defined]

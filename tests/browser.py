@@ -76,6 +76,8 @@ class CuttingProxy:
     connection, and every later one, passes untouched, but for one thing: the
     proxy drops ``Sec-WebSocket-Extensions`` from upgrade requests, so that
     WebSocket frames are not compressed and the marker can be seen in them.
+    While ``down``, it stands for a gateway that is down: every connection is reset at
+    once (:meth:`go_down` also resets those open).
     """
 
     def __init__(self, upstream_port: int, request_prefix: bytes, marker: bytes, after: int):
@@ -89,6 +91,12 @@ class CuttingProxy:
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self.down = False
+
+    def go_down(self) -> None:
+        self.down = True
+        for writer in list(self._writers):
+            writer.transport.abort()
 
     async def __aenter__(self) -> CuttingProxy:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -113,6 +121,9 @@ class CuttingProxy:
         self._writers.add(client_out)
         server_out: asyncio.StreamWriter | None = None
         try:
+            if self.down:
+                client_out.transport.abort()
+                raise ConnectionResetError("the gateway is down")
             server_in, server_out = await asyncio.open_connection("127.0.0.1", self.upstream_port)
             self._writers.add(server_out)
             armed = asyncio.Event()  # this connection carries the request to cut

@@ -462,9 +462,9 @@
   // The WebSocket lives across turns; it reconnects on an unexpected close while
   // the WebSocket transport is selected.
   const socket = { ws: null, opened: null, attempts: 0, timer: null, refused: 0 };
-  // A handshake the server refuses (a wrong key, too many sockets) is an HTTP error a
-  // browser's WebSocket cannot read: after this many in a row, no more tries.
-  const MAX_REFUSED = 3;
+  // A handshake refused for its key is not tried again until the key (or the transport)
+  // changes: socket.refused is set to this.
+  const MAX_REFUSED = 1;
   // A subprotocol is an HTTP token: a key with other characters cannot ride in one.
   const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 
@@ -535,24 +535,43 @@
         finish(r, "interrupted", `interrupted: the WebSocket closed (code ${e.code}); a WebSocket turn is not resumed, send again`);
       }
       if (els.transport.value !== "ws") return;
-      if (!opened && ++socket.refused >= MAX_REFUSED) {
-        setSocketState(
-          `refused ${socket.refused} times (a wrong key, or too many sockets: the server's ` +
-            "reason does not reach a browser's WebSocket; SSE or NDJSON shows it); change " +
-            "the key or the transport to try again",
-        );
+      if (!opened) {
+        // A browser's WebSocket cannot read why a handshake failed: a plain request with
+        // the same key tells a refused key (no more tries) from a gateway that is down.
+        refusedKey().then((refused) => {
+          if (refused) {
+            socket.refused = MAX_REFUSED;
+            setSocketState("the gateway refused the API key: change it to try again");
+          } else {
+            retrySocket(e.code, r);
+          }
+        });
         return;
       }
-      socket.attempts += 1;
-      const delay = backoff(socket.attempts);
-      setSocketState(`closed (${e.code}); reconnecting in ${delay} ms`);
-      if (r && r.transport === "ws") countReconnect(r);
-      socket.timer = setTimeout(() => {
-        socket.timer = null;
-        if (els.transport.value === "ws") openSocket();
-      }, delay);
+      retrySocket(e.code, r);
     });
     return socket.opened;
+  }
+
+  async function refusedKey() {
+    try {
+      const resp = await fetch("/v1/models", { headers: authHeaders({}) });
+      return resp.status === 401 || resp.status === 403;
+    } catch {
+      return false; // the gateway is not reachable: try again later
+    }
+  }
+
+  function retrySocket(code, r) {
+    if (socket.refused >= MAX_REFUSED || els.transport.value !== "ws" || socket.ws) return;
+    socket.attempts += 1;
+    const delay = backoff(socket.attempts);
+    setSocketState(`closed (${code}); reconnecting in ${delay} ms`);
+    if (r && r.transport === "ws") countReconnect(r);
+    socket.timer = setTimeout(() => {
+      socket.timer = null;
+      if (els.transport.value === "ws") openSocket();
+    }, delay);
   }
 
   async function startWS(r, body) {

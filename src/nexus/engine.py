@@ -165,6 +165,7 @@ class Engine:
         except BaseException:
             for provider in started:
                 await provider.close()
+            self._loop = None  # not started: it may be started again
             raise
 
     async def close(self) -> None:

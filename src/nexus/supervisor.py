@@ -183,9 +183,11 @@ class Supervisor:
                 )
             return self._watch(config)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self._stop_all(config)
+            try:
+                self._stop_all(config)  # (a second signal meanwhile hurries the workers)
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
             reserved.close()
             if self.metrics_dir is not None:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
@@ -353,6 +355,7 @@ def _worker(
     # The supervisor's handlers came along with the fork; the worker's loop sets its own.
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(HURRY_SIGNAL, signal.SIG_IGN)  # until its loop's handler: never a kill
     _die_with_parent(supervisor)
     if metrics_dir is not None:
         from .server.metrics import enable_multiprocess

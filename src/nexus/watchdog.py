@@ -50,6 +50,7 @@ class Watchdog:
         if (task := self._task) is not None and task is not asyncio.current_task():
             task.cancel()
             await asyncio.wait((task,))
+            self._task = None  # (a task cancelled before it ran never ran its finally)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -103,3 +103,31 @@ def test_workers_that_cannot_reach_the_store_are_started_again_without_giving_up
     assert sup.run() == 0
     timer.join()
     assert int(starts.read_text()) == 2 * supervisor.MAX_QUICK_DEATHS + 1
+
+
+def test_a_second_signal_during_the_drain_hurries_the_workers(tmp_path: Path) -> None:
+    """The supervisor put its old handlers back before it waited for the workers: a
+    second SIGTERM killed it (its workers left running), a second Ctrl-C raised
+    KeyboardInterrupt; the workers were never told to hurry."""
+    hurried = tmp_path / "hurried"
+
+    def worker_main(config: Config, source: str, index: int, ready: Callable[[], None]) -> int:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # draining: the first stop is slow
+        def hurry(*_: object) -> None:
+            hurried.touch()
+            os._exit(0)
+
+        signal.signal(supervisor.HURRY_SIGNAL, hurry)
+        ready()
+        time.sleep(30)
+        return 0
+
+    server = ServerConfig(port=0, drain_delay_s=20, shutdown_grace_s=0)
+    sup = Supervisor(Config(server=server), "test", 1, worker_main)
+    first, second = stop_soon(sup, 0.5), stop_soon(sup, 1.0)
+    began = time.monotonic()
+    assert sup.run() == 0
+    first.join()
+    second.join()
+    assert hurried.exists()
+    assert time.monotonic() - began < 10

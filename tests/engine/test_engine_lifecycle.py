@@ -73,3 +73,38 @@ async def test_a_started_engine_refuses_a_second_start_and_its_close_ends_every_
         assert left == []
         async with engine:  # closed, it starts again
             assert (await engine.complete(BODY)).content == "hi"
+
+
+async def test_an_engine_whose_start_failed_may_be_started_again() -> None:
+    class Flaky(MockProvider):
+        failures = 1
+
+        async def start(self) -> None:
+            if Flaky.failures:
+                Flaky.failures -= 1
+                raise OSError("not yet")
+
+    engine = Engine([Flaky("mock")])
+    with pytest.raises(OSError):
+        await engine.start()
+    await engine.start()  # not "started already": nothing was
+    assert (await engine.complete({**BODY, "model": "mock/echo"})).content == "hi"
+    await engine.close()
+
+
+async def test_a_watchdog_stopped_before_its_first_tick_ticks_again_when_watched() -> None:
+    from nexus.watchdog import Watchdog
+
+    ticks: list[float] = []
+
+    class Watched:
+        def check(self, now: float) -> None:
+            ticks.append(now)
+
+    dog, watched = Watchdog(), Watched()
+    dog.add(watched, 0.01)
+    await dog.stop()  # in the same turn of the loop: its task never ran
+    dog.add(watched, 0.01)
+    await asyncio.sleep(0.1)
+    assert ticks
+    await dog.stop()

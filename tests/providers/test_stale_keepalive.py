@@ -13,6 +13,7 @@ import pytest
 
 from nexus import Engine, OpenAIProvider, OpenAIProviderConfig
 from nexus.errors import UpstreamDisconnected
+from nexus.providers.connections import STALE_CLOSE_S
 from upstreams import DONE, openai_chunk
 
 BODY = {"model": "up/m", "messages": [{"role": "user", "content": "hi"}]}
@@ -25,7 +26,8 @@ RESPONSE = (
 
 class Upstream:
     """Answers one request per connection, then closes it when the next one comes in
-    (``then``: ``"close"``), or answers a few bytes of it and closes (``"half"``)."""
+    (``then``: ``"close"``), after working on it a while (``"worked"``), or answers a few
+    bytes of it and closes (``"half"``)."""
 
     def __init__(self, then: str) -> None:
         self.then = then
@@ -47,6 +49,8 @@ class Upstream:
                     if self.then == "half":
                         writer.write(b"HTTP/1.1 200 OK\r\n")
                         await writer.drain()
+                    elif self.then == "worked":  # read it, worked on it, then died
+                        await asyncio.sleep(STALE_CLOSE_S + 0.3)
                     break
                 writer.write(RESPONSE)
                 await writer.drain()
@@ -83,8 +87,13 @@ async def test_a_reused_connection_closed_unanswered_is_tried_once_more(engine_f
     assert upstream.requests == 5  # 1, then (closed, again) twice
 
 
-async def test_a_connection_that_answered_something_is_not_tried_again(engine_for: Make) -> None:
-    engine, upstream = await engine_for("half")
+@pytest.mark.parametrize("then", ["half", "worked"])
+async def test_a_request_the_upstream_may_have_read_is_not_sent_again(
+    engine_for: Make, then: str
+) -> None:
+    """Something of the answer came, or the close came long after the request went out
+    (the upstream may have read it, and be billing it): an error, never a second copy."""
+    engine, upstream = await engine_for(then)
     async with engine:
         assert (await engine.complete(BODY)).content == "hi"
         with pytest.raises(UpstreamDisconnected):

@@ -145,3 +145,46 @@ async def test_a_joined_request_is_shown_the_cost_it_was_charged_nothing(
     assert cost(await first.read()) == 3.0  # 1 + 2 tokens at $1 each
     assert cost(await second.read()) == 0.0
     assert (await answer.json())["usage"]["cost"] == 0.0
+
+
+@pytest.mark.parametrize("owner", ["json", "streaming"])
+async def test_a_background_request_that_joined_outlives_the_owners_client(
+    make_client: MakeClient, owner: str
+) -> None:
+    """A background request joined a stream (its 202 says resumable): the owner's client
+    leaving (a JSON answer's, or a stream's before its headers) cancelled it, its read
+    token finding only ``client_disconnect``."""
+    gated = GatedProvider(before=0, after=2)
+    config = {"cache": {"enabled": True}, "streams": {"detach_timeout_s": 30}}
+    client = await make_client(config, providers=[gated])
+    body = chat(model="gated/m", stream=owner == "streaming")
+    asking = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+    await asyncio.wait_for(gated.started.wait(), 5)
+    joined = await client.post("/v1/chat/completions", json=chat(model="gated/m", background=True))
+    assert joined.status == 202 and joined.headers["X-Nexus-Cache"] == "hit"
+    url = (await joined.json())["url"]
+    asking.cancel()
+    await asyncio.sleep(0.3)
+    assert not gated.closed.is_set()
+    gated.gate.set()
+    read = await client.get(url, params={"stream_format": "ndjson"})
+    lines = [orjson.loads(line) for line in (await read.read()).splitlines()]
+    assert lines[-1] == {"type": "done"}
+
+
+async def test_a_replay_read_later_carries_the_cost_asked_for(make_client: MakeClient) -> None:
+    """A hit's stream (a background request's, read with its token) left out the usage
+    that ``include_cost`` alone asks for, as a miss's carries it."""
+    prices = {"mock/echo": {"input_usd_per_mtok": 1, "output_usd_per_mtok": 1}}
+    client = await make_client({"cache": {"enabled": True}, "models": prices})
+    body = chat(background=True, stream_options={"include_cost": True})
+    costs = []
+    for _ in range(2):
+        created = await client.post("/v1/chat/completions", json=body)
+        await asyncio.sleep(0.2)
+        read = await client.get((await created.json())["url"])
+        chunks = [orjson.loads(e.data) for e in parse_sse(await read.read()) if e.data[:1] == "{"]
+        costs.append([c["usage"]["cost"] for c in chunks if c.get("usage")])
+        costs[-1].append(created.headers.get("X-Nexus-Cache"))
+    assert costs[0][0] > 0 and costs[0][1] == "miss"
+    assert costs[1] == [0.0, "hit"]  # a hit costs nothing, and says so

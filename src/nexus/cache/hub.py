@@ -187,7 +187,8 @@ class StreamHub:
             self.engine.route(request.model)  # the model must still exist
             meta = StreamMeta.new(
                 request.model,
-                include_usage=request.include_usage,
+                include_usage=request.include_usage or request.include_cost,  # (as a miss's)
+                include_cost=request.include_cost,
                 provider=recording.provider,
                 upstream_model=recording.upstream_model,
                 retry_ms=self.engine.retry_ms,

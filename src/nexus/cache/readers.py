@@ -213,10 +213,11 @@ def with_usage(meta: StreamMeta, include_usage: bool, include_cost: bool = False
 def forget_unseen(reader: LogReader) -> None:
     """Its client left before its response's headers (which name the stream) went out:
     nobody can resume it, so its last local reader leaving ends it as a plain stream's
-    does, not ``detach_timeout_s`` later (its upstream generating for nobody). Readers on
-    other replicas still hold it (their leases are asked first)."""
+    does, not ``detach_timeout_s`` later (its upstream generating for nobody); unless its id
+    went elsewhere (``info.named``: a 202, a join). Readers on other replicas still hold it
+    (their leases are asked first)."""
     run = reader.run
-    if run is not None and run.attached == 1 and run.info.resumable:
+    if run is not None and run.attached == 1 and run.info.resumable and not run.info.named:
         run.info.resumable = False
 
 
@@ -228,14 +229,11 @@ async def leave(reader: LogReader, run: StreamRun | None, *, aborted: bool = Tru
     HTTP stream's last reader leaves). Idempotent."""
     # Ended before the close, which would end it as its last reader gone, not aborted.
     end = Done(aborted=True) if aborted else CLIENT_GONE
-    if (
-        run is not None
-        and not run.finished
-        and run.attached == 1
-        and isinstance(reader, RunReader)
-        and reader.attached
-    ):
+    if run is None or run.info.resumable:  # (a joiner made it so: it waits for its readers)
+        await reader.close()
+        return
+    if not run.finished and run.attached == 1 and isinstance(reader, RunReader) and reader.attached:
         run.cancel(end)
     await reader.close()
-    if run is not None and not run.finished and not run.attached:
+    if not run.finished and not run.attached:
         run.cancel(end)

@@ -68,6 +68,9 @@ class StreamInfo:
     resumable: bool = False
     """It outlives its clients for ``[streams] detach_timeout_s`` (``background``, or
     asked for); otherwise the last client to leave cancels it at once."""
+    named: bool = False
+    """This process handed its id to another than the request that made it (a 202, a
+    join): not stored, read by :func:`~nexus.cache.readers.forget_unseen`."""
 
     @property
     def id(self) -> str:

@@ -44,6 +44,7 @@ from .http1 import Connection, UpstreamClosed, UpstreamMalformed
 __all__ = [
     "KEEPALIVE_S",
     "POOL_WAITS",
+    "STALE_CLOSE_S",
     "ConnectionPool",
     "HeaderRefused",
     "PoolWaits",
@@ -52,6 +53,10 @@ __all__ = [
     "trusting",
 ]
 
+STALE_CLOSE_S = 0.5
+"""A reused connection closed unanswered this soon after the request went out was closed by
+the upstream's keep-alive, not by a failure while it worked: sent again (once, on a new
+connection). Later, the upstream may have read it: an error, never a second copy."""
 KEEPALIVE_S = 15.0
 """An idle connection older than this is closed instead of reused (aiohttp's default too):
 upstreams close theirs after a while, and a request on a half-closed one fails."""
@@ -126,9 +131,10 @@ class ConnectionPool:
     def busy(self) -> int:
         return self._busy
 
-    async def acquire(self, waiting: WaitWatcher | None = None) -> Connection:
-        """A connection for one request: an idle one, else a new one; when ``limit`` are in
-        use, after a wait in line for one of them (cancel the call to give up)."""
+    async def acquire(self, waiting: WaitWatcher | None = None, *, new: bool = False) -> Connection:
+        """A connection for one request: an idle one (unless ``new``), else a new one; when
+        ``limit`` are in use, after a wait in line for one of them (cancel the call to give
+        up)."""
         loop = asyncio.get_running_loop()
         if self._closed:
             raise UpstreamClosed("the provider is closing")
@@ -151,7 +157,7 @@ class ConnectionPool:
         else:
             self._busy += 1
         try:
-            return self._idle_one(loop.time()) or await self._connect(loop)
+            return (None if new else self._idle_one(loop.time())) or await self._connect(loop)
         except BaseException:
             self._free()
             raise

@@ -3,11 +3,10 @@ body fed to the provider's decoder as it arrives, and error mapping: connection 
 upstream statuses become the most specific :mod:`nexus.errors` class here, once
 (:func:`~.connections.map_upstream_errors`, :func:`~nexus.protocol.upstream.status_error`).
 Raised before the first event, an error may send the engine to the next target; after,
-an error event. A kept-alive connection closed unanswered as it is reused is tried once
-more on a new one (the upstream's keep-alive ran out first: it saw no request).
-Bodies are asked for and read as sent (``Accept-Encoding: identity``): a compressed body is
-a bomb waiting (300 MB of comments in 306 KB of gzip held the loop for every tenant), so
-one that comes compressed all the same is a protocol error. A stream holds its pooled
+an error event. A reused connection closed at once, unanswered, is tried once more on a
+new one (:data:`~.connections.STALE_CLOSE_S`). Bodies are asked for and read as sent
+(``Accept-Encoding: identity``): a compressed one (a bomb waiting: 300 MB of comments in
+306 KB of gzip held the loop for every tenant) is a protocol error. A stream holds its pooled
 connection (``max_connections``) for its whole length; a request's wait for one goes to
 the provider's ``on_pool_wait`` callbacks (a histogram) and to the call's
 :data:`~.connections.POOL_WAITS` (``pool_wait_ms``). Keys go out in headers only, never in
@@ -42,6 +41,7 @@ from ..watchdog import Watchdog
 from .base import Provider
 from .connections import (
     POOL_WAITS,
+    STALE_CLOSE_S,
     ConnectionPool,
     HeaderRefused,
     map_upstream_errors,
@@ -56,8 +56,7 @@ log = logging.getLogger("nexus.providers")
 
 _MAX_ERROR_BODY = 64 * 1024
 _DRAIN_TIMEOUT_S = 0.05
-_MAX_READY = 4096
-"""Events decoded and not yet read past which the socket stops being read."""
+_MAX_READY = 4096  # events decoded and not yet read past which the socket is not read
 USER_AGENT = f"nexus/{__version__}"
 """Sent upstream on every request: a provider's logs tell which gateway release sent what."""
 
@@ -340,9 +339,10 @@ class _Exchange:
         head = provider.request_head(pool, len(body), extra)
         with map_upstream_errors(provider.name, "before responding"):
             for fresh in (False, True):
-                connection = self._connection = await self._acquire(pool, loop, not fresh)
+                connection = self._connection = await self._acquire(pool, loop, fresh)
                 try:
                     async with asyncio.timeout(config.first_byte_timeout_s) as timeout:
+                        sent_at = loop.time()
                         connection.send(head + body, self)
                         while self._head is None and self._failure is None:
                             await self._wait()
@@ -362,11 +362,11 @@ class _Exchange:
                 except BaseException as exc:
                     self._connection = None
                     pool.release(connection, self._whole)
-                    # A kept-alive connection the upstream closed as it was reused, not a
-                    # byte answered (its keep-alive ran out first): once more, on a new one.
+                    # A kept-alive connection the upstream closed as it was reused, at once
+                    # and unanswered (its keep-alive ran out first): once more, on a new one.
                     if fresh or not (isinstance(exc, UpstreamClosed) and connection.reused):
                         raise
-                    if connection.heard:
+                    if connection.heard or loop.time() - sent_at > STALE_CLOSE_S:
                         raise
                     self._failure = None
         self._head = None
@@ -375,15 +375,16 @@ class _Exchange:
         provider._watchdog.add(self, tick)
 
     async def _acquire(
-        self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop, tell: bool
+        self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop, new: bool
     ) -> Connection:
-        """A connection of ``pool``, waited for at most ``pool_timeout_s``; the wait told
-        (``tell``: once a request)."""
+        """A connection of ``pool`` (``new``: not an idle one), waited for at most
+        ``pool_timeout_s``; the wait told (once a request: not for a ``new`` one)."""
+        tell = not new
         provider, config = self._provider, self._provider.config
         try:
             try:
                 async with asyncio.timeout(None) as self._timeout:
-                    return await pool.acquire(self)
+                    return await pool.acquire(self, new=new)
             except TimeoutError as exc:
                 if self._timeout is None or not self._timeout.expired():
                     raise  # the connect's own deadline, not the wait's

@@ -284,8 +284,8 @@ class Metrics:
         self.store_errors = counter(
             "nexus_store_errors",
             "Store operations that failed, by operation and cause: busy (no turn of the "
-            "pipeline, or no connection, within [store] pool_timeout_s) or unreachable "
-            "(Redis refused, failed or did not answer).",
+            "pipeline, or no connection, within [store] pool_timeout_s), unreachable "
+            "(Redis failed or did not answer) or refused (an error reply: OOM, NOPERM, ...).",
             ("op", "cause"),
         )
         self.store_evictions = counter(

@@ -113,6 +113,7 @@ def test_a_second_signal_during_the_drain_hurries_the_workers(tmp_path: Path) ->
 
     def worker_main(config: Config, source: str, index: int, ready: Callable[[], None]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # draining: the first stop is slow
+
         def hurry(*_: object) -> None:
             hurried.touch()
             os._exit(0)

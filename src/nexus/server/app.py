@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 
 from aiohttp import web
 
@@ -38,6 +39,7 @@ from .redaction import redact
 from .rejections import rejection_args
 from .routes import chat_completions, messages, models, realtime, responses, streams, web_console
 from .routes import metrics as metrics_page
+from .routes.common import expect_later
 from .shutdown import closing_deadline, drain, shutdown_event
 from .state import CONFIG, ENGINE, HUB, REGISTRY, REQUEST_HANDLER_ARGS, RUNTIME, TOKENS, Runtime
 
@@ -173,12 +175,14 @@ def create_app(
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(drain)
 
-    app.router.add_post("/v1/chat/completions", chat_completions.handle)
-    app.router.add_post("/v1/messages", messages.handle)
-    app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
-    app.router.add_post("/v1/responses", responses.handle)
+    # Bodies: "100 Continue" once the body is read, not before the key is checked.
+    post = partial(app.router.add_post, expect_handler=expect_later)
+    post("/v1/chat/completions", chat_completions.handle)
+    post("/v1/messages", messages.handle)
+    post("/v1/messages/count_tokens", messages.count_tokens)
+    post("/v1/responses", responses.handle)
     app.router.add_get("/v1/responses/{id}", responses.retrieve)
-    app.router.add_post("/v1/responses/{id}/cancel", responses.cancel)
+    post("/v1/responses/{id}/cancel", responses.cancel)
     app.router.add_get("/v1/realtime", realtime.handle)
     app.router.add_get("/v1/streams/{id}", streams.get)
     app.router.add_delete("/v1/streams/{id}", streams.cancel)

@@ -72,6 +72,7 @@ __all__ = [
     "RESUMABLE_HEADER",
     "complete",
     "count_cache",
+    "expect_later",
     "join_place",
     "json_response",
     "last_event_id",
@@ -86,8 +87,7 @@ STORE_HEADER = "X-Nexus-Store"
 """``unavailable``: the store could not be reached (``[store] required = false``): the
 stream runs on this replica only (see :mod:`nexus.cache.hub`)."""
 
-ATTACH_WAIT_S = 0.05
-"""An attach sends its headers with the log so far, or after this long with nothing."""
+ATTACH_WAIT_S = 0.05  # an attach sends its headers with the log so far, or after this long
 
 
 class ParseBody(Protocol):
@@ -114,6 +114,9 @@ async def read_body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     content = request.content
+    if not content.is_eof() and request.version >= (1, 1) and _continues(request):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (the response has not begun)
     if coding is None and content.is_eof():  # all in (a small body comes with its head)
         body = content.read_nowait()
         if len(body) > limit:
@@ -156,6 +159,18 @@ async def _read_some(content: StreamReader, stall_s: float) -> bytes:
         raise RequestTimeout(
             f"The request body sent no byte for {stall_s:g}s ([server] body_timeout_s)."
         ) from None
+
+
+async def expect_later(request: web.Request) -> None:
+    """A route's ``Expect`` handler: ``100 Continue`` waits for :func:`read_body`, after
+    the key, the rate and the headers' limits (aiohttp's went first: a client its headers
+    refused was asked for its upload); another expectation is a 417, as aiohttp's."""
+    if request.version >= (1, 1) and not _continues(request):
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers['Expect']}")
+
+
+def _continues(request: web.Request) -> bool:  # (Expect: 100-continue)
+    return request.headers.get("Expect", "").lower() == "100-continue"
 
 
 def json_response(

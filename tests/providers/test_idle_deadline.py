@@ -7,15 +7,15 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from nexus.providers.http import _Exchange
+from nexus.providers.exchange import UpstreamExchange
 
 
-def _exchange() -> _Exchange:
+def _exchange() -> UpstreamExchange:
     """An exchange waiting for its first byte (deadline at 10.0): the watchdog's view of
     it is ``received``, ``_deadline`` and a pending ``_waiter``."""
     config = SimpleNamespace(first_byte_timeout_s=10.0, idle_timeout_s=10.0)
     provider = SimpleNamespace(name="up", config=config)
-    exchange = _Exchange(provider, None, "m")  # type: ignore[arg-type]
+    exchange = UpstreamExchange(provider, None, "m")  # type: ignore[arg-type]
     exchange._deadline = 10.0  # the first byte's
     exchange._waiter = asyncio.get_running_loop().create_future()
     return exchange

@@ -438,3 +438,27 @@ def test_an_exhausted_quota_is_not_retried_by_the_sdks() -> None:
         "up", 429, "x", {"Retry-After": "1"}, body=b'{"error":{"code":"rate_limit_exceeded"}}'
     )
     assert (limited.code, limited.headers) == ("upstream_rate_limited", {"Retry-After": "1"})
+
+
+async def test_a_json_answer_to_a_stream_request_is_its_error_and_falls_back(
+    make_client: MakeClient,
+) -> None:
+    """A 200 in JSON with an error body (some servers and proxies answer so) was read as a
+    stream and reported as one that ended without [DONE], the upstream's words lost."""
+    overloaded = {"error": {"message": "The server is overloaded", "type": "server_error"}}
+    answer = Reply.stream([openai_chunk(content="fine"), openai_chunk(finish_reason="stop"), DONE])
+    whole = {"id": "c", "object": "chat.completion", "choices": []}
+    async with FakeUpstream(Reply.json(200, overloaded), answer, Reply.json(200, whole)) as fake:
+        up = {"kind": "openai", "base_url": fake.url + "/v1"}
+        config = {
+            "providers": {"one": up, "two": up},
+            "models": {"pair": {"targets": ["one/m", "two/m"]}},
+        }
+        client = await make_client(config)
+        body = {"model": "pair", "messages": [{"role": "user", "content": "hi"}]}
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert (await resp.json())["choices"][0]["message"]["content"] == "fine"
+        resp = await client.post("/v1/chat/completions", json={**body, "model": "one/m"})
+        error = (await resp.json())["error"]
+        assert (resp.status, error["code"]) == (502, "upstream_protocol_error")
+        assert "answered JSON" in error["message"]

@@ -1,9 +1,9 @@
 """Pushed reads: once a stream is under way, each upstream read's events go from the
 socket's ``data_received`` to the run's log and its readers (``Stream.push_to`` ->
-``RoutedRun.push_to`` -> ``_Exchange.push_to``), no task woken per read. A fast path beside
-the pull path (the run's task awaiting ``_Exchange.__anext__`` per read): a client must get
+``RoutedRun.push_to`` -> ``UpstreamExchange.push_to``), no task woken per read. A fast path beside
+the pull path (the run's task awaiting ``UpstreamExchange.__anext__`` per read): a client must get
 exactly what the pull path gives. Push is turned off by patching ``Stream.push_to`` to
-return None; whether it was on is told by how often ``_Exchange.__anext__`` ran."""
+return None; whether it was on is told by how often ``UpstreamExchange.__anext__`` ran."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient
 from nexus import Provider
 from nexus.cache.run import StreamRun
 from nexus.events import Delta, Error, StreamEvent
-from nexus.providers.http import _Exchange
+from nexus.providers.exchange import UpstreamExchange
 from nexus.server.state import HUB
 from nexus.stream import Stream
 from support import MakeClient, parse_sse
@@ -39,15 +39,15 @@ def push_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def count_pulls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """``[n]``: how many times ``_Exchange.__anext__`` ran (a pull per read without push)."""
+    """``[n]``: how many times ``UpstreamExchange.__anext__`` ran (a pull per read without push)."""
     calls = [0]
-    original = _Exchange.__anext__
+    original = UpstreamExchange.__anext__
 
-    async def counted(self: _Exchange) -> Any:
+    async def counted(self: UpstreamExchange) -> Any:
         calls[0] += 1
         return await original(self)
 
-    monkeypatch.setattr(_Exchange, "__anext__", counted)
+    monkeypatch.setattr(UpstreamExchange, "__anext__", counted)
     return calls
 
 
@@ -177,7 +177,7 @@ async def test_a_pushed_stream_gives_what_a_pulled_one_does(
 
 
 class Pushing(Provider):
-    """Its own batches (one stream at a time), pushing as ``_Exchange``'s do: the first read
+    """Its own batches (one stream at a time), pushing as ``UpstreamExchange``'s do: the first read
     pulled, the rest pushed from loop callbacks while the sink takes them (``pushed``)."""
 
     kind = "pushing"
@@ -290,7 +290,7 @@ async def read_text(client: Client, fake: FakeUpstream, parts: list[str]) -> str
 async def test_a_stream_under_way_is_pushed_not_pulled_read_by_read(
     make_client: MakeClient, oai: FakeUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """50 reads reach the client whole with ``_Exchange.__anext__`` called a handful of
+    """50 reads reach the client whole with ``UpstreamExchange.__anext__`` called a handful of
     times (the first read, the end): the rest were pushed from the socket's callback.
     Without push, the same stream takes a pull per read: what the count tells."""
     client = await gateway(make_client, oai)

@@ -37,6 +37,7 @@ class CountDecoder:
     ``input_tokens`` as a usage, once the body has ended whole."""
 
     terminator: ClassVar[str] = "the end of its JSON answer"
+    answers_json: ClassVar[bool] = True  # (a stream's decoder takes a JSON answer for an error)
 
     def __init__(self, provider: str, max_bytes: int) -> None:
         self._provider = provider

@@ -14,6 +14,7 @@ import orjson
 import pytest
 import websockets
 
+from nexus.auth import hash_key
 from support import GatedProvider, MakeClient, chat, parse_sse
 
 
@@ -188,3 +189,31 @@ async def test_a_replay_read_later_carries_the_cost_asked_for(make_client: MakeC
         costs[-1].append(created.headers.get("X-Nexus-Cache"))
     assert costs[0][0] > 0 and costs[0][1] == "miss"
     assert costs[1] == [0.0, "hit"]  # a hit costs nothing, and says so
+
+
+async def test_another_keys_background_join_reads_the_cost_it_was_charged(
+    make_client: MakeClient,
+) -> None:
+    """With a shared cache, a background request of key B joined key A's stream: charged
+    nothing, it read A's cost (a dollar figure of another tenant) with its own token."""
+    keys = {"alpha": "nx-alpha-join-0123456789", "beta": "nx-beta-join-0123456789"}
+    config = {
+        "cache": {"enabled": True, "share_across_keys": True},
+        "auth": {"keys": [{"name": n, "sha256": hash_key(k)} for n, k in keys.items()]},
+        "models": {"mock/echo": {"input_usd_per_mtok": 1, "output_usd_per_mtok": 1}},
+    }
+    client = await make_client(config)
+    options = {"include_usage": True, "include_cost": True}
+    body = chat(stream=True, stream_options=options, mock={"content": "a b c d", "delay_ms": 60})
+    alpha = {"Authorization": f"Bearer {keys['alpha']}"}
+    beta = {"Authorization": f"Bearer {keys['beta']}"}
+    first = asyncio.ensure_future(client.post("/v1/chat/completions", json=body, headers=alpha))
+    await asyncio.sleep(0.1)
+    joined = await client.post(
+        "/v1/chat/completions", json={**body, "background": True}, headers=beta
+    )
+    assert joined.headers["X-Nexus-Cache"] == "hit"
+    await (await first).read()
+    read = await client.get((await joined.json())["url"])
+    chunks = [orjson.loads(e.data) for e in parse_sse(await read.read()) if e.data[:1] == "{"]
+    assert [c["usage"]["cost"] for c in chunks if c.get("usage")] == [0.0]

@@ -101,13 +101,12 @@ async def read_body(request: web.Request) -> bytes:
     """The request body, as sent or inflated from gzip or deflate (in pieces, with a
     turn of the loop between them: :mod:`nexus.protocol.content_encoding`).
 
-    Raises :class:`RequestTooLarge` past ``[limits] max_body_bytes`` (sent or
-    inflated), :class:`UnsupportedMediaType` for another ``Content-Encoding`` (before
-    reading), :class:`InvalidRequest` for bad compressed data, and for a body the HTTP
-    parser refused once it had begun (a bad chunk after good ones: what the parser said
-    is the access line's ``reason``). Call it after the key is checked. Read from the
-    payload, not ``request.read()``, which would keep the bytes on the request for the
-    stream's whole length.
+    Raises :class:`RequestTooLarge` past ``[limits] max_body_bytes`` (sent or inflated),
+    :class:`UnsupportedMediaType` for another ``Content-Encoding`` (before reading),
+    :class:`InvalidRequest` for bad compressed data, and for a body the HTTP parser refused
+    once it had begun (what it said is the access line's ``reason``). Call it after the
+    key is checked (it sends ``100 Continue``). Read from the payload, not
+    ``request.read()``, which would keep the bytes on the request for the stream's length.
     """
     limit = request.app[state.CONFIG].limits.max_body_bytes
     coding = content_coding(request.headers.getall("Content-Encoding", ()))
@@ -432,16 +431,17 @@ async def resume(
         )
     if cursor is not None and not await request.app[state.HUB].reached(info, cursor.step):
         # Past every step the stream has rendered so far (step *i* is log entry *i - 1*),
-        # wherever it runs: no client was sent it, and what the stream sends next does not
-        # follow it. Answered at once, as an id past a finished stream's end is, rather
-        # than attached (a reader's place held, a plain stream kept running, nothing
-        # written, then the steps up to the id skipped).
+        # wherever it runs: no client was sent it, and what comes next does not follow it.
+        # Answered at once, as an id past a finished stream's end is, not attached (a
+        # reader's place held, a plain stream kept running, the steps up to it skipped).
         exchange(request).stream_id = stream_id
         return web.Response(status=204, headers={"Cache-Control": "no-cache"})
     try:
         reader = await request.app[state.HUB].attach(stream_id)
     except StreamNotFound:  # expired since it was found
         raise stream_not_found(stream_id) from None
+    if (reading := exchange(request).key) is not None and reading.name != info.owner:
+        reader.meta = replace(reader.meta, joined=True)  # another key's (shared): paid nothing
     if cursor is not None:
         metrics = request.app.get(METRICS)
         if metrics is not None:

@@ -25,7 +25,7 @@ from .errors import ConfigError
 from .log_context import RequestIds
 from .serve_checks import check_buildable, check_exposure, install_loop, open_files_for, reach
 from .server import redaction
-from .server.log_lines import JsonFormatter
+from .server.log_lines import JsonFormatter, WorkerTag, text_formatter
 from .supervisor import (
     CONFIG_ERROR,
     HURRY_SIGNAL,
@@ -243,7 +243,7 @@ def _setup_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(text_formatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)
     # aiohttp logs raw request bytes (parser errors): credentials in them are redacted.
     redaction.install()
@@ -332,6 +332,9 @@ async def _run(
     from .server.shutdown import stop as stop_server
     from .server.state import RUNTIME
 
+    if worker is not None:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(WorkerTag(worker))
     # Its request handlers' access logger is the app's own (nexus.server.rejections): one
     # nexus.access line per request, and aiohttp's own access lines are not written.
     app = create_app(config, config_source=source)

@@ -164,6 +164,8 @@ def test_sigterm_lets_running_streams_finish_then_stops_every_worker(two: Superv
     log = "".join(two.lines)
     assert log.count(") stopped") == 2
     assert "died" not in log
+    # Two workers' lines interleave in one log: each names its worker.
+    assert "INFO worker=0 nexus" in log and "INFO worker=1 nexus" in log
 
 
 def test_one_signal_to_the_process_group_stops_gracefully(config: Path) -> None:

@@ -16,7 +16,15 @@ import orjson
 
 from .redaction import redact
 
-__all__ = ["JsonFormatter", "line", "log_value", "quoted"]
+__all__ = [
+    "TEXT_FORMAT",
+    "JsonFormatter",
+    "WorkerTag",
+    "line",
+    "log_value",
+    "quoted",
+    "text_formatter",
+]
 
 
 def line(logger: logging.Logger, level: int, request_id: str, fields: dict[str, Any]) -> None:
@@ -56,6 +64,29 @@ def quoted(value: str | None) -> object:
     return log_value(None if value is None else redact(value))
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(worker)s%(name)s: %(message)s"
+
+
+def text_formatter() -> logging.Formatter:
+    """The text log's lines: a worker's name its index (``worker=1``; see :class:`WorkerTag`)."""
+    return logging.Formatter(TEXT_FORMAT, defaults={"worker": ""})
+
+
+class WorkerTag(logging.Filter):
+    """Names the worker of ``--workers N`` on each of its records: their lines interleave
+    in one log (two workers' shutdown lines told apart)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.tag = f"worker={index} "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = self.tag
+        record.worker_index = self.index
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, request id, access fields."""
 
@@ -69,6 +100,9 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
             out["request_id"] = request_id
+        worker = getattr(record, "worker_index", None)
+        if worker is not None:
+            out["worker"] = worker
         access = getattr(record, "access", None)
         if access is not None:
             out.update(access)

@@ -404,6 +404,21 @@ async def test_a_stream_its_owner_ends_for_want_of_clients_is_not_made_resumable
     assert found is not None and found.resumable  # every replica's readers see it
 
 
+
+async def test_a_plain_join_elsewhere_holds_the_stream_in_the_step_that_checks_it(
+    store: RedisStore,
+) -> None:
+    """A plain request that joined a stream of another replica took its lease only once
+    its reader began, round trips later: the owner, its last client gone meanwhile, found
+    no lease and cancelled the stream under it (about one join in ten)."""
+    assert await store.hold_for_join("s1", hold_s=5)
+    left, made = await store.held("s1", resumable=False)
+    assert 4 < left <= 5 and not made  # the owner waits for the joiner
+    assert await store.held("s2", resumable=False) == (0.0, False)  # the owner ends it
+    assert not await store.hold_for_join("s2", hold_s=5)  # too late: a fresh call instead
+    assert not await store.leased("s2")
+
+
 # Recordings.
 async def test_recordings(store: RedisStore) -> None:
     recording = Recording(

@@ -43,7 +43,7 @@ from ..watchdog import Watchdog
 from .admission import Admission
 from .keeper import RECORDING_WAIT_S, Keeper, status_of
 from .limits import KeyLimits
-from .readers import RunReader, StoreReader
+from .readers import LEASE_S, RunReader, StoreReader
 from .recording import cache_key, replay
 from .run import StreamRun
 from .store import Store, StreamInfo
@@ -209,8 +209,7 @@ class StreamHub:
         that holds the key's claim (``stream`` is then closed unread)."""
         store = self.store
         ttl = self.streams.resume_ttl_s
-        # A claim outlives the longest stream: one that lapsed mid-stream sent an identical
-        # request upstream again. One left by a replica that died is taken over (below).
+        # A claim outlives the longest stream (lapsed, an identical request went upstream).
         lasts = ttl + (self.max_duration_s or 0.0)
         handed = False  # until then, a failure of the store closes the upstream stream
         begun = False
@@ -266,15 +265,16 @@ class StreamHub:
         self, joined: StreamInfo, info: StreamInfo, lasts: float, background: bool
     ) -> StreamInfo | None:
         """What a request (``info``) that joins ``joined`` is told of it. A resumable one
-        makes it resumable, here or through the store (None: its replica is cancelling
-        it for want of clients, and it must not be joined)."""
+        makes it resumable, here or through the store (None: its replica is cancelling it
+        for want of clients, and it must not be joined); another holds it elsewhere."""
         if joined.owner != info.owner and not background:  # [cache] share_across_keys
-            # Another key's stream: this client can never find it to resume (a background
-            # one can: its 202's read token, whose reads are its own key's).
+            # Another key's: this client can never resume it (a background one can, by token).
             return replace(joined, resumable=False)
-        if not info.resumable:
-            return joined
         local = self.local(joined.id)
+        if not info.resumable:
+            if local is None and joined.status == "in_progress" and self.store.shared:
+                return joined if await self.store.hold_for_join(joined.id, LEASE_S) else None
+            return joined
         if local is not None:
             local.info.resumable = True  # this client may leave and come back
             return local.info

@@ -83,6 +83,15 @@ if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[2]) then
 end
 return 1
 """
+# A plain join from another replica (KEYS: resumable flag, lease; ARGV: the hold): refused
+# once the owner decided to end the stream; else the lease lasts the hold at least.
+_JOIN = """
+if redis.call('GET', KEYS[1]) == '0' then return 0 end
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
+end
+return 1
+"""
 # A client elsewhere left (KEYS: lease, resumable flag; ARGV: its hold, its hold once resumable).
 _UNLEASE = """
 local hold = ARGV[1]
@@ -174,6 +183,11 @@ class RedisHolds(Store):
             "lease", ("EVAL", _MAKE_RESUMABLE, 2, *keys, ms(ttl_s), ms(hold_s))
         )
         return bool(made)
+
+    async def hold_for_join(self, stream_id: str, hold_s: float) -> bool:
+        keys = (self._key(stream_id, "resumable"), self._key(stream_id, "lease"))
+        (held,) = await self.call("lease", ("EVAL", _JOIN, 2, *keys, ms(hold_s)))
+        return bool(held)
 
     async def leased_among(self, stream_ids: Sequence[str]) -> set[str]:
         if not stream_ids:

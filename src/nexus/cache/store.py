@@ -260,6 +260,12 @@ class Store(ABC):
         owner already decided to end it for want of clients: it must not be joined."""
         return False
 
+    async def hold_for_join(self, stream_id: str, hold_s: float) -> bool:
+        """A plain request here joined ``stream_id``, which runs elsewhere: held as by a
+        reader for ``hold_s`` from now, in the one step that checks its owner has not
+        decided to end it for want of clients (False: it must not be joined)."""
+        return True
+
     async def leased_among(self, stream_ids: Sequence[str]) -> set[str]:
         """Those of ``stream_ids`` a client elsewhere follows: one question for all of
         them, so that a caller with a deadline (shutdown) waits for one round trip."""

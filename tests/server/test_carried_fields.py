@@ -126,10 +126,10 @@ async def test_the_handshakes_betas_hold_for_each_realtime_turn(make_client: Mak
                     pass
                 seen = fake.requests[-1].headers.get("anthropic-beta")
                 assert seen == "context-management-2025-06-27"
-        async with websockets.connect(url, additional_headers={"anthropic-beta": "Bad"}) as ws:
-            await ws.send(start)
-            frame = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
-            assert frame["type"] == "error" and "anthropic-beta" in frame["error"]["message"]
+        with pytest.raises(websockets.InvalidStatus) as refused:  # the handshake, not a turn
+            await websockets.connect(url, additional_headers={"anthropic-beta": "Bad"})
+        assert refused.value.response.status_code == 400
+        assert b"anthropic-beta" in refused.value.response.body
 
 
 class Ends:

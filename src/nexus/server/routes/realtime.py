@@ -41,6 +41,7 @@ from ...cache.readers import with_usage
 from ...encoders.ndjson import NDJSONEncoder
 from ...errors import GatewayError, ServerShuttingDown
 from ...hooks import CallContext
+from ...protocol.anthropic_betas import parse_betas
 from ...protocol.negotiation import select_subprotocol
 from ...protocol.realtime import (
     AbortTurn,
@@ -489,6 +490,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
     protocols = () if chosen is None else (chosen,)
     key = authenticate(request, offered)
     exchange(request).format = FORMAT
+    parse_betas(request.headers.getall("anthropic-beta", ()))  # bad: a 400, not each turn's
     if key is None:
         return await RealtimeConnection(request, key, protocols).run()
     # As an HTTP request: a token of the key's rate (its first start's); then a place

@@ -404,7 +404,6 @@ async def test_a_stream_its_owner_ends_for_want_of_clients_is_not_made_resumable
     assert found is not None and found.resumable  # every replica's readers see it
 
 
-
 async def test_a_plain_join_elsewhere_holds_the_stream_in_the_step_that_checks_it(
     store: RedisStore,
 ) -> None:

@@ -538,10 +538,13 @@
       if (!opened) {
         // A browser's WebSocket cannot read why a handshake failed: a plain request with
         // the same key tells a refused key (no more tries) from a gateway that is down.
+        const key = keyInput.value.trim();
         refusedKey().then((refused) => {
+          // Answered for a key since changed (its own socket opened meanwhile): moot.
+          if (keyInput.value.trim() !== key || socket.ws || els.transport.value !== "ws") return;
           if (refused) {
             socket.refused = MAX_REFUSED;
-            setSocketState("the gateway refused the API key: change it to try again");
+            setSocketState(`the gateway refused the WebSocket (${refused}): change the key to try again`);
           } else {
             retrySocket(e.code, r);
           }
@@ -553,12 +556,16 @@
     return socket.opened;
   }
 
+  // The code of a refusal that waiting does not cure (a key refused: 401; a page or a
+  // host name the gateway does not serve: 403), else "" (down, or busy: try again later).
   async function refusedKey() {
     try {
       const resp = await fetch("/v1/models", { headers: authHeaders({}) });
-      return resp.status === 401 || resp.status === 403;
+      if (resp.status !== 401 && resp.status !== 403) return "";
+      const body = await resp.json().catch(() => ({}));
+      return (body.error && body.error.code) || `HTTP ${resp.status}`;
     } catch {
-      return false; // the gateway is not reachable: try again later
+      return ""; // the gateway is not reachable: try again later
     }
   }
 

@@ -263,6 +263,7 @@ class StreamError(GatewayError):
 
 _STATUS_BY_CODE = {"upstream_timeout": 504, "server_shutting_down": 503, "too_many_streams": 429}
 _STATUS_BY_CODE |= {"internal_error": 500, "max_stream_duration": 500, "stream_too_large": 500}
+_STATUS_BY_CODE |= {"store_unavailable": 503, "plugin_timeout": 503}
 _STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_error": 429, "server_error": 502}
 """A stream's error as an HTTP status: a server error is the upstream's (502) but the
 gateway's own (its failure, its limits: 500), as it would have been before any output."""

@@ -462,3 +462,16 @@ async def test_a_json_answer_to_a_stream_request_is_its_error_and_falls_back(
         error = (await resp.json())["error"]
         assert (resp.status, error["code"]) == (502, "upstream_protocol_error")
         assert "answered JSON" in error["message"]
+
+
+async def test_a_stream_a_relay_labelled_json_is_read_as_a_stream(make_client: MakeClient) -> None:
+    """Some relays send SSE as ``application/json``: its first byte says it is a stream."""
+    frames = [openai_chunk(content="fine"), openai_chunk(finish_reason="stop"), DONE]
+    labelled = Reply.stream(frames, headers={"Content-Type": "application/json; charset=utf-8"})
+    async with FakeUpstream(labelled) as fake:
+        client = await make_client(
+            {"providers": {"up": {"kind": "openai", "base_url": fake.url + "/v1"}}}
+        )
+        body = {"model": "up/m", "messages": [{"role": "user", "content": "hi"}]}
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert (await resp.json())["choices"][0]["message"]["content"] == "fine"

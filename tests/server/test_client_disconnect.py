@@ -515,3 +515,23 @@ async def test_a_resumable_stream_whose_client_left_before_its_headers_ends_at_o
     await asyncio.wait_for(gated.started.wait(), 5)
     asking.cancel()
     await asyncio.wait_for(gated.closed.wait(), 5)  # not a minute later
+
+
+async def test_a_stream_whose_clients_all_left_before_its_headers_ends_joined_or_not(
+    make_client: MakeClient,
+) -> None:
+    """A join marked the stream's id as given out before any headers had gone out: its
+    owner and its joiner gone, nobody could resume it, yet it ran on."""
+    gated = GatedProvider(before=0)
+    config = {"cache": {"enabled": True}, "streams": {"detach_timeout_s": 60}}
+    client = await make_client(config, providers=[gated])
+    body = support_chat(model="gated/x", stream=True)
+    owner = asyncio.ensure_future(
+        client.post("/v1/chat/completions", json=body, headers={"X-Nexus-Resumable": "true"})
+    )
+    await asyncio.wait_for(gated.started.wait(), 5)
+    joiner = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.3)
+    owner.cancel()
+    joiner.cancel()
+    await asyncio.wait_for(gated.closed.wait(), 5)

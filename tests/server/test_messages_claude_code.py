@@ -423,6 +423,9 @@ async def test_count_tokens_falls_back_on_a_target_that_is_down(make_client: Mak
             {"input_tokens": 42},
             "counted",
         )
+        fake.add(Reply.json(200, overloaded), Reply.json(200, {"input_tokens": 43}))
+        counted = await client.post("/v1/messages/count_tokens", json=body)  # 200, an error
+        assert await counted.json() == {"input_tokens": 43}
         fake.add(Reply.json(529, overloaded), Reply.json(529, overloaded))
         estimated = await client.post("/v1/messages/count_tokens", json=body)
         assert estimated.status == 200 and estimated.headers["X-Nexus-Token-Count"] == "estimated"

@@ -369,7 +369,7 @@ async def test_a_new_key_reopens_the_socket_and_refusals_stop_the_retries(
     await expect(page.locator("#socket")).to_have_text("open")
     await page.fill("#api-key", "nx-not-a-key-of-this-gateway")
     await page.locator("#api-key").dispatch_event("change")
-    refused = "the gateway refused the API key"
+    refused = "the gateway refused the WebSocket (invalid_api_key)"
     await expect(page.locator("#socket")).to_contain_text(refused)
     await asyncio.sleep(1.5)
     await expect(page.locator("#socket")).to_contain_text(refused)  # no more tries

@@ -267,14 +267,13 @@ class StreamHub:
         """What a request (``info``) that joins ``joined`` is told of it. A resumable one
         makes it resumable, here or through the store (None: its replica is cancelling it
         for want of clients, and it must not be joined); another holds it elsewhere."""
-        if joined.owner != info.owner and not background:  # [cache] share_across_keys
-            # Another key's: this client can never resume it (a background one can, by token).
-            return replace(joined, resumable=False)
         local = self.local(joined.id)
-        if not info.resumable:
-            if local is None and joined.status == "in_progress" and self.store.shared:
-                return joined if await self.store.hold_for_join(joined.id, LEASE_S) else None
-            return joined
+        other = joined.owner != info.owner and not background  # [cache] share_across_keys
+        if not info.resumable or other:  # (another key's: never resumed by this client)
+            elsewhere = local is None and joined.status == "in_progress" and self.store.shared
+            if elsewhere and not await self.store.hold_for_join(joined.id, LEASE_S):
+                return None
+            return replace(joined, resumable=False) if other else joined
         if local is not None:
             local.info.resumable = True  # this client may leave and come back
             return local.info

@@ -17,7 +17,7 @@ from ..errors import UpstreamError, UpstreamProtocolError
 from ..events import StreamEvent, Usage
 from ..request import ChatRequest
 from .anthropic_events import messages_body
-from .upstream import object_of, token_count
+from .upstream import in_stream_error, object_of, token_count
 
 __all__ = ["COUNTED", "CountDecoder", "count_body"]
 
@@ -58,6 +58,11 @@ class CountDecoder:
     def closed(self) -> list[StreamEvent]:
         try:
             answer = object_of(orjson.loads(self._body), "count_tokens answer")
+            if isinstance(error := answer.get("error"), dict):  # (a 200 with an error body)
+                self.error = in_stream_error(self._provider, error)
+                return []
+            if "input_tokens" not in answer:
+                raise ValueError("it has no input_tokens")
             tokens = token_count(answer.get("input_tokens"), "input_tokens")
         except (orjson.JSONDecodeError, ValueError) as exc:
             self.error = UpstreamProtocolError(

@@ -131,10 +131,9 @@ class ConnectionPool:
     def busy(self) -> int:
         return self._busy
 
-    async def acquire(self, waiting: WaitWatcher | None = None, *, new: bool = False) -> Connection:
-        """A connection for one request: an idle one (unless ``new``), else a new one; when
-        ``limit`` are in use, after a wait in line for one of them (cancel the call to give
-        up)."""
+    async def acquire(self, waiting: WaitWatcher | None = None) -> Connection:
+        """A connection for one request: an idle one, else a new one; when ``limit`` are in
+        use, after a wait in line for one of them (cancel the call to give up)."""
         loop = asyncio.get_running_loop()
         if self._closed:
             raise UpstreamClosed("the provider is closing")
@@ -157,7 +156,7 @@ class ConnectionPool:
         else:
             self._busy += 1
         try:
-            return (None if new else self._idle_one(loop.time())) or await self._connect(loop)
+            return self._idle_one(loop.time()) or await self._connect(loop)
         except BaseException:
             self._free()
             raise
@@ -259,6 +258,16 @@ class ConnectionPool:
         else:
             connection.close()
         self._free()
+
+    async def renew(self, stale: Connection) -> Connection:
+        """A new connection in place of ``stale`` (closed), in its place among those in use:
+        not behind the requests waiting for one."""
+        stale.close()
+        try:
+            return await self._connect(asyncio.get_running_loop())
+        except BaseException:
+            self._free()
+            raise
 
     def _free(self) -> None:
         """A place in use is free: the first in line takes it, else it is counted free."""

@@ -76,6 +76,7 @@ class UpstreamExchange:
         "_request",
         "_seen",
         "_sink",
+        "_sniffing",
         "_timeout",
         "_waiter",
         "_whole",
@@ -94,6 +95,7 @@ class UpstreamExchange:
         self._decoder: UpstreamDecoder | None = None
         self._head: tuple[int, CIMultiDict[str]] | None = None
         self._collect: bytearray | None = None  # an error body, while it is read
+        self._sniffing = False  # a 2xx labelled JSON: its first byte tells an answer from a stream
         self._ready: list[StreamEvent] = []  # events decoded, not yet read
         self._sink: Callable[[list[StreamEvent]], bool] | None = None  # while pushing
         self._waiter: asyncio.Future[None] | None = None
@@ -182,19 +184,41 @@ class UpstreamExchange:
         coded = headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
         if status >= 300 or coded or self._json(headers):
             self._collect = bytearray()  # an error's text, or a body refused: not decoded
+            self._sniffing = status < 300 and not coded
         self._wake()
 
     def _json(self, headers: CIMultiDict[str]) -> bool:
-        """A JSON answer to a request for a stream: an error (a 200 with an error body, as
-        some servers and proxies send), or a stream the upstream would not give."""
+        """Labelled a JSON answer to a request for a stream: an error (a 200 with an error
+        body, as some servers and proxies send), or a stream a relay mislabelled (its
+        first byte tells: :meth:`_sniff`)."""
         kind = headers.get("Content-Type", "").partition(";")[0].strip().lower()
         return kind == "application/json" and not getattr(self._decoder, "answers_json", False)
+
+    def _sniff(self, collect: bytearray, data: bytes) -> bytes | None:
+        """A body labelled JSON, held until its first byte that is not a space: an object
+        (the answer: read as an error) stays held; anything else is a stream after all, and
+        what came so far is decoded as one."""
+        collect += data
+        first = bytes(collect.lstrip()[:1])
+        if not first:
+            return None
+        self._sniffing = False
+        self._wake()
+        if first in (b"{", b"["):
+            return None
+        self._collect = None
+        return bytes(collect)
 
     def body(self, data: bytes) -> None:
         self.received += len(data)
         if self._end:
             return  # past the decoder's end: drained
         collect = self._collect
+        if collect is not None and self._sniffing:
+            sniffed = self._sniff(collect, data)
+            if sniffed is None:
+                return
+            data, collect = sniffed, None
         if collect is not None:
             if len(collect) < _MAX_ERROR_BODY:
                 collect += data[: _MAX_ERROR_BODY - len(collect)]
@@ -256,13 +280,15 @@ class UpstreamExchange:
         loop = asyncio.get_running_loop()
         head = provider.request_head(pool, len(body), extra)
         with map_upstream_errors(provider.name, "before responding"):
+            connection = self._connection = await self._acquire(pool, loop)
             for fresh in (False, True):
-                connection = self._connection = await self._acquire(pool, loop, fresh)
                 try:
                     async with asyncio.timeout(config.first_byte_timeout_s) as timeout:
                         sent_at = loop.time()
                         connection.send(head + body, self)
                         while self._head is None and self._failure is None:
+                            await self._wait()
+                        while self._sniffing and not self._whole and self._failure is None:
                             await self._wait()
                         if self._head is None:
                             raise self._failure  # type: ignore[misc]
@@ -279,30 +305,27 @@ class UpstreamExchange:
                     break
                 except BaseException as exc:
                     self._connection = None
-                    pool.release(connection, self._whole)
                     # A kept-alive connection the upstream closed as it was reused, at once
-                    # and unanswered (its keep-alive ran out first): once more, on a new one.
-                    if fresh or not (isinstance(exc, UpstreamClosed) and connection.reused):
-                        raise
-                    if connection.heard or loop.time() - sent_at > STALE_CLOSE_S:
+                    # and unanswered (its keep-alive ran out first): once more, on a new one
+                    # in its place (not behind the requests waiting for one).
+                    stale = not fresh and isinstance(exc, UpstreamClosed) and connection.reused
+                    if not stale or connection.heard or loop.time() - sent_at > STALE_CLOSE_S:
+                        pool.release(connection, self._whole)
                         raise
                     self._failure = None
+                    connection = self._connection = await pool.renew(connection)
         self._head = None
         self.accepted = True
         tick = min(config.first_byte_timeout_s, config.idle_timeout_s, 8.0) / 8
         provider._watchdog.add(self, tick)
 
-    async def _acquire(
-        self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop, new: bool
-    ) -> Connection:
-        """A connection of ``pool`` (``new``: not an idle one), waited for at most
-        ``pool_timeout_s``; the wait told (once a request: not for a ``new`` one)."""
-        tell = not new
+    async def _acquire(self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop) -> Connection:
+        """A connection of ``pool``, waited for at most ``pool_timeout_s``; the wait told."""
         provider, config = self._provider, self._provider.config
         try:
             try:
                 async with asyncio.timeout(None) as self._timeout:
-                    return await pool.acquire(self, new=new)
+                    return await pool.acquire(self)
             except TimeoutError as exc:
                 if self._timeout is None or not self._timeout.expired():
                     raise  # the connect's own deadline, not the wait's
@@ -316,10 +339,10 @@ class UpstreamExchange:
             waited = self.waited
             if self.queued_at is not None:
                 waited += loop.time() - self.queued_at
-            for observe in provider.on_pool_wait if tell else ():
+            for observe in provider.on_pool_wait:
                 observe(waited)
             tally = POOL_WAITS.get()
-            if tally is not None and tell:
+            if tally is not None:
                 tally.add(waited)
 
     async def _refusal(

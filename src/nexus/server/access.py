@@ -82,7 +82,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 _EXPOSED = (
     "X-Request-Id, X-Client-Request-Id, X-Nexus-Stream-Id, X-Nexus-Stream-Format, X-Nexus-Cache, "
     "Location, Retry-After, retry-after-ms, X-Nexus-Resumable, X-Nexus-Store, request-id, "
-    "x-should-retry"
+    "x-should-retry, X-Nexus-Token-Count"
 )
 _ALLOWED_HEADERS = (
     "Authorization, Content-Type, X-Api-Key, X-Nexus-Stream-Format, Last-Event-ID, "

@@ -104,8 +104,7 @@ class StreamPump(Writer):
         self.response: web.StreamResponse | None = None
         self._task: asyncio.Task[object] | None = None
         self._shutting_down = self._ended = False
-        self._chunked = False  # the body goes out in HTTP chunks (not to HTTP/1.0, nor HEAD)
-        self._head = False  # a HEAD request: headers only, no body
+        self._chunked = self._head = False  # HTTP chunks (not to HTTP/1.0, nor HEAD); HEAD
         self._last: StreamEvent | None = None  # the last event of the first output
         self._broken: Exception | None = None  # what the encoder's heartbeat() raised
         self._failed_with: Error | None = None  # the gateway's error this client got
@@ -319,8 +318,7 @@ class StreamPump(Writer):
         self._meter()
         super().check(now)
 
-    def _begin(self) -> bytes:
-        """Create the response (sent with the first write)."""
+    def _begin(self) -> bytes:  # the response, sent with the first write
         if self.response is None:
             self._head = self.request.method == "HEAD"
             if self.request.version >= (1, 1):
@@ -328,7 +326,9 @@ class StreamPump(Writer):
                 self.response.enable_chunked_encoding()
             else:  # HTTP/1.0 has no chunks: the body ends with the connection
                 self.response = web.StreamResponse(status=200, headers=self.headers)
-            self.headers = {}  # in the response now
+            self.headers = {}  # in the response now, the stream's id with them (resumed)
+            if (run := self.reader.run) is not None:
+                run.info.named = True
         return b""
 
     async def _write(self, data: bytes, *, last: bool = False) -> None:

@@ -286,8 +286,8 @@ async def complete(
             private=not streaming,
         )
     later = chat.background and not (chat.stream and streams_background)  # a 202, read later
-    if opened.run is not None and (opened.joined or chat.background):
-        opened.run.info.named = True  # its id is another's too: it outlives this client
+    if opened.run is not None and chat.background:
+        opened.run.info.named = True  # its id is in the 202 (or its first headers: the pump)
     # A join reads a run another request holds the slot of: it is one of the key's readers.
     with await join_place(request, key, opened, later):
         count_cache(request, ex, opened)

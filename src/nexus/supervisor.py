@@ -247,6 +247,7 @@ class Supervisor:
         """Until a stop: restart the workers that die; give up on a config error, or on
         workers that keep dying at their start (a store unreachable excepted)."""
         quick_deaths = unreachable = 0
+        last_unreachable = 0.0  # (an outage long over starts the backoff afresh)
         due: dict[int, float] = {}  # index -> when to start it again (its store unreachable)
         while (self._running or due) and not self._stopping:
             now = time.monotonic()
@@ -270,7 +271,9 @@ class Supervisor:
                     log.error("worker %d stopped on a config error: stopping", index)
                     return CONFIG_ERROR
                 if process.exitcode == STORE_UNREACHABLE:  # its line says why: wait, again
-                    unreachable += 1
+                    if time.monotonic() - last_unreachable > 2 * MAX_BACKOFF_S:
+                        unreachable = 0
+                    unreachable, last_unreachable = unreachable + 1, time.monotonic()
                     wait_s = min(0.5 * 2**unreachable, MAX_BACKOFF_S)
                     log.error(
                         "worker %d cannot reach the store: starting it again in %.1fs",

@@ -214,8 +214,8 @@ def forget_unseen(reader: LogReader) -> None:
     """Its client left before its response's headers (which name the stream) went out:
     nobody can resume it, so its last local reader leaving ends it as a plain stream's
     does, not ``detach_timeout_s`` later (its upstream generating for nobody); unless its id
-    went elsewhere (``info.named``: a 202, a join). Readers on other replicas still hold it
-    (their leases are asked first)."""
+    went out (``info.named``: a 202, any reader's headers). Readers on other replicas still
+    hold it (their leases are asked first)."""
     run = reader.run
     if run is not None and run.attached == 1 and run.info.resumable and not run.info.named:
         run.info.resumable = False

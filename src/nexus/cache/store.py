@@ -69,8 +69,8 @@ class StreamInfo:
     """It outlives its clients for ``[streams] detach_timeout_s`` (``background``, or
     asked for); otherwise the last client to leave cancels it at once."""
     named: bool = False
-    """This process handed its id to another than the request that made it (a 202, a
-    join): not stored, read by :func:`~nexus.cache.readers.forget_unseen`."""
+    """This process gave its id out (a 202, a response's headers): someone may resume it.
+    Not stored; read by :func:`~nexus.cache.readers.forget_unseen`."""
 
     @property
     def id(self) -> str:

@@ -200,7 +200,7 @@ class UpstreamExchange:
         what came so far is decoded as one."""
         collect += data
         first = bytes(collect.lstrip()[:1])
-        if not first:
+        if not first and len(collect) <= _MAX_ERROR_BODY:  # (spaces past it: a stream's)
             return None
         self._sniffing = False
         self._wake()

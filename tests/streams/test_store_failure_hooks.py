@@ -7,6 +7,7 @@ from typing import Any
 
 from nexus import Engine
 from nexus.cache.memory import MemoryStore
+from nexus.cache.store import StreamInfo
 from nexus.config import parse_config
 from nexus.encoders.registry import default_registry
 from nexus.errors import StoreUnavailable
@@ -14,6 +15,7 @@ from nexus.events import Error
 from nexus.hooks import Hooks
 from nexus.providers.mock import MockProvider
 from nexus.server import create_app
+from nexus.types import StreamMeta
 
 
 class Unclaimable(MemoryStore):
@@ -56,3 +58,41 @@ async def test_a_stream_the_store_cannot_claim_ends_for_its_plugins(aiohttp_clie
     assert (await resp.json())["error"]["code"] == "store_unavailable"
     assert ledger.ends == ["store_unavailable"]
     assert ledger.running == 0  # it was 1: a start told, its end never
+
+
+class JoinDown(MemoryStore):
+    """A shared store whose claim is held by a stream of another replica, and which fails
+    as a request joins it (Redis went away between the claim and the join's hold)."""
+
+    shared = True
+
+    async def claim(self, key: str, stream_id: str, ttl_s: float) -> str | None:
+        return "chatcmpl-elsewhere"
+
+    async def info(self, stream_id: str) -> StreamInfo | None:
+        if stream_id != "chatcmpl-elsewhere":
+            return await super().info(stream_id)
+        return StreamInfo(StreamMeta(id=stream_id, model="mock/echo", created=1), "x")
+
+    async def alive(self, stream_id: str) -> bool:
+        return True
+
+    async def hold_for_join(self, stream_id: str, hold_s: float) -> bool:
+        raise StoreUnavailable("down")
+
+
+async def test_a_join_the_store_fails_is_answered_without_it_when_not_required(
+    aiohttp_client: Any,
+) -> None:
+    """``[store] required = false``: new requests still work while the store is down; a
+    join whose hold failed was a 503 all the same."""
+    config = parse_config(
+        {"cache": {"enabled": True}, "store": {"kind": "redis", "required": False}}
+    )
+    app = create_app(config, registry=default_registry.copy(), store=JoinDown())
+    client = await aiohttp_client(app)
+    body = {"model": "mock/echo", "messages": [{"role": "user", "content": "hi"}]}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    assert resp.headers["X-Nexus-Store"] == "unavailable"
+    assert (await resp.json())["choices"][0]["message"]["content"] == "hi"

@@ -214,17 +214,11 @@ class StreamHub:
         handed = False  # until then, a failure of the store closes the upstream stream
         begun = False
         try:
-            try:
-                if store.shared:
-                    # Visible to every replica before anyone can be told its id (a 202, a claim).
-                    await store.begin(info, ttl)
-                    begun = True
-                holder = await store.claim(key, info.id, lasts)
-            except StoreUnavailable:
-                if self.store_required:
-                    raise
-                handed = True
-                return self._unstored(info, stream, background, ctx)
+            if store.shared:
+                # Visible to every replica before anyone can be told its id (a 202, a claim).
+                await store.begin(info, ttl)
+                begun = True
+            holder = await store.claim(key, info.id, lasts)
             # A claim ends with its stream; one left by a replica that died is taken over.
             for attempt in range(3):
                 if attempt:
@@ -251,6 +245,8 @@ class StreamHub:
                     return Opened(joined, local, "hit", joined=True, reader=reader)
                 await store.release(key, holder)  # its stream is over, or its replica died
         except BaseException as exc:
+            if isinstance(exc, StoreUnavailable) and not (self.store_required or handed):
+                return self._unstored(info, stream, background, ctx)  # (a claim, a join, ...)
             if not handed:
                 await stream.close()
                 await self.engine.hooks.given_up(ctx, stream.meta, exc)

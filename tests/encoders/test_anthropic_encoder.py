@@ -63,7 +63,25 @@ def tool_block(id: str, name: str) -> dict[str, Any]:
 
 TEXT_BLOCK = {"type": "text", "text": ""}
 THINKING_BLOCK = {"type": "thinking", "thinking": "", "signature": ""}
-ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0}
+
+
+def usage_of(
+    input_tokens: int, output_tokens: int, read: int = 0, write: int = 0, hour: int = 0
+) -> dict[str, Any]:
+    """A usage object as Anthropic writes it: every count, zeros included, in its order."""
+    return {
+        "input_tokens": input_tokens,
+        "cache_creation_input_tokens": write,
+        "cache_read_input_tokens": read,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": write - hour,
+            "ephemeral_1h_input_tokens": hour,
+        },
+        "output_tokens": output_tokens,
+    }
+
+
+ZERO_USAGE = usage_of(0, 0)
 
 
 def ending(id: int, stop_reason: str, usage: dict[str, Any], sequence: str | None = None) -> bytes:
@@ -90,7 +108,7 @@ MESSAGE_START = frame(
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": ZERO_USAGE,
         },
     },
 )
@@ -141,7 +159,7 @@ def test_text_stream_frame_by_frame(finish: str, stop_reason: str) -> None:
     assert enc.encode(Delta(content='lo "wörld"\n')) == block_delta(4, 0, text('lo "wörld"\n'))
     assert enc.encode(Delta(finish_reason=finish)) == b""
     assert enc.encode(Usage(10, 5, 15, cached_tokens=4)) == b""
-    usage = {"input_tokens": 6, "output_tokens": 5, "cache_read_input_tokens": 4}
+    usage = usage_of(6, 5, read=4)
     assert enc.end() == block_stop(5, 0) + ending(6, stop_reason, usage)
 
 
@@ -178,7 +196,7 @@ def test_empty_stream_is_start_then_ending() -> None:
 
 def test_reasoning_then_text_closes_the_thinking_block() -> None:
     got = run(Reasoning("Let me"), Reasoning(" think."), Delta(content="Hi"), Usage(3, 2, 5))
-    usage = {"input_tokens": 3, "output_tokens": 2, "cache_read_input_tokens": 0}
+    usage = usage_of(3, 2)
     assert got == (
         MESSAGE_START
         + block_start(2, 0, THINKING_BLOCK)
@@ -257,7 +275,7 @@ def test_text_then_tool_call_gets_the_next_block_index() -> None:
         + block_start(5, 1, tool_block("toolu_a", "f"))
         + block_delta(6, 1, partial("{}"))
         + block_stop(7, 1)
-        + ending(8, "end_turn", ZERO_USAGE)
+        + ending(8, "tool_use", ZERO_USAGE)  # a turn that holds a call
     )
 
 
@@ -384,12 +402,7 @@ def test_early_usage_fills_message_start() -> None:
     totals in message_delta."""
     enc = AnthropicSSEEncoder(META)
     assert enc.start() == b""
-    early_usage = {
-        "input_tokens": 41,
-        "output_tokens": 0,
-        "cache_read_input_tokens": 7,
-        "cache_creation_input_tokens": 3,
-    }
+    early_usage = usage_of(41, 0, read=7, write=3)
     message_start = orjson.loads(MESSAGE_START.split(b"data: ", 1)[1])
     message_start["message"]["usage"] = early_usage
     assert enc.encode(EARLY) == frame("message_start", 1, message_start)

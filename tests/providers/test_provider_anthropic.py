@@ -777,6 +777,7 @@ async def test_prompt_caching_passes_through(
         "output_tokens": 2,
         "cache_read_input_tokens": 100,
         "cache_creation_input_tokens": 50,
+        "cache_creation": {"ephemeral_5m_input_tokens": 50, "ephemeral_1h_input_tokens": 0},
     }
     sent = upstream.requests[0].body
     assert sent["system"] == [{"type": "text", "text": "Long manual.", "cache_control": ephemeral}]

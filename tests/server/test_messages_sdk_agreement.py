@@ -67,6 +67,34 @@ async def test_a_refusal_is_text_in_both_forms(
     await api.close()
 
 
+async def test_a_forced_tool_that_stopped_is_tool_use(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """OpenAI ends a turn forced to a named tool with ``stop``; Anthropic ends every turn
+    that holds ``tool_use`` blocks with ``tool_use``, which is what an agent loop waits for."""
+    call = {"index": 0, "id": "call_1", "type": "function"}
+    frames = [
+        openai_chunk(role="assistant", content=None),
+        openai_chunk(tool_calls=[{**call, "function": {"name": "get_weather", "arguments": ""}}]),
+        openai_chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"city":"Oslo"}'}}]),
+        openai_chunk(finish_reason="stop"),
+        DONE,
+    ]
+    plain = [openai_chunk(content="Hi."), openai_chunk(finish_reason="stop"), DONE]
+    upstream.add(*(Reply.stream(f) for f in (frames, frames, plain, plain)))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    api = await sdk(make_client, config)
+    tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    request = {"model": "up/m", "max_tokens": 50, "messages": USER, "tools": [tool]}
+    forced = {"type": "tool", "name": "get_weather"}
+    for message in await both(api, **request, tool_choice=forced):
+        assert [b.type for b in message.content] == ["tool_use"]
+        assert message.stop_reason == "tool_use"
+    for message in await both(api, **request):  # no call: the turn ended
+        assert message.stop_reason == "end_turn"
+    await api.close()
+
+
 @pytest.mark.parametrize("arguments", ["not json {", '{"a": 1', '{"a": 1}'])
 async def test_tool_arguments_the_sdk_can_read(make_client: MakeClient, arguments: str) -> None:
     """Broken arguments are {"_raw": ...} in both forms (the SDK's stream raised

@@ -262,6 +262,6 @@ class AnthropicSSEEncoder(Encoder):
         out = self._message_start(None) + self._close()
         out += self._tool_blocks_out(final=True)  # calls whose input never made an object
         finish, sequence, native = self._finish or (None, None, None)
-        stop = stop_fields(finish, sequence, self._refused, native)
+        stop = stop_fields(finish, sequence, self._refused, native, bool(self._tool_blocks))
         out += self._frame("message_delta", delta=stop, usage=usage_body(self._usage))
         return out + self._frame("message_stop")

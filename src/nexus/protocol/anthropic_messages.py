@@ -57,12 +57,16 @@ def stop_fields(
     stop_sequence: str | None,
     refused: bool = False,
     stop_reason: str | None = None,
+    tools: bool = False,
 ) -> dict[str, Any]:
     """``stop_reason`` and ``stop_sequence`` of a ``message`` (or its ``message_delta``):
     ``"stop_sequence"`` and the sequence when the provider named the one it stopped on
     (an OpenAI upstream's ``stop`` cannot tell: ``end_turn``); ``"refusal"`` for a turn
     that ended on a refusal (``refused``: OpenAI sends one with ``stop``); an Anthropic
-    upstream's own ``stop_reason`` where ours says less (:class:`~nexus.events.Delta`)."""
+    upstream's own ``stop_reason`` where ours says less (:class:`~nexus.events.Delta`).
+    A turn that holds ``tool_use`` blocks (``tools``) and stopped on its own is
+    ``"tool_use"``, as Anthropic ends every such turn: OpenAI ends one forced to a named
+    tool with ``stop``, and an agent loop runs tools only on ``tool_use``."""
     if stop_reason in NATIVE_STOP_REASONS:
         return {"stop_reason": stop_reason, "stop_sequence": None}
     if stop_sequence is not None and finish_reason == "stop":
@@ -70,6 +74,8 @@ def stop_fields(
     reason = STOP_REASONS.get(finish_reason or "stop", "end_turn")
     if refused and reason == "end_turn":
         reason = "refusal"
+    elif tools and reason == "end_turn":
+        reason = "tool_use"
     return {"stop_reason": reason, "stop_sequence": None}
 
 
@@ -393,6 +399,7 @@ def message_body(completion: Completion) -> dict[str, Any]:
             completion.stop_sequence,
             bool(completion.refusal),
             completion.stop_reason,
+            bool(completion.tool_calls),
         ),
         "usage": usage_body(completion.usage),
     }
@@ -440,25 +447,25 @@ def message_id(stream_id: str) -> str:
 
 def usage_body(usage: Any) -> dict[str, Any]:
     """Anthropic usage from ours: ``input_tokens`` excludes cache reads and writes,
-    which are reported apart (docs/protocols.md §3)."""
+    which are reported apart (docs/protocols.md §3). Every count is there, zeros
+    included, as Anthropic sends them: code that adds them up needs no ``None`` check."""
     if usage is None:
-        return {"input_tokens": 0, "output_tokens": 0}
-    cached = usage.cached_tokens or 0
-    written = usage.cache_write_tokens or 0
-    out = {
-        "input_tokens": max(usage.prompt_tokens - cached - written, 0),
-        "output_tokens": usage.completion_tokens,
+        cached = written = long = prompt = completion = 0
+    else:
+        cached = usage.cached_tokens or 0
+        written = usage.cache_write_tokens or 0
+        long = min(usage.cache_write_1h_tokens or 0, written)  # billed dearer
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    return {
+        "input_tokens": max(prompt - cached - written, 0),
+        "cache_creation_input_tokens": written,
         "cache_read_input_tokens": cached,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": written - long,
+            "ephemeral_1h_input_tokens": long,
+        },
+        "output_tokens": completion,
     }
-    if written:
-        out["cache_creation_input_tokens"] = written
-        long = min(usage.cache_write_1h_tokens or 0, written)
-        if long:  # the split Anthropic gives, where it bills the hour dearer
-            out["cache_creation"] = {
-                "ephemeral_5m_input_tokens": written - long,
-                "ephemeral_1h_input_tokens": long,
-            }
-    return out
 
 
 ANTHROPIC_ERROR_TYPES = frozenset({*ERROR_TYPES.values(), "api_error"})

@@ -141,8 +141,13 @@ async def test_an_openai_upstream_gets_is_error_as_text_and_refuses_images(
     await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(text_only))
     tool = upstream.requests[0].body["messages"][2]
     assert tool == {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: boom"}
+    listed = [{"type": "text", "text": "README.md"}, {"type": "text", "text": "setup.py"}]
+    upstream.add(Reply.stream([openai_chunk(finish_reason="stop"), DONE]))
+    messages = tool_turns({"content": listed})
+    await api.messages.create(model="up/m", max_tokens=5, messages=messages)
+    assert upstream.requests[1].body["messages"][2]["content"] == "README.md\nsetup.py"
     with pytest.raises(anthropic.BadRequestError) as info:
         await api.messages.create(model="up/m", max_tokens=5, messages=tool_turns(FAILED))
     assert "holds a block of type 'image'" in info.value.message
-    assert len(upstream.requests) == 1
+    assert len(upstream.requests) == 2
     await api.close()

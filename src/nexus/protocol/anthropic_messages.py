@@ -361,7 +361,8 @@ def _tool_result(block: ToolResultBlock) -> dict[str, Any]:
     if isinstance(content, str):
         text = content
     else:
-        text = "".join(b.text for b in content if isinstance(b, TextBlock))
+        # One line between blocks (an MCP tool's results: files, rows), not glued together.
+        text = "\n".join(b.text for b in content if isinstance(b, TextBlock))
     message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id, "content": text}
     if block.is_error:
         message["is_error"] = True

@@ -173,22 +173,30 @@ def _pdf_tokens(text: object, at: int = 0) -> int:
     s); one that does not say, :data:`UNSAID_PAGES`."""
     if type(text) is not str:
         return UNSAID_PAGES * PDF_PAGE_TOKENS
-    # By the text's identity and its ends, not the text: kept, 64 of them would be 2 GB.
-    key = (id(text), len(text), text[at : at + 64], text[-64:])
-    tokens = _PDFS.get(key)
-    if tokens is None:
-        try:
-            pages = pdf_pages(binascii.a2b_base64(text[at:]))
-        except (binascii.Error, ValueError):
-            pages = None
-        tokens = (UNSAID_PAGES if pages is None else pages) * PDF_PAGE_TOKENS
-        if len(_PDFS) >= 64:
-            del _PDFS[next(iter(_PDFS))]
-        _PDFS[key] = tokens
+    # By the text's identity, the text held beside its count: an id is another string's
+    # once its own is freed (a PDF of one page read as another's thousand, or the other
+    # way), never while the text is alive. Bounded in bytes held, not in entries.
+    held = _PDFS.get(id(text))
+    if held is not None and held[0] is text:
+        return held[1]
+    try:
+        pages = pdf_pages(binascii.a2b_base64(text[at:]))
+    except (binascii.Error, ValueError):
+        pages = None
+    tokens = (UNSAID_PAGES if pages is None else pages) * PDF_PAGE_TOKENS
+    global _pdf_chars
+    while _PDFS and _pdf_chars + len(text) > PDF_CACHE_CHARS:
+        _pdf_chars -= len(_PDFS.pop(next(iter(_PDFS)))[0])
+    if len(text) <= PDF_CACHE_CHARS:
+        _PDFS[id(text)] = (text, tokens)
+        _pdf_chars += len(text)
     return tokens
 
 
-_PDFS: dict[tuple[int, int, str, str], int] = {}
+PDF_CACHE_CHARS = 64 * 1024 * 1024
+"""The PDFs' text :func:`_pdf_tokens` keeps alive for their counts, at most (the last ones)."""
+_PDFS: dict[int, tuple[str, int]] = {}
+_pdf_chars = 0
 
 
 _SECONDS: weakref.WeakKeyDictionary[InputAudio, float] = weakref.WeakKeyDictionary()

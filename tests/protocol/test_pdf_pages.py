@@ -10,7 +10,7 @@ import zlib
 import orjson
 import pytest
 
-from nexus.estimates import PDF_PAGE_TOKENS, UNSAID_PAGES, prompt_estimate
+from nexus.estimates import PDF_PAGE_TOKENS, UNSAID_PAGES, _pdf_tokens, prompt_estimate
 from nexus.protocol.anthropic_messages import parse_messages_request
 from nexus.protocol.openai_chat import parse_chat_request
 from nexus.protocol.pdf_pages import MAX_PAGES, pdf_pages
@@ -124,3 +124,21 @@ def test_the_object_streams_are_read_in_one_pass(monkeypatch: pytest.MonkeyPatch
     data = b"%PDF-1.5\n" + b"/Type/ObjStm stream\n" * 20_000 + b"endstream\n"
     assert pdf_pages(data) is None
     assert len(calls) == 1
+
+
+def test_a_pdf_is_never_counted_as_another_freed_before_it() -> None:
+    """The counts were kept by the text's ``id()`` and its ends: a 1,000-page PDF sent after
+    a 1-page one of the same length and ends (padded in its middle) took that one's freed
+    address, and was held, and charged, at one page."""
+    big = pdf(1000)
+    small = pdf(1)
+    at = small.index(b"endobj\n") + 7  # after the catalog, a comment to the big one's length
+    small = small[:at] + b"%" + b"x" * (len(big) - len(small) - 2) + b"\n" + small[at:]
+    assert len(small) == len(big) and small[-48:] == big[-48:] and small[:48] == big[:48]
+    for _ in range(20):
+        text = base64.b64encode(small).decode()
+        assert _pdf_tokens(text) == PDF_PAGE_TOKENS
+        del text
+        text = base64.b64encode(big).decode()
+        assert _pdf_tokens(text) == 1000 * PDF_PAGE_TOKENS
+        del text

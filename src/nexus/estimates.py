@@ -14,6 +14,7 @@ from __future__ import annotations
 import binascii
 import math
 import weakref
+from typing import Any
 
 import orjson
 
@@ -108,20 +109,21 @@ def prompt_estimate(request: ChatRequest) -> int:
                 called = call.function
                 size += len(called.name.encode()) + len(called.arguments.encode())
         extra = message.model_extra  # passed on upstream as they came
-        for block in (extra or {}).get("tool_result_content") or ():  # a PDF: by its pages
-            source = block.get("source") if type(block) is dict else None
-            if type(source) is dict and source.get("media_type") == "application/pdf":
-                tokens += _pdf_tokens(source.get("data"))
         if extra:
-            try:
-                size += len(orjson.dumps(extra))
-            except TypeError:  # (an integer past 64 bits, from Python callers)
-                size += len(repr(extra))
+            if "anthropic_content" in extra or "tool_result_content" in extra:
+                extra = dict(extra)
+                for block in extra.pop("anthropic_content", None) or ():
+                    size += _block_size(block, ("text", "tool_use"))  # (in content, tool_calls)
+                for block in extra.pop("tool_result_content", None) or ():
+                    size, tokens = _result_block(block, size, tokens)
+            size += _json_size(extra) if extra else 0
     for tool in request.tools or ():
         function = tool.function  # its parts, not a model_dump: per request, dozens of tools
         size += len(function.name) + len((function.description or "").encode())
         if function.parameters is not None:
             size += len(orjson.dumps(function.parameters))
+        if tool.model_extra:  # what rides beside it (a /v1/messages tool's input_examples)
+            size += _json_size(tool.model_extra)
     response_format = request.response_format
     schema = response_format.json_schema if response_format is not None else None
     if schema is not None:
@@ -147,6 +149,39 @@ def prompt_audio_estimate(request: ChatRequest) -> int:
                 if isinstance(part, AudioPart):
                     tokens += _media_tokens(part)
     return tokens
+
+
+def _json_size(value: Any) -> int:
+    try:
+        return len(orjson.dumps(value))
+    except TypeError:  # (an integer past 64 bits, from Python callers)
+        return len(repr(value))
+
+
+def _block_size(block: Any, counted: tuple[str, ...]) -> int:
+    """The bytes of an Anthropic block a message carries beside its chat form, but for the
+    blocks of a type that form has already counted (``counted``): a thinking block by its
+    text, any other by its JSON."""
+    kind = block.get("type") if type(block) is dict else None
+    if kind in counted:
+        return 0
+    if kind == "thinking":
+        return len(str(block.get("thinking") or "").encode())
+    return _json_size(block)
+
+
+def _result_block(block: Any, size: int, tokens: int) -> tuple[int, int]:
+    """A ``tool_result``'s block (its text is the tool message's content, already
+    counted): an image by its detail, a PDF by its pages, anything else by its JSON."""
+    kind = block.get("type") if type(block) is dict else None
+    source = block.get("source") if kind in ("image", "document") else None
+    if kind == "image":
+        return size, tokens + IMAGE_DETAIL_TOKENS
+    if type(source) is dict and source.get("media_type") == "application/pdf":
+        data = source.get("data")
+        by_size = 1 + len(data) * 3 // 4 // CHARS_PER_TOKEN if type(data) is str else 0
+        return size, tokens + max(by_size, _pdf_tokens(data))  # as a file part is
+    return size + _block_size(block, ("text",)), tokens
 
 
 def _media_tokens(part: ImagePart | AudioPart | FilePart) -> int:

@@ -236,6 +236,28 @@ async def test_provider_failure_sends_error_then_1011(
     assert lines[0].get("cancelled") is None
 
 
+async def test_a_provider_failure_before_any_output_refuses_the_start_and_keeps_the_socket(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As HTTP answers such a request with a status: nothing streamed, the socket is fine
+    (it was closed 1011, and its access line said ``mid_stream_error``)."""
+    caplog.set_level(logging.INFO, logger="nexus")
+    _, ws = await connect(make_client)
+    await ws.send(start("a b c", mock={"fail_after": 0}))
+    (frame,) = await turn(ws)
+    assert (frame["type"], frame["refused"]) == ("error", "start")
+    assert frame["error"]["code"] == "upstream_error"
+    await ws.send(start("a b c"))
+    assert (await turn(ws))[-1] == {"type": "done"}
+    await ws.close()
+    for _ in range(500):  # the socket's access line, once its handler ended
+        lines = [r.access for r in caplog.records if r.name == "nexus.access"]  # type: ignore[attr-defined]
+        if lines:
+            break
+        await asyncio.sleep(0.01)
+    assert "mid_stream_error" not in str(lines[-1].get("outcome"))
+
+
 async def test_message_over_the_limit_closes_1009(
     make_client: MakeClient, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -102,7 +102,8 @@ _NO_PLACE: AbstractContextManager[None] = contextlib.nullcontext()
 _TURN_LIMITS = frozenset({"max_stream_duration", "stream_too_large"})
 """Errors that end a turn for a limit of its own (``[limits] max_stream_duration_s``,
 ``[streams] max_log_bytes``): the turn ends with the error frame, as a refused start
-does, and the socket stays open for the next; a provider failure closes it (1011)."""
+does, and the socket stays open for the next; a provider failure after output closes it
+(1011), one before refuses the ``start`` (its error frame) and leaves it open."""
 
 _INTERNAL = Error(
     error_type="server_error",
@@ -210,10 +211,12 @@ class Turn:
             self.status, self.record.error = exc.status, exc.code  # before any event
             exc.__traceback__ = None  # the run's failure: see nexus.server.errors
             with contextlib.suppress(ConnectionError):
-                if exc.status >= 500:
+                if exc.status >= 500 and self.started:
                     await self._fail(exc.to_event())
-                else:
-                    await conn.ws.send_str(gateway_error_frame(exc, conn.request_id).frame)
+                else:  # before any output (every target failed): the start refused, as HTTP
+                    refused = None if self.started else "start"  # answers a status
+                    frame = gateway_error_frame(exc, conn.request_id, refused=refused)
+                    await conn.ws.send_str(frame.frame)
         except ConnectionError:
             log.debug("realtime client went away mid-turn")
         except Exception:

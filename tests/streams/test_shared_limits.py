@@ -378,3 +378,51 @@ async def test_a_charge_cut_by_its_hooks_timeout_is_sent_again_later(
             break
         await asyncio.sleep(0.01)
     assert sorted(charges(limits._unsent)) == [("capped", 0.25), ("capped", 0.5)]
+
+
+async def test_admissions_refused_while_redis_stalled_leave_no_slot_after_it(
+    redis_server: Any,
+) -> None:
+    """Redis paused (SIGSTOP) runs the admissions it was sent once it resumes, and they
+    take their slots (and budget holds) then, for a whole lease, while their requests were
+    refused: the removals sent during the stall failed. They are sent again until one
+    lands, so the key is not locked out for a lease after the stall."""
+    import signal
+
+    import redis.asyncio as aioredis
+
+    from nexus.auth import ApiKey
+    from nexus.cache.limits import LocalLimits, StoreUnavailable
+    from nexus.cache.redis import RedisStore
+    from nexus.cache.redis_limits import RedisLimits
+
+    prefix = new_prefix()
+    store = RedisStore(redis_server.url, prefix=prefix)
+    store.socket_timeout_s = 0.3
+    await store.start()
+    limits = RedisLimits(
+        store, rate=0, per_key=3, lease_s=60, fallback=LocalLimits(0, 3, lambda name: 0)
+    )
+    client = aioredis.Redis.from_url(redis_server.url)
+    key = ApiKey("stalled", budget_usd=1.0)
+    slots, held = f"{prefix}:limits:streams:stalled", f"{prefix}:limits:held:stalled"
+    await limits.start()
+    try:
+        redis_server.process.send_signal(signal.SIGSTOP)
+        for _ in range(3):
+            with pytest.raises(StoreUnavailable):
+                await limits.admit(key, stream=True, hold=0.01)
+        redis_server.process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not await client.zcard(slots) and not await client.hlen(held):
+                break
+            await asyncio.sleep(0.1)
+        assert await client.zcard(slots) == 0, "slots of refused admissions stayed"
+        assert await client.hlen(held) == 0, "holds of refused admissions stayed"
+        assert await limits.admit(key, stream=True, hold=0.01) is not None
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+        await limits.close()
+        await store.close()
+        await client.aclose()

@@ -19,30 +19,23 @@ slot's score is its lease deadline: this process renews all its slots on one tic
 third of ``[limits] stream_lease_s``, one pipeline), each with its hold (``RENEW``); a
 slot goes as its stream ends, before the end reaches its clients
 (:meth:`RedisLimits.end`), or, for a replica that died, at the next admission past its
-lease. An admission whose reply was lost (the script may have taken the slot) removes
-its slot too, rather than hold it for a lease.
+lease. An admission whose reply was lost (the script may have taken the slot, or may yet:
+a stalled Redis runs what it was sent once it resumes) removes its slot, again until a
+removal lands, rather than hold it for a lease.
 
-A key's sockets and readers (:meth:`RedisLimits.enter`) are slots of the same kind, in a
-set of their own: taken by the same script (without rate or budget), renewed on the same
-tick, let go as their holder leaves (in the background: nothing waits on it), or with
-their lease, or at shutdown with the rest.
+Sockets and readers (:meth:`RedisLimits.enter`) are slots of the same kind, in sets of
+their own: taken by the same script (without rate or budget), renewed on the same tick,
+let go as their holder leaves (in the background), with their lease, or at shutdown.
 
-A slot and its hold come back together. A replica that stalled past its lease (a pause,
-a partition), or a Redis that lost the keys, finds its slots and holds gone, perhaps
-after another replica was admitted in their place; its next renewal puts both back, so
-that its streams, still running, count against the key's streams and budget again.
-Together they may then be past either: what runs cannot be undone, but nothing more is
-admitted until enough of them end.
-
-So do the slots taken while Redis failed (streams, sockets, readers admitted by this
-process's own count): they are held here as any other, so the next renewal that reaches
-Redis puts them in it, and their lease, their release or the shutdown lets them go (one
-that ended before Redis was back is never put in). Without that, a replica back from an
-outage would admit the key's whole limit again beside the places it still held from it.
-After any failure, a key's next admission of a kind also puts back first, in the same
-pipeline, the slots of that kind held here: its own replica counts them at once, the
-others from its next tick. Replicas cut off together may each have admitted the whole
-limit: the key is then past it, and refused, until enough of them end.
+A slot and its hold come back together. A replica that stalled past its lease, or a Redis
+that lost the keys, finds its slots and holds gone, perhaps after another replica was
+admitted in their place; its next renewal puts both back, so that its streams, still
+running, count again (past the limit, perhaps: nothing more is admitted until enough end).
+So do the slots taken while Redis failed (admitted by this process's own count): held
+here as any other, the next renewal that reaches Redis puts them in it. After any failure,
+a key's next admission of a kind puts back first, in the same pipeline, the slots of that
+kind held here, so that a replica back from an outage does not admit the key's whole
+limit again beside them. Replicas cut off together may each have admitted the whole limit.
 
 Redis failing is never a 500: rate and concurrency (streams, sockets, readers) fail open
 to this process (:class:`~nexus.cache.limits.LocalLimits`, which counts every place held
@@ -91,11 +84,12 @@ whose reply was lost just before an outage longer than this may count twice."""
 
 _WARN_EVERY_S = 60.0
 
+_RETRY_S = 0.25
+"""The first pause before a failed admission's slot is removed again (doubling to 2 s)."""
+
 _END_WAIT_S = 1.0
 """How long a stream's end waits for its charge to be in Redis, then for its slot to
-leave, before its clients see it: a Redis that is slow or hangs delays ends by no more
-than this, twice (the charge is retried on the next tick, the slot goes a little later
-or with its lease)."""
+leave, before its clients see it (then the charge is retried on the tick)."""
 
 
 class RedisLimits(KeyLimits):
@@ -127,8 +121,7 @@ class RedisLimits(KeyLimits):
         lack the slots held here (a restart loses them; one taken meanwhile was never in)."""
         self._synced: dict[tuple[str, str], int] = {}
         """(slot kind, key name) -> the ``_failures`` as of which Redis has every slot of it
-        held here (its renewal or admission was built then). Fewer than now: its next
-        admission of that kind puts them back first (:meth:`_ahead`)."""
+        held here; fewer than now: its next admission puts them back first (:meth:`_ahead`)."""
         self._ids = itertools.count()
         self._unsent: dict[str, tuple[str, str, float, float | None, str]] = {}
         """Charge id -> (key, window, USD, TTL, the slot whose hold it replaces) of
@@ -159,6 +152,8 @@ class RedisLimits(KeyLimits):
             await asyncio.wait((ticker,), timeout=left(2.0))
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=left(2.0))
+            for task in self._tasks:  # removals still retried: the leases end them
+                task.cancel()
         try:
             async with asyncio.timeout_at(stop_by):
                 # Charges not yet in Redis: retried until the deadline (no tick follows).
@@ -202,8 +197,7 @@ class RedisLimits(KeyLimits):
             return False
 
     def _freed(self, kind: str, name: str, *ids: str) -> list[tuple[Any, ...]]:
-        """The commands that let slots ``ids`` of kind ``kind`` of key ``name`` go, and
-        their holds."""
+        """The commands that let slots ``ids`` (and their holds) of ``kind``, ``name`` go."""
         freed: list[tuple[Any, ...]] = [("ZREM", self._key("limits", kind, name), *ids)]
         if kind == STREAMS:
             freed.append(("HDEL", self._key("limits", "held", name), *ids))
@@ -270,7 +264,7 @@ class RedisLimits(KeyLimits):
             if budget is not None:
                 self._failed()
                 if slot is not None:  # the script may have run, its reply lost: give it back
-                    self._release_later(slot)
+                    self._release_later(slot, surely=True)
                 raise StoreUnavailable(
                     f"The spend of the API key {name!r} cannot be checked: the store is "
                     "unavailable; retry shortly.",
@@ -281,7 +275,7 @@ class RedisLimits(KeyLimits):
                 self.fallback.check(key, stream=stream, budget=False, rate=rate)
             except BaseException:
                 if slot is not None:  # (as above: the script may have run)
-                    self._release_later(slot)
+                    self._release_later(slot, surely=True)
                 raise
             if slot is not None:  # in Redis already if the script ran; else, once it is back
                 self._hold(slot, mark, lost=True)
@@ -290,7 +284,7 @@ class RedisLimits(KeyLimits):
             # The client left while the script was in flight: it may have run and taken
             # the slot, which nobody here holds or renews (it would stay for its lease).
             if slot is not None:
-                self._release_later(slot)
+                self._release_later(slot, surely=True)
             raise
         if ahead:
             self._caught_up((STREAMS, name), mark)
@@ -316,12 +310,12 @@ class RedisLimits(KeyLimits):
         except StoreUnavailable as exc:
             self._warn(exc.__cause__ or exc)
             if not self.fallback.hold(place, limit):
-                self._release_later(place)  # (as admit's: the script may have run)
+                self._release_later(place, surely=True)  # (as admit's: it may have run)
                 return None
             self._hold(place, mark, lost=True)  # (as admit's: in Redis once it is back)
             return place
         except asyncio.CancelledError:
-            self._release_later(place)
+            self._release_later(place, surely=True)
             raise
         if ahead:
             self._caught_up((kind, name), mark)
@@ -345,12 +339,9 @@ class RedisLimits(KeyLimits):
             self._failures += 1
 
     def _ahead(self, at: tuple[str, str]) -> tuple[list[tuple[Any, ...]], int]:
-        """What to send before an admission of ``at`` (slot kind, key name), in the same
-        pipeline: the renewal of its slots held here if Redis may lack them (else nothing),
-        so that the admission counts them; and the ``_failures`` now, the mark of what the
-        admission finds (:meth:`_hold`, :meth:`_caught_up` once the renewal is sent).
-        Without it a replica back from an outage admits the key's whole limit again beside
-        the slots it took meanwhile, until its tick."""
+        """What to send before an admission of ``at`` (slot kind, key name), in its
+        pipeline: the renewal of its slots held here if Redis may lack them, so that the
+        admission counts them; and the ``_failures`` now, the mark of what it finds."""
         mark = self._failures
         held = self._held.get(at)
         if held is None or self._synced[at] >= mark:
@@ -358,14 +349,13 @@ class RedisLimits(KeyLimits):
         return [self._lease(*at, held)], mark
 
     def _caught_up(self, at: tuple[str, str], mark: int) -> None:
-        """Redis has the slots of ``at`` held here as of ``mark``, a renewal or admission
-        built then having reached it."""
+        """Redis has the slots of ``at`` held here as of ``mark`` (sent as of then)."""
         if at in self._held and self._synced.get(at, -1) < mark:
             self._synced[at] = mark
 
     def _failed(self) -> None:
-        """Redis failed: it may have lost (a restart) the slots held here; each key's next
-        admission puts its own back first."""
+        """Redis failed: it may have lost the slots held here (each key's next admission
+        puts its own back first)."""
         self._failures += 1
 
     def leave(self, place: Slot) -> None:
@@ -381,8 +371,7 @@ class RedisLimits(KeyLimits):
             self._release_later(slot)
 
     def _forget(self, slot: Slot) -> bool:
-        """Stop renewing ``slot``: True if it was held here (released once, however often
-        asked)."""
+        """Stop renewing ``slot``: True if it was held here (released once)."""
         at = (slot.kind, slot.key)
         held = self._held.get(at)
         if held is None or held.pop(slot.id, None) is None:
@@ -392,14 +381,28 @@ class RedisLimits(KeyLimits):
             self._synced.pop(at, None)
         return True
 
-    def _release_later(self, slot: Slot) -> asyncio.Task[bool]:
-        """Remove a slot from Redis in the background; if that fails, its lease runs out."""
-        task = asyncio.get_running_loop().create_task(
-            self._send("release", self._freed(slot.kind, slot.key, slot.id))
-        )
+    def _release_later(self, slot: Slot, *, surely: bool = False) -> asyncio.Task[bool]:
+        """Remove a slot from Redis in the background; if that fails, its lease runs out.
+        ``surely``: its admission failed and may yet run (a stalled Redis runs it as it
+        resumes): tried again, backing off, until a removal lands within the lease (else
+        retries through a stall fill the key's limit with phantom slots for a lease)."""
+        freed = self._freed(slot.kind, slot.key, slot.id)
+        sent = self._send_surely(freed) if surely else self._send("release", freed)
+        task = asyncio.get_running_loop().create_task(sent)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def _send_surely(self, freed: list[tuple[Any, ...]]) -> bool:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.lease_ms / 1000
+        pause = _RETRY_S
+        while not await self._send("release", freed):
+            if loop.time() + pause > give_up:
+                return False  # (its lease has run out by then)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
+        return True
 
     async def charge(self, key: ApiKey, usd: float, slot: Slot | None = None) -> None:
         now = time.time()

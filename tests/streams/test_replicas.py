@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from nexus import Provider
+from nexus.auth import hash_key
 from nexus.events import Delta, StreamEvent, Usage
 from nexus.request import ChatRequest
 from nexus.server.state import HUB
@@ -209,6 +210,28 @@ async def test_cancel_answers_409_on_a_replica_that_does_not_run_the_stream(
     done = await one.delete(f"/v1/streams/{stream_id}")
     assert (await done.json())["status"] == "cancelled"
     resp.close()
+
+
+async def test_a_cancel_that_stops_nothing_elsewhere_takes_a_token_and_one_that_stops_is_free(
+    make_client: MakeClient, prefix: str
+) -> None:
+    """A 409 stops nothing: it is metered as any request (it was free, each one two Redis
+    round trips, without bound); the cancel on the replica that runs it stays free."""
+    key = "nx-cancel-rate-0123456789"
+    keys = {"keys": [{"name": "alpha", "sha256": hash_key(key)}]}
+    config = redis_config(prefix, auth=keys, limits={"requests_per_second_per_key": 0.2})
+    gated = GatedProvider(before=1, after=1)
+    one = await make_client(config, providers=[gated])
+    two = await make_client(config, providers=[GatedProvider()])
+    headers = {"Authorization": f"Bearer {key}"}
+    body = chat(model="gated/m", stream=True, background=True)
+    made = await (await one.post("/v1/chat/completions", json=body, headers=headers)).json()
+    await asyncio.wait_for(gated.started.wait(), 5)  # the key's one token is spent
+    elsewhere = await two.delete(f"/v1/streams/{made['id']}", headers=headers)
+    assert elsewhere.status == 429
+    assert (await elsewhere.json())["error"]["code"] == "rate_limited"
+    done = await one.delete(f"/v1/streams/{made['id']}", headers=headers)
+    assert (await done.json())["status"] == "cancelled"
 
 
 async def test_a_stream_that_finished_under_max_log_bytes_resumes_whole_on_every_replica(

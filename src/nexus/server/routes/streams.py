@@ -78,6 +78,7 @@ async def stop(request: web.Request, info: StreamInfo) -> Status:
             await admit(request, exchange(request).key, None)
         return status_of(run.events[-1])
     if info.status == "in_progress" and await hub.store.alive(stream_id):
+        await admit(request, exchange(request).key, None)  # (stops nothing: rated)
         raise GatewayError(
             f"Stream {stream_id!r} runs on another replica; cancel it there, or detach "
             "and let it end (at once when it is not resumable, else after "

@@ -141,11 +141,7 @@ async def test_a_tools_anthropic_fields_reach_an_anthropic_upstream_or_are_refus
         assert tool == TOOL | {k: v for k, v in CLAUDE_CODE_FIELDS.items() if k != "type"}
         refused = {
             "tools[0].mcp_server": TOOL | {"mcp_server": "x"},
-            "tools[0].type": {
-                "type": "web_search_20250305",
-                "name": "web_search",
-                "input_schema": {},
-            },
+            "tools[0].type": {"type": "web_search_20250305", "name": "web_search"},
         }
         for param, bad in refused.items():
             answer = await client.post("/v1/messages", json=body | {"tools": [bad]})

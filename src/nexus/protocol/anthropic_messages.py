@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..carried_blocks import TRANSLATED
 from ..errors import GatewayError, InvalidRequest
@@ -162,6 +162,19 @@ class ToolDef(OpenModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     input_schema: dict[str, Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom(cls, data: Any) -> Any:
+        """A server tool (``web_search_20250305``...: no ``input_schema``) is refused by
+        its type, not as a custom tool without a schema."""
+        kind = data.get("type", "custom") if isinstance(data, dict) else "custom"
+        if kind != "custom":
+            raise ValueError(
+                f"type: {str(kind)[:64]!r} is a server tool, which Nexus does not carry (its "
+                "results are blocks of their own); only custom tools are"
+            )
+        return data
 
 
 class ToolChoice(StrictModel):

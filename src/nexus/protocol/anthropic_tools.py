@@ -24,20 +24,14 @@ _TOOL_KEYS = frozenset(("type", "strict", "cache_control", *TOOL_FIELDS))
 
 
 def chat_tool(tool: Any, index: int) -> dict[str, Any]:
-    """A tool in chat's terms; its Anthropic fields ride beside it. A server tool (``type``
-    ``web_search_20250305``...) runs at Anthropic and streams blocks Nexus does not carry."""
+    """A tool in chat's terms; its Anthropic fields ride beside it. (A server tool,
+    ``web_search_20250305``..., was refused as the request was read: ``ToolDef``.)"""
     extra = tool.model_extra or {}
     unknown = next((key for key in extra if key not in _TOOL_KEYS), None)
     if unknown is not None:
         raise InvalidRequest(
             f"tools[{index}].{unknown}: a tool field Nexus does not carry.",
             param=f"tools[{index}].{unknown}",
-        )
-    if extra.get("type", "custom") != "custom":
-        raise InvalidRequest(
-            f"tools[{index}].type: {str(extra['type'])[:64]!r} is a server tool, which Nexus "
-            "does not carry (its results are blocks of their own); only custom tools are.",
-            param=f"tools[{index}].type",
         )
     function: dict[str, Any] = {"name": tool.name, "description": tool.description}
     function["parameters"] = tool.input_schema

@@ -58,8 +58,11 @@ def error_response(
     headers = dict(error.headers)
     if advise:
         headers[SHOULD_RETRY] = "true" if retry_advice(error) else "false"
+    status = error.status
+    if body is anthropic_error_body and error.error_type == "overloaded_error":
+        status = 529  # Anthropic's own word for it (the SDK's OverloadedError), not a 502
     return web.Response(
-        status=error.status,
+        status=status,
         body=orjson.dumps(body(error, _known_request_id(request))),
         content_type="application/json",
         headers=headers,

@@ -316,7 +316,7 @@ def test_request_translation() -> None:
             "tool_choice": "required",
             "parallel_tool_calls": False,
             "stop": ["END"],
-            "temperature": 1.5,
+            "temperature": 0.7,
             "top_p": 0.9,
             "user": "u-1",
             "max_completion_tokens": 300,
@@ -328,7 +328,7 @@ def test_request_translation() -> None:
     assert body["max_tokens"] == 300
     assert body["stream"] is True
     assert body["stop_sequences"] == ["END"]
-    assert body["temperature"] == 1.0
+    assert body["temperature"] == 0.7
     assert body["top_p"] == 0.9
     assert body["metadata"] == {"user_id": "u-1"}
     assert body["tools"] == [
@@ -420,6 +420,8 @@ def test_a_json_schema_response_format_is_anthropics_output_format() -> None:
         ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
         # A tier Anthropic does not offer went as sent, and Anthropic refused it.
         ({"service_tier": "flex"}, "service_tier"),
+        # Past Anthropic's range of 0 to 1: it was cut to 1, another answer than asked.
+        ({"temperature": 1.5}, "temperature"),
     ],
 )
 def test_fields_the_messages_api_cannot_carry_are_refused(

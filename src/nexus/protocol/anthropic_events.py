@@ -97,7 +97,7 @@ def messages_body(request: ChatRequest, model: str, default_max_tokens: int) -> 
         marked = any("cache_control" in block for block in system)
         body["system"] = system if marked else "\n\n".join(block["text"] for block in system)
     if request.temperature is not None:
-        body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0-1
+        body["temperature"] = request.temperature  # 0-1 (past it, refused: anthropic_fields)
     if request.top_p is not None:
         body["top_p"] = request.top_p
     if request.stop_sequences:

@@ -39,6 +39,9 @@ def refusal(request: ChatRequest) -> InvalidRequest | None:
     refused = _tool_refusal(request)
     if refused is not None:
         return refused
+    if request.temperature is not None and request.temperature > 1:  # (it was cut to 1)
+        what = f"{request.temperature:g}, past the Messages API's range of 0 to 1"
+        return _cannot("temperature", what, "send 0 to 1")
     extra = request.model_extra
     if extra:
         for name, (asks, what) in _UNCARRIED.items():

@@ -327,7 +327,8 @@ def anthropic_event(name: str, **fields: Any) -> bytes:
 def anthropic_stream(blocks: list[dict[str, Any]], stop_reason: str = "end_turn") -> list[bytes]:
     """The stream Anthropic sends for a message of these whole content blocks
     (docs/protocols.md §3): each block opened in its initial form and filled by its deltas
-    (text, thinking then its signature, a tool's input as JSON: ``""`` for an empty one);
+    (text, after its ``citations``; thinking then its signature, a tool's input as JSON:
+    ``""`` for an empty one);
     a ``redacted_thinking`` block comes whole."""
     message = {
         "id": "msg_01",
@@ -346,7 +347,10 @@ def anthropic_stream(blocks: list[dict[str, Any]], stop_reason: str = "end_turn"
         start = block
         if kind == "text":
             start = {"type": "text", "text": ""}
-            deltas = [{"type": "text_delta", "text": block["text"]}]
+            deltas = [
+                {"type": "citations_delta", "citation": c} for c in block.get("citations", ())
+            ]
+            deltas.append({"type": "text_delta", "text": block["text"]})
         elif kind == "thinking":
             start = {"type": "thinking", "thinking": "", "signature": ""}
             deltas = [

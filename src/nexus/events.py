@@ -239,12 +239,16 @@ class Citation:
     url: str | None = None
     title: str | None = None
     quoted: str | None = None
+    source: dict[str, Any] | None = None
+    """The citation as an Anthropic upstream sent it (a document's ``char_location``,
+    ``page_location``...: where in which document; a search result's ``encrypted_index``),
+    for ``/v1/messages`` clients, who get it as it came."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": "citation",
-            "citation": {"url": self.url, "title": self.title, "quoted": self.quoted},
-        }
+        citation: dict[str, Any] = {"url": self.url, "title": self.title, "quoted": self.quoted}
+        if self.source is not None:
+            citation["source"] = self.source
+        return {"type": "citation", "citation": citation}
 
 
 MAX_TOKENS = 10**9

@@ -135,6 +135,7 @@ class Merger:
                     result.usage = event
             case Citation():
                 result.citations.append(event)
+                result.cited_runs.append(max(len(self._runs) - 1, 0))
             case Audio():
                 result.audio.append(event)
             case Image():

@@ -142,6 +142,8 @@ class Completion:
     """Anthropic's own stop reason, where ``finish_reason`` says less (:class:`Delta`)."""
     usage: Usage | None = None
     citations: list[Citation] = field(default_factory=list)
+    cited_runs: list[int] = field(default_factory=list)
+    """Of each citation, the text run it came after (its index in :attr:`text_runs`)."""
     audio: list[Audio] = field(default_factory=list)
     images: list[Image] = field(default_factory=list)
     text_runs: list[tuple[int, str]] = field(default_factory=list)
@@ -152,6 +154,11 @@ class Completion:
     """The reasoning block by block, each with its own signature, placed among the text
     runs and tool calls (``reasoning`` is their text joined, ``reasoning_signature`` the
     last signature)."""
+
+    def cited(self) -> list[tuple[Citation, int]]:
+        """Each citation with the text run it came after (the first, when not known)."""
+        runs = self.cited_runs
+        return [(c, runs[i] if i < len(runs) else 0) for i, c in enumerate(self.citations)]
 
 
 Item = tuple[str, str | None] | CompletedToolCall | ReasoningBlock

@@ -11,7 +11,7 @@ import anthropic
 import pytest
 
 from support import MakeClient
-from upstreams import DONE, FakeUpstream, Reply, openai_chunk
+from upstreams import DONE, FakeUpstream, Reply, anthropic_stream, openai_chunk
 
 USER = [{"role": "user", "content": "one two three four"}]
 
@@ -92,6 +92,34 @@ async def test_a_forced_tool_that_stopped_is_tool_use(
         assert message.stop_reason == "tool_use"
     for message in await both(api, **request):  # no call: the turn ended
         assert message.stop_reason == "end_turn"
+    await api.close()
+
+
+async def test_a_documents_citations_come_as_anthropic_sent_them_in_both_forms(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """A document's ``char_location`` (where in which document) came out as a search
+    result's location without its place when streamed, and not at all when not."""
+    cited = {
+        "type": "char_location",
+        "cited_text": "The sky is blue.",
+        "document_index": 0,
+        "document_title": "Notes",
+        "start_char_index": 20,
+        "end_char_index": 36,
+    }
+    blocks = [
+        {"type": "text", "text": "Per the notes, "},
+        {"type": "text", "text": "the sky is blue.", "citations": [cited]},
+    ]
+    frames = anthropic_stream(blocks)
+    upstream.add(Reply.stream(frames), Reply.stream(frames))
+    config = {"providers": {"an": {"kind": "anthropic", "base_url": upstream.url}}}
+    api = await sdk(make_client, config)
+    for message in await both(api, model="an/claude", max_tokens=50, messages=USER):
+        (block,) = message.content
+        assert block.text == "Per the notes, the sky is blue."
+        assert [c.model_dump(exclude_none=True) for c in block.citations] == [cited]
     await api.close()
 
 

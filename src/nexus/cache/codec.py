@@ -46,10 +46,18 @@ _CLASSES: dict[str, type[Any]] = {
 }
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()}
 _CALLS = _FIELDS[Delta].index("tool_calls")
-_ADDED: dict[type[Any], int] = {Usage: 10, Delta: 2, Reasoning: 1, Audio: 2, ToolCall: 1}
+_ADDED: dict[type[Any], int] = {
+    Usage: 10,
+    Delta: 2,
+    Reasoning: 1,
+    Audio: 2,
+    ToolCall: 1,
+    Citation: 1,
+}
 """Per class, how many of its last fields came after the first stored format (usage's
 partial, cost_usd, token details and hour-long cache writes, a delta's stop_sequence and
-stop_reason, reasoning's redacted, audio's id and expires_at, a tool call's extra_content)."""
+stop_reason, reasoning's redacted, audio's id and expires_at, a tool call's extra_content,
+a citation's source)."""
 _TOKEN_TAIL = [None] * (len(_FIELDS[Delta]) - 1 - _ADDED[Delta])  # a token's stored fields
 _DEFAULTS = {
     cls: tuple(f.default for f in dataclasses.fields(cls)[len(_FIELDS[cls]) - added :])

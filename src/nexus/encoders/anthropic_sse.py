@@ -36,6 +36,7 @@ from ..events import (
 )
 from ..protocol.anthropic_messages import (
     anthropic_error_type,
+    citation_body,
     error_body,
     message_id,
     stop_fields,
@@ -208,16 +209,8 @@ class AnthropicSSEEncoder(Encoder):
                 return self._tool(event)
             case Citation():
                 out = self._in_text()
-                citation = {
-                    "type": "web_search_result_location",
-                    "url": event.url,
-                    "title": event.title,
-                    "cited_text": event.quoted or "",
-                    "encrypted_index": "",
-                }
-                return out + self._delta(
-                    self._index, {"type": "citations_delta", "citation": citation}
-                )
+                cited = {"type": "citations_delta", "citation": citation_body(event)}
+                return out + self._delta(self._index, cited)
             case Usage():
                 self._usage = event
                 return b""

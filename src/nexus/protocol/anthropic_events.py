@@ -305,9 +305,8 @@ class EventDecoder:
                             citation.get("document_title"), "citation document_title"
                         )
                         url = text_of(citation.get("url"), "citation url")
-                        return [
-                            Citation(url, title, text_of(citation.get("cited_text"), "cited_text"))
-                        ]
+                        quoted = text_of(citation.get("cited_text"), "cited_text")
+                        return [Citation(url, title, quoted, source=citation)]
                 return []  # future delta types
             case "content_block_start":
                 block = object_of(data.get("content_block"), "content_block")

@@ -23,6 +23,7 @@ from ..request import (
     StreamOptions,
     StrictModel,
 )
+from ..events import Citation
 from ..types import Completion, ReasoningBlock, in_order
 from .anthropic_documents import document_part
 from .anthropic_events import NATIVE_STOP_REASONS, cache_control, text_block
@@ -392,11 +393,17 @@ def message_body(completion: Completion) -> dict[str, Any]:
     # thinking block with its own signature (Anthropic checks each when it comes back); a
     # refusal is text, after any answer (Anthropic has no refusal block: its stop_reason
     # says so).
+    runs = 0  # text runs seen: a citation goes with the text it came after
     for item in in_order(completion):
         if isinstance(item, tuple):
             text = item[0] + (item[1] or "")
+            cited = [c for c, run in completion.cited() if run == runs]
+            runs += 1
             if text:
-                content.append({"type": "text", "text": text})
+                block: dict[str, Any] = {"type": "text", "text": text}
+                if cited:
+                    block["citations"] = [citation_body(c) for c in cited]
+                content.append(block)
         elif isinstance(item, ReasoningBlock):
             content.append(thinking_block(item))
         else:
@@ -416,6 +423,20 @@ def message_body(completion: Completion) -> dict[str, Any]:
             bool(completion.tool_calls),
         ),
         "usage": usage_body(completion.usage),
+    }
+
+
+def citation_body(citation: Citation) -> dict[str, Any]:
+    """A citation in Anthropic's terms: as an Anthropic upstream sent it, else (another
+    upstream's source: a URL) a search result's location."""
+    if citation.source is not None:
+        return citation.source
+    return {
+        "type": "web_search_result_location",
+        "url": citation.url,
+        "title": citation.title,
+        "cited_text": citation.quoted or "",
+        "encrypted_index": "",
     }
 
 

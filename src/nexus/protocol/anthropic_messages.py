@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from ..carried_blocks import TRANSLATED
 from ..errors import GatewayError, InvalidRequest
+from ..events import Citation
 from ..request import (
     MAX_MODEL_CHARS,
     ChatRequest,
@@ -23,7 +24,6 @@ from ..request import (
     StreamOptions,
     StrictModel,
 )
-from ..events import Citation
 from ..types import Completion, ReasoningBlock, in_order
 from .anthropic_documents import document_part
 from .anthropic_events import NATIVE_STOP_REASONS, cache_control, text_block

@@ -19,7 +19,7 @@ from anthropic.types import Message, RawMessageStreamEvent
 
 from nexus.encoders.anthropic_sse import AnthropicSSEEncoder
 from nexus.events import Citation, Delta, Error, Reasoning, StreamEvent, ToolCall, Usage
-from nexus.protocol.anthropic_messages import message_body
+from nexus.protocol.anthropic_output import message_body
 from nexus.stream import merge_events
 from nexus.types import StreamMeta
 

@@ -34,7 +34,7 @@ from ..events import (
     Usage,
     plain_content,
 )
-from ..protocol.anthropic_messages import (
+from ..protocol.anthropic_output import (
     anthropic_error_type,
     citation_body,
     error_body,

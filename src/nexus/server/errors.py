@@ -25,7 +25,7 @@ import orjson
 from aiohttp import WSCloseCode, web
 
 from ..errors import GatewayError, ServerShuttingDown
-from ..protocol.anthropic_messages import anthropic_error_body
+from ..protocol.anthropic_output import anthropic_error_body
 from .state import EXCHANGE, RUNTIME, new_request_id
 
 __all__ = ["SHOULD_RETRY", "error_middleware", "error_response", "retry_advice"]

@@ -11,11 +11,8 @@ from ...encoders.anthropic_sse import AnthropicSSEEncoder
 from ...errors import GatewayError
 from ...estimates import prompt_estimate
 from ...events import Usage
-from ...protocol.anthropic_messages import (
-    anthropic_error_body,
-    message_body,
-    parse_messages_request,
-)
+from ...protocol.anthropic_messages import parse_messages_request
+from ...protocol.anthropic_output import anthropic_error_body, message_body
 from ...providers.anthropic import AnthropicProvider
 from .. import state
 from ..key_admission import admit, authenticate, check_model

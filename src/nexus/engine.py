@@ -259,6 +259,7 @@ class Engine:
             retry_ms=self.retry_ms,
             prompt_estimate=prompt_estimate(request),
             prompt_audio_estimate=prompt_audio_estimate(request),
+            echo=request.responses_echo,
         )
 
     def complete_stream(

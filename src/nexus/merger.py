@@ -56,7 +56,9 @@ class Merger:
         self._calls: dict[int, _ToolCallBuilder] = {}  # by the upstream's index: its latest
         self._built: list[_ToolCallBuilder] = []  # every call, in the order they began
         self._by_id: dict[str, _ToolCallBuilder] = {}
-        self._result = Completion(id=meta.id, model=meta.model, created=meta.created)
+        self._result = Completion(
+            id=meta.id, model=meta.model, created=meta.created, echo=meta.echo
+        )
 
     def _merge(self, call: ToolCall) -> None:
         builder = self._by_id.get(call.id) if call.id is not None else None

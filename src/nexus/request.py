@@ -374,12 +374,17 @@ class ChatRequest(OpenModel):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     mock: MockScript | None = None
+    responses_echo: dict[str, Any] | None = Field(default=None, exclude=True)
+    """Nexus's, set by the ``/v1/responses`` translator: the request's fields as sent that
+    its ``response`` object echoes (``instructions``, ``metadata``, ``tools``...). Never sent
+    upstream; derived from what is, so not in the cache key either."""
 
     @model_validator(mode="before")
     @classmethod
     def _betas(cls, data: Any, info: ValidationInfo) -> Any:
         instead = "name betas in the anthropic-beta header"
-        return translated_only(data, info, "anthropic_beta", instead)
+        data = translated_only(data, info, "anthropic_beta", instead)
+        return translated_only(data, info, "responses_echo", "send the request to /v1/responses")
 
     @field_validator("stop")
     @classmethod

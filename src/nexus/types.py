@@ -89,6 +89,9 @@ class StreamMeta:
     """The upstream's own count of the prompt, when it gave one before any event came
     (Anthropic's ``message_start``): charged, in place of the estimate, to a stream that
     ended then. Set when such a stream ends."""
+    echo: dict[str, Any] | None = None
+    """A ``/v1/responses`` request's fields its ``response`` object echoes (its
+    ``responses_echo``): kept with the stream, for every answer that shows it."""
     failed_attempts: tuple[FailedAttempt, ...] = ()
     """The attempts that failed after their upstream took the request, in order: logged
     and counted, never charged (:class:`FailedAttempt`). Set as each fails."""
@@ -143,6 +146,8 @@ class Completion:
     usage: Usage | None = None
     citations: list[Citation] = field(default_factory=list)
     cited_runs: list[int] = field(default_factory=list)
+    echo: dict[str, Any] | None = None
+    """The stream's :attr:`StreamMeta.echo`: what a Responses answer echoes of its request."""
     """Of each citation, the text run it came after (its index in :attr:`text_runs`)."""
     audio: list[Audio] = field(default_factory=list)
     images: list[Image] = field(default_factory=list)

@@ -74,6 +74,7 @@ def response(
         "tool_choice": "auto",
         "tools": [],
         "top_p": None,
+        "max_output_tokens": None,
         "usage": usage,
     }
 
@@ -166,7 +167,8 @@ def test_start_is_created_then_in_progress_byte_for_byte() -> None:
     rest = (
         b',"error":null,"incomplete_details":null,"instructions":null,"metadata":{},'
         b'"model":"mock/echo","output":[],"parallel_tool_calls":true,"store":false,'
-        b'"temperature":null,"tool_choice":"auto","tools":[],"top_p":null,"usage":null}'
+        b'"temperature":null,"tool_choice":"auto","tools":[],"top_p":null,"max_output_tokens":null,'
+        b'"usage":null}'
     )
     assert ResponsesSSEEncoder(META).start() == (
         b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'

@@ -369,6 +369,7 @@ def test_response_body_text() -> None:
         "tool_choice": "auto",
         "tools": [],
         "top_p": None,
+        "max_output_tokens": None,
         "usage": {
             "input_tokens": 3,
             "input_tokens_details": {"cached_tokens": 2, "cache_write_tokens": 0},

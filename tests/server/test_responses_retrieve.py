@@ -214,3 +214,49 @@ async def test_another_keys_response_is_not_found(make_client: MakeClient) -> No
     assert (await _finished(alpha, created.id)).output_text == "secret words"
     await alpha.close()
     await beta.close()
+
+
+ECHOED = {
+    "instructions": "Be brief.",
+    "metadata": {"job": "42"},
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "temperature": 0.2,
+    "top_p": 0.5,
+    "max_output_tokens": 77,
+}
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+
+
+async def test_a_response_echoes_its_request_in_every_form(make_client: MakeClient) -> None:
+    """The request's ``instructions``, ``metadata``, tools and sampling came back as their
+    defaults (``metadata: {}``, ``tool_choice: auto``...), however the response was read:
+    a background job tagged with its metadata could not be told by it."""
+    client = await make_client()
+    api = _sdk(client)
+    asked: dict[str, Any] = {"model": "mock/echo", "input": "one two", **ECHOED, "tools": [TOOL]}
+    asked["extra_body"] = {"mock": {"content": "one two"}}
+
+    def echoed(response: Any) -> None:
+        got = response.model_dump()
+        assert {name: got[name] for name in ECHOED} == ECHOED
+        assert [t.model_dump(exclude_none=True) for t in response.tools] == [TOOL]
+
+    echoed(await api.responses.create(**asked))
+    async with api.responses.stream(**asked) as stream:
+        echoed(await stream.get_final_response())
+    created = await api.responses.create(**asked, background=True)
+    echoed(created)
+    echoed(await _finished(api, created.id))
+    plain = await api.responses.create(model="mock/echo", input="hi")
+    assert (plain.metadata, plain.tool_choice, plain.tools) == ({}, "auto", [])
+    await api.close()
+    refused = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "mock/echo",
+            "messages": [{"role": "user", "content": "hi"}],
+            "responses_echo": {"metadata": {"a": "b"}},
+        },
+    )
+    assert refused.status == 400

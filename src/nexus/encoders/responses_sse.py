@@ -129,6 +129,7 @@ class ResponsesSSEEncoder(Encoder):
             created_at=self.meta.created,
             model=self.meta.model,
             status=status,
+            echo=self.meta.echo,
             **kwargs,
         )
 

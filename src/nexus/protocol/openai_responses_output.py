@@ -111,10 +111,12 @@ def response_object(
     usage: dict[str, Any] | None = None,
     error: dict[str, Any] | None = None,
     incomplete: str | None = None,
+    echo: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``response`` object with the fields the SDK's type requires; the echoed request
-    fields (``tools``, ``temperature``...) are their defaults (no copy is kept)."""
-    return {
+    """A ``response`` object with the fields the SDK's type requires; the request's fields
+    it echoes (``instructions``, ``metadata``, ``tools``...) as the request sent them
+    (``echo``: :attr:`~nexus.types.StreamMeta.echo`), else their defaults."""
+    body = {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
@@ -131,12 +133,20 @@ def response_object(
         "tool_choice": "auto",
         "tools": [],
         "top_p": None,
+        "max_output_tokens": None,
         "usage": usage,
     }
+    if echo:
+        body.update(echo)
+    return body
 
 
 def accepted_body(
-    described: dict[str, Any], stream_id: str, model: str, created: int
+    described: dict[str, Any],
+    stream_id: str,
+    model: str,
+    created: int,
+    echo: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The answer to ``background: true``: the ``response`` object the SDK reads (its
     ``resp_`` id, status ``in_progress``, no output yet: ``output_text`` is ``""``), with
@@ -149,6 +159,7 @@ def accepted_body(
         model=model,
         status=described["status"],
         output=[],
+        echo=echo,
     )
     body["background"] = True
     body["stream_id"] = described["id"]  # the resource's, in url and Last-Event-IDs
@@ -198,6 +209,7 @@ def response_body(completion: Completion) -> dict[str, Any]:
         output=output,
         usage=usage_body(completion.usage),
         incomplete=reason,
+        echo=completion.echo,
     )
 
 

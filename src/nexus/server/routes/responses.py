@@ -46,7 +46,7 @@ DEFAULT_FORMAT = ResponsesSSEEncoder.media_type
 
 
 def _accepted(described: dict[str, Any], meta: StreamMeta) -> dict[str, Any]:
-    return accepted_body(described, meta.id, meta.model, meta.created)
+    return accepted_body(described, meta.id, meta.model, meta.created, meta.echo)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -124,6 +124,7 @@ async def _response_of(request: web.Request, info: StreamInfo) -> dict[str, Any]
             model=meta.model,
             status="in_progress",
             output=[],
+            echo=meta.echo,
         )
     else:
         events, terminal = await _log_of(request, info.id)

@@ -269,8 +269,28 @@ _STATUS_BY_TYPE = {"invalid_request_error": 400, "rate_limit_error": 429, "serve
 gateway's own (its failure, its limits: 500), as it would have been before any output."""
 
 
+_CODES = """
+    budget_exceeded client_disconnect host_not_allowed http_error input_too_large
+    internal_error invalid_api_key invalid_envelope invalid_json invalid_last_event_id
+    invalid_request max_stream_duration method_not_allowed metrics_token_not_set
+    model_not_allowed model_not_found model_not_priced not_found nothing_to_abort
+    origin_not_allowed plugin_timeout rate_limited request_timeout request_too_large
+    server_shutting_down store_unavailable stream_cancelled stream_detached
+    stream_in_progress stream_incomplete stream_lost stream_not_found stream_not_local
+    stream_rejected stream_too_large too_many_connections too_many_readers too_many_sockets
+    too_many_streams unsupported_input unsupported_media_type unsupported_stream_format
+    upstream_auth_error upstream_connect_error upstream_disconnect upstream_error
+    upstream_invalid_request upstream_not_found upstream_pool_exhausted
+    upstream_protocol_error upstream_rate_limited upstream_timeout
+"""
+GATEWAY_CODES = frozenset(_CODES.split())
+"""Every error ``code`` the gateway itself sends (docs/http-api.md, *Errors*; a test holds
+the two together). An upstream may send others: those are its own."""
+
+
 __all__ = sorted(
     name
     for name, value in list(globals().items())
     if isinstance(value, type) and issubclass(value, NexusError)
 )
+__all__ += ["GATEWAY_CODES"]

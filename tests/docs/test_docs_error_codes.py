@@ -94,3 +94,11 @@ def test_every_code_the_gateway_sends_is_documented() -> None:
 
 def test_every_documented_code_is_one_the_gateway_sends() -> None:
     assert sorted(documented() - emitted()) == []
+
+
+def test_the_gateways_own_codes_are_listed_for_the_metrics() -> None:
+    """``/metrics`` keeps a label for each of the gateway's own codes, however many codes
+    upstreams mint (:data:`nexus.errors.GATEWAY_CODES`): every code it sends is there."""
+    from nexus.errors import GATEWAY_CODES
+
+    assert sorted(GATEWAY_CODES ^ emitted()) == []

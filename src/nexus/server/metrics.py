@@ -10,8 +10,8 @@ states through callbacks (:meth:`Metrics.watch`).
 Labels stay few and never empty: ``model`` is an alias or advertised model as asked,
 ``<provider>/*`` for any other model of a provider, else ``unknown`` (:class:`ModelLabels`,
 which names the spans' upstream attempts too); ``key`` is the
-key's name (``anonymous`` without keys); error codes are labels for the first
-:data:`MAX_CODES` seen, ``other`` after them.
+key's name (``anonymous`` without keys); the gateway's own error codes are labels, and
+of the codes upstreams mint, the first :data:`MAX_CODES` seen, ``other`` after them.
 
 Several workers (``nexus serve --workers N``): each calls :func:`enable_multiprocess`
 after the fork, and ``/metrics`` on any worker adds up every worker's files
@@ -38,6 +38,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..errors import GATEWAY_CODES
 from ..events import Error
 from ..hooks import CallContext, Hooks
 from ..pricing import Spend
@@ -81,8 +82,10 @@ _DURATION = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 MAX_CODES = 64
-"""Most error codes that are label values of their own (per process): upstreams mint
-codes too, and without a bound ``/metrics`` could grow without end."""
+"""Most upstreams' own error codes that are label values of their own (per process):
+without a bound ``/metrics`` could grow without end. The gateway's own codes
+(:data:`~nexus.errors.GATEWAY_CODES`) are always theirs: an upstream that minted 64 codes
+must not turn the alerts on ``error:budget_exceeded`` into ``error:other``."""
 OTHER = "other"
 _CODE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -351,9 +354,10 @@ class Metrics:
         self.requests.labels(REALTIME, label, self.outcome_label(f"error:{code}")).inc()
 
     def code_label(self, code: str) -> str:
-        """An error code's label: itself for the first :data:`MAX_CODES` sane codes seen."""
+        """An error code's label: itself for the gateway's own, and for the first
+        :data:`MAX_CODES` sane codes seen of the others."""
         codes = self._codes
-        if code in codes:
+        if code in codes or code in GATEWAY_CODES:
             return code
         if len(codes) < MAX_CODES and _CODE.fullmatch(code):
             codes.add(code)

@@ -322,6 +322,29 @@ async def test_an_upstream_error_quoting_keys_reaches_the_client_without_them(
         assert "Used 29500" in caplog.text and "[redacted]" in caplog.text
 
 
+async def test_an_upstream_5xx_that_echoes_the_request_logs_neither_its_messages_nor_keys(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upstream that answered 500 with the request it got logged it whole: the
+    prompt's text, and a Nexus key the user had pasted in it."""
+    nexus_key = "nx-Zq9Zq9Zq9Zq9Zq9Zq9Zq9"
+    prompt = f"my private prompt; NEXUS_KEY={nexus_key}"
+    async with FakeUpstream() as up:
+        echoed = {"model": "m", "messages": [{"role": "user", "content": prompt}]}
+        text_echo = f"Bad gateway while serving {nexus_key}"
+        up.add(Reply.json(500, echoed), Reply.json(502, {"error": {"message": text_echo}}))
+        client = await make_client({"providers": {"up": {"kind": "openai", "base_url": up.url}}})
+        with caplog.at_level("WARNING", logger="nexus"):
+            for _ in range(2):
+                body = {"model": "up/m", "messages": [{"role": "user", "content": prompt}]}
+                resp = await client.post("/v1/chat/completions", json=body)
+                assert resp.status == 502
+                assert nexus_key not in await resp.text()
+    assert "my private prompt" not in caplog.text and nexus_key not in caplog.text
+    assert "JSON without a message" in caplog.text  # the operator still hears of it
+    assert "Bad gateway while serving [redacted]" in caplog.text
+
+
 async def test_an_error_inside_the_stream_quoting_keys_is_redacted(
     make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -63,6 +63,7 @@ _CREDENTIAL_SHAPES = re.compile(
     r"|\bAIza[0-9A-Za-z_\-]{30,}"  # a Google API key
     r"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"  # an AWS access key id
     r"|\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]*"  # a JWT
+    r"|\bnx-[A-Za-z0-9_\-]{16,}"  # a Nexus key (a request an upstream echoed)
 )
 _SECRETS: set[str] = set()
 MAX_ERROR_TEXT = 500
@@ -195,10 +196,12 @@ def _retry_after(headers: Mapping[str, str]) -> dict[str, str] | None:
     return kept
 
 
-def error_text(body: bytes) -> str:
+def error_text(body: bytes, *, whole: bool = True) -> str:
     """The message of an upstream's error body as it may go out (:func:`redacted`, then
     escaped and cut, so that no key is cut in two first): ``error.message``, ``error``
-    or ``message`` of a JSON object, else the start of the text."""
+    or ``message`` of a JSON object, else the start of the text. Not ``whole`` (for a
+    log line): a JSON body without a message is not quoted, since it may be the request
+    echoed (its messages: no log line holds them)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -211,6 +214,8 @@ def error_text(body: bytes) -> str:
         ):
             if isinstance(text, str):
                 return _passed_on(text)
+    if not whole:
+        return f"(JSON without a message, {len(body)} bytes)"
     return _passed_on(orjson.dumps(data).decode())
 
 

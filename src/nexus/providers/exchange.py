@@ -371,8 +371,8 @@ class UpstreamExchange:
         message = f"provider {provider.name!r} answered {status}"
         if status < 500:
             message += f": {text}"
-        else:  # the upstream's trouble: its text is the operator's
-            log.warning("%s: %s", message, text)
+        else:  # the upstream's trouble: its message is the operator's
+            log.warning("%s: %s", message, error_text(body, whole=False) if body else text)
         return status_error(provider.name, status, message, headers, body=body)
 
     @property

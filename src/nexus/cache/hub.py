@@ -245,12 +245,15 @@ class StreamHub:
                     return Opened(joined, local, "hit", joined=True, reader=reader)
                 await store.release(key, holder)  # its stream is over, or its replica died
         except BaseException as exc:
-            if isinstance(exc, StoreUnavailable) and not (self.store_required or handed):
+            unstored = isinstance(exc, StoreUnavailable) and not (self.store_required or handed)
+            if isinstance(exc, StoreUnavailable) and not handed and store.shared:
+                self.keeper.never_started(info, key, runs=unstored)  # (the store may yet run)
+            if unstored:
                 return self._unstored(info, stream, background, ctx)  # (a claim, a join, ...)
             if not handed:
                 await stream.close()
                 await self.engine.hooks.given_up(ctx, stream.meta, exc)
-                if begun:
+                if begun and not isinstance(exc, StoreUnavailable):
                     with contextlib.suppress(Exception):  # its live entry ends with it
                         await store.end(replace(info, status="failed"), [], 0, 1.0)
             raise

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from ..config import CacheConfig, StreamsConfig
@@ -33,7 +34,7 @@ from ..events import Done, Error, StreamEvent
 from .codec import event_size
 from .recording import record
 from .run import StreamRun
-from .store import Status, Store, Write
+from .store import Status, Store, StreamInfo, Write
 
 __all__ = [
     "RECORDING_WAIT_S",
@@ -166,6 +167,30 @@ class Keeper:
 
     def _finished(self, run: StreamRun) -> None:
         self._track(self._end(run, None))
+
+    def never_started(self, info: StreamInfo, claimed: str, *, runs: bool = False) -> None:
+        """A stream whose start the store failed (its claim of ``claimed``, its ``begin``):
+        Redis may yet run what it was sent (a stalled one runs it as it resumes), leaving a
+        claim to a stream that never runs, which identical requests would join and wait on
+        for as long as its owner lives. Both are undone (the claim only, if it ``runs`` here
+        unstored: its log is mirrored once the store is back), tried again as the mirror
+        retries until one try lands (the store answers again: what it was sent before ran)."""
+        self._track(self._undo(info, claimed, runs))
+
+    async def _undo(self, info: StreamInfo, claimed: str, runs: bool) -> None:
+        loop = asyncio.get_running_loop()
+        give_up, delay = loop.time() + self.streams.resume_ttl_s, RETRY_S / 4
+        while True:
+            try:
+                await self.store.release(claimed, info.id)
+                if not runs:
+                    await self.store.end(replace(info, status="failed"), [], 0, 1.0)
+                return
+            except StoreUnavailable:
+                if loop.time() + delay > give_up or self.closing.is_set():
+                    return  # (its TTLs end it)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
 
     def _track(self, job: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(job)

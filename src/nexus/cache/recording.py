@@ -9,6 +9,7 @@ another key's recording, usage included, nor joins its stream, unless
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import AsyncGenerator
@@ -17,6 +18,7 @@ from dataclasses import replace
 import orjson
 
 from ..config import CacheConfig
+from ..errors import StoreUnavailable
 from ..events import Done, StreamEvent, Usage
 from ..request import ChatRequest
 from .run import MAX_BATCH, StreamRun
@@ -57,7 +59,9 @@ def cache_key(request: ChatRequest, owner: str | None = None, *, shared: bool = 
 
 async def record(store: Store, cache: CacheConfig, run: StreamRun, key: str) -> None:
     """Keep a finished run under ``key`` when it ended well and fits ``[cache]``; release
-    the in-flight claim either way."""
+    the in-flight claim either way. A store that fails is not a traceback per stream: it
+    warned already (a line per cause and 10 s); a claim left holds a finished stream, which
+    the next identical request releases."""
     try:
         terminal = run.events[-1]
         if (
@@ -71,8 +75,11 @@ async def record(store: Store, cache: CacheConfig, run: StreamRun, key: str) -> 
             recording = Recording(
                 _free(run.events[:-1]), run.offsets[:-1], meta.provider, meta.upstream_model
             )
-            await store.put_recording(key, recording, cache.ttl_s, run.info.owner)
+            with contextlib.suppress(StoreUnavailable):
+                await store.put_recording(key, recording, cache.ttl_s, run.info.owner)
         await store.release(key, run.id)
+    except StoreUnavailable:
+        pass
     except Exception:
         log.exception("recording stream %s failed", run.id)
 

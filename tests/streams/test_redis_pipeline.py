@@ -15,7 +15,7 @@ import pytest
 from redis.exceptions import RedisError
 
 from nexus.cache.redis import RedisStore
-from nexus.cache.redis_pipeline import DOWN_S, Pipeliner
+from nexus.cache.redis_pipeline import DOWN_S, SLOW_S, Pipeliner
 from nexus.cache.redis_url import connect
 from nexus.errors import StoreUnavailable
 from redis_server import RedisServer
@@ -163,6 +163,28 @@ async def test_after_a_round_trip_redis_failed_calls_fail_at_once_then_it_is_tri
         await asyncio.sleep(DOWN_S)
         assert await store.call("back", ("GET", "down:k")) == [b"1"]
         assert await store.call("again", ("GET", "down:k")) == [b"1"]
+
+
+async def test_calls_behind_a_round_trip_unanswered_past_slow_s_fail_at_once(
+    redis_server: RedisServer,
+) -> None:
+    """Behind a Redis that hangs, every call that came while the probe waited out its 5 s
+    queued behind it and waited the rest (5.0, 4.75, 4.5... s): most requests, not one in
+    a while. Past SLOW_S unanswered, the calls that come fail at once."""
+    store = RedisStore(redis_server.url, prefix="slow")
+    async with pausable(redis_server, store, 3.0) as process:
+        process.send_signal(signal.SIGSTOP)
+        probe = asyncio.ensure_future(store.call("probe", ("GET", "slow:k")))
+        await asyncio.sleep(SLOW_S + 0.2)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await store.call("later", ("GET", "slow:k"))
+        assert time.monotonic() - started < 0.05
+        with pytest.raises(StoreUnavailable):
+            await probe
+        process.send_signal(signal.SIGCONT)
+        await asyncio.sleep(DOWN_S)
+        assert await store.call("back", ("GET", "slow:k")) == [b"1"]
 
 
 async def test_commands_queued_behind_a_redis_that_stopped_answering_count_it_unreachable(

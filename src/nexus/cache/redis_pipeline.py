@@ -9,7 +9,9 @@ no connection to be made; not a kept connection found closed, which the next one
 again) fails the commands after it at once for a moment, rather than each waiting out a
 deadline of its own: a request makes several round trips, and behind a Redis that hangs it
 waited 15-30 s before its 503 (or, with ``required = false``, before running on its replica
-alone). The first commands after the moment are the probe.
+alone). The first commands after the moment are the probe; while a round trip goes
+unanswered past :data:`SLOW_S` (the probe of a Redis that hangs), new commands fail at once
+too, rather than queue behind it for the rest of its deadline.
 
 **RESP** (:func:`_pack`): the commands of a pipeline are packed at less than half of
 redis-py's cost; a command may come packed already (the mirror's appends,
@@ -40,6 +42,9 @@ __all__ = [
 
 DOWN_S = 1.0
 """How long after a round trip Redis failed the commands fail at once (see above)."""
+SLOW_S = 1.0
+"""A round trip unanswered this long: Redis hangs (it answers in milliseconds, a large
+pipeline in tens of them); commands that come meanwhile fail at once."""
 
 
 class StoreBusy(RedisError):
@@ -83,6 +88,7 @@ class Pipeliner:
         self._queue: list[tuple[Sequence[Command], asyncio.Future[list[Any]], float]] = []
         self._task: asyncio.Task[None] | None = None
         self._down_until = 0.0  # (loop time) until when commands fail at once
+        self._sent_at = 0.0  # (loop time) when the round trip in flight went; 0: none
 
     async def run(self, commands: Sequence[Command]) -> list[Any]:
         """Each command's reply, in order (a refusal as its error). Raises
@@ -90,6 +96,8 @@ class Pipeliner:
         loop = asyncio.get_running_loop()
         if self._down_until and loop.time() < self._down_until:
             raise StoreDown(f"Redis failed a round trip less than {DOWN_S:g} s ago")
+        if self._sent_at and loop.time() - self._sent_at > SLOW_S:
+            raise StoreDown(f"Redis has not answered a round trip for {SLOW_S:g} s")
         future: asyncio.Future[list[Any]] = loop.create_future()
         self._queue.append((commands, future, loop.time()))
         if self._task is None:
@@ -140,7 +148,11 @@ class Pipeliner:
                                     self._down_until = loop.time() + DOWN_S
                                 raise
                             pooled = False
-                            replies = await exchange(connection, commands)
+                            self._sent_at = loop.time()
+                            try:
+                                replies = await exchange(connection, commands)
+                            finally:
+                                self._sent_at = 0.0
                             self._down_until = 0.0
                 except TimeoutError as exc:  # (no answer in time)
                     failed = exc

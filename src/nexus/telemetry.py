@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 
 from .errors import ConfigError
 from .events import Delta, StreamEvent, Usage
+from .protocol.upstream import redacted
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -321,7 +322,9 @@ class Attempt:
         if not self.done:
             self.span.set_attribute("nexus.cancelled", True)
         if response_model:
-            self.span.set_attribute("gen_ai.response.model", self._telemetry.redact(response_model))
+            # The upstream's word: without the provider keys an upstream may echo, too.
+            model = self._telemetry.redact(redacted(response_model))
+            self.span.set_attribute("gen_ai.response.model", model)
         self.span.end()
         if _ATTEMPT.get() is self:
             _ATTEMPT.set(None)

@@ -493,6 +493,28 @@ async def test_spans_carry_no_key_and_are_named_by_bounded_values(
     assert {s.attributes["gen_ai.response.model"] for s in attempts} == {"Bearer [redacted]"}
 
 
+async def test_a_provider_key_an_upstream_echoes_as_its_model_is_not_on_the_span(
+    aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The span's ``gen_ai.response.model`` (the upstream's word) went through the
+    server's redaction alone, which does not know the providers' keys: one of no known
+    shape reached the collector."""
+    plain = "PROVIDERSECRETzz9Qw7Lk3Xc"
+    monkeypatch.setenv("NEXUS_TEST_PLAIN_KEY", plain)
+    answer = [openai_chunk(content="hi", model=plain), openai_chunk(finish_reason="stop"), DONE]
+    async with FakeUpstream(default=Reply.stream(answer)) as up:
+        exporter = InMemorySpanExporter()
+        up_table = {"kind": "openai", "base_url": up.url + "/v1"}
+        providers = {"up": {**up_table, "api_key_env": "NEXUS_TEST_PLAIN_KEY"}}
+        client = await traced_client(aiohttp_client, {"providers": providers}, exporter)
+        resp = await client.post("/v1/chat/completions", json=body("up/m"))
+        assert resp.status == 200
+        await resp.read()
+        spans = await finished(exporter, 2)
+    (attempt,) = [s for s in spans if s.kind is SpanKind.CLIENT]
+    assert attempt.attributes["gen_ai.response.model"] == "[redacted]"
+
+
 async def test_an_attempt_without_an_upstream_model_has_no_response_model(
     aiohttp_client: Any,
 ) -> None:

@@ -30,7 +30,7 @@ from ..request import (
 )
 from .json_depth import MAX_JSON_DEPTH, MAX_JSON_ITEMS
 from .openai_chat import field_path, parse_json_object, tool_call, validation_error
-from .openai_responses_output import CHAT_NAMES, response_body
+from .openai_responses_output import CHAT_NAMES, request_echo, response_body
 
 __all__ = ["ResponsesRequest", "parse_responses_request", "response_body", "to_chat_request"]
 
@@ -377,25 +377,8 @@ def to_chat_request(request: ResponsesRequest) -> ChatRequest:
             raise error from None
         _, _, message = error.message.partition(": ")
         raise _error(_responses_param(error.param, sources), message) from None
-    echo = _echo(request)  # (set after validation: a client's own is refused there)
+    echo = request_echo(request)  # (set after validation: a client's own is refused there)
     return translated.model_copy(update={"responses_echo": echo}) if echo else translated
-
-
-def _echo(request: ResponsesRequest) -> dict[str, Any]:
-    """What the ``response`` object echoes of the request, as it sent it (those it left
-    out keep :func:`~.openai_responses_output.response_object`'s defaults)."""
-    choice = request.tool_choice
-    echo: dict[str, Any] = {
-        "instructions": request.instructions,
-        "metadata": request.metadata,
-        "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()] or None,
-        "tool_choice": choice.model_dump() if isinstance(choice, BaseModel) else choice,
-        "parallel_tool_calls": request.parallel_tool_calls,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "max_output_tokens": request.max_output_tokens,
-    }
-    return {name: value for name, value in echo.items() if value is not None}
 
 
 _RENAMED = (

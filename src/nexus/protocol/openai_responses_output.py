@@ -8,11 +8,16 @@ error the way the Responses API does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
 
 from ..errors import InvalidRequest
 from ..events import Usage
 from ..types import Completion, ReasoningBlock, in_order
+
+if TYPE_CHECKING:
+    from .openai_responses import ResponsesRequest
 
 __all__ = [
     "CHAT_NAMES",
@@ -22,6 +27,7 @@ __all__ = [
     "message_item",
     "reasoning_item",
     "refusal_part",
+    "request_echo",
     "response_body",
     "response_ids",
     "response_object",
@@ -99,6 +105,23 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 def incomplete_reason(finish_reason: str | None) -> str | None:
     """The ``incomplete_details.reason`` for a finish reason, None when the turn completed."""
     return _INCOMPLETE.get(finish_reason or "")
+
+
+def request_echo(request: ResponsesRequest) -> dict[str, Any]:
+    """What the ``response`` object echoes of the request, as it sent it (those it left
+    out keep :func:`response_object`'s defaults)."""
+    choice = request.tool_choice
+    echo: dict[str, Any] = {
+        "instructions": request.instructions,
+        "metadata": request.metadata,
+        "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()] or None,
+        "tool_choice": choice.model_dump() if isinstance(choice, BaseModel) else choice,
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "max_output_tokens": request.max_output_tokens,
+    }
+    return {name: value for name, value in echo.items() if value is not None}
 
 
 def response_object(

@@ -12,6 +12,7 @@ from typing import Any
 import anthropic
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from nexus.auth import hash_key
 from nexus.config import parse_config
@@ -426,3 +427,16 @@ async def test_count_tokens_falls_back_on_a_target_that_is_down(make_client: Mak
         estimated = await client.post("/v1/messages/count_tokens", json=body)
         assert estimated.status == 200 and estimated.headers["X-Nexus-Token-Count"] == "estimated"
         assert 0 < (await estimated.json())["input_tokens"] < 20
+        # Each failed attempt counted as a completion's is, under the model asked for.
+        page = await (await client.get("/metrics")).text()
+        families = {f.name: f for f in text_string_to_metric_families(page)}
+        failed = {
+            (s.labels["provider"], s.labels["code"]): s.value
+            for s in families["nexus_upstream_errors"].samples
+            if s.name == "nexus_upstream_errors_total"
+        }
+        assert failed == {("an", "upstream_error"): 3, ("an2", "upstream_error"): 1}
+        requests = families["nexus_requests"].samples
+        assert {s.labels["model"] for s in requests if "count_tokens" in s.labels["endpoint"]} == {
+            "claude"
+        }

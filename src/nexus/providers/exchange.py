@@ -250,9 +250,10 @@ class UpstreamExchange:
             self._whole = True
             if decoder is not None and not self._end and self._collect is None:
                 events = decoder.decode(b"\n\n")  # its end lacks the blank line: [DONE]\n
+                cut = decoder.error is not None  # its last event, ended by the close: cut
                 self._ready += events + ([] if decoder.done else decoder.closed())
-                if decoder.done and decoder.error is None:
-                    self._end = True
+                if not cut and (decoder.done or decoder.error is not None):
+                    self._end = True  # (the error its whole body read as: raised as read)
                 else:
                     self._failure = UpstreamDisconnected(
                         f"provider {self._provider.name!r} ended the stream without "

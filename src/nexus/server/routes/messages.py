@@ -16,6 +16,7 @@ from ...protocol.anthropic_output import anthropic_error_body, message_body
 from ...providers.anthropic import AnthropicProvider
 from .. import state
 from ..key_admission import admit, authenticate, check_model
+from ..state import exchange
 from .common import check_open, complete, json_response, read_body, with_betas
 
 DEFAULT_FORMAT = AnthropicSSEEncoder.media_type
@@ -49,9 +50,11 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         body, max_depth=limits.max_json_depth, max_items=limits.max_json_items, counting=True
     )
     chat = with_betas(request, chat)
+    exchange(request).model = chat.model  # the access line's and the metrics' model
     if key is not None:
         check_model(key, chat.model)
-    for provider, model in request.app[state.ENGINE].route(chat.model):
+    engine = request.app[state.ENGINE]
+    for provider, model in engine.route(chat.model):
         if isinstance(provider, AnthropicProvider):
             counted = 0
             try:
@@ -59,6 +62,8 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
                     usage = (e.prompt_tokens for e in batch if isinstance(e, Usage))
                     counted = next(usage, counted)
             except GatewayError as exc:
+                if engine.on_upstream_error is not None:  # a failed attempt, counted as any
+                    engine.on_upstream_error(provider.name, exc.code)
                 if not exc.retryable:
                     raise  # the request's own fault, or the key's: as Anthropic said
                 log.warning("count_tokens: provider %s failed (%s)", provider.name, exc.code)

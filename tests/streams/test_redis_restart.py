@@ -143,6 +143,35 @@ async def test_a_quiet_stream_is_found_elsewhere_within_a_beat_of_a_restart(
     assert texts(await replay) == "t0 t1 "
 
 
+async def test_a_stream_whose_mirror_backed_off_is_found_within_a_beat_of_redis_back(
+    make_client: MakeClient, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis down for a while as the stream went on: its mirror's retries backed off (1,
+    2, 4... s), and when Redis came back empty, readers elsewhere got 404 for a running
+    stream until the next retry, seconds later (an EventSource gives up on a 404). The
+    beat that finds the store lost its keys now cuts the wait short."""
+    monkeypatch.setattr(redis_holds, "OWNER_TTL_S", 1.5)  # a beat every 0.5 s
+    gates = Gates(3)
+    one = await make_client(config(redis_server), providers=[gates])
+    two = await make_client(config(redis_server))
+    post = asyncio.ensure_future(resumable(one))
+    gates.gates[0].set()
+    resp = await post
+    await asyncio.wait_for(resp.content.readuntil(b"t0 "), 5)
+    stream_id = resp.headers["X-Nexus-Stream-Id"]
+    await asyncio.sleep(0.2)  # mirrored
+    await asyncio.to_thread(redis_server.stop)
+    gates.gates[1].set()  # a token the mirror cannot write: it backs off
+    await asyncio.wait_for(resp.content.readuntil(b"t1 "), 5)
+    await asyncio.sleep(3.5)  # its retries: at 1, 3, then 7 s
+    await asyncio.to_thread(redis_server.start)  # empty
+    await asyncio.sleep(1.2)  # a beat or two, and the keeper's write
+    assert await statuses(two, stream_id, 2) == [200] * 2
+    gates.gates[2].set()
+    assert texts(await asyncio.wait_for(resp.read(), 10)) == "t2 "
+    assert texts(await whole(two, stream_id)) == "t0 t1 t2 "
+
+
 async def test_a_stream_that_ends_while_redis_is_down_is_read_whole_on_its_replica(
     make_client: MakeClient, redis_server: RedisServer
 ) -> None:

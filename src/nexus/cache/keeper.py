@@ -232,9 +232,13 @@ class Keeper:
                     await self._renew()
                 dirty, self._dirty = self._dirty, {}
                 if dirty and not await self._write(list(dirty.values())):
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
-                            await self.closing.wait()
+                    # Until the retry, or a store back from a restart (renew_soon): its
+                    # streams are lost there, and readers elsewhere get 404s meanwhile.
+                    retry_at = loop.time() + delay
+                    while not (self._renew_now or self.closing.is_set()):
+                        if (left := retry_at - loop.time()) <= 0:
+                            break
+                        await asyncio.sleep(min(left, 0.1))
                     delay = min(delay * 2, RETRY_MAX_S)
                 else:
                     delay = RETRY_S

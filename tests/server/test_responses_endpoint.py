@@ -547,3 +547,30 @@ async def test_upstream_failure_mid_stream_through_an_openai_upstream(
     error, failed = events[-2:]
     assert (error.type, error.code) == ("error", "upstream_disconnect")
     assert failed.type == "response.failed"
+
+
+async def test_an_upstreams_refusal_names_the_responses_field(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """An upstream's ``context_length_exceeded`` on ``messages`` named the chat field, which
+    a Responses client never sent: it is ``input`` there."""
+    refusal = {
+        "error": {
+            "message": "This model's maximum context length is 128000 tokens.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    }
+    upstream.add(Reply.json(400, refusal), Reply.json(400, refusal))
+    config = {"providers": {"up": {"kind": "openai", "base_url": upstream.url + "/v1"}}}
+    async with await sdk(make_client, config) as api:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await api.responses.create(model="up/m", input=TEXT)
+        assert (refused.value.param, refused.value.code) == ("input", "context_length_exceeded")
+        assert "maximum context length" in refused.value.message
+        with pytest.raises(openai.BadRequestError) as refused:
+            async with api.responses.stream(model="up/m", input=TEXT) as stream:
+                async for _ in stream:
+                    pass
+        assert refused.value.param == "input"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from ..errors import InvalidRequest
+from ..errors import GatewayError
 from ..events import Usage
 from ..types import Completion, ReasoningBlock, in_order
 
@@ -236,16 +236,31 @@ def response_body(completion: Completion) -> dict[str, Any]:
     )
 
 
-CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+CHAT_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+}
 """The chat fields whose Responses twins have another name."""
 
 
-def responses_error(error: InvalidRequest) -> InvalidRequest:
-    """``error`` naming its chat field (``response_format: ...``) as the Responses API does
-    (``text.format: ...``); as it is when it names no field with another name there."""
+def responses_error(error: GatewayError) -> GatewayError:
+    """``error`` naming its chat field (``response_format: ...``, an upstream's
+    ``messages``) as the Responses API does (``text.format: ...``, ``input``); as it is when
+    it names no field with another name there."""
     param = error.param
     name = CHAT_NAMES.get(param) if param is not None else None
     if param is None or name is None:
         return error
-    message = name + error.message.removeprefix(param)
-    return type(error)(message, param=name, code=error.code, status=error.status)
+    message = error.message
+    if message.startswith(param):
+        message = name + message.removeprefix(param)
+    return type(error)(
+        message,
+        param=name,
+        code=error.code,
+        status=error.status,
+        retryable=error.retryable,
+        headers=error.headers,
+        error_type=error.error_type,
+    )

@@ -23,7 +23,13 @@ from multidict import MultiMapping
 from ...cache.keeper import status_of
 from ...cache.store import StreamInfo
 from ...encoders.responses_sse import ResponsesSSEEncoder, final_response
-from ...errors import InvalidRequest, StreamError, StreamLost, StreamNotFound
+from ...errors import (
+    InvalidRequest,
+    StreamError,
+    StreamLost,
+    StreamNotFound,
+    UpstreamInvalidRequest,
+)
 from ...events import Done, Error, StreamEvent
 from ...protocol.openai_responses import parse_responses_request, response_body
 from ...protocol.openai_responses_output import (
@@ -59,7 +65,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             accepted=_accepted,
             streams_background=True,
         )
-    except InvalidRequest as exc:  # the engine's names a chat field (no target honours it)
+    except (InvalidRequest, UpstreamInvalidRequest) as exc:  # naming a chat field
         raise responses_error(exc) from None
 
 

@@ -188,7 +188,8 @@ def test_parameters_tools_and_formats() -> None:
     }
     assert chat.mock is not None and chat.mock.content == "scripted"
     # Only what Chat Completions knows goes on; the rest stays behind.
-    assert chat.model_extra == {"reasoning_effort": "low", "metadata": {"k": "v"}}
+    assert chat.model_extra == {"reasoning_effort": "low"}  # (metadata: the response's)
+    assert chat.responses_echo is not None and chat.responses_echo["metadata"] == {"k": "v"}
 
 
 @pytest.mark.parametrize(

@@ -260,3 +260,16 @@ async def test_a_response_echoes_its_request_in_every_form(make_client: MakeClie
         },
     )
     assert refused.status == 400
+
+
+async def test_a_cached_response_echoes_its_own_requests_metadata(make_client: MakeClient) -> None:
+    """What a response echoes is its request's, not the one whose stream the cache kept
+    (metadata goes nowhere upstream, so it would not tell two requests apart)."""
+    client = await make_client({"cache": {"enabled": True}})
+    api = _sdk(client)
+    asked: dict[str, Any] = {"model": "mock/echo", "input": "one two"}
+    first = await api.responses.create(**asked, metadata={"tenant": "a"})
+    again = await api.responses.create(**asked, metadata={"tenant": "a"})
+    other = await api.responses.create(**asked, metadata={"tenant": "b"})
+    assert [r.metadata for r in (first, again, other)] == [{"tenant": "a"}] * 2 + [{"tenant": "b"}]
+    await api.close()

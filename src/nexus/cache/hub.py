@@ -192,6 +192,7 @@ class StreamHub:
                 provider=recording.provider,
                 upstream_model=recording.upstream_model,
                 retry_ms=self.engine.retry_ms,
+                echo=request.responses_echo,
             )
             source = Stream.of_batches(replay(recording, self.cache), meta)
             await self.engine.hooks.started(source, ctx)

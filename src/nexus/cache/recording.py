@@ -53,6 +53,8 @@ def cache_key(request: ChatRequest, owner: str | None = None, *, shared: bool = 
     options = request.stream_options
     if options is not None and options.model_extra:
         body["stream_options"] = {k: v for k, v in options.model_extra.items() if k not in _OURS}
+    if request.responses_echo:  # (not sent upstream, but in every answer: its own)
+        body["responses_echo"] = request.responses_echo
     canonical = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(scope.encode() + b"\n" + canonical).hexdigest()
 

@@ -390,8 +390,9 @@ _RENAMED = (
     ("service_tier", "service_tier"),
     ("prompt_cache_key", "prompt_cache_key"),
     ("safety_identifier", "safety_identifier"),
-    ("metadata", "metadata"),
 )
+"""(``metadata`` is the response object's, echoed: Chat Completions takes it only with
+``store: true``, and refuses the request without.)"""
 
 
 def _responses_param(param: str, sources: list[str]) -> str:

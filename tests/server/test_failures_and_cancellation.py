@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import os
 import struct
 from collections.abc import AsyncGenerator
@@ -145,19 +144,19 @@ async def test_start_and_abort_in_one_read_do_not_lock_the_connection(
     writer.close()
 
 
-async def test_unexpected_provider_exception_ends_the_turn_with_1011(
+async def test_unexpected_provider_exception_before_output_refuses_the_start(
     make_client: MakeClient,
 ) -> None:
-    """A non-gateway exception used to end the turn silently: no frame, no close."""
+    """A non-gateway exception used to end the turn silently: no frame, no close. Before
+    any output it refuses the start, as HTTP answers a 500, and the socket goes on."""
     client = await make_client(providers=[BoomProvider()])
     url = f"ws://{client.server.host}:{client.server.port}/v1/realtime"
     async with websockets.connect(url) as ws:
-        await ws.send(_start(model="boom/x").decode())
-        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
-        assert error["error"]["code"] == "internal_error"
-        with contextlib.suppress(websockets.ConnectionClosed):
-            await asyncio.wait_for(ws.recv(), 5)
-    assert ws.close_code == 1011
+        for _ in range(2):
+            await ws.send(_start(model="boom/x").decode())
+            error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+            assert (error["error"]["code"], error["refused"]) == ("internal_error", "start")
+    assert ws.close_code == 1000
 
 
 async def test_pending_input_survives_a_refused_start(make_client: MakeClient) -> None:

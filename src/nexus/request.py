@@ -208,15 +208,21 @@ class ToolMessage(OpenModel):
     def _anthropic_result(self) -> ToolMessage:
         """``is_error`` and ``tool_result_content`` (what ``/v1/messages`` carries for an
         Anthropic upstream) go to it as they are: only a boolean and text, image and inline
-        document blocks, no block a client makes up (a document by URL: its cost unknown)."""
+        document blocks, no block a client makes up (a document by URL: its cost unknown),
+        and the message's own text, a line between blocks: any target gets the same result
+        (and the estimate, which counts the text once, holds what an Anthropic one gets)."""
         extra = self.model_extra or {}
         if "is_error" in extra and type(extra["is_error"]) is not bool:
             raise ValueError("is_error must be a boolean")
         blocks = extra.get("tool_result_content")
-        if blocks is not None and not (
-            type(blocks) is list and blocks and all(map(result_block, blocks))
-        ):
+        if blocks is None:
+            return self
+        if not (type(blocks) is list and blocks and all(map(result_block, blocks))):
             raise ValueError("tool_result_content holds text, images and inline documents")
+        content = self.content
+        own = content if isinstance(content, str) else "\n".join(part.text for part in content)
+        if "\n".join(b["text"] for b in blocks if b["type"] == "text") != own:
+            raise ValueError("tool_result_content: its text blocks, a line apart, are the content")
         return self
 
 

@@ -330,20 +330,27 @@ async def test_a_chat_client_cannot_make_up_anthropic_tool_result_blocks(
         {"role": "assistant", "content": None, "tool_calls": [call]},
     ]
 
-    async def send(**extra: Any) -> Any:
-        tool = {"role": "tool", "tool_call_id": "t1", "content": "done", **extra}
+    async def send(content: str = "done", **extra: Any) -> Any:
+        tool = {"role": "tool", "tool_call_id": "t1", "content": content, **extra}
         body = {"model": "an/claude", "messages": [*history, tool]}
         return await client.post("/v1/chat/completions", json=body)
 
     document = {"type": "document", "source": {"type": "url", "url": "https://x/500.pdf"}}
-    for extra in ({"tool_result_content": [document]}, {"is_error": "yes"}):
+    # A text for the Anthropic target other than the content every target gets (the
+    # estimate counts the content: 2.4 MB of text beside "x" spent 9x a key's budget).
+    other = {"type": "text", "text": "a long text the content does not hold"}
+    for extra in (
+        {"tool_result_content": [document]},
+        {"is_error": "yes"},
+        {"tool_result_content": [other]},
+    ):
         resp = await send(**extra)
         assert resp.status == 400
         assert (await resp.json())["error"]["param"].startswith("messages")
     assert not upstream.requests  # nothing went upstream
     image = {"type": "image", "source": {"type": "url", "url": "https://x/a.png"}}
     text = {"type": "text", "text": "ok", "citations": []}  # a TextBlockParam may cite
-    resp = await send(tool_result_content=[text, image], is_error=True)
+    resp = await send("ok", tool_result_content=[text, image], is_error=True)
     await resp.read()
     sent = upstream.requests[-1].body["messages"][-1]["content"][0]
     assert (sent["content"][1], sent["is_error"]) == (image, True)

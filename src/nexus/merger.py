@@ -136,8 +136,12 @@ class Merger:
                 if not event.partial or result.usage is None or result.usage.partial:
                     result.usage = event
             case Citation():
+                # Anthropic sends a block's citations before its text: one that comes while
+                # no text runs is the next run's.
                 result.citations.append(event)
-                result.cited_runs.append(max(len(self._runs) - 1, 0))
+                runs = self._runs
+                going = self._run_open and runs and runs[-1][0] == len(self._built)
+                result.cited_runs.append(len(runs) - 1 if going else len(runs))
             case Audio():
                 result.audio.append(event)
             case Image():

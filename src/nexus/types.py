@@ -161,9 +161,12 @@ class Completion:
     last signature)."""
 
     def cited(self) -> list[tuple[Citation, int]]:
-        """Each citation with the text run it came after (the first, when not known)."""
-        runs = self.cited_runs
-        return [(c, runs[i] if i < len(runs) else 0) for i, c in enumerate(self.citations)]
+        """Each citation with the text run it goes with (the first when not known, the last
+        for one no text came after)."""
+        runs, last = self.cited_runs, max(len(self.text_runs) - 1, 0)
+        return [
+            (c, min(runs[i], last) if i < len(runs) else 0) for i, c in enumerate(self.citations)
+        ]
 
 
 Item = tuple[str, str | None] | CompletedToolCall | ReasoningBlock

@@ -120,6 +120,16 @@ async def test_a_documents_citations_come_as_anthropic_sent_them_in_both_forms(
         (block,) = message.content
         assert block.text == "Per the notes, the sky is blue."
         assert [c.model_dump(exclude_none=True) for c in block.citations] == [cited]
+    # After a tool call, the citation (sent before its block's text) is that block's, not
+    # the text before the call's (where the answer not streamed had put it).
+    use = {"type": "tool_use", "id": "toolu_1", "name": "look", "input": {}}
+    blocks = [{"type": "text", "text": "Intro. "}, use, blocks[1]]
+    frames = anthropic_stream(blocks, stop_reason="end_turn")
+    upstream.add(Reply.stream(frames), Reply.stream(frames))
+    for message in await both(api, model="an/claude", max_tokens=50, messages=USER):
+        first, _, last = message.content
+        assert (first.citations, last.text) == (None, "the sky is blue.")
+        assert [c.model_dump(exclude_none=True) for c in last.citations] == [cited]
     await api.close()
 
 

@@ -273,3 +273,21 @@ async def test_a_cached_response_echoes_its_own_requests_metadata(make_client: M
     other = await api.responses.create(**asked, metadata={"tenant": "b"})
     assert [r.metadata for r in (first, again, other)] == [{"tenant": "a"}] * 2 + [{"tenant": "b"}]
     await api.close()
+
+
+async def test_long_instructions_and_tools_are_not_kept_to_be_echoed(
+    make_client: MakeClient,
+) -> None:
+    """Kept with the stream for resume_ttl_s, outside its log's bounds: 8 MiB of
+    instructions a request grew the gateway (or Redis) by 8 MiB, for failed ones too."""
+    from nexus.protocol.openai_responses_output import ECHO_MAX_BYTES
+
+    client = await make_client()
+    api = _sdk(client)
+    long = "x" * (ECHO_MAX_BYTES + 1)
+    created = await api.responses.create(
+        model="mock/echo", input="hi", instructions=long, metadata={"job": "7"}, temperature=0.5
+    )
+    assert (created.instructions, created.tools) == (None, [])
+    assert (created.metadata, created.temperature) == ({"job": "7"}, 0.5)
+    await api.close()

@@ -42,9 +42,10 @@ __all__ = [
 
 DOWN_S = 1.0
 """How long after a round trip Redis failed the commands fail at once (see above)."""
-SLOW_S = 1.0
+SLOW_S = 2.5
 """A round trip unanswered this long: Redis hangs (it answers in milliseconds, a large
-pipeline in tens of them); commands that come meanwhile fail at once."""
+pipeline in tens of them; a fork for a snapshot or a slow script may hold it a second or
+two, which requests wait out); commands that come meanwhile fail at once."""
 
 
 class StoreBusy(RedisError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from pydantic import BaseModel
 
 from ..errors import GatewayError
@@ -107,14 +108,24 @@ def incomplete_reason(finish_reason: str | None) -> str | None:
     return _INCOMPLETE.get(finish_reason or "")
 
 
+ECHO_MAX_BYTES = 16 * 1024
+"""The most of a request's ``instructions`` and ``tools`` (their JSON) its response object
+echoes: they are kept with the stream for ``resume_ttl_s`` (in Redis too), outside its
+log's bounds; past it, the response echoes neither (their defaults), the rest still."""
+
+
 def request_echo(request: ResponsesRequest) -> dict[str, Any]:
     """What the ``response`` object echoes of the request, as it sent it (those it left
-    out keep :func:`response_object`'s defaults)."""
+    out keep :func:`response_object`'s defaults; see :data:`ECHO_MAX_BYTES`)."""
     choice = request.tool_choice
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()] or None
+    instructions = request.instructions
+    if len(orjson.dumps([instructions, tools])) > ECHO_MAX_BYTES:
+        instructions = tools = None
     echo: dict[str, Any] = {
-        "instructions": request.instructions,
+        "instructions": instructions,
         "metadata": request.metadata,
-        "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()] or None,
+        "tools": tools,
         "tool_choice": choice.model_dump() if isinstance(choice, BaseModel) else choice,
         "parallel_tool_calls": request.parallel_tool_calls,
         "temperature": request.temperature,

@@ -215,6 +215,8 @@ class Turn:
                     await self._fail(exc.to_event())
                 else:  # before any output (every target failed): the start refused, as HTTP
                     refused = None if self.started else "start"  # answers a status
+                    if refused:  # (among the socket's refusals; the turn's own line says why)
+                        exchange(conn.request).refused += 1
                     frame = gateway_error_frame(exc, conn.request_id, refused=refused)
                     await conn.ws.send_str(frame.frame)
         except ConnectionError:

@@ -89,12 +89,12 @@ class StreamMeta:
     """The upstream's own count of the prompt, when it gave one before any event came
     (Anthropic's ``message_start``): charged, in place of the estimate, to a stream that
     ended then. Set when such a stream ends."""
-    echo: dict[str, Any] | None = None
-    """A ``/v1/responses`` request's fields its ``response`` object echoes (its
-    ``responses_echo``): kept with the stream, for every answer that shows it."""
     failed_attempts: tuple[FailedAttempt, ...] = ()
     """The attempts that failed after their upstream took the request, in order: logged
     and counted, never charged (:class:`FailedAttempt`). Set as each fails."""
+    echo: dict[str, Any] | None = None
+    """A ``/v1/responses`` request's fields its ``response`` object echoes (its
+    ``responses_echo``): kept with the stream, for every answer that shows it."""
 
     @classmethod
     def new(cls, model: str, **kwargs: object) -> StreamMeta:
@@ -145,10 +145,6 @@ class Completion:
     """Anthropic's own stop reason, where ``finish_reason`` says less (:class:`Delta`)."""
     usage: Usage | None = None
     citations: list[Citation] = field(default_factory=list)
-    cited_runs: list[int] = field(default_factory=list)
-    echo: dict[str, Any] | None = None
-    """The stream's :attr:`StreamMeta.echo`: what a Responses answer echoes of its request."""
-    """Of each citation, the text run it came after (its index in :attr:`text_runs`)."""
     audio: list[Audio] = field(default_factory=list)
     images: list[Image] = field(default_factory=list)
     text_runs: list[tuple[int, str]] = field(default_factory=list)
@@ -159,6 +155,10 @@ class Completion:
     """The reasoning block by block, each with its own signature, placed among the text
     runs and tool calls (``reasoning`` is their text joined, ``reasoning_signature`` the
     last signature)."""
+    cited_runs: list[int] = field(default_factory=list)
+    """Of each citation, the text run it goes with (its index in :attr:`text_runs`)."""
+    echo: dict[str, Any] | None = None
+    """The stream's :attr:`StreamMeta.echo`: what a Responses answer echoes of its request."""
 
     def cited(self) -> list[tuple[Citation, int]]:
         """Each citation with the text run it goes with (the first when not known, the last

@@ -390,9 +390,7 @@ _RENAMED = (
     ("service_tier", "service_tier"),
     ("prompt_cache_key", "prompt_cache_key"),
     ("safety_identifier", "safety_identifier"),
-)
-"""(``metadata`` is the response object's, echoed: Chat Completions takes it only with
-``store: true``, and refuses the request without.)"""
+)  # (not metadata: the response's, echoed; Chat Completions refuses it without store)
 
 
 def _responses_param(param: str, sources: list[str]) -> str:

@@ -183,7 +183,10 @@ class PriceTable:
                 cached = 0 if usage is None else usage.cached_tokens or 0
                 written = 0 if usage is None else usage.cache_write_tokens or 0
                 long = 0 if usage is None else usage.cache_write_1h_tokens or 0
-                cost = (cost or 0.0) + cost_usd(price, prompt, 0, cached, written, long=long)
+                heard = meta.prompt_audio_estimate if usage is None else usage.prompt_audio_tokens
+                cost = (cost or 0.0) + cost_usd(
+                    price, prompt, 0, cached, written, heard or 0, long=long
+                )
         return FailedAttempts(len(meta.failed_attempts), tokens, cost)
 
 
@@ -203,8 +206,9 @@ def cost_usd(
     the prompt or beyond the completion, count as the plain tokens they are part of (an
     upstream that reports more of them is not trusted); each count is taken between 0
     and :data:`~nexus.events.MAX_TOKENS` (the upstream decoders refuse others; this holds
-    for any caller)."""
-    prompt = _bounded(prompt_tokens)
+    for any caller; the prompt, Anthropic's input, cache reads and writes together, up to
+    three times it)."""
+    prompt = _bounded(prompt_tokens, 3)
     cached = min(_bounded(cached_tokens), prompt)
     written = min(_bounded(cache_write_tokens), prompt - cached)
     long = min(_bounded(long), written)  # of them, written for an hour
@@ -227,8 +231,8 @@ def cost_usd(
     return micro / PER_TOKENS
 
 
-def _bounded(tokens: int) -> int:
-    return min(max(tokens, 0), MAX_TOKENS)
+def _bounded(tokens: int, counts: int = 1) -> int:
+    return min(max(tokens, 0), counts * MAX_TOKENS)
 
 
 _TIERS_AT_PRICE = (None, "auto", "default", "flex", "standard_only")

@@ -438,3 +438,31 @@ def test_inference_held_to_one_region_is_refused_to_a_budget() -> None:
     assert unpriced(chat_request(messages=user), [price]) is None
     refused = unpriced(chat_request(messages=user, inference_geo="us"), [price])
     assert refused is not None and refused[0] == "inference_geo"
+
+
+def test_a_failed_attempts_audio_is_priced_as_audio() -> None:
+    """The prompt's audio of an attempt that failed was priced as text: its cost in the
+    access line and the metrics about twelve times too low."""
+    from nexus.types import FailedAttempt
+
+    voiced = Price(2.5, 10.0, 1.25, audio_input_usd_per_mtok=40.0)
+    table = PriceTable({"up/m": voiced})
+    meta = StreamMeta(
+        id="chatcmpl-x",
+        model="up/m",
+        created=1,
+        prompt_estimate=28,
+        prompt_audio_estimate=21,
+        failed_attempts=(FailedAttempt("up/m"),),
+    )
+    failed = table.failed(meta)
+    assert (failed.prompt_tokens, failed.cost_usd) == (28, pytest.approx((7 * 2.5 + 21 * 40) / 1e6))
+
+
+def test_anthropic_s_prompt_of_many_counts_is_priced_whole() -> None:
+    """Input, cache reads and writes of a billion each: the prompt (three billion) was cut
+    to one before its parts were priced, the writes and plain input left out."""
+    anthropic = Price(3.0, 15.0, 0.30, 3.75)
+    billion = 10**9
+    cost = cost_usd(anthropic, 3 * billion, billion, billion, billion)
+    assert cost == pytest.approx(billion * (3.0 + 0.30 + 3.75 + 15.0) / 1e6)

@@ -235,6 +235,12 @@ def _bounded(tokens: int, counts: int = 1) -> int:
     return min(max(tokens, 0), counts * MAX_TOKENS)
 
 
+_BILLED_ELSEWHERE = {
+    "plugins": "plugins (web search, file parsing) are billed per call",
+    "models": "fallback models are billed at their own prices",
+}
+"""Fields a compatible upstream (OpenRouter) bills by, beyond the listed price."""
+
 _TIERS_AT_PRICE = (None, "auto", "default", "flex", "standard_only")
 """``service_tier`` values billed at most at the model's listed price."""
 
@@ -252,6 +258,9 @@ def unpriced(request: ChatRequest, prices: Sequence[Price | None]) -> tuple[str,
         return "service_tier", f"the service tier {tier!r} is billed above the listed price"
     if "web_search_options" in extra:
         return "web_search_options", "web searches are billed per call"
+    for name, why in _BILLED_ELSEWHERE.items():  # (OpenRouter's, passed on as they came)
+        if extra.get(name):
+            return name, why
     if extra.get("inference_geo") is not None:  # Anthropic: US-only inference at 1.1x
         return "inference_geo", "inference held to one region is billed above the listed price"
     if _asks_audio(request) and not all(

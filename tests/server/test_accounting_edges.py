@@ -251,6 +251,8 @@ models = ["echo"]
     [
         ({"service_tier": "priority"}, "service_tier"),
         ({"web_search_options": {}}, "web_search_options"),
+        ({"plugins": [{"id": "web"}]}, "plugins"),  # OpenRouter's, per call
+        ({"models": ["openai/gpt-4o", "anthropic/claude-3-opus"]}, "models"),
         (
             {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
             "modalities",

@@ -283,9 +283,19 @@ def unpriced(request: ChatRequest, prices: Sequence[Price | None]) -> tuple[str,
             if isinstance(part, AudioPart) and not heard:
                 why = "audio input is billed per audio token (audio_input_usd_per_mtok)"
                 return f"messages[{index}]", why
-            if isinstance(part, FilePart) and not isinstance(part.file.get("file_data"), str):
+            if isinstance(part, FilePart) and not _inline(part):
                 return f"messages[{index}]", "a file sent by id is counted by the upstream only"
     return None
+
+
+def _inline(part: FilePart) -> bool:
+    """Whether the file's text is in the request (its estimate counts it): its data, or a
+    ``/v1/messages`` document of ``content`` blocks; not one by id or by URL."""
+    if isinstance(part.file.get("file_data"), str):
+        return True
+    sent = (part.model_extra or {}).get("anthropic_document")
+    source = sent.get("source") if isinstance(sent, dict) else None
+    return isinstance(source, dict) and source.get("type") == "content"
 
 
 def _asks_audio(request: ChatRequest) -> bool:

@@ -175,6 +175,30 @@ DOCUMENT = {
 }
 
 
+async def test_a_budget_takes_a_document_of_content_blocks_not_one_by_url(
+    make_client: MakeClient,
+) -> None:
+    """A document of ``content`` blocks is in the request (the estimate counts them): it
+    was refused to a key with a budget as "a file sent by id"; one by URL still is."""
+    key = "nx-budget-documents-0123456789"
+    reply = Reply.stream(anthropic_stream([{"type": "text", "text": "ok"}]))
+    inline = {"type": "content", "content": [{"type": "text", "text": "the notes"}]}
+    by_url = {"type": "url", "url": "https://x.test/a.pdf"}
+    async with FakeUpstream(default=reply) as fake:
+        config = providers(fake.url)
+        config["auth"] = {"keys": [{"name": "k", "sha256": hash_key(key), "budget_usd": 5}]}
+        config["models"] = {"an/claude": {"input_usd_per_mtok": 3, "output_usd_per_mtok": 15}}
+        client = await make_client(config)
+        headers = {"x-api-key": key}
+        for source, status in ((inline, 200), (by_url, 403)):
+            document = {"type": "document", "source": source}
+            content = [document, {"type": "text", "text": "read"}]
+            body = {"model": "an/claude", "max_tokens": 8}
+            body["messages"] = [{"role": "user", "content": content}]
+            answer = await client.post("/v1/messages", json=body, headers=headers)
+            assert answer.status == status, await answer.text()
+
+
 async def test_documents_reach_an_anthropic_upstream_as_sent(make_client: MakeClient) -> None:
     """A ``document`` block (Claude Code sends one for a PDF it read, in a tool result) was
     refused as "Input should be a valid string": a session that had read a PDF failed on

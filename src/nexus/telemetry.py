@@ -34,8 +34,10 @@ the server's, which gives them to its :class:`Telemetry` (:attr:`Telemetry.model
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import importlib
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -143,6 +145,28 @@ class Telemetry:
     def shutdown(self) -> None:
         """Export what is pending and stop (at the app's end)."""
         self.provider.shutdown()
+
+    async def close(self, timeout_s: float) -> bool:
+        """:meth:`shutdown`, waited for ``timeout_s`` at most (False: given up). In a
+        thread of its own, a daemon: an exporter retrying a collector that is down or does
+        not answer would hold the process past its shutdown's bound (an orchestrator then
+        kills it mid-close, spend not yet charged); its last spans are dropped instead."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def run() -> None:
+            try:
+                self.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                    loop.call_soon_threadsafe(done.set_result, None)
+
+        threading.Thread(target=run, name="nexus-telemetry-close", daemon=True).start()
+        try:
+            await asyncio.wait_for(done, timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def request_span(
         self,

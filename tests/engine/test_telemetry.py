@@ -582,3 +582,22 @@ async def test_the_request_span_has_the_gateways_id_and_the_clients_beside_it(
     assert sorted(s.attributes["nexus.request_id"] for s in servers) == sorted(ids)
     assert len(set(ids)) == 2
     assert {s.attributes["nexus.client_request_id"] for s in servers} == {"mine-1"}
+
+
+async def test_closing_waits_for_a_collector_no_longer_than_it_is_given() -> None:
+    """With a collector down or silent, the exporter's retries held the process 3-5 s past
+    its shutdown's bound (an orchestrator kills it there, mid-close)."""
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from nexus.telemetry import Telemetry
+
+    class Stuck(TracerProvider):
+        def shutdown(self) -> None:
+            time.sleep(3)
+
+    started = time.monotonic()
+    assert await Telemetry(Stuck()).close(0.2) is False
+    assert time.monotonic() - started < 1.0
+    assert await Telemetry(TracerProvider()).close(2.0) is True

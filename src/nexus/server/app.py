@@ -168,9 +168,12 @@ def create_app(
                 await limits.close(deadline=closing_deadline(app) - 0.5)
         finally:
             await _store_closed(store, closing_deadline(app))
-            if telemetry is not None:
-                # Flushes the spans still queued: in a thread, the collector may be slow.
-                await asyncio.to_thread(telemetry.shutdown)
+            # The spans still queued, within the bound.
+            flushed = telemetry is None or await telemetry.close(
+                _left(closing_deadline(app)) or 0.1
+            )
+            if not flushed:
+                log.warning("shutdown: the trace collector did not take the last spans")
 
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(drain)

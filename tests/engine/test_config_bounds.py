@@ -53,6 +53,16 @@ def test_a_store_url_no_connection_can_use_is_a_config_error(url: str, why: str)
     assert error == f"config.toml: [store] url: not a Redis URL the client can use: {why}"
 
 
+@pytest.mark.parametrize("path", ["/7x", "/1/2", "/db0", "/²"])
+def test_a_store_url_whose_database_is_no_number_is_a_config_error(path: str) -> None:
+    """The client took "/7x" for database 0 and "/1/2" for 12: a typo shared another
+    environment's budgets under the same prefix, without a word."""
+    error = config_error({"store": {"kind": "redis", "url": f"redis://127.0.0.1:6379{path}"}})
+    assert error.endswith(
+        "not a Redis URL the client can use: its path must be a database number, as /0"
+    )
+
+
 DURATIONS = [
     (table, key)
     for table in tables(Table)

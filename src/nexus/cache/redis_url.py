@@ -80,6 +80,11 @@ def check_url(url: str) -> str:
             check_host_and_port(url)
         except ValueError as exc:  # (its own words: nothing of the URL in them)
             raise ValueError(f"{unusable}: {exc}") from None
+        # The database is the path's number: the client takes "/7x" or "/1/2" (db 12) for
+        # database 0 or another, unsaid, sharing its keys (budgets) with whoever uses it.
+        path = urlsplit(url).path
+        if path not in ("", "/") and not (path[1:].isascii() and path[1:].isdigit()):
+            raise ValueError(f"{unusable}: its path must be a database number, as /0")
     try:
         parse_url(url)
     except ValueError as exc:

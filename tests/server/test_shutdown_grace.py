@@ -94,3 +94,26 @@ async def test_a_stream_opened_as_the_streams_are_ended_is_ended_too(
     late = await client.post("/v1/chat/completions", json=body)
     assert late.status == 503
     assert (await late.json())["error"]["code"] == "server_shutting_down"
+
+
+async def test_a_response_that_ends_once_the_server_stops_closes_its_connection(
+    make_client: MakeClient,
+) -> None:
+    """A request under way at the signal, answered in the grace, said nothing and its
+    connection was closed after it: a keep-alive client (the SDKs) sent its next request
+    onto a closed socket (a connection error, on every deploy) instead of one elsewhere."""
+    client = await make_client()
+    body = {
+        "model": "mock/echo",
+        "messages": [{"role": "user", "content": "one two three"}],
+        "mock": {"delay_ms": 100},
+    }
+    before = await client.post("/v1/chat/completions", json=body)
+    assert before.headers.get("Connection", "").lower() != "close"
+    under_way = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.05)
+    client.server.app[RUNTIME].shutting_down = True
+    answer = await under_way
+    assert answer.status == 200
+    assert answer.headers["Connection"].lower() == "close"
+    await answer.read()

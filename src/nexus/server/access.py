@@ -274,7 +274,14 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     request id, ``X-Content-Type-Options: nosniff``). aiohttp answers an unknown
     ``Expect`` (417, quoting it as text/plain) before any middleware runs: its id is a new
     one, which its access line reads off it (:mod:`nexus.server.rejections`). A 500
-    aiohttp makes of an error that got past the middlewares gets the request's own."""
+    aiohttp makes of an error that got past the middlewares gets the request's own.
+    Once the server stops, every response says ``Connection: close``: its connection is
+    closed after it, and a client that took it for kept alive would send its next request
+    onto a closed socket rather than to a replica that serves."""
+    runtime = request.app.get(RUNTIME)
+    if runtime is not None and runtime.shutting_down and response.status != 101:
+        response.force_close()
+        response.headers["Connection"] = "close"  # (aiohttp set its own before this hook)
     if "X-Request-Id" in response.headers:
         return  # (every response the middleware saw: its headers have both)
     ex: Exchange | None = request.get(EXCHANGE)

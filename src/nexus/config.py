@@ -4,7 +4,7 @@ Every key has a default (docs/configuration.md lists them with their
 meaning); an unknown key is an error, so a typo is never silently ignored.
 Errors name the file, the key and what is wrong::
 
-    config.toml: [server] heartbeat_interval_s: Input should be greater than 0
+    config.toml: [server] heartbeat_interval_s: Input should be greater than or equal to 0.01
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ far past what one socket should parse)."""
 class ServerConfig(_Table):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
-    heartbeat_interval_s: float = Field(default=15.0, gt=0)
+    heartbeat_interval_s: float = Field(default=15.0, ge=0.01)  # (less: a core on pings)
     retry_ms: int = Field(default=3000, ge=0)
     shutdown_grace_s: float = Field(default=10.0, ge=0, le=86400)
     drain_delay_s: float = Field(default=0.0, ge=0, le=86400)
@@ -99,7 +99,9 @@ class LimitsConfig(_Table):
     once: per process with the memory store, over all replicas with Redis (key_readers)."""
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
     max_stream_duration_s: float = Field(default=900.0, gt=0)
-    stream_lease_s: float = Field(default=10.0, gt=0)
+    stream_lease_s: float = Field(default=10.0, ge=0.5)
+    """At least 0.5 s: a lease shorter than Redis's round trips ran out as it was renewed
+    (the key's limits and budget no longer held), and its renewals took a core of Redis."""
     max_json_depth: int = Field(default=64, ge=1, le=200)
     """At most 200: stored or forwarded, a request nests deeper, and orjson stops at 254."""
     max_json_items: int = Field(default=100_000, ge=1)
@@ -206,7 +208,7 @@ class CacheConfig(_Table):
     max_frames: int = Field(default=4096, ge=1)
     max_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     mode: Literal["burst", "paced", "fast_forward"] = "burst"
-    ff_divisor: float = Field(default=4.0, gt=0)
+    ff_divisor: float = Field(default=4.0, ge=1)  # (fast forward: never slower than paced)
     share_across_keys: bool = False
     """Off: each API key has its own cache (a shared one tells a key what another asked,
     and hands it the other's answer and usage)."""

@@ -190,7 +190,7 @@ def test_config_is_frozen() -> None:
         ),
         pytest.param(
             "[server]\nheartbeat_interval_s = 0\n",
-            "[server] heartbeat_interval_s: Input should be greater than 0",
+            "[server] heartbeat_interval_s: Input should be greater than or equal to 0.01",
             id="heartbeat-zero",
         ),
         pytest.param(

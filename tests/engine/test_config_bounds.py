@@ -134,3 +134,22 @@ def test_an_absurd_duration_in_the_file_names_its_key(
 def test_the_longest_duration_is_taken() -> None:
     config = parse_config({"streams": {"resume_ttl_s": 1e9}, "server": {"retry_ms": 10**12}})
     assert (config.streams.resume_ttl_s, config.server.retry_ms) == (1e9, 10**12)
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "value", "least"),
+    [
+        ("limits", "stream_lease_s", 0.001, "0.5"),
+        ("server", "heartbeat_interval_s", 0.0001, "0.01"),
+        ("cache", "ff_divisor", 1e-300, "1"),
+    ],
+)
+def test_durations_too_short_to_work_are_config_errors(
+    table: str, key: str, value: float, least: str
+) -> None:
+    """A lease of 1 ms let four streams of a key limited to one run (it ran out as it was
+    renewed); pings every 0.1 ms took a core; a replay 1e300 times slower never ended."""
+    error = config_error({table: {key: value}})
+    assert (
+        error == f"config.toml: [{table}] {key}: Input should be greater than or equal to {least}"
+    )

@@ -35,7 +35,7 @@ from redis_server import RedisServer
 GRACE_S = 1.0
 LOST = re.compile(
     r"ERROR nexus.limits: spend not charged \(Redis failed at shutdown\): key 'tenant', "
-    r"(\S+) USD; add it once with: EVAL (\"[^\"]+\") 2 (\S+) (\S+) (\S+)"
+    r"(\S+) USD; add it once with: EVAL (\"[^\"]+\") 2 (\S+) (\S+) (\S+) (\d+)"
 )
 KEY = "nx-shutdown-0123456789-secret"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -115,7 +115,7 @@ async def test_redis_not_answering_does_not_stretch_the_shutdown(
         # The streams' spend could not be charged: a line each, to add it by hand.
         lost = LOST.findall(log.read_text())
         assert len(lost) == 5, log.read_text()[-3000:]
-        for usd, _, key, marker, again in lost:
+        for usd, _, key, marker, again, _ in lost:
             assert key.startswith("shutdown:spend:tenant:") and usd == again
             assert marker.startswith("shutdown:charged:") and float(usd) > 0
         # Redis back (a charge sent before it stopped may land now): each line's command
@@ -125,9 +125,11 @@ async def test_redis_not_answering_does_not_stretch_the_shutdown(
         client = aioredis.from_url(redis_server.url)
         try:
             for _ in range(2):
-                for _usd, script, key, marker, usd in lost:
-                    await client.eval(json.loads(script), 2, key, marker, usd)
+                for _usd, script, key, marker, usd, expires in lost:
+                    await client.eval(json.loads(script), 2, key, marker, usd, expires)
             spent = float(await client.get(lost[0][2]) or 0)
+            # (a key the command made expires with its period, as a charged one does)
+            assert await client.pttl(lost[0][2]) > 0
         finally:
             await client.aclose()
         assert spent == pytest.approx(sum(float(line[0]) for line in lost))

@@ -102,7 +102,11 @@ return 0
 
 RECONCILE = (
     "if redis.call('SET', KEYS[2], '1', 'NX', 'PX', 86400000) then "
-    "return redis.call('INCRBYFLOAT', KEYS[1], ARGV[1]) end"
+    "local spent = redis.call('INCRBYFLOAT', KEYS[1], ARGV[1]) "
+    "if tonumber(ARGV[2]) > 0 and redis.call('PTTL', KEYS[1]) == -1 then "
+    "redis.call('PEXPIREAT', KEYS[1], ARGV[2]) end "
+    "return spent end"
 )
 """A lost charge added by hand (its ERROR line's command): once, under the charge's marker,
-whether or not the charge itself landed after all (within its marker's life)."""
+whether or not the charge itself landed after all (within its marker's life); a spend key
+it makes expires when its period's would (ARGV[2], epoch ms; 0: never)."""

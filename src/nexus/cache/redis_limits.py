@@ -173,16 +173,17 @@ class RedisLimits(KeyLimits):
         # command that adds it once, under its charge's own marker: one sent before Redis
         # stalled may still land when it resumes, and then the command adds nothing.
         charges = {**self._sending, **self._unsent}
-        for charge_id, (name, win_id, usd, _, _) in charges.items():
+        for charge_id, (name, win_id, usd, ttl, _) in charges.items():
             log.error(
                 "spend not charged (Redis failed at shutdown): key %r, %s USD; add it once "
-                "with: EVAL %s 2 %s %s %s",
+                "with: EVAL %s 2 %s %s %s %d",
                 name,
                 repr(usd),
                 json.dumps(RECONCILE),
                 self._key("spend", name, win_id),
                 self._key("charged", charge_id),
                 repr(usd),
+                0 if ttl is None else round((time.time() + ttl) * 1000),
             )
         self._unsent.clear()
 

@@ -99,9 +99,7 @@ class LimitsConfig(_Table):
     once: per process with the memory store, over all replicas with Redis (key_readers)."""
     requests_per_second_per_key: float = Field(default=50.0, ge=0)
     max_stream_duration_s: float = Field(default=900.0, gt=0)
-    stream_lease_s: float = Field(default=10.0, ge=0.5)
-    """At least 0.5 s: a lease shorter than Redis's round trips ran out as it was renewed
-    (the key's limits and budget no longer held), and its renewals took a core of Redis."""
+    stream_lease_s: float = Field(default=10.0, ge=0.5)  # (shorter: out as it is renewed)
     max_json_depth: int = Field(default=64, ge=1, le=200)
     """At most 200: stored or forwarded, a request nests deeper, and orjson stops at 254."""
     max_json_items: int = Field(default=100_000, ge=1)

@@ -84,8 +84,7 @@ whose reply was lost just before an outage longer than this may count twice."""
 
 _WARN_EVERY_S = 60.0
 
-_RETRY_S = 0.25
-"""The first pause before a failed admission's slot is removed again (doubling to 2 s)."""
+_RETRY_S = 0.25  # the first pause before a failed admission's slot goes again (then 2x)
 
 _END_WAIT_S = 1.0
 """How long a stream's end waits for its charge to be in Redis, then for its slot to

@@ -289,13 +289,19 @@ def unpriced(request: ChatRequest, prices: Sequence[Price | None]) -> tuple[str,
 
 
 def _inline(part: FilePart) -> bool:
-    """Whether the file's text is in the request (its estimate counts it): its data, or a
-    ``/v1/messages`` document of ``content`` blocks; not one by id or by URL."""
+    """Whether the file is in the request (its estimate counts it): its data, or a
+    ``/v1/messages`` document of ``content`` text blocks; not one by id or by URL, nor one
+    holding images (by URL or id, which its estimate would count as their JSON)."""
     if isinstance(part.file.get("file_data"), str):
         return True
     sent = (part.model_extra or {}).get("anthropic_document")
     source = sent.get("source") if isinstance(sent, dict) else None
-    return isinstance(source, dict) and source.get("type") == "content"
+    if not isinstance(source, dict) or source.get("type") != "content":
+        return False
+    blocks = source.get("content")
+    return isinstance(blocks, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" for b in blocks
+    )
 
 
 def _asks_audio(request: ChatRequest) -> bool:

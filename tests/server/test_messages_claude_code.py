@@ -184,13 +184,15 @@ async def test_a_budget_takes_a_document_of_content_blocks_not_one_by_url(
     reply = Reply.stream(anthropic_stream([{"type": "text", "text": "ok"}]))
     inline = {"type": "content", "content": [{"type": "text", "text": "the notes"}]}
     by_url = {"type": "url", "url": "https://x.test/a.pdf"}
+    image = {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}}
+    pictured = {"type": "content", "content": [image]}  # (estimated as its JSON: refused)
     async with FakeUpstream(default=reply) as fake:
         config = providers(fake.url)
         config["auth"] = {"keys": [{"name": "k", "sha256": hash_key(key), "budget_usd": 5}]}
         config["models"] = {"an/claude": {"input_usd_per_mtok": 3, "output_usd_per_mtok": 15}}
         client = await make_client(config)
         headers = {"x-api-key": key}
-        for source, status in ((inline, 200), (by_url, 403)):
+        for source, status in ((inline, 200), (by_url, 403), (pictured, 403)):
             document = {"type": "document", "source": source}
             content = [document, {"type": "text", "text": "read"}]
             body = {"model": "an/claude", "max_tokens": 8}

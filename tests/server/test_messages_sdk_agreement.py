@@ -189,3 +189,20 @@ async def test_an_openai_upstream_gets_is_error_as_text_and_refuses_images(
     assert "holds a block of type 'image'" in info.value.message
     assert len(upstream.requests) == 2
     await api.close()
+
+
+async def test_an_upstreams_refusal_keeps_its_own_words(
+    make_client: MakeClient, upstream: FakeUpstream
+) -> None:
+    """A client reads the upstream's words (Claude Code reads "prompt is too long: N tokens >
+    M maximum" to compact the conversation): they came prefixed with "provider 'an'
+    answered 400: "."""
+    said = "prompt is too long: 210118 tokens > 200000 maximum"
+    refusal = {"type": "error", "error": {"type": "invalid_request_error", "message": said}}
+    upstream.add(Reply.json(400, refusal))
+    config = {"providers": {"an": {"kind": "anthropic", "base_url": upstream.url}}}
+    api = await sdk(make_client, config)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await api.messages.create(model="an/claude", max_tokens=5, messages=USER)
+    assert refused.value.body["error"]["message"] == said  # type: ignore[index]
+    await api.close()

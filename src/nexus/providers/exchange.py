@@ -370,7 +370,9 @@ class UpstreamExchange:
                 return in_stream_error(provider.name, error)
             return UpstreamProtocolError(f"provider {provider.name!r} answered JSON: {text}")
         message = f"provider {provider.name!r} answered {status}"
-        if status < 500:
+        if status in (400, 404, 413, 422) and text:  # the request's: the upstream's words
+            message = text  # (clients read them: "prompt is too long: 210118 tokens > ...")
+        elif status < 500:
             message += f": {text}"
         else:  # the upstream's trouble: its message is the operator's
             log.warning("%s: %s", message, error_text(body, whole=False) if body else text)

@@ -161,6 +161,7 @@ class Supervisor:
         if config.metrics.enabled:
             self.metrics_dir = tempfile.mkdtemp(prefix="nexus-metrics-")
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        code, killed = 1, False
         try:
             for index in range(self.workers):
                 self._start(config, index)
@@ -181,16 +182,18 @@ class Supervisor:
                     '[store] kind = "redis" shares both',
                     self.workers,
                 )
-            return self._watch(config)
+            code = self._watch(config)
         finally:
             try:
-                self._stop_all(config)  # (a second signal meanwhile hurries the workers)
+                killed = self._stop_all(config)  # (a second signal meanwhile hurries them)
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
             reserved.close()
             if self.metrics_dir is not None:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        # A worker killed did not close: spend it had not charged is lost. Not a clean stop.
+        return code or (1 if killed else 0)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -306,8 +309,10 @@ class Supervisor:
                 self._start(config, index)
         return 0
 
-    def _stop_all(self, config: Config) -> None:
-        """SIGTERM to every worker left, then wait; kill those past grace + a margin."""
+    def _stop_all(self, config: Config) -> bool:
+        """SIGTERM to every worker left, then wait; kill those past grace + a margin
+        (True: one was)."""
+        killed = False
         if self._running and not self._stopping:
             self._stopping = True
             self._tell_workers(signal.SIGTERM)
@@ -322,10 +327,12 @@ class Supervisor:
                 log.error("worker %d (pid %s) did not stop: killing it", index, process.pid)
                 process.kill()
                 process.join()
+                killed = True
             else:
                 log.info("worker %d (pid %s) stopped", index, process.pid)
             self._forget(process)
         self._running.clear()
+        return killed
 
     def _forget(self, process: BaseProcess) -> None:
         """Drop a dead worker's live gauges from the shared metrics."""

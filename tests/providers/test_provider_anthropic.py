@@ -949,6 +949,24 @@ def test_hour_long_cache_writes_are_charged_at_their_own_price() -> None:
     assert spend.cost_usd == pytest.approx(expected - 60_000 * 1.0 / 1e6)
 
 
+def test_a_later_cache_creation_without_the_hours_count_keeps_it() -> None:
+    """A compatible server's message_delta with a cache_creation of five minutes' writes
+    alone reset the hour's count: its writes charged at the 5-minute price."""
+    decoder = EventDecoder("claude")
+    start = orjson.loads(message_start(100, cache_write=2000).split(b"data: ", 1)[1])
+    start["message"]["usage"]["cache_creation"] = {
+        "ephemeral_5m_input_tokens": 500,
+        "ephemeral_1h_input_tokens": 1500,
+    }
+    delta = {"stop_reason": "end_turn", "stop_sequence": None}
+    usage = {"output_tokens": 5, "cache_creation": {"ephemeral_5m_input_tokens": 500}}
+    end = [event("message_delta", delta=delta, usage=usage), event("message_stop")]
+    frames = [sse(start, event="message_start"), *text_block(0, "ok"), *end]
+    out = decoder.decode(b"".join(frames))
+    final = [e for e in out if isinstance(e, Usage) and not e.partial][-1]
+    assert (final.cache_write_tokens, final.cache_write_1h_tokens) == (2000, 1500)
+
+
 def test_a_request_asking_an_hours_cache_is_held_at_that_price() -> None:
     price = nexus.pricing.Price(3.0, 15.0, 0.3, 3.75)
     text = "word " * 4000

@@ -397,9 +397,10 @@ class EventDecoder:
             if thinking is not None:
                 self._thinking = token_count(thinking, "thinking_tokens")
         written = usage.get("cache_creation")  # of the writes, those for an hour (dearer)
-        if written is not None:
+        if written is not None:  # (a count it leaves out stays as it was)
             long = object_of(written, "cache_creation").get("ephemeral_1h_input_tokens")
-            self._long = token_count(long, "ephemeral_1h_input_tokens") or None
+            if long is not None:
+                self._long = token_count(long, "ephemeral_1h_input_tokens") or None
 
     def _usage(self, partial: bool = False) -> Usage:
         counts = self._counts

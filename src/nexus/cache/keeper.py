@@ -187,9 +187,13 @@ class Keeper:
                     await self.store.end(replace(info, status="failed"), [], 0, 1.0)
                 return
             except StoreUnavailable:
-                if loop.time() + delay > give_up or self.closing.is_set():
+                if loop.time() + delay > give_up:
                     return  # (its TTLs end it)
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):  # (a shutdown waits for no retry)
+                    async with asyncio.timeout(delay):
+                        await self.closing.wait()
+                if self.closing.is_set():
+                    return
                 delay = min(delay * 2, RETRY_MAX_S)
 
     def _track(self, job: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

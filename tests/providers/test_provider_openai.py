@@ -668,6 +668,23 @@ MISPLACED_KEY = "gsk_Xq7LmN2pR8sT4vW9yZ1aB3cD5eF6gH0jKLMNOPQRSTUV"
 """A provider key put in api_key_env by mistake: a valid variable name, so let through."""
 
 
+def test_a_key_read_from_a_file_is_sent_without_its_newline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key set from a mounted secret file ends with a newline (a header value aiohttp
+    refuses); one of spaces only is as good as unset."""
+    from nexus.providers import build_provider
+
+    monkeypatch.setenv("NEXUS_TEST_FILED_KEY", "sk-filed-0123456789\n")
+    up = provider("http://127.0.0.1:9", api_key_env="NEXUS_TEST_FILED_KEY")
+    config = parse_config({"providers": {"up": up}})
+    built = build_provider("up", config.providers["up"])
+    assert built is not None and built._api_key == "sk-filed-0123456789"  # type: ignore[attr-defined]
+    monkeypatch.setenv("NEXUS_TEST_FILED_KEY", "  \n")
+    with pytest.raises(ConfigError, match="not set"):
+        build_provider("up", config.providers["up"])
+
+
 def test_unset_key_variable_fails_at_start_naming_its_config_key_not_its_value() -> None:
     # The value may be the secret itself: the message was "the environment variable
     # gsk_Xq7L... is not set", on the terminal and in whatever collects it.

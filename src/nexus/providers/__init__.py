@@ -29,9 +29,10 @@ def build_provider(
     if isinstance(config, MockProviderConfig):
         return MockProvider(name, models=config.models)
     key = os.environ.get(config.api_key_env) if config.api_key_env else None
+    key = key.strip() if key else key  # (a secret read from a file ends with a newline)
     if config.api_key_env and not key:
         # Its name is not repeated: a key put there by mistake looks like a name too.
-        unset = "the environment variable it names is not set"
+        unset = "the environment variable it names is not set (or holds only spaces)"
         if not config.optional:
             raise ConfigError(
                 in_file(
